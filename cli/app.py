@@ -1,0 +1,171 @@
+"""``tailor``: a thin typer shell over tailorstore's library API.
+
+Each command parses its options, calls one library function and prints the result. Errors
+of our own become a one-line message on stderr and the exit code the error class names
+(2 bad input, 3 damaged store, 4 lock timeout); nothing else is decided here.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+
+from tailorstore import FORMAT_VERSION, __version__
+from tailorstore.errors import TailorError
+from tailorstore.inspect import log as log_steps
+from tailorstore.inspect import show as show_step
+from tailorstore.progress import for_terminal
+from tailorstore.store.repo import STORE_ENV, Store
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="A content-addressed, layer-wise store for DeepSpeed training checkpoints.",
+)
+
+StoreOpt = typer.Option(None, "--store", envvar=STORE_ENV, help=f"The store directory (or ${STORE_ENV}).")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line.")
+JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON.")
+TrustOpt = typer.Option(False, "--trust-pickles", help="Load pickles with globals outside the allowlist (unsafe).")
+LockOpt = typer.Option(600.0, "--lock-timeout", help="Seconds to wait for the store lock.")
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _say(message: str) -> None:
+    typer.echo(message, err=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"tailorstore {__version__} (store format {FORMAT_VERSION})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Commit DeepSpeed checkpoints into a store, check them out bit-exact, tailor them by layer."""
+
+
+@app.command()
+def init(path: Path = typer.Argument(..., help="Directory for the new store.")) -> None:
+    """Create an empty store: an SQLite index plus a blob area."""
+    Store.init(path).close()
+    typer.echo(f"initialized an empty tailorstore in {path}")
+
+
+@app.command()
+def commit(
+    ckpt_dir: Path = typer.Argument(..., help="DeepSpeed save dir, global_stepN/ folder, or HF checkpoint-N/."),
+    step: int | None = typer.Option(None, "--step", help="Step number (default: read from the layout)."),
+    tag: str | None = typer.Option(None, "--tag", help="A name for this step."),
+    force: bool = typer.Option(False, "--force", help="Replace a step that is already in the store."),
+    level: int = typer.Option(1, "--level", help="zstd level (1 is best per second here)."),
+    trust_pickles: bool = TrustOpt,
+    store: Path | None = StoreOpt,
+    quiet: bool = QuietOpt,
+    as_json: bool = JsonOpt,
+    lock_timeout: float = LockOpt,
+) -> None:
+    """Store one checkpoint: every tensor piece once, under its hash."""
+    from tailorstore.commit import CommitOptions, commit_checkpoint
+
+    options = CommitOptions(step=step, tag=tag, force=force, trust_pickles=trust_pickles, level=level,
+                            lock_timeout=lock_timeout)
+    with Store.open(store) as st:
+        result = commit_checkpoint(st, ckpt_dir, options, for_terminal(quiet or as_json), on_wait=_say)
+    if as_json:
+        typer.echo(json.dumps(asdict(result)))
+    elif not quiet:
+        typer.echo(
+            f"committed step {result.step}: {result.files} files, {result.atoms} atoms, {human(result.raw_bytes)} "
+            f"raw, {human(result.new_bytes)} newly stored in {result.new_blobs} blobs ({result.seconds:.2f} s)"
+        )
+
+
+@app.command()
+def checkout(
+    selector: str = typer.Argument(..., help="step=N, tag=NAME or latest."),
+    out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
+    trust_pickles: bool = TrustOpt,
+    store: Path | None = StoreOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Write a step back in its native layout, checking every blob's hash."""
+    from tailorstore.checkout import checkout_step
+
+    with Store.open(store) as st:
+        result = checkout_step(st, selector, out, trust_pickles=trust_pickles, progress=for_terminal(quiet),
+                               warn=lambda m: _say(f"warning: {m}"))
+    if not quiet:
+        typer.echo(f"checked out step {result.step} into {result.out}: {result.files} files, "
+                   f"{human(result.bytes_written)}")
+
+
+def _when(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@app.command()
+def log(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
+    """One line per step: step, time, tag, raw bytes, bytes newly stored, exact or composite."""
+    with Store.open(store) as st:
+        steps = log_steps(st)
+    if as_json:
+        typer.echo(json.dumps([asdict(s) for s in steps], indent=2))
+        return
+    typer.echo(f"{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
+    for s in steps:
+        kind = "exact" if s.exact else "composite"
+        typer.echo(f"{s.step:>8}  {_when(s.created_at)}  {(s.tag or '-'):12}  {human(s.raw_bytes):>10}  "
+                   f"{human(s.new_bytes):>10}  {kind}{'  pinned' if s.pinned else ''}")
+
+
+@app.command()
+def show(
+    selector: str = typer.Argument(..., help="step=N, tag=NAME or latest."),
+    store: Path | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Per layer: the source step, the kinds, the raw bytes and the stored bytes."""
+    with Store.open(store) as st:
+        detail = show_step(st, selector)
+    if as_json:
+        typer.echo(json.dumps(asdict(detail), indent=2))
+        return
+    s = detail.summary
+    typer.echo(f"step {s.step}{f' (tag {s.tag})' if s.tag else ''}: {'exact' if s.exact else 'composite'}, "
+               f"committed {_when(s.created_at)}, {human(s.raw_bytes)} raw, policy {s.policy.get('name')}")
+    typer.echo(f"{'layer':14}  {'source':>7}  {'raw':>10}  {'stored':>10}  kinds")
+    for layer in detail.layers:
+        typer.echo(f"{layer.layer:14}  {layer.source_step:>7}  {human(layer.raw_bytes):>10}  "
+                   f"{human(layer.stored_bytes):>10}  {','.join(layer.kinds)}")
+
+
+def main() -> None:
+    try:
+        app()
+    except TailorError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("interrupted; the store is as it was before this command", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Atoms: the unit that flows between reading a checkpoint and writing one.
+
+An atom is a contiguous run of elements of one tensor in one file, keyed by the parameter
+it belongs to, its kind (weight, master, exp_avg, ...), the data-parallel rank that owns
+it and the first element it covers within the parameter. Everything that is not a tensor
+stays in a small *skeleton*: the file's object tree with every tensor replaced by a
+:class:`TensorSlot`. Readers in ``formats/`` produce skeleton plus atoms; writers consume
+them; the store only ever sees these two things.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Kinds of tensor state. Anything else keeps the key it had in the optimizer state.
+WEIGHT = "weight"
+MASTER = "master"
+EXP_AVG = "exp_avg"
+EXP_AVG_SQ = "exp_avg_sq"
+STEP = "step"
+PADDING = "padding"
+BUFFER = "buffer"
+TENSOR = "tensor"
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Stands in the skeleton where a tensor was; ``slot`` indexes the file's tensor table."""
+
+    slot: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous run of a tensor's elements that becomes one atom."""
+
+    offset: int  # first element within the containing tensor
+    numel: int
+    param: str  # parameter name, or a synthetic name for what is not a parameter
+    kind: str
+    rank: int
+    start: int  # first element within the parameter's flattened tensor
+    layer: str
+
+
+@dataclass
+class TensorEntry:
+    """One tensor of a file, with the segments it is cut into."""
+
+    slot: int
+    path: str  # where it sits in the file's object tree, keys joined by '/'
+    tensor: torch.Tensor
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.tensor.dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous tensor, without copying."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")

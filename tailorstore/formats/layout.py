@@ -1,0 +1,119 @@
+"""Recognising what kind of checkpoint directory the user handed us.
+
+Three shapes are accepted, as users meet them:
+
+* a DeepSpeed save directory (``latest`` plus ``global_stepN/``): the tag that ``latest``
+  names is committed, with the top-level files beside it;
+* one DeepSpeed tag folder (``global_stepN/`` with ``*_model_states.pt``);
+* a Hugging Face Trainer ``checkpoint-N/`` folder, with or without DeepSpeed inside.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import BadCheckpointError
+from .deepspeed import is_model_states, is_optim_states
+
+DEEPSPEED = "deepspeed"
+DEEPSPEED_TAG = "deepspeed-tag"
+HF_TRAINER = "hf-trainer"
+TAG_PLACEHOLDER = "{tag}"
+
+
+@dataclass
+class CheckpointLayout:
+    root: Path  # paths are recorded relative to this directory
+    kind: str
+    step: int | None
+    ds_tag: str | None
+    files: list[str] = field(default_factory=list)  # relative posix paths, in commit order
+
+    def file_key(self, rel: str) -> str:
+        """The path with the tag folder replaced, so that the same file of two steps matches."""
+        if self.ds_tag and (rel == self.ds_tag or rel.startswith(self.ds_tag + "/")):
+            return TAG_PLACEHOLDER + rel[len(self.ds_tag) :]
+        return rel
+
+
+def _step_from_name(name: str) -> int | None:
+    match = re.search(r"(?:global_step|checkpoint-)(\d+)$", name)
+    return int(match.group(1)) if match else None
+
+
+def _tag_files(tag_dir: Path, prefix: str) -> list[str]:
+    names = sorted(p.name for p in tag_dir.iterdir() if p.is_file())
+    model = [n for n in names if is_model_states(n)]
+    if not model:
+        raise BadCheckpointError(
+            f"{tag_dir}: no *_model_states.pt file, so this is not a complete DeepSpeed checkpoint. "
+            "Was the save interrupted? Commit a checkpoint whose save finished."
+        )
+    _check_rank_files(tag_dir, [n for n in names if is_optim_states(n)])
+    # Model-states first: the optimizer files are cut with their param_shapes.
+    ordered = model + [n for n in names if n not in model]
+    return [f"{prefix}{n}" for n in ordered]
+
+
+def _check_rank_files(tag_dir: Path, optim: list[str]) -> None:
+    ranks = sorted(int(re.search(r"zero_pp_rank_(\d+)_", n).group(1)) for n in optim)  # type: ignore[union-attr]
+    if ranks and ranks != list(range(len(ranks))):
+        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+        raise BadCheckpointError(
+            f"{tag_dir}: optimizer states of rank(s) {missing} are missing; every rank's "
+            "*_optim_states.pt must be present. Commit a checkpoint whose save finished on all ranks."
+        )
+
+
+def _top_files(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_file())
+
+
+def detect(path: Path) -> CheckpointLayout:
+    path = Path(path)
+    if not path.is_dir():
+        raise BadCheckpointError(f"{path}: not a directory. Pass the folder DeepSpeed or the HF Trainer saved.")
+    if (path / "trainer_state.json").is_file():
+        return _hf_layout(path)
+    if (path / "latest").is_file():
+        tag = (path / "latest").read_text().strip()
+        tag_dir = path / tag
+        if not tag or "/" in tag or tag in (".", "..") or not tag_dir.is_dir():
+            raise BadCheckpointError(
+                f"{path / 'latest'}: names tag {tag!r}, but there is no such folder beside it. "
+                "Point at the tag folder itself, or fix 'latest'."
+            )
+        files = _top_files(path) + _tag_files(tag_dir, f"{tag}/")
+        return CheckpointLayout(path, DEEPSPEED, _step_from_name(tag), tag, files)
+    if any(is_model_states(p.name) for p in path.iterdir() if p.is_file()):
+        tag = path.name
+        return CheckpointLayout(path.parent, DEEPSPEED_TAG, _step_from_name(tag), tag, _tag_files(path, f"{tag}/"))
+    raise BadCheckpointError(
+        f"{path}: not a checkpoint. Expected a DeepSpeed save directory (with 'latest'), a DeepSpeed tag "
+        "folder (with *_model_states.pt), or an HF Trainer checkpoint-N folder (with trainer_state.json)."
+    )
+
+
+def _hf_layout(path: Path) -> CheckpointLayout:
+    step = _step_from_name(path.name)
+    if step is None:
+        try:
+            step = int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadCheckpointError(
+                f"{path / 'trainer_state.json'}: unreadable ({exc}); pass --step N."
+            ) from None
+    ds_tag = None
+    if (path / "latest").is_file():
+        ds_tag = (path / "latest").read_text().strip()
+    files = _top_files(path)
+    for sub in sorted(p for p in path.iterdir() if p.is_dir()):
+        if any(is_model_states(p.name) for p in sub.iterdir() if p.is_file()):
+            ds_tag = ds_tag or sub.name
+            files += _tag_files(sub, f"{sub.name}/")
+        else:
+            files += [str(p.relative_to(path).as_posix()) for p in sorted(sub.rglob("*")) if p.is_file()]
+    return CheckpointLayout(path, HF_TRAINER, step, ds_tag, files)

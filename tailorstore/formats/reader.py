@@ -1,0 +1,101 @@
+"""Reading a checkpoint directory into skeletons and atoms, one file at a time.
+
+Files stream through one by one, so memory holds at most one file's tensors (and those
+memory-mapped). Each file becomes one of three kinds:
+
+* ``torch``: a DeepSpeed or torch pickle, cut into atoms; its skeleton is the object
+  tree with tensors replaced by slots, itself saved with ``torch.save``;
+* ``safetensors``: the header bytes as skeleton, one atom per tensor;
+* ``raw``: any other file, kept whole as one blob (configs, RNG states, scripts, the
+  pickled TrainingArguments, which we never unpickle).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from ..atoms import TensorEntry
+from ..safe_load import load_torch_file
+from . import deepspeed as ds
+from .layout import CheckpointLayout
+from .safetensors_file import read_safetensors
+from .skeleton import split_tensors
+
+RAW = "raw"
+TORCH = "torch"
+SAFETENSORS = "safetensors"
+
+# Generic torch files that hold model or optimizer tensors worth cutting into atoms.
+_TORCH_NAMES = ("optimizer.pt", "pytorch_model.bin")
+
+
+@dataclass
+class ReadFile:
+    path: str
+    file_key: str
+    kind: str
+    rank: int | None
+    size: int
+    mode: int
+    source: Path
+    skeleton: bytes | None = None
+    entries: list[TensorEntry] = field(default_factory=list)
+    trusted: bool = False  # loading it needed --trust-pickles
+    meta: dict[str, int] = field(default_factory=dict)  # step, ZeRO stage, world size, when the file says
+
+
+def classify(rel: str) -> str:
+    name = PurePosixPath(rel).name
+    if ds.is_model_states(name) or ds.is_optim_states(name) or name in _TORCH_NAMES:
+        return TORCH
+    if name.startswith("pytorch_model-") and name.endswith(".bin"):
+        return TORCH
+    if name.endswith(".safetensors"):
+        return SAFETENSORS
+    return RAW
+
+
+def skeleton_bytes(skeleton: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(skeleton, buf)
+    return buf.getvalue()
+
+
+def read_checkpoint(layout: CheckpointLayout, *, trust_pickles: bool = False) -> Iterator[ReadFile]:
+    infos: dict[str, ds.ModelInfo] = {}  # by the mp rank's model-states folder
+    for rel in layout.files:
+        source = layout.root / rel
+        st = source.stat()
+        name = PurePosixPath(rel).name
+        kind = classify(rel)
+        rank = ds.file_rank(name) if kind == TORCH else None
+        out = ReadFile(rel, layout.file_key(rel), kind, rank, st.st_size, st.st_mode & 0o777, source)
+        if kind == TORCH:
+            obj, out.trusted = load_torch_file(source, trust_pickles=trust_pickles)
+            skeleton, entries = split_tensors(obj)
+            folder = str(PurePosixPath(rel).parent)
+            if ds.is_model_states(name):
+                info = ds.model_info(obj)
+                out.meta = ds.run_facts(obj)
+                infos.setdefault(folder, info)
+                ds.segment_model_states(obj, entries, rank or 0, info)
+            elif ds.is_optim_states(name):
+                info = infos.get(folder, ds.ModelInfo())
+                ds.segment_optim_states(obj, entries, rank or 0, info, str(source))
+            else:
+                for entry in entries:
+                    ds.generic(entry, 0)
+            out.skeleton = skeleton_bytes(skeleton)
+            out.entries = entries
+        elif kind == SAFETENSORS:
+            parsed = read_safetensors(source, str(source))
+            if parsed is None:
+                out.kind = RAW
+            else:
+                out.skeleton, out.entries = parsed
+        yield out

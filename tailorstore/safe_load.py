@@ -1,0 +1,112 @@
+"""Loading torch pickles without running code we do not know.
+
+Checkpoints are pickles, and a pickle can run anything. We load with
+``weights_only=True`` and allow exactly the globals that real DeepSpeed and torch
+checkpoints use; anything else is refused before it runs, unless the user passed
+``--trust-pickles``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import io
+import logging
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .atoms import TensorSlot
+from .errors import BadCheckpointError, UnsafePickleError
+
+# (module, attribute) pairs seen in DeepSpeed 0.14 to 0.19 checkpoints.
+_DEEPSPEED_GLOBALS = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)
+
+_UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|global) ([\w.]+)")
+
+
+@functools.cache
+def allowed_globals() -> tuple[Any, ...]:
+    """The allowlist, resolved; a DeepSpeed class that does not import is simply left out.
+
+    Resolved lazily because importing DeepSpeed costs seconds, which `tailor log` must not pay.
+    """
+    found: list[Any] = [TensorSlot]
+    ds_logger = logging.getLogger("DeepSpeed")
+    level = ds_logger.level
+    ds_logger.setLevel(logging.ERROR)  # DeepSpeed warns about a missing GPU on import; not our business
+    try:
+        for module_name, attr in _DEEPSPEED_GLOBALS:
+            try:
+                found.append(getattr(importlib.import_module(module_name), attr))
+            except (ImportError, AttributeError):
+                continue
+    finally:
+        ds_logger.setLevel(level)
+    return tuple(found)
+
+
+def load_torch_file(path: Path, *, trust_pickles: bool = False, mmap: bool = True) -> tuple[Any, bool]:
+    """Load a torch checkpoint file as safely as we can; errors name the file and what to do.
+
+    Returns the object and whether loading it needed ``trust_pickles``: the safe loader is
+    always tried first, so a trusted run only runs unknown code where a file demands it.
+    """
+    try:
+        return _load(path, trust_pickles=False, mmap=mmap), False
+    except UnsafePickleError:
+        if not trust_pickles:
+            raise
+    return _load(path, trust_pickles=True, mmap=mmap), True
+
+
+def _load(path: Path, *, trust_pickles: bool, mmap: bool) -> Any:
+    if not zipfile.is_zipfile(path):
+        raise BadCheckpointError(
+            f"{path}: not a torch zip checkpoint (truncated, corrupt, or the legacy format). "
+            "Re-save it, or restore it from a good copy."
+        )
+    try:
+        if trust_pickles:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        with torch.serialization.safe_globals(list(allowed_globals())):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # torch raises several types here; we sort them by message
+        text = str(exc)
+        match = _UNSUPPORTED_GLOBAL.search(text)
+        if "weights_only" in text or match:
+            name = match.group(1) if match else "an unknown global"
+            raise UnsafePickleError(
+                f"{path}: the pickle needs {name}, which is not on tailorstore's allowlist, so it was "
+                "not loaded. If you trust this file, run again with --trust-pickles."
+            ) from None
+        raise BadCheckpointError(
+            f"{path}: cannot be read as a torch checkpoint ({type(exc).__name__}: {text.splitlines()[0][:200]}). "
+            "It may be truncated or corrupt; restore it from a good copy."
+        ) from None
+
+
+def load_skeleton(data: bytes, where: str, *, trusted: bool, trust_pickles: bool) -> Any:
+    """Skeletons are our own pickles, but they come off disk: load them as strictly as inputs.
+
+    A skeleton committed with ``--trust-pickles`` holds globals outside the allowlist and
+    is only loaded when the user trusts it again.
+    """
+    if trusted and not trust_pickles:
+        raise UnsafePickleError(
+            f"{where}: this file was committed with --trust-pickles and holds globals outside the allowlist; "
+            "pass --trust-pickles to check it out."
+        )
+    buf = io.BytesIO(data)
+    if trusted:
+        return torch.load(buf, map_location="cpu", weights_only=False)
+    with torch.serialization.safe_globals(list(allowed_globals())):
+        return torch.load(buf, map_location="cpu", weights_only=True)

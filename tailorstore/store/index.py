@@ -1,0 +1,63 @@
+"""Opening the SQLite index with the settings that make its promises hold.
+
+WAL lets readers (checkout, log, show) work while a commit writes; synchronous=FULL makes
+a committed transaction survive power loss; foreign keys keep manifests consistent.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+from ..errors import FormatVersionError, StoreError
+from .schema import FORMAT_VERSION, SCHEMA
+
+INDEX_NAME = "index.sqlite"
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+def create(path: Path) -> None:
+    conn = connect(path)
+    try:
+        conn.execute("BEGIN")
+        for statement in SCHEMA.split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        conn.executemany(
+            "INSERT INTO meta(key, value) VALUES (?, ?)",
+            [("format_version", str(FORMAT_VERSION)), ("created_at", repr(time.time()))],
+        )
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def open_index(path: Path) -> sqlite3.Connection:
+    if not path.is_file():
+        raise StoreError(f"{path.parent}: no tailorstore here. Create one with `tailor init {path.parent}`.")
+    conn = connect(path)
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise StoreError(f"{path}: not a tailorstore index ({exc}).") from None
+    version = int(row["value"]) if row else 0
+    if version > FORMAT_VERSION:
+        conn.close()
+        raise FormatVersionError(
+            f"{path}: written by format version {version}, but this tailorstore reads up to version "
+            f"{FORMAT_VERSION}. Upgrade tailorstore (pip install -U tailorstore) to open it."
+        )
+    if version < 1:
+        conn.close()
+        raise FormatVersionError(f"{path}: no format version recorded; this is not a tailorstore index.")
+    return conn

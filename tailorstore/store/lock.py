@@ -1,0 +1,60 @@
+"""The store lock: many committers at once, or one collector alone.
+
+Commits take the lock shared and gc takes it exclusive, so gc never deletes a blob that a
+running commit has written or found in the index but not yet referenced from a manifest.
+Readers take no lock: SQLite's WAL gives them a consistent snapshot, and blobs are never
+changed in place.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import LockTimeoutError
+
+
+class LockHandle:
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def try_exclusive(self) -> bool:
+        """Turn a shared lock exclusive if nobody else holds it; for cleanup that must be alone."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+
+@contextmanager
+def store_lock(
+    path: Path, *, exclusive: bool, timeout: float, on_wait: Callable[[str], None] | None = None
+) -> Iterator[LockHandle]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    deadline = time.monotonic() + timeout
+    told = False
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not told and on_wait is not None:
+                    what = "exclusive" if exclusive else "shared"
+                    on_wait(f"waiting for the {what} store lock on {path} (another tailor process holds it)...")
+                    told = True
+                if time.monotonic() >= deadline:
+                    raise LockTimeoutError(
+                        f"{path}: could not take the store lock within {timeout:g} s; another tailor process "
+                        "(a commit or gc) is still running. Wait for it, or raise --lock-timeout."
+                    ) from None
+                time.sleep(0.05)
+        yield LockHandle(fd)
+    finally:
+        os.close(fd)

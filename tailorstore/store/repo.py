@@ -1,0 +1,149 @@
+"""A store on disk: the blob backend, the SQLite index and the lock, opened together.
+
+Layout of a store directory (docs/FORMAT.md has the full specification)::
+
+    STORE/index.sqlite   the index (WAL mode)
+    STORE/blobs/ab/<hash> blobs, named by the xxh3-128 of their raw bytes
+    STORE/tmp/           temp files of blobs being written
+    STORE/lock           the store lock (flock)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from .. import codec
+from ..errors import CorruptStoreError, StoreError, UnknownStepError
+from . import index
+from .backend import PosixBackend
+from .lock import LockHandle, store_lock
+
+STORE_ENV = "TAILOR_STORE"
+
+
+@dataclass(frozen=True)
+class BlobRow:
+    hash: str
+    raw_size: int
+    stored_size: int
+    codec: str
+
+
+class Store:
+    def __init__(self, root: Path, conn: sqlite3.Connection) -> None:
+        self.root = root
+        self.conn = conn
+        self.backend = PosixBackend(root)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @classmethod
+    def init(cls, root: Path) -> Store:
+        root = Path(root)
+        if (root / index.INDEX_NAME).exists():
+            raise StoreError(f"{root}: a tailorstore already exists here.")
+        if root.exists() and any(root.iterdir()):
+            raise StoreError(f"{root}: the directory is not empty; choose an empty or new directory.")
+        for sub in ("blobs", "tmp"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+        index.create(root / index.INDEX_NAME)
+        return cls.open(root)
+
+    @classmethod
+    def open(cls, root: Path | str | None) -> Store:
+        if root is None:
+            root = os.environ.get(STORE_ENV)
+        if not root:
+            raise StoreError(f"no store given: pass --store PATH or set {STORE_ENV}.")
+        root = Path(root)
+        conn = index.open_index(root / index.INDEX_NAME)
+        return cls(root, conn)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def lock(
+        self, *, exclusive: bool, timeout: float, on_wait: Callable[[str], None] | None = None
+    ) -> Iterator[LockHandle]:
+        with store_lock(self.root / "lock", exclusive=exclusive, timeout=timeout, on_wait=on_wait) as handle:
+            yield handle
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; IMMEDIATE so two writers queue instead of failing midway."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    # -- blobs ---------------------------------------------------------------------------
+    def blob(self, digest: str) -> BlobRow | None:
+        row = self.conn.execute(
+            "SELECT hash, raw_size, stored_size, codec FROM blobs WHERE hash=?", (digest,)
+        ).fetchone()
+        return BlobRow(*row) if row else None
+
+    def open_blob(self, digest: str, where: str) -> BinaryIO:
+        try:
+            return self.backend.open(digest)
+        except FileNotFoundError:
+            raise CorruptStoreError(
+                f"{where}: blob {digest} is missing from {self.backend.path(digest)}; it was deleted behind the "
+                "store's back. Run `tailor verify` to see every step it affects."
+            ) from None
+
+    def read_blob_into(self, row: BlobRow, dest: memoryview, where: str) -> None:
+        """Decode a blob into ``dest`` and check its hash; never leaves unchecked bytes behind."""
+        with self.open_blob(row.hash, where) as f:
+            codec.decode_into(row.codec, f, dest, f"{where}: blob {row.hash}")
+        if codec.content_hash(dest) != row.hash:
+            raise CorruptStoreError(
+                f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). "
+                "Run `tailor verify --deep` to find every damaged blob."
+            )
+
+    def read_blob(self, digest: str, where: str) -> bytes:
+        row = self.blob(digest)
+        if row is None:
+            raise CorruptStoreError(f"{where}: blob {digest} has no row in the index")
+        buf = bytearray(row.raw_size)
+        self.read_blob_into(row, memoryview(buf), where)
+        return bytes(buf)
+
+    # -- steps ---------------------------------------------------------------------------
+    def resolve(self, selector: str) -> int:
+        """``step=N``, ``tag=NAME``, ``latest``, or a bare step number."""
+        text = selector.strip()
+        if text == "latest":
+            row = self.conn.execute("SELECT MAX(step) FROM steps").fetchone()
+            if row[0] is None:
+                raise UnknownStepError("the store holds no steps yet; commit one with `tailor commit DIR`.")
+            return int(row[0])
+        match = re.fullmatch(r"(?:step=)?(\d+)", text)
+        if match:
+            step = int(match.group(1))
+            if not self.conn.execute("SELECT 1 FROM steps WHERE step=?", (step,)).fetchone():
+                raise UnknownStepError(f"step {step} is not in the store; `tailor log` lists the steps it holds.")
+            return step
+        if text.startswith("tag="):
+            row = self.conn.execute("SELECT step FROM steps WHERE tag=?", (text[4:],)).fetchone()
+            if row is None:
+                raise UnknownStepError(f"no step is tagged {text[4:]!r}; `tailor log` shows the tags.")
+            return int(row[0])
+        raise UnknownStepError(f"cannot read {selector!r}: write step=N, tag=NAME or latest.")

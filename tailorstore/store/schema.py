@@ -1,0 +1,77 @@
+"""The SQLite index: schema and format version.
+
+The index is the store's single source of truth about what exists. docs/FORMAT.md
+describes every table; this file is the executable form of that description.
+"""
+
+from __future__ import annotations
+
+FORMAT_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE blobs (
+    hash        TEXT PRIMARY KEY,   -- xxh3-128 of the raw bytes, 32 lowercase hex digits
+    raw_size    INTEGER NOT NULL,
+    stored_size INTEGER NOT NULL,
+    codec       TEXT NOT NULL,      -- JSON codec descriptor
+    created_at  REAL NOT NULL
+);
+CREATE TABLE steps (
+    step        INTEGER PRIMARY KEY,
+    tag         TEXT UNIQUE,
+    created_at  REAL NOT NULL,
+    layout      TEXT NOT NULL,      -- deepspeed | deepspeed-tag | hf-trainer
+    ds_tag      TEXT,               -- the DeepSpeed tag folder, e.g. global_step300
+    zero_stage  INTEGER,
+    world_size  INTEGER,
+    policy      TEXT NOT NULL,      -- JSON: the policy that chose the stored layers
+    exact       INTEGER NOT NULL,   -- 1 when every layer comes from this step
+    pinned      INTEGER NOT NULL DEFAULT 0,
+    raw_bytes   INTEGER NOT NULL,   -- bytes of the checkpoint as committed
+    new_bytes   INTEGER NOT NULL,   -- stored bytes of blobs this commit wrote first
+    source      TEXT NOT NULL       -- the directory committed, for the user's reference
+);
+CREATE TABLE files (
+    step      INTEGER NOT NULL REFERENCES steps(step) ON DELETE CASCADE,
+    path      TEXT NOT NULL,        -- relative, '/'-separated, never absolute, no '..'
+    file_key  TEXT NOT NULL,        -- path with the tag folder written as {tag}
+    kind      TEXT NOT NULL,        -- raw | torch | safetensors
+    rank      INTEGER,
+    blob      TEXT NOT NULL REFERENCES blobs(hash),  -- content / skeleton / header
+    raw_size  INTEGER NOT NULL,     -- size of the file as committed
+    mode      INTEGER NOT NULL,
+    trusted   INTEGER NOT NULL DEFAULT 0,  -- skeleton needs --trust-pickles to load
+    PRIMARY KEY (step, path)
+);
+CREATE TABLE atoms (
+    step     INTEGER NOT NULL,
+    path     TEXT NOT NULL,
+    slot     INTEGER NOT NULL,      -- tensor slot in the file's skeleton
+    offset   INTEGER NOT NULL,      -- first element within that tensor
+    numel    INTEGER NOT NULL,
+    dtype    TEXT NOT NULL,
+    shape    TEXT NOT NULL,         -- JSON list: the piece's shape
+    param    TEXT NOT NULL,
+    kind     TEXT NOT NULL,
+    rank     INTEGER NOT NULL,
+    start    INTEGER NOT NULL,      -- first element within the parameter
+    layer    TEXT NOT NULL,
+    blob     TEXT NOT NULL REFERENCES blobs(hash),
+    PRIMARY KEY (step, path, slot, offset),
+    FOREIGN KEY (step, path) REFERENCES files(step, path) ON DELETE CASCADE
+) WITHOUT ROWID;
+CREATE INDEX atoms_blob ON atoms(blob);
+CREATE INDEX files_blob ON files(blob);
+CREATE TABLE layers (
+    step        INTEGER NOT NULL REFERENCES steps(step) ON DELETE CASCADE,
+    layer       TEXT NOT NULL,
+    source_step INTEGER NOT NULL,   -- the step whose atoms this layer uses
+    raw_bytes   INTEGER NOT NULL,
+    change      REAL,               -- relative change of the FP32 master, when measured
+    PRIMARY KEY (step, layer)
+);
+"""

@@ -1,0 +1,76 @@
+"""Writing blobs: dedup first, then compress and write on both cores.
+
+The caller hashes (xxh3 runs at about 15 GB/s, so the main thread keeps up) and asks
+:meth:`BlobWriter.add`; a blob the index or this commit already has is never compressed
+or written again. New blobs go to a small thread pool: zstandard and os.write release
+the GIL, so compression and I/O of several blobs overlap. The number of blobs in flight
+is bounded, which bounds the compressed buffers held in memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .. import codec
+from .repo import Store
+
+
+@dataclass(frozen=True)
+class NewBlob:
+    hash: str
+    raw_size: int
+    stored_size: int
+    codec: str
+    created_at: float
+
+
+class BlobWriter:
+    def __init__(self, store: Store, *, level: int = codec.DEFAULT_LEVEL, threads: int = 2, in_flight: int = 8) -> None:
+        self.store = store
+        self.level = level
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tailor-blob")
+        self._slots = threading.BoundedSemaphore(in_flight)
+        self._pending: dict[str, Future[NewBlob]] = {}
+        self._known: set[str] = set()
+        self.reused_bytes = 0
+
+    def add(self, data: memoryview) -> str:
+        digest = codec.content_hash(data)
+        if digest in self._pending or digest in self._known:
+            self.reused_bytes += len(data)
+            return digest
+        if self.store.blob(digest) is not None:
+            self._known.add(digest)
+            self.reused_bytes += len(data)
+            return digest
+        self._slots.acquire()
+        future = self._pool.submit(self._write, digest, data)
+        future.add_done_callback(lambda _f: self._slots.release())
+        self._pending[digest] = future
+        return digest
+
+    def _write(self, digest: str, data: memoryview) -> NewBlob:
+        encoded = codec.encode(data, self.level)
+        self.store.backend.put(digest, encoded.payload)
+        return NewBlob(digest, len(data), len(encoded.payload), encoded.descriptor, time.time())
+
+    def finish(self) -> list[NewBlob]:
+        """Wait for every write, then make the renames durable. Raises the first failure."""
+        try:
+            blobs = [f.result() for f in self._pending.values()]
+        finally:
+            self._pool.shutdown(wait=True)
+        self.store.backend.sync()
+        return blobs
+
+    def written(self) -> list[str]:
+        """Digests of the blobs this writer put (or may have put) into the backend."""
+        return list(self._pending)
+
+    def abort(self) -> None:
+        for future in self._pending.values():
+            future.cancel()
+        self._pool.shutdown(wait=True)
