@@ -30,7 +30,7 @@ _DEEPSPEED_GLOBALS = (
     ("deepspeed.utils.tensor_fragment", "fragment_address"),
 )
 
-_UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|global) ([\w.]+)")
+_UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
 
 
 @functools.cache
@@ -40,9 +40,7 @@ def allowed_globals() -> tuple[Any, ...]:
     Resolved lazily because importing DeepSpeed costs seconds, which `tailor log` must not pay.
     """
     found: list[Any] = [TensorSlot]
-    ds_logger = logging.getLogger("DeepSpeed")
-    level = ds_logger.level
-    ds_logger.setLevel(logging.ERROR)  # DeepSpeed warns about a missing GPU on import; not our business
+    logging.disable(logging.WARNING)  # DeepSpeed warns about a missing GPU on import; not our business
     try:
         for module_name, attr in _DEEPSPEED_GLOBALS:
             try:
@@ -50,7 +48,7 @@ def allowed_globals() -> tuple[Any, ...]:
             except (ImportError, AttributeError):
                 continue
     finally:
-        ds_logger.setLevel(level)
+        logging.disable(logging.NOTSET)
     return tuple(found)
 
 
@@ -82,16 +80,30 @@ def _load(path: Path, *, trust_pickles: bool, mmap: bool) -> Any:
     except Exception as exc:  # torch raises several types here; we sort them by message
         text = str(exc)
         match = _UNSUPPORTED_GLOBAL.search(text)
-        if "weights_only" in text or match:
-            name = match.group(1) if match else "an unknown global"
+        if match:
             raise UnsafePickleError(
-                f"{path}: the pickle needs {name}, which is not on tailorstore's allowlist, so it was "
+                f"{path}: the pickle needs {match.group(1)}, which is not on tailorstore's allowlist, so it was "
                 "not loaded. If you trust this file, run again with --trust-pickles."
             ) from None
+        detail = _detail(text)
+        if "Weights only load failed" in text:
+            raise UnsafePickleError(
+                f"{path}: cannot be read safely as a torch checkpoint ({detail}). It may be truncated or corrupt: "
+                "restore it from a good copy. If it is intact and you trust it, run again with --trust-pickles."
+            ) from None
         raise BadCheckpointError(
-            f"{path}: cannot be read as a torch checkpoint ({type(exc).__name__}: {text.splitlines()[0][:200]}). "
+            f"{path}: cannot be read as a torch checkpoint ({type(exc).__name__}: {detail}). "
             "It may be truncated or corrupt; restore it from a good copy."
         ) from None
+
+
+def _detail(text: str) -> str:
+    """The informative line of torch's long error text."""
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line or "Unsupported" in line:
+            return line.strip()[:200]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[0] if lines else "no detail")[:200]
 
 
 def load_skeleton(data: bytes, where: str, *, trusted: bool, trust_pickles: bool) -> Any:

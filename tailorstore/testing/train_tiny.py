@@ -157,6 +157,22 @@ def ds_config(args: argparse.Namespace) -> dict:
     return config
 
 
+def commit_after_save(store_path: str, save_dir: Path, delete: bool) -> None:
+    """What a training loop does after each save: commit it, optionally drop the original."""
+    import shutil
+
+    from tailorstore.commit import commit_checkpoint
+    from tailorstore.store.repo import Store
+
+    with Store.open(store_path) as store:
+        result = commit_checkpoint(store, save_dir)
+    print(f"[tailor] committed step {result.step}: {result.raw_bytes} raw bytes, {result.new_bytes} newly stored",
+          flush=True)
+    if delete:
+        tag = (save_dir / "latest").read_text().strip()
+        shutil.rmtree(save_dir / tag)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--save-dir", required=True)
@@ -177,6 +193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--commit-to", default=None, help="a tailorstore: rank 0 commits after every save")
+    p.add_argument("--delete-after-commit", action="store_true", help="remove each tag folder once committed")
     return p.parse_args(argv)
 
 
@@ -219,6 +237,11 @@ def main(argv: list[str] | None = None) -> None:
         losses[step] = loss.item()
         if args.save_every and step % args.save_every == 0:
             engine.save_checkpoint(args.save_dir, client_state={"my_step": step})
+            if args.commit_to:
+                torch.distributed.barrier()  # every rank's files are on disk
+                if rank == 0:
+                    commit_after_save(args.commit_to, Path(args.save_dir), args.delete_after_commit)
+                torch.distributed.barrier()
 
     if rank == 0 and args.losses_out:
         # float.hex keeps every bit, so equality checks are exact.

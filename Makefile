@@ -1,0 +1,23 @@
+# Two commands a fresh clone needs: `make demo` and `make test`. Each installs what it needs.
+PYTHON ?= python3
+STAMP := .install-stamp
+
+.PHONY: install demo test lint bench
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt torch==2.13.0 -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PYTHON) -m tailorstore.demo
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q
+
+lint: $(STAMP)
+	$(PYTHON) -m ruff check .
+
+bench: $(STAMP)
+	$(PYTHON) -m benchmarks

@@ -1,0 +1,123 @@
+"""Session fixtures: real DeepSpeed checkpoints, written by real 2-rank CPU trainings.
+
+Each training configuration runs at most once per test session and its output is
+treated as read-only ("pristine"); tests copy what they modify.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tailorstore.store.repo import Store
+from tailorstore.testing.runs import train_hf, train_tiny
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+# name -> options of train_tiny; every run trains 6 steps and saves at 3 and 6.
+CONFIGS: dict[str, dict[str, object]] = {
+    "zero1-bf16": {"stage": 1, "dtype": "bf16"},
+    "zero2-bf16": {"stage": 2, "dtype": "bf16"},
+    "zero3-bf16": {"stage": 3, "dtype": "bf16"},
+    "zero2-fp32": {"stage": 2, "dtype": "fp32"},
+    "zero0-fp32": {"stage": 0, "dtype": "fp32"},
+    # BF16_Optimizer layout: ZeRO-1 with bf16 and fp32 gradient accumulation.
+    "zero1-bf16-acc32": {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32"},
+    # Odd sizes: partitions cut through parameters and padding appears; two and per-layer groups.
+    "zero2-bf16-odd-two-groups": {"stage": 2, "dtype": "bf16", "dim": 45, "heads": 3, "vocab": 101,
+                                  "hidden": 77, "param_groups": "two"},
+    "zero3-bf16-odd-per-layer": {"stage": 3, "dtype": "bf16", "dim": 45, "heads": 3, "vocab": 101,
+                                 "hidden": 77, "param_groups": "per-layer"},
+    "zero2-bf16-1rank": {"stage": 2, "dtype": "bf16", "nproc": 1},
+}
+
+
+@dataclass
+class Run:
+    name: str
+    save_dir: Path  # pristine: latest -> global_step6, also holds global_step3
+    losses: dict[int, str]
+    options: dict[str, object]
+
+
+class Runs:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._cache: dict[str, Run] = {}
+
+    def get(self, name: str) -> Run:
+        if name not in self._cache:
+            options = dict(CONFIGS[name])
+            nproc = int(options.pop("nproc", 2))  # type: ignore[arg-type]
+            base = self.root / name
+            base.mkdir()
+            losses = train_tiny(base / "save", losses_out=base / "losses.json", nproc=nproc, steps=6,
+                                save_every=3, **options)
+            for path in (base / "save").rglob("*"):
+                if path.is_file():
+                    path.chmod(0o444)
+            self._cache[name] = Run(name, base / "save", losses, dict(CONFIGS[name]))
+        return self._cache[name]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("runs"))
+
+
+@dataclass
+class HFRun:
+    output_dir: Path
+    final_weights: Path
+
+
+@pytest.fixture(scope="session")
+def hf_run(tmp_path_factory: pytest.TempPathFactory) -> HFRun:
+    base = tmp_path_factory.mktemp("hf")
+    train_hf(base / "out", final_weights=base / "final.safetensors", steps=6, save_steps=3)
+    return HFRun(base / "out", base / "final.safetensors")
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    for path in dst.rglob("*"):
+        if path.is_file():
+            path.chmod(0o644)
+    return dst
+
+
+def as_of_step(save_dir: Path, step: int, dst: Path) -> Path:
+    """The save directory as it stood right after DeepSpeed saved ``step``, other tags removed.
+
+    This is what ``tailor commit`` run right after that save sees: ``latest`` names the step.
+    """
+    copy_tree(save_dir, dst)
+    for tag in dst.glob("global_step*"):
+        if tag.name != f"global_step{step}":
+            shutil.rmtree(tag)
+    (dst / "latest").write_text(f"global_step{step}")
+    return dst
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    st = Store.init(tmp_path / "store")
+    yield st
+    st.close()
+
+
+def store_state(root: Path) -> tuple[list[str], list[str]]:
+    """Everything a store promises: the index's logical content and the set of blob files."""
+    conn = sqlite3.connect(root / "index.sqlite")
+    try:
+        dump = [line for line in conn.iterdump()]
+    finally:
+        conn.close()
+    blobs = sorted(str(p.relative_to(root)) for p in (root / "blobs").rglob("*") if p.is_file())
+    temps = sorted(str(p.relative_to(root)) for p in (root / "tmp").rglob("*"))
+    return dump, blobs + temps

@@ -1,0 +1,78 @@
+"""The `tailor` command: entry point, --store / TAILOR_STORE, log and show, --json, quiet output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import Runs, as_of_step
+
+import tailorstore
+from tailorstore.store.schema import FORMAT_VERSION
+
+
+def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = dict(os.environ)
+    full_env.pop("TAILOR_STORE", None)
+    full_env.update(env or {})
+    return subprocess.run(["tailor", *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=300)
+
+
+def test_version_names_the_format() -> None:
+    proc = run("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"tailorstore {tailorstore.__version__} (store format {FORMAT_VERSION})"
+
+
+def test_no_store_given_is_a_clear_error(tmp_path: Path) -> None:
+    proc = run("log")
+    assert proc.returncode == 2 and "--store PATH or set TAILOR_STORE" in proc.stderr
+    proc = run("log", "--store", str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "tailor init" in proc.stderr
+
+
+def test_cli_is_not_a_top_level_module(tmp_path: Path) -> None:
+    probe = "import importlib.util as u; print(u.find_spec('cli') is None, u.find_spec('tailorstore.cli.app') is not None)"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.stdout.split() == ["True", "True"]
+
+
+def test_commit_log_show_checkout(runs: Runs, tmp_path: Path) -> None:
+    save = runs.get("zero3-bf16").save_dir
+    store = tmp_path / "store"
+    assert run("init", str(store)).returncode == 0
+    env = {"TAILOR_STORE": str(store)}
+    first = run("commit", str(as_of_step(save, 3, tmp_path / "at3")), "--tag", "warm", env=env)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("committed step 3:")
+    assert "\x1b[" not in first.stdout + first.stderr, "no progress bar when not on a terminal"
+    quiet = run("commit", str(as_of_step(save, 6, tmp_path / "at6")), "--quiet", "--store", str(store))
+    assert quiet.returncode == 0 and quiet.stdout == "" and quiet.stderr == ""
+
+    log = json.loads(run("log", "--json", env=env).stdout)
+    assert [(s["step"], s["tag"], s["exact"]) for s in log] == [(3, "warm", True), (6, None, True)]
+    assert all(s["raw_bytes"] > 0 for s in log)
+    assert log[1]["new_bytes"] < log[1]["raw_bytes"]
+    text = run("log", env=env).stdout.splitlines()
+    assert text[0].split() == ["step", "committed", "tag", "raw", "new", "kind"]
+    assert text[1].split()[0] == "3" and text[1].split()[3] == "warm" and text[1].endswith("exact")
+
+    show = json.loads(run("show", "tag=warm", "--json", env=env).stdout)
+    layers = {layer["layer"]: layer for layer in show["layers"]}
+    assert {"embedding", "block.0", "block.3", "final_norm", "lm_head"} <= set(layers)
+    assert layers["block.0"]["source_step"] == 3
+    assert {"master", "exp_avg", "exp_avg_sq"} <= set(layers["block.0"]["kinds"])
+    assert 0 < layers["block.0"]["stored_bytes"] <= layers["block.0"]["raw_bytes"]
+    shown = run("show", "step=3", env=env).stdout
+    assert "block.0" in shown and "source" in shown
+
+    out = tmp_path / "out"
+    co = run("checkout", "latest", "--out", str(out), env=env)
+    assert co.returncode == 0, co.stderr
+    assert (out / "latest").read_text() == "global_step6"
+    assert run("checkout", "step=99", "--out", str(tmp_path / "x"), env=env).returncode == 2
+    bad = run("show", "bogus", env=env)
+    assert bad.returncode == 2 and "step=N, tag=NAME or latest" in bad.stderr

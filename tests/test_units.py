@@ -1,0 +1,85 @@
+"""Pure pieces: layer labels, ZeRO partition cutting, path checks, codec round trips."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+
+from tailorstore import codec
+from tailorstore.errors import CorruptStoreError, LayoutError, UnsafePathError
+from tailorstore.formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
+from tailorstore.layers import layer_of, sort_key
+from tailorstore.paths import check_relative
+
+
+@pytest.mark.parametrize(
+    ("name", "label"),
+    [
+        ("model.layers.7.mlp.up_proj.weight", "block.7"),
+        ("transformer.h.12.attn.c_attn.weight", "block.12"),
+        ("layers.3.attention.wq.weight", "block.3"),
+        ("model.embed_tokens.weight", "embedding"),
+        ("transformer.wte.weight", "embedding"),
+        ("model.norm.weight", "final_norm"),
+        ("transformer.ln_f.bias", "final_norm"),
+        ("lm_head.weight", "lm_head"),
+        ("output.weight", "lm_head"),
+        ("rotary.inv_freq", "other"),
+    ],
+)
+def test_layer_labels(name: str, label: str) -> None:
+    assert layer_of(name) == label
+
+
+def test_layer_order() -> None:
+    labels = ["lm_head", "block.10", "state", "embedding", "block.2", "final_norm"]
+    assert sorted(labels, key=sort_key) == ["embedding", "block.2", "block.10", "final_norm", "lm_head", "state"]
+
+
+def test_zero12_cut_through_a_parameter() -> None:
+    shapes = [("a", 5), ("b", 6), ("c", 3)]  # 14 elements, two ranks of 7
+    assert zero12_pieces(shapes, None, 0, 7) == [Piece(0, 5, "a", 0), Piece(5, 2, "b", 0)]
+    assert zero12_pieces(shapes, None, 1, 7) == [Piece(0, 4, "b", 2), Piece(4, 3, "c", 0)]
+
+
+def test_zero12_alignment_and_unpadded_last_rank() -> None:
+    shapes = [("a", 3), ("b", 3)]  # a + 1 alignment element + b = 7, padded to 8
+    assert zero12_pieces(shapes, [1, 0], 0, 4) == [Piece(0, 3, "a", 0), Piece(3, 1, None, 3)]
+    # The last rank saved only 3 of its 4 elements (its group padding stripped).
+    assert zero12_pieces(shapes, [1, 0], 1, 4, saved_numel=3) == [Piece(0, 3, "b", 0)]
+
+
+def test_zero3_ceil_split_with_padding() -> None:
+    shapes = [("a", 5), ("b", 4)]
+    assert zero3_pieces(shapes, 2, 0, 5) == [Piece(0, 3, "a", 0), Piece(3, 2, "b", 0)]
+    assert zero3_pieces(shapes, 2, 1, 5) == [Piece(0, 2, "a", 3), Piece(2, 1, None, 2), Piece(3, 2, "b", 2)]
+    with pytest.raises(LayoutError):
+        zero3_pieces(shapes, 2, 1, 4)
+
+
+@pytest.mark.parametrize("rel", ["../x", "a/../../x", "/etc/passwd", "a\\b", "", "a//b", "./a"])
+def test_unsafe_paths(rel: str) -> None:
+    with pytest.raises(UnsafePathError):
+        check_relative(rel)
+
+
+def test_codec_round_trip_and_raw_fallback() -> None:
+    compressible = memoryview(bytes(100_000))
+    encoded = codec.encode(compressible)
+    assert json.loads(encoded.descriptor) == {"id": "zstd", "v": 1, "level": 1}
+    assert len(encoded.payload) < 1000
+    out = bytearray(len(compressible))
+    codec.decode_into(encoded.descriptor, io.BytesIO(bytes(encoded.payload)), memoryview(out), "test")
+    assert out == compressible
+    noise = memoryview(os.urandom(4096))
+    assert json.loads(codec.encode(noise).descriptor)["id"] == "raw"
+
+
+def test_codec_refuses_unknown_descriptor_and_short_blob() -> None:
+    with pytest.raises(CorruptStoreError, match="upgrade tailorstore"):
+        codec.decode_into('{"id": "zstd", "v": 9}', io.BytesIO(b""), memoryview(bytearray(4)), "test")
+    with pytest.raises(CorruptStoreError, match="truncated"):
+        codec.decode_into('{"id": "raw", "v": 1}', io.BytesIO(b"ab"), memoryview(bytearray(4)), "test")
