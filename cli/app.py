@@ -75,6 +75,11 @@ def commit(
     tag: str | None = typer.Option(None, "--tag", help="A name for this step."),
     force: bool = typer.Option(False, "--force", help="Replace a step that is already in the store."),
     level: int = typer.Option(1, "--level", help="zstd level (1 is best per second here)."),
+    policy: str = typer.Option("full", "--policy", help="Which layers to store: full, parity, filter, adaptive."),
+    keep_first: int = typer.Option(0, "--keep-first", help="filter: blocks stored on every commit, from the start."),
+    keep_last: int = typer.Option(0, "--keep-last", help="filter: blocks stored on every commit, from the end."),
+    every: int = typer.Option(1, "--every", help="filter: store the other blocks on every E-th commit."),
+    threshold: float = typer.Option(0.0, "--threshold", help="adaptive: store a block that moved this much."),
     trust_pickles: bool = TrustOpt,
     store: Path | None = StoreOpt,
     quiet: bool = QuietOpt,
@@ -83,9 +88,12 @@ def commit(
 ) -> None:
     """Store one checkpoint: every tensor piece once, under its hash."""
     from tailorstore.commit import CommitOptions, commit_checkpoint
+    from tailorstore.policies import PolicySpec
 
+    params = {"filter": {"keep_first": keep_first, "keep_last": keep_last, "every": every},
+              "adaptive": {"threshold": threshold}}.get(policy, {})
     options = CommitOptions(step=step, tag=tag, force=force, trust_pickles=trust_pickles, level=level,
-                            lock_timeout=lock_timeout)
+                            lock_timeout=lock_timeout, policy=PolicySpec(policy, params))
     with Store.open(store) as st:
         result = commit_checkpoint(st, ckpt_dir, options, for_terminal(quiet or as_json), on_wait=_say)
     if as_json:
@@ -95,6 +103,11 @@ def commit(
             f"committed step {result.step}: {result.files} files, {result.atoms} atoms, {human(result.raw_bytes)} "
             f"raw, {human(result.new_bytes)} newly stored in {result.new_blobs} blobs ({result.seconds:.2f} s)"
         )
+        typer.echo(f"  stored layers: {', '.join(result.stored_layers)}")
+        if result.inherited_layers:
+            typer.echo("  inherited layers: " + ", ".join(f"{k} (step {v})" for k, v in result.inherited_layers.items()))
+        if result.changes:
+            typer.echo("  change since last stored: " + ", ".join(f"{k} {v:.2e}" for k, v in result.changes.items()))
 
 
 @app.command()
@@ -150,10 +163,68 @@ def show(
     s = detail.summary
     typer.echo(f"step {s.step}{f' (tag {s.tag})' if s.tag else ''}: {'exact' if s.exact else 'composite'}, "
                f"committed {_when(s.created_at)}, {human(s.raw_bytes)} raw, policy {s.policy.get('name')}")
-    typer.echo(f"{'layer':14}  {'source':>7}  {'raw':>10}  {'stored':>10}  kinds")
+    typer.echo(f"{'layer':14}  {'source':>7}  {'raw':>10}  {'stored':>10}  {'derived':>10}  kinds")
     for layer in detail.layers:
         typer.echo(f"{layer.layer:14}  {layer.source_step:>7}  {human(layer.raw_bytes):>10}  "
-                   f"{human(layer.stored_bytes):>10}  {','.join(layer.kinds)}")
+                   f"{human(layer.stored_bytes):>10}  {human(layer.derived_bytes):>10}  {','.join(layer.kinds)}")
+    typer.echo(f"derived weights saved {human(detail.derived_bytes)} (rebuilt from the FP32 master at checkout)")
+
+
+@app.command()
+def merge(
+    spec: Path = typer.Argument(..., help="YAML spec: base, slices of layer ranges, embed, norm, lm_head."),
+    tag: str = typer.Option(..., "--tag", help="Name of the composite; check it out as tag=NAME."),
+    store: Path | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Compose a checkpoint from layers of different steps. Writes no blob, only a manifest."""
+    from tailorstore.merge import merge as merge_spec
+
+    with Store.open(store) as st:
+        result = merge_spec(st, spec, tag)
+    if as_json:
+        typer.echo(json.dumps(asdict(result)))
+        return
+    typer.echo(f"merged tag {result.tag} on base step {result.step} in {result.seconds * 1000:.1f} ms:")
+    typer.echo("  " + ", ".join(f"{layer} <- step {s}" for layer, s in result.sources.items()))
+
+
+@app.command()
+def diff(
+    a: str = typer.Argument(..., help="step=N, tag=NAME or latest"),
+    b: str = typer.Argument(..., help="step=N, tag=NAME or latest"),
+    store: Path | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Per layer, the relative change ||w_B - w_A|| / ||w_A|| of the FP32 master and of the weight."""
+    from tailorstore.diff import diff as diff_steps
+
+    with Store.open(store) as st:
+        step_a, step_b, rows = diff_steps(st, a, b)
+    if as_json:
+        typer.echo(json.dumps({"a": step_a, "b": step_b, "layers": [asdict(r) for r in rows]}))
+        return
+
+    def fmt(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.3e}"
+
+    typer.echo(f"relative change from step {step_a} to step {step_b}")
+    typer.echo(f"{'layer':14}  {'fp32 master':>12}  {'weight':>12}")
+    for r in rows:
+        typer.echo(f"{r.layer:14}  {fmt(r.master):>12}  {fmt(r.weight):>12}")
+
+
+@app.command()
+def plot(
+    out: Path = typer.Option(..., "--out", help="PNG file to write."),
+    store: Path | None = StoreOpt,
+) -> None:
+    """A heatmap of per-layer relative change (layers by committed steps)."""
+    from tailorstore.diff import plot as plot_changes
+
+    with Store.open(store) as st:
+        plot_changes(st, out)
+    typer.echo(f"wrote {out}")
 
 
 def main() -> None:

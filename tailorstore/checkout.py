@@ -1,4 +1,4 @@
-"""``tailor checkout``: write a step back in its native layout, every byte checked.
+"""``tailor checkout``: write a manifest back in its native layout, every byte checked.
 
 Files are written into a hidden sibling directory and renamed to ``--out`` only when every
 file is complete, fsynced and every blob has matched its hash. A failed or killed
@@ -16,11 +16,14 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from . import codec
 from .atoms import byte_view, dtype_from_name
-from .errors import CorruptStoreError, StoreError
+from .derive import ROUND_FROM_MASTER, rebuild
+from .errors import CorruptStoreError, LayoutError, StoreError
 from .formats.reader import RAW, SAFETENSORS, TORCH
 from .formats.safetensors_file import tensor_layout
 from .formats.skeleton import fill_tensors, slots_of
@@ -33,6 +36,7 @@ from .store.repo import BlobRow, Store
 @dataclass
 class CheckoutResult:
     step: int
+    manifest: int
     out: Path
     files: int
     bytes_written: int
@@ -48,14 +52,28 @@ def _prepare_out(out: Path) -> Path:
     return tmp
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
     for folder, _dirs, names in os.walk(root):
-        for name in [*names, ""]:
-            fd = os.open(os.path.join(folder, name) if name else folder, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        for name in names:
+            _fsync(Path(folder) / name)
+        _fsync(Path(folder))
+
+
+def inherited_layers(store: Store, manifest: int) -> dict[str, int]:
+    step = store.manifest(manifest)["step"]
+    return {
+        r["layer"]: r["source_step"]
+        for r in store.conn.execute("SELECT layer, source_step FROM layers WHERE manifest=?", (manifest,))
+        if r["source_step"] != step
+    }
 
 
 def checkout_step(
@@ -68,17 +86,13 @@ def checkout_step(
     warn: Callable[[str], None] | None = None,
 ) -> CheckoutResult:
     progress = progress or Silent()
-    step = store.resolve(selector)
+    manifest = store.resolve(selector)
+    step = store.manifest(manifest)["step"]
     out = Path(out)
     files = store.conn.execute(
-        "SELECT path, kind, blob, raw_size, mode, trusted FROM files WHERE step=? ORDER BY path", (step,)
+        "SELECT path, kind, blob, raw_size, mode, trusted FROM files WHERE manifest=? ORDER BY path", (manifest,)
     ).fetchall()
-    inherited = {
-        r["layer"]: r["source_step"]
-        for r in store.conn.execute(
-            "SELECT layer, source_step FROM layers WHERE step=? AND source_step<>step", (step,)
-        )
-    }
+    inherited = inherited_layers(store, manifest)
     if inherited and warn:
         names = ", ".join(f"{layer} (from step {src})" for layer, src in sorted(inherited.items()))
         warn(f"step {step} is a composite: these layers come from other steps: {names}")
@@ -93,11 +107,11 @@ def checkout_step(
             target.parent.mkdir(parents=True, exist_ok=True)
             where = f"step {step}, file {row['path']}"
             if row["kind"] == RAW:
-                _write_raw(store, row["blob"], target, where)
+                target.write_bytes(store.read_blob(row["blob"], where))
             elif row["kind"] == TORCH:
-                _write_torch(store, step, row, target, where, trust_pickles)
+                _write_torch(store, manifest, row, target, where, trust_pickles)
             elif row["kind"] == SAFETENSORS:
-                _write_safetensors(store, step, row, target, where)
+                _write_safetensors(store, manifest, row, target, where)
             else:
                 raise CorruptStoreError(f"{where}: unknown file kind {row['kind']!r}; upgrade tailorstore")
             os.chmod(target, row["mode"] or 0o644)
@@ -107,21 +121,13 @@ def checkout_step(
         if out.exists():
             out.rmdir()  # empty, checked above
         os.rename(tmp, out)
-        _fsync_tree_parent(out)
+        _fsync(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         progress.close()
-    return CheckoutResult(step, out, len(files), written, inherited)
-
-
-def _fsync_tree_parent(out: Path) -> None:
-    fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return CheckoutResult(step, manifest, out, len(files), written, inherited)
 
 
 def _blob_row(store: Store, digest: str, where: str) -> BlobRow:
@@ -131,58 +137,100 @@ def _blob_row(store: Store, digest: str, where: str) -> BlobRow:
     return row
 
 
-def _write_raw(store: Store, digest: str, target: Path, where: str) -> None:
-    data = store.read_blob(digest, where)
-    target.write_bytes(data)
+def decode_atom_into(store: Store, manifest: int, atom: sqlite3.Row, dest: memoryview, where: str) -> None:
+    """Fill ``dest`` with one atom's bytes, from its blob or rebuilt from its master; hash-checked."""
+    if atom["derived"] is None:
+        row = _blob_row(store, atom["blob"], where)
+        if row.raw_size != len(dest):
+            raise CorruptStoreError(f"{where}: blob {row.hash} holds {row.raw_size} bytes, the atom needs {len(dest)}")
+        store.read_blob_into(row, dest, where)
+        return
+    if atom["derived"] != ROUND_FROM_MASTER:
+        raise CorruptStoreError(f"{where}: unknown derivation {atom['derived']!r}; upgrade tailorstore")
+    pieces = store.conn.execute(
+        "SELECT * FROM atoms WHERE manifest=? AND param=? AND kind='master' AND derived IS NULL ORDER BY start",
+        (manifest, atom["param"]),
+    ).fetchall()
+    unique = {(p["start"], p["numel"]): p for p in pieces}
+    master = torch.empty(atom["numel"], dtype=torch.float32)
+    cursor = 0
+    for (start, numel), piece in sorted(unique.items()):
+        if start != cursor:
+            break
+        decode_atom_into(store, manifest, piece, byte_view(master[start : start + numel]), where)
+        cursor += numel
+    if cursor != atom["numel"]:
+        raise CorruptStoreError(f"{where}: the FP32 master of {atom['param']} is incomplete; cannot rebuild its weight")
+    rebuilt = byte_view(rebuild(master, dtype_from_name(atom["dtype"])))
+    if codec.content_hash(rebuilt) != atom["blob"]:
+        raise CorruptStoreError(f"{where}: the weight rebuilt from the master of {atom['param']} does not match its hash")
+    dest[:] = rebuilt
 
 
-def _atoms_by_slot(store: Store, step: int, path: str) -> dict[int, list[sqlite3.Row]]:
+def decode_atom(store: Store, manifest: int, atom: sqlite3.Row, where: str) -> torch.Tensor:
+    tensor = torch.empty(atom["numel"], dtype=dtype_from_name(atom["dtype"]))
+    decode_atom_into(store, manifest, atom, byte_view(tensor), where)
+    return tensor
+
+
+def _atoms_by_slot(store: Store, manifest: int, path: str) -> dict[int, list[sqlite3.Row]]:
     by_slot: dict[int, list[sqlite3.Row]] = defaultdict(list)
     for atom in store.conn.execute(
-        "SELECT slot, offset, numel, dtype, blob FROM atoms WHERE step=? AND path=? ORDER BY slot, offset",
-        (step, path),
+        "SELECT * FROM atoms WHERE manifest=? AND path=? ORDER BY slot, offset", (manifest, path)
     ):
         by_slot[atom["slot"]].append(atom)
     return by_slot
 
 
-def _fill(store: Store, tensor: torch.Tensor, atoms: list[sqlite3.Row], where: str) -> None:
+def _fill(store: Store, manifest: int, tensor: torch.Tensor, atoms: list[sqlite3.Row], where: str) -> None:
     """Decode every atom of one tensor into place; the atoms must tile it exactly."""
     data = byte_view(tensor)
     size = tensor.element_size()
     cursor = 0
     for atom in atoms:
-        if atom["offset"] != cursor:
-            raise CorruptStoreError(f"{where}: atoms of a tensor leave a gap or overlap at element {cursor}")
+        if atom["offset"] != cursor or atom["dtype"] != str(tensor.dtype).removeprefix("torch."):
+            raise CorruptStoreError(f"{where}: atoms of a tensor leave a gap, overlap or change dtype at {cursor}")
         piece = data[atom["offset"] * size : (atom["offset"] + atom["numel"]) * size]
-        row = _blob_row(store, atom["blob"], where)
-        if row.raw_size != len(piece):
-            raise CorruptStoreError(f"{where}: blob {row.hash} holds {row.raw_size} bytes, the atom needs {len(piece)}")
-        store.read_blob_into(row, piece, where)
+        decode_atom_into(store, manifest, atom, piece, where)
         cursor += atom["numel"]
     if cursor != tensor.numel():
         raise CorruptStoreError(f"{where}: atoms cover {cursor} of {tensor.numel()} elements of a tensor")
 
 
-def _write_torch(store: Store, step: int, row: sqlite3.Row, target: Path, where: str, trust: bool) -> None:
+def _check_param_shapes(obj: Any, where: str) -> None:
+    """Module weights must have the shapes DeepSpeed's own param_shapes record."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("module"), dict):
+        return
+    shapes: dict[str, Any] = {}
+    groups = obj.get("param_shapes") or []
+    for group in groups if isinstance(groups, list) else [groups]:
+        shapes.update(group)
+    for name, tensor in obj["module"].items():
+        if name in shapes and tensor.numel() and tuple(tensor.shape) != tuple(shapes[name]):
+            raise LayoutError(f"{where}: {name} has shape {tuple(tensor.shape)}, param_shapes say {tuple(shapes[name])}")
+
+
+def _write_torch(store: Store, manifest: int, row: sqlite3.Row, target: Path, where: str, trust: bool) -> None:
     skeleton = load_skeleton(
         store.read_blob(row["blob"], where), where, trusted=bool(row["trusted"]), trust_pickles=trust
     )
-    by_slot = _atoms_by_slot(store, step, row["path"])
+    by_slot = _atoms_by_slot(store, manifest, row["path"])
     tensors: dict[int, torch.Tensor] = {}
     for slot in slots_of(skeleton):
         tensor = torch.empty(slot.shape, dtype=dtype_from_name(slot.dtype))
-        _fill(store, tensor, by_slot.get(slot.slot, []), f"{where}, tensor slot {slot.slot}")
+        _fill(store, manifest, tensor, by_slot.get(slot.slot, []), f"{where}, tensor slot {slot.slot}")
         tensors[slot.slot] = tensor
-    torch.save(fill_tensors(skeleton, tensors), target)
+    obj = fill_tensors(skeleton, tensors)
+    _check_param_shapes(obj, where)
+    torch.save(obj, target)
 
 
-def _write_safetensors(store: Store, step: int, row: sqlite3.Row, target: Path, where: str) -> None:
+def _write_safetensors(store: Store, manifest: int, row: sqlite3.Row, target: Path, where: str) -> None:
     header = store.read_blob(row["blob"], where)
-    by_slot = _atoms_by_slot(store, step, row["path"])
+    by_slot = _atoms_by_slot(store, manifest, row["path"])
     with open(target, "wb") as f:
         f.write(header)
         for slot, (name, dtype, shape) in enumerate(tensor_layout(header, where)):
             tensor = torch.empty(shape, dtype=dtype)
-            _fill(store, tensor, by_slot.get(slot, []), f"{where}, tensor {name}")
+            _fill(store, manifest, tensor, by_slot.get(slot, []), f"{where}, tensor {name}")
             f.write(byte_view(tensor))

@@ -3,29 +3,36 @@
 The order of work is what makes a failed or killed commit harmless:
 
 1. read and check every input file (bad input is refused before anything is written);
-2. write the blobs that the store does not have yet, each durable on its own;
-3. record the manifest (step, files, atoms, layers) in one SQLite transaction.
+2. decide which layers to store (the policy) and which to inherit from earlier steps;
+3. write the blobs that the store does not have yet, each durable on its own;
+4. record the manifest (manifest row, files, atoms, layers) in one SQLite transaction.
 
-Until step 3 commits, no reader can see the step; blobs written before a crash are
+Until step 4 commits, no reader can see the step; blobs written before a crash are
 orphans that ``tailor gc`` removes.
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .atoms import byte_view
+from . import atoms as A
+from .changes import masters_by_layer, relative_change, stored_pieces
+from .derive import ROUND_FROM_MASTER, derivable, master_pieces
 from .errors import BadCheckpointError, StepExistsError, StoreError
 from .formats.layout import CheckpointLayout, detect
 from .formats.reader import RAW, ReadFile, read_checkpoint
-from .layers import sort_key
+from .layers import STATE, sort_key
+from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
 from .store.repo import Store
 from .store.writer import BlobWriter
+
+AtomKey = tuple[str, str, str, int, int, int]  # file_key, param, kind, rank, start, numel
 
 
 @dataclass
@@ -37,18 +44,33 @@ class CommitOptions:
     level: int = 1
     threads: int = 2
     lock_timeout: float = 600.0
+    policy: PolicySpec = field(default_factory=PolicySpec)
+    derive_weights: bool = True
 
 
 @dataclass
 class CommitResult:
     step: int
+    manifest: int
     files: int
     atoms: int
     raw_bytes: int
     new_blobs: int
     new_bytes: int
+    derived_bytes: int
     seconds: float
-    layers: list[str] = field(default_factory=list)
+    stored_layers: list[str] = field(default_factory=list)
+    inherited_layers: dict[str, int] = field(default_factory=dict)  # layer -> source step
+    changes: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Inheritance:
+    manifest: int
+    step: int
+    source: int
+    source_step: int
+    atoms: dict[AtomKey, sqlite3.Row]
 
 
 def check_tag(tag: str) -> str:
@@ -68,15 +90,54 @@ def _step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadF
     raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass --step N.")
 
 
-def _refuse_existing(store: Store, step: int, tag: str | None, force: bool) -> None:
-    if force:
-        return
-    if store.conn.execute("SELECT 1 FROM steps WHERE step=?", (step,)).fetchone():
+def _refuse_existing(conn: sqlite3.Connection, step: int, tag: str | None) -> None:
+    if conn.execute("SELECT 1 FROM manifests WHERE step=? AND origin='commit'", (step,)).fetchone():
         raise StepExistsError(
             f"step {step} is already in the store. Commit under another --step, or pass --force to replace it."
         )
-    if tag and store.conn.execute("SELECT 1 FROM steps WHERE tag=?", (tag,)).fetchone():
-        raise StepExistsError(f"tag {tag!r} already names a step; choose another tag or pass --force.")
+    if tag and conn.execute("SELECT 1 FROM manifests WHERE tag=?", (tag,)).fetchone():
+        raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag or pass --force.")
+
+
+def _layers_of(files: list[ReadFile]) -> frozenset[str]:
+    return frozenset(seg.layer for f in files for e in f.entries for seg in e.segments)
+
+
+def _inheritance(store: Store, step: int, layers: frozenset[str]) -> dict[str, _Inheritance]:
+    """For each layer, the newest earlier committed step that has it, with its atoms by key."""
+    found: dict[str, _Inheritance] = {}
+    rows = store.conn.execute(
+        "SELECT l.layer, l.manifest, m.step, l.source, l.source_step FROM layers l JOIN manifests m ON m.id=l.manifest "
+        "WHERE m.origin='commit' AND m.step<? ORDER BY m.step DESC",
+        (step,),
+    ).fetchall()
+    for r in rows:
+        if r["layer"] in layers and r["layer"] != STATE and r["layer"] not in found:
+            found[r["layer"]] = _Inheritance(r["manifest"], r["step"], r["source"], r["source_step"], {})
+    return found
+
+
+def _load_inherited_atoms(store: Store, inherit: _Inheritance, layer: str) -> None:
+    for a in store.conn.execute(
+        "SELECT a.*, f.file_key FROM atoms a JOIN files f ON f.manifest=a.manifest AND f.path=a.path "
+        "WHERE a.manifest=? AND a.layer=?",
+        (inherit.manifest, layer),
+    ):
+        inherit.atoms[(a["file_key"], a["param"], a["kind"], a["rank"], a["start"], a["numel"])] = a
+
+
+def _measure_changes(store: Store, files: list[ReadFile], sources: dict[str, _Inheritance]) -> dict[str, float]:
+    """Relative change of each layer's FP32 master since the version an earlier step holds."""
+    current = masters_by_layer([e for f in files for e in f.entries])
+    changes: dict[str, float] = {}
+    for layer, pieces in current.items():
+        source = sources.get(layer)
+        if source is None:
+            continue
+        change = relative_change(pieces, stored_pieces(store, source.manifest, layer))
+        if change is not None:
+            changes[layer] = change
+    return changes
 
 
 def commit_checkpoint(
@@ -93,12 +154,25 @@ def commit_checkpoint(
     layout = detect(Path(ckpt_dir))
     files = list(read_checkpoint(layout, trust_pickles=options.trust_pickles))
     step = _step_of(options, layout, files)
+    layers = _layers_of(files)
 
     with store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock:
-        _refuse_existing(store, step, tag, options.force)
+        if not options.force:
+            _refuse_existing(store.conn, step, tag)
+        sources = _inheritance(store, step, layers)
+        commits_before = store.conn.execute(
+            "SELECT count(*) FROM manifests WHERE origin='commit' AND step<?", (step,)
+        ).fetchone()[0]
+        changes = _measure_changes(store, files, sources) if needs_changes(options.policy) else {}
+        stored = decide(
+            options.policy,
+            CommitFacts(layers, commits_before, frozenset(sources), changes if needs_changes(options.policy) else None),
+        )
+        for layer in layers - stored:
+            _load_inherited_atoms(store, sources[layer], layer)
         writer = BlobWriter(store, level=options.level, threads=options.threads)
         try:
-            file_rows, atom_rows = _write_files(step, files, writer, progress)
+            plan = _write_files(files, stored, sources, writer, progress, options.derive_weights)
             new_blobs = writer.finish()
         except BaseException:
             writer.abort()
@@ -107,101 +181,134 @@ def commit_checkpoint(
             raise
         finally:
             progress.close()
+
         raw_bytes = sum(f.size for f in files)
-        layer_bytes: dict[str, int] = {}
-        for row in atom_rows:
-            layer_bytes[row[11]] = layer_bytes.get(row[11], 0) + row[4] * _itemsize(row[5])
         facts: dict[str, int] = {}
         for f in files:
             facts.update({k: v for k, v in f.meta.items() if k not in facts})
+        new_bytes = sum(b.stored_size for b in new_blobs)
         with store.transaction() as conn:
             if options.force:
-                conn.execute("DELETE FROM steps WHERE step=?", (step,))
+                conn.execute("DELETE FROM manifests WHERE step=? AND origin='commit'", (step,))
                 if tag:
-                    conn.execute("UPDATE steps SET tag=NULL WHERE tag=?", (tag,))
-            _refuse_existing(store, step, tag, False)
+                    conn.execute("UPDATE manifests SET tag=NULL WHERE tag=?", (tag,))
+            _refuse_existing(conn, step, tag)
             conn.executemany(
                 "INSERT OR IGNORE INTO blobs(hash, raw_size, stored_size, codec, created_at) VALUES (?,?,?,?,?)",
                 [(b.hash, b.raw_size, b.stored_size, b.codec, b.created_at) for b in new_blobs],
             )
-            conn.execute(
-                "INSERT INTO steps(step, tag, created_at, layout, ds_tag, zero_stage, world_size, policy, exact,"
-                " raw_bytes, new_bytes, source) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            manifest = conn.execute(
+                "INSERT INTO manifests(step, origin, tag, created_at, layout, ds_tag, zero_stage, world_size, policy,"
+                " exact, raw_bytes, new_bytes, source) VALUES (?,'commit',?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     step, tag, time.time(), layout.kind, layout.ds_tag, facts.get("zero_stage"),
-                    facts.get("world_size"), json.dumps({"name": "full"}), 1, raw_bytes,
-                    sum(b.stored_size for b in new_blobs), str(Path(ckpt_dir).resolve()),
+                    facts.get("world_size"), json.dumps(options.policy.as_json()), int(stored >= layers),
+                    raw_bytes, new_bytes, str(Path(ckpt_dir).resolve()),
                 ),
-            )
+            ).lastrowid
             conn.executemany(
-                "INSERT INTO files(step, path, file_key, kind, rank, blob, raw_size, mode, trusted)"
+                "INSERT INTO files(manifest, path, file_key, kind, rank, blob, raw_size, mode, trusted)"
                 " VALUES (?,?,?,?,?,?,?,?,?)",
-                file_rows,
+                [(manifest, *row) for row in plan.file_rows],
             )
             conn.executemany(
-                "INSERT INTO atoms(step, path, slot, offset, numel, dtype, shape, param, kind, rank, start, layer,"
-                " blob) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                atom_rows,
+                "INSERT INTO atoms(manifest, path, slot, offset, numel, dtype, shape, param, kind, rank, start, nbytes,"
+                " layer, blob, derived) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                [(manifest, *row) for row in plan.atom_rows],
             )
             conn.executemany(
-                "INSERT INTO layers(step, layer, source_step, raw_bytes) VALUES (?,?,?,?)",
-                [(step, layer, step, n) for layer, n in layer_bytes.items()],
+                "INSERT INTO layers(manifest, layer, source, source_step, raw_bytes, stored, change)"
+                " VALUES (?,?,?,?,?,?,?)",
+                [
+                    (manifest, layer, manifest if layer in stored else sources[layer].source,
+                     step if layer in stored else sources[layer].source_step, plan.layer_bytes.get(layer, 0),
+                     int(layer in stored), changes.get(layer))
+                    for layer in layers
+                ],
             )
     return CommitResult(
         step=step,
-        files=len(file_rows),
-        atoms=len(atom_rows),
+        manifest=int(manifest),
+        files=len(plan.file_rows),
+        atoms=len(plan.atom_rows),
         raw_bytes=raw_bytes,
         new_blobs=len(new_blobs),
-        new_bytes=sum(b.stored_size for b in new_blobs),
+        new_bytes=new_bytes,
+        derived_bytes=plan.derived_bytes,
         seconds=time.perf_counter() - began,
-        layers=sorted(layer_bytes, key=sort_key),
+        stored_layers=sorted(stored, key=sort_key),
+        inherited_layers={layer: sources[layer].source_step for layer in sorted(layers - stored, key=sort_key)},
+        changes=changes,
     )
 
 
-_ITEMSIZE_CACHE: dict[str, int] = {}
-
-
-def _itemsize(dtype: str) -> int:
-    if dtype not in _ITEMSIZE_CACHE:
-        from .atoms import dtype_from_name
-
-        _ITEMSIZE_CACHE[dtype] = dtype_from_name(dtype).itemsize
-    return _ITEMSIZE_CACHE[dtype]
+@dataclass
+class _Plan:
+    file_rows: list[tuple] = field(default_factory=list)
+    atom_rows: list[tuple] = field(default_factory=list)
+    layer_bytes: dict[str, int] = field(default_factory=dict)
+    derived_bytes: int = 0
 
 
 def _write_files(
-    step: int, files: list[ReadFile], writer: BlobWriter, progress: Progress
-) -> tuple[list[tuple], list[tuple]]:
-    file_rows: list[tuple] = []
-    atom_rows: list[tuple] = []
-    progress.start(f"commit step {step}", sum(f.size for f in files))
+    files: list[ReadFile],
+    stored: frozenset[str],
+    sources: dict[str, _Inheritance],
+    writer: BlobWriter,
+    progress: Progress,
+    derive_weights: bool,
+) -> _Plan:
+    plan = _Plan()
+    masters = master_pieces([e for f in files for e in f.entries]) if derive_weights else {}
+    progress.start("commit", sum(f.size for f in files))
     for f in files:
         if f.kind == RAW:
-            digest = _add_whole_file(f.source, writer)
+            digest = writer.add(memoryview(f.source.read_bytes()))
         else:
             assert f.skeleton is not None
             digest = writer.add(memoryview(f.skeleton))
             for entry in f.entries:
-                data = byte_view(entry.tensor)
-                size = entry.tensor.element_size()
-                whole_shape = json.dumps(list(entry.tensor.shape))
                 for seg in entry.segments:
-                    piece = data[seg.offset * size : (seg.offset + seg.numel) * size]
-                    blob = writer.add(piece)
-                    shape = whole_shape if seg.numel == entry.tensor.numel() else json.dumps([seg.numel])
-                    atom_rows.append(
-                        (step, f.path, entry.slot, seg.offset, seg.numel, entry.dtype_name, shape, seg.param,
-                         seg.kind, seg.rank, seg.start, seg.layer, blob)
-                    )
-        file_rows.append((step, f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, int(f.trusted)))
+                    plan.atom_rows.append(_atom_row(f, entry, seg, stored, sources, writer, masters, plan))
+        plan.file_rows.append((f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, int(f.trusted)))
         progress.advance(f.size)
-    return file_rows, atom_rows
+    return plan
 
 
-def _add_whole_file(path: Path, writer: BlobWriter) -> str:
-    data = path.read_bytes()
-    return writer.add(memoryview(data))
+def _atom_row(
+    f: ReadFile,
+    entry: A.TensorEntry,
+    seg: A.Segment,
+    stored: frozenset[str],
+    sources: dict[str, _Inheritance],
+    writer: BlobWriter,
+    masters: dict,
+    plan: _Plan,
+) -> tuple:
+    size = entry.tensor.element_size()
+    nbytes = seg.numel * size
+    shape = json.dumps(list(entry.tensor.shape) if seg.numel == entry.tensor.numel() else [seg.numel])
+    plan.layer_bytes[seg.layer] = plan.layer_bytes.get(seg.layer, 0) + nbytes
+    derived: str | None = None
+    if seg.layer in stored:
+        piece = A.byte_view(entry.tensor)[seg.offset * size : seg.offset * size + nbytes]
+        if masters and derivable(entry.tensor, seg, masters):
+            blob, derived = writer.hash_only(piece), ROUND_FROM_MASTER
+            plan.derived_bytes += nbytes
+        else:
+            blob = writer.add(piece, itemsize=size, is_float=entry.tensor.is_floating_point())
+    else:
+        source = sources[seg.layer]
+        old = source.atoms.get((f.file_key, seg.param, seg.kind, seg.rank, seg.start, seg.numel))
+        if old is None or old["dtype"] != entry.dtype_name:
+            raise StoreError(
+                f"layer {seg.layer} cannot be inherited from step {source.step}: it has no matching piece for "
+                f"{seg.param} ({seg.kind}, rank {seg.rank}) in {f.file_key}. The layout or world size changed; "
+                "commit this step with --policy full."
+            )
+        blob, derived = old["blob"], old["derived"]
+    return (f.path, entry.slot, seg.offset, seg.numel, entry.dtype_name, shape, seg.param, seg.kind, seg.rank,
+            seg.start, nbytes, seg.layer, blob, derived)
 
 
 def _remove_unindexed(store: Store, writer: BlobWriter) -> None:

@@ -7,7 +7,7 @@ checkpoints are; ``benchmarks/`` times them on a store of 1,000 steps.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .layers import sort_key
 from .store.repo import Store
@@ -16,6 +16,8 @@ from .store.repo import Store
 @dataclass
 class StepSummary:
     step: int
+    manifest: int
+    origin: str
     created_at: float
     tag: str | None
     raw_bytes: int
@@ -29,71 +31,57 @@ class StepSummary:
 class LayerSummary:
     layer: str
     source_step: int
-    kinds: list[str]
-    raw_bytes: int
-    stored_bytes: int  # compressed size of the distinct blobs behind this layer
-    change: float | None
+    stored: bool
+    kinds: list[str] = field(default_factory=list)
+    raw_bytes: int = 0
+    stored_bytes: int = 0  # compressed size of the distinct blobs behind this layer
+    derived_bytes: int = 0  # raw bytes rebuilt from the FP32 master instead of stored
+    change: float | None = None
 
 
 @dataclass
 class StepDetail:
     summary: StepSummary
     layers: list[LayerSummary] = field(default_factory=list)
-    files: list[dict] = field(default_factory=list)
+    derived_bytes: int = 0
+
+
+_SUMMARY = "SELECT id, step, origin, created_at, tag, raw_bytes, new_bytes, exact, pinned, policy FROM manifests"
+
+
+def _summary(r: object) -> StepSummary:
+    return StepSummary(
+        step=r["step"], manifest=r["id"], origin=r["origin"], created_at=r["created_at"], tag=r["tag"],  # type: ignore[index]
+        raw_bytes=r["raw_bytes"], new_bytes=r["new_bytes"], exact=bool(r["exact"]),  # type: ignore[index]
+        pinned=bool(r["pinned"]), policy=json.loads(r["policy"]),  # type: ignore[index]
+    )
 
 
 def log(store: Store) -> list[StepSummary]:
-    return log_rows(store)
+    return [_summary(r) for r in store.conn.execute(f"{_SUMMARY} ORDER BY step, id")]
 
 
 def show(store: Store, selector: str) -> StepDetail:
-    step = store.resolve(selector)
-    summary = log_rows(store, "WHERE step=?", (step,))[0]
-    per_layer: dict[str, LayerSummary] = {}
-    for r in store.conn.execute("SELECT layer, source_step, change FROM layers WHERE step=?", (step,)):
-        per_layer[r["layer"]] = LayerSummary(r["layer"], r["source_step"], [], 0, 0, r["change"])
+    manifest = store.resolve(selector)
+    summary = _summary(store.conn.execute(f"{_SUMMARY} WHERE id=?", (manifest,)).fetchone())
+    per_layer = {
+        r["layer"]: LayerSummary(r["layer"], r["source_step"], bool(r["stored"]), change=r["change"])
+        for r in store.conn.execute("SELECT layer, source_step, stored, change FROM layers WHERE manifest=?", (manifest,))
+    }
     for r in store.conn.execute(
-        """
-        SELECT a.layer, group_concat(DISTINCT a.kind) AS kinds, sum(b.raw_size) AS raw
-        FROM atoms a JOIN blobs b ON b.hash = a.blob WHERE a.step=? GROUP BY a.layer
-        """,
-        (step,),
+        "SELECT layer, group_concat(DISTINCT kind) AS kinds, sum(nbytes) AS raw,"
+        " sum(CASE WHEN derived IS NULL THEN 0 ELSE nbytes END) AS derived"
+        " FROM atoms WHERE manifest=? GROUP BY layer",
+        (manifest,),
     ):
-        layer = per_layer.setdefault(r["layer"], LayerSummary(r["layer"], step, [], 0, 0, None))
+        layer = per_layer.setdefault(r["layer"], LayerSummary(r["layer"], summary.step, True))
         layer.kinds = sorted(set(r["kinds"].split(",")))
-        layer.raw_bytes = r["raw"]
+        layer.raw_bytes, layer.derived_bytes = r["raw"], r["derived"]
     for r in store.conn.execute(
-        """
-        SELECT layer, sum(stored_size) AS stored FROM (
-            SELECT DISTINCT a.layer, a.blob, b.stored_size FROM atoms a JOIN blobs b ON b.hash = a.blob
-            WHERE a.step=?)
-        GROUP BY layer
-        """,
-        (step,),
+        "SELECT layer, sum(stored_size) AS stored FROM (SELECT DISTINCT a.layer, a.blob, b.stored_size"
+        " FROM atoms a JOIN blobs b ON b.hash = a.blob WHERE a.manifest=? AND a.derived IS NULL) GROUP BY layer",
+        (manifest,),
     ):
         per_layer[r["layer"]].stored_bytes = r["stored"]
-    files = [
-        dict(r)
-        for r in store.conn.execute(
-            "SELECT path, kind, rank, raw_size FROM files WHERE step=? ORDER BY path", (step,)
-        )
-    ]
     layers = sorted(per_layer.values(), key=lambda x: sort_key(x.layer))
-    return StepDetail(summary, layers, files)
-
-
-def log_rows(store: Store, where: str = "", args: tuple = ()) -> list[StepSummary]:
-    rows = store.conn.execute(
-        "SELECT step, created_at, tag, raw_bytes, new_bytes, exact, pinned, policy FROM steps "
-        f"{where} ORDER BY step",
-        args,
-    ).fetchall()
-    return [
-        StepSummary(r["step"], r["created_at"], r["tag"], r["raw_bytes"], r["new_bytes"], bool(r["exact"]),
-                    bool(r["pinned"]), json.loads(r["policy"]))
-        for r in rows
-    ]
-
-
-def to_json(obj: object) -> str:
-    return json.dumps(asdict(obj) if hasattr(obj, "__dataclass_fields__") else obj, indent=2)  # type: ignore[arg-type]
+    return StepDetail(summary, layers, sum(x.derived_bytes for x in layers))

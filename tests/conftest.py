@@ -36,6 +36,13 @@ CONFIGS: dict[str, dict[str, object]] = {
     "zero2-bf16-1rank": {"stage": 2, "dtype": "bf16", "nproc": 1},
 }
 
+# Longer runs with 6 blocks for layer-wise tailoring: 18 steps, a save every 3 (6 saves).
+TAILOR_CONFIGS: dict[str, dict[str, object]] = {
+    "tailor-zero2": {"stage": 2, "dtype": "bf16", "layers": 6},
+    "tailor-zero3": {"stage": 3, "dtype": "bf16", "layers": 6},
+}
+TAILOR_STEPS, TAILOR_EVERY = 18, 3
+
 
 @dataclass
 class Run:
@@ -52,16 +59,18 @@ class Runs:
 
     def get(self, name: str) -> Run:
         if name not in self._cache:
-            options = dict(CONFIGS[name])
+            tailoring = name in TAILOR_CONFIGS
+            options = dict(TAILOR_CONFIGS[name] if tailoring else CONFIGS[name])
             nproc = int(options.pop("nproc", 2))  # type: ignore[arg-type]
             base = self.root / name
             base.mkdir()
-            losses = train_tiny(base / "save", losses_out=base / "losses.json", nproc=nproc, steps=6,
-                                save_every=3, **options)
+            losses = train_tiny(base / "save", losses_out=base / "losses.json", nproc=nproc,
+                                steps=TAILOR_STEPS if tailoring else 6, save_every=TAILOR_EVERY if tailoring else 3,
+                                **options)
             for path in (base / "save").rglob("*"):
                 if path.is_file():
                     path.chmod(0o444)
-            self._cache[name] = Run(name, base / "save", losses, dict(CONFIGS[name]))
+            self._cache[name] = Run(name, base / "save", losses, dict(options))
         return self._cache[name]
 
 

@@ -130,14 +130,14 @@ def test_same_step_twice_is_refused_unless_forced(committed: tuple[Store, Path],
     with pytest.raises(StepExistsError):
         commit_checkpoint(store, again)
     commit_checkpoint(store, again, CommitOptions(force=True, tag="again"))
-    assert store.resolve("tag=again") == 3
-    assert store.conn.execute("SELECT count(*) FROM steps").fetchone()[0] == 1
+    assert store.manifest(store.resolve("tag=again"))["step"] == 3
+    assert store.conn.execute("SELECT count(*) FROM manifests").fetchone()[0] == 1
 
 
 def test_flipped_byte_in_blob_stops_checkout(committed: tuple[Store, Path], tmp_path: Path) -> None:
     store, _ = committed
     row = store.conn.execute(
-        "SELECT a.blob, a.path FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.step=3 AND b.raw_size > 4096 "
+        "SELECT a.blob, a.path FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.manifest=1 AND b.raw_size > 4096 "
         "AND a.path LIKE '%optim_states.pt' LIMIT 1"
     ).fetchone()
     path = store.backend.path(row["blob"])
@@ -158,12 +158,12 @@ def test_flipped_byte_in_blob_stops_checkout(committed: tuple[Store, Path], tmp_
 def test_manifest_path_escaping_out_is_refused(committed: tuple[Store, Path], tmp_path: Path) -> None:
     store, _ = committed
     store.conn.execute("PRAGMA foreign_keys=OFF")
-    store.conn.execute("UPDATE files SET path='../escaped' WHERE step=3 AND path='latest'")
+    store.conn.execute("UPDATE files SET path='../escaped' WHERE manifest=1 AND path='latest'")
     out = tmp_path / "sub" / "out"
     with pytest.raises(UnsafePathError, match="climbs out"):
         checkout_step(store, "step=3", out)
     assert not (tmp_path / "sub" / "escaped").exists() and not out.exists()
-    store.conn.execute("UPDATE files SET path='/etc/passwd-tailor' WHERE step=3 AND path='../escaped'")
+    store.conn.execute("UPDATE files SET path='/etc/passwd-tailor' WHERE manifest=1 AND path='../escaped'")
     with pytest.raises(UnsafePathError):
         checkout_step(store, "step=3", out)
 

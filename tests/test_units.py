@@ -70,16 +70,33 @@ def test_codec_round_trip_and_raw_fallback() -> None:
     compressible = memoryview(bytes(100_000))
     encoded = codec.encode(compressible)
     assert json.loads(encoded.descriptor) == {"id": "zstd", "v": 1, "level": 1}
-    assert len(encoded.payload) < 1000
+    assert encoded.size < 1000
     out = bytearray(len(compressible))
-    codec.decode_into(encoded.descriptor, io.BytesIO(bytes(encoded.payload)), memoryview(out), "test")
+    codec.decode_into(encoded.descriptor, io.BytesIO(bytes(encoded.chunks[0])), memoryview(out), "test")
     assert out == compressible
     noise = memoryview(os.urandom(4096))
     assert json.loads(codec.encode(noise).descriptor)["id"] == "raw"
 
 
+def test_byte_grouped_codec_round_trip_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(codec, "CHUNK", 4096)  # several chunks from a small tensor
+    tensor = torch.randn(10_000) * 1e-3
+    data = memoryview(tensor.numpy()).cast("B")
+    encoded = codec.encode(data, itemsize=4, is_float=True)
+    assert json.loads(encoded.descriptor) == {"id": "blosc2-shuffle-zstd", "v": 1, "typesize": 4, "level": 1}
+    assert len(encoded.chunks) == 10 and encoded.size < len(data)
+    out = bytearray(len(data))
+    payload = b"".join(bytes(c) for c in encoded.chunks)
+    codec.decode_into(encoded.descriptor, io.BytesIO(payload), memoryview(out), "test")
+    assert out == data
+    with pytest.raises(CorruptStoreError, match="truncated"):
+        codec.decode_into(encoded.descriptor, io.BytesIO(payload[:-10]), memoryview(bytearray(len(data))), "t")
+
+
 def test_codec_refuses_unknown_descriptor_and_short_blob() -> None:
-    with pytest.raises(CorruptStoreError, match="upgrade tailorstore"):
+    with pytest.raises(CorruptStoreError, match="upgrade it"):
         codec.decode_into('{"id": "zstd", "v": 9}', io.BytesIO(b""), memoryview(bytearray(4)), "test")
     with pytest.raises(CorruptStoreError, match="truncated"):
         codec.decode_into('{"id": "raw", "v": 1}', io.BytesIO(b"ab"), memoryview(bytearray(4)), "test")

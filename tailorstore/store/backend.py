@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -18,7 +18,7 @@ BytesLike = bytes | bytearray | memoryview
 
 
 class BlobBackend(Protocol):
-    def put(self, name: str, payload: BytesLike) -> None: ...
+    def put(self, name: str, chunks: Sequence[BytesLike]) -> None: ...
     def open(self, name: str) -> BinaryIO: ...
     def exists(self, name: str) -> bool: ...
     def size(self, name: str) -> int: ...
@@ -39,16 +39,17 @@ class PosixBackend:
     def path(self, name: str) -> Path:
         return self.blob_dir / name[:2] / name
 
-    def put(self, name: str, payload: BytesLike) -> None:
+    def put(self, name: str, chunks: Sequence[BytesLike]) -> None:
         final = self.path(name)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.tmp_dir / f"{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
         try:
-            view = memoryview(payload).cast("B")
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
             os.fsync(fd)
         except BaseException:
             os.close(fd)

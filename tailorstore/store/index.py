@@ -28,15 +28,12 @@ def connect(path: Path) -> sqlite3.Connection:
 def create(path: Path) -> None:
     conn = connect(path)
     try:
-        conn.execute("BEGIN")
-        for statement in SCHEMA.split(";"):
-            if statement.strip():
-                conn.execute(statement)
-        conn.executemany(
-            "INSERT INTO meta(key, value) VALUES (?, ?)",
-            [("format_version", str(FORMAT_VERSION)), ("created_at", repr(time.time()))],
+        # One script, one transaction: a store either has its whole schema or none.
+        conn.executescript(
+            f"BEGIN;\n{SCHEMA}\n"
+            f"INSERT INTO meta(key, value) VALUES ('format_version', '{FORMAT_VERSION}');\n"
+            f"INSERT INTO meta(key, value) VALUES ('created_at', '{time.time()!r}');\nCOMMIT;"
         )
-        conn.execute("COMMIT")
     finally:
         conn.close()
 

@@ -126,24 +126,33 @@ class Store:
         self.read_blob_into(row, memoryview(buf), where)
         return bytes(buf)
 
-    # -- steps ---------------------------------------------------------------------------
+    # -- manifests -----------------------------------------------------------------------
     def resolve(self, selector: str) -> int:
-        """``step=N``, ``tag=NAME``, ``latest``, or a bare step number."""
+        """The manifest id that ``step=N``, ``tag=NAME``, ``latest`` or a bare step number names."""
         text = selector.strip()
         if text == "latest":
-            row = self.conn.execute("SELECT MAX(step) FROM steps").fetchone()
-            if row[0] is None:
+            row = self.conn.execute(
+                "SELECT id FROM manifests WHERE origin='commit' ORDER BY step DESC LIMIT 1"
+            ).fetchone()
+            if row is None:
                 raise UnknownStepError("the store holds no steps yet; commit one with `tailor commit DIR`.")
             return int(row[0])
         match = re.fullmatch(r"(?:step=)?(\d+)", text)
         if match:
             step = int(match.group(1))
-            if not self.conn.execute("SELECT 1 FROM steps WHERE step=?", (step,)).fetchone():
-                raise UnknownStepError(f"step {step} is not in the store; `tailor log` lists the steps it holds.")
-            return step
-        if text.startswith("tag="):
-            row = self.conn.execute("SELECT step FROM steps WHERE tag=?", (text[4:],)).fetchone()
+            row = self.conn.execute("SELECT id FROM manifests WHERE step=? AND origin='commit'", (step,)).fetchone()
             if row is None:
-                raise UnknownStepError(f"no step is tagged {text[4:]!r}; `tailor log` shows the tags.")
+                raise UnknownStepError(f"step {step} is not in the store; `tailor log` lists the steps it holds.")
+            return int(row[0])
+        if text.startswith("tag="):
+            row = self.conn.execute("SELECT id FROM manifests WHERE tag=?", (text[4:],)).fetchone()
+            if row is None:
+                raise UnknownStepError(f"nothing is tagged {text[4:]!r}; `tailor log` shows the tags.")
             return int(row[0])
         raise UnknownStepError(f"cannot read {selector!r}: write step=N, tag=NAME or latest.")
+
+    def manifest(self, manifest_id: int) -> sqlite3.Row:
+        row = self.conn.execute("SELECT * FROM manifests WHERE id=?", (manifest_id,)).fetchone()
+        if row is None:
+            raise UnknownStepError(f"manifest {manifest_id} is not in the store")
+        return row

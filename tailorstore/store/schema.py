@@ -20,23 +20,26 @@ CREATE TABLE blobs (
     codec       TEXT NOT NULL,      -- JSON codec descriptor
     created_at  REAL NOT NULL
 );
-CREATE TABLE steps (
-    step        INTEGER PRIMARY KEY,
+CREATE TABLE manifests (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    step        INTEGER NOT NULL,   -- training step; for a merge, the base step's
+    origin      TEXT NOT NULL,      -- commit | merge
     tag         TEXT UNIQUE,
     created_at  REAL NOT NULL,
     layout      TEXT NOT NULL,      -- deepspeed | deepspeed-tag | hf-trainer
     ds_tag      TEXT,               -- the DeepSpeed tag folder, e.g. global_step300
     zero_stage  INTEGER,
     world_size  INTEGER,
-    policy      TEXT NOT NULL,      -- JSON: the policy that chose the stored layers
-    exact       INTEGER NOT NULL,   -- 1 when every layer comes from this step
+    policy      TEXT NOT NULL,      -- JSON: the policy (or merge spec) that chose the layers
+    exact       INTEGER NOT NULL,   -- 1 when every layer comes from this manifest's own step
     pinned      INTEGER NOT NULL DEFAULT 0,
-    raw_bytes   INTEGER NOT NULL,   -- bytes of the checkpoint as committed
+    raw_bytes   INTEGER NOT NULL,   -- bytes of the checkpoint this manifest checks out to
     new_bytes   INTEGER NOT NULL,   -- stored bytes of blobs this commit wrote first
-    source      TEXT NOT NULL       -- the directory committed, for the user's reference
+    source      TEXT NOT NULL       -- the directory committed, or the merge spec file
 );
+CREATE UNIQUE INDEX manifests_commit_step ON manifests(step) WHERE origin = 'commit';
 CREATE TABLE files (
-    step      INTEGER NOT NULL REFERENCES steps(step) ON DELETE CASCADE,
+    manifest  INTEGER NOT NULL REFERENCES manifests(id) ON DELETE CASCADE,
     path      TEXT NOT NULL,        -- relative, '/'-separated, never absolute, no '..'
     file_key  TEXT NOT NULL,        -- path with the tag folder written as {tag}
     kind      TEXT NOT NULL,        -- raw | torch | safetensors
@@ -45,10 +48,10 @@ CREATE TABLE files (
     raw_size  INTEGER NOT NULL,     -- size of the file as committed
     mode      INTEGER NOT NULL,
     trusted   INTEGER NOT NULL DEFAULT 0,  -- skeleton needs --trust-pickles to load
-    PRIMARY KEY (step, path)
+    PRIMARY KEY (manifest, path)
 );
 CREATE TABLE atoms (
-    step     INTEGER NOT NULL,
+    manifest INTEGER NOT NULL,
     path     TEXT NOT NULL,
     slot     INTEGER NOT NULL,      -- tensor slot in the file's skeleton
     offset   INTEGER NOT NULL,      -- first element within that tensor
@@ -59,19 +62,24 @@ CREATE TABLE atoms (
     kind     TEXT NOT NULL,
     rank     INTEGER NOT NULL,
     start    INTEGER NOT NULL,      -- first element within the parameter
+    nbytes   INTEGER NOT NULL,      -- raw size of the piece
     layer    TEXT NOT NULL,
-    blob     TEXT NOT NULL REFERENCES blobs(hash),
-    PRIMARY KEY (step, path, slot, offset),
-    FOREIGN KEY (step, path) REFERENCES files(step, path) ON DELETE CASCADE
+    blob     TEXT NOT NULL,         -- xxh3-128 of the raw bytes; a row in blobs unless derived
+    derived  TEXT,                  -- NULL, or how checkout rebuilds the bytes (round-from-master)
+    PRIMARY KEY (manifest, path, slot, offset),
+    FOREIGN KEY (manifest, path) REFERENCES files(manifest, path) ON DELETE CASCADE
 ) WITHOUT ROWID;
 CREATE INDEX atoms_blob ON atoms(blob);
+CREATE INDEX atoms_layer ON atoms(manifest, layer);
 CREATE INDEX files_blob ON files(blob);
 CREATE TABLE layers (
-    step        INTEGER NOT NULL REFERENCES steps(step) ON DELETE CASCADE,
+    manifest    INTEGER NOT NULL REFERENCES manifests(id) ON DELETE CASCADE,
     layer       TEXT NOT NULL,
-    source_step INTEGER NOT NULL,   -- the step whose atoms this layer uses
+    source      INTEGER NOT NULL,   -- the manifest whose atoms this layer uses (itself when stored)
+    source_step INTEGER NOT NULL,   -- that manifest's step, kept here so reads need no join
     raw_bytes   INTEGER NOT NULL,
-    change      REAL,               -- relative change of the FP32 master, when measured
-    PRIMARY KEY (step, layer)
+    stored      INTEGER NOT NULL,   -- 1 when this commit wrote (or deduplicated) the layer itself
+    change      REAL,               -- relative change of the FP32 master since its last stored version
+    PRIMARY KEY (manifest, layer)
 );
 """

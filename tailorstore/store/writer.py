@@ -37,7 +37,7 @@ class BlobWriter:
         self._known: set[str] = set()
         self.reused_bytes = 0
 
-    def add(self, data: memoryview) -> str:
+    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False) -> str:
         digest = codec.content_hash(data)
         if digest in self._pending or digest in self._known:
             self.reused_bytes += len(data)
@@ -47,15 +47,15 @@ class BlobWriter:
             self.reused_bytes += len(data)
             return digest
         self._slots.acquire()
-        future = self._pool.submit(self._write, digest, data)
+        future = self._pool.submit(self._write, digest, data, itemsize, is_float)
         future.add_done_callback(lambda _f: self._slots.release())
         self._pending[digest] = future
         return digest
 
-    def _write(self, digest: str, data: memoryview) -> NewBlob:
-        encoded = codec.encode(data, self.level)
-        self.store.backend.put(digest, encoded.payload)
-        return NewBlob(digest, len(data), len(encoded.payload), encoded.descriptor, time.time())
+    def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool) -> NewBlob:
+        encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level)
+        self.store.backend.put(digest, encoded.chunks)
+        return NewBlob(digest, len(data), encoded.size, encoded.descriptor, time.time())
 
     def finish(self) -> list[NewBlob]:
         """Wait for every write, then make the renames durable. Raises the first failure."""
@@ -65,6 +65,10 @@ class BlobWriter:
             self._pool.shutdown(wait=True)
         self.store.backend.sync()
         return blobs
+
+    def hash_only(self, data: memoryview) -> str:
+        """The name these bytes would have, for atoms that are rebuilt instead of stored."""
+        return codec.content_hash(data)
 
     def written(self) -> list[str]:
         """Digests of the blobs this writer put (or may have put) into the backend."""

@@ -33,6 +33,7 @@ def torchrun(module: str, args: list[str], *, nproc: int = 2, log: Path | None =
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
@@ -54,6 +55,7 @@ def _flags(options: dict[str, object]) -> list[str]:
 def train_tiny(save_dir: Path, *, losses_out: Path, resume_from: Path | None = None, nproc: int = 2,
                **options: object) -> dict[int, str]:
     """Run train_tiny; options map to its flags (stage=3 -> --stage 3). Returns losses as float.hex."""
+    losses_out.parent.mkdir(parents=True, exist_ok=True)
     args = ["--save-dir", str(save_dir), "--losses-out", str(losses_out)]
     if resume_from is not None:
         args += ["--resume-from", str(resume_from)]

@@ -1,0 +1,54 @@
+"""How much a layer moved: ||w - w_ref|| / ||w_ref|| over its FP32 master.
+
+The adaptive policy, ``tailor diff`` and ``tailor plot`` all use this measure. Masters are
+compared piece by piece, keyed by (parameter, rank, first element), so both sides must come
+from the same partitioning (same world size and ZeRO stage).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from . import atoms as A
+from .store.repo import Store
+
+PieceKey = tuple[str, int, int]
+
+
+def masters_by_layer(entries: list[A.TensorEntry], kind: str = A.MASTER) -> dict[str, dict[PieceKey, torch.Tensor]]:
+    out: dict[str, dict[PieceKey, torch.Tensor]] = defaultdict(dict)
+    for entry in entries:
+        flat = entry.tensor.reshape(-1)
+        for seg in entry.segments:
+            if seg.kind == kind:
+                out[seg.layer][(seg.param, seg.rank, seg.start)] = flat[seg.offset : seg.offset + seg.numel]
+    return out
+
+
+def stored_pieces(store: Store, manifest: int, layer: str, kind: str = A.MASTER) -> dict[PieceKey, torch.Tensor]:
+    """Decode a layer's pieces of one kind from the store (derived weights are rebuilt)."""
+    from .checkout import decode_atom  # checkout owns decoding; imported here to avoid a cycle
+
+    rows = store.conn.execute(
+        "SELECT * FROM atoms WHERE manifest=? AND layer=? AND kind=? ORDER BY param, rank, start",
+        (manifest, layer, kind),
+    ).fetchall()
+    return {(r["param"], r["rank"], r["start"]): decode_atom(store, manifest, r, "measuring change") for r in rows}
+
+
+def relative_change(current: dict[PieceKey, torch.Tensor], reference: dict[PieceKey, torch.Tensor]) -> float | None:
+    """None when the two sides do not hold the same pieces (different layout)."""
+    if not reference or set(current) != set(reference):
+        return None
+    diff = ref = 0.0
+    with torch.no_grad():
+        for key, tensor in current.items():
+            old = reference[key].float()
+            diff += float(torch.sum((tensor.float() - old) ** 2, dtype=torch.float64))
+            ref += float(torch.sum(old**2, dtype=torch.float64))
+    if ref == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return math.sqrt(diff / ref)

@@ -1,0 +1,176 @@
+"""``tailor merge``: compose a checkpoint from layers of different steps, as a manifest only.
+
+The spec is a YAML file in the spirit of mergekit's ``slices`` and LLMTailor's examples::
+
+    base: {step: 300}        # step counter, scheduler, RNG, files and every layer left unnamed
+    slices:
+      - sources: [{step: 300, layer_range: [0, 16]}]    # blocks 0..15, end exclusive
+      - sources: [{step: 200, layer_range: [16, 32]}]
+    embed: {step: 300}
+    norm: {step: 200}
+    lm_head: {step: 300}
+
+Every block must be covered exactly once. Because the atoms of every committed step are
+already in the store, a merge writes no blob: it copies the base manifest's rows and points
+each layer's atoms at the blobs of its source step. Its cost grows with the number of
+parameters and ranks, not with their bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .commit import check_tag
+from .errors import StepExistsError, TailorError
+from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, STATE, block_index, block_label
+from .store.repo import Store
+
+_AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
+
+
+class MergeSpecError(TailorError):
+    """The merge spec is malformed or names what the store does not hold."""
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    manifest: int
+    tag: str
+    step: int
+    sources: dict[str, int]  # layer -> step
+    seconds: float
+
+
+def _step_of(entry: Any, where: str) -> int:
+    if not isinstance(entry, dict) or not isinstance(entry.get("step"), int):
+        raise MergeSpecError(f"{where}: needs a step, e.g. {{step: 300}}")
+    return int(entry["step"])
+
+
+def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[int, dict[str, int]]:
+    """(base step, {layer label: step}) for every block and named auxiliary group."""
+    if not isinstance(spec, dict):
+        raise MergeSpecError(f"{origin}: the spec must be a mapping with 'base' and 'slices'")
+    unknown = set(spec) - {"base", "slices", *_AUX_KEYS}
+    if unknown:
+        raise MergeSpecError(f"{origin}: unknown keys {sorted(unknown)}; allowed: base, slices, embed, norm, lm_head")
+    base = _step_of(spec.get("base"), f"{origin}: base")
+    chosen: dict[str, int] = {}
+    slices = spec.get("slices")
+    if not isinstance(slices, list) or not slices:
+        raise MergeSpecError(f"{origin}: 'slices' must be a non-empty list")
+    for i, item in enumerate(slices):
+        where = f"{origin}: slices[{i}]"
+        sources = item.get("sources") if isinstance(item, dict) else None
+        if not isinstance(sources, list) or len(sources) != 1:
+            raise MergeSpecError(f"{where}: needs exactly one source; tailorstore composes layers, it does not average")
+        source = sources[0]
+        step = _step_of(source, where)
+        span = source.get("layer_range")
+        if not (isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span) and 0 <= span[0] < span[1]):
+            raise MergeSpecError(f"{where}: layer_range must be [start, end) with 0 <= start < end")
+        for index in range(span[0], span[1]):
+            label = block_label(index)
+            if index not in blocks:
+                raise MergeSpecError(f"{where}: block {index} does not exist; the model has blocks 0..{max(blocks)}")
+            if label in chosen:
+                raise MergeSpecError(f"{where}: block {index} is already taken by an earlier slice (ranges overlap)")
+            chosen[label] = step
+    missing = [i for i in blocks if block_label(i) not in chosen]
+    if missing:
+        raise MergeSpecError(f"{origin}: blocks {missing} are in no slice; every block must come from exactly one")
+    for key, label in _AUX_KEYS.items():
+        if key in spec:
+            chosen[label] = _step_of(spec[key], f"{origin}: {key}")
+    return base, chosen
+
+
+def merge(store: Store, spec_path: Path, tag: str) -> MergeResult:
+    began = time.perf_counter()
+    check_tag(tag)
+    try:
+        spec = yaml.safe_load(Path(spec_path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise MergeSpecError(f"{spec_path}: cannot read the spec ({exc})") from None
+    base_step = _step_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base")
+    base = store.resolve(f"step={base_step}")
+    layers = {r["layer"] for r in store.conn.execute("SELECT layer FROM layers WHERE manifest=?", (base,))}
+    blocks = sorted(i for name in layers if (i := block_index(name)) is not None)
+    if not blocks:
+        raise MergeSpecError(f"step {base_step} has no transformer blocks to slice")
+    _, chosen = parse_spec(spec, blocks, str(spec_path))
+    manifests = {step: store.resolve(f"step={step}") for step in set(chosen.values())}
+    with store.transaction() as conn:
+        if conn.execute("SELECT 1 FROM manifests WHERE tag=?", (tag,)).fetchone():
+            raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
+        new = _copy_manifest(conn, base, tag, spec_path, spec)
+        sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
+        _copy_rows(conn, base, new, sources)
+    return MergeResult(new, tag, base_step, {k: v for k, v in sorted(chosen.items())}, time.perf_counter() - began)
+
+
+def _copy_manifest(conn: sqlite3.Connection, base: int, tag: str, spec_path: Path, spec: Any) -> int:
+    row = conn.execute(
+        "INSERT INTO manifests(step, origin, tag, created_at, layout, ds_tag, zero_stage, world_size, policy, exact,"
+        " raw_bytes, new_bytes, source) SELECT step, 'merge', ?, ?, layout, ds_tag, zero_stage, world_size, ?, 0,"
+        " raw_bytes, 0, ? FROM manifests WHERE id=?",
+        (tag, time.time(), json.dumps({"name": "merge", "spec": spec}), str(Path(spec_path).resolve()), base),
+    )
+    conn.execute(
+        "INSERT INTO files(manifest, path, file_key, kind, rank, blob, raw_size, mode, trusted)"
+        " SELECT ?, path, file_key, kind, rank, blob, raw_size, mode, trusted FROM files WHERE manifest=?",
+        (row.lastrowid, base),
+    )
+    return int(row.lastrowid)
+
+
+def _copy_rows(conn: sqlite3.Connection, base: int, new: int, sources: dict[str, int]) -> None:
+    cache: dict[int, dict[tuple, sqlite3.Row]] = {}
+    rows = []
+    for a in conn.execute(
+        "SELECT a.*, f.file_key FROM atoms a JOIN files f ON f.manifest=a.manifest AND f.path=a.path"
+        " WHERE a.manifest=?",
+        (base,),
+    ):
+        source = sources.get(a["layer"], base) if a["layer"] != STATE else base
+        blob, derived = a["blob"], a["derived"]
+        if source != base:
+            if source not in cache:
+                cache[source] = {
+                    (s["file_key"], s["param"], s["kind"], s["rank"], s["start"], s["numel"]): s
+                    for s in conn.execute(
+                        "SELECT a.*, f.file_key FROM atoms a JOIN files f ON f.manifest=a.manifest AND f.path=a.path"
+                        " WHERE a.manifest=?",
+                        (source,),
+                    )
+                }
+            match = cache[source].get((a["file_key"], a["param"], a["kind"], a["rank"], a["start"], a["numel"]))
+            if match is None or match["dtype"] != a["dtype"]:
+                raise MergeSpecError(
+                    f"layer {a['layer']}: the source step has no matching piece for {a['param']} ({a['kind']}, rank "
+                    f"{a['rank']}); the steps differ in layout or world size and cannot be merged"
+                )
+            blob, derived = match["blob"], match["derived"]
+        rows.append((new, a["path"], a["slot"], a["offset"], a["numel"], a["dtype"], a["shape"], a["param"], a["kind"],
+                     a["rank"], a["start"], a["nbytes"], a["layer"], blob, derived))
+    conn.executemany(
+        "INSERT INTO atoms(manifest, path, slot, offset, numel, dtype, shape, param, kind, rank, start, nbytes, layer,"
+        " blob, derived) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        rows,
+    )
+    for layer_row in conn.execute("SELECT * FROM layers WHERE manifest=?", (base,)).fetchall():
+        source = sources.get(layer_row["layer"], base) if layer_row["layer"] != STATE else base
+        src = conn.execute(
+            "SELECT source, source_step FROM layers WHERE manifest=? AND layer=?", (source, layer_row["layer"])
+        ).fetchone()
+        conn.execute(
+            "INSERT INTO layers(manifest, layer, source, source_step, raw_bytes, stored, change) VALUES (?,?,?,?,?,0,?)",
+            (new, layer_row["layer"], src["source"], src["source_step"], layer_row["raw_bytes"], None),
+        )

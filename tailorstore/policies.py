@@ -1,0 +1,105 @@
+"""Policies: pure functions that decide which layers a commit stores.
+
+A layer that is not stored is inherited from the newest earlier step that has it; the
+commit machinery does that. A policy only answers "which layers now?", from facts handed
+to it, so it is trivial to test and to add: write a function, register it in POLICIES.
+
+Whatever a policy says, a commit stores ``state`` (step counters, padding, unknown
+tensors) and every layer that no earlier step can supply, and the first commit of a store
+stores everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from .errors import TailorError
+from .layers import STATE, block_index
+
+
+class PolicyError(TailorError):
+    """A policy name or parameter is wrong."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str = "full"
+    params: Mapping[str, float] = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        return {"name": self.name, **dict(self.params)}
+
+
+@dataclass(frozen=True)
+class CommitFacts:
+    layers: frozenset[str]  # every layer label in the checkpoint being committed
+    commit_index: int  # how many commits the store already holds (0 for the first)
+    inheritable: frozenset[str]  # layers an earlier step can supply
+    changes: Mapping[str, float] | None = None  # relative change per block layer, when measured
+
+
+def _blocks(facts: CommitFacts) -> list[tuple[int, str]]:
+    return sorted((i, name) for name in facts.layers if (i := block_index(name)) is not None)
+
+
+def _aux(facts: CommitFacts) -> set[str]:
+    return {name for name in facts.layers if block_index(name) is None}
+
+
+def full(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
+    return set(facts.layers)
+
+
+def parity(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
+    """Even blocks on one commit, odd on the next; the auxiliary groups every time."""
+    turn = facts.commit_index % 2
+    return _aux(facts) | {name for i, name in _blocks(facts) if i % 2 == turn}
+
+
+def filter_policy(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
+    """The first K and last M blocks and the auxiliary groups always; the rest every E-th commit."""
+    first, last, every = int(params.get("keep_first", 0)), int(params.get("keep_last", 0)), int(params.get("every", 1))
+    if every < 1 or first < 0 or last < 0:
+        raise PolicyError("filter needs --keep-first >= 0, --keep-last >= 0 and --every >= 1")
+    blocks = _blocks(facts)
+    edge = {name for pos, (_, name) in enumerate(blocks) if pos < first or pos >= len(blocks) - last}
+    middle = {name for _, name in blocks} if facts.commit_index % every == 0 else set()
+    return _aux(facts) | edge | middle
+
+
+def adaptive(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
+    """A block is stored when its FP32 master moved by at least the threshold since it was last stored."""
+    threshold = float(params.get("threshold", 0.0))
+    if threshold < 0:
+        raise PolicyError("adaptive needs --threshold >= 0")
+    if facts.changes is None:
+        return set(facts.layers)
+    return _aux(facts) | {
+        name for _, name in _blocks(facts) if facts.changes.get(name, float("inf")) >= threshold
+    }
+
+
+POLICIES: dict[str, Callable[[CommitFacts, Mapping[str, float]], set[str]]] = {
+    "full": full,
+    "parity": parity,
+    "filter": filter_policy,
+    "adaptive": adaptive,
+}
+
+
+def decide(spec: PolicySpec, facts: CommitFacts) -> frozenset[str]:
+    try:
+        policy = POLICIES[spec.name]
+    except KeyError:
+        raise PolicyError(f"unknown policy {spec.name!r}; choose one of {', '.join(POLICIES)}") from None
+    chosen = policy(facts, spec.params)
+    if facts.commit_index == 0:
+        chosen = set(facts.layers)
+    chosen |= {STATE} & facts.layers
+    chosen |= facts.layers - facts.inheritable
+    return frozenset(chosen & facts.layers)
+
+
+def needs_changes(spec: PolicySpec) -> bool:
+    return spec.name == "adaptive"

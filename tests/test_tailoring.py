@@ -1,0 +1,221 @@
+"""Layer-wise tailoring on real DeepSpeed runs: policies, composites, merge, diff and plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step
+
+from tailorstore import atoms as A
+from tailorstore.checkout import checkout_step
+from tailorstore.commit import CommitOptions, commit_checkpoint
+from tailorstore.formats.layout import detect
+from tailorstore.formats.reader import read_checkpoint
+from tailorstore.layers import block_index
+from tailorstore.policies import PolicySpec
+from tailorstore.store.repo import Store
+from tailorstore.testing.compare import tensors_identical
+from tailorstore.testing.runs import train_tiny
+
+SAVES = list(range(TAILOR_EVERY, TAILOR_STEPS + 1, TAILOR_EVERY))
+KINDS = (A.WEIGHT, A.MASTER, A.EXP_AVG, A.EXP_AVG_SQ)
+
+
+def commit_series(store: Store, save_dir: Path, work: Path, policy: PolicySpec) -> None:
+    for step in SAVES:
+        commit_checkpoint(store, as_of_step(save_dir, step, work / f"at{step}"), CommitOptions(policy=policy))
+
+
+def pieces(ckpt: Path) -> dict[tuple[str, str, str, int, int], tuple[str, object]]:
+    """(file key, param, kind, rank, start) -> (layer, tensor piece), read straight from the files."""
+    layout = detect(ckpt)
+    out = {}
+    for f in read_checkpoint(layout):
+        for entry in f.entries:
+            flat = entry.tensor.reshape(-1)
+            for seg in entry.segments:
+                if seg.kind in KINDS:
+                    key = (f.file_key, seg.param, seg.kind, seg.rank, seg.start)
+                    out[key] = (seg.layer, flat[seg.offset : seg.offset + seg.numel])
+    return out
+
+
+def assert_layers_from_sources(restored: Path, save_dir: Path, sources: dict[str, int], work: Path) -> None:
+    originals = {step: pieces(as_of_step(save_dir, step, work / f"orig{step}")) for step in set(sources.values())}
+    got = pieces(restored)
+    checked = 0
+    for key, (layer, tensor) in got.items():
+        if layer not in sources:
+            continue
+        source_layer, original = originals[sources[layer]][key]
+        assert source_layer == layer
+        assert tensors_identical(tensor, original), f"{key} differs from step {sources[layer]}"  # type: ignore[arg-type]
+        checked += 1
+    assert checked > 0
+
+
+def resume_finite(restored: Path, run_options: dict[str, object], start: int, work: Path, steps: int = 5) -> dict:
+    losses = train_tiny(work / "resume-save", losses_out=work / "resume.json", resume_from=restored,
+                        steps=start + steps, save_every=0, **run_options)
+    assert sorted(losses) == list(range(start + 1, start + steps + 1))
+    assert all(math.isfinite(float.fromhex(v)) for v in losses.values())
+    return losses
+
+
+def block_bytes(store: Store) -> int:
+    return store.conn.execute(
+        "SELECT coalesce(sum(b.stored_size), 0) FROM blobs b WHERE b.hash IN (SELECT blob FROM atoms "
+        "WHERE layer LIKE 'block.%' AND derived IS NULL)"
+    ).fetchone()[0]
+
+
+@pytest.mark.parametrize("config", ["tailor-zero2", "tailor-zero3"])
+def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp_path: Path) -> None:
+    run = runs.get(config)
+    full = Store.init(tmp_path / "full")
+    parity = Store.init(tmp_path / "parity")
+    commit_series(full, run.save_dir, tmp_path / "f", PolicySpec("full"))
+    commit_series(parity, run.save_dir, tmp_path / "p", PolicySpec("parity"))
+    ratio = block_bytes(parity) / block_bytes(full)
+    # 6 blocks over 6 saves: the first stores all 6, the next five 3 each: 21 of 36 block versions.
+    assert 0.45 <= ratio <= 0.65, ratio
+
+    log = parity.conn.execute("SELECT id, step, exact FROM manifests ORDER BY step").fetchall()
+    assert [r["exact"] for r in log] == [1, 0, 0, 0, 0, 0]
+    for r in log[1:]:
+        stored = {x["layer"] for x in parity.conn.execute("SELECT layer FROM layers WHERE manifest=? AND stored", (r["id"],))}
+        blocks = {block_index(x) for x in stored} - {None}
+        turn = SAVES.index(r["step"]) % 2
+        assert blocks == {i for i in range(6) if i % 2 == turn}
+        assert {"embedding", "final_norm", "lm_head", "state"} <= stored
+
+    for r in log[1:]:
+        step = r["step"]
+        sources = {x["layer"]: x["source_step"] for x in parity.conn.execute(
+            "SELECT layer, source_step FROM layers WHERE manifest=?", (r["id"],))}
+        assert any(v != step for v in sources.values())
+        restored = tmp_path / f"composite{step}"
+        warnings: list[str] = []
+        checkout_step(parity, f"step={step}", restored, warn=warnings.append)
+        assert warnings and "composite" in warnings[0] and f"from step {step - TAILOR_EVERY}" in warnings[0]
+        assert_layers_from_sources(restored, run.save_dir, sources, tmp_path / f"cmp{step}")
+        resume_finite(restored, run.options, step, tmp_path / f"resume{step}")
+
+
+def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
+    run = runs.get("tailor-zero2")
+    filtered = Store.init(tmp_path / "filter")
+    commit_series(filtered, run.save_dir, tmp_path / "f", PolicySpec("filter", {"keep_first": 1, "keep_last": 1, "every": 3}))
+    for i, r in enumerate(filtered.conn.execute("SELECT id FROM manifests ORDER BY step").fetchall()):
+        stored = {x[0] for x in filtered.conn.execute("SELECT layer FROM layers WHERE manifest=? AND stored", (r["id"],))}
+        blocks = {block_index(x) for x in stored} - {None}
+        assert blocks == (set(range(6)) if i % 3 == 0 else {0, 5}), (i, blocks)
+        assert {"embedding", "final_norm", "lm_head"} <= stored
+
+    huge = Store.init(tmp_path / "huge")
+    commit_series(huge, run.save_dir, tmp_path / "h", PolicySpec("adaptive", {"threshold": 1e9}))
+    zero = Store.init(tmp_path / "zero")
+    commit_series(zero, run.save_dir, tmp_path / "z", PolicySpec("adaptive", {"threshold": 0.0}))
+    for store, expect_blocks in ((huge, False), (zero, True)):
+        rows = store.conn.execute("SELECT id FROM manifests ORDER BY step").fetchall()
+        for r in rows[1:]:
+            layers = store.conn.execute("SELECT layer, stored, change FROM layers WHERE manifest=?", (r["id"],)).fetchall()
+            stored = {x["layer"] for x in layers if x["stored"]}
+            assert {x for x in stored if block_index(x) is None} >= {"embedding", "final_norm", "lm_head", "state"}
+            assert any(block_index(x) is not None for x in stored) == expect_blocks
+            changes = [x["change"] for x in layers if block_index(x["layer"]) is not None]
+            assert len(changes) == 6 and all(c is not None and c > 0 for c in changes)
+
+
+def test_merge_from_three_steps(runs: Runs, tmp_path: Path) -> None:
+    run = runs.get("tailor-zero2")
+    store = Store.init(tmp_path / "store")
+    commit_series(store, run.save_dir, tmp_path / "c", PolicySpec("full"))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "base: {step: 18}\n"
+        "slices:\n"
+        "  - sources: [{step: 6, layer_range: [0, 2]}]\n"
+        "  - sources: [{step: 12, layer_range: [2, 4]}]\n"
+        "  - sources: [{step: 18, layer_range: [4, 6]}]\n"
+        "embed: {step: 18}\nnorm: {step: 12}\nlm_head: {step: 6}\n"
+    )
+    blobs_before = store.conn.execute("SELECT count(*) FROM blobs").fetchone()[0]
+    env = dict(os.environ, TAILOR_STORE=str(store.root))
+    proc = subprocess.run(["tailor", "merge", str(spec), "--tag", "mix", "--json"], capture_output=True, text=True,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["sources"]["block.2"] == 12
+    assert store.conn.execute("SELECT count(*) FROM blobs").fetchone()[0] == blobs_before  # no blob written
+    restored = tmp_path / "mix"
+    checkout_step(store, "tag=mix", restored)
+    sources = {"block.0": 6, "block.1": 6, "block.2": 12, "block.3": 12, "block.4": 18, "block.5": 18,
+               "embedding": 18, "final_norm": 12, "lm_head": 6}
+    assert_layers_from_sources(restored, run.save_dir, sources, tmp_path / "cmp")
+    resume_finite(restored, run.options, 18, tmp_path / "resume")
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("base: {step: 18}\nslices:\n  - sources: [{step: 6, layer_range: [0, 4]}]\n"
+         "  - sources: [{step: 12, layer_range: [3, 6]}]\n", "ranges overlap"),
+        ("base: {step: 18}\nslices:\n  - sources: [{step: 6, layer_range: [0, 4]}]\n", "blocks [4, 5] are in no slice"),
+        ("base: {step: 18}\nslices:\n  - sources: [{step: 7, layer_range: [0, 6]}]\n", "step 7 is not in the store"),
+        ("base: {step: 18}\nslices:\n  - sources: [{step: 6}]\n", "layer_range must be"),
+        ("slices:\n  - sources: [{step: 6, layer_range: [0, 6]}]\n", "base: needs a step"),
+        ("base: {step: 18}\nslices:\n  - sources: [{step: 6, layer_range: [0, 9]}]\n", "block 6 does not exist"),
+    ],
+)
+def test_bad_merge_specs(body: str, message: str, runs: Runs, tmp_path: Path) -> None:
+    run = runs.get("tailor-zero2")
+    store = Store.init(tmp_path / "store")
+    for step in (6, 12, 18):
+        commit_checkpoint(store, as_of_step(run.save_dir, step, tmp_path / f"at{step}"))
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(body)
+    env = dict(os.environ, TAILOR_STORE=str(store.root))
+    proc = subprocess.run(["tailor", "merge", str(spec), "--tag", "bad"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert store.conn.execute("SELECT count(*) FROM manifests").fetchone()[0] == 3
+
+
+def test_diff_and_plot(runs: Runs, tmp_path: Path) -> None:
+    run = runs.get("tailor-zero2")
+    store = Store.init(tmp_path / "store")
+    commit_series(store, run.save_dir, tmp_path / "c", PolicySpec("full"))
+    env = dict(os.environ, TAILOR_STORE=str(store.root))
+    proc = subprocess.run(["tailor", "diff", "step=3", "step=18", "--json"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["layer"]: r for r in json.loads(proc.stdout)["layers"]}
+    assert {f"block.{i}" for i in range(6)} <= set(rows)
+    assert all(rows[f"block.{i}"]["master"] > 0 and rows[f"block.{i}"]["weight"] > 0 for i in range(6))
+    same = subprocess.run(["tailor", "diff", "step=6", "step=6", "--json"], capture_output=True, text=True, env=env)
+    assert all(r["master"] == 0.0 for r in json.loads(same.stdout)["layers"])
+    png = tmp_path / "change.png"
+    proc = subprocess.run(["tailor", "plot", "--out", str(png)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_quality_parity_composite_against_exact(runs: Runs, tmp_path: Path) -> None:
+    """20 more steps from the parity composite and from the exact checkpoint of the same step."""
+    run = runs.get("tailor-zero2")
+    parity = Store.init(tmp_path / "parity")
+    commit_series(parity, run.save_dir, tmp_path / "p", PolicySpec("parity"))
+    last = SAVES[-1]
+    composite = tmp_path / "composite"
+    checkout_step(parity, f"step={last}", composite)
+    assert parity.conn.execute("SELECT exact FROM manifests WHERE step=?", (last,)).fetchone()[0] == 0
+    exact = as_of_step(run.save_dir, last, tmp_path / "exact")
+    from_composite = resume_finite(composite, run.options, last, tmp_path / "rc", steps=20)
+    from_exact = resume_finite(exact, run.options, last, tmp_path / "re", steps=20)
+    a, b = float.fromhex(from_composite[last + 20]), float.fromhex(from_exact[last + 20])
+    print(f"final loss after 20 more steps: parity composite {a:.6f}, exact {b:.6f}")
+    assert abs(a - b) / b <= 0.05
