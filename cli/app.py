@@ -227,6 +227,107 @@ def plot(
     typer.echo(f"wrote {out}")
 
 
+@app.command("tag")
+def tag_cmd(
+    selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"),
+    name: str = typer.Argument(..., help="The tag; gc never drops a tagged step."),
+    force: bool = typer.Option(False, "--force", help="Move the tag if another step has it."),
+    store: Path | None = StoreOpt,
+) -> None:
+    """Name a step. Tagged steps are kept by every gc."""
+    from tailorstore.refs import tag
+
+    with Store.open(store) as st:
+        tag(st, selector, name, force=force)
+    typer.echo(f"tagged {selector} as {name}")
+
+
+@app.command()
+def pin(selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"), store: Path | None = StoreOpt) -> None:
+    """Protect a step from gc."""
+    from tailorstore.refs import pin as pin_step
+
+    with Store.open(store) as st:
+        pin_step(st, selector, True)
+    typer.echo(f"pinned {selector}")
+
+
+@app.command()
+def unpin(selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"), store: Path | None = StoreOpt) -> None:
+    """Let gc drop a step again."""
+    from tailorstore.refs import pin as pin_step
+
+    with Store.open(store) as st:
+        pin_step(st, selector, False)
+    typer.echo(f"unpinned {selector}")
+
+
+@app.command()
+def rm(
+    selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"),
+    force: bool = typer.Option(False, "--force", help="Also drop a tagged or pinned step."),
+    store: Path | None = StoreOpt,
+) -> None:
+    """Drop one manifest. Its blobs are freed by the next gc, unless another manifest uses them."""
+    from tailorstore.refs import remove
+
+    with Store.open(store) as st:
+        remove(st, selector, force=force)
+    typer.echo(f"removed {selector}; run `tailor gc` to free its blobs")
+
+
+@app.command()
+def gc(
+    keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the K newest committed steps."),
+    keep_every: int | None = typer.Option(None, "--keep-every", help="Keep steps whose number is a multiple of N."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and change nothing."),
+    store: Path | None = StoreOpt,
+    as_json: bool = JsonOpt,
+    lock_timeout: float = LockOpt,
+) -> None:
+    """Drop steps outside the retention rules, then delete every blob no kept manifest uses."""
+    from tailorstore.gc import Retention
+    from tailorstore.gc import gc as run_gc
+
+    def show_plan(plan: object) -> None:
+        if not as_json:
+            typer.echo(("plan (dry run): " if dry_run else "plan: ") + plan.summary())  # type: ignore[attr-defined]
+
+    with Store.open(store) as st:
+        plan = run_gc(st, Retention(keep_last, keep_every), dry_run=dry_run, lock_timeout=lock_timeout,
+                      on_wait=_say, show_plan=show_plan)
+    if as_json:
+        typer.echo(json.dumps({**asdict(plan), "dry_run": dry_run}))
+    elif not dry_run:
+        typer.echo("done")
+
+
+@app.command()
+def verify(
+    selector: str | None = typer.Argument(None, help="step=N, tag=NAME or latest (default: every manifest)"),
+    deep: bool = typer.Option(False, "--deep", help="Also decode and re-hash every blob."),
+    store: Path | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Check that every manifest's blobs exist and every index row is consistent."""
+    from tailorstore.verify import verify as run_verify
+
+    with Store.open(store) as st:
+        report = run_verify(st, selector, deep=deep)
+    if as_json:
+        typer.echo(json.dumps(asdict(report)))
+    else:
+        for problem in report.problems:
+            typer.echo(f"problem: {problem}", err=True)
+        for note in report.notes:
+            typer.echo(f"note: {note}")
+        typer.echo(f"checked {report.manifests} manifest(s), {report.blobs_checked} blob(s)"
+                   f"{f', re-hashed {human(report.bytes_rehashed)}' if deep else ''}: "
+                   f"{'ok' if report.ok else f'{len(report.problems)} problem(s)'}")
+    if not report.ok:
+        raise typer.Exit(3)
+
+
 def main() -> None:
     try:
         app()

@@ -42,6 +42,10 @@ TAILOR_CONFIGS: dict[str, dict[str, object]] = {
     "tailor-zero3": {"stage": 3, "dtype": "bf16", "layers": 6},
 }
 TAILOR_STEPS, TAILOR_EVERY = 18, 3
+# Ten saves, one per step, for retention and crash tests.
+HEALTH_CONFIGS: dict[str, dict[str, object]] = {
+    "ten-saves": {"stage": 2, "dtype": "bf16", "steps": 10, "save_every": 1},
+}
 
 
 @dataclass
@@ -60,13 +64,14 @@ class Runs:
     def get(self, name: str) -> Run:
         if name not in self._cache:
             tailoring = name in TAILOR_CONFIGS
-            options = dict(TAILOR_CONFIGS[name] if tailoring else CONFIGS[name])
+            options = dict({**CONFIGS, **TAILOR_CONFIGS, **HEALTH_CONFIGS}[name])
             nproc = int(options.pop("nproc", 2))  # type: ignore[arg-type]
+            steps = int(options.pop("steps", TAILOR_STEPS if tailoring else 6))  # type: ignore[arg-type]
+            every = int(options.pop("save_every", TAILOR_EVERY if tailoring else 3))  # type: ignore[arg-type]
             base = self.root / name
             base.mkdir()
-            losses = train_tiny(base / "save", losses_out=base / "losses.json", nproc=nproc,
-                                steps=TAILOR_STEPS if tailoring else 6, save_every=TAILOR_EVERY if tailoring else 3,
-                                **options)
+            losses = train_tiny(base / "save", losses_out=base / "losses.json", nproc=nproc, steps=steps,
+                                save_every=every, **options)
             for path in (base / "save").rglob("*"):
                 if path.is_file():
                     path.chmod(0o444)

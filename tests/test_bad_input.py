@@ -16,7 +16,13 @@ from conftest import Runs, as_of_step, store_state
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import CommitOptions, commit_checkpoint
-from tailorstore.errors import BadCheckpointError, CorruptStoreError, StepExistsError, UnsafePathError, UnsafePickleError
+from tailorstore.errors import (
+    BadCheckpointError,
+    CorruptStoreError,
+    StepExistsError,
+    UnsafePathError,
+    UnsafePickleError,
+)
 from tailorstore.store.repo import Store
 
 TAILOR = [sys.executable, "-m", "tailorstore.cli.app"]
@@ -37,7 +43,7 @@ class Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
-def rewrite_pt(path: Path, mutate) -> None:  # noqa: ANN001 - a callable on the loaded object
+def rewrite_pt(path: Path, mutate) -> None:
     obj = torch.load(path, weights_only=False)
     mutate(obj)
     path.chmod(0o644)

@@ -9,12 +9,14 @@ is bounded, which bounds the compressed buffers held in memory.
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .. import codec
+from ..errors import StoreError
 from .repo import Store
 
 
@@ -54,7 +56,15 @@ class BlobWriter:
 
     def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool) -> NewBlob:
         encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level)
-        self.store.backend.put(digest, encoded.chunks)
+        try:
+            self.store.backend.put(digest, encoded.chunks)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreError(
+                    f"{self.store.root}: no space left on the device while writing blobs. The commit was not "
+                    "recorded and the store is as it was; free some space (or run `tailor gc`) and commit again."
+                ) from None
+            raise StoreError(f"{self.store.root}: writing blob {digest} failed ({exc}); the commit was not recorded.") from None
         return NewBlob(digest, len(data), encoded.size, encoded.descriptor, time.time())
 
     def finish(self) -> list[NewBlob]:

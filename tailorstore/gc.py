@@ -1,0 +1,127 @@
+"""``tailor gc``: drop manifests under retention rules, then delete unreferenced blobs.
+
+Like restic's prune, gc first computes a plan (the manifests to drop, the blobs to delete
+and the bytes freed), shows it, and only then carries it out, with the store lock held
+exclusively so no commit is in flight.
+
+The order of deletion is what keeps a killed gc harmless: manifests and blob rows leave
+the index in one transaction first, blob files are unlinked after. A crash in between
+leaves unindexed blob files, which are orphans that the next gc removes; it can never
+leave an index row that points at a deleted file.
+
+A blob is live when any kept manifest references it, through a file row or a non-derived
+atom row. Composites reference their inherited blobs directly, so a blob first stored at a
+dropped step lives on as long as a kept composite uses it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .store.repo import Store
+
+
+@dataclass(frozen=True)
+class Retention:
+    keep_last: int | None = None  # the K newest committed steps
+    keep_every: int | None = None  # committed steps whose number is a multiple of N
+
+    @property
+    def drops_manifests(self) -> bool:
+        return self.keep_last is not None or self.keep_every is not None
+
+
+@dataclass
+class GcPlan:
+    drop: list[tuple[int, int]] = field(default_factory=list)  # (manifest, step)
+    keep: list[tuple[int, int]] = field(default_factory=list)
+    dead_blobs: list[str] = field(default_factory=list)  # indexed, referenced by no kept manifest
+    orphan_files: list[str] = field(default_factory=list)  # blob files with no index row
+    temp_files: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+
+    def summary(self) -> str:
+        return (
+            f"drop {len(self.drop)} manifest(s) {[s for _, s in self.drop]}, keep {len(self.keep)}; delete "
+            f"{len(self.dead_blobs)} unreferenced blob(s), {len(self.orphan_files)} orphan blob file(s) and "
+            f"{len(self.temp_files)} temp file(s), freeing {self.freed_bytes} bytes"
+        )
+
+
+def kept_manifests(rows: list, rules: Retention) -> set[int]:
+    """Pure: which manifests survive. Tags, pins and merges always do."""
+    if not rules.drops_manifests:
+        return {r["id"] for r in rows}
+    commits = sorted((r for r in rows if r["origin"] == "commit"), key=lambda r: r["step"])
+    keep = {r["id"] for r in rows if r["tag"] or r["pinned"] or r["origin"] != "commit"}
+    if rules.keep_last:
+        keep |= {r["id"] for r in commits[-rules.keep_last :]}
+    if rules.keep_every:
+        keep |= {r["id"] for r in commits if r["step"] % rules.keep_every == 0}
+    return keep
+
+
+def plan_gc(store: Store, rules: Retention) -> GcPlan:
+    rows = store.conn.execute("SELECT id, step, origin, tag, pinned FROM manifests ORDER BY step, id").fetchall()
+    keep = kept_manifests(rows, rules)
+    plan = GcPlan(
+        drop=[(r["id"], r["step"]) for r in rows if r["id"] not in keep],
+        keep=[(r["id"], r["step"]) for r in rows if r["id"] in keep],
+    )
+    conn = store.conn
+    conn.execute("CREATE TEMP TABLE IF NOT EXISTS gc_keep(id INTEGER PRIMARY KEY)")
+    conn.execute("DELETE FROM gc_keep")
+    conn.executemany("INSERT INTO gc_keep(id) VALUES (?)", [(m,) for m in keep])
+    dead = conn.execute(
+        "SELECT hash, stored_size FROM blobs WHERE hash NOT IN ("
+        " SELECT blob FROM files WHERE manifest IN (SELECT id FROM gc_keep)"
+        " UNION SELECT blob FROM atoms WHERE derived IS NULL AND manifest IN (SELECT id FROM gc_keep))"
+    ).fetchall()
+    plan.dead_blobs = [r["hash"] for r in dead]
+    plan.freed_bytes = sum(r["stored_size"] for r in dead)
+    indexed = {r[0] for r in conn.execute("SELECT hash FROM blobs")}
+    for name in store.backend.names():
+        if name not in indexed:
+            plan.orphan_files.append(name)
+            plan.freed_bytes += store.backend.size(name)
+    for tmp in store.backend.temp_files():
+        plan.temp_files.append(tmp.name)
+        plan.freed_bytes += tmp.stat().st_size
+    return plan
+
+
+def gc(
+    store: Store,
+    rules: Retention,
+    *,
+    dry_run: bool = False,
+    lock_timeout: float = 600.0,
+    on_wait: Callable[[str], None] | None = None,
+    show_plan: Callable[[GcPlan], None] | None = None,
+) -> GcPlan:
+    with store.lock(exclusive=True, timeout=lock_timeout, on_wait=on_wait):
+        plan = plan_gc(store, rules)
+        if show_plan:
+            show_plan(plan)
+        if dry_run:
+            return plan
+        with store.transaction() as conn:
+            conn.executemany("DELETE FROM manifests WHERE id=?", [(m,) for m, _ in plan.drop])
+            conn.executemany("DELETE FROM blobs WHERE hash=?", [(h,) for h in plan.dead_blobs])
+        for name in [*plan.dead_blobs, *plan.orphan_files]:
+            store.backend.delete(name)
+        for name in plan.temp_files:
+            (store.backend.tmp_dir / name).unlink(missing_ok=True)
+        _sync_dir(store)
+    return plan
+
+
+def _sync_dir(store: Store) -> None:
+    fd = os.open(store.backend.blob_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+

@@ -1,0 +1,42 @@
+"""Naming and protecting manifests: ``tailor tag``, ``tailor pin``, ``tailor rm``.
+
+Tags and pins are what retention never drops. ``rm`` drops one manifest at once; the blobs
+it alone used stay until ``tailor gc``, like git's unreachable objects.
+"""
+
+from __future__ import annotations
+
+from .commit import check_tag
+from .errors import StepExistsError, StoreError
+from .store.repo import Store
+
+
+def tag(store: Store, selector: str, name: str, *, force: bool = False) -> int:
+    check_tag(name)
+    manifest = store.resolve(selector)
+    with store.transaction() as conn:
+        holder = conn.execute("SELECT id FROM manifests WHERE tag=?", (name,)).fetchone()
+        if holder and holder["id"] != manifest:
+            if not force:
+                raise StepExistsError(f"tag {name!r} already names another manifest; pass --force to move it")
+            conn.execute("UPDATE manifests SET tag=NULL WHERE id=?", (holder["id"],))
+        conn.execute("UPDATE manifests SET tag=? WHERE id=?", (name, manifest))
+    return manifest
+
+
+def pin(store: Store, selector: str, pinned: bool = True) -> int:
+    manifest = store.resolve(selector)
+    with store.transaction() as conn:
+        conn.execute("UPDATE manifests SET pinned=? WHERE id=?", (int(pinned), manifest))
+    return manifest
+
+
+def remove(store: Store, selector: str, *, force: bool = False) -> int:
+    manifest = store.resolve(selector)
+    row = store.manifest(manifest)
+    if (row["pinned"] or row["tag"]) and not force:
+        what = "pinned" if row["pinned"] else f"tagged {row['tag']!r}"
+        raise StoreError(f"step {row['step']} is {what}; unpin or untag it first, or pass --force")
+    with store.transaction() as conn:
+        conn.execute("DELETE FROM manifests WHERE id=?", (manifest,))
+    return manifest

@@ -1,0 +1,141 @@
+"""kill -9 at random moments of commit, gc and checkout: the store always opens and verifies.
+
+Kill times are drawn from a seeded generator over the measured span of each command, from
+shortly before its imports finish to just after it would have ended, so the kills land while
+files are read, blobs are written, the index transaction runs, and after.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import Runs, as_of_step
+from test_roundtrip import assert_same_checkpoint
+
+from tailorstore.checkout import checkout_step
+from tailorstore.commit import commit_checkpoint
+from tailorstore.gc import Retention, gc
+from tailorstore.refs import remove
+from tailorstore.store.repo import Store
+from tailorstore.verify import verify
+
+KILLS = 20
+SEED = 20261122
+
+
+def start(store: Path, *args: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, TAILOR_STORE=str(store))
+    return subprocess.Popen(["tailor", *args, "--quiet"] if args[0] != "gc" else ["tailor", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def timed(store: Path, *args: str) -> float:
+    began = time.perf_counter()
+    assert start(store, *args).wait(timeout=300) == 0
+    return time.perf_counter() - began
+
+
+def kill_at(proc: subprocess.Popen[bytes], delay: float) -> bool:
+    """SIGKILL after ``delay`` seconds; True when the kill landed before the process ended."""
+    try:
+        proc.wait(timeout=delay)
+        return False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return True
+
+
+def check_intact(store: Store, run: Runs, steps: list[int], save_dir: Path, work: Path) -> None:
+    report = verify(store, deep=True)
+    assert report.ok, report.problems
+    for step in steps:
+        out = work / f"out{step}"
+        checkout_step(store, f"step={step}", out)
+        assert_same_checkpoint(as_of_step(save_dir, step, work / f"ref{step}"), out)
+
+
+def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
+    save_dir = runs.get("ten-saves").save_dir
+    store = Store.init(tmp_path / "store")
+    for step in (1, 2):
+        commit_checkpoint(store, as_of_step(save_dir, step, tmp_path / f"at{step}"))
+    at3 = as_of_step(save_dir, 3, tmp_path / "at3")
+    visible = time_to_visible(store, at3)
+    remove(store, "step=3")
+    gc(store, Retention())  # so that every attempt writes its blobs again
+    rng = random.Random(SEED)
+    landed = absent = 0
+    for i in range(KILLS):
+        delay = rng.uniform(0.6 * visible, 1.1 * visible)
+        landed += kill_at(start(store.root, "commit", str(at3)), delay)
+        store.conn.close()
+        store = Store.open(store.root)  # a fresh open, as the next command would do
+        present = store.conn.execute("SELECT count(*) FROM manifests WHERE step=3").fetchone()[0]
+        check_intact(store, runs, [1, 2, 3] if present else [1, 2], save_dir, tmp_path / f"k{i}")
+        if present:
+            remove(store, "step=3")
+        else:
+            absent += 1
+    assert landed >= KILLS // 2 and absent >= 3, (landed, absent)
+    plan = gc(store, Retention())
+    assert not store.backend.temp_files()
+    assert verify(store, deep=True).ok and verify(store).notes == []
+    assert plan.freed_bytes >= 0
+
+
+def time_to_visible(store: Store, ckpt: Path) -> float:
+    """Seconds from starting `tailor commit` until its step shows in the index (polled)."""
+    began = time.perf_counter()
+    proc = start(store.root, "commit", str(ckpt))
+    seen = None
+    while proc.poll() is None or seen is None:
+        if seen is None and store.conn.execute("SELECT count(*) FROM manifests WHERE step=3").fetchone()[0]:
+            seen = time.perf_counter() - began
+        time.sleep(0.005)
+    assert proc.returncode == 0
+    return seen
+
+
+def test_kill_gc_at_random_points(runs: Runs, tmp_path: Path) -> None:
+    save_dir = runs.get("ten-saves").save_dir
+    store = Store.init(tmp_path / "store")
+    for step in (1, 2):
+        commit_checkpoint(store, as_of_step(save_dir, step, tmp_path / f"at{step}"))
+    garbage = {s: as_of_step(save_dir, s, tmp_path / f"g{s}") for s in range(3, 11)}
+    rng = random.Random(SEED + 1)
+    full = None
+    landed = 0
+    for i in range(KILLS):
+        step = 3 + i % 8
+        commit_checkpoint(store, garbage[step])
+        remove(store, f"step={step}")  # garbage for gc to collect
+        if full is None:
+            full = timed(store.root, "gc")
+            continue
+        landed += kill_at(start(store.root, "gc"), rng.uniform(0.3 * full, 1.05 * full))
+        store.conn.close()
+        store = Store.open(store.root)
+        check_intact(store, runs, [1, 2], save_dir, tmp_path / f"k{i}")
+    assert landed >= (KILLS - 1) // 2, landed
+    gc(store, Retention())
+    assert verify(store, deep=True).ok and verify(store).notes == []
+
+
+def test_killed_checkout_leaves_nothing_complete_looking(runs: Runs, tmp_path: Path) -> None:
+    save_dir = runs.get("ten-saves").save_dir
+    store = Store.init(tmp_path / "store")
+    commit_checkpoint(store, as_of_step(save_dir, 5, tmp_path / "at5"))
+    full = timed(store.root, "checkout", "step=5", "--out", str(tmp_path / "first"))
+    rng = random.Random(SEED + 2)
+    for i in range(6):
+        out = tmp_path / f"out{i}"
+        kill_at(start(store.root, "checkout", "step=5", "--out", str(out)), rng.uniform(0.5 * full, 1.05 * full))
+        if out.exists():  # the rename happened: then it is complete
+            assert_same_checkpoint(as_of_step(save_dir, 5, tmp_path / f"ref{i}"), out)
+    assert verify(store, deep=True).ok
