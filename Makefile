@@ -20,4 +20,5 @@ lint: $(STAMP)
 	$(PYTHON) -m ruff check .
 
 bench: $(STAMP)
-	$(PYTHON) -m benchmarks
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,bench]"
+	$(PYTHON) -m benchmarks --sizes small,medium,large --repeats 3

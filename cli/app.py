@@ -90,10 +90,19 @@ def commit(
     from tailorstore.commit import CommitOptions, commit_checkpoint
     from tailorstore.policies import PolicySpec
 
-    params = {"filter": {"keep_first": keep_first, "keep_last": keep_last, "every": every},
-              "adaptive": {"threshold": threshold}}.get(policy, {})
-    options = CommitOptions(step=step, tag=tag, force=force, trust_pickles=trust_pickles, level=level,
-                            lock_timeout=lock_timeout, policy=PolicySpec(policy, params))
+    params = {
+        "filter": {"keep_first": keep_first, "keep_last": keep_last, "every": every},
+        "adaptive": {"threshold": threshold},
+    }.get(policy, {})
+    options = CommitOptions(
+        step=step,
+        tag=tag,
+        force=force,
+        trust_pickles=trust_pickles,
+        level=level,
+        lock_timeout=lock_timeout,
+        policy=PolicySpec(policy, params),
+    )
     with Store.open(store) as st:
         result = commit_checkpoint(st, ckpt_dir, options, for_terminal(quiet or as_json), on_wait=_say)
     if as_json:
@@ -105,7 +114,9 @@ def commit(
         )
         typer.echo(f"  stored layers: {', '.join(result.stored_layers)}")
         if result.inherited_layers:
-            typer.echo("  inherited layers: " + ", ".join(f"{k} (step {v})" for k, v in result.inherited_layers.items()))
+            typer.echo(
+                "  inherited layers: " + ", ".join(f"{k} (step {v})" for k, v in result.inherited_layers.items())
+            )
         if result.changes:
             typer.echo("  change since last stored: " + ", ".join(f"{k} {v:.2e}" for k, v in result.changes.items()))
 
@@ -122,11 +133,18 @@ def checkout(
     from tailorstore.checkout import checkout_step
 
     with Store.open(store) as st:
-        result = checkout_step(st, selector, out, trust_pickles=trust_pickles, progress=for_terminal(quiet),
-                               warn=lambda m: _say(f"warning: {m}"))
+        result = checkout_step(
+            st,
+            selector,
+            out,
+            trust_pickles=trust_pickles,
+            progress=for_terminal(quiet),
+            warn=lambda m: _say(f"warning: {m}"),
+        )
     if not quiet:
-        typer.echo(f"checked out step {result.step} into {result.out}: {result.files} files, "
-                   f"{human(result.bytes_written)}")
+        typer.echo(
+            f"checked out step {result.step} into {result.out}: {result.files} files, {human(result.bytes_written)}"
+        )
 
 
 def _when(ts: float) -> str:
@@ -144,8 +162,10 @@ def log(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     typer.echo(f"{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
     for s in steps:
         kind = "exact" if s.exact else "composite"
-        typer.echo(f"{s.step:>8}  {_when(s.created_at)}  {(s.tag or '-'):12}  {human(s.raw_bytes):>10}  "
-                   f"{human(s.new_bytes):>10}  {kind}{'  pinned' if s.pinned else ''}")
+        typer.echo(
+            f"{s.step:>8}  {_when(s.created_at)}  {(s.tag or '-'):12}  {human(s.raw_bytes):>10}  "
+            f"{human(s.new_bytes):>10}  {kind}{'  pinned' if s.pinned else ''}"
+        )
 
 
 @app.command()
@@ -161,12 +181,16 @@ def show(
         typer.echo(json.dumps(asdict(detail), indent=2))
         return
     s = detail.summary
-    typer.echo(f"step {s.step}{f' (tag {s.tag})' if s.tag else ''}: {'exact' if s.exact else 'composite'}, "
-               f"committed {_when(s.created_at)}, {human(s.raw_bytes)} raw, policy {s.policy.get('name')}")
+    typer.echo(
+        f"step {s.step}{f' (tag {s.tag})' if s.tag else ''}: {'exact' if s.exact else 'composite'}, "
+        f"committed {_when(s.created_at)}, {human(s.raw_bytes)} raw, policy {s.policy.get('name')}"
+    )
     typer.echo(f"{'layer':14}  {'source':>7}  {'raw':>10}  {'stored':>10}  {'derived':>10}  kinds")
     for layer in detail.layers:
-        typer.echo(f"{layer.layer:14}  {layer.source_step:>7}  {human(layer.raw_bytes):>10}  "
-                   f"{human(layer.stored_bytes):>10}  {human(layer.derived_bytes):>10}  {','.join(layer.kinds)}")
+        typer.echo(
+            f"{layer.layer:14}  {layer.source_step:>7}  {human(layer.raw_bytes):>10}  "
+            f"{human(layer.stored_bytes):>10}  {human(layer.derived_bytes):>10}  {','.join(layer.kinds)}"
+        )
     typer.echo(f"derived weights saved {human(detail.derived_bytes)} (rebuilt from the FP32 master at checkout)")
 
 
@@ -253,7 +277,9 @@ def pin(selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"), 
 
 
 @app.command()
-def unpin(selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"), store: Path | None = StoreOpt) -> None:
+def unpin(
+    selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"), store: Path | None = StoreOpt
+) -> None:
     """Let gc drop a step again."""
     from tailorstore.refs import pin as pin_step
 
@@ -294,8 +320,14 @@ def gc(
             typer.echo(("plan (dry run): " if dry_run else "plan: ") + plan.summary())  # type: ignore[attr-defined]
 
     with Store.open(store) as st:
-        plan = run_gc(st, Retention(keep_last, keep_every), dry_run=dry_run, lock_timeout=lock_timeout,
-                      on_wait=_say, show_plan=show_plan)
+        plan = run_gc(
+            st,
+            Retention(keep_last, keep_every),
+            dry_run=dry_run,
+            lock_timeout=lock_timeout,
+            on_wait=_say,
+            show_plan=show_plan,
+        )
     if as_json:
         typer.echo(json.dumps({**asdict(plan), "dry_run": dry_run}))
     elif not dry_run:
@@ -321,9 +353,11 @@ def verify(
             typer.echo(f"problem: {problem}", err=True)
         for note in report.notes:
             typer.echo(f"note: {note}")
-        typer.echo(f"checked {report.manifests} manifest(s), {report.blobs_checked} blob(s)"
-                   f"{f', re-hashed {human(report.bytes_rehashed)}' if deep else ''}: "
-                   f"{'ok' if report.ok else f'{len(report.problems)} problem(s)'}")
+        typer.echo(
+            f"checked {report.manifests} manifest(s), {report.blobs_checked} blob(s)"
+            f"{f', re-hashed {human(report.bytes_rehashed)}' if deep else ''}: "
+            f"{'ok' if report.ok else f'{len(report.problems)} problem(s)'}"
+        )
     if not report.ok:
         raise typer.Exit(3)
 

@@ -28,27 +28,57 @@ def masters_by_layer(entries: list[A.TensorEntry], kind: str = A.MASTER) -> dict
     return out
 
 
-def stored_pieces(store: Store, manifest: int, layer: str, kind: str = A.MASTER) -> dict[PieceKey, torch.Tensor]:
-    """Decode a layer's pieces of one kind from the store (derived weights are rebuilt)."""
+def stored_pieces(
+    store: Store, manifest: int, layer: str, kind: str = A.MASTER, keys: set[PieceKey] | None = None
+) -> dict[PieceKey, torch.Tensor]:
+    """Decode a layer's pieces of one kind from the store (derived weights are rebuilt).
+
+    ``keys`` limits the decoding to those pieces, so a caller streaming file by file holds
+    only one file's worth.
+    """
     from .checkout import decode_atom  # checkout owns decoding; imported here to avoid a cycle
 
     rows = store.conn.execute(
         "SELECT * FROM atoms WHERE manifest=? AND layer=? AND kind=? ORDER BY param, rank, start",
         (manifest, layer, kind),
     ).fetchall()
-    return {(r["param"], r["rank"], r["start"]): decode_atom(store, manifest, r, "measuring change") for r in rows}
+    return {
+        (r["param"], r["rank"], r["start"]): decode_atom(store, manifest, r, "measuring change")
+        for r in rows
+        if keys is None or (r["param"], r["rank"], r["start"]) in keys
+    }
+
+
+class LayerChange:
+    """Accumulates ||w - w_ref||^2 and ||w_ref||^2 over the pieces of one layer as they stream by."""
+
+    def __init__(self) -> None:
+        self.diff = 0.0
+        self.ref = 0.0
+        self.pieces = 0
+        self.matched = True
+
+    def add(self, current: dict[PieceKey, torch.Tensor], reference: dict[PieceKey, torch.Tensor]) -> None:
+        if set(current) != set(reference):
+            self.matched = False
+            return
+        with torch.no_grad():
+            for key, tensor in current.items():
+                old = reference[key].float()
+                self.diff += float(torch.sum((tensor.float() - old) ** 2, dtype=torch.float64))
+                self.ref += float(torch.sum(old**2, dtype=torch.float64))
+        self.pieces += len(current)
+
+    def value(self) -> float:
+        if self.ref == 0.0:
+            return 0.0 if self.diff == 0.0 else math.inf
+        return math.sqrt(self.diff / self.ref)
 
 
 def relative_change(current: dict[PieceKey, torch.Tensor], reference: dict[PieceKey, torch.Tensor]) -> float | None:
     """None when the two sides do not hold the same pieces (different layout)."""
     if not reference or set(current) != set(reference):
         return None
-    diff = ref = 0.0
-    with torch.no_grad():
-        for key, tensor in current.items():
-            old = reference[key].float()
-            diff += float(torch.sum((tensor.float() - old) ** 2, dtype=torch.float64))
-            ref += float(torch.sum(old**2, dtype=torch.float64))
-    if ref == 0.0:
-        return 0.0 if diff == 0.0 else math.inf
-    return math.sqrt(diff / ref)
+    change = LayerChange()
+    change.add(current, reference)
+    return change.value()

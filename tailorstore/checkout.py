@@ -163,7 +163,9 @@ def decode_atom_into(store: Store, manifest: int, atom: sqlite3.Row, dest: memor
         raise CorruptStoreError(f"{where}: the FP32 master of {atom['param']} is incomplete; cannot rebuild its weight")
     rebuilt = byte_view(rebuild(master, dtype_from_name(atom["dtype"])))
     if codec.content_hash(rebuilt) != atom["blob"]:
-        raise CorruptStoreError(f"{where}: the weight rebuilt from the master of {atom['param']} does not match its hash")
+        raise CorruptStoreError(
+            f"{where}: the weight rebuilt from the master of {atom['param']} does not match its hash"
+        )
     dest[:] = rebuilt
 
 
@@ -207,7 +209,9 @@ def _check_param_shapes(obj: Any, where: str) -> None:
         shapes.update(group)
     for name, tensor in obj["module"].items():
         if name in shapes and tensor.numel() and tuple(tensor.shape) != tuple(shapes[name]):
-            raise LayoutError(f"{where}: {name} has shape {tuple(tensor.shape)}, param_shapes say {tuple(shapes[name])}")
+            raise LayoutError(
+                f"{where}: {name} has shape {tuple(tensor.shape)}, param_shapes say {tuple(shapes[name])}"
+            )
 
 
 def _write_torch(store: Store, manifest: int, row: sqlite3.Row, target: Path, where: str, trust: bool) -> None:

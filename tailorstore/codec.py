@@ -76,8 +76,14 @@ def encode(data: memoryview, *, itemsize: int = 1, is_float: bool = False, level
         import blosc2
 
         chunks = [
-            blosc2.compress2(data[i : i + CHUNK], typesize=itemsize, clevel=level, codec=blosc2.Codec.ZSTD,
-                             filters=[blosc2.Filter.SHUFFLE], nthreads=1)
+            blosc2.compress2(
+                data[i : i + CHUNK],
+                typesize=itemsize,
+                clevel=level,
+                codec=blosc2.Codec.ZSTD,
+                filters=[blosc2.Filter.SHUFFLE],
+                nthreads=1,
+            )
             for i in range(0, n, CHUNK)
         ]
         if sum(len(c) for c in chunks) < n:

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import atoms as A
-from .changes import masters_by_layer, relative_change, stored_pieces
-from .derive import ROUND_FROM_MASTER, derivable, master_pieces
+from .changes import LayerChange, masters_by_layer, stored_pieces
+from .derive import LOW_PRECISION, ROUND_FROM_MASTER, RoundedMasters
 from .errors import BadCheckpointError, StepExistsError, StoreError
+from .formats.deepspeed import ModelInfo
 from .formats.layout import CheckpointLayout, detect
-from .formats.reader import RAW, ReadFile, read_checkpoint
+from .formats.reader import RAW, ReadFile, read_checkpoint, write_order
 from .layers import STATE, sort_key
 from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
@@ -99,10 +100,6 @@ def _refuse_existing(conn: sqlite3.Connection, step: int, tag: str | None) -> No
         raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag or pass --force.")
 
 
-def _layers_of(files: list[ReadFile]) -> frozenset[str]:
-    return frozenset(seg.layer for f in files for e in f.entries for seg in e.segments)
-
-
 def _inheritance(store: Store, step: int, layers: frozenset[str]) -> dict[str, _Inheritance]:
     """For each layer, the newest earlier committed step that has it, with its atoms by key."""
     found: dict[str, _Inheritance] = {}
@@ -126,18 +123,49 @@ def _load_inherited_atoms(store: Store, inherit: _Inheritance, layer: str) -> No
         inherit.atoms[(a["file_key"], a["param"], a["kind"], a["rank"], a["start"], a["numel"])] = a
 
 
-def _measure_changes(store: Store, files: list[ReadFile], sources: dict[str, _Inheritance]) -> dict[str, float]:
-    """Relative change of each layer's FP32 master since the version an earlier step holds."""
-    current = masters_by_layer([e for f in files for e in f.entries])
-    changes: dict[str, float] = {}
-    for layer, pieces in current.items():
-        source = sources.get(layer)
-        if source is None:
-            continue
-        change = relative_change(pieces, stored_pieces(store, source.manifest, layer))
-        if change is not None:
-            changes[layer] = change
-    return changes
+@dataclass
+class _Scan:
+    """What the first, validating pass learns; it holds no tensor data."""
+
+    files: list[ReadFile] = field(default_factory=list)  # without entries or skeletons
+    layers: frozenset[str] = frozenset()
+    weights: dict[str, tuple] = field(default_factory=dict)  # low-precision weights: param -> (dtype, numel)
+    infos: dict[str, ModelInfo] = field(default_factory=dict)
+
+
+def _scan(layout: CheckpointLayout, trust_pickles: bool) -> _Scan:
+    """Read and check every file, one at a time, before anything is written."""
+    scan = _Scan()
+    layers: set[str] = set()
+    for f in read_checkpoint(layout, trust_pickles=trust_pickles, infos=scan.infos):
+        for entry in f.entries:
+            for seg in entry.segments:
+                layers.add(seg.layer)
+                if seg.kind == A.WEIGHT and seg.start == 0 and entry.tensor.dtype in LOW_PRECISION:
+                    scan.weights[seg.param] = (entry.tensor.dtype, seg.numel)
+        f.entries, f.skeleton = [], None
+        scan.files.append(f)
+    scan.layers = frozenset(layers)
+    return scan
+
+
+def _measure_changes(
+    store: Store, layout: CheckpointLayout, scan: _Scan, trust: bool, sources: dict[str, _Inheritance]
+) -> dict[str, float]:
+    """Relative change of each layer's FP32 master since the version an earlier step holds, file by file."""
+    totals: dict[str, LayerChange] = {}
+    for f in read_checkpoint(layout, trust_pickles=trust, files=write_order(layout), infos=scan.infos):
+        for layer, pieces in masters_by_layer(f.entries).items():
+            if layer in sources:
+                stored = stored_pieces(store, sources[layer].manifest, layer, keys=set(pieces))
+                totals.setdefault(layer, LayerChange()).add(pieces, stored)
+    expected = {
+        layer: store.conn.execute(
+            "SELECT count(*) FROM atoms WHERE manifest=? AND layer=? AND kind='master'", (src.manifest, layer)
+        ).fetchone()[0]
+        for layer, src in sources.items()
+    }
+    return {layer: t.value() for layer, t in totals.items() if t.pieces == expected.get(layer) and t.matched}
 
 
 def commit_checkpoint(
@@ -152,9 +180,10 @@ def commit_checkpoint(
     began = time.perf_counter()
     tag = check_tag(options.tag) if options.tag else None
     layout = detect(Path(ckpt_dir))
-    files = list(read_checkpoint(layout, trust_pickles=options.trust_pickles))
+    scan = _scan(layout, options.trust_pickles)
+    files = scan.files
     step = _step_of(options, layout, files)
-    layers = _layers_of(files)
+    layers = scan.layers
 
     with store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock:
         if not options.force:
@@ -163,16 +192,17 @@ def commit_checkpoint(
         commits_before = store.conn.execute(
             "SELECT count(*) FROM manifests WHERE origin='commit' AND step<?", (step,)
         ).fetchone()[0]
-        changes = _measure_changes(store, files, sources) if needs_changes(options.policy) else {}
+        adaptive = needs_changes(options.policy)
+        changes = _measure_changes(store, layout, scan, options.trust_pickles, sources) if adaptive else {}
         stored = decide(
             options.policy,
-            CommitFacts(layers, commits_before, frozenset(sources), changes if needs_changes(options.policy) else None),
+            CommitFacts(layers, commits_before, frozenset(sources), changes if adaptive else None),
         )
         for layer in layers - stored:
             _load_inherited_atoms(store, sources[layer], layer)
         writer = BlobWriter(store, level=options.level, threads=options.threads)
         try:
-            plan = _write_files(files, stored, sources, writer, progress, options.derive_weights)
+            plan = _write_files(layout, scan, options, stored, sources, writer, progress)
             new_blobs = writer.finish()
         except BaseException:
             writer.abort()
@@ -201,9 +231,18 @@ def commit_checkpoint(
                 "INSERT INTO manifests(step, origin, tag, created_at, layout, ds_tag, zero_stage, world_size, policy,"
                 " exact, raw_bytes, new_bytes, source) VALUES (?,'commit',?,?,?,?,?,?,?,?,?,?,?)",
                 (
-                    step, tag, time.time(), layout.kind, layout.ds_tag, facts.get("zero_stage"),
-                    facts.get("world_size"), json.dumps(options.policy.as_json()), int(stored >= layers),
-                    raw_bytes, new_bytes, str(Path(ckpt_dir).resolve()),
+                    step,
+                    tag,
+                    time.time(),
+                    layout.kind,
+                    layout.ds_tag,
+                    facts.get("zero_stage"),
+                    facts.get("world_size"),
+                    json.dumps(options.policy.as_json()),
+                    int(stored >= layers),
+                    raw_bytes,
+                    new_bytes,
+                    str(Path(ckpt_dir).resolve()),
                 ),
             ).lastrowid
             conn.executemany(
@@ -220,9 +259,15 @@ def commit_checkpoint(
                 "INSERT INTO layers(manifest, layer, source, source_step, raw_bytes, stored, change)"
                 " VALUES (?,?,?,?,?,?,?)",
                 [
-                    (manifest, layer, manifest if layer in stored else sources[layer].source,
-                     step if layer in stored else sources[layer].source_step, plan.layer_bytes.get(layer, 0),
-                     int(layer in stored), changes.get(layer))
+                    (
+                        manifest,
+                        layer,
+                        manifest if layer in stored else sources[layer].source,
+                        step if layer in stored else sources[layer].source_step,
+                        plan.layer_bytes.get(layer, 0),
+                        int(layer in stored),
+                        changes.get(layer),
+                    )
                     for layer in layers
                 ],
             )
@@ -251,25 +296,28 @@ class _Plan:
 
 
 def _write_files(
-    files: list[ReadFile],
+    layout: CheckpointLayout,
+    scan: _Scan,
+    options: CommitOptions,
     stored: frozenset[str],
     sources: dict[str, _Inheritance],
     writer: BlobWriter,
     progress: Progress,
-    derive_weights: bool,
 ) -> _Plan:
+    """The second pass: one file at a time, masters before weights, each file released when done."""
     plan = _Plan()
-    masters = master_pieces([e for f in files for e in f.entries]) if derive_weights else {}
-    progress.start("commit", sum(f.size for f in files))
-    for f in files:
+    rounded = RoundedMasters(scan.weights if options.derive_weights else {})
+    progress.start("commit", sum(f.size for f in scan.files))
+    for f in read_checkpoint(layout, trust_pickles=options.trust_pickles, files=write_order(layout), infos=scan.infos):
         if f.kind == RAW:
             digest = writer.add(memoryview(f.source.read_bytes()))
         else:
             assert f.skeleton is not None
             digest = writer.add(memoryview(f.skeleton))
+            rounded.add_file(f.entries)
             for entry in f.entries:
                 for seg in entry.segments:
-                    plan.atom_rows.append(_atom_row(f, entry, seg, stored, sources, writer, masters, plan))
+                    plan.atom_rows.append(_atom_row(f, entry, seg, stored, sources, writer, rounded, plan))
         plan.file_rows.append((f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, int(f.trusted)))
         progress.advance(f.size)
     return plan
@@ -282,7 +330,7 @@ def _atom_row(
     stored: frozenset[str],
     sources: dict[str, _Inheritance],
     writer: BlobWriter,
-    masters: dict,
+    rounded: RoundedMasters,
     plan: _Plan,
 ) -> tuple:
     size = entry.tensor.element_size()
@@ -292,8 +340,9 @@ def _atom_row(
     derived: str | None = None
     if seg.layer in stored:
         piece = A.byte_view(entry.tensor)[seg.offset * size : seg.offset * size + nbytes]
-        if masters and derivable(entry.tensor, seg, masters):
-            blob, derived = writer.hash_only(piece), ROUND_FROM_MASTER
+        weight_hash = writer.hash_only(piece) if seg.param in rounded.hashes else None
+        if weight_hash is not None and rounded.derivable(seg, weight_hash):
+            blob, derived = weight_hash, ROUND_FROM_MASTER
             plan.derived_bytes += nbytes
         else:
             blob = writer.add(piece, itemsize=size, is_float=entry.tensor.is_floating_point())
@@ -307,8 +356,22 @@ def _atom_row(
                 "commit this step with --policy full."
             )
         blob, derived = old["blob"], old["derived"]
-    return (f.path, entry.slot, seg.offset, seg.numel, entry.dtype_name, shape, seg.param, seg.kind, seg.rank,
-            seg.start, nbytes, seg.layer, blob, derived)
+    return (
+        f.path,
+        entry.slot,
+        seg.offset,
+        seg.numel,
+        entry.dtype_name,
+        shape,
+        seg.param,
+        seg.kind,
+        seg.rank,
+        seg.start,
+        nbytes,
+        seg.layer,
+        blob,
+        derived,
+    )
 
 
 def _remove_unindexed(store: Store, writer: BlobWriter) -> None:

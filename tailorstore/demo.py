@@ -48,10 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     Store.init(store_root).close()
     model = {"stage": 2, "dtype": "bf16", "layers": 6, "dim": 96, "hidden": 256}
 
-    print(f"1. training {args.steps} steps (DeepSpeed ZeRO-2, bf16, 2 CPU ranks), committing every "
-          f"{args.save_every} steps into {store_root} and deleting each original...")
-    losses = train_tiny(work / "save", losses_out=work / "losses.json", steps=args.steps,
-                        save_every=args.save_every, commit_to=store_root, delete_after_commit=True, **model)
+    print(
+        f"1. training {args.steps} steps (DeepSpeed ZeRO-2, bf16, 2 CPU ranks), committing every "
+        f"{args.save_every} steps into {store_root} and deleting each original..."
+    )
+    losses = train_tiny(
+        work / "save",
+        losses_out=work / "losses.json",
+        steps=args.steps,
+        save_every=args.save_every,
+        commit_to=store_root,
+        delete_after_commit=True,
+        **model,
+    )
     left = [p.name for p in (work / "save").iterdir() if p.name.startswith("global_step")]
     print(f"   original tag folders left on disk: {left or 'none'}")
 
@@ -67,8 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         raw_total = sum(s.raw_bytes for s in steps)
 
     print(f"4. resuming DeepSpeed from the checkout at step {middle} and training to step {args.steps}...")
-    resumed = train_tiny(work / "resumed-save", losses_out=work / "resumed.json", resume_from=out,
-                         steps=args.steps, save_every=0, **model)
+    resumed = train_tiny(
+        work / "resumed-save",
+        losses_out=work / "resumed.json",
+        resume_from=out,
+        steps=args.steps,
+        save_every=0,
+        **model,
+    )
     expected = {s: losses[s] for s in resumed}
     match = resumed == expected and len(resumed) == args.steps - middle
     for s in sorted(resumed):
@@ -76,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   step {s:>3}: resumed {float.fromhex(resumed[s]):.6f} {mark} original {float.fromhex(losses[s]):.6f}")
     held = store_bytes(store_root)
     print(f"5. resumed losses match the uninterrupted run bit for bit: {'YES' if match else 'NO'}")
-    print(f"   raw checkpoints: {_human(raw_total)} in {len(steps)} steps; store on disk: {_human(held)} "
-          f"({raw_total / held:.2f}x smaller)")
+    print(
+        f"   raw checkpoints: {_human(raw_total)} in {len(steps)} steps; store on disk: {_human(held)} "
+        f"({raw_total / held:.2f}x smaller)"
+    )
     if args.workdir is None:
         shutil.rmtree(work)
     return 0 if match else 1

@@ -1,68 +1,68 @@
 """Derived weights: the bf16/fp16 model weight that is exactly the FP32 master, rounded.
 
 In mixed precision DeepSpeed makes each low-precision weight by rounding its FP32 master,
-so storing both stores the same information twice. At commit we check this per atom, bit
-for bit; where it holds the weight gets no blob, only a marker, and checkout rebuilds it
-from the master atoms of the same manifest and checks the result against the weight's
-recorded hash. Where it does not hold (a user edited weights, another rounding), the
-weight is stored as usual.
+so storing both stores the same information twice. At commit, the masters stream by first
+(optimizer files are read before model-states files); each parameter's master is rounded to
+the weight's dtype and only the xxh3-128 of the rounded bytes is kept. When the weight comes,
+a weight whose own xxh3-128 equals that hash is marked derived and gets no blob; checkout
+rebuilds it from the master atoms of the same manifest and checks the rebuilt bytes against
+the weight's recorded hash, so a derived weight can never come back wrong. Where the
+rounding does not reproduce the weight (edited weights, another rounding), it is stored.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
-
 import torch
 
 from . import atoms as A
+from .codec import content_hash
 
 ROUND_FROM_MASTER = "round-from-master"
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True)
-class MasterPiece:
-    start: int
-    numel: int
-    data: torch.Tensor  # 1-D float32 view into the loaded file
+class RoundedMasters:
+    """Hashes of each parameter's whole FP32 master rounded to its weight's dtype.
 
+    Pieces of one parameter may arrive from several files (ranks); only the pieces of a
+    parameter not yet complete are held, rounded (2 bytes an element).
+    """
 
-def master_pieces(entries: list[A.TensorEntry]) -> dict[str, list[MasterPiece]]:
-    by_param: dict[str, list[MasterPiece]] = defaultdict(list)
-    for entry in entries:
-        if entry.tensor.dtype != torch.float32:
-            continue
-        flat = entry.tensor.reshape(-1)
-        for seg in entry.segments:
-            if seg.kind == A.MASTER:
-                by_param[seg.param].append(MasterPiece(seg.start, seg.numel, flat[seg.offset : seg.offset + seg.numel]))
-    return by_param
+    def __init__(self, weights: dict[str, tuple[torch.dtype, int]]) -> None:
+        self.weights = weights  # param -> (weight dtype, numel), for low-precision weights only
+        self._pending: dict[str, dict[int, torch.Tensor]] = {}
+        self.hashes: dict[str, str] = {}
 
+    def add_file(self, entries: list[A.TensorEntry]) -> None:
+        for entry in entries:
+            if entry.tensor.dtype != torch.float32:
+                continue
+            flat = entry.tensor.reshape(-1)
+            for seg in entry.segments:
+                if seg.kind == A.MASTER and seg.param in self.weights and seg.param not in self.hashes:
+                    dtype, _ = self.weights[seg.param]
+                    piece = flat[seg.offset : seg.offset + seg.numel].detach().to(dtype)
+                    self._pending.setdefault(seg.param, {})[seg.start] = piece
+                    self._complete(seg.param)
 
-def assemble(pieces: list[MasterPiece], numel: int) -> torch.Tensor | None:
-    """The whole FP32 master of a parameter from its pieces, or None if they do not tile it."""
-    ordered = sorted({(p.start, p.numel): p for p in pieces}.values(), key=lambda p: p.start)
-    cursor = 0
-    for piece in ordered:
-        if piece.start != cursor:
-            return None
-        cursor += piece.numel
-    if cursor != numel:
-        return None
-    return torch.cat([p.data for p in ordered]) if len(ordered) > 1 else ordered[0].data
+    def _complete(self, param: str) -> None:
+        pieces = self._pending[param]
+        _, numel = self.weights[param]
+        cursor = 0
+        ordered = []
+        for start in sorted(pieces):
+            if start != cursor:
+                return
+            ordered.append(pieces[start])
+            cursor += pieces[start].numel()
+        if cursor != numel:
+            return
+        whole = torch.cat(ordered) if len(ordered) > 1 else ordered[0]
+        self.hashes[param] = content_hash(A.byte_view(whole))
+        del self._pending[param]
 
-
-def derivable(weight: torch.Tensor, seg: A.Segment, masters: dict[str, list[MasterPiece]]) -> bool:
-    """Is this weight atom exactly its master rounded? Checked bit for bit."""
-    if seg.kind != A.WEIGHT or weight.dtype not in _LOW_PRECISION or seg.start != 0 or seg.param not in masters:
-        return False
-    master = assemble(masters[seg.param], seg.numel)
-    if master is None:
-        return False
-    piece = weight.reshape(-1)[seg.offset : seg.offset + seg.numel]
-    rounded = master.to(weight.dtype)
-    return torch.equal(rounded.view(torch.int16), piece.view(torch.int16))
+    def derivable(self, seg: A.Segment, weight_hash: str) -> bool:
+        return seg.kind == A.WEIGHT and seg.start == 0 and self.hashes.get(seg.param) == weight_hash
 
 
 def rebuild(master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -43,7 +43,11 @@ def change_matrix(store: Store) -> tuple[list[int], list[str], list[list[float |
     if len(rows) < 2:
         raise StoreError("plotting change needs at least two committed steps")
     layers = sorted(
-        {r["layer"] for r in store.conn.execute("SELECT DISTINCT layer FROM layers") if block_index(r["layer"]) is not None},
+        {
+            r["layer"]
+            for r in store.conn.execute("SELECT DISTINCT layer FROM layers")
+            if block_index(r["layer"]) is not None
+        },
         key=sort_key,
     )
     steps = [r["step"] for r in rows[1:]]

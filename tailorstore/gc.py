@@ -124,4 +124,3 @@ def _sync_dir(store: Store) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-

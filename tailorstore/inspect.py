@@ -51,9 +51,16 @@ _SUMMARY = "SELECT id, step, origin, created_at, tag, raw_bytes, new_bytes, exac
 
 def _summary(r: object) -> StepSummary:
     return StepSummary(
-        step=r["step"], manifest=r["id"], origin=r["origin"], created_at=r["created_at"], tag=r["tag"],  # type: ignore[index]
-        raw_bytes=r["raw_bytes"], new_bytes=r["new_bytes"], exact=bool(r["exact"]),  # type: ignore[index]
-        pinned=bool(r["pinned"]), policy=json.loads(r["policy"]),  # type: ignore[index]
+        step=r["step"],
+        manifest=r["id"],
+        origin=r["origin"],
+        created_at=r["created_at"],
+        tag=r["tag"],  # type: ignore[index]
+        raw_bytes=r["raw_bytes"],
+        new_bytes=r["new_bytes"],
+        exact=bool(r["exact"]),  # type: ignore[index]
+        pinned=bool(r["pinned"]),
+        policy=json.loads(r["policy"]),  # type: ignore[index]
     )
 
 
@@ -66,7 +73,9 @@ def show(store: Store, selector: str) -> StepDetail:
     summary = _summary(store.conn.execute(f"{_SUMMARY} WHERE id=?", (manifest,)).fetchone())
     per_layer = {
         r["layer"]: LayerSummary(r["layer"], r["source_step"], bool(r["stored"]), change=r["change"])
-        for r in store.conn.execute("SELECT layer, source_step, stored, change FROM layers WHERE manifest=?", (manifest,))
+        for r in store.conn.execute(
+            "SELECT layer, source_step, stored, change FROM layers WHERE manifest=?", (manifest,)
+        )
     }
     for r in store.conn.execute(
         "SELECT layer, group_concat(DISTINCT kind) AS kinds, sum(nbytes) AS raw,"

@@ -74,7 +74,12 @@ def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[int, dict[str
         source = sources[0]
         step = _step_of(source, where)
         span = source.get("layer_range")
-        if not (isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span) and 0 <= span[0] < span[1]):
+        if not (
+            isinstance(span, list)
+            and len(span) == 2
+            and all(isinstance(x, int) for x in span)
+            and 0 <= span[0] < span[1]
+        ):
             raise MergeSpecError(f"{where}: layer_range must be [start, end) with 0 <= start < end")
         for index in range(span[0], span[1]):
             label = block_label(index)
@@ -158,8 +163,25 @@ def _copy_rows(conn: sqlite3.Connection, base: int, new: int, sources: dict[str,
                     f"{a['rank']}); the steps differ in layout or world size and cannot be merged"
                 )
             blob, derived = match["blob"], match["derived"]
-        rows.append((new, a["path"], a["slot"], a["offset"], a["numel"], a["dtype"], a["shape"], a["param"], a["kind"],
-                     a["rank"], a["start"], a["nbytes"], a["layer"], blob, derived))
+        rows.append(
+            (
+                new,
+                a["path"],
+                a["slot"],
+                a["offset"],
+                a["numel"],
+                a["dtype"],
+                a["shape"],
+                a["param"],
+                a["kind"],
+                a["rank"],
+                a["start"],
+                a["nbytes"],
+                a["layer"],
+                blob,
+                derived,
+            )
+        )
     conn.executemany(
         "INSERT INTO atoms(manifest, path, slot, offset, numel, dtype, shape, param, kind, rank, start, nbytes, layer,"
         " blob, derived) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -171,6 +193,7 @@ def _copy_rows(conn: sqlite3.Connection, base: int, new: int, sources: dict[str,
             "SELECT source, source_step FROM layers WHERE manifest=? AND layer=?", (source, layer_row["layer"])
         ).fetchone()
         conn.execute(
-            "INSERT INTO layers(manifest, layer, source, source_step, raw_bytes, stored, change) VALUES (?,?,?,?,?,0,?)",
+            "INSERT INTO layers(manifest, layer, source, source_step, raw_bytes, stored, change)"
+            " VALUES (?,?,?,?,?,0,?)",
             (new, layer_row["layer"], src["source"], src["source_step"], layer_row["raw_bytes"], None),
         )

@@ -75,9 +75,7 @@ def adaptive(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
         raise PolicyError("adaptive needs --threshold >= 0")
     if facts.changes is None:
         return set(facts.layers)
-    return _aux(facts) | {
-        name for _, name in _blocks(facts) if facts.changes.get(name, float("inf")) >= threshold
-    }
+    return _aux(facts) | {name for _, name in _blocks(facts) if facts.changes.get(name, float("inf")) >= threshold}
 
 
 POLICIES: dict[str, Callable[[CommitFacts, Mapping[str, float]], set[str]]] = {

@@ -123,7 +123,8 @@ def _check_structure(store: Store, manifest: int, report: VerifyReport) -> None:
             report.problems.append(f"step {step}, file {r['path']!r}: {exc}")
     cursor: dict[tuple[str, int], int] = {}
     for a in store.conn.execute(
-        "SELECT path, slot, offset, numel, layer, derived, param FROM atoms WHERE manifest=? ORDER BY path, slot, offset",
+        "SELECT path, slot, offset, numel, layer, derived, param FROM atoms WHERE manifest=?"
+        " ORDER BY path, slot, offset",
         (manifest,),
     ):
         key = (a["path"], a["slot"])
@@ -139,5 +140,7 @@ def _check_structure(store: Store, manifest: int, report: VerifyReport) -> None:
         (manifest,),
     ).fetchall()
     for r in derived_without_master:
-        report.problems.append(f"step {step}, layer {r['layer']}, file {r['path']}: derived weight {r['param']} "
-                               "has no FP32 master to be rebuilt from")
+        report.problems.append(
+            f"step {step}, layer {r['layer']}, file {r['path']}: derived weight {r['param']} "
+            "has no FP32 master to be rebuilt from"
+        )

@@ -29,10 +29,24 @@ CONFIGS: dict[str, dict[str, object]] = {
     # BF16_Optimizer layout: ZeRO-1 with bf16 and fp32 gradient accumulation.
     "zero1-bf16-acc32": {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32"},
     # Odd sizes: partitions cut through parameters and padding appears; two and per-layer groups.
-    "zero2-bf16-odd-two-groups": {"stage": 2, "dtype": "bf16", "dim": 45, "heads": 3, "vocab": 101,
-                                  "hidden": 77, "param_groups": "two"},
-    "zero3-bf16-odd-per-layer": {"stage": 3, "dtype": "bf16", "dim": 45, "heads": 3, "vocab": 101,
-                                 "hidden": 77, "param_groups": "per-layer"},
+    "zero2-bf16-odd-two-groups": {
+        "stage": 2,
+        "dtype": "bf16",
+        "dim": 45,
+        "heads": 3,
+        "vocab": 101,
+        "hidden": 77,
+        "param_groups": "two",
+    },
+    "zero3-bf16-odd-per-layer": {
+        "stage": 3,
+        "dtype": "bf16",
+        "dim": 45,
+        "heads": 3,
+        "vocab": 101,
+        "hidden": 77,
+        "param_groups": "per-layer",
+    },
     "zero2-bf16-1rank": {"stage": 2, "dtype": "bf16", "nproc": 1},
 }
 
@@ -53,7 +67,8 @@ class Run:
     name: str
     save_dir: Path  # pristine: latest -> global_step6, also holds global_step3
     losses: dict[int, str]
-    options: dict[str, object]
+    options: dict[str, object]  # train_tiny model options, without steps, saves or rank count
+    nproc: int = 2
 
 
 class Runs:
@@ -70,12 +85,13 @@ class Runs:
             every = int(options.pop("save_every", TAILOR_EVERY if tailoring else 3))  # type: ignore[arg-type]
             base = self.root / name
             base.mkdir()
-            losses = train_tiny(base / "save", losses_out=base / "losses.json", nproc=nproc, steps=steps,
-                                save_every=every, **options)
+            losses = train_tiny(
+                base / "save", losses_out=base / "losses.json", nproc=nproc, steps=steps, save_every=every, **options
+            )
             for path in (base / "save").rglob("*"):
                 if path.is_file():
                     path.chmod(0o444)
-            self._cache[name] = Run(name, base / "save", losses, dict(options))
+            self._cache[name] = Run(name, base / "save", losses, dict(options), nproc)
         return self._cache[name]
 
 

@@ -35,7 +35,9 @@ def test_no_store_given_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_cli_is_not_a_top_level_module(tmp_path: Path) -> None:
-    probe = "import importlib.util as u; print(u.find_spec('cli') is None, u.find_spec('tailorstore.cli.app') is not None)"
+    probe = (
+        "import importlib.util as u; print(u.find_spec('cli') is None, u.find_spec('tailorstore.cli.app') is not None)"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path)
     assert proc.stdout.split() == ["True", "True"]
 

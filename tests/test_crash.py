@@ -30,8 +30,12 @@ SEED = 20261122
 
 def start(store: Path, *args: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, TAILOR_STORE=str(store))
-    return subprocess.Popen(["tailor", *args, "--quiet"] if args[0] != "gc" else ["tailor", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        ["tailor", *args, "--quiet"] if args[0] != "gc" else ["tailor", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def timed(store: Path, *args: str) -> float:
@@ -66,14 +70,19 @@ def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
     for step in (1, 2):
         commit_checkpoint(store, as_of_step(save_dir, step, tmp_path / f"at{step}"))
     at3 = as_of_step(save_dir, 3, tmp_path / "at3")
-    visible = time_to_visible(store, at3)
+    baseline = blob_count(store)
+    visible, writing = time_to_visible(store, at3, baseline)
     remove(store, "step=3")
     gc(store, Retention())  # so that every attempt writes its blobs again
     rng = random.Random(SEED)
     landed = absent = 0
     for i in range(KILLS):
-        delay = rng.uniform(0.6 * visible, 1.1 * visible)
-        landed += kill_at(start(store.root, "commit", str(at3)), delay)
+        proc = start(store.root, "commit", str(at3))
+        if i % 2:  # anywhere from reading the input to just after the commit would end
+            landed += kill_at(proc, rng.uniform(0.3 * visible, 1.1 * visible))
+        else:  # once the first new blob is on disk: while blobs are written and the index transaction runs
+            wait_for_new_blob(store, baseline, proc)
+            landed += kill_at(proc, rng.uniform(0.0, 1.2 * (visible - writing)))
         store.conn.close()
         store = Store.open(store.root)  # a fresh open, as the next command would do
         present = store.conn.execute("SELECT count(*) FROM manifests WHERE step=3").fetchone()[0]
@@ -89,17 +98,28 @@ def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
     assert plan.freed_bytes >= 0
 
 
-def time_to_visible(store: Store, ckpt: Path) -> float:
-    """Seconds from starting `tailor commit` until its step shows in the index (polled)."""
+def blob_count(store: Store) -> int:
+    return sum(1 for _ in store.backend.names())
+
+
+def wait_for_new_blob(store: Store, baseline: int, proc: subprocess.Popen[bytes]) -> None:
+    while proc.poll() is None and blob_count(store) <= baseline:
+        time.sleep(0.002)
+
+
+def time_to_visible(store: Store, ckpt: Path, baseline: int) -> tuple[float, float]:
+    """Seconds from starting `tailor commit` until its first new blob and until its step is in the index."""
     began = time.perf_counter()
     proc = start(store.root, "commit", str(ckpt))
-    seen = None
+    seen = writing = None
     while proc.poll() is None or seen is None:
+        if writing is None and blob_count(store) > baseline:
+            writing = time.perf_counter() - began
         if seen is None and store.conn.execute("SELECT count(*) FROM manifests WHERE step=3").fetchone()[0]:
             seen = time.perf_counter() - began
-        time.sleep(0.005)
-    assert proc.returncode == 0
-    return seen
+        time.sleep(0.002)
+    assert proc.returncode == 0 and writing is not None
+    return seen, writing
 
 
 def test_kill_gc_at_random_points(runs: Runs, tmp_path: Path) -> None:

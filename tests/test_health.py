@@ -31,8 +31,9 @@ def tailor(store: Path, *args: str, timeout: float = 300) -> subprocess.Complete
 
 
 def referenced_blobs(store: Store) -> set[str]:
-    return {r[0] for r in store.conn.execute(
-        "SELECT blob FROM files UNION SELECT blob FROM atoms WHERE derived IS NULL")}
+    return {
+        r[0] for r in store.conn.execute("SELECT blob FROM files UNION SELECT blob FROM atoms WHERE derived IS NULL")
+    }
 
 
 def test_gc_with_retention_tags_and_a_composite(runs: Runs, tmp_path: Path) -> None:
@@ -42,8 +43,12 @@ def test_gc_with_retention_tags_and_a_composite(runs: Runs, tmp_path: Path) -> N
         policy = PolicySpec("parity") if step == 8 else PolicySpec("full")
         commit_checkpoint(store, as_of_step(run.save_dir, step, tmp_path / f"at{step}"), CommitOptions(policy=policy))
     tag(store, "step=2", "warmup-end")
-    sources8 = {r["layer"]: r["source_step"] for r in store.conn.execute(
-        "SELECT layer, source_step FROM layers l JOIN manifests m ON m.id=l.manifest WHERE m.step=8")}
+    sources8 = {
+        r["layer"]: r["source_step"]
+        for r in store.conn.execute(
+            "SELECT layer, source_step FROM layers l JOIN manifests m ON m.id=l.manifest WHERE m.step=8"
+        )
+    }
     assert 7 in sources8.values(), "step 8 must inherit from step 7, which gc is going to drop"
 
     before = store_state(store.root)
@@ -139,7 +144,7 @@ def test_newer_format_is_refused_and_unversioned_is_not_a_store(two_steps: Store
     conn = sqlite3.connect(root / "index.sqlite")
     conn.execute("UPDATE meta SET value='99' WHERE key='format_version'")
     conn.commit()
-    with pytest.raises(FormatVersionError, match="format version 99.*Upgrade tailorstore"):
+    with pytest.raises(FormatVersionError, match=r"format version 99.*Upgrade tailorstore"):
         Store.open(root)
     proc = tailor(root, "log")
     assert proc.returncode == 2 and "Upgrade tailorstore" in proc.stderr
@@ -166,7 +171,7 @@ def test_disk_full_during_commit_leaves_store_as_it_was(
 
     monkeypatch.setattr(backend_module.os, "write", write_until_full)
     at3 = as_of_step(runs.get("ten-saves").save_dir, 3, tmp_path / "at3")
-    with pytest.raises(StoreError, match="no space left on the device.*store is as it was"):
+    with pytest.raises(StoreError, match=r"no space left on the device.*store is as it was"):
         commit_checkpoint(store, at3)
     monkeypatch.undo()
     assert store_state(store.root) == before
@@ -191,17 +196,33 @@ def test_concurrent_commits_gc_and_readers(runs: Runs, tmp_path: Path) -> None:
     commit_checkpoint(store, as_of_step(run.save_dir, 1, tmp_path / "at1"))
     dirs = {s: as_of_step(run.save_dir, s, tmp_path / f"at{s}") for s in (2, 3, 4)}
     env = dict(os.environ, TAILOR_STORE=str(store.root))
-    procs = [subprocess.Popen(["tailor", "commit", str(dirs[s]), "--quiet"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for s in (2, 3)]
-    gc_proc = subprocess.Popen(["tailor", "gc", "--keep-last", "10"], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    procs = [
+        subprocess.Popen(
+            ["tailor", "commit", str(dirs[s]), "--quiet"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for s in (2, 3)
+    ]
+    gc_proc = subprocess.Popen(
+        ["tailor", "gc", "--keep-last", "10"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     # Readers while commits run: log, show and a checkout of a finished step.
     log = tailor(store.root, "log", "--json")
     assert log.returncode == 0 and 1 in [s["step"] for s in json.loads(log.stdout)]
     assert tailor(store.root, "show", "step=1").returncode == 0
     assert tailor(store.root, "checkout", "step=1", "--out", str(tmp_path / "read1")).returncode == 0
-    procs.append(subprocess.Popen(["tailor", "commit", str(dirs[4]), "--quiet"], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True))
+    procs.append(
+        subprocess.Popen(
+            ["tailor", "commit", str(dirs[4]), "--quiet"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    )
     for p in [*procs, gc_proc]:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err

@@ -37,7 +37,9 @@ def test_hf_trainer_checkpoint_round_trip_and_resume(hf_run: HFRun, store: Store
     out = tmp_path / "restored" / "checkpoint-3"
     checkout_step(store, "step=3", out)
     assert assert_same_checkpoint(hf_run.output_dir / "checkpoint-3", out) >= 10
-    assert (out / "model.safetensors").read_bytes() == (hf_run.output_dir / "checkpoint-3" / "model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() == (
+        hf_run.output_dir / "checkpoint-3" / "model.safetensors"
+    ).read_bytes()
 
     final = tmp_path / "resumed.safetensors"
     train_hf(tmp_path / "resumed-out", final_weights=final, resume_from=out, steps=6, save_steps=3)

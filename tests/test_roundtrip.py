@@ -51,9 +51,14 @@ def test_commit_delete_checkout_resume(config: str, runs: Runs, store: Store, tm
     checkout_step(store, "latest", out6)
     assert_same_checkpoint(as_of_step(run.save_dir, 6, tmp_path / "ref6"), out6)
 
-    options = {k: v for k, v in run.options.items() if k != "nproc"}
-    resumed = train_tiny(tmp_path / "resumed-save", losses_out=tmp_path / "resumed.json", resume_from=out3,
-                         nproc=int(run.options.get("nproc", 2)), steps=6, save_every=0, **options)
+    resumed = train_tiny(
+        tmp_path / "resumed-save",
+        losses_out=tmp_path / "resumed.json",
+        resume_from=out3,
+        nproc=run.nproc, steps=6,
+        save_every=0,
+        **run.options,
+    )
     assert sorted(resumed) == [4, 5, 6]
     assert resumed == {s: run.losses[s] for s in (4, 5, 6)}, "resumed losses differ from the uninterrupted run"
 
@@ -70,11 +75,10 @@ def test_flat_partitions_are_cut_at_parameter_boundaries(runs: Runs, store: Stor
     split = {p: pieces for p, pieces in by_param.items() if len(pieces) > 1}
     assert split, "expected a parameter split across the two ranks"
     for pieces in split.values():
-        (r0, s0, n0), (r1, s1, n1) = pieces
+        (r0, s0, n0), (r1, s1, _n1) = pieces
         assert (r0, r1) == (0, 1) and s0 == 0 and s1 == n0  # the second rank continues where the first ended
     padding = store.conn.execute("SELECT count(*) FROM atoms WHERE kind LIKE '%.padding'").fetchone()[0]
     assert padding > 0
-
 
 
 def test_zero3_pieces_follow_ceil_split(runs: Runs, store: Store) -> None:
@@ -90,7 +94,5 @@ def test_zero3_pieces_follow_ceil_split(runs: Runs, store: Store) -> None:
     for ranks in odd.values():
         (s0, n0), (s1, n1) = ranks[0], ranks[1]
         assert s0 == 0 and s1 == n0 and n0 == n1 + 1  # ceil split; the missing element is padding on rank 1
-    groups = store.conn.execute(
-        "SELECT count(DISTINCT param) FROM atoms WHERE kind='step'"
-    ).fetchone()[0]
+    groups = store.conn.execute("SELECT count(DISTINCT param) FROM atoms WHERE kind='step'").fetchone()[0]
     assert groups > 2, "per-layer param groups give one optimizer step counter per group"

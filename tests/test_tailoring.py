@@ -60,8 +60,14 @@ def assert_layers_from_sources(restored: Path, save_dir: Path, sources: dict[str
 
 
 def resume_finite(restored: Path, run_options: dict[str, object], start: int, work: Path, steps: int = 5) -> dict:
-    losses = train_tiny(work / "resume-save", losses_out=work / "resume.json", resume_from=restored,
-                        steps=start + steps, save_every=0, **run_options)
+    losses = train_tiny(
+        work / "resume-save",
+        losses_out=work / "resume.json",
+        resume_from=restored,
+        steps=start + steps,
+        save_every=0,
+        **run_options,
+    )
     assert sorted(losses) == list(range(start + 1, start + steps + 1))
     assert all(math.isfinite(float.fromhex(v)) for v in losses.values())
     return losses
@@ -88,7 +94,9 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
     log = parity.conn.execute("SELECT id, step, exact FROM manifests ORDER BY step").fetchall()
     assert [r["exact"] for r in log] == [1, 0, 0, 0, 0, 0]
     for r in log[1:]:
-        stored = {x["layer"] for x in parity.conn.execute("SELECT layer FROM layers WHERE manifest=? AND stored", (r["id"],))}
+        stored = {
+            x["layer"] for x in parity.conn.execute("SELECT layer FROM layers WHERE manifest=? AND stored", (r["id"],))
+        }
         blocks = {block_index(x) for x in stored} - {None}
         turn = SAVES.index(r["step"]) % 2
         assert blocks == {i for i in range(6) if i % 2 == turn}
@@ -96,8 +104,10 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
 
     for r in log[1:]:
         step = r["step"]
-        sources = {x["layer"]: x["source_step"] for x in parity.conn.execute(
-            "SELECT layer, source_step FROM layers WHERE manifest=?", (r["id"],))}
+        sources = {
+            x["layer"]: x["source_step"]
+            for x in parity.conn.execute("SELECT layer, source_step FROM layers WHERE manifest=?", (r["id"],))
+        }
         assert any(v != step for v in sources.values())
         restored = tmp_path / f"composite{step}"
         warnings: list[str] = []
@@ -110,9 +120,13 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
 def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
     run = runs.get("tailor-zero2")
     filtered = Store.init(tmp_path / "filter")
-    commit_series(filtered, run.save_dir, tmp_path / "f", PolicySpec("filter", {"keep_first": 1, "keep_last": 1, "every": 3}))
+    commit_series(
+        filtered, run.save_dir, tmp_path / "f", PolicySpec("filter", {"keep_first": 1, "keep_last": 1, "every": 3})
+    )
     for i, r in enumerate(filtered.conn.execute("SELECT id FROM manifests ORDER BY step").fetchall()):
-        stored = {x[0] for x in filtered.conn.execute("SELECT layer FROM layers WHERE manifest=? AND stored", (r["id"],))}
+        stored = {
+            x[0] for x in filtered.conn.execute("SELECT layer FROM layers WHERE manifest=? AND stored", (r["id"],))
+        }
         blocks = {block_index(x) for x in stored} - {None}
         assert blocks == (set(range(6)) if i % 3 == 0 else {0, 5}), (i, blocks)
         assert {"embedding", "final_norm", "lm_head"} <= stored
@@ -124,7 +138,9 @@ def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
     for store, expect_blocks in ((huge, False), (zero, True)):
         rows = store.conn.execute("SELECT id FROM manifests ORDER BY step").fetchall()
         for r in rows[1:]:
-            layers = store.conn.execute("SELECT layer, stored, change FROM layers WHERE manifest=?", (r["id"],)).fetchall()
+            layers = store.conn.execute(
+                "SELECT layer, stored, change FROM layers WHERE manifest=?", (r["id"],)
+            ).fetchall()
             stored = {x["layer"] for x in layers if x["stored"]}
             assert {x for x in stored if block_index(x) is None} >= {"embedding", "final_norm", "lm_head", "state"}
             assert any(block_index(x) is not None for x in stored) == expect_blocks
@@ -147,15 +163,25 @@ def test_merge_from_three_steps(runs: Runs, tmp_path: Path) -> None:
     )
     blobs_before = store.conn.execute("SELECT count(*) FROM blobs").fetchone()[0]
     env = dict(os.environ, TAILOR_STORE=str(store.root))
-    proc = subprocess.run(["tailor", "merge", str(spec), "--tag", "mix", "--json"], capture_output=True, text=True,
-                          env=env)
+    proc = subprocess.run(
+        ["tailor", "merge", str(spec), "--tag", "mix", "--json"], capture_output=True, text=True, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["sources"]["block.2"] == 12
     assert store.conn.execute("SELECT count(*) FROM blobs").fetchone()[0] == blobs_before  # no blob written
     restored = tmp_path / "mix"
     checkout_step(store, "tag=mix", restored)
-    sources = {"block.0": 6, "block.1": 6, "block.2": 12, "block.3": 12, "block.4": 18, "block.5": 18,
-               "embedding": 18, "final_norm": 12, "lm_head": 6}
+    sources = {
+        "block.0": 6,
+        "block.1": 6,
+        "block.2": 12,
+        "block.3": 12,
+        "block.4": 18,
+        "block.5": 18,
+        "embedding": 18,
+        "final_norm": 12,
+        "lm_head": 6,
+    }
     assert_layers_from_sources(restored, run.save_dir, sources, tmp_path / "cmp")
     resume_finite(restored, run.options, 18, tmp_path / "resume")
 
@@ -163,8 +189,11 @@ def test_merge_from_three_steps(runs: Runs, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ("base: {step: 18}\nslices:\n  - sources: [{step: 6, layer_range: [0, 4]}]\n"
-         "  - sources: [{step: 12, layer_range: [3, 6]}]\n", "ranges overlap"),
+        (
+            "base: {step: 18}\nslices:\n  - sources: [{step: 6, layer_range: [0, 4]}]\n"
+            "  - sources: [{step: 12, layer_range: [3, 6]}]\n",
+            "ranges overlap",
+        ),
         ("base: {step: 18}\nslices:\n  - sources: [{step: 6, layer_range: [0, 4]}]\n", "blocks [4, 5] are in no slice"),
         ("base: {step: 18}\nslices:\n  - sources: [{step: 7, layer_range: [0, 6]}]\n", "step 7 is not in the store"),
         ("base: {step: 18}\nslices:\n  - sources: [{step: 6}]\n", "layer_range must be"),

@@ -110,8 +110,8 @@ def segment_model_states(obj: dict, entries: list[A.TensorEntry], rank: int, inf
         indices = [str(i) for g in opt_sd["param_groups"] for i in g.get("params", [])]
         if len(indices) == len(names):
             index_to_name = dict(zip(indices, names, strict=True))
-    state_prefix = "optimizer/optimizer_state_dict/state/" if "optimizer_state_dict" in (optimizer or {}) else (
-        "optimizer/state/"
+    state_prefix = (
+        "optimizer/optimizer_state_dict/state/" if "optimizer_state_dict" in (optimizer or {}) else ("optimizer/state/")
     )
     for entry in entries:
         parts = entry.path.split("/")
@@ -200,8 +200,9 @@ def _segment_zero12(osd: dict, entries: list[A.TensorEntry], rank: int, info: Mo
     partitions = [flat.numel() + int(group_paddings[g]) for g, flat in enumerate(flats)]
     for g, flat in enumerate(flats):
         if mappings:
-            pieces = zero12_pieces(info.param_shapes[g], paddings[g] if paddings else None, rank, partitions[g],
-                                   flat.numel())
+            pieces = zero12_pieces(
+                info.param_shapes[g], paddings[g] if paddings else None, rank, partitions[g], flat.numel()
+            )
             try:
                 check_slice_mappings(pieces, mappings[g])
             except LayoutError as exc:
@@ -210,8 +211,9 @@ def _segment_zero12(osd: dict, entries: list[A.TensorEntry], rank: int, info: Mo
     def pieces_for(group: int, numel: int) -> list[Piece] | None:
         if group >= len(partitions) or not partitions[group] - int(group_paddings[group]) <= numel <= partitions[group]:
             return None
-        return zero12_pieces(info.param_shapes[group], paddings[group] if paddings else None, rank,
-                             partitions[group], numel)
+        return zero12_pieces(
+            info.param_shapes[group], paddings[group] if paddings else None, rank, partitions[group], numel
+        )
 
     base = osd.get("base_optimizer_state", {})
     keys = _group_of_state_key(base.get("param_groups", [])) if isinstance(base, dict) else {}

@@ -66,9 +66,35 @@ def skeleton_bytes(skeleton: object) -> bytes:
     return buf.getvalue()
 
 
-def read_checkpoint(layout: CheckpointLayout, *, trust_pickles: bool = False) -> Iterator[ReadFile]:
-    infos: dict[str, ds.ModelInfo] = {}  # by the mp rank's model-states folder
-    for rel in layout.files:
+def write_order(layout: CheckpointLayout) -> list[str]:
+    """Optimizer files first, then model states, then the rest.
+
+    Reading the FP32 masters before the low-precision weights lets a commit decide whether
+    a weight is derivable from its master while holding only one file in memory.
+    """
+    names = layout.files
+
+    def rank(rel: str) -> int:
+        name = PurePosixPath(rel).name
+        return 0 if ds.is_optim_states(name) else 1 if ds.is_model_states(name) else 2
+
+    return sorted(names, key=lambda rel: (rank(rel), names.index(rel)))
+
+
+def read_checkpoint(
+    layout: CheckpointLayout,
+    *,
+    trust_pickles: bool = False,
+    files: list[str] | None = None,
+    infos: dict[str, ds.ModelInfo] | None = None,
+) -> Iterator[ReadFile]:
+    """Yield the files one at a time, in ``files`` order (default: the layout's).
+
+    Optimizer files are cut with the param_shapes of their folder's model-states file, so
+    either the model-states file comes first, or ``infos`` holds what an earlier pass found.
+    """
+    infos = {} if infos is None else infos  # by the model-states file's folder
+    for rel in layout.files if files is None else files:
         source = layout.root / rel
         st = source.stat()
         name = PurePosixPath(rel).name

@@ -20,8 +20,15 @@ from ..errors import BadCheckpointError
 from ..layers import layer_of
 
 _DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
     "F64": torch.float64,
 }
 
@@ -65,8 +72,11 @@ def read_safetensors(path: Path, where: str) -> tuple[bytes, list[A.TensorEntry]
     header = bytes(mm[:data_start])
     entries = []
     for slot, (name, dtype, shape, begin, end) in enumerate(tensors):
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=data_start + begin) if end > begin \
+        raw = (
+            torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
+            if end > begin
             else torch.empty(0, dtype=torch.uint8)
+        )
         tensor = raw.view(_DTYPES[dtype]).reshape(shape)
         entry = A.TensorEntry(slot=slot, path=name, tensor=tensor)
         n = tensor.numel()

@@ -64,9 +64,7 @@ def zero12_pieces(
     """
     saved = partition_numel if saved_numel is None else saved_numel
     if alignment_paddings is not None and len(alignment_paddings) != len(shapes):
-        raise LayoutError(
-            f"{len(alignment_paddings)} alignment paddings for {len(shapes)} parameters in one group"
-        )
+        raise LayoutError(f"{len(alignment_paddings)} alignment paddings for {len(shapes)} parameters in one group")
     lo, hi = rank * partition_numel, (rank + 1) * partition_numel
     pieces: list[Piece] = []
     offset = 0

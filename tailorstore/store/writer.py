@@ -64,7 +64,9 @@ class BlobWriter:
                     f"{self.store.root}: no space left on the device while writing blobs. The commit was not "
                     "recorded and the store is as it was; free some space (or run `tailor gc`) and commit again."
                 ) from None
-            raise StoreError(f"{self.store.root}: writing blob {digest} failed ({exc}); the commit was not recorded.") from None
+            raise StoreError(
+                f"{self.store.root}: writing blob {digest} failed ({exc}); the commit was not recorded."
+            ) from None
         return NewBlob(digest, len(data), encoded.size, encoded.descriptor, time.time())
 
     def finish(self) -> list[NewBlob]:

@@ -28,8 +28,18 @@ def torchrun(module: str, args: list[str], *, nproc: int = 2, log: Path | None =
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", module, *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        module,
+        *args,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if log is not None:
@@ -52,8 +62,9 @@ def _flags(options: dict[str, object]) -> list[str]:
     return out
 
 
-def train_tiny(save_dir: Path, *, losses_out: Path, resume_from: Path | None = None, nproc: int = 2,
-               **options: object) -> dict[int, str]:
+def train_tiny(
+    save_dir: Path, *, losses_out: Path, resume_from: Path | None = None, nproc: int = 2, **options: object
+) -> dict[int, str]:
     """Run train_tiny; options map to its flags (stage=3 -> --stage 3). Returns losses as float.hex."""
     losses_out.parent.mkdir(parents=True, exist_ok=True)
     args = ["--save-dir", str(save_dir), "--losses-out", str(losses_out)]

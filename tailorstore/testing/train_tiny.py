@@ -166,8 +166,10 @@ def commit_after_save(store_path: str, save_dir: Path, delete: bool) -> None:
 
     with Store.open(store_path) as store:
         result = commit_checkpoint(store, save_dir)
-    print(f"[tailor] committed step {result.step}: {result.raw_bytes} raw bytes, {result.new_bytes} newly stored",
-          flush=True)
+    print(
+        f"[tailor] committed step {result.step}: {result.raw_bytes} raw bytes, {result.new_bytes} newly stored",
+        flush=True,
+    )
     if delete:
         tag = (save_dir / "latest").read_text().strip()
         shutil.rmtree(save_dir / tag)

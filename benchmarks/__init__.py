@@ -1,0 +1,1 @@
+"""tailorstore's benchmark suite: `python -m benchmarks --help`."""

@@ -1,0 +1,84 @@
+"""Run the benchmark suite and write docs/benchmarks.md.
+
+    python -m benchmarks                      # small, medium (58M) and large (100M), 3 repeats
+    python -m benchmarks --sizes medium --repeats 3
+    python -m benchmarks --report-only        # re-render docs/benchmarks.md from saved results
+
+Trainings and results are kept under --workdir (default .bench/), so a re-run only
+measures what is missing. Needs `pip install zipnn` for the zipnn column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+from pathlib import Path
+
+from . import suite
+from .report import render
+
+
+def run_size(size: suite.Size, work: Path, repeats: int, saves: int, interval: int, codecs: bool) -> dict:
+    save, steps, train_seconds = suite.train(size, work / "train", saves, interval)
+    print(f"[{size.name}] trained {steps} in {train_seconds:.0f} s", flush=True)
+    io = suite.measure_io(save, steps, work, repeats)
+    print(f"[{size.name}] commit/checkout/copy measured", flush=True)
+    result = {
+        "size": size.__dict__,
+        "params": suite.params_of(size),
+        "steps": steps,
+        "train_seconds": train_seconds,
+        "repeats": repeats,
+        **io,
+        "by_kind": suite.store_by_kind(work / "store"),
+        "merge_seconds": suite.time_merge(work / "store", steps, size.layers, repeats),
+    }
+    if codecs:
+        result["codecs"] = suite.codec_comparison(save, steps)
+        print(f"[{size.name}] codecs compared", flush=True)
+        thousand = suite.build_thousand(work / "store", work / "thousand")
+        result["log_seconds"] = suite.time_cli(["log"], thousand, repeats)
+        result["show_seconds"] = suite.time_cli(["show", f"step={steps[0]}"], thousand, repeats)
+        result["log_json_seconds"] = suite.time_cli(["log", "--json"], thousand, repeats)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="small,medium,large")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--saves", type=int, default=5)
+    parser.add_argument("--interval", type=int, default=20)
+    parser.add_argument("--workdir", type=Path, default=Path(".bench"))
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        for name in args.sizes.split(","):
+            size = suite.SIZES[name]
+            result = run_size(
+                size, args.workdir / name, args.repeats, args.saves, args.interval, codecs=name == "medium"
+            )
+            result["command"] = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
+            result["measured_at"] = dt.datetime.now().isoformat(timespec="seconds")
+            result["machine"] = (
+                f"{platform.machine()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}"
+            )
+            (args.workdir / f"result-{name}.json").write_text(json.dumps(result, indent=1))
+    results = {
+        p.stem.removeprefix("result-"): json.loads(p.read_text()) for p in sorted(args.workdir.glob("result-*.json"))
+    }
+    args.out.write_text(render(results, args.workdir))
+    print(f"wrote {args.out}")
+
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""The measurements: commit and checkout against cp -r + sync, store size against raw and
+against plain zstd-1 and zipnn, peak RSS, log/show on 1,000 steps, merge cost.
+
+Everything of one size is measured side by side in one run, alternating which side goes
+first, and every time and RSS cell is the median of ``repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from tailorstore import codec
+from tailorstore.formats.layout import detect
+from tailorstore.formats.reader import read_checkpoint
+from tailorstore.merge import merge
+from tailorstore.store.repo import Store
+from tailorstore.testing.runs import train_tiny
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    dim: int
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int
+
+
+SIZES = {
+    "small": Size("small", 256, 4, 688, 8000, 4),
+    "medium": Size("medium", 512, 8, 1376, 32000, 8),
+    "large": Size("large", 640, 12, 1728, 32000, 10),
+}
+
+
+def params_of(size: Size) -> int:
+    block = 4 * size.dim * size.dim + 3 * size.dim * size.hidden + 2 * size.dim
+    return 2 * size.vocab * size.dim + size.layers * block + size.dim
+
+
+def measured(cmd: list[str]) -> tuple[float, int, dict]:
+    """Run a process; (wall seconds, peak RSS in bytes, its JSON output if any)."""
+    began = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - began
+    out = proc.stdout.read().decode() if proc.stdout else ""
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {err[-2000:]}")
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    return wall, usage.ru_maxrss * 1024, json.loads(lines[-1]) if lines else {}
+
+
+def copy_and_sync(src: Path, dst: Path) -> float:
+    began = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - began
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def largest_file(path: Path) -> int:
+    return max(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def train(size: Size, work: Path, saves: int, interval: int) -> tuple[Path, list[int], float]:
+    save = work / "save"
+    if (work / "trained.json").exists():
+        info = json.loads((work / "trained.json").read_text())
+        return save, info["steps"], info["seconds"]
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    began = time.perf_counter()
+    train_tiny(
+        save,
+        losses_out=work / "losses.json",
+        steps=saves * interval,
+        save_every=interval,
+        stage=2,
+        dtype="bf16",
+        dim=size.dim,
+        layers=size.layers,
+        hidden=size.hidden,
+        vocab=size.vocab,
+        heads=size.heads,
+        seq=64,
+        micro_batch=2,
+        lr=1e-3,
+    )
+    seconds = time.perf_counter() - began
+    steps = [interval * (i + 1) for i in range(saves)]
+    (work / "trained.json").write_text(json.dumps({"steps": steps, "seconds": seconds}))
+    return save, steps, seconds
+
+
+def measure_io(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
+    """Commit the series into a fresh store per repeat; checkout each step; cp -r + sync each."""
+    py = sys.executable
+    rows: dict[str, list[list[float]]] = defaultdict(lambda: [[] for _ in steps])
+    store = work / "store"
+    for rep in range(repeats):
+        for path in (store, work / "copies", work / "checkouts"):
+            shutil.rmtree(path, ignore_errors=True)
+        (work / "copies").mkdir()
+        (work / "checkouts").mkdir()
+        Store.init(store).close()
+        for i, step in enumerate(steps):
+            tag_dir = save / f"global_step{step}"
+            copy_first = (rep + i) % 2 == 0
+            if copy_first:
+                rows["copy"][i].append(copy_and_sync(tag_dir, work / "copies" / f"c{step}"))
+            wall, rss, out = measured([py, "-m", "benchmarks.worker", "commit", str(store), str(tag_dir)])
+            rows["commit"][i].append(out["seconds"])
+            rows["commit_wall"][i].append(wall)
+            rows["commit_rss"][i].append(rss)
+            if not copy_first:
+                rows["copy"][i].append(copy_and_sync(tag_dir, work / "copies" / f"c{step}"))
+            wall, rss, out2 = measured(
+                [py, "-m", "benchmarks.worker", "checkout", str(store), str(step), str(work / "checkouts" / f"o{step}")]
+            )
+            rows["checkout"][i].append(out2["seconds"])
+            rows["checkout_wall"][i].append(wall)
+            rows["checkout_rss"][i].append(rss)
+            shutil.rmtree(work / "copies" / f"c{step}")
+            shutil.rmtree(work / "checkouts" / f"o{step}")
+    med = {k: [statistics.median(v) for v in per_step] for k, per_step in rows.items()}
+    return {
+        "per_step": med,
+        "raw_step_bytes": [dir_bytes(save / f"global_step{s}") for s in steps],
+        "largest_file": max(largest_file(save / f"global_step{s}") for s in steps),
+        "store_bytes": dir_bytes(store / "blobs") + sum(p.stat().st_size for p in store.glob("index.sqlite*")),
+    }
+
+
+def store_by_kind(store_root: Path) -> dict:
+    conn = sqlite3.connect(store_root / "index.sqlite")
+    conn.row_factory = sqlite3.Row
+    out: dict[str, dict[str, int]] = {}
+    for r in conn.execute(
+        "SELECT kind, sum(nbytes) AS raw, sum(CASE WHEN derived IS NULL THEN 0 ELSE nbytes END)"
+        " AS derived FROM atoms GROUP BY kind"
+    ):
+        out[r["kind"]] = {"raw": r["raw"], "derived": r["derived"], "stored": 0}
+    # Each blob counted once, under the first kind that uses it; the rest are skeletons and whole files.
+    for r in conn.execute(
+        "SELECT min(a.kind) AS kind, b.stored_size FROM blobs b JOIN atoms a ON a.blob=b.hash"
+        " WHERE a.derived IS NULL GROUP BY b.hash"
+    ):
+        out[r["kind"]]["stored"] += r["stored_size"]
+    files = conn.execute(
+        "SELECT coalesce(sum(raw_size), 0), (SELECT coalesce(sum(stored_size), 0) FROM blobs WHERE"
+        " hash IN (SELECT blob FROM files) AND hash NOT IN (SELECT blob FROM atoms)) FROM files"
+        " WHERE kind <> 'raw' OR 1"
+    ).fetchone()
+    out["skeletons and whole files"] = {"raw": 0, "derived": 0, "stored": files[1]}
+    conn.close()
+    return out
+
+
+def codec_comparison(save: Path, steps: list[int]) -> dict:
+    """Per tensor kind: raw bytes, and the bytes of ours, plain zstd-1 and zipnn, tensor by tensor."""
+    import zipnn
+    import zstandard
+
+    zstd1 = zstandard.ZstdCompressor(level=1)
+    zipnns: dict[str, object] = {}
+    totals: dict[str, dict[str, int]] = defaultdict(lambda: {"raw": 0, "ours": 0, "zstd1": 0, "zipnn": 0})
+    for step in steps:
+        for f in read_checkpoint(detect(save / f"global_step{step}")):
+            for entry in f.entries:
+                data = memoryview(entry.tensor.reshape(-1).contiguous().view(__import__("torch").uint8).numpy())
+                size = entry.tensor.element_size()
+                for seg in entry.segments:
+                    if seg.numel * size < 4096 or ".padding" in seg.kind or seg.kind == "step":
+                        continue
+                    piece = data[seg.offset * size : (seg.offset + seg.numel) * size]
+                    kind = seg.kind
+                    t = totals[kind]
+                    t["raw"] += len(piece)
+                    t["ours"] += codec.encode(piece, itemsize=size, is_float=entry.tensor.is_floating_point()).size
+                    t["zstd1"] += len(zstd1.compress(piece))
+                    name = entry.dtype_name
+                    if name not in zipnns:
+                        zipnns[name] = zipnn.ZipNN(input_format="byte", bytearray_dtype=name)
+                    t["zipnn"] += len(zipnns[name].compress(bytes(piece)))  # type: ignore[attr-defined]
+    return dict(totals)
+
+
+def build_thousand(store_root: Path, target: Path, count: int = 1000) -> Path:
+    """A store whose index holds ``count`` manifests, made by copying real manifest rows."""
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    shutil.copy(store_root / "index.sqlite", target / "index.sqlite")
+    (target / "blobs").mkdir()
+    (target / "tmp").mkdir()
+    conn = sqlite3.connect(target / "index.sqlite")
+    conn.execute("PRAGMA journal_mode=WAL")
+    first = conn.execute("SELECT id, step FROM manifests ORDER BY step LIMIT 1").fetchone()
+    have = conn.execute("SELECT count(*) FROM manifests").fetchone()[0]
+    top = conn.execute("SELECT max(step) FROM manifests").fetchone()[0]
+    conn.execute("BEGIN")
+    for i in range(count - have):
+        step = top + 1 + i
+        new = conn.execute(
+            "INSERT INTO manifests(step, origin, tag, created_at, layout, ds_tag, zero_stage, world_size, policy,"
+            " exact, raw_bytes, new_bytes, source) SELECT ?, origin, NULL, created_at, layout, ds_tag, zero_stage,"
+            " world_size, policy, exact, raw_bytes, new_bytes, source FROM manifests WHERE id=?",
+            (step, first[0]),
+        ).lastrowid
+        conn.execute(
+            "INSERT INTO files SELECT ?, path, file_key, kind, rank, blob, raw_size, mode, trusted FROM files"
+            " WHERE manifest=?",
+            (new, first[0]),
+        )
+        conn.execute(
+            "INSERT INTO atoms SELECT ?, path, slot, offset, numel, dtype, shape, param, kind, rank, start,"
+            " nbytes, layer, blob, derived FROM atoms WHERE manifest=?",
+            (new, first[0]),
+        )
+        conn.execute(
+            "INSERT INTO layers SELECT ?, layer, ?, ?, raw_bytes, stored, change FROM layers WHERE manifest=?",
+            (new, new, step, first[0]),
+        )
+    conn.execute("COMMIT")
+    conn.close()
+    return target
+
+
+def time_cli(args: list[str], store: Path, repeats: int) -> float:
+    env = dict(os.environ, TAILOR_STORE=str(store))
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        subprocess.run(["tailor", *args], env=env, check=True, capture_output=True)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def time_merge(store_root: Path, steps: list[int], layers: int, repeats: int) -> float:
+    spec = store_root.parent / "merge.yaml"
+    third = max(1, layers // 3)
+    spec.write_text(
+        f"base: {{step: {steps[-1]}}}\nslices:\n"
+        f"  - sources: [{{step: {steps[0]}, layer_range: [0, {third}]}}]\n"
+        f"  - sources: [{{step: {steps[1]}, layer_range: [{third}, {2 * third}]}}]\n"
+        f"  - sources: [{{step: {steps[-1]}, layer_range: [{2 * third}, {layers}]}}]\n"
+        f"norm: {{step: {steps[1]}}}\n"
+    )
+    times = []
+    with Store.open(store_root) as store:
+        for i in range(repeats):
+            times.append(merge(store, spec, f"bench-merge-{time.time_ns()}-{i}").seconds)
+    return statistics.median(times)

@@ -1,0 +1,35 @@
+"""One measured operation in a fresh process, so that peak RSS belongs to it alone.
+
+``python -m benchmarks.worker commit STORE CKPT`` or ``... checkout STORE STEP OUT`` prints
+one JSON line: the seconds the library call took (interpreter start-up excluded).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tailorstore.checkout import checkout_step
+from tailorstore.commit import commit_checkpoint
+from tailorstore.store.repo import Store
+
+
+def main(argv: list[str]) -> None:
+    op, store_path = argv[0], Path(argv[1])
+    with Store.open(store_path) as store:
+        began = time.perf_counter()
+        if op == "commit":
+            result = commit_checkpoint(store, Path(argv[2]))
+            extra = {"new_bytes": result.new_bytes, "raw_bytes": result.raw_bytes, "derived": result.derived_bytes}
+        elif op == "checkout":
+            checkout_step(store, f"step={argv[2]}", Path(argv[3]))
+            extra = {}
+        else:
+            raise SystemExit(f"unknown op {op}")
+        print(json.dumps({"seconds": time.perf_counter() - began, **extra}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
