@@ -13,10 +13,14 @@ from pathlib import Path
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
+from tailorstore.memory import reuse_freed_memory
+from tailorstore.safe_load import allowed_globals
 from tailorstore.store.repo import Store
 
 
 def main(argv: list[str]) -> None:
+    reuse_freed_memory()  # as the tailor CLI does
+    allowed_globals()  # DeepSpeed imported before the clock starts, as in a training process
     op, store_path = argv[0], Path(argv[1])
     with Store.open(store_path) as store:
         began = time.perf_counter()

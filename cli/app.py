@@ -19,6 +19,7 @@ from tailorstore import FORMAT_VERSION, __version__
 from tailorstore.errors import TailorError
 from tailorstore.inspect import log as log_steps
 from tailorstore.inspect import show as show_step
+from tailorstore.memory import reuse_freed_memory
 from tailorstore.progress import for_terminal
 from tailorstore.store.repo import STORE_ENV, Store
 
@@ -363,6 +364,7 @@ def verify(
 
 
 def main() -> None:
+    reuse_freed_memory()
     try:
         app()
     except TailorError as exc:

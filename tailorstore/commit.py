@@ -316,8 +316,9 @@ def _write_files(
             digest = writer.add(memoryview(f.skeleton))
             rounded.add_file(f.entries)
             for entry in f.entries:
+                data = A.byte_view(entry.tensor) if any(s.layer in stored for s in entry.segments) else None
                 for seg in entry.segments:
-                    plan.atom_rows.append(_atom_row(f, entry, seg, stored, sources, writer, rounded, plan))
+                    plan.atom_rows.append(_atom_row(f, entry, data, seg, stored, sources, writer, rounded, plan))
         plan.file_rows.append((f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, int(f.trusted)))
         progress.advance(f.size)
     return plan
@@ -326,6 +327,7 @@ def _write_files(
 def _atom_row(
     f: ReadFile,
     entry: A.TensorEntry,
+    data: memoryview | None,
     seg: A.Segment,
     stored: frozenset[str],
     sources: dict[str, _Inheritance],
@@ -339,7 +341,8 @@ def _atom_row(
     plan.layer_bytes[seg.layer] = plan.layer_bytes.get(seg.layer, 0) + nbytes
     derived: str | None = None
     if seg.layer in stored:
-        piece = A.byte_view(entry.tensor)[seg.offset * size : seg.offset * size + nbytes]
+        assert data is not None
+        piece = data[seg.offset * size : seg.offset * size + nbytes]
         weight_hash = writer.hash_only(piece) if seg.param in rounded.hashes else None
         if weight_hash is not None and rounded.derivable(seg, weight_hash):
             blob, derived = weight_hash, ROUND_FROM_MASTER

@@ -55,7 +55,8 @@ def test_commit_delete_checkout_resume(config: str, runs: Runs, store: Store, tm
         tmp_path / "resumed-save",
         losses_out=tmp_path / "resumed.json",
         resume_from=out3,
-        nproc=run.nproc, steps=6,
+        nproc=run.nproc,
+        steps=6,
         save_every=0,
         **run.options,
     )

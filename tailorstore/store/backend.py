@@ -8,8 +8,10 @@ it and renaming it into place.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -19,29 +21,49 @@ BytesLike = bytes | bytearray | memoryview
 
 class BlobBackend(Protocol):
     def put(self, name: str, chunks: Sequence[BytesLike]) -> None: ...
+    def publish(self) -> None: ...
+    def discard(self) -> None: ...
     def open(self, name: str) -> BinaryIO: ...
     def exists(self, name: str) -> bool: ...
     def size(self, name: str) -> int: ...
     def delete(self, name: str) -> None: ...
     def names(self) -> Iterator[str]: ...
-    def sync(self) -> None: ...
+
+
+def _syncfs(path: Path) -> None:
+    """Flush every dirty page and inode of the file system holding ``path`` (one call, not one per file)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syncfs(fd) != 0:
+            raise OSError(ctypes.get_errno(), "syncfs failed", str(path))
+    except AttributeError:  # no syncfs on this platform
+        os.sync()
+    finally:
+        os.close(fd)
 
 
 class PosixBackend:
-    """Blobs as files ``blobs/<first two hex digits>/<name>``; temp files under ``tmp/``."""
+    """Blobs as files ``blobs/<first two hex digits>/<name>``; temp files under ``tmp/``.
+
+    ``put`` writes a temp file; ``publish`` makes every temp file durable with one syncfs,
+    renames each into place and makes the renames durable with a second syncfs. One flush
+    for the whole batch costs what ``cp -r`` plus ``sync`` costs, where an fsync per blob
+    costs a journal commit per blob. A blob appears under its name only once its bytes are
+    durable, exactly as with an fsync per file.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.blob_dir = self.root / "blobs"
         self.tmp_dir = self.root / "tmp"
-        self._dirty_dirs: set[Path] = set()
+        self._staged: dict[str, Path] = {}
+        self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
         return self.blob_dir / name[:2] / name
 
     def put(self, name: str, chunks: Sequence[BytesLike]) -> None:
-        final = self.path(name)
-        final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.tmp_dir / f"{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
         try:
@@ -50,24 +72,31 @@ class PosixBackend:
                 while view:
                     written = os.write(fd, view)
                     view = view[written:]
-            os.fsync(fd)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        os.replace(tmp, final)
-        self._dirty_dirs.add(final.parent)
+        with self._lock:
+            self._staged[name] = tmp
 
-    def sync(self) -> None:
-        """Make the renames durable: fsync every blob folder we renamed into, once."""
-        for folder in sorted(self._dirty_dirs):
-            fd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        self._dirty_dirs.clear()
+    def publish(self) -> None:
+        """Durable temp files, then renames into place, then durable renames."""
+        if not self._staged:
+            return
+        _syncfs(self.root)
+        for name, tmp in self._staged.items():
+            final = self.path(name)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, final)
+        self._staged.clear()
+        _syncfs(self.root)
+
+    def discard(self) -> None:
+        """Drop the temp files of a batch that will not be published."""
+        for tmp in self._staged.values():
+            tmp.unlink(missing_ok=True)
+        self._staged.clear()
 
     def open(self, name: str) -> BinaryIO:
         return open(self.path(name), "rb")

@@ -30,9 +30,10 @@ class NewBlob:
 
 
 class BlobWriter:
-    def __init__(self, store: Store, *, level: int = codec.DEFAULT_LEVEL, threads: int = 2, in_flight: int = 8) -> None:
+    def __init__(self, store: Store, *, level: int = codec.DEFAULT_LEVEL, threads: int = 2, in_flight: int = 4) -> None:
         self.store = store
         self.level = level
+        self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tailor-blob")
         self._slots = threading.BoundedSemaphore(in_flight)
         self._pending: dict[str, Future[NewBlob]] = {}
@@ -55,7 +56,7 @@ class BlobWriter:
         return digest
 
     def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool) -> NewBlob:
-        encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level)
+        encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level, threads=self.threads)
         try:
             self.store.backend.put(digest, encoded.chunks)
         except OSError as exc:
@@ -75,7 +76,7 @@ class BlobWriter:
             blobs = [f.result() for f in self._pending.values()]
         finally:
             self._pool.shutdown(wait=True)
-        self.store.backend.sync()
+        self.store.backend.publish()
         return blobs
 
     def hash_only(self, data: memoryview) -> str:
@@ -90,3 +91,4 @@ class BlobWriter:
         for future in self._pending.values():
             future.cancel()
         self._pool.shutdown(wait=True)
+        self.store.backend.discard()
