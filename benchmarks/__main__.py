@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path(".bench"))
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--skip-quality", action="store_true", help="skip the parity-composite quality run")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
@@ -74,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         p.stem.removeprefix("result-"): json.loads(p.read_text()) for p in sorted(args.workdir.glob("result-*.json"))
     }
-    args.out.write_text(render(results, args.workdir))
+    quality_file = args.workdir / "quality.json"
+    quality = json.loads(quality_file.read_text()) if quality_file.exists() else None
+    args.out.write_text(render(results, quality))
     print(f"wrote {args.out}")
 
     return 0

@@ -266,3 +266,40 @@ def time_merge(store_root: Path, steps: list[int], layers: int, repeats: int) ->
         for i in range(repeats):
             times.append(merge(store, spec, f"bench-merge-{time.time_ns()}-{i}").seconds)
     return statistics.median(times)
+
+
+def quality(work: Path) -> dict:
+    """Issue 3's quality check: 20 more steps from a parity composite and from the exact checkpoint."""
+    from tailorstore.checkout import checkout_step
+    from tailorstore.commit import CommitOptions, commit_checkpoint
+    from tailorstore.policies import PolicySpec
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    model = {"stage": 2, "dtype": "bf16", "layers": 6}
+    train_tiny(work / "save", losses_out=work / "losses.json", steps=18, save_every=3, **model)
+    store = Store.init(work / "store")
+    for step in range(3, 19, 3):
+        view = work / f"at{step}"
+        shutil.copytree(
+            work / "save",
+            view,
+            ignore=shutil.ignore_patterns(*[f"global_step{s}" for s in range(3, 19, 3) if s != step]),
+        )
+        (view / "latest").write_text(f"global_step{step}")
+        commit_checkpoint(store, view, CommitOptions(policy=PolicySpec("parity")))
+    checkout_step(store, "step=18", work / "composite")
+    composite = train_tiny(
+        work / "r1", losses_out=work / "r1.json", resume_from=work / "composite", steps=38, save_every=0, **model
+    )
+    exact = train_tiny(
+        work / "r2", losses_out=work / "r2.json", resume_from=work / "at18", steps=38, save_every=0, **model
+    )
+    inherited = store.conn.execute(
+        "SELECT count(*) FROM layers l JOIN manifests m ON m.id=l.manifest WHERE m.step=18 AND l.source_step<>18"
+    ).fetchone()[0]
+    return {
+        "composite_final_loss": float.fromhex(composite[38]),
+        "exact_final_loss": float.fromhex(exact[38]),
+        "inherited_layers": inherited,
+    }

@@ -1,0 +1,90 @@
+"""Derived weights, dedup before compression, and codec choice on real DeepSpeed checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Runs, as_of_step
+from test_roundtrip import assert_same_checkpoint
+
+from tailorstore import codec
+from tailorstore.checkout import checkout_step
+from tailorstore.commit import CommitOptions, commit_checkpoint
+from tailorstore.inspect import show
+from tailorstore.store import writer as writer_module
+from tailorstore.store.repo import Store
+
+
+def test_bf16_weights_are_derived_and_rebuilt_bit_exact(runs: Runs, store: Store, tmp_path: Path) -> None:
+    run = runs.get("zero2-bf16")
+    result = commit_checkpoint(store, as_of_step(run.save_dir, 6, tmp_path / "at6"))
+    weights = store.conn.execute(
+        "SELECT count(*), sum(derived IS NOT NULL), sum(nbytes) FROM atoms WHERE kind='weight'"
+    ).fetchone()
+    assert weights[0] > 0 and weights[1] == weights[0], "every bf16 weight equals its rounded master in ZeRO-2"
+    assert result.derived_bytes == weights[2]
+    assert show(store, "step=6").derived_bytes == weights[2]
+    derived_blobs = store.conn.execute(
+        "SELECT count(*) FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.derived IS NOT NULL"
+    ).fetchone()[0]
+    assert derived_blobs == 0, "a derived weight has no blob of its own"
+    out = tmp_path / "out"
+    checkout_step(store, "step=6", out)
+    assert_same_checkpoint(as_of_step(run.save_dir, 6, tmp_path / "ref"), out)
+
+
+def test_a_weight_that_is_not_its_rounded_master_is_stored(runs: Runs, store: Store, tmp_path: Path) -> None:
+    at6 = as_of_step(runs.get("zero2-bf16").save_dir, 6, tmp_path / "at6")
+    path = at6 / "global_step6" / "mp_rank_00_model_states.pt"
+    obj = torch.load(path, weights_only=False)
+    name = "model.layers.1.mlp.up_proj.weight"
+    bumped = obj["module"][name].clone()
+    bumped.view(torch.int16)[0] += 1  # one ulp away from the rounded master
+    obj["module"][name] = bumped
+    path.chmod(0o644)
+    torch.save(obj, path)
+    commit_checkpoint(store, at6)
+    query = "SELECT param, derived FROM atoms WHERE kind='weight'"
+    rows = {r["param"]: r["derived"] for r in store.conn.execute(query)}
+    assert rows[name] is None
+    assert sum(v is not None for v in rows.values()) == len(rows) - 1
+    out = tmp_path / "out"
+    checkout_step(store, "step=6", out)
+    restored = torch.load(out / "global_step6" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert torch.equal(restored["module"][name].view(torch.int16), bumped.view(torch.int16))
+
+
+def test_known_blobs_are_not_compressed_again(
+    runs: Runs, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    at6 = as_of_step(runs.get("zero3-bf16").save_dir, 6, tmp_path / "at6")
+    commit_checkpoint(store, at6)
+    calls: list[int] = []
+    real_encode = codec.encode
+
+    def counting_encode(data: memoryview, **kwargs: object) -> codec.Encoded:
+        calls.append(len(data))
+        return real_encode(data, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer_module.codec, "encode", counting_encode)
+    again = commit_checkpoint(store, at6, CommitOptions(step=99))
+    assert again.new_blobs == 0 and calls == [], "every blob was already stored"
+
+
+def test_codec_choice_per_kind(runs: Runs, store: Store, tmp_path: Path) -> None:
+    commit_checkpoint(store, as_of_step(runs.get("zero2-fp32").save_dir, 6, tmp_path / "at6"))
+    by_kind: dict[str, set[str]] = {}
+    for r in store.conn.execute(
+        "SELECT a.kind, b.codec FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE b.raw_size > 4096"
+    ):
+        by_kind.setdefault(r["kind"], set()).add(json.loads(r["codec"])["id"])
+    for kind in ("master", "exp_avg", "exp_avg_sq", "weight"):
+        assert by_kind[kind] <= {"blosc2-shuffle-zstd", "raw"} and "blosc2-shuffle-zstd" in by_kind[kind]
+    skeletons = {
+        json.loads(r[0])["id"]
+        for r in store.conn.execute("SELECT b.codec FROM files f JOIN blobs b ON b.hash=f.blob WHERE f.kind='torch'")
+    }
+    assert skeletons <= {"zstd", "raw"}
