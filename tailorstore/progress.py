@@ -25,6 +25,7 @@ class Silent:
 
 class Bar:
     def __init__(self) -> None:
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             DownloadColumn,
@@ -40,6 +41,7 @@ class Bar:
             TransferSpeedColumn(),
             TimeRemainingColumn(),
             transient=True,
+            console=Console(stderr=True),
         )
         self._task: int | None = None
 

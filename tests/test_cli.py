@@ -78,3 +78,36 @@ def test_commit_log_show_checkout(runs: Runs, tmp_path: Path) -> None:
     assert run("checkout", "step=99", "--out", str(tmp_path / "x"), env=env).returncode == 2
     bad = run("show", "bogus", env=env)
     assert bad.returncode == 2 and "step=N, tag=NAME or latest" in bad.stderr
+
+
+def test_progress_bar_on_a_terminal_only(runs: Runs, tmp_path: Path) -> None:
+    """Under a pseudo-terminal the commit draws a rich bar on stderr; --quiet draws nothing."""
+    import pty
+
+    save = runs.get("zero2-bf16").save_dir
+    store = tmp_path / "store"
+    assert run("init", str(store)).returncode == 0
+
+    def under_pty(*args: str) -> bytes:
+        main, secondary = pty.openpty()
+        env = dict(os.environ, TAILOR_STORE=str(store), COLUMNS="100")
+        proc = subprocess.Popen(["tailor", *args], stdin=secondary, stdout=secondary, stderr=secondary, env=env)
+        os.close(secondary)
+        chunks = []
+        while True:
+            try:
+                data = os.read(main, 4096)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        proc.wait(timeout=300)
+        os.close(main)
+        assert proc.returncode == 0
+        return b"".join(chunks)
+
+    shown = under_pty("commit", str(as_of_step(save, 3, tmp_path / "at3")))
+    assert b"commit" in shown and "━".encode() in shown, shown[-500:]
+    quiet = under_pty("commit", str(as_of_step(save, 6, tmp_path / "at6")), "--quiet")
+    assert "━".encode() not in quiet and b"committed step" not in quiet
