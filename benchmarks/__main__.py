@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
-        for name in args.sizes.split(","):
+        for name in [n for n in args.sizes.split(",") if n]:
             size = suite.SIZES[name]
             result = run_size(
                 size, args.workdir / name, args.repeats, args.saves, args.interval, codecs=name == "medium"
@@ -72,12 +72,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"{platform.machine()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}"
             )
             (args.workdir / f"result-{name}.json").write_text(json.dumps(result, indent=1))
+    command = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
+    if not args.report_only and not (args.workdir / "merge-scaling.json").exists():
+        scaling_run = suite.merge_scaling(args.workdir / "merge-scaling")
+        (args.workdir / "merge-scaling.json").write_text(json.dumps(scaling_run, indent=1))
+    if not args.report_only and not args.skip_quality and not (args.workdir / "quality.json").exists():
+        quality_run = {**suite.quality(args.workdir / "quality"), "command": command}
+        (args.workdir / "quality.json").write_text(json.dumps(quality_run, indent=1))
     results = {
         p.stem.removeprefix("result-"): json.loads(p.read_text()) for p in sorted(args.workdir.glob("result-*.json"))
     }
     quality_file = args.workdir / "quality.json"
     quality = json.loads(quality_file.read_text()) if quality_file.exists() else None
-    args.out.write_text(render(results, quality))
+    scaling_file = args.workdir / "merge-scaling.json"
+    scaling = json.loads(scaling_file.read_text()) if scaling_file.exists() else None
+    args.out.write_text(render(results, quality, scaling))
     print(f"wrote {args.out}")
 
     return 0

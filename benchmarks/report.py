@@ -21,7 +21,7 @@ def _sum(values: list[float]) -> float:
     return float(sum(values))
 
 
-def render(results: dict[str, dict], quality: dict | None = None) -> str:
+def render(results: dict[str, dict], quality: dict | None = None, scaling: list | None = None) -> str:
     order = [k for k in ("small", "medium", "large") if k in results]
     lines = [
         "# Benchmarks",
@@ -124,6 +124,19 @@ def render(results: dict[str, dict], quality: dict | None = None) -> str:
     for name in order:
         r = results[name]
         lines.append(f"| {name} | {r['params'] / 1e6:.0f}M | {r['merge_seconds'] * 1000:.1f} ms |")
+    if scaling:
+        lines += [
+            "",
+            "Same structure (4 blocks, 2 ranks, ZeRO-2), 3 committed steps each, bytes far apart:",
+            "",
+            "| model | raw bytes per step | atom rows per step | merge time (median of 5) |",
+            "|---|---|---|---|",
+        ]
+        for m in scaling:
+            lines.append(
+                f"| {m['model']} | {mb(m['raw_bytes_per_step'])} | {m['atom_rows_per_step']} | "
+                f"{m['merge_seconds'] * 1000:.1f} ms |"
+            )
     if quality:
         q = quality
         diff = abs(q["composite_final_loss"] - q["exact_final_loss"]) / q["exact_final_loss"]

@@ -303,3 +303,47 @@ def quality(work: Path) -> dict:
         "exact_final_loss": float.fromhex(exact[38]),
         "inherited_layers": inherited,
     }
+
+
+def merge_scaling(work: Path, repeats: int = 5) -> list[dict]:
+    """Merge time on two models of the same structure (4 blocks) and 16x different bytes."""
+    out = []
+    for name, dim, vocab, hidden in (("narrow", 64, 512, 172), ("wide", 512, 32000, 1376)):
+        base = work / name
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+        train_tiny(
+            base / "save",
+            losses_out=base / "losses.json",
+            steps=3,
+            save_every=1,
+            stage=2,
+            dtype="bf16",
+            dim=dim,
+            vocab=vocab,
+            hidden=hidden,
+            layers=4,
+            heads=4,
+        )
+        store = Store.init(base / "store")
+        from tailorstore.commit import commit_checkpoint
+
+        for step in (1, 2, 3):
+            view = base / f"at{step}"
+            shutil.copytree(
+                base / "save", view, ignore=shutil.ignore_patterns(*[f"global_step{s}" for s in (1, 2, 3) if s != step])
+            )
+            (view / "latest").write_text(f"global_step{step}")
+            commit_checkpoint(store, view)
+        raw = store.conn.execute("SELECT sum(raw_bytes) / count(*) FROM manifests").fetchone()[0]
+        rows = store.conn.execute("SELECT count(*) FROM atoms WHERE manifest=1").fetchone()[0]
+        store.close()
+        out.append(
+            {
+                "model": name,
+                "raw_bytes_per_step": raw,
+                "atom_rows_per_step": rows,
+                "merge_seconds": time_merge(base / "store", [1, 2, 3], 4, repeats),
+            }
+        )
+    return out
