@@ -14,6 +14,7 @@ import argparse
 import datetime as dt
 import json
 import platform
+import shlex
 import sys
 from pathlib import Path
 
@@ -66,13 +67,13 @@ def main(argv: list[str] | None = None) -> int:
             result = run_size(
                 size, args.workdir / name, args.repeats, args.saves, args.interval, codecs=name == "medium"
             )
-            result["command"] = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
+            result["command"] = "python -m benchmarks " + shlex.join(sys.argv[1:] if argv is None else argv)
             result["measured_at"] = dt.datetime.now().isoformat(timespec="seconds")
             result["machine"] = (
                 f"{platform.machine()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}"
             )
             (args.workdir / f"result-{name}.json").write_text(json.dumps(result, indent=1))
-    command = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks " + shlex.join(sys.argv[1:] if argv is None else argv)
     if not args.report_only and not (args.workdir / "merge-scaling.json").exists():
         scaling_run = suite.merge_scaling(args.workdir / "merge-scaling")
         (args.workdir / "merge-scaling.json").write_text(json.dumps(scaling_run, indent=1))

@@ -125,9 +125,10 @@ def render(results: dict[str, dict], quality: dict | None = None, scaling: list 
         r = results[name]
         lines.append(f"| {name} | {r['params'] / 1e6:.0f}M | {r['merge_seconds'] * 1000:.1f} ms |")
     if scaling:
+        made_by = f" (measured by `{quality['command']}`)" if quality else ""
         lines += [
             "",
-            "Same structure (4 blocks, 2 ranks, ZeRO-2), 3 committed steps each, bytes far apart:",
+            f"Same structure (4 blocks, 2 ranks, ZeRO-2), 3 committed steps each, bytes far apart{made_by}:",
             "",
             "| model | raw bytes per step | atom rows per step | merge time (median of 5) |",
             "|---|---|---|---|",
