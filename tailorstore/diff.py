@@ -78,7 +78,7 @@ def plot(store: Store, out: Path) -> Path:
     ax.set_yticks(range(len(layers)), layers)
     ax.set_xlabel("committed step (change since the previous commit)")
     ax.set_ylabel("layer")
-    ax.set_title("relative change of the FP32 master, ||w - w_prev|| / ||w_prev||")
+    ax.set_title("FP32 master change since the previous commit\n||w - w_prev|| / ||w_prev||", fontsize=10)
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
