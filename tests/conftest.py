@@ -26,6 +26,7 @@ CONFIGS: dict[str, dict[str, object]] = {
     "zero3-bf16": {"stage": 3, "dtype": "bf16"},
     "zero2-fp32": {"stage": 2, "dtype": "fp32"},
     "zero0-fp32": {"stage": 0, "dtype": "fp32"},
+    "zero0-bf16": {"stage": 0, "dtype": "bf16"},
     # BF16_Optimizer layout: ZeRO-1 with bf16 and fp32 gradient accumulation.
     "zero1-bf16-acc32": {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32"},
     # Odd sizes: partitions cut through parameters and padding appears; two and per-layer groups.

@@ -88,3 +88,19 @@ def test_codec_choice_per_kind(runs: Runs, store: Store, tmp_path: Path) -> None
         for r in store.conn.execute("SELECT b.codec FROM files f JOIN blobs b ON b.hash=f.blob WHERE f.kind='torch'")
     }
     assert skeletons <= {"zstd", "raw"}
+
+
+def test_zero0_optimizer_state_is_labelled_by_layer_and_weights_derive(
+    runs: Runs, store: Store, tmp_path: Path
+) -> None:
+    """ZeRO 0 writes no param_shapes; with one param group the module order names the optimizer state."""
+    commit_checkpoint(store, as_of_step(runs.get("zero0-bf16").save_dir, 6, tmp_path / "at6"))
+    layers = {r[0] for r in store.conn.execute("SELECT DISTINCT layer FROM atoms WHERE kind IN ('master', 'exp_avg')")}
+    assert {"embedding", "block.0", "block.3", "final_norm", "lm_head"} <= layers and "state" not in layers
+    total, derived = store.conn.execute(
+        "SELECT count(*), sum(derived IS NOT NULL) FROM atoms WHERE kind='weight'"
+    ).fetchone()
+    assert total == derived > 0
+    out = tmp_path / "out"
+    checkout_step(store, "step=6", out)
+    assert_same_checkpoint(as_of_step(runs.get("zero0-bf16").save_dir, 6, tmp_path / "ref"), out)

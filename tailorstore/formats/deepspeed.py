@@ -100,11 +100,27 @@ def cut(entry: A.TensorEntry, pieces: list[Piece], kind: str, rank: int, group: 
     ]
 
 
+def _zero0_param_names(obj: dict, info: ModelInfo, opt_sd: object) -> list[str]:
+    """Parameter names in optimizer order for ZeRO 0, whose model-states file has no param_shapes.
+
+    Only safe with one param group: then the optimizer holds the parameters in module order,
+    which is the order of ``module`` without its buffers.
+    """
+    groups = opt_sd.get("param_groups") if isinstance(opt_sd, dict) else None
+    module = obj.get("module")
+    if info.all_params or not isinstance(groups, list) or len(groups) != 1 or not isinstance(module, dict):
+        return info.all_params
+    names = [name for name in module if name not in info.buffer_names]
+    if len(names) == len(groups[0].get("params", [])):
+        info.param_shapes = [[(name, int(module[name].numel())) for name in names]]
+    return info.all_params
+
+
 def segment_model_states(obj: dict, entries: list[A.TensorEntry], rank: int, info: ModelInfo) -> None:
-    names = info.all_params
     optimizer = obj.get("optimizer")
     # ZeRO 0 keeps the torch optimizer inside the model-states file, indexed by parameter order.
     opt_sd = optimizer.get("optimizer_state_dict", optimizer) if isinstance(optimizer, dict) else None
+    names = _zero0_param_names(obj, info, opt_sd)
     index_to_name: dict[str, str] = {}
     if isinstance(opt_sd, dict) and isinstance(opt_sd.get("param_groups"), list):
         indices = [str(i) for g in opt_sd["param_groups"] for i in g.get("params", [])]
