@@ -30,10 +30,9 @@ from .formats.reader import RAW, ReadFile, read_checkpoint, write_order
 from .layers import STATE, sort_key
 from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
+from .store.atom_rows import INSERT_ATOMS, AtomKey, atoms_by_key
 from .store.repo import Store
 from .store.writer import BlobWriter
-
-AtomKey = tuple[str, str, str, int, int, int]  # file_key, param, kind, rank, start, numel
 
 
 @dataclass
@@ -115,12 +114,7 @@ def _inheritance(store: Store, step: int, layers: frozenset[str]) -> dict[str, _
 
 
 def _load_inherited_atoms(store: Store, inherit: _Inheritance, layer: str) -> None:
-    for a in store.conn.execute(
-        "SELECT a.*, f.file_key FROM atoms a JOIN files f ON f.manifest=a.manifest AND f.path=a.path "
-        "WHERE a.manifest=? AND a.layer=?",
-        (inherit.manifest, layer),
-    ):
-        inherit.atoms[(a["file_key"], a["param"], a["kind"], a["rank"], a["start"], a["numel"])] = a
+    inherit.atoms.update(atoms_by_key(store.conn, inherit.manifest, layer))
 
 
 @dataclass
@@ -251,8 +245,7 @@ def commit_checkpoint(
                 [(manifest, *row) for row in plan.file_rows],
             )
             conn.executemany(
-                "INSERT INTO atoms(manifest, path, slot, offset, numel, dtype, shape, param, kind, rank, start, nbytes,"
-                " layer, blob, derived) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                INSERT_ATOMS,
                 [(manifest, *row) for row in plan.atom_rows],
             )
             conn.executemany(

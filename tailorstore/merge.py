@@ -30,6 +30,7 @@ import yaml
 from .commit import check_tag
 from .errors import StepExistsError, TailorError
 from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, STATE, block_index, block_label
+from .store.atom_rows import INSERT_ATOMS, AtomKey, atom_key, atoms_by_key
 from .store.repo import Store
 
 _AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
@@ -137,26 +138,15 @@ def _copy_manifest(conn: sqlite3.Connection, base: int, tag: str, spec_path: Pat
 
 
 def _copy_rows(conn: sqlite3.Connection, base: int, new: int, sources: dict[str, int]) -> None:
-    cache: dict[int, dict[tuple, sqlite3.Row]] = {}
+    cache: dict[int, dict[AtomKey, sqlite3.Row]] = {}
     rows = []
-    for a in conn.execute(
-        "SELECT a.*, f.file_key FROM atoms a JOIN files f ON f.manifest=a.manifest AND f.path=a.path"
-        " WHERE a.manifest=?",
-        (base,),
-    ):
+    for a in atoms_by_key(conn, base).values():
         source = sources.get(a["layer"], base) if a["layer"] != STATE else base
         blob, derived = a["blob"], a["derived"]
         if source != base:
             if source not in cache:
-                cache[source] = {
-                    (s["file_key"], s["param"], s["kind"], s["rank"], s["start"], s["numel"]): s
-                    for s in conn.execute(
-                        "SELECT a.*, f.file_key FROM atoms a JOIN files f ON f.manifest=a.manifest AND f.path=a.path"
-                        " WHERE a.manifest=?",
-                        (source,),
-                    )
-                }
-            match = cache[source].get((a["file_key"], a["param"], a["kind"], a["rank"], a["start"], a["numel"]))
+                cache[source] = atoms_by_key(conn, source)
+            match = cache[source].get(atom_key(a))
             if match is None or match["dtype"] != a["dtype"]:
                 raise MergeSpecError(
                     f"layer {a['layer']}: the source step has no matching piece for {a['param']} ({a['kind']}, rank "
@@ -182,11 +172,7 @@ def _copy_rows(conn: sqlite3.Connection, base: int, new: int, sources: dict[str,
                 derived,
             )
         )
-    conn.executemany(
-        "INSERT INTO atoms(manifest, path, slot, offset, numel, dtype, shape, param, kind, rank, start, nbytes, layer,"
-        " blob, derived) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-        rows,
-    )
+    conn.executemany(INSERT_ATOMS, rows)
     for layer_row in conn.execute("SELECT * FROM layers WHERE manifest=?", (base,)).fetchall():
         source = sources.get(layer_row["layer"], base) if layer_row["layer"] != STATE else base
         src = conn.execute(

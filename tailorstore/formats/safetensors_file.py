@@ -64,7 +64,8 @@ def read_safetensors(path: Path, where: str) -> tuple[bytes, list[A.TensorEntry]
         if size == 0:
             raise BadCheckpointError(f"{where}: empty file")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    data_start, tensors = parse_header(mm[: min(size, 8 + 100_000_000)], where)
+    header_len = struct.unpack("<Q", mm[:8])[0] if size >= 8 else 0
+    data_start, tensors = parse_header(mm[: min(size, 8 + header_len)], where)  # the header only, not the data
     if data_start + (tensors[-1][4] if tensors else 0) != size:
         raise BadCheckpointError(f"{where}: the header and the file size disagree; the file is truncated or damaged")
     if any(dtype not in _DTYPES for _, dtype, _, _, _ in tensors):
