@@ -39,6 +39,8 @@ def run_size(size: suite.Size, work: Path, repeats: int, saves: int, interval: i
     }
     if codecs:
         result["codecs"] = suite.codec_comparison(save, steps)
+        result["codec_speeds"] = suite.codec_speeds(save, steps[-1], repeats)
+        result["io_paths"] = suite.io_paths(work / "io", repeats=repeats)
         print(f"[{size.name}] codecs compared", flush=True)
         thousand = suite.build_thousand(work / "store", work / "thousand")
         result["log_seconds"] = suite.time_cli(["log"], thousand, repeats)

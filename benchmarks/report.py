@@ -32,7 +32,10 @@ def render(results: dict[str, dict], quality: dict | None = None, scaling: list 
         "which went first. The checkpoints are real DeepSpeed saves (Llama-style model, bf16, ZeRO-2, 2 ranks,",
         "`torch.optim.AdamW`), one save every 20 steps. Commit and checkout times are the library call in a fresh",
         "process (interpreter start-up excluded; the `tailor` CLI's start-up is shown separately as wall time).",
-        "The baseline is `cp -r` of the same `global_stepN/` folder followed by `sync`. Both sides fsync.",
+        "The baseline is `cp -r` of the same `global_stepN/` folder followed by `sync`. Both sides fsync. Before",
+        "the copy and before the commit the checkpoint's files are read once, so both start with them in the page",
+        "cache, as right after a save (on this VM an idle page cache is reclaimed, and a save read back later",
+        "comes from disk at 0.5 GB/s; whichever side went first paid for both).",
         "",
     ]
     for name in order:
@@ -113,6 +116,46 @@ def render(results: dict[str, dict], quality: dict | None = None, scaling: list 
             f"| `tailor log` | {s(r['log_seconds'])} |",
             f"| `tailor log --json` | {s(r['log_json_seconds'])} |",
             f"| `tailor show step=N` | {s(r['show_seconds'])} |",
+        ]
+    if "medium" in results and "codec_speeds" in results["medium"]:
+        r = results["medium"]
+        speeds = r["codec_speeds"]
+        any_speed = next(iter(speeds.values()))
+        lines += [
+            "",
+            "## Codec choice (medium, the FP32 optimizer state of the last save)",
+            "",
+            f"{mb(any_speed['raw_bytes'])} of FP32 master and Adam moments, in 8 MiB pieces; compression on one",
+            "thread and on a pool of two (as commit runs it), decompression on one thread into a reused buffer.",
+            "",
+            "| codec | ratio | compress, 1 thread | compress, 2 threads | decompress, 1 thread |",
+            "|---|---|---|---|---|",
+        ]
+        for name, v in speeds.items():
+            lines.append(
+                f"| {name} | {v['ratio']:.3f}x | {v['encode_1']:.2f} GB/s | {v['encode_2']:.2f} GB/s | "
+                f"{v['decode_1']:.2f} GB/s |"
+            )
+        lines += [
+            "",
+            "Chosen: `bytegroup-zstd`. Same grouping as blosc2's SHUFFLE, but each plane gets the zstd",
+            "setting that suits it (the sign/exponent plane entropy-coded, the noisy lower planes with",
+            "zstd level -5), and numpy and zstandard release the GIL, so two threads use two cores.",
+        ]
+    if "medium" in results and "io_paths" in results["medium"]:
+        io = results["medium"]["io_paths"]
+        lines += [
+            "",
+            "## Writing new bytes durably: page cache against O_DIRECT",
+            "",
+            f"{mb(io['bytes'])} written in 4 MiB blocks to a new file and made durable, median of the repeats",
+            "(`benchmarks/suite.py: io_paths`). New page-cache pages are expensive on this VM; O_DIRECT skips them,",
+            "which is why blobs and checked-out files are written with it.",
+            "",
+            "| path | throughput |",
+            "|---|---|",
+            f"| write + fsync (page cache) | {io['buffered']:.2f} GB/s |",
+            f"| O_DIRECT (`tailorstore.store.direct_io.SequentialWriter`) + fsync | {io['direct']:.2f} GB/s |",
         ]
     lines += [
         "",

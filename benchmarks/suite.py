@@ -7,6 +7,7 @@ first, and every time and RSS cell is the median of ``repeats`` runs.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -16,8 +17,10 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tailorstore import codec
 from tailorstore.formats.layout import detect
@@ -68,6 +71,20 @@ def copy_and_sync(src: Path, dst: Path) -> float:
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
     subprocess.run(["sync"], check=True)
     return time.perf_counter() - began
+
+
+def warm(path: Path) -> None:
+    """Read every file once, so that its pages are in the page cache, as right after a save.
+
+    On a VM whose idle page cache the host reclaims, a save written minutes ago reads back from
+    disk at 0.5 GB/s; whichever side went first would pay for both. Both sides start warm.
+    """
+    buf = bytearray(16 << 20)
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
 
 
 def dir_bytes(path: Path) -> int:
@@ -123,12 +140,15 @@ def measure_io(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
             tag_dir = save / f"global_step{step}"
             copy_first = (rep + i) % 2 == 0
             if copy_first:
+                warm(tag_dir)
                 rows["copy"][i].append(copy_and_sync(tag_dir, work / "copies" / f"c{step}"))
+            warm(tag_dir)
             wall, rss, out = measured([py, "-m", "benchmarks.worker", "commit", str(store), str(tag_dir)])
             rows["commit"][i].append(out["seconds"])
             rows["commit_wall"][i].append(wall)
             rows["commit_rss"][i].append(rss)
             if not copy_first:
+                warm(tag_dir)
                 rows["copy"][i].append(copy_and_sync(tag_dir, work / "copies" / f"c{step}"))
             wall, rss, out2 = measured(
                 [py, "-m", "benchmarks.worker", "checkout", str(store), str(step), str(work / "checkouts" / f"o{step}")]
@@ -192,13 +212,142 @@ def codec_comparison(save: Path, steps: list[int]) -> dict:
                     kind = seg.kind
                     t = totals[kind]
                     t["raw"] += len(piece)
-                    t["ours"] += codec.encode(piece, itemsize=size, is_float=entry.tensor.is_floating_point()).size
+                    t["ours"] += encoded_size(piece, size, entry.tensor.is_floating_point())
                     t["zstd1"] += len(zstd1.compress(piece))
                     name = entry.dtype_name
                     if name not in zipnns:
                         zipnns[name] = zipnn.ZipNN(input_format="byte", bytearray_dtype=name)
                     t["zipnn"] += len(zipnns[name].compress(bytes(piece)))  # type: ignore[attr-defined]
     return dict(totals)
+
+
+def encoded_size(piece: memoryview, itemsize: int, is_float: bool) -> int:
+    return sum(len(chunk) for chunk in codec.encode(piece, itemsize=itemsize, is_float=is_float))
+
+
+def codec_speeds(save: Path, step: int, repeats: int = 3) -> dict:
+    """The codec choice: ratio and speed of the candidates on one save's FP32 optimizer state.
+
+    Each candidate compresses the same flat tensors in 8 MiB pieces, one thread and then a pool
+    of two (as the commit pipeline runs), and decompresses them into a reused buffer.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import blosc2
+    import numpy as np
+
+    from tailorstore.memory import reuse_freed_memory
+
+    reuse_freed_memory()
+    blosc2.set_releasegil(True)
+    pieces: list[memoryview] = []
+    for f in read_checkpoint(detect(save / f"global_step{step}")):
+        for entry in f.entries:
+            if entry.tensor.dtype == __import__("torch").float32 and entry.tensor.numel() > (1 << 20):
+                flat = memoryview(entry.tensor.detach().reshape(-1).numpy()).cast("B")
+                pieces += [flat[i : i + (8 << 20)] for i in range(0, len(flat), 8 << 20)]
+    raw = sum(len(p) for p in pieces)
+    for p in pieces:
+        codec.content_hash(p)  # fault the mapped pages in before timing
+
+    def ours(piece: memoryview) -> bytes:
+        return b"".join(bytes(c) for c in codec.encode(piece, itemsize=4, is_float=True))
+
+    def blosc(piece: memoryview) -> bytes:
+        return blosc2.compress2(
+            piece,
+            typesize=4,
+            clevel=1,
+            codec=blosc2.Codec.ZSTD,
+            filters=[blosc2.Filter.SHUFFLE],
+            splitmode=blosc2.SplitMode.ALWAYS_SPLIT,
+            nthreads=1,
+        )
+
+    zstd1 = threading_local_zstd()
+
+    def plain(piece: memoryview) -> bytes:
+        return zstd1().compress(piece)
+
+    out: dict[str, dict[str, float]] = {}
+    buf = np.empty(8 << 20, dtype=np.uint8)
+    for name, encode, descriptor in (
+        ("bytegroup-zstd (ours)", ours, '{"id": "bytegroup-zstd", "v": 1, "typesize": 4, "level": 1}'),
+        ("blosc2 shuffle + zstd-1 (tailorstore 0.1)", blosc, '{"id": "blosc2-shuffle-zstd", "v": 1}'),
+        ("zstd-1, no grouping", plain, '{"id": "zstd", "v": 1}'),
+    ):
+        one, two, dec = [], [], []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            packed = [encode(p) for p in pieces]
+            one.append(time.perf_counter() - began)
+            with ThreadPoolExecutor(2) as pool:
+                began = time.perf_counter()
+                list(pool.map(encode, pieces))
+                two.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            for p, c in zip(pieces, packed, strict=True):
+                codec.decode_into(descriptor, io.BytesIO(c), memoryview(buf)[: len(p)], "bench")
+            dec.append(time.perf_counter() - began)
+        out[name] = {
+            "ratio": raw / sum(len(c) for c in packed),
+            "encode_1": raw / statistics.median(one) / 1e9,
+            "encode_2": raw / statistics.median(two) / 1e9,
+            "decode_1": raw / statistics.median(dec) / 1e9,
+            "raw_bytes": raw,
+        }
+    return out
+
+
+def threading_local_zstd() -> Callable[[], Any]:
+    """A zstd-1 compressor per thread (zstandard's objects are not safe to share)."""
+    import threading
+
+    import zstandard
+
+    local = threading.local()
+
+    def get() -> zstandard.ZstdCompressor:
+        if not hasattr(local, "c"):
+            local.c = zstandard.ZstdCompressor(level=1, write_content_size=True)
+        return local.c
+
+    return get
+
+
+def io_paths(work: Path, size: int = 512 << 20, repeats: int = 3) -> dict:
+    """Writing new bytes durably: through the page cache (write + fsync) against O_DIRECT."""
+    import mmap as mmap_module
+
+    from tailorstore.store.direct_io import BLOCK, SequentialWriter
+
+    work.mkdir(parents=True, exist_ok=True)
+    block = mmap_module.mmap(-1, BLOCK)
+    block.write(os.urandom(BLOCK))
+    view = memoryview(block)
+    times: dict[str, list[float]] = {"buffered": [], "direct": []}
+    for rep in range(repeats):
+        for mode in ("buffered", "direct") if rep % 2 == 0 else ("direct", "buffered"):
+            path = work / f"io-{mode}-{rep}"
+            began = time.perf_counter()
+            if mode == "buffered":
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                for _ in range(size // BLOCK):
+                    os.write(fd, view)
+                os.fsync(fd)
+                os.close(fd)
+            else:
+                out = SequentialWriter(path)
+                for _ in range(size // BLOCK):
+                    out.write(view)
+                out.close()
+                fd = os.open(path, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+            times[mode].append(time.perf_counter() - began)
+    for p in work.glob("io-*"):
+        p.unlink()
+    return {mode: size / statistics.median(t) / 1e9 for mode, t in times.items()} | {"bytes": size}
 
 
 def build_thousand(store_root: Path, target: Path, count: int = 1000) -> Path:
@@ -223,13 +372,13 @@ def build_thousand(store_root: Path, target: Path, count: int = 1000) -> Path:
             (step, first[0]),
         ).lastrowid
         conn.execute(
-            "INSERT INTO files SELECT ?, path, file_key, kind, rank, blob, raw_size, mode, trusted FROM files"
-            " WHERE manifest=?",
+            "INSERT INTO files SELECT ?, path, file_key, kind, rank, blob, raw_size, mode, trusted, container"
+            " FROM files WHERE manifest=?",
             (new, first[0]),
         )
         conn.execute(
             "INSERT INTO atoms SELECT ?, path, slot, offset, numel, dtype, shape, param, kind, rank, start,"
-            " nbytes, layer, blob, derived FROM atoms WHERE manifest=?",
+            " nbytes, layer, blob, derived, file_offset FROM atoms WHERE manifest=?",
             (new, first[0]),
         )
         conn.execute(

@@ -4,5 +4,5 @@ from __future__ import annotations
 
 from .store.schema import FORMAT_VERSION
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["FORMAT_VERSION", "__version__"]

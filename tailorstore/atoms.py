@@ -55,6 +55,7 @@ class TensorEntry:
     path: str  # where it sits in the file's object tree, keys joined by '/'
     tensor: torch.Tensor
     segments: list[Segment] = field(default_factory=list)
+    file_offset: int | None = None  # where the tensor's bytes start in its file, when known
 
     @property
     def dtype_name(self) -> str:

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from . import codec
+from . import codec, placement
 from .atoms import byte_view, dtype_from_name
 from .derive import ROUND_FROM_MASTER, rebuild
-from .errors import CorruptStoreError, LayoutError, StoreError
+from .errors import CorruptStoreError, LayoutError, StoreError, UnsafePickleError
 from .formats.reader import RAW, SAFETENSORS, TORCH
 from .formats.safetensors_file import tensor_layout
 from .formats.skeleton import fill_tensors, slots_of
@@ -90,19 +90,47 @@ def checkout_step(
     step = store.manifest(manifest)["step"]
     out = Path(out)
     files = store.conn.execute(
-        "SELECT path, kind, blob, raw_size, mode, trusted FROM files WHERE manifest=? ORDER BY path", (manifest,)
+        "SELECT path, kind, blob, raw_size, mode, trusted, container FROM files WHERE manifest=? ORDER BY path",
+        (manifest,),
     ).fetchall()
+    facts = store.manifest(manifest)
+    exact_bytes = facts["origin"] == "commit" and facts["exact"] == 1  # else other steps' atoms: mend zip CRCs
     inherited = inherited_layers(store, manifest)
     if inherited and warn:
         names = ", ".join(f"{layer} (from step {src})" for layer, src in sorted(inherited.items()))
         warn(f"step {step} is a composite: these layers come from other steps: {names}")
     for row in files:
         safe_join(out, row["path"])  # refuse before writing anything
+        if row["trusted"] and not trust_pickles:
+            raise UnsafePickleError(
+                f"step {step}, file {row['path']}: this file was committed with --trust-pickles and holds globals "
+                "outside the allowlist; pass --trust-pickles to check it out."
+            )
     tmp = _prepare_out(out)
     written = 0
     try:
         progress.start(f"checkout step {step}", sum(r["raw_size"] for r in files))
+        placed = [row for row in files if row["container"] is not None and row["kind"] in (TORCH, SAFETENSORS)]
+        if placed:
+            for row in placed:
+                safe_join(tmp, row["path"])
+            placement.write_files(
+                store,
+                manifest,
+                placed,
+                tmp,
+                step,
+                mend=not exact_bytes,
+                advance=progress.advance,
+                rebuild_weight=lambda param: _rebuild_weight(store, manifest, param, f"step {step}"),
+            )
+            for row in placed:
+                target = safe_join(tmp, row["path"])
+                os.chmod(target, row["mode"] or 0o644)
+                written += target.stat().st_size
         for row in files:
+            if row in placed:
+                continue
             target = safe_join(tmp, row["path"])
             target.parent.mkdir(parents=True, exist_ok=True)
             where = f"step {step}, file {row['path']}"
@@ -167,6 +195,13 @@ def decode_atom_into(store: Store, manifest: int, atom: sqlite3.Row, dest: memor
             f"{where}: the weight rebuilt from the master of {atom['param']} does not match its hash"
         )
     dest[:] = rebuilt
+
+
+def _rebuild_weight(store: Store, manifest: int, param: str, where: str) -> memoryview:
+    atom = store.conn.execute(
+        "SELECT * FROM atoms WHERE manifest=? AND param=? AND derived IS NOT NULL", (manifest, param)
+    ).fetchone()
+    return byte_view(decode_atom(store, manifest, atom, f"{where}, {param}"))
 
 
 def decode_atom(store: Store, manifest: int, atom: sqlite3.Row, where: str) -> torch.Tensor:

@@ -131,7 +131,7 @@ def _scan(layout: CheckpointLayout, trust_pickles: bool) -> _Scan:
     """Read and check every file, one at a time, before anything is written."""
     scan = _Scan()
     layers: set[str] = set()
-    for f in read_checkpoint(layout, trust_pickles=trust_pickles, infos=scan.infos):
+    for f in read_checkpoint(layout, trust_pickles=trust_pickles, infos=scan.infos, skeletons=False):
         for entry in f.entries:
             for seg in entry.segments:
                 layers.add(seg.layer)
@@ -240,8 +240,8 @@ def commit_checkpoint(
                 ),
             ).lastrowid
             conn.executemany(
-                "INSERT INTO files(manifest, path, file_key, kind, rank, blob, raw_size, mode, trusted)"
-                " VALUES (?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO files(manifest, path, file_key, kind, rank, blob, raw_size, mode, trusted, container)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?)",
                 [(manifest, *row) for row in plan.file_rows],
             )
             conn.executemany(
@@ -302,17 +302,20 @@ def _write_files(
     rounded = RoundedMasters(scan.weights if options.derive_weights else {})
     progress.start("commit", sum(f.size for f in scan.files))
     for f in read_checkpoint(layout, trust_pickles=options.trust_pickles, files=write_order(layout), infos=scan.infos):
+        container: str | None = None
         if f.kind == RAW:
             digest = writer.add(memoryview(f.source.read_bytes()))
         else:
             assert f.skeleton is not None
             digest = writer.add(memoryview(f.skeleton))
+            literal = f.container()
+            container = None if literal is None else writer.add(memoryview(literal))
             rounded.add_file(f.entries)
             for entry in f.entries:
                 data = A.byte_view(entry.tensor) if any(s.layer in stored for s in entry.segments) else None
                 for seg in entry.segments:
                     plan.atom_rows.append(_atom_row(f, entry, data, seg, stored, sources, writer, rounded, plan))
-        plan.file_rows.append((f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, int(f.trusted)))
+        plan.file_rows.append((f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, int(f.trusted), container))
         progress.advance(f.size)
     return plan
 
@@ -367,6 +370,7 @@ def _atom_row(
         seg.layer,
         blob,
         derived,
+        None if entry.file_offset is None or not f.located else entry.file_offset + seg.offset * size,
     )
 
 

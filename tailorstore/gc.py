@@ -77,6 +77,7 @@ def plan_gc(store: Store, rules: Retention) -> GcPlan:
     dead = conn.execute(
         "SELECT hash, stored_size FROM blobs WHERE hash NOT IN ("
         " SELECT blob FROM files WHERE manifest IN (SELECT id FROM gc_keep)"
+        " UNION SELECT container FROM files WHERE container IS NOT NULL AND manifest IN (SELECT id FROM gc_keep)"
         " UNION SELECT blob FROM atoms WHERE derived IS NULL AND manifest IN (SELECT id FROM gc_keep))"
     ).fetchall()
     plan.dead_blobs = [r["hash"] for r in dead]

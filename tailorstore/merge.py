@@ -130,8 +130,8 @@ def _copy_manifest(conn: sqlite3.Connection, base: int, tag: str, spec_path: Pat
         (tag, time.time(), json.dumps({"name": "merge", "spec": spec}), str(Path(spec_path).resolve()), base),
     )
     conn.execute(
-        "INSERT INTO files(manifest, path, file_key, kind, rank, blob, raw_size, mode, trusted)"
-        " SELECT ?, path, file_key, kind, rank, blob, raw_size, mode, trusted FROM files WHERE manifest=?",
+        "INSERT INTO files(manifest, path, file_key, kind, rank, blob, raw_size, mode, trusted, container)"
+        " SELECT ?, path, file_key, kind, rank, blob, raw_size, mode, trusted, container FROM files WHERE manifest=?",
         (row.lastrowid, base),
     )
     return int(row.lastrowid)
@@ -170,6 +170,7 @@ def _copy_rows(conn: sqlite3.Connection, base: int, new: int, sources: dict[str,
                 a["layer"],
                 blob,
                 derived,
+                a["file_offset"],
             )
         )
     conn.executemany(INSERT_ATOMS, rows)

@@ -38,10 +38,13 @@ def _users(store: Store, manifest_ids: list[int]) -> dict[str, list[str]]:
     users: dict[str, list[str]] = defaultdict(list)
     marks = ",".join("?" * len(manifest_ids))
     for r in store.conn.execute(
-        f"SELECT m.step, f.path, f.blob FROM files f JOIN manifests m ON m.id=f.manifest WHERE f.manifest IN ({marks})",
+        f"SELECT m.step, f.path, f.blob, f.container FROM files f JOIN manifests m ON m.id=f.manifest"
+        f" WHERE f.manifest IN ({marks})",
         manifest_ids,
     ):
         users[r["blob"]].append(f"step {r['step']}, file {r['path']}")
+        if r["container"] is not None:
+            users[r["container"]].append(f"step {r['step']}, file {r['path']} (container)")
     for r in store.conn.execute(
         f"SELECT DISTINCT m.step, a.layer, a.path, a.blob FROM atoms a JOIN manifests m ON m.id=a.manifest"
         f" WHERE a.manifest IN ({marks}) AND a.derived IS NULL",

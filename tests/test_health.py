@@ -32,7 +32,11 @@ def tailor(store: Path, *args: str, timeout: float = 300) -> subprocess.Complete
 
 def referenced_blobs(store: Store) -> set[str]:
     return {
-        r[0] for r in store.conn.execute("SELECT blob FROM files UNION SELECT blob FROM atoms WHERE derived IS NULL")
+        r[0]
+        for r in store.conn.execute(
+            "SELECT blob FROM files UNION SELECT container FROM files WHERE container IS NOT NULL"
+            " UNION SELECT blob FROM atoms WHERE derived IS NULL"
+        )
     }
 
 

@@ -17,7 +17,7 @@ from tailorstore.testing.runs import train_tiny
 
 
 def assert_same_checkpoint(original: Path, restored: Path) -> int:
-    """Every file present on both sides; torch files equal tensor by tensor, others byte for byte."""
+    """Every file present on both sides and equal byte for byte (torch files also tensor by tensor)."""
     names = sorted(str(p.relative_to(original)) for p in original.rglob("*") if p.is_file())
     assert names == sorted(str(p.relative_to(restored)) for p in restored.rglob("*") if p.is_file())
     for name in names:
@@ -25,8 +25,7 @@ def assert_same_checkpoint(original: Path, restored: Path) -> int:
         if name.endswith(".pt"):
             diffs = differences(load_torch_file(a)[0], load_torch_file(b)[0])
             assert not diffs, f"{name}: {diffs[:5]}"
-        else:
-            assert a.read_bytes() == b.read_bytes(), name
+        assert a.read_bytes() == b.read_bytes(), f"{name} is not byte-identical"
     return len(names)
 
 

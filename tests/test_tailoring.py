@@ -6,6 +6,7 @@ import json
 import math
 import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,15 @@ def block_bytes(store: Store) -> int:
     ).fetchone()[0]
 
 
+def assert_zip_crcs_hold(restored: Path) -> None:
+    """A composite puts other steps' bytes into a step's zip files; every record's CRC-32 must match."""
+    files = sorted(restored.rglob("*.pt"))
+    assert files
+    for path in files:
+        with zipfile.ZipFile(path) as z:
+            assert z.testzip() is None, f"{path.name}: a record's CRC-32 does not match its bytes"
+
+
 @pytest.mark.parametrize("config", ["tailor-zero2", "tailor-zero3"])
 def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp_path: Path) -> None:
     run = runs.get(config)
@@ -114,6 +124,7 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
         checkout_step(parity, f"step={step}", restored, warn=warnings.append)
         assert warnings and "composite" in warnings[0] and f"from step {step - TAILOR_EVERY}" in warnings[0]
         assert_layers_from_sources(restored, run.save_dir, sources, tmp_path / f"cmp{step}")
+        assert_zip_crcs_hold(restored)
         resume_finite(restored, run.options, step, tmp_path / f"resume{step}")
 
 
@@ -183,6 +194,7 @@ def test_merge_from_three_steps(runs: Runs, tmp_path: Path) -> None:
         "lm_head": 6,
     }
     assert_layers_from_sources(restored, run.save_dir, sources, tmp_path / "cmp")
+    assert_zip_crcs_hold(restored)
     resume_finite(restored, run.options, 18, tmp_path / "resume")
 
 

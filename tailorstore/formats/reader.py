@@ -4,8 +4,9 @@ Files stream through one by one, so memory holds at most one file's tensors (and
 memory-mapped). Each file becomes one of three kinds:
 
 * ``torch``: a DeepSpeed or torch pickle, cut into atoms; its skeleton is the object
-  tree with tensors replaced by slots, itself saved with ``torch.save``;
-* ``safetensors``: the header bytes as skeleton, one atom per tensor;
+  tree with tensors replaced by slots, itself saved with ``torch.save``, and its container
+  is every byte of the file outside the tensors (see ``torch_zip``);
+* ``safetensors``: the header bytes as skeleton and container, one atom per tensor;
 * ``raw``: any other file, kept whole as one blob (configs, RNG states, scripts, the
   pickled TrainingArguments, which we never unpickle).
 """
@@ -13,6 +14,7 @@ memory-mapped). Each file becomes one of three kinds:
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -25,6 +27,7 @@ from . import deepspeed as ds
 from .layout import CheckpointLayout
 from .safetensors_file import read_safetensors
 from .skeleton import split_tensors
+from .torch_zip import gaps, locate_tensors
 
 RAW = "raw"
 TORCH = "torch"
@@ -47,6 +50,21 @@ class ReadFile:
     entries: list[TensorEntry] = field(default_factory=list)
     trusted: bool = False  # loading it needed --trust-pickles
     meta: dict[str, int] = field(default_factory=dict)  # step, ZeRO stage, world size, when the file says
+    located: bool = False  # every tensor's file offset is known, so the file has a container
+
+    def container(self) -> bytes | None:
+        """The file's bytes outside its tensors (zip headers, pickle, safetensors header), in order.
+
+        Checkout writes these around the tensors' bytes and gets the very same file back.
+        """
+        if not self.located:
+            return None
+        ranges = [(e.file_offset or 0, e.tensor.numel() * e.tensor.element_size()) for e in self.entries]
+        fd = os.open(self.source, os.O_RDONLY)
+        try:
+            return b"".join(os.pread(fd, length, offset) for offset, length in gaps(self.size, ranges))
+        finally:
+            os.close(fd)
 
 
 def classify(rel: str) -> str:
@@ -87,6 +105,7 @@ def read_checkpoint(
     trust_pickles: bool = False,
     files: list[str] | None = None,
     infos: dict[str, ds.ModelInfo] | None = None,
+    skeletons: bool = True,
 ) -> Iterator[ReadFile]:
     """Yield the files one at a time, in ``files`` order (default: the layout's).
 
@@ -116,12 +135,14 @@ def read_checkpoint(
             else:
                 for entry in entries:
                     ds.generic(entry, 0)
-            out.skeleton = skeleton_bytes(skeleton)
+            out.skeleton = skeleton_bytes(skeleton) if skeletons else None
             out.entries = entries
+            out.located = locate_tensors(source, entries)
         elif kind == SAFETENSORS:
             parsed = read_safetensors(source, str(source))
             if parsed is None:
                 out.kind = RAW
             else:
                 out.skeleton, out.entries = parsed
+                out.located = True
         yield out

@@ -79,7 +79,7 @@ def read_safetensors(path: Path, where: str) -> tuple[bytes, list[A.TensorEntry]
             else torch.empty(0, dtype=torch.uint8)
         )
         tensor = raw.view(_DTYPES[dtype]).reshape(shape)
-        entry = A.TensorEntry(slot=slot, path=name, tensor=tensor)
+        entry = A.TensorEntry(slot=slot, path=name, tensor=tensor, file_offset=data_start + begin)
         n = tensor.numel()
         entry.segments = [A.Segment(0, n, name, A.WEIGHT, 0, 0, layer_of(name))] if n else []
         entries.append(entry)

@@ -12,7 +12,7 @@ AtomKey = tuple[str, str, str, int, int, int]  # file_key, param, kind, rank, st
 
 INSERT_ATOMS = (
     "INSERT INTO atoms(manifest, path, slot, offset, numel, dtype, shape, param, kind, rank, start, nbytes,"
-    " layer, blob, derived) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+    " layer, blob, derived, file_offset) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
 )
 
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from ..errors import FormatVersionError, StoreError
-from .schema import FORMAT_VERSION, SCHEMA
+from .schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
 
 INDEX_NAME = "index.sqlite"
 
@@ -57,4 +57,37 @@ def open_index(path: Path) -> sqlite3.Connection:
     if version < 1:
         conn.close()
         raise FormatVersionError(f"{path}: no format version recorded; this is not a tailorstore index.")
+    if version < FORMAT_VERSION:
+        _migrate(conn, path, version)
     return conn
+
+
+def _migrate(conn: sqlite3.Connection, path: Path, version: int) -> None:
+    """Bring an older index up to this format, one version per transaction.
+
+    Each step only adds what the newer format needs and bumps the version in the same
+    transaction, so an interrupted upgrade leaves a consistent index of some version, and
+    the next open goes on from there. Older tailorstore versions then refuse the store.
+    """
+    while version < FORMAT_VERSION:
+        script = MIGRATIONS.get(version)
+        if script is None:
+            conn.close()
+            raise FormatVersionError(f"{path}: no upgrade from format version {version}; restore from a backup.")
+        try:
+            conn.execute("BEGIN IMMEDIATE")  # another process may be upgrading the same index
+            now = int(conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0])
+            if now == version:
+                for statement in filter(None, (part.strip() for part in script.split(";"))):
+                    conn.execute(statement)
+                conn.execute("UPDATE meta SET value=? WHERE key='format_version'", (str(version + 1),))
+                now = version + 1
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            conn.close()
+            raise StoreError(
+                f"{path}: upgrading the index from format {version} failed ({exc}); it is unchanged."
+            ) from None
+        version = now

@@ -6,7 +6,15 @@ describes every table; this file is the executable form of that description.
 
 from __future__ import annotations
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+# Upgrades from an older format: each runs in one transaction with the version bump.
+MIGRATIONS: dict[int, str] = {
+    # 1 -> 2: byte-exact checkout. Rows written by format 1 keep NULL in both columns and are
+    # checked out by re-pickling their skeleton, as format 1 did.
+    1: "ALTER TABLE files ADD COLUMN container TEXT REFERENCES blobs(hash);\n"
+    "ALTER TABLE atoms ADD COLUMN file_offset INTEGER;",
+}
 
 SCHEMA = """
 CREATE TABLE meta (
@@ -48,6 +56,7 @@ CREATE TABLE files (
     raw_size  INTEGER NOT NULL,     -- size of the file as committed
     mode      INTEGER NOT NULL,
     trusted   INTEGER NOT NULL DEFAULT 0,  -- skeleton needs --trust-pickles to load
+    container TEXT REFERENCES blobs(hash),  -- the file's bytes outside its atoms; NULL: re-pickle the skeleton
     PRIMARY KEY (manifest, path)
 );
 CREATE TABLE atoms (
@@ -66,6 +75,7 @@ CREATE TABLE atoms (
     layer    TEXT NOT NULL,
     blob     TEXT NOT NULL,         -- xxh3-128 of the raw bytes; a row in blobs unless derived
     derived  TEXT,                  -- NULL, or how checkout rebuilds the bytes (round-from-master)
+    file_offset INTEGER,            -- where the piece's bytes sit in the file; NULL when it has no container
     PRIMARY KEY (manifest, path, slot, offset),
     FOREIGN KEY (manifest, path) REFERENCES files(manifest, path) ON DELETE CASCADE
 ) WITHOUT ROWID;

@@ -2,9 +2,11 @@
 
 The caller hashes (xxh3 runs at about 15 GB/s, so the main thread keeps up) and asks
 :meth:`BlobWriter.add`; a blob the index or this commit already has is never compressed
-or written again. New blobs go to a small thread pool: zstandard and os.write release
-the GIL, so compression and I/O of several blobs overlap. The number of blobs in flight
-is bounded, which bounds the compressed buffers held in memory.
+or written again. New blobs go to a small thread pool: numpy, zstandard and os.write
+release the GIL, so compression and I/O of several blobs overlap on both cores. Each blob
+is compressed one chunk at a time and every chunk is written as soon as it exists, so a
+worker holds one chunk, never a whole compressed blob; the number of blobs queued is
+bounded too.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ class BlobWriter:
         self._slots = threading.BoundedSemaphore(in_flight)
         self._pending: dict[str, Future[NewBlob]] = {}
         self._known: set[str] = set()
+        self._failure: StoreError | None = None  # the first failed write; later blobs are not attempted
         self.reused_bytes = 0
 
     def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False) -> str:
+        if self._failure is not None:
+            raise self._failure
         digest = codec.content_hash(data)
         if digest in self._pending or digest in self._known:
             self.reused_bytes += len(data)
@@ -56,18 +61,22 @@ class BlobWriter:
         return digest
 
     def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool) -> NewBlob:
-        encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level, threads=self.threads)
+        if self._failure is not None:
+            raise self._failure
+        encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level)
         try:
-            self.store.backend.put(digest, encoded.chunks)
+            self.store.backend.put(digest, encoded)  # compresses chunk by chunk as it writes
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreError(
+                self._failure = StoreError(
                     f"{self.store.root}: no space left on the device while writing blobs. The commit was not "
                     "recorded and the store is as it was; free some space (or run `tailor gc`) and commit again."
-                ) from None
-            raise StoreError(
-                f"{self.store.root}: writing blob {digest} failed ({exc}); the commit was not recorded."
-            ) from None
+                )
+            else:
+                self._failure = StoreError(
+                    f"{self.store.root}: writing blob {digest} failed ({exc}); the commit was not recorded."
+                )
+            raise self._failure from None
         return NewBlob(digest, len(data), encoded.size, encoded.descriptor, time.time())
 
     def finish(self) -> list[NewBlob]:

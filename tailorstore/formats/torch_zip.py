@@ -1,0 +1,121 @@
+"""Where a torch zip checkpoint keeps each tensor's bytes, and mending its CRCs.
+
+``torch.save`` writes a zip archive of stored (uncompressed) records: the pickle, a few
+small records and one ``data/KEY`` record per storage, each holding the storage's raw
+bytes. Knowing the file offset of every tensor lets a commit keep the file's other bytes
+verbatim (its *container*) and checkout write the file back byte for byte, tensors
+straight from the store into place, without unpickling or pickling anything.
+
+A composite or merged checkpoint puts other steps' tensor bytes into one step's container;
+the zip's CRC-32 fields then describe the old bytes, so :func:`mend_crcs` recomputes them.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+import zlib
+from pathlib import Path
+
+from ..atoms import TensorEntry
+from ..errors import BadCheckpointError
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
+_LOCAL_SIG = 0x04034B50
+_CENTRAL_SIG = 0x02014B50
+_DESCRIPTOR_SIG = 0x08074B50
+_CRC_BLOCK = 8 << 20
+
+
+def _data_offset(f: object, info: zipfile.ZipInfo, where: str) -> int:
+    """The offset of a record's bytes: after its local header, whose name and extra lengths
+    may differ from the central directory's (torch pads the extra field to align data)."""
+    header = os.pread(f.fileno(), _LOCAL.size, info.header_offset)  # type: ignore[attr-defined]
+    if len(header) != _LOCAL.size or _LOCAL.unpack(header)[0] != _LOCAL_SIG:
+        raise BadCheckpointError(f"{where}: zip record {info.filename} has no local header; the file is damaged")
+    fields = _LOCAL.unpack(header)
+    return info.header_offset + _LOCAL.size + fields[9] + fields[10]
+
+
+def record_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """Record name -> (offset of its bytes, size), for every record of a stored torch zip."""
+    out: dict[str, tuple[int, int]] = {}
+    with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+        for info in z.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                return {}  # not written by torch.save; no container
+            out[info.filename] = (_data_offset(f, info, str(path)), info.file_size)
+    return out
+
+
+def locate_tensors(path: Path, entries: list[TensorEntry]) -> bool:
+    """Set ``file_offset`` on every entry of a file loaded with ``torch.load(mmap=True)``.
+
+    torch maps the whole file and makes each storage a slice of that mapping at its record's
+    offset, so storage addresses minus the mapping's base are record offsets. The base is
+    not exposed; it is found from the lowest storage and then *checked* for every storage
+    (offset and size must name a data record). Returns False, leaving the offsets unset,
+    when anything does not fit (a non-contiguous tensor, a storage not from the file);
+    such a file is checked out by re-pickling its skeleton instead.
+    """
+    live = [e for e in entries if e.tensor.numel() > 0]
+    if not live:
+        return True
+    if any(not e.tensor.is_contiguous() for e in live):
+        return False
+    records = record_offsets(path)
+    data = {off: size for name, (off, size) in records.items() if "/data/" in name and size > 0}
+    if not data:
+        return False
+    storages = {}
+    for e in live:
+        storage = e.tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    base = min(storages) - min(data)
+    if any(data.get(ptr - base) != nbytes for ptr, nbytes in storages.items()):
+        return False
+    for e in live:
+        start = e.tensor.untyped_storage().data_ptr() - base
+        e.file_offset = start + e.tensor.storage_offset() * e.tensor.element_size()
+    return True
+
+
+def gaps(size: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (offset, length) runs of ``[0, size)`` that no (offset, length) range covers."""
+    out: list[tuple[int, int]] = []
+    cursor = 0
+    for offset, length in sorted(ranges):
+        if offset > cursor:
+            out.append((cursor, offset - cursor))
+        cursor = max(cursor, offset + length)
+    if cursor < size:
+        out.append((cursor, size - cursor))
+    return out
+
+
+def mend_crcs(fd: int, path: str) -> None:
+    """Recompute every record's CRC-32 from the bytes now in the file and write it where
+    zip keeps it: the central directory, and the data descriptor (torch sets flag bit 3)
+    or else the local header."""
+    with open(fd, "rb", closefd=False) as f, zipfile.ZipFile(f) as z:
+        infos = z.infolist()
+        central = z.start_dir  # type: ignore[attr-defined]
+        for info in infos:
+            data = _data_offset(f, info, path)
+            crc = 0
+            for at in range(data, data + info.file_size, _CRC_BLOCK):
+                crc = zlib.crc32(os.pread(fd, min(_CRC_BLOCK, data + info.file_size - at), at), crc)
+            packed = struct.pack("<I", crc)
+            if info.flag_bits & 0x08:
+                after = data + info.compress_size
+                sig = os.pread(fd, 4, after)
+                os.pwrite(fd, packed, after + (4 if struct.unpack("<I", sig)[0] == _DESCRIPTOR_SIG else 0))
+            else:
+                os.pwrite(fd, packed, info.header_offset + 14)
+            head = os.pread(fd, 46, central)
+            if len(head) != 46 or struct.unpack_from("<I", head)[0] != _CENTRAL_SIG:
+                raise BadCheckpointError(f"{path}: the zip central directory does not parse")
+            os.pwrite(fd, packed, central + 16)
+            n, m, k = struct.unpack_from("<HHH", head, 28)
+            central += 46 + n + m + k

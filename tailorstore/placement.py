@@ -1,0 +1,254 @@
+"""Checkout of files that have a container: every byte written straight to its offset.
+
+A file committed with a container (format 2) is its container's bytes with the atoms'
+bytes at their recorded offsets. So checkout needs no unpickling, no torch.save and no
+tensor in memory: each atom's blob is read around the page cache, decoded chunk by chunk
+into a reused per-thread buffer, hashed as it streams, and written into place, on two
+threads (decoders and I/O release the GIL). Writes go around the page cache too
+(``store/direct_io.py``), so memory stays at a few chunk buffers whatever the file size
+and the final fsync has almost nothing left to flush.
+
+Derived weights are rebuilt as their FP32 master streams by: each decoded master chunk is
+rounded and written into the weight's file at the matching element. Once every file is
+written, each derived weight is read back and checked against its recorded hash, so a
+rebuilt weight is as checked as a stored one. Any mismatch fails the whole checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from . import codec
+from .atoms import dtype_from_name
+from .derive import ROUND_FROM_MASTER
+from .errors import CorruptStoreError
+from .formats.reader import TORCH
+from .formats.torch_zip import gaps, mend_crcs
+from .store.backend import start_writeback
+from .store.direct_io import PlacedWriter
+from .store.repo import Store
+
+_local = threading.local()
+_covered_lock = threading.Lock()
+
+
+@dataclass
+class _Target:
+    path: str
+    out: PlacedWriter
+    where: str
+    size: int
+    kind: str
+
+
+@dataclass
+class _Weight:
+    """A derived weight: where it goes, and which of its elements the masters have covered."""
+
+    target: _Target
+    offset: int
+    dtype: torch.dtype
+    numel: int
+    blob: str
+    layer: str
+    covered: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _scratch(nbytes: int) -> memoryview:
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.buf = np.empty(max(nbytes, codec.MAX_CHUNK), dtype=np.uint8)
+    return memoryview(buf)[:nbytes]
+
+
+def _rounded(piece: memoryview, dtype: torch.dtype) -> memoryview:
+    """The FP32 elements of ``piece`` rounded to ``dtype`` exactly as DeepSpeed does (``Tensor.to``)."""
+    n = len(piece) // 4
+    out = getattr(_local, "rounded", None)
+    if out is None or out.dtype != dtype or out.numel() < n:
+        out = _local.rounded = torch.empty(max(n, codec.MAX_CHUNK // 4), dtype=dtype)
+    dest = out[:n]
+    dest.copy_(torch.frombuffer(piece, dtype=torch.float32))
+    return memoryview(dest.view(torch.uint8).numpy()).cast("B")
+
+
+def write_files(
+    store: Store,
+    manifest: int,
+    rows: list[sqlite3.Row],
+    root: Path,
+    step: int,
+    mend: bool,
+    advance: Callable[[int], None],
+    rebuild_weight: Callable[[str], memoryview],
+    threads: int = 2,
+) -> None:
+    """Write every file of ``rows`` (all with a container) under ``root``, checked and fsynced.
+
+    ``mend``: recompute the zip CRCs (the atoms may come from other steps than the
+    containers). ``rebuild_weight(param)``: the bytes of a derived weight whose masters are
+    not among these files (then they are in a file checked out by re-pickling).
+    """
+    targets: dict[str, _Target] = {}
+    try:
+        for row in rows:
+            path = root / row["path"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            targets[row["path"]] = _Target(
+                row["path"],
+                PlacedWriter(path, row["raw_size"]),
+                f"step {step}, file {row['path']}",
+                row["raw_size"],
+                row["kind"],
+            )
+        atoms = _atoms(store, manifest, targets)
+        for row in rows:
+            _write_container(store, row, targets[row["path"]], atoms[row["path"]])
+        weights = _derived_weights(atoms, targets)
+        _place_atoms(store, atoms, targets, weights, advance, threads)
+        _check_weights(weights, rebuild_weight)
+        for row in rows:
+            target = targets[row["path"]]
+            if mend and target.kind == TORCH:
+                mend_crcs(target.out.fd, target.where)
+            if os.fstat(target.out.fd).st_size != target.size:
+                raise CorruptStoreError(f"{target.where}: came out at the wrong size; run `tailor verify`")
+            os.fsync(target.out.fd)
+    finally:
+        for target in targets.values():
+            target.out.close()
+
+
+def _atoms(store: Store, manifest: int, targets: dict[str, _Target]) -> dict[str, list[sqlite3.Row]]:
+    by_path: dict[str, list[sqlite3.Row]] = {path: [] for path in targets}
+    for a in store.conn.execute(
+        "SELECT a.path, a.param, a.kind, a.layer, a.start, a.numel, a.nbytes, a.dtype, a.blob, a.derived,"
+        " a.file_offset, b.codec, b.raw_size FROM atoms a LEFT JOIN blobs b ON b.hash=a.blob"
+        " WHERE a.manifest=? ORDER BY a.path, a.file_offset",
+        (manifest,),
+    ):
+        if a["path"] not in by_path:
+            continue
+        target = targets[a["path"]]
+        if a["file_offset"] is None or a["file_offset"] < 0 or a["file_offset"] + a["nbytes"] > target.size:
+            raise CorruptStoreError(f"{target.where}: an atom of {a['param']} has no valid place in the file")
+        if a["derived"] is None and a["codec"] is None:
+            raise CorruptStoreError(f"{target.where}: blob {a['blob']} has no row in the index; run `tailor verify`.")
+        if a["derived"] is None and a["raw_size"] != a["nbytes"]:
+            raise CorruptStoreError(f"{target.where}: blob {a['blob']} holds {a['raw_size']} bytes, not {a['nbytes']}")
+        by_path[a["path"]].append(a)
+    return by_path
+
+
+def _write_container(store: Store, row: sqlite3.Row, target: _Target, atoms: list[sqlite3.Row]) -> None:
+    literal = store.read_blob(row["container"], f"{target.where} (container)")
+    runs = gaps(target.size, [(a["file_offset"], a["nbytes"]) for a in atoms])
+    if sum(length for _, length in runs) != len(literal):
+        raise CorruptStoreError(
+            f"{target.where}: the container holds {len(literal)} bytes where the atoms leave "
+            f"{sum(length for _, length in runs)}; the index is damaged"
+        )
+    view = memoryview(literal)
+    at = 0
+    for offset, length in runs:
+        target.out.pwrite(view[at : at + length], offset)
+        at += length
+
+
+def _derived_weights(atoms: dict[str, list[sqlite3.Row]], targets: dict[str, _Target]) -> dict[str, list[_Weight]]:
+    """Derived weights by parameter; one parameter's weight may sit in several files (DeepSpeed's
+    model states and an HF model.safetensors), and each copy is rebuilt and checked."""
+    weights: dict[str, list[_Weight]] = {}
+    for path, rows in atoms.items():
+        for a in rows:
+            if a["derived"] is None:
+                continue
+            if a["derived"] != ROUND_FROM_MASTER or a["start"] != 0:
+                raise CorruptStoreError(
+                    f"{targets[path].where}: unknown derivation {a['derived']!r}; upgrade tailorstore"
+                )
+            weights.setdefault(a["param"], []).append(
+                _Weight(targets[path], a["file_offset"], dtype_from_name(a["dtype"]), a["numel"], a["blob"], a["layer"])
+            )
+    return weights
+
+
+def _place_atoms(
+    store: Store,
+    atoms: dict[str, list[sqlite3.Row]],
+    targets: dict[str, _Target],
+    weights: dict[str, list[_Weight]],
+    advance: Callable[[int], None],
+    threads: int,
+) -> None:
+    jobs = [(targets[path], a) for path, rows in atoms.items() for a in rows if a["derived"] is None]
+    jobs.sort(key=lambda job: -job[1]["nbytes"])  # big first, so the two threads finish together
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tailor-checkout") as pool:
+        futures = {
+            pool.submit(_place, store, target, a, weights.get(a["param"], []) if a["kind"] == "master" else []): a
+            for target, a in jobs
+        }
+        try:
+            for future in as_completed(futures):
+                future.result()
+                advance(futures[future]["nbytes"])
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def _place(store: Store, target: _Target, atom: sqlite3.Row, weights: list[_Weight]) -> None:
+    where = f"{target.where}, layer {atom['layer']}, {atom['param']} ({atom['kind']})"
+    hasher = xxhash.xxh3_128()
+    pos = atom["file_offset"]
+    done = 0
+    if atom["dtype"] != "float32":
+        weights = []
+    with store.open_blob(atom["blob"], where) as f:
+        for piece in codec.decode_pieces(atom["codec"], f, atom["nbytes"], _scratch, f"{where}: blob {atom['blob']}"):
+            hasher.update(piece)
+            target.out.pwrite(piece, pos)
+            first = atom["start"] + done // 4
+            for weight in weights:
+                if first + len(piece) // 4 <= weight.numel:
+                    size = weight.dtype.itemsize
+                    weight.target.out.pwrite(_rounded(piece, weight.dtype), weight.offset + first * size)
+            pos += len(piece)
+            done += len(piece)
+    if hasher.hexdigest() != atom["blob"]:
+        raise CorruptStoreError(
+            f"{where}: blob {atom['blob']} does not match its hash (the blob file is damaged). "
+            "Run `tailor verify --deep` to find every damaged blob."
+        )
+    with _covered_lock:
+        for weight in weights:
+            weight.covered.append((atom["start"], atom["numel"]))
+    start_writeback(target.out.fd, atom["file_offset"], atom["nbytes"])  # the page-cache edges
+
+
+def _check_weights(weights: dict[str, list[_Weight]], rebuild_weight: Callable[[str], memoryview]) -> None:
+    """Every derived weight fully rebuilt from masters, and equal to its recorded hash."""
+    for param, w in ((param, w) for param, copies in weights.items() for w in copies):
+        where = f"{w.target.where}, layer {w.layer}, {param} (weight, rebuilt from its FP32 master)"
+        if gaps(w.numel, w.covered):
+            w.target.out.pwrite(rebuild_weight(param), w.offset)  # checked by the hash below
+        hasher = xxhash.xxh3_128()
+        nbytes = w.numel * w.dtype.itemsize
+        for at in range(0, nbytes, codec.MAX_CHUNK):
+            n = min(codec.MAX_CHUNK, nbytes - at)
+            buf = _scratch(n)
+            w.target.out.pread_into(buf, w.offset + at)
+            hasher.update(buf)
+        if hasher.hexdigest() != w.blob:
+            raise CorruptStoreError(f"{where}: the weight rebuilt from the master does not match its hash")
