@@ -28,6 +28,7 @@ from .formats.deepspeed import ModelInfo
 from .formats.layout import CheckpointLayout, detect
 from .formats.reader import RAW, ReadFile, read_checkpoint, write_order
 from .layers import STATE, sort_key
+from .memory import drop_mapped_pages
 from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atoms_by_key
@@ -42,7 +43,7 @@ class CommitOptions:
     force: bool = False
     trust_pickles: bool = False
     level: int = 1
-    threads: int = 2
+    threads: int = 3  # compression uses both cores; a third thread keeps them busy while one waits on a write
     lock_timeout: float = 600.0
     policy: PolicySpec = field(default_factory=PolicySpec)
     derive_weights: bool = True
@@ -343,8 +344,10 @@ def _atom_row(
         if weight_hash is not None and rounded.derivable(seg, weight_hash):
             blob, derived = weight_hash, ROUND_FROM_MASTER
             plan.derived_bytes += nbytes
+            if f.located:
+                drop_mapped_pages(piece)
         else:
-            blob = writer.add(piece, itemsize=size, is_float=entry.tensor.is_floating_point())
+            blob = writer.add(piece, itemsize=size, is_float=entry.tensor.is_floating_point(), mapped=f.located)
     else:
         source = sources[seg.layer]
         old = source.atoms.get((f.file_key, seg.param, seg.kind, seg.rank, seg.start, seg.numel))

@@ -9,9 +9,10 @@ threads (decoders and I/O release the GIL). Writes go around the page cache too
 and the final fsync has almost nothing left to flush.
 
 Derived weights are rebuilt as their FP32 master streams by: each decoded master chunk is
-rounded and written into the weight's file at the matching element. Once every file is
-written, each derived weight is read back and checked against its recorded hash, so a
-rebuilt weight is as checked as a stored one. Any mismatch fails the whole checkout.
+rounded, written into the weight's file at the matching element and hashed in element
+order, so once every file is written each derived weight is checked against its recorded
+hash (a weight whose pieces came too far out of order is read back for that). A rebuilt
+weight is as checked as a stored one; any mismatch fails the whole checkout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,9 +53,19 @@ class _Target:
     kind: str
 
 
+_EARLY_BUDGET = 64 << 20  # bytes of rounded weight held while waiting for the pieces before them
+_early = {"bytes": 0}
+
+
 @dataclass
 class _Weight:
-    """A derived weight: where it goes, and which of its elements the masters have covered."""
+    """A derived weight: where it goes, which elements the masters have covered, and its hash so far.
+
+    Rounded pieces are hashed in element order as they are written, so the weight is checked
+    without reading it back. A piece that arrives before its predecessors (a parameter split
+    across two ranks' files, decoded by two threads) waits in memory, within a global budget;
+    past it, the weight is checked by reading it back from the file instead.
+    """
 
     target: _Target
     offset: int
@@ -62,6 +74,42 @@ class _Weight:
     blob: str
     layer: str
     covered: list[tuple[int, int]] = field(default_factory=list)
+    hasher: Any = field(default_factory=xxhash.xxh3_128)
+    hashed: int = 0  # elements hashed, in order
+    waiting: dict[int, bytes] = field(default_factory=dict)  # first element -> rounded bytes
+    read_back: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def feed(self, first: int, data: memoryview) -> None:
+        size = self.dtype.itemsize
+        with self.lock:
+            if self.read_back:
+                return
+            if first == self.hashed:
+                self.hasher.update(data)
+                self.hashed += len(data) // size
+                while self.hashed in self.waiting:
+                    early = self.waiting.pop(self.hashed)
+                    self._release(len(early))
+                    self.hasher.update(early)
+                    self.hashed += len(early) // size
+                return
+            with _covered_lock:
+                fits = first > self.hashed and _early["bytes"] + len(data) <= _EARLY_BUDGET
+                if fits:
+                    _early["bytes"] += len(data)
+            if fits:
+                self.waiting[first] = bytes(data)
+            else:
+                self.read_back = True
+                for early in self.waiting.values():
+                    self._release(len(early))
+                self.waiting.clear()
+
+    @staticmethod
+    def _release(nbytes: int) -> None:
+        with _covered_lock:
+            _early["bytes"] -= nbytes
 
 
 def _scratch(nbytes: int) -> memoryview:
@@ -91,7 +139,7 @@ def write_files(
     mend: bool,
     advance: Callable[[int], None],
     rebuild_weight: Callable[[str], memoryview],
-    threads: int = 2,
+    threads: int = 4,
 ) -> None:
     """Write every file of ``rows`` (all with a container) under ``root``, checked and fsynced.
 
@@ -222,8 +270,9 @@ def _place(store: Store, target: _Target, atom: sqlite3.Row, weights: list[_Weig
             first = atom["start"] + done // 4
             for weight in weights:
                 if first + len(piece) // 4 <= weight.numel:
-                    size = weight.dtype.itemsize
-                    weight.target.out.pwrite(_rounded(piece, weight.dtype), weight.offset + first * size)
+                    rounded = _rounded(piece, weight.dtype)
+                    weight.target.out.pwrite(rounded, weight.offset + first * weight.dtype.itemsize)
+                    weight.feed(first, rounded)
             pos += len(piece)
             done += len(piece)
     if hasher.hexdigest() != atom["blob"]:
@@ -243,6 +292,11 @@ def _check_weights(weights: dict[str, list[_Weight]], rebuild_weight: Callable[[
         where = f"{w.target.where}, layer {w.layer}, {param} (weight, rebuilt from its FP32 master)"
         if gaps(w.numel, w.covered):
             w.target.out.pwrite(rebuild_weight(param), w.offset)  # checked by the hash below
+            w.read_back = True
+        if not w.read_back and w.hashed == w.numel:
+            if w.hasher.hexdigest() != w.blob:
+                raise CorruptStoreError(f"{where}: the weight rebuilt from the master does not match its hash")
+            continue
         hasher = xxhash.xxh3_128()
         nbytes = w.numel * w.dtype.itemsize
         for at in range(0, nbytes, codec.MAX_CHUNK):

@@ -10,9 +10,10 @@ import torch
 from conftest import Runs, as_of_step
 from test_roundtrip import assert_same_checkpoint
 
-from tailorstore import codec
+from tailorstore import codec, placement
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import CommitOptions, commit_checkpoint
+from tailorstore.errors import CorruptStoreError
 from tailorstore.inspect import show
 from tailorstore.store import writer as writer_module
 from tailorstore.store.repo import Store
@@ -34,6 +35,33 @@ def test_bf16_weights_are_derived_and_rebuilt_bit_exact(runs: Runs, store: Store
     out = tmp_path / "out"
     checkout_step(store, "step=6", out)
     assert_same_checkpoint(as_of_step(run.save_dir, 6, tmp_path / "ref"), out)
+
+
+def test_split_masters_rebuild_weights_in_order_or_by_reading_back(
+    runs: Runs, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights whose masters are split across two ranks' files; then the read-back check; then a bad hash."""
+    run = runs.get("zero2-bf16-odd-two-groups")
+    commit_checkpoint(store, as_of_step(run.save_dir, 6, tmp_path / "at6"))
+    split = store.conn.execute(
+        "SELECT param FROM atoms WHERE kind='master' GROUP BY param HAVING count(DISTINCT rank) > 1"
+    ).fetchall()
+    assert split, "the odd model has a parameter whose master is cut between the ranks"
+    reference = as_of_step(run.save_dir, 6, tmp_path / "ref")
+    checkout_step(store, "step=6", tmp_path / "in-order")
+    assert_same_checkpoint(reference, tmp_path / "in-order")
+
+    monkeypatch.setattr(placement, "_EARLY_BUDGET", 0)  # nothing may wait: out-of-order weights are read back
+    checkout_step(store, "step=6", tmp_path / "read-back")
+    assert_same_checkpoint(reference, tmp_path / "read-back")
+    monkeypatch.undo()
+
+    param = split[0]["param"]
+    with store.transaction() as conn:  # the index now promises other bytes than rounding gives
+        conn.execute("UPDATE atoms SET blob=? WHERE derived IS NOT NULL AND param=?", ("0" * 32, param))
+    with pytest.raises(CorruptStoreError, match=rf"{param} \(weight, rebuilt from its FP32 master\).*does not match"):
+        checkout_step(store, "step=6", tmp_path / "bad")
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tailor-partial-*"))
 
 
 def test_a_weight_that_is_not_its_rounded_master_is_stored(runs: Runs, store: Store, tmp_path: Path) -> None:

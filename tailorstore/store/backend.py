@@ -77,6 +77,7 @@ class PosixBackend:
         self.blob_dir = self.root / "blobs"
         self.tmp_dir = self.root / "tmp"
         self._staged: dict[str, Path] = {}
+        self._folders: set[Path] = set()  # blobs/XX folders known to exist
         self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
@@ -110,7 +111,9 @@ class PosixBackend:
         _syncfs(self.root)
         for name, tmp in self._staged.items():
             final = self.path(name)
-            final.parent.mkdir(parents=True, exist_ok=True)
+            if final.parent not in self._folders:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                self._folders.add(final.parent)
             os.replace(tmp, final)
         self._staged.clear()
         _syncfs(self.root)

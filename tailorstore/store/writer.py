@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from .. import codec
 from ..errors import StoreError
+from ..memory import drop_mapped_pages
 from .repo import Store
 
 
@@ -43,29 +44,37 @@ class BlobWriter:
         self._failure: StoreError | None = None  # the first failed write; later blobs are not attempted
         self.reused_bytes = 0
 
-    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False) -> str:
+    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False, mapped: bool = False) -> str:
+        """Name ``data`` and write it if new. ``mapped``: it lies in a memory-mapped input file,
+        whose pages are dropped from this process once the bytes are stored."""
         if self._failure is not None:
             raise self._failure
         digest = codec.content_hash(data)
         if digest in self._pending or digest in self._known:
             self.reused_bytes += len(data)
+            if mapped:
+                drop_mapped_pages(data)
             return digest
         if self.store.blob(digest) is not None:
             self._known.add(digest)
             self.reused_bytes += len(data)
+            if mapped:
+                drop_mapped_pages(data)
             return digest
         self._slots.acquire()
-        future = self._pool.submit(self._write, digest, data, itemsize, is_float)
+        future = self._pool.submit(self._write, digest, data, itemsize, is_float, mapped)
         future.add_done_callback(lambda _f: self._slots.release())
         self._pending[digest] = future
         return digest
 
-    def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool) -> NewBlob:
+    def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool, mapped: bool) -> NewBlob:
         if self._failure is not None:
             raise self._failure
         encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level)
         try:
             self.store.backend.put(digest, encoded)  # compresses chunk by chunk as it writes
+            if mapped:
+                drop_mapped_pages(data)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._failure = StoreError(
