@@ -120,9 +120,10 @@ def _load_inherited_atoms(store: Store, inherit: _Inheritance, layer: str) -> No
 
 @dataclass
 class _Scan:
-    """What the first, validating pass learns; it holds no tensor data."""
+    """What the validating pass learns. Files keep their memory-mapped tensors (address space,
+    not memory: no tensor page has been read yet) so that writing needs no second unpickling."""
 
-    files: list[ReadFile] = field(default_factory=list)  # without entries or skeletons
+    files: list[ReadFile] = field(default_factory=list)
     layers: frozenset[str] = frozenset()
     weights: dict[str, tuple] = field(default_factory=dict)  # low-precision weights: param -> (dtype, numel)
     infos: dict[str, ModelInfo] = field(default_factory=dict)
@@ -138,7 +139,6 @@ def _scan(layout: CheckpointLayout, trust_pickles: bool) -> _Scan:
                 layers.add(seg.layer)
                 if seg.kind == A.WEIGHT and seg.start == 0 and entry.tensor.dtype in LOW_PRECISION:
                     scan.weights[seg.param] = (entry.tensor.dtype, seg.numel)
-        f.entries, f.skeleton = [], None
         scan.files.append(f)
     scan.layers = frozenset(layers)
     return scan
@@ -302,13 +302,13 @@ def _write_files(
     plan = _Plan()
     rounded = RoundedMasters(scan.weights if options.derive_weights else {})
     progress.start("commit", sum(f.size for f in scan.files))
-    for f in read_checkpoint(layout, trust_pickles=options.trust_pickles, files=write_order(layout), infos=scan.infos):
+    by_path = {f.path: f for f in scan.files}
+    for f in (by_path[path] for path in write_order(layout)):
         container: str | None = None
         if f.kind == RAW:
             digest = writer.add(memoryview(f.source.read_bytes()))
         else:
-            assert f.skeleton is not None
-            digest = writer.add(memoryview(f.skeleton))
+            digest = writer.add(memoryview(f.skeleton_blob()))
             literal = f.container()
             container = None if literal is None else writer.add(memoryview(literal))
             rounded.add_file(f.entries)
@@ -317,6 +317,7 @@ def _write_files(
                 for seg in entry.segments:
                     plan.atom_rows.append(_atom_row(f, entry, data, seg, stored, sources, writer, rounded, plan))
         plan.file_rows.append((f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, int(f.trusted), container))
+        f.release()
         progress.advance(f.size)
     return plan
 

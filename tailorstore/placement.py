@@ -115,7 +115,7 @@ class _Weight:
 def _scratch(nbytes: int) -> memoryview:
     buf = getattr(_local, "buf", None)
     if buf is None or len(buf) < nbytes:
-        buf = _local.buf = np.empty(max(nbytes, codec.MAX_CHUNK), dtype=np.uint8)
+        buf = _local.buf = np.empty(max(nbytes, codec.GROUP_CHUNK), dtype=np.uint8)  # grows for blosc2's 16 MiB
     return memoryview(buf)[:nbytes]
 
 
@@ -124,7 +124,7 @@ def _rounded(piece: memoryview, dtype: torch.dtype) -> memoryview:
     n = len(piece) // 4
     out = getattr(_local, "rounded", None)
     if out is None or out.dtype != dtype or out.numel() < n:
-        out = _local.rounded = torch.empty(max(n, codec.MAX_CHUNK // 4), dtype=dtype)
+        out = _local.rounded = torch.empty(max(n, codec.GROUP_CHUNK // 4), dtype=dtype)
     dest = out[:n]
     dest.copy_(torch.frombuffer(piece, dtype=torch.float32))
     return memoryview(dest.view(torch.uint8).numpy()).cast("B")

@@ -51,6 +51,16 @@ class ReadFile:
     trusted: bool = False  # loading it needed --trust-pickles
     meta: dict[str, int] = field(default_factory=dict)  # step, ZeRO stage, world size, when the file says
     located: bool = False  # every tensor's file offset is known, so the file has a container
+    tree: object = None  # the skeleton before pickling (torch files)
+
+    def skeleton_blob(self) -> bytes:
+        if self.skeleton is None:
+            self.skeleton = skeleton_bytes(self.tree)
+        return self.skeleton
+
+    def release(self) -> None:
+        """Drop the tensors (and so the file's memory map, once nothing else holds them)."""
+        self.entries, self.tree = [], None
 
     def container(self) -> bytes | None:
         """The file's bytes outside its tensors (zip headers, pickle, safetensors header), in order.
@@ -135,6 +145,7 @@ def read_checkpoint(
             else:
                 for entry in entries:
                     ds.generic(entry, 0)
+            out.tree = skeleton
             out.skeleton = skeleton_bytes(skeleton) if skeletons else None
             out.entries = entries
             out.located = locate_tensors(source, entries)

@@ -23,7 +23,7 @@ BytesLike = bytes | bytearray | memoryview
 
 
 class BlobBackend(Protocol):
-    def put(self, name: str, chunks: Iterable[BytesLike]) -> None: ...
+    def put(self, name: str, chunks: Iterable[BytesLike], size_hint: int = 0) -> None: ...
     def publish(self) -> None: ...
     def discard(self) -> None: ...
     def open(self, name: str) -> BinaryIO: ...
@@ -46,6 +46,7 @@ def _syncfs(path: Path) -> None:
 
 
 _SYNC_FILE_RANGE_WRITE = 2
+_DIRECT_FROM = 1 << 20  # blobs of at least this raw size are written with O_DIRECT
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -77,15 +78,15 @@ class PosixBackend:
         self.blob_dir = self.root / "blobs"
         self.tmp_dir = self.root / "tmp"
         self._staged: dict[str, Path] = {}
-        self._folders: set[Path] = set()  # blobs/XX folders known to exist
         self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
         return self.blob_dir / name[:2] / name
 
-    def put(self, name: str, chunks: Iterable[BytesLike]) -> None:
+    def put(self, name: str, chunks: Iterable[BytesLike], size_hint: int = 0) -> None:
+        """Write a temp file for the blob; ``size_hint`` (its raw size) picks direct or buffered I/O."""
         tmp = self.tmp_dir / f"{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        out = SequentialWriter(tmp)
+        out = SequentialWriter(tmp, direct=size_hint >= _DIRECT_FROM)
         try:
             for chunk in chunks:
                 out.write(chunk)
@@ -111,10 +112,11 @@ class PosixBackend:
         _syncfs(self.root)
         for name, tmp in self._staged.items():
             final = self.path(name)
-            if final.parent not in self._folders:
+            try:
+                os.replace(tmp, final)
+            except FileNotFoundError:  # the first blob under this prefix
                 final.parent.mkdir(parents=True, exist_ok=True)
-                self._folders.add(final.parent)
-            os.replace(tmp, final)
+                os.replace(tmp, final)
         self._staged.clear()
         _syncfs(self.root)
 

@@ -83,11 +83,15 @@ def _drop_direct(fd: int) -> None:
 
 
 class SequentialWriter:
-    """Append-only writes to a new file; the way blobs are written."""
+    """Append-only writes to a new file; the way blobs are written.
 
-    def __init__(self, path: os.PathLike | str, mode: int = 0o444) -> None:
+    ``direct=False`` writes through the page cache: for small files, where one direct
+    write's latency costs more than a few pages.
+    """
+
+    def __init__(self, path: os.PathLike | str, mode: int = 0o444, direct: bool = True) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        fd = _open_direct(path, flags, mode)
+        fd = _open_direct(path, flags, mode) if direct else None
         self.direct = fd is not None
         self.fd = fd if fd is not None else os.open(path, flags, mode)
         self.size = 0

@@ -72,7 +72,7 @@ class BlobWriter:
             raise self._failure
         encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level)
         try:
-            self.store.backend.put(digest, encoded)  # compresses chunk by chunk as it writes
+            self.store.backend.put(digest, encoded, len(data))  # compresses chunk by chunk as it writes
             if mapped:
                 drop_mapped_pages(data)
         except OSError as exc:
