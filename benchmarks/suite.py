@@ -53,7 +53,7 @@ def params_of(size: Size) -> int:
 
 
 def measured(cmd: list[str]) -> tuple[float, int, dict]:
-    """Run a process; (wall seconds, peak RSS in bytes, its JSON output if any)."""
+    """Run a process; (wall seconds, ru_maxrss in bytes (see worker.peak_rss), its JSON output if any)."""
     began = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -143,19 +143,19 @@ def measure_io(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
                 warm(tag_dir)
                 rows["copy"][i].append(copy_and_sync(tag_dir, work / "copies" / f"c{step}"))
             warm(tag_dir)
-            wall, rss, out = measured([py, "-m", "benchmarks.worker", "commit", str(store), str(tag_dir)])
+            wall, _, out = measured([py, "-m", "benchmarks.worker", "commit", str(store), str(tag_dir)])
             rows["commit"][i].append(out["seconds"])
             rows["commit_wall"][i].append(wall)
-            rows["commit_rss"][i].append(rss)
+            rows["commit_rss"][i].append(out["peak_rss"])
             if not copy_first:
                 warm(tag_dir)
                 rows["copy"][i].append(copy_and_sync(tag_dir, work / "copies" / f"c{step}"))
-            wall, rss, out2 = measured(
+            wall, _, out2 = measured(
                 [py, "-m", "benchmarks.worker", "checkout", str(store), str(step), str(work / "checkouts" / f"o{step}")]
             )
             rows["checkout"][i].append(out2["seconds"])
             rows["checkout_wall"][i].append(wall)
-            rows["checkout_rss"][i].append(rss)
+            rows["checkout_rss"][i].append(out2["peak_rss"])
             shutil.rmtree(work / "copies" / f"c{step}")
             shutil.rmtree(work / "checkouts" / f"o{step}")
     med = {k: [statistics.median(v) for v in per_step] for k, per_step in rows.items()}
@@ -250,47 +250,51 @@ def codec_speeds(save: Path, step: int, repeats: int = 3) -> dict:
     for p in pieces:
         codec.content_hash(p)  # fault the mapped pages in before timing
 
-    def ours(piece: memoryview) -> bytes:
-        return b"".join(bytes(c) for c in codec.encode(piece, itemsize=4, is_float=True))
+    def ours(piece: memoryview) -> list:
+        return list(codec.encode(piece, itemsize=4, is_float=True))  # the chunks, as the writer gets them
 
-    def blosc(piece: memoryview) -> bytes:
-        return blosc2.compress2(
-            piece,
-            typesize=4,
-            clevel=1,
-            codec=blosc2.Codec.ZSTD,
-            filters=[blosc2.Filter.SHUFFLE],
-            splitmode=blosc2.SplitMode.ALWAYS_SPLIT,
-            nthreads=1,
-        )
+    def blosc(piece: memoryview) -> list:
+        return [
+            blosc2.compress2(
+                piece[i : i + codec.GROUP_CHUNK],
+                typesize=4,
+                clevel=1,
+                codec=blosc2.Codec.ZSTD,
+                filters=[blosc2.Filter.SHUFFLE],
+                splitmode=blosc2.SplitMode.ALWAYS_SPLIT,
+                nthreads=1,
+            )
+            for i in range(0, len(piece), codec.GROUP_CHUNK)
+        ]
 
     zstd1 = threading_local_zstd()
 
-    def plain(piece: memoryview) -> bytes:
-        return zstd1().compress(piece)
+    def plain(piece: memoryview) -> list:
+        return [zstd1().compress(piece)]
 
     out: dict[str, dict[str, float]] = {}
     buf = np.empty(8 << 20, dtype=np.uint8)
     for name, encode, descriptor in (
         ("bytegroup-zstd (ours)", ours, '{"id": "bytegroup-zstd", "v": 1, "typesize": 4, "level": 1}'),
-        ("blosc2 shuffle + zstd-1 (tailorstore 0.1)", blosc, '{"id": "blosc2-shuffle-zstd", "v": 1}'),
+        ("blosc2 SHUFFLE + ZSTD level 1, GIL released", blosc, '{"id": "blosc2-shuffle-zstd", "v": 1}'),
         ("zstd-1, no grouping", plain, '{"id": "zstd", "v": 1}'),
     ):
         one, two, dec = [], [], []
         for _ in range(repeats):
             began = time.perf_counter()
-            packed = [encode(p) for p in pieces]
+            stored = sum(len(c) for p in pieces for c in encode(p))
             one.append(time.perf_counter() - began)
             with ThreadPoolExecutor(2) as pool:
                 began = time.perf_counter()
-                list(pool.map(encode, pieces))
+                list(pool.map(lambda p, encode=encode: sum(len(c) for c in encode(p)), pieces))
                 two.append(time.perf_counter() - began)
+            payloads = [b"".join(bytes(c) for c in encode(p)) for p in pieces]  # untimed
             began = time.perf_counter()
-            for p, c in zip(pieces, packed, strict=True):
-                codec.decode_into(descriptor, io.BytesIO(c), memoryview(buf)[: len(p)], "bench")
+            for p, payload in zip(pieces, payloads, strict=True):
+                codec.decode_into(descriptor, io.BytesIO(payload), memoryview(buf)[: len(p)], "bench")
             dec.append(time.perf_counter() - began)
         out[name] = {
-            "ratio": raw / sum(len(c) for c in packed),
+            "ratio": raw / stored,
             "encode_1": raw / statistics.median(one) / 1e9,
             "encode_2": raw / statistics.median(two) / 1e9,
             "decode_1": raw / statistics.median(dec) / 1e9,

@@ -32,7 +32,21 @@ def main(argv: list[str]) -> None:
             extra = {}
         else:
             raise SystemExit(f"unknown op {op}")
-        print(json.dumps({"seconds": time.perf_counter() - began, **extra}))
+        seconds = time.perf_counter() - began
+    print(json.dumps({"seconds": seconds, "peak_rss": peak_rss(), **extra}))
+
+
+def peak_rss() -> int:
+    """This process's high-water RSS (VmHWM), in bytes.
+
+    Not the ru_maxrss that wait4 reports: Linux folds the pre-exec address space into that,
+    and subprocess starts a child from a copy of the parent, so a parent that had grown to
+    3 GB made every worker report 3 GB.
+    """
+    for line in open("/proc/self/status").read().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 if __name__ == "__main__":

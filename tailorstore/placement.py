@@ -3,8 +3,8 @@
 A file committed with a container (format 2) is its container's bytes with the atoms'
 bytes at their recorded offsets. So checkout needs no unpickling, no torch.save and no
 tensor in memory: each atom's blob is read around the page cache, decoded chunk by chunk
-into a reused per-thread buffer, hashed as it streams, and written into place, on two
-threads (decoders and I/O release the GIL). Writes go around the page cache too
+into a reused per-thread buffer, hashed as it streams, and written into place, on four
+threads (decoders and I/O release the GIL; two compute while two wait on the disk). Writes go around the page cache too
 (``store/direct_io.py``), so memory stays at a few chunk buffers whatever the file size
 and the final fsync has almost nothing left to flush.
 
