@@ -112,8 +112,6 @@ def checkout_step(
         progress.start(f"checkout step {step}", sum(r["raw_size"] for r in files))
         placed = [row for row in files if row["container"] is not None and row["kind"] in (TORCH, SAFETENSORS)]
         if placed:
-            for row in placed:
-                safe_join(tmp, row["path"])
             placement.write_files(
                 store,
                 manifest,
@@ -128,8 +126,9 @@ def checkout_step(
                 target = safe_join(tmp, row["path"])
                 os.chmod(target, row["mode"] or 0o644)
                 written += target.stat().st_size
+        placed_paths = {row["path"] for row in placed}
         for row in files:
-            if row in placed:
+            if row["path"] in placed_paths:
                 continue
             target = safe_join(tmp, row["path"])
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -113,15 +113,9 @@ def _scratch(name: str, size: int) -> np.ndarray:
     return buf[:size]
 
 
-def encode(
-    data: memoryview, *, itemsize: int = 1, is_float: bool = False, level: int = DEFAULT_LEVEL, threads: int = 1
-) -> Encoded:
-    """The codec for these bytes; float data streams out chunk by chunk. Thread-safe.
-
-    ``threads`` is accepted for callers of the 0.1 API and ignored: parallelism comes from
-    the caller's threads, since every codec here releases the GIL.
-    """
-    del threads
+def encode(data: memoryview, *, itemsize: int = 1, is_float: bool = False, level: int = DEFAULT_LEVEL) -> Encoded:
+    """The codec for these bytes; float data streams out chunk by chunk. Thread-safe; parallelism
+    comes from the caller's threads, since every codec here releases the GIL."""
     n = len(data)
     if is_float and itemsize in (2, 4, 8) and n >= 256 and n % itemsize == 0:
         return Encoded(
@@ -174,33 +168,17 @@ def decode_pieces(descriptor: str, source: BinaryIO, raw_size: int, space: Space
     """
     spec = _parse(descriptor, where)
     codec = spec["id"]
-    filled = 0
     if codec == RAW:
-        while filled < raw_size:
-            dest = space(min(MAX_CHUNK, raw_size - filled))
-            got = _read_into(source, dest)
-            if got != len(dest):
-                _short(where, filled + got, raw_size)
-            filled += got
-            yield dest
-        if source.read(1):
-            _long(where, raw_size)
+        yield from _stream(source, raw_size, space, where)
         return
     if codec == ZSTD:
         reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=False, closefd=False)
         try:
-            while filled < raw_size:
-                dest = space(min(MAX_CHUNK, raw_size - filled))
-                got = _read_into(reader, dest)
-                if got != len(dest):
-                    _short(where, filled + got, raw_size)
-                filled += got
-                yield dest
-            if reader.read(1):
-                _long(where, raw_size)
+            yield from _stream(reader, raw_size, space, where)
         except zstandard.ZstdError as exc:
             raise CorruptStoreError(f"{where}: the zstd frame does not decode ({exc}); the blob is damaged") from None
         return
+    filled = 0
     chunk_reader = _bytegroup_chunk if codec == BYTEGROUP else _blosc2_chunk
     while True:
         piece = chunk_reader(source, space, raw_size - filled, where)
@@ -212,9 +190,22 @@ def decode_pieces(descriptor: str, source: BinaryIO, raw_size: int, space: Space
         _short(where, filled, raw_size)
 
 
-def decode_into(descriptor: str, source: BinaryIO, dest: memoryview, where: str, threads: int = 1) -> None:
+def _stream(reader: BinaryIO, raw_size: int, space: Space, where: str) -> Iterator[memoryview]:
+    """Unframed bytes (raw, or a zstd stream): exactly ``raw_size`` of them, in MAX_CHUNK pieces."""
+    filled = 0
+    while filled < raw_size:
+        dest = space(min(MAX_CHUNK, raw_size - filled))
+        got = _read_into(reader, dest)
+        if got != len(dest):
+            _short(where, filled + got, raw_size)
+        filled += got
+        yield dest
+    if reader.read(1):
+        _long(where, raw_size)
+
+
+def decode_into(descriptor: str, source: BinaryIO, dest: memoryview, where: str) -> None:
     """Decode a whole blob into ``dest``, which must be exactly the raw size."""
-    del threads
     filled = 0
 
     def space(n: int) -> memoryview:

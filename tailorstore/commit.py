@@ -133,7 +133,7 @@ def _scan(layout: CheckpointLayout, trust_pickles: bool) -> _Scan:
     """Read and check every file, one at a time, before anything is written."""
     scan = _Scan()
     layers: set[str] = set()
-    for f in read_checkpoint(layout, trust_pickles=trust_pickles, infos=scan.infos, skeletons=False):
+    for f in read_checkpoint(layout, trust_pickles=trust_pickles, infos=scan.infos):
         for entry in f.entries:
             for seg in entry.segments:
                 layers.add(seg.layer)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -21,7 +22,7 @@ _M_MMAP_MAX = -4
 
 def reuse_freed_memory() -> bool:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc = _libc()
         ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
         ok = ok and libc.mallopt(_M_MMAP_MAX, 0) == 1  # large buffers from the heap too, so they are reused
         return ok and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
@@ -53,11 +54,6 @@ def drop_mapped_pages(view: memoryview) -> None:
         _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    return _LIBC
-
-
-_LIBC: ctypes.CDLL | None = None
+    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)

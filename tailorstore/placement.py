@@ -36,12 +36,12 @@ from .derive import ROUND_FROM_MASTER
 from .errors import CorruptStoreError
 from .formats.reader import TORCH
 from .formats.torch_zip import gaps, mend_crcs
+from .paths import safe_join
 from .store.backend import start_writeback
 from .store.direct_io import PlacedWriter
 from .store.repo import Store
 
 _local = threading.local()
-_covered_lock = threading.Lock()
 
 
 @dataclass
@@ -54,7 +54,25 @@ class _Target:
 
 
 _EARLY_BUDGET = 64 << 20  # bytes of rounded weight held while waiting for the pieces before them
-_early = {"bytes": 0}
+
+
+class _Budget:
+    """Bytes of rounded weight waiting for their predecessors, across one checkout's weights."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
 
 
 @dataclass
@@ -73,6 +91,7 @@ class _Weight:
     numel: int
     blob: str
     layer: str
+    budget: _Budget
     covered: list[tuple[int, int]] = field(default_factory=list)
     hasher: Any = field(default_factory=xxhash.xxh3_128)
     hashed: int = 0  # elements hashed, in order
@@ -90,26 +109,20 @@ class _Weight:
                 self.hashed += len(data) // size
                 while self.hashed in self.waiting:
                     early = self.waiting.pop(self.hashed)
-                    self._release(len(early))
+                    self.budget.give(len(early))
                     self.hasher.update(early)
                     self.hashed += len(early) // size
                 return
-            with _covered_lock:
-                fits = first > self.hashed and _early["bytes"] + len(data) <= _EARLY_BUDGET
-                if fits:
-                    _early["bytes"] += len(data)
-            if fits:
+            if first > self.hashed and self.budget.take(len(data)):
                 self.waiting[first] = bytes(data)
             else:
                 self.read_back = True
-                for early in self.waiting.values():
-                    self._release(len(early))
+                self.budget.give(sum(len(early) for early in self.waiting.values()))
                 self.waiting.clear()
 
-    @staticmethod
-    def _release(nbytes: int) -> None:
-        with _covered_lock:
-            _early["bytes"] -= nbytes
+    def cover(self, start: int, numel: int) -> None:
+        with self.lock:
+            self.covered.append((start, numel))
 
 
 def _scratch(nbytes: int) -> memoryview:
@@ -150,7 +163,7 @@ def write_files(
     targets: dict[str, _Target] = {}
     try:
         for row in rows:
-            path = root / row["path"]
+            path = safe_join(root, row["path"])
             path.parent.mkdir(parents=True, exist_ok=True)
             targets[row["path"]] = _Target(
                 row["path"],
@@ -217,6 +230,7 @@ def _derived_weights(atoms: dict[str, list[sqlite3.Row]], targets: dict[str, _Ta
     """Derived weights by parameter; one parameter's weight may sit in several files (DeepSpeed's
     model states and an HF model.safetensors), and each copy is rebuilt and checked."""
     weights: dict[str, list[_Weight]] = {}
+    budget = _Budget(_EARLY_BUDGET)  # per checkout: nothing held over from a failed one
     for path, rows in atoms.items():
         for a in rows:
             if a["derived"] is None:
@@ -226,7 +240,15 @@ def _derived_weights(atoms: dict[str, list[sqlite3.Row]], targets: dict[str, _Ta
                     f"{targets[path].where}: unknown derivation {a['derived']!r}; upgrade tailorstore"
                 )
             weights.setdefault(a["param"], []).append(
-                _Weight(targets[path], a["file_offset"], dtype_from_name(a["dtype"]), a["numel"], a["blob"], a["layer"])
+                _Weight(
+                    targets[path],
+                    a["file_offset"],
+                    dtype_from_name(a["dtype"]),
+                    a["numel"],
+                    a["blob"],
+                    a["layer"],
+                    budget,
+                )
             )
     return weights
 
@@ -280,9 +302,8 @@ def _place(store: Store, target: _Target, atom: sqlite3.Row, weights: list[_Weig
             f"{where}: blob {atom['blob']} does not match its hash (the blob file is damaged). "
             "Run `tailor verify --deep` to find every damaged blob."
         )
-    with _covered_lock:
-        for weight in weights:
-            weight.covered.append((atom["start"], atom["numel"]))
+    for weight in weights:
+        weight.cover(atom["start"], atom["numel"])
     start_writeback(target.out.fd, atom["file_offset"], atom["nbytes"])  # the page-cache edges
 
 

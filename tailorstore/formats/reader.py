@@ -115,7 +115,6 @@ def read_checkpoint(
     trust_pickles: bool = False,
     files: list[str] | None = None,
     infos: dict[str, ds.ModelInfo] | None = None,
-    skeletons: bool = True,
 ) -> Iterator[ReadFile]:
     """Yield the files one at a time, in ``files`` order (default: the layout's).
 
@@ -145,8 +144,7 @@ def read_checkpoint(
             else:
                 for entry in entries:
                     ds.generic(entry, 0)
-            out.tree = skeleton
-            out.skeleton = skeleton_bytes(skeleton) if skeletons else None
+            out.tree = skeleton  # pickled only when a commit stores it (skeleton_blob)
             out.entries = entries
             out.located = locate_tensors(source, entries)
         elif kind == SAFETENSORS:
