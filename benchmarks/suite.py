@@ -202,13 +202,13 @@ def codec_comparison(save: Path, steps: list[int]) -> dict:
     totals: dict[str, dict[str, int]] = defaultdict(lambda: {"raw": 0, "ours": 0, "zstd1": 0, "zipnn": 0})
     for step in steps:
         for f in read_checkpoint(detect(save / f"global_step{step}")):
+            src = f.open()
             for entry in f.entries:
-                data = memoryview(entry.tensor.reshape(-1).contiguous().view(__import__("torch").uint8).numpy())
                 size = entry.tensor.element_size()
                 for seg in entry.segments:
                     if seg.numel * size < 4096 or ".padding" in seg.kind or seg.kind == "step":
                         continue
-                    piece = data[seg.offset * size : (seg.offset + seg.numel) * size]
+                    piece = f.piece(src, entry, seg)
                     kind = seg.kind
                     t = totals[kind]
                     t["raw"] += len(piece)
@@ -218,6 +218,7 @@ def codec_comparison(save: Path, steps: list[int]) -> dict:
                     if name not in zipnns:
                         zipnns[name] = zipnn.ZipNN(input_format="byte", bytearray_dtype=name)
                     t["zipnn"] += len(zipnns[name].compress(bytes(piece)))  # type: ignore[attr-defined]
+            src.close()
     return dict(totals)
 
 
@@ -242,13 +243,13 @@ def codec_speeds(save: Path, step: int, repeats: int = 3) -> dict:
     blosc2.set_releasegil(True)
     pieces: list[memoryview] = []
     for f in read_checkpoint(detect(save / f"global_step{step}")):
-        for entry in f.entries:
-            if entry.tensor.dtype == __import__("torch").float32 and entry.tensor.numel() > (1 << 20):
-                flat = memoryview(entry.tensor.detach().reshape(-1).numpy()).cast("B")
-                pieces += [flat[i : i + (8 << 20)] for i in range(0, len(flat), 8 << 20)]
+        with f.open() as src:
+            for entry in f.entries:
+                if entry.tensor.dtype == __import__("torch").float32 and entry.tensor.numel() > (1 << 20):
+                    nbytes = entry.tensor.numel() * 4
+                    flat = src.read(entry.file_offset or 0, nbytes)
+                    pieces += [flat[i : i + (8 << 20)] for i in range(0, len(flat), 8 << 20)]
     raw = sum(len(p) for p in pieces)
-    for p in pieces:
-        codec.content_hash(p)  # fault the mapped pages in before timing
 
     def ours(piece: memoryview) -> list:
         return list(codec.encode(piece, itemsize=4, is_float=True))  # the chunks, as the writer gets them

@@ -13,18 +13,21 @@ from collections import defaultdict
 import torch
 
 from . import atoms as A
+from .formats.reader import ReadFile
+from .formats.source import InputFile
 from .store.repo import Store
 
 PieceKey = tuple[str, int, int]
 
 
-def masters_by_layer(entries: list[A.TensorEntry], kind: str = A.MASTER) -> dict[str, dict[PieceKey, torch.Tensor]]:
+def masters_by_layer(f: ReadFile, src: InputFile, kind: str = A.MASTER) -> dict[str, dict[PieceKey, torch.Tensor]]:
+    """One input file's pieces of ``kind``, by layer, each read from the file into private memory."""
     out: dict[str, dict[PieceKey, torch.Tensor]] = defaultdict(dict)
-    for entry in entries:
-        flat = entry.tensor.reshape(-1)
+    for entry in f.entries:
         for seg in entry.segments:
-            if seg.kind == kind:
-                out[seg.layer][(seg.param, seg.rank, seg.start)] = flat[seg.offset : seg.offset + seg.numel]
+            if seg.kind == kind and seg.numel:
+                data = f.piece(src, entry, seg)
+                out[seg.layer][(seg.param, seg.rank, seg.start)] = torch.frombuffer(data, dtype=entry.tensor.dtype)
     return out
 
 

@@ -128,6 +128,20 @@ def encode(data: memoryview, *, itemsize: int = 1, is_float: bool = False, level
     return Encoded(_descriptor(id=RAW, v=1), [data])
 
 
+def encode_stream(chunks: Iterator[memoryview], *, level: int = DEFAULT_LEVEL) -> Encoded:
+    """One zstd frame over chunks that arrive one at a time (large raw files): memory stays at a chunk."""
+
+    def frames() -> Iterator[bytes]:
+        compressor = _compressor(level).compressobj()
+        for chunk in chunks:
+            out = compressor.compress(chunk)
+            if out:
+                yield out
+        yield compressor.flush()
+
+    return Encoded(_descriptor(id=ZSTD, v=1, level=level), frames())
+
+
 def _bytegroup_chunks(data: memoryview, itemsize: int, level: int) -> Iterator[BytesLike]:
     elements = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
     per_chunk = GROUP_CHUNK // itemsize

@@ -27,8 +27,8 @@ from .errors import BadCheckpointError, StepExistsError, StoreError
 from .formats.deepspeed import ModelInfo
 from .formats.layout import CheckpointLayout, detect
 from .formats.reader import RAW, ReadFile, read_checkpoint, write_order
+from .formats.source import CHUNK, InputFile, check_unchanged
 from .layers import STATE, sort_key
-from .memory import drop_mapped_pages
 from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atoms_by_key
@@ -120,8 +120,8 @@ def _load_inherited_atoms(store: Store, inherit: _Inheritance, layer: str) -> No
 
 @dataclass
 class _Scan:
-    """What the validating pass learns. Files keep their memory-mapped tensors (address space,
-    not memory: no tensor page has been read yet) so that writing needs no second unpickling."""
+    """What the validating pass learns. Files keep their entries (meta tensors with file offsets,
+    no data) so that writing needs no second unpickling."""
 
     files: list[ReadFile] = field(default_factory=list)
     layers: frozenset[str] = frozenset()
@@ -144,16 +144,17 @@ def _scan(layout: CheckpointLayout, trust_pickles: bool) -> _Scan:
     return scan
 
 
-def _measure_changes(
-    store: Store, layout: CheckpointLayout, scan: _Scan, trust: bool, sources: dict[str, _Inheritance]
-) -> dict[str, float]:
+def _measure_changes(store: Store, layout: CheckpointLayout, scan: _Scan, sources: dict[str, _Inheritance]) -> dict:
     """Relative change of each layer's FP32 master since the version an earlier step holds, file by file."""
     totals: dict[str, LayerChange] = {}
-    for f in read_checkpoint(layout, trust_pickles=trust, files=write_order(layout), infos=scan.infos):
-        for layer, pieces in masters_by_layer(f.entries).items():
-            if layer in sources:
-                stored = stored_pieces(store, sources[layer].manifest, layer, keys=set(pieces))
-                totals.setdefault(layer, LayerChange()).add(pieces, stored)
+    by_path = {f.path: f for f in scan.files}
+    for f in (by_path[path] for path in write_order(layout)):
+        with f.open() as src:
+            for layer, pieces in masters_by_layer(f, src).items():
+                if layer in sources:
+                    stored = stored_pieces(store, sources[layer].manifest, layer, keys=set(pieces))
+                    totals.setdefault(layer, LayerChange()).add(pieces, stored)
+            src.check()
     expected = {
         layer: store.conn.execute(
             "SELECT count(*) FROM atoms WHERE manifest=? AND layer=? AND kind='master'", (src.manifest, layer)
@@ -188,7 +189,7 @@ def commit_checkpoint(
             "SELECT count(*) FROM manifests WHERE origin='commit' AND step<?", (step,)
         ).fetchone()[0]
         adaptive = needs_changes(options.policy)
-        changes = _measure_changes(store, layout, scan, options.trust_pickles, sources) if adaptive else {}
+        changes = _measure_changes(store, layout, scan, sources) if adaptive else {}
         stored = decide(
             options.policy,
             CommitFacts(layers, commits_before, frozenset(sources), changes if adaptive else None),
@@ -207,6 +208,9 @@ def commit_checkpoint(
         finally:
             progress.close()
 
+        for f in files:  # the last look: a file that changed after its read is refused too
+            assert f.identity is not None
+            check_unchanged(f.source, f.identity)
         raw_bytes = sum(f.size for f in files)
         facts: dict[str, int] = {}
         for f in files:
@@ -305,27 +309,36 @@ def _write_files(
     by_path = {f.path: f for f in scan.files}
     for f in (by_path[path] for path in write_order(layout)):
         container: str | None = None
-        if f.kind == RAW:
-            digest = writer.add(memoryview(f.source.read_bytes()))
-        else:
-            digest = writer.add(memoryview(f.skeleton_blob()))
-            literal = f.container()
-            container = None if literal is None else writer.add(memoryview(literal))
-            rounded.add_file(f.entries)
-            for entry in f.entries:
-                data = A.byte_view(entry.tensor) if any(s.layer in stored for s in entry.segments) else None
-                for seg in entry.segments:
-                    plan.atom_rows.append(_atom_row(f, entry, data, seg, stored, sources, writer, rounded, plan))
+        with f.open() as src:
+            if f.kind == RAW:
+                digest = _add_raw(writer, src)
+            else:
+                digest = writer.add(memoryview(f.skeleton_blob()))
+                literal = f.container(src)
+                container = None if literal is None else writer.add(memoryview(literal))
+                # Masters first, so that a weight in the same file (ZeRO 0) finds its rounded master.
+                segments = [(e, s) for e in f.entries for s in e.segments]
+                segments.sort(key=lambda es: es[1].kind != A.MASTER)
+                for entry, seg in segments:
+                    plan.atom_rows.append(_atom_row(f, src, entry, seg, stored, sources, writer, rounded, plan))
+            src.check()
         plan.file_rows.append((f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, int(f.trusted), container))
         f.release()
         progress.advance(f.size)
     return plan
 
 
+def _add_raw(writer: BlobWriter, src: InputFile) -> str:
+    """A file kept whole: copied once when small, streamed in chunks when large (memory stays bounded)."""
+    if src.size <= CHUNK:
+        return writer.add(src.read(0, src.size))
+    return writer.add_stream(src, 0, src.size)
+
+
 def _atom_row(
     f: ReadFile,
+    src: InputFile,
     entry: A.TensorEntry,
-    data: memoryview | None,
     seg: A.Segment,
     stored: frozenset[str],
     sources: dict[str, _Inheritance],
@@ -339,23 +352,22 @@ def _atom_row(
     plan.layer_bytes[seg.layer] = plan.layer_bytes.get(seg.layer, 0) + nbytes
     derived: str | None = None
     if seg.layer in stored:
-        assert data is not None
-        piece = data[seg.offset * size : seg.offset * size + nbytes]
+        piece = f.piece(src, entry, seg)  # private memory: hashed and compressed from this one copy
+        if seg.kind == A.MASTER:
+            rounded.add_piece(seg, entry.tensor.dtype, piece)
         weight_hash = writer.hash_only(piece) if seg.param in rounded.hashes else None
         if weight_hash is not None and rounded.derivable(seg, weight_hash):
             blob, derived = weight_hash, ROUND_FROM_MASTER
             plan.derived_bytes += nbytes
-            if f.located:
-                drop_mapped_pages(piece)
         else:
-            blob = writer.add(piece, itemsize=size, is_float=entry.tensor.is_floating_point(), mapped=f.located)
+            blob = writer.add(piece, itemsize=size, is_float=entry.tensor.is_floating_point())
     else:
         source = sources[seg.layer]
         old = source.atoms.get((f.file_key, seg.param, seg.kind, seg.rank, seg.start, seg.numel))
         if old is None or old["dtype"] != entry.dtype_name:
             raise StoreError(
                 f"layer {seg.layer} cannot be inherited from step {source.step}: it has no matching piece for "
-                f"{seg.param} ({seg.kind}, rank {seg.rank}) in {f.file_key}. The layout or world size changed; "
+                f"{seg.param} ({seg.kind}, rank {seg.rank}) in {f.path}. The layout or world size changed; "
                 "commit this step with --policy full."
             )
         blob, derived = old["blob"], old["derived"]

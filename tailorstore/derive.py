@@ -33,17 +33,14 @@ class RoundedMasters:
         self._pending: dict[str, dict[int, torch.Tensor]] = {}
         self.hashes: dict[str, str] = {}
 
-    def add_file(self, entries: list[A.TensorEntry]) -> None:
-        for entry in entries:
-            if entry.tensor.dtype != torch.float32:
-                continue
-            flat = entry.tensor.reshape(-1)
-            for seg in entry.segments:
-                if seg.kind == A.MASTER and seg.param in self.weights and seg.param not in self.hashes:
-                    dtype, _ = self.weights[seg.param]
-                    piece = flat[seg.offset : seg.offset + seg.numel].detach().to(dtype)
-                    self._pending.setdefault(seg.param, {})[seg.start] = piece
-                    self._complete(seg.param)
+    def add_piece(self, seg: A.Segment, dtype: torch.dtype, piece: memoryview) -> None:
+        """A master piece as read from its file (private memory): rounded and held until its parameter is whole."""
+        if dtype != torch.float32 or seg.kind != A.MASTER or seg.param not in self.weights or seg.param in self.hashes:
+            return
+        weight_dtype, _ = self.weights[seg.param]
+        master = torch.frombuffer(piece, dtype=torch.float32) if len(piece) else torch.empty(0)
+        self._pending.setdefault(seg.param, {})[seg.start] = master.to(weight_dtype)
+        self._complete(seg.param)
 
     def _complete(self, param: str) -> None:
         pieces = self._pending[param]

@@ -22,6 +22,10 @@ class UnsafePickleError(BadCheckpointError):
     """A pickle asks for a global outside the allowlist; we refuse to run it."""
 
 
+class InputChangedError(BadCheckpointError):
+    """An input file changed, was replaced or was cut short while a commit read it."""
+
+
 class LayoutError(BadCheckpointError):
     """DeepSpeed's bookkeeping and the tensors in a file disagree."""
 

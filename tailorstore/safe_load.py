@@ -52,31 +52,34 @@ def allowed_globals() -> tuple[Any, ...]:
     return tuple(found)
 
 
-def load_torch_file(path: Path, *, trust_pickles: bool = False, mmap: bool = True) -> tuple[Any, bool]:
-    """Load a torch checkpoint file as safely as we can; errors name the file and what to do.
+def load_torch_file(
+    path: Path | str, *, trust_pickles: bool = False, mmap: bool = True, where: Path | str | None = None
+) -> tuple[Any, bool]:
+    """Load a torch checkpoint file as safely as we can; errors name the file (``where``) and what to do.
 
     Returns the object and whether loading it needed ``trust_pickles``: the safe loader is
     always tried first, so a trusted run only runs unknown code where a file demands it.
     """
+    shown = where if where is not None else path
     try:
-        return _load(path, trust_pickles=False, mmap=mmap), False
+        return _load(path, shown, trust_pickles=False, mmap=mmap), False
     except UnsafePickleError:
         if not trust_pickles:
             raise
-    return _load(path, trust_pickles=True, mmap=mmap), True
+    return _load(path, shown, trust_pickles=True, mmap=mmap), True
 
 
-def _load(path: Path, *, trust_pickles: bool, mmap: bool) -> Any:
-    if not zipfile.is_zipfile(path):
+def _load(source: Path | str, path: Path | str, *, trust_pickles: bool, mmap: bool) -> Any:
+    if not zipfile.is_zipfile(source):
         raise BadCheckpointError(
             f"{path}: not a torch zip checkpoint (truncated, corrupt, or the legacy format). "
             "Re-save it, or restore it from a good copy."
         )
     try:
         if trust_pickles:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+            return torch.load(source, map_location="cpu", weights_only=False, mmap=mmap)
         with torch.serialization.safe_globals(list(allowed_globals())):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises several types here; we sort them by message
         text = str(exc)
         match = _UNSUPPORTED_GLOBAL.search(text)

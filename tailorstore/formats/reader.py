@@ -1,7 +1,9 @@
 """Reading a checkpoint directory into skeletons and atoms, one file at a time.
 
-Files stream through one by one, so memory holds at most one file's tensors (and those
-memory-mapped). Each file becomes one of three kinds:
+Files stream through one by one. Each is read through one :class:`InputFile` descriptor and
+checked not to change while it is read; tensors are described (dtype, shape, file offset) by
+*meta* tensors that hold no data, and their bytes are copied out of the file, piece by piece,
+only when a commit stores them (see ``source``). Each file becomes one of three kinds:
 
 * ``torch``: a DeepSpeed or torch pickle, cut into atoms; its skeleton is the object
   tree with tensors replaced by slots, itself saved with ``torch.save``, and its container
@@ -14,19 +16,20 @@ memory-mapped). Each file becomes one of three kinds:
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import torch
 
+from .. import atoms as A
 from ..atoms import TensorEntry
 from ..safe_load import load_torch_file
 from . import deepspeed as ds
 from .layout import CheckpointLayout
 from .safetensors_file import read_safetensors
 from .skeleton import split_tensors
+from .source import Identity, InputFile
 from .torch_zip import gaps, locate_tensors
 
 RAW = "raw"
@@ -50,8 +53,9 @@ class ReadFile:
     entries: list[TensorEntry] = field(default_factory=list)
     trusted: bool = False  # loading it needed --trust-pickles
     meta: dict[str, int] = field(default_factory=dict)  # step, ZeRO stage, world size, when the file says
-    located: bool = False  # every tensor's file offset is known, so the file has a container
+    located: bool = False  # every tensor's file offset is known: tensors are meta, bytes come from the file
     tree: object = None  # the skeleton before pickling (torch files)
+    identity: Identity | None = None  # the file as first opened; it must not change until the commit records it
 
     def skeleton_blob(self) -> bytes:
         if self.skeleton is None:
@@ -62,7 +66,11 @@ class ReadFile:
         """Drop the tensors (and so the file's memory map, once nothing else holds them)."""
         self.entries, self.tree = [], None
 
-    def container(self) -> bytes | None:
+    def open(self) -> InputFile:
+        """The file again, refused if it is no longer the file the first pass read."""
+        return InputFile(self.source, self.identity)
+
+    def container(self, src: InputFile) -> bytes | None:
         """The file's bytes outside its tensors (zip headers, pickle, safetensors header), in order.
 
         Checkout writes these around the tensors' bytes and gets the very same file back.
@@ -70,11 +78,14 @@ class ReadFile:
         if not self.located:
             return None
         ranges = [(e.file_offset or 0, e.tensor.numel() * e.tensor.element_size()) for e in self.entries]
-        fd = os.open(self.source, os.O_RDONLY)
-        try:
-            return b"".join(os.pread(fd, length, offset) for offset, length in gaps(self.size, ranges))
-        finally:
-            os.close(fd)
+        return b"".join(bytes(src.read(offset, length)) for offset, length in gaps(self.size, ranges))
+
+    def piece(self, src: InputFile, entry: TensorEntry, seg: A.Segment) -> memoryview:
+        """A segment's bytes, in private memory: read from the file, or from a tensor loaded into memory."""
+        size = entry.tensor.element_size()
+        if self.located:
+            return src.read((entry.file_offset or 0) + seg.offset * size, seg.numel * size)
+        return A.byte_view(entry.tensor)[seg.offset * size : (seg.offset + seg.numel) * size]
 
 
 def classify(rel: str) -> str:
@@ -124,34 +135,53 @@ def read_checkpoint(
     infos = {} if infos is None else infos  # by the model-states file's folder
     for rel in layout.files if files is None else files:
         source = layout.root / rel
-        st = source.stat()
         name = PurePosixPath(rel).name
         kind = classify(rel)
         rank = ds.file_rank(name) if kind == TORCH else None
-        out = ReadFile(rel, layout.file_key(rel), kind, rank, st.st_size, st.st_mode & 0o777, source)
-        if kind == TORCH:
-            obj, out.trusted = load_torch_file(source, trust_pickles=trust_pickles)
-            skeleton, entries = split_tensors(obj)
-            folder = str(PurePosixPath(rel).parent)
-            if ds.is_model_states(name):
-                info = ds.model_info(obj)
-                out.meta = ds.run_facts(obj)
-                infos.setdefault(folder, info)
-                ds.segment_model_states(obj, entries, rank or 0, info)
-            elif ds.is_optim_states(name):
-                info = infos.get(folder, ds.ModelInfo())
-                ds.segment_optim_states(obj, entries, rank or 0, info, str(source))
-            else:
-                for entry in entries:
-                    ds.generic(entry, 0)
-            out.tree = skeleton  # pickled only when a commit stores it (skeleton_blob)
-            out.entries = entries
-            out.located = locate_tensors(source, entries)
-        elif kind == SAFETENSORS:
-            parsed = read_safetensors(source, str(source))
-            if parsed is None:
-                out.kind = RAW
-            else:
-                out.skeleton, out.entries = parsed
-                out.located = True
+        with InputFile(source) as src:
+            out = ReadFile(rel, layout.file_key(rel), kind, rank, src.size, 0, source, identity=src.identity)
+            out.mode = src.mode
+            if kind == TORCH:
+                _read_torch(out, src, trust_pickles, infos)
+            elif kind == SAFETENSORS:
+                parsed = read_safetensors(src, str(source))
+                if parsed is None:
+                    out.kind = RAW
+                else:
+                    out.skeleton, out.entries = parsed
+                    out.located = True
+            src.check()
         yield out
+
+
+def _read_torch(out: ReadFile, src: InputFile, trust_pickles: bool, infos: dict[str, ds.ModelInfo]) -> None:
+    """Unpickle (mapped, so no tensor byte is read), locate every tensor, then cut it into segments.
+
+    Located tensors become meta tensors, so nothing can read the input's mapping later (a
+    truncated file would turn that read into SIGBUS). A file whose tensors cannot be located
+    is loaded again into private memory, the one case where a file's tensors are held whole.
+    """
+    name = PurePosixPath(out.path).name
+    obj, out.trusted = load_torch_file(src.by_descriptor, trust_pickles=trust_pickles, where=out.source)
+    skeleton, entries = split_tensors(obj)
+    out.located = locate_tensors(src.by_descriptor, entries)
+    if out.located:
+        for entry in entries:
+            entry.tensor = torch.empty_like(entry.tensor, device="meta")
+    else:
+        obj, out.trusted = load_torch_file(src.by_descriptor, trust_pickles=trust_pickles, where=out.source, mmap=False)
+        skeleton, entries = split_tensors(obj)
+    folder = str(PurePosixPath(out.path).parent)
+    if ds.is_model_states(name):
+        info = ds.model_info(obj)
+        out.meta = ds.run_facts(obj)
+        infos.setdefault(folder, info)
+        ds.segment_model_states(obj, entries, out.rank or 0, info)
+    elif ds.is_optim_states(name):
+        info = infos.get(folder, ds.ModelInfo())
+        ds.segment_optim_states(obj, entries, out.rank or 0, info, str(out.source))
+    else:
+        for entry in entries:
+            ds.generic(entry, 0)
+    out.tree = skeleton  # pickled only when a commit stores it (skeleton_blob)
+    out.entries = entries

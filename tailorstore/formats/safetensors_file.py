@@ -9,15 +9,14 @@ that hold the same bytes.
 from __future__ import annotations
 
 import json
-import mmap
 import struct
-from pathlib import Path
 
 import torch
 
 from .. import atoms as A
 from ..errors import BadCheckpointError
 from ..layers import layer_of
+from .source import InputFile
 
 _DTYPES = {
     "BOOL": torch.bool,
@@ -33,6 +32,9 @@ _DTYPES = {
 }
 
 
+_MAX_HEADER = 100 << 20  # the safetensors format's own limit on the JSON header
+
+
 def parse_header(data: bytes, where: str) -> tuple[int, list[tuple[str, str, list[int], int, int]]]:
     """(data start, [(name, dtype, shape, begin, end)] ordered by offset); raises if not contiguous."""
     if len(data) < 8:
@@ -40,45 +42,60 @@ def parse_header(data: bytes, where: str) -> tuple[int, list[tuple[str, str, lis
     (n,) = struct.unpack("<Q", data[:8])
     try:
         header = json.loads(bytes(data[8 : 8 + n]))
-    except (ValueError, UnicodeDecodeError):
-        raise BadCheckpointError(f"{where}: the safetensors header is not valid JSON; the file is damaged") from None
-    tensors = []
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = spec["data_offsets"]
-        tensors.append((name, spec["dtype"], list(spec["shape"]), int(begin), int(end)))
+        tensors = [_tensor_spec(name, spec) for name, spec in header.items() if name != "__metadata__"]
+    except (ValueError, UnicodeDecodeError, TypeError, KeyError, AttributeError):
+        raise BadCheckpointError(
+            f"{where}: the safetensors header is malformed (not JSON, or a tensor without dtype, shape and "
+            "data_offsets); the file is damaged. Restore it from a good copy."
+        ) from None
     tensors.sort(key=lambda t: t[3])
     cursor = 0
-    for name, _, _, begin, end in tensors:
+    for name, dtype, shape, begin, end in tensors:
         if begin != cursor or end < begin:
             raise BadCheckpointError(f"{where}: tensor {name} does not follow the previous one; not contiguous")
+        width = _DTYPES[dtype].itemsize if dtype in _DTYPES else None
+        if width is not None and _count(shape) * width != end - begin:
+            raise BadCheckpointError(f"{where}: tensor {name}'s shape and byte range disagree; the file is damaged")
         cursor = end
     return 8 + n, tensors
 
 
-def read_safetensors(path: Path, where: str) -> tuple[bytes, list[A.TensorEntry]] | None:
-    """Header bytes and entries, or None when the file must be kept whole (unknown dtype)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        if size == 0:
-            raise BadCheckpointError(f"{where}: empty file")
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    header_len = struct.unpack("<Q", mm[:8])[0] if size >= 8 else 0
-    data_start, tensors = parse_header(mm[: min(size, 8 + header_len)], where)  # the header only, not the data
+def _tensor_spec(name: str, spec: dict) -> tuple[str, str, list[int], int, int]:
+    begin, end = spec["data_offsets"]
+    shape = [int(d) for d in spec["shape"]]
+    if not isinstance(spec["dtype"], str) or any(d < 0 for d in shape) or int(begin) < 0:
+        raise ValueError(name)
+    return name, spec["dtype"], shape, int(begin), int(end)
+
+
+def _count(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def read_safetensors(src: InputFile, where: str) -> tuple[bytes, list[A.TensorEntry]] | None:
+    """Header bytes and entries (meta tensors: the bytes stay in the file), or None when the file
+    must be kept whole (unknown dtype)."""
+    size = src.size
+    if size < 8:
+        raise BadCheckpointError(f"{where}: too short to be a safetensors file")
+    (header_len,) = struct.unpack("<Q", src.read(0, 8))
+    if header_len > min(_MAX_HEADER, size - 8):
+        raise BadCheckpointError(
+            f"{where}: the safetensors header claims {header_len} bytes, more than the file or the format allows; "
+            "the file is damaged"
+        )
+    header = bytes(src.read(0, 8 + header_len))  # the header only, not the data
+    data_start, tensors = parse_header(header, where)
     if data_start + (tensors[-1][4] if tensors else 0) != size:
         raise BadCheckpointError(f"{where}: the header and the file size disagree; the file is truncated or damaged")
     if any(dtype not in _DTYPES for _, dtype, _, _, _ in tensors):
         return None
-    header = bytes(mm[:data_start])
     entries = []
-    for slot, (name, dtype, shape, begin, end) in enumerate(tensors):
-        raw = (
-            torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
-            if end > begin
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        tensor = raw.view(_DTYPES[dtype]).reshape(shape)
+    for slot, (name, dtype, shape, begin, _end) in enumerate(tensors):
+        tensor = torch.empty(shape, dtype=_DTYPES[dtype], device="meta")
         entry = A.TensorEntry(slot=slot, path=name, tensor=tensor, file_offset=data_start + begin)
         n = tensor.numel()
         entry.segments = [A.Segment(0, n, name, A.WEIGHT, 0, 0, layer_of(name))] if n else []

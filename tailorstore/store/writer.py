@@ -1,12 +1,16 @@
 """Writing blobs: dedup first, then compress and write on both cores.
 
-The caller hashes (xxh3 runs at about 15 GB/s, so the main thread keeps up) and asks
-:meth:`BlobWriter.add`; a blob the index or this commit already has is never compressed
-or written again. New blobs go to a small thread pool: numpy, zstandard and os.write
-release the GIL, so compression and I/O of several blobs overlap on both cores. Each blob
-is compressed one chunk at a time and every chunk is written as soon as it exists, so a
-worker holds one chunk, never a whole compressed blob; the number of blobs queued is
-bounded too.
+The caller copies each piece out of its input file into private memory, hashes that copy
+(xxh3 runs at about 15 GB/s, so the main thread keeps up) and asks :meth:`BlobWriter.add`;
+the same copy is compressed, so a blob's bytes always match its name. A blob the index or
+this commit already has is never compressed or written again. New blobs go to a small
+thread pool: numpy, zstandard and os.write release the GIL, so compression and I/O of
+several blobs overlap on both cores. Each blob is compressed one chunk at a time and every
+chunk is written as soon as it exists, so a worker holds one chunk, never a whole
+compressed blob; the raw bytes queued are bounded too (a piece larger than the budget
+waits until it is alone). Files too large to copy whole (:meth:`BlobWriter.add_stream`)
+are read twice in chunks: once to name them, once to compress them, hashing again as they
+go and refusing the commit if the two differ.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .. import codec
-from ..errors import StoreError
-from ..memory import drop_mapped_pages
+from ..errors import InputChangedError, StoreError
+from ..formats.source import InputFile
 from .repo import Store
+
+IN_FLIGHT_BYTES = 256 << 20  # raw bytes queued for compression at once
 
 
 @dataclass(frozen=True)
@@ -33,48 +39,86 @@ class NewBlob:
 
 
 class BlobWriter:
-    def __init__(self, store: Store, *, level: int = codec.DEFAULT_LEVEL, threads: int = 2, in_flight: int = 4) -> None:
+    def __init__(
+        self, store: Store, *, level: int = codec.DEFAULT_LEVEL, threads: int = 2, in_flight: int = IN_FLIGHT_BYTES
+    ) -> None:
         self.store = store
         self.level = level
         self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tailor-blob")
-        self._slots = threading.BoundedSemaphore(in_flight)
+        self._budget = in_flight
+        self._queued = 0
+        self._room = threading.Condition()
         self._pending: dict[str, Future[NewBlob]] = {}
         self._known: set[str] = set()
         self._failure: StoreError | None = None  # the first failed write; later blobs are not attempted
         self.reused_bytes = 0
 
-    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False, mapped: bool = False) -> str:
-        """Name ``data`` and write it if new. ``mapped``: it lies in a memory-mapped input file,
-        whose pages are dropped from this process once the bytes are stored."""
+    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False) -> str:
+        """Name ``data`` and write it if new. ``data`` must be private memory that nothing changes:
+        it is hashed here and compressed later, on a worker thread."""
         if self._failure is not None:
             raise self._failure
         digest = codec.content_hash(data)
-        if digest in self._pending or digest in self._known:
-            self.reused_bytes += len(data)
-            if mapped:
-                drop_mapped_pages(data)
+        if self._known_blob(digest, len(data)):
             return digest
-        if self.store.blob(digest) is not None:
-            self._known.add(digest)
-            self.reused_bytes += len(data)
-            if mapped:
-                drop_mapped_pages(data)
-            return digest
-        self._slots.acquire()
-        future = self._pool.submit(self._write, digest, data, itemsize, is_float, mapped)
-        future.add_done_callback(lambda _f: self._slots.release())
+        self._reserve(len(data))
+        future = self._pool.submit(self._write, digest, data, itemsize, is_float)
+        future.add_done_callback(lambda _f, n=len(data): self._release(n))
         self._pending[digest] = future
         return digest
 
-    def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool, mapped: bool) -> NewBlob:
+    def add_stream(self, src: InputFile, offset: int, length: int) -> str:
+        """Name a large range of an input file and write it if new, in chunks, on this thread."""
+        if self._failure is not None:
+            raise self._failure
+        digest = src.hash(offset, length)
+        if self._known_blob(digest, length):
+            return digest
+        future: Future[NewBlob] = Future()
+        self._pending[digest] = future
+        try:
+            encoded = codec.encode_stream(src.verified_chunks(offset, length, digest), level=self.level)
+            self._put(digest, encoded, length)
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        future.set_result(NewBlob(digest, length, encoded.size, encoded.descriptor, time.time()))
+        return digest
+
+    def _known_blob(self, digest: str, size: int) -> bool:
+        if digest in self._pending or digest in self._known:
+            self.reused_bytes += size
+            return True
+        if self.store.blob(digest) is not None:
+            self._known.add(digest)
+            self.reused_bytes += size
+            return True
+        return False
+
+    def _reserve(self, n: int) -> None:
+        with self._room:
+            self._room.wait_for(lambda: self._queued == 0 or self._queued + n <= self._budget)
+            self._queued += n
+
+    def _release(self, n: int) -> None:
+        with self._room:
+            self._queued -= n
+            self._room.notify_all()
+
+    def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool) -> NewBlob:
         if self._failure is not None:
             raise self._failure
         encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level)
+        self._put(digest, encoded, len(data))  # compresses chunk by chunk as it writes
+        return NewBlob(digest, len(data), encoded.size, encoded.descriptor, time.time())
+
+    def _put(self, digest: str, encoded: codec.Encoded, raw_size: int) -> None:
         try:
-            self.store.backend.put(digest, encoded, len(data))  # compresses chunk by chunk as it writes
-            if mapped:
-                drop_mapped_pages(data)
+            self.store.backend.put(digest, encoded, raw_size)
+        except InputChangedError as exc:
+            self._failure = exc
+            raise
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._failure = StoreError(
@@ -86,7 +130,6 @@ class BlobWriter:
                     f"{self.store.root}: writing blob {digest} failed ({exc}); the commit was not recorded."
                 )
             raise self._failure from None
-        return NewBlob(digest, len(data), encoded.size, encoded.descriptor, time.time())
 
     def finish(self) -> list[NewBlob]:
         """Wait for every write, then make the renames durable. Raises the first failure."""

@@ -1,0 +1,168 @@
+"""Reading one input file so that what is stored is exactly what was there, or nothing.
+
+A checkpoint can change under a commit: a training job re-saves into the same folder, a
+sync tool replaces a file by rename, a disk fills and a file is cut short. Three rules keep
+such a commit from recording a step that restores wrong data:
+
+* every read of a file goes through one descriptor, opened once per pass, so a rename
+  cannot mix the bytes of two files (torch opens ``/proc/self/fd/N``, the same inode);
+* every byte that is hashed is first copied out of the file into private memory, and the
+  same copy is compressed, so a blob's name always describes its bytes (nothing reads a
+  memory map of the input, which a truncation would also turn into SIGBUS);
+* the file's identity (device, inode, size, mtime, ctime) is taken when it is first opened
+  and compared after its last read, through the descriptor and through the path. Any
+  difference refuses the commit with :class:`InputChangedError`, before the manifest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from ..errors import BadCheckpointError, InputChangedError
+
+CHUNK = 4 << 20  # bytes per read when a file is streamed
+
+
+@dataclass(frozen=True)
+class Identity:
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> Identity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def differs(self, other: Identity) -> str:
+        """What changed, in words, or '' when nothing did."""
+        if (self.dev, self.ino) != (other.dev, other.ino):
+            return "it was replaced by another file"
+        if self.size != other.size:
+            return f"its size went from {self.size} to {other.size} bytes"
+        if (self.mtime_ns, self.ctime_ns) != (other.mtime_ns, other.ctime_ns):
+            return "it was written to"
+        return ""
+
+
+def changed(path: Path | str, why: str) -> InputChangedError:
+    return InputChangedError(
+        f"{path}: changed while it was being committed ({why}). The commit was not recorded and the store is "
+        "as it was; commit again once the save has finished and nothing else writes to the checkpoint."
+    )
+
+
+class InputFile:
+    """One input file, open on one descriptor, with the identity it must keep."""
+
+    def __init__(self, path: Path, expected: Identity | None = None) -> None:
+        self.path = Path(path)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise changed(self.path, "it no longer exists") from None
+        except OSError as exc:
+            raise BadCheckpointError(
+                f"{self.path}: cannot be read ({exc.strerror}). Fix its permissions or remove it from the checkpoint."
+            ) from None
+        st = os.fstat(self.fd)
+        self.identity = Identity.of(st)
+        self.mode = st.st_mode & 0o777
+        if expected is not None and (why := expected.differs(self.identity)):
+            os.close(self.fd)
+            raise changed(self.path, why)
+        self.expected = expected or self.identity
+
+    @property
+    def size(self) -> int:
+        return self.expected.size
+
+    @property
+    def by_descriptor(self) -> str:
+        """A path that opens this very inode (Linux), for libraries that take only paths."""
+        proc = f"/proc/self/fd/{self.fd}"
+        return proc if os.path.exists(proc) else str(self.path)
+
+    def read(self, offset: int, length: int) -> memoryview:
+        """``length`` bytes at ``offset``, copied into private memory."""
+        buf = np.empty(length, dtype=np.uint8)
+        view = memoryview(buf).cast("B") if length else memoryview(b"")
+        self._fill(view, offset)
+        return view
+
+    def _fill(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n == 0:
+                raise changed(self.path, f"it ends at byte {offset + done}, short of the {self.size} it had")
+            done += n
+
+    def chunks(self, offset: int, length: int) -> Iterator[memoryview]:
+        """The range in CHUNK pieces through one reused buffer: use each before asking for the next."""
+        buf = memoryview(np.empty(min(CHUNK, max(length, 1)), dtype=np.uint8)).cast("B")
+        at = offset
+        while at < offset + length:
+            piece = buf[: min(len(buf), offset + length - at)]
+            self._fill(piece, at)
+            at += len(piece)
+            yield piece
+
+    def hash(self, offset: int, length: int) -> str:
+        h = xxhash.xxh3_128()
+        for piece in self.chunks(offset, length):
+            h.update(piece)
+        return h.hexdigest()
+
+    def verified_chunks(self, offset: int, length: int, digest: str) -> Iterator[memoryview]:
+        """Like :meth:`chunks`, and at the end the bytes handed out must hash to ``digest``.
+
+        Each chunk is hashed and then used by the caller (compressed), so the name of the
+        blob and its stored bytes come from the same copy.
+        """
+        h = xxhash.xxh3_128()
+        for piece in self.chunks(offset, length):
+            h.update(piece)
+            yield piece
+        if h.hexdigest() != digest:
+            raise changed(self.path, "its bytes differ between two reads")
+
+    def check(self) -> None:
+        """Refuse if the file changed since it was first opened (through the descriptor and the path)."""
+        now = Identity.of(os.fstat(self.fd))
+        why = self.expected.differs(now)
+        if not why:
+            try:
+                why = self.expected.differs(Identity.of(os.stat(self.path)))
+            except FileNotFoundError:
+                why = "it was removed"
+        if why:
+            raise changed(self.path, why)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> InputFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_unchanged(path: Path, expected: Identity) -> None:
+    """The last look before a manifest is recorded: the path still names the same, unchanged file."""
+    try:
+        now = Identity.of(os.stat(path))
+    except FileNotFoundError:
+        raise changed(path, "it was removed") from None
+    if why := expected.differs(now):
+        raise changed(path, why)
