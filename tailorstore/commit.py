@@ -199,6 +199,9 @@ def commit_checkpoint(
         writer = BlobWriter(store, level=options.level, threads=options.threads)
         try:
             plan = _write_files(layout, scan, options, stored, sources, writer, progress)
+            for f in files:  # the last look, once every file is read: a change after a file's pass is refused too
+                assert f.identity is not None
+                check_unchanged(f.source, f.identity)
             new_blobs = writer.finish()
         except BaseException:
             writer.abort()
@@ -208,9 +211,6 @@ def commit_checkpoint(
         finally:
             progress.close()
 
-        for f in files:  # the last look: a file that changed after its read is refused too
-            assert f.identity is not None
-            check_unchanged(f.source, f.identity)
         raw_bytes = sum(f.size for f in files)
         facts: dict[str, int] = {}
         for f in files:

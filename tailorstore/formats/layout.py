@@ -11,11 +11,13 @@ Three shapes are accepted, as users meet them:
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import BadCheckpointError
+from ..errors import BadCheckpointError, UnsafePathError
+from ..paths import check_relative
 from .deepspeed import is_model_states, is_optim_states
 
 DEEPSPEED = "deepspeed"
@@ -72,8 +74,49 @@ def _top_files(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_file())
 
 
+def _walk(root: Path, sub: Path) -> list[str]:
+    """Every file below ``sub``, relative to ``root``; symlinked directories are refused, not followed."""
+    found: list[str] = []
+    for folder, dirs, names in os.walk(sub, followlinks=False):
+        for d in dirs:
+            if (Path(folder) / d).is_symlink():
+                raise BadCheckpointError(
+                    f"{Path(folder) / d}: a symbolic link to a directory; tailorstore does not follow links inside "
+                    "a checkpoint. Replace it with the files themselves, or remove it."
+                )
+        found += [(Path(folder) / n).relative_to(root).as_posix() for n in names if (Path(folder) / n).is_file()]
+    return sorted(found)
+
+
+def check_files(root: Path, files: list[str]) -> None:
+    """Commit stores only what checkout can write back: the path rules of checkout, UTF-8 names,
+    and no link that leads outside the checkpoint (a link to /etc would otherwise be committed)."""
+    inside = root.resolve()
+    for rel in files:
+        try:
+            rel.encode("utf-8")
+            check_relative(rel)
+        except (UnicodeEncodeError, UnsafePathError):
+            raise BadCheckpointError(
+                f"{root}: the file name {rel!r} cannot be stored (not UTF-8, or with a backslash or another "
+                "character that checkout refuses). Rename or remove the file and commit again."
+            ) from None
+        target = (root / rel).resolve()
+        if inside not in target.parents:
+            raise BadCheckpointError(
+                f"{root / rel}: a symbolic link that leads outside the checkpoint (to {target}). tailorstore does "
+                "not commit files from outside the checkpoint; copy the file in, or remove the link."
+            )
+
+
 def detect(path: Path) -> CheckpointLayout:
-    path = Path(path)
+    """The layout of ``path``, with every file name checked against the rules checkout applies."""
+    layout = _detect(Path(path))
+    check_files(layout.root, layout.files)
+    return layout
+
+
+def _detect(path: Path) -> CheckpointLayout:
     if not path.is_dir():
         raise BadCheckpointError(f"{path}: not a directory. Pass the folder DeepSpeed or the HF Trainer saved.")
     if (path / "trainer_state.json").is_file():
@@ -109,9 +152,14 @@ def _hf_layout(path: Path) -> CheckpointLayout:
         ds_tag = (path / "latest").read_text().strip()
     files = _top_files(path)
     for sub in sorted(p for p in path.iterdir() if p.is_dir()):
+        if sub.is_symlink():
+            raise BadCheckpointError(
+                f"{sub}: a symbolic link to a directory; tailorstore does not follow links inside a checkpoint. "
+                "Replace it with the files themselves, or remove it."
+            )
         if any(is_model_states(p.name) for p in sub.iterdir() if p.is_file()):
             ds_tag = ds_tag or sub.name
             files += _tag_files(sub, f"{sub.name}/")
         else:
-            files += [str(p.relative_to(path).as_posix()) for p in sorted(sub.rglob("*")) if p.is_file()]
+            files += _walk(path, sub)
     return CheckpointLayout(path, HF_TRAINER, step, ds_tag, files)
