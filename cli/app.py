@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import sqlite3
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -364,15 +365,38 @@ def verify(
 
 
 def main() -> None:
+    """Run the app; every failure a user can cause is one line on stderr and an exit code.
+
+    Our own errors carry their code. What the system raises (a file we cannot read, a name too
+    long, a full disk under SQLite, a damaged index) is still the user's situation, not a bug:
+    it gets one line too, with 2 for input and 3 for the store's index. Only other exceptions
+    are bugs and keep their traceback (exit 1).
+    """
     reuse_freed_memory()
     try:
         app()
     except TailorError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except sqlite3.DatabaseError as exc:
+        typer.echo(f"error: the store's index failed ({exc}); the command was not carried out. {_INDEX_HINT}", err=True)
+        sys.exit(3)
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        typer.echo(f"error: {where}{exc.strerror or exc}; the command was not carried out.", err=True)
+        sys.exit(2)
+    except RecursionError:
+        typer.echo("error: the input nests too deeply to be read; the command was not carried out.", err=True)
+        sys.exit(2)
     except KeyboardInterrupt:
         typer.echo("interrupted; the store is as it was before this command", err=True)
         sys.exit(130)
+
+
+_INDEX_HINT = (
+    "If the disk is full, free space and retry; if the index is damaged, restore index.sqlite from a backup "
+    "and run `tailor verify --deep`."
+)
 
 
 if __name__ == "__main__":

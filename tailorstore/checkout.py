@@ -8,6 +8,7 @@ name; the hidden ``.NAME.tailor-partial-*`` directory of a killed one can be del
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -19,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from . import codec, placement
 from .atoms import byte_view, dtype_from_name
 from .derive import ROUND_FROM_MASTER, rebuild
 from .errors import CorruptStoreError, LayoutError, StoreError, UnsafePickleError
+from .formats.layout import DEEPSPEED_TAG
 from .formats.reader import RAW, SAFETENSORS, TORCH
 from .formats.safetensors_file import tensor_layout
 from .formats.skeleton import fill_tensors, slots_of
@@ -43,9 +46,16 @@ class CheckoutResult:
     inherited: dict[str, int] = field(default_factory=dict)  # layer -> source step, for composites
 
 
-def _prepare_out(out: Path) -> Path:
+def _prepare_out(out: Path, store: Store) -> Path:
+    if out.is_symlink():
+        raise StoreError(f"{out}: is a symbolic link; name a new directory for --out, not a link.")
+    resolved, root = out.resolve(), store.root.resolve()
+    if resolved == root or root in resolved.parents:
+        raise StoreError(f"{out}: lies inside the store {store.root}; check out somewhere outside it.")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise StoreError(f"{out}: already exists and is not empty; choose a new --out directory or remove it.")
+    if out.exists() and os.path.ismount(out):
+        raise StoreError(f"{out}: is a mount point, which cannot be replaced; name a new directory inside it.")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tailor-partial-{secrets.token_hex(4)}"
     tmp.mkdir()
@@ -106,7 +116,7 @@ def checkout_step(
                 f"step {step}, file {row['path']}: this file was committed with --trust-pickles and holds globals "
                 "outside the allowlist; pass --trust-pickles to check it out."
             )
-    tmp = _prepare_out(out)
+    tmp = _prepare_out(out, store)
     written = 0
     try:
         progress.start(f"checkout step {step}", sum(r["raw_size"] for r in files))
@@ -134,7 +144,7 @@ def checkout_step(
             target.parent.mkdir(parents=True, exist_ok=True)
             where = f"step {step}, file {row['path']}"
             if row["kind"] == RAW:
-                target.write_bytes(store.read_blob(row["blob"], where))
+                _write_raw(store, row["blob"], target, where)
             elif row["kind"] == TORCH:
                 _write_torch(store, manifest, row, target, where, trust_pickles)
             elif row["kind"] == SAFETENSORS:
@@ -144,17 +154,54 @@ def checkout_step(
             os.chmod(target, row["mode"] or 0o644)
             written += target.stat().st_size
             progress.advance(row["raw_size"])
+        if facts["layout"] == DEEPSPEED_TAG and facts["ds_tag"] and not any(r["path"] == "latest" for r in files):
+            # A tag folder was committed; `engine.load_checkpoint(out)` needs `latest` to find it.
+            (tmp / "latest").write_text(facts["ds_tag"])
         _fsync_tree(tmp)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.rename(tmp, out)
-        _fsync(out.parent)
+        _publish(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreError(f"{out}: no space left on the device; nothing was written there.") from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         progress.close()
     return CheckoutResult(step, manifest, out, len(files), written, inherited)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished directory into place; refuse if another process filled ``out`` meanwhile."""
+    try:
+        if out.exists():
+            out.rmdir()  # empty, checked before writing
+        os.rename(tmp, out)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise StoreError(
+                f"{out}: another process wrote into it during this checkout; nothing of ours was left there. "
+                "Choose another --out."
+            ) from None
+        raise
+    _fsync(out.parent)
+
+
+def _write_raw(store: Store, digest: str, target: Path, where: str) -> None:
+    """A whole-file blob, streamed through one reused buffer and hash-checked: memory stays at a chunk."""
+    row = _blob_row(store, digest, where)
+    buf = memoryview(bytearray(min(codec.MAX_CHUNK, max(row.raw_size, 1))))
+    hasher = xxhash.xxh3_128()
+    with store.open_blob(row.hash, where) as src, open(target, "wb") as out:
+        for piece in codec.decode_pieces(row.codec, src, row.raw_size, lambda n: buf[:n], f"{where}: blob {row.hash}"):
+            hasher.update(piece)
+            out.write(piece)
+    if hasher.hexdigest() != row.hash:
+        raise CorruptStoreError(
+            f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). "
+            "Run `tailor verify --deep` to find every damaged blob."
+        )
 
 
 def _blob_row(store: Store, digest: str, where: str) -> BlobRow:

@@ -32,7 +32,7 @@ from .layers import STATE, sort_key
 from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atoms_by_key
-from .store.repo import Store
+from .store.repo import Store, check_step
 from .store.writer import BlobWriter
 
 
@@ -80,6 +80,16 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+def check_options(options: CommitOptions) -> None:
+    """Refuse values that would commit something no selector reaches, or that the codec cannot take."""
+    if options.step is not None:
+        check_step(options.step)
+    if not 1 <= options.level <= 22:
+        raise StoreError(f"--level {options.level} is not allowed: zstd levels run from 1 to 22 (1 is the default).")
+    if options.tag:
+        check_tag(options.tag)
+
+
 def _step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFile]) -> int:
     if options.step is not None:
         return options.step
@@ -87,7 +97,7 @@ def _step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadF
         return layout.step
     for f in files:
         if "global_steps" in f.meta:
-            return f.meta["global_steps"]
+            return check_step(f.meta["global_steps"])
     raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass --step N.")
 
 
@@ -174,7 +184,8 @@ def commit_checkpoint(
     options = options or CommitOptions()
     progress = progress or Silent()
     began = time.perf_counter()
-    tag = check_tag(options.tag) if options.tag else None
+    check_options(options)
+    tag = options.tag or None
     layout = detect(Path(ckpt_dir))
     scan = _scan(layout, options.trust_pickles)
     files = scan.files
@@ -216,59 +227,73 @@ def commit_checkpoint(
         for f in files:
             facts.update({k: v for k, v in f.meta.items() if k not in facts})
         new_bytes = sum(b.stored_size for b in new_blobs)
-        with store.transaction() as conn:
-            if options.force:
-                conn.execute("DELETE FROM manifests WHERE step=? AND origin='commit'", (step,))
-                if tag:
-                    conn.execute("UPDATE manifests SET tag=NULL WHERE tag=?", (tag,))
-            _refuse_existing(conn, step, tag)
-            conn.executemany(
-                "INSERT OR IGNORE INTO blobs(hash, raw_size, stored_size, codec, created_at) VALUES (?,?,?,?,?)",
-                [(b.hash, b.raw_size, b.stored_size, b.codec, b.created_at) for b in new_blobs],
-            )
-            manifest = conn.execute(
-                "INSERT INTO manifests(step, origin, tag, created_at, layout, ds_tag, zero_stage, world_size, policy,"
-                " exact, raw_bytes, new_bytes, source) VALUES (?,'commit',?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    step,
-                    tag,
-                    time.time(),
-                    layout.kind,
-                    layout.ds_tag,
-                    facts.get("zero_stage"),
-                    facts.get("world_size"),
-                    json.dumps(options.policy.as_json()),
-                    int(stored >= layers),
-                    raw_bytes,
-                    new_bytes,
-                    str(Path(ckpt_dir).resolve()),
-                ),
-            ).lastrowid
-            conn.executemany(
-                "INSERT INTO files(manifest, path, file_key, kind, rank, blob, raw_size, mode, trusted, container)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?)",
-                [(manifest, *row) for row in plan.file_rows],
-            )
-            conn.executemany(
-                INSERT_ATOMS,
-                [(manifest, *row) for row in plan.atom_rows],
-            )
-            conn.executemany(
-                "INSERT INTO layers(manifest, layer, source, source_step, raw_bytes, stored, change)"
-                " VALUES (?,?,?,?,?,?,?)",
-                [
+        try:
+            with store.transaction() as conn:
+                pinned = 0
+                if options.force:  # the replaced step keeps its tag and pin, unless a new tag is given
+                    old = conn.execute(
+                        "SELECT tag, pinned FROM manifests WHERE step=? AND origin='commit'", (step,)
+                    ).fetchone()
+                    if old is not None:
+                        tag = tag or old["tag"]
+                        pinned = old["pinned"]
+                    conn.execute("DELETE FROM manifests WHERE step=? AND origin='commit'", (step,))
+                    if tag:
+                        conn.execute("UPDATE manifests SET tag=NULL WHERE tag=?", (tag,))
+                _refuse_existing(conn, step, tag)
+                conn.executemany(  # a repaired blob (rewritten because its file was missing) gets its new row
+                    "INSERT INTO blobs(hash, raw_size, stored_size, codec, created_at) VALUES (?,?,?,?,?)"
+                    " ON CONFLICT(hash) DO UPDATE SET stored_size=excluded.stored_size, codec=excluded.codec",
+                    [(b.hash, b.raw_size, b.stored_size, b.codec, b.created_at) for b in new_blobs],
+                )
+                manifest = conn.execute(
+                    "INSERT INTO manifests(step, origin, tag, created_at, layout, ds_tag, zero_stage, world_size,"
+                    " policy, exact, raw_bytes, new_bytes, source, pinned) VALUES (?,'commit',?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
-                        manifest,
-                        layer,
-                        manifest if layer in stored else sources[layer].source,
-                        step if layer in stored else sources[layer].source_step,
-                        plan.layer_bytes.get(layer, 0),
-                        int(layer in stored),
-                        changes.get(layer),
-                    )
-                    for layer in layers
-                ],
-            )
+                        step,
+                        tag,
+                        time.time(),
+                        layout.kind,
+                        layout.ds_tag,
+                        facts.get("zero_stage"),
+                        facts.get("world_size"),
+                        json.dumps(options.policy.as_json()),
+                        int(stored >= layers),
+                        raw_bytes,
+                        new_bytes,
+                        str(Path(ckpt_dir).resolve()),
+                        pinned,
+                    ),
+                ).lastrowid
+                conn.executemany(
+                    "INSERT INTO files(manifest, path, file_key, kind, rank, blob, raw_size, mode, trusted, container)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?)",
+                    [(manifest, *row) for row in plan.file_rows],
+                )
+                conn.executemany(
+                    INSERT_ATOMS,
+                    [(manifest, *row) for row in plan.atom_rows],
+                )
+                conn.executemany(
+                    "INSERT INTO layers(manifest, layer, source, source_step, raw_bytes, stored, change)"
+                    " VALUES (?,?,?,?,?,?,?)",
+                    [
+                        (
+                            manifest,
+                            layer,
+                            manifest if layer in stored else sources[layer].source,
+                            step if layer in stored else sources[layer].source_step,
+                            plan.layer_bytes.get(layer, 0),
+                            int(layer in stored),
+                            changes.get(layer),
+                        )
+                        for layer in layers
+                    ],
+                )
+        except BaseException:
+            if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind
+                _remove_unindexed(store, writer)
+            raise
     return CommitResult(
         step=step,
         manifest=int(manifest),

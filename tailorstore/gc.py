@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .errors import StoreError
 from .store.repo import Store
 
 
@@ -27,6 +28,11 @@ from .store.repo import Store
 class Retention:
     keep_last: int | None = None  # the K newest committed steps
     keep_every: int | None = None  # committed steps whose number is a multiple of N
+
+    def __post_init__(self) -> None:
+        for name, value in (("--keep-last", self.keep_last), ("--keep-every", self.keep_every)):
+            if value is not None and value < 1:
+                raise StoreError(f"{name} {value} is not allowed: give a whole number of 1 or more.")
 
     @property
     def drops_manifests(self) -> bool:

@@ -39,7 +39,7 @@ def allowed_globals() -> tuple[Any, ...]:
 
     Resolved lazily because importing DeepSpeed costs seconds, which `tailor log` must not pay.
     """
-    found: list[Any] = [TensorSlot]
+    found: list[Any] = []
     logging.disable(logging.WARNING)  # DeepSpeed warns about a missing GPU on import; not our business
     try:
         for module_name, attr in _DEEPSPEED_GLOBALS:
@@ -69,6 +69,22 @@ def load_torch_file(
     return _load(path, shown, trust_pickles=True, mmap=mmap), True
 
 
+_INFLATE_SLACK = 64 << 20  # a compressed record may expand to this, plus 10x the archive
+
+
+def _check_records(source: Path | str, path: Path | str) -> None:
+    """Refuse a zip bomb before torch inflates it: torch.save stores records uncompressed, so a
+    record that claims far more bytes than the whole archive holds is not a real checkpoint."""
+    with zipfile.ZipFile(source) as z:
+        size = sum(i.compress_size for i in z.infolist())
+        for info in z.infolist():
+            if info.compress_type != zipfile.ZIP_STORED and info.file_size > _INFLATE_SLACK + 10 * size:
+                raise BadCheckpointError(
+                    f"{path}: zip record {info.filename} inflates to {info.file_size} bytes from {info.compress_size}; "
+                    "refusing what looks like a zip bomb (torch.save never compresses records)."
+                )
+
+
 def _load(source: Path | str, path: Path | str, *, trust_pickles: bool, mmap: bool) -> Any:
     if not zipfile.is_zipfile(source):
         raise BadCheckpointError(
@@ -76,9 +92,13 @@ def _load(source: Path | str, path: Path | str, *, trust_pickles: bool, mmap: bo
             "Re-save it, or restore it from a good copy."
         )
     try:
+        _check_records(source, path)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise BadCheckpointError(f"{path}: the zip structure is damaged ({exc}); restore a good copy.") from None
+    try:
         if trust_pickles:
             return torch.load(source, map_location="cpu", weights_only=False, mmap=mmap)
-        with torch.serialization.safe_globals(list(allowed_globals())):
+        with torch.serialization.safe_globals(list(allowed_globals())):  # inputs: never our TensorSlot
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises several types here; we sort them by message
         text = str(exc)
@@ -123,5 +143,5 @@ def load_skeleton(data: bytes, where: str, *, trusted: bool, trust_pickles: bool
     buf = io.BytesIO(data)
     if trusted:
         return torch.load(buf, map_location="cpu", weights_only=False)
-    with torch.serialization.safe_globals(list(allowed_globals())):
+    with torch.serialization.safe_globals([*allowed_globals(), TensorSlot]):
         return torch.load(buf, map_location="cpu", weights_only=True)

@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step
 
 from tailorstore import atoms as A
@@ -37,12 +38,13 @@ def pieces(ckpt: Path) -> dict[tuple[str, str, str, int, int], tuple[str, object
     layout = detect(ckpt)
     out = {}
     for f in read_checkpoint(layout):
-        for entry in f.entries:
-            flat = entry.tensor.reshape(-1)
-            for seg in entry.segments:
-                if seg.kind in KINDS:
-                    key = (f.file_key, seg.param, seg.kind, seg.rank, seg.start)
-                    out[key] = (seg.layer, flat[seg.offset : seg.offset + seg.numel])
+        with f.open() as src:
+            for entry in f.entries:
+                for seg in entry.segments:
+                    if seg.kind in KINDS and seg.numel:
+                        key = (f.file_key, seg.param, seg.kind, seg.rank, seg.start)
+                        data = bytearray(f.piece(src, entry, seg))
+                        out[key] = (seg.layer, torch.frombuffer(data, dtype=entry.tensor.dtype))
     return out
 
 

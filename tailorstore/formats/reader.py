@@ -163,14 +163,14 @@ def _read_torch(out: ReadFile, src: InputFile, trust_pickles: bool, infos: dict[
     """
     name = PurePosixPath(out.path).name
     obj, out.trusted = load_torch_file(src.by_descriptor, trust_pickles=trust_pickles, where=out.source)
-    skeleton, entries = split_tensors(obj)
+    skeleton, entries = split_tensors(obj, where=str(out.source), file_size=out.size)
     out.located = locate_tensors(src.by_descriptor, entries)
     if out.located:
         for entry in entries:
             entry.tensor = torch.empty_like(entry.tensor, device="meta")
     else:
         obj, out.trusted = load_torch_file(src.by_descriptor, trust_pickles=trust_pickles, where=out.source, mmap=False)
-        skeleton, entries = split_tensors(obj)
+        skeleton, entries = split_tensors(obj, where=str(out.source), file_size=out.size)
     folder = str(PurePosixPath(out.path).parent)
     if ds.is_model_states(name):
         info = ds.model_info(obj)

@@ -16,11 +16,37 @@ import torch
 from ..atoms import TensorEntry, TensorSlot, dtype_name
 from ..errors import BadCheckpointError
 
+MAX_DEPTH = 200  # DeepSpeed's deepest tree is about 6 levels
+MIN_NODE_BUDGET = 1_000_000
 
-def split_tensors(obj: Any) -> tuple[Any, list[TensorEntry]]:
+
+def split_tensors(obj: Any, *, where: str = "", file_size: int = 0) -> tuple[Any, list[TensorEntry]]:
+    """Skeleton and tensors of an object tree, at a bounded cost.
+
+    A pickle can share one list many times over ("billion laughs") or nest thousands deep;
+    walking either would take unbounded time, memory or stack. The walk visits at most
+    ``max(1e6, file_size / 16)`` nodes and 200 levels, and refuses the file past either bound.
+    An input that holds our own TensorSlot type is refused too: checkout could not tell it
+    from the slots we put in.
+    """
     entries: list[TensorEntry] = []
+    budget = max(MIN_NODE_BUDGET, file_size // 16)
+    visited = 0
 
-    def walk(node: Any, path: str) -> Any:
+    def refuse(why: str) -> BadCheckpointError:
+        return BadCheckpointError(
+            f"{where}: {why}; this is not the structure of a DeepSpeed or torch checkpoint, so it was not committed."
+        )
+
+    def walk(node: Any, path: str, depth: int = 0) -> Any:
+        nonlocal visited
+        visited += 1
+        if visited > budget:
+            raise refuse(f"the pickle's object tree has more than {budget} nodes (shared many times over?)")
+        if depth > MAX_DEPTH:
+            raise refuse(f"the pickle's object tree nests deeper than {MAX_DEPTH} levels")
+        if isinstance(node, TensorSlot):
+            raise refuse("it holds tailorstore's own TensorSlot objects")
         if isinstance(node, torch.Tensor):
             slot = TensorSlot(len(entries), dtype_name(node.dtype), tuple(node.shape))
             entries.append(TensorEntry(slot=slot.slot, path=path, tensor=node))
@@ -29,12 +55,12 @@ def split_tensors(obj: Any) -> tuple[Any, list[TensorEntry]]:
             out = copy.copy(node)
             out.clear()
             for key, value in node.items():
-                out[key] = walk(value, f"{path}/{key}" if path else str(key))
+                out[key] = walk(value, f"{path}/{key}" if path else str(key), depth + 1)
             return out
         if type(node) is list:
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
+            return [walk(v, f"{path}/{i}", depth + 1) for i, v in enumerate(node)]
         if type(node) is tuple:
-            return tuple(walk(v, f"{path}/{i}") for i, v in enumerate(node))
+            return tuple(walk(v, f"{path}/{i}", depth + 1) for i, v in enumerate(node))
         return node
 
     return walk(obj, ""), entries

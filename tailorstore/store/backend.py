@@ -11,13 +11,28 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import secrets
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from ..errors import CorruptStoreError
 from .direct_io import DirectReader, SequentialWriter
+
+_HASH = re.compile(r"[0-9a-f]{32}")
+
+
+def check_name(name: str) -> str:
+    """A blob name is 32 lowercase hex digits, checked before it becomes a path: an index row
+    such as ``../../tmp/x`` must never let gc delete, or checkout read, a file outside the store."""
+    if not isinstance(name, str) or not _HASH.fullmatch(name):
+        raise CorruptStoreError(
+            f"the index names a blob {name!r}, which is not a 32-digit hex hash; the index is damaged. "
+            "Restore index.sqlite from a backup; nothing was deleted."
+        )
+    return name
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -81,7 +96,7 @@ class PosixBackend:
         self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
-        return self.blob_dir / name[:2] / name
+        return self.blob_dir / name[:2] / check_name(name)
 
     def put(self, name: str, chunks: Iterable[BytesLike], size_hint: int = 0) -> None:
         """Write a temp file for the blob; ``size_hint`` (its raw size) picks direct or buffered I/O."""
@@ -144,7 +159,8 @@ class PosixBackend:
         for folder in sorted(self.blob_dir.iterdir()):
             if folder.is_dir():
                 for f in sorted(folder.iterdir()):
-                    yield f.name
+                    if _HASH.fullmatch(f.name) and f.name[:2] == folder.name:
+                        yield f.name
 
     def temp_files(self) -> list[Path]:
         return sorted(self.tmp_dir.glob("*.tmp")) if self.tmp_dir.is_dir() else []

@@ -6,23 +6,37 @@ a committed transaction survive power loss; foreign keys keep manifests consiste
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from pathlib import Path
 
-from ..errors import FormatVersionError, StoreError
+from ..errors import CorruptStoreError, FormatVersionError, StoreError
 from .schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
 
 INDEX_NAME = "index.sqlite"
 
 
-def connect(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
+def connect(path: Path, *, read_only: bool = False) -> sqlite3.Connection:
+    """A connection; ``read_only`` for a store this process cannot write (nobody changes it under us)."""
+    if read_only:
+        conn = sqlite3.connect(
+            f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, isolation_level=None, check_same_thread=False
+        )
+    else:
+        conn = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
     conn.execute("PRAGMA foreign_keys=ON")
     conn.row_factory = sqlite3.Row
     return conn
+
+
+def damaged(path: Path, exc: BaseException) -> CorruptStoreError:
+    return CorruptStoreError(
+        f"{path}: the index is damaged or unreadable ({exc}). The blobs are untouched; restore index.sqlite "
+        "(with its -wal file, if any) from a backup, then run `tailor verify --deep`."
+    )
 
 
 def create(path: Path) -> None:
@@ -40,14 +54,23 @@ def create(path: Path) -> None:
 
 def open_index(path: Path) -> sqlite3.Connection:
     if not path.is_file():
+        if (path.parent / "blobs").is_dir():
+            raise CorruptStoreError(
+                f"{path.parent}: the store's index ({path.name}) is missing, though its blobs are there. Restore "
+                f"{path.name} from a backup; `tailor init` refuses a directory that is not empty."
+            )
         raise StoreError(f"{path.parent}: no tailorstore here. Create one with `tailor init {path.parent}`.")
-    conn = connect(path)
+    read_only = not os.access(path.parent, os.W_OK) or not os.access(path, os.W_OK)
     try:
+        conn = connect(path, read_only=read_only)
         row = conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
     except sqlite3.DatabaseError as exc:
+        raise damaged(path, exc) from None
+    try:
+        version = int(row["value"]) if row else 0
+    except ValueError:
         conn.close()
-        raise StoreError(f"{path}: not a tailorstore index ({exc}).") from None
-    version = int(row["value"]) if row else 0
+        raise damaged(path, ValueError(f"format_version is {row['value']!r}")) from None
     if version > FORMAT_VERSION:
         conn.close()
         raise FormatVersionError(
@@ -58,6 +81,9 @@ def open_index(path: Path) -> sqlite3.Connection:
         conn.close()
         raise FormatVersionError(f"{path}: no format version recorded; this is not a tailorstore index.")
     if version < FORMAT_VERSION:
+        if read_only:
+            conn.close()
+            raise FormatVersionError(f"{path}: format {version} needs an upgrade, which a read-only store cannot take.")
         _migrate(conn, path, version)
     return conn
 

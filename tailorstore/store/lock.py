@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import LockTimeoutError
+from ..errors import LockTimeoutError, StoreError
 
 
 class LockHandle:
@@ -35,6 +35,8 @@ class LockHandle:
 def store_lock(
     path: Path, *, exclusive: bool, timeout: float, on_wait: Callable[[str], None] | None = None
 ) -> Iterator[LockHandle]:
+    if not (timeout >= 0 and timeout != float("inf")):  # also refuses NaN, which would wait forever
+        raise StoreError(f"lock timeout {timeout!r} is not allowed: give a number of seconds, 0 or more.")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     deadline = time.monotonic() + timeout

@@ -26,6 +26,13 @@ from .backend import PosixBackend
 from .lock import LockHandle, store_lock
 
 STORE_ENV = "TAILOR_STORE"
+MAX_STEP = (1 << 63) - 1  # SQLite's INTEGER
+
+
+def check_step(step: int) -> int:
+    if not 0 <= step <= MAX_STEP:
+        raise StoreError(f"step {step} is out of range: a step is a whole number from 0 to {MAX_STEP}.")
+    return step
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,8 @@ class Store:
     @classmethod
     def init(cls, root: Path) -> Store:
         root = Path(root)
+        if root.exists() and not root.is_dir():
+            raise StoreError(f"{root}: exists and is not a directory; choose a new or empty directory for the store.")
         if (root / index.INDEX_NAME).exists():
             raise StoreError(f"{root}: a tailorstore already exists here.")
         if root.exists() and any(root.iterdir()):
@@ -139,7 +148,7 @@ class Store:
             return int(row[0])
         match = re.fullmatch(r"(?:step=)?(\d+)", text)
         if match:
-            step = int(match.group(1))
+            step = check_step(int(match.group(1)))
             row = self.conn.execute("SELECT id FROM manifests WHERE step=? AND origin='commit'", (step,)).fetchone()
             if row is None:
                 raise UnknownStepError(f"step {step} is not in the store; `tailor log` lists the steps it holds.")

@@ -90,11 +90,18 @@ class BlobWriter:
         if digest in self._pending or digest in self._known:
             self.reused_bytes += size
             return True
-        if self.store.blob(digest) is not None:
+        row = self.store.blob(digest)
+        if row is not None and self._intact(digest, row.stored_size):
             self._known.add(digest)
             self.reused_bytes += size
             return True
-        return False
+        return False  # new, or indexed but missing or cut short: (re)written, and its row updated
+
+    def _intact(self, digest: str, stored_size: int) -> bool:
+        try:
+            return self.store.backend.size(digest) == stored_size
+        except FileNotFoundError:
+            return False
 
     def _reserve(self, n: int) -> None:
         with self._room:

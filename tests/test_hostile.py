@@ -1,0 +1,343 @@
+"""What the hostile-input review got through, each attack reproduced through the real CLI.
+
+Every case ends in one line on stderr and exit 2 (bad input), 3 (damaged store) or 4 (lock),
+never a traceback, and the store is left as it was unless the case is a repair.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import resource
+import sqlite3
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Runs, as_of_step, store_state
+
+from tailorstore.atoms import TensorSlot
+from tailorstore.commit import commit_checkpoint
+from tailorstore.store.repo import Store
+
+pytestmark = pytest.mark.slow
+
+MODEL = "mp_rank_00_model_states.pt"
+
+
+def tailor(*args: str, store: Path | None = None, **kw) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if store is not None:
+        env["TAILOR_STORE"] = str(store)
+    return subprocess.run(
+        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=300, **kw
+    )
+
+
+def one_line(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
+    assert done.returncode == code, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    for word in words:
+        assert word in done.stderr, (word, done.stderr)
+
+
+@pytest.fixture
+def two_steps(runs: Runs, store: Store, tmp_path: Path):
+    """A store with steps 3 and 6 of the ZeRO-2 bf16 run, and a writable copy of step 6."""
+    run = runs.get("zero2-bf16")
+    commit_checkpoint(store, as_of_step(run.save_dir, 3, tmp_path / "at3"))
+    at6 = as_of_step(run.save_dir, 6, tmp_path / "at6")
+    commit_checkpoint(store, at6)
+    return store, at6
+
+
+@contextlib.contextmanager
+def mounted(*args: str):
+    """A real mount for the test, or a skip where this sandbox forbids mounting."""
+    target = Path(args[-1])
+    target.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", *args], capture_output=True).returncode != 0:
+        pytest.skip("mounting is not permitted here")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+# -- medium ---------------------------------------------------------------------------------
+
+
+def test_gc_never_deletes_outside_the_store(two_steps, tmp_path: Path) -> None:
+    store, _ = two_steps
+    victim = tmp_path / "victim"
+    victim.write_text("must survive")
+    rel = os.path.relpath(victim, store.root / "blobs" / "..")
+    conn = sqlite3.connect(store.root / "index.sqlite")
+    conn.execute("PRAGMA foreign_keys=OFF")
+    conn.execute("INSERT INTO blobs VALUES (?, 1, 1, '{\"id\": \"raw\", \"v\": 1}', 0)", (rel,))
+    conn.commit()
+    conn.close()
+    one_line(tailor("gc", store=store.root), 3, "not a 32-digit hex hash")
+    assert victim.read_text() == "must survive"
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_commit_repairs_a_missing_or_cut_blob(two_steps, tmp_path: Path, damage: str) -> None:
+    store, at6 = two_steps
+    digest = store.conn.execute(
+        "SELECT a.blob FROM atoms a JOIN manifests m ON m.id=a.manifest WHERE m.step=6 AND a.kind='exp_avg'"
+        " AND a.derived IS NULL ORDER BY a.nbytes DESC LIMIT 1"
+    ).fetchone()[0]
+    path = store.backend.path(digest)
+    if damage == "delete":
+        path.unlink()
+    else:
+        os.truncate(path, path.stat().st_size // 2)
+    assert tailor("verify", store=store.root).returncode == 3
+    done = tailor("commit", str(at6), "--force", store=store.root)
+    assert done.returncode == 0, done.stderr
+    assert tailor("verify", "--deep", store=store.root).returncode == 0
+    done = tailor("checkout", "step=6", "--out", str(tmp_path / "out"), store=store.root)
+    assert done.returncode == 0, done.stderr
+
+
+def test_verify_deep_rebuilds_derived_weights(two_steps) -> None:
+    """A master atom pointed at another step's intact blob: blob checks pass, the weight no longer rebuilds."""
+    store, _ = two_steps
+    rows = store.conn.execute(
+        "SELECT a.path, a.slot, a.offset, a.param, a.start, m.step, a.blob FROM atoms a JOIN manifests m"
+        " ON m.id=a.manifest WHERE a.kind='master' AND a.derived IS NULL AND a.layer='block.0'"
+        " AND a.param IN (SELECT param FROM atoms WHERE derived IS NOT NULL) ORDER BY a.nbytes DESC"
+    ).fetchall()
+    at6 = next(r for r in rows if r["step"] == 6)
+    at3 = next(r for r in rows if r["step"] == 3 and (r["param"], r["start"]) == (at6["param"], at6["start"]))
+    assert at3["blob"] != at6["blob"]
+    with store.transaction() as conn:
+        conn.execute(
+            "UPDATE atoms SET blob=? WHERE blob=? AND manifest=(SELECT id FROM manifests WHERE step=6)",
+            (at3["blob"], at6["blob"]),
+        )
+    assert tailor("verify", store=store.root).returncode == 0  # the blobs themselves are fine
+    done = tailor("verify", "--deep", store=store.root)
+    assert done.returncode == 3 and "rebuilt from the master" in done.stderr, done.stderr
+
+
+def test_an_input_holding_our_own_slot_type_is_refused(two_steps) -> None:
+    store, at6 = two_steps
+    torch.save({"state": {"x": TensorSlot(0, "float32", (1,))}}, at6 / "optimizer.pt")
+    before = store_state(store.root)
+    one_line(tailor("commit", str(at6), "--step", "7", store=store.root), 2, "allowlist")
+    one_line(tailor("commit", str(at6), "--step", "7", "--trust-pickles", store=store.root), 2, "TensorSlot")
+    assert store_state(store.root) == before
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "format-abc"])
+def test_a_damaged_index_is_one_line_and_exit_3(two_steps, damage: str) -> None:
+    store, _ = two_steps
+    store.close()
+    index = store.root / "index.sqlite"
+    for side in ("index.sqlite-wal", "index.sqlite-shm"):
+        (store.root / side).unlink(missing_ok=True)
+    if damage == "truncate":
+        os.truncate(index, 3000)
+    elif damage == "garbage":
+        index.write_bytes(os.urandom(8192))
+    else:
+        conn = sqlite3.connect(index)
+        conn.execute("UPDATE meta SET value='abc' WHERE key='format_version'")
+        conn.commit()
+        conn.close()
+    for command in (["log"], ["verify"], ["show", "step=3"]):
+        one_line(tailor(*command, store=store.root), 3, "index")
+
+
+def test_a_missing_index_does_not_suggest_init(two_steps) -> None:
+    store, _ = two_steps
+    store.close()
+    for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
+        (store.root / name).unlink(missing_ok=True)
+    done = tailor("verify", store=store.root)
+    one_line(done, 3, "missing")
+    assert "tailor init" not in done.stderr.replace("`tailor init` refuses", "")
+
+
+def test_read_commands_work_on_a_read_only_store(two_steps, tmp_path: Path) -> None:
+    store, _ = two_steps
+    store.close()
+    with mounted("--bind", str(store.root), str(tmp_path / "ro")) as ro:
+        assert subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True).returncode == 0
+        for command in (["log"], ["show", "step=6"], ["verify", "--deep"]):
+            done = tailor(*command, store=ro)
+            assert done.returncode == 0, (command, done.stderr)
+        done = tailor("checkout", "step=6", "--out", str(tmp_path / "out"), store=ro)
+        assert done.returncode == 0, done.stderr
+
+
+def test_checkout_into_the_store_is_refused(two_steps) -> None:
+    store, _ = two_steps
+    before = store_state(store.root)
+    one_line(tailor("checkout", "step=6", "--out", str(store.root / "blobs" / "zz"), store=store.root), 2, "inside")
+    assert store_state(store.root) == before
+    assert tailor("gc", "--dry-run", store=store.root).returncode == 0
+
+
+def test_bad_numbers_are_refused(two_steps) -> None:
+    store, at6 = two_steps
+    before = store_state(store.root)
+    one_line(tailor("commit", str(at6), "--step", "-7", store=store.root), 2, "out of range")
+    one_line(tailor("gc", "--keep-last", "-1", store=store.root), 2, "--keep-last")
+    one_line(tailor("gc", "--keep-every", "0", store=store.root), 2, "--keep-every")
+    one_line(tailor("commit", str(at6), "--step", "9", "--level", "99", store=store.root), 2, "--level")
+    one_line(tailor("gc", "--lock-timeout", "nan", store=store.root), 2, "lock timeout")
+    one_line(tailor("show", "step=99999999999999999999999", store=store.root), 2, "out of range")
+    assert store_state(store.root) == before
+
+
+def test_force_keeps_the_tag_and_the_pin(two_steps) -> None:
+    store, at6 = two_steps
+    assert tailor("tag", "step=6", "keep-me", store=store.root).returncode == 0
+    assert tailor("pin", "step=6", store=store.root).returncode == 0
+    done = tailor("commit", str(at6), "--force", store=store.root)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(tailor("log", "--json", store=store.root).stdout)
+    step6 = next(r for r in row if r["step"] == 6)
+    assert step6["tag"] == "keep-me" and step6["pinned"]
+
+
+# -- memory and bombs ------------------------------------------------------------------------
+
+
+def test_a_large_raw_file_commits_and_checks_out_in_bounded_memory(two_steps, tmp_path: Path) -> None:
+    """A 2 GB sparse file took RSS of its size before (4.4 GB for 4 GB); now it streams in chunks."""
+    store, at6 = two_steps
+    big = at6 / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(2 << 30)
+        f.seek(1 << 30)
+        f.write(b"not all zeros")
+    probe = (
+        "import resource,sys,runpy; sys.argv=['tailor',*sys.argv[1:]];"
+        "import tailorstore.cli.app as a\ntry: a.main()\nfinally: "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"
+    )
+    for args in (["commit", str(at6), "--step", "7"], ["checkout", "step=7", "--out", str(tmp_path / "out")]):
+        done = subprocess.run(
+            [sys.executable, "-c", probe, *args],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, TAILOR_STORE=str(store.root)),
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr
+        peak_mb = int(done.stderr.strip().splitlines()[-1]) / 1024
+        assert peak_mb < 900, f"{args[0]} peaked at {peak_mb:.0f} MB for a 2 GB file"
+    restored = tmp_path / "out" / "big.bin"
+    assert restored.stat().st_size == 2 << 30
+    with open(restored, "rb") as f:
+        f.seek(1 << 30)
+        assert f.read(13) == b"not all zeros"
+
+
+def torch_zip(path: Path, pickle_bytes: bytes, *, deflate: bool = False) -> None:
+    """A torch-style zip whose data.pkl is exactly these bytes."""
+    method = zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
+    with zipfile.ZipFile(path, "w", compression=method) as z:
+        z.writestr("archive/data.pkl", pickle_bytes)
+        z.writestr("archive/version", "3\n")
+        z.writestr("archive/byteorder", "little")
+
+
+def billion_laughs() -> bytes:
+    """Nine levels, each a list holding the level below ten times: 10^9 nodes from a few hundred bytes."""
+    node: list = []
+    for _ in range(9):
+        node = [node] * 10
+    return pickle.dumps({"state": node}, protocol=2)
+
+
+@pytest.mark.parametrize("bomb", ["laughs", "deep", "zip"])
+def test_pickle_and_zip_bombs_fail_fast_and_bounded(two_steps, bomb: str) -> None:
+    store, at6 = two_steps
+    target = at6 / "optimizer.pt"
+    if bomb == "laughs":
+        torch_zip(target, billion_laughs())
+        expect = "nodes"
+    elif bomb == "deep":
+        # 5,000 empty lists, each appended into the one below: nested 5,000 deep (pickle.dumps itself
+        # cannot write this; a hostile file can).
+        torch_zip(target, b"\x80\x02" + b"]" * 5000 + b"a" * 4999 + b".")
+        expect = ""
+    else:
+        torch_zip(target, pickle.dumps({"x": 1}) + b"\x00" * (200 << 20), deflate=True)
+        expect = "zip bomb"
+    assert target.stat().st_size < 1 << 20
+    before = store_state(store.root)
+    done = tailor("commit", str(at6), "--step", "8", store=store.root)
+    one_line(done, 2, expect)
+    assert store_state(store.root) == before
+    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    assert peak_mb < 2000, f"a bomb made a child peak at {peak_mb:.0f} MB"
+
+
+# -- low: tracebacks that became one line -------------------------------------------------------
+
+
+def test_malformed_safetensors_headers(two_steps) -> None:
+    store, at6 = two_steps
+    for header in ({"w": {"shape": [1]}}, {"w": ["x"]}, {"w": {"dtype": "F32", "shape": "ab", "data_offsets": [0, 4]}}):
+        raw = json.dumps(header).encode()
+        (at6 / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 4)
+        one_line(tailor("commit", str(at6), "--step", "8", store=store.root), 2, "malformed")
+
+
+def test_odd_paths_and_arguments(two_steps, tmp_path: Path) -> None:
+    store, at6 = two_steps
+    (at6 / "proc-link").symlink_to("/proc/self/status")
+    one_line(tailor("commit", str(at6), "--step", "8", store=store.root), 2, "outside the checkpoint")
+    (at6 / "proc-link").unlink()
+    long_out = tmp_path / ("x" * 300)
+    one_line(tailor("checkout", "step=6", "--out", str(long_out), store=store.root), 2)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    one_line(tailor("checkout", "step=6", "--out", str(tmp_path / "dangling"), store=store.root), 2, "symbolic link")
+    (tmp_path / "a-file").write_text("x")
+    one_line(tailor("init", str(tmp_path / "a-file")), 2, "not a directory")
+
+
+def test_checkout_onto_a_mount_point_or_a_full_disk(two_steps, tmp_path: Path) -> None:
+    store, _ = two_steps
+    with mounted("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "small")) as small:
+        one_line(tailor("checkout", "step=6", "--out", str(small), store=store.root), 2, "mount point")
+        one_line(tailor("checkout", "step=6", "--out", str(small / "out"), store=store.root), 2, "no space")
+        assert list(small.iterdir()) == []
+
+
+def test_a_full_disk_under_the_index(runs: Runs, tmp_path: Path) -> None:
+    """SQLite's 'database or disk is full' at the manifest transaction: exit 3, one line, and the
+    blobs the commit wrote are removed again, so the store is as it was."""
+    at3 = as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "at3")
+    with mounted("-t", "tmpfs", "-o", "size=16m", "tmpfs", str(tmp_path / "disk")) as disk:
+
+        def free() -> int:
+            return os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+
+        assert tailor("init", str(disk / "probe")).returncode == 0
+        assert tailor("commit", str(at3), store=disk / "probe").returncode == 0
+        blobs = [p for p in (disk / "probe" / "blobs").rglob("*") if p.is_file()]
+        blob_bytes = sum(-(-p.stat().st_size // 4096) * 4096 for p in blobs)
+        subprocess.run(["rm", "-rf", str(disk / "probe")], check=True)
+        assert tailor("init", str(disk / "st")).returncode == 0
+        before = store_state(disk / "st")
+        with open(disk / "filler", "wb") as f:
+            f.write(b"\0" * (free() - blob_bytes - (48 << 10)))  # room for the blobs, not for the index
+        done = tailor("commit", str(at3), store=disk / "st")
+        one_line(done, 3, "index")
+        (disk / "filler").unlink()
+        assert store_state(disk / "st") == before
+        assert tailor("verify", store=disk / "st").returncode == 0
