@@ -125,7 +125,7 @@ def commit(
 
 @app.command()
 def checkout(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME or latest."),
+    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest."),
     out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
     trust_pickles: bool = TrustOpt,
     store: Path | None = StoreOpt,
@@ -161,18 +161,18 @@ def log(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     if as_json:
         typer.echo(json.dumps([asdict(s) for s in steps], indent=2))
         return
-    typer.echo(f"{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
+    typer.echo(f"{'id':>6}  {'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
     for s in steps:
-        kind = "exact" if s.exact else "composite"
+        kind = "merge" if s.origin == "merge" else "exact" if s.exact else "composite"
         typer.echo(
-            f"{s.step:>8}  {_when(s.created_at)}  {(s.tag or '-'):12}  {human(s.raw_bytes):>10}  "
-            f"{human(s.new_bytes):>10}  {kind}{'  pinned' if s.pinned else ''}"
+            f"{'id=' + str(s.manifest):>6}  {s.step:>8}  {_when(s.created_at)}  {(s.tag or '-'):12}  "
+            f"{human(s.raw_bytes):>10}  {human(s.new_bytes):>10}  {kind}{'  pinned' if s.pinned else ''}"
         )
 
 
 @app.command()
 def show(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME or latest."),
+    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest."),
     store: Path | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -211,14 +211,20 @@ def merge(
     if as_json:
         typer.echo(json.dumps(asdict(result)))
         return
-    typer.echo(f"merged tag {result.tag} on base step {result.step} in {result.seconds * 1000:.1f} ms:")
-    typer.echo("  " + ", ".join(f"{layer} <- step {s}" for layer, s in result.sources.items()))
+    ms = result.seconds * 1000
+    typer.echo(f"merged tag {result.tag} (id={result.manifest}) on base step {result.step} in {ms:.1f} ms:")
+
+    def source(layer: str, step: int) -> str:
+        named = result.named.get(layer)
+        return f"{layer} <- step {step}" + (f" (named {named})" if named and named != f"step={step}" else "")
+
+    typer.echo("  " + ", ".join(source(layer, s) for layer, s in result.sources.items()))
 
 
 @app.command()
 def diff(
-    a: str = typer.Argument(..., help="step=N, tag=NAME or latest"),
-    b: str = typer.Argument(..., help="step=N, tag=NAME or latest"),
+    a: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
+    b: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
     store: Path | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -255,7 +261,7 @@ def plot(
 
 @app.command("tag")
 def tag_cmd(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"),
+    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
     name: str = typer.Argument(..., help="The tag; gc never drops a tagged step."),
     force: bool = typer.Option(False, "--force", help="Move the tag if another step has it."),
     store: Path | None = StoreOpt,
@@ -269,7 +275,19 @@ def tag_cmd(
 
 
 @app.command()
-def pin(selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"), store: Path | None = StoreOpt) -> None:
+def untag(name: str = typer.Argument(..., help="The tag to remove."), store: Path | None = StoreOpt) -> None:
+    """Remove a tag. The manifest stays; gc may drop it unless it is pinned."""
+    from tailorstore.refs import untag as remove_tag
+
+    with Store.open(store) as st:
+        manifest = remove_tag(st, name)
+    typer.echo(f"removed tag {name} from id={manifest}")
+
+
+@app.command()
+def pin(
+    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"), store: Path | None = StoreOpt
+) -> None:
     """Protect a step from gc."""
     from tailorstore.refs import pin as pin_step
 
@@ -280,7 +298,7 @@ def pin(selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"), 
 
 @app.command()
 def unpin(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"), store: Path | None = StoreOpt
+    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"), store: Path | None = StoreOpt
 ) -> None:
     """Let gc drop a step again."""
     from tailorstore.refs import pin as pin_step
@@ -292,7 +310,7 @@ def unpin(
 
 @app.command()
 def rm(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME or latest"),
+    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
     force: bool = typer.Option(False, "--force", help="Also drop a tagged or pinned step."),
     store: Path | None = StoreOpt,
 ) -> None:

@@ -3,6 +3,7 @@
 The spec is a YAML file in the spirit of mergekit's ``slices`` and LLMTailor's examples::
 
     base: {step: 300}        # step counter, scheduler, RNG, files and every layer left unnamed
+                             # (any source may be {step: N}, {tag: NAME} or {id: N})
     slices:
       - sources: [{step: 300, layer_range: [0, 16]}]    # blocks 0..15, end exclusive
       - sources: [{step: 200, layer_range: [16, 32]}]
@@ -10,10 +11,10 @@ The spec is a YAML file in the spirit of mergekit's ``slices`` and LLMTailor's e
     norm: {step: 200}
     lm_head: {step: 300}
 
-Every block must be covered exactly once. Because the atoms of every committed step are
-already in the store, a merge writes no blob: it copies the base manifest's rows and points
-each layer's atoms at the blobs of its source step. Its cost grows with the number of
-parameters and ranks, not with their bytes.
+A block may be named at most once; blocks no slice names come from the base. Because the
+atoms of every committed step are already in the store, a merge writes no blob: it copies
+the base manifest's rows and points each layer's atoms at the blobs of its source step. Its
+cost grows with the number of parameters and ranks, not with their bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import yaml
 
 from .commit import check_tag
 from .errors import StepExistsError, TailorError
-from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, STATE, block_index, block_label
+from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, STATE, block_index, block_label, sort_key
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atom_key, atoms_by_key
 from .store.repo import Store
 
@@ -45,25 +46,36 @@ class MergeResult:
     manifest: int
     tag: str
     step: int
-    sources: dict[str, int]  # layer -> step
+    sources: dict[str, int]  # layer -> the step whose blobs it uses (as `tailor show` prints)
+    named: dict[str, str]  # layer -> the source the spec named, for the layers the spec names
     seconds: float
 
 
-def _step_of(entry: Any, where: str) -> int:
-    if not isinstance(entry, dict) or not isinstance(entry.get("step"), int):
-        raise MergeSpecError(f"{where}: needs a step, e.g. {{step: 300}}")
-    return int(entry["step"])
+def _ref_of(entry: Any, where: str) -> str:
+    """A spec source as a selector: {step: N}, {tag: NAME} or {id: N}, exactly one of them."""
+    keys = [k for k in ("step", "tag", "id") if isinstance(entry, dict) and k in entry]
+    if len(keys) != 1:
+        raise MergeSpecError(f"{where}: needs one of step, tag or id, e.g. {{step: 300}} or {{tag: warm}}")
+    value = entry[keys[0]]
+    if keys[0] == "tag" and isinstance(value, str) and value:
+        return f"tag={value}"
+    if keys[0] != "tag" and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return f"{keys[0]}={value}"
+    raise MergeSpecError(f"{where}: {keys[0]} {value!r} is not a valid {keys[0]}")
 
 
-def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[int, dict[str, int]]:
-    """(base step, {layer label: step}) for every block and named auxiliary group."""
+def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[str, dict[str, str]]:
+    """Pure: (base selector, {layer label: selector}) for the blocks and auxiliary groups the spec names.
+
+    Blocks no slice names are left out: they come from the base.
+    """
     if not isinstance(spec, dict):
         raise MergeSpecError(f"{origin}: the spec must be a mapping with 'base' and 'slices'")
     unknown = set(spec) - {"base", "slices", *_AUX_KEYS}
     if unknown:
         raise MergeSpecError(f"{origin}: unknown keys {sorted(unknown)}; allowed: base, slices, embed, norm, lm_head")
-    base = _step_of(spec.get("base"), f"{origin}: base")
-    chosen: dict[str, int] = {}
+    base = _ref_of(spec.get("base"), f"{origin}: base")
+    chosen: dict[str, str] = {}
     slices = spec.get("slices")
     if not isinstance(slices, list) or not slices:
         raise MergeSpecError(f"{origin}: 'slices' must be a non-empty list")
@@ -73,7 +85,7 @@ def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[int, dict[str
         if not isinstance(sources, list) or len(sources) != 1:
             raise MergeSpecError(f"{where}: needs exactly one source; tailorstore composes layers, it does not average")
         source = sources[0]
-        step = _step_of(source, where)
+        ref = _ref_of(source, where)
         span = source.get("layer_range")
         if not (
             isinstance(span, list)
@@ -88,13 +100,10 @@ def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[int, dict[str
                 raise MergeSpecError(f"{where}: block {index} does not exist; the model has blocks 0..{max(blocks)}")
             if label in chosen:
                 raise MergeSpecError(f"{where}: block {index} is already taken by an earlier slice (ranges overlap)")
-            chosen[label] = step
-    missing = [i for i in blocks if block_label(i) not in chosen]
-    if missing:
-        raise MergeSpecError(f"{origin}: blocks {missing} are in no slice; every block must come from exactly one")
+            chosen[label] = ref
     for key, label in _AUX_KEYS.items():
         if key in spec:
-            chosen[label] = _step_of(spec[key], f"{origin}: {key}")
+            chosen[label] = _ref_of(spec[key], f"{origin}: {key}")
     return base, chosen
 
 
@@ -105,21 +114,23 @@ def merge(store: Store, spec_path: Path, tag: str) -> MergeResult:
         spec = yaml.safe_load(Path(spec_path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise MergeSpecError(f"{spec_path}: cannot read the spec ({exc})") from None
-    base_step = _step_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base")
-    base = store.resolve(f"step={base_step}")
+    base = store.resolve(_ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"))
+    base_step = store.manifest(base)["step"]
     layers = {r["layer"] for r in store.conn.execute("SELECT layer FROM layers WHERE manifest=?", (base,))}
     blocks = sorted(i for name in layers if (i := block_index(name)) is not None)
     if not blocks:
         raise MergeSpecError(f"step {base_step} has no transformer blocks to slice")
     _, chosen = parse_spec(spec, blocks, str(spec_path))
-    manifests = {step: store.resolve(f"step={step}") for step in set(chosen.values())}
+    manifests = {ref: store.resolve(ref) for ref in set(chosen.values())}
     with store.transaction() as conn:
         if conn.execute("SELECT 1 FROM manifests WHERE tag=?", (tag,)).fetchone():
             raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
         new = _copy_manifest(conn, base, tag, spec_path, spec)
         sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
         _copy_rows(conn, base, new, sources)
-    return MergeResult(new, tag, base_step, {k: v for k, v in sorted(chosen.items())}, time.perf_counter() - began)
+        used = {r["layer"]: r["source_step"] for r in conn.execute("SELECT * FROM layers WHERE manifest=?", (new,))}
+    ordered = dict(sorted(used.items(), key=lambda kv: sort_key(kv[0])))
+    return MergeResult(new, tag, base_step, ordered, chosen, time.perf_counter() - began)
 
 
 def _copy_manifest(conn: sqlite3.Connection, base: int, tag: str, spec_path: Path, spec: Any) -> int:

@@ -1,4 +1,4 @@
-"""Naming and protecting manifests: ``tailor tag``, ``tailor pin``, ``tailor rm``.
+"""Naming and protecting manifests: ``tailor tag``/``untag``, ``tailor pin``/``unpin``, ``tailor rm``.
 
 Tags and pins are what retention never drops. ``rm`` drops one manifest at once; the blobs
 it alone used stay until ``tailor gc``, like git's unreachable objects.
@@ -24,6 +24,16 @@ def tag(store: Store, selector: str, name: str, *, force: bool = False) -> int:
     return manifest
 
 
+def untag(store: Store, name: str) -> int:
+    """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
+    row = store.conn.execute("SELECT id FROM manifests WHERE tag=?", (name,)).fetchone()
+    if row is None:
+        raise StoreError(f"nothing is tagged {name!r}; `tailor log` shows the tags.")
+    with store.transaction() as conn:
+        conn.execute("UPDATE manifests SET tag=NULL WHERE id=?", (row["id"],))
+    return int(row["id"])
+
+
 def pin(store: Store, selector: str, pinned: bool = True) -> int:
     manifest = store.resolve(selector)
     with store.transaction() as conn:
@@ -36,7 +46,8 @@ def remove(store: Store, selector: str, *, force: bool = False) -> int:
     row = store.manifest(manifest)
     if (row["pinned"] or row["tag"]) and not force:
         what = "pinned" if row["pinned"] else f"tagged {row['tag']!r}"
-        raise StoreError(f"step {row['step']} is {what}; unpin or untag it first, or pass --force")
+        hint = "`tailor unpin`" if row["pinned"] else f"`tailor untag {row['tag']}`"
+        raise StoreError(f"step {row['step']} is {what}; {hint} first, or pass --force")
     with store.transaction() as conn:
         conn.execute("DELETE FROM manifests WHERE id=?", (manifest,))
     return manifest

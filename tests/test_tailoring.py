@@ -208,10 +208,10 @@ def test_merge_from_three_steps(runs: Runs, tmp_path: Path) -> None:
             "  - sources: [{step: 12, layer_range: [3, 6]}]\n",
             "ranges overlap",
         ),
-        ("base: {step: 18}\nslices:\n  - sources: [{step: 6, layer_range: [0, 4]}]\n", "blocks [4, 5] are in no slice"),
+        ("base: {tag: nothing}\nslices:\n  - sources: [{step: 6, layer_range: [0, 4]}]\n", "nothing is tagged"),
         ("base: {step: 18}\nslices:\n  - sources: [{step: 7, layer_range: [0, 6]}]\n", "step 7 is not in the store"),
         ("base: {step: 18}\nslices:\n  - sources: [{step: 6}]\n", "layer_range must be"),
-        ("slices:\n  - sources: [{step: 6, layer_range: [0, 6]}]\n", "base: needs a step"),
+        ("slices:\n  - sources: [{step: 6, layer_range: [0, 6]}]\n", "base: needs one of step, tag or id"),
         ("base: {step: 18}\nslices:\n  - sources: [{step: 6, layer_range: [0, 9]}]\n", "block 6 does not exist"),
     ],
 )

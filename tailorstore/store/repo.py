@@ -137,7 +137,12 @@ class Store:
 
     # -- manifests -----------------------------------------------------------------------
     def resolve(self, selector: str) -> int:
-        """The manifest id that ``step=N``, ``tag=NAME``, ``latest`` or a bare step number names."""
+        """The manifest id that ``id=N``, ``step=N`` (or a bare N), ``tag=NAME`` or ``latest`` names.
+
+        ``step=N`` names the commit of step N; merges carry their base's step, so they are named by
+        ``tag=`` or ``id=`` (``tailor log`` prints both). A step that only merges carry is refused
+        with the list of them.
+        """
         text = selector.strip()
         if text == "latest":
             row = self.conn.execute(
@@ -146,19 +151,31 @@ class Store:
             if row is None:
                 raise UnknownStepError("the store holds no steps yet; commit one with `tailor commit DIR`.")
             return int(row[0])
+        match = re.fullmatch(r"id=(\d+)", text)
+        if match:
+            manifest = check_step(int(match.group(1)))
+            if not self.conn.execute("SELECT 1 FROM manifests WHERE id=?", (manifest,)).fetchone():
+                raise UnknownStepError(f"no manifest has id {manifest}; `tailor log` lists the ids.")
+            return manifest
         match = re.fullmatch(r"(?:step=)?(\d+)", text)
         if match:
             step = check_step(int(match.group(1)))
-            row = self.conn.execute("SELECT id FROM manifests WHERE step=? AND origin='commit'", (step,)).fetchone()
-            if row is None:
-                raise UnknownStepError(f"step {step} is not in the store; `tailor log` lists the steps it holds.")
-            return int(row[0])
+            rows = self.conn.execute(
+                "SELECT id, origin, tag FROM manifests WHERE step=? ORDER BY id", (step,)
+            ).fetchall()
+            commits = [r for r in rows if r["origin"] == "commit"]
+            if commits:
+                return int(commits[0]["id"])
+            if rows:
+                names = ", ".join(f"id={r['id']} ({r['origin']}, tag {r['tag']})" for r in rows)
+                raise UnknownStepError(f"step {step} has no commit, only: {names}. Name one by its id= or tag=.")
+            raise UnknownStepError(f"step {step} is not in the store; `tailor log` lists the steps it holds.")
         if text.startswith("tag="):
             row = self.conn.execute("SELECT id FROM manifests WHERE tag=?", (text[4:],)).fetchone()
             if row is None:
                 raise UnknownStepError(f"nothing is tagged {text[4:]!r}; `tailor log` shows the tags.")
             return int(row[0])
-        raise UnknownStepError(f"cannot read {selector!r}: write step=N, tag=NAME or latest.")
+        raise UnknownStepError(f"cannot read {selector!r}: write step=N, tag=NAME, id=N or latest.")
 
     def manifest(self, manifest_id: int) -> sqlite3.Row:
         row = self.conn.execute("SELECT * FROM manifests WHERE id=?", (manifest_id,)).fetchone()
