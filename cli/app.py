@@ -355,6 +355,32 @@ def gc(
 
 
 @app.command()
+def du(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
+    """Where the bytes go: on disk against raw, per kind, per step, and what gc would free."""
+    from tailorstore.usage import usage
+
+    with Store.open(store) as st:
+        u = usage(st)
+    if as_json:
+        typer.echo(json.dumps(asdict(u), indent=2))
+        return
+    typer.echo(
+        f"{u.manifests} manifest(s) stand for {human(u.raw_bytes)} of checkpoints; the store holds "
+        f"{human(u.stored_bytes)} ({human(u.index_bytes)} of it index): {u.ratio:.2f}x smaller"
+    )
+    typer.echo(f"{'kind':12}  {'raw':>10}  {'stored':>10}  {'derived':>10}")
+    for name, k in sorted(u.kinds.items()):
+        typer.echo(f"{name:12}  {human(k.raw_bytes):>10}  {human(k.stored_bytes):>10}  {human(k.derived_bytes):>10}")
+    typer.echo(f"{'id':>6}  {'step':>8}  {'tag':12}  {'raw':>10}  {'held alone':>10}")
+    for s in u.steps:
+        typer.echo(
+            f"{'id=' + str(s.manifest):>6}  {s.step:>8}  {(s.tag or '-'):12}  {human(s.raw_bytes):>10}  "
+            f"{human(s.held_alone):>10}"
+        )
+    typer.echo(f"`tailor gc` would free {human(u.gc_frees)} now")
+
+
+@app.command()
 def verify(
     selector: str | None = typer.Argument(None, help="step=N, tag=NAME or latest (default: every manifest)"),
     deep: bool = typer.Option(False, "--deep", help="Also decode and re-hash every blob."),

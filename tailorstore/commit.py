@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import atoms as A
+from . import structure
 from .changes import LayerChange, masters_by_layer, stored_pieces
 from .derive import LOW_PRECISION, ROUND_FROM_MASTER, RoundedMasters
 from .errors import BadCheckpointError, StepExistsError, StoreError
@@ -136,6 +137,7 @@ class _Scan:
     files: list[ReadFile] = field(default_factory=list)
     layers: frozenset[str] = frozenset()
     weights: dict[str, tuple] = field(default_factory=dict)  # low-precision weights: param -> (dtype, numel)
+    structure: dict[str, int] = field(default_factory=dict)  # param -> elements (structure.from_segments)
     infos: dict[str, ModelInfo] = field(default_factory=dict)
 
 
@@ -151,6 +153,7 @@ def _scan(layout: CheckpointLayout, trust_pickles: bool) -> _Scan:
                     scan.weights[seg.param] = (entry.tensor.dtype, seg.numel)
         scan.files.append(f)
     scan.layers = frozenset(layers)
+    scan.structure = structure.from_segments([s for f in scan.files for e in f.entries for s in e.segments])
     return scan
 
 
@@ -195,6 +198,7 @@ def commit_checkpoint(
     with store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock:
         if not options.force:
             _refuse_existing(store.conn, step, tag)
+            structure.refuse_other_model(store.conn, scan.structure)
         sources = _inheritance(store, step, layers)
         commits_before = store.conn.execute(
             "SELECT count(*) FROM manifests WHERE origin='commit' AND step<?", (step,)

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import atoms as A
+from . import structure
 from .changes import relative_change, stored_pieces
 from .errors import StoreError
-from .layers import STATE, block_index, sort_key
+from .layers import STATE, sort_key
 from .store.repo import Store
 
 
@@ -24,7 +25,22 @@ class LayerDiff:
 
 
 def diff(store: Store, selector_a: str, selector_b: str) -> tuple[int, int, list[LayerDiff]]:
+    """Per layer, the change from A to B; refused, with the reason, where the two cannot be compared."""
     a, b = store.resolve(selector_a), store.resolve(selector_b)
+    step_a, step_b = store.manifest(a)["step"], store.manifest(b)["step"]
+    other = structure.differences(structure.of_manifest(store.conn, a), structure.of_manifest(store.conn, b))
+    if other:
+        raise StoreError(
+            f"cannot compare step {step_a} with step {step_b}: they hold different models ({'; '.join(other)})"
+        )
+    if (store.manifest(a)["world_size"], store.manifest(a)["zero_stage"]) != (
+        store.manifest(b)["world_size"],
+        store.manifest(b)["zero_stage"],
+    ):
+        raise StoreError(
+            f"cannot compare step {step_a} with step {step_b}: they were saved at different world sizes or ZeRO "
+            "stages, and diff compares piece by piece"
+        )
     layers_a = {r["layer"] for r in store.conn.execute("SELECT layer FROM layers WHERE manifest=?", (a,))}
     layers_b = {r["layer"] for r in store.conn.execute("SELECT layer FROM layers WHERE manifest=?", (b,))}
     out = []
@@ -34,33 +50,50 @@ def diff(store: Store, selector_a: str, selector_b: str) -> tuple[int, int, list
             old, new = stored_pieces(store, a, layer, kind), stored_pieces(store, b, layer, kind)
             values.append(relative_change(new, old) if old and new else None)
         out.append(LayerDiff(layer, values[0], values[1]))
-    return store.manifest(a)["step"], store.manifest(b)["step"], out
+    return step_a, step_b, out
 
 
-def change_matrix(store: Store) -> tuple[list[int], list[str], list[list[float | None]]]:
-    """Per committed step and block layer: change since the previous committed step."""
-    rows = store.conn.execute("SELECT id, step FROM manifests WHERE origin='commit' ORDER BY step").fetchall()
+@dataclass
+class ChangeMatrix:
+    columns: list[str]  # one per manifest after the first, in step order: "step N" or "step N (tag T)"
+    layers: list[str]  # every layer but state, in model order
+    values: list[list[float | None]]  # [layer][column]: change since the previous column; None: not comparable
+    inherited: list[list[bool]]  # [layer][column]: the layer was not stored at that manifest
+
+
+def change_matrix(store: Store) -> ChangeMatrix:
+    """Per manifest (commits and merges, by step) and layer: change since the previous manifest.
+
+    An inherited layer is flagged rather than shown as 0 change, which would read as a frozen layer.
+    """
+    rows = store.conn.execute("SELECT id, step, tag FROM manifests ORDER BY step, id").fetchall()
     if len(rows) < 2:
-        raise StoreError("plotting change needs at least two committed steps")
+        raise StoreError("plotting change needs at least two manifests")
     layers = sorted(
-        {
-            r["layer"]
-            for r in store.conn.execute("SELECT DISTINCT layer FROM layers")
-            if block_index(r["layer"]) is not None
-        },
+        {r["layer"] for r in store.conn.execute("SELECT DISTINCT layer FROM layers") if r["layer"] != STATE},
         key=sort_key,
     )
-    steps = [r["step"] for r in rows[1:]]
-    matrix: list[list[float | None]] = []
+    held = {
+        (r["manifest"], r["layer"]): r["source_step"] == r["step"]
+        for r in store.conn.execute(
+            "SELECT l.manifest, l.layer, l.source_step, m.step FROM layers l JOIN manifests m ON m.id = l.manifest"
+        )
+    }
+    columns = [f"step {r['step']}" + (f" ({r['tag']})" if r["tag"] else "") for r in rows[1:]]
+    values: list[list[float | None]] = []
+    inherited: list[list[bool]] = []
     for layer in layers:
         line: list[float | None] = []
+        flags: list[bool] = []
         previous = stored_pieces(store, rows[0]["id"], layer)
         for r in rows[1:]:
             current = stored_pieces(store, r["id"], layer)
-            line.append(relative_change(current, previous))
+            flags.append(not held.get((r["id"], layer), True))
+            line.append(relative_change(current, previous) if current and previous else None)
             previous = current
-        matrix.append(line)
-    return steps, layers, matrix
+        values.append(line)
+        inherited.append(flags)
+    return ChangeMatrix(columns, layers, values, inherited)
 
 
 def plot(store: Store, out: Path) -> Path:
@@ -69,18 +102,31 @@ def plot(store: Store, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.patches import Patch, Rectangle
 
-    steps, layers, matrix = change_matrix(store)
-    data = np.array([[np.nan if v is None else v for v in line] for line in matrix], dtype=float)
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * len(steps) + 2), max(3.0, 0.35 * len(layers) + 1.5)))
-    image = ax.imshow(data, aspect="auto", cmap="viridis", origin="lower")
-    ax.set_xticks(range(len(steps)), [str(s) for s in steps], rotation=45)
-    ax.set_yticks(range(len(layers)), layers)
-    ax.set_xlabel("committed step (change since the previous commit)")
+    m = change_matrix(store)
+    cells = zip(m.values, m.inherited, strict=True)
+    data = np.array(
+        [[np.nan if v is None or gone else v for v, gone in zip(line, flags, strict=True)] for line, flags in cells],
+        dtype=float,
+    )
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(m.columns) + 3), max(3.0, 0.35 * len(m.layers) + 1.8)))
+    cmap = matplotlib.colormaps["viridis"].copy()
+    cmap.set_bad("lightgrey")
+    image = ax.imshow(data, aspect="auto", cmap=cmap, origin="lower")
+    for y, flags in enumerate(m.inherited):
+        for x, gone in enumerate(flags):
+            if gone:
+                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, hatch="///", edgecolor="grey", lw=0))
+    ax.set_xticks(range(len(m.columns)), m.columns, rotation=45, ha="right")
+    ax.set_yticks(range(len(m.layers)), m.layers)
+    ax.set_xlabel("manifest (change since the previous one)")
     ax.set_ylabel("layer")
-    ax.set_title("FP32 master change since the previous commit\n||w - w_prev|| / ||w_prev||", fontsize=10)
+    ax.set_title("FP32 master change since the previous manifest\n||w - w_prev|| / ||w_prev||", fontsize=10)
     fig.colorbar(image, ax=ax)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    inherited = Patch(facecolor="lightgrey", hatch="///", edgecolor="grey", label="inherited (not stored here)")
+    fig.legend(handles=[inherited], loc="lower left", fontsize=8, frameon=False)
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out

@@ -113,3 +113,57 @@ def test_errors_name_real_paths_not_placeholders(runs: Runs, tmp_path: Path) -> 
     done = tailor("commit", str(odd), "--step", "12", "--policy", "parity", "--force", store=store.root)
     assert done.returncode == 2
     assert "{tag}" not in done.stderr and "global_step6/" in done.stderr, done.stderr
+
+
+def test_another_model_is_refused_and_diff_says_why(runs: Runs, tmp_path: Path) -> None:
+    store = Store.init(tmp_path / "store")
+    commit_checkpoint(store, as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "a"))
+    odd = as_of_step(runs.get("zero2-bf16-odd-two-groups").save_dir, 6, tmp_path / "b")
+    refused = tailor("commit", str(odd), store=store.root)
+    assert refused.returncode == 2 and "different model from step 3" in refused.stderr, refused.stderr
+    assert "--force" in refused.stderr and "elements, not" in refused.stderr
+    assert tailor("commit", str(odd), "--force", store=store.root).returncode == 0
+    done = tailor("diff", "step=3", "step=6", store=store.root)
+    assert done.returncode == 2 and "hold different models" in done.stderr, done.stderr
+
+
+def test_du_accounts_for_every_byte(tailored: Store) -> None:
+    store = tailored
+    u = json.loads(tailor("du", "--json", store=store.root).stdout)
+    blob_files = sum(p.stat().st_size for p in (store.root / "blobs").rglob("*") if p.is_file())
+    assert u["stored_bytes"] - u["index_bytes"] == blob_files
+    assert u["raw_bytes"] == sum(r["raw_bytes"] for r in json.loads(tailor("log", "--json", store=store.root).stdout))
+    assert sum(k["stored_bytes"] for k in u["kinds"].values()) == blob_files
+    assert sum(k["raw_bytes"] for k in u["kinds"].values()) == u["raw_bytes"]
+    assert {"weights", "masters", "moments"} <= set(u["kinds"])
+    assert u["kinds"]["weights"]["derived_bytes"] > 0
+    # Step 12 (parity) holds alone only the blocks it stored; steps 6 and 18 hold more alone.
+    alone = {s["step"]: s["held_alone"] for s in u["steps"]}
+    assert 0 < alone[12] < alone[6] and 0 < alone[12] < alone[18]
+    assert u["gc_frees"] == 0
+    assert tailor("rm", "step=18", store=store.root).returncode == 0
+    after = json.loads(tailor("du", "--json", store=store.root).stdout)
+    assert after["gc_frees"] == alone[18]
+    assert "smaller" in tailor("du", store=store.root).stdout
+
+
+def test_plot_marks_inherited_layers_and_shows_every_manifest(tailored: Store, tmp_path: Path) -> None:
+    from tailorstore.diff import change_matrix
+
+    store = tailored
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("base: {step: 12}\nslices:\n  - sources: [{step: 18, layer_range: [0, 6]}]\n")
+    assert tailor("merge", str(spec), "--tag", "mix", store=store.root).returncode == 0
+    m = change_matrix(store)
+    assert m.columns == ["step 12", "step 12 (mix)", "step 18"]
+    assert {"embedding", "final_norm", "lm_head"} <= set(m.layers) and "state" not in m.layers
+    layers12 = {
+        r["layer"]: r["source_step"]
+        for r in store.conn.execute("SELECT layer, source_step FROM layers WHERE manifest=2")
+    }
+    for layer, flags in zip(m.layers, m.inherited, strict=True):
+        assert flags[0] == (layers12[layer] != 12), layer
+        assert flags[2] is False
+    assert any(flags[0] for flags in m.inherited) and not all(flags[0] for flags in m.inherited)
+    assert tailor("plot", "--out", str(tmp_path / "p.png"), store=store.root).returncode == 0
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
