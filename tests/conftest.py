@@ -126,6 +126,17 @@ class Runs:
         return self._cache[name]
 
 
+TRAINING_FIXTURES = {"runs", "hf_run"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that needs a real training (directly or through another fixture) is `slow`, so
+    `pytest -m "not slow"` is the fast tier: pure functions, codecs, I/O and CLI basics."""
+    for item in items:
+        if TRAINING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(tmp_path_factory.mktemp("runs"))

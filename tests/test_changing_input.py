@@ -26,8 +26,6 @@ from tailorstore.formats.source import InputFile
 from tailorstore.store.repo import Store
 from tailorstore.verify import verify
 
-pytestmark = pytest.mark.slow
-
 OPTIM = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 
 

@@ -26,8 +26,6 @@ from tailorstore.atoms import TensorSlot
 from tailorstore.commit import commit_checkpoint
 from tailorstore.store.repo import Store
 
-pytestmark = pytest.mark.slow
-
 MODEL = "mp_rank_00_model_states.pt"
 
 

@@ -17,8 +17,6 @@ from tailorstore.policies import PolicySpec
 from tailorstore.store.repo import Store
 from tailorstore.testing.runs import train_tiny
 
-pytestmark = pytest.mark.slow
-
 
 def tailor(*args: str, store: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, TAILOR_STORE=str(store))

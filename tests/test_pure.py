@@ -1,0 +1,258 @@
+"""Fast tests of the pure functions and of store checks that need no training."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sqlite3
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from tailorstore import atoms as A
+from tailorstore import structure
+from tailorstore.errors import BadCheckpointError, CorruptStoreError, StoreError, UnknownStepError
+from tailorstore.formats.layout import check_files
+from tailorstore.formats.safetensors_file import parse_header
+from tailorstore.formats.skeleton import split_tensors
+from tailorstore.formats.source import Identity
+from tailorstore.gc import Retention, kept_manifests
+from tailorstore.merge import MergeSpecError, parse_spec
+from tailorstore.policies import CommitFacts, PolicyError, PolicySpec, decide
+from tailorstore.store.backend import check_name
+from tailorstore.store.repo import Store, check_step
+
+BLOCKS = [f"block.{i}" for i in range(6)]
+LAYERS = frozenset([*BLOCKS, "embedding", "final_norm", "lm_head", "state"])
+AUX = {"embedding", "final_norm", "lm_head", "state"}
+
+
+# -- policies -------------------------------------------------------------------------------
+
+
+def facts(index: int, changes: dict[str, float] | None = None, inheritable: frozenset[str] = LAYERS) -> CommitFacts:
+    return CommitFacts(LAYERS, index, inheritable - {"state"}, changes)
+
+
+def test_first_commit_stores_everything_whatever_the_policy() -> None:
+    for name in ("full", "parity", "filter", "adaptive"):
+        assert decide(PolicySpec(name, {"threshold": 1e9}), facts(0)) == LAYERS
+
+
+def test_parity_alternates_blocks_and_keeps_aux() -> None:
+    assert decide(PolicySpec("parity"), facts(1)) == AUX | {"block.1", "block.3", "block.5"}
+    assert decide(PolicySpec("parity"), facts(2)) == AUX | {"block.0", "block.2", "block.4"}
+
+
+def test_filter_keeps_edges_and_the_middle_every_e_th_commit() -> None:
+    spec = PolicySpec("filter", {"keep_first": 1, "keep_last": 2, "every": 3})
+    assert decide(spec, facts(1)) == AUX | {"block.0", "block.4", "block.5"}
+    assert decide(spec, facts(3)) == LAYERS
+    with pytest.raises(PolicyError):
+        decide(PolicySpec("filter", {"every": 0}), facts(1))
+
+
+def test_adaptive_stores_exactly_the_blocks_that_moved_enough() -> None:
+    changes = {"block.0": 0.5, "block.1": 1e-4, "block.2": 2e-3, "block.3": 1e-3, "block.4": 0.0}
+    chosen = decide(PolicySpec("adaptive", {"threshold": 1e-3}), facts(4, changes))
+    # block.5 has no measured change (nothing to compare with): stored, to be safe.
+    assert chosen == AUX | {"block.0", "block.2", "block.3", "block.5"}
+    with pytest.raises(PolicyError):
+        decide(PolicySpec("adaptive", {"threshold": -1}), facts(1, changes))
+
+
+def test_a_layer_no_earlier_step_has_is_stored() -> None:
+    inheritable = LAYERS - {"block.2"}
+    assert "block.2" in decide(PolicySpec("parity"), facts(1, inheritable=inheritable))
+
+
+def test_unknown_policy() -> None:
+    with pytest.raises(PolicyError, match="unknown policy"):
+        decide(PolicySpec("nope"), facts(1))
+
+
+# -- retention ------------------------------------------------------------------------------
+
+
+def rows(*specs: tuple) -> list[dict]:
+    return [dict(zip(("id", "step", "origin", "tag", "pinned"), s, strict=True)) for s in specs]
+
+
+def test_kept_manifests() -> None:
+    manifests = rows(
+        (1, 1, "commit", None, 0),
+        (2, 2, "commit", "warm", 0),
+        (3, 3, "commit", None, 1),
+        (4, 4, "commit", None, 0),
+        (5, 5, "commit", None, 0),
+        (6, 6, "commit", None, 0),
+        (7, 6, "merge", "mix", 0),
+    )
+    assert kept_manifests(manifests, Retention()) == {1, 2, 3, 4, 5, 6, 7}
+    assert kept_manifests(manifests, Retention(keep_last=2)) == {2, 3, 5, 6, 7}
+    assert kept_manifests(manifests, Retention(keep_every=4)) == {2, 3, 4, 7}
+    assert kept_manifests(manifests, Retention(keep_last=1, keep_every=5)) == {2, 3, 5, 6, 7}
+
+
+@pytest.mark.parametrize("bad", [{"keep_last": 0}, {"keep_last": -1}, {"keep_every": 0}])
+def test_retention_refuses_numbers_below_one(bad: dict) -> None:
+    with pytest.raises(StoreError):
+        Retention(**bad)
+
+
+# -- merge specs ----------------------------------------------------------------------------
+
+
+def spec(**over: object) -> dict:
+    return {"base": {"step": 18}, "slices": [{"sources": [{"step": 6, "layer_range": [0, 2]}]}], **over}
+
+
+def test_parse_spec_names_only_what_the_spec_names() -> None:
+    base, chosen = parse_spec(spec(norm={"tag": "warm"}, lm_head={"id": 3}), list(range(6)), "s")
+    assert base == "step=18"
+    assert chosen == {"block.0": "step=6", "block.1": "step=6", "final_norm": "tag=warm", "lm_head": "id=3"}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {
+                "slices": [
+                    {"sources": [{"step": 6, "layer_range": [0, 4]}]},
+                    {"sources": [{"step": 12, "layer_range": [3, 6]}]},
+                ]
+            },
+            "overlap",
+        ),
+        ({"slices": [{"sources": [{"step": 6, "layer_range": [0, 9]}]}]}, "block 6 does not exist"),
+        ({"slices": [{"sources": [{"step": 6}]}]}, "layer_range must be"),
+        ({"slices": [{"sources": [{"step": 6, "layer_range": [3, 1]}]}]}, "layer_range must be"),
+        ({"slices": [{"sources": [{"step": 6, "tag": "x", "layer_range": [0, 1]}]}]}, "one of step, tag or id"),
+        ({"slices": [{"sources": [{"a": 1}, {"b": 2}]}]}, "exactly one source"),
+        ({"slices": []}, "non-empty list"),
+        ({"base": {"step": -1}}, "not a valid step"),
+        ({"base": {"tag": ""}}, "not a valid tag"),
+        ({"weights": 1}, "unknown keys"),
+    ],
+)
+def test_parse_spec_refusals(change: dict, message: str) -> None:
+    with pytest.raises(MergeSpecError, match=message):
+        parse_spec(spec(**change), list(range(6)), "s")
+
+
+# -- structure, steps, names ---------------------------------------------------------------
+
+
+def test_structure_from_pieces_and_its_differences() -> None:
+    segs = [
+        A.Segment(0, 10, "w1", A.MASTER, 0, 0, "block.0"),
+        A.Segment(0, 6, "w1", A.MASTER, 1, 10, "block.0"),
+        A.Segment(0, 16, "w1", A.WEIGHT, 0, 0, "block.0"),
+        A.Segment(0, 4, "w2", A.EXP_AVG, 0, 0, "block.0"),
+    ]
+    assert structure.from_segments(segs) == {"w1": 16}
+    assert structure.differences({"w1": 16}, {"w1": 16}) == []
+    assert structure.differences({"w1": 16, "w0": 1}, {"w1": 15, "w3": 2}) == [
+        "w3 is new",
+        "w0 is gone",
+        "w1 has 15 elements, not 16",
+    ]
+
+
+def test_steps_out_of_range() -> None:
+    assert check_step(0) == 0
+    for bad in (-7, 1 << 63):
+        with pytest.raises(StoreError, match="out of range"):
+            check_step(bad)
+
+
+@pytest.mark.parametrize("name", ["../../../tmp/x", "ABCDEF" * 5 + "00", "0" * 31, "0" * 33, "g" * 32])
+def test_blob_names_must_be_hashes(name: str) -> None:
+    with pytest.raises(CorruptStoreError):
+        check_name(name)
+
+
+def test_identity_says_what_changed() -> None:
+    base = Identity(1, 2, 100, 5, 6)
+    assert base.differs(base) == ""
+    assert "replaced" in base.differs(Identity(1, 3, 100, 5, 6))
+    assert "size" in base.differs(Identity(1, 2, 99, 5, 6))
+    assert "written" in base.differs(Identity(1, 2, 100, 7, 6))
+
+
+def test_commit_path_rules(tmp_path: Path) -> None:
+    (tmp_path / "ok.json").write_text("{}")
+    check_files(tmp_path, ["ok.json"])
+    for bad in ("a\\b", "x/../y", "/abs", "bad\udcffname"):
+        with pytest.raises(BadCheckpointError, match="cannot be stored"):
+            check_files(tmp_path, [bad])
+    (tmp_path / "out").symlink_to("/etc/hostname")
+    with pytest.raises(BadCheckpointError, match="outside the checkpoint"):
+        check_files(tmp_path, ["out"])
+
+
+# -- hostile pickles and headers, without files ---------------------------------------------
+
+
+def test_object_trees_are_walked_at_a_bounded_cost() -> None:
+    node: list = []
+    for _ in range(9):
+        node = [node] * 10
+    with pytest.raises(BadCheckpointError, match="nodes"):
+        split_tensors({"x": node}, where="f")
+    deep = pickle.loads(b"\x80\x02" + b"]" * 500 + b"a" * 499 + b".")
+    with pytest.raises(BadCheckpointError, match="deeper"):
+        split_tensors(deep, where="f")
+    with pytest.raises(BadCheckpointError, match="TensorSlot"):
+        split_tensors({"x": A.TensorSlot(0, "float32", (1,))}, where="f")
+    skeleton, entries = split_tensors({"a": [torch.zeros(3), 1]}, where="f")
+    assert isinstance(skeleton["a"][0], A.TensorSlot) and len(entries) == 1
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"w": {"shape": [1]}},
+        {"w": ["x"]},
+        {"w": {"dtype": "F32", "shape": "ab", "data_offsets": [0, 4]}},
+        {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}},
+        {"w": {"dtype": 5, "shape": [1], "data_offsets": [0, 4]}},
+        [1, 2],
+    ],
+)
+def test_malformed_safetensors_headers_are_one_clear_error(header: object) -> None:
+    raw = json.dumps(header).encode()
+    with pytest.raises(BadCheckpointError):
+        parse_header(struct.pack("<Q", len(raw)) + raw, "f")
+
+
+# -- stores without a training ------------------------------------------------------------
+
+
+def test_store_open_and_resolve_refusals(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError, match="not a directory"):
+        Store.init(tmp_path / "file")
+    with Store.init(tmp_path / "st") as st:
+        refusals = (("latest", "no steps yet"), ("id=3", "no manifest has id 3"), ("step=x", "cannot read"))
+        for selector, message in refusals:
+            with pytest.raises(UnknownStepError, match=message):
+                st.resolve(selector)
+    (tmp_path / "st" / "index.sqlite").write_bytes(b"\0" * 4096)
+    for side in ("index.sqlite-wal", "index.sqlite-shm"):
+        (tmp_path / "st" / side).unlink(missing_ok=True)
+    with pytest.raises(CorruptStoreError, match="damaged"):
+        Store.open(tmp_path / "st")
+
+
+def test_format_version_that_is_not_a_number(tmp_path: Path) -> None:
+    Store.init(tmp_path / "st").close()
+    conn = sqlite3.connect(tmp_path / "st" / "index.sqlite")
+    conn.execute("UPDATE meta SET value='abc' WHERE key='format_version'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(CorruptStoreError, match="format_version"):
+        Store.open(tmp_path / "st")
