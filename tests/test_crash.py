@@ -92,10 +92,27 @@ def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
         else:
             absent += 1
     assert landed >= KILLS // 2 and absent >= 3, (landed, absent)
+    on_disk_before = disk_bytes(store)
     plan = gc(store, Retention())
     assert not store.backend.temp_files()
     assert verify(store, deep=True).ok and verify(store).notes == []
-    assert plan.freed_bytes >= 0
+    # Exactly the blobs that steps 1 and 2 use are left, and the plan freed exactly what went.
+    assert set(store.backend.names()) == referenced(store)
+    assert plan.freed_bytes == on_disk_before - disk_bytes(store) > 0
+
+
+def disk_bytes(store: Store) -> int:
+    return sum(p.stat().st_size for sub in ("blobs", "tmp") for p in (store.root / sub).rglob("*") if p.is_file())
+
+
+def referenced(store: Store) -> set[str]:
+    return {
+        r[0]
+        for r in store.conn.execute(
+            "SELECT blob FROM files UNION SELECT container FROM files WHERE container IS NOT NULL"
+            " UNION SELECT blob FROM atoms WHERE derived IS NULL"
+        )
+    }
 
 
 def blob_count(store: Store) -> int:
@@ -153,9 +170,21 @@ def test_killed_checkout_leaves_nothing_complete_looking(runs: Runs, tmp_path: P
     commit_checkpoint(store, as_of_step(save_dir, 5, tmp_path / "at5"))
     full = timed(store.root, "checkout", "step=5", "--out", str(tmp_path / "first"))
     rng = random.Random(SEED + 2)
-    for i in range(6):
+    during_write = 0
+    for i in range(8):
         out = tmp_path / f"out{i}"
-        kill_at(start(store.root, "checkout", "step=5", "--out", str(out)), rng.uniform(0.5 * full, 1.05 * full))
+        proc = start(store.root, "checkout", "step=5", "--out", str(out))
+        if i % 2:  # anywhere in the command's span
+            kill_at(proc, rng.uniform(0.5 * full, 1.05 * full))
+        else:  # once it writes: the hidden partial directory exists
+            while proc.poll() is None and not list(tmp_path.glob(f".out{i}.tailor-partial-*")):
+                time.sleep(0.0005)
+            kill_at(proc, rng.uniform(0.0, 0.01))
+        partial = list(tmp_path.glob(f".out{i}.tailor-partial-*"))
         if out.exists():  # the rename happened: then it is complete
             assert_same_checkpoint(as_of_step(save_dir, 5, tmp_path / f"ref{i}"), out)
+            assert not partial
+        elif partial:
+            during_write += 1  # killed while writing: only the hidden directory is left
+    assert during_write >= 2, during_write
     assert verify(store, deep=True).ok
