@@ -9,12 +9,14 @@ resumes training from it and shows that the losses match the uninterrupted run b
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from .checkout import checkout_step
 from .inspect import log
 from .store.repo import Store
 from .testing.runs import train_tiny
@@ -32,6 +34,21 @@ def store_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in (root / "blobs").rglob("*") if p.is_file()) + sum(
         p.stat().st_size for p in root.glob("index.sqlite*")
     )
+
+
+def tailor(store: Path, *args: str) -> str:
+    """Run the `tailor` command as a user would type it, echo the command and its output."""
+    print(f"   $ tailor {shlex.join(args)}")
+    installed = shutil.which("tailor")
+    command = [installed] if installed else [sys.executable, "-m", "tailorstore.cli.app"]
+    done = subprocess.run(
+        [*command, *args], capture_output=True, text=True, env=dict(os.environ, TAILOR_STORE=str(store)), check=False
+    )
+    for line in (done.stdout + done.stderr).splitlines():
+        print(f"     {line}")
+    if done.returncode != 0:
+        raise SystemExit(f"`tailor {shlex.join(args)}` failed with exit code {done.returncode}")
+    return done.stdout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,14 +83,16 @@ def main(argv: list[str] | None = None) -> int:
 
     with Store.open(store_root) as store:
         steps = log(store)
-        print("2. the store holds:")
-        for s in steps:
-            print(f"   step {s.step:>3}: {_human(s.raw_bytes):>9} raw, {_human(s.new_bytes):>9} newly stored")
-        middle = steps[len(steps) // 2 - 1].step
-        out = work / f"checkout-step{middle}"
-        checkout_step(store, f"step={middle}", out)
-        print(f"3. checked out step {middle} into {out} (every blob hash verified)")
-        raw_total = sum(s.raw_bytes for s in steps)
+    raw_total = sum(s.raw_bytes for s in steps)
+    middle = steps[len(steps) // 2 - 1].step
+    out = work / f"checkout-step{middle}"
+    print(f"2. the store, through the command line (export TAILOR_STORE={store_root}):")
+    tailor(store_root, "log")
+    tailor(store_root, "show", f"step={middle}")
+    tailor(store_root, "checkout", f"step={middle}", "--out", str(out))
+    tailor(store_root, "verify", "--deep")
+    tailor(store_root, "du")
+    print(f"3. {out} is what engine.load_checkpoint() takes as it is: it holds `latest` and the tag folder")
 
     print(f"4. resuming DeepSpeed from the checkout at step {middle} and training to step {args.steps}...")
     resumed = train_tiny(
@@ -96,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({raw_total / held:.2f}x smaller)"
     )
     if args.workdir is None:
+        print(f"   removing {work} (pass --workdir DIR to keep the store, the checkout and the logs)")
         shutil.rmtree(work)
     return 0 if match else 1
 
