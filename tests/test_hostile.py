@@ -339,3 +339,45 @@ def test_a_full_disk_under_the_index(runs: Runs, tmp_path: Path) -> None:
         (disk / "filler").unlink()
         assert store_state(disk / "st") == before
         assert tailor("verify", store=disk / "st").returncode == 0
+
+
+def test_an_unreadable_file_is_one_line(two_steps) -> None:
+    """Root reads anything; without the DAC capabilities (as a normal user would be) a mode-000
+    file cannot be opened, and the commit names it instead of printing a traceback."""
+    store, at6 = two_steps
+    secret = at6 / "unreadable.json"
+    secret.write_text("{}")
+    secret.chmod(0)
+    before = store_state(store.root)
+    env = dict(os.environ, TAILOR_STORE=str(store.root))
+    done = subprocess.run(
+        ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-m", "tailorstore.cli.app",
+         "commit", str(at6), "--step", "8"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    if "setpriv" in done.stderr and done.returncode != 2:
+        pytest.skip(f"setpriv cannot drop capabilities here: {done.stderr.strip()[:200]}")
+    one_line(done, 2, "unreadable.json", "cannot be read")
+    assert store_state(store.root) == before
+
+
+def test_two_checkouts_into_one_directory(two_steps, tmp_path: Path) -> None:
+    """One wins and leaves a complete checkout; the other says so in one line, and leaves nothing."""
+    store, _ = two_steps
+    env = dict(os.environ, TAILOR_STORE=str(store.root))
+    for i in range(4):
+        out = tmp_path / f"out{i}"
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tailorstore.cli.app", "checkout", "step=6", "--out", str(out)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            )
+            for _ in range(2)
+        ]
+        results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+        codes = sorted(code for code, _ in results)
+        assert codes == [0, 2], results
+        loser = next(err for code, err in results if code == 2)
+        assert "Traceback" not in loser and len(loser.strip().splitlines()) == 1, loser
+        assert not list(tmp_path.glob(f".out{i}.tailor-partial-*"))
+        assert (out / "latest").read_text() == "global_step6"
