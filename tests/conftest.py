@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -181,6 +183,16 @@ def store(tmp_path: Path) -> Store:
     st = Store.init(tmp_path / "store")
     yield st
     st.close()
+
+
+def tailor(*args: str, store: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """The `tailor` command as a user runs it, in a subprocess (start-up, exit code and stderr included)."""
+    env = dict(os.environ)
+    if store is not None:
+        env["TAILOR_STORE"] = str(store)
+    return subprocess.run(
+        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def store_state(root: Path) -> tuple[list[str], list[str]]:

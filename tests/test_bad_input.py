@@ -5,14 +5,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import Runs, as_of_step, store_state
+from conftest import Runs, as_of_step, store_state, tailor
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import CommitOptions, commit_checkpoint
@@ -24,13 +22,6 @@ from tailorstore.errors import (
     UnsafePickleError,
 )
 from tailorstore.store.repo import Store
-
-TAILOR = [sys.executable, "-m", "tailorstore.cli.app"]
-
-
-def tailor(*args: str, store: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, TAILOR_STORE=str(store))
-    return subprocess.run([*TAILOR, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 class Evil:

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
-from conftest import Runs, as_of_step, store_state
+from conftest import Runs, as_of_step, store_state, tailor
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import CommitOptions, commit_checkpoint
@@ -173,13 +171,6 @@ def test_rewritten_over_and_over_never_poisons_the_store(setting, runs: Runs, tm
     assert verify(store, deep=True).ok
     assert_honest_commit_restores(
         store, as_of_step(runs.get("zero2-bf16").save_dir, 6, tmp_path / "again"), tmp_path / "out"
-    )
-
-
-def tailor(*args: str, store: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, TAILOR_STORE=str(store))
-    return subprocess.run(
-        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=300
     )
 
 

@@ -59,8 +59,9 @@ def test_commit_log_show_checkout(runs: Runs, tmp_path: Path) -> None:
     assert all(s["raw_bytes"] > 0 for s in log)
     assert log[1]["new_bytes"] < log[1]["raw_bytes"]
     text = run("log", env=env).stdout.splitlines()
-    assert text[0].split() == ["step", "committed", "tag", "raw", "new", "kind"]
-    assert text[1].split()[0] == "3" and text[1].split()[3] == "warm" and text[1].endswith("exact")
+    assert text[0].split() == ["id", "step", "committed", "tag", "raw", "new", "kind"]
+    row = text[1].split()
+    assert row[0] == f"id={log[0]['manifest']}" and row[1] == "3" and row[4] == "warm" and text[1].endswith("exact")
 
     show = json.loads(run("show", "tag=warm", "--json", env=env).stdout)
     layers = {layer["layer"]: layer for layer in show["layers"]}
@@ -77,7 +78,7 @@ def test_commit_log_show_checkout(runs: Runs, tmp_path: Path) -> None:
     assert (out / "latest").read_text() == "global_step6"
     assert run("checkout", "step=99", "--out", str(tmp_path / "x"), env=env).returncode == 2
     bad = run("show", "bogus", env=env)
-    assert bad.returncode == 2 and "step=N, tag=NAME or latest" in bad.stderr
+    assert bad.returncode == 2 and "step=N, tag=NAME, id=N or latest" in bad.stderr
 
 
 def test_progress_bar_on_a_terminal_only(runs: Runs, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from conftest import Runs, as_of_step
+from test_health import referenced_blobs
 from test_roundtrip import assert_same_checkpoint
 
 from tailorstore.checkout import checkout_step
@@ -97,22 +98,12 @@ def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
     assert not store.backend.temp_files()
     assert verify(store, deep=True).ok and verify(store).notes == []
     # Exactly the blobs that steps 1 and 2 use are left, and the plan freed exactly what went.
-    assert set(store.backend.names()) == referenced(store)
+    assert set(store.backend.names()) == referenced_blobs(store)
     assert plan.freed_bytes == on_disk_before - disk_bytes(store) > 0
 
 
 def disk_bytes(store: Store) -> int:
     return sum(p.stat().st_size for sub in ("blobs", "tmp") for p in (store.root / sub).rglob("*") if p.is_file())
-
-
-def referenced(store: Store) -> set[str]:
-    return {
-        r[0]
-        for r in store.conn.execute(
-            "SELECT blob FROM files UNION SELECT container FROM files WHERE container IS NOT NULL"
-            " UNION SELECT blob FROM atoms WHERE derived IS NULL"
-        )
-    }
 
 
 def blob_count(store: Store) -> int:

@@ -20,22 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Runs, as_of_step, store_state
+from conftest import Runs, as_of_step, store_state, tailor
 
 from tailorstore.atoms import TensorSlot
 from tailorstore.commit import commit_checkpoint
 from tailorstore.store.repo import Store
 
 MODEL = "mp_rank_00_model_states.pt"
-
-
-def tailor(*args: str, store: Path | None = None, **kw) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    if store is not None:
-        env["TAILOR_STORE"] = str(store)
-    return subprocess.run(
-        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=300, **kw
-    )
 
 
 def one_line(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
@@ -79,7 +70,7 @@ def test_gc_never_deletes_outside_the_store(two_steps, tmp_path: Path) -> None:
     rel = os.path.relpath(victim, store.root / "blobs" / "..")
     conn = sqlite3.connect(store.root / "index.sqlite")
     conn.execute("PRAGMA foreign_keys=OFF")
-    conn.execute("INSERT INTO blobs VALUES (?, 1, 1, '{\"id\": \"raw\", \"v\": 1}', 0)", (rel,))
+    conn.execute('INSERT INTO blobs VALUES (?, 1, 1, \'{"id": "raw", "v": 1}\', 0)', (rel,))
     conn.commit()
     conn.close()
     one_line(tailor("gc", store=store.root), 3, "not a 32-digit hex hash")
@@ -351,9 +342,22 @@ def test_an_unreadable_file_is_one_line(two_steps) -> None:
     before = store_state(store.root)
     env = dict(os.environ, TAILOR_STORE=str(store.root))
     done = subprocess.run(
-        ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-m", "tailorstore.cli.app",
-         "commit", str(at6), "--step", "8"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            "setpriv",
+            "--bounding-set",
+            "-dac_override,-dac_read_search",
+            sys.executable,
+            "-m",
+            "tailorstore.cli.app",
+            "commit",
+            str(at6),
+            "--step",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     if "setpriv" in done.stderr and done.returncode != 2:
         pytest.skip(f"setpriv cannot drop capabilities here: {done.stderr.strip()[:200]}")
@@ -370,7 +374,10 @@ def test_two_checkouts_into_one_directory(two_steps, tmp_path: Path) -> None:
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "tailorstore.cli.app", "checkout", "step=6", "--out", str(out)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
             )
             for _ in range(2)
         ]

@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import Runs, as_of_step, copy_tree
+from conftest import Runs, as_of_step, copy_tree, tailor
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import CommitOptions, commit_checkpoint
 from tailorstore.policies import PolicySpec
 from tailorstore.store.repo import Store
 from tailorstore.testing.runs import train_tiny
-
-
-def tailor(*args: str, store: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, TAILOR_STORE=str(store))
-    return subprocess.run(
-        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=300
-    )
 
 
 def test_a_tag_folder_checkout_is_resumable_as_is(runs: Runs, store: Store, tmp_path: Path) -> None:
@@ -34,7 +24,11 @@ def test_a_tag_folder_checkout_is_resumable_as_is(runs: Runs, store: Store, tmp_
     checkout_step(store, "step=3", out)
     assert (out / "latest").read_text() == "global_step3"
     resumed = train_tiny(
-        tmp_path / "resumed", losses_out=tmp_path / "resumed.json", resume_from=out, steps=6, save_every=0,
+        tmp_path / "resumed",
+        losses_out=tmp_path / "resumed.json",
+        resume_from=out,
+        steps=6,
+        save_every=0,
         **run.options,
     )
     assert resumed == {s: run.losses[s] for s in (4, 5, 6)}

@@ -139,8 +139,7 @@ def read_checkpoint(
         kind = classify(rel)
         rank = ds.file_rank(name) if kind == TORCH else None
         with InputFile(source) as src:
-            out = ReadFile(rel, layout.file_key(rel), kind, rank, src.size, 0, source, identity=src.identity)
-            out.mode = src.mode
+            out = ReadFile(rel, layout.file_key(rel), kind, rank, src.size, src.mode, source, identity=src.identity)
             if kind == TORCH:
                 _read_torch(out, src, trust_pickles, infos)
             elif kind == SAFETENSORS:

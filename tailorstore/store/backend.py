@@ -34,6 +34,7 @@ def check_name(name: str) -> str:
         )
     return name
 
+
 BytesLike = bytes | bytearray | memoryview
 
 
