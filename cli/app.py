@@ -31,7 +31,9 @@ app = typer.Typer(
     help="A content-addressed, layer-wise store for DeepSpeed training checkpoints.",
 )
 
-StoreOpt = typer.Option(None, "--store", envvar=STORE_ENV, help=f"The store directory (or ${STORE_ENV}).")
+StoreOpt = typer.Option(
+    None, "--store", envvar=STORE_ENV, help=f"The store: a directory or s3://bucket/prefix (or ${STORE_ENV})."
+)
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line.")
 JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON.")
 TrustOpt = typer.Option(False, "--trust-pickles", help="Load pickles with globals outside the allowlist (unsafe).")
@@ -64,7 +66,7 @@ def _root(
 
 
 @app.command()
-def init(path: Path = typer.Argument(..., help="Directory for the new store.")) -> None:
+def init(path: str = typer.Argument(..., help="Directory for the new store, or s3://bucket/prefix.")) -> None:
     """Create an empty store: an SQLite index plus a blob area."""
     Store.init(path).close()
     typer.echo(f"initialized an empty tailorstore in {path}")
@@ -83,7 +85,7 @@ def commit(
     every: int = typer.Option(1, "--every", help="filter: store the other blocks on every E-th commit."),
     threshold: float = typer.Option(0.0, "--threshold", help="adaptive: store a block that moved this much."),
     trust_pickles: bool = TrustOpt,
-    store: Path | None = StoreOpt,
+    store: str | None = StoreOpt,
     quiet: bool = QuietOpt,
     as_json: bool = JsonOpt,
     lock_timeout: float = LockOpt,
@@ -128,7 +130,7 @@ def checkout(
     selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest."),
     out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
     trust_pickles: bool = TrustOpt,
-    store: Path | None = StoreOpt,
+    store: str | None = StoreOpt,
     quiet: bool = QuietOpt,
 ) -> None:
     """Write a step back in its native layout, checking every blob's hash."""
@@ -154,7 +156,7 @@ def _when(ts: float) -> str:
 
 
 @app.command()
-def log(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
+def log(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     """One line per step: step, time, tag, raw bytes, bytes newly stored, exact or composite."""
     with Store.open(store) as st:
         steps = log_steps(st)
@@ -173,7 +175,7 @@ def log(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
 @app.command()
 def show(
     selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest."),
-    store: Path | None = StoreOpt,
+    store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Per layer: the source step, the kinds, the raw bytes and the stored bytes."""
@@ -200,7 +202,7 @@ def show(
 def merge(
     spec: Path = typer.Argument(..., help="YAML spec: base, slices of layer ranges, embed, norm, lm_head."),
     tag: str = typer.Option(..., "--tag", help="Name of the composite; check it out as tag=NAME."),
-    store: Path | None = StoreOpt,
+    store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Compose a checkpoint from layers of different steps. Writes no blob, only a manifest."""
@@ -225,7 +227,7 @@ def merge(
 def diff(
     a: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
     b: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
-    store: Path | None = StoreOpt,
+    store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Per layer, the relative change ||w_B - w_A|| / ||w_A|| of the FP32 master and of the weight."""
@@ -249,7 +251,7 @@ def diff(
 @app.command()
 def plot(
     out: Path = typer.Option(..., "--out", help="PNG file to write."),
-    store: Path | None = StoreOpt,
+    store: str | None = StoreOpt,
 ) -> None:
     """A heatmap of per-layer relative change (layers by committed steps)."""
     from tailorstore.diff import plot as plot_changes
@@ -264,7 +266,7 @@ def tag_cmd(
     selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
     name: str = typer.Argument(..., help="The tag; gc never drops a tagged step."),
     force: bool = typer.Option(False, "--force", help="Move the tag if another step has it."),
-    store: Path | None = StoreOpt,
+    store: str | None = StoreOpt,
 ) -> None:
     """Name a step. Tagged steps are kept by every gc."""
     from tailorstore.refs import tag
@@ -275,7 +277,7 @@ def tag_cmd(
 
 
 @app.command()
-def untag(name: str = typer.Argument(..., help="The tag to remove."), store: Path | None = StoreOpt) -> None:
+def untag(name: str = typer.Argument(..., help="The tag to remove."), store: str | None = StoreOpt) -> None:
     """Remove a tag. The manifest stays; gc may drop it unless it is pinned."""
     from tailorstore.refs import untag as remove_tag
 
@@ -286,7 +288,7 @@ def untag(name: str = typer.Argument(..., help="The tag to remove."), store: Pat
 
 @app.command()
 def pin(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"), store: Path | None = StoreOpt
+    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"), store: str | None = StoreOpt
 ) -> None:
     """Protect a step from gc."""
     from tailorstore.refs import pin as pin_step
@@ -298,7 +300,7 @@ def pin(
 
 @app.command()
 def unpin(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"), store: Path | None = StoreOpt
+    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"), store: str | None = StoreOpt
 ) -> None:
     """Let gc drop a step again."""
     from tailorstore.refs import pin as pin_step
@@ -312,7 +314,7 @@ def unpin(
 def rm(
     selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
     force: bool = typer.Option(False, "--force", help="Also drop a tagged or pinned step."),
-    store: Path | None = StoreOpt,
+    store: str | None = StoreOpt,
 ) -> None:
     """Drop one manifest. Its blobs are freed by the next gc, unless another manifest uses them."""
     from tailorstore.refs import remove
@@ -327,7 +329,7 @@ def gc(
     keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the K newest committed steps."),
     keep_every: int | None = typer.Option(None, "--keep-every", help="Keep steps whose number is a multiple of N."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and change nothing."),
-    store: Path | None = StoreOpt,
+    store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
     lock_timeout: float = LockOpt,
 ) -> None:
@@ -355,7 +357,7 @@ def gc(
 
 
 @app.command()
-def du(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
+def du(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     """Where the bytes go: on disk against raw, per kind, per step, and what gc would free."""
     from tailorstore.usage import usage
 
@@ -384,7 +386,7 @@ def du(store: Path | None = StoreOpt, as_json: bool = JsonOpt) -> None:
 def verify(
     selector: str | None = typer.Argument(None, help="step=N, tag=NAME or latest (default: every manifest)"),
     deep: bool = typer.Option(False, "--deep", help="Also decode and re-hash every blob."),
-    store: Path | None = StoreOpt,
+    store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Check that every manifest's blobs exist and every index row is consistent."""

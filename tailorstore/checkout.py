@@ -49,9 +49,11 @@ class CheckoutResult:
 def _prepare_out(out: Path, store: Store) -> Path:
     if out.is_symlink():
         raise StoreError(f"{out}: is a symbolic link; name a new directory for --out, not a link.")
-    resolved, root = out.resolve(), store.root.resolve()
-    if resolved == root or root in resolved.parents:
-        raise StoreError(f"{out}: lies inside the store {store.root}; check out somewhere outside it.")
+    resolved = out.resolve()
+    for root in filter(None, (store.root, store.where.index_path.parent)):
+        root = root.resolve()
+        if resolved == root or root in resolved.parents:
+            raise StoreError(f"{out}: lies inside the store {root}; check out somewhere outside it.")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise StoreError(f"{out}: already exists and is not empty; choose a new --out directory or remove it.")
     if out.exists() and os.path.ismount(out):

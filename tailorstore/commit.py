@@ -33,6 +33,7 @@ from .layers import STATE, sort_key
 from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atoms_by_key
+from .store.backend import blob_key
 from .store.repo import Store, check_step
 from .store.writer import BlobWriter
 
@@ -423,4 +424,4 @@ def _remove_unindexed(store: Store, writer: BlobWriter) -> None:
     """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes."""
     for digest in writer.written():
         if store.blob(digest) is None:
-            store.backend.delete(digest)
+            store.backend.delete(blob_key(digest))

@@ -16,11 +16,11 @@ dropped step lives on as long as a kept composite uses it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import StoreError
+from .store.backend import blob_key, blob_names
 from .store.repo import Store
 
 
@@ -89,13 +89,11 @@ def plan_gc(store: Store, rules: Retention) -> GcPlan:
     plan.dead_blobs = [r["hash"] for r in dead]
     plan.freed_bytes = sum(r["stored_size"] for r in dead)
     indexed = {r[0] for r in conn.execute("SELECT hash FROM blobs")}
-    for name in store.backend.names():
+    for name in blob_names(store.backend):
         if name not in indexed:
             plan.orphan_files.append(name)
-            plan.freed_bytes += store.backend.size(name)
-    for tmp in store.backend.temp_files():
-        plan.temp_files.append(tmp.name)
-        plan.freed_bytes += tmp.stat().st_size
+            plan.freed_bytes += store.blob_size(name) or 0
+    plan.temp_files = store.backend.leftovers()
     return plan
 
 
@@ -117,17 +115,9 @@ def gc(
         with store.transaction() as conn:
             conn.executemany("DELETE FROM manifests WHERE id=?", [(m,) for m, _ in plan.drop])
             conn.executemany("DELETE FROM blobs WHERE hash=?", [(h,) for h in plan.dead_blobs])
+        batch = store.backend.batch()
         for name in [*plan.dead_blobs, *plan.orphan_files]:
-            store.backend.delete(name)
-        for name in plan.temp_files:
-            (store.backend.tmp_dir / name).unlink(missing_ok=True)
-        _sync_dir(store)
+            batch.delete(blob_key(name))
+        batch.publish()
+        store.backend.clear_leftovers(plan.temp_files)
     return plan
-
-
-def _sync_dir(store: Store) -> None:
-    fd = os.open(store.backend.blob_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

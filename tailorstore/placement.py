@@ -37,8 +37,8 @@ from .errors import CorruptStoreError
 from .formats.reader import TORCH
 from .formats.torch_zip import gaps, mend_crcs
 from .paths import safe_join
-from .store.backend import start_writeback
 from .store.direct_io import PlacedWriter
+from .store.posix import start_writeback
 from .store.repo import Store
 
 _local = threading.local()

@@ -47,7 +47,7 @@ class Usage:
 def usage(store: Store) -> Usage:
     conn = store.conn
     blob_bytes = conn.execute("SELECT coalesce(sum(stored_size), 0) FROM blobs").fetchone()[0]
-    index_bytes = sum(p.stat().st_size for p in store.root.glob("index.sqlite*") if p.is_file())
+    index_bytes = sum(p.stat().st_size for p in store.where.index_path.parent.glob("index.sqlite*") if p.is_file())
     raw = conn.execute("SELECT coalesce(sum(raw_bytes), 0), count(*) FROM manifests").fetchone()
     stored = blob_bytes + index_bytes
     out = Usage(raw[1], stored, index_bytes, raw[0], raw[0] / stored if stored else 0.0)

@@ -18,6 +18,7 @@ from . import codec
 from .checkout import decode_atom
 from .errors import CorruptStoreError
 from .paths import check_relative
+from .store.backend import blob_names
 from .store.repo import BlobRow, Store
 
 
@@ -87,10 +88,10 @@ def verify(
         for manifest in ids:
             _check_derived(store, manifest, report, rebuilt)
     indexed = {r[0] for r in conn.execute("SELECT hash FROM blobs")}
-    orphans = [n for n in store.backend.names() if n not in indexed]
+    orphans = [n for n in blob_names(store.backend) if n not in indexed]
     if orphans:
         report.notes.append(f"{len(orphans)} orphan blob file(s) no manifest uses; `tailor gc` removes them")
-    temps = store.backend.temp_files()
+    temps = store.backend.leftovers()
     if temps:
         report.notes.append(f"{len(temps)} temp file(s) of interrupted commits; `tailor gc` removes them")
     return report
@@ -98,10 +99,10 @@ def verify(
 
 def _check_blob(store: Store, row: BlobRow, place: str, deep: bool, report: VerifyReport) -> None:
     report.blobs_checked += 1
-    if not store.backend.exists(row.hash):
+    size = store.blob_size(row.hash)
+    if size is None:
         report.problems.append(f"blob {row.hash}: file missing (used by {place})")
         return
-    size = store.backend.size(row.hash)
     if size != row.stored_size:
         report.problems.append(
             f"blob {row.hash}: file has {size} bytes, the index says {row.stored_size}; truncated (used by {place})"
@@ -110,7 +111,7 @@ def _check_blob(store: Store, row: BlobRow, place: str, deep: bool, report: Veri
     if deep:
         buf = bytearray(row.raw_size)
         try:
-            with store.backend.open(row.hash) as f:
+            with store.open_blob(row.hash, place) as f:
                 codec.decode_into(row.codec, f, memoryview(buf), f"blob {row.hash}")
         except CorruptStoreError as exc:
             report.problems.append(f"{exc} (used by {place})")

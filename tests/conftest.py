@@ -12,7 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -20,6 +20,7 @@ from typing import TypeVar
 import pytest
 
 from tailorstore.store.repo import Store
+from tailorstore.testing.local_s3 import LocalS3, local_s3
 from tailorstore.testing.runs import TrainingFailed, train_hf, train_tiny
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -205,3 +206,17 @@ def store_state(root: Path) -> tuple[list[str], list[str]]:
     blobs = sorted(str(p.relative_to(root)) for p in (root / "blobs").rglob("*") if p.is_file())
     temps = sorted(str(p.relative_to(root)) for p in (root / "tmp").rglob("*"))
     return dump, blobs + temps
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
+    """One local S3 server (moto, 127.0.0.1) for the session; ``TAILOR_CACHE`` in a temp dir."""
+    os.environ["TAILOR_CACHE"] = str(tmp_path_factory.mktemp("tailor-cache"))
+    with local_s3() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_location(s3_server: LocalS3) -> str:
+    """A fresh prefix in the local S3 bucket."""
+    return s3_server.new_location()

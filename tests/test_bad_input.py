@@ -21,6 +21,7 @@ from tailorstore.errors import (
     UnsafePathError,
     UnsafePickleError,
 )
+from tailorstore.store.backend import blob_key
 from tailorstore.store.repo import Store
 
 
@@ -137,7 +138,7 @@ def test_flipped_byte_in_blob_stops_checkout(committed: tuple[Store, Path], tmp_
         "SELECT a.blob, a.path FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.manifest=1 AND b.raw_size > 4096 "
         "AND a.path LIKE '%optim_states.pt' LIMIT 1"
     ).fetchone()
-    path = store.backend.path(row["blob"])
+    path = store.backend.path(blob_key(row["blob"]))
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
     path.chmod(0o644)

@@ -22,6 +22,7 @@ from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
 from tailorstore.gc import Retention, gc
 from tailorstore.refs import remove
+from tailorstore.store.backend import blob_names
 from tailorstore.store.repo import Store
 from tailorstore.verify import verify
 
@@ -95,10 +96,10 @@ def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
     assert landed >= KILLS // 2 and absent >= 3, (landed, absent)
     on_disk_before = disk_bytes(store)
     plan = gc(store, Retention())
-    assert not store.backend.temp_files()
+    assert not store.backend.leftovers()
     assert verify(store, deep=True).ok and verify(store).notes == []
     # Exactly the blobs that steps 1 and 2 use are left, and the plan freed exactly what went.
-    assert set(store.backend.names()) == referenced_blobs(store)
+    assert set(blob_names(store.backend)) == referenced_blobs(store)
     assert plan.freed_bytes == on_disk_before - disk_bytes(store) > 0
 
 
@@ -107,7 +108,7 @@ def disk_bytes(store: Store) -> int:
 
 
 def blob_count(store: Store) -> int:
-    return sum(1 for _ in store.backend.names())
+    return sum(1 for _ in blob_names(store.backend))
 
 
 def wait_for_new_blob(store: Store, baseline: int, proc: subprocess.Popen[bytes]) -> None:

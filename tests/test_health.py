@@ -20,7 +20,7 @@ from tailorstore.errors import FormatVersionError, LockTimeoutError, StoreError
 from tailorstore.gc import Retention, gc
 from tailorstore.policies import PolicySpec
 from tailorstore.refs import pin, remove, tag
-from tailorstore.store import backend as backend_module
+from tailorstore.store.backend import blob_key, blob_names
 from tailorstore.store.repo import Store
 from tailorstore.verify import verify
 
@@ -67,7 +67,7 @@ def test_gc_with_retention_tags_and_a_composite(runs: Runs, tmp_path: Path) -> N
     assert text.returncode == 0 and text.stdout.startswith("plan: drop 5 manifest(s) [1, 3, 5, 6, 7]")
     kept = [r[0] for r in store.conn.execute("SELECT step FROM manifests ORDER BY step")]
     assert kept == [2, 4, 8, 9, 10]
-    on_disk = set(store.backend.names())
+    on_disk = set(blob_names(store.backend))
     assert on_disk == referenced_blobs(store)
     assert store.conn.execute("SELECT count(*) FROM blobs").fetchone()[0] == len(on_disk)
     assert verify(store, deep=True).ok
@@ -96,7 +96,7 @@ def test_rm_pin_and_tag_protect(runs: Runs, tmp_path: Path) -> None:
     assert tailor(store.root, "rm", "step=1").returncode == 0
     proc = tailor(store.root, "gc")
     assert proc.returncode == 0 and "drop 0 manifest(s)" in proc.stdout
-    assert set(store.backend.names()) == referenced_blobs(store)
+    assert set(blob_names(store.backend)) == referenced_blobs(store)
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def _blob_of(store: Store, step: int, *, only_in_step: bool = True) -> tuple[str
 def test_damaged_blob_is_found_and_named(two_steps: Store, fault: str, tmp_path: Path) -> None:
     store = two_steps
     digest, path = _blob_of(store, 2)
-    file = store.backend.path(digest)
+    file = store.backend.path(blob_key(digest))
     file.chmod(0o644)
     data = file.read_bytes()
     if fault == "flip":
@@ -173,7 +173,7 @@ def test_disk_full_during_commit_leaves_store_as_it_was(
         budget["bytes"] -= len(data)
         return real_write(fd, data)
 
-    monkeypatch.setattr(backend_module.os, "write", write_until_full)
+    monkeypatch.setattr(os, "write", write_until_full)
     at3 = as_of_step(runs.get("ten-saves").save_dir, 3, tmp_path / "at3")
     with pytest.raises(StoreError, match=r"no space left on the device.*store is as it was"):
         commit_checkpoint(store, at3)
@@ -237,4 +237,4 @@ def test_concurrent_commits_gc_and_readers(runs: Runs, tmp_path: Path) -> None:
         checkout_step(store, f"step={s}", out)
         assert_same_checkpoint(as_of_step(run.save_dir, s, tmp_path / f"ref{s}"), out)
     gc(store, Retention())
-    assert set(store.backend.names()) == referenced_blobs(store)
+    assert set(blob_names(store.backend)) == referenced_blobs(store)

@@ -24,6 +24,7 @@ from conftest import Runs, as_of_step, store_state, tailor
 
 from tailorstore.atoms import TensorSlot
 from tailorstore.commit import commit_checkpoint
+from tailorstore.store.backend import blob_key
 from tailorstore.store.repo import Store
 
 MODEL = "mp_rank_00_model_states.pt"
@@ -84,7 +85,7 @@ def test_commit_repairs_a_missing_or_cut_blob(two_steps, tmp_path: Path, damage:
         "SELECT a.blob FROM atoms a JOIN manifests m ON m.id=a.manifest WHERE m.step=6 AND a.kind='exp_avg'"
         " AND a.derived IS NULL ORDER BY a.nbytes DESC LIMIT 1"
     ).fetchone()[0]
-    path = store.backend.path(digest)
+    path = store.backend.path(blob_key(digest))
     if damage == "delete":
         path.unlink()
     else:

@@ -1,167 +1,151 @@
-"""Where blob bytes live: a deliberately narrow interface.
+"""Where a store's bytes live: the one interface every byte goes through.
 
-Everything above this module speaks only of named, immutable blobs. That keeps an object
-storage backend (S3 API) a matter of one more class: ``put`` must make a blob appear
-whole or not at all, which a POSIX file system gives us by writing a temp file, fsyncing
-it and renaming it into place.
+A backend holds immutable objects under '/'-separated keys (``blobs/ab/<hash>``,
+``manifests/...``, ``locks/...``). It offers exactly what both a POSIX directory and an
+object store (S3 API) can promise:
+
+- ``put``: an object appears whole or not at all; ``create_only`` refuses to replace one
+  (S3 ``If-None-Match: *``, POSIX ``link``), which manifests and locks rely on;
+- ``get`` of a byte range, and ``reader`` that streams a range in bounded chunks;
+- ``exists``, ``size``, ``list`` under a prefix, ``delete``.
+
+Durability of many objects at once belongs to a :class:`Batch`, one per commit or gc,
+never to shared state on the backend: a POSIX batch flushes all its files with one
+``syncfs`` before it renames them into place, an S3 batch has nothing to do because every
+completed PUT is durable. docs/FORMAT.md lists the keys.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
+import io
 import re
-import secrets
-import threading
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from ..errors import CorruptStoreError
-from .direct_io import DirectReader, SequentialWriter
+from ..errors import CorruptStoreError, StoreError
+
+BytesLike = bytes | bytearray | memoryview
+Chunks = Iterable[BytesLike]
 
 _HASH = re.compile(r"[0-9a-f]{32}")
+_KEY = re.compile(r"[A-Za-z0-9._=-]+(/[A-Za-z0-9._=-]+)*")
+BLOB_PREFIX = "blobs/"
+READ_CHUNK = 8 << 20  # bytes per ranged GET when streaming an object
+
+
+class ObjectExistsError(StoreError):
+    """A create-only put found an object under that key already."""
+
+
+class BackendError(StoreError):
+    """The backend failed (unreachable server, refused credentials, I/O error)."""
 
 
 def check_name(name: str) -> str:
-    """A blob name is 32 lowercase hex digits, checked before it becomes a path: an index row
-    such as ``../../tmp/x`` must never let gc delete, or checkout read, a file outside the store."""
+    """A blob name is 32 lowercase hex digits, checked before it becomes a key: an index row
+    such as ``../../tmp/x`` must never let gc delete, or checkout read, an object outside the store."""
     if not isinstance(name, str) or not _HASH.fullmatch(name):
         raise CorruptStoreError(
             f"the index names a blob {name!r}, which is not a 32-digit hex hash; the index is damaged. "
-            "Restore index.sqlite from a backup; nothing was deleted."
+            "Rebuild it with `tailor index rebuild`; nothing was deleted."
         )
     return name
 
 
-BytesLike = bytes | bytearray | memoryview
+def check_key(key: str) -> str:
+    """Keys are relative, '/'-separated, and made of a safe alphabet: no '..', no leading '/'."""
+    if not _KEY.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
+        raise StoreError(f"{key!r} is not a valid object key")
+    return key
 
 
-class BlobBackend(Protocol):
-    def put(self, name: str, chunks: Iterable[BytesLike], size_hint: int = 0) -> None: ...
+def blob_key(name: str) -> str:
+    return f"{BLOB_PREFIX}{name[:2]}/{check_name(name)}"
+
+
+def blob_name(key: str) -> str | None:
+    """The blob name a key under ``blobs/`` stands for, or None for anything else found there."""
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] == "blobs" and _HASH.fullmatch(parts[2]) and parts[2][:2] == parts[1]:
+        return parts[2]
+    return None
+
+
+def blob_names(backend: Backend) -> Iterator[str]:
+    """Names of the blobs the backend holds (other objects under ``blobs/`` are skipped)."""
+    for key in backend.list(BLOB_PREFIX):
+        name = blob_name(key)
+        if name is not None:
+            yield name
+
+
+class Batch(Protocol):
+    """Objects written (or deleted) together: visible and durable after ``publish``."""
+
+    def put(self, key: str, chunks: Chunks, size_hint: int = 0) -> None: ...
+    def delete(self, key: str) -> None: ...
     def publish(self) -> None: ...
     def discard(self) -> None: ...
-    def open(self, name: str) -> BinaryIO: ...
-    def exists(self, name: str) -> bool: ...
-    def size(self, name: str) -> int: ...
-    def delete(self, name: str) -> None: ...
-    def names(self) -> Iterator[str]: ...
 
 
-def _syncfs(path: Path) -> None:
-    """Flush every dirty page and inode of the file system holding ``path`` (one call, not one per file)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _libc.syncfs(fd) != 0:
-            raise OSError(ctypes.get_errno(), "syncfs failed", str(path))
-    except AttributeError:  # no syncfs on this platform
-        os.sync()
-    finally:
-        os.close(fd)
+class Backend(Protocol):
+    location: str  # how a user names this store: a directory, or s3://bucket/prefix
+
+    def put(self, key: str, data: BytesLike | Chunks, *, create_only: bool = False) -> None: ...
+    def get(self, key: str, start: int = 0, length: int | None = None) -> bytes: ...
+    def reader(self, key: str, start: int = 0, length: int | None = None) -> BinaryIO: ...
+    def exists(self, key: str) -> bool: ...
+    def size(self, key: str) -> int: ...
+    def list(self, prefix: str) -> Iterator[str]: ...
+    def delete(self, key: str) -> None: ...
+    def batch(self) -> Batch: ...
+    def leftovers(self) -> list[str]: ...
+    def clear_leftovers(self, names: list[str]) -> None: ...
 
 
-_SYNC_FILE_RANGE_WRITE = 2
-_DIRECT_FROM = 1 << 20  # blobs of at least this raw size are written with O_DIRECT
-_libc = ctypes.CDLL(None, use_errno=True)
+class RangeReader(io.RawIOBase):
+    """A forward-only file over ranged gets, ``READ_CHUNK`` bytes at a time: what codec
+    decoding reads from, so memory stays at one chunk whatever the object's size."""
 
+    def __init__(self, backend: Backend, key: str, start: int = 0, length: int | None = None) -> None:
+        self._backend = backend
+        self._key = key
+        self._pos = start
+        self._end = None if length is None else start + length
+        self._buf = b""
+        self._at = 0
+        self._eof = False
 
-def start_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
-    """Ask the kernel to start writing these dirty pages (length 0: to the end) now, without waiting.
+    def readable(self) -> bool:
+        return True
 
-    The disk then works while we compress the next blobs, and the closing syncfs only
-    waits for the tail; ``cp -r`` followed by ``sync`` pays its whole flush at the end.
-    Where sync_file_range does not exist this is a no-op and syncfs does all the work.
-    """
-    try:
-        _libc.sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(length), _SYNC_FILE_RANGE_WRITE)
-    except AttributeError:
-        pass
-
-
-class PosixBackend:
-    """Blobs as files ``blobs/<first two hex digits>/<name>``; temp files under ``tmp/``.
-
-    ``put`` writes a temp file; ``publish`` makes every temp file durable with one syncfs,
-    renames each into place and makes the renames durable with a second syncfs. One flush
-    for the whole batch costs what ``cp -r`` plus ``sync`` costs, where an fsync per blob
-    costs a journal commit per blob. A blob appears under its name only once its bytes are
-    durable, exactly as with an fsync per file.
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-        self.blob_dir = self.root / "blobs"
-        self.tmp_dir = self.root / "tmp"
-        self._staged: dict[str, Path] = {}
-        self._lock = threading.Lock()
-
-    def path(self, name: str) -> Path:
-        return self.blob_dir / name[:2] / check_name(name)
-
-    def put(self, name: str, chunks: Iterable[BytesLike], size_hint: int = 0) -> None:
-        """Write a temp file for the blob; ``size_hint`` (its raw size) picks direct or buffered I/O."""
-        tmp = self.tmp_dir / f"{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        out = SequentialWriter(tmp, direct=size_hint >= _DIRECT_FROM)
-        try:
-            for chunk in chunks:
-                out.write(chunk)
-            if not out.direct:
-                start_writeback(out.fd)
-        except BaseException:
-            with contextlib.suppress(OSError):  # closing writes the tail, which may fail the same way
-                out.close()
-            tmp.unlink(missing_ok=True)
-            raise
-        try:
-            out.close()
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        with self._lock:
-            self._staged[name] = tmp
-
-    def publish(self) -> None:
-        """Durable temp files, then renames into place, then durable renames."""
-        if not self._staged:
+    def _fill(self) -> None:
+        want = READ_CHUNK if self._end is None else min(READ_CHUNK, self._end - self._pos)
+        if want <= 0:
+            self._eof = True
+            self._buf, self._at = b"", 0
             return
-        _syncfs(self.root)
-        for name, tmp in self._staged.items():
-            final = self.path(name)
-            try:
-                os.replace(tmp, final)
-            except FileNotFoundError:  # the first blob under this prefix
-                final.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(tmp, final)
-        self._staged.clear()
-        _syncfs(self.root)
+        data = self._backend.get(self._key, self._pos, want)
+        self._pos += len(data)
+        self._buf, self._at = data, 0
+        self._eof = len(data) < want
 
-    def discard(self) -> None:
-        """Drop the temp files of a batch that will not be published."""
-        for tmp in self._staged.values():
-            tmp.unlink(missing_ok=True)
-        self._staged.clear()
+    def readinto(self, dest: memoryview | bytearray) -> int:  # type: ignore[override]
+        dest = memoryview(dest).cast("B")
+        done = 0
+        while done < len(dest):
+            if self._at == len(self._buf):
+                if self._eof:
+                    break
+                self._fill()
+                if not self._buf:
+                    break
+            n = min(len(dest) - done, len(self._buf) - self._at)
+            dest[done : done + n] = self._buf[self._at : self._at + n]
+            self._at += n
+            done += n
+        return done
 
-    def open(self, name: str) -> BinaryIO:
-        return DirectReader(self.path(name))  # type: ignore[return-value]
 
-    def exists(self, name: str) -> bool:
-        return self.path(name).is_file()
-
-    def size(self, name: str) -> int:
-        return self.path(name).stat().st_size
-
-    def delete(self, name: str) -> None:
-        self.path(name).unlink(missing_ok=True)
-
-    def names(self) -> Iterator[str]:
-        if not self.blob_dir.is_dir():
-            return
-        for folder in sorted(self.blob_dir.iterdir()):
-            if folder.is_dir():
-                for f in sorted(folder.iterdir()):
-                    if _HASH.fullmatch(f.name) and f.name[:2] == folder.name:
-                        yield f.name
-
-    def temp_files(self) -> list[Path]:
-        return sorted(self.tmp_dir.glob("*.tmp")) if self.tmp_dir.is_dir() else []
+def as_chunks(data: BytesLike | Chunks) -> Chunks:
+    return [data] if isinstance(data, bytes | bytearray | memoryview) else data

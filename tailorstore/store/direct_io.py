@@ -201,27 +201,38 @@ class PlacedWriter:
 
 
 class DirectReader:
-    """A sequential reader of a whole file, the way blobs are read: ``read`` and ``readinto``."""
+    """A sequential reader of a file or of a byte range of it (a blob inside a pack), the way
+    blobs are read: ``read`` and ``readinto``. Direct reads start at the aligned offset
+    below ``start`` and skip the bytes before it."""
 
-    def __init__(self, path: os.PathLike | str) -> None:
+    def __init__(self, path: os.PathLike | str, start: int = 0, length: int | None = None) -> None:
         fd = _open_direct(path, os.O_RDONLY)
         self._direct = fd is not None
         self.fd = fd if fd is not None else os.open(path, os.O_RDONLY)
         self._buf = _take("read")
         self._start = self._end = 0  # unread bytes are self._buf[start:end]
         self._eof = False
+        self._offset = _down(start)  # file offset of the next refill
+        self._skip = start - self._offset
+        self._left = None if length is None else length  # bytes still to hand out
 
     def _refill(self) -> None:
         try:
-            n = os.readv(self.fd, [self._buf])
+            n = os.preadv(self.fd, [self._buf], self._offset)
         except OSError as exc:
             if exc.errno != errno.EINVAL or not self._direct:
                 raise
             _drop_direct(self.fd)
             self._direct = False
-            n = os.readv(self.fd, [self._buf])
-        self._start, self._end = 0, n
-        self._eof = n == 0
+            n = os.preadv(self.fd, [self._buf], self._offset)
+        self._offset += n
+        start, end = min(self._skip, n), n
+        self._skip -= start
+        if self._left is not None:
+            end = min(end, start + self._left)
+            self._left -= end - start
+        self._start, self._end = start, end
+        self._eof = n == 0 or self._left == 0
 
     def readinto(self, dest: memoryview | bytearray) -> int:
         dest = memoryview(dest).cast("B")

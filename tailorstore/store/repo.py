@@ -1,18 +1,24 @@
-"""A store on disk: the blob backend, the SQLite index and the lock, opened together.
+"""A store: its backend, its SQLite index and its lock, opened together.
 
-Layout of a store directory (docs/FORMAT.md has the full specification)::
+A store lives at a location: a directory, or ``s3://bucket/prefix``. Every byte of it goes
+through the location's :class:`~tailorstore.store.backend.Backend`. Keys (docs/FORMAT.md
+has the full specification)::
 
-    STORE/index.sqlite   the index (WAL mode)
-    STORE/blobs/ab/<hash> blobs, named by the xxh3-128 of their raw bytes
-    STORE/tmp/           temp files of blobs being written
-    STORE/lock           the store lock (flock)
+    tailorstore.json     what this is: format version and creation time (create-only)
+    blobs/ab/<hash>      blobs, named by the xxh3-128 of their raw bytes
+
+A local store also holds ``index.sqlite`` (WAL mode), ``tmp/`` (temp files of objects
+being written) and ``lock`` (flock); a remote store keeps its index and lock in this
+host's cache directory.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,10 +28,13 @@ from typing import BinaryIO
 from .. import codec
 from ..errors import CorruptStoreError, StoreError, UnknownStepError
 from . import index
-from .backend import PosixBackend
+from .backend import Backend, blob_key
+from .location import Location, resolve
 from .lock import LockHandle, store_lock
+from .schema import FORMAT_VERSION
 
 STORE_ENV = "TAILOR_STORE"
+MARKER = "tailorstore.json"
 MAX_STEP = (1 << 63) - 1  # SQLite's INTEGER
 
 
@@ -44,35 +53,53 @@ class BlobRow:
 
 
 class Store:
-    def __init__(self, root: Path, conn: sqlite3.Connection) -> None:
-        self.root = root
+    def __init__(self, where: Location, conn: sqlite3.Connection) -> None:
+        self.where = where
+        self.location = where.text
+        self.backend: Backend = where.backend
+        self.root = where.local_root  # the store directory of a local store, else None
         self.conn = conn
-        self.backend = PosixBackend(root)
 
     # -- lifecycle -----------------------------------------------------------------------
     @classmethod
-    def init(cls, root: Path) -> Store:
-        root = Path(root)
-        if root.exists() and not root.is_dir():
-            raise StoreError(f"{root}: exists and is not a directory; choose a new or empty directory for the store.")
-        if (root / index.INDEX_NAME).exists():
-            raise StoreError(f"{root}: a tailorstore already exists here.")
-        if root.exists() and any(root.iterdir()):
-            raise StoreError(f"{root}: the directory is not empty; choose an empty or new directory.")
-        for sub in ("blobs", "tmp"):
-            (root / sub).mkdir(parents=True, exist_ok=True)
-        index.create(root / index.INDEX_NAME)
-        return cls.open(root)
+    def init(cls, location: Path | str) -> Store:
+        where = resolve(location)
+        if where.local_root is not None:
+            root = where.local_root
+            if root.exists() and not root.is_dir():
+                raise StoreError(
+                    f"{root}: exists and is not a directory; choose a new or empty directory for the store."
+                )
+            if where.index_path.exists():
+                raise StoreError(f"{root}: a tailorstore already exists here.")
+            if root.exists() and any(root.iterdir()):
+                raise StoreError(f"{root}: the directory is not empty; choose an empty or new directory.")
+            for sub in ("blobs", "tmp"):
+                (root / sub).mkdir(parents=True, exist_ok=True)
+        elif next(iter(where.backend.list("")), None) is not None:
+            raise StoreError(f"{where.text}: this prefix already holds objects; choose an empty prefix for the store.")
+        marker = {"format_version": FORMAT_VERSION, "created_at": time.time()}
+        where.backend.put(MARKER, json.dumps(marker).encode(), create_only=True)
+        if where.remote:
+            where.index_path.parent.mkdir(parents=True, exist_ok=True)
+            where.index_path.unlink(missing_ok=True)  # a stale cache of an earlier store at this location
+        index.create(where.index_path)
+        return cls.open(where.text)
 
     @classmethod
-    def open(cls, root: Path | str | None) -> Store:
-        if root is None:
-            root = os.environ.get(STORE_ENV)
-        if not root:
+    def open(cls, location: Path | str | None) -> Store:
+        if location is None:
+            location = os.environ.get(STORE_ENV)
+        if not location:
             raise StoreError(f"no store given: pass --store PATH or set {STORE_ENV}.")
-        root = Path(root)
-        conn = index.open_index(root / index.INDEX_NAME)
-        return cls(root, conn)
+        where = resolve(location)
+        if where.remote and not where.index_path.is_file():
+            if not where.backend.exists(MARKER):
+                raise StoreError(f"{where.text}: no tailorstore here. Create one with `tailor init {where.text}`.")
+            where.index_path.parent.mkdir(parents=True, exist_ok=True)
+            index.create(where.index_path)
+        conn = index.open_index(where.index_path)
+        return cls(where, conn)
 
     def close(self) -> None:
         self.conn.close()
@@ -87,7 +114,7 @@ class Store:
     def lock(
         self, *, exclusive: bool, timeout: float, on_wait: Callable[[str], None] | None = None
     ) -> Iterator[LockHandle]:
-        with store_lock(self.root / "lock", exclusive=exclusive, timeout=timeout, on_wait=on_wait) as handle:
+        with store_lock(self.where.lock_path, exclusive=exclusive, timeout=timeout, on_wait=on_wait) as handle:
             yield handle
 
     @contextmanager
@@ -108,12 +135,20 @@ class Store:
         ).fetchone()
         return BlobRow(*row) if row else None
 
-    def open_blob(self, digest: str, where: str) -> BinaryIO:
+    def blob_size(self, digest: str) -> int | None:
+        """Stored bytes of the blob's object, or None when it is missing."""
         try:
-            return self.backend.open(digest)
+            return self.backend.size(blob_key(digest))
+        except FileNotFoundError:
+            return None
+
+    def open_blob(self, digest: str, where: str) -> BinaryIO:
+        key = blob_key(digest)
+        try:
+            return self.backend.reader(key)
         except FileNotFoundError:
             raise CorruptStoreError(
-                f"{where}: blob {digest} is missing from {self.backend.path(digest)}; it was deleted behind the "
+                f"{where}: blob {digest} is missing from {self.location}/{key}; it was deleted behind the "
                 "store's back. Run `tailor verify` to see every step it affects."
             ) from None
 

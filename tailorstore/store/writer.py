@@ -15,7 +15,6 @@ go and refusing the commit if the two differ.
 
 from __future__ import annotations
 
-import errno
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +23,8 @@ from dataclasses import dataclass
 from .. import codec
 from ..errors import InputChangedError, StoreError
 from ..formats.source import InputFile
+from .backend import BackendError, blob_key
+from .posix import is_out_of_space
 from .repo import Store
 
 IN_FLIGHT_BYTES = 256 << 20  # raw bytes queued for compression at once
@@ -43,6 +44,7 @@ class BlobWriter:
         self, store: Store, *, level: int = codec.DEFAULT_LEVEL, threads: int = 2, in_flight: int = IN_FLIGHT_BYTES
     ) -> None:
         self.store = store
+        self.batch = store.backend.batch()  # this commit's blobs, durable together at finish()
         self.level = level
         self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tailor-blob")
@@ -91,17 +93,11 @@ class BlobWriter:
             self.reused_bytes += size
             return True
         row = self.store.blob(digest)
-        if row is not None and self._intact(digest, row.stored_size):
+        if row is not None and self.store.blob_size(digest) == row.stored_size:
             self._known.add(digest)
             self.reused_bytes += size
             return True
         return False  # new, or indexed but missing or cut short: (re)written, and its row updated
-
-    def _intact(self, digest: str, stored_size: int) -> bool:
-        try:
-            return self.store.backend.size(digest) == stored_size
-        except FileNotFoundError:
-            return False
 
     def _reserve(self, n: int) -> None:
         with self._room:
@@ -122,19 +118,19 @@ class BlobWriter:
 
     def _put(self, digest: str, encoded: codec.Encoded, raw_size: int) -> None:
         try:
-            self.store.backend.put(digest, encoded, raw_size)
-        except InputChangedError as exc:
+            self.batch.put(blob_key(digest), encoded, raw_size)
+        except (InputChangedError, BackendError) as exc:
             self._failure = exc
             raise
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if is_out_of_space(exc):
                 self._failure = StoreError(
-                    f"{self.store.root}: no space left on the device while writing blobs. The commit was not "
+                    f"{self.store.location}: no space left on the device while writing blobs. The commit was not "
                     "recorded and the store is as it was; free some space (or run `tailor gc`) and commit again."
                 )
             else:
                 self._failure = StoreError(
-                    f"{self.store.root}: writing blob {digest} failed ({exc}); the commit was not recorded."
+                    f"{self.store.location}: writing blob {digest} failed ({exc}); the commit was not recorded."
                 )
             raise self._failure from None
 
@@ -144,7 +140,7 @@ class BlobWriter:
             blobs = [f.result() for f in self._pending.values()]
         finally:
             self._pool.shutdown(wait=True)
-        self.store.backend.publish()
+        self.batch.publish()
         return blobs
 
     def hash_only(self, data: memoryview) -> str:
@@ -159,4 +155,4 @@ class BlobWriter:
         for future in self._pending.values():
             future.cancel()
         self._pool.shutdown(wait=True)
-        self.store.backend.discard()
+        self.batch.discard()

@@ -1,0 +1,138 @@
+"""The S3 backend, through obstore (Rust's object_store): any S3-compatible server.
+
+A store location ``s3://bucket/prefix`` puts every key under ``prefix/``. The endpoint,
+region and credentials come from the standard AWS environment variables
+(``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``),
+as with the AWS CLI. A PUT is atomic and durable when it returns, so a batch is only a
+list of PUTs; ``create_only`` sends ``If-None-Match: *``. Large objects go up as
+multipart uploads, which S3 makes visible only when complete.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import BinaryIO, TypeVar
+
+import obstore
+from obstore.exceptions import AlreadyExistsError, BaseError
+from obstore.store import from_url
+
+from .backend import BackendError, BytesLike, Chunks, ObjectExistsError, RangeReader, as_chunks, check_key
+
+T = TypeVar("T")
+_PART = 8 << 20  # bytes per multipart chunk
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+
+
+class S3Backend:
+    def __init__(self, location: str) -> None:
+        if not location.startswith("s3://") or len(location) <= 5:
+            raise BackendError(f"{location!r}: an S3 store is named s3://bucket/prefix")
+        self.location = location.rstrip("/")
+        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+        options = {"allow_http": True} if endpoint.startswith("http://") else {}
+        try:
+            self._store = from_url(self.location, client_options=options)
+        except (BaseError, ValueError) as exc:
+            raise BackendError(
+                f"{location}: cannot open the bucket ({_first_line(exc)}); check AWS_ENDPOINT_URL, AWS_REGION "
+                "and the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
+            ) from None
+
+    def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise
+        except AlreadyExistsError:
+            raise ObjectExistsError(f"{self.location}: {key} already exists") from None
+        except (BaseError, OSError) as exc:
+            raise BackendError(
+                f"{self.location}: {what} {key} failed ({_first_line(exc)}). Check that the server is reachable; "
+                "nothing half-written becomes visible on S3."
+            ) from None
+
+    def put(self, key: str, data: BytesLike | Chunks, *, create_only: bool = False) -> None:
+        check_key(key)
+        chunks = as_chunks(data)
+        payload: object
+        if isinstance(chunks, list) and len(chunks) == 1:
+            payload = bytes(chunks[0]) if isinstance(chunks[0], memoryview) else chunks[0]
+        else:
+            payload = (bytes(c) if isinstance(c, memoryview) else c for c in chunks)
+        mode = "create" if create_only else "overwrite"
+        self._call("writing", key, lambda: obstore.put(self._store, key, payload, mode=mode, chunk_size=_PART))
+
+    def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
+        check_key(key)
+        if length is None:
+            if start == 0:
+                return self._call("reading", key, lambda: bytes(obstore.get(self._store, key).bytes()))
+            length = self.size(key) - start
+        if length <= 0:
+            return b""
+        return self._call(
+            "reading", key, lambda: bytes(obstore.get_range(self._store, key, start=start, length=length))
+        )
+
+    def reader(self, key: str, start: int = 0, length: int | None = None) -> BinaryIO:
+        if length is None:  # a range past the end is an error on S3, so bound it first
+            length = self.size(key) - start
+        return RangeReader(self, key, start, length)  # type: ignore[return-value]
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def size(self, key: str) -> int:
+        check_key(key)
+        return int(self._call("reading", key, lambda: obstore.head(self._store, key))["size"])
+
+    def list(self, prefix: str) -> Iterator[str]:
+        def pages() -> list[str]:
+            return [meta["path"] for batch in obstore.list(self._store, prefix=prefix or None) for meta in batch]
+
+        yield from sorted(self._call("listing", prefix or "/", pages))
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        self._call("deleting", key, lambda: obstore.delete(self._store, key))
+
+    def batch(self) -> S3Batch:
+        return S3Batch(self)
+
+    def leftovers(self) -> list[str]:
+        return []  # an unfinished multipart upload is never visible; a bucket lifecycle rule expires it
+
+    def clear_leftovers(self, names: list[str]) -> None:
+        return None
+
+
+class S3Batch:
+    """Every PUT is durable when it returns; deletions wait for ``publish``."""
+
+    def __init__(self, backend: S3Backend) -> None:
+        self.backend = backend
+        self._deleted: list[str] = []
+
+    def put(self, key: str, chunks: Chunks, size_hint: int = 0) -> None:
+        self.backend.put(key, chunks)
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        self._deleted.append(key)
+
+    def publish(self) -> None:
+        for key in self._deleted:
+            self.backend.delete(key)
+        self._deleted.clear()
+
+    def discard(self) -> None:
+        self._deleted.clear()

@@ -1,0 +1,144 @@
+"""One conformance suite for every backend: the POSIX directory and S3 (a real local S3
+server, moto on 127.0.0.1). What the store relies on is checked here, once per backend."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tailorstore.errors import StoreError
+from tailorstore.store.backend import (
+    READ_CHUNK,
+    Backend,
+    ObjectExistsError,
+    blob_key,
+    blob_names,
+    check_key,
+)
+from tailorstore.store.location import resolve
+from tailorstore.testing.local_s3 import LocalS3
+
+
+@pytest.fixture(params=["posix", "s3"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    if request.param == "posix":
+        return resolve(tmp_path / "store").backend
+    server: LocalS3 = request.getfixturevalue("s3_server")
+    return resolve(server.new_location()).backend
+
+
+def test_put_and_get_whole_and_ranged(backend: Backend) -> None:
+    data = os.urandom(100_000)
+    backend.put("x/one", data)
+    assert backend.get("x/one") == data
+    assert backend.get("x/one", 10, 20) == data[10:30]
+    assert backend.get("x/one", 99_990) == data[99_990:]
+    assert backend.size("x/one") == 100_000 and backend.exists("x/one")
+
+
+def test_put_from_chunks_including_reused_memoryviews(backend: Backend) -> None:
+    buf = bytearray(1000)
+    expected = b""
+
+    def chunks() -> Iterator[memoryview]:
+        nonlocal expected
+        for i in range(5):
+            buf[:] = bytes([i]) * 1000  # the same buffer, refilled: a put must copy what it keeps
+            expected += bytes(buf)
+            yield memoryview(buf)
+
+    backend.put("x/chunked", chunks())
+    assert backend.get("x/chunked") == expected
+
+
+def test_reader_streams_ranges_across_chunk_boundaries(backend: Backend) -> None:
+    data = os.urandom(READ_CHUNK + 12_345)
+    backend.put("x/big", data)
+    with backend.reader("x/big") as f:
+        first = f.read(READ_CHUNK - 7)
+        rest = f.read()
+    assert first + rest == data
+    with backend.reader("x/big", 5000, READ_CHUNK) as f:
+        assert f.read() == data[5000 : 5000 + READ_CHUNK]
+    with backend.reader("x/big", 4097, 3) as f:  # an unaligned range inside one page
+        assert f.read(100) == data[4097:4100]
+
+
+def test_create_only_never_replaces(backend: Backend) -> None:
+    backend.put("m/1", b"first", create_only=True)
+    with pytest.raises(ObjectExistsError):
+        backend.put("m/1", b"second", create_only=True)
+    assert backend.get("m/1") == b"first"
+    backend.put("m/1", b"third")  # a plain put replaces
+    assert backend.get("m/1") == b"third"
+
+
+def test_missing_objects_raise_file_not_found(backend: Backend) -> None:
+    for call in (lambda: backend.get("no/such"), lambda: backend.size("no/such"), lambda: backend.reader("no/such")):
+        with pytest.raises(FileNotFoundError):
+            call()
+    assert not backend.exists("no/such")
+    backend.delete("no/such")  # deleting what is gone is not an error
+
+
+def test_list_under_a_prefix_sorted(backend: Backend) -> None:
+    for key in ("b/2", "a/1", "b/1", "bb/3", "b/sub/4"):
+        backend.put(key, key.encode())
+    assert list(backend.list("b/")) == ["b/1", "b/2", "b/sub/4"]
+    assert list(backend.list("")) == ["a/1", "b/1", "b/2", "b/sub/4", "bb/3"]
+    assert list(backend.list("nothing/")) == []
+    backend.delete("b/1")
+    assert list(backend.list("b/")) == ["b/2", "b/sub/4"]
+
+
+def test_a_failed_put_leaves_no_object(backend: Backend) -> None:
+    def failing() -> Iterator[bytes]:
+        yield b"x" * (6 << 20)
+        yield b"y" * (6 << 20)  # past one multipart part on S3
+        raise OSError("the input went away")
+
+    with pytest.raises((OSError, StoreError)):
+        backend.put("x/half", failing())
+    assert not backend.exists("x/half")
+    assert list(backend.list("x/")) == []
+    assert backend.leftovers() == []
+
+
+def test_batch_publishes_puts_and_deletes_together(backend: Backend) -> None:
+    backend.put(blob_key("0" * 32), b"old")
+    batch = backend.batch()
+    batch.put(blob_key("a" * 32), [b"new ", memoryview(b"blob")], 8)
+    batch.delete(blob_key("0" * 32))
+    assert backend.exists(blob_key("0" * 32)), "a delete waits for publish"
+    batch.publish()
+    assert backend.get(blob_key("a" * 32)) == b"new blob"
+    assert not backend.exists(blob_key("0" * 32))
+    assert list(blob_names(backend)) == ["a" * 32]
+
+
+def test_discarded_batch_publishes_nothing_and_leaves_no_temp_files(backend: Backend) -> None:
+    batch = backend.batch()
+    batch.delete("keep")
+    backend.put("keep", b"k")
+    batch.put(blob_key("b" * 32), [b"x"], 1)
+    batch.discard()
+    assert backend.exists("keep")
+    assert backend.leftovers() == []
+
+
+def test_blob_names_skip_foreign_objects(backend: Backend) -> None:
+    backend.put(blob_key("c" * 32), b"c")
+    backend.put("blobs/cc/not-a-hash", b"?")
+    backend.put(f"blobs/dd/{'c' * 32}", b"misfiled")
+    assert list(blob_names(backend)) == ["c" * 32]
+
+
+@pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a/./b", "a/../b", "", "a\\b", "a b"])
+def test_unsafe_keys_are_refused(backend: Backend, key: str) -> None:
+    with pytest.raises(StoreError):
+        check_key(key)
+    with pytest.raises(StoreError):
+        backend.put(key, b"x")
