@@ -410,6 +410,17 @@ def verify(
         raise typer.Exit(3)
 
 
+index_app = typer.Typer(no_args_is_help=True, help="The store's SQLite index, a cache of its manifest objects.")
+app.add_typer(index_app, name="index")
+
+
+@index_app.command("rebuild")
+def index_rebuild(store: str | None = StoreOpt) -> None:
+    """Recreate the index from the manifest objects (a lost or damaged index, or a new host's cache)."""
+    manifests, blobs = Store.rebuild_index(store)
+    typer.echo(f"rebuilt the index: {manifests} manifest(s), {blobs} blob(s)")
+
+
 def main() -> None:
     """Run the app; every failure a user can cause is one line on stderr and an exit code.
 

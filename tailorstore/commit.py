@@ -32,6 +32,7 @@ from .formats.source import CHUNK, InputFile, check_unchanged
 from .layers import STATE, sort_key
 from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
+from .store import manifest_objects
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atoms_by_key
 from .store.backend import blob_key
 from .store.repo import Store, check_step
@@ -232,12 +233,14 @@ def commit_checkpoint(
         for f in files:
             facts.update({k: v for k, v in f.meta.items() if k not in facts})
         new_bytes = sum(b.stored_size for b in new_blobs)
+        published: str | None = None
+        replaced: sqlite3.Row | None = None
         try:
             with store.transaction() as conn:
                 pinned = 0
                 if options.force:  # the replaced step keeps its tag and pin, unless a new tag is given
-                    old = conn.execute(
-                        "SELECT tag, pinned FROM manifests WHERE step=? AND origin='commit'", (step,)
+                    replaced = old = conn.execute(
+                        "SELECT id, tag, pinned, object_key FROM manifests WHERE step=? AND origin='commit'", (step,)
                     ).fetchone()
                     if old is not None:
                         tag = tag or old["tag"]
@@ -295,10 +298,17 @@ def commit_checkpoint(
                         for layer in layers
                     ],
                 )
+                published = manifest_objects.publish(store.backend, conn, manifest)  # the commit point
         except BaseException:
+            if published is not None:  # the object went up but the index refused it: take it back
+                manifest_objects.unpublish(store.backend, [published])
+            if replaced is not None:  # its tag object may name the new key by now
+                manifest_objects.write_refs(store.backend, store.conn, [replaced["id"]])
             if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind
                 _remove_unindexed(store, writer)
             raise
+        if replaced is not None:
+            manifest_objects.unpublish(store.backend, [replaced["object_key"]])
     return CommitResult(
         step=step,
         manifest=int(manifest),

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import StoreError
+from .store import manifest_objects
 from .store.backend import blob_key, blob_names
 from .store.repo import Store
 
@@ -113,6 +114,10 @@ def gc(
         if dry_run:
             return plan
         with store.transaction() as conn:
+            # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
+            for m, _ in plan.drop:
+                row = conn.execute("SELECT object_key FROM manifests WHERE id=?", (m,)).fetchone()
+                manifest_objects.unpublish(store.backend, [row["object_key"]])
             conn.executemany("DELETE FROM manifests WHERE id=?", [(m,) for m, _ in plan.drop])
             conn.executemany("DELETE FROM blobs WHERE hash=?", [(h,) for h in plan.dead_blobs])
         batch = store.backend.batch()

@@ -31,6 +31,7 @@ import yaml
 from .commit import check_tag
 from .errors import StepExistsError, TailorError
 from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, STATE, block_index, block_label, sort_key
+from .store import manifest_objects
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atom_key, atoms_by_key
 from .store.repo import Store
 
@@ -129,6 +130,7 @@ def merge(store: Store, spec_path: Path, tag: str) -> MergeResult:
         sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
         _copy_rows(conn, base, new, sources)
         used = {r["layer"]: r["source_step"] for r in conn.execute("SELECT * FROM layers WHERE manifest=?", (new,))}
+        manifest_objects.publish(store.backend, conn, new)
     ordered = dict(sorted(used.items(), key=lambda kv: sort_key(kv[0])))
     return MergeResult(new, tag, base_step, ordered, chosen, time.perf_counter() - began)
 

@@ -1,13 +1,18 @@
 """Naming and protecting manifests: ``tailor tag``/``untag``, ``tailor pin``/``unpin``, ``tailor rm``.
 
 Tags and pins are what retention never drops. ``rm`` drops one manifest at once; the blobs
-it alone used stay until ``tailor gc``, like git's unreachable objects.
+it alone used stay until ``tailor gc``, like git's unreachable objects. The tag and pin
+objects in the backend are the truth (every host reads them); each change writes them
+first and the index second, so an interrupted change is undone at the next open.
 """
 
 from __future__ import annotations
 
+import sqlite3
+
 from .commit import check_tag
 from .errors import StepExistsError, StoreError
+from .store import manifest_objects
 from .store.repo import Store
 
 
@@ -20,7 +25,11 @@ def tag(store: Store, selector: str, name: str, *, force: bool = False) -> int:
             if not force:
                 raise StepExistsError(f"tag {name!r} already names another manifest; pass --force to move it")
             conn.execute("UPDATE manifests SET tag=NULL WHERE id=?", (holder["id"],))
+        old = conn.execute("SELECT tag FROM manifests WHERE id=?", (manifest,)).fetchone()["tag"]
         conn.execute("UPDATE manifests SET tag=? WHERE id=?", (name, manifest))
+        if old and old != name:
+            manifest_objects.drop_tag(store.backend, old)
+        manifest_objects.write_refs(store.backend, conn, [manifest])
     return manifest
 
 
@@ -30,6 +39,7 @@ def untag(store: Store, name: str) -> int:
     if row is None:
         raise StoreError(f"nothing is tagged {name!r}; `tailor log` shows the tags.")
     with store.transaction() as conn:
+        manifest_objects.drop_tag(store.backend, name)
         conn.execute("UPDATE manifests SET tag=NULL WHERE id=?", (row["id"],))
     return int(row["id"])
 
@@ -38,6 +48,7 @@ def pin(store: Store, selector: str, pinned: bool = True) -> int:
     manifest = store.resolve(selector)
     with store.transaction() as conn:
         conn.execute("UPDATE manifests SET pinned=? WHERE id=?", (int(pinned), manifest))
+        manifest_objects.write_refs(store.backend, conn, [manifest])
     return manifest
 
 
@@ -49,5 +60,15 @@ def remove(store: Store, selector: str, *, force: bool = False) -> int:
         hint = "`tailor unpin`" if row["pinned"] else f"`tailor untag {row['tag']}`"
         raise StoreError(f"step {row['step']} is {what}; {hint} first, or pass --force")
     with store.transaction() as conn:
+        _unpublish(store, conn, [manifest])
         conn.execute("DELETE FROM manifests WHERE id=?", (manifest,))
     return manifest
+
+
+def _unpublish(store: Store, conn: sqlite3.Connection, manifests: list[int]) -> None:
+    """Delete the objects (manifest, tag, pin) of manifests about to leave the index."""
+    for m in manifests:
+        row = conn.execute("SELECT tag, object_key FROM manifests WHERE id=?", (m,)).fetchone()
+        if row["tag"]:
+            manifest_objects.drop_tag(store.backend, row["tag"])
+        manifest_objects.unpublish(store.backend, [row["object_key"]])

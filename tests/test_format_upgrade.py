@@ -32,7 +32,9 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
 
     with Store.open(root) as store:  # upgrades
         version = store.conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]
-        assert int(version) == FORMAT_VERSION == 2
+        assert int(version) == FORMAT_VERSION == 3
+        keys = [r[0] for r in store.conn.execute("SELECT object_key FROM manifests")]
+        assert keys and all(key and (root / key).is_file() for key in keys), "the upgrade wrote every manifest object"
         assert store.conn.execute("SELECT count(*) FROM files WHERE container IS NOT NULL").fetchone()[0] == 0
         assert store.conn.execute("SELECT count(*) FROM atoms WHERE file_offset IS NOT NULL").fetchone()[0] == 0
         assert store.conn.execute("SELECT count(*) FROM atoms WHERE derived IS NOT NULL").fetchone()[0] > 0
@@ -46,4 +48,18 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
         assert not differences(load_torch_file(original)[0], load_torch_file(restored)[0]), original.name
     assert (out / "latest").read_text() == "global_step3"
     with Store.open(root) as store:  # a second open finds nothing to do
-        assert int(store.conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 2
+        assert int(store.conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 3
+        assert store.refresh() == (0, 0)
+
+    # the upgraded store's index is now a cache: lose it, rebuild it from the objects, check out again
+    for f in root.glob("index.sqlite*"):
+        f.unlink()
+    blob_files = [p for p in (root / "blobs").rglob("*") if p.is_file()]
+    assert Store.rebuild_index(root) == (1, len(blob_files))
+    with Store.open(root) as store:
+        assert verify(store, deep=True).ok
+        again = tmp_path / "again"
+        checkout_step(store, "step=3", again)
+    for original in originals:
+        restored = again / "global_step3" / original.name
+        assert not differences(load_torch_file(original)[0], load_torch_file(restored)[0]), original.name

@@ -28,14 +28,16 @@ def connect(path: Path, *, read_only: bool = False) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
     conn.execute("PRAGMA foreign_keys=ON")
+    if read_only:
+        conn.execute("PRAGMA query_only=ON")  # so callers can tell, and nothing tries to write
     conn.row_factory = sqlite3.Row
     return conn
 
 
 def damaged(path: Path, exc: BaseException) -> CorruptStoreError:
     return CorruptStoreError(
-        f"{path}: the index is damaged or unreadable ({exc}). The blobs are untouched; restore index.sqlite "
-        "(with its -wal file, if any) from a backup, then run `tailor verify --deep`."
+        f"{path}: the index is damaged or unreadable ({exc}). The blobs and manifest objects are untouched; "
+        "recreate the index with `tailor index rebuild`, then run `tailor verify --deep`."
     )
 
 
@@ -52,12 +54,16 @@ def create(path: Path) -> None:
         conn.close()
 
 
+def is_read_only(conn: sqlite3.Connection) -> bool:
+    return bool(conn.execute("PRAGMA query_only").fetchone()[0])
+
+
 def open_index(path: Path) -> sqlite3.Connection:
     if not path.is_file():
         if (path.parent / "blobs").is_dir():
             raise CorruptStoreError(
-                f"{path.parent}: the store's index ({path.name}) is missing, though its blobs are there. Restore "
-                f"{path.name} from a backup; `tailor init` refuses a directory that is not empty."
+                f"{path.parent}: the store's index ({path.name}) is missing, though its blobs are there. Recreate "
+                "it from the manifest objects with `tailor index rebuild`."
             )
         raise StoreError(f"{path.parent}: no tailorstore here. Create one with `tailor init {path.parent}`.")
     read_only = not os.access(path.parent, os.W_OK) or not os.access(path, os.W_OK)

@@ -27,7 +27,7 @@ from typing import BinaryIO
 
 from .. import codec
 from ..errors import CorruptStoreError, StoreError, UnknownStepError
-from . import index
+from . import index, manifest_objects
 from .backend import Backend, blob_key
 from .location import Location, resolve
 from .lock import LockHandle, store_lock
@@ -50,6 +50,14 @@ class BlobRow:
     raw_size: int
     stored_size: int
     codec: str
+
+
+def _location(location: Path | str | None) -> Path | str:
+    if location is None:
+        location = os.environ.get(STORE_ENV)
+    if not location:
+        raise StoreError(f"no store given: pass --store PATH or set {STORE_ENV}.")
+    return location
 
 
 class Store:
@@ -88,18 +96,69 @@ class Store:
 
     @classmethod
     def open(cls, location: Path | str | None) -> Store:
-        if location is None:
-            location = os.environ.get(STORE_ENV)
-        if not location:
-            raise StoreError(f"no store given: pass --store PATH or set {STORE_ENV}.")
-        where = resolve(location)
+        where = resolve(_location(location))
         if where.remote and not where.index_path.is_file():
             if not where.backend.exists(MARKER):
                 raise StoreError(f"{where.text}: no tailorstore here. Create one with `tailor init {where.text}`.")
             where.index_path.parent.mkdir(parents=True, exist_ok=True)
             index.create(where.index_path)
         conn = index.open_index(where.index_path)
-        return cls(where, conn)
+        store = cls(where, conn)
+        try:
+            store.refresh()
+        except BaseException:
+            conn.close()
+            raise
+        return store
+
+    @property
+    def read_only(self) -> bool:
+        return index.is_read_only(self.conn)
+
+    def refresh(self) -> tuple[int, int]:
+        """Bring the index up to date with the backend: write the objects of manifests that have
+        none (a store upgraded from format 2), then import what other hosts committed and drop
+        what their gc removed. Returns (imported, dropped)."""
+        if self.read_only:
+            return 0, 0
+        missing = [r[0] for r in self.conn.execute("SELECT id FROM manifests WHERE object_key IS NULL ORDER BY id")]
+        for manifest in missing:  # oldest first: a layer's source has its object before its heirs
+            with self.transaction() as conn:
+                manifest_objects.publish(self.backend, conn, manifest)
+        return manifest_objects.sync(self.backend, self.conn)
+
+    @classmethod
+    def rebuild_index(cls, location: Path | str | None) -> tuple[int, int]:
+        """Recreate the index from the manifest objects alone (``tailor index rebuild``): for a
+        lost or damaged ``index.sqlite``, or a cache on a new host.
+
+        The new index is built beside the old one, which is never opened, and renamed over it,
+        so a failure leaves the old index as it was. Run it while no other tailor process uses
+        the store. Returns (manifests, blobs) of the new index.
+        """
+        where = resolve(_location(location))
+        if not (where.backend.exists(MARKER) or any(where.backend.list("blobs/"))):
+            raise StoreError(f"{where.text}: no tailorstore here, so there is no index to rebuild.")
+        path = where.index_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.rebuild")
+        for leftover in path.parent.glob(f"{tmp.name}*"):
+            leftover.unlink()
+        index.create(tmp)
+        fresh = index.connect(tmp)
+        try:
+            manifest_objects.sync(where.backend, fresh)
+            counts = (
+                fresh.execute("SELECT count(*) FROM manifests").fetchone()[0],
+                fresh.execute("SELECT count(*) FROM blobs").fetchone()[0],
+            )
+            fresh.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            fresh.close()
+        for old in path.parent.glob(f"{path.name}-*"):  # the old index's -wal and -shm files
+            old.unlink()
+        os.replace(tmp, path)
+        return counts
 
     def close(self) -> None:
         self.conn.close()

@@ -1,12 +1,12 @@
 """The SQLite index: schema and format version.
 
-The index is the store's single source of truth about what exists. docs/FORMAT.md
+The index is a cache of the manifest objects in the backend (store/manifest_objects.py). docs/FORMAT.md
 describes every table; this file is the executable form of that description.
 """
 
 from __future__ import annotations
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 # Upgrades from an older format: each runs in one transaction with the version bump.
 MIGRATIONS: dict[int, str] = {
@@ -14,6 +14,10 @@ MIGRATIONS: dict[int, str] = {
     # checked out by re-pickling their skeleton, as format 1 did.
     1: "ALTER TABLE files ADD COLUMN container TEXT REFERENCES blobs(hash);\n"
     "ALTER TABLE atoms ADD COLUMN file_offset INTEGER;",
+    # 2 -> 3: manifests become objects in the backend; opening the store writes the objects
+    # of the manifests it holds (object_key NULL) before anything else.
+    2: "ALTER TABLE manifests ADD COLUMN object_key TEXT;\n"
+    "CREATE UNIQUE INDEX manifests_object_key ON manifests(object_key);",
 }
 
 SCHEMA = """
@@ -43,9 +47,11 @@ CREATE TABLE manifests (
     pinned      INTEGER NOT NULL DEFAULT 0,
     raw_bytes   INTEGER NOT NULL,   -- bytes of the checkpoint this manifest checks out to
     new_bytes   INTEGER NOT NULL,   -- stored bytes of blobs this commit wrote first
-    source      TEXT NOT NULL       -- the directory committed, or the merge spec file
+    source      TEXT NOT NULL,      -- the directory committed, or the merge spec file
+    object_key  TEXT                -- the manifest's object in the backend (manifests/...)
 );
 CREATE UNIQUE INDEX manifests_commit_step ON manifests(step) WHERE origin = 'commit';
+CREATE UNIQUE INDEX manifests_object_key ON manifests(object_key);
 CREATE TABLE files (
     manifest  INTEGER NOT NULL REFERENCES manifests(id) ON DELETE CASCADE,
     path      TEXT NOT NULL,        -- relative, '/'-separated, never absolute, no '..'

@@ -7,8 +7,12 @@ standard AWS environment variables, which :meth:`LocalS3.environ` lists.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import socket
+import struct
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,18 +24,28 @@ BUCKET = "tailor-test"
 
 class LocalS3:
     def __init__(self) -> None:
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server: ThreadedMotoServer | None = None
+        self.port = 0  # chosen by the first start, kept by restart
         self.endpoint = ""
 
     def start(self) -> LocalS3:
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self._server.start()
-        host, port = self._server.get_host_and_port()
-        self.endpoint = f"http://{host}:{port}"
-        boto3.client("s3", **self._client_args()).create_bucket(Bucket=BUCKET)
+        host, self.port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{self.port}"
+        client = boto3.client("s3", **self._client_args())
+        if BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+            client.create_bucket(Bucket=BUCKET)
         return self
 
     def stop(self) -> None:
-        self._server.stop()
+        """Stop answering; the objects stay (moto keeps them in this process) for a restart."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def restart(self) -> None:
+        self.start()
 
     def _client_args(self) -> dict[str, str]:
         env = self.environ()
@@ -53,6 +67,12 @@ class LocalS3:
     def new_location(self) -> str:
         """A fresh, empty prefix for one store."""
         return f"s3://{BUCKET}/{secrets.token_hex(6)}"
+
+    def keys(self, location: str) -> list[str]:
+        prefix = location.split(f"s3://{BUCKET}/", 1)[1].rstrip("/") + "/"
+        client = boto3.client("s3", **self._client_args())
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        return [item["Key"][len(prefix) :] for page in pages for item in page.get("Contents", [])]
 
     def objects(self, location: str) -> dict[str, bytes]:
         """Every object under a store location, read with boto3 (not through tailorstore)."""
@@ -81,3 +101,54 @@ def local_s3() -> Iterator[LocalS3]:
             else:
                 os.environ[key] = value
         server.stop()
+
+
+class CuttableLink:
+    """A TCP relay in front of the server that can be cut: every open connection is reset and
+    new ones are refused, as when a server or the network between goes away mid-request."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._cut = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._target))
+            with self._lock:
+                if self._cut:
+                    client.close()
+                    upstream.close()
+                    return
+                self._sockets += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def cut(self) -> None:
+        with self._lock:
+            self._cut = True
+            self._listener.close()
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+                    sock.close()

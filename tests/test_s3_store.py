@@ -1,0 +1,175 @@
+"""A store on S3 (a real local S3 server: moto on 127.0.0.1) with real DeepSpeed saves:
+every command, hosts with separate caches, a rebuilt index, damaged objects and a server
+that stops in the middle of a commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+from conftest import Runs, as_of_step, tailor
+
+from tailorstore.checkout import checkout_step
+from tailorstore.commit import commit_checkpoint
+from tailorstore.errors import CorruptStoreError
+from tailorstore.gc import Retention, gc
+from tailorstore.refs import tag
+from tailorstore.store.repo import Store
+from tailorstore.testing.local_s3 import BUCKET, CuttableLink, LocalS3
+from tailorstore.verify import verify
+
+
+def same_tree(a: Path, b: Path) -> bool:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    return files_a == files_b and all((a / f).read_bytes() == (b / f).read_bytes() for f in files_a)
+
+
+def test_every_command_works_on_an_s3_store(s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path) -> None:
+    save = runs.get("zero2-bf16").save_dir
+    at3 = as_of_step(save, 3, tmp_path / "at3")
+    at6 = as_of_step(save, 6, tmp_path / "at6")
+
+    def ok(*args: str) -> str:
+        proc = tailor(*args, store=s3_location)  # type: ignore[arg-type]
+        assert proc.returncode == 0, proc.stderr
+        assert "Traceback" not in proc.stderr
+        return proc.stdout
+
+    ok("init", s3_location)
+    ok("commit", str(at3), "--tag", "warm")
+    ok("commit", str(at6))
+    log = json.loads(ok("log", "--json"))
+    assert [(s["step"], s["tag"]) for s in log] == [(3, "warm"), (6, None)]
+    assert "block.0" in ok("show", "tag=warm")
+    assert "block.0" in ok("diff", "step=3", "step=6")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("base: {step: 6}\nslices:\n  - sources: [{step: 3, layer_range: [0, 2]}]\n")
+    ok("merge", str(spec), "--tag", "mixed")
+    ok("checkout", "latest", "--out", str(tmp_path / "out6"))
+    assert same_tree(tmp_path / "out6" / "global_step6", at6 / "global_step6")
+    assert "ok" in ok("verify", "--deep")
+    ok("untag", "warm")
+    ok("gc", "--keep-last", "1")
+    assert [s["step"] for s in json.loads(ok("log", "--json"))] == [6, 6]  # step 6 and the tagged merge
+    assert "ok" in ok("verify", "--deep")
+    assert "smaller" in ok("du")
+
+    objects = s3_server.objects(s3_location)
+    manifests = sorted(k for k in objects if k.startswith("manifests/"))
+    assert len(manifests) == 2 and any("step-00000000000000000006-v1" in k for k in manifests)
+    assert objects["refs/tags/mixed"].decode() in manifests
+    assert sum(k.startswith("blobs/") for k in objects) > 100
+    cache = Path(os.environ["TAILOR_CACHE"])
+    assert not any(p.name.startswith("blobs") for p in cache.rglob("*")), "no blob is kept locally"
+
+
+def test_hosts_with_separate_caches_see_each_others_commits(
+    s3_location: str, runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save = runs.get("zero2-bf16").save_dir
+    host_a, host_b = tmp_path / "cache-a", tmp_path / "cache-b"
+    monkeypatch.setenv("TAILOR_CACHE", str(host_a))
+    Store.init(s3_location).close()
+    with Store.open(s3_location) as a:
+        commit_checkpoint(a, as_of_step(save, 3, tmp_path / "at3"))
+
+    monkeypatch.setenv("TAILOR_CACHE", str(host_b))  # a new host: its index is built from the manifest objects
+    with Store.open(s3_location) as b:
+        assert [r["step"] for r in b.conn.execute("SELECT step FROM manifests")] == [3]
+        commit_checkpoint(b, as_of_step(save, 6, tmp_path / "at6"))
+        tag(b, "step=6", "best")
+
+    monkeypatch.setenv("TAILOR_CACHE", str(host_a))
+    with Store.open(s3_location) as a:
+        rows = a.conn.execute("SELECT step, tag FROM manifests ORDER BY step").fetchall()
+        assert [(r["step"], r["tag"]) for r in rows] == [(3, None), (6, "best")]
+        gc(a, Retention(keep_last=1))
+        out = tmp_path / "out"
+        checkout_step(a, "tag=best", out)
+    assert same_tree(out / "global_step6", save / "global_step6")
+
+    monkeypatch.setenv("TAILOR_CACHE", str(host_b))
+    with Store.open(s3_location) as b:  # host a's gc dropped step 3: host b's index follows
+        assert [r["step"] for r in b.conn.execute("SELECT step FROM manifests")] == [6]
+        assert verify(b, deep=True).ok
+
+    for f in host_b.rglob("index.sqlite*"):
+        f.unlink()
+    manifests, blobs = Store.rebuild_index(s3_location)
+    assert manifests == 1 and blobs > 100
+    with Store.open(s3_location) as b:
+        assert verify(b, deep=True).ok
+        assert b.conn.execute("SELECT tag FROM manifests").fetchone()["tag"] == "best"
+
+
+def test_missing_or_altered_objects_are_found_and_never_checked_out(
+    s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path
+) -> None:
+    save = runs.get("zero2-bf16").save_dir
+    Store.init(s3_location).close()
+    with Store.open(s3_location) as store:
+        commit_checkpoint(store, as_of_step(save, 6, tmp_path / "at6"))
+        blobs = [r["blob"] for r in store.conn.execute("SELECT blob FROM atoms WHERE derived IS NULL LIMIT 2")]
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    prefix = s3_location.split(f"s3://{BUCKET}/")[1]
+    client.delete_object(Bucket=BUCKET, Key=f"{prefix}/blobs/{blobs[0][:2]}/{blobs[0]}")
+    altered = f"{prefix}/blobs/{blobs[1][:2]}/{blobs[1]}"
+    body = bytearray(client.get_object(Bucket=BUCKET, Key=altered)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    client.put_object(Bucket=BUCKET, Key=altered, Body=bytes(body))
+
+    with Store.open(s3_location) as store:
+        report = verify(store, deep=True)
+        assert not report.ok
+        problems = "\n".join(report.problems)
+        assert f"blob {blobs[0]}: file missing" in problems
+        assert blobs[1] in problems
+        with pytest.raises(CorruptStoreError):
+            checkout_step(store, "step=6", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    proc = tailor("checkout", "step=6", "--out", str(tmp_path / "out2"), store=s3_location)  # type: ignore[arg-type]
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out2").exists()
+
+
+def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
+    s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path
+) -> None:
+    """A `tailor commit` talks to the server through a link that is cut while it uploads."""
+    save = runs.get("zero2-bf16").save_dir
+    Store.init(s3_location).close()
+    with Store.open(s3_location) as store:
+        commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
+    before = set(s3_server.keys(s3_location))
+    link = CuttableLink(s3_server.port)
+    at6 = as_of_step(save, 6, tmp_path / "at6")
+    big = at6 / "global_step6" / "big.bin"  # enough bytes that the cut lands mid-upload
+    big.write_bytes(os.urandom(24 << 20))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tailorstore.cli.app", "commit", str(at6), "--store", s3_location],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "AWS_ENDPOINT_URL": link.endpoint},
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while set(s3_server.keys(s3_location)) == before and time.monotonic() < deadline:
+        time.sleep(0.01)  # the first new blob is up: the upload is under way
+    link.cut()
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2, stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert s3_location in stderr and "reachable" in stderr
+
+    after = set(s3_server.keys(s3_location))
+    assert not [k for k in after - before if not k.startswith("blobs/")], "no manifest or ref of step 6"
+    with Store.open(s3_location) as store:
+        assert [r["step"] for r in store.conn.execute("SELECT step FROM manifests")] == [3]
+        assert verify(store, deep=True).ok
+        commit_checkpoint(store, at6)  # and the store goes on working
+        assert verify(store, deep=True).ok
