@@ -26,7 +26,7 @@ from tailorstore import codec
 from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
 from tailorstore.merge import merge
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 from tailorstore.testing.runs import train_tiny
 
 
@@ -135,7 +135,7 @@ def measure_io(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
             shutil.rmtree(path, ignore_errors=True)
         (work / "copies").mkdir()
         (work / "checkouts").mkdir()
-        Store.init(store).close()
+        Repository.init(store).close()
         for i, step in enumerate(steps):
             tag_dir = save / f"global_step{step}"
             copy_first = (rep + i) % 2 == 0
@@ -416,7 +416,7 @@ def time_merge(store_root: Path, steps: list[int], layers: int, repeats: int) ->
         f"norm: {{step: {steps[1]}}}\n"
     )
     times = []
-    with Store.open(store_root) as store:
+    with Repository.open(store_root) as store:
         for i in range(repeats):
             times.append(merge(store, spec, f"bench-merge-{time.time_ns()}-{i}").seconds)
     return statistics.median(times)
@@ -432,7 +432,7 @@ def quality(work: Path) -> dict:
     work.mkdir(parents=True)
     model = {"stage": 2, "dtype": "bf16", "layers": 6}
     train_tiny(work / "save", losses_out=work / "losses.json", steps=18, save_every=3, **model)
-    store = Store.init(work / "store")
+    store = Repository.init(work / "store")
     for step in range(3, 19, 3):
         view = work / f"at{step}"
         shutil.copytree(
@@ -479,7 +479,7 @@ def merge_scaling(work: Path, repeats: int = 5) -> list[dict]:
             layers=4,
             heads=4,
         )
-        store = Store.init(base / "store")
+        store = Repository.init(base / "store")
         from tailorstore.commit import commit_checkpoint
 
         for step in (1, 2, 3):

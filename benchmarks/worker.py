@@ -15,14 +15,14 @@ from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
 from tailorstore.memory import reuse_freed_memory
 from tailorstore.safe_load import allowed_globals
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 
 
 def main(argv: list[str]) -> None:
     reuse_freed_memory()  # as the tailor CLI does
     allowed_globals()  # DeepSpeed imported before the clock starts, as in a training process
     op, store_path = argv[0], Path(argv[1])
-    with Store.open(store_path) as store:
+    with Repository.open(store_path) as store:
         began = time.perf_counter()
         if op == "commit":
             result = commit_checkpoint(store, Path(argv[2]))

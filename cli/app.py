@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import sqlite3
 import sys
 from dataclasses import asdict
@@ -22,7 +23,7 @@ from tailorstore.inspect import log as log_steps
 from tailorstore.inspect import show as show_step
 from tailorstore.memory import reuse_freed_memory
 from tailorstore.progress import for_terminal
-from tailorstore.store.repo import STORE_ENV, Store
+from tailorstore.store.repo import STORE_ENV, Repository
 
 app = typer.Typer(
     add_completion=False,
@@ -68,7 +69,7 @@ def _root(
 @app.command()
 def init(path: str = typer.Argument(..., help="Directory for the new store, or s3://bucket/prefix.")) -> None:
     """Create an empty store: an SQLite index plus a blob area."""
-    Store.init(path).close()
+    Repository.init(path).close()
     typer.echo(f"initialized an empty tailorstore in {path}")
 
 
@@ -90,7 +91,7 @@ def commit(
     as_json: bool = JsonOpt,
     lock_timeout: float = LockOpt,
 ) -> None:
-    """Store one checkpoint: every tensor piece once, under its hash."""
+    """Repository one checkpoint: every tensor piece once, under its hash."""
     from tailorstore.commit import CommitOptions, commit_checkpoint
     from tailorstore.policies import PolicySpec
 
@@ -107,7 +108,7 @@ def commit(
         lock_timeout=lock_timeout,
         policy=PolicySpec(policy, params),
     )
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         result = commit_checkpoint(st, ckpt_dir, options, for_terminal(quiet or as_json), on_wait=_say)
     if as_json:
         typer.echo(json.dumps(asdict(result)))
@@ -136,7 +137,7 @@ def checkout(
     """Write a step back in its native layout, checking every blob's hash."""
     from tailorstore.checkout import checkout_step
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         result = checkout_step(
             st,
             selector,
@@ -158,7 +159,7 @@ def _when(ts: float) -> str:
 @app.command()
 def log(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     """One line per step: step, time, tag, raw bytes, bytes newly stored, exact or composite."""
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         steps = log_steps(st)
     if as_json:
         typer.echo(json.dumps([asdict(s) for s in steps], indent=2))
@@ -179,7 +180,7 @@ def show(
     as_json: bool = JsonOpt,
 ) -> None:
     """Per layer: the source step, the kinds, the raw bytes and the stored bytes."""
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         detail = show_step(st, selector)
     if as_json:
         typer.echo(json.dumps(asdict(detail), indent=2))
@@ -208,7 +209,7 @@ def merge(
     """Compose a checkpoint from layers of different steps. Writes no blob, only a manifest."""
     from tailorstore.merge import merge as merge_spec
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         result = merge_spec(st, spec, tag)
     if as_json:
         typer.echo(json.dumps(asdict(result)))
@@ -233,7 +234,7 @@ def diff(
     """Per layer, the relative change ||w_B - w_A|| / ||w_A|| of the FP32 master and of the weight."""
     from tailorstore.diff import diff as diff_steps
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         step_a, step_b, rows = diff_steps(st, a, b)
     if as_json:
         typer.echo(json.dumps({"a": step_a, "b": step_b, "layers": [asdict(r) for r in rows]}))
@@ -256,7 +257,7 @@ def plot(
     """A heatmap of per-layer relative change (layers by committed steps)."""
     from tailorstore.diff import plot as plot_changes
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         plot_changes(st, out)
     typer.echo(f"wrote {out}")
 
@@ -271,7 +272,7 @@ def tag_cmd(
     """Name a step. Tagged steps are kept by every gc."""
     from tailorstore.refs import tag
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         tag(st, selector, name, force=force)
     typer.echo(f"tagged {selector} as {name}")
 
@@ -281,7 +282,7 @@ def untag(name: str = typer.Argument(..., help="The tag to remove."), store: str
     """Remove a tag. The manifest stays; gc may drop it unless it is pinned."""
     from tailorstore.refs import untag as remove_tag
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         manifest = remove_tag(st, name)
     typer.echo(f"removed tag {name} from id={manifest}")
 
@@ -293,7 +294,7 @@ def pin(
     """Protect a step from gc."""
     from tailorstore.refs import pin as pin_step
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         pin_step(st, selector, True)
     typer.echo(f"pinned {selector}")
 
@@ -305,7 +306,7 @@ def unpin(
     """Let gc drop a step again."""
     from tailorstore.refs import pin as pin_step
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         pin_step(st, selector, False)
     typer.echo(f"unpinned {selector}")
 
@@ -319,7 +320,7 @@ def rm(
     """Drop one manifest. Its blobs are freed by the next gc, unless another manifest uses them."""
     from tailorstore.refs import remove
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         remove(st, selector, force=force)
     typer.echo(f"removed {selector}; run `tailor gc` to free its blobs")
 
@@ -341,7 +342,7 @@ def gc(
         if not as_json:
             typer.echo(("plan (dry run): " if dry_run else "plan: ") + plan.summary())  # type: ignore[attr-defined]
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         plan = run_gc(
             st,
             Retention(keep_last, keep_every),
@@ -361,7 +362,7 @@ def du(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     """Where the bytes go: on disk against raw, per kind, per step, and what gc would free."""
     from tailorstore.usage import usage
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         u = usage(st)
     if as_json:
         typer.echo(json.dumps(asdict(u), indent=2))
@@ -392,7 +393,7 @@ def verify(
     """Check that every manifest's blobs exist and every index row is consistent."""
     from tailorstore.verify import verify as run_verify
 
-    with Store.open(store) as st:
+    with Repository.open(store) as st:
         report = run_verify(st, selector, deep=deep)
     if as_json:
         typer.echo(json.dumps(asdict(report)))
@@ -417,7 +418,7 @@ app.add_typer(index_app, name="index")
 @index_app.command("rebuild")
 def index_rebuild(store: str | None = StoreOpt) -> None:
     """Recreate the index from the manifest objects (a lost or damaged index, or a new host's cache)."""
-    manifests, blobs = Store.rebuild_index(store)
+    manifests, blobs = Repository.rebuild_index(store)
     typer.echo(f"rebuilt the index: {manifests} manifest(s), {blobs} blob(s)")
 
 
@@ -430,6 +431,7 @@ def main() -> None:
     are bugs and keep their traceback (exit 1).
     """
     reuse_freed_memory()
+    logging.disable(logging.WARNING)  # this process only: DeepSpeed warns about a missing GPU when imported
     try:
         app()
     except TailorError as exc:
@@ -451,7 +453,7 @@ def main() -> None:
 
 
 _INDEX_HINT = (
-    "If the disk is full, free space and retry; if the index is damaged, restore index.sqlite from a backup "
+    "If the disk is full, free space and retry; if the index is damaged, recreate it with `tailor index rebuild` "
     "and run `tailor verify --deep`."
 )
 

@@ -1,8 +1,59 @@
-"""tailorstore: a content-addressed, layer-wise store for DeepSpeed training checkpoints."""
+"""tailorstore: a content-addressed, layer-wise store for DeepSpeed training checkpoints.
+
+``tailorstore.Store`` is the public API (docs/API.md). It is loaded on first use, not by
+``import tailorstore``: the ``tailor`` command imports this package for its version, and
+``tailor log`` must not pay the two seconds that importing torch costs.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .background import BackgroundCommitError
+from .errors import (
+    BadCheckpointError,
+    CorruptStoreError,
+    FormatVersionError,
+    InputChangedError,
+    LayoutError,
+    LockTimeoutError,
+    StepExistsError,
+    StoreError,
+    TailorError,
+    UnknownStepError,
+    UnsafePathError,
+    UnsafePickleError,
+)
+from .store.backend import BackendError
 from .store.schema import FORMAT_VERSION
 
-__version__ = "0.2.0"
-__all__ = ["FORMAT_VERSION", "__version__"]
+if TYPE_CHECKING:
+    from .api import Store
+
+__version__ = "0.3.0"
+__all__ = [
+    "FORMAT_VERSION",
+    "BackendError",
+    "BackgroundCommitError",
+    "BadCheckpointError",
+    "CorruptStoreError",
+    "FormatVersionError",
+    "InputChangedError",
+    "LayoutError",
+    "LockTimeoutError",
+    "StepExistsError",
+    "Store",
+    "StoreError",
+    "TailorError",
+    "UnknownStepError",
+    "UnsafePathError",
+    "UnsafePickleError",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Store":
+        return importlib.import_module(".api", __name__).Store
+    raise AttributeError(f"module 'tailorstore' has no attribute {name!r}")

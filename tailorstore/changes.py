@@ -15,7 +15,7 @@ import torch
 from . import atoms as A
 from .formats.reader import ReadFile
 from .formats.source import InputFile
-from .store.repo import Store
+from .store.repo import Repository
 
 PieceKey = tuple[str, int, int]
 
@@ -32,7 +32,7 @@ def masters_by_layer(f: ReadFile, src: InputFile, kind: str = A.MASTER) -> dict[
 
 
 def stored_pieces(
-    store: Store, manifest: int, layer: str, kind: str = A.MASTER, keys: set[PieceKey] | None = None
+    store: Repository, manifest: int, layer: str, kind: str = A.MASTER, keys: set[PieceKey] | None = None
 ) -> dict[PieceKey, torch.Tensor]:
     """Decode a layer's pieces of one kind from the store (derived weights are rebuilt).
 

@@ -33,7 +33,7 @@ from .formats.skeleton import fill_tensors, slots_of
 from .paths import safe_join
 from .progress import Progress, Silent
 from .safe_load import load_skeleton
-from .store.repo import BlobRow, Store
+from .store.repo import BlobRow, Repository
 
 
 @dataclass
@@ -46,7 +46,7 @@ class CheckoutResult:
     inherited: dict[str, int] = field(default_factory=dict)  # layer -> source step, for composites
 
 
-def _prepare_out(out: Path, store: Store) -> Path:
+def _prepare_out(out: Path, store: Repository) -> Path:
     if out.is_symlink():
         raise StoreError(f"{out}: is a symbolic link; name a new directory for --out, not a link.")
     resolved = out.resolve()
@@ -79,7 +79,7 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(folder))
 
 
-def inherited_layers(store: Store, manifest: int) -> dict[str, int]:
+def inherited_layers(store: Repository, manifest: int) -> dict[str, int]:
     step = store.manifest(manifest)["step"]
     return {
         r["layer"]: r["source_step"]
@@ -89,7 +89,7 @@ def inherited_layers(store: Store, manifest: int) -> dict[str, int]:
 
 
 def checkout_step(
-    store: Store,
+    store: Repository,
     selector: str,
     out: Path,
     *,
@@ -190,7 +190,7 @@ def _publish(tmp: Path, out: Path) -> None:
     _fsync(out.parent)
 
 
-def _write_raw(store: Store, digest: str, target: Path, where: str) -> None:
+def _write_raw(store: Repository, digest: str, target: Path, where: str) -> None:
     """A whole-file blob, streamed through one reused buffer and hash-checked: memory stays at a chunk."""
     row = _blob_row(store, digest, where)
     buf = memoryview(bytearray(min(codec.MAX_CHUNK, max(row.raw_size, 1))))
@@ -206,14 +206,14 @@ def _write_raw(store: Store, digest: str, target: Path, where: str) -> None:
         )
 
 
-def _blob_row(store: Store, digest: str, where: str) -> BlobRow:
+def _blob_row(store: Repository, digest: str, where: str) -> BlobRow:
     row = store.blob(digest)
     if row is None:
         raise CorruptStoreError(f"{where}: blob {digest} has no row in the index; run `tailor verify`.")
     return row
 
 
-def decode_atom_into(store: Store, manifest: int, atom: sqlite3.Row, dest: memoryview, where: str) -> None:
+def decode_atom_into(store: Repository, manifest: int, atom: sqlite3.Row, dest: memoryview, where: str) -> None:
     """Fill ``dest`` with one atom's bytes, from its blob or rebuilt from its master; hash-checked."""
     if atom["derived"] is None:
         row = _blob_row(store, atom["blob"], where)
@@ -245,20 +245,20 @@ def decode_atom_into(store: Store, manifest: int, atom: sqlite3.Row, dest: memor
     dest[:] = rebuilt
 
 
-def _rebuild_weight(store: Store, manifest: int, param: str, where: str) -> memoryview:
+def _rebuild_weight(store: Repository, manifest: int, param: str, where: str) -> memoryview:
     atom = store.conn.execute(
         "SELECT * FROM atoms WHERE manifest=? AND param=? AND derived IS NOT NULL", (manifest, param)
     ).fetchone()
     return byte_view(decode_atom(store, manifest, atom, f"{where}, {param}"))
 
 
-def decode_atom(store: Store, manifest: int, atom: sqlite3.Row, where: str) -> torch.Tensor:
+def decode_atom(store: Repository, manifest: int, atom: sqlite3.Row, where: str) -> torch.Tensor:
     tensor = torch.empty(atom["numel"], dtype=dtype_from_name(atom["dtype"]))
     decode_atom_into(store, manifest, atom, byte_view(tensor), where)
     return tensor
 
 
-def _atoms_by_slot(store: Store, manifest: int, path: str) -> dict[int, list[sqlite3.Row]]:
+def _atoms_by_slot(store: Repository, manifest: int, path: str) -> dict[int, list[sqlite3.Row]]:
     by_slot: dict[int, list[sqlite3.Row]] = defaultdict(list)
     for atom in store.conn.execute(
         "SELECT * FROM atoms WHERE manifest=? AND path=? ORDER BY slot, offset", (manifest, path)
@@ -267,7 +267,7 @@ def _atoms_by_slot(store: Store, manifest: int, path: str) -> dict[int, list[sql
     return by_slot
 
 
-def _fill(store: Store, manifest: int, tensor: torch.Tensor, atoms: list[sqlite3.Row], where: str) -> None:
+def _fill(store: Repository, manifest: int, tensor: torch.Tensor, atoms: list[sqlite3.Row], where: str) -> None:
     """Decode every atom of one tensor into place; the atoms must tile it exactly."""
     data = byte_view(tensor)
     size = tensor.element_size()
@@ -297,7 +297,7 @@ def _check_param_shapes(obj: Any, where: str) -> None:
             )
 
 
-def _write_torch(store: Store, manifest: int, row: sqlite3.Row, target: Path, where: str, trust: bool) -> None:
+def _write_torch(store: Repository, manifest: int, row: sqlite3.Row, target: Path, where: str, trust: bool) -> None:
     skeleton = load_skeleton(
         store.read_blob(row["blob"], where), where, trusted=bool(row["trusted"]), trust_pickles=trust
     )
@@ -312,7 +312,7 @@ def _write_torch(store: Store, manifest: int, row: sqlite3.Row, target: Path, wh
     torch.save(obj, target)
 
 
-def _write_safetensors(store: Store, manifest: int, row: sqlite3.Row, target: Path, where: str) -> None:
+def _write_safetensors(store: Repository, manifest: int, row: sqlite3.Row, target: Path, where: str) -> None:
     header = store.read_blob(row["blob"], where)
     by_slot = _atoms_by_slot(store, manifest, row["path"])
     with open(target, "wb") as f:

@@ -35,7 +35,7 @@ from .progress import Progress, Silent
 from .store import manifest_objects
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atoms_by_key
 from .store.backend import blob_key
-from .store.repo import Store, check_step
+from .store.repo import Repository, check_step
 from .store.writer import BlobWriter
 
 
@@ -113,7 +113,7 @@ def _refuse_existing(conn: sqlite3.Connection, step: int, tag: str | None) -> No
         raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag or pass --force.")
 
 
-def _inheritance(store: Store, step: int, layers: frozenset[str]) -> dict[str, _Inheritance]:
+def _inheritance(store: Repository, step: int, layers: frozenset[str]) -> dict[str, _Inheritance]:
     """For each layer, the newest earlier committed step that has it, with its atoms by key."""
     found: dict[str, _Inheritance] = {}
     rows = store.conn.execute(
@@ -127,7 +127,7 @@ def _inheritance(store: Store, step: int, layers: frozenset[str]) -> dict[str, _
     return found
 
 
-def _load_inherited_atoms(store: Store, inherit: _Inheritance, layer: str) -> None:
+def _load_inherited_atoms(store: Repository, inherit: _Inheritance, layer: str) -> None:
     inherit.atoms.update(atoms_by_key(store.conn, inherit.manifest, layer))
 
 
@@ -159,7 +159,9 @@ def _scan(layout: CheckpointLayout, trust_pickles: bool) -> _Scan:
     return scan
 
 
-def _measure_changes(store: Store, layout: CheckpointLayout, scan: _Scan, sources: dict[str, _Inheritance]) -> dict:
+def _measure_changes(
+    store: Repository, layout: CheckpointLayout, scan: _Scan, sources: dict[str, _Inheritance]
+) -> dict:
     """Relative change of each layer's FP32 master since the version an earlier step holds, file by file."""
     totals: dict[str, LayerChange] = {}
     by_path = {f.path: f for f in scan.files}
@@ -180,7 +182,7 @@ def _measure_changes(store: Store, layout: CheckpointLayout, scan: _Scan, source
 
 
 def commit_checkpoint(
-    store: Store,
+    store: Repository,
     ckpt_dir: Path,
     options: CommitOptions | None = None,
     progress: Progress | None = None,
@@ -430,7 +432,7 @@ def _atom_row(
     )
 
 
-def _remove_unindexed(store: Store, writer: BlobWriter) -> None:
+def _remove_unindexed(store: Repository, writer: BlobWriter) -> None:
     """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes."""
     for digest in writer.written():
         if store.blob(digest) is None:

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from .inspect import log
-from .store.repo import Store
+from .store.repo import Repository
 from .testing.runs import train_tiny
 
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     store_root = work / "store"
-    Store.init(store_root).close()
+    Repository.init(store_root).close()
     model = {"stage": 2, "dtype": "bf16", "layers": 6, "dim": 96, "hidden": 256}
 
     print(
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     left = [p.name for p in (work / "save").iterdir() if p.name.startswith("global_step")]
     print(f"   original tag folders left on disk: {left or 'none'}")
 
-    with Store.open(store_root) as store:
+    with Repository.open(store_root) as store:
         steps = log(store)
     raw_total = sum(s.raw_bytes for s in steps)
     middle = steps[len(steps) // 2 - 1].step

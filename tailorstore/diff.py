@@ -14,7 +14,7 @@ from . import structure
 from .changes import relative_change, stored_pieces
 from .errors import StoreError
 from .layers import STATE, sort_key
-from .store.repo import Store
+from .store.repo import Repository
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class LayerDiff:
     weight: float | None
 
 
-def diff(store: Store, selector_a: str, selector_b: str) -> tuple[int, int, list[LayerDiff]]:
+def diff(store: Repository, selector_a: str, selector_b: str) -> tuple[int, int, list[LayerDiff]]:
     """Per layer, the change from A to B; refused, with the reason, where the two cannot be compared."""
     a, b = store.resolve(selector_a), store.resolve(selector_b)
     step_a, step_b = store.manifest(a)["step"], store.manifest(b)["step"]
@@ -61,7 +61,7 @@ class ChangeMatrix:
     inherited: list[list[bool]]  # [layer][column]: the layer was not stored at that manifest
 
 
-def change_matrix(store: Store) -> ChangeMatrix:
+def change_matrix(store: Repository) -> ChangeMatrix:
     """Per manifest (commits and merges, by step) and layer: change since the previous manifest.
 
     An inherited layer is flagged rather than shown as 0 change, which would read as a frozen layer.
@@ -96,7 +96,7 @@ def change_matrix(store: Store) -> ChangeMatrix:
     return ChangeMatrix(columns, layers, values, inherited)
 
 
-def plot(store: Store, out: Path) -> Path:
+def plot(store: Repository, out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from .errors import StoreError
 from .store import manifest_objects
 from .store.backend import blob_key, blob_names
-from .store.repo import Store
+from .store.repo import Repository
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def kept_manifests(rows: list, rules: Retention) -> set[int]:
     return keep
 
 
-def plan_gc(store: Store, rules: Retention) -> GcPlan:
+def plan_gc(store: Repository, rules: Retention) -> GcPlan:
     rows = store.conn.execute("SELECT id, step, origin, tag, pinned FROM manifests ORDER BY step, id").fetchall()
     keep = kept_manifests(rows, rules)
     plan = GcPlan(
@@ -99,7 +99,7 @@ def plan_gc(store: Store, rules: Retention) -> GcPlan:
 
 
 def gc(
-    store: Store,
+    store: Repository,
     rules: Retention,
     *,
     dry_run: bool = False,

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from .layers import sort_key
-from .store.repo import Store
+from .store.repo import Repository
 
 
 @dataclass
@@ -64,11 +64,11 @@ def _summary(r: object) -> StepSummary:
     )
 
 
-def log(store: Store) -> list[StepSummary]:
+def log(store: Repository) -> list[StepSummary]:
     return [_summary(r) for r in store.conn.execute(f"{_SUMMARY} ORDER BY step, id")]
 
 
-def show(store: Store, selector: str) -> StepDetail:
+def show(store: Repository, selector: str) -> StepDetail:
     manifest = store.resolve(selector)
     summary = _summary(store.conn.execute(f"{_SUMMARY} WHERE id=?", (manifest,)).fetchone())
     per_layer = {

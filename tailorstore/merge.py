@@ -33,7 +33,7 @@ from .errors import StepExistsError, TailorError
 from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, STATE, block_index, block_label, sort_key
 from .store import manifest_objects
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atom_key, atoms_by_key
-from .store.repo import Store
+from .store.repo import Repository
 
 _AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
 
@@ -108,7 +108,7 @@ def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[str, dict[str
     return base, chosen
 
 
-def merge(store: Store, spec_path: Path, tag: str) -> MergeResult:
+def merge(store: Repository, spec_path: Path, tag: str) -> MergeResult:
     began = time.perf_counter()
     check_tag(tag)
     try:

@@ -39,7 +39,7 @@ from .formats.torch_zip import gaps, mend_crcs
 from .paths import safe_join
 from .store.direct_io import PlacedWriter
 from .store.posix import start_writeback
-from .store.repo import Store
+from .store.repo import Repository
 
 _local = threading.local()
 
@@ -144,7 +144,7 @@ def _rounded(piece: memoryview, dtype: torch.dtype) -> memoryview:
 
 
 def write_files(
-    store: Store,
+    store: Repository,
     manifest: int,
     rows: list[sqlite3.Row],
     root: Path,
@@ -190,7 +190,7 @@ def write_files(
             target.out.close()
 
 
-def _atoms(store: Store, manifest: int, targets: dict[str, _Target]) -> dict[str, list[sqlite3.Row]]:
+def _atoms(store: Repository, manifest: int, targets: dict[str, _Target]) -> dict[str, list[sqlite3.Row]]:
     by_path: dict[str, list[sqlite3.Row]] = {path: [] for path in targets}
     for a in store.conn.execute(
         "SELECT a.path, a.param, a.kind, a.layer, a.start, a.numel, a.nbytes, a.dtype, a.blob, a.derived,"
@@ -211,7 +211,7 @@ def _atoms(store: Store, manifest: int, targets: dict[str, _Target]) -> dict[str
     return by_path
 
 
-def _write_container(store: Store, row: sqlite3.Row, target: _Target, atoms: list[sqlite3.Row]) -> None:
+def _write_container(store: Repository, row: sqlite3.Row, target: _Target, atoms: list[sqlite3.Row]) -> None:
     literal = store.read_blob(row["container"], f"{target.where} (container)")
     runs = gaps(target.size, [(a["file_offset"], a["nbytes"]) for a in atoms])
     if sum(length for _, length in runs) != len(literal):
@@ -254,7 +254,7 @@ def _derived_weights(atoms: dict[str, list[sqlite3.Row]], targets: dict[str, _Ta
 
 
 def _place_atoms(
-    store: Store,
+    store: Repository,
     atoms: dict[str, list[sqlite3.Row]],
     targets: dict[str, _Target],
     weights: dict[str, list[_Weight]],
@@ -278,7 +278,7 @@ def _place_atoms(
             raise
 
 
-def _place(store: Store, target: _Target, atom: sqlite3.Row, weights: list[_Weight]) -> None:
+def _place(store: Repository, target: _Target, atom: sqlite3.Row, weights: list[_Weight]) -> None:
     where = f"{target.where}, layer {atom['layer']}, {atom['param']} ({atom['kind']})"
     hasher = xxhash.xxh3_128()
     pos = atom["file_offset"]

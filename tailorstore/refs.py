@@ -13,10 +13,10 @@ import sqlite3
 from .commit import check_tag
 from .errors import StepExistsError, StoreError
 from .store import manifest_objects
-from .store.repo import Store
+from .store.repo import Repository
 
 
-def tag(store: Store, selector: str, name: str, *, force: bool = False) -> int:
+def tag(store: Repository, selector: str, name: str, *, force: bool = False) -> int:
     check_tag(name)
     manifest = store.resolve(selector)
     with store.transaction() as conn:
@@ -33,7 +33,7 @@ def tag(store: Store, selector: str, name: str, *, force: bool = False) -> int:
     return manifest
 
 
-def untag(store: Store, name: str) -> int:
+def untag(store: Repository, name: str) -> int:
     """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
     row = store.conn.execute("SELECT id FROM manifests WHERE tag=?", (name,)).fetchone()
     if row is None:
@@ -44,7 +44,7 @@ def untag(store: Store, name: str) -> int:
     return int(row["id"])
 
 
-def pin(store: Store, selector: str, pinned: bool = True) -> int:
+def pin(store: Repository, selector: str, pinned: bool = True) -> int:
     manifest = store.resolve(selector)
     with store.transaction() as conn:
         conn.execute("UPDATE manifests SET pinned=? WHERE id=?", (int(pinned), manifest))
@@ -52,7 +52,7 @@ def pin(store: Store, selector: str, pinned: bool = True) -> int:
     return manifest
 
 
-def remove(store: Store, selector: str, *, force: bool = False) -> int:
+def remove(store: Repository, selector: str, *, force: bool = False) -> int:
     manifest = store.resolve(selector)
     row = store.manifest(manifest)
     if (row["pinned"] or row["tag"]) and not force:
@@ -65,7 +65,7 @@ def remove(store: Store, selector: str, *, force: bool = False) -> int:
     return manifest
 
 
-def _unpublish(store: Store, conn: sqlite3.Connection, manifests: list[int]) -> None:
+def _unpublish(store: Repository, conn: sqlite3.Connection, manifests: list[int]) -> None:
     """Delete the objects (manifest, tag, pin) of manifests about to leave the index."""
     for m in manifests:
         row = conn.execute("SELECT tag, object_key FROM manifests WHERE id=?", (m,)).fetchone()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import importlib
 import io
-import logging
 import re
 import zipfile
 from pathlib import Path
@@ -40,15 +39,11 @@ def allowed_globals() -> tuple[Any, ...]:
     Resolved lazily because importing DeepSpeed costs seconds, which `tailor log` must not pay.
     """
     found: list[Any] = []
-    logging.disable(logging.WARNING)  # DeepSpeed warns about a missing GPU on import; not our business
-    try:
-        for module_name, attr in _DEEPSPEED_GLOBALS:
-            try:
-                found.append(getattr(importlib.import_module(module_name), attr))
-            except (ImportError, AttributeError):
-                continue
-    finally:
-        logging.disable(logging.NOTSET)
+    for module_name, attr in _DEEPSPEED_GLOBALS:
+        try:
+            found.append(getattr(importlib.import_module(module_name), attr))
+        except (ImportError, AttributeError):
+            continue
     return tuple(found)
 
 

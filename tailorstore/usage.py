@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from . import atoms as A
 from .gc import Retention, plan_gc
-from .store.repo import Store
+from .store.repo import Repository
 
 _KIND_GROUPS = {A.WEIGHT: "weights", A.MASTER: "masters", A.EXP_AVG: "moments", A.EXP_AVG_SQ: "moments"}
 
@@ -44,7 +44,7 @@ class Usage:
     gc_frees: int = 0
 
 
-def usage(store: Store) -> Usage:
+def usage(store: Repository) -> Usage:
     conn = store.conn
     blob_bytes = conn.execute("SELECT coalesce(sum(stored_size), 0) FROM blobs").fetchone()[0]
     index_bytes = sum(p.stat().st_size for p in store.where.index_path.parent.glob("index.sqlite*") if p.is_file())

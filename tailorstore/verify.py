@@ -19,7 +19,7 @@ from .checkout import decode_atom
 from .errors import CorruptStoreError
 from .paths import check_relative
 from .store.backend import blob_names
-from .store.repo import BlobRow, Store
+from .store.repo import BlobRow, Repository
 
 
 @dataclass
@@ -35,7 +35,7 @@ class VerifyReport:
         return not self.problems
 
 
-def _users(store: Store, manifest_ids: list[int]) -> dict[str, list[str]]:
+def _users(store: Repository, manifest_ids: list[int]) -> dict[str, list[str]]:
     """blob -> where it is used, as 'step S, layer L, file F' (for messages)."""
     users: dict[str, list[str]] = defaultdict(list)
     marks = ",".join("?" * len(manifest_ids))
@@ -57,7 +57,7 @@ def _users(store: Store, manifest_ids: list[int]) -> dict[str, list[str]]:
 
 
 def verify(
-    store: Store, selector: str | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None
+    store: Repository, selector: str | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None
 ) -> VerifyReport:
     report = VerifyReport()
     conn = store.conn
@@ -97,7 +97,7 @@ def verify(
     return report
 
 
-def _check_blob(store: Store, row: BlobRow, place: str, deep: bool, report: VerifyReport) -> None:
+def _check_blob(store: Repository, row: BlobRow, place: str, deep: bool, report: VerifyReport) -> None:
     report.blobs_checked += 1
     size = store.blob_size(row.hash)
     if size is None:
@@ -121,7 +121,7 @@ def _check_blob(store: Store, row: BlobRow, place: str, deep: bool, report: Veri
             report.problems.append(f"blob {row.hash}: content does not match its hash; damaged (used by {place})")
 
 
-def _check_derived(store: Store, manifest: int, report: VerifyReport, done: set[tuple]) -> None:
+def _check_derived(store: Repository, manifest: int, report: VerifyReport, done: set[tuple]) -> None:
     """Rebuild every derived weight from its masters and check its hash, as checkout does.
 
     A master atom pointed at another step's (intact) blob passes the blob checks, but its
@@ -149,7 +149,7 @@ def _check_derived(store: Store, manifest: int, report: VerifyReport, done: set[
         report.bytes_rehashed += atom["nbytes"]
 
 
-def _check_structure(store: Store, manifest: int, report: VerifyReport) -> None:
+def _check_structure(store: Repository, manifest: int, report: VerifyReport) -> None:
     step = store.manifest(manifest)["step"]
     for r in store.conn.execute("SELECT path FROM files WHERE manifest=?", (manifest,)):
         try:

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import pytest
 
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 from tailorstore.testing.local_s3 import LocalS3, local_s3
 from tailorstore.testing.runs import TrainingFailed, train_hf, train_tiny
 
@@ -180,8 +180,8 @@ def as_of_step(save_dir: Path, step: int, dst: Path) -> Path:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Store:
-    st = Store.init(tmp_path / "store")
+def store(tmp_path: Path) -> Repository:
+    st = Repository.init(tmp_path / "store")
     yield st
     st.close()
 

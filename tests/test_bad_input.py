@@ -22,7 +22,7 @@ from tailorstore.errors import (
     UnsafePickleError,
 )
 from tailorstore.store.backend import blob_key
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 
 
 class Evil:
@@ -43,14 +43,14 @@ def rewrite_pt(path: Path, mutate) -> None:
 
 
 @pytest.fixture
-def committed(runs: Runs, store: Store, tmp_path: Path) -> tuple[Store, Path]:
+def committed(runs: Runs, store: Repository, tmp_path: Path) -> tuple[Repository, Path]:
     """A store holding step 3 of the ZeRO-2 run, and a writable copy of step 6 to spoil."""
     run = runs.get("zero2-bf16")
     commit_checkpoint(store, as_of_step(run.save_dir, 3, tmp_path / "at3"))
     return store, as_of_step(run.save_dir, 6, tmp_path / "at6")
 
 
-def test_not_a_checkpoint(store: Store, tmp_path: Path) -> None:
+def test_not_a_checkpoint(store: Repository, tmp_path: Path) -> None:
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "notes.txt").write_text("hello")
     before = store_state(store.root)
@@ -61,7 +61,7 @@ def test_not_a_checkpoint(store: Store, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
-def test_damaged_pt_file(committed: tuple[Store, Path], damage: str) -> None:
+def test_damaged_pt_file(committed: tuple[Repository, Path], damage: str) -> None:
     store, at6 = committed
     victim = at6 / "global_step6" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = victim.read_bytes()
@@ -78,7 +78,7 @@ def test_damaged_pt_file(committed: tuple[Store, Path], damage: str) -> None:
     assert store_state(store.root) == before
 
 
-def test_unknown_global_is_refused_then_trusted(committed: tuple[Store, Path]) -> None:
+def test_unknown_global_is_refused_then_trusted(committed: tuple[Repository, Path]) -> None:
     store, at6 = committed
     victim = at6 / "global_step6" / "mp_rank_00_model_states.pt"
     rewrite_pt(victim, lambda obj: obj.__setitem__("client_extra", io.StringIO("x")))
@@ -98,7 +98,7 @@ def test_unknown_global_is_refused_then_trusted(committed: tuple[Store, Path]) -
     assert restored["client_extra"].getvalue() == "x"
 
 
-def test_malicious_pickle_is_not_executed(committed: tuple[Store, Path], tmp_path: Path) -> None:
+def test_malicious_pickle_is_not_executed(committed: tuple[Repository, Path], tmp_path: Path) -> None:
     store, at6 = committed
     marker = tmp_path / "pwned"
     victim = at6 / "global_step6" / "mp_rank_00_model_states.pt"
@@ -111,14 +111,16 @@ def test_malicious_pickle_is_not_executed(committed: tuple[Store, Path], tmp_pat
     assert store_state(store.root) == before
 
 
-def test_missing_rank_file(committed: tuple[Store, Path]) -> None:
+def test_missing_rank_file(committed: tuple[Repository, Path]) -> None:
     store, at6 = committed
     (at6 / "global_step6" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(BadCheckpointError, match=r"rank\(s\) \[0\] are missing"):
         commit_checkpoint(store, at6)
 
 
-def test_same_step_twice_is_refused_unless_forced(committed: tuple[Store, Path], runs: Runs, tmp_path: Path) -> None:
+def test_same_step_twice_is_refused_unless_forced(
+    committed: tuple[Repository, Path], runs: Runs, tmp_path: Path
+) -> None:
     store, _ = committed
     again = as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "again")
     before = store_state(store.root)
@@ -132,7 +134,7 @@ def test_same_step_twice_is_refused_unless_forced(committed: tuple[Store, Path],
     assert store.conn.execute("SELECT count(*) FROM manifests").fetchone()[0] == 1
 
 
-def test_flipped_byte_in_blob_stops_checkout(committed: tuple[Store, Path], tmp_path: Path) -> None:
+def test_flipped_byte_in_blob_stops_checkout(committed: tuple[Repository, Path], tmp_path: Path) -> None:
     store, _ = committed
     row = store.conn.execute(
         "SELECT a.blob, a.path FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.manifest=1 AND b.raw_size > 4096 "
@@ -153,7 +155,7 @@ def test_flipped_byte_in_blob_stops_checkout(committed: tuple[Store, Path], tmp_
         checkout_step(store, "step=3", out)
 
 
-def test_manifest_path_escaping_out_is_refused(committed: tuple[Store, Path], tmp_path: Path) -> None:
+def test_manifest_path_escaping_out_is_refused(committed: tuple[Repository, Path], tmp_path: Path) -> None:
     store, _ = committed
     store.conn.execute("PRAGMA foreign_keys=OFF")
     store.conn.execute("UPDATE files SET path='../escaped' WHERE manifest=1 AND path='latest'")
@@ -166,7 +168,7 @@ def test_manifest_path_escaping_out_is_refused(committed: tuple[Store, Path], tm
         checkout_step(store, "step=3", out)
 
 
-def test_checkout_refuses_nonempty_out(committed: tuple[Store, Path], tmp_path: Path) -> None:
+def test_checkout_refuses_nonempty_out(committed: tuple[Repository, Path], tmp_path: Path) -> None:
     store, _ = committed
     out = tmp_path / "busy"
     out.mkdir()
@@ -176,7 +178,7 @@ def test_checkout_refuses_nonempty_out(committed: tuple[Store, Path], tmp_path: 
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-def test_legacy_pickle_format_is_named(committed: tuple[Store, Path]) -> None:
+def test_legacy_pickle_format_is_named(committed: tuple[Repository, Path]) -> None:
     store, at6 = committed
     victim = at6 / "global_step6" / "mp_rank_00_model_states.pt"
     victim.chmod(0o644)

@@ -21,7 +21,7 @@ from tailorstore.checkout import checkout_step
 from tailorstore.commit import CommitOptions, commit_checkpoint
 from tailorstore.errors import BadCheckpointError, InputChangedError
 from tailorstore.formats.source import InputFile
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 from tailorstore.verify import verify
 
 OPTIM = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
@@ -48,7 +48,7 @@ class AtFile:
 
 
 @pytest.fixture
-def setting(runs: Runs, store: Store, tmp_path: Path):
+def setting(runs: Runs, store: Repository, tmp_path: Path):
     """A store holding step 3, a writable step-6 save to commit, and step 3's rank files as foreign bytes."""
     run = runs.get("zero2-bf16")
     at3 = as_of_step(run.save_dir, 3, tmp_path / "at3")
@@ -63,7 +63,7 @@ def overwrite_in_place(target: Path, source: Path) -> None:
         f.write(source.read_bytes())
 
 
-def assert_refused_and_unchanged(store: Store, at6: Path, progress, match: str) -> None:
+def assert_refused_and_unchanged(store: Repository, at6: Path, progress, match: str) -> None:
     before = store_state(store.root)
     with pytest.raises(InputChangedError, match=match):
         commit_checkpoint(store, at6, progress=progress)
@@ -71,7 +71,7 @@ def assert_refused_and_unchanged(store: Store, at6: Path, progress, match: str) 
     assert verify(store, deep=True).ok
 
 
-def assert_honest_commit_restores(store: Store, pristine: Path, out: Path) -> None:
+def assert_honest_commit_restores(store: Repository, pristine: Path, out: Path) -> None:
     commit_checkpoint(store, pristine)
     checkout_step(store, "step=6", out)
     for original in pristine.rglob("*"):

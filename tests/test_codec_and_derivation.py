@@ -16,10 +16,10 @@ from tailorstore.commit import CommitOptions, commit_checkpoint
 from tailorstore.errors import CorruptStoreError
 from tailorstore.inspect import show
 from tailorstore.store import writer as writer_module
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 
 
-def test_bf16_weights_are_derived_and_rebuilt_bit_exact(runs: Runs, store: Store, tmp_path: Path) -> None:
+def test_bf16_weights_are_derived_and_rebuilt_bit_exact(runs: Runs, store: Repository, tmp_path: Path) -> None:
     run = runs.get("zero2-bf16")
     result = commit_checkpoint(store, as_of_step(run.save_dir, 6, tmp_path / "at6"))
     weights = store.conn.execute(
@@ -38,7 +38,7 @@ def test_bf16_weights_are_derived_and_rebuilt_bit_exact(runs: Runs, store: Store
 
 
 def test_split_masters_rebuild_weights_in_order_or_by_reading_back(
-    runs: Runs, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    runs: Runs, store: Repository, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Weights whose masters are split across two ranks' files; then the read-back check; then a bad hash."""
     run = runs.get("zero2-bf16-odd-two-groups")
@@ -64,7 +64,7 @@ def test_split_masters_rebuild_weights_in_order_or_by_reading_back(
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tailor-partial-*"))
 
 
-def test_a_weight_that_is_not_its_rounded_master_is_stored(runs: Runs, store: Store, tmp_path: Path) -> None:
+def test_a_weight_that_is_not_its_rounded_master_is_stored(runs: Runs, store: Repository, tmp_path: Path) -> None:
     at6 = as_of_step(runs.get("zero2-bf16").save_dir, 6, tmp_path / "at6")
     path = at6 / "global_step6" / "mp_rank_00_model_states.pt"
     obj = torch.load(path, weights_only=False)
@@ -86,7 +86,7 @@ def test_a_weight_that_is_not_its_rounded_master_is_stored(runs: Runs, store: St
 
 
 def test_known_blobs_are_not_compressed_again(
-    runs: Runs, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    runs: Runs, store: Repository, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     at6 = as_of_step(runs.get("zero3-bf16").save_dir, 6, tmp_path / "at6")
     commit_checkpoint(store, at6)
@@ -102,7 +102,7 @@ def test_known_blobs_are_not_compressed_again(
     assert again.new_blobs == 0 and calls == [], "every blob was already stored"
 
 
-def test_codec_choice_per_kind(runs: Runs, store: Store, tmp_path: Path) -> None:
+def test_codec_choice_per_kind(runs: Runs, store: Repository, tmp_path: Path) -> None:
     commit_checkpoint(store, as_of_step(runs.get("zero2-fp32").save_dir, 6, tmp_path / "at6"))
     by_kind: dict[str, set[str]] = {}
     for r in store.conn.execute(
@@ -119,7 +119,7 @@ def test_codec_choice_per_kind(runs: Runs, store: Store, tmp_path: Path) -> None
 
 
 def test_zero0_optimizer_state_is_labelled_by_layer_and_weights_derive(
-    runs: Runs, store: Store, tmp_path: Path
+    runs: Runs, store: Repository, tmp_path: Path
 ) -> None:
     """ZeRO 0 writes no param_shapes; with one param group the module order names the optimizer state."""
     commit_checkpoint(store, as_of_step(runs.get("zero0-bf16").save_dir, 6, tmp_path / "at6"))

@@ -23,7 +23,7 @@ from tailorstore.commit import commit_checkpoint
 from tailorstore.gc import Retention, gc
 from tailorstore.refs import remove
 from tailorstore.store.backend import blob_names
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 from tailorstore.verify import verify
 
 KILLS = 20
@@ -57,7 +57,7 @@ def kill_at(proc: subprocess.Popen[bytes], delay: float) -> bool:
         return True
 
 
-def check_intact(store: Store, run: Runs, steps: list[int], save_dir: Path, work: Path) -> None:
+def check_intact(store: Repository, run: Runs, steps: list[int], save_dir: Path, work: Path) -> None:
     report = verify(store, deep=True)
     assert report.ok, report.problems
     for step in steps:
@@ -68,7 +68,7 @@ def check_intact(store: Store, run: Runs, steps: list[int], save_dir: Path, work
 
 def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
     save_dir = runs.get("ten-saves").save_dir
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     for step in (1, 2):
         commit_checkpoint(store, as_of_step(save_dir, step, tmp_path / f"at{step}"))
     at3 = as_of_step(save_dir, 3, tmp_path / "at3")
@@ -86,7 +86,7 @@ def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
             wait_for_new_blob(store, baseline, proc)
             landed += kill_at(proc, rng.uniform(0.0, 1.2 * (visible - writing)))
         store.conn.close()
-        store = Store.open(store.root)  # a fresh open, as the next command would do
+        store = Repository.open(store.root)  # a fresh open, as the next command would do
         present = store.conn.execute("SELECT count(*) FROM manifests WHERE step=3").fetchone()[0]
         check_intact(store, runs, [1, 2, 3] if present else [1, 2], save_dir, tmp_path / f"k{i}")
         if present:
@@ -103,20 +103,20 @@ def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
     assert plan.freed_bytes == on_disk_before - disk_bytes(store) > 0
 
 
-def disk_bytes(store: Store) -> int:
+def disk_bytes(store: Repository) -> int:
     return sum(p.stat().st_size for sub in ("blobs", "tmp") for p in (store.root / sub).rglob("*") if p.is_file())
 
 
-def blob_count(store: Store) -> int:
+def blob_count(store: Repository) -> int:
     return sum(1 for _ in blob_names(store.backend))
 
 
-def wait_for_new_blob(store: Store, baseline: int, proc: subprocess.Popen[bytes]) -> None:
+def wait_for_new_blob(store: Repository, baseline: int, proc: subprocess.Popen[bytes]) -> None:
     while proc.poll() is None and blob_count(store) <= baseline:
         time.sleep(0.002)
 
 
-def time_to_visible(store: Store, ckpt: Path, baseline: int) -> tuple[float, float]:
+def time_to_visible(store: Repository, ckpt: Path, baseline: int) -> tuple[float, float]:
     """Seconds from starting `tailor commit` until its first new blob and until its step is in the index."""
     began = time.perf_counter()
     proc = start(store.root, "commit", str(ckpt))
@@ -133,7 +133,7 @@ def time_to_visible(store: Store, ckpt: Path, baseline: int) -> tuple[float, flo
 
 def test_kill_gc_at_random_points(runs: Runs, tmp_path: Path) -> None:
     save_dir = runs.get("ten-saves").save_dir
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     for step in (1, 2):
         commit_checkpoint(store, as_of_step(save_dir, step, tmp_path / f"at{step}"))
     garbage = {s: as_of_step(save_dir, s, tmp_path / f"g{s}") for s in range(3, 11)}
@@ -149,7 +149,7 @@ def test_kill_gc_at_random_points(runs: Runs, tmp_path: Path) -> None:
             continue
         landed += kill_at(start(store.root, "gc"), rng.uniform(0.3 * full, 1.05 * full))
         store.conn.close()
-        store = Store.open(store.root)
+        store = Repository.open(store.root)
         check_intact(store, runs, [1, 2], save_dir, tmp_path / f"k{i}")
     assert landed >= (KILLS - 1) // 2, landed
     gc(store, Retention())
@@ -158,7 +158,7 @@ def test_kill_gc_at_random_points(runs: Runs, tmp_path: Path) -> None:
 
 def test_killed_checkout_leaves_nothing_complete_looking(runs: Runs, tmp_path: Path) -> None:
     save_dir = runs.get("ten-saves").save_dir
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     commit_checkpoint(store, as_of_step(save_dir, 5, tmp_path / "at5"))
     full = timed(store.root, "checkout", "step=5", "--out", str(tmp_path / "first"))
     rng = random.Random(SEED + 2)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tailorstore.checkout import checkout_step
 from tailorstore.safe_load import load_torch_file
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 from tailorstore.store.schema import FORMAT_VERSION
 from tailorstore.testing.compare import differences
 from tailorstore.verify import verify
@@ -30,7 +30,7 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
     assert "file_offset" not in [r[1] for r in probe.execute("PRAGMA table_info(atoms)")]
     probe.close()
 
-    with Store.open(root) as store:  # upgrades
+    with Repository.open(root) as store:  # upgrades
         version = store.conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]
         assert int(version) == FORMAT_VERSION == 3
         keys = [r[0] for r in store.conn.execute("SELECT object_key FROM manifests")]
@@ -47,7 +47,7 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
         restored = out / "global_step3" / original.name
         assert not differences(load_torch_file(original)[0], load_torch_file(restored)[0]), original.name
     assert (out / "latest").read_text() == "global_step3"
-    with Store.open(root) as store:  # a second open finds nothing to do
+    with Repository.open(root) as store:  # a second open finds nothing to do
         assert int(store.conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 3
         assert store.refresh() == (0, 0)
 
@@ -55,8 +55,8 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
     for f in root.glob("index.sqlite*"):
         f.unlink()
     blob_files = [p for p in (root / "blobs").rglob("*") if p.is_file()]
-    assert Store.rebuild_index(root) == (1, len(blob_files))
-    with Store.open(root) as store:
+    assert Repository.rebuild_index(root) == (1, len(blob_files))
+    with Repository.open(root) as store:
         assert verify(store, deep=True).ok
         again = tmp_path / "again"
         checkout_step(store, "step=3", again)

@@ -21,7 +21,7 @@ from tailorstore.gc import Retention, gc
 from tailorstore.policies import PolicySpec
 from tailorstore.refs import pin, remove, tag
 from tailorstore.store.backend import blob_key, blob_names
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 from tailorstore.verify import verify
 
 
@@ -30,7 +30,7 @@ def tailor(store: Path, *args: str, timeout: float = 300) -> subprocess.Complete
     return subprocess.run(["tailor", *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def referenced_blobs(store: Store) -> set[str]:
+def referenced_blobs(store: Repository) -> set[str]:
     return {
         r[0]
         for r in store.conn.execute(
@@ -42,7 +42,7 @@ def referenced_blobs(store: Store) -> set[str]:
 
 def test_gc_with_retention_tags_and_a_composite(runs: Runs, tmp_path: Path) -> None:
     run = runs.get("ten-saves")
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     for step in range(1, 11):
         policy = PolicySpec("parity") if step == 8 else PolicySpec("full")
         commit_checkpoint(store, as_of_step(run.save_dir, step, tmp_path / f"at{step}"), CommitOptions(policy=policy))
@@ -83,7 +83,7 @@ def test_gc_with_retention_tags_and_a_composite(runs: Runs, tmp_path: Path) -> N
 
 def test_rm_pin_and_tag_protect(runs: Runs, tmp_path: Path) -> None:
     run = runs.get("ten-saves")
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     for step in (1, 2, 3):
         commit_checkpoint(store, as_of_step(run.save_dir, step, tmp_path / f"at{step}"))
     pin(store, "step=1")
@@ -100,15 +100,15 @@ def test_rm_pin_and_tag_protect(runs: Runs, tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def two_steps(runs: Runs, tmp_path: Path) -> Store:
+def two_steps(runs: Runs, tmp_path: Path) -> Repository:
     run = runs.get("ten-saves")
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     for step in (1, 2):
         commit_checkpoint(store, as_of_step(run.save_dir, step, tmp_path / f"at{step}"))
     return store
 
 
-def _blob_of(store: Store, step: int, *, only_in_step: bool = True) -> tuple[str, str]:
+def _blob_of(store: Repository, step: int, *, only_in_step: bool = True) -> tuple[str, str]:
     row = store.conn.execute(
         "SELECT a.blob, a.path FROM atoms a JOIN manifests m ON m.id=a.manifest JOIN blobs b ON b.hash=a.blob "
         "WHERE m.step=? AND a.kind='exp_avg' AND b.raw_size > 1000 AND a.blob NOT IN "
@@ -119,7 +119,7 @@ def _blob_of(store: Store, step: int, *, only_in_step: bool = True) -> tuple[str
 
 
 @pytest.mark.parametrize("fault", ["flip", "truncate", "delete"])
-def test_damaged_blob_is_found_and_named(two_steps: Store, fault: str, tmp_path: Path) -> None:
+def test_damaged_blob_is_found_and_named(two_steps: Repository, fault: str, tmp_path: Path) -> None:
     store = two_steps
     digest, path = _blob_of(store, 2)
     file = store.backend.path(blob_key(digest))
@@ -142,25 +142,25 @@ def test_damaged_blob_is_found_and_named(two_steps: Store, fault: str, tmp_path:
     assert not (tmp_path / "out").exists()
 
 
-def test_newer_format_is_refused_and_unversioned_is_not_a_store(two_steps: Store) -> None:
+def test_newer_format_is_refused_and_unversioned_is_not_a_store(two_steps: Repository) -> None:
     root = two_steps.root
     two_steps.close()
     conn = sqlite3.connect(root / "index.sqlite")
     conn.execute("UPDATE meta SET value='99' WHERE key='format_version'")
     conn.commit()
     with pytest.raises(FormatVersionError, match=r"format version 99.*Upgrade tailorstore"):
-        Store.open(root)
+        Repository.open(root)
     proc = tailor(root, "log")
     assert proc.returncode == 2 and "Upgrade tailorstore" in proc.stderr
     conn.execute("DELETE FROM meta WHERE key='format_version'")
     conn.commit()
     conn.close()
     with pytest.raises(FormatVersionError, match="not a tailorstore index"):
-        Store.open(root)
+        Repository.open(root)
 
 
 def test_disk_full_during_commit_leaves_store_as_it_was(
-    two_steps: Store, runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    two_steps: Repository, runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = two_steps
     before = store_state(store.root)
@@ -183,7 +183,7 @@ def test_disk_full_during_commit_leaves_store_as_it_was(
     commit_checkpoint(store, at3)  # and the store goes on working
 
 
-def test_lock_timeout_is_clear_and_waiting_is_visible(two_steps: Store, runs: Runs, tmp_path: Path) -> None:
+def test_lock_timeout_is_clear_and_waiting_is_visible(two_steps: Repository, runs: Runs, tmp_path: Path) -> None:
     at3 = as_of_step(runs.get("ten-saves").save_dir, 3, tmp_path / "at3")
     with two_steps.lock(exclusive=True, timeout=1):
         proc = tailor(two_steps.root, "commit", str(at3), "--lock-timeout", "1")
@@ -196,7 +196,7 @@ def test_lock_timeout_is_clear_and_waiting_is_visible(two_steps: Store, runs: Ru
 
 def test_concurrent_commits_gc_and_readers(runs: Runs, tmp_path: Path) -> None:
     run = runs.get("ten-saves")
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     commit_checkpoint(store, as_of_step(run.save_dir, 1, tmp_path / "at1"))
     dirs = {s: as_of_step(run.save_dir, s, tmp_path / f"at{s}") for s in (2, 3, 4)}
     env = dict(os.environ, TAILOR_STORE=str(store.root))

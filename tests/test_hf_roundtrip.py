@@ -11,12 +11,12 @@ from test_roundtrip import assert_same_checkpoint
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 from tailorstore.testing.compare import differences
 from tailorstore.testing.runs import train_hf
 
 
-def test_hf_trainer_checkpoint_round_trip_and_resume(hf_run: HFRun, store: Store, tmp_path: Path) -> None:
+def test_hf_trainer_checkpoint_round_trip_and_resume(hf_run: HFRun, store: Repository, tmp_path: Path) -> None:
     ck3 = copy_tree(hf_run.output_dir / "checkpoint-3", tmp_path / "work" / "checkpoint-3")
     ck6 = copy_tree(hf_run.output_dir / "checkpoint-6", tmp_path / "work" / "checkpoint-6")
     r3 = commit_checkpoint(store, ck3)

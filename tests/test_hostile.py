@@ -25,7 +25,7 @@ from conftest import Runs, as_of_step, store_state, tailor
 from tailorstore.atoms import TensorSlot
 from tailorstore.commit import commit_checkpoint
 from tailorstore.store.backend import blob_key
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 
 MODEL = "mp_rank_00_model_states.pt"
 
@@ -39,7 +39,7 @@ def one_line(done: subprocess.CompletedProcess[str], code: int, *words: str) -> 
 
 
 @pytest.fixture
-def two_steps(runs: Runs, store: Store, tmp_path: Path):
+def two_steps(runs: Runs, store: Repository, tmp_path: Path):
     """A store with steps 3 and 6 of the ZeRO-2 bf16 run, and a writable copy of step 6."""
     run = runs.get("zero2-bf16")
     commit_checkpoint(store, as_of_step(run.save_dir, 3, tmp_path / "at3"))

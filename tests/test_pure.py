@@ -22,7 +22,7 @@ from tailorstore.gc import Retention, kept_manifests
 from tailorstore.merge import MergeSpecError, parse_spec
 from tailorstore.policies import CommitFacts, PolicyError, PolicySpec, decide
 from tailorstore.store.backend import check_name
-from tailorstore.store.repo import Store, check_step
+from tailorstore.store.repo import Repository, check_step
 
 BLOCKS = [f"block.{i}" for i in range(6)]
 LAYERS = frozenset([*BLOCKS, "embedding", "final_norm", "lm_head", "state"])
@@ -235,8 +235,8 @@ def test_malformed_safetensors_headers_are_one_clear_error(header: object) -> No
 def test_store_open_and_resolve_refusals(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreError, match="not a directory"):
-        Store.init(tmp_path / "file")
-    with Store.init(tmp_path / "st") as st:
+        Repository.init(tmp_path / "file")
+    with Repository.init(tmp_path / "st") as st:
         refusals = (("latest", "no steps yet"), ("id=3", "no manifest has id 3"), ("step=x", "cannot read"))
         for selector, message in refusals:
             with pytest.raises(UnknownStepError, match=message):
@@ -245,14 +245,14 @@ def test_store_open_and_resolve_refusals(tmp_path: Path) -> None:
     for side in ("index.sqlite-wal", "index.sqlite-shm"):
         (tmp_path / "st" / side).unlink(missing_ok=True)
     with pytest.raises(CorruptStoreError, match="damaged"):
-        Store.open(tmp_path / "st")
+        Repository.open(tmp_path / "st")
 
 
 def test_format_version_that_is_not_a_number(tmp_path: Path) -> None:
-    Store.init(tmp_path / "st").close()
+    Repository.init(tmp_path / "st").close()
     conn = sqlite3.connect(tmp_path / "st" / "index.sqlite")
     conn.execute("UPDATE meta SET value='abc' WHERE key='format_version'")
     conn.commit()
     conn.close()
     with pytest.raises(CorruptStoreError, match="format_version"):
-        Store.open(tmp_path / "st")
+        Repository.open(tmp_path / "st")

@@ -11,11 +11,11 @@ from conftest import Runs, as_of_step, copy_tree, tailor
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import CommitOptions, commit_checkpoint
 from tailorstore.policies import PolicySpec
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 from tailorstore.testing.runs import train_tiny
 
 
-def test_a_tag_folder_checkout_is_resumable_as_is(runs: Runs, store: Store, tmp_path: Path) -> None:
+def test_a_tag_folder_checkout_is_resumable_as_is(runs: Runs, store: Repository, tmp_path: Path) -> None:
     """`tailor commit out/global_step3` then `checkout` gave no `latest`: load_checkpoint found nothing."""
     run = runs.get("zero2-bf16")
     tag_dir = copy_tree(run.save_dir / "global_step3", tmp_path / "saves" / "global_step3")
@@ -35,17 +35,17 @@ def test_a_tag_folder_checkout_is_resumable_as_is(runs: Runs, store: Store, tmp_
 
 
 @pytest.fixture
-def tailored(runs: Runs, tmp_path: Path) -> Store:
+def tailored(runs: Runs, tmp_path: Path) -> Repository:
     """Steps 6, 12 and 18 of the six-block run, 12 committed with parity (it inherits blocks from 6)."""
     run = runs.get("tailor-zero2")
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     for step, policy in ((6, "full"), (12, "parity"), (18, "full")):
         options = CommitOptions(policy=PolicySpec(policy))
         commit_checkpoint(store, as_of_step(run.save_dir, step, tmp_path / f"at{step}"), options)
     return store
 
 
-def test_merge_base_by_tag_fills_unnamed_blocks_and_agrees_with_show(tailored: Store, tmp_path: Path) -> None:
+def test_merge_base_by_tag_fills_unnamed_blocks_and_agrees_with_show(tailored: Repository, tmp_path: Path) -> None:
     store = tailored
     assert tailor("tag", "step=18", "late", store=store.root).returncode == 0
     spec = tmp_path / "spec.yaml"
@@ -73,7 +73,7 @@ def test_merge_base_by_tag_fills_unnamed_blocks_and_agrees_with_show(tailored: S
     assert (out / "global_step18").is_dir() and (out / "latest").read_text() == "global_step18"
 
 
-def test_every_manifest_has_a_reference_and_steps_are_unambiguous(tailored: Store, tmp_path: Path) -> None:
+def test_every_manifest_has_a_reference_and_steps_are_unambiguous(tailored: Repository, tmp_path: Path) -> None:
     store = tailored
     spec = tmp_path / "spec.yaml"
     spec.write_text("base: {step: 12}\nslices:\n  - sources: [{step: 18, layer_range: [0, 6]}]\n")
@@ -87,7 +87,7 @@ def test_every_manifest_has_a_reference_and_steps_are_unambiguous(tailored: Stor
     assert tailor("checkout", "id=4", "--out", str(tmp_path / "o"), store=store.root).returncode == 0
 
 
-def test_untag_lets_rm_proceed(tailored: Store) -> None:
+def test_untag_lets_rm_proceed(tailored: Repository) -> None:
     store = tailored
     assert tailor("tag", "step=12", "keep", store=store.root).returncode == 0
     refused = tailor("rm", "step=12", store=store.root)
@@ -99,7 +99,7 @@ def test_untag_lets_rm_proceed(tailored: Store) -> None:
 
 def test_errors_name_real_paths_not_placeholders(runs: Runs, tmp_path: Path) -> None:
     """An inheritance that cannot work named `{tag}/...` in its message."""
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     commit_checkpoint(store, as_of_step(runs.get("tailor-zero2").save_dir, 6, tmp_path / "a"))
     odd = as_of_step(runs.get("zero2-bf16-odd-two-groups").save_dir, 6, tmp_path / "b")
     done = tailor("commit", str(odd), "--step", "12", "--policy", "parity", "--force", store=store.root)
@@ -108,7 +108,7 @@ def test_errors_name_real_paths_not_placeholders(runs: Runs, tmp_path: Path) -> 
 
 
 def test_another_model_is_refused_and_diff_says_why(runs: Runs, tmp_path: Path) -> None:
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     commit_checkpoint(store, as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "a"))
     odd = as_of_step(runs.get("zero2-bf16-odd-two-groups").save_dir, 6, tmp_path / "b")
     refused = tailor("commit", str(odd), store=store.root)
@@ -119,7 +119,7 @@ def test_another_model_is_refused_and_diff_says_why(runs: Runs, tmp_path: Path) 
     assert done.returncode == 2 and "hold different models" in done.stderr, done.stderr
 
 
-def test_du_accounts_for_every_byte(tailored: Store) -> None:
+def test_du_accounts_for_every_byte(tailored: Repository) -> None:
     store = tailored
     u = json.loads(tailor("du", "--json", store=store.root).stdout)
     blob_files = sum(p.stat().st_size for p in (store.root / "blobs").rglob("*") if p.is_file())
@@ -139,7 +139,7 @@ def test_du_accounts_for_every_byte(tailored: Store) -> None:
     assert "smaller" in tailor("du", store=store.root).stdout
 
 
-def test_plot_marks_inherited_layers_and_shows_every_manifest(tailored: Store, tmp_path: Path) -> None:
+def test_plot_marks_inherited_layers_and_shows_every_manifest(tailored: Repository, tmp_path: Path) -> None:
     from tailorstore.diff import change_matrix
 
     store = tailored

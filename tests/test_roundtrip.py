@@ -11,7 +11,7 @@ from conftest import CONFIGS, Runs, as_of_step, copy_tree
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
 from tailorstore.safe_load import load_torch_file
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 from tailorstore.testing.compare import differences
 from tailorstore.testing.runs import train_tiny
 
@@ -30,7 +30,7 @@ def assert_same_checkpoint(original: Path, restored: Path) -> int:
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_commit_delete_checkout_resume(config: str, runs: Runs, store: Store, tmp_path: Path) -> None:
+def test_commit_delete_checkout_resume(config: str, runs: Runs, store: Repository, tmp_path: Path) -> None:
     run = runs.get(config)
     # What the save directory held right after each save, as separate copies we can delete.
     at3 = as_of_step(run.save_dir, 3, tmp_path / "at3")
@@ -63,7 +63,7 @@ def test_commit_delete_checkout_resume(config: str, runs: Runs, store: Store, tm
     assert resumed == {s: run.losses[s] for s in (4, 5, 6)}, "resumed losses differ from the uninterrupted run"
 
 
-def test_flat_partitions_are_cut_at_parameter_boundaries(runs: Runs, store: Store) -> None:
+def test_flat_partitions_are_cut_at_parameter_boundaries(runs: Runs, store: Repository) -> None:
     """The odd model: ZeRO-2 partitions cut through a parameter; ZeRO-3 pieces carry padding."""
     commit_checkpoint(store, runs.get("zero2-bf16-odd-two-groups").save_dir)
     rows = store.conn.execute(
@@ -81,7 +81,7 @@ def test_flat_partitions_are_cut_at_parameter_boundaries(runs: Runs, store: Stor
     assert padding > 0
 
 
-def test_zero3_pieces_follow_ceil_split(runs: Runs, store: Store) -> None:
+def test_zero3_pieces_follow_ceil_split(runs: Runs, store: Repository) -> None:
     commit_checkpoint(store, runs.get("zero3-bf16-odd-per-layer").save_dir)
     rows = store.conn.execute(
         "SELECT param, rank, start, numel FROM atoms WHERE kind='master' AND layer<>'state'"

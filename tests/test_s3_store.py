@@ -20,7 +20,7 @@ from tailorstore.commit import commit_checkpoint
 from tailorstore.errors import CorruptStoreError
 from tailorstore.gc import Retention, gc
 from tailorstore.refs import tag
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 from tailorstore.testing.local_s3 import BUCKET, CuttableLink, LocalS3
 from tailorstore.verify import verify
 
@@ -76,18 +76,18 @@ def test_hosts_with_separate_caches_see_each_others_commits(
     save = runs.get("zero2-bf16").save_dir
     host_a, host_b = tmp_path / "cache-a", tmp_path / "cache-b"
     monkeypatch.setenv("TAILOR_CACHE", str(host_a))
-    Store.init(s3_location).close()
-    with Store.open(s3_location) as a:
+    Repository.init(s3_location).close()
+    with Repository.open(s3_location) as a:
         commit_checkpoint(a, as_of_step(save, 3, tmp_path / "at3"))
 
     monkeypatch.setenv("TAILOR_CACHE", str(host_b))  # a new host: its index is built from the manifest objects
-    with Store.open(s3_location) as b:
+    with Repository.open(s3_location) as b:
         assert [r["step"] for r in b.conn.execute("SELECT step FROM manifests")] == [3]
         commit_checkpoint(b, as_of_step(save, 6, tmp_path / "at6"))
         tag(b, "step=6", "best")
 
     monkeypatch.setenv("TAILOR_CACHE", str(host_a))
-    with Store.open(s3_location) as a:
+    with Repository.open(s3_location) as a:
         rows = a.conn.execute("SELECT step, tag FROM manifests ORDER BY step").fetchall()
         assert [(r["step"], r["tag"]) for r in rows] == [(3, None), (6, "best")]
         gc(a, Retention(keep_last=1))
@@ -96,15 +96,15 @@ def test_hosts_with_separate_caches_see_each_others_commits(
     assert same_tree(out / "global_step6", save / "global_step6")
 
     monkeypatch.setenv("TAILOR_CACHE", str(host_b))
-    with Store.open(s3_location) as b:  # host a's gc dropped step 3: host b's index follows
+    with Repository.open(s3_location) as b:  # host a's gc dropped step 3: host b's index follows
         assert [r["step"] for r in b.conn.execute("SELECT step FROM manifests")] == [6]
         assert verify(b, deep=True).ok
 
     for f in host_b.rglob("index.sqlite*"):
         f.unlink()
-    manifests, blobs = Store.rebuild_index(s3_location)
+    manifests, blobs = Repository.rebuild_index(s3_location)
     assert manifests == 1 and blobs > 100
-    with Store.open(s3_location) as b:
+    with Repository.open(s3_location) as b:
         assert verify(b, deep=True).ok
         assert b.conn.execute("SELECT tag FROM manifests").fetchone()["tag"] == "best"
 
@@ -113,8 +113,8 @@ def test_missing_or_altered_objects_are_found_and_never_checked_out(
     s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path
 ) -> None:
     save = runs.get("zero2-bf16").save_dir
-    Store.init(s3_location).close()
-    with Store.open(s3_location) as store:
+    Repository.init(s3_location).close()
+    with Repository.open(s3_location) as store:
         commit_checkpoint(store, as_of_step(save, 6, tmp_path / "at6"))
         blobs = [r["blob"] for r in store.conn.execute("SELECT blob FROM atoms WHERE derived IS NULL LIMIT 2")]
     client = boto3.client("s3", endpoint_url=s3_server.endpoint)
@@ -125,7 +125,7 @@ def test_missing_or_altered_objects_are_found_and_never_checked_out(
     body[len(body) // 2] ^= 0xFF
     client.put_object(Bucket=BUCKET, Key=altered, Body=bytes(body))
 
-    with Store.open(s3_location) as store:
+    with Repository.open(s3_location) as store:
         report = verify(store, deep=True)
         assert not report.ok
         problems = "\n".join(report.problems)
@@ -144,8 +144,8 @@ def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
 ) -> None:
     """A `tailor commit` talks to the server through a link that is cut while it uploads."""
     save = runs.get("zero2-bf16").save_dir
-    Store.init(s3_location).close()
-    with Store.open(s3_location) as store:
+    Repository.init(s3_location).close()
+    with Repository.open(s3_location) as store:
         commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
     before = set(s3_server.keys(s3_location))
     link = CuttableLink(s3_server.port)
@@ -168,7 +168,7 @@ def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
 
     after = set(s3_server.keys(s3_location))
     assert not [k for k in after - before if not k.startswith("blobs/")], "no manifest or ref of step 6"
-    with Store.open(s3_location) as store:
+    with Repository.open(s3_location) as store:
         assert [r["step"] for r in store.conn.execute("SELECT step FROM manifests")] == [3]
         assert verify(store, deep=True).ok
         commit_checkpoint(store, at6)  # and the store goes on working

@@ -20,7 +20,7 @@ from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
 from tailorstore.layers import block_index
 from tailorstore.policies import PolicySpec
-from tailorstore.store.repo import Store
+from tailorstore.store.repo import Repository
 from tailorstore.testing.compare import tensors_identical
 from tailorstore.testing.runs import train_tiny
 
@@ -28,7 +28,7 @@ SAVES = list(range(TAILOR_EVERY, TAILOR_STEPS + 1, TAILOR_EVERY))
 KINDS = (A.WEIGHT, A.MASTER, A.EXP_AVG, A.EXP_AVG_SQ)
 
 
-def commit_series(store: Store, save_dir: Path, work: Path, policy: PolicySpec) -> None:
+def commit_series(store: Repository, save_dir: Path, work: Path, policy: PolicySpec) -> None:
     for step in SAVES:
         commit_checkpoint(store, as_of_step(save_dir, step, work / f"at{step}"), CommitOptions(policy=policy))
 
@@ -76,7 +76,7 @@ def resume_finite(restored: Path, run_options: dict[str, object], start: int, wo
     return losses
 
 
-def block_bytes(store: Store) -> int:
+def block_bytes(store: Repository) -> int:
     return store.conn.execute(
         "SELECT coalesce(sum(b.stored_size), 0) FROM blobs b WHERE b.hash IN (SELECT blob FROM atoms "
         "WHERE layer LIKE 'block.%' AND derived IS NULL)"
@@ -95,8 +95,8 @@ def assert_zip_crcs_hold(restored: Path) -> None:
 @pytest.mark.parametrize("config", ["tailor-zero2", "tailor-zero3"])
 def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp_path: Path) -> None:
     run = runs.get(config)
-    full = Store.init(tmp_path / "full")
-    parity = Store.init(tmp_path / "parity")
+    full = Repository.init(tmp_path / "full")
+    parity = Repository.init(tmp_path / "parity")
     commit_series(full, run.save_dir, tmp_path / "f", PolicySpec("full"))
     commit_series(parity, run.save_dir, tmp_path / "p", PolicySpec("parity"))
     # 6 blocks over 6 saves: the first stores all 6, the next five 3 each: 21 of 36 block versions.
@@ -131,13 +131,13 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
         resume_finite(restored, run.options, step, tmp_path / f"resume{step}")
 
 
-def stored_block_versions(store: Store) -> int:
+def stored_block_versions(store: Repository) -> int:
     return store.conn.execute("SELECT count(*) FROM layers WHERE stored AND layer LIKE 'block.%'").fetchone()[0]
 
 
 def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
     run = runs.get("tailor-zero2")
-    filtered = Store.init(tmp_path / "filter")
+    filtered = Repository.init(tmp_path / "filter")
     commit_series(
         filtered, run.save_dir, tmp_path / "f", PolicySpec("filter", {"keep_first": 1, "keep_last": 1, "every": 3})
     )
@@ -149,9 +149,9 @@ def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
         assert blocks == (set(range(6)) if i % 3 == 0 else {0, 5}), (i, blocks)
         assert {"embedding", "final_norm", "lm_head"} <= stored
 
-    huge = Store.init(tmp_path / "huge")
+    huge = Repository.init(tmp_path / "huge")
     commit_series(huge, run.save_dir, tmp_path / "h", PolicySpec("adaptive", {"threshold": 1e9}))
-    zero = Store.init(tmp_path / "zero")
+    zero = Repository.init(tmp_path / "zero")
     commit_series(zero, run.save_dir, tmp_path / "z", PolicySpec("adaptive", {"threshold": 0.0}))
     for store, expect_blocks in ((huge, False), (zero, True)):
         rows = store.conn.execute("SELECT id FROM manifests ORDER BY step").fetchall()
@@ -171,7 +171,7 @@ def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
         "SELECT layer, change FROM layers WHERE manifest=2 AND layer LIKE 'block.%' ORDER BY change"
     ).fetchall()
     threshold = (second[2]["change"] + second[3]["change"]) / 2
-    mid = Store.init(tmp_path / "mid")
+    mid = Repository.init(tmp_path / "mid")
     commit_series(mid, run.save_dir, tmp_path / "m", PolicySpec("adaptive", {"threshold": threshold}))
     moved_at_second = {x["layer"] for x in second if x["change"] >= threshold}
     assert len(moved_at_second) == 3
@@ -189,7 +189,7 @@ def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
 
 def test_merge_from_three_steps(runs: Runs, tmp_path: Path) -> None:
     run = runs.get("tailor-zero2")
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     commit_series(store, run.save_dir, tmp_path / "c", PolicySpec("full"))
     spec = tmp_path / "spec.yaml"
     spec.write_text(
@@ -243,7 +243,7 @@ def test_merge_from_three_steps(runs: Runs, tmp_path: Path) -> None:
 )
 def test_bad_merge_specs(body: str, message: str, runs: Runs, tmp_path: Path) -> None:
     run = runs.get("tailor-zero2")
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     for step in (6, 12, 18):
         commit_checkpoint(store, as_of_step(run.save_dir, step, tmp_path / f"at{step}"))
     spec = tmp_path / "bad.yaml"
@@ -257,7 +257,7 @@ def test_bad_merge_specs(body: str, message: str, runs: Runs, tmp_path: Path) ->
 
 def test_diff_and_plot(runs: Runs, tmp_path: Path) -> None:
     run = runs.get("tailor-zero2")
-    store = Store.init(tmp_path / "store")
+    store = Repository.init(tmp_path / "store")
     commit_series(store, run.save_dir, tmp_path / "c", PolicySpec("full"))
     env = dict(os.environ, TAILOR_STORE=str(store.root))
     proc = subprocess.run(["tailor", "diff", "step=3", "step=18", "--json"], capture_output=True, text=True, env=env)
@@ -277,7 +277,7 @@ def test_diff_and_plot(runs: Runs, tmp_path: Path) -> None:
 def test_quality_parity_composite_against_exact(runs: Runs, tmp_path: Path) -> None:
     """20 more steps from the parity composite and from the exact checkpoint of the same step."""
     run = runs.get("tailor-zero2")
-    parity = Store.init(tmp_path / "parity")
+    parity = Repository.init(tmp_path / "parity")
     commit_series(parity, run.save_dir, tmp_path / "p", PolicySpec("parity"))
     last = SAVES[-1]
     composite = tmp_path / "composite"

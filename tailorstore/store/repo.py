@@ -60,7 +60,7 @@ def _location(location: Path | str | None) -> Path | str:
     return location
 
 
-class Store:
+class Repository:
     def __init__(self, where: Location, conn: sqlite3.Connection) -> None:
         self.where = where
         self.location = where.text
@@ -70,7 +70,7 @@ class Store:
 
     # -- lifecycle -----------------------------------------------------------------------
     @classmethod
-    def init(cls, location: Path | str) -> Store:
+    def init(cls, location: Path | str) -> Repository:
         where = resolve(location)
         if where.local_root is not None:
             root = where.local_root
@@ -95,7 +95,7 @@ class Store:
         return cls.open(where.text)
 
     @classmethod
-    def open(cls, location: Path | str | None) -> Store:
+    def open(cls, location: Path | str | None) -> Repository:
         where = resolve(_location(location))
         if where.remote and not where.index_path.is_file():
             if not where.backend.exists(MARKER):
@@ -163,7 +163,7 @@ class Store:
     def close(self) -> None:
         self.conn.close()
 
-    def __enter__(self) -> Store:
+    def __enter__(self) -> Repository:
         return self
 
     def __exit__(self, *exc: object) -> None:

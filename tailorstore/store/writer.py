@@ -25,7 +25,7 @@ from ..errors import InputChangedError, StoreError
 from ..formats.source import InputFile
 from .backend import BackendError, blob_key
 from .posix import is_out_of_space
-from .repo import Store
+from .repo import Repository
 
 IN_FLIGHT_BYTES = 256 << 20  # raw bytes queued for compression at once
 
@@ -41,7 +41,7 @@ class NewBlob:
 
 class BlobWriter:
     def __init__(
-        self, store: Store, *, level: int = codec.DEFAULT_LEVEL, threads: int = 2, in_flight: int = IN_FLIGHT_BYTES
+        self, store: Repository, *, level: int = codec.DEFAULT_LEVEL, threads: int = 2, in_flight: int = IN_FLIGHT_BYTES
     ) -> None:
         self.store = store
         self.batch = store.backend.batch()  # this commit's blobs, durable together at finish()

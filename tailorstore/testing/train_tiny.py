@@ -162,9 +162,9 @@ def commit_after_save(store_path: str, save_dir: Path, delete: bool) -> None:
     import shutil
 
     from tailorstore.commit import commit_checkpoint
-    from tailorstore.store.repo import Store
+    from tailorstore.store.repo import Repository
 
-    with Store.open(store_path) as store:
+    with Repository.open(store_path) as store:
         result = commit_checkpoint(store, save_dir)
     print(
         f"[tailor] committed step {result.step}: {result.raw_bytes} raw bytes, {result.new_bytes} newly stored",

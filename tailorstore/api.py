@@ -1,0 +1,301 @@
+"""The public Python API: :class:`Store`, what ``import tailorstore`` gives a training script.
+
+Everything the ``tailor`` command does goes through this class, so a training loop gets
+the same behaviour without paying the command's start-up, and can commit in the
+background (:meth:`Store.commit_async`). The library has no process-wide side effects: it
+logs to the ``tailorstore`` logger and never configures logging, and its errors
+(:mod:`tailorstore.errors`) say what to do without naming command-line flags.
+
+Example (docs/API.md has more)::
+
+    import tailorstore
+
+    with tailorstore.Store.open("s3://bucket/run1") as store:
+        store.commit_async("ckpt/", tag=None, policy="parity")
+        ...
+        store.checkout("latest", "restored/")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path, PurePosixPath
+
+from .background import CommitQueue
+from .checkout import CheckoutResult, checkout_step
+from .commit import CommitOptions, CommitResult, commit_checkpoint
+from .diff import LayerDiff, diff
+from .errors import CorruptStoreError, StoreError
+from .gc import GcPlan, Retention, gc
+from .inspect import StepDetail, StepSummary, log, show
+from .merge import MergeResult, merge
+from .paths import safe_join
+from .policies import PolicySpec
+from .progress import Progress
+from .refs import pin, remove, tag, untag
+from .store.repo import Repository
+from .usage import Usage, usage
+from .verify import VerifyReport, verify
+
+logger = logging.getLogger("tailorstore")
+Ref = int | str
+
+
+def selector(ref: Ref) -> str:
+    """``12`` or ``"step=12"``, ``"tag=NAME"``, ``"id=N"`` or ``"latest"``, as the store reads it."""
+    if isinstance(ref, bool) or not isinstance(ref, int | str):
+        raise StoreError(f"{ref!r} names no step: give an int step, 'step=N', 'tag=NAME', 'id=N' or 'latest'.")
+    return f"step={ref}" if isinstance(ref, int) else ref
+
+
+class Store:
+    """A checkpoint store, opened at a directory or at ``s3://bucket/prefix``.
+
+    Use it as a context manager: leaving the block waits for background commits and
+    raises their errors. One ``Store`` serves one thread; a background commit opens its
+    own connection to the index.
+    """
+
+    def __init__(self, repo: Repository, *, max_in_flight: int = 1) -> None:
+        self.repo = repo
+        self.location = repo.location
+        self._queue: CommitQueue[CommitResult] = CommitQueue(max_in_flight)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    @classmethod
+    def init(cls, location: str | os.PathLike, *, max_in_flight: int = 1) -> Store:
+        """Create an empty store (an empty directory, or an empty S3 prefix) and open it."""
+        return cls(Repository.init(location), max_in_flight=max_in_flight)
+
+    @classmethod
+    def open(cls, location: str | os.PathLike | None = None, *, max_in_flight: int = 1) -> Store:
+        """Open a store; ``None`` reads ``$TAILOR_STORE``. ``max_in_flight`` bounds background commits."""
+        return cls(Repository.open(location), max_in_flight=max_in_flight)
+
+    @staticmethod
+    def rebuild_index(location: str | os.PathLike | None = None) -> tuple[int, int]:
+        """Recreate the index from the manifest objects; returns (manifests, blobs)."""
+        return Repository.rebuild_index(location)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def flush(self) -> None:
+        """Wait for every background commit, then raise the first that failed."""
+        self._queue.flush()
+
+    def close(self) -> None:
+        """Flush, then close the index. Errors of background commits are raised here at the latest."""
+        try:
+            self._queue.close()
+        finally:
+            self.repo.close()
+
+    # -- commit ------------------------------------------------------------------------
+    def commit(
+        self,
+        path: str | os.PathLike,
+        *,
+        step: int | None = None,
+        tag: str | None = None,
+        policy: str = "full",
+        force: bool = False,
+        level: int = 1,
+        trust_pickles: bool = False,
+        lock_timeout: float = 600.0,
+        delete_after_commit: bool = False,
+        progress: Progress | None = None,
+        on_wait: Callable[[str], None] | None = None,
+        **policy_params: float,
+    ) -> CommitResult:
+        """Commit a DeepSpeed save, a ``global_stepN`` folder or an HF ``checkpoint-N`` folder.
+
+        ``policy`` (full, parity, filter, adaptive) and its parameters choose the layers stored;
+        the rest are inherited from earlier steps. With ``delete_after_commit``, the committed
+        files are deleted once the manifest is durable and every blob it names has been found
+        with its recorded size.
+        """
+        options = CommitOptions(
+            step=step,
+            tag=tag,
+            force=force,
+            trust_pickles=trust_pickles,
+            level=level,
+            lock_timeout=lock_timeout,
+            policy=PolicySpec(policy, dict(policy_params)),
+        )
+        return _commit(self.repo, Path(path), options, delete_after_commit, progress, on_wait)
+
+    def commit_async(
+        self,
+        path: str | os.PathLike,
+        *,
+        step: int | None = None,
+        tag: str | None = None,
+        policy: str = "full",
+        force: bool = False,
+        level: int = 1,
+        trust_pickles: bool = False,
+        lock_timeout: float = 600.0,
+        delete_after_commit: bool = False,
+        **policy_params: float,
+    ) -> Future[CommitResult]:
+        """:meth:`commit` on the background worker; returns at once, or when a slot frees up.
+
+        A failure is raised by the next ``commit_async``, by :meth:`flush` or by :meth:`close`,
+        and the save it was committing is kept. The save must not change until the future is
+        done: a commit refuses an input that changes under it.
+        """
+        source = Path(path)
+        options = CommitOptions(
+            step=step,
+            tag=tag,
+            force=force,
+            trust_pickles=trust_pickles,
+            level=level,
+            lock_timeout=lock_timeout,
+            policy=PolicySpec(policy, dict(policy_params)),
+        )
+        location = self.location
+
+        def job() -> CommitResult:
+            with Repository.open(location) as repo:
+                return _commit(repo, source, options, delete_after_commit, None, None)
+
+        return self._queue.submit(str(source), job)
+
+    # -- reading -----------------------------------------------------------------------
+    def checkout(
+        self,
+        ref: Ref,
+        out: str | os.PathLike,
+        *,
+        trust_pickles: bool = False,
+        progress: Progress | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> CheckoutResult:
+        """Write the checkpoint ``ref`` names into the new directory ``out``, every byte hash-checked."""
+        return checkout_step(
+            self.repo, selector(ref), Path(out), trust_pickles=trust_pickles, progress=progress, warn=warn
+        )
+
+    def log(self) -> list[StepSummary]:
+        return log(self.repo)
+
+    def show(self, ref: Ref) -> StepDetail:
+        return show(self.repo, selector(ref))
+
+    def diff(self, a: Ref, b: Ref) -> tuple[int, int, list[LayerDiff]]:
+        return diff(self.repo, selector(a), selector(b))
+
+    def usage(self) -> Usage:
+        return usage(self.repo)
+
+    def verify(
+        self, ref: Ref | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None
+    ) -> VerifyReport:
+        return verify(self.repo, None if ref is None else selector(ref), deep=deep, progress=progress)
+
+    # -- changing ----------------------------------------------------------------------
+    def gc(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        dry_run: bool = False,
+        lock_timeout: float = 600.0,
+        on_wait: Callable[[str], None] | None = None,
+        show_plan: Callable[[GcPlan], None] | None = None,
+    ) -> GcPlan:
+        """Drop manifests outside the retention (tags and pins stay), then every blob no kept manifest uses."""
+        return gc(
+            self.repo,
+            Retention(keep_last=keep_last, keep_every=keep_every),
+            dry_run=dry_run,
+            lock_timeout=lock_timeout,
+            on_wait=on_wait,
+            show_plan=show_plan,
+        )
+
+    def merge(self, spec: str | os.PathLike, *, tag: str) -> MergeResult:
+        """Compose a checkpoint from the layer slices a YAML spec names; it is recorded under ``tag``."""
+        return merge(self.repo, Path(spec), tag)
+
+    def tag(self, ref: Ref, name: str, *, force: bool = False) -> int:
+        return tag(self.repo, selector(ref), name, force=force)
+
+    def untag(self, name: str) -> int:
+        return untag(self.repo, name)
+
+    def pin(self, ref: Ref, pinned: bool = True) -> int:
+        return pin(self.repo, selector(ref), pinned)
+
+    def remove(self, ref: Ref, *, force: bool = False) -> int:
+        return remove(self.repo, selector(ref), force=force)
+
+
+def _commit(
+    repo: Repository,
+    path: Path,
+    options: CommitOptions,
+    delete_after_commit: bool,
+    progress: Progress | None,
+    on_wait: Callable[[str], None] | None,
+) -> CommitResult:
+    result = commit_checkpoint(repo, path, options, progress=progress, on_wait=on_wait)
+    if delete_after_commit:
+        check_blobs_present(repo, result.manifest)
+        delete_committed(repo, result.manifest, path)
+    return result
+
+
+def check_blobs_present(repo: Repository, manifest: int) -> None:
+    """Every blob the manifest names exists in the backend with its recorded size."""
+    rows = repo.conn.execute(
+        "SELECT hash, stored_size FROM blobs WHERE hash IN (SELECT blob FROM files WHERE manifest=?1"
+        " UNION SELECT container FROM files WHERE manifest=?1"
+        " UNION SELECT blob FROM atoms WHERE manifest=?1 AND derived IS NULL)",
+        (manifest,),
+    ).fetchall()
+    for row in rows:
+        if repo.blob_size(row["hash"]) != row["stored_size"]:
+            raise CorruptStoreError(
+                f"blob {row['hash']} of the commit just made is missing or cut short in {repo.location}; "
+                "the original checkpoint was kept. Run `tailor verify` and commit it again."
+            )
+
+
+def delete_committed(repo: Repository, manifest: int, path: Path) -> None:
+    """Delete what the commit took from ``path``, and the folders it leaves empty.
+
+    For a DeepSpeed save directory only the step's tag folder goes: ``latest`` and the
+    scripts beside it belong to the save directory, and training may already have
+    pointed ``latest`` at a newer step.
+    """
+    row = repo.manifest(manifest)
+    path = path.resolve()
+    root = path.parent if row["layout"] == "deepspeed-tag" else path  # what the recorded paths are relative to
+    files = [r["path"] for r in repo.conn.execute("SELECT path FROM files WHERE manifest=?", (manifest,))]
+    if row["layout"] == "deepspeed":
+        files = [f for f in files if PurePosixPath(f).parts[0] == row["ds_tag"]]
+    folders: set[Path] = set()
+    for rel in files:
+        target = safe_join(root, rel)
+        if target != path and path not in target.parents:
+            continue  # never anything outside what was committed
+        target.unlink(missing_ok=True)
+        folders.update(p for p in target.parents if p == path or path in p.parents)
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        if folder.is_dir() and not any(folder.iterdir()) and (folder != path or row["layout"] != "deepspeed"):
+            folder.rmdir()
+    if row["layout"] != "deepspeed" and path.is_dir():
+        logger.info("tailorstore: %s kept files the commit did not take: %s", path, sorted(os.listdir(path)))
+
+
+__all__ = ["Ref", "Store", "selector"]

@@ -1,0 +1,142 @@
+"""The public Python API, as a training script uses it: ``tailorstore.Store``, commits in
+the background, errors that surface, originals deleted only when safe. Real DeepSpeed saves."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Runs, as_of_step, copy_tree
+
+import tailorstore
+from tailorstore import BackgroundCommitError, BadCheckpointError, Store
+
+
+def same_tree(a: Path, b: Path) -> bool:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    return files_a == files_b and all((a / f).read_bytes() == (b / f).read_bytes() for f in files_a)
+
+
+def test_the_public_api_end_to_end(runs: Runs, tmp_path: Path) -> None:
+    save = runs.get("zero2-bf16").save_dir
+    with Store.init(tmp_path / "store") as store:
+        first = store.commit(as_of_step(save, 3, tmp_path / "at3"), tag="warm")
+        assert first.step == 3 and first.new_bytes > 0
+        future = store.commit_async(as_of_step(save, 6, tmp_path / "at6"))
+        result = future.result(timeout=300)
+        assert result.step == 6
+        assert [(s.step, s.tag) for s in store.log()] == [(3, "warm"), (6, None)]
+        assert {layer.layer for layer in store.show(3).layers} >= {"block.0", "lm_head"}
+        store.checkout(6, tmp_path / "by-int")
+        store.checkout("latest", tmp_path / "by-latest")
+        store.checkout("tag=warm", tmp_path / "by-tag")
+        assert same_tree(tmp_path / "by-int" / "global_step6", save / "global_step6")
+        assert same_tree(tmp_path / "by-latest", tmp_path / "by-int")
+        assert same_tree(tmp_path / "by-tag" / "global_step3", save / "global_step3")
+        assert store.verify(deep=True).ok
+        spec = tmp_path / "spec.yaml"
+        spec.write_text("base: {step: 6}\nslices:\n  - sources: [{step: 3, layer_range: [0, 2]}]\n")
+        assert store.merge(spec, tag="mixed").sources["block.0"] == 3
+        plan = store.gc(keep_last=1)
+        assert [m for m, _ in plan.drop] == []  # 3 is tagged, the merge is tagged
+        store.untag("warm")
+        assert len(store.gc(keep_last=1).drop) == 1
+        with pytest.raises(tailorstore.UnknownStepError):
+            store.checkout(3, tmp_path / "gone")
+        with pytest.raises(tailorstore.StoreError):
+            store.checkout(True, tmp_path / "bool")  # type: ignore[arg-type]
+
+    with Store.init(tmp_path / "tailored") as store:  # a policy and its parameters pass through
+        store.commit(tmp_path / "at3")
+        result = store.commit_async(tmp_path / "at6", policy="filter", keep_first=1, every=2).result(timeout=300)
+        assert result.stored_layers[:2] == ["embedding", "block.0"] and result.inherited_layers
+        assert not store.log()[-1].exact
+
+
+def test_a_failed_background_commit_surfaces_at_flush_and_keeps_the_original(runs: Runs, tmp_path: Path) -> None:
+    save = runs.get("zero2-bf16").save_dir
+    damaged = as_of_step(save, 6, tmp_path / "damaged")
+    victim = damaged / "global_step6" / "mp_rank_00_model_states.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    with Store.init(tmp_path / "store") as store:
+        future = store.commit_async(damaged, delete_after_commit=True)
+        with pytest.raises(BackgroundCommitError, match=r"background commit of .*damaged failed") as caught:
+            store.flush()
+        assert isinstance(caught.value.__cause__, BadCheckpointError)
+        assert future.exception() is caught.value.__cause__
+        assert victim.exists() and (damaged / "global_step6").is_dir(), "the original is kept"
+        assert store.log() == [] and store.verify(deep=True).ok
+        store.flush()  # an error is raised once, then the store goes on
+        store.commit(as_of_step(save, 6, tmp_path / "good"))
+
+
+def test_a_failure_is_reported_at_the_next_save(runs: Runs, tmp_path: Path) -> None:
+    save = runs.get("zero2-bf16").save_dir
+    damaged = as_of_step(save, 3, tmp_path / "damaged")
+    (damaged / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"not a checkpoint")
+    store = Store.init(tmp_path / "store")
+    store.commit_async(damaged)
+    deadline = time.monotonic() + 60
+    while store._queue.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(BackgroundCommitError):
+        store.commit_async(as_of_step(save, 6, tmp_path / "at6"))
+    store.close()  # nothing else failed
+
+
+def test_close_raises_a_failure_nobody_collected(runs: Runs, tmp_path: Path) -> None:
+    damaged = as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "damaged")
+    (damaged / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(BackgroundCommitError):
+        with Store.init(tmp_path / "store") as store:
+            store.commit_async(damaged)
+
+
+def test_the_bound_on_commits_in_flight_waits_and_says_so(
+    runs: Runs, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    save = runs.get("ten-saves").save_dir
+    saves = [as_of_step(save, s, tmp_path / f"at{s}") for s in (1, 2, 3)]
+    caplog.set_level(logging.WARNING, logger="tailorstore")
+    gate = threading.Event()
+    with Store.init(tmp_path / "store", max_in_flight=1) as store:
+        blocker = store._queue.submit("a slow commit", gate.wait)  # holds the one slot
+        waited = threading.Thread(target=lambda: store.commit_async(saves[0]))
+        waited.start()
+        time.sleep(0.5)
+        assert waited.is_alive(), "the second commit waits for the slot"
+        assert "1 commit(s) already in flight; waiting" in caplog.text
+        gate.set()
+        waited.join(timeout=60)
+        blocker.result(timeout=5)
+        for s in saves[1:]:
+            store.commit_async(s)
+        store.flush()
+        assert [s.step for s in store.log()] == [1, 2, 3]
+
+
+def test_delete_after_commit_takes_only_the_committed_step(runs: Runs, tmp_path: Path) -> None:
+    save = copy_tree(runs.get("zero2-bf16").save_dir, tmp_path / "save")  # holds global_step3 and 6
+    hf_like = copy_tree(save / "global_step3", tmp_path / "tagdir")
+    with Store.init(tmp_path / "store") as store:
+        store.commit_async(save, delete_after_commit=True).result(timeout=300)
+        assert not (save / "global_step6").exists()
+        assert (save / "latest").exists() and (save / "global_step3").is_dir(), "latest and other steps stay"
+        store.commit(hf_like, step=3, delete_after_commit=True)
+        assert not hf_like.exists()
+        store.checkout(6, tmp_path / "out")
+    assert same_tree(tmp_path / "out" / "global_step6", runs.get("zero2-bf16").save_dir / "global_step6")
+
+
+def test_the_library_changes_nothing_process_wide(runs: Runs, tmp_path: Path) -> None:
+    root_handlers = list(logging.getLogger().handlers)
+    with Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(runs.get("zero2-bf16").save_dir, 6, tmp_path / "at6"))
+        store.checkout(6, tmp_path / "out")
+    assert logging.root.manager.disable == logging.NOTSET
+    assert logging.getLogger().handlers == root_handlers
+    assert logging.getLogger("tailorstore").handlers == []
