@@ -53,7 +53,7 @@ def params_of(size: Size) -> int:
 
 
 def measured(cmd: list[str]) -> tuple[float, int, dict]:
-    """Run a process; (wall seconds, ru_maxrss in bytes (see worker.peak_rss), its JSON output if any)."""
+    """Run a process; (wall seconds, ru_maxrss of that process in bytes, its JSON output if any)."""
     began = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -125,9 +125,11 @@ def train(size: Size, work: Path, saves: int, interval: int) -> tuple[Path, list
     return save, steps, seconds
 
 
+TAILOR = [sys.executable, "-m", "tailorstore.cli.app"]  # what the `tailor` script runs
+
+
 def measure_io(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
     """Commit the series into a fresh store per repeat; checkout each step; cp -r + sync each."""
-    py = sys.executable
     rows: dict[str, list[list[float]]] = defaultdict(lambda: [[] for _ in steps])
     store = work / "store"
     for rep in range(repeats):
@@ -143,19 +145,20 @@ def measure_io(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
                 warm(tag_dir)
                 rows["copy"][i].append(copy_and_sync(tag_dir, work / "copies" / f"c{step}"))
             warm(tag_dir)
-            wall, _, out = measured([py, "-m", "benchmarks.worker", "commit", str(store), str(tag_dir)])
-            rows["commit"][i].append(out["seconds"])
-            rows["commit_wall"][i].append(wall)
-            rows["commit_rss"][i].append(out["peak_rss"])
+            wall, rss, out = measured([*TAILOR, "commit", str(tag_dir), "--store", str(store), "--json"])
+            rows["commit"][i].append(wall)  # the whole `tailor commit` process, start-up included
+            rows["commit_library"][i].append(out["seconds"])
+            rows["commit_rss"][i].append(rss)
             if not copy_first:
                 warm(tag_dir)
                 rows["copy"][i].append(copy_and_sync(tag_dir, work / "copies" / f"c{step}"))
-            wall, _, out2 = measured(
-                [py, "-m", "benchmarks.worker", "checkout", str(store), str(step), str(work / "checkouts" / f"o{step}")]
-            )
-            rows["checkout"][i].append(out2["seconds"])
-            rows["checkout_wall"][i].append(wall)
-            rows["checkout_rss"][i].append(out2["peak_rss"])
+            wall, rss, out2 = measured(
+                [*TAILOR, "checkout", f"step={step}", "--out", str(work / "checkouts" / f"o{step}"), "--store",
+                 str(store), "--json"]
+            )  # fmt: skip
+            rows["checkout"][i].append(wall)
+            rows["checkout_library"][i].append(out2["seconds"])
+            rows["checkout_rss"][i].append(rss)
             shutil.rmtree(work / "copies" / f"c{step}")
             shutil.rmtree(work / "checkouts" / f"o{step}")
     med = {k: [statistics.median(v) for v in per_step] for k, per_step in rows.items()}

@@ -133,6 +133,7 @@ def checkout(
     trust_pickles: bool = TrustOpt,
     store: str | None = StoreOpt,
     quiet: bool = QuietOpt,
+    as_json: bool = JsonOpt,
 ) -> None:
     """Write a step back in its native layout, checking every blob's hash."""
     from tailorstore.checkout import checkout_step
@@ -143,10 +144,12 @@ def checkout(
             selector,
             out,
             trust_pickles=trust_pickles,
-            progress=for_terminal(quiet),
+            progress=for_terminal(quiet or as_json),
             warn=lambda m: _say(f"warning: {m}"),
         )
-    if not quiet:
+    if as_json:
+        typer.echo(json.dumps({**asdict(result), "out": str(result.out)}))
+    elif not quiet:
         typer.echo(
             f"checked out step {result.step} into {result.out}: {result.files} files, {human(result.bytes_written)}"
         )

@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import sqlite3
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class CheckoutResult:
     files: int
     bytes_written: int
     inherited: dict[str, int] = field(default_factory=dict)  # layer -> source step, for composites
+    seconds: float = 0.0  # the library call, without the process's start-up
 
 
 def _prepare_out(out: Path, store: Repository) -> Path:
@@ -97,6 +99,7 @@ def checkout_step(
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
 ) -> CheckoutResult:
+    began = time.perf_counter()
     progress = progress or Silent()
     manifest = store.resolve(selector)
     step = store.manifest(manifest)["step"]
@@ -171,7 +174,7 @@ def checkout_step(
         raise
     finally:
         progress.close()
-    return CheckoutResult(step, manifest, out, len(files), written, inherited)
+    return CheckoutResult(step, manifest, out, len(files), written, inherited, time.perf_counter() - began)
 
 
 def _publish(tmp: Path, out: Path) -> None:
