@@ -29,6 +29,7 @@ from .. import codec
 from ..errors import CorruptStoreError, StoreError, UnknownStepError
 from . import index, manifest_objects
 from .backend import Backend, blob_key
+from .lease import LeaseHandle, lease_lock
 from .location import Location, resolve
 from .lock import LockHandle, store_lock
 from .schema import FORMAT_VERSION
@@ -172,7 +173,15 @@ class Repository:
     @contextmanager
     def lock(
         self, *, exclusive: bool, timeout: float, on_wait: Callable[[str], None] | None = None
-    ) -> Iterator[LockHandle]:
+    ) -> Iterator[LockHandle | LeaseHandle]:
+        """Shared for commits, exclusive for gc: ``flock`` on a local store, leases in the
+        backend on a remote one (they hold across hosts; store/lease.py)."""
+        if self.where.remote:
+            with lease_lock(
+                self.backend, exclusive=exclusive, timeout=timeout, on_wait=on_wait, on_stale=on_wait
+            ) as lease:
+                yield lease
+            return
         with store_lock(self.where.lock_path, exclusive=exclusive, timeout=timeout, on_wait=on_wait) as handle:
             yield handle
 

@@ -1,0 +1,128 @@
+"""Store locks as leases in the backend, on POSIX and on S3: shared with shared, exclusive
+alone, stale leases removed, renewal, and mutual exclusion under contention."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tailor
+
+from tailorstore.errors import LockTimeoutError
+from tailorstore.store.backend import Backend
+from tailorstore.store.lease import LOCK_PREFIX, lease_lock
+from tailorstore.store.location import resolve
+from tailorstore.store.repo import Repository
+from tailorstore.testing.local_s3 import LocalS3
+
+
+@pytest.fixture(params=["posix", "s3"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    if request.param == "posix":
+        return resolve(tmp_path / "store").backend
+    server: LocalS3 = request.getfixturevalue("s3_server")
+    return resolve(server.new_location()).backend
+
+
+def plant(backend: Backend, name: str, *, exclusive: bool, host: str, pid: int, expires: float) -> str:
+    key = f"{LOCK_PREFIX}{name}.json"
+    body = {"exclusive": exclusive, "host": host, "pid": pid, "created": time.time(), "expires": expires}
+    backend.put(key, json.dumps(body).encode())
+    return key
+
+
+def test_shared_leases_coexist_and_exclusive_waits_for_them(backend: Backend) -> None:
+    waits: list[str] = []
+    with lease_lock(backend, exclusive=False, timeout=1), lease_lock(backend, exclusive=False, timeout=1):
+        assert len(list(backend.list(LOCK_PREFIX))) == 2
+        with pytest.raises(LockTimeoutError, match=r"shared lock of pid \d+ on") as caught:
+            with lease_lock(backend, exclusive=True, timeout=0.5, on_wait=waits.append):
+                pass
+        assert "lease expires" in str(caught.value)
+        assert waits and "waiting for the exclusive store lock" in waits[0]
+    assert list(backend.list(LOCK_PREFIX)) == []
+    with lease_lock(backend, exclusive=True, timeout=1):
+        with pytest.raises(LockTimeoutError):
+            with lease_lock(backend, exclusive=False, timeout=0.3):
+                pass
+
+
+def test_stale_leases_are_removed_with_a_message(backend: Backend) -> None:
+    expired = plant(backend, "far-1", exclusive=True, host="far-away", pid=1, expires=time.time() - 1)
+    live = plant(backend, "far-2", exclusive=False, host="far-away", pid=2, expires=time.time() + 60)
+    gone_pid = 2**22 + 7  # above pid_max: no such process
+    here = socket.gethostname()
+    dead_here = plant(backend, "here", exclusive=True, host=here, pid=gone_pid, expires=time.time() + 60)
+    notes: list[str] = []
+    with lease_lock(backend, exclusive=False, timeout=1, on_stale=notes.append):
+        keys = set(backend.list(LOCK_PREFIX))
+        assert expired not in keys and dead_here not in keys and live in keys
+    assert any("stale exclusive lock of pid 1 on far-away" in n for n in notes)
+    assert any(f"pid {gone_pid}" in n for n in notes)
+    with pytest.raises(LockTimeoutError, match="far-away"):  # a live lease of another host is respected
+        with lease_lock(backend, exclusive=True, timeout=0.3):
+            pass
+
+
+def test_a_held_lease_is_renewed(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TAILOR_LOCK_TTL", "0.6")
+    with lease_lock(backend, exclusive=True, timeout=1) as handle:
+        first = json.loads(backend.get(handle.key))["expires"]
+        time.sleep(1.5)  # more than two lease times
+        assert json.loads(backend.get(handle.key))["expires"] > first + 0.5
+        with pytest.raises(LockTimeoutError):  # still held: not taken for stale
+            with lease_lock(backend, exclusive=False, timeout=0.3):
+                pass
+
+
+def test_try_exclusive_only_when_alone(backend: Backend) -> None:
+    with lease_lock(backend, exclusive=False, timeout=1) as mine:
+        with lease_lock(backend, exclusive=False, timeout=1):
+            assert not mine.try_exclusive()
+            assert json.loads(backend.get(mine.key))["exclusive"] is False
+        assert mine.try_exclusive()
+        with pytest.raises(LockTimeoutError):
+            with lease_lock(backend, exclusive=False, timeout=0.3):
+                pass
+
+
+def test_exclusive_leases_exclude_each_other_under_contention(backend: Backend) -> None:
+    inside = 0
+    most = 0
+    entries = 0
+    guard = threading.Lock()
+
+    def worker() -> None:
+        nonlocal inside, most, entries
+        for _ in range(3):
+            with lease_lock(backend, exclusive=True, timeout=60):
+                with guard:
+                    inside += 1
+                    entries += 1
+                    most = max(most, inside)
+                time.sleep(0.02)
+                with guard:
+                    inside -= 1
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert entries == 12 and most == 1
+    assert list(backend.list(LOCK_PREFIX)) == []
+
+
+def test_gc_on_s3_waits_for_a_commit_of_another_host(s3_location: str) -> None:
+    """A commit in flight on another host holds a shared lease: gc there must not run."""
+    Repository.init(s3_location).close()
+    backend = resolve(s3_location).backend
+    plant(backend, "trainer-7", exclusive=False, host="trainer-7", pid=4242, expires=time.time() + 60)
+    proc = tailor("gc", "--lock-timeout", "1", "--store", s3_location)
+    assert proc.returncode == 4, proc.stderr
+    assert "shared lock of pid 4242 on trainer-7" in proc.stderr and "Traceback" not in proc.stderr
+    assert tailor("log", "--store", s3_location).returncode == 0  # readers take no lock
