@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--resume-from", default=None)
     p.add_argument("--final-weights", default=None)
     p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--tailor-store", default=None, help="commit every save with TailorCallback")
+    p.add_argument("--delete-after-commit", action="store_true")
+    p.add_argument("--save-total-limit", type=int, default=None)
     args = p.parse_args(argv)
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -85,9 +88,17 @@ def main(argv: list[str] | None = None) -> None:
         dataloader_num_workers=0,
         save_only_model=False,
         disable_tqdm=True,
+        save_total_limit=args.save_total_limit,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=RampTokens(64, 32, 128))
+    callbacks = []
+    if args.tailor_store:
+        from tailorstore.integrations.hf import TailorCallback
+
+        callbacks.append(TailorCallback(args.tailor_store, delete_after_commit=args.delete_after_commit))
+    trainer = Trainer(model=model, args=training_args, train_dataset=RampTokens(64, 32, 128), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=args.resume_from)
+    for callback in callbacks:
+        callback.close()
     if args.final_weights and trainer.is_world_process_zero():
         from safetensors.torch import save_file
 

@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tailorstore.api import Store
+from tailorstore.integrations.deepspeed import save_checkpoint
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int) -> None:
@@ -157,24 +160,6 @@ def ds_config(args: argparse.Namespace) -> dict:
     return config
 
 
-def commit_after_save(store_path: str, save_dir: Path, delete: bool) -> None:
-    """What a training loop does after each save: commit it, optionally drop the original."""
-    import shutil
-
-    from tailorstore.commit import commit_checkpoint
-    from tailorstore.store.repo import Repository
-
-    with Repository.open(store_path) as store:
-        result = commit_checkpoint(store, save_dir)
-    print(
-        f"[tailor] committed step {result.step}: {result.raw_bytes} raw bytes, {result.new_bytes} newly stored",
-        flush=True,
-    )
-    if delete:
-        tag = (save_dir / "latest").read_text().strip()
-        shutil.rmtree(save_dir / tag)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--save-dir", required=True)
@@ -230,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"DeepSpeed found no checkpoint to resume from in {args.resume_from}")
         start_step = int(client_state["my_step"])
 
+    store = Store.open(args.commit_to) if args.commit_to and rank == 0 else None
     losses: dict[int, float] = {}
     for step in range(start_step + 1, args.steps + 1):
         tokens = batch_for_step(step, rank, args.micro_batch, args.seq, args.vocab)
@@ -238,13 +224,23 @@ def main(argv: list[str] | None = None) -> None:
         engine.step()
         losses[step] = loss.item()
         if args.save_every and step % args.save_every == 0:
-            engine.save_checkpoint(args.save_dir, client_state={"my_step": step})
-            if args.commit_to:
-                torch.distributed.barrier()  # every rank's files are on disk
-                if rank == 0:
-                    commit_after_save(args.commit_to, Path(args.save_dir), args.delete_after_commit)
-                torch.distributed.barrier()
+            if store is not None or args.commit_to:
+                # the save on every rank, then rank 0 commits it in the background
+                save_checkpoint(
+                    engine,
+                    args.save_dir,
+                    store,
+                    client_state={"my_step": step},
+                    delete_after_commit=args.delete_after_commit,
+                )
+            else:
+                engine.save_checkpoint(args.save_dir, client_state={"my_step": step})
 
+    if store is not None:
+        store.close()  # waits for the last commit and raises any failure
+        with Store.open(args.commit_to) as done:
+            for s in done.log():
+                print(f"[tailor] committed step {s.step}: {s.raw_bytes} raw, {s.new_bytes} newly stored", flush=True)
     if rank == 0 and args.losses_out:
         # float.hex keeps every bit, so equality checks are exact.
         Path(args.losses_out).write_text(json.dumps({str(k): v.hex() for k, v in losses.items()}))

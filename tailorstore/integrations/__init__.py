@@ -1,0 +1,1 @@
+"""Plugging tailorstore into training loops: the HF Trainer (``hf``) and DeepSpeed (``deepspeed``)."""
