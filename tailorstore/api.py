@@ -257,16 +257,26 @@ def _commit(
 
 def check_blobs_present(repo: Repository, manifest: int) -> None:
     """Every blob the manifest names exists in the backend with its recorded size."""
-    rows = repo.conn.execute(
-        "SELECT hash, stored_size FROM blobs WHERE hash IN (SELECT blob FROM files WHERE manifest=?1"
-        " UNION SELECT container FROM files WHERE manifest=?1"
-        " UNION SELECT blob FROM atoms WHERE manifest=?1 AND derived IS NULL)",
+    hashes = repo.conn.execute(
+        "SELECT blob FROM files WHERE manifest=?1 UNION SELECT container FROM files WHERE manifest=?1"
+        " AND container IS NOT NULL UNION SELECT blob FROM atoms WHERE manifest=?1 AND derived IS NULL",
         (manifest,),
     ).fetchall()
-    for row in rows:
-        if repo.blob_size(row["hash"]) != row["stored_size"]:
+    pack_sizes: dict[str, int | None] = {}  # one size lookup per pack, not one per blob
+    for (digest,) in hashes:
+        row = repo.blob(digest)
+        if row is None:
+            ok = False
+        elif row.pack is None:
+            ok = repo.stored_bytes(row) == row.stored_size
+        else:
+            if row.pack not in pack_sizes:
+                pack_sizes[row.pack] = repo.object_size(row.key())
+            size = pack_sizes[row.pack]
+            ok = size is not None and (row.pack_offset or 0) + row.stored_size <= size
+        if not ok:
             raise CorruptStoreError(
-                f"blob {row['hash']} of the commit just made is missing or cut short in {repo.location}; "
+                f"blob {digest} of the commit just made is missing or cut short in {repo.location}; "
                 "the original checkpoint was kept. Run `tailor verify` and commit it again."
             )
 

@@ -35,8 +35,10 @@ from .progress import Progress, Silent
 from .store import manifest_objects
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atoms_by_key
 from .store.backend import blob_key
+from .store.packs import pack_key
+from .store.posix import is_out_of_space
 from .store.repo import Repository, check_step
-from .store.writer import BlobWriter
+from .store.writer import BlobWriter, disk_full
 
 
 @dataclass
@@ -251,10 +253,17 @@ def commit_checkpoint(
                     if tag:
                         conn.execute("UPDATE manifests SET tag=NULL WHERE tag=?", (tag,))
                 _refuse_existing(conn, step, tag)
-                conn.executemany(  # a repaired blob (rewritten because its file was missing) gets its new row
-                    "INSERT INTO blobs(hash, raw_size, stored_size, codec, created_at) VALUES (?,?,?,?,?)"
-                    " ON CONFLICT(hash) DO UPDATE SET stored_size=excluded.stored_size, codec=excluded.codec",
-                    [(b.hash, b.raw_size, b.stored_size, b.codec, b.created_at) for b in new_blobs],
+                conn.executemany(
+                    "INSERT INTO packs(name, size) VALUES (?,?) ON CONFLICT(name) DO NOTHING", writer.new_packs()
+                )
+                conn.executemany(  # a repaired blob (rewritten because its object was missing) gets its new row
+                    "INSERT INTO blobs(hash, raw_size, stored_size, codec, created_at, pack, pack_offset)"
+                    " VALUES (?,?,?,?,?,?,?) ON CONFLICT(hash) DO UPDATE SET stored_size=excluded.stored_size,"
+                    " codec=excluded.codec, pack=excluded.pack, pack_offset=excluded.pack_offset",
+                    [
+                        (b.hash, b.raw_size, b.stored_size, b.codec, b.created_at, b.pack, b.pack_offset)
+                        for b in new_blobs
+                    ],
                 )
                 manifest = conn.execute(
                     "INSERT INTO manifests(step, origin, tag, created_at, layout, ds_tag, zero_stage, world_size,"
@@ -300,7 +309,12 @@ def commit_checkpoint(
                         for layer in layers
                     ],
                 )
-                published = manifest_objects.publish(store.backend, conn, manifest)  # the commit point
+                try:
+                    published = manifest_objects.publish(store.backend, conn, manifest)  # the commit point
+                except OSError as exc:
+                    if is_out_of_space(exc):
+                        raise disk_full(store.location) from None
+                    raise
         except BaseException:
             if published is not None:  # the object went up but the index refused it: take it back
                 manifest_objects.unpublish(store.backend, [published])
@@ -437,3 +451,6 @@ def _remove_unindexed(store: Repository, writer: BlobWriter) -> None:
     for digest in writer.written():
         if store.blob(digest) is None:
             store.backend.delete(blob_key(digest))
+    for name in writer.written_packs():
+        if store.conn.execute("SELECT 1 FROM packs WHERE name=?", (name,)).fetchone() is None:
+            store.backend.delete(pack_key(name))

@@ -19,6 +19,7 @@ from .checkout import decode_atom
 from .errors import CorruptStoreError
 from .paths import check_relative
 from .store.backend import blob_names
+from .store.packs import pack_names
 from .store.repo import BlobRow, Repository
 
 
@@ -91,6 +92,10 @@ def verify(
     orphans = [n for n in blob_names(store.backend) if n not in indexed]
     if orphans:
         report.notes.append(f"{len(orphans)} orphan blob file(s) no manifest uses; `tailor gc` removes them")
+    known_packs = {r[0] for r in conn.execute("SELECT name FROM packs")}
+    stray = [n for n in pack_names(store.backend) if n not in known_packs]
+    if stray:
+        report.notes.append(f"{len(stray)} pack(s) the index does not know; `tailor gc` removes them")
     temps = store.backend.leftovers()
     if temps:
         report.notes.append(f"{len(temps)} temp file(s) of interrupted commits; `tailor gc` removes them")
@@ -99,7 +104,7 @@ def verify(
 
 def _check_blob(store: Repository, row: BlobRow, place: str, deep: bool, report: VerifyReport) -> None:
     report.blobs_checked += 1
-    size = store.blob_size(row.hash)
+    size = store.stored_bytes(row)
     if size is None:
         report.problems.append(f"blob {row.hash}: file missing (used by {place})")
         return
@@ -111,7 +116,7 @@ def _check_blob(store: Repository, row: BlobRow, place: str, deep: bool, report:
     if deep:
         buf = bytearray(row.raw_size)
         try:
-            with store.open_blob(row.hash, place) as f:
+            with store.open_row(row, place) as f:
                 codec.decode_into(row.codec, f, memoryview(buf), f"blob {row.hash}")
         except CorruptStoreError as exc:
             report.problems.append(f"{exc} (used by {place})")

@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import pytest
 
+from tailorstore.store.backend import blob_names
+from tailorstore.store.packs import pack_names
 from tailorstore.store.repo import Repository
 from tailorstore.testing.local_s3 import LocalS3, local_s3
 from tailorstore.testing.runs import TrainingFailed, train_hf, train_tiny
@@ -197,15 +199,21 @@ def tailor(*args: str, store: Path | None = None, timeout: float = 300) -> subpr
 
 
 def store_state(root: Path) -> tuple[list[str], list[str]]:
-    """Everything a store promises: the index's logical content and the set of blob files."""
+    """Everything a store promises: the index's logical content and the set of its objects
+    (blobs, packs, manifest, tag and pin objects) and temp files."""
     conn = sqlite3.connect(root / "index.sqlite")
     try:
         dump = [line for line in conn.iterdump()]
     finally:
         conn.close()
-    blobs = sorted(str(p.relative_to(root)) for p in (root / "blobs").rglob("*") if p.is_file())
+    objects = sorted(
+        str(p.relative_to(root))
+        for sub in ("blobs", "packs", "manifests", "refs")
+        for p in (root / sub).rglob("*")
+        if p.is_file()
+    )
     temps = sorted(str(p.relative_to(root)) for p in (root / "tmp").rglob("*"))
-    return dump, blobs + temps
+    return dump, objects + temps
 
 
 @pytest.fixture(scope="session")
@@ -220,3 +228,44 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
 def s3_location(s3_server: LocalS3) -> str:
     """A fresh prefix in the local S3 bucket."""
     return s3_server.new_location()
+
+
+def blob_object(store: Repository, digest: str) -> tuple[Path, int, int]:
+    """The file holding a blob's stored bytes, where they start in it and how many there are:
+    its own file, or a range of a pack."""
+    row = store.blob(digest)
+    assert row is not None, digest
+    return store.backend.path(row.key()), row.pack_offset or 0, row.stored_size  # type: ignore[attr-defined]
+
+
+def object_count(store: Repository) -> int:
+    """Blob and pack objects of a local store."""
+    assert store.root is not None
+    return sum(1 for sub in ("blobs", "packs") for p in (store.root / sub).rglob("*") if p.is_file())
+
+
+def referenced_blobs(store: Repository) -> set[str]:
+    return {
+        r[0]
+        for r in store.conn.execute(
+            "SELECT blob FROM files UNION SELECT container FROM files WHERE container IS NOT NULL"
+            " UNION SELECT blob FROM atoms WHERE derived IS NULL"
+        )
+    }
+
+
+def assert_only_live(store: Repository) -> None:
+    """After gc: the index holds exactly the referenced blobs, the backend holds them all, no
+    object is an orphan, and no pack holds as much dead data as gc repacks."""
+    from tailorstore.gc import REPACK_AT
+
+    live = referenced_blobs(store)
+    assert {r[0] for r in store.conn.execute("SELECT hash FROM blobs")} == live
+    assert live <= store.held_blobs()
+    loose = {r[0] for r in store.conn.execute("SELECT hash FROM blobs WHERE pack IS NULL")}
+    assert set(blob_names(store.backend)) == loose
+    packs = dict(store.conn.execute("SELECT name, size FROM packs").fetchall())
+    assert set(pack_names(store.backend)) == set(packs)
+    for name, size in packs.items():
+        held = store.conn.execute("SELECT coalesce(sum(stored_size), 0) FROM blobs WHERE pack=?", (name,)).fetchone()[0]
+        assert size - held < REPACK_AT * size, f"pack {name} is {1 - held / size:.0%} dead"

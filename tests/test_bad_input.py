@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Runs, as_of_step, store_state, tailor
+from conftest import Runs, as_of_step, blob_object, store_state, tailor
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import CommitOptions, commit_checkpoint
@@ -21,7 +21,6 @@ from tailorstore.errors import (
     UnsafePathError,
     UnsafePickleError,
 )
-from tailorstore.store.backend import blob_key
 from tailorstore.store.repo import Repository
 
 
@@ -140,9 +139,9 @@ def test_flipped_byte_in_blob_stops_checkout(committed: tuple[Repository, Path],
         "SELECT a.blob, a.path FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.manifest=1 AND b.raw_size > 4096 "
         "AND a.path LIKE '%optim_states.pt' LIMIT 1"
     ).fetchone()
-    path = store.backend.path(blob_key(row["blob"]))
+    path, start, size = blob_object(store, row["blob"])
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x40
+    data[start + size // 2] ^= 0x40
     path.chmod(0o644)
     path.write_bytes(bytes(data))
     out = tmp_path / "out"

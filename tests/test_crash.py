@@ -14,15 +14,13 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import Runs, as_of_step
-from test_health import referenced_blobs
+from conftest import Runs, as_of_step, assert_only_live, object_count
 from test_roundtrip import assert_same_checkpoint
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
 from tailorstore.gc import Retention, gc
 from tailorstore.refs import remove
-from tailorstore.store.backend import blob_names
 from tailorstore.store.repo import Repository
 from tailorstore.verify import verify
 
@@ -99,16 +97,18 @@ def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
     assert not store.backend.leftovers()
     assert verify(store, deep=True).ok and verify(store).notes == []
     # Exactly the blobs that steps 1 and 2 use are left, and the plan freed exactly what went.
-    assert set(blob_names(store.backend)) == referenced_blobs(store)
+    assert_only_live(store)
     assert plan.freed_bytes == on_disk_before - disk_bytes(store) > 0
 
 
 def disk_bytes(store: Repository) -> int:
-    return sum(p.stat().st_size for sub in ("blobs", "tmp") for p in (store.root / sub).rglob("*") if p.is_file())
+    return sum(
+        p.stat().st_size for sub in ("blobs", "packs", "tmp") for p in (store.root / sub).rglob("*") if p.is_file()
+    )
 
 
 def blob_count(store: Repository) -> int:
-    return sum(1 for _ in blob_names(store.backend))
+    return object_count(store)
 
 
 def wait_for_new_blob(store: Repository, baseline: int, proc: subprocess.Popen[bytes]) -> None:

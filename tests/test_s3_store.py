@@ -65,7 +65,8 @@ def test_every_command_works_on_an_s3_store(s3_server: LocalS3, s3_location: str
     manifests = sorted(k for k in objects if k.startswith("manifests/"))
     assert len(manifests) == 2 and any("step-00000000000000000006-v1" in k for k in manifests)
     assert objects["refs/tags/mixed"].decode() in manifests
-    assert sum(k.startswith("blobs/") for k in objects) > 100
+    assert sum(k.startswith(("blobs/", "packs/")) for k in objects) >= 2
+    assert len(objects) < 40, "small blobs share pack objects: one request each would be hundreds"
     cache = Path(os.environ["TAILOR_CACHE"])
     assert not any(p.name.startswith("blobs") for p in cache.rglob("*")), "no blob is kept locally"
 
@@ -116,27 +117,40 @@ def test_missing_or_altered_objects_are_found_and_never_checked_out(
     Repository.init(s3_location).close()
     with Repository.open(s3_location) as store:
         commit_checkpoint(store, as_of_step(save, 6, tmp_path / "at6"))
-        blobs = [r["blob"] for r in store.conn.execute("SELECT blob FROM atoms WHERE derived IS NULL LIMIT 2")]
+        rows = [
+            store.blob(r["blob"])
+            for r in store.conn.execute(
+                "SELECT a.blob FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.derived IS NULL"
+                " ORDER BY b.pack IS NULL DESC, b.pack, b.pack_offset"
+            )
+        ]
+    altered = rows[len(rows) // 2]
+    assert altered is not None
     client = boto3.client("s3", endpoint_url=s3_server.endpoint)
-    prefix = s3_location.split(f"s3://{BUCKET}/")[1]
-    client.delete_object(Bucket=BUCKET, Key=f"{prefix}/blobs/{blobs[0][:2]}/{blobs[0]}")
-    altered = f"{prefix}/blobs/{blobs[1][:2]}/{blobs[1]}"
-    body = bytearray(client.get_object(Bucket=BUCKET, Key=altered)["Body"].read())
-    body[len(body) // 2] ^= 0xFF
-    client.put_object(Bucket=BUCKET, Key=altered, Body=bytes(body))
+    key = f"{s3_location.split(f's3://{BUCKET}/')[1]}/{altered.key()}"
+    original = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    body = bytearray(original)
+    body[(altered.pack_offset or 0) + altered.stored_size // 2] ^= 0xFF
+    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
 
+    def refused(out: Path) -> str:
+        with Repository.open(s3_location) as store:
+            report = verify(store, deep=True)
+            assert not report.ok
+            with pytest.raises(CorruptStoreError):
+                checkout_step(store, "step=6", out)
+        assert not out.exists()
+        proc = tailor("checkout", "step=6", "--out", str(out), store=s3_location)  # type: ignore[arg-type]
+        assert proc.returncode == 3 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert not out.exists()
+        return "\n".join(report.problems)
+
+    assert altered.hash in refused(tmp_path / "out1"), "the altered blob is named"
+    client.delete_object(Bucket=BUCKET, Key=key)  # now the object holding it is gone altogether
+    assert f"blob {altered.hash}: file missing" in refused(tmp_path / "out2")
+    client.put_object(Bucket=BUCKET, Key=key, Body=original)
     with Repository.open(s3_location) as store:
-        report = verify(store, deep=True)
-        assert not report.ok
-        problems = "\n".join(report.problems)
-        assert f"blob {blobs[0]}: file missing" in problems
-        assert blobs[1] in problems
-        with pytest.raises(CorruptStoreError):
-            checkout_step(store, "step=6", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-    proc = tailor("checkout", "step=6", "--out", str(tmp_path / "out2"), store=s3_location)  # type: ignore[arg-type]
-    assert proc.returncode == 3 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "out2").exists()
+        assert verify(store, deep=True).ok
 
 
 def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
@@ -167,7 +181,8 @@ def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
     assert s3_location in stderr and "reachable" in stderr
 
     after = set(s3_server.keys(s3_location))
-    assert not [k for k in after - before if not k.startswith("blobs/")], "no manifest or ref of step 6"
+    unexpected = [k for k in after - before if not k.startswith(("blobs/", "packs/", "locks/"))]
+    assert not unexpected, "no manifest or ref of step 6"
     with Repository.open(s3_location) as store:
         assert [r["step"] for r in store.conn.execute("SELECT step FROM manifests")] == [3]
         assert verify(store, deep=True).ok

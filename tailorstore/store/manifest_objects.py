@@ -26,6 +26,7 @@ import json
 import re
 import secrets
 import sqlite3
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,6 +34,7 @@ import zstandard
 
 from ..errors import CorruptStoreError
 from .backend import Backend, check_key
+from .packs import pack_names, read_trailer
 
 MANIFEST_PREFIX = "manifests/"
 TAG_PREFIX = "refs/tags/"
@@ -50,7 +52,7 @@ _ATOM_COLUMNS = (
     "layer", "blob", "derived", "file_offset",
 )  # fmt: skip
 _LAYER_COLUMNS = ("layer", "source_step", "raw_bytes", "stored", "change")
-_BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "created_at")
+_BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "created_at", "pack", "pack_offset")
 
 
 def tag_key(tag: str) -> str:
@@ -174,9 +176,10 @@ def drop_tag(backend: Backend, tag: str) -> None:
 def import_document(conn: sqlite3.Connection, key: str, doc: dict[str, Any], ids: dict[str, int]) -> int:
     """Insert one manifest object's rows; ``ids`` maps object keys already in the index to local ids."""
     m = doc["manifest"]
+    columns = [c for c in doc["blobs"]["columns"] if c in _BLOB_COLUMNS]  # a location is a hint; packs decide
     conn.executemany(
-        "INSERT OR IGNORE INTO blobs(hash, raw_size, stored_size, codec, created_at) VALUES (?,?,?,?,?)",
-        doc["blobs"]["rows"],
+        f"INSERT OR IGNORE INTO blobs({', '.join(columns)}) VALUES ({','.join('?' * len(columns))})",
+        [r[: len(columns)] for r in doc["blobs"]["rows"]],
     )
     names = [c.strip() for c in _MANIFEST_COLUMNS.split(",")]
     manifest = conn.execute(
@@ -237,6 +240,8 @@ def sync(backend: Backend, conn: sqlite3.Connection) -> tuple[int, int]:
     Reads first and writes only when something differs, so opening an unchanged store takes
     no write lock: one LIST of manifests and refs, and one GET per tag.
     """
+    listed_packs = set(pack_names(backend))
+    known_packs = {r[0] for r in conn.execute("SELECT name FROM packs")}
     present = _current_versions(k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k))
     rows = conn.execute("SELECT id, object_key, tag, pinned FROM manifests").fetchall()
     indexed = {r["object_key"]: r["id"] for r in rows if r["object_key"] is not None}
@@ -246,11 +251,21 @@ def sync(backend: Backend, conn: sqlite3.Connection) -> tuple[int, int]:
     pins = set(backend.list(PIN_PREFIX))
     want = {r["id"]: (r["tag"], r["pinned"]) for r in rows if r["object_key"] in present}
     have = {mid: (tags.get(key), int(pin_key(key) in pins)) for key, mid in indexed.items() if key in present}
-    if not gone and not new and want == have:
+    if not gone and not new and want == have and listed_packs == known_packs:
         return 0, 0
     docs = {k: decode(backend.get(k), k) for k in new}
+    trailers = {name: read_trailer(backend, name) for name in sorted(listed_packs - known_packs)}
     conn.execute("BEGIN IMMEDIATE")
     try:
+        conn.executemany("DELETE FROM packs WHERE name=?", [(n,) for n in known_packs - listed_packs])
+        for name, (size, entries) in trailers.items():  # where each blob is: packs are the truth
+            conn.execute("INSERT INTO packs(name, size) VALUES (?,?)", (name, size))
+            conn.executemany(
+                "INSERT INTO blobs(hash, raw_size, stored_size, codec, created_at, pack, pack_offset)"
+                " VALUES (?,?,?,?,?,?,?) ON CONFLICT(hash) DO UPDATE SET pack=excluded.pack,"
+                " pack_offset=excluded.pack_offset, stored_size=excluded.stored_size, codec=excluded.codec",
+                [(e.hash, e.raw_size, e.stored_size, e.codec, time.time(), name, e.offset) for e in entries],
+            )
         conn.executemany("DELETE FROM manifests WHERE id=?", [(m,) for m in gone])
         ids = {k: v for k, v in indexed.items() if k in present}
         for key in _order(new, docs):

@@ -14,6 +14,7 @@ host's cache directory.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -28,10 +29,11 @@ from typing import BinaryIO
 from .. import codec
 from ..errors import CorruptStoreError, StoreError, UnknownStepError
 from . import index, manifest_objects
-from .backend import Backend, blob_key
+from .backend import Backend, blob_key, blob_names
 from .lease import LeaseHandle, lease_lock
 from .location import Location, resolve
 from .lock import LockHandle, store_lock
+from .packs import pack_key, pack_names, read_trailer
 from .schema import FORMAT_VERSION
 
 STORE_ENV = "TAILOR_STORE"
@@ -51,6 +53,32 @@ class BlobRow:
     raw_size: int
     stored_size: int
     codec: str
+    pack: str | None = None  # the pack holding it, or None for a loose blob object
+    pack_offset: int | None = None
+
+    def key(self) -> str:
+        return blob_key(self.hash) if self.pack is None else pack_key(self.pack)
+
+
+class _Reading(io.RawIOBase):
+    """A blob reader whose object may vanish under it (a remote reader opens lazily):
+    that is a damaged store, said as such, not a FileNotFoundError."""
+
+    def __init__(self, inner: BinaryIO, missing: CorruptStoreError) -> None:
+        self._inner, self._missing = inner, missing
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, dest: memoryview | bytearray) -> int:  # type: ignore[override]
+        try:
+            return self._inner.readinto(dest)  # type: ignore[attr-defined]
+        except FileNotFoundError:
+            raise self._missing from None
+
+    def close(self) -> None:
+        self._inner.close()
+        super().close()
 
 
 def _location(location: Path | str | None) -> Path | str:
@@ -199,30 +227,57 @@ class Repository:
     # -- blobs ---------------------------------------------------------------------------
     def blob(self, digest: str) -> BlobRow | None:
         row = self.conn.execute(
-            "SELECT hash, raw_size, stored_size, codec FROM blobs WHERE hash=?", (digest,)
+            "SELECT hash, raw_size, stored_size, codec, pack, pack_offset FROM blobs WHERE hash=?", (digest,)
         ).fetchone()
         return BlobRow(*row) if row else None
 
-    def blob_size(self, digest: str) -> int | None:
-        """Stored bytes of the blob's object, or None when it is missing."""
+    def held_blobs(self) -> set[str]:
+        """Every blob the backend holds: loose blob objects and the entries of every pack."""
+        held = set(blob_names(self.backend))
+        for name in pack_names(self.backend):
+            held.update(e.hash for e in read_trailer(self.backend, name)[1])
+        return held
+
+    def object_size(self, key: str) -> int | None:
         try:
-            return self.backend.size(blob_key(digest))
+            return self.backend.size(key)
         except FileNotFoundError:
             return None
 
-    def open_blob(self, digest: str, where: str) -> BinaryIO:
-        key = blob_key(digest)
+    def stored_bytes(self, row: BlobRow) -> int | None:
+        """How many of the blob's stored bytes its object holds (``stored_size`` when intact),
+        or None when the object is missing."""
         try:
-            return self.backend.reader(key)
+            size = self.backend.size(row.key())
         except FileNotFoundError:
-            raise CorruptStoreError(
-                f"{where}: blob {digest} is missing from {self.location}/{key}; it was deleted behind the "
-                "store's back. Run `tailor verify` to see every step it affects."
-            ) from None
+            return None
+        if row.pack is None:
+            return size
+        return max(0, min(row.stored_size, size - (row.pack_offset or 0)))
+
+    def open_blob(self, digest: str, where: str) -> BinaryIO:
+        row = self.blob(digest)
+        if row is None:
+            raise CorruptStoreError(f"{where}: blob {digest} has no row in the index; run `tailor verify`.")
+        return self.open_row(row, where)
+
+    def open_row(self, row: BlobRow, where: str) -> BinaryIO:
+        """A reader of exactly the blob's stored bytes, loose or inside its pack."""
+        key = row.key()
+        missing = CorruptStoreError(
+            f"{where}: blob {row.hash} is missing from {self.location}/{key}; it was deleted behind the "
+            "store's back. Run `tailor verify` to see every step it affects."
+        )
+        try:
+            if row.pack is None:
+                return _Reading(self.backend.reader(key), missing)  # type: ignore[return-value]
+            return _Reading(self.backend.reader(key, row.pack_offset or 0, row.stored_size), missing)  # type: ignore[return-value]
+        except FileNotFoundError:
+            raise missing from None
 
     def read_blob_into(self, row: BlobRow, dest: memoryview, where: str) -> None:
         """Decode a blob into ``dest`` and check its hash; never leaves unchecked bytes behind."""
-        with self.open_blob(row.hash, where) as f:
+        with self.open_row(row, where) as f:
             codec.decode_into(row.codec, f, dest, f"{where}: blob {row.hash}")
         if codec.content_hash(dest) != row.hash:
             raise CorruptStoreError(

@@ -16,8 +16,13 @@ MIGRATIONS: dict[int, str] = {
     "ALTER TABLE atoms ADD COLUMN file_offset INTEGER;",
     # 2 -> 3: manifests become objects in the backend; opening the store writes the objects
     # of the manifests it holds (object_key NULL) before anything else.
+    # Packs: blobs may live inside pack objects.
     2: "ALTER TABLE manifests ADD COLUMN object_key TEXT;\n"
-    "CREATE UNIQUE INDEX manifests_object_key ON manifests(object_key);",
+    "CREATE UNIQUE INDEX manifests_object_key ON manifests(object_key);\n"
+    "ALTER TABLE blobs ADD COLUMN pack TEXT;\n"
+    "ALTER TABLE blobs ADD COLUMN pack_offset INTEGER;\n"
+    "CREATE TABLE packs (name TEXT PRIMARY KEY, size INTEGER NOT NULL);\n"
+    "CREATE INDEX blobs_pack ON blobs(pack);",
 }
 
 SCHEMA = """
@@ -30,7 +35,14 @@ CREATE TABLE blobs (
     raw_size    INTEGER NOT NULL,
     stored_size INTEGER NOT NULL,
     codec       TEXT NOT NULL,      -- JSON codec descriptor
-    created_at  REAL NOT NULL
+    created_at  REAL NOT NULL,
+    pack        TEXT,               -- the pack holding the blob, or NULL for a loose blob object
+    pack_offset INTEGER             -- where its bytes start in that pack
+);
+CREATE INDEX blobs_pack ON blobs(pack);
+CREATE TABLE packs (
+    name        TEXT PRIMARY KEY,   -- xxh3-128 of the pack's bytes
+    size        INTEGER NOT NULL    -- bytes of the pack object, trailer included
 );
 CREATE TABLE manifests (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,

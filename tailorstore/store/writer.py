@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import codec
 from ..errors import InputChangedError, StoreError
 from ..formats.source import InputFile
 from .backend import BackendError, blob_key
+from .packs import PACK_BELOW, PackWriter
 from .posix import is_out_of_space
-from .repo import Repository
+from .repo import BlobRow, Repository
 
 IN_FLIGHT_BYTES = 256 << 20  # raw bytes queued for compression at once
 
@@ -37,6 +39,15 @@ class NewBlob:
     stored_size: int
     codec: str
     created_at: float
+    pack: str | None = None  # set by finish() for a blob written into a pack
+    pack_offset: int | None = None
+
+
+def disk_full(location: str) -> StoreError:
+    return StoreError(
+        f"{location}: no space left on the device while writing the commit. The commit was not "
+        "recorded and the store is as it was; free some space (or run `tailor gc`) and commit again."
+    )
 
 
 class BlobWriter:
@@ -45,6 +56,8 @@ class BlobWriter:
     ) -> None:
         self.store = store
         self.batch = store.backend.batch()  # this commit's blobs, durable together at finish()
+        self.packs = PackWriter(self.batch)  # small blobs share pack objects
+        self._pack_sizes: dict[str, int | None] = {}  # packs of earlier commits, looked up once per commit
         self.level = level
         self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tailor-blob")
@@ -93,11 +106,19 @@ class BlobWriter:
             self.reused_bytes += size
             return True
         row = self.store.blob(digest)
-        if row is not None and self.store.blob_size(digest) == row.stored_size:
+        if row is not None and self._present(row):
             self._known.add(digest)
             self.reused_bytes += size
             return True
         return False  # new, or indexed but missing or cut short: (re)written, and its row updated
+
+    def _present(self, row: BlobRow) -> bool:
+        if row.pack is None:
+            return self.store.stored_bytes(row) == row.stored_size
+        if row.pack not in self._pack_sizes:
+            self._pack_sizes[row.pack] = self.store.object_size(row.key())
+        size = self._pack_sizes[row.pack]
+        return size is not None and (row.pack_offset or 0) + row.stored_size <= size
 
     def _reserve(self, n: int) -> None:
         with self._room:
@@ -113,21 +134,26 @@ class BlobWriter:
         if self._failure is not None:
             raise self._failure
         encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level)
+        if len(data) < PACK_BELOW:
+            stored = b"".join(bytes(c) for c in encoded)
+            self._guard(digest, lambda: self.packs.add(digest, stored, len(data), encoded.descriptor))
+            return NewBlob(digest, len(data), len(stored), encoded.descriptor, time.time())
         self._put(digest, encoded, len(data))  # compresses chunk by chunk as it writes
         return NewBlob(digest, len(data), encoded.size, encoded.descriptor, time.time())
 
     def _put(self, digest: str, encoded: codec.Encoded, raw_size: int) -> None:
+        self._guard(digest, lambda: self.batch.put(blob_key(digest), encoded, raw_size))
+
+    def _guard(self, digest: str, write: Callable[[], None]) -> None:
+        """Run a write; turn its failure into the commit's one clear error (the first one wins)."""
         try:
-            self.batch.put(blob_key(digest), encoded, raw_size)
+            write()
         except (InputChangedError, BackendError) as exc:
             self._failure = exc
             raise
         except OSError as exc:
             if is_out_of_space(exc):
-                self._failure = StoreError(
-                    f"{self.store.location}: no space left on the device while writing blobs. The commit was not "
-                    "recorded and the store is as it was; free some space (or run `tailor gc`) and commit again."
-                )
+                self._failure = disk_full(self.store.location)
             else:
                 self._failure = StoreError(
                     f"{self.store.location}: writing blob {digest} failed ({exc}); the commit was not recorded."
@@ -140,8 +166,16 @@ class BlobWriter:
             blobs = [f.result() for f in self._pending.values()]
         finally:
             self._pool.shutdown(wait=True)
+        self._guard("(last pack)", self.packs.flush)
         self.batch.publish()
-        return blobs
+        placed = self.packs.placed
+        return [
+            replace(b, pack=placed[b.hash][0], pack_offset=placed[b.hash][1]) if b.hash in placed else b for b in blobs
+        ]
+
+    def new_packs(self) -> list[tuple[str, int]]:
+        """(name, size) of the packs this commit wrote."""
+        return list(self.packs.sealed)
 
     def hash_only(self, data: memoryview) -> str:
         """The name these bytes would have, for atoms that are rebuilt instead of stored."""
@@ -150,6 +184,9 @@ class BlobWriter:
     def written(self) -> list[str]:
         """Digests of the blobs this writer put (or may have put) into the backend."""
         return list(self._pending)
+
+    def written_packs(self) -> list[str]:
+        return [name for name, _ in self.packs.sealed]
 
     def abort(self) -> None:
         for future in self._pending.values():

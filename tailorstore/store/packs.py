@@ -1,0 +1,135 @@
+"""Packs: many small blobs in one object, as restic does.
+
+One object per blob costs too much for checkpoints full of small tensors (biases, norms,
+per-parameter optimizer ``step`` counters): on a file system every object is an inode and
+a block rounded up, on S3 every object is a request. A commit therefore writes blobs whose
+raw size is under ``PACK_BELOW`` into packs of about ``PACK_TARGET`` bytes.
+
+A pack is ``packs/XX/<name>``, ``name`` the xxh3-128 of the pack's bytes::
+
+    blob bytes, back to back (each exactly as a loose blob object would hold it)
+    trailer: zstd frame of JSON {"blobs": [[hash, offset, stored_size, raw_size, codec], ...]}
+    8 bytes: the trailer's length, little-endian
+    8 bytes: b"TLRPACK1"
+
+The trailer makes a pack self-describing: an index can be rebuilt from the packs and the
+manifest objects alone, and gc can move a blob to another pack (repack) without touching
+any manifest, since manifests name blobs by hash only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import xxhash
+import zstandard
+
+from ..errors import CorruptStoreError
+from .backend import Backend, Batch
+
+PACK_PREFIX = "packs/"
+PACK_BELOW = 1 << 20  # blobs of a smaller raw size go into packs
+PACK_TARGET = 16 << 20  # a pack is sealed once it holds this many bytes
+MAGIC = b"TLRPACK1"
+_FOOT = struct.Struct("<Q8s")
+_NAME = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    hash: str
+    offset: int
+    stored_size: int
+    raw_size: int
+    codec: str
+
+
+def pack_key(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise CorruptStoreError(f"the index names a pack {name!r}, which is not a 32-digit hex name")
+    return f"{PACK_PREFIX}{name[:2]}/{name}"
+
+
+def pack_names(backend: Backend) -> Iterator[str]:
+    for key in backend.list(PACK_PREFIX):
+        parts = key.split("/")
+        if len(parts) == 3 and _NAME.fullmatch(parts[2]) and parts[2][:2] == parts[1]:
+            yield parts[2]
+
+
+def seal(entries: list[tuple[str, bytes, int, str]]) -> tuple[str, bytes, list[PackEntry]]:
+    """(hash, stored bytes, raw size, codec) of each blob -> the pack's name, bytes and entries."""
+    body = bytearray()
+    placed = []
+    for digest, data, raw_size, codec in entries:
+        placed.append(PackEntry(digest, len(body), len(data), raw_size, codec))
+        body += data
+    trailer = zstandard.ZstdCompressor(level=3).compress(
+        json.dumps({"blobs": [[e.hash, e.offset, e.stored_size, e.raw_size, e.codec] for e in placed]}).encode()
+    )
+    body += trailer + _FOOT.pack(len(trailer), MAGIC)
+    return xxhash.xxh3_128_hexdigest(body), bytes(body), placed
+
+
+def read_trailer(backend: Backend, name: str) -> tuple[int, list[PackEntry]]:
+    """The pack's size and entries, read with two ranged gets (foot, then trailer)."""
+    key = pack_key(name)
+    size = backend.size(key)
+    if size < _FOOT.size:
+        raise CorruptStoreError(f"pack {name} is cut short ({size} bytes); run `tailor verify --deep`")
+    length, magic = _FOOT.unpack(backend.get(key, size - _FOOT.size, _FOOT.size))
+    if magic != MAGIC or length > size - _FOOT.size:
+        raise CorruptStoreError(f"pack {name} has no valid trailer; it is damaged. Run `tailor verify --deep`.")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(
+            backend.get(key, size - _FOOT.size - length, length), max_output_size=1 << 30
+        )
+        rows = json.loads(raw)["blobs"]
+        entries = [PackEntry(str(h), int(o), int(s), int(r), str(c)) for h, o, s, r, c in rows]
+    except (zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptStoreError(f"pack {name}: its trailer is damaged ({exc}); run `tailor verify --deep`") from None
+    return size, entries
+
+
+class PackWriter:
+    """Collects small encoded blobs and puts a pack into the batch whenever one is full.
+
+    Thread-safe: compression workers add blobs concurrently. ``placed`` maps each blob's
+    hash to (pack name, offset) once its pack is sealed; ``sealed`` lists (name, size).
+    """
+
+    def __init__(self, batch: Batch) -> None:
+        self._batch = batch
+        self._lock = threading.Lock()
+        self._open: list[tuple[str, bytes, int, str]] = []
+        self._bytes = 0
+        self.placed: dict[str, tuple[str, int]] = {}
+        self.sealed: list[tuple[str, int]] = []
+
+    def add(self, digest: str, data: bytes, raw_size: int, codec: str) -> None:
+        with self._lock:
+            self._open.append((digest, data, raw_size, codec))
+            self._bytes += len(data)
+            if self._bytes < PACK_TARGET:
+                return
+            full, self._open, self._bytes = self._open, [], 0
+        self._write(full)
+
+    def flush(self) -> None:
+        with self._lock:
+            rest, self._open, self._bytes = self._open, [], 0
+        if rest:
+            self._write(rest)
+
+    def _write(self, entries: list[tuple[str, bytes, int, str]]) -> None:
+        name, body, placed = seal(entries)
+        self._batch.put(pack_key(name), [body], len(body))
+        with self._lock:
+            self.sealed.append((name, len(body)))
+            for e in placed:
+                self.placed[e.hash] = (name, e.offset)

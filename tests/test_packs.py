@@ -1,0 +1,89 @@
+"""Packs: small blobs share objects, gc repacks what is mostly dead, and an index rebuilt
+from the packs and manifest objects finds every blob where it now is. Real DeepSpeed saves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import Runs, as_of_step, assert_only_live, object_count
+from test_roundtrip import assert_same_checkpoint
+
+from tailorstore.checkout import checkout_step
+from tailorstore.commit import commit_checkpoint
+from tailorstore.gc import REPACK_AT, Retention, gc
+from tailorstore.refs import remove
+from tailorstore.store.packs import PACK_BELOW, read_trailer
+from tailorstore.store.repo import Repository
+from tailorstore.verify import verify
+
+
+def disk_usage(root: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for sub in ("blobs", "packs") for p in (root / sub).rglob("*") if p.is_file())
+
+
+def test_small_blobs_share_pack_objects(runs: Runs, tmp_path: Path) -> None:
+    save = runs.get("zero2-bf16").save_dir
+    store = Repository.init(tmp_path / "store")
+    commit_checkpoint(store, as_of_step(save, 6, tmp_path / "at6"))
+    small = store.conn.execute("SELECT count(*) FROM blobs WHERE raw_size < ?", (PACK_BELOW,)).fetchone()[0]
+    packed = store.conn.execute("SELECT count(*) FROM blobs WHERE pack IS NOT NULL").fetchone()[0]
+    assert small > 100 and packed == small, "every small blob is in a pack"
+    assert object_count(store) < 10, "hundreds of blobs, a handful of objects"
+    stored = store.conn.execute("SELECT sum(stored_size) FROM blobs").fetchone()[0]
+    assert disk_usage(store.root) < 1.1 * stored + 64 * 4096, "no block rounding per blob"
+    for name, size in store.conn.execute("SELECT name, size FROM packs"):
+        assert read_trailer(store.backend, name)[0] == size  # self-describing
+    out = tmp_path / "out"
+    checkout_step(store, "step=6", out)
+    assert_same_checkpoint(as_of_step(save, 6, tmp_path / "ref"), out)
+
+
+def test_gc_repacks_mostly_dead_packs_and_the_index_rebuilds(runs: Runs, tmp_path: Path) -> None:
+    save = runs.get("ten-saves").save_dir
+    store = Repository.init(tmp_path / "store")
+    for step in range(1, 11):
+        commit_checkpoint(store, as_of_step(save, step, tmp_path / f"at{step}"))
+    packs_before = {r[0] for r in store.conn.execute("SELECT name FROM packs")}
+    for step in range(2, 10):
+        remove(store, f"step={step}")
+    plan = gc(store, Retention())
+    assert plan.dead_packs, "packs of steps nothing keeps go whole"
+    assert plan.freed_bytes > 0
+    assert_only_live(store)  # and nothing left holds REPACK_AT or more dead bytes
+    after = {r[0] for r in store.conn.execute("SELECT name FROM packs")}
+    assert after != packs_before
+    assert verify(store, deep=True).ok
+    for step in (1, 10):
+        out = tmp_path / f"out{step}"
+        checkout_step(store, f"step={step}", out)
+        assert_same_checkpoint(as_of_step(save, step, tmp_path / f"ref{step}"), out)
+
+    root = store.root
+    store.close()
+    for f in root.glob("index.sqlite*"):
+        f.unlink()
+    Repository.rebuild_index(root)
+    with Repository.open(root) as rebuilt:
+        assert verify(rebuilt, deep=True).ok
+        checkout_step(rebuilt, "step=1", tmp_path / "again")
+    assert_same_checkpoint(as_of_step(save, 1, tmp_path / "ref-again"), tmp_path / "again")
+    assert 0 < REPACK_AT < 1
+
+
+def test_a_partly_dead_pack_is_repacked(runs: Runs, tmp_path: Path) -> None:
+    """One commit's pack holds blobs of two steps' worth of state; dropping one repacks it."""
+    save = runs.get("zero2-bf16").save_dir
+    store = Repository.init(tmp_path / "store")
+    merged = as_of_step(save, 6, tmp_path / "both")  # global_step3 beside global_step6: one commit, one pack
+    (merged / "extra").mkdir()
+    for f in (save / "global_step3").iterdir():
+        (merged / "extra" / f.name).write_bytes(f.read_bytes())
+    commit_checkpoint(store, merged)
+    commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
+    remove(store, "step=6")
+    plan = gc(store, Retention())
+    assert plan.repack, "the shared pack was mostly dead and got repacked"
+    assert_only_live(store)
+    assert verify(store, deep=True).ok
+    checkout_step(store, "step=3", tmp_path / "out")
+    assert_same_checkpoint(as_of_step(save, 3, tmp_path / "ref"), tmp_path / "out")
