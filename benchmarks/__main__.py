@@ -3,6 +3,7 @@
     python -m benchmarks                      # small, medium (58M) and large (100M), 3 repeats
     python -m benchmarks --sizes medium --repeats 3
     python -m benchmarks --report-only        # re-render docs/benchmarks.md from saved results
+    python -m benchmarks --sizes "" --s3 medium --repeats 1   # S3 (local moto server) against obstore copies
 
 Trainings and results are kept under --workdir (default .bench/), so a re-run only
 measures what is missing. Needs `pip install zipnn` for the zipnn column.
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--skip-quality", action="store_true", help="skip the parity-composite quality run")
+    parser.add_argument("--s3", default="", help="also measure S3 against obstore copies for this size (e.g. medium)")
+    parser.add_argument("--s3-saves", type=int, default=2, help="how many of that size's saves the S3 run commits")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
@@ -76,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             (args.workdir / f"result-{name}.json").write_text(json.dumps(result, indent=1))
     command = "python -m benchmarks " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if not args.report_only and args.s3:
+        save, steps, _ = suite.train(suite.SIZES[args.s3], args.workdir / args.s3 / "train", args.saves, args.interval)
+        s3_run = suite.measure_s3(save, steps[: args.s3_saves], args.workdir / "s3", args.repeats)
+        s3_run |= {"size": args.s3, "command": command, "measured_at": dt.datetime.now().isoformat(timespec="seconds")}
+        (args.workdir / "s3.json").write_text(json.dumps(s3_run, indent=1))
     if not args.report_only and not (args.workdir / "merge-scaling.json").exists():
         scaling_run = suite.merge_scaling(args.workdir / "merge-scaling")
         (args.workdir / "merge-scaling.json").write_text(json.dumps(scaling_run, indent=1))
@@ -89,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     quality = json.loads(quality_file.read_text()) if quality_file.exists() else None
     scaling_file = args.workdir / "merge-scaling.json"
     scaling = json.loads(scaling_file.read_text()) if scaling_file.exists() else None
-    args.out.write_text(render(results, quality, scaling))
+    s3_file = args.workdir / "s3.json"
+    s3 = json.loads(s3_file.read_text()) if s3_file.exists() else None
+    args.out.write_text(render(results, quality, scaling, s3))
     print(f"wrote {args.out}")
 
     return 0

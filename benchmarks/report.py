@@ -21,7 +21,9 @@ def _sum(values: list[float]) -> float:
     return float(sum(values))
 
 
-def render(results: dict[str, dict], quality: dict | None = None, scaling: list | None = None) -> str:
+def render(
+    results: dict[str, dict], quality: dict | None = None, scaling: list | None = None, s3: dict | None = None
+) -> str:
     order = [k for k in ("small", "medium", "large") if k in results]
     lines = [
         "# Benchmarks",
@@ -30,8 +32,8 @@ def render(results: dict[str, dict], quality: dict | None = None, scaling: list 
         "shown with it and written by `benchmarks/report.py`; nothing is typed in by hand. Times and peak RSS are",
         "medians of the repeats; commit, checkout and the copy baseline ran side by side in the same run, alternating",
         "which went first. The checkpoints are real DeepSpeed saves (Llama-style model, bf16, ZeRO-2, 2 ranks,",
-        "`torch.optim.AdamW`), one save every 20 steps. Commit and checkout times are the library call in a fresh",
-        "process (interpreter start-up excluded; the `tailor` CLI's start-up is shown separately as wall time).",
+        "`torch.optim.AdamW`), one save every 20 steps. Commit and checkout times are whole `tailor` processes,",
+        "start-up included, unless a column says library.",
         "The baseline is `cp -r` of the same `global_stepN/` folder followed by `sync`. Both sides fsync. Before",
         "the copy and before the commit the checkpoint's files are read once, so both start with them in the page",
         "cache, as right after a save (on this VM an idle page cache is reclaimed, and a save read back later",
@@ -212,6 +214,8 @@ def render(results: dict[str, dict], quality: dict | None = None, scaling: list 
             f"| exact step 18 | {q['exact_final_loss']:.6f} |",
             f"| relative difference | {diff * 100:.3f}% |",
         ]
+    if s3:
+        lines += s3_section(s3)
     lines += ["", "## Targets", ""]
     lines += targets(results)
     return "\n".join(lines) + "\n"
@@ -245,4 +249,33 @@ def targets(results: dict[str, dict]) -> list[str]:
             )
             for key, label in (("log_seconds", "tailor log"), ("show_seconds", "tailor show")):
                 out.append(f"| {label} on 1,000 steps < 1 s | {r[key]:.2f} s | {'yes' if r[key] < 1 else 'no'} |")
+    return out
+
+
+def s3_section(r: dict) -> list[str]:
+    p = r["per_step"]
+    raw = _sum(r["raw_step_bytes"])
+    up, commit, down, checkout = (_sum(p[k]) for k in ("upload", "commit", "download", "checkout"))
+    out = [
+        "",
+        f"## S3: tailor against copying the files with obstore ({r['size']}, {len(r['steps'])} saves)",
+        "",
+        f"Command: `{r['command']}` (measured {r['measured_at']}). A local S3 server (moto's ThreadedMotoServer on",
+        "127.0.0.1) behind a relay that counts the bytes each way. The baseline uploads each file of the",
+        "`global_stepN/` folder as one object with obstore (`benchmarks/s3_copy.py`), and downloads them again",
+        "(written and synced). Every time is a whole process. The server is the same Python process for both",
+        "sides and is the bottleneck here; a real S3 endpoint moves bytes faster, which favours fewer bytes less.",
+        "",
+        "| | obstore copy | tailor | tailor / copy | bytes sent (copy / tailor) | bytes received (copy / tailor) |",
+        "|---|---|---|---|---|---|",
+        f"| commit vs upload | {s(up)} | {s(commit)} | {commit / up:.2f} | {mb(_sum(p['upload_sent']))} / "
+        f"{mb(_sum(p['commit_sent']))} | {mb(_sum(p['upload_received']))} / {mb(_sum(p['commit_received']))} |",
+        f"| checkout vs download | {s(down)} | {s(checkout)} | {checkout / down:.2f} | "
+        f"{mb(_sum(p['download_sent']))} / {mb(_sum(p['checkout_sent']))} | "
+        f"{mb(_sum(p['download_received']))} / {mb(_sum(p['checkout_received']))} |",
+        "",
+        f"Raw bytes of the saves: {mb(raw)}. Targets: commit <= 0.8x the upload "
+        f"({'met' if commit / up <= 0.8 else 'not met'}), checkout <= 1.0x the download "
+        f"({'met' if checkout / down <= 1.0 else 'not met'}).",
+    ]
     return out

@@ -27,6 +27,7 @@ from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
 from tailorstore.merge import merge
 from tailorstore.store.repo import Repository
+from tailorstore.testing.local_s3 import CuttableLink, local_s3
 from tailorstore.testing.runs import train_tiny
 
 
@@ -166,7 +167,8 @@ def measure_io(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
         "per_step": med,
         "raw_step_bytes": [dir_bytes(save / f"global_step{s}") for s in steps],
         "largest_file": max(largest_file(save / f"global_step{s}") for s in steps),
-        "store_bytes": dir_bytes(store / "blobs") + sum(p.stat().st_size for p in store.glob("index.sqlite*")),
+        "store_bytes": sum(dir_bytes(store / sub) for sub in ("blobs", "packs", "manifests"))
+        + sum(p.stat().st_size for p in store.glob("index.sqlite*")),
     }
 
 
@@ -395,6 +397,11 @@ def build_thousand(store_root: Path, target: Path, count: int = 1000) -> Path:
         )
     conn.execute("COMMIT")
     conn.close()
+    for sub in ("manifests", "refs"):  # the objects of the real manifests; the copies get theirs below
+        if (store_root / sub).is_dir():
+            shutil.copytree(store_root / sub, target / sub)
+    (target / "tailorstore.json").write_bytes((store_root / "tailorstore.json").read_bytes())
+    Repository.open(target).close()  # writes the copies' manifest objects, as a store of 1,000 commits has them
     return target
 
 
@@ -504,3 +511,52 @@ def merge_scaling(work: Path, repeats: int = 5) -> list[dict]:
             }
         )
     return out
+
+
+def measure_s3(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
+    """Against a local S3 server (moto, 127.0.0.1), through a relay that counts bytes each way:
+    `tailor commit` against uploading the same files with obstore, `tailor checkout` against
+    downloading them. Every figure is a whole process; the server is the same for both."""
+    rows: dict[str, list[list[float]]] = defaultdict(lambda: [[] for _ in steps])
+    with local_s3() as server:
+        link = CuttableLink(server.port)
+        for rep in range(repeats):
+            env = {**os.environ, "AWS_ENDPOINT_URL": link.endpoint, "TAILOR_CACHE": str(work / f"s3-cache-{rep}")}
+            location = server.new_location()
+            subprocess.run([*TAILOR, "init", location], env=env, check=True, capture_output=True)
+            for i, step in enumerate(steps):
+                tag_dir = save / f"global_step{step}"
+                for name, cmd in (
+                    (
+                        "upload",
+                        [sys.executable, "-m", "benchmarks.s3_copy", "up", str(tag_dir), f"{location}-raw/{step}"],
+                    ),
+                    ("commit", [*TAILOR, "commit", str(tag_dir), "--store", location, "--quiet"]),
+                ):
+                    warm(tag_dir)
+                    link.reset_counts()
+                    rows[name][i].append(timed(cmd, env))
+                    rows[f"{name}_sent"][i].append(link.sent)
+                    rows[f"{name}_received"][i].append(link.received)
+                for name, cmd in (
+                    ("download", [sys.executable, "-m", "benchmarks.s3_copy", "down", f"{location}-raw/{step}",
+                                  str(work / "s3-down" / f"d{step}")]),
+                    ("checkout", [*TAILOR, "checkout", f"step={step}", "--out", str(work / "s3-out" / f"o{step}"),
+                                  "--store", location, "--quiet"]),
+                ):  # fmt: skip
+                    link.reset_counts()
+                    rows[name][i].append(timed(cmd, env))
+                    rows[f"{name}_sent"][i].append(link.sent)
+                    rows[f"{name}_received"][i].append(link.received)
+                shutil.rmtree(work / "s3-down", ignore_errors=True)
+                shutil.rmtree(work / "s3-out", ignore_errors=True)
+    med = {k: [statistics.median(v) for v in per_step] for k, per_step in rows.items()}
+    return {"steps": steps, "per_step": med, "raw_step_bytes": [dir_bytes(save / f"global_step{s}") for s in steps]}
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> float:
+    began = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
+    return time.perf_counter() - began

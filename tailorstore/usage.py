@@ -46,7 +46,11 @@ class Usage:
 
 def usage(store: Repository) -> Usage:
     conn = store.conn
-    blob_bytes = conn.execute("SELECT coalesce(sum(stored_size), 0) FROM blobs").fetchone()[0]
+    # what the backend holds for blobs: loose blob objects, and whole packs (trailers and not yet repacked dead bytes)
+    blob_bytes = (
+        conn.execute("SELECT coalesce(sum(stored_size), 0) FROM blobs WHERE pack IS NULL").fetchone()[0]
+        + conn.execute("SELECT coalesce(sum(size), 0) FROM packs").fetchone()[0]
+    )
     index_bytes = sum(p.stat().st_size for p in store.where.index_path.parent.glob("index.sqlite*") if p.is_file())
     raw = conn.execute("SELECT coalesce(sum(raw_bytes), 0), count(*) FROM manifests").fetchone()
     stored = blob_bytes + index_bytes

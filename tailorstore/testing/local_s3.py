@@ -104,10 +104,13 @@ def local_s3() -> Iterator[LocalS3]:
 
 
 class CuttableLink:
-    """A TCP relay in front of the server that can be cut: every open connection is reset and
-    new ones are refused, as when a server or the network between goes away mid-request."""
+    """A TCP relay in front of the server that counts the bytes each way and can be cut:
+    every open connection is reset and new ones are refused, as when a server or the network
+    between goes away mid-request."""
 
     def __init__(self, target_port: int) -> None:
+        self.sent = 0  # bytes from clients to the server
+        self.received = 0  # bytes from the server to clients
         self._target = target_port
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -130,19 +133,27 @@ class CuttableLink:
                     upstream.close()
                     return
                 self._sockets += [client, upstream]
-            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, upward: bool) -> None:
         try:
-            while data := src.recv(1 << 16):
+            while data := src.recv(1 << 18):
                 dst.sendall(data)
+                with self._lock:
+                    if upward:
+                        self.sent += len(data)
+                    else:
+                        self.received += len(data)
         except OSError:
             pass
         finally:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.sent = self.received = 0
 
     def cut(self) -> None:
         with self._lock:
