@@ -32,6 +32,7 @@ from .formats.source import CHUNK, InputFile, check_unchanged
 from .layers import STATE, sort_key
 from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
+from .refs import check_tag
 from .store import manifest_objects
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atoms_by_key
 from .store.backend import blob_key
@@ -77,12 +78,6 @@ class _Inheritance:
     source: int
     source_step: int
     atoms: dict[AtomKey, sqlite3.Row]
-
-
-def check_tag(tag: str) -> str:
-    if not tag or tag.isdigit() or any(c in tag for c in "=/\\\x00") or tag != tag.strip():
-        raise StoreError(f"tag {tag!r} is not allowed: use letters, digits, '-', '_' or '.', not only digits.")
-    return tag
 
 
 def check_options(options: CommitOptions) -> None:

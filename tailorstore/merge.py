@@ -28,9 +28,9 @@ from typing import Any
 
 import yaml
 
-from .commit import check_tag
 from .errors import StepExistsError, TailorError
 from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, STATE, block_index, block_label, sort_key
+from .refs import check_tag
 from .store import manifest_objects
 from .store.atom_rows import INSERT_ATOMS, AtomKey, atom_key, atoms_by_key
 from .store.repo import Repository

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import sqlite3
 
-from .commit import check_tag
 from .errors import StepExistsError, StoreError
 from .store import manifest_objects
 from .store.repo import Repository
+
+
+def check_tag(tag: str) -> str:
+    if not tag or tag.isdigit() or any(c in tag for c in "=/\\\x00") or tag != tag.strip():
+        raise StoreError(f"tag {tag!r} is not allowed: use letters, digits, '-', '_' or '.', not only digits.")
+    return tag
 
 
 def tag(store: Repository, selector: str, name: str, *, force: bool = False) -> int:

@@ -6,6 +6,8 @@ import json
 import pickle
 import sqlite3
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -256,3 +258,20 @@ def test_format_version_that_is_not_a_number(tmp_path: Path) -> None:
     conn.close()
     with pytest.raises(CorruptStoreError, match="format_version"):
         Repository.open(tmp_path / "st")
+
+
+@pytest.mark.parametrize("command", [["log"], ["log", "--json"], ["show", "latest"], ["tag", "latest", "x"], ["gc"]])
+def test_light_commands_import_neither_torch_nor_deepspeed(tmp_path: Path, command: list[str]) -> None:
+    """What `tailor log` costs is what users feel: it must not pay for importing torch (2 s)."""
+    Repository.init(tmp_path / "store").close()
+    probe = (
+        "import sys\n"
+        "from tailorstore.cli.app import app\n"
+        "try:\n"
+        f"    app({[*command, '--store', str(tmp_path / 'store')]!r})\n"
+        "except BaseException:  # an empty store: show and tag refuse, which is fine here\n"
+        "    pass\n"
+        "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr
