@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import re
 import sqlite3
 import sys
 from dataclasses import asdict
@@ -75,7 +76,7 @@ def init(path: str = typer.Argument(..., help="Directory for the new store, or s
 
 @app.command()
 def commit(
-    ckpt_dir: Path = typer.Argument(..., help="DeepSpeed save dir, global_stepN/ folder, or HF checkpoint-N/."),
+    ckpt_dir: Path | None = typer.Argument(None, help="DeepSpeed save dir, global_stepN/ folder, or HF checkpoint-N/."),
     step: int | None = typer.Option(None, "--step", help="Step number (default: read from the layout)."),
     tag: str | None = typer.Option(None, "--tag", help="A name for this step."),
     force: bool = typer.Option(False, "--force", help="Replace a step that is already in the store."),
@@ -85,6 +86,10 @@ def commit(
     keep_last: int = typer.Option(0, "--keep-last", help="filter: blocks stored on every commit, from the end."),
     every: int = typer.Option(1, "--every", help="filter: store the other blocks on every E-th commit."),
     threshold: float = typer.Option(0.0, "--threshold", help="adaptive: store a block that moved this much."),
+    part: bool = typer.Option(False, "--part", help="Commit only this host's files, as one part of the step."),
+    finalize: str | None = typer.Option(
+        None, "--finalize", help="step=N: record the step whose parts every host has committed."
+    ),
     trust_pickles: bool = TrustOpt,
     store: str | None = StoreOpt,
     quiet: bool = QuietOpt,
@@ -93,8 +98,27 @@ def commit(
 ) -> None:
     """Repository one checkpoint: every tensor piece once, under its hash."""
     from tailorstore.commit import CommitOptions, commit_checkpoint
+    from tailorstore.finalize import finalize_step
     from tailorstore.policies import PolicySpec
 
+    if finalize is not None:
+        if ckpt_dir is not None or part:
+            raise TailorError("--finalize takes no directory and no --part: run it once every host committed its part.")
+        match = re.fullmatch(r"(?:step=)?(\d+)", finalize.strip())
+        if match is None:
+            raise TailorError(f"--finalize {finalize!r}: write step=N.")
+        with Repository.open(store) as st:
+            done = finalize_step(st, int(match.group(1)), tag=tag, force=force, lock_timeout=lock_timeout, on_wait=_say)
+        if as_json:
+            typer.echo(json.dumps(asdict(done)))
+        elif not quiet:
+            typer.echo(
+                f"finalized step {done.step} from {done.parts} parts: {done.files} files, {done.atoms} atoms, "
+                f"{human(done.raw_bytes)} raw ({done.seconds:.2f} s)"
+            )
+        return
+    if ckpt_dir is None:
+        raise TailorError("name the checkpoint directory to commit (or pass --finalize step=N).")
     params = {
         "filter": {"keep_first": keep_first, "keep_last": keep_last, "every": every},
         "adaptive": {"threshold": threshold},
@@ -107,11 +131,18 @@ def commit(
         level=level,
         lock_timeout=lock_timeout,
         policy=PolicySpec(policy, params),
+        part=part,
     )
     with Repository.open(store) as st:
         result = commit_checkpoint(st, ckpt_dir, options, for_terminal(quiet or as_json), on_wait=_say)
     if as_json:
         typer.echo(json.dumps(asdict(result)))
+    elif not quiet and result.part:
+        typer.echo(
+            f"committed a part of step {result.step}: {result.files} files, {human(result.raw_bytes)} raw, "
+            f"{human(result.new_bytes)} newly stored ({result.seconds:.2f} s); once every host has committed its "
+            f"part, run `tailor commit --finalize step={result.step}`"
+        )
     elif not quiet:
         typer.echo(
             f"committed step {result.step}: {result.files} files, {result.atoms} atoms, {human(result.raw_bytes)} "
@@ -333,6 +364,9 @@ def gc(
     keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the K newest committed steps."),
     keep_every: int | None = typer.Option(None, "--keep-every", help="Keep steps whose number is a multiple of N."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and change nothing."),
+    drop_parts: bool = typer.Option(
+        False, "--drop-parts", help="Also drop parts no finalize has taken (abandoned multi-host commits)."
+    ),
     store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
     lock_timeout: float = LockOpt,
@@ -350,6 +384,7 @@ def gc(
             st,
             Retention(keep_last, keep_every),
             dry_run=dry_run,
+            drop_parts=drop_parts,
             lock_timeout=lock_timeout,
             on_wait=_say,
             show_plan=show_plan,

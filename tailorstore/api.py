@@ -29,6 +29,8 @@ from .checkout import CheckoutResult, checkout_step
 from .commit import CommitOptions, CommitResult, commit_checkpoint
 from .diff import LayerDiff, diff
 from .errors import CorruptStoreError, StoreError
+from .finalize import FinalizeResult, finalize_step
+from .formats.layout import DEEPSPEED, DEEPSPEED_TAG
 from .gc import GcPlan, Retention, gc
 from .inspect import StepDetail, StepSummary, log, show
 from .merge import MergeResult, merge
@@ -110,6 +112,7 @@ class Store:
         trust_pickles: bool = False,
         lock_timeout: float = 600.0,
         delete_after_commit: bool = False,
+        part: bool = False,
         progress: Progress | None = None,
         on_wait: Callable[[str], None] | None = None,
         **policy_params: float,
@@ -119,8 +122,11 @@ class Store:
         ``policy`` (full, parity, filter, adaptive) and its parameters choose the layers stored;
         the rest are inherited from earlier steps. With ``delete_after_commit``, the committed
         files are deleted once the manifest is durable and every blob it names has been found
-        with its recorded size.
+        with its recorded size. With ``part``, only the files this host holds are committed, as
+        one part of the step; :meth:`finalize` records the step once every host's part is in.
         """
+        if part and delete_after_commit:
+            raise StoreError("delete_after_commit waits for the manifest, which a part does not write; finalize first.")
         options = CommitOptions(
             step=step,
             tag=tag,
@@ -129,8 +135,16 @@ class Store:
             level=level,
             lock_timeout=lock_timeout,
             policy=PolicySpec(policy, dict(policy_params)),
+            part=part,
         )
         return _commit(self.repo, Path(path), options, delete_after_commit, progress, on_wait)
+
+    def finalize(
+        self, step: int, *, tag: str | None = None, force: bool = False, lock_timeout: float = 600.0
+    ) -> FinalizeResult:
+        """Record step ``step`` from the parts every host committed; refused, naming the missing
+        ranks, while a part is missing (the parts then stay for a later finalize)."""
+        return finalize_step(self.repo, step, tag=tag, force=force, lock_timeout=lock_timeout)
 
     def commit_async(
         self,
@@ -257,13 +271,8 @@ def _commit(
 
 def check_blobs_present(repo: Repository, manifest: int) -> None:
     """Every blob the manifest names exists in the backend with its recorded size."""
-    hashes = repo.conn.execute(
-        "SELECT blob FROM files WHERE manifest=?1 UNION SELECT container FROM files WHERE manifest=?1"
-        " AND container IS NOT NULL UNION SELECT blob FROM atoms WHERE manifest=?1 AND derived IS NULL",
-        (manifest,),
-    ).fetchall()
     pack_sizes: dict[str, int | None] = {}  # one size lookup per pack, not one per blob
-    for (digest,) in hashes:
+    for digest in sorted(repo.index.referenced_hashes(manifest)):
         row = repo.blob(digest)
         if row is None:
             ok = False
@@ -290,10 +299,10 @@ def delete_committed(repo: Repository, manifest: int, path: Path) -> None:
     """
     row = repo.manifest(manifest)
     path = path.resolve()
-    root = path.parent if row["layout"] == "deepspeed-tag" else path  # what the recorded paths are relative to
-    files = [r["path"] for r in repo.conn.execute("SELECT path FROM files WHERE manifest=?", (manifest,))]
-    if row["layout"] == "deepspeed":
-        files = [f for f in files if PurePosixPath(f).parts[0] == row["ds_tag"]]
+    root = path.parent if row.layout == DEEPSPEED_TAG else path  # what the recorded paths are relative to
+    files = [f.path for f in repo.index.files(manifest)]
+    if row.layout == DEEPSPEED:
+        files = [f for f in files if PurePosixPath(f).parts[0] == row.ds_tag]
     folders: set[Path] = set()
     for rel in files:
         target = safe_join(root, rel)
@@ -302,9 +311,9 @@ def delete_committed(repo: Repository, manifest: int, path: Path) -> None:
         target.unlink(missing_ok=True)
         folders.update(p for p in target.parents if p == path or path in p.parents)
     for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
-        if folder.is_dir() and not any(folder.iterdir()) and (folder != path or row["layout"] != "deepspeed"):
+        if folder.is_dir() and not any(folder.iterdir()) and (folder != path or row.layout != DEEPSPEED):
             folder.rmdir()
-    if row["layout"] != "deepspeed" and path.is_dir():
+    if row.layout != DEEPSPEED and path.is_dir():
         logger.info("tailorstore: %s kept files the commit did not take: %s", path, sorted(os.listdir(path)))
 
 

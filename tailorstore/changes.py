@@ -13,6 +13,7 @@ from collections import defaultdict
 import torch
 
 from . import atoms as A
+from .atom_reader import decode_atom
 from .formats.reader import ReadFile
 from .formats.source import InputFile
 from .store.repo import Repository
@@ -39,16 +40,11 @@ def stored_pieces(
     ``keys`` limits the decoding to those pieces, so a caller streaming file by file holds
     only one file's worth.
     """
-    from .checkout import decode_atom  # checkout owns decoding; imported here to avoid a cycle
-
-    rows = store.conn.execute(
-        "SELECT * FROM atoms WHERE manifest=? AND layer=? AND kind=? ORDER BY param, rank, start",
-        (manifest, layer, kind),
-    ).fetchall()
+    atoms = sorted(store.index.atoms(manifest, layer=layer, kind=kind), key=lambda a: (a.param, a.rank, a.start))
     return {
-        (r["param"], r["rank"], r["start"]): decode_atom(store, manifest, r, "measuring change")
-        for r in rows
-        if keys is None or (r["param"], r["rank"], r["start"]) in keys
+        (a.param, a.rank, a.start): decode_atom(store, manifest, a, "measuring change")
+        for a in atoms
+        if keys is None or (a.param, a.rank, a.start) in keys
     }
 
 

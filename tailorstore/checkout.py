@@ -12,7 +12,6 @@ import errno
 import os
 import secrets
 import shutil
-import sqlite3
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -24,8 +23,8 @@ import torch
 import xxhash
 
 from . import codec, placement
+from .atom_reader import blob_of, decode_atom_into
 from .atoms import byte_view, dtype_from_name
-from .derive import ROUND_FROM_MASTER, rebuild
 from .errors import CorruptStoreError, LayoutError, StoreError, UnsafePickleError
 from .formats.layout import DEEPSPEED_TAG
 from .formats.reader import RAW, SAFETENSORS, TORCH
@@ -34,7 +33,8 @@ from .formats.skeleton import fill_tensors, slots_of
 from .paths import safe_join
 from .progress import Progress, Silent
 from .safe_load import load_skeleton
-from .store.repo import BlobRow, Repository
+from .store.records import COMMIT, AtomRecord, FileRecord
+from .store.repo import Repository
 
 
 @dataclass
@@ -82,12 +82,8 @@ def _fsync_tree(root: Path) -> None:
 
 
 def inherited_layers(store: Repository, manifest: int) -> dict[str, int]:
-    step = store.manifest(manifest)["step"]
-    return {
-        r["layer"]: r["source_step"]
-        for r in store.conn.execute("SELECT layer, source_step FROM layers WHERE manifest=?", (manifest,))
-        if r["source_step"] != step
-    }
+    step = store.manifest(manifest).step
+    return {x.layer: x.source_step for x in store.index.layers(manifest) if x.source_step != step}
 
 
 def checkout_step(
@@ -102,66 +98,54 @@ def checkout_step(
     began = time.perf_counter()
     progress = progress or Silent()
     manifest = store.resolve(selector)
-    step = store.manifest(manifest)["step"]
-    out = Path(out)
-    files = store.conn.execute(
-        "SELECT path, kind, blob, raw_size, mode, trusted, container FROM files WHERE manifest=? ORDER BY path",
-        (manifest,),
-    ).fetchall()
     facts = store.manifest(manifest)
-    exact_bytes = facts["origin"] == "commit" and facts["exact"] == 1  # else other steps' atoms: mend zip CRCs
+    step = facts.step
+    out = Path(out)
+    files = store.index.files(manifest)
+    exact_bytes = facts.origin == COMMIT and facts.exact  # else other steps' atoms: mend zip CRCs
     inherited = inherited_layers(store, manifest)
     if inherited and warn:
         names = ", ".join(f"{layer} (from step {src})" for layer, src in sorted(inherited.items()))
         warn(f"step {step} is a composite: these layers come from other steps: {names}")
     for row in files:
-        safe_join(out, row["path"])  # refuse before writing anything
-        if row["trusted"] and not trust_pickles:
+        safe_join(out, row.path)  # refuse before writing anything
+        if row.trusted and not trust_pickles:
             raise UnsafePickleError(
-                f"step {step}, file {row['path']}: this file was committed with --trust-pickles and holds globals "
+                f"step {step}, file {row.path}: this file was committed with --trust-pickles and holds globals "
                 "outside the allowlist; pass --trust-pickles to check it out."
             )
     tmp = _prepare_out(out, store)
     written = 0
     try:
-        progress.start(f"checkout step {step}", sum(r["raw_size"] for r in files))
-        placed = [row for row in files if row["container"] is not None and row["kind"] in (TORCH, SAFETENSORS)]
+        progress.start(f"checkout step {step}", sum(r.raw_size for r in files))
+        placed = [row for row in files if row.container is not None and row.kind in (TORCH, SAFETENSORS)]
         if placed:
-            placement.write_files(
-                store,
-                manifest,
-                placed,
-                tmp,
-                step,
-                mend=not exact_bytes,
-                advance=progress.advance,
-                rebuild_weight=lambda param: _rebuild_weight(store, manifest, param, f"step {step}"),
-            )
+            placement.write_files(store, manifest, placed, tmp, step, mend=not exact_bytes, advance=progress.advance)
             for row in placed:
-                target = safe_join(tmp, row["path"])
-                os.chmod(target, row["mode"] or 0o644)
+                target = safe_join(tmp, row.path)
+                os.chmod(target, row.mode or 0o644)
                 written += target.stat().st_size
-        placed_paths = {row["path"] for row in placed}
+        placed_paths = {row.path for row in placed}
         for row in files:
-            if row["path"] in placed_paths:
+            if row.path in placed_paths:
                 continue
-            target = safe_join(tmp, row["path"])
+            target = safe_join(tmp, row.path)
             target.parent.mkdir(parents=True, exist_ok=True)
-            where = f"step {step}, file {row['path']}"
-            if row["kind"] == RAW:
-                _write_raw(store, row["blob"], target, where)
-            elif row["kind"] == TORCH:
+            where = f"step {step}, file {row.path}"
+            if row.kind == RAW:
+                _write_raw(store, row.blob, target, where)
+            elif row.kind == TORCH:
                 _write_torch(store, manifest, row, target, where, trust_pickles)
-            elif row["kind"] == SAFETENSORS:
+            elif row.kind == SAFETENSORS:
                 _write_safetensors(store, manifest, row, target, where)
             else:
-                raise CorruptStoreError(f"{where}: unknown file kind {row['kind']!r}; upgrade tailorstore")
-            os.chmod(target, row["mode"] or 0o644)
+                raise CorruptStoreError(f"{where}: unknown file kind {row.kind!r}; upgrade tailorstore")
+            os.chmod(target, row.mode or 0o644)
             written += target.stat().st_size
-            progress.advance(row["raw_size"])
-        if facts["layout"] == DEEPSPEED_TAG and facts["ds_tag"] and not any(r["path"] == "latest" for r in files):
+            progress.advance(row.raw_size)
+        if facts.layout == DEEPSPEED_TAG and facts.ds_tag and not any(r.path == "latest" for r in files):
             # A tag folder was committed; `engine.load_checkpoint(out)` needs `latest` to find it.
-            (tmp / "latest").write_text(facts["ds_tag"])
+            (tmp / "latest").write_text(facts.ds_tag)
         _fsync_tree(tmp)
         _publish(tmp, out)
     except OSError as exc:
@@ -195,7 +179,7 @@ def _publish(tmp: Path, out: Path) -> None:
 
 def _write_raw(store: Repository, digest: str, target: Path, where: str) -> None:
     """A whole-file blob, streamed through one reused buffer and hash-checked: memory stays at a chunk."""
-    row = _blob_row(store, digest, where)
+    row = blob_of(store, digest, where)
     buf = memoryview(bytearray(min(codec.MAX_CHUNK, max(row.raw_size, 1))))
     hasher = xxhash.xxh3_128()
     with store.open_blob(row.hash, where) as src, open(target, "wb") as out:
@@ -209,78 +193,24 @@ def _write_raw(store: Repository, digest: str, target: Path, where: str) -> None
         )
 
 
-def _blob_row(store: Repository, digest: str, where: str) -> BlobRow:
-    row = store.blob(digest)
-    if row is None:
-        raise CorruptStoreError(f"{where}: blob {digest} has no row in the index; run `tailor verify`.")
-    return row
-
-
-def decode_atom_into(store: Repository, manifest: int, atom: sqlite3.Row, dest: memoryview, where: str) -> None:
-    """Fill ``dest`` with one atom's bytes, from its blob or rebuilt from its master; hash-checked."""
-    if atom["derived"] is None:
-        row = _blob_row(store, atom["blob"], where)
-        if row.raw_size != len(dest):
-            raise CorruptStoreError(f"{where}: blob {row.hash} holds {row.raw_size} bytes, the atom needs {len(dest)}")
-        store.read_blob_into(row, dest, where)
-        return
-    if atom["derived"] != ROUND_FROM_MASTER:
-        raise CorruptStoreError(f"{where}: unknown derivation {atom['derived']!r}; upgrade tailorstore")
-    pieces = store.conn.execute(
-        "SELECT * FROM atoms WHERE manifest=? AND param=? AND kind='master' AND derived IS NULL ORDER BY start",
-        (manifest, atom["param"]),
-    ).fetchall()
-    unique = {(p["start"], p["numel"]): p for p in pieces}
-    master = torch.empty(atom["numel"], dtype=torch.float32)
-    cursor = 0
-    for (start, numel), piece in sorted(unique.items()):
-        if start != cursor:
-            break
-        decode_atom_into(store, manifest, piece, byte_view(master[start : start + numel]), where)
-        cursor += numel
-    if cursor != atom["numel"]:
-        raise CorruptStoreError(f"{where}: the FP32 master of {atom['param']} is incomplete; cannot rebuild its weight")
-    rebuilt = byte_view(rebuild(master, dtype_from_name(atom["dtype"])))
-    if codec.content_hash(rebuilt) != atom["blob"]:
-        raise CorruptStoreError(
-            f"{where}: the weight rebuilt from the master of {atom['param']} does not match its hash"
-        )
-    dest[:] = rebuilt
-
-
-def _rebuild_weight(store: Repository, manifest: int, param: str, where: str) -> memoryview:
-    atom = store.conn.execute(
-        "SELECT * FROM atoms WHERE manifest=? AND param=? AND derived IS NOT NULL", (manifest, param)
-    ).fetchone()
-    return byte_view(decode_atom(store, manifest, atom, f"{where}, {param}"))
-
-
-def decode_atom(store: Repository, manifest: int, atom: sqlite3.Row, where: str) -> torch.Tensor:
-    tensor = torch.empty(atom["numel"], dtype=dtype_from_name(atom["dtype"]))
-    decode_atom_into(store, manifest, atom, byte_view(tensor), where)
-    return tensor
-
-
-def _atoms_by_slot(store: Repository, manifest: int, path: str) -> dict[int, list[sqlite3.Row]]:
-    by_slot: dict[int, list[sqlite3.Row]] = defaultdict(list)
-    for atom in store.conn.execute(
-        "SELECT * FROM atoms WHERE manifest=? AND path=? ORDER BY slot, offset", (manifest, path)
-    ):
-        by_slot[atom["slot"]].append(atom)
+def _atoms_by_slot(store: Repository, manifest: int, path: str) -> dict[int, list[AtomRecord]]:
+    by_slot: dict[int, list[AtomRecord]] = defaultdict(list)
+    for atom in store.index.atoms(manifest, path=path):
+        by_slot[atom.slot].append(atom)
     return by_slot
 
 
-def _fill(store: Repository, manifest: int, tensor: torch.Tensor, atoms: list[sqlite3.Row], where: str) -> None:
+def _fill(store: Repository, manifest: int, tensor: torch.Tensor, atoms: list[AtomRecord], where: str) -> None:
     """Decode every atom of one tensor into place; the atoms must tile it exactly."""
     data = byte_view(tensor)
     size = tensor.element_size()
     cursor = 0
     for atom in atoms:
-        if atom["offset"] != cursor or atom["dtype"] != str(tensor.dtype).removeprefix("torch."):
+        if atom.offset != cursor or atom.dtype != str(tensor.dtype).removeprefix("torch."):
             raise CorruptStoreError(f"{where}: atoms of a tensor leave a gap, overlap or change dtype at {cursor}")
-        piece = data[atom["offset"] * size : (atom["offset"] + atom["numel"]) * size]
+        piece = data[atom.offset * size : (atom.offset + atom.numel) * size]
         decode_atom_into(store, manifest, atom, piece, where)
-        cursor += atom["numel"]
+        cursor += atom.numel
     if cursor != tensor.numel():
         raise CorruptStoreError(f"{where}: atoms cover {cursor} of {tensor.numel()} elements of a tensor")
 
@@ -300,11 +230,9 @@ def _check_param_shapes(obj: Any, where: str) -> None:
             )
 
 
-def _write_torch(store: Repository, manifest: int, row: sqlite3.Row, target: Path, where: str, trust: bool) -> None:
-    skeleton = load_skeleton(
-        store.read_blob(row["blob"], where), where, trusted=bool(row["trusted"]), trust_pickles=trust
-    )
-    by_slot = _atoms_by_slot(store, manifest, row["path"])
+def _write_torch(store: Repository, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:
+    skeleton = load_skeleton(store.read_blob(row.blob, where), where, trusted=row.trusted, trust_pickles=trust)
+    by_slot = _atoms_by_slot(store, manifest, row.path)
     tensors: dict[int, torch.Tensor] = {}
     for slot in slots_of(skeleton):
         tensor = torch.empty(slot.shape, dtype=dtype_from_name(slot.dtype))
@@ -315,9 +243,9 @@ def _write_torch(store: Repository, manifest: int, row: sqlite3.Row, target: Pat
     torch.save(obj, target)
 
 
-def _write_safetensors(store: Repository, manifest: int, row: sqlite3.Row, target: Path, where: str) -> None:
-    header = store.read_blob(row["blob"], where)
-    by_slot = _atoms_by_slot(store, manifest, row["path"])
+def _write_safetensors(store: Repository, manifest: int, row: FileRecord, target: Path, where: str) -> None:
+    header = store.read_blob(row.blob, where)
+    by_slot = _atoms_by_slot(store, manifest, row.path)
     with open(target, "wb") as f:
         f.write(header)
         for slot, (name, dtype, shape) in enumerate(tensor_layout(header, where)):

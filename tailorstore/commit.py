@@ -14,7 +14,7 @@ orphans that ``tailor gc`` removes.
 from __future__ import annotations
 
 import json
-import sqlite3
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,11 +33,15 @@ from .layers import STATE, sort_key
 from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
 from .refs import check_tag
-from .store import manifest_objects
-from .store.atom_rows import INSERT_ATOMS, AtomKey, atoms_by_key
+from .store import manifest_objects, parts
 from .store.backend import blob_key
+from .store.index import Index
+from .store.lease import LeaseHandle
+from .store.lock import LockHandle
 from .store.packs import pack_key
+from .store.parts import Part
 from .store.posix import is_out_of_space
+from .store.records import COMMIT, AtomKey, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from .store.repo import Repository, check_step
 from .store.writer import BlobWriter, disk_full
 
@@ -53,6 +57,7 @@ class CommitOptions:
     lock_timeout: float = 600.0
     policy: PolicySpec = field(default_factory=PolicySpec)
     derive_weights: bool = True
+    part: bool = False  # commit only these files, as one part of a step several hosts write (finalize.py)
 
 
 @dataclass
@@ -69,6 +74,7 @@ class CommitResult:
     stored_layers: list[str] = field(default_factory=list)
     inherited_layers: dict[str, int] = field(default_factory=dict)  # layer -> source step
     changes: dict[str, float] = field(default_factory=dict)
+    part: str | None = None  # the part object written, for a --part commit (manifest is 0 then)
 
 
 @dataclass
@@ -77,7 +83,7 @@ class _Inheritance:
     step: int
     source: int
     source_step: int
-    atoms: dict[AtomKey, sqlite3.Row]
+    atoms: dict[AtomKey, AtomRecord]
 
 
 def check_options(options: CommitOptions) -> None:
@@ -88,6 +94,11 @@ def check_options(options: CommitOptions) -> None:
         raise StoreError(f"--level {options.level} is not allowed: zstd levels run from 1 to 22 (1 is the default).")
     if options.tag:
         check_tag(options.tag)
+    if options.part and (options.policy.name != "full" or options.tag):
+        raise StoreError(
+            "a --part commit stores every layer and takes no tag: drop --policy and --tag (tag the step "
+            "after `tailor commit --finalize`)."
+        )
 
 
 def _step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFile]) -> int:
@@ -101,31 +112,26 @@ def _step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadF
     raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass --step N.")
 
 
-def _refuse_existing(conn: sqlite3.Connection, step: int, tag: str | None) -> None:
-    if conn.execute("SELECT 1 FROM manifests WHERE step=? AND origin='commit'", (step,)).fetchone():
+def _refuse_existing(index: Index, step: int, tag: str | None) -> None:
+    if index.commit_at(step) is not None:
         raise StepExistsError(
             f"step {step} is already in the store. Commit under another --step, or pass --force to replace it."
         )
-    if tag and conn.execute("SELECT 1 FROM manifests WHERE tag=?", (tag,)).fetchone():
+    if tag and index.tagged(tag) is not None:
         raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag or pass --force.")
 
 
 def _inheritance(store: Repository, step: int, layers: frozenset[str]) -> dict[str, _Inheritance]:
     """For each layer, the newest earlier committed step that has it, with its atoms by key."""
     found: dict[str, _Inheritance] = {}
-    rows = store.conn.execute(
-        "SELECT l.layer, l.manifest, m.step, l.source, l.source_step FROM layers l JOIN manifests m ON m.id=l.manifest "
-        "WHERE m.origin='commit' AND m.step<? ORDER BY m.step DESC",
-        (step,),
-    ).fetchall()
-    for r in rows:
-        if r["layer"] in layers and r["layer"] != STATE and r["layer"] not in found:
-            found[r["layer"]] = _Inheritance(r["manifest"], r["step"], r["source"], r["source_step"], {})
+    for at_step, x in store.index.layer_history(step):
+        if x.layer in layers and x.layer != STATE and x.layer not in found:
+            found[x.layer] = _Inheritance(x.manifest, at_step, x.source, x.source_step, {})
     return found
 
 
 def _load_inherited_atoms(store: Repository, inherit: _Inheritance, layer: str) -> None:
-    inherit.atoms.update(atoms_by_key(store.conn, inherit.manifest, layer))
+    inherit.atoms.update(store.index.atoms_by_key(inherit.manifest, layer))
 
 
 @dataclass
@@ -169,12 +175,7 @@ def _measure_changes(
                     stored = stored_pieces(store, sources[layer].manifest, layer, keys=set(pieces))
                     totals.setdefault(layer, LayerChange()).add(pieces, stored)
             src.check()
-    expected = {
-        layer: store.conn.execute(
-            "SELECT count(*) FROM atoms WHERE manifest=? AND layer=? AND kind='master'", (src.manifest, layer)
-        ).fetchone()[0]
-        for layer, src in sources.items()
-    }
+    expected = {layer: store.index.count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()}
     return {layer: t.value() for layer, t in totals.items() if t.pieces == expected.get(layer) and t.matched}
 
 
@@ -190,20 +191,20 @@ def commit_checkpoint(
     began = time.perf_counter()
     check_options(options)
     tag = options.tag or None
-    layout = detect(Path(ckpt_dir))
+    layout = detect(Path(ckpt_dir), part=options.part)
     scan = _scan(layout, options.trust_pickles)
     files = scan.files
     step = _step_of(options, layout, files)
     layers = scan.layers
 
     with store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock:
+        if options.part:
+            return _commit_part(store, Path(ckpt_dir), layout, scan, step, options, lock, progress, began)
         if not options.force:
-            _refuse_existing(store.conn, step, tag)
-            structure.refuse_other_model(store.conn, scan.structure)
+            _refuse_existing(store.index, step, tag)
+            structure.refuse_other_model(store.index, scan.structure)
         sources = _inheritance(store, step, layers)
-        commits_before = store.conn.execute(
-            "SELECT count(*) FROM manifests WHERE origin='commit' AND step<?", (step,)
-        ).fetchone()[0]
+        commits_before = store.index.commits_before(step)
         adaptive = needs_changes(options.policy)
         changes = _measure_changes(store, layout, scan, sources) if adaptive else {}
         stored = decide(
@@ -233,79 +234,57 @@ def commit_checkpoint(
             facts.update({k: v for k, v in f.meta.items() if k not in facts})
         new_bytes = sum(b.stored_size for b in new_blobs)
         published: str | None = None
-        replaced: sqlite3.Row | None = None
+        replaced: ManifestRecord | None = None
         try:
-            with store.transaction() as conn:
-                pinned = 0
+            with store.transaction() as index:
+                pinned = False
                 if options.force:  # the replaced step keeps its tag and pin, unless a new tag is given
-                    replaced = old = conn.execute(
-                        "SELECT id, tag, pinned, object_key FROM manifests WHERE step=? AND origin='commit'", (step,)
-                    ).fetchone()
-                    if old is not None:
-                        tag = tag or old["tag"]
-                        pinned = old["pinned"]
-                    conn.execute("DELETE FROM manifests WHERE step=? AND origin='commit'", (step,))
-                    if tag:
-                        conn.execute("UPDATE manifests SET tag=NULL WHERE tag=?", (tag,))
-                _refuse_existing(conn, step, tag)
-                conn.executemany(
-                    "INSERT INTO packs(name, size) VALUES (?,?) ON CONFLICT(name) DO NOTHING", writer.new_packs()
+                    replaced = index.commit_at(step)
+                    if replaced is not None:
+                        tag = tag or replaced.tag
+                        pinned = replaced.pinned
+                    index.delete_commit_at(step)
+                    if tag and (holder := index.tagged(tag)) is not None:
+                        index.set_tag(holder.id, None)
+                _refuse_existing(index, step, tag)
+                index.add_packs(writer.new_packs())
+                index.upsert_blobs(new_blobs)  # a repaired blob (rewritten because its object was missing) moves
+                manifest = index.insert_manifest(
+                    ManifestRecord(
+                        step=step,
+                        origin=COMMIT,
+                        created_at=time.time(),
+                        layout=layout.kind,
+                        ds_tag=layout.ds_tag,
+                        zero_stage=facts.get("zero_stage"),
+                        world_size=facts.get("world_size"),
+                        policy=json.dumps(options.policy.as_json()),
+                        exact=stored >= layers,
+                        raw_bytes=raw_bytes,
+                        new_bytes=new_bytes,
+                        source=str(Path(ckpt_dir).resolve()),
+                        tag=tag,
+                        pinned=pinned,
+                    )
                 )
-                conn.executemany(  # a repaired blob (rewritten because its object was missing) gets its new row
-                    "INSERT INTO blobs(hash, raw_size, stored_size, codec, created_at, pack, pack_offset)"
-                    " VALUES (?,?,?,?,?,?,?) ON CONFLICT(hash) DO UPDATE SET stored_size=excluded.stored_size,"
-                    " codec=excluded.codec, pack=excluded.pack, pack_offset=excluded.pack_offset",
+                index.insert_files(manifest, plan.files)
+                index.insert_atoms(manifest, plan.atoms)
+                index.insert_layers(
+                    manifest,
                     [
-                        (b.hash, b.raw_size, b.stored_size, b.codec, b.created_at, b.pack, b.pack_offset)
-                        for b in new_blobs
-                    ],
-                )
-                manifest = conn.execute(
-                    "INSERT INTO manifests(step, origin, tag, created_at, layout, ds_tag, zero_stage, world_size,"
-                    " policy, exact, raw_bytes, new_bytes, source, pinned) VALUES (?,'commit',?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (
-                        step,
-                        tag,
-                        time.time(),
-                        layout.kind,
-                        layout.ds_tag,
-                        facts.get("zero_stage"),
-                        facts.get("world_size"),
-                        json.dumps(options.policy.as_json()),
-                        int(stored >= layers),
-                        raw_bytes,
-                        new_bytes,
-                        str(Path(ckpt_dir).resolve()),
-                        pinned,
-                    ),
-                ).lastrowid
-                conn.executemany(
-                    "INSERT INTO files(manifest, path, file_key, kind, rank, blob, raw_size, mode, trusted, container)"
-                    " VALUES (?,?,?,?,?,?,?,?,?,?)",
-                    [(manifest, *row) for row in plan.file_rows],
-                )
-                conn.executemany(
-                    INSERT_ATOMS,
-                    [(manifest, *row) for row in plan.atom_rows],
-                )
-                conn.executemany(
-                    "INSERT INTO layers(manifest, layer, source, source_step, raw_bytes, stored, change)"
-                    " VALUES (?,?,?,?,?,?,?)",
-                    [
-                        (
-                            manifest,
+                        LayerRecord(
                             layer,
                             manifest if layer in stored else sources[layer].source,
                             step if layer in stored else sources[layer].source_step,
                             plan.layer_bytes.get(layer, 0),
-                            int(layer in stored),
+                            layer in stored,
                             changes.get(layer),
                         )
                         for layer in layers
                     ],
                 )
                 try:
-                    published = manifest_objects.publish(store.backend, conn, manifest)  # the commit point
+                    published = manifest_objects.publish(store.backend, index, manifest)  # the commit point
                 except OSError as exc:
                     if is_out_of_space(exc):
                         raise disk_full(store.location) from None
@@ -314,17 +293,17 @@ def commit_checkpoint(
             if published is not None:  # the object went up but the index refused it: take it back
                 manifest_objects.unpublish(store.backend, [published])
             if replaced is not None:  # its tag object may name the new key by now
-                manifest_objects.write_refs(store.backend, store.conn, [replaced["id"]])
+                manifest_objects.write_refs(store.backend, store.index, [replaced.id])
             if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind
                 _remove_unindexed(store, writer)
             raise
         if replaced is not None:
-            manifest_objects.unpublish(store.backend, [replaced["object_key"]])
+            manifest_objects.unpublish(store.backend, [replaced.object_key])
     return CommitResult(
         step=step,
         manifest=int(manifest),
-        files=len(plan.file_rows),
-        atoms=len(plan.atom_rows),
+        files=len(plan.files),
+        atoms=len(plan.atoms),
         raw_bytes=raw_bytes,
         new_blobs=len(new_blobs),
         new_bytes=new_bytes,
@@ -336,10 +315,78 @@ def commit_checkpoint(
     )
 
 
+def _commit_part(
+    store: Repository,
+    ckpt_dir: Path,
+    layout: CheckpointLayout,
+    scan: _Scan,
+    step: int,
+    options: CommitOptions,
+    lock: LockHandle | LeaseHandle,
+    progress: Progress,
+    began: float,
+) -> CommitResult:
+    """Write this host's files' blobs, then one part object naming them; no manifest yet.
+
+    Every layer is stored (a policy needs the whole step); weights are derived where this
+    part holds their masters too. The part object is the commit point of a part.
+    """
+    if store.index.commit_at(step) is not None and not options.force:
+        raise StepExistsError(f"step {step} is already in the store; a part of it cannot be added any more.")
+    writer = BlobWriter(store, level=options.level, threads=options.threads)
+    try:
+        plan = _write_files(layout, scan, options, scan.layers, {}, writer, progress)
+        for f in scan.files:
+            assert f.identity is not None
+            check_unchanged(f.source, f.identity)
+        new_blobs = writer.finish()
+        written = {b.hash: b for b in new_blobs}
+        needed = {f.blob for f in plan.files} | {f.container for f in plan.files if f.container}
+        needed |= {a.blob for a in plan.atoms if a.derived is None}
+        blobs = [written.get(h) or store.blob(h) for h in sorted(needed)]
+        facts: dict[str, int] = {}
+        for f in scan.files:
+            facts.update({k: v for k, v in f.meta.items() if k not in facts})
+        part = Part(
+            step=step,
+            layout=layout.kind,
+            ds_tag=layout.ds_tag,
+            facts=facts,
+            source=f"{socket.gethostname()}:{ckpt_dir.resolve()}",
+            created_at=time.time(),
+            raw_bytes=sum(f.size for f in scan.files),
+            new_bytes=sum(b.stored_size for b in new_blobs),
+            files=plan.files,
+            atoms=plan.atoms,
+            blobs=[b for b in blobs if b is not None],
+        )
+        key = parts.publish(store.backend, part)
+    except BaseException:
+        writer.abort()
+        if lock.try_exclusive():
+            _remove_unindexed(store, writer)
+        raise
+    finally:
+        progress.close()
+    return CommitResult(
+        step=step,
+        manifest=0,
+        files=len(plan.files),
+        atoms=len(plan.atoms),
+        raw_bytes=part.raw_bytes,
+        new_blobs=len(new_blobs),
+        new_bytes=part.new_bytes,
+        derived_bytes=plan.derived_bytes,
+        seconds=time.perf_counter() - began,
+        stored_layers=sorted(scan.layers, key=sort_key),
+        part=key,
+    )
+
+
 @dataclass
 class _Plan:
-    file_rows: list[tuple] = field(default_factory=list)
-    atom_rows: list[tuple] = field(default_factory=list)
+    files: list[FileRecord] = field(default_factory=list)
+    atoms: list[AtomRecord] = field(default_factory=list)
     layer_bytes: dict[str, int] = field(default_factory=dict)
     derived_bytes: int = 0
 
@@ -371,9 +418,9 @@ def _write_files(
                 segments = [(e, s) for e in f.entries for s in e.segments]
                 segments.sort(key=lambda es: es[1].kind != A.MASTER)
                 for entry, seg in segments:
-                    plan.atom_rows.append(_atom_row(f, src, entry, seg, stored, sources, writer, rounded, plan))
+                    plan.atoms.append(_atom(f, src, entry, seg, stored, sources, writer, rounded, plan))
             src.check()
-        plan.file_rows.append((f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, int(f.trusted), container))
+        plan.files.append(FileRecord(f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, f.trusted, container))
         f.release()
         progress.advance(f.size)
     return plan
@@ -386,7 +433,7 @@ def _add_raw(writer: BlobWriter, src: InputFile) -> str:
     return writer.add_stream(src, 0, src.size)
 
 
-def _atom_row(
+def _atom(
     f: ReadFile,
     src: InputFile,
     entry: A.TensorEntry,
@@ -396,7 +443,7 @@ def _atom_row(
     writer: BlobWriter,
     rounded: RoundedMasters,
     plan: _Plan,
-) -> tuple:
+) -> AtomRecord:
     size = entry.tensor.element_size()
     nbytes = seg.numel * size
     shape = json.dumps(list(entry.tensor.shape) if seg.numel == entry.tensor.numel() else [seg.numel])
@@ -415,14 +462,14 @@ def _atom_row(
     else:
         source = sources[seg.layer]
         old = source.atoms.get((f.file_key, seg.param, seg.kind, seg.rank, seg.start, seg.numel))
-        if old is None or old["dtype"] != entry.dtype_name:
+        if old is None or old.dtype != entry.dtype_name:
             raise StoreError(
                 f"layer {seg.layer} cannot be inherited from step {source.step}: it has no matching piece for "
                 f"{seg.param} ({seg.kind}, rank {seg.rank}) in {f.path}. The layout or world size changed; "
                 "commit this step with --policy full."
             )
-        blob, derived = old["blob"], old["derived"]
-    return (
+        blob, derived = old.blob, old.derived
+    return AtomRecord(
         f.path,
         entry.slot,
         seg.offset,
@@ -442,10 +489,12 @@ def _atom_row(
 
 
 def _remove_unindexed(store: Repository, writer: BlobWriter) -> None:
-    """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes."""
+    """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes
+    (a part of another host may hold the same blob without this index knowing)."""
+    held = {h for part in parts.read_parts(store.backend) for h in part.blob_hashes()}
     for digest in writer.written():
-        if store.blob(digest) is None:
+        if store.blob(digest) is None and digest not in held:
             store.backend.delete(blob_key(digest))
     for name in writer.written_packs():
-        if store.conn.execute("SELECT 1 FROM packs WHERE name=?", (name,)).fetchone() is None:
+        if not store.index.has_pack(name):
             store.backend.delete(pack_key(name))

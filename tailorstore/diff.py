@@ -27,22 +27,20 @@ class LayerDiff:
 def diff(store: Repository, selector_a: str, selector_b: str) -> tuple[int, int, list[LayerDiff]]:
     """Per layer, the change from A to B; refused, with the reason, where the two cannot be compared."""
     a, b = store.resolve(selector_a), store.resolve(selector_b)
-    step_a, step_b = store.manifest(a)["step"], store.manifest(b)["step"]
-    other = structure.differences(structure.of_manifest(store.conn, a), structure.of_manifest(store.conn, b))
+    ma, mb = store.manifest(a), store.manifest(b)
+    step_a, step_b = ma.step, mb.step
+    other = structure.differences(structure.of_manifest(store.index, a), structure.of_manifest(store.index, b))
     if other:
         raise StoreError(
             f"cannot compare step {step_a} with step {step_b}: they hold different models ({'; '.join(other)})"
         )
-    if (store.manifest(a)["world_size"], store.manifest(a)["zero_stage"]) != (
-        store.manifest(b)["world_size"],
-        store.manifest(b)["zero_stage"],
-    ):
+    if (ma.world_size, ma.zero_stage) != (mb.world_size, mb.zero_stage):
         raise StoreError(
             f"cannot compare step {step_a} with step {step_b}: they were saved at different world sizes or ZeRO "
             "stages, and diff compares piece by piece"
         )
-    layers_a = {r["layer"] for r in store.conn.execute("SELECT layer FROM layers WHERE manifest=?", (a,))}
-    layers_b = {r["layer"] for r in store.conn.execute("SELECT layer FROM layers WHERE manifest=?", (b,))}
+    layers_a = {x.layer for x in store.index.layers(a)}
+    layers_b = {x.layer for x in store.index.layers(b)}
     out = []
     for layer in sorted((layers_a & layers_b) - {STATE}, key=sort_key):
         values = []
@@ -66,29 +64,21 @@ def change_matrix(store: Repository) -> ChangeMatrix:
 
     An inherited layer is flagged rather than shown as 0 change, which would read as a frozen layer.
     """
-    rows = store.conn.execute("SELECT id, step, tag FROM manifests ORDER BY step, id").fetchall()
+    rows = store.index.manifests()
     if len(rows) < 2:
         raise StoreError("plotting change needs at least two manifests")
-    layers = sorted(
-        {r["layer"] for r in store.conn.execute("SELECT DISTINCT layer FROM layers") if r["layer"] != STATE},
-        key=sort_key,
-    )
-    held = {
-        (r["manifest"], r["layer"]): r["source_step"] == r["step"]
-        for r in store.conn.execute(
-            "SELECT l.manifest, l.layer, l.source_step, m.step FROM layers l JOIN manifests m ON m.id = l.manifest"
-        )
-    }
-    columns = [f"step {r['step']}" + (f" ({r['tag']})" if r["tag"] else "") for r in rows[1:]]
+    layers = sorted(store.index.layer_names() - {STATE}, key=sort_key)
+    held = {(r.id, x.layer): x.source_step == r.step for r in rows for x in store.index.layers(r.id)}
+    columns = [f"step {r.step}" + (f" ({r.tag})" if r.tag else "") for r in rows[1:]]
     values: list[list[float | None]] = []
     inherited: list[list[bool]] = []
     for layer in layers:
         line: list[float | None] = []
         flags: list[bool] = []
-        previous = stored_pieces(store, rows[0]["id"], layer)
+        previous = stored_pieces(store, rows[0].id, layer)
         for r in rows[1:]:
-            current = stored_pieces(store, r["id"], layer)
-            flags.append(not held.get((r["id"], layer), True))
+            current = stored_pieces(store, r.id, layer)
+            flags.append(not held.get((r.id, layer), True))
             line.append(relative_change(current, previous) if current and previous else None)
             previous = current
         values.append(line)

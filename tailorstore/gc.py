@@ -31,6 +31,8 @@ from .errors import CorruptStoreError, StoreError
 from .store import manifest_objects
 from .store.backend import blob_key, blob_names
 from .store.packs import PackWriter, pack_key, pack_names
+from .store.parts import read_parts
+from .store.records import COMMIT, ManifestRecord
 from .store.repo import Repository
 
 REPACK_AT = 0.25  # repack a pack once this share of its bytes is dead
@@ -62,6 +64,8 @@ class GcPlan:
     dead_packs: list[str] = field(default_factory=list)  # packs with no live blob
     repack: list[str] = field(default_factory=list)  # packs whose live blobs move to new packs
     orphan_packs: list[str] = field(default_factory=list)  # pack objects the index does not know
+    drop_parts: list[str] = field(default_factory=list)  # part objects to delete (finalized, or asked to)
+    pending_parts: int = 0  # parts kept for a finalize; their blobs are live
     freed_bytes: int = 0  # planned; after gc ran, what it freed
 
     def summary(self) -> str:
@@ -71,62 +75,65 @@ class GcPlan:
                 f"; delete {len(self.dead_packs)} empty and {len(self.orphan_packs)} orphan pack(s), "
                 f"repack {len(self.repack)}"
             )
+        parts = ""
+        if self.drop_parts or self.pending_parts:
+            parts = f"; drop {len(self.drop_parts)} part(s), keep {self.pending_parts} waiting for a finalize"
         return (
             f"drop {len(self.drop)} manifest(s) {[s for _, s in self.drop]}, keep {len(self.keep)}; delete "
             f"{len(self.dead_blobs)} unreferenced blob(s), {len(self.orphan_files)} orphan blob file(s) and "
-            f"{len(self.temp_files)} temp file(s){packs}, freeing {self.freed_bytes} bytes"
+            f"{len(self.temp_files)} temp file(s){packs}{parts}, freeing {self.freed_bytes} bytes"
         )
 
 
-def kept_manifests(rows: list, rules: Retention) -> set[int]:
+def kept_manifests(manifests: list[ManifestRecord], rules: Retention) -> set[int]:
     """Pure: which manifests survive. Tags, pins and merges always do."""
     if not rules.drops_manifests:
-        return {r["id"] for r in rows}
-    commits = sorted((r for r in rows if r["origin"] == "commit"), key=lambda r: r["step"])
-    keep = {r["id"] for r in rows if r["tag"] or r["pinned"] or r["origin"] != "commit"}
+        return {m.id for m in manifests}
+    commits = sorted((m for m in manifests if m.origin == COMMIT), key=lambda m: m.step)
+    keep = {m.id for m in manifests if m.tag or m.pinned or m.origin != COMMIT}
     if rules.keep_last:
-        keep |= {r["id"] for r in commits[-rules.keep_last :]}
+        keep |= {m.id for m in commits[-rules.keep_last :]}
     if rules.keep_every:
-        keep |= {r["id"] for r in commits if r["step"] % rules.keep_every == 0}
+        keep |= {m.id for m in commits if m.step % rules.keep_every == 0}
     return keep
 
 
-def plan_gc(store: Repository, rules: Retention) -> GcPlan:
-    rows = store.conn.execute("SELECT id, step, origin, tag, pinned FROM manifests ORDER BY step, id").fetchall()
-    keep = kept_manifests(rows, rules)
+def plan_gc(store: Repository, rules: Retention, *, drop_parts: bool = False) -> GcPlan:
+    """What gc would do. Blobs a pending part names are live (the part waits for its finalize);
+    a part of a step already recorded is dropped, and every part when ``drop_parts``."""
+    manifests = store.index.manifests()
+    keep = kept_manifests(manifests, rules)
     plan = GcPlan(
-        drop=[(r["id"], r["step"]) for r in rows if r["id"] not in keep],
-        keep=[(r["id"], r["step"]) for r in rows if r["id"] in keep],
+        drop=[(m.id, m.step) for m in manifests if m.id not in keep],
+        keep=[(m.id, m.step) for m in manifests if m.id in keep],
     )
-    conn = store.conn
-    conn.execute("CREATE TEMP TABLE IF NOT EXISTS gc_keep(id INTEGER PRIMARY KEY)")
-    conn.execute("DELETE FROM gc_keep")
-    conn.executemany("INSERT INTO gc_keep(id) VALUES (?)", [(m,) for m in keep])
-    dead = conn.execute(
-        "SELECT hash, stored_size, pack FROM blobs WHERE hash NOT IN ("
-        " SELECT blob FROM files WHERE manifest IN (SELECT id FROM gc_keep)"
-        " UNION SELECT container FROM files WHERE container IS NOT NULL AND manifest IN (SELECT id FROM gc_keep)"
-        " UNION SELECT blob FROM atoms WHERE derived IS NULL AND manifest IN (SELECT id FROM gc_keep))"
-    ).fetchall()
-    plan.dead_blobs = [r["hash"] for r in dead]
-    plan.dead_loose = [r["hash"] for r in dead if r["pack"] is None]
+    held: set[str] = set()
+    for part in read_parts(store.backend):
+        if drop_parts or store.index.commit_at(part.step) is not None:
+            plan.drop_parts.append(part.key)
+        else:
+            plan.pending_parts += 1
+            held |= part.blob_hashes()
+    dead = [b for b in store.index.blobs_unused_by(keep) if b.hash not in held]
+    plan.dead_blobs = [b.hash for b in dead]
+    plan.dead_loose = [b.hash for b in dead if b.pack is None]
     dead_set = set(plan.dead_blobs)
-    plan.freed_bytes = sum(r["stored_size"] for r in dead if r["pack"] is None)
-    for pack in conn.execute("SELECT name, size FROM packs ORDER BY name").fetchall():
-        rows = conn.execute("SELECT hash, stored_size FROM blobs WHERE pack=?", (pack["name"],)).fetchall()
-        live = sum(r["stored_size"] for r in rows if r["hash"] not in dead_set)
-        if not any(r["hash"] not in dead_set for r in rows):
-            plan.dead_packs.append(pack["name"])
-            plan.freed_bytes += pack["size"]
-        elif pack["size"] - live >= REPACK_AT * pack["size"]:
-            plan.repack.append(pack["name"])
-            plan.freed_bytes += pack["size"] - live
-    indexed = {r[0] for r in conn.execute("SELECT hash FROM blobs WHERE pack IS NULL")}
+    plan.freed_bytes = sum(b.stored_size for b in dead if b.pack is None)
+    for name, size in store.index.packs().items():
+        inside = store.index.blobs_in_pack(name)
+        live = sum(b.stored_size for b in inside if b.hash not in dead_set)
+        if not any(b.hash not in dead_set for b in inside):
+            plan.dead_packs.append(name)
+            plan.freed_bytes += size
+        elif size - live >= REPACK_AT * size:
+            plan.repack.append(name)
+            plan.freed_bytes += size - live
+    indexed = store.index.blob_hashes(loose_only=True)
     for name in blob_names(store.backend):
-        if name not in indexed:
+        if name not in indexed and name not in held:
             plan.orphan_files.append(name)
             plan.freed_bytes += store.object_size(blob_key(name)) or 0
-    known = {r[0] for r in conn.execute("SELECT name FROM packs")}
+    known = set(store.index.packs())
     for name in pack_names(store.backend):
         if name not in known:
             plan.orphan_packs.append(name)
@@ -140,24 +147,27 @@ def gc(
     rules: Retention,
     *,
     dry_run: bool = False,
+    drop_parts: bool = False,
     lock_timeout: float = 600.0,
     on_wait: Callable[[str], None] | None = None,
     show_plan: Callable[[GcPlan], None] | None = None,
 ) -> GcPlan:
     with store.lock(exclusive=True, timeout=lock_timeout, on_wait=on_wait):
-        plan = plan_gc(store, rules)
+        store.refresh()  # what other hosts recorded before this lock was taken
+        plan = plan_gc(store, rules, drop_parts=drop_parts)
         if show_plan:
             show_plan(plan)
         if dry_run:
             return plan
-        with store.transaction() as conn:
+        for key in plan.drop_parts:  # before anything they name: a dropped part stops holding its blobs
+            store.backend.delete(key)
+        with store.transaction() as index:
             # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
-            for m, _ in plan.drop:
-                row = conn.execute("SELECT object_key FROM manifests WHERE id=?", (m,)).fetchone()
-                manifest_objects.unpublish(store.backend, [row["object_key"]])
-            conn.executemany("DELETE FROM manifests WHERE id=?", [(m,) for m, _ in plan.drop])
-            conn.executemany("DELETE FROM blobs WHERE hash=?", [(h,) for h in plan.dead_blobs])
-            conn.executemany("DELETE FROM packs WHERE name=?", [(p,) for p in plan.dead_packs])
+            dropped = [m for m, _ in plan.drop]
+            manifest_objects.unpublish(store.backend, index.object_keys(dropped).values())
+            index.delete_manifests(dropped)
+            index.delete_blobs(plan.dead_blobs)
+            index.delete_packs(plan.dead_packs)
         written = _repack(store, plan.repack)
         batch = store.backend.batch()
         for name in [*plan.dead_loose, *plan.orphan_files]:
@@ -179,9 +189,7 @@ def _repack(store: Repository, packs: list[str]) -> int:
     writer = PackWriter(batch)
     moved = []
     for name in packs:
-        for row in store.conn.execute("SELECT hash FROM blobs WHERE pack=? ORDER BY pack_offset", (name,)).fetchall():
-            blob = store.blob(row["hash"])
-            assert blob is not None
+        for blob in store.index.blobs_in_pack(name):
             data = store.backend.get(blob.key(), blob.pack_offset or 0, blob.stored_size)
             raw = bytearray(blob.raw_size)  # decoded and hash-checked: a damaged blob is never carried over
             codec.decode_into(blob.codec, io.BytesIO(data), memoryview(raw), f"repacking pack {name}: {blob.hash}")
@@ -194,11 +202,8 @@ def _repack(store: Repository, packs: list[str]) -> int:
             moved.append(blob.hash)
     writer.flush()
     batch.publish()
-    with store.transaction() as conn:
-        conn.executemany("INSERT INTO packs(name, size) VALUES (?,?) ON CONFLICT(name) DO NOTHING", writer.sealed)
-        conn.executemany(
-            "UPDATE blobs SET pack=?, pack_offset=? WHERE hash=?",
-            [(*writer.placed[h], h) for h in moved],
-        )
-        conn.executemany("DELETE FROM packs WHERE name=?", [(p,) for p in packs])
+    with store.transaction() as index:
+        index.add_packs(writer.sealed)
+        index.move_blobs({h: writer.placed[h] for h in moved})
+        index.delete_packs(packs)
     return sum(size for _, size in writer.sealed)

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from .layers import sort_key
+from .store.records import ManifestRecord
 from .store.repo import Repository
 
 
@@ -46,51 +47,36 @@ class StepDetail:
     derived_bytes: int = 0
 
 
-_SUMMARY = "SELECT id, step, origin, created_at, tag, raw_bytes, new_bytes, exact, pinned, policy FROM manifests"
-
-
-def _summary(r: object) -> StepSummary:
+def _summary(r: ManifestRecord) -> StepSummary:
     return StepSummary(
-        step=r["step"],
-        manifest=r["id"],
-        origin=r["origin"],
-        created_at=r["created_at"],
-        tag=r["tag"],  # type: ignore[index]
-        raw_bytes=r["raw_bytes"],
-        new_bytes=r["new_bytes"],
-        exact=bool(r["exact"]),  # type: ignore[index]
-        pinned=bool(r["pinned"]),
-        policy=json.loads(r["policy"]),  # type: ignore[index]
+        step=r.step,
+        manifest=r.id,
+        origin=r.origin,
+        created_at=r.created_at,
+        tag=r.tag,
+        raw_bytes=r.raw_bytes,
+        new_bytes=r.new_bytes,
+        exact=r.exact,
+        pinned=r.pinned,
+        policy=json.loads(r.policy),
     )
 
 
 def log(store: Repository) -> list[StepSummary]:
-    return [_summary(r) for r in store.conn.execute(f"{_SUMMARY} ORDER BY step, id")]
+    return [_summary(r) for r in store.index.manifests()]
 
 
 def show(store: Repository, selector: str) -> StepDetail:
     manifest = store.resolve(selector)
-    summary = _summary(store.conn.execute(f"{_SUMMARY} WHERE id=?", (manifest,)).fetchone())
+    summary = _summary(store.manifest(manifest))
     per_layer = {
-        r["layer"]: LayerSummary(r["layer"], r["source_step"], bool(r["stored"]), change=r["change"])
-        for r in store.conn.execute(
-            "SELECT layer, source_step, stored, change FROM layers WHERE manifest=?", (manifest,)
-        )
+        x.layer: LayerSummary(x.layer, x.source_step, x.stored, change=x.change) for x in store.index.layers(manifest)
     }
-    for r in store.conn.execute(
-        "SELECT layer, group_concat(DISTINCT kind) AS kinds, sum(nbytes) AS raw,"
-        " sum(CASE WHEN derived IS NULL THEN 0 ELSE nbytes END) AS derived"
-        " FROM atoms WHERE manifest=? GROUP BY layer",
-        (manifest,),
-    ):
-        layer = per_layer.setdefault(r["layer"], LayerSummary(r["layer"], summary.step, True))
-        layer.kinds = sorted(set(r["kinds"].split(",")))
-        layer.raw_bytes, layer.derived_bytes = r["raw"], r["derived"]
-    for r in store.conn.execute(
-        "SELECT layer, sum(stored_size) AS stored FROM (SELECT DISTINCT a.layer, a.blob, b.stored_size"
-        " FROM atoms a JOIN blobs b ON b.hash = a.blob WHERE a.manifest=? AND a.derived IS NULL) GROUP BY layer",
-        (manifest,),
-    ):
-        per_layer[r["layer"]].stored_bytes = r["stored"]
+    for name, kinds, raw, derived in store.index.layer_totals(manifest):
+        layer = per_layer.setdefault(name, LayerSummary(name, summary.step, True))
+        layer.kinds = kinds
+        layer.raw_bytes, layer.derived_bytes = raw, derived
+    for name, stored in store.index.layer_stored_bytes(manifest).items():
+        per_layer[name].stored_bytes = stored
     layers = sorted(per_layer.values(), key=lambda x: sort_key(x.layer))
     return StepDetail(summary, layers, sum(x.derived_bytes for x in layers))

@@ -20,9 +20,8 @@ cost grows with the number of parameters and ranks, not with their bytes.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,8 @@ from .errors import StepExistsError, TailorError
 from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, STATE, block_index, block_label, sort_key
 from .refs import check_tag
 from .store import manifest_objects
-from .store.atom_rows import INSERT_ATOMS, AtomKey, atom_key, atoms_by_key
+from .store.index import Index
+from .store.records import MERGE, AtomKey, AtomRecord, LayerRecord
 from .store.repo import Repository
 
 _AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
@@ -116,84 +116,67 @@ def merge(store: Repository, spec_path: Path, tag: str) -> MergeResult:
     except (OSError, yaml.YAMLError) as exc:
         raise MergeSpecError(f"{spec_path}: cannot read the spec ({exc})") from None
     base = store.resolve(_ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"))
-    base_step = store.manifest(base)["step"]
-    layers = {r["layer"] for r in store.conn.execute("SELECT layer FROM layers WHERE manifest=?", (base,))}
+    base_record = store.manifest(base)
+    layers = {x.layer for x in store.index.layers(base)}
     blocks = sorted(i for name in layers if (i := block_index(name)) is not None)
     if not blocks:
-        raise MergeSpecError(f"step {base_step} has no transformer blocks to slice")
+        raise MergeSpecError(f"step {base_record.step} has no transformer blocks to slice")
     _, chosen = parse_spec(spec, blocks, str(spec_path))
     manifests = {ref: store.resolve(ref) for ref in set(chosen.values())}
-    with store.transaction() as conn:
-        if conn.execute("SELECT 1 FROM manifests WHERE tag=?", (tag,)).fetchone():
+    sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
+    record = replace(
+        base_record,
+        origin=MERGE,
+        tag=tag,
+        created_at=time.time(),
+        policy=json.dumps({"name": "merge", "spec": spec}),
+        exact=False,
+        new_bytes=0,
+        source=str(Path(spec_path).resolve()),
+        pinned=False,
+        object_key=None,
+    )
+    with store.transaction() as index:
+        if index.tagged(tag):
             raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
-        new = _copy_manifest(conn, base, tag, spec_path, spec)
-        sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
-        _copy_rows(conn, base, new, sources)
-        used = {r["layer"]: r["source_step"] for r in conn.execute("SELECT * FROM layers WHERE manifest=?", (new,))}
-        manifest_objects.publish(store.backend, conn, new)
-    ordered = dict(sorted(used.items(), key=lambda kv: sort_key(kv[0])))
-    return MergeResult(new, tag, base_step, ordered, chosen, time.perf_counter() - began)
+        new = index.insert_manifest(record)
+        index.insert_files(new, index.files(base))
+        index.insert_atoms(new, _composed_atoms(index, base, sources))
+        composed = _composed_layers(index, base, sources)
+        index.insert_layers(new, composed)
+        manifest_objects.publish(store.backend, index, new)
+    ordered = dict(sorted(((x.layer, x.source_step) for x in composed), key=lambda kv: sort_key(kv[0])))
+    return MergeResult(new, tag, base_record.step, ordered, chosen, time.perf_counter() - began)
 
 
-def _copy_manifest(conn: sqlite3.Connection, base: int, tag: str, spec_path: Path, spec: Any) -> int:
-    row = conn.execute(
-        "INSERT INTO manifests(step, origin, tag, created_at, layout, ds_tag, zero_stage, world_size, policy, exact,"
-        " raw_bytes, new_bytes, source) SELECT step, 'merge', ?, ?, layout, ds_tag, zero_stage, world_size, ?, 0,"
-        " raw_bytes, 0, ? FROM manifests WHERE id=?",
-        (tag, time.time(), json.dumps({"name": "merge", "spec": spec}), str(Path(spec_path).resolve()), base),
-    )
-    conn.execute(
-        "INSERT INTO files(manifest, path, file_key, kind, rank, blob, raw_size, mode, trusted, container)"
-        " SELECT ?, path, file_key, kind, rank, blob, raw_size, mode, trusted, container FROM files WHERE manifest=?",
-        (row.lastrowid, base),
-    )
-    return int(row.lastrowid)
-
-
-def _copy_rows(conn: sqlite3.Connection, base: int, new: int, sources: dict[str, int]) -> None:
-    cache: dict[int, dict[AtomKey, sqlite3.Row]] = {}
-    rows = []
-    for a in atoms_by_key(conn, base).values():
-        source = sources.get(a["layer"], base) if a["layer"] != STATE else base
-        blob, derived = a["blob"], a["derived"]
+def _composed_atoms(index: Index, base: int, sources: dict[str, int]) -> list[AtomRecord]:
+    """The base's atoms, each pointed at the blob of the same piece in its layer's source."""
+    cache: dict[int, dict[AtomKey, AtomRecord]] = {}
+    out = []
+    for a in index.atoms(base):
+        source = sources.get(a.layer, base) if a.layer != STATE else base
         if source != base:
             if source not in cache:
-                cache[source] = atoms_by_key(conn, source)
-            match = cache[source].get(atom_key(a))
-            if match is None or match["dtype"] != a["dtype"]:
+                cache[source] = index.atoms_by_key(source)
+            match = cache[source].get(a.key())
+            if match is None or match.dtype != a.dtype:
                 raise MergeSpecError(
-                    f"layer {a['layer']}: the source step has no matching piece for {a['param']} ({a['kind']}, rank "
-                    f"{a['rank']}); the steps differ in layout or world size and cannot be merged"
+                    f"layer {a.layer}: the source step has no matching piece for {a.param} ({a.kind}, rank "
+                    f"{a.rank}); the steps differ in layout or world size and cannot be merged"
                 )
-            blob, derived = match["blob"], match["derived"]
-        rows.append(
-            (
-                new,
-                a["path"],
-                a["slot"],
-                a["offset"],
-                a["numel"],
-                a["dtype"],
-                a["shape"],
-                a["param"],
-                a["kind"],
-                a["rank"],
-                a["start"],
-                a["nbytes"],
-                a["layer"],
-                blob,
-                derived,
-                a["file_offset"],
-            )
-        )
-    conn.executemany(INSERT_ATOMS, rows)
-    for layer_row in conn.execute("SELECT * FROM layers WHERE manifest=?", (base,)).fetchall():
-        source = sources.get(layer_row["layer"], base) if layer_row["layer"] != STATE else base
-        src = conn.execute(
-            "SELECT source, source_step FROM layers WHERE manifest=? AND layer=?", (source, layer_row["layer"])
-        ).fetchone()
-        conn.execute(
-            "INSERT INTO layers(manifest, layer, source, source_step, raw_bytes, stored, change)"
-            " VALUES (?,?,?,?,?,0,?)",
-            (new, layer_row["layer"], src["source"], src["source_step"], layer_row["raw_bytes"], None),
-        )
+            a = replace(a, blob=match.blob, derived=match.derived)
+        out.append(a)
+    return out
+
+
+def _composed_layers(index: Index, base: int, sources: dict[str, int]) -> list[LayerRecord]:
+    """Each layer names where its atoms really come from: the source's own source when that
+    layer was inherited there too."""
+    out = []
+    for x in index.layers(base):
+        source = sources.get(x.layer, base) if x.layer != STATE else base
+        src = index.layer(source, x.layer)
+        if src is None:
+            raise MergeSpecError(f"layer {x.layer}: the source step does not have it")
+        out.append(replace(x, source=src.source, source_step=src.source_step, stored=False, change=None))
+    return out

@@ -18,7 +18,6 @@ weight is as checked as a stored one; any mismatch fails the whole checkout.
 from __future__ import annotations
 
 import os
-import sqlite3
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -31,7 +30,8 @@ import torch
 import xxhash
 
 from . import codec
-from .atoms import dtype_from_name
+from .atom_reader import rebuilt_weight
+from .atoms import MASTER, dtype_from_name
 from .derive import ROUND_FROM_MASTER
 from .errors import CorruptStoreError
 from .formats.reader import TORCH
@@ -39,6 +39,7 @@ from .formats.torch_zip import gaps, mend_crcs
 from .paths import safe_join
 from .store.direct_io import PlacedWriter
 from .store.posix import start_writeback
+from .store.records import AtomRecord, BlobRecord, FileRecord
 from .store.repo import Repository
 
 _local = threading.local()
@@ -146,40 +147,36 @@ def _rounded(piece: memoryview, dtype: torch.dtype) -> memoryview:
 def write_files(
     store: Repository,
     manifest: int,
-    rows: list[sqlite3.Row],
+    rows: list[FileRecord],
     root: Path,
     step: int,
     mend: bool,
     advance: Callable[[int], None],
-    rebuild_weight: Callable[[str], memoryview],
     threads: int = 4,
 ) -> None:
     """Write every file of ``rows`` (all with a container) under ``root``, checked and fsynced.
 
     ``mend``: recompute the zip CRCs (the atoms may come from other steps than the
-    containers). ``rebuild_weight(param)``: the bytes of a derived weight whose masters are
-    not among these files (then they are in a file checked out by re-pickling).
+    containers). A derived weight whose masters are not among these files (they are in a
+    file checked out by re-pickling) is rebuilt through the atom reader.
     """
     targets: dict[str, _Target] = {}
     try:
         for row in rows:
-            path = safe_join(root, row["path"])
+            path = safe_join(root, row.path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            targets[row["path"]] = _Target(
-                row["path"],
-                PlacedWriter(path, row["raw_size"]),
-                f"step {step}, file {row['path']}",
-                row["raw_size"],
-                row["kind"],
+            targets[row.path] = _Target(
+                row.path, PlacedWriter(path, row.raw_size), f"step {step}, file {row.path}", row.raw_size, row.kind
             )
-        atoms = _atoms(store, manifest, targets)
+        blobs = {b.hash: b for b in store.index.referenced_blobs(manifest)}
+        atoms = _atoms(store, manifest, targets, blobs)
         for row in rows:
-            _write_container(store, row, targets[row["path"]], atoms[row["path"]])
+            _write_container(store, row, targets[row.path], atoms[row.path])
         weights = _derived_weights(atoms, targets)
-        _place_atoms(store, atoms, targets, weights, advance, threads)
-        _check_weights(weights, rebuild_weight)
+        _place_atoms(store, atoms, blobs, targets, weights, advance, threads)
+        _check_weights(store, manifest, step, weights)
         for row in rows:
-            target = targets[row["path"]]
+            target = targets[row.path]
             if mend and target.kind == TORCH:
                 mend_crcs(target.out.fd, target.where)
             if os.fstat(target.out.fd).st_size != target.size:
@@ -190,30 +187,33 @@ def write_files(
             target.out.close()
 
 
-def _atoms(store: Repository, manifest: int, targets: dict[str, _Target]) -> dict[str, list[sqlite3.Row]]:
-    by_path: dict[str, list[sqlite3.Row]] = {path: [] for path in targets}
-    for a in store.conn.execute(
-        "SELECT a.path, a.param, a.kind, a.layer, a.start, a.numel, a.nbytes, a.dtype, a.blob, a.derived,"
-        " a.file_offset, b.codec, b.raw_size FROM atoms a LEFT JOIN blobs b ON b.hash=a.blob"
-        " WHERE a.manifest=? ORDER BY a.path, a.file_offset",
-        (manifest,),
-    ):
-        if a["path"] not in by_path:
+def _atoms(
+    store: Repository, manifest: int, targets: dict[str, _Target], blobs: dict[str, BlobRecord]
+) -> dict[str, list[AtomRecord]]:
+    """The atoms of the files being written, by file in file order, each checked to fit its place."""
+    by_path: dict[str, list[AtomRecord]] = {path: [] for path in targets}
+    for a in store.index.atoms(manifest):
+        if a.path not in by_path:
             continue
-        target = targets[a["path"]]
-        if a["file_offset"] is None or a["file_offset"] < 0 or a["file_offset"] + a["nbytes"] > target.size:
-            raise CorruptStoreError(f"{target.where}: an atom of {a['param']} has no valid place in the file")
-        if a["derived"] is None and a["codec"] is None:
-            raise CorruptStoreError(f"{target.where}: blob {a['blob']} has no row in the index; run `tailor verify`.")
-        if a["derived"] is None and a["raw_size"] != a["nbytes"]:
-            raise CorruptStoreError(f"{target.where}: blob {a['blob']} holds {a['raw_size']} bytes, not {a['nbytes']}")
-        by_path[a["path"]].append(a)
+        target = targets[a.path]
+        if a.file_offset is None or a.file_offset < 0 or a.file_offset + a.nbytes > target.size:
+            raise CorruptStoreError(f"{target.where}: an atom of {a.param} has no valid place in the file")
+        if a.derived is None and a.blob not in blobs:
+            raise CorruptStoreError(f"{target.where}: blob {a.blob} has no row in the index; run `tailor verify`.")
+        if a.derived is None and blobs[a.blob].raw_size != a.nbytes:
+            raise CorruptStoreError(
+                f"{target.where}: blob {a.blob} holds {blobs[a.blob].raw_size} bytes, not {a.nbytes}"
+            )
+        by_path[a.path].append(a)
+    for atoms in by_path.values():
+        atoms.sort(key=lambda a: a.file_offset or 0)
     return by_path
 
 
-def _write_container(store: Repository, row: sqlite3.Row, target: _Target, atoms: list[sqlite3.Row]) -> None:
-    literal = store.read_blob(row["container"], f"{target.where} (container)")
-    runs = gaps(target.size, [(a["file_offset"], a["nbytes"]) for a in atoms])
+def _write_container(store: Repository, row: FileRecord, target: _Target, atoms: list[AtomRecord]) -> None:
+    assert row.container is not None
+    literal = store.read_blob(row.container, f"{target.where} (container)")
+    runs = gaps(target.size, [(a.file_offset or 0, a.nbytes) for a in atoms])
     if sum(length for _, length in runs) != len(literal):
         raise CorruptStoreError(
             f"{target.where}: the container holds {len(literal)} bytes where the atoms leave "
@@ -226,70 +226,63 @@ def _write_container(store: Repository, row: sqlite3.Row, target: _Target, atoms
         at += length
 
 
-def _derived_weights(atoms: dict[str, list[sqlite3.Row]], targets: dict[str, _Target]) -> dict[str, list[_Weight]]:
+def _derived_weights(atoms: dict[str, list[AtomRecord]], targets: dict[str, _Target]) -> dict[str, list[_Weight]]:
     """Derived weights by parameter; one parameter's weight may sit in several files (DeepSpeed's
     model states and an HF model.safetensors), and each copy is rebuilt and checked."""
     weights: dict[str, list[_Weight]] = {}
     budget = _Budget(_EARLY_BUDGET)  # per checkout: nothing held over from a failed one
     for path, rows in atoms.items():
         for a in rows:
-            if a["derived"] is None:
+            if a.derived is None:
                 continue
-            if a["derived"] != ROUND_FROM_MASTER or a["start"] != 0:
-                raise CorruptStoreError(
-                    f"{targets[path].where}: unknown derivation {a['derived']!r}; upgrade tailorstore"
-                )
-            weights.setdefault(a["param"], []).append(
-                _Weight(
-                    targets[path],
-                    a["file_offset"],
-                    dtype_from_name(a["dtype"]),
-                    a["numel"],
-                    a["blob"],
-                    a["layer"],
-                    budget,
-                )
+            if a.derived != ROUND_FROM_MASTER or a.start != 0:
+                raise CorruptStoreError(f"{targets[path].where}: unknown derivation {a.derived!r}; upgrade tailorstore")
+            weights.setdefault(a.param, []).append(
+                _Weight(targets[path], a.file_offset or 0, dtype_from_name(a.dtype), a.numel, a.blob, a.layer, budget)
             )
     return weights
 
 
 def _place_atoms(
     store: Repository,
-    atoms: dict[str, list[sqlite3.Row]],
+    atoms: dict[str, list[AtomRecord]],
+    blobs: dict[str, BlobRecord],
     targets: dict[str, _Target],
     weights: dict[str, list[_Weight]],
     advance: Callable[[int], None],
     threads: int,
 ) -> None:
-    jobs = [(targets[path], a) for path, rows in atoms.items() for a in rows if a["derived"] is None]
-    jobs.sort(key=lambda job: -job[1]["nbytes"])  # big first, so the two threads finish together
+    jobs = [(targets[path], a) for path, rows in atoms.items() for a in rows if a.derived is None]
+    jobs.sort(key=lambda job: -job[1].nbytes)  # big first, so the two threads finish together
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tailor-checkout") as pool:
         futures = {
-            pool.submit(_place, store, target, a, weights.get(a["param"], []) if a["kind"] == "master" else []): a
+            pool.submit(
+                _place, store, target, a, blobs[a.blob], weights.get(a.param, []) if a.kind == MASTER else []
+            ): a
             for target, a in jobs
         }
         try:
             for future in as_completed(futures):
                 future.result()
-                advance(futures[future]["nbytes"])
+                advance(futures[future].nbytes)
         except BaseException:
             for future in futures:
                 future.cancel()
             raise
 
 
-def _place(store: Repository, target: _Target, atom: sqlite3.Row, weights: list[_Weight]) -> None:
-    where = f"{target.where}, layer {atom['layer']}, {atom['param']} ({atom['kind']})"
+def _place(store: Repository, target: _Target, atom: AtomRecord, blob: BlobRecord, weights: list[_Weight]) -> None:
+    where = f"{target.where}, layer {atom.layer}, {atom.param} ({atom.kind})"
     hasher = xxhash.xxh3_128()
-    pos = atom["file_offset"]
+    pos = atom.file_offset or 0
     done = 0
-    if atom["dtype"] != "float32":
+    if atom.dtype != "float32":
         weights = []
-    with store.open_blob(atom["blob"], where) as f:
-        for piece in codec.decode_pieces(atom["codec"], f, atom["nbytes"], _scratch, f"{where}: blob {atom['blob']}"):
+    with store.open_row(blob, where) as f:
+        for piece in codec.decode_pieces(blob.codec, f, atom.nbytes, _scratch, f"{where}: blob {atom.blob}"):
             hasher.update(piece)
             target.out.pwrite(piece, pos)
-            first = atom["start"] + done // 4
+            first = atom.start + done // 4
             for weight in weights:
                 if first + len(piece) // 4 <= weight.numel:
                     rounded = _rounded(piece, weight.dtype)
@@ -297,22 +290,22 @@ def _place(store: Repository, target: _Target, atom: sqlite3.Row, weights: list[
                     weight.feed(first, rounded)
             pos += len(piece)
             done += len(piece)
-    if hasher.hexdigest() != atom["blob"]:
+    if hasher.hexdigest() != atom.blob:
         raise CorruptStoreError(
-            f"{where}: blob {atom['blob']} does not match its hash (the blob file is damaged). "
+            f"{where}: blob {atom.blob} does not match its hash (the blob file is damaged). "
             "Run `tailor verify --deep` to find every damaged blob."
         )
     for weight in weights:
-        weight.cover(atom["start"], atom["numel"])
-    start_writeback(target.out.fd, atom["file_offset"], atom["nbytes"])  # the page-cache edges
+        weight.cover(atom.start, atom.numel)
+    start_writeback(target.out.fd, atom.file_offset or 0, atom.nbytes)  # the page-cache edges
 
 
-def _check_weights(weights: dict[str, list[_Weight]], rebuild_weight: Callable[[str], memoryview]) -> None:
+def _check_weights(store: Repository, manifest: int, step: int, weights: dict[str, list[_Weight]]) -> None:
     """Every derived weight fully rebuilt from masters, and equal to its recorded hash."""
     for param, w in ((param, w) for param, copies in weights.items() for w in copies):
         where = f"{w.target.where}, layer {w.layer}, {param} (weight, rebuilt from its FP32 master)"
-        if gaps(w.numel, w.covered):
-            w.target.out.pwrite(rebuild_weight(param), w.offset)  # checked by the hash below
+        if gaps(w.numel, w.covered):  # its masters are in a file written by re-pickling
+            w.target.out.pwrite(rebuilt_weight(store, manifest, param, f"step {step}"), w.offset)  # hash checked below
             w.read_back = True
         if not w.read_back and w.hashed == w.numel:
             if w.hasher.hexdigest() != w.blob:

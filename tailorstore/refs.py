@@ -8,8 +8,6 @@ first and the index second, so an interrupted change is undone at the next open.
 
 from __future__ import annotations
 
-import sqlite3
-
 from .errors import StepExistsError, StoreError
 from .store import manifest_objects
 from .store.repo import Repository
@@ -24,56 +22,49 @@ def check_tag(tag: str) -> str:
 def tag(store: Repository, selector: str, name: str, *, force: bool = False) -> int:
     check_tag(name)
     manifest = store.resolve(selector)
-    with store.transaction() as conn:
-        holder = conn.execute("SELECT id FROM manifests WHERE tag=?", (name,)).fetchone()
-        if holder and holder["id"] != manifest:
+    with store.transaction() as index:
+        holder = index.tagged(name)
+        if holder and holder.id != manifest:
             if not force:
                 raise StepExistsError(f"tag {name!r} already names another manifest; pass --force to move it")
-            conn.execute("UPDATE manifests SET tag=NULL WHERE id=?", (holder["id"],))
-        old = conn.execute("SELECT tag FROM manifests WHERE id=?", (manifest,)).fetchone()["tag"]
-        conn.execute("UPDATE manifests SET tag=? WHERE id=?", (name, manifest))
+            index.set_tag(holder.id, None)
+        old = store.manifest(manifest).tag
+        index.set_tag(manifest, name)
         if old and old != name:
             manifest_objects.drop_tag(store.backend, old)
-        manifest_objects.write_refs(store.backend, conn, [manifest])
+        manifest_objects.write_refs(store.backend, index, [manifest])
     return manifest
 
 
 def untag(store: Repository, name: str) -> int:
     """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
-    row = store.conn.execute("SELECT id FROM manifests WHERE tag=?", (name,)).fetchone()
-    if row is None:
+    holder = store.index.tagged(name)
+    if holder is None:
         raise StoreError(f"nothing is tagged {name!r}; `tailor log` shows the tags.")
-    with store.transaction() as conn:
+    with store.transaction() as index:
         manifest_objects.drop_tag(store.backend, name)
-        conn.execute("UPDATE manifests SET tag=NULL WHERE id=?", (row["id"],))
-    return int(row["id"])
+        index.set_tag(holder.id, None)
+    return holder.id
 
 
 def pin(store: Repository, selector: str, pinned: bool = True) -> int:
     manifest = store.resolve(selector)
-    with store.transaction() as conn:
-        conn.execute("UPDATE manifests SET pinned=? WHERE id=?", (int(pinned), manifest))
-        manifest_objects.write_refs(store.backend, conn, [manifest])
+    with store.transaction() as index:
+        index.set_pinned(manifest, pinned)
+        manifest_objects.write_refs(store.backend, index, [manifest])
     return manifest
 
 
 def remove(store: Repository, selector: str, *, force: bool = False) -> int:
     manifest = store.resolve(selector)
-    row = store.manifest(manifest)
-    if (row["pinned"] or row["tag"]) and not force:
-        what = "pinned" if row["pinned"] else f"tagged {row['tag']!r}"
-        hint = "`tailor unpin`" if row["pinned"] else f"`tailor untag {row['tag']}`"
-        raise StoreError(f"step {row['step']} is {what}; {hint} first, or pass --force")
-    with store.transaction() as conn:
-        _unpublish(store, conn, [manifest])
-        conn.execute("DELETE FROM manifests WHERE id=?", (manifest,))
+    record = store.manifest(manifest)
+    if (record.pinned or record.tag) and not force:
+        what = "pinned" if record.pinned else f"tagged {record.tag!r}"
+        hint = "`tailor unpin`" if record.pinned else f"`tailor untag {record.tag}`"
+        raise StoreError(f"step {record.step} is {what}; {hint} first, or pass --force")
+    with store.transaction() as index:
+        if record.tag:  # the objects (manifest, tag, pin) go before the index rows
+            manifest_objects.drop_tag(store.backend, record.tag)
+        manifest_objects.unpublish(store.backend, [record.object_key])
+        index.delete_manifests([manifest])
     return manifest
-
-
-def _unpublish(store: Repository, conn: sqlite3.Connection, manifests: list[int]) -> None:
-    """Delete the objects (manifest, tag, pin) of manifests about to leave the index."""
-    for m in manifests:
-        row = conn.execute("SELECT tag, object_key FROM manifests WHERE id=?", (m,)).fetchone()
-        if row["tag"]:
-            manifest_objects.drop_tag(store.backend, row["tag"])
-        manifest_objects.unpublish(store.backend, [row["object_key"]])

@@ -8,10 +8,10 @@ steps give theirs from their atom rows; a commit of another model is refused unl
 
 from __future__ import annotations
 
-import sqlite3
-
 from . import atoms as A
 from .errors import StoreError
+from .store.index import Index
+from .store.records import AtomRecord
 
 Structure = dict[str, int]  # parameter -> elements
 
@@ -25,15 +25,17 @@ def from_segments(segments: list[A.Segment]) -> Structure:
     return out
 
 
-def of_manifest(conn: sqlite3.Connection, manifest: int) -> Structure:
-    return {
-        r[0]: r[1]
-        for r in conn.execute(
-            "SELECT param, max(start + numel) FROM atoms WHERE manifest=? AND kind IN (?, ?) AND numel > 0"
-            " GROUP BY param",
-            (manifest, A.WEIGHT, A.MASTER),
-        )
-    }
+def from_atoms(atoms: list[AtomRecord]) -> Structure:
+    """Pure: the same, from atom records (a step assembled from parts)."""
+    out: Structure = {}
+    for a in atoms:
+        if a.kind in (A.WEIGHT, A.MASTER) and a.numel:
+            out[a.param] = max(out.get(a.param, 0), a.start + a.numel)
+    return out
+
+
+def of_manifest(index: Index, manifest: int) -> Structure:
+    return index.param_sizes(manifest, (A.WEIGHT, A.MASTER))
 
 
 def differences(old: Structure, new: Structure, limit: int = 3) -> list[str]:
@@ -44,15 +46,15 @@ def differences(old: Structure, new: Structure, limit: int = 3) -> list[str]:
     return out[:limit] + ([f"and {len(out) - limit} more"] if len(out) > limit else [])
 
 
-def refuse_other_model(conn: sqlite3.Connection, new: Structure) -> None:
+def refuse_other_model(index: Index, new: Structure) -> None:
     """Refuse a commit whose model differs from the newest committed step's (a different run)."""
-    row = conn.execute("SELECT id, step FROM manifests WHERE origin='commit' ORDER BY id DESC LIMIT 1").fetchone()
-    if row is None or not new:
+    newest = index.newest_commit()
+    if newest is None or not new:
         return
-    old = of_manifest(conn, row["id"])
+    old = of_manifest(index, newest.id)
     diff = differences(old, new)
     if old and diff:
         raise StoreError(
-            f"this checkpoint holds a different model from step {row['step']} in the store ({'; '.join(diff)}). "
+            f"this checkpoint holds a different model from step {newest.step} in the store ({'; '.join(diff)}). "
             "Keep each model in its own store, or pass --force to commit it here anyway."
         )

@@ -15,12 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import codec
-from .checkout import decode_atom
+from .atom_reader import decode_atom
+from .atoms import MASTER
 from .errors import CorruptStoreError
 from .paths import check_relative
 from .store.backend import blob_names
 from .store.packs import pack_names
-from .store.repo import BlobRow, Repository
+from .store.records import AtomRecord, BlobRecord
+from .store.repo import Repository
 
 
 @dataclass
@@ -39,21 +41,8 @@ class VerifyReport:
 def _users(store: Repository, manifest_ids: list[int]) -> dict[str, list[str]]:
     """blob -> where it is used, as 'step S, layer L, file F' (for messages)."""
     users: dict[str, list[str]] = defaultdict(list)
-    marks = ",".join("?" * len(manifest_ids))
-    for r in store.conn.execute(
-        f"SELECT m.step, f.path, f.blob, f.container FROM files f JOIN manifests m ON m.id=f.manifest"
-        f" WHERE f.manifest IN ({marks})",
-        manifest_ids,
-    ):
-        users[r["blob"]].append(f"step {r['step']}, file {r['path']}")
-        if r["container"] is not None:
-            users[r["container"]].append(f"step {r['step']}, file {r['path']} (container)")
-    for r in store.conn.execute(
-        f"SELECT DISTINCT m.step, a.layer, a.path, a.blob FROM atoms a JOIN manifests m ON m.id=a.manifest"
-        f" WHERE a.manifest IN ({marks}) AND a.derived IS NULL",
-        manifest_ids,
-    ):
-        users[r["blob"]].append(f"step {r['step']}, layer {r['layer']}, file {r['path']}")
+    for digest, where in store.index.blob_uses(manifest_ids):
+        users[digest].append(where)
     return users
 
 
@@ -61,14 +50,9 @@ def verify(
     store: Repository, selector: str | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None
 ) -> VerifyReport:
     report = VerifyReport()
-    conn = store.conn
-    for (message,) in conn.execute("PRAGMA quick_check"):
-        if message != "ok":
-            report.problems.append(f"index: SQLite reports {message}")
-    for r in conn.execute("PRAGMA foreign_key_check"):
-        report.problems.append(f"index: row {r[1]} of table {r[0]} points at a missing {r[2]} row")
+    report.problems.extend(store.index.integrity_problems())
     if selector is None:
-        ids = [r[0] for r in conn.execute("SELECT id FROM manifests ORDER BY step, id")]
+        ids = [m.id for m in store.index.manifests()]
     else:
         ids = [store.resolve(selector)]
     report.manifests = len(ids)
@@ -88,11 +72,11 @@ def verify(
         rebuilt: set[tuple] = set()
         for manifest in ids:
             _check_derived(store, manifest, report, rebuilt)
-    indexed = {r[0] for r in conn.execute("SELECT hash FROM blobs")}
+    indexed = store.index.blob_hashes()
     orphans = [n for n in blob_names(store.backend) if n not in indexed]
     if orphans:
         report.notes.append(f"{len(orphans)} orphan blob file(s) no manifest uses; `tailor gc` removes them")
-    known_packs = {r[0] for r in conn.execute("SELECT name FROM packs")}
+    known_packs = set(store.index.packs())
     stray = [n for n in pack_names(store.backend) if n not in known_packs]
     if stray:
         report.notes.append(f"{len(stray)} pack(s) the index does not know; `tailor gc` removes them")
@@ -102,7 +86,7 @@ def verify(
     return report
 
 
-def _check_blob(store: Repository, row: BlobRow, place: str, deep: bool, report: VerifyReport) -> None:
+def _check_blob(store: Repository, row: BlobRecord, place: str, deep: bool, report: VerifyReport) -> None:
     report.blobs_checked += 1
     size = store.stored_bytes(row)
     if size is None:
@@ -132,55 +116,45 @@ def _check_derived(store: Repository, manifest: int, report: VerifyReport, done:
     A master atom pointed at another step's (intact) blob passes the blob checks, but its
     weight would no longer rebuild. The same weight over the same master blobs is rebuilt once.
     """
-    step = store.manifest(manifest)["step"]
-    for atom in store.conn.execute(
-        "SELECT * FROM atoms WHERE manifest=? AND derived IS NOT NULL ORDER BY param", (manifest,)
-    ).fetchall():
-        masters = tuple(
-            r[0]
-            for r in store.conn.execute(
-                "SELECT blob FROM atoms WHERE manifest=? AND param=? AND kind='master' ORDER BY start",
-                (manifest, atom["param"]),
-            )
-        )
-        key = (atom["blob"], atom["dtype"], masters)
+    step = store.manifest(manifest).step
+    masters: dict[str, list[AtomRecord]] = defaultdict(list)
+    for a in store.index.atoms(manifest, kind=MASTER):
+        masters[a.param].append(a)
+    for atom in sorted(store.index.atoms(manifest, derived=True), key=lambda a: a.param):
+        key = (atom.blob, atom.dtype, tuple(m.blob for m in sorted(masters[atom.param], key=lambda m: m.start)))
         if key in done:
             continue
         done.add(key)
         try:
-            decode_atom(store, manifest, atom, f"step {step}, layer {atom['layer']}, file {atom['path']}")
+            decode_atom(store, manifest, atom, f"step {step}, layer {atom.layer}, file {atom.path}")
         except CorruptStoreError as exc:
             report.problems.append(str(exc))
-        report.bytes_rehashed += atom["nbytes"]
+        report.bytes_rehashed += atom.nbytes
 
 
 def _check_structure(store: Repository, manifest: int, report: VerifyReport) -> None:
-    step = store.manifest(manifest)["step"]
-    for r in store.conn.execute("SELECT path FROM files WHERE manifest=?", (manifest,)):
+    step = store.manifest(manifest).step
+    for f in store.index.files(manifest):
         try:
-            check_relative(r["path"])
+            check_relative(f.path)
         except Exception as exc:  # UnsafePathError; reported, not raised
-            report.problems.append(f"step {step}, file {r['path']!r}: {exc}")
+            report.problems.append(f"step {step}, file {f.path!r}: {exc}")
     cursor: dict[tuple[str, int], int] = {}
-    for a in store.conn.execute(
-        "SELECT path, slot, offset, numel, layer, derived, param FROM atoms WHERE manifest=?"
-        " ORDER BY path, slot, offset",
-        (manifest,),
-    ):
-        key = (a["path"], a["slot"])
-        if cursor.get(key, 0) != a["offset"]:
+    atoms = store.index.atoms(manifest)
+    for a in atoms:
+        key = (a.path, a.slot)
+        if cursor.get(key, 0) != a.offset:
             report.problems.append(
-                f"step {step}, layer {a['layer']}, file {a['path']}: atoms of tensor slot {a['slot']} leave a gap "
-                f"or overlap at element {a['offset']}"
+                f"step {step}, layer {a.layer}, file {a.path}: atoms of tensor slot {a.slot} leave a gap "
+                f"or overlap at element {a.offset}"
             )
-        cursor[key] = a["offset"] + a["numel"]
-    derived_without_master = store.conn.execute(
-        "SELECT DISTINCT a.param, a.layer, a.path FROM atoms a WHERE a.manifest=? AND a.derived IS NOT NULL AND NOT"
-        " EXISTS (SELECT 1 FROM atoms m WHERE m.manifest=a.manifest AND m.param=a.param AND m.kind='master')",
-        (manifest,),
-    ).fetchall()
-    for r in derived_without_master:
-        report.problems.append(
-            f"step {step}, layer {r['layer']}, file {r['path']}: derived weight {r['param']} "
-            "has no FP32 master to be rebuilt from"
-        )
+        cursor[key] = a.offset + a.numel
+    with_master = {a.param for a in atoms if a.kind == MASTER}
+    reported: set[tuple[str, str, str]] = set()
+    for a in atoms:
+        if a.derived is not None and a.param not in with_master and (a.param, a.layer, a.path) not in reported:
+            reported.add((a.param, a.layer, a.path))
+            report.problems.append(
+                f"step {step}, layer {a.layer}, file {a.path}: derived weight {a.param} "
+                "has no FP32 master to be rebuilt from"
+            )

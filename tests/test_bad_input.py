@@ -129,7 +129,7 @@ def test_same_step_twice_is_refused_unless_forced(
     with pytest.raises(StepExistsError):
         commit_checkpoint(store, again)
     commit_checkpoint(store, again, CommitOptions(force=True, tag="again"))
-    assert store.manifest(store.resolve("tag=again"))["step"] == 3
+    assert store.manifest(store.resolve("tag=again")).step == 3
     assert store.conn.execute("SELECT count(*) FROM manifests").fetchone()[0] == 1
 
 

@@ -57,8 +57,8 @@ def test_split_masters_rebuild_weights_in_order_or_by_reading_back(
     monkeypatch.undo()
 
     param = split[0]["param"]
-    with store.transaction() as conn:  # the index now promises other bytes than rounding gives
-        conn.execute("UPDATE atoms SET blob=? WHERE derived IS NOT NULL AND param=?", ("0" * 32, param))
+    with store.transaction() as index:  # the index now promises other bytes than rounding gives
+        index.conn.execute("UPDATE atoms SET blob=? WHERE derived IS NOT NULL AND param=?", ("0" * 32, param))
     with pytest.raises(CorruptStoreError, match=rf"{param} \(weight, rebuilt from its FP32 master\).*does not match"):
         checkout_step(store, "step=6", tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tailor-partial-*"))

@@ -121,8 +121,8 @@ def test_verify_deep_rebuilds_derived_weights(two_steps) -> None:
     at6 = next(r for r in rows if r["step"] == 6)
     at3 = next(r for r in rows if r["step"] == 3 and (r["param"], r["start"]) == (at6["param"], at6["start"]))
     assert at3["blob"] != at6["blob"]
-    with store.transaction() as conn:
-        conn.execute(
+    with store.transaction() as index:
+        index.conn.execute(
             "UPDATE atoms SET blob=? WHERE blob=? AND manifest=(SELECT id FROM manifests WHERE step=6)",
             (at3["blob"], at6["blob"]),
         )

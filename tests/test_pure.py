@@ -24,6 +24,7 @@ from tailorstore.gc import Retention, kept_manifests
 from tailorstore.merge import MergeSpecError, parse_spec
 from tailorstore.policies import CommitFacts, PolicyError, PolicySpec, decide
 from tailorstore.store.backend import check_name
+from tailorstore.store.records import ManifestRecord
 from tailorstore.store.repo import Repository, check_step
 
 BLOCKS = [f"block.{i}" for i in range(6)]
@@ -78,8 +79,13 @@ def test_unknown_policy() -> None:
 # -- retention ------------------------------------------------------------------------------
 
 
-def rows(*specs: tuple) -> list[dict]:
-    return [dict(zip(("id", "step", "origin", "tag", "pinned"), s, strict=True)) for s in specs]
+def rows(*specs: tuple) -> list[ManifestRecord]:
+    return [
+        ManifestRecord(
+            step, origin, 0.0, "deepspeed", None, None, None, "{}", True, 0, 0, "", tag, bool(pinned), id=mid
+        )
+        for mid, step, origin, tag, pinned in specs
+    ]
 
 
 def test_kept_manifests() -> None:

@@ -46,9 +46,21 @@ def _step_from_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _tag_files(tag_dir: Path, prefix: str) -> list[str]:
+def _tag_files(tag_dir: Path, prefix: str, part: bool = False) -> list[str]:
+    """The tag folder's files, model states first. A part (one host's share of a save) may lack
+    other ranks' files (finalize checks the whole step), but not the model states, whose
+    parameter shapes cut the optimizer states (DeepSpeed's ``use_node_local_storage`` writes
+    them on every node)."""
     names = sorted(p.name for p in tag_dir.iterdir() if p.is_file())
     model = [n for n in names if is_model_states(n)]
+    if part and not model and any(is_optim_states(n) for n in names):
+        raise BadCheckpointError(
+            f"{tag_dir}: a part needs the model states file (mp_rank_00_model_states.pt) beside its optimizer "
+            "states, to cut them by parameter. Copy it from the host that saved it, or let DeepSpeed write it "
+            'on every node ("checkpoint": {"use_node_local_storage": true}).'
+        )
+    if part and model:
+        return [f"{prefix}{n}" for n in model + [n for n in names if n not in model]]
     if not model:
         raise BadCheckpointError(
             f"{tag_dir}: no *_model_states.pt file, so this is not a complete DeepSpeed checkpoint. "
@@ -109,18 +121,18 @@ def check_files(root: Path, files: list[str]) -> None:
             )
 
 
-def detect(path: Path) -> CheckpointLayout:
+def detect(path: Path, *, part: bool = False) -> CheckpointLayout:
     """The layout of ``path``, with every file name checked against the rules checkout applies."""
-    layout = _detect(Path(path))
+    layout = _detect(Path(path), part)
     check_files(layout.root, layout.files)
     return layout
 
 
-def _detect(path: Path) -> CheckpointLayout:
+def _detect(path: Path, part: bool = False) -> CheckpointLayout:
     if not path.is_dir():
         raise BadCheckpointError(f"{path}: not a directory. Pass the folder DeepSpeed or the HF Trainer saved.")
     if (path / "trainer_state.json").is_file():
-        return _hf_layout(path)
+        return _hf_layout(path, part)
     if (path / "latest").is_file():
         tag = (path / "latest").read_text().strip()
         tag_dir = path / tag
@@ -129,18 +141,21 @@ def _detect(path: Path) -> CheckpointLayout:
                 f"{path / 'latest'}: names tag {tag!r}, but there is no such folder beside it. "
                 "Point at the tag folder itself, or fix 'latest'."
             )
-        files = _top_files(path) + _tag_files(tag_dir, f"{tag}/")
+        files = _top_files(path) + _tag_files(tag_dir, f"{tag}/", part)
         return CheckpointLayout(path, DEEPSPEED, _step_from_name(tag), tag, files)
-    if any(is_model_states(p.name) for p in path.iterdir() if p.is_file()):
+    names = [p.name for p in path.iterdir() if p.is_file()]
+    if any(is_model_states(n) for n in names) or (part and any(is_optim_states(n) for n in names)):
         tag = path.name
-        return CheckpointLayout(path.parent, DEEPSPEED_TAG, _step_from_name(tag), tag, _tag_files(path, f"{tag}/"))
+        return CheckpointLayout(
+            path.parent, DEEPSPEED_TAG, _step_from_name(tag), tag, _tag_files(path, f"{tag}/", part)
+        )
     raise BadCheckpointError(
         f"{path}: not a checkpoint. Expected a DeepSpeed save directory (with 'latest'), a DeepSpeed tag "
         "folder (with *_model_states.pt), or an HF Trainer checkpoint-N folder (with trainer_state.json)."
     )
 
 
-def _hf_layout(path: Path) -> CheckpointLayout:
+def _hf_layout(path: Path, part: bool = False) -> CheckpointLayout:
     step = _step_from_name(path.name)
     if step is None:
         try:
@@ -157,9 +172,10 @@ def _hf_layout(path: Path) -> CheckpointLayout:
                 f"{sub}: a symbolic link to a directory; tailorstore does not follow links inside a checkpoint. "
                 "Replace it with the files themselves, or remove it."
             )
-        if any(is_model_states(p.name) for p in sub.iterdir() if p.is_file()):
+        inside = [p.name for p in sub.iterdir() if p.is_file()]
+        if any(is_model_states(n) for n in inside) or (part and any(is_optim_states(n) for n in inside)):
             ds_tag = ds_tag or sub.name
-            files += _tag_files(sub, f"{sub.name}/")
+            files += _tag_files(sub, f"{sub.name}/", part)
         else:
             files += _walk(path, sub)
     return CheckpointLayout(path, HF_TRAINER, step, ds_tag, files)

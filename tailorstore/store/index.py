@@ -1,7 +1,17 @@
-"""Opening the SQLite index with the settings that make its promises hold.
+"""The SQLite index: the one class that holds every SQL statement of tailorstore.
 
-WAL lets readers (checkout, log, show) work while a commit writes; synchronous=FULL makes
-a committed transaction survive power loss; foreign keys keep manifests consistent.
+The index is a cache of the manifest objects in the backend (``manifest_objects``): what it
+adds is fast lookups (which blobs a manifest needs, where a layer was last stored, where a
+blob sits in a pack). Callers above ``store/`` see typed records (``records``), never rows.
+
+Settings that make its promises hold: WAL lets readers (checkout, log, show) work while a
+commit writes; ``synchronous=FULL`` makes a committed transaction survive power loss;
+foreign keys keep manifests consistent; ``BEGIN IMMEDIATE`` makes two writers queue
+instead of failing midway. A store this process cannot write is opened read-only and
+immutable, so the read commands still work on it.
+
+sqlite-utils is not used: importing it costs about 0.24 s, more than `tailor log` may spend
+in total, and what it would give (bulk inserts, schema creation) is a few lines here.
 """
 
 from __future__ import annotations
@@ -9,29 +19,541 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import CorruptStoreError, FormatVersionError, StoreError
+from .records import (
+    ATOM_COLUMNS,
+    COMMIT,
+    MANIFEST_DOC_FIELDS,
+    AtomKey,
+    AtomRecord,
+    BlobRecord,
+    FileRecord,
+    LayerRecord,
+    ManifestRecord,
+    values,
+)
 from .schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
 
 INDEX_NAME = "index.sqlite"
 
+_MANIFEST_COLUMNS = (*MANIFEST_DOC_FIELDS, "tag", "pinned", "object_key")
+_FILE_COLUMNS = ("path", "file_key", "kind", "rank", "blob", "raw_size", "mode", "trusted", "container")
+_LAYER_COLUMNS = ("layer", "source", "source_step", "raw_bytes", "stored", "change")
+_BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "pack", "pack_offset", "created_at")
+_ATOMS_WITH_KEY = (
+    f"SELECT {', '.join('a.' + c for c in ATOM_COLUMNS)}, f.file_key FROM atoms a"
+    " JOIN files f ON f.manifest=a.manifest AND f.path=a.path WHERE a.manifest=?"
+)
 
-def connect(path: Path, *, read_only: bool = False) -> sqlite3.Connection:
-    """A connection; ``read_only`` for a store this process cannot write (nobody changes it under us)."""
-    if read_only:
-        conn = sqlite3.connect(
-            f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, isolation_level=None, check_same_thread=False
+
+def _insert(table: str, columns: tuple[str, ...], suffix: str = "") -> str:
+    return f"INSERT INTO {table}({', '.join(columns)}) VALUES ({','.join('?' * len(columns))}){suffix}"
+
+
+def _manifest(row: sqlite3.Row) -> ManifestRecord:
+    return ManifestRecord(
+        **{c: row[c] for c in MANIFEST_DOC_FIELDS if c != "exact"},
+        exact=bool(row["exact"]),
+        tag=row["tag"],
+        pinned=bool(row["pinned"]),
+        object_key=row["object_key"],
+        id=row["id"],
+    )
+
+
+def _file(row: sqlite3.Row) -> FileRecord:
+    return FileRecord(*(row[c] for c in _FILE_COLUMNS[:7]), trusted=bool(row["trusted"]), container=row["container"])
+
+
+def _atom(row: sqlite3.Row) -> AtomRecord:
+    return AtomRecord(*row)
+
+
+def _layer(row: sqlite3.Row, manifest: int) -> LayerRecord:
+    return LayerRecord(
+        row["layer"], row["source"], row["source_step"], row["raw_bytes"], bool(row["stored"]), row["change"], manifest
+    )
+
+
+def _blob(row: sqlite3.Row) -> BlobRecord:
+    return BlobRecord(*(row[c] for c in _BLOB_COLUMNS))
+
+
+class Index:
+    """One open index. Reads return records; writes happen inside :meth:`transaction`."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self.conn = conn  # tests inspect the raw index through this; product code uses the methods
+        self.path = path
+
+    # -- opening -------------------------------------------------------------------------
+    @staticmethod
+    def connect(path: Path, *, read_only: bool = False) -> sqlite3.Connection:
+        """A connection; ``read_only`` for a store this process cannot write (nobody changes it under us)."""
+        if read_only:
+            conn = sqlite3.connect(
+                f"{path.resolve().as_uri()}?mode=ro&immutable=1",
+                uri=True,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+        else:
+            conn = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        if read_only:
+            conn.execute("PRAGMA query_only=ON")  # so callers can tell, and nothing tries to write
+        conn.row_factory = sqlite3.Row
+        return conn
+
+    @classmethod
+    def create(cls, path: Path) -> Index:
+        """A new, empty index of the current format; the whole schema lands in one transaction."""
+        conn = cls.connect(path)
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in SCHEMA:
+                conn.execute(statement)
+            conn.execute("INSERT INTO meta(key, value) VALUES ('format_version', ?)", (str(FORMAT_VERSION),))
+            conn.execute("INSERT INTO meta(key, value) VALUES ('created_at', ?)", (repr(time.time()),))
+        except BaseException:
+            conn.execute("ROLLBACK")
+            conn.close()
+            raise
+        conn.execute("COMMIT")
+        return cls(conn, path)
+
+    @classmethod
+    def open(cls, path: Path) -> Index:
+        """The index at ``path``, upgraded to this format if it is older; refused clearly if damaged."""
+        if not path.is_file():
+            if (path.parent / "blobs").is_dir():
+                raise CorruptStoreError(
+                    f"{path.parent}: the store's index ({path.name}) is missing, though its blobs are there. "
+                    "Recreate it from the manifest objects with `tailor index rebuild`."
+                )
+            raise StoreError(f"{path.parent}: no tailorstore here. Create one with `tailor init {path.parent}`.")
+        read_only = not os.access(path.parent, os.W_OK) or not os.access(path, os.W_OK)
+        try:
+            conn = cls.connect(path, read_only=read_only)
+            row = conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise damaged(path, exc) from None
+        try:
+            version = int(row["value"]) if row else 0
+        except ValueError:
+            conn.close()
+            raise damaged(path, ValueError(f"format_version is {row['value']!r}")) from None
+        if version > FORMAT_VERSION:
+            conn.close()
+            raise FormatVersionError(
+                f"{path}: written by format version {version}, but this tailorstore reads up to version "
+                f"{FORMAT_VERSION}. Upgrade tailorstore (pip install -U tailorstore) to open it."
+            )
+        if version < 1:
+            conn.close()
+            raise FormatVersionError(f"{path}: no format version recorded; this is not a tailorstore index.")
+        if version < FORMAT_VERSION:
+            if read_only:
+                conn.close()
+                raise FormatVersionError(
+                    f"{path}: format {version} needs an upgrade, which a read-only store cannot take."
+                )
+            _migrate(conn, path, version)
+        return cls(conn, path)
+
+    @property
+    def read_only(self) -> bool:
+        return bool(self.conn.execute("PRAGMA query_only").fetchone()[0])
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def checkpoint(self) -> None:
+        """Fold the WAL into the main file (before the file is renamed into place)."""
+        self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    @contextmanager
+    def transaction(self) -> Iterator[Index]:
+        """One write transaction; IMMEDIATE so two writers queue instead of failing midway."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def integrity_problems(self) -> list[str]:
+        """What SQLite itself finds wrong: page-level damage and dangling foreign keys."""
+        out = [f"index: SQLite reports {m}" for (m,) in self.conn.execute("PRAGMA quick_check") if m != "ok"]
+        out += [
+            f"index: row {r[1]} of table {r[0]} points at a missing {r[2]} row"
+            for r in self.conn.execute("PRAGMA foreign_key_check")
+        ]
+        return out
+
+    def counts(self) -> tuple[int, int]:
+        """(manifests, blobs)."""
+        return (
+            self.conn.execute("SELECT count(*) FROM manifests").fetchone()[0],
+            self.conn.execute("SELECT count(*) FROM blobs").fetchone()[0],
         )
-    else:
-        conn = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-    conn.execute("PRAGMA foreign_keys=ON")
-    if read_only:
-        conn.execute("PRAGMA query_only=ON")  # so callers can tell, and nothing tries to write
-    conn.row_factory = sqlite3.Row
-    return conn
+
+    # -- manifests -----------------------------------------------------------------------
+    def manifest(self, manifest: int) -> ManifestRecord | None:
+        row = self.conn.execute("SELECT * FROM manifests WHERE id=?", (manifest,)).fetchone()
+        return _manifest(row) if row else None
+
+    def manifests(self) -> list[ManifestRecord]:
+        """Every manifest, by step, then in the order they were recorded."""
+        return [_manifest(r) for r in self.conn.execute("SELECT * FROM manifests ORDER BY step, id")]
+
+    def manifests_at(self, step: int) -> list[ManifestRecord]:
+        return [_manifest(r) for r in self.conn.execute("SELECT * FROM manifests WHERE step=? ORDER BY id", (step,))]
+
+    def commit_at(self, step: int) -> ManifestRecord | None:
+        row = self.conn.execute("SELECT * FROM manifests WHERE step=? AND origin=?", (step, COMMIT)).fetchone()
+        return _manifest(row) if row else None
+
+    def tagged(self, tag: str) -> ManifestRecord | None:
+        row = self.conn.execute("SELECT * FROM manifests WHERE tag=?", (tag,)).fetchone()
+        return _manifest(row) if row else None
+
+    def latest_commit(self) -> ManifestRecord | None:
+        """The commit of the highest step."""
+        row = self.conn.execute(
+            "SELECT * FROM manifests WHERE origin=? ORDER BY step DESC LIMIT 1", (COMMIT,)
+        ).fetchone()
+        return _manifest(row) if row else None
+
+    def newest_commit(self) -> ManifestRecord | None:
+        """The commit recorded last, whatever its step."""
+        row = self.conn.execute("SELECT * FROM manifests WHERE origin=? ORDER BY id DESC LIMIT 1", (COMMIT,)).fetchone()
+        return _manifest(row) if row else None
+
+    def commits_before(self, step: int) -> int:
+        return self.conn.execute("SELECT count(*) FROM manifests WHERE origin=? AND step<?", (COMMIT, step)).fetchone()[
+            0
+        ]
+
+    def unpublished(self) -> list[int]:
+        """Manifests without an object yet (a store upgraded from format 2), oldest first."""
+        return [r[0] for r in self.conn.execute("SELECT id FROM manifests WHERE object_key IS NULL ORDER BY id")]
+
+    def has_object(self, key: str) -> bool:
+        return self.conn.execute("SELECT 1 FROM manifests WHERE object_key=?", (key,)).fetchone() is not None
+
+    def insert_manifest(self, record: ManifestRecord) -> int:
+        """Record a manifest (its ``id`` is ignored); returns the new local id."""
+        row = self.conn.execute(
+            _insert("manifests", _MANIFEST_COLUMNS),
+            (*values(record, MANIFEST_DOC_FIELDS), record.tag, int(record.pinned), record.object_key),
+        )
+        assert row.lastrowid is not None
+        return int(row.lastrowid)
+
+    def delete_manifests(self, manifests: Iterable[int]) -> None:
+        """Drop manifests; their files, atoms and layers go with them (foreign keys cascade)."""
+        self.conn.executemany("DELETE FROM manifests WHERE id=?", [(m,) for m in manifests])
+
+    def delete_commit_at(self, step: int) -> None:
+        self.conn.execute("DELETE FROM manifests WHERE step=? AND origin=?", (step, COMMIT))
+
+    def set_tag(self, manifest: int, tag: str | None) -> None:
+        if tag is not None:
+            self.conn.execute("UPDATE manifests SET tag=NULL WHERE tag=? AND id<>?", (tag, manifest))
+        self.conn.execute("UPDATE manifests SET tag=? WHERE id=?", (tag, manifest))
+
+    def set_pinned(self, manifest: int, pinned: bool) -> None:
+        self.conn.execute("UPDATE manifests SET pinned=? WHERE id=?", (int(pinned), manifest))
+
+    def set_object_key(self, manifest: int, key: str) -> None:
+        self.conn.execute("UPDATE manifests SET object_key=? WHERE id=?", (key, manifest))
+
+    def set_refs(self, refs: dict[int, tuple[str | None, bool]]) -> None:
+        """Tags and pins of published manifests, all at once (tags are unique: cleared first)."""
+        self.conn.execute("UPDATE manifests SET tag=NULL WHERE object_key IS NOT NULL")
+        self.conn.executemany(
+            "UPDATE manifests SET tag=?, pinned=? WHERE id=?",
+            [(tag, int(pinned), m) for m, (tag, pinned) in refs.items()],
+        )
+
+    # -- files ---------------------------------------------------------------------------
+    def files(self, manifest: int) -> list[FileRecord]:
+        return [_file(r) for r in self.conn.execute("SELECT * FROM files WHERE manifest=? ORDER BY path", (manifest,))]
+
+    def insert_files(self, manifest: int, files: Iterable[FileRecord]) -> None:
+        self.conn.executemany(
+            _insert("files", ("manifest", *_FILE_COLUMNS)),
+            [(manifest, *values(f, _FILE_COLUMNS[:7]), int(f.trusted), f.container) for f in files],
+        )
+
+    # -- atoms ---------------------------------------------------------------------------
+    def atoms(
+        self,
+        manifest: int,
+        *,
+        layer: str | None = None,
+        path: str | None = None,
+        param: str | None = None,
+        kind: str | None = None,
+        derived: bool | None = None,
+    ) -> list[AtomRecord]:
+        """A manifest's atoms, by file, tensor slot and offset, optionally filtered;
+        ``derived`` True or False keeps only derived or only stored pieces."""
+        query, args = _ATOMS_WITH_KEY, [manifest]
+        for column, value in (("layer", layer), ("path", path), ("param", param), ("kind", kind)):
+            if value is not None:
+                query += f" AND a.{column}=?"
+                args.append(value)
+        if derived is not None:
+            query += " AND a.derived IS NOT NULL" if derived else " AND a.derived IS NULL"
+        query += " ORDER BY a.path, a.slot, a.offset"
+        return [_atom(r) for r in self.conn.execute(query, args)]
+
+    def atoms_by_key(self, manifest: int, layer: str | None = None) -> dict[AtomKey, AtomRecord]:
+        """The manifest's atoms (optionally of one layer) by what they are, not where they sit."""
+        return {a.key(): a for a in self.atoms(manifest, layer=layer)}
+
+    def count_atoms(self, manifest: int, layer: str, kind: str) -> int:
+        return self.conn.execute(
+            "SELECT count(*) FROM atoms WHERE manifest=? AND layer=? AND kind=?", (manifest, layer, kind)
+        ).fetchone()[0]
+
+    def insert_atoms(self, manifest: int, atoms: Iterable[AtomRecord]) -> None:
+        self.conn.executemany(
+            _insert("atoms", ("manifest", *ATOM_COLUMNS)), [(manifest, *values(a, ATOM_COLUMNS)) for a in atoms]
+        )
+
+    def param_sizes(self, manifest: int, kinds: tuple[str, str]) -> dict[str, int]:
+        """Each parameter's element count (the end of its furthest piece of the given kinds)."""
+        return {
+            r[0]: r[1]
+            for r in self.conn.execute(
+                "SELECT param, max(start + numel) FROM atoms WHERE manifest=? AND kind IN (?, ?) AND numel > 0"
+                " GROUP BY param",
+                (manifest, *kinds),
+            )
+        }
+
+    # -- layers --------------------------------------------------------------------------
+    def layers(self, manifest: int) -> list[LayerRecord]:
+        return [_layer(r, manifest) for r in self.conn.execute("SELECT * FROM layers WHERE manifest=?", (manifest,))]
+
+    def layer(self, manifest: int, layer: str) -> LayerRecord | None:
+        row = self.conn.execute("SELECT * FROM layers WHERE manifest=? AND layer=?", (manifest, layer)).fetchone()
+        return _layer(row, manifest) if row else None
+
+    def layer_history(self, before_step: int) -> list[tuple[int, LayerRecord]]:
+        """(step, layer) of every commit before ``before_step``, newest step first (for inheritance)."""
+        return [
+            (r["step"], _layer(r, r["manifest"]))
+            for r in self.conn.execute(
+                "SELECT l.*, m.step FROM layers l JOIN manifests m ON m.id=l.manifest"
+                " WHERE m.origin=? AND m.step<? ORDER BY m.step DESC",
+                (COMMIT, before_step),
+            )
+        ]
+
+    def layer_names(self) -> set[str]:
+        return {r[0] for r in self.conn.execute("SELECT DISTINCT layer FROM layers")}
+
+    def insert_layers(self, manifest: int, layers: Iterable[LayerRecord]) -> None:
+        self.conn.executemany(
+            _insert("layers", ("manifest", *_LAYER_COLUMNS)),
+            [(manifest, *values(x, _LAYER_COLUMNS[:4]), int(x.stored), x.change) for x in layers],
+        )
+
+    def object_keys(self, manifests: Iterable[int]) -> dict[int, str | None]:
+        marks = list(manifests)
+        rows = self.conn.execute(
+            f"SELECT id, object_key FROM manifests WHERE id IN ({','.join('?' * len(marks))})", marks
+        )
+        return {r[0]: r[1] for r in rows}
+
+    # -- blobs and packs -----------------------------------------------------------------
+    def blob(self, digest: str) -> BlobRecord | None:
+        row = self.conn.execute("SELECT * FROM blobs WHERE hash=?", (digest,)).fetchone()
+        return _blob(row) if row else None
+
+    def blob_hashes(self, *, loose_only: bool = False) -> set[str]:
+        query = "SELECT hash FROM blobs" + (" WHERE pack IS NULL" if loose_only else "")
+        return {r[0] for r in self.conn.execute(query)}
+
+    def referenced_blobs(self, manifest: int) -> list[BlobRecord]:
+        """The blob rows a manifest needs: file contents, skeletons, containers and stored atoms."""
+        return [
+            _blob(r)
+            for r in self.conn.execute(
+                "SELECT * FROM blobs WHERE hash IN (SELECT blob FROM files WHERE manifest=?1"
+                " UNION SELECT container FROM files WHERE manifest=?1"
+                " UNION SELECT blob FROM atoms WHERE manifest=?1 AND derived IS NULL) ORDER BY hash",
+                (manifest,),
+            )
+        ]
+
+    def referenced_hashes(self, manifest: int) -> set[str]:
+        """The hashes a manifest needs, whether or not they have a blob row."""
+        return {
+            r[0]
+            for r in self.conn.execute(
+                "SELECT blob FROM files WHERE manifest=?1 UNION SELECT container FROM files WHERE manifest=?1"
+                " AND container IS NOT NULL UNION SELECT blob FROM atoms WHERE manifest=?1 AND derived IS NULL",
+                (manifest,),
+            )
+        }
+
+    def blobs_unused_by(self, keep: Iterable[int]) -> list[BlobRecord]:
+        """Blob rows that none of the ``keep`` manifests needs (what gc may drop)."""
+        self.conn.execute("CREATE TEMP TABLE IF NOT EXISTS keep_set(id INTEGER PRIMARY KEY)")
+        self.conn.execute("DELETE FROM keep_set")
+        self.conn.executemany("INSERT INTO keep_set(id) VALUES (?)", [(m,) for m in keep])
+        return [
+            _blob(r)
+            for r in self.conn.execute(
+                "SELECT * FROM blobs WHERE hash NOT IN ("
+                " SELECT blob FROM files WHERE manifest IN (SELECT id FROM keep_set)"
+                " UNION SELECT container FROM files WHERE container IS NOT NULL"
+                " AND manifest IN (SELECT id FROM keep_set)"
+                " UNION SELECT blob FROM atoms WHERE derived IS NULL AND manifest IN (SELECT id FROM keep_set))"
+            )
+        ]
+
+    def blob_uses(self, manifests: list[int]) -> list[tuple[str, str]]:
+        """(blob, where it is used, in words) for the given manifests (for verify's messages)."""
+        marks = ",".join("?" * len(manifests))
+        out: list[tuple[str, str]] = []
+        for r in self.conn.execute(
+            f"SELECT m.step, f.path, f.blob, f.container FROM files f JOIN manifests m ON m.id=f.manifest"
+            f" WHERE f.manifest IN ({marks})",
+            manifests,
+        ):
+            out.append((r["blob"], f"step {r['step']}, file {r['path']}"))
+            if r["container"] is not None:
+                out.append((r["container"], f"step {r['step']}, file {r['path']} (container)"))
+        for r in self.conn.execute(
+            f"SELECT DISTINCT m.step, a.layer, a.path, a.blob FROM atoms a JOIN manifests m ON m.id=a.manifest"
+            f" WHERE a.manifest IN ({marks}) AND a.derived IS NULL",
+            manifests,
+        ):
+            out.append((r["blob"], f"step {r['step']}, layer {r['layer']}, file {r['path']}"))
+        return out
+
+    def upsert_blobs(self, blobs: Iterable[BlobRecord]) -> None:
+        """Record blobs; a blob already known takes the new location (a repaired or repacked blob)."""
+        self.conn.executemany(
+            _insert(
+                "blobs",
+                _BLOB_COLUMNS,
+                " ON CONFLICT(hash) DO UPDATE SET stored_size=excluded.stored_size, codec=excluded.codec,"
+                " pack=excluded.pack, pack_offset=excluded.pack_offset",
+            ),
+            [values(b, _BLOB_COLUMNS) for b in blobs],
+        )
+
+    def add_blobs(self, blobs: Iterable[BlobRecord]) -> None:
+        """Record blobs not known yet; a known blob keeps its row (where it is, packs decide)."""
+        self.conn.executemany(
+            _insert("blobs", _BLOB_COLUMNS, " ON CONFLICT(hash) DO NOTHING"), [values(b, _BLOB_COLUMNS) for b in blobs]
+        )
+
+    def delete_blobs(self, hashes: Iterable[str]) -> None:
+        self.conn.executemany("DELETE FROM blobs WHERE hash=?", [(h,) for h in hashes])
+
+    def move_blobs(self, placed: dict[str, tuple[str, int]]) -> None:
+        """Point blobs at their new pack and offset (after a repack)."""
+        self.conn.executemany(
+            "UPDATE blobs SET pack=?, pack_offset=? WHERE hash=?", [(p, o, h) for h, (p, o) in placed.items()]
+        )
+
+    def blobs_in_pack(self, name: str) -> list[BlobRecord]:
+        return [_blob(r) for r in self.conn.execute("SELECT * FROM blobs WHERE pack=? ORDER BY pack_offset", (name,))]
+
+    def packs(self) -> dict[str, int]:
+        """Pack name -> size of its object."""
+        return {r[0]: r[1] for r in self.conn.execute("SELECT name, size FROM packs ORDER BY name")}
+
+    def has_pack(self, name: str) -> bool:
+        return self.conn.execute("SELECT 1 FROM packs WHERE name=?", (name,)).fetchone() is not None
+
+    def add_packs(self, packs: Iterable[tuple[str, int]]) -> None:
+        self.conn.executemany("INSERT INTO packs(name, size) VALUES (?,?) ON CONFLICT(name) DO NOTHING", packs)
+
+    def delete_packs(self, names: Iterable[str]) -> None:
+        self.conn.executemany("DELETE FROM packs WHERE name=?", [(n,) for n in names])
+
+    # -- summaries (log, show, du) -------------------------------------------------------
+    def layer_totals(self, manifest: int) -> list[tuple[str, list[str], int, int]]:
+        """Per layer of a manifest: (layer, kinds, raw bytes, bytes derived rather than stored)."""
+        return [
+            (r[0], sorted(set(r[1].split(","))), r[2], r[3])
+            for r in self.conn.execute(
+                "SELECT layer, group_concat(DISTINCT kind), sum(nbytes),"
+                " sum(CASE WHEN derived IS NULL THEN 0 ELSE nbytes END) FROM atoms WHERE manifest=? GROUP BY layer",
+                (manifest,),
+            )
+        ]
+
+    def layer_stored_bytes(self, manifest: int) -> dict[str, int]:
+        """Per layer of a manifest: stored bytes of the distinct blobs it uses."""
+        return {
+            r[0]: r[1]
+            for r in self.conn.execute(
+                "SELECT layer, sum(stored_size) FROM (SELECT DISTINCT a.layer, a.blob, b.stored_size"
+                " FROM atoms a JOIN blobs b ON b.hash = a.blob WHERE a.manifest=? AND a.derived IS NULL)"
+                " GROUP BY layer",
+                (manifest,),
+            )
+        }
+
+    def blob_object_bytes(self) -> int:
+        """What the backend holds for blobs: loose blob objects and whole packs."""
+        return (
+            self.conn.execute("SELECT coalesce(sum(stored_size), 0) FROM blobs WHERE pack IS NULL").fetchone()[0]
+            + self.conn.execute("SELECT coalesce(sum(size), 0) FROM packs").fetchone()[0]
+        )
+
+    def kind_totals(self) -> list[tuple[str, int, int, int]]:
+        """Per atom kind over all manifests: (kind, raw bytes, derived bytes, stored bytes of its blobs)."""
+        stored = {
+            r[0]: r[1]
+            for r in self.conn.execute(
+                "SELECT k.kind, sum(b.stored_size) FROM (SELECT blob, min(kind) AS kind FROM atoms"
+                " WHERE derived IS NULL GROUP BY blob) k JOIN blobs b ON b.hash = k.blob GROUP BY k.kind"
+            )
+        }
+        return [
+            (r[0], r[1], r[2], stored.get(r[0], 0))
+            for r in self.conn.execute(
+                "SELECT kind, sum(nbytes), sum(CASE WHEN derived IS NULL THEN 0 ELSE nbytes END) FROM atoms"
+                " GROUP BY kind"
+            )
+        ]
+
+    def non_atom_blob_bytes(self) -> int:
+        """Stored bytes of blobs no atom uses: whole files, skeletons, headers and containers."""
+        return self.conn.execute(
+            "SELECT coalesce(sum(stored_size), 0) FROM blobs WHERE hash NOT IN (SELECT blob FROM atoms)"
+        ).fetchone()[0]
+
+    def bytes_alone(self) -> dict[int, int]:
+        """Per manifest: stored bytes of the blobs no other manifest uses."""
+        return {
+            r[0]: r[1]
+            for r in self.conn.execute(
+                "WITH refs AS (SELECT blob, manifest FROM atoms WHERE derived IS NULL UNION SELECT blob, manifest"
+                " FROM files UNION SELECT container, manifest FROM files WHERE container IS NOT NULL),"
+                " lone AS (SELECT blob, min(manifest) AS manifest FROM refs GROUP BY blob HAVING count(*) = 1)"
+                " SELECT lone.manifest, sum(b.stored_size) FROM lone JOIN blobs b ON b.hash = lone.blob"
+                " GROUP BY lone.manifest"
+            )
+        }
 
 
 def damaged(path: Path, exc: BaseException) -> CorruptStoreError:
@@ -39,59 +561,6 @@ def damaged(path: Path, exc: BaseException) -> CorruptStoreError:
         f"{path}: the index is damaged or unreadable ({exc}). The blobs and manifest objects are untouched; "
         "recreate the index with `tailor index rebuild`, then run `tailor verify --deep`."
     )
-
-
-def create(path: Path) -> None:
-    conn = connect(path)
-    try:
-        # One script, one transaction: a store either has its whole schema or none.
-        conn.executescript(
-            f"BEGIN;\n{SCHEMA}\n"
-            f"INSERT INTO meta(key, value) VALUES ('format_version', '{FORMAT_VERSION}');\n"
-            f"INSERT INTO meta(key, value) VALUES ('created_at', '{time.time()!r}');\nCOMMIT;"
-        )
-    finally:
-        conn.close()
-
-
-def is_read_only(conn: sqlite3.Connection) -> bool:
-    return bool(conn.execute("PRAGMA query_only").fetchone()[0])
-
-
-def open_index(path: Path) -> sqlite3.Connection:
-    if not path.is_file():
-        if (path.parent / "blobs").is_dir():
-            raise CorruptStoreError(
-                f"{path.parent}: the store's index ({path.name}) is missing, though its blobs are there. Recreate "
-                "it from the manifest objects with `tailor index rebuild`."
-            )
-        raise StoreError(f"{path.parent}: no tailorstore here. Create one with `tailor init {path.parent}`.")
-    read_only = not os.access(path.parent, os.W_OK) or not os.access(path, os.W_OK)
-    try:
-        conn = connect(path, read_only=read_only)
-        row = conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
-    except sqlite3.DatabaseError as exc:
-        raise damaged(path, exc) from None
-    try:
-        version = int(row["value"]) if row else 0
-    except ValueError:
-        conn.close()
-        raise damaged(path, ValueError(f"format_version is {row['value']!r}")) from None
-    if version > FORMAT_VERSION:
-        conn.close()
-        raise FormatVersionError(
-            f"{path}: written by format version {version}, but this tailorstore reads up to version "
-            f"{FORMAT_VERSION}. Upgrade tailorstore (pip install -U tailorstore) to open it."
-        )
-    if version < 1:
-        conn.close()
-        raise FormatVersionError(f"{path}: no format version recorded; this is not a tailorstore index.")
-    if version < FORMAT_VERSION:
-        if read_only:
-            conn.close()
-            raise FormatVersionError(f"{path}: format {version} needs an upgrade, which a read-only store cannot take.")
-        _migrate(conn, path, version)
-    return conn
 
 
 def _migrate(conn: sqlite3.Connection, path: Path, version: int) -> None:
@@ -102,15 +571,15 @@ def _migrate(conn: sqlite3.Connection, path: Path, version: int) -> None:
     the next open goes on from there. Older tailorstore versions then refuse the store.
     """
     while version < FORMAT_VERSION:
-        script = MIGRATIONS.get(version)
-        if script is None:
+        statements = MIGRATIONS.get(version)
+        if statements is None:
             conn.close()
             raise FormatVersionError(f"{path}: no upgrade from format version {version}; restore from a backup.")
         try:
             conn.execute("BEGIN IMMEDIATE")  # another process may be upgrading the same index
             now = int(conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0])
             if now == version:
-                for statement in filter(None, (part.strip() for part in script.split(";"))):
+                for statement in statements:
                     conn.execute(statement)
                 conn.execute("UPDATE meta SET value=? WHERE key='format_version'", (str(version + 1),))
                 now = version + 1

@@ -25,16 +25,28 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import sqlite3
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import zstandard
 
 from ..errors import CorruptStoreError
 from .backend import Backend, check_key
+from .index import Index
 from .packs import pack_names, read_trailer
+from .records import (
+    ATOM_COLUMNS,
+    COMMIT,
+    MANIFEST_DOC_FIELDS,
+    AtomRecord,
+    BlobRecord,
+    FileRecord,
+    LayerRecord,
+    ManifestRecord,
+    values,
+)
 
 MANIFEST_PREFIX = "manifests/"
 TAG_PREFIX = "refs/tags/"
@@ -43,14 +55,8 @@ DOC_VERSION = 1
 RUN = "main"
 _COMMIT_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/step-(\d{20})-v(\d+)\.json\.zst")
 _MERGE_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/merge-[0-9a-f]+\.json\.zst")
-_MANIFEST_COLUMNS = (
-    "step, origin, created_at, layout, ds_tag, zero_stage, world_size, policy, exact, raw_bytes, new_bytes, source"
-)
+# Columns of the tables inside a manifest object, in their order there (docs/FORMAT.md 3.1).
 _FILE_COLUMNS = ("path", "file_key", "kind", "rank", "blob", "raw_size", "mode", "trusted", "container")
-_ATOM_COLUMNS = (
-    "path", "slot", "offset", "numel", "dtype", "shape", "param", "kind", "rank", "start", "nbytes",
-    "layer", "blob", "derived", "file_offset",
-)  # fmt: skip
 _LAYER_COLUMNS = ("layer", "source_step", "raw_bytes", "stored", "change")
 _BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "created_at", "pack", "pack_offset")
 
@@ -75,49 +81,51 @@ def is_manifest_key(key: str) -> bool:
     return bool(_COMMIT_KEY.fullmatch(key) or _MERGE_KEY.fullmatch(key))
 
 
-def new_key(backend: Backend, conn: sqlite3.Connection, manifest: int) -> str:
+def new_key(backend: Backend, index: Index, manifest: int) -> str:
     """The key a manifest's object gets: by step and version for a commit, random for a merge."""
-    row = conn.execute("SELECT step, origin FROM manifests WHERE id=?", (manifest,)).fetchone()
-    if row["origin"] != "commit":
+    record = index.manifest(manifest)
+    assert record is not None
+    if record.origin != COMMIT:
         return f"{MANIFEST_PREFIX}{RUN}/merge-{secrets.token_hex(8)}.json.zst"
     versions = [
         int(m.group(3))
         for key in backend.list(f"{MANIFEST_PREFIX}{RUN}/")
-        if (m := _COMMIT_KEY.fullmatch(key)) and int(m.group(2)) == row["step"]
+        if (m := _COMMIT_KEY.fullmatch(key)) and int(m.group(2)) == record.step
     ]
-    return f"{MANIFEST_PREFIX}{RUN}/step-{row['step']:020d}-v{max(versions, default=0) + 1}.json.zst"
+    return f"{MANIFEST_PREFIX}{RUN}/step-{record.step:020d}-v{max(versions, default=0) + 1}.json.zst"
 
 
-def _rows(conn: sqlite3.Connection, query: str, args: tuple, columns: Iterable[str]) -> list[list[Any]]:
-    return [[r[c] for c in columns] for r in conn.execute(query, args)]
+def _json_value(value: Any) -> Any:
+    return int(value) if isinstance(value, bool) else value  # flags are 0/1 in the object, as in SQL
 
 
-def document(conn: sqlite3.Connection, manifest: int) -> dict[str, Any]:
+def _table(records: Iterable[object], columns: tuple[str, ...]) -> dict[str, Any]:
+    return {"columns": columns, "rows": [[_json_value(v) for v in values(r, columns)] for r in records]}
+
+
+def document(index: Index, manifest: int) -> dict[str, Any]:
     """Everything the index holds about one manifest, as a self-contained JSON document."""
-    row = conn.execute(f"SELECT {_MANIFEST_COLUMNS} FROM manifests WHERE id=?", (manifest,)).fetchone()
-    layers = conn.execute(
-        "SELECT l.*, m.object_key AS source_key FROM layers l JOIN manifests m ON m.id=l.source WHERE l.manifest=?",
-        (manifest,),
-    ).fetchall()
-    blobs = _rows(
-        conn,
-        "SELECT * FROM blobs WHERE hash IN (SELECT blob FROM files WHERE manifest=?1"
-        " UNION SELECT container FROM files WHERE manifest=?1"
-        " UNION SELECT blob FROM atoms WHERE manifest=?1 AND derived IS NULL) ORDER BY hash",
-        (manifest,),
-        _BLOB_COLUMNS,
-    )
+    record = index.manifest(manifest)
+    assert record is not None
+    layers = index.layers(manifest)
+    source_keys = index.object_keys({x.source for x in layers if x.source != manifest})
     return {
         "tailorstore_manifest": DOC_VERSION,
-        "manifest": dict(row),
-        "files": {"columns": _FILE_COLUMNS, "rows": _rows(
-            conn, "SELECT * FROM files WHERE manifest=? ORDER BY path", (manifest,), _FILE_COLUMNS)},
-        "atoms": {"columns": _ATOM_COLUMNS, "rows": _rows(
-            conn, "SELECT * FROM atoms WHERE manifest=? ORDER BY path, slot, offset", (manifest,), _ATOM_COLUMNS)},
-        "layers": {"columns": (*_LAYER_COLUMNS, "source"), "rows": [
-            [*(r[c] for c in _LAYER_COLUMNS), None if r["source"] == manifest else r["source_key"]] for r in layers]},
-        "blobs": {"columns": _BLOB_COLUMNS, "rows": blobs},
-    }  # fmt: skip
+        "manifest": {c: _json_value(getattr(record, c)) for c in MANIFEST_DOC_FIELDS},
+        "files": _table(index.files(manifest), _FILE_COLUMNS),
+        "atoms": _table(index.atoms(manifest), ATOM_COLUMNS),
+        "layers": {
+            "columns": (*_LAYER_COLUMNS, "source"),
+            "rows": [
+                [
+                    *(_json_value(v) for v in values(x, _LAYER_COLUMNS)),
+                    None if x.source == manifest else source_keys[x.source],
+                ]
+                for x in sorted(layers, key=lambda x: x.layer)
+            ],
+        },
+        "blobs": _table(index.referenced_blobs(manifest), _BLOB_COLUMNS),
+    }
 
 
 def encode(doc: dict[str, Any]) -> bytes:
@@ -134,16 +142,16 @@ def decode(data: bytes, key: str) -> dict[str, Any]:
     return doc
 
 
-def publish(backend: Backend, conn: sqlite3.Connection, manifest: int) -> str:
+def publish(backend: Backend, index: Index, manifest: int) -> str:
     """Write the manifest's object, create-only, from inside the transaction that records it.
 
     Its tag and pin objects go first: they name a key that does not exist yet, which readers
     ignore, so a crash before the manifest object leaves nothing that counts.
     """
-    key = new_key(backend, conn, manifest)
-    conn.execute("UPDATE manifests SET object_key=? WHERE id=?", (key, manifest))
-    write_refs(backend, conn, [manifest])
-    backend.put(key, encode(document(conn, manifest)), create_only=True)
+    key = new_key(backend, index, manifest)
+    index.set_object_key(manifest, key)
+    write_refs(backend, index, [manifest])
+    backend.put(key, encode(document(index, manifest)), create_only=True)
     return key
 
 
@@ -155,59 +163,64 @@ def unpublish(backend: Backend, keys: Iterable[str | None]) -> None:
             backend.delete(pin_key(key))
 
 
-def write_refs(backend: Backend, conn: sqlite3.Connection, manifests: Iterable[int]) -> None:
+def write_refs(backend: Backend, index: Index, manifests: Iterable[int]) -> None:
     """Make the tag and pin objects of these manifests say what the index says."""
     for m in manifests:
-        row = conn.execute("SELECT tag, pinned, object_key FROM manifests WHERE id=?", (m,)).fetchone()
-        if row is None or row["object_key"] is None:
+        record = index.manifest(m)
+        if record is None or record.object_key is None:
             continue
-        if row["tag"]:
-            backend.put(tag_key(row["tag"]), row["object_key"].encode())
-        if row["pinned"]:
-            backend.put(pin_key(row["object_key"]), b"")
+        if record.tag:
+            backend.put(tag_key(record.tag), record.object_key.encode())
+        if record.pinned:
+            backend.put(pin_key(record.object_key), b"")
         else:
-            backend.delete(pin_key(row["object_key"]))
+            backend.delete(pin_key(record.object_key))
 
 
 def drop_tag(backend: Backend, tag: str) -> None:
     backend.delete(tag_key(tag))
 
 
-def import_document(conn: sqlite3.Connection, key: str, doc: dict[str, Any], ids: dict[str, int]) -> int:
+def _records(table: dict[str, Any], cls: type, defaults: dict[str, Any] | None = None) -> list[Any]:
+    """The rows of one table of a manifest object as records, by column name (a reader of a
+    newer object ignores columns it does not know)."""
+    known = {f for f in cls.__dataclass_fields__}  # type: ignore[attr-defined]
+    columns = list(table["columns"])
+    out = []
+    for row in table["rows"]:
+        fields = {c: v for c, v in zip(columns, row, strict=False) if c in known}
+        out.append(cls(**{**(defaults or {}), **fields}))
+    return out
+
+
+def import_document(index: Index, key: str, doc: dict[str, Any], ids: dict[str, int]) -> int:
     """Insert one manifest object's rows; ``ids`` maps object keys already in the index to local ids."""
     m = doc["manifest"]
-    columns = [c for c in doc["blobs"]["columns"] if c in _BLOB_COLUMNS]  # a location is a hint; packs decide
-    conn.executemany(
-        f"INSERT OR IGNORE INTO blobs({', '.join(columns)}) VALUES ({','.join('?' * len(columns))})",
-        [r[: len(columns)] for r in doc["blobs"]["rows"]],
-    )
-    names = [c.strip() for c in _MANIFEST_COLUMNS.split(",")]
-    manifest = conn.execute(
-        f"INSERT INTO manifests({_MANIFEST_COLUMNS}, object_key) VALUES ({','.join('?' * (len(names) + 1))})",
-        (*(m[n] for n in names), key),
-    ).lastrowid
-    assert manifest is not None
+    # where a blob is, the packs decide: a known blob keeps its row
+    index.add_blobs(_records(doc["blobs"], BlobRecord))
+    record = ManifestRecord(**{c: m[c] for c in MANIFEST_DOC_FIELDS if c != "exact"}, exact=bool(m["exact"]))
+    manifest = index.insert_manifest(replace(record, object_key=key))
     ids[key] = manifest
-    conn.executemany(
-        f"INSERT INTO files(manifest, {', '.join(_FILE_COLUMNS)}) VALUES ({','.join('?' * (len(_FILE_COLUMNS) + 1))})",
-        [(manifest, *r) for r in doc["files"]["rows"]],
-    )
-    conn.executemany(
-        f"INSERT INTO atoms(manifest, {', '.join(_ATOM_COLUMNS)}) VALUES ({','.join('?' * (len(_ATOM_COLUMNS) + 1))})",
-        [(manifest, *r) for r in doc["atoms"]["rows"]],
-    )
-    layer_rows = []
-    for *values, source_key in doc["layers"]["rows"]:
+    index.insert_files(manifest, [replace(f, trusted=bool(f.trusted)) for f in _records(doc["files"], FileRecord)])
+    index.insert_atoms(manifest, _records(doc["atoms"], AtomRecord))
+    layers = []
+    columns = list(doc["layers"]["columns"])
+    for row in doc["layers"]["rows"]:
+        fields = dict(zip(columns, row, strict=False))
+        source_key = fields.get("source")
         source = manifest if source_key is None else ids.get(source_key)
         if source is None:
             raise CorruptStoreError(
                 f"manifest object {key} inherits from {source_key}, which the store no longer holds; "
                 "restore that object from a backup."
             )
-        layer_rows.append((manifest, source, *values))
-    conn.executemany(
-        f"INSERT INTO layers(manifest, source, {', '.join(_LAYER_COLUMNS)}) VALUES (?,?,?,?,?,?,?)", layer_rows
-    )
+        layers.append(
+            LayerRecord(
+                fields["layer"], source, fields["source_step"], fields["raw_bytes"], bool(fields["stored"]),
+                fields["change"],
+            )
+        )  # fmt: skip
+    index.insert_layers(manifest, layers)
     return manifest
 
 
@@ -233,7 +246,7 @@ def _current_versions(keys: Iterable[str]) -> set[str]:
     return out | {key for _, key in best.values()}
 
 
-def sync(backend: Backend, conn: sqlite3.Connection) -> tuple[int, int]:
+def sync(backend: Backend, index: Index) -> tuple[int, int]:
     """Import the manifests the backend holds and the index lacks, drop those it no longer holds,
     and take tags and pins from the backend. Returns (imported, dropped).
 
@@ -241,45 +254,33 @@ def sync(backend: Backend, conn: sqlite3.Connection) -> tuple[int, int]:
     no write lock: one LIST of manifests and refs, and one GET per tag.
     """
     listed_packs = set(pack_names(backend))
-    known_packs = {r[0] for r in conn.execute("SELECT name FROM packs")}
+    known_packs = set(index.packs())
     present = _current_versions(k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k))
-    rows = conn.execute("SELECT id, object_key, tag, pinned FROM manifests").fetchall()
-    indexed = {r["object_key"]: r["id"] for r in rows if r["object_key"] is not None}
+    records = index.manifests()
+    indexed = {r.object_key: r.id for r in records if r.object_key is not None}
     gone = [mid for key, mid in indexed.items() if key not in present]
     new = sorted(present - indexed.keys())
     tags = _listed_tags(backend)
     pins = set(backend.list(PIN_PREFIX))
-    want = {r["id"]: (r["tag"], r["pinned"]) for r in rows if r["object_key"] in present}
-    have = {mid: (tags.get(key), int(pin_key(key) in pins)) for key, mid in indexed.items() if key in present}
+    want = {r.id: (r.tag, r.pinned) for r in records if r.object_key in present}
+    have = {mid: (tags.get(key), pin_key(key) in pins) for key, mid in indexed.items() if key in present}
     if not gone and not new and want == have and listed_packs == known_packs:
         return 0, 0
     docs = {k: decode(backend.get(k), k) for k in new}
     trailers = {name: read_trailer(backend, name) for name in sorted(listed_packs - known_packs)}
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        conn.executemany("DELETE FROM packs WHERE name=?", [(n,) for n in known_packs - listed_packs])
+    with index.transaction():
+        index.delete_packs(known_packs - listed_packs)
         for name, (size, entries) in trailers.items():  # where each blob is: packs are the truth
-            conn.execute("INSERT INTO packs(name, size) VALUES (?,?)", (name, size))
-            conn.executemany(
-                "INSERT INTO blobs(hash, raw_size, stored_size, codec, created_at, pack, pack_offset)"
-                " VALUES (?,?,?,?,?,?,?) ON CONFLICT(hash) DO UPDATE SET pack=excluded.pack,"
-                " pack_offset=excluded.pack_offset, stored_size=excluded.stored_size, codec=excluded.codec",
-                [(e.hash, e.raw_size, e.stored_size, e.codec, time.time(), name, e.offset) for e in entries],
+            index.add_packs([(name, size)])
+            index.upsert_blobs(
+                BlobRecord(e.hash, e.raw_size, e.stored_size, e.codec, name, e.offset, time.time()) for e in entries
             )
-        conn.executemany("DELETE FROM manifests WHERE id=?", [(m,) for m in gone])
+        index.delete_manifests(gone)
         ids = {k: v for k, v in indexed.items() if k in present}
         for key in _order(new, docs):
-            if conn.execute("SELECT 1 FROM manifests WHERE object_key=?", (key,)).fetchone() is None:
-                import_document(conn, key, docs[key], ids)
-        conn.execute("UPDATE manifests SET tag=NULL WHERE object_key IS NOT NULL")  # tags are unique: clear first
-        for key, mid in ids.items():
-            conn.execute(
-                "UPDATE manifests SET tag=?, pinned=? WHERE id=?", (tags.get(key), int(pin_key(key) in pins), mid)
-            )
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
+            if not index.has_object(key):
+                import_document(index, key, docs[key], ids)
+        index.set_refs({mid: (tags.get(key), pin_key(key) in pins) for key, mid in ids.items()})
     return len(new), len(gone)
 
 

@@ -21,19 +21,20 @@ import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
 from .. import codec
 from ..errors import CorruptStoreError, StoreError, UnknownStepError
-from . import index, manifest_objects
-from .backend import Backend, blob_key, blob_names
+from . import manifest_objects
+from .backend import Backend, blob_names
+from .index import Index
 from .lease import LeaseHandle, lease_lock
 from .location import Location, resolve
 from .lock import LockHandle, store_lock
-from .packs import pack_key, pack_names, read_trailer
+from .packs import pack_names, read_trailer
+from .records import COMMIT, BlobRecord, ManifestRecord
 from .schema import FORMAT_VERSION
 
 STORE_ENV = "TAILOR_STORE"
@@ -45,19 +46,6 @@ def check_step(step: int) -> int:
     if not 0 <= step <= MAX_STEP:
         raise StoreError(f"step {step} is out of range: a step is a whole number from 0 to {MAX_STEP}.")
     return step
-
-
-@dataclass(frozen=True)
-class BlobRow:
-    hash: str
-    raw_size: int
-    stored_size: int
-    codec: str
-    pack: str | None = None  # the pack holding it, or None for a loose blob object
-    pack_offset: int | None = None
-
-    def key(self) -> str:
-        return blob_key(self.hash) if self.pack is None else pack_key(self.pack)
 
 
 class _Reading(io.RawIOBase):
@@ -90,12 +78,17 @@ def _location(location: Path | str | None) -> Path | str:
 
 
 class Repository:
-    def __init__(self, where: Location, conn: sqlite3.Connection) -> None:
+    def __init__(self, where: Location, index: Index) -> None:
         self.where = where
         self.location = where.text
         self.backend: Backend = where.backend
         self.root = where.local_root  # the store directory of a local store, else None
-        self.conn = conn
+        self.index = index
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        """The raw SQLite connection, for tests and tools that inspect the index itself."""
+        return self.index.conn
 
     # -- lifecycle -----------------------------------------------------------------------
     @classmethod
@@ -120,7 +113,7 @@ class Repository:
         if where.remote:
             where.index_path.parent.mkdir(parents=True, exist_ok=True)
             where.index_path.unlink(missing_ok=True)  # a stale cache of an earlier store at this location
-        index.create(where.index_path)
+        Index.create(where.index_path).close()
         return cls.open(where.text)
 
     @classmethod
@@ -130,19 +123,18 @@ class Repository:
             if not where.backend.exists(MARKER):
                 raise StoreError(f"{where.text}: no tailorstore here. Create one with `tailor init {where.text}`.")
             where.index_path.parent.mkdir(parents=True, exist_ok=True)
-            index.create(where.index_path)
-        conn = index.open_index(where.index_path)
-        store = cls(where, conn)
+            Index.create(where.index_path).close()
+        store = cls(where, Index.open(where.index_path))
         try:
             store.refresh()
         except BaseException:
-            conn.close()
+            store.close()
             raise
         return store
 
     @property
     def read_only(self) -> bool:
-        return index.is_read_only(self.conn)
+        return self.index.read_only
 
     def refresh(self) -> tuple[int, int]:
         """Bring the index up to date with the backend: write the objects of manifests that have
@@ -150,11 +142,10 @@ class Repository:
         what their gc removed. Returns (imported, dropped)."""
         if self.read_only:
             return 0, 0
-        missing = [r[0] for r in self.conn.execute("SELECT id FROM manifests WHERE object_key IS NULL ORDER BY id")]
-        for manifest in missing:  # oldest first: a layer's source has its object before its heirs
-            with self.transaction() as conn:
-                manifest_objects.publish(self.backend, conn, manifest)
-        return manifest_objects.sync(self.backend, self.conn)
+        for manifest in self.index.unpublished():  # oldest first: a layer's source has its object before its heirs
+            with self.index.transaction() as index:
+                manifest_objects.publish(self.backend, index, manifest)
+        return manifest_objects.sync(self.backend, self.index)
 
     @classmethod
     def rebuild_index(cls, location: Path | str | None) -> tuple[int, int]:
@@ -173,15 +164,11 @@ class Repository:
         tmp = path.with_name(f"{path.name}.rebuild")
         for leftover in path.parent.glob(f"{tmp.name}*"):
             leftover.unlink()
-        index.create(tmp)
-        fresh = index.connect(tmp)
+        fresh = Index.create(tmp)
         try:
             manifest_objects.sync(where.backend, fresh)
-            counts = (
-                fresh.execute("SELECT count(*) FROM manifests").fetchone()[0],
-                fresh.execute("SELECT count(*) FROM blobs").fetchone()[0],
-            )
-            fresh.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            counts = fresh.counts()
+            fresh.checkpoint()
         finally:
             fresh.close()
         for old in path.parent.glob(f"{path.name}-*"):  # the old index's -wal and -shm files
@@ -190,7 +177,7 @@ class Repository:
         return counts
 
     def close(self) -> None:
-        self.conn.close()
+        self.index.close()
 
     def __enter__(self) -> Repository:
         return self
@@ -213,23 +200,13 @@ class Repository:
         with store_lock(self.where.lock_path, exclusive=exclusive, timeout=timeout, on_wait=on_wait) as handle:
             yield handle
 
-    @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction; IMMEDIATE so two writers queue instead of failing midway."""
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield self.conn
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        self.conn.execute("COMMIT")
+    def transaction(self) -> AbstractContextManager[Index]:
+        """One write transaction of the index."""
+        return self.index.transaction()
 
     # -- blobs ---------------------------------------------------------------------------
-    def blob(self, digest: str) -> BlobRow | None:
-        row = self.conn.execute(
-            "SELECT hash, raw_size, stored_size, codec, pack, pack_offset FROM blobs WHERE hash=?", (digest,)
-        ).fetchone()
-        return BlobRow(*row) if row else None
+    def blob(self, digest: str) -> BlobRecord | None:
+        return self.index.blob(digest)
 
     def held_blobs(self) -> set[str]:
         """Every blob the backend holds: loose blob objects and the entries of every pack."""
@@ -244,7 +221,7 @@ class Repository:
         except FileNotFoundError:
             return None
 
-    def stored_bytes(self, row: BlobRow) -> int | None:
+    def stored_bytes(self, row: BlobRecord) -> int | None:
         """How many of the blob's stored bytes its object holds (``stored_size`` when intact),
         or None when the object is missing."""
         try:
@@ -261,7 +238,7 @@ class Repository:
             raise CorruptStoreError(f"{where}: blob {digest} has no row in the index; run `tailor verify`.")
         return self.open_row(row, where)
 
-    def open_row(self, row: BlobRow, where: str) -> BinaryIO:
+    def open_row(self, row: BlobRecord, where: str) -> BinaryIO:
         """A reader of exactly the blob's stored bytes, loose or inside its pack."""
         key = row.key()
         missing = CorruptStoreError(
@@ -275,7 +252,7 @@ class Repository:
         except FileNotFoundError:
             raise missing from None
 
-    def read_blob_into(self, row: BlobRow, dest: memoryview, where: str) -> None:
+    def read_blob_into(self, row: BlobRecord, dest: memoryview, where: str) -> None:
         """Decode a blob into ``dest`` and check its hash; never leaves unchecked bytes behind."""
         with self.open_row(row, where) as f:
             codec.decode_into(row.codec, f, dest, f"{where}: blob {row.hash}")
@@ -303,40 +280,36 @@ class Repository:
         """
         text = selector.strip()
         if text == "latest":
-            row = self.conn.execute(
-                "SELECT id FROM manifests WHERE origin='commit' ORDER BY step DESC LIMIT 1"
-            ).fetchone()
-            if row is None:
+            latest = self.index.latest_commit()
+            if latest is None:
                 raise UnknownStepError("the store holds no steps yet; commit one with `tailor commit DIR`.")
-            return int(row[0])
+            return latest.id
         match = re.fullmatch(r"id=(\d+)", text)
         if match:
             manifest = check_step(int(match.group(1)))
-            if not self.conn.execute("SELECT 1 FROM manifests WHERE id=?", (manifest,)).fetchone():
+            if self.index.manifest(manifest) is None:
                 raise UnknownStepError(f"no manifest has id {manifest}; `tailor log` lists the ids.")
             return manifest
         match = re.fullmatch(r"(?:step=)?(\d+)", text)
         if match:
             step = check_step(int(match.group(1)))
-            rows = self.conn.execute(
-                "SELECT id, origin, tag FROM manifests WHERE step=? ORDER BY id", (step,)
-            ).fetchall()
-            commits = [r for r in rows if r["origin"] == "commit"]
+            found = self.index.manifests_at(step)
+            commits = [m for m in found if m.origin == COMMIT]
             if commits:
-                return int(commits[0]["id"])
-            if rows:
-                names = ", ".join(f"id={r['id']} ({r['origin']}, tag {r['tag']})" for r in rows)
+                return commits[0].id
+            if found:
+                names = ", ".join(f"id={m.id} ({m.origin}, tag {m.tag})" for m in found)
                 raise UnknownStepError(f"step {step} has no commit, only: {names}. Name one by its id= or tag=.")
             raise UnknownStepError(f"step {step} is not in the store; `tailor log` lists the steps it holds.")
         if text.startswith("tag="):
-            row = self.conn.execute("SELECT id FROM manifests WHERE tag=?", (text[4:],)).fetchone()
-            if row is None:
+            tagged = self.index.tagged(text[4:])
+            if tagged is None:
                 raise UnknownStepError(f"nothing is tagged {text[4:]!r}; `tailor log` shows the tags.")
-            return int(row[0])
+            return tagged.id
         raise UnknownStepError(f"cannot read {selector!r}: write step=N, tag=NAME, id=N or latest.")
 
-    def manifest(self, manifest_id: int) -> sqlite3.Row:
-        row = self.conn.execute("SELECT * FROM manifests WHERE id=?", (manifest_id,)).fetchone()
-        if row is None:
+    def manifest(self, manifest_id: int) -> ManifestRecord:
+        found = self.index.manifest(manifest_id)
+        if found is None:
             raise UnknownStepError(f"manifest {manifest_id} is not in the store")
-        return row
+        return found

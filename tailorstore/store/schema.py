@@ -6,26 +6,32 @@ describes every table; this file is the executable form of that description.
 
 from __future__ import annotations
 
+import sqlite3
+
 FORMAT_VERSION = 3
 
 # Upgrades from an older format: each runs in one transaction with the version bump.
-MIGRATIONS: dict[int, str] = {
+MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 1 -> 2: byte-exact checkout. Rows written by format 1 keep NULL in both columns and are
     # checked out by re-pickling their skeleton, as format 1 did.
-    1: "ALTER TABLE files ADD COLUMN container TEXT REFERENCES blobs(hash);\n"
-    "ALTER TABLE atoms ADD COLUMN file_offset INTEGER;",
+    1: (
+        "ALTER TABLE files ADD COLUMN container TEXT REFERENCES blobs(hash)",
+        "ALTER TABLE atoms ADD COLUMN file_offset INTEGER",
+    ),
     # 2 -> 3: manifests become objects in the backend; opening the store writes the objects
     # of the manifests it holds (object_key NULL) before anything else.
     # Packs: blobs may live inside pack objects.
-    2: "ALTER TABLE manifests ADD COLUMN object_key TEXT;\n"
-    "CREATE UNIQUE INDEX manifests_object_key ON manifests(object_key);\n"
-    "ALTER TABLE blobs ADD COLUMN pack TEXT;\n"
-    "ALTER TABLE blobs ADD COLUMN pack_offset INTEGER;\n"
-    "CREATE TABLE packs (name TEXT PRIMARY KEY, size INTEGER NOT NULL);\n"
-    "CREATE INDEX blobs_pack ON blobs(pack);",
+    2: (
+        "ALTER TABLE manifests ADD COLUMN object_key TEXT",
+        "CREATE UNIQUE INDEX manifests_object_key ON manifests(object_key)",
+        "ALTER TABLE blobs ADD COLUMN pack TEXT",
+        "ALTER TABLE blobs ADD COLUMN pack_offset INTEGER",
+        "CREATE TABLE packs (name TEXT PRIMARY KEY, size INTEGER NOT NULL)",
+        "CREATE INDEX blobs_pack ON blobs(pack)",
+    ),
 }
 
-SCHEMA = """
+_SCHEMA_TEXT = """
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -111,3 +117,21 @@ CREATE TABLE layers (
     PRIMARY KEY (manifest, layer)
 );
 """
+
+
+def _statements(script: str) -> tuple[str, ...]:
+    """Split a script where SQLite's own tokenizer says a statement ends (comments and strings
+    may hold ';'), so the index can run them one by one inside its own transaction."""
+    out: list[str] = []
+    pending = ""
+    for line in script.splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            out.append(pending.strip())
+            pending = ""
+    if pending.strip():
+        raise ValueError(f"incomplete statement at the end of the schema: {pending.strip()[:60]}")
+    return tuple(out)
+
+
+SCHEMA: tuple[str, ...] = _statements(_SCHEMA_TEXT)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from .. import codec
 from ..errors import InputChangedError, StoreError
@@ -27,20 +27,10 @@ from ..formats.source import InputFile
 from .backend import BackendError, blob_key
 from .packs import PACK_BELOW, PackWriter
 from .posix import is_out_of_space
-from .repo import BlobRow, Repository
+from .records import BlobRecord
+from .repo import Repository
 
 IN_FLIGHT_BYTES = 256 << 20  # raw bytes queued for compression at once
-
-
-@dataclass(frozen=True)
-class NewBlob:
-    hash: str
-    raw_size: int
-    stored_size: int
-    codec: str
-    created_at: float
-    pack: str | None = None  # set by finish() for a blob written into a pack
-    pack_offset: int | None = None
 
 
 def disk_full(location: str) -> StoreError:
@@ -64,7 +54,7 @@ class BlobWriter:
         self._budget = in_flight
         self._queued = 0
         self._room = threading.Condition()
-        self._pending: dict[str, Future[NewBlob]] = {}
+        self._pending: dict[str, Future[BlobRecord]] = {}
         self._known: set[str] = set()
         self._failure: StoreError | None = None  # the first failed write; later blobs are not attempted
         self.reused_bytes = 0
@@ -90,7 +80,7 @@ class BlobWriter:
         digest = src.hash(offset, length)
         if self._known_blob(digest, length):
             return digest
-        future: Future[NewBlob] = Future()
+        future: Future[BlobRecord] = Future()
         self._pending[digest] = future
         try:
             encoded = codec.encode_stream(src.verified_chunks(offset, length, digest), level=self.level)
@@ -98,7 +88,7 @@ class BlobWriter:
         except BaseException as exc:
             future.set_exception(exc)
             raise
-        future.set_result(NewBlob(digest, length, encoded.size, encoded.descriptor, time.time()))
+        future.set_result(BlobRecord(digest, length, encoded.size, encoded.descriptor, created_at=time.time()))
         return digest
 
     def _known_blob(self, digest: str, size: int) -> bool:
@@ -112,7 +102,7 @@ class BlobWriter:
             return True
         return False  # new, or indexed but missing or cut short: (re)written, and its row updated
 
-    def _present(self, row: BlobRow) -> bool:
+    def _present(self, row: BlobRecord) -> bool:
         if row.pack is None:
             return self.store.stored_bytes(row) == row.stored_size
         if row.pack not in self._pack_sizes:
@@ -130,16 +120,16 @@ class BlobWriter:
             self._queued -= n
             self._room.notify_all()
 
-    def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool) -> NewBlob:
+    def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool) -> BlobRecord:
         if self._failure is not None:
             raise self._failure
         encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level)
         if len(data) < PACK_BELOW:
             stored = b"".join(bytes(c) for c in encoded)
             self._guard(digest, lambda: self.packs.add(digest, stored, len(data), encoded.descriptor))
-            return NewBlob(digest, len(data), len(stored), encoded.descriptor, time.time())
+            return BlobRecord(digest, len(data), len(stored), encoded.descriptor, created_at=time.time())
         self._put(digest, encoded, len(data))  # compresses chunk by chunk as it writes
-        return NewBlob(digest, len(data), encoded.size, encoded.descriptor, time.time())
+        return BlobRecord(digest, len(data), encoded.size, encoded.descriptor, created_at=time.time())
 
     def _put(self, digest: str, encoded: codec.Encoded, raw_size: int) -> None:
         self._guard(digest, lambda: self.batch.put(blob_key(digest), encoded, raw_size))
@@ -160,7 +150,7 @@ class BlobWriter:
                 )
             raise self._failure from None
 
-    def finish(self) -> list[NewBlob]:
+    def finish(self) -> list[BlobRecord]:
         """Wait for every write, then make the renames durable. Raises the first failure."""
         try:
             blobs = [f.result() for f in self._pending.values()]

@@ -1,0 +1,143 @@
+"""Parts: what one host (or one rank) committed of a step that several write together.
+
+A part is an immutable, create-only object ``parts/<run>/step-<step:020d>/<token>.json.zst``,
+written after every blob it names is durable. It holds the part's file and atom records,
+the rows of the blobs they use, and the facts its files told (layout, tag folder, ZeRO
+stage, world size). A part is not a manifest: no command sees it as a step. ``finalize``
+reads every part of a step, checks that together they hold every rank's files, records one
+manifest, and only then deletes the parts. gc keeps every blob a part names, so a part
+waits safely for its finalize (``tailor gc --drop-parts`` drops abandoned ones).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import zstandard
+
+from ..errors import CorruptStoreError
+from .backend import Backend, check_key
+from .records import ATOM_COLUMNS, AtomRecord, BlobRecord, FileRecord, values
+
+PART_PREFIX = "parts/"
+RUN = "main"
+DOC_VERSION = 1
+_PART_KEY = re.compile(r"parts/([A-Za-z0-9._-]+)/step-(\d{20})/([A-Za-z0-9._-]+)\.json\.zst")
+_FILE_COLUMNS = ("path", "file_key", "kind", "rank", "blob", "raw_size", "mode", "trusted", "container")
+_BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "created_at", "pack", "pack_offset")
+
+
+@dataclass
+class Part:
+    """One part, as written or as read back."""
+
+    step: int
+    layout: str
+    ds_tag: str | None
+    facts: dict[str, int]  # zero_stage, world_size, global_steps: what the part's files said
+    source: str  # the directory this part was committed from (host:path)
+    created_at: float
+    raw_bytes: int
+    new_bytes: int
+    files: list[FileRecord] = field(default_factory=list)
+    atoms: list[AtomRecord] = field(default_factory=list)
+    blobs: list[BlobRecord] = field(default_factory=list)
+    key: str = ""
+
+    def blob_hashes(self) -> set[str]:
+        """Every hash this part needs kept: its files, containers and stored atoms."""
+        out = {f.blob for f in self.files} | {f.container for f in self.files if f.container}
+        return out | {a.blob for a in self.atoms if a.derived is None}
+
+
+def step_prefix(step: int) -> str:
+    return f"{PART_PREFIX}{RUN}/step-{step:020d}/"
+
+
+def new_key(step: int) -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40] or "host"
+    return check_key(f"{step_prefix(step)}{host}-{secrets.token_hex(6)}.json.zst")
+
+
+def _flag(value: Any) -> Any:
+    return int(value) if isinstance(value, bool) else value
+
+
+def encode(part: Part) -> bytes:
+    doc = {
+        "tailorstore_part": DOC_VERSION,
+        "step": part.step,
+        "layout": part.layout,
+        "ds_tag": part.ds_tag,
+        "facts": part.facts,
+        "source": part.source,
+        "created_at": part.created_at,
+        "raw_bytes": part.raw_bytes,
+        "new_bytes": part.new_bytes,
+        "files": {"columns": _FILE_COLUMNS, "rows": [[_flag(v) for v in values(f, _FILE_COLUMNS)] for f in part.files]},
+        "atoms": {"columns": ATOM_COLUMNS, "rows": [list(values(a, ATOM_COLUMNS)) for a in part.atoms]},
+        "blobs": {"columns": _BLOB_COLUMNS, "rows": [list(values(b, _BLOB_COLUMNS)) for b in part.blobs]},
+    }
+    return zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
+
+
+def _records(table: dict[str, Any], cls: type) -> list[Any]:
+    columns = list(table["columns"])
+    known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    return [cls(**{c: v for c, v in zip(columns, row, strict=False) if c in known}) for row in table["rows"]]
+
+
+def decode(data: bytes, key: str) -> Part:
+    try:
+        doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31))
+        if not isinstance(doc, dict) or doc.get("tailorstore_part") != DOC_VERSION:
+            raise ValueError("not a part this tailorstore reads")
+        files = [FileRecord(**{**vars_of(f), "trusted": bool(f.trusted)}) for f in _records(doc["files"], FileRecord)]
+        return Part(
+            step=int(doc["step"]),
+            layout=doc["layout"],
+            ds_tag=doc["ds_tag"],
+            facts={k: int(v) for k, v in doc["facts"].items()},
+            source=doc["source"],
+            created_at=float(doc["created_at"]),
+            raw_bytes=int(doc["raw_bytes"]),
+            new_bytes=int(doc["new_bytes"]),
+            files=files,
+            atoms=_records(doc["atoms"], AtomRecord),
+            blobs=_records(doc["blobs"], BlobRecord),
+            key=key,
+        )
+    except (zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptStoreError(f"part object {key} is damaged ({exc}); delete it and commit that part again") from None
+
+
+def vars_of(record: object) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in record.__dataclass_fields__}  # type: ignore[attr-defined]
+
+
+def part_keys(backend: Backend, step: int | None = None) -> list[str]:
+    prefix = PART_PREFIX if step is None else step_prefix(step)
+    return sorted(k for k in backend.list(prefix) if _PART_KEY.fullmatch(k))
+
+
+def read_parts(backend: Backend, step: int | None = None) -> list[Part]:
+    """Every part (of one step), read back; a part deleted while listing is skipped."""
+    out = []
+    for key in part_keys(backend, step):
+        try:
+            out.append(decode(backend.get(key), key))
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def publish(backend: Backend, part: Part) -> str:
+    """Write the part, create-only; its blobs must be durable already."""
+    part.key = new_key(part.step)
+    backend.put(part.key, encode(part), create_only=True)
+    return part.key

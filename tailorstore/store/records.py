@@ -1,0 +1,145 @@
+"""Typed records of what the index holds: a manifest, its files, atoms and layers, and blobs.
+
+Everything above ``store/`` handles these records, never SQL rows or positional tuples,
+so a column added to the schema is a field added here and in :mod:`.index`, nowhere else.
+The same records are the rows of a manifest object (``manifest_objects``), so what the
+index caches and what the backend keeps cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, fields
+
+from .backend import blob_key
+from .packs import pack_key
+
+COMMIT = "commit"
+MERGE = "merge"
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestRecord:
+    """One manifest: a committed step or a merge. ``id`` is local to this index; the object
+    key names it across hosts."""
+
+    step: int
+    origin: str  # commit | merge
+    created_at: float
+    layout: str  # deepspeed | deepspeed-tag | hf-trainer
+    ds_tag: str | None
+    zero_stage: int | None
+    world_size: int | None
+    policy: str  # JSON: the policy (or merge spec) that chose the layers
+    exact: bool  # every layer comes from this manifest's own step
+    raw_bytes: int
+    new_bytes: int
+    source: str  # the directory committed, or the merge spec file
+    tag: str | None = None
+    pinned: bool = False
+    object_key: str | None = None
+    id: int = 0
+
+
+# The columns a manifest object carries; tag, pin and id are not part of it (refs and the index hold them).
+MANIFEST_DOC_FIELDS = (
+    "step", "origin", "created_at", "layout", "ds_tag", "zero_stage", "world_size", "policy", "exact",
+    "raw_bytes", "new_bytes", "source",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """One file of a manifest: a whole-file blob (raw), or a skeleton or header plus atoms."""
+
+    path: str  # relative, '/'-separated
+    file_key: str  # path with the tag folder written as {tag}
+    kind: str  # raw | torch | safetensors
+    rank: int | None
+    blob: str  # content, skeleton or header
+    raw_size: int
+    mode: int
+    trusted: bool  # its skeleton needs --trust-pickles to load
+    container: str | None  # the file's bytes outside its atoms; None: re-pickle the skeleton
+
+
+AtomKey = tuple[str, str, str, int, int, int]  # file_key, param, kind, rank, start, numel
+
+
+@dataclass(frozen=True, slots=True)
+class AtomRecord:
+    """One piece of one tensor: what it is (param, kind, rank, element range) and where its bytes are."""
+
+    path: str
+    slot: int  # tensor slot in the file's skeleton
+    offset: int  # first element within that tensor
+    numel: int
+    dtype: str
+    shape: str  # JSON list
+    param: str
+    kind: str
+    rank: int
+    start: int  # first element within the parameter
+    nbytes: int
+    layer: str
+    blob: str  # xxh3-128 of the raw bytes
+    derived: str | None  # None, or how checkout rebuilds the bytes (round-from-master)
+    file_offset: int | None  # where the bytes sit in the file; None when the file has no container
+    file_key: str = ""  # the file's key (filled when read from the index)
+
+    def key(self) -> AtomKey:
+        """The same piece in another manifest has the same key (inheritance, merges)."""
+        return (self.file_key, self.param, self.kind, self.rank, self.start, self.numel)
+
+
+ATOM_COLUMNS = tuple(f.name for f in fields(AtomRecord) if f.name != "file_key")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRecord:
+    """Where one layer of a manifest comes from: itself (stored) or an earlier manifest."""
+
+    layer: str
+    source: int  # the manifest whose atoms this layer uses (local id)
+    source_step: int
+    raw_bytes: int
+    stored: bool
+    change: float | None  # relative change of the FP32 master since its last stored version
+    manifest: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRecord:
+    """A blob: content-addressed bytes, loose as its own object or inside a pack."""
+
+    hash: str
+    raw_size: int
+    stored_size: int
+    codec: str  # JSON codec descriptor
+    pack: str | None = None
+    pack_offset: int | None = None
+    created_at: float = 0.0
+
+    def key(self) -> str:
+        """The object that holds the blob's stored bytes."""
+        return blob_key(self.hash) if self.pack is None else pack_key(self.pack)
+
+
+def values(record: object, names: tuple[str, ...]) -> tuple:
+    """The record's values in the order of ``names`` (for SQL and manifest objects)."""
+    return tuple(getattr(record, n) for n in names)
+
+
+__all__ = [
+    "ATOM_COLUMNS",
+    "COMMIT",
+    "MANIFEST_DOC_FIELDS",
+    "MERGE",
+    "AtomKey",
+    "AtomRecord",
+    "BlobRecord",
+    "FileRecord",
+    "LayerRecord",
+    "ManifestRecord",
+    "astuple",
+    "values",
+]
