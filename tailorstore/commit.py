@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from .store.lock import LockHandle
 from .store.packs import pack_key
 from .store.parts import Part
 from .store.posix import is_out_of_space
-from .store.records import COMMIT, AtomKey, AtomRecord, FileRecord, LayerRecord, ManifestRecord
+from .store.records import COMMIT, AtomKey, AtomRecord, BlobRecord, FileRecord, LayerRecord, ManifestRecord
 from .store.repo import Repository, check_step
 from .store.writer import BlobWriter, disk_full
 
@@ -214,24 +215,11 @@ def commit_checkpoint(
         for layer in layers - stored:
             _load_inherited_atoms(store, sources[layer], layer)
         writer = BlobWriter(store, level=options.level, threads=options.threads)
-        try:
-            plan = _write_files(layout, scan, options, stored, sources, writer, progress)
-            for f in files:  # the last look, once every file is read: a change after a file's pass is refused too
-                assert f.identity is not None
-                check_unchanged(f.source, f.identity)
-            new_blobs = writer.finish()
-        except BaseException:
-            writer.abort()
-            if lock.try_exclusive():
-                _remove_unindexed(store, writer)
-            raise
-        finally:
-            progress.close()
+        with _cleaned_up_on_failure(store, writer, lock, progress):
+            plan, new_blobs = _write_checked(layout, scan, options, stored, sources, writer, progress)
 
         raw_bytes = sum(f.size for f in files)
-        facts: dict[str, int] = {}
-        for f in files:
-            facts.update({k: v for k, v in f.meta.items() if k not in facts})
+        facts = _facts(files)
         new_bytes = sum(b.stored_size for b in new_blobs)
         published: str | None = None
         replaced: ManifestRecord | None = None
@@ -315,6 +303,49 @@ def commit_checkpoint(
     )
 
 
+@contextmanager
+def _cleaned_up_on_failure(
+    store: Repository, writer: BlobWriter, lock: LockHandle | LeaseHandle, progress: Progress
+) -> Iterator[None]:
+    """A failure leaves no temp files, and, when this commit is alone on the store, no blobs
+    that nothing records."""
+    try:
+        yield
+    except BaseException:
+        writer.abort()
+        if lock.try_exclusive():
+            _remove_unindexed(store, writer)
+        raise
+    finally:
+        progress.close()
+
+
+def _write_checked(
+    layout: CheckpointLayout,
+    scan: _Scan,
+    options: CommitOptions,
+    stored: frozenset[str],
+    sources: dict[str, _Inheritance],
+    writer: BlobWriter,
+    progress: Progress,
+) -> tuple[_Plan, list[BlobRecord]]:
+    """Write the blobs, then take the last look at every input (a change after a file's pass
+    is refused too), then make the blobs durable."""
+    plan = _write_files(layout, scan, options, stored, sources, writer, progress)
+    for f in scan.files:
+        assert f.identity is not None
+        check_unchanged(f.source, f.identity)
+    return plan, writer.finish()
+
+
+def _facts(files: list[ReadFile]) -> dict[str, int]:
+    """Step, ZeRO stage and world size, as the first file that says each one says it."""
+    facts: dict[str, int] = {}
+    for f in files:
+        facts.update({k: v for k, v in f.meta.items() if k not in facts})
+    return facts
+
+
 def _commit_part(
     store: Repository,
     ckpt_dir: Path,
@@ -334,24 +365,17 @@ def _commit_part(
     if store.index.commit_at(step) is not None and not options.force:
         raise StepExistsError(f"step {step} is already in the store; a part of it cannot be added any more.")
     writer = BlobWriter(store, level=options.level, threads=options.threads)
-    try:
-        plan = _write_files(layout, scan, options, scan.layers, {}, writer, progress)
-        for f in scan.files:
-            assert f.identity is not None
-            check_unchanged(f.source, f.identity)
-        new_blobs = writer.finish()
+    with _cleaned_up_on_failure(store, writer, lock, progress):
+        plan, new_blobs = _write_checked(layout, scan, options, scan.layers, {}, writer, progress)
         written = {b.hash: b for b in new_blobs}
         needed = {f.blob for f in plan.files} | {f.container for f in plan.files if f.container}
         needed |= {a.blob for a in plan.atoms if a.derived is None}
         blobs = [written.get(h) or store.blob(h) for h in sorted(needed)]
-        facts: dict[str, int] = {}
-        for f in scan.files:
-            facts.update({k: v for k, v in f.meta.items() if k not in facts})
         part = Part(
             step=step,
             layout=layout.kind,
             ds_tag=layout.ds_tag,
-            facts=facts,
+            facts=_facts(scan.files),
             source=f"{socket.gethostname()}:{ckpt_dir.resolve()}",
             created_at=time.time(),
             raw_bytes=sum(f.size for f in scan.files),
@@ -361,13 +385,6 @@ def _commit_part(
             blobs=[b for b in blobs if b is not None],
         )
         key = parts.publish(store.backend, part)
-    except BaseException:
-        writer.abort()
-        if lock.try_exclusive():
-            _remove_unindexed(store, writer)
-        raise
-    finally:
-        progress.close()
     return CommitResult(
         step=step,
         manifest=0,
