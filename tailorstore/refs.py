@@ -24,12 +24,10 @@ def tag(store: Repository, selector: str, name: str, *, force: bool = False) -> 
     manifest = store.resolve(selector)
     with store.transaction() as index:
         holder = index.tagged(name)
-        if holder and holder.id != manifest:
-            if not force:
-                raise StepExistsError(f"tag {name!r} already names another manifest; pass --force to move it")
-            index.set_tag(holder.id, None)
+        if holder and holder.id != manifest and not force:
+            raise StepExistsError(f"tag {name!r} already names another manifest; pass --force to move it")
         old = store.manifest(manifest).tag
-        index.set_tag(manifest, name)
+        index.set_tag(manifest, name)  # takes the tag from any other holder
         if old and old != name:
             manifest_objects.drop_tag(store.backend, old)
         manifest_objects.write_refs(store.backend, index, [manifest])

@@ -27,6 +27,7 @@ from ..errors import CorruptStoreError, FormatVersionError, StoreError
 from .records import (
     ATOM_COLUMNS,
     COMMIT,
+    FILE_COLUMNS,
     MANIFEST_DOC_FIELDS,
     AtomKey,
     AtomRecord,
@@ -41,7 +42,6 @@ from .schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
 INDEX_NAME = "index.sqlite"
 
 _MANIFEST_COLUMNS = (*MANIFEST_DOC_FIELDS, "tag", "pinned", "object_key")
-_FILE_COLUMNS = ("path", "file_key", "kind", "rank", "blob", "raw_size", "mode", "trusted", "container")
 _LAYER_COLUMNS = ("layer", "source", "source_step", "raw_bytes", "stored", "change")
 _BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "pack", "pack_offset", "created_at")
 _ATOMS_WITH_KEY = (
@@ -66,7 +66,7 @@ def _manifest(row: sqlite3.Row) -> ManifestRecord:
 
 
 def _file(row: sqlite3.Row) -> FileRecord:
-    return FileRecord(*(row[c] for c in _FILE_COLUMNS[:7]), trusted=bool(row["trusted"]), container=row["container"])
+    return FileRecord(*(row[c] for c in FILE_COLUMNS[:7]), trusted=bool(row["trusted"]), container=row["container"])
 
 
 def _atom(row: sqlite3.Row) -> AtomRecord:
@@ -290,8 +290,8 @@ class Index:
 
     def insert_files(self, manifest: int, files: Iterable[FileRecord]) -> None:
         self.conn.executemany(
-            _insert("files", ("manifest", *_FILE_COLUMNS)),
-            [(manifest, *values(f, _FILE_COLUMNS[:7]), int(f.trusted), f.container) for f in files],
+            _insert("files", ("manifest", *FILE_COLUMNS)),
+            [(manifest, *values(f, FILE_COLUMNS[:7]), int(f.trusted), f.container) for f in files],
         )
 
     # -- atoms ---------------------------------------------------------------------------

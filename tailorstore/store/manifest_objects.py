@@ -39,13 +39,16 @@ from .packs import pack_names, read_trailer
 from .records import (
     ATOM_COLUMNS,
     COMMIT,
+    DOC_BLOB_COLUMNS,
+    FILE_COLUMNS,
     MANIFEST_DOC_FIELDS,
     AtomRecord,
     BlobRecord,
     FileRecord,
     LayerRecord,
     ManifestRecord,
-    values,
+    from_table,
+    to_table,
 )
 
 MANIFEST_PREFIX = "manifests/"
@@ -56,9 +59,7 @@ RUN = "main"
 _COMMIT_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/step-(\d{20})-v(\d+)\.json\.zst")
 _MERGE_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/merge-[0-9a-f]+\.json\.zst")
 # Columns of the tables inside a manifest object, in their order there (docs/FORMAT.md 3.1).
-_FILE_COLUMNS = ("path", "file_key", "kind", "rank", "blob", "raw_size", "mode", "trusted", "container")
 _LAYER_COLUMNS = ("layer", "source_step", "raw_bytes", "stored", "change")
-_BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "created_at", "pack", "pack_offset")
 
 
 def tag_key(tag: str) -> str:
@@ -95,36 +96,27 @@ def new_key(backend: Backend, index: Index, manifest: int) -> str:
     return f"{MANIFEST_PREFIX}{RUN}/step-{record.step:020d}-v{max(versions, default=0) + 1}.json.zst"
 
 
-def _json_value(value: Any) -> Any:
-    return int(value) if isinstance(value, bool) else value  # flags are 0/1 in the object, as in SQL
-
-
-def _table(records: Iterable[object], columns: tuple[str, ...]) -> dict[str, Any]:
-    return {"columns": columns, "rows": [[_json_value(v) for v in values(r, columns)] for r in records]}
-
-
 def document(index: Index, manifest: int) -> dict[str, Any]:
     """Everything the index holds about one manifest, as a self-contained JSON document."""
     record = index.manifest(manifest)
     assert record is not None
     layers = index.layers(manifest)
+    layers.sort(key=lambda x: x.layer)
     source_keys = index.object_keys({x.source for x in layers if x.source != manifest})
+    layer_rows = to_table(layers, _LAYER_COLUMNS)["rows"]
     return {
         "tailorstore_manifest": DOC_VERSION,
-        "manifest": {c: _json_value(getattr(record, c)) for c in MANIFEST_DOC_FIELDS},
-        "files": _table(index.files(manifest), _FILE_COLUMNS),
-        "atoms": _table(index.atoms(manifest), ATOM_COLUMNS),
+        "manifest": dict(zip(MANIFEST_DOC_FIELDS, to_table([record], MANIFEST_DOC_FIELDS)["rows"][0], strict=True)),
+        "files": to_table(index.files(manifest), FILE_COLUMNS),
+        "atoms": to_table(index.atoms(manifest), ATOM_COLUMNS),
         "layers": {
             "columns": (*_LAYER_COLUMNS, "source"),
             "rows": [
-                [
-                    *(_json_value(v) for v in values(x, _LAYER_COLUMNS)),
-                    None if x.source == manifest else source_keys[x.source],
-                ]
-                for x in sorted(layers, key=lambda x: x.layer)
+                [*row, None if x.source == manifest else source_keys[x.source]]
+                for x, row in zip(layers, layer_rows, strict=True)
             ],
         },
-        "blobs": _table(index.referenced_blobs(manifest), _BLOB_COLUMNS),
+        "blobs": to_table(index.referenced_blobs(manifest), DOC_BLOB_COLUMNS),
     }
 
 
@@ -181,28 +173,16 @@ def drop_tag(backend: Backend, tag: str) -> None:
     backend.delete(tag_key(tag))
 
 
-def _records(table: dict[str, Any], cls: type, defaults: dict[str, Any] | None = None) -> list[Any]:
-    """The rows of one table of a manifest object as records, by column name (a reader of a
-    newer object ignores columns it does not know)."""
-    known = {f for f in cls.__dataclass_fields__}  # type: ignore[attr-defined]
-    columns = list(table["columns"])
-    out = []
-    for row in table["rows"]:
-        fields = {c: v for c, v in zip(columns, row, strict=False) if c in known}
-        out.append(cls(**{**(defaults or {}), **fields}))
-    return out
-
-
 def import_document(index: Index, key: str, doc: dict[str, Any], ids: dict[str, int]) -> int:
     """Insert one manifest object's rows; ``ids`` maps object keys already in the index to local ids."""
     m = doc["manifest"]
     # where a blob is, the packs decide: a known blob keeps its row
-    index.add_blobs(_records(doc["blobs"], BlobRecord))
+    index.add_blobs(from_table(doc["blobs"], BlobRecord))
     record = ManifestRecord(**{c: m[c] for c in MANIFEST_DOC_FIELDS if c != "exact"}, exact=bool(m["exact"]))
     manifest = index.insert_manifest(replace(record, object_key=key))
     ids[key] = manifest
-    index.insert_files(manifest, [replace(f, trusted=bool(f.trusted)) for f in _records(doc["files"], FileRecord)])
-    index.insert_atoms(manifest, _records(doc["atoms"], AtomRecord))
+    index.insert_files(manifest, from_table(doc["files"], FileRecord))
+    index.insert_atoms(manifest, from_table(doc["atoms"], AtomRecord))
     layers = []
     columns = list(doc["layers"]["columns"])
     for row in doc["layers"]["rows"]:

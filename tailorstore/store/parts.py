@@ -16,20 +16,26 @@ import re
 import secrets
 import socket
 from dataclasses import dataclass, field
-from typing import Any
 
 import zstandard
 
 from ..errors import CorruptStoreError
 from .backend import Backend, check_key
-from .records import ATOM_COLUMNS, AtomRecord, BlobRecord, FileRecord, values
+from .records import (
+    ATOM_COLUMNS,
+    DOC_BLOB_COLUMNS,
+    FILE_COLUMNS,
+    AtomRecord,
+    BlobRecord,
+    FileRecord,
+    from_table,
+    to_table,
+)
 
 PART_PREFIX = "parts/"
 RUN = "main"
 DOC_VERSION = 1
 _PART_KEY = re.compile(r"parts/([A-Za-z0-9._-]+)/step-(\d{20})/([A-Za-z0-9._-]+)\.json\.zst")
-_FILE_COLUMNS = ("path", "file_key", "kind", "rank", "blob", "raw_size", "mode", "trusted", "container")
-_BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "created_at", "pack", "pack_offset")
 
 
 @dataclass
@@ -64,10 +70,6 @@ def new_key(step: int) -> str:
     return check_key(f"{step_prefix(step)}{host}-{secrets.token_hex(6)}.json.zst")
 
 
-def _flag(value: Any) -> Any:
-    return int(value) if isinstance(value, bool) else value
-
-
 def encode(part: Part) -> bytes:
     doc = {
         "tailorstore_part": DOC_VERSION,
@@ -79,17 +81,11 @@ def encode(part: Part) -> bytes:
         "created_at": part.created_at,
         "raw_bytes": part.raw_bytes,
         "new_bytes": part.new_bytes,
-        "files": {"columns": _FILE_COLUMNS, "rows": [[_flag(v) for v in values(f, _FILE_COLUMNS)] for f in part.files]},
-        "atoms": {"columns": ATOM_COLUMNS, "rows": [list(values(a, ATOM_COLUMNS)) for a in part.atoms]},
-        "blobs": {"columns": _BLOB_COLUMNS, "rows": [list(values(b, _BLOB_COLUMNS)) for b in part.blobs]},
+        "files": to_table(part.files, FILE_COLUMNS),
+        "atoms": to_table(part.atoms, ATOM_COLUMNS),
+        "blobs": to_table(part.blobs, DOC_BLOB_COLUMNS),
     }
     return zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
-
-
-def _records(table: dict[str, Any], cls: type) -> list[Any]:
-    columns = list(table["columns"])
-    known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
-    return [cls(**{c: v for c, v in zip(columns, row, strict=False) if c in known}) for row in table["rows"]]
 
 
 def decode(data: bytes, key: str) -> Part:
@@ -97,7 +93,6 @@ def decode(data: bytes, key: str) -> Part:
         doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31))
         if not isinstance(doc, dict) or doc.get("tailorstore_part") != DOC_VERSION:
             raise ValueError("not a part this tailorstore reads")
-        files = [FileRecord(**{**vars_of(f), "trusted": bool(f.trusted)}) for f in _records(doc["files"], FileRecord)]
         return Part(
             step=int(doc["step"]),
             layout=doc["layout"],
@@ -107,17 +102,13 @@ def decode(data: bytes, key: str) -> Part:
             created_at=float(doc["created_at"]),
             raw_bytes=int(doc["raw_bytes"]),
             new_bytes=int(doc["new_bytes"]),
-            files=files,
-            atoms=_records(doc["atoms"], AtomRecord),
-            blobs=_records(doc["blobs"], BlobRecord),
+            files=from_table(doc["files"], FileRecord),
+            atoms=from_table(doc["atoms"], AtomRecord),
+            blobs=from_table(doc["blobs"], BlobRecord),
             key=key,
         )
     except (zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
         raise CorruptStoreError(f"part object {key} is damaged ({exc}); delete it and commit that part again") from None
-
-
-def vars_of(record: object) -> dict[str, Any]:
-    return {name: getattr(record, name) for name in record.__dataclass_fields__}  # type: ignore[attr-defined]
 
 
 def part_keys(backend: Backend, step: int | None = None) -> list[str]:

@@ -8,7 +8,9 @@ index caches and what the backend keeps cannot drift apart.
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import Any
 
 from .backend import blob_key
 from .packs import pack_key
@@ -61,6 +63,8 @@ class FileRecord:
     trusted: bool  # its skeleton needs --trust-pickles to load
     container: str | None  # the file's bytes outside its atoms; None: re-pickle the skeleton
 
+
+FILE_COLUMNS = ("path", "file_key", "kind", "rank", "blob", "raw_size", "mode", "trusted", "container")
 
 AtomKey = tuple[str, str, str, int, int, int]  # file_key, param, kind, rank, start, numel
 
@@ -124,22 +128,28 @@ class BlobRecord:
         return blob_key(self.hash) if self.pack is None else pack_key(self.pack)
 
 
+# Blob columns in the order manifest objects and parts write them (docs/FORMAT.md 3.3).
+DOC_BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "created_at", "pack", "pack_offset")
+
+
 def values(record: object, names: tuple[str, ...]) -> tuple:
     """The record's values in the order of ``names`` (for SQL and manifest objects)."""
     return tuple(getattr(record, n) for n in names)
 
 
-__all__ = [
-    "ATOM_COLUMNS",
-    "COMMIT",
-    "MANIFEST_DOC_FIELDS",
-    "MERGE",
-    "AtomKey",
-    "AtomRecord",
-    "BlobRecord",
-    "FileRecord",
-    "LayerRecord",
-    "ManifestRecord",
-    "astuple",
-    "values",
-]
+def to_table(records: Iterable[object], columns: tuple[str, ...]) -> dict[str, Any]:
+    """Records as a JSON table of named columns; flags are 0/1, as in SQL."""
+    rows = [[int(v) if isinstance(v, bool) else v for v in values(r, columns)] for r in records]
+    return {"columns": columns, "rows": rows}
+
+
+def from_table(table: dict[str, Any], cls: type) -> list[Any]:
+    """A JSON table back as records, by column name: a reader of a newer object ignores
+    columns it does not know, and 0/1 flags become bools again."""
+    known = {f.name: f.type in ("bool", bool) for f in fields(cls)}
+    columns = list(table["columns"])
+    out = []
+    for row in table["rows"]:
+        named = {c: (bool(v) if known[c] else v) for c, v in zip(columns, row, strict=False) if c in known}
+        out.append(cls(**named))
+    return out
