@@ -24,6 +24,7 @@ from tailorstore.inspect import log as log_steps
 from tailorstore.inspect import show as show_step
 from tailorstore.memory import reuse_freed_memory
 from tailorstore.progress import for_terminal
+from tailorstore.runs import create_run, list_runs, qualify
 from tailorstore.store.repo import STORE_ENV, Repository
 
 app = typer.Typer(
@@ -40,6 +41,8 @@ QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar and no sum
 JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON.")
 TrustOpt = typer.Option(False, "--trust-pickles", help="Load pickles with globals outside the allowlist (unsafe).")
 LockOpt = typer.Option(600.0, "--lock-timeout", help="Seconds to wait for the store lock.")
+RunOpt = typer.Option(None, "--run", help="The run whose steps step=N and latest name (default: main).")
+SELECTOR_HELP = "step=N, RUN:step=N, tag=NAME, id=N or latest."
 
 
 def human(n: float) -> str:
@@ -87,6 +90,7 @@ def commit(
     every: int = typer.Option(1, "--every", help="filter: store the other blocks on every E-th commit."),
     threshold: float = typer.Option(0.0, "--threshold", help="adaptive: store a block that moved this much."),
     part: bool = typer.Option(False, "--part", help="Commit only this host's files, as one part of the step."),
+    run: str = typer.Option("main", "--run", help="The run this step belongs to; steps are numbered per run."),
     finalize: str | None = typer.Option(
         None, "--finalize", help="step=N: record the step whose parts every host has committed."
     ),
@@ -108,7 +112,9 @@ def commit(
         if match is None:
             raise TailorError(f"--finalize {finalize!r}: write step=N.")
         with Repository.open(store) as st:
-            done = finalize_step(st, int(match.group(1)), tag=tag, force=force, lock_timeout=lock_timeout, on_wait=_say)
+            done = finalize_step(
+                st, int(match.group(1)), tag=tag, force=force, run=run, lock_timeout=lock_timeout, on_wait=_say
+            )
         if as_json:
             typer.echo(json.dumps(asdict(done)))
         elif not quiet:
@@ -132,6 +138,7 @@ def commit(
         lock_timeout=lock_timeout,
         policy=PolicySpec(policy, params),
         part=part,
+        run=run,
     )
     with Repository.open(store) as st:
         result = commit_checkpoint(st, ckpt_dir, options, for_terminal(quiet or as_json), on_wait=_say)
@@ -141,7 +148,7 @@ def commit(
         typer.echo(
             f"committed a part of step {result.step}: {result.files} files, {human(result.raw_bytes)} raw, "
             f"{human(result.new_bytes)} newly stored ({result.seconds:.2f} s); once every host has committed its "
-            f"part, run `tailor commit --finalize step={result.step}`"
+            f"part, run `tailor commit --finalize step={result.step}{'' if run == 'main' else f' --run {run}'}`"
         )
     elif not quiet:
         typer.echo(
@@ -159,8 +166,9 @@ def commit(
 
 @app.command()
 def checkout(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest."),
+    selector: str = typer.Argument(..., help=SELECTOR_HELP),
     out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
+    run: str | None = RunOpt,
     trust_pickles: bool = TrustOpt,
     store: str | None = StoreOpt,
     quiet: bool = QuietOpt,
@@ -172,7 +180,7 @@ def checkout(
     with Repository.open(store) as st:
         result = checkout_step(
             st,
-            selector,
+            qualify(selector, run),
             out,
             trust_pickles=trust_pickles,
             progress=for_terminal(quiet or as_json),
@@ -191,37 +199,46 @@ def _when(ts: float) -> str:
 
 
 @app.command()
-def log(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
+def log(run: str | None = typer.Option(None, "--run", help="Only this run's steps."), store: str | None = StoreOpt,
+        as_json: bool = JsonOpt) -> None:  # fmt: skip
     """One line per step: step, time, tag, raw bytes, bytes newly stored, exact or composite."""
     with Repository.open(store) as st:
-        steps = log_steps(st)
+        steps = log_steps(st, run)
+        base = st.run_base(run) if run else None
+        several = len(st.index.runs()) > 1
     if as_json:
         typer.echo(json.dumps([asdict(s) for s in steps], indent=2))
         return
-    typer.echo(f"{'id':>6}  {'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
+    if base is not None:
+        typer.echo(f"run {run} branched from run {base.run} step {base.step} (id={base.id})")
+    column = f"{'run':10}  " if several else ""
+    typer.echo(f"{'id':>6}  {column}{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
     for s in steps:
         kind = "merge" if s.origin == "merge" else "exact" if s.exact else "composite"
         typer.echo(
-            f"{'id=' + str(s.manifest):>6}  {s.step:>8}  {_when(s.created_at)}  {(s.tag or '-'):12}  "
-            f"{human(s.raw_bytes):>10}  {human(s.new_bytes):>10}  {kind}{'  pinned' if s.pinned else ''}"
+            f"{'id=' + str(s.manifest):>6}  {f'{s.run:10}  ' if several else ''}{s.step:>8}  {_when(s.created_at)}  "
+            f"{(s.tag or '-'):12}  {human(s.raw_bytes):>10}  {human(s.new_bytes):>10}  {kind}"
+            f"{'  pinned' if s.pinned else ''}"
         )
 
 
 @app.command()
 def show(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest."),
+    selector: str = typer.Argument(..., help=SELECTOR_HELP),
+    run: str | None = RunOpt,
     store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Per layer: the source step, the kinds, the raw bytes and the stored bytes."""
     with Repository.open(store) as st:
-        detail = show_step(st, selector)
+        detail = show_step(st, qualify(selector, run))
     if as_json:
         typer.echo(json.dumps(asdict(detail), indent=2))
         return
     s = detail.summary
     typer.echo(
-        f"step {s.step}{f' (tag {s.tag})' if s.tag else ''}: {'exact' if s.exact else 'composite'}, "
+        f"{'' if s.run == 'main' else f'run {s.run} '}step {s.step}{f' (tag {s.tag})' if s.tag else ''}: "
+        f"{'exact' if s.exact else 'composite'}, "
         f"committed {_when(s.created_at)}, {human(s.raw_bytes)} raw, policy {s.policy.get('name')}"
     )
     typer.echo(f"{'layer':14}  {'source':>7}  {'raw':>10}  {'stored':>10}  {'derived':>10}  kinds")
@@ -237,6 +254,7 @@ def show(
 def merge(
     spec: Path = typer.Argument(..., help="YAML spec: base, slices of layer ranges, embed, norm, lm_head."),
     tag: str = typer.Option(..., "--tag", help="Name of the composite; check it out as tag=NAME."),
+    run: str = typer.Option("main", "--run", help="The run whose steps the spec's {step: N} name."),
     store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -244,7 +262,7 @@ def merge(
     from tailorstore.merge import merge as merge_spec
 
     with Repository.open(store) as st:
-        result = merge_spec(st, spec, tag)
+        result = merge_spec(st, spec, tag, run)
     if as_json:
         typer.echo(json.dumps(asdict(result)))
         return
@@ -260,8 +278,9 @@ def merge(
 
 @app.command()
 def diff(
-    a: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
-    b: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
+    a: str = typer.Argument(..., help=SELECTOR_HELP),
+    b: str = typer.Argument(..., help=SELECTOR_HELP),
+    run: str | None = RunOpt,
     store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -269,7 +288,7 @@ def diff(
     from tailorstore.diff import diff as diff_steps
 
     with Repository.open(store) as st:
-        step_a, step_b, rows = diff_steps(st, a, b)
+        step_a, step_b, rows = diff_steps(st, qualify(a, run), qualify(b, run))
     if as_json:
         typer.echo(json.dumps({"a": step_a, "b": step_b, "layers": [asdict(r) for r in rows]}))
         return
@@ -286,19 +305,20 @@ def diff(
 @app.command()
 def plot(
     out: Path = typer.Option(..., "--out", help="PNG file to write."),
+    run: str = typer.Option("main", "--run", help="The run whose steps to plot."),
     store: str | None = StoreOpt,
 ) -> None:
     """A heatmap of per-layer relative change (layers by committed steps)."""
     from tailorstore.diff import plot as plot_changes
 
     with Repository.open(store) as st:
-        plot_changes(st, out)
+        plot_changes(st, out, run)
     typer.echo(f"wrote {out}")
 
 
 @app.command("tag")
 def tag_cmd(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
+    selector: str = typer.Argument(..., help=SELECTOR_HELP),
     name: str = typer.Argument(..., help="The tag; gc never drops a tagged step."),
     force: bool = typer.Option(False, "--force", help="Move the tag if another step has it."),
     store: str | None = StoreOpt,
@@ -322,9 +342,7 @@ def untag(name: str = typer.Argument(..., help="The tag to remove."), store: str
 
 
 @app.command()
-def pin(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"), store: str | None = StoreOpt
-) -> None:
+def pin(selector: str = typer.Argument(..., help=SELECTOR_HELP), store: str | None = StoreOpt) -> None:
     """Protect a step from gc."""
     from tailorstore.refs import pin as pin_step
 
@@ -334,9 +352,7 @@ def pin(
 
 
 @app.command()
-def unpin(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"), store: str | None = StoreOpt
-) -> None:
+def unpin(selector: str = typer.Argument(..., help=SELECTOR_HELP), store: str | None = StoreOpt) -> None:
     """Let gc drop a step again."""
     from tailorstore.refs import pin as pin_step
 
@@ -347,7 +363,7 @@ def unpin(
 
 @app.command()
 def rm(
-    selector: str = typer.Argument(..., help="step=N, tag=NAME, id=N or latest"),
+    selector: str = typer.Argument(..., help=SELECTOR_HELP),
     force: bool = typer.Option(False, "--force", help="Also drop a tagged or pinned step."),
     store: str | None = StoreOpt,
 ) -> None:
@@ -363,6 +379,9 @@ def rm(
 def gc(
     keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the K newest committed steps."),
     keep_every: int | None = typer.Option(None, "--keep-every", help="Keep steps whose number is a multiple of N."),
+    run: str | None = typer.Option(
+        None, "--run", help="Apply --keep-last/--keep-every to this run only (default: to each run on its own)."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and change nothing."),
     drop_parts: bool = typer.Option(
         False, "--drop-parts", help="Also drop parts no finalize has taken (abandoned multi-host commits)."
@@ -382,7 +401,7 @@ def gc(
     with Repository.open(store) as st:
         plan = run_gc(
             st,
-            Retention(keep_last, keep_every),
+            Retention(keep_last, keep_every, run),
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,
@@ -423,8 +442,9 @@ def du(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
 
 @app.command()
 def verify(
-    selector: str | None = typer.Argument(None, help="step=N, tag=NAME or latest (default: every manifest)"),
+    selector: str | None = typer.Argument(None, help=f"{SELECTOR_HELP} (default: every manifest)"),
     deep: bool = typer.Option(False, "--deep", help="Also decode and re-hash every blob."),
+    run: str | None = RunOpt,
     store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -432,7 +452,7 @@ def verify(
     from tailorstore.verify import verify as run_verify
 
     with Repository.open(store) as st:
-        report = run_verify(st, selector, deep=deep)
+        report = run_verify(st, qualify(selector, run) if selector else None, deep=deep)
     if as_json:
         typer.echo(json.dumps(asdict(report)))
     else:
@@ -447,6 +467,46 @@ def verify(
         )
     if not report.ok:
         raise typer.Exit(3)
+
+
+run_app = typer.Typer(no_args_is_help=True, help="Runs: lines of steps numbered on their own, sharing blobs.")
+app.add_typer(run_app, name="run")
+
+
+@run_app.command("list")
+def run_list(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
+    """Every run, with the step it branched from, its number of steps and its latest step."""
+    with Repository.open(store) as st:
+        runs = list_runs(st)
+    if as_json:
+        typer.echo(
+            json.dumps(
+                [
+                    {**asdict(r), "base": None if r.base is None else {"run": r.base.run, "step": r.base.step}}
+                    for r in runs
+                ]
+            )
+        )
+        return
+    typer.echo(f"{'run':16}  {'steps':>6}  {'latest':>8}  branched from")
+    for r in runs:
+        base = "-" if r.base is None else f"{r.base.run}:step={r.base.step}"
+        latest = "-" if r.latest_step is None else str(r.latest_step)
+        typer.echo(f"{r.name:16}  {r.steps:>6}  {latest:>8}  {base}")
+
+
+@run_app.command("create")
+def run_create(
+    name: str = typer.Argument(..., help="The new run's name: letters, digits, '-', '_' or '.'."),
+    base: str | None = typer.Option(None, "--from", help="[RUN:]step=N (or tag=NAME): the step to branch from."),
+    store: str | None = StoreOpt,
+    lock_timeout: float = LockOpt,
+) -> None:
+    """Start a run, branched from a step like a git branch: its commits inherit layers from that step."""
+    with Repository.open(store) as st:
+        info = create_run(st, name, base, lock_timeout=lock_timeout)
+    where = "" if info.base is None else f" from run {info.base.run} step {info.base.step}"
+    typer.echo(f"created run {name}{where}; commit to it with `tailor commit DIR --run {name}`")
 
 
 index_app = typer.Typer(no_args_is_help=True, help="The store's SQLite index, a cache of its manifest objects.")

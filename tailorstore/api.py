@@ -38,6 +38,8 @@ from .paths import safe_join
 from .policies import PolicySpec
 from .progress import Progress
 from .refs import pin, remove, tag, untag
+from .runs import RunInfo, check_run, create_run, list_runs, qualify
+from .store.records import MAIN_RUN
 from .store.repo import Repository
 from .usage import Usage, usage
 from .verify import VerifyReport, verify
@@ -61,21 +63,23 @@ class Store:
     own connection to the index.
     """
 
-    def __init__(self, repo: Repository, *, max_in_flight: int = 1) -> None:
+    def __init__(self, repo: Repository, *, max_in_flight: int = 1, run: str = MAIN_RUN) -> None:
         self.repo = repo
         self.location = repo.location
+        self.run = check_run(run)  # commits go to this run; step=N and latest are read in it
         self._queue: CommitQueue[CommitResult] = CommitQueue(max_in_flight)
 
     # -- lifecycle ---------------------------------------------------------------------
     @classmethod
-    def init(cls, location: str | os.PathLike, *, max_in_flight: int = 1) -> Store:
+    def init(cls, location: str | os.PathLike, *, max_in_flight: int = 1, run: str = MAIN_RUN) -> Store:
         """Create an empty store (an empty directory, or an empty S3 prefix) and open it."""
-        return cls(Repository.init(location), max_in_flight=max_in_flight)
+        return cls(Repository.init(location), max_in_flight=max_in_flight, run=run)
 
     @classmethod
-    def open(cls, location: str | os.PathLike | None = None, *, max_in_flight: int = 1) -> Store:
-        """Open a store; ``None`` reads ``$TAILOR_STORE``. ``max_in_flight`` bounds background commits."""
-        return cls(Repository.open(location), max_in_flight=max_in_flight)
+    def open(cls, location: str | os.PathLike | None = None, *, max_in_flight: int = 1, run: str = MAIN_RUN) -> Store:
+        """Open a store; ``None`` reads ``$TAILOR_STORE``. ``max_in_flight`` bounds background commits.
+        ``run`` is the run this handle commits to and reads ``step=N`` and ``latest`` in."""
+        return cls(Repository.open(location), max_in_flight=max_in_flight, run=run)
 
     @staticmethod
     def rebuild_index(location: str | os.PathLike | None = None) -> tuple[int, int]:
@@ -136,6 +140,7 @@ class Store:
             lock_timeout=lock_timeout,
             policy=PolicySpec(policy, dict(policy_params)),
             part=part,
+            run=self.run,
         )
         return _commit(self.repo, Path(path), options, delete_after_commit, progress, on_wait)
 
@@ -144,7 +149,7 @@ class Store:
     ) -> FinalizeResult:
         """Record step ``step`` from the parts every host committed; refused, naming the missing
         ranks, while a part is missing (the parts then stay for a later finalize)."""
-        return finalize_step(self.repo, step, tag=tag, force=force, lock_timeout=lock_timeout)
+        return finalize_step(self.repo, step, tag=tag, force=force, run=self.run, lock_timeout=lock_timeout)
 
     def commit_async(
         self,
@@ -175,6 +180,7 @@ class Store:
             level=level,
             lock_timeout=lock_timeout,
             policy=PolicySpec(policy, dict(policy_params)),
+            run=self.run,
         )
         location = self.location
 
@@ -196,17 +202,28 @@ class Store:
     ) -> CheckoutResult:
         """Write the checkpoint ``ref`` names into the new directory ``out``, every byte hash-checked."""
         return checkout_step(
-            self.repo, selector(ref), Path(out), trust_pickles=trust_pickles, progress=progress, warn=warn
+            self.repo, self._selector(ref), Path(out), trust_pickles=trust_pickles, progress=progress, warn=warn
         )
 
-    def log(self) -> list[StepSummary]:
-        return log(self.repo)
+    def log(self, *, all_runs: bool = False) -> list[StepSummary]:
+        """This handle's run's manifests by step (every run's with ``all_runs``)."""
+        return log(self.repo, None if all_runs else self.run)
+
+    def runs(self) -> list[RunInfo]:
+        return list_runs(self.repo)
+
+    def create_run(self, name: str, *, base: Ref | None = None) -> RunInfo:
+        """Start run ``name``, branched from the step ``base`` names (read in this handle's run), or empty."""
+        return create_run(self.repo, name, None if base is None else self._selector(base), from_run=self.run)
+
+    def _selector(self, ref: Ref) -> str:
+        return qualify(selector(ref), self.run)
 
     def show(self, ref: Ref) -> StepDetail:
-        return show(self.repo, selector(ref))
+        return show(self.repo, self._selector(ref))
 
     def diff(self, a: Ref, b: Ref) -> tuple[int, int, list[LayerDiff]]:
-        return diff(self.repo, selector(a), selector(b))
+        return diff(self.repo, self._selector(a), self._selector(b))
 
     def usage(self) -> Usage:
         return usage(self.repo)
@@ -214,7 +231,7 @@ class Store:
     def verify(
         self, ref: Ref | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None
     ) -> VerifyReport:
-        return verify(self.repo, None if ref is None else selector(ref), deep=deep, progress=progress)
+        return verify(self.repo, None if ref is None else self._selector(ref), deep=deep, progress=progress)
 
     # -- changing ----------------------------------------------------------------------
     def gc(
@@ -222,15 +239,17 @@ class Store:
         *,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        all_runs: bool = False,
         dry_run: bool = False,
         lock_timeout: float = 600.0,
         on_wait: Callable[[str], None] | None = None,
         show_plan: Callable[[GcPlan], None] | None = None,
     ) -> GcPlan:
-        """Drop manifests outside the retention (tags and pins stay), then every blob no kept manifest uses."""
+        """Drop this run's manifests outside the retention (every run's, each counted on its own, with
+        ``all_runs``; tags, pins and run bases stay), then every blob no kept manifest uses."""
         return gc(
             self.repo,
-            Retention(keep_last=keep_last, keep_every=keep_every),
+            Retention(keep_last=keep_last, keep_every=keep_every, run=None if all_runs else self.run),
             dry_run=dry_run,
             lock_timeout=lock_timeout,
             on_wait=on_wait,
@@ -239,19 +258,19 @@ class Store:
 
     def merge(self, spec: str | os.PathLike, *, tag: str) -> MergeResult:
         """Compose a checkpoint from the layer slices a YAML spec names; it is recorded under ``tag``."""
-        return merge(self.repo, Path(spec), tag)
+        return merge(self.repo, Path(spec), tag, self.run)
 
     def tag(self, ref: Ref, name: str, *, force: bool = False) -> int:
-        return tag(self.repo, selector(ref), name, force=force)
+        return tag(self.repo, self._selector(ref), name, force=force)
 
     def untag(self, name: str) -> int:
         return untag(self.repo, name)
 
     def pin(self, ref: Ref, pinned: bool = True) -> int:
-        return pin(self.repo, selector(ref), pinned)
+        return pin(self.repo, self._selector(ref), pinned)
 
     def remove(self, ref: Ref, *, force: bool = False) -> int:
-        return remove(self.repo, selector(ref), force=force)
+        return remove(self.repo, self._selector(ref), force=force)
 
 
 def _commit(

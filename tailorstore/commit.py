@@ -34,6 +34,7 @@ from .layers import STATE, sort_key
 from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
 from .refs import check_tag
+from .runs import check_run
 from .store import manifest_objects, parts
 from .store.backend import blob_key
 from .store.index import Index
@@ -42,7 +43,7 @@ from .store.lock import LockHandle
 from .store.packs import pack_key
 from .store.parts import Part
 from .store.posix import is_out_of_space
-from .store.records import COMMIT, AtomKey, AtomRecord, BlobRecord, FileRecord, LayerRecord, ManifestRecord
+from .store.records import COMMIT, MAIN_RUN, AtomKey, AtomRecord, BlobRecord, FileRecord, LayerRecord, ManifestRecord
 from .store.repo import Repository, check_step
 from .store.writer import BlobWriter, disk_full
 
@@ -59,6 +60,7 @@ class CommitOptions:
     policy: PolicySpec = field(default_factory=PolicySpec)
     derive_weights: bool = True
     part: bool = False  # commit only these files, as one part of a step several hosts write (finalize.py)
+    run: str = MAIN_RUN  # steps are numbered per run (runs.py)
 
 
 @dataclass
@@ -95,6 +97,7 @@ def check_options(options: CommitOptions) -> None:
         raise StoreError(f"--level {options.level} is not allowed: zstd levels run from 1 to 22 (1 is the default).")
     if options.tag:
         check_tag(options.tag)
+    check_run(options.run)
     if options.part and (options.policy.name != "full" or options.tag):
         raise StoreError(
             "a --part commit stores every layer and takes no tag: drop --policy and --tag (tag the step "
@@ -113,19 +116,25 @@ def _step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadF
     raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass --step N.")
 
 
-def _refuse_existing(index: Index, step: int, tag: str | None) -> None:
-    if index.commit_at(step) is not None:
+def _refuse_existing(index: Index, step: int, tag: str | None, run: str) -> None:
+    if index.commit_at(step, run) is not None:
+        where = "the store" if run == MAIN_RUN else f"run {run!r}"
         raise StepExistsError(
-            f"step {step} is already in the store. Commit under another --step, or pass --force to replace it."
+            f"step {step} is already in {where}. Commit under another --step, or pass --force to replace it."
         )
     if tag and index.tagged(tag) is not None:
         raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag or pass --force.")
 
 
-def _inheritance(store: Repository, step: int, layers: frozenset[str]) -> dict[str, _Inheritance]:
-    """For each layer, the newest earlier committed step that has it, with its atoms by key."""
+def _inheritance(store: Repository, step: int, layers: frozenset[str], run: str) -> dict[str, _Inheritance]:
+    """For each layer, the newest earlier committed step of the run that has it, with its atoms
+    by key; then the run's base (the step it branched from), which is older than all of them."""
     found: dict[str, _Inheritance] = {}
-    for at_step, x in store.index.layer_history(step):
+    history = store.index.layer_history(step, run)
+    base = store.run_base(run)
+    if base is not None:
+        history += [(base.step, x) for x in store.index.layers(base.id)]
+    for at_step, x in history:
         if x.layer in layers and x.layer != STATE and x.layer not in found:
             found[x.layer] = _Inheritance(x.manifest, at_step, x.source, x.source_step, {})
     return found
@@ -199,13 +208,17 @@ def commit_checkpoint(
     layers = scan.layers
 
     with store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock:
+        # What other hosts recorded or dropped before this lock was taken: inheritance must not
+        # name a manifest (and blobs) another host's gc removed since this store was opened.
+        store.refresh()
         if options.part:
             return _commit_part(store, Path(ckpt_dir), layout, scan, step, options, lock, progress, began)
+        run = options.run
         if not options.force:
-            _refuse_existing(store.index, step, tag)
-            structure.refuse_other_model(store.index, scan.structure)
-        sources = _inheritance(store, step, layers)
-        commits_before = store.index.commits_before(step)
+            structure.refuse_other_model(store.index, scan.structure, run, store.run_base(run))
+            _refuse_existing(store.index, step, tag, run)
+        sources = _inheritance(store, step, layers, run)
+        commits_before = store.index.commits_before(step, run) + (store.run_base(run) is not None)
         adaptive = needs_changes(options.policy)
         changes = _measure_changes(store, layout, scan, sources) if adaptive else {}
         stored = decide(
@@ -227,14 +240,14 @@ def commit_checkpoint(
             with store.transaction() as index:
                 pinned = False
                 if options.force:  # the replaced step keeps its tag and pin, unless a new tag is given
-                    replaced = index.commit_at(step)
+                    replaced = index.commit_at(step, run)
                     if replaced is not None:
                         tag = tag or replaced.tag
                         pinned = replaced.pinned
-                    index.delete_commit_at(step)
+                    index.delete_commit_at(step, run)
                     if tag and (holder := index.tagged(tag)) is not None:
                         index.set_tag(holder.id, None)
-                _refuse_existing(index, step, tag)
+                _refuse_existing(index, step, tag, run)
                 index.add_packs(writer.new_packs())
                 index.upsert_blobs(new_blobs)  # a repaired blob (rewritten because its object was missing) moves
                 manifest = index.insert_manifest(
@@ -251,6 +264,7 @@ def commit_checkpoint(
                         raw_bytes=raw_bytes,
                         new_bytes=new_bytes,
                         source=str(Path(ckpt_dir).resolve()),
+                        run=run,
                         tag=tag,
                         pinned=pinned,
                     )
@@ -362,7 +376,7 @@ def _commit_part(
     Every layer is stored (a policy needs the whole step); weights are derived where this
     part holds their masters too. The part object is the commit point of a part.
     """
-    if store.index.commit_at(step) is not None and not options.force:
+    if store.index.commit_at(step, options.run) is not None and not options.force:
         raise StepExistsError(f"step {step} is already in the store; a part of it cannot be added any more.")
     writer = BlobWriter(store, level=options.level, threads=options.threads)
     with _cleaned_up_on_failure(store, writer, lock, progress):
@@ -373,6 +387,7 @@ def _commit_part(
         blobs = [written.get(h) or store.blob(h) for h in sorted(needed)]
         part = Part(
             step=step,
+            run=options.run,
             layout=layout.kind,
             ds_tag=layout.ds_tag,
             facts=_facts(scan.files),

@@ -14,6 +14,7 @@ from . import structure
 from .changes import relative_change, stored_pieces
 from .errors import StoreError
 from .layers import STATE, sort_key
+from .store.records import MAIN_RUN
 from .store.repo import Repository
 
 
@@ -59,12 +60,12 @@ class ChangeMatrix:
     inherited: list[list[bool]]  # [layer][column]: the layer was not stored at that manifest
 
 
-def change_matrix(store: Repository) -> ChangeMatrix:
+def change_matrix(store: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
     """Per manifest (commits and merges, by step) and layer: change since the previous manifest.
 
     An inherited layer is flagged rather than shown as 0 change, which would read as a frozen layer.
     """
-    rows = store.index.manifests()
+    rows = store.index.manifests(run)
     if len(rows) < 2:
         raise StoreError("plotting change needs at least two manifests")
     layers = sorted(store.index.layer_names() - {STATE}, key=sort_key)
@@ -86,7 +87,7 @@ def change_matrix(store: Repository) -> ChangeMatrix:
     return ChangeMatrix(columns, layers, values, inherited)
 
 
-def plot(store: Repository, out: Path) -> Path:
+def plot(store: Repository, out: Path, run: str = MAIN_RUN) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,7 +95,7 @@ def plot(store: Repository, out: Path) -> Path:
     import numpy as np
     from matplotlib.patches import Patch, Rectangle
 
-    m = change_matrix(store)
+    m = change_matrix(store, run)
     cells = zip(m.values, m.inherited, strict=True)
     data = np.array(
         [[np.nan if v is None or gone else v for v, gone in zip(line, flags, strict=True)] for line, flags in cells],

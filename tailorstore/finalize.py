@@ -21,10 +21,11 @@ from .formats.deepspeed import file_rank, is_model_states, is_optim_states
 from .formats.layout import DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
 from .policies import PolicySpec
 from .refs import check_tag
+from .runs import check_run
 from .store import manifest_objects
 from .store.backend import blob_key
 from .store.parts import Part, read_parts
-from .store.records import COMMIT, AtomRecord, FileRecord, LayerRecord, ManifestRecord
+from .store.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from .store.repo import Repository, check_step
 
 
@@ -111,22 +112,24 @@ def finalize_step(
     *,
     tag: str | None = None,
     force: bool = False,
+    run: str = MAIN_RUN,
     lock_timeout: float = 600.0,
     on_wait: Callable[[str], None] | None = None,
 ) -> FinalizeResult:
     began = time.perf_counter()
     check_step(step)
+    check_run(run)
     if tag:
         check_tag(tag)
     with store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait):
         store.refresh()  # packs and manifests other hosts wrote since this store was opened
-        parts = read_parts(store.backend, step)
+        parts = read_parts(store.backend, step, run)
         if not parts:
             raise StoreError(
                 f"step {step} has no parts to finalize. Each host commits its ranks with "
                 "`tailor commit DIR --part` first."
             )
-        if store.index.commit_at(step) is not None:
+        if store.index.commit_at(step, run) is not None:
             raise StepExistsError(f"step {step} is already in the store; its parts were finalized before.")
         kinds = {p.layout for p in parts}
         tags = {p.ds_tag for p in parts}
@@ -146,7 +149,7 @@ def finalize_step(
             )
         _check_blobs(store, parts)
         if not force:
-            structure.refuse_other_model(store.index, structure.from_atoms(atoms))
+            structure.refuse_other_model(store.index, structure.from_atoms(atoms), run, store.run_base(run))
         layer_bytes: dict[str, int] = {}
         for a in atoms:
             layer_bytes[a.layer] = layer_bytes.get(a.layer, 0) + a.nbytes
@@ -170,6 +173,7 @@ def finalize_step(
                     raw_bytes=raw_bytes,
                     new_bytes=new_bytes,
                     source="; ".join(sorted(p.source for p in parts)),
+                    run=run,
                     tag=tag,
                 )
             )

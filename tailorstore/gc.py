@@ -42,6 +42,7 @@ REPACK_AT = 0.25  # repack a pack once this share of its bytes is dead
 class Retention:
     keep_last: int | None = None  # the K newest committed steps
     keep_every: int | None = None  # committed steps whose number is a multiple of N
+    run: str | None = None  # apply the rules to this run only (None: to every run, each on its own)
 
     def __post_init__(self) -> None:
         for name, value in (("--keep-last", self.keep_last), ("--keep-every", self.keep_every)):
@@ -85,16 +86,22 @@ class GcPlan:
         )
 
 
-def kept_manifests(manifests: list[ManifestRecord], rules: Retention) -> set[int]:
-    """Pure: which manifests survive. Tags, pins and merges always do."""
+def kept_manifests(manifests: list[ManifestRecord], rules: Retention, bases: frozenset[int] = frozenset()) -> set[int]:
+    """Pure: which manifests survive. Tags, pins, merges and the bases runs branched from
+    always do. The rules count each run's steps on their own (``--keep-last 3`` keeps three
+    steps of every run), and touch only ``rules.run`` when it is set."""
     if not rules.drops_manifests:
         return {m.id for m in manifests}
-    commits = sorted((m for m in manifests if m.origin == COMMIT), key=lambda m: m.step)
-    keep = {m.id for m in manifests if m.tag or m.pinned or m.origin != COMMIT}
-    if rules.keep_last:
-        keep |= {m.id for m in commits[-rules.keep_last :]}
-    if rules.keep_every:
-        keep |= {m.id for m in commits if m.step % rules.keep_every == 0}
+    keep = {m.id for m in manifests if m.tag or m.pinned or m.origin != COMMIT or m.id in bases}
+    keep |= {m.id for m in manifests if rules.run is not None and m.run != rules.run}
+    by_run: dict[str, list[ManifestRecord]] = {}
+    for m in sorted((m for m in manifests if m.origin == COMMIT), key=lambda m: m.step):
+        by_run.setdefault(m.run, []).append(m)
+    for commits in by_run.values():
+        if rules.keep_last:
+            keep |= {m.id for m in commits[-rules.keep_last :]}
+        if rules.keep_every:
+            keep |= {m.id for m in commits if m.step % rules.keep_every == 0}
     return keep
 
 
@@ -102,14 +109,15 @@ def plan_gc(store: Repository, rules: Retention, *, drop_parts: bool = False) ->
     """What gc would do. Blobs a pending part names are live (the part waits for its finalize);
     a part of a step already recorded is dropped, and every part when ``drop_parts``."""
     manifests = store.index.manifests()
-    keep = kept_manifests(manifests, rules)
+    bases = {r.base for r in store.index.created_runs().values() if r.base}
+    keep = kept_manifests(manifests, rules, frozenset(m.id for m in manifests if m.object_key in bases))
     plan = GcPlan(
         drop=[(m.id, m.step) for m in manifests if m.id not in keep],
         keep=[(m.id, m.step) for m in manifests if m.id in keep],
     )
     held: set[str] = set()
     for part in read_parts(store.backend):
-        if drop_parts or store.index.commit_at(part.step) is not None:
+        if drop_parts or store.index.commit_at(part.step, part.run) is not None:
             plan.drop_parts.append(part.key)
         else:
             plan.pending_parts += 1

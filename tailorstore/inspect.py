@@ -26,6 +26,7 @@ class StepSummary:
     exact: bool
     pinned: bool
     policy: dict
+    run: str = "main"
 
 
 @dataclass
@@ -59,11 +60,13 @@ def _summary(r: ManifestRecord) -> StepSummary:
         exact=r.exact,
         pinned=r.pinned,
         policy=json.loads(r.policy),
+        run=r.run,
     )
 
 
-def log(store: Repository) -> list[StepSummary]:
-    return [_summary(r) for r in store.index.manifests()]
+def log(store: Repository, run: str | None = None) -> list[StepSummary]:
+    """Every manifest, or those of one run, by step."""
+    return [_summary(r) for r in store.index.manifests(run)]
 
 
 def show(store: Repository, selector: str) -> StepDetail:

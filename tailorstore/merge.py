@@ -32,7 +32,8 @@ from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, STATE, block_index, block_la
 from .refs import check_tag
 from .store import manifest_objects
 from .store.index import Index
-from .store.records import MERGE, AtomKey, AtomRecord, LayerRecord
+from .store.manifest_objects import RUN_NAME
+from .store.records import MAIN_RUN, MERGE, AtomKey, AtomRecord, LayerRecord
 from .store.repo import Repository
 
 _AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
@@ -53,15 +54,19 @@ class MergeResult:
 
 
 def _ref_of(entry: Any, where: str) -> str:
-    """A spec source as a selector: {step: N}, {tag: NAME} or {id: N}, exactly one of them."""
+    """A spec source as a selector: {step: N}, {tag: NAME} or {id: N}, exactly one of them;
+    a step may name its run ({run: pretrain, step: 300})."""
     keys = [k for k in ("step", "tag", "id") if isinstance(entry, dict) and k in entry]
     if len(keys) != 1:
         raise MergeSpecError(f"{where}: needs one of step, tag or id, e.g. {{step: 300}} or {{tag: warm}}")
     value = entry[keys[0]]
+    run = entry.get("run")
+    if run is not None and (keys[0] != "step" or not isinstance(run, str) or not RUN_NAME.fullmatch(run)):
+        raise MergeSpecError(f"{where}: run {run!r} is not allowed here; write {{run: NAME, step: N}}")
     if keys[0] == "tag" and isinstance(value, str) and value:
         return f"tag={value}"
     if keys[0] != "tag" and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return f"{keys[0]}={value}"
+        return f"{run}:step={value}" if run else f"{keys[0]}={value}"
     raise MergeSpecError(f"{where}: {keys[0]} {value!r} is not a valid {keys[0]}")
 
 
@@ -108,21 +113,23 @@ def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[str, dict[str
     return base, chosen
 
 
-def merge(store: Repository, spec_path: Path, tag: str) -> MergeResult:
+def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> MergeResult:
+    """Record a composite of layers from several steps; ``step=N`` references in the spec are
+    read in ``run`` (or the run they name, ``RUN:step=N``), and the merge belongs to its base's run."""
     began = time.perf_counter()
     check_tag(tag)
     try:
         spec = yaml.safe_load(Path(spec_path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise MergeSpecError(f"{spec_path}: cannot read the spec ({exc})") from None
-    base = store.resolve(_ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"))
+    base = store.resolve(_ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"), run)
     base_record = store.manifest(base)
     layers = {x.layer for x in store.index.layers(base)}
     blocks = sorted(i for name in layers if (i := block_index(name)) is not None)
     if not blocks:
         raise MergeSpecError(f"step {base_record.step} has no transformer blocks to slice")
     _, chosen = parse_spec(spec, blocks, str(spec_path))
-    manifests = {ref: store.resolve(ref) for ref in set(chosen.values())}
+    manifests = {ref: store.resolve(ref, run) for ref in set(chosen.values())}
     sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
     record = replace(
         base_record,

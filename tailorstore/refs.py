@@ -60,6 +60,11 @@ def remove(store: Repository, selector: str, *, force: bool = False) -> int:
         what = "pinned" if record.pinned else f"tagged {record.tag!r}"
         hint = "`tailor unpin`" if record.pinned else f"`tailor untag {record.tag}`"
         raise StoreError(f"step {record.step} is {what}; {hint} first, or pass --force")
+    heirs = [r.name for r in store.index.created_runs().values() if r.base and r.base == record.object_key]
+    if heirs and not force:
+        raise StoreError(
+            f"step {record.step} is the base of run(s) {', '.join(heirs)}; pass --force to remove it anyway"
+        )
     with store.transaction() as index:
         if record.tag:  # the objects (manifest, tag, pin) go before the index rows
             manifest_objects.drop_tag(store.backend, record.tag)

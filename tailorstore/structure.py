@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import atoms as A
 from .errors import StoreError
 from .store.index import Index
-from .store.records import AtomRecord
+from .store.records import AtomRecord, ManifestRecord
 
 Structure = dict[str, int]  # parameter -> elements
 
@@ -46,15 +46,18 @@ def differences(old: Structure, new: Structure, limit: int = 3) -> list[str]:
     return out[:limit] + ([f"and {len(out) - limit} more"] if len(out) > limit else [])
 
 
-def refuse_other_model(index: Index, new: Structure) -> None:
-    """Refuse a commit whose model differs from the newest committed step's (a different run)."""
-    newest = index.newest_commit()
+def refuse_other_model(index: Index, new: Structure, run: str, base: ManifestRecord | None = None) -> None:
+    """Refuse a commit whose model differs from the run's newest committed step (or, for a run
+    with no commits yet, from the step it branched from): another model belongs in a run of its own."""
+    newest = index.newest_commit(run) or base
     if newest is None or not new:
         return
     old = of_manifest(index, newest.id)
     diff = differences(old, new)
     if old and diff:
+        where = f"step {newest.step} of run {newest.run!r}"
         raise StoreError(
-            f"this checkpoint holds a different model from step {newest.step} in the store ({'; '.join(diff)}). "
-            "Keep each model in its own store, or pass --force to commit it here anyway."
+            f"this checkpoint holds a different model from {where} ({'; '.join(diff)}). "
+            "Commit it to a run of its own with `--run NAME` (steps are numbered per run, blobs are shared), "
+            "or pass --force to commit it here anyway."
         )

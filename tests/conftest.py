@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -166,6 +167,24 @@ def copy_tree(src: Path, dst: Path) -> Path:
         if path.is_file():
             path.chmod(0o644)
     return dst
+
+
+def same_tree(a: Path, b: Path) -> bool:
+    """The two directories hold the same files with the same bytes."""
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    return files_a == files_b and all((a / f).read_bytes() == (b / f).read_bytes() for f in files_a)
+
+
+def kill_after(proc: subprocess.Popen[bytes], delay: float) -> bool:
+    """SIGKILL after ``delay`` seconds; True when the kill landed before the process ended."""
+    try:
+        proc.wait(timeout=delay)
+        return False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return True
 
 
 def as_of_step(save_dir: Path, step: int, dst: Path) -> Path:

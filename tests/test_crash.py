@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-from conftest import Runs, as_of_step, assert_only_live, object_count
+from conftest import Runs, as_of_step, assert_only_live, kill_after, object_count
 from test_roundtrip import assert_same_checkpoint
 
 from tailorstore.checkout import checkout_step
@@ -24,7 +23,7 @@ from tailorstore.refs import remove
 from tailorstore.store.repo import Repository
 from tailorstore.verify import verify
 
-KILLS = 20
+KILLS = 14
 SEED = 20261122
 
 
@@ -42,17 +41,6 @@ def timed(store: Path, *args: str) -> float:
     began = time.perf_counter()
     assert start(store, *args).wait(timeout=300) == 0
     return time.perf_counter() - began
-
-
-def kill_at(proc: subprocess.Popen[bytes], delay: float) -> bool:
-    """SIGKILL after ``delay`` seconds; True when the kill landed before the process ended."""
-    try:
-        proc.wait(timeout=delay)
-        return False
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        return True
 
 
 def check_intact(store: Repository, run: Runs, steps: list[int], save_dir: Path, work: Path) -> None:
@@ -79,10 +67,10 @@ def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
     for i in range(KILLS):
         proc = start(store.root, "commit", str(at3))
         if i % 2:  # anywhere from reading the input to just after the commit would end
-            landed += kill_at(proc, rng.uniform(0.3 * visible, 1.1 * visible))
+            landed += kill_after(proc, rng.uniform(0.3 * visible, 1.1 * visible))
         else:  # once the first new blob is on disk: while blobs are written and the index transaction runs
             wait_for_new_blob(store, baseline, proc)
-            landed += kill_at(proc, rng.uniform(0.0, 1.2 * (visible - writing)))
+            landed += kill_after(proc, rng.uniform(0.0, 1.2 * (visible - writing)))
         store.conn.close()
         store = Repository.open(store.root)  # a fresh open, as the next command would do
         present = store.conn.execute("SELECT count(*) FROM manifests WHERE step=3").fetchone()[0]
@@ -147,7 +135,7 @@ def test_kill_gc_at_random_points(runs: Runs, tmp_path: Path) -> None:
         if full is None:
             full = timed(store.root, "gc")
             continue
-        landed += kill_at(start(store.root, "gc"), rng.uniform(0.3 * full, 1.05 * full))
+        landed += kill_after(start(store.root, "gc"), rng.uniform(0.3 * full, 1.05 * full))
         store.conn.close()
         store = Repository.open(store.root)
         check_intact(store, runs, [1, 2], save_dir, tmp_path / f"k{i}")
@@ -167,11 +155,11 @@ def test_killed_checkout_leaves_nothing_complete_looking(runs: Runs, tmp_path: P
         out = tmp_path / f"out{i}"
         proc = start(store.root, "checkout", "step=5", "--out", str(out))
         if i % 2:  # anywhere in the command's span
-            kill_at(proc, rng.uniform(0.5 * full, 1.05 * full))
+            kill_after(proc, rng.uniform(0.5 * full, 1.05 * full))
         else:  # once it writes: the hidden partial directory exists
             while proc.poll() is None and not list(tmp_path.glob(f".out{i}.tailor-partial-*")):
                 time.sleep(0.0005)
-            kill_at(proc, rng.uniform(0.0, 0.01))
+            kill_after(proc, rng.uniform(0.0, 0.01))
         partial = list(tmp_path.glob(f".out{i}.tailor-partial-*"))
         if out.exists():  # the rename happened: then it is complete
             assert_same_checkpoint(as_of_step(save_dir, 5, tmp_path / f"ref{i}"), out)

@@ -104,6 +104,31 @@ def test_kept_manifests() -> None:
     assert kept_manifests(manifests, Retention(keep_last=1, keep_every=5)) == {2, 3, 5, 6, 7}
 
 
+def test_retention_counts_each_run_on_its_own_and_keeps_run_bases() -> None:
+    from dataclasses import replace
+
+    main = rows((1, 1, "commit", None, 0), (2, 2, "commit", None, 0), (3, 3, "commit", None, 0))
+    ft = [replace(m, run="ft") for m in rows((4, 1, "commit", None, 0), (5, 2, "commit", None, 0))]
+    manifests = main + ft
+    assert kept_manifests(manifests, Retention(keep_last=1)) == {3, 5}, "the newest step of every run"
+    assert kept_manifests(manifests, Retention(keep_last=1), bases=frozenset({1})) == {1, 3, 5}
+    assert kept_manifests(manifests, Retention(keep_last=1, run="ft")) == {1, 2, 3, 5}, "main untouched"
+    assert kept_manifests(manifests, Retention(keep_every=2, run="main")) == {2, 4, 5}
+
+
+def test_selectors_read_in_a_run() -> None:
+    from tailorstore.runs import check_run, qualify
+
+    assert qualify("step=3", "ft") == "ft:step=3"
+    assert qualify("latest", "ft") == "ft:latest"
+    assert qualify("main:step=3", "ft") == "main:step=3"
+    assert qualify("tag=warm", "ft") == "tag=warm" and qualify("id=4", "ft") == "id=4"
+    assert qualify("step=3", None) == "step=3"
+    for bad in ("", "a/b", "a:b", "..", "x" * 101, "ü"):
+        with pytest.raises(StoreError):
+            check_run(bad)
+
+
 @pytest.mark.parametrize("bad", [{"keep_last": 0}, {"keep_last": -1}, {"keep_every": 0}])
 def test_retention_refuses_numbers_below_one(bad: dict) -> None:
     with pytest.raises(StoreError):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from conftest import Runs, as_of_step, tailor
+from conftest import Runs, as_of_step, same_tree, tailor
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
@@ -23,12 +23,6 @@ from tailorstore.refs import tag
 from tailorstore.store.repo import Repository
 from tailorstore.testing.local_s3 import BUCKET, CuttableLink, LocalS3
 from tailorstore.verify import verify
-
-
-def same_tree(a: Path, b: Path) -> bool:
-    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    return files_a == files_b and all((a / f).read_bytes() == (b / f).read_bytes() for f in files_a)
 
 
 def test_every_command_works_on_an_s3_store(s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path) -> None:
@@ -169,7 +163,8 @@ def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
     proc = subprocess.Popen(
         [sys.executable, "-m", "tailorstore.cli.app", "commit", str(at6), "--store", s3_location],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "AWS_ENDPOINT_URL": link.endpoint},
+        env={**os.environ, "AWS_ENDPOINT_URL": link.endpoint,
+             "TAILOR_S3_RETRY_SECONDS": "5", "TAILOR_S3_TIMEOUT_SECONDS": "5"},  # fail fast on a dead link
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while set(s3_server.keys(s3_location)) == before and time.monotonic() < deadline:

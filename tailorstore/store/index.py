@@ -28,6 +28,7 @@ from .records import (
     ATOM_COLUMNS,
     COMMIT,
     FILE_COLUMNS,
+    MAIN_RUN,
     MANIFEST_DOC_FIELDS,
     AtomKey,
     AtomRecord,
@@ -35,6 +36,7 @@ from .records import (
     FileRecord,
     LayerRecord,
     ManifestRecord,
+    RunRecord,
     values,
 )
 from .schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
@@ -210,37 +212,77 @@ class Index:
         row = self.conn.execute("SELECT * FROM manifests WHERE id=?", (manifest,)).fetchone()
         return _manifest(row) if row else None
 
-    def manifests(self) -> list[ManifestRecord]:
-        """Every manifest, by step, then in the order they were recorded."""
-        return [_manifest(r) for r in self.conn.execute("SELECT * FROM manifests ORDER BY step, id")]
+    def manifests(self, run: str | None = None) -> list[ManifestRecord]:
+        """Every manifest (of one run, if given), by step, then in the order they were recorded."""
+        if run is None:
+            return [_manifest(r) for r in self.conn.execute("SELECT * FROM manifests ORDER BY step, id")]
+        return [
+            _manifest(r) for r in self.conn.execute("SELECT * FROM manifests WHERE run=? ORDER BY step, id", (run,))
+        ]
 
-    def manifests_at(self, step: int) -> list[ManifestRecord]:
-        return [_manifest(r) for r in self.conn.execute("SELECT * FROM manifests WHERE step=? ORDER BY id", (step,))]
+    def manifests_at(self, step: int, run: str) -> list[ManifestRecord]:
+        return [
+            _manifest(r)
+            for r in self.conn.execute("SELECT * FROM manifests WHERE step=? AND run=? ORDER BY id", (step, run))
+        ]
 
-    def commit_at(self, step: int) -> ManifestRecord | None:
-        row = self.conn.execute("SELECT * FROM manifests WHERE step=? AND origin=?", (step, COMMIT)).fetchone()
+    def commit_at(self, step: int, run: str) -> ManifestRecord | None:
+        row = self.conn.execute(
+            "SELECT * FROM manifests WHERE step=? AND run=? AND origin=?", (step, run, COMMIT)
+        ).fetchone()
         return _manifest(row) if row else None
 
     def tagged(self, tag: str) -> ManifestRecord | None:
         row = self.conn.execute("SELECT * FROM manifests WHERE tag=?", (tag,)).fetchone()
         return _manifest(row) if row else None
 
-    def latest_commit(self) -> ManifestRecord | None:
-        """The commit of the highest step."""
+    def by_object_key(self, key: str) -> ManifestRecord | None:
+        row = self.conn.execute("SELECT * FROM manifests WHERE object_key=?", (key,)).fetchone()
+        return _manifest(row) if row else None
+
+    def latest_commit(self, run: str) -> ManifestRecord | None:
+        """The run's commit of the highest step."""
         row = self.conn.execute(
-            "SELECT * FROM manifests WHERE origin=? ORDER BY step DESC LIMIT 1", (COMMIT,)
+            "SELECT * FROM manifests WHERE origin=? AND run=? ORDER BY step DESC LIMIT 1", (COMMIT, run)
         ).fetchone()
         return _manifest(row) if row else None
 
-    def newest_commit(self) -> ManifestRecord | None:
-        """The commit recorded last, whatever its step."""
-        row = self.conn.execute("SELECT * FROM manifests WHERE origin=? ORDER BY id DESC LIMIT 1", (COMMIT,)).fetchone()
+    def newest_commit(self, run: str) -> ManifestRecord | None:
+        """The run's commit recorded last, whatever its step."""
+        row = self.conn.execute(
+            "SELECT * FROM manifests WHERE origin=? AND run=? ORDER BY id DESC LIMIT 1", (COMMIT, run)
+        ).fetchone()
         return _manifest(row) if row else None
 
-    def commits_before(self, step: int) -> int:
-        return self.conn.execute("SELECT count(*) FROM manifests WHERE origin=? AND step<?", (COMMIT, step)).fetchone()[
-            0
-        ]
+    def commits_before(self, step: int, run: str) -> int:
+        return self.conn.execute(
+            "SELECT count(*) FROM manifests WHERE origin=? AND run=? AND step<?", (COMMIT, run, step)
+        ).fetchone()[0]
+
+    # -- runs ----------------------------------------------------------------------------
+    def created_runs(self) -> dict[str, RunRecord]:
+        """The runs created by name (each has an object in the backend), by name."""
+        return {
+            r["name"]: RunRecord(r["name"], r["created_at"], r["base"]) for r in self.conn.execute("SELECT * FROM runs")
+        }
+
+    def runs(self) -> list[RunRecord]:
+        """Every run: those created by name and those that only have manifests ('main' among them)."""
+        rows = self.created_runs()
+        for name, first in self.conn.execute("SELECT run, min(created_at) FROM manifests GROUP BY run"):
+            rows.setdefault(name, RunRecord(name, first))
+        return sorted(rows.values(), key=lambda r: (r.name != MAIN_RUN, r.name))
+
+    def run(self, name: str) -> RunRecord | None:
+        row = self.conn.execute("SELECT * FROM runs WHERE name=?", (name,)).fetchone()
+        return RunRecord(row["name"], row["created_at"], row["base"]) if row else None
+
+    def set_runs(self, runs: Iterable[RunRecord]) -> None:
+        """Replace the run rows with these (the backend's run objects are the truth)."""
+        self.conn.execute("DELETE FROM runs")
+        self.conn.executemany(
+            "INSERT INTO runs(name, created_at, base) VALUES (?,?,?)", [(r.name, r.created_at, r.base) for r in runs]
+        )
 
     def unpublished(self) -> list[int]:
         """Manifests without an object yet (a store upgraded from format 2), oldest first."""
@@ -262,8 +304,8 @@ class Index:
         """Drop manifests; their files, atoms and layers go with them (foreign keys cascade)."""
         self.conn.executemany("DELETE FROM manifests WHERE id=?", [(m,) for m in manifests])
 
-    def delete_commit_at(self, step: int) -> None:
-        self.conn.execute("DELETE FROM manifests WHERE step=? AND origin=?", (step, COMMIT))
+    def delete_commit_at(self, step: int, run: str) -> None:
+        self.conn.execute("DELETE FROM manifests WHERE step=? AND run=? AND origin=?", (step, run, COMMIT))
 
     def set_tag(self, manifest: int, tag: str | None) -> None:
         if tag is not None:
@@ -350,14 +392,14 @@ class Index:
         row = self.conn.execute("SELECT * FROM layers WHERE manifest=? AND layer=?", (manifest, layer)).fetchone()
         return _layer(row, manifest) if row else None
 
-    def layer_history(self, before_step: int) -> list[tuple[int, LayerRecord]]:
-        """(step, layer) of every commit before ``before_step``, newest step first (for inheritance)."""
+    def layer_history(self, before_step: int, run: str) -> list[tuple[int, LayerRecord]]:
+        """(step, layer) of every commit of the run before ``before_step``, newest step first (for inheritance)."""
         return [
             (r["step"], _layer(r, r["manifest"]))
             for r in self.conn.execute(
                 "SELECT l.*, m.step FROM layers l JOIN manifests m ON m.id=l.manifest"
-                " WHERE m.origin=? AND m.step<? ORDER BY m.step DESC",
-                (COMMIT, before_step),
+                " WHERE m.origin=? AND m.run=? AND m.step<? ORDER BY m.step DESC",
+                (COMMIT, run, before_step),
             )
         ]
 

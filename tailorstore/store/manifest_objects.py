@@ -14,7 +14,8 @@ Keys (docs/FORMAT.md):
 - ``manifests/<run>/merge-<token>.json.zst``: a merge;
 - ``refs/tags/<tag>``: the object key a tag names (mutable; tag bytes outside
   ``[A-Za-z0-9._-]`` are written ``=XX``);
-- ``refs/pins/<manifest object name>``: present while the manifest is pinned.
+- ``refs/pins/<manifest object name>``: present while the manifest is pinned;
+- ``refs/runs/<run>``: a run created by name, with its base (create-only JSON).
 
 :func:`sync` brings the index up to date with the backend (new manifests of other hosts,
 manifests another host's gc dropped, tags and pins); :func:`rebuild` recreates it.
@@ -32,8 +33,8 @@ from typing import Any
 
 import zstandard
 
-from ..errors import CorruptStoreError
-from .backend import Backend, check_key
+from ..errors import CorruptStoreError, StepExistsError, StoreError
+from .backend import Backend, ObjectExistsError, check_key
 from .index import Index
 from .packs import pack_names, read_trailer
 from .records import (
@@ -47,6 +48,7 @@ from .records import (
     FileRecord,
     LayerRecord,
     ManifestRecord,
+    RunRecord,
     from_table,
     to_table,
 )
@@ -54,8 +56,10 @@ from .records import (
 MANIFEST_PREFIX = "manifests/"
 TAG_PREFIX = "refs/tags/"
 PIN_PREFIX = "refs/pins/"
-DOC_VERSION = 1
-RUN = "main"
+RUN_PREFIX = "refs/runs/"
+DOC_VERSION = 2  # 2 adds the manifest's run; version 1 objects are all of run 'main'
+READABLE_DOC_VERSIONS = (1, 2)
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 _COMMIT_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/step-(\d{20})-v(\d+)\.json\.zst")
 _MERGE_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/merge-[0-9a-f]+\.json\.zst")
 # Columns of the tables inside a manifest object, in their order there (docs/FORMAT.md 3.1).
@@ -86,14 +90,20 @@ def new_key(backend: Backend, index: Index, manifest: int) -> str:
     """The key a manifest's object gets: by step and version for a commit, random for a merge."""
     record = index.manifest(manifest)
     assert record is not None
+    run = record.run
     if record.origin != COMMIT:
-        return f"{MANIFEST_PREFIX}{RUN}/merge-{secrets.token_hex(8)}.json.zst"
+        return f"{MANIFEST_PREFIX}{run}/merge-{secrets.token_hex(8)}.json.zst"
     versions = [
         int(m.group(3))
-        for key in backend.list(f"{MANIFEST_PREFIX}{RUN}/")
+        for key in backend.list(f"{MANIFEST_PREFIX}{run}/")
         if (m := _COMMIT_KEY.fullmatch(key)) and int(m.group(2)) == record.step
     ]
-    return f"{MANIFEST_PREFIX}{RUN}/step-{record.step:020d}-v{max(versions, default=0) + 1}.json.zst"
+    return f"{MANIFEST_PREFIX}{run}/step-{record.step:020d}-v{max(versions, default=0) + 1}.json.zst"
+
+
+def run_of_key(key: str) -> str:
+    """The run a manifest object belongs to, from its key."""
+    return key[len(MANIFEST_PREFIX) :].split("/", 1)[0]
 
 
 def document(index: Index, manifest: int) -> dict[str, Any]:
@@ -129,7 +139,7 @@ def decode(data: bytes, key: str) -> dict[str, Any]:
         doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31))
     except (zstandard.ZstdError, ValueError) as exc:
         raise CorruptStoreError(f"manifest object {key} is damaged ({exc}); restore it from a backup") from None
-    if not isinstance(doc, dict) or doc.get("tailorstore_manifest") != DOC_VERSION:
+    if not isinstance(doc, dict) or doc.get("tailorstore_manifest") not in READABLE_DOC_VERSIONS:
         raise CorruptStoreError(f"manifest object {key} is not a manifest this tailorstore reads; upgrade tailorstore")
     return doc
 
@@ -178,6 +188,7 @@ def import_document(index: Index, key: str, doc: dict[str, Any], ids: dict[str, 
     m = doc["manifest"]
     # where a blob is, the packs decide: a known blob keeps its row
     index.add_blobs(from_table(doc["blobs"], BlobRecord))
+    m = {**m, "run": m.get("run", run_of_key(key))}
     record = ManifestRecord(**{c: m[c] for c in MANIFEST_DOC_FIELDS if c != "exact"}, exact=bool(m["exact"]))
     manifest = index.insert_manifest(replace(record, object_key=key))
     ids[key] = manifest
@@ -242,9 +253,11 @@ def sync(backend: Backend, index: Index) -> tuple[int, int]:
     new = sorted(present - indexed.keys())
     tags = _listed_tags(backend)
     pins = set(backend.list(PIN_PREFIX))
+    known_runs = index.created_runs()
+    listed_runs = _listed_runs(backend, known_runs)
     want = {r.id: (r.tag, r.pinned) for r in records if r.object_key in present}
     have = {mid: (tags.get(key), pin_key(key) in pins) for key, mid in indexed.items() if key in present}
-    if not gone and not new and want == have and listed_packs == known_packs:
+    if not gone and not new and want == have and listed_packs == known_packs and listed_runs == known_runs:
         return 0, 0
     docs = {k: decode(backend.get(k), k) for k in new}
     trailers = {name: read_trailer(backend, name) for name in sorted(listed_packs - known_packs)}
@@ -261,7 +274,45 @@ def sync(backend: Backend, index: Index) -> tuple[int, int]:
             if not index.has_object(key):
                 import_document(index, key, docs[key], ids)
         index.set_refs({mid: (tags.get(key), pin_key(key) in pins) for key, mid in ids.items()})
+        index.set_runs(listed_runs.values())
     return len(new), len(gone)
+
+
+def run_key(name: str) -> str:
+    return check_key(RUN_PREFIX + name)
+
+
+def check_run_name(name: str) -> str:
+    if not RUN_NAME.fullmatch(name) or name in (".", ".."):
+        raise StoreError(f"run name {name!r} is not allowed: use 1 to 100 letters, digits, '-', '_' or '.'.")
+    return name
+
+
+def create_run(backend: Backend, run: RunRecord) -> None:
+    """Write a run's object, create-only: two hosts creating one name cannot both win."""
+    doc = {"tailorstore_run": 1, "created_at": run.created_at, "base": run.base}
+    try:
+        backend.put(run_key(run.name), json.dumps(doc).encode(), create_only=True)
+    except ObjectExistsError:
+        raise StepExistsError(f"run {run.name!r} already exists; `tailor run list` shows the runs.") from None
+
+
+def _listed_runs(backend: Backend, known: dict[str, RunRecord]) -> dict[str, RunRecord]:
+    """The run objects, read only when the index does not know them yet (they never change)."""
+    out: dict[str, RunRecord] = {}
+    for key in backend.list(RUN_PREFIX):
+        name = key[len(RUN_PREFIX) :]
+        if name in known:
+            out[name] = known[name]
+            continue
+        try:
+            doc = json.loads(backend.get(key))
+            out[name] = RunRecord(check_run_name(name), float(doc["created_at"]), doc.get("base"))
+        except FileNotFoundError:
+            continue
+        except (ValueError, KeyError, TypeError, StoreError) as exc:
+            raise CorruptStoreError(f"run object {key} is damaged ({exc}); restore it from a backup") from None
+    return out
 
 
 def _listed_tags(backend: Backend) -> dict[str, str]:

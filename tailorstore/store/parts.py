@@ -25,6 +25,7 @@ from .records import (
     ATOM_COLUMNS,
     DOC_BLOB_COLUMNS,
     FILE_COLUMNS,
+    MAIN_RUN,
     AtomRecord,
     BlobRecord,
     FileRecord,
@@ -33,7 +34,6 @@ from .records import (
 )
 
 PART_PREFIX = "parts/"
-RUN = "main"
 DOC_VERSION = 1
 _PART_KEY = re.compile(r"parts/([A-Za-z0-9._-]+)/step-(\d{20})/([A-Za-z0-9._-]+)\.json\.zst")
 
@@ -54,6 +54,7 @@ class Part:
     atoms: list[AtomRecord] = field(default_factory=list)
     blobs: list[BlobRecord] = field(default_factory=list)
     key: str = ""
+    run: str = MAIN_RUN  # the run the step belongs to (its key says it)
 
     def blob_hashes(self) -> set[str]:
         """Every hash this part needs kept: its files, containers and stored atoms."""
@@ -61,13 +62,13 @@ class Part:
         return out | {a.blob for a in self.atoms if a.derived is None}
 
 
-def step_prefix(step: int) -> str:
-    return f"{PART_PREFIX}{RUN}/step-{step:020d}/"
+def step_prefix(step: int, run: str) -> str:
+    return f"{PART_PREFIX}{run}/step-{step:020d}/"
 
 
-def new_key(step: int) -> str:
+def new_key(step: int, run: str) -> str:
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40] or "host"
-    return check_key(f"{step_prefix(step)}{host}-{secrets.token_hex(6)}.json.zst")
+    return check_key(f"{step_prefix(step, run)}{host}-{secrets.token_hex(6)}.json.zst")
 
 
 def encode(part: Part) -> bytes:
@@ -106,20 +107,22 @@ def decode(data: bytes, key: str) -> Part:
             atoms=from_table(doc["atoms"], AtomRecord),
             blobs=from_table(doc["blobs"], BlobRecord),
             key=key,
+            run=key[len(PART_PREFIX) :].split("/", 1)[0],
         )
     except (zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
         raise CorruptStoreError(f"part object {key} is damaged ({exc}); delete it and commit that part again") from None
 
 
-def part_keys(backend: Backend, step: int | None = None) -> list[str]:
-    prefix = PART_PREFIX if step is None else step_prefix(step)
+def part_keys(backend: Backend, step: int | None = None, run: str = MAIN_RUN) -> list[str]:
+    prefix = PART_PREFIX if step is None else step_prefix(step, run)
     return sorted(k for k in backend.list(prefix) if _PART_KEY.fullmatch(k))
 
 
-def read_parts(backend: Backend, step: int | None = None) -> list[Part]:
-    """Every part (of one step), read back; a part deleted while listing is skipped."""
+def read_parts(backend: Backend, step: int | None = None, run: str = MAIN_RUN) -> list[Part]:
+    """Every part (of one step of ``run``; with no step, of every run), read back; a part
+    deleted while listing is skipped."""
     out = []
-    for key in part_keys(backend, step):
+    for key in part_keys(backend, step, run):
         try:
             out.append(decode(backend.get(key), key))
         except FileNotFoundError:
@@ -129,6 +132,6 @@ def read_parts(backend: Backend, step: int | None = None) -> list[Part]:
 
 def publish(backend: Backend, part: Part) -> str:
     """Write the part, create-only; its blobs must be durable already."""
-    part.key = new_key(part.step)
+    part.key = new_key(part.step, part.run)
     backend.put(part.key, encode(part), create_only=True)
     return part.key

@@ -17,6 +17,7 @@ from .packs import pack_key
 
 COMMIT = "commit"
 MERGE = "merge"
+MAIN_RUN = "main"  # the run a store starts with, and every command's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +41,25 @@ class ManifestRecord:
     pinned: bool = False
     object_key: str | None = None
     id: int = 0
+    run: str = MAIN_RUN  # steps are numbered per run
 
 
 # The columns a manifest object carries; tag, pin and id are not part of it (refs and the index hold them).
 MANIFEST_DOC_FIELDS = (
     "step", "origin", "created_at", "layout", "ds_tag", "zero_stage", "world_size", "policy", "exact",
-    "raw_bytes", "new_bytes", "source",
+    "raw_bytes", "new_bytes", "source", "run",
 )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """A run: a line of steps with its own numbering. A run branched from a step of another run
+    names that manifest (by object key, the same on every host) as its base: the run inherits
+    layers from it and gc keeps it."""
+
+    name: str
+    created_at: float
+    base: str | None = None  # object key of the branch point, or None for a run started afresh
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from .lease import LeaseHandle, lease_lock
 from .location import Location, resolve
 from .lock import LockHandle, store_lock
 from .packs import pack_names, read_trailer
-from .records import COMMIT, BlobRecord, ManifestRecord
+from .records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
 from .schema import FORMAT_VERSION
 
 STORE_ENV = "TAILOR_STORE"
@@ -271,21 +271,28 @@ class Repository:
         return bytes(buf)
 
     # -- manifests -----------------------------------------------------------------------
-    def resolve(self, selector: str) -> int:
+    def resolve(self, selector: str, run: str = MAIN_RUN) -> int:
         """The manifest id that ``id=N``, ``step=N`` (or a bare N), ``tag=NAME`` or ``latest`` names.
 
-        ``step=N`` names the commit of step N; merges carry their base's step, so they are named by
-        ``tag=`` or ``id=`` (``tailor log`` prints both). A step that only merges carry is refused
-        with the list of them.
+        Steps are numbered per run: ``step=N`` and ``latest`` look in ``run``, or in the run a
+        ``RUN:`` prefix names (``ft:step=200``). A run branched from another run's step
+        reaches that base as ``latest`` until it has commits of its own, and by the base's step.
+        ``tag=`` and ``id=`` name one manifest in the whole store. Merges carry their base's
+        step, so they are named by ``tag=`` or ``id=`` (``tailor log`` prints both); a step
+        that only merges carry is refused with the list of them.
         """
         text = selector.strip()
+        prefixed = re.fullmatch(r"([A-Za-z0-9._-]+):(.*)", text)
+        if prefixed:
+            run, text = prefixed.group(1), prefixed.group(2)
+        where = "" if run == MAIN_RUN else f" of run {run!r}"
         if text == "latest":
-            latest = self.index.latest_commit()
+            latest = self.index.latest_commit(run) or self.run_base(run)
             if latest is None:
-                raise UnknownStepError("the store holds no steps yet; commit one with `tailor commit DIR`.")
+                raise UnknownStepError(f"run {run!r} holds no steps yet; commit one with `tailor commit DIR`.")
             return latest.id
         match = re.fullmatch(r"id=(\d+)", text)
-        if match:
+        if match and not prefixed:
             manifest = check_step(int(match.group(1)))
             if self.index.manifest(manifest) is None:
                 raise UnknownStepError(f"no manifest has id {manifest}; `tailor log` lists the ids.")
@@ -293,20 +300,30 @@ class Repository:
         match = re.fullmatch(r"(?:step=)?(\d+)", text)
         if match:
             step = check_step(int(match.group(1)))
-            found = self.index.manifests_at(step)
+            found = self.index.manifests_at(step, run)
             commits = [m for m in found if m.origin == COMMIT]
             if commits:
                 return commits[0].id
             if found:
                 names = ", ".join(f"id={m.id} ({m.origin}, tag {m.tag})" for m in found)
-                raise UnknownStepError(f"step {step} has no commit, only: {names}. Name one by its id= or tag=.")
-            raise UnknownStepError(f"step {step} is not in the store; `tailor log` lists the steps it holds.")
-        if text.startswith("tag="):
+                raise UnknownStepError(f"step {step}{where} has no commit, only: {names}. Name one by its id= or tag=.")
+            base = self.run_base(run)
+            if base is not None and base.step == step:
+                return base.id
+            if run != MAIN_RUN and not any(r.name == run for r in self.index.runs()):
+                raise UnknownStepError(f"the store has no run {run!r}; `tailor run list` lists the runs.")
+            raise UnknownStepError(f"step {step} is not in the store{where}; `tailor log` lists the steps it holds.")
+        if text.startswith("tag=") and not prefixed:
             tagged = self.index.tagged(text[4:])
             if tagged is None:
                 raise UnknownStepError(f"nothing is tagged {text[4:]!r}; `tailor log` shows the tags.")
             return tagged.id
-        raise UnknownStepError(f"cannot read {selector!r}: write step=N, tag=NAME, id=N or latest.")
+        raise UnknownStepError(f"cannot read {selector!r}: write step=N, RUN:step=N, tag=NAME, id=N or latest.")
+
+    def run_base(self, run: str) -> ManifestRecord | None:
+        """The manifest a run branched from, if it was branched and the base is still held."""
+        record = self.index.run(run)
+        return self.index.by_object_key(record.base) if record and record.base else None
 
     def manifest(self, manifest_id: int) -> ManifestRecord:
         found = self.index.manifest(manifest_id)

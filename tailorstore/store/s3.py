@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import BinaryIO, TypeVar
 
 import obstore
@@ -22,6 +23,27 @@ from .backend import BackendError, BytesLike, Chunks, ObjectExistsError, RangeRe
 
 T = TypeVar("T")
 _PART = 8 << 20  # bytes per multipart chunk
+RETRY_ENV = "TAILOR_S3_RETRY_SECONDS"
+TIMEOUT_ENV = "TAILOR_S3_TIMEOUT_SECONDS"
+
+
+def _seconds(name: str, default: float, most: float) -> float:
+    text = os.environ.get(name, str(default))
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= most:
+        raise BackendError(f"{name}={text!r} is not allowed: give seconds from 0 to {most:g}.")
+    return seconds
+
+
+def _retry_config() -> dict:
+    """How long failing requests are retried before the command fails (``TAILOR_S3_RETRY_SECONDS``,
+    default 180 as in obstore); with ``TAILOR_S3_TIMEOUT_SECONDS`` (one request, default 30) a job
+    that must fail fast on a dead endpoint can say so."""
+    seconds = _seconds(RETRY_ENV, 180, 3600)
+    return {"retry_timeout": timedelta(seconds=seconds), "max_retries": 10 if seconds else 0}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -34,9 +56,10 @@ class S3Backend:
             raise BackendError(f"{location!r}: an S3 store is named s3://bucket/prefix")
         self.location = location.rstrip("/")
         endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-        options = {"allow_http": True} if endpoint.startswith("http://") else {}
+        options: dict = {"allow_http": True} if endpoint.startswith("http://") else {}
+        options["timeout"] = f"{_seconds(TIMEOUT_ENV, 30, 3600):g}s"
         try:
-            self._store = from_url(self.location, client_options=options)
+            self._store = from_url(self.location, client_options=options, retry_config=_retry_config())
         except (BaseError, ValueError) as exc:
             raise BackendError(
                 f"{location}: cannot open the bucket ({_first_line(exc)}); check AWS_ENDPOINT_URL, AWS_REGION "

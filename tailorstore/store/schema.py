@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 # Upgrades from an older format: each runs in one transaction with the version bump.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -28,6 +28,13 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE blobs ADD COLUMN pack_offset INTEGER",
         "CREATE TABLE packs (name TEXT PRIMARY KEY, size INTEGER NOT NULL)",
         "CREATE INDEX blobs_pack ON blobs(pack)",
+    ),
+    # 3 -> 4: runs. Every manifest so far belongs to run 'main'; steps are unique per run.
+    3: (
+        "ALTER TABLE manifests ADD COLUMN run TEXT NOT NULL DEFAULT 'main'",
+        "DROP INDEX manifests_commit_step",
+        "CREATE UNIQUE INDEX manifests_commit_step ON manifests(run, step) WHERE origin = 'commit'",
+        "CREATE TABLE runs (name TEXT PRIMARY KEY, created_at REAL NOT NULL, base TEXT)",
     ),
 }
 
@@ -66,10 +73,16 @@ CREATE TABLE manifests (
     raw_bytes   INTEGER NOT NULL,   -- bytes of the checkpoint this manifest checks out to
     new_bytes   INTEGER NOT NULL,   -- stored bytes of blobs this commit wrote first
     source      TEXT NOT NULL,      -- the directory committed, or the merge spec file
-    object_key  TEXT                -- the manifest's object in the backend (manifests/...)
+    object_key  TEXT,               -- the manifest's object in the backend (manifests/...)
+    run         TEXT NOT NULL DEFAULT 'main'  -- the run whose step this is
 );
-CREATE UNIQUE INDEX manifests_commit_step ON manifests(step) WHERE origin = 'commit';
+CREATE UNIQUE INDEX manifests_commit_step ON manifests(run, step) WHERE origin = 'commit';
 CREATE UNIQUE INDEX manifests_object_key ON manifests(object_key);
+CREATE TABLE runs (
+    name        TEXT PRIMARY KEY,   -- [A-Za-z0-9._-]+; 'main' exists without a row
+    created_at  REAL NOT NULL,
+    base        TEXT                -- object key of the manifest the run branched from, or NULL
+);
 CREATE TABLE files (
     manifest  INTEGER NOT NULL REFERENCES manifests(id) ON DELETE CASCADE,
     path      TEXT NOT NULL,        -- relative, '/'-separated, never absolute, no '..'
