@@ -31,9 +31,8 @@ def _human(n: float) -> str:
 
 
 def store_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in (root / "blobs").rglob("*") if p.is_file()) + sum(
-        p.stat().st_size for p in root.glob("index.sqlite*")
-    )
+    """Everything the store holds on disk: blobs, packs, manifest and ref objects, the index."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and "tmp" not in p.relative_to(root).parts)
 
 
 def tailor(store: Path, *args: str) -> str:
