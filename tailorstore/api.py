@@ -38,7 +38,8 @@ from .paths import safe_join
 from .policies import PolicySpec
 from .progress import Progress
 from .refs import pin, remove, tag, untag
-from .runs import RunInfo, check_run, create_run, list_runs, qualify
+from .runs import RunInfo, create_run, list_runs, qualify
+from .store.manifest_objects import check_run_name
 from .store.records import MAIN_RUN
 from .store.repo import Repository
 from .usage import Usage, usage
@@ -66,7 +67,7 @@ class Store:
     def __init__(self, repo: Repository, *, max_in_flight: int = 1, run: str = MAIN_RUN) -> None:
         self.repo = repo
         self.location = repo.location
-        self.run = check_run(run)  # commits go to this run; step=N and latest are read in it
+        self.run = check_run_name(run)  # commits go to this run; step=N and latest are read in it
         self._queue: CommitQueue[CommitResult] = CommitQueue(max_in_flight)
 
     # -- lifecycle ---------------------------------------------------------------------

@@ -34,12 +34,12 @@ from .layers import STATE, sort_key
 from .policies import CommitFacts, PolicySpec, decide, needs_changes
 from .progress import Progress, Silent
 from .refs import check_tag
-from .runs import check_run
 from .store import manifest_objects, parts
 from .store.backend import blob_key
 from .store.index import Index
 from .store.lease import LeaseHandle
 from .store.lock import LockHandle
+from .store.manifest_objects import check_run_name
 from .store.packs import pack_key
 from .store.parts import Part
 from .store.posix import is_out_of_space
@@ -97,7 +97,7 @@ def check_options(options: CommitOptions) -> None:
         raise StoreError(f"--level {options.level} is not allowed: zstd levels run from 1 to 22 (1 is the default).")
     if options.tag:
         check_tag(options.tag)
-    check_run(options.run)
+    check_run_name(options.run)
     if options.part and (options.policy.name != "full" or options.tag):
         raise StoreError(
             "a --part commit stores every layer and takes no tag: drop --policy and --tag (tag the step "
@@ -126,12 +126,13 @@ def _refuse_existing(index: Index, step: int, tag: str | None, run: str) -> None
         raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag or pass --force.")
 
 
-def _inheritance(store: Repository, step: int, layers: frozenset[str], run: str) -> dict[str, _Inheritance]:
+def _inheritance(
+    store: Repository, step: int, layers: frozenset[str], run: str, base: ManifestRecord | None
+) -> dict[str, _Inheritance]:
     """For each layer, the newest earlier committed step of the run that has it, with its atoms
     by key; then the run's base (the step it branched from), which is older than all of them."""
     found: dict[str, _Inheritance] = {}
     history = store.index.layer_history(step, run)
-    base = store.run_base(run)
     if base is not None:
         history += [(base.step, x) for x in store.index.layers(base.id)]
     for at_step, x in history:
@@ -214,11 +215,12 @@ def commit_checkpoint(
         if options.part:
             return _commit_part(store, Path(ckpt_dir), layout, scan, step, options, lock, progress, began)
         run = options.run
+        base = store.run_base(run)
         if not options.force:
-            structure.refuse_other_model(store.index, scan.structure, run, store.run_base(run))
+            structure.refuse_other_model(store.index, scan.structure, run, base)
             _refuse_existing(store.index, step, tag, run)
-        sources = _inheritance(store, step, layers, run)
-        commits_before = store.index.commits_before(step, run) + (store.run_base(run) is not None)
+        sources = _inheritance(store, step, layers, run, base)
+        commits_before = store.index.commits_before(step, run) + (base is not None)
         adaptive = needs_changes(options.policy)
         changes = _measure_changes(store, layout, scan, sources) if adaptive else {}
         stored = decide(

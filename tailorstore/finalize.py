@@ -21,9 +21,9 @@ from .formats.deepspeed import file_rank, is_model_states, is_optim_states
 from .formats.layout import DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
 from .policies import PolicySpec
 from .refs import check_tag
-from .runs import check_run
 from .store import manifest_objects
 from .store.backend import blob_key
+from .store.manifest_objects import check_run_name
 from .store.parts import Part, read_parts
 from .store.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from .store.repo import Repository, check_step
@@ -118,7 +118,7 @@ def finalize_step(
 ) -> FinalizeResult:
     began = time.perf_counter()
     check_step(step)
-    check_run(run)
+    check_run_name(run)
     if tag:
         check_tag(tag)
     with store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait):

@@ -31,17 +31,13 @@ class RunInfo:
     latest_step: int | None
 
 
-def check_run(name: str) -> str:
-    return manifest_objects.check_run_name(name)
-
-
 def qualify(selector: str, run: str | None) -> str:
     """The selector read in ``run``: ``step=N`` and ``latest`` become ``RUN:step=N`` and
     ``RUN:latest``; ``tag=``, ``id=`` and selectors that already name a run stay as they are."""
     text = selector.strip()
     if run is None or text.startswith(("tag=", "id=")) or re.match(r"[A-Za-z0-9._-]+:", text):
         return text
-    return f"{check_run(run)}:{text}"
+    return f"{manifest_objects.check_run_name(run)}:{text}"
 
 
 def list_runs(store: Repository) -> list[RunInfo]:
@@ -72,7 +68,7 @@ def create_run(
     It holds the store's shared lock, like a commit: a gc waits for it, then sees the new run
     and keeps its base.
     """
-    check_run(name)
+    manifest_objects.check_run_name(name)
     with store.lock(exclusive=False, timeout=lock_timeout):
         store.refresh()
         if name == MAIN_RUN or any(r.name == name for r in store.index.runs()):

@@ -117,7 +117,8 @@ def test_retention_counts_each_run_on_its_own_and_keeps_run_bases() -> None:
 
 
 def test_selectors_read_in_a_run() -> None:
-    from tailorstore.runs import check_run, qualify
+    from tailorstore.runs import qualify
+    from tailorstore.store.manifest_objects import check_run_name
 
     assert qualify("step=3", "ft") == "ft:step=3"
     assert qualify("latest", "ft") == "ft:latest"
@@ -126,7 +127,7 @@ def test_selectors_read_in_a_run() -> None:
     assert qualify("step=3", None) == "step=3"
     for bad in ("", "a/b", "a:b", "..", "x" * 101, "ü"):
         with pytest.raises(StoreError):
-            check_run(bad)
+            check_run_name(bad)
 
 
 @pytest.mark.parametrize("bad", [{"keep_last": 0}, {"keep_last": -1}, {"keep_every": 0}])
