@@ -1,6 +1,8 @@
-"""``tailor``: a thin typer shell over tailorstore's library API.
+"""``tailor``: a thin typer shell over tailorstore's public API (``tailorstore.Store``).
 
-Each command parses its options, calls one library function and prints the result. Errors
+Each command parses its options, calls one method of the API and prints the result. The
+API is loaded when a command runs, not for ``--help``: ``import tailorstore`` stays light.
+Errors
 of our own become a one-line message on stderr and the exit code the error class names
 (2 bad input, 3 damaged store, 4 lock timeout); nothing else is decided here.
 """
@@ -18,19 +20,14 @@ from pathlib import Path
 
 import typer
 
-from tailorstore import FORMAT_VERSION, __version__
-from tailorstore.errors import TailorError
-from tailorstore.inspect import log as log_steps
-from tailorstore.inspect import show as show_step
-from tailorstore.memory import reuse_freed_memory
-from tailorstore.progress import for_terminal
-from tailorstore.runs import create_run, list_runs, qualify
-from tailorstore.store.repo import STORE_ENV, Repository
+import tailorstore
+from tailorstore import FORMAT_VERSION, MAIN_RUN, STORE_ENV, TailorError, __version__, for_terminal, reuse_freed_memory
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: loading rich's renderer took 0.1 s of every `tailor --help`
     help="A content-addressed, layer-wise store for DeepSpeed training checkpoints.",
 )
 
@@ -43,6 +40,11 @@ TrustOpt = typer.Option(False, "--trust-pickles", help="Load pickles with global
 LockOpt = typer.Option(600.0, "--lock-timeout", help="Seconds to wait for the store lock.")
 RunOpt = typer.Option(None, "--run", help="The run whose steps step=N and latest name (default: main).")
 SELECTOR_HELP = "step=N, RUN:step=N, tag=NAME, id=N or latest."
+
+
+def _open(store: str | None, run: str | None = None) -> tailorstore.Store:
+    """The store named by --store (or $TAILOR_STORE), reading step=N and latest in ``run``."""
+    return tailorstore.Store.open(store, run=run or MAIN_RUN)
 
 
 def human(n: float) -> str:
@@ -73,7 +75,7 @@ def _root(
 @app.command()
 def init(path: str = typer.Argument(..., help="Directory for the new store, or s3://bucket/prefix.")) -> None:
     """Create an empty store: an SQLite index plus a blob area."""
-    Repository.init(path).close()
+    tailorstore.Store.init(path).close()
     typer.echo(f"initialized an empty tailorstore in {path}")
 
 
@@ -100,21 +102,15 @@ def commit(
     as_json: bool = JsonOpt,
     lock_timeout: float = LockOpt,
 ) -> None:
-    """Repository one checkpoint: every tensor piece once, under its hash."""
-    from tailorstore.commit import CommitOptions, commit_checkpoint
-    from tailorstore.finalize import finalize_step
-    from tailorstore.policies import PolicySpec
-
+    """Store one checkpoint: every tensor piece once, under its hash."""
     if finalize is not None:
         if ckpt_dir is not None or part:
             raise TailorError("--finalize takes no directory and no --part: run it once every host committed its part.")
         match = re.fullmatch(r"(?:step=)?(\d+)", finalize.strip())
         if match is None:
             raise TailorError(f"--finalize {finalize!r}: write step=N.")
-        with Repository.open(store) as st:
-            done = finalize_step(
-                st, int(match.group(1)), tag=tag, force=force, run=run, lock_timeout=lock_timeout, on_wait=_say
-            )
+        with _open(store, run) as st:
+            done = st.finalize(int(match.group(1)), tag=tag, force=force, lock_timeout=lock_timeout, on_wait=_say)
         if as_json:
             typer.echo(json.dumps(asdict(done)))
         elif not quiet:
@@ -129,19 +125,21 @@ def commit(
         "filter": {"keep_first": keep_first, "keep_last": keep_last, "every": every},
         "adaptive": {"threshold": threshold},
     }.get(policy, {})
-    options = CommitOptions(
-        step=step,
-        tag=tag,
-        force=force,
-        trust_pickles=trust_pickles,
-        level=level,
-        lock_timeout=lock_timeout,
-        policy=PolicySpec(policy, params),
-        part=part,
-        run=run,
-    )
-    with Repository.open(store) as st:
-        result = commit_checkpoint(st, ckpt_dir, options, for_terminal(quiet or as_json), on_wait=_say)
+    with _open(store, run) as st:
+        result = st.commit(
+            ckpt_dir,
+            step=step,
+            tag=tag,
+            policy=policy,
+            force=force,
+            level=level,
+            trust_pickles=trust_pickles,
+            lock_timeout=lock_timeout,
+            part=part,
+            progress=for_terminal(quiet or as_json),
+            on_wait=_say,
+            **params,
+        )
     if as_json:
         typer.echo(json.dumps(asdict(result)))
     elif not quiet and result.part:
@@ -175,12 +173,9 @@ def checkout(
     as_json: bool = JsonOpt,
 ) -> None:
     """Write a step back in its native layout, checking every blob's hash."""
-    from tailorstore.checkout import checkout_step
-
-    with Repository.open(store) as st:
-        result = checkout_step(
-            st,
-            qualify(selector, run),
+    with _open(store, run) as st:
+        result = st.checkout(
+            selector,
             out,
             trust_pickles=trust_pickles,
             progress=for_terminal(quiet or as_json),
@@ -202,10 +197,11 @@ def _when(ts: float) -> str:
 def log(run: str | None = typer.Option(None, "--run", help="Only this run's steps."), store: str | None = StoreOpt,
         as_json: bool = JsonOpt) -> None:  # fmt: skip
     """One line per step: step, time, tag, raw bytes, bytes newly stored, exact or composite."""
-    with Repository.open(store) as st:
-        steps = log_steps(st, run)
-        base = st.run_base(run) if run else None
-        several = len(st.index.runs()) > 1
+    with _open(store, run) as st:
+        steps = st.log(all_runs=run is None)
+        runs = st.runs()
+    base = next((r.base for r in runs if r.name == run), None)
+    several = len(runs) > 1
     if as_json:
         typer.echo(json.dumps([asdict(s) for s in steps], indent=2))
         return
@@ -230,8 +226,8 @@ def show(
     as_json: bool = JsonOpt,
 ) -> None:
     """Per layer: the source step, the kinds, the raw bytes and the stored bytes."""
-    with Repository.open(store) as st:
-        detail = show_step(st, qualify(selector, run))
+    with _open(store, run) as st:
+        detail = st.show(selector)
     if as_json:
         typer.echo(json.dumps(asdict(detail), indent=2))
         return
@@ -259,10 +255,8 @@ def merge(
     as_json: bool = JsonOpt,
 ) -> None:
     """Compose a checkpoint from layers of different steps. Writes no blob, only a manifest."""
-    from tailorstore.merge import merge as merge_spec
-
-    with Repository.open(store) as st:
-        result = merge_spec(st, spec, tag, run)
+    with _open(store, run) as st:
+        result = st.merge(spec, tag=tag)
     if as_json:
         typer.echo(json.dumps(asdict(result)))
         return
@@ -285,10 +279,8 @@ def diff(
     as_json: bool = JsonOpt,
 ) -> None:
     """Per layer, the relative change ||w_B - w_A|| / ||w_A|| of the FP32 master and of the weight."""
-    from tailorstore.diff import diff as diff_steps
-
-    with Repository.open(store) as st:
-        step_a, step_b, rows = diff_steps(st, qualify(a, run), qualify(b, run))
+    with _open(store, run) as st:
+        step_a, step_b, rows = st.diff(a, b)
     if as_json:
         typer.echo(json.dumps({"a": step_a, "b": step_b, "layers": [asdict(r) for r in rows]}))
         return
@@ -309,10 +301,8 @@ def plot(
     store: str | None = StoreOpt,
 ) -> None:
     """A heatmap of per-layer relative change (layers by committed steps)."""
-    from tailorstore.diff import plot as plot_changes
-
-    with Repository.open(store) as st:
-        plot_changes(st, out, run)
+    with _open(store, run) as st:
+        st.plot(out)
     typer.echo(f"wrote {out}")
 
 
@@ -324,40 +314,32 @@ def tag_cmd(
     store: str | None = StoreOpt,
 ) -> None:
     """Name a step. Tagged steps are kept by every gc."""
-    from tailorstore.refs import tag
-
-    with Repository.open(store) as st:
-        tag(st, selector, name, force=force)
+    with _open(store) as st:
+        st.tag(selector, name, force=force)
     typer.echo(f"tagged {selector} as {name}")
 
 
 @app.command()
 def untag(name: str = typer.Argument(..., help="The tag to remove."), store: str | None = StoreOpt) -> None:
     """Remove a tag. The manifest stays; gc may drop it unless it is pinned."""
-    from tailorstore.refs import untag as remove_tag
-
-    with Repository.open(store) as st:
-        manifest = remove_tag(st, name)
+    with _open(store) as st:
+        manifest = st.untag(name)
     typer.echo(f"removed tag {name} from id={manifest}")
 
 
 @app.command()
 def pin(selector: str = typer.Argument(..., help=SELECTOR_HELP), store: str | None = StoreOpt) -> None:
     """Protect a step from gc."""
-    from tailorstore.refs import pin as pin_step
-
-    with Repository.open(store) as st:
-        pin_step(st, selector, True)
+    with _open(store) as st:
+        st.pin(selector, True)
     typer.echo(f"pinned {selector}")
 
 
 @app.command()
 def unpin(selector: str = typer.Argument(..., help=SELECTOR_HELP), store: str | None = StoreOpt) -> None:
     """Let gc drop a step again."""
-    from tailorstore.refs import pin as pin_step
-
-    with Repository.open(store) as st:
-        pin_step(st, selector, False)
+    with _open(store) as st:
+        st.pin(selector, False)
     typer.echo(f"unpinned {selector}")
 
 
@@ -368,10 +350,8 @@ def rm(
     store: str | None = StoreOpt,
 ) -> None:
     """Drop one manifest. Its blobs are freed by the next gc, unless another manifest uses them."""
-    from tailorstore.refs import remove
-
-    with Repository.open(store) as st:
-        remove(st, selector, force=force)
+    with _open(store) as st:
+        st.remove(selector, force=force)
     typer.echo(f"removed {selector}; run `tailor gc` to free its blobs")
 
 
@@ -391,17 +371,16 @@ def gc(
     lock_timeout: float = LockOpt,
 ) -> None:
     """Drop steps outside the retention rules, then delete every blob no kept manifest uses."""
-    from tailorstore.gc import Retention
-    from tailorstore.gc import gc as run_gc
 
     def show_plan(plan: object) -> None:
         if not as_json:
             typer.echo(("plan (dry run): " if dry_run else "plan: ") + plan.summary())  # type: ignore[attr-defined]
 
-    with Repository.open(store) as st:
-        plan = run_gc(
-            st,
-            Retention(keep_last, keep_every, run),
+    with _open(store, run) as st:
+        plan = st.gc(
+            keep_last=keep_last,
+            keep_every=keep_every,
+            all_runs=run is None,
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,
@@ -417,10 +396,8 @@ def gc(
 @app.command()
 def du(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     """Where the bytes go: on disk against raw, per kind, per step, and what gc would free."""
-    from tailorstore.usage import usage
-
-    with Repository.open(store) as st:
-        u = usage(st)
+    with _open(store) as st:
+        u = st.usage()
     if as_json:
         typer.echo(json.dumps(asdict(u), indent=2))
         return
@@ -449,10 +426,8 @@ def verify(
     as_json: bool = JsonOpt,
 ) -> None:
     """Check that every manifest's blobs exist and every index row is consistent."""
-    from tailorstore.verify import verify as run_verify
-
-    with Repository.open(store) as st:
-        report = run_verify(st, qualify(selector, run) if selector else None, deep=deep)
+    with _open(store, run) as st:
+        report = st.verify(selector, deep=deep)
     if as_json:
         typer.echo(json.dumps(asdict(report)))
     else:
@@ -476,8 +451,8 @@ app.add_typer(run_app, name="run")
 @run_app.command("list")
 def run_list(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     """Every run, with the step it branched from, its number of steps and its latest step."""
-    with Repository.open(store) as st:
-        runs = list_runs(st)
+    with _open(store) as st:
+        runs = st.runs()
     if as_json:
         typer.echo(
             json.dumps(
@@ -503,8 +478,8 @@ def run_create(
     lock_timeout: float = LockOpt,
 ) -> None:
     """Start a run, branched from a step like a git branch: its commits inherit layers from that step."""
-    with Repository.open(store) as st:
-        info = create_run(st, name, base, lock_timeout=lock_timeout)
+    with _open(store) as st:
+        info = st.create_run(name, base=base, lock_timeout=lock_timeout)
     where = "" if info.base is None else f" from run {info.base.run} step {info.base.step}"
     typer.echo(f"created run {name}{where}; commit to it with `tailor commit DIR --run {name}`")
 
@@ -516,7 +491,7 @@ app.add_typer(index_app, name="index")
 @index_app.command("rebuild")
 def index_rebuild(store: str | None = StoreOpt) -> None:
     """Recreate the index from the manifest objects (a lost or damaged index, or a new host's cache)."""
-    manifests, blobs = Repository.rebuild_index(store)
+    manifests, blobs = tailorstore.Store.rebuild_index(store)
     typer.echo(f"rebuilt the index: {manifests} manifest(s), {blobs} blob(s)")
 
 
@@ -533,7 +508,7 @@ def main() -> None:
     try:
         app()
     except TailorError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {as_flags(str(exc))}", err=True)
         sys.exit(exc.exit_code)
     except sqlite3.DatabaseError as exc:
         typer.echo(f"error: the store's index failed ({exc}); the command was not carried out. {_INDEX_HINT}", err=True)
@@ -548,6 +523,25 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted; the store is as it was before this command", err=True)
         sys.exit(130)
+
+
+# The library's errors name what to do as API calls and options (`force=True`), never as flags;
+# here they become what a user of this command types.
+_CALLS = {
+    "`verify(deep=True)`": "`tailor verify --deep`",
+    "`gc(drop_parts=True)`": "`tailor gc --drop-parts`",
+    "`commit(DIR, part=True, force=True)`": "`tailor commit DIR --part --force`",
+    "`commit(DIR, part=True)`": "`tailor commit DIR --part`",
+    "`finalize(step)`": "`tailor commit --finalize step=N`",
+}
+_OPTION = re.compile(r"`([a-z_]+)=([^`\s]*)`")
+
+
+def as_flags(message: str) -> str:
+    """``pass `force=True` `` -> ``pass --force``; ``pass `step=N` `` -> ``pass --step N``."""
+    for call, command in _CALLS.items():
+        message = message.replace(call, command)
+    return _OPTION.sub(lambda m: f"--{m[1].replace('_', '-')}" + ("" if m[2] == "True" else f" {m[2]}"), message)
 
 
 _INDEX_HINT = (

@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .background import BackgroundCommitError
+from .environment import STORE_ENV
 from .errors import (
     BadCheckpointError,
     CorruptStoreError,
@@ -25,7 +26,10 @@ from .errors import (
     UnsafePathError,
     UnsafePickleError,
 )
+from .memory import reuse_freed_memory
+from .progress import Progress, for_terminal
 from .store.backend import BackendError
+from .store.records import MAIN_RUN
 from .store.schema import FORMAT_VERSION
 
 if TYPE_CHECKING:
@@ -34,6 +38,8 @@ if TYPE_CHECKING:
 __version__ = "0.3.0"
 __all__ = [
     "FORMAT_VERSION",
+    "MAIN_RUN",
+    "STORE_ENV",
     "BackendError",
     "BackgroundCommitError",
     "BadCheckpointError",
@@ -42,6 +48,7 @@ __all__ = [
     "InputChangedError",
     "LayoutError",
     "LockTimeoutError",
+    "Progress",
     "StepExistsError",
     "Store",
     "StoreError",
@@ -50,6 +57,8 @@ __all__ = [
     "UnsafePathError",
     "UnsafePickleError",
     "__version__",
+    "for_terminal",
+    "reuse_freed_memory",
 ]
 
 

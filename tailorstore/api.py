@@ -26,8 +26,8 @@ from pathlib import Path, PurePosixPath
 
 from .background import CommitQueue
 from .checkout import CheckoutResult, checkout_step
-from .commit import CommitOptions, CommitResult, commit_checkpoint
-from .diff import LayerDiff, diff
+from .commit_options import CommitOptions, CommitResult
+from .diff import LayerDiff, diff, plot
 from .errors import CorruptStoreError, StoreError
 from .finalize import FinalizeResult, finalize_step
 from .formats.layout import DEEPSPEED, DEEPSPEED_TAG
@@ -146,11 +146,19 @@ class Store:
         return _commit(self.repo, Path(path), options, delete_after_commit, progress, on_wait)
 
     def finalize(
-        self, step: int, *, tag: str | None = None, force: bool = False, lock_timeout: float = 600.0
+        self,
+        step: int,
+        *,
+        tag: str | None = None,
+        force: bool = False,
+        lock_timeout: float = 600.0,
+        on_wait: Callable[[str], None] | None = None,
     ) -> FinalizeResult:
         """Record step ``step`` from the parts every host committed; refused, naming the missing
         ranks, while a part is missing (the parts then stay for a later finalize)."""
-        return finalize_step(self.repo, step, tag=tag, force=force, run=self.run, lock_timeout=lock_timeout)
+        return finalize_step(
+            self.repo, step, tag=tag, force=force, run=self.run, lock_timeout=lock_timeout, on_wait=on_wait
+        )
 
     def commit_async(
         self,
@@ -213,9 +221,10 @@ class Store:
     def runs(self) -> list[RunInfo]:
         return list_runs(self.repo)
 
-    def create_run(self, name: str, *, base: Ref | None = None) -> RunInfo:
+    def create_run(self, name: str, *, base: Ref | None = None, lock_timeout: float = 600.0) -> RunInfo:
         """Start run ``name``, branched from the step ``base`` names (read in this handle's run), or empty."""
-        return create_run(self.repo, name, None if base is None else self._selector(base), from_run=self.run)
+        base_selector = None if base is None else self._selector(base)
+        return create_run(self.repo, name, base_selector, from_run=self.run, lock_timeout=lock_timeout)
 
     def _selector(self, ref: Ref) -> str:
         return qualify(selector(ref), self.run)
@@ -225,6 +234,11 @@ class Store:
 
     def diff(self, a: Ref, b: Ref) -> tuple[int, int, list[LayerDiff]]:
         return diff(self.repo, self._selector(a), self._selector(b))
+
+    def plot(self, out: str | os.PathLike) -> Path:
+        """A PNG heatmap of each layer's relative change over this run's committed steps."""
+        plot(self.repo, Path(out), self.run)
+        return Path(out)
 
     def usage(self) -> Usage:
         return usage(self.repo)
@@ -242,6 +256,7 @@ class Store:
         keep_every: int | None = None,
         all_runs: bool = False,
         dry_run: bool = False,
+        drop_parts: bool = False,
         lock_timeout: float = 600.0,
         on_wait: Callable[[str], None] | None = None,
         show_plan: Callable[[GcPlan], None] | None = None,
@@ -252,6 +267,7 @@ class Store:
             self.repo,
             Retention(keep_last=keep_last, keep_every=keep_every, run=None if all_runs else self.run),
             dry_run=dry_run,
+            drop_parts=drop_parts,
             lock_timeout=lock_timeout,
             on_wait=on_wait,
             show_plan=show_plan,
@@ -282,6 +298,11 @@ def _commit(
     progress: Progress | None,
     on_wait: Callable[[str], None] | None,
 ) -> CommitResult:
+    # The checkpoint readers import torch (about two seconds). Importing them on the first commit,
+    # not with this module, keeps that cost off `tailor log`, `show`, `gc` and `verify`, and off a
+    # training script's `import tailorstore` until it commits.
+    from .commit import commit_checkpoint
+
     result = commit_checkpoint(repo, path, options, progress=progress, on_wait=on_wait)
     if delete_after_commit:
         check_blobs_present(repo, result.manifest)

@@ -7,12 +7,10 @@ reader can skip the hash check or rebuild a weight differently from the others.
 
 from __future__ import annotations
 
-import torch
-
 from . import codec
-from .atoms import MASTER, byte_view, dtype_from_name
-from .derive import ROUND_FROM_MASTER, rebuild
+from .atoms import MASTER
 from .errors import CorruptStoreError
+from .rounding import ROUND_FROM_MASTER, round_into
 from .store.records import AtomRecord, BlobRecord
 from .store.repo import Repository
 
@@ -37,26 +35,27 @@ def decode_atom_into(store: Repository, manifest: int, atom: AtomRecord, dest: m
         raise CorruptStoreError(f"{where}: unknown derivation {atom.derived!r}; upgrade tailorstore")
     pieces = store.index.atoms(manifest, param=atom.param, kind=MASTER, derived=False)
     unique = {(p.start, p.numel): p for p in pieces}
-    master = torch.empty(atom.numel, dtype=torch.float32)
+    master = memoryview(bytearray(4 * atom.numel))
     cursor = 0
     for (start, numel), piece in sorted(unique.items()):
         if start != cursor:
             break
-        decode_atom_into(store, manifest, piece, byte_view(master[start : start + numel]), where)
+        decode_atom_into(store, manifest, piece, master[4 * start : 4 * (start + numel)], where)
         cursor += numel
     if cursor != atom.numel:
         raise CorruptStoreError(f"{where}: the FP32 master of {atom.param} is incomplete; cannot rebuild its weight")
-    rebuilt = byte_view(rebuild(master, dtype_from_name(atom.dtype)))
-    if codec.content_hash(rebuilt) != atom.blob:
+    if len(dest) != 2 * atom.numel:
+        raise CorruptStoreError(f"{where}: {atom.numel} {atom.dtype} elements cannot fill {len(dest)} bytes")
+    round_into(master, atom.dtype, dest)
+    if codec.content_hash(dest) != atom.blob:
         raise CorruptStoreError(f"{where}: the weight rebuilt from the master of {atom.param} does not match its hash")
-    dest[:] = rebuilt
 
 
-def decode_atom(store: Repository, manifest: int, atom: AtomRecord, where: str) -> torch.Tensor:
-    """One atom as a flat tensor of its dtype."""
-    tensor = torch.empty(atom.numel, dtype=dtype_from_name(atom.dtype))
-    decode_atom_into(store, manifest, atom, byte_view(tensor), where)
-    return tensor
+def decode_atom(store: Repository, manifest: int, atom: AtomRecord, where: str) -> memoryview:
+    """One atom's raw bytes (``atom.nbytes`` of them), checked."""
+    out = memoryview(bytearray(atom.nbytes))
+    decode_atom_into(store, manifest, atom, out, where)
+    return out
 
 
 def rebuilt_weight(store: Repository, manifest: int, param: str, where: str) -> memoryview:
@@ -64,4 +63,4 @@ def rebuilt_weight(store: Repository, manifest: int, param: str, where: str) -> 
     derived = store.index.atoms(manifest, param=param, derived=True)
     if not derived:
         raise CorruptStoreError(f"{where}: {param} has no derived weight to rebuild")
-    return byte_view(decode_atom(store, manifest, derived[0], f"{where}, {param}"))
+    return decode_atom(store, manifest, derived[0], f"{where}, {param}")

@@ -11,8 +11,10 @@ them; the store only ever sees these two things.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Kinds of tensor state. Anything else keeps the key it had in the optimizer state.
 WEIGHT = "weight"
@@ -62,20 +64,6 @@ class TensorEntry:
         return dtype_name(self.tensor.dtype)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype | Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the name the index records (no torch import needed)."""
     return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous tensor, without copying."""
-    flat = tensor.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")

@@ -9,32 +9,36 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from . import atoms as A
 from .atom_reader import decode_atom
-from .formats.reader import ReadFile
-from .formats.source import InputFile
+from .rounding import widened
 from .store.repo import Repository
+
+if TYPE_CHECKING:  # the commit passes them; diff, which imports this too, never reads a file
+    from .formats.reader import ReadFile
+    from .formats.source import InputFile
 
 PieceKey = tuple[str, int, int]
 
 
-def masters_by_layer(f: ReadFile, src: InputFile, kind: str = A.MASTER) -> dict[str, dict[PieceKey, torch.Tensor]]:
+def masters_by_layer(f: ReadFile, src: InputFile, kind: str = A.MASTER) -> dict[str, dict[PieceKey, np.ndarray]]:
     """One input file's pieces of ``kind``, by layer, each read from the file into private memory."""
-    out: dict[str, dict[PieceKey, torch.Tensor]] = defaultdict(dict)
+    out: dict[str, dict[PieceKey, np.ndarray]] = defaultdict(dict)
     for entry in f.entries:
         for seg in entry.segments:
             if seg.kind == kind and seg.numel:
                 data = f.piece(src, entry, seg)
-                out[seg.layer][(seg.param, seg.rank, seg.start)] = torch.frombuffer(data, dtype=entry.tensor.dtype)
+                out[seg.layer][(seg.param, seg.rank, seg.start)] = widened(data, entry.dtype_name)
     return out
 
 
 def stored_pieces(
     store: Repository, manifest: int, layer: str, kind: str = A.MASTER, keys: set[PieceKey] | None = None
-) -> dict[PieceKey, torch.Tensor]:
+) -> dict[PieceKey, np.ndarray]:
     """Decode a layer's pieces of one kind from the store (derived weights are rebuilt).
 
     ``keys`` limits the decoding to those pieces, so a caller streaming file by file holds
@@ -42,7 +46,7 @@ def stored_pieces(
     """
     atoms = sorted(store.index.atoms(manifest, layer=layer, kind=kind), key=lambda a: (a.param, a.rank, a.start))
     return {
-        (a.param, a.rank, a.start): decode_atom(store, manifest, a, "measuring change")
+        (a.param, a.rank, a.start): widened(decode_atom(store, manifest, a, "measuring change"), a.dtype)
         for a in atoms
         if keys is None or (a.param, a.rank, a.start) in keys
     }
@@ -57,15 +61,14 @@ class LayerChange:
         self.pieces = 0
         self.matched = True
 
-    def add(self, current: dict[PieceKey, torch.Tensor], reference: dict[PieceKey, torch.Tensor]) -> None:
+    def add(self, current: dict[PieceKey, np.ndarray], reference: dict[PieceKey, np.ndarray]) -> None:
         if set(current) != set(reference):
             self.matched = False
             return
-        with torch.no_grad():
-            for key, tensor in current.items():
-                old = reference[key].float()
-                self.diff += float(torch.sum((tensor.float() - old) ** 2, dtype=torch.float64))
-                self.ref += float(torch.sum(old**2, dtype=torch.float64))
+        for key, values in current.items():
+            old = reference[key]
+            self.diff += float(np.sum(np.square(values - old), dtype=np.float64))
+            self.ref += float(np.sum(np.square(old), dtype=np.float64))
         self.pieces += len(current)
 
     def value(self) -> float:
@@ -74,7 +77,7 @@ class LayerChange:
         return math.sqrt(self.diff / self.ref)
 
 
-def relative_change(current: dict[PieceKey, torch.Tensor], reference: dict[PieceKey, torch.Tensor]) -> float | None:
+def relative_change(current: dict[PieceKey, np.ndarray], reference: dict[PieceKey, np.ndarray]) -> float | None:
     """None when the two sides do not hold the same pieces (different layout)."""
     if not reference or set(current) != set(reference):
         return None

@@ -13,27 +13,20 @@ import os
 import secrets
 import shutil
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import torch
 import xxhash
 
 from . import codec, placement
-from .atom_reader import blob_of, decode_atom_into
-from .atoms import byte_view, dtype_from_name
-from .errors import CorruptStoreError, LayoutError, StoreError, UnsafePickleError
+from .atom_reader import blob_of
+from .errors import CorruptStoreError, StoreError, UnsafePickleError
+from .formats.kinds import RAW, SAFETENSORS, TORCH
 from .formats.layout import DEEPSPEED_TAG
-from .formats.reader import RAW, SAFETENSORS, TORCH
-from .formats.safetensors_file import tensor_layout
-from .formats.skeleton import fill_tensors, slots_of
 from .paths import safe_join
 from .progress import Progress, Silent
-from .safe_load import load_skeleton
-from .store.records import COMMIT, AtomRecord, FileRecord
+from .store.records import COMMIT
 from .store.repo import Repository
 
 
@@ -50,14 +43,14 @@ class CheckoutResult:
 
 def _prepare_out(out: Path, store: Repository) -> Path:
     if out.is_symlink():
-        raise StoreError(f"{out}: is a symbolic link; name a new directory for --out, not a link.")
+        raise StoreError(f"{out}: is a symbolic link; name a new directory to check out into, not a link.")
     resolved = out.resolve()
     for root in filter(None, (store.root, store.where.index_path.parent)):
         root = root.resolve()
         if resolved == root or root in resolved.parents:
             raise StoreError(f"{out}: lies inside the store {root}; check out somewhere outside it.")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise StoreError(f"{out}: already exists and is not empty; choose a new --out directory or remove it.")
+        raise StoreError(f"{out}: already exists and is not empty; check out into a new directory, or remove it.")
     if out.exists() and os.path.ismount(out):
         raise StoreError(f"{out}: is a mount point, which cannot be replaced; name a new directory inside it.")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -111,8 +104,8 @@ def checkout_step(
         safe_join(out, row.path)  # refuse before writing anything
         if row.trusted and not trust_pickles:
             raise UnsafePickleError(
-                f"step {step}, file {row.path}: this file was committed with --trust-pickles and holds globals "
-                "outside the allowlist; pass --trust-pickles to check it out."
+                f"step {step}, file {row.path}: this file was committed with `trust_pickles=True` and holds globals "
+                "outside the allowlist; pass `trust_pickles=True` to check it out."
             )
     tmp = _prepare_out(out, store)
     written = 0
@@ -134,10 +127,12 @@ def checkout_step(
             where = f"step {step}, file {row.path}"
             if row.kind == RAW:
                 _write_raw(store, row.blob, target, where)
-            elif row.kind == TORCH:
-                _write_torch(store, manifest, row, target, where, trust_pickles)
-            elif row.kind == SAFETENSORS:
-                _write_safetensors(store, manifest, row, target, where)
+            elif row.kind in (TORCH, SAFETENSORS):
+                # Files committed without a container (by tailorstore 0.1) are re-pickled by torch; importing
+                # it here, not at the top, keeps the two seconds it costs off every checkout that needs none.
+                from . import repickle
+
+                repickle.write_file(store, manifest, row, target, where, trust_pickles)
             else:
                 raise CorruptStoreError(f"{where}: unknown file kind {row.kind!r}; upgrade tailorstore")
             os.chmod(target, row.mode or 0o644)
@@ -171,7 +166,7 @@ def _publish(tmp: Path, out: Path) -> None:
         if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
             raise StoreError(
                 f"{out}: another process wrote into it during this checkout; nothing of ours was left there. "
-                "Choose another --out."
+                "Choose another directory to check out into."
             ) from None
         raise
     _fsync(out.parent)
@@ -189,66 +184,5 @@ def _write_raw(store: Repository, digest: str, target: Path, where: str) -> None
     if hasher.hexdigest() != row.hash:
         raise CorruptStoreError(
             f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). "
-            "Run `tailor verify --deep` to find every damaged blob."
+            "Run `verify(deep=True)` to find every damaged blob."
         )
-
-
-def _atoms_by_slot(store: Repository, manifest: int, path: str) -> dict[int, list[AtomRecord]]:
-    by_slot: dict[int, list[AtomRecord]] = defaultdict(list)
-    for atom in store.index.atoms(manifest, path=path):
-        by_slot[atom.slot].append(atom)
-    return by_slot
-
-
-def _fill(store: Repository, manifest: int, tensor: torch.Tensor, atoms: list[AtomRecord], where: str) -> None:
-    """Decode every atom of one tensor into place; the atoms must tile it exactly."""
-    data = byte_view(tensor)
-    size = tensor.element_size()
-    cursor = 0
-    for atom in atoms:
-        if atom.offset != cursor or atom.dtype != str(tensor.dtype).removeprefix("torch."):
-            raise CorruptStoreError(f"{where}: atoms of a tensor leave a gap, overlap or change dtype at {cursor}")
-        piece = data[atom.offset * size : (atom.offset + atom.numel) * size]
-        decode_atom_into(store, manifest, atom, piece, where)
-        cursor += atom.numel
-    if cursor != tensor.numel():
-        raise CorruptStoreError(f"{where}: atoms cover {cursor} of {tensor.numel()} elements of a tensor")
-
-
-def _check_param_shapes(obj: Any, where: str) -> None:
-    """Module weights must have the shapes DeepSpeed's own param_shapes record."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("module"), dict):
-        return
-    shapes: dict[str, Any] = {}
-    groups = obj.get("param_shapes") or []
-    for group in groups if isinstance(groups, list) else [groups]:
-        shapes.update(group)
-    for name, tensor in obj["module"].items():
-        if name in shapes and tensor.numel() and tuple(tensor.shape) != tuple(shapes[name]):
-            raise LayoutError(
-                f"{where}: {name} has shape {tuple(tensor.shape)}, param_shapes say {tuple(shapes[name])}"
-            )
-
-
-def _write_torch(store: Repository, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:
-    skeleton = load_skeleton(store.read_blob(row.blob, where), where, trusted=row.trusted, trust_pickles=trust)
-    by_slot = _atoms_by_slot(store, manifest, row.path)
-    tensors: dict[int, torch.Tensor] = {}
-    for slot in slots_of(skeleton):
-        tensor = torch.empty(slot.shape, dtype=dtype_from_name(slot.dtype))
-        _fill(store, manifest, tensor, by_slot.get(slot.slot, []), f"{where}, tensor slot {slot.slot}")
-        tensors[slot.slot] = tensor
-    obj = fill_tensors(skeleton, tensors)
-    _check_param_shapes(obj, where)
-    torch.save(obj, target)
-
-
-def _write_safetensors(store: Repository, manifest: int, row: FileRecord, target: Path, where: str) -> None:
-    header = store.read_blob(row.blob, where)
-    by_slot = _atoms_by_slot(store, manifest, row.path)
-    with open(target, "wb") as f:
-        f.write(header)
-        for slot, (name, dtype, shape) in enumerate(tensor_layout(header, where)):
-            tensor = torch.empty(shape, dtype=dtype)
-            _fill(store, manifest, tensor, by_slot.get(slot, []), f"{where}, tensor {name}")
-            f.write(byte_view(tensor))

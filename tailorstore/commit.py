@@ -20,20 +20,24 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from . import atoms as A
 from . import structure
 from .changes import LayerChange, masters_by_layer, stored_pieces
-from .derive import LOW_PRECISION, ROUND_FROM_MASTER, RoundedMasters
+from .commit_options import CommitOptions, CommitResult
+from .derive import RoundedMasters
 from .errors import BadCheckpointError, StepExistsError, StoreError
 from .formats.deepspeed import ModelInfo
+from .formats.kinds import RAW
 from .formats.layout import CheckpointLayout, detect
-from .formats.reader import RAW, ReadFile, read_checkpoint, write_order
+from .formats.reader import ReadFile, read_checkpoint, write_order
 from .formats.source import CHUNK, InputFile, check_unchanged
 from .layers import STATE, sort_key
-from .policies import CommitFacts, PolicySpec, decide, needs_changes
+from .policies import CommitFacts, decide, needs_changes
 from .progress import Progress, Silent
 from .refs import check_tag
+from .rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES
 from .store import manifest_objects, parts
 from .store.backend import blob_key
 from .store.index import Index
@@ -46,38 +50,6 @@ from .store.posix import is_out_of_space
 from .store.records import COMMIT, MAIN_RUN, AtomKey, AtomRecord, BlobRecord, FileRecord, LayerRecord, ManifestRecord
 from .store.repo import Repository, check_step
 from .store.writer import BlobWriter, disk_full
-
-
-@dataclass
-class CommitOptions:
-    step: int | None = None
-    tag: str | None = None
-    force: bool = False
-    trust_pickles: bool = False
-    level: int = 1
-    threads: int = 3  # compression uses both cores; a third thread keeps them busy while one waits on a write
-    lock_timeout: float = 600.0
-    policy: PolicySpec = field(default_factory=PolicySpec)
-    derive_weights: bool = True
-    part: bool = False  # commit only these files, as one part of a step several hosts write (finalize.py)
-    run: str = MAIN_RUN  # steps are numbered per run (runs.py)
-
-
-@dataclass
-class CommitResult:
-    step: int
-    manifest: int
-    files: int
-    atoms: int
-    raw_bytes: int
-    new_blobs: int
-    new_bytes: int
-    derived_bytes: int
-    seconds: float
-    stored_layers: list[str] = field(default_factory=list)
-    inherited_layers: dict[str, int] = field(default_factory=dict)  # layer -> source step
-    changes: dict[str, float] = field(default_factory=dict)
-    part: str | None = None  # the part object written, for a --part commit (manifest is 0 then)
 
 
 @dataclass
@@ -94,18 +66,18 @@ def check_options(options: CommitOptions) -> None:
     if options.step is not None:
         check_step(options.step)
     if not 1 <= options.level <= 22:
-        raise StoreError(f"--level {options.level} is not allowed: zstd levels run from 1 to 22 (1 is the default).")
+        raise StoreError(f"`level={options.level}` is not allowed: zstd levels run from 1 to 22 (1 is the default).")
     if options.tag:
         check_tag(options.tag)
     check_run_name(options.run)
     if options.part and (options.policy.name != "full" or options.tag):
         raise StoreError(
-            "a --part commit stores every layer and takes no tag: drop --policy and --tag (tag the step "
-            "after `tailor commit --finalize`)."
+            "a commit of a part stores every layer and takes no tag: drop `policy=...` and `tag=...` (tag the "
+            "step once `finalize(step)` recorded it)."
         )
 
 
-def _step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFile]) -> int:
+def step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFile]) -> int:
     if options.step is not None:
         return options.step
     if layout.step is not None:
@@ -113,17 +85,17 @@ def _step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadF
     for f in files:
         if "global_steps" in f.meta:
             return check_step(f.meta["global_steps"])
-    raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass --step N.")
+    raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass `step=N`.")
 
 
 def _refuse_existing(index: Index, step: int, tag: str | None, run: str) -> None:
     if index.commit_at(step, run) is not None:
         where = "the store" if run == MAIN_RUN else f"run {run!r}"
         raise StepExistsError(
-            f"step {step} is already in {where}. Commit under another --step, or pass --force to replace it."
+            f"step {step} is already in {where}. Commit under another `step=N`, or pass `force=True` to replace it."
         )
     if tag and index.tagged(tag) is not None:
-        raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag or pass --force.")
+        raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag or pass `force=True`.")
 
 
 def _inheritance(
@@ -146,7 +118,7 @@ def _load_inherited_atoms(store: Repository, inherit: _Inheritance, layer: str) 
 
 
 @dataclass
-class _Scan:
+class Scan:
     """What the validating pass learns. Files keep their entries (meta tensors with file offsets,
     no data) so that writing needs no second unpickling."""
 
@@ -157,25 +129,23 @@ class _Scan:
     infos: dict[str, ModelInfo] = field(default_factory=dict)
 
 
-def _scan(layout: CheckpointLayout, trust_pickles: bool) -> _Scan:
-    """Read and check every file, one at a time, before anything is written."""
-    scan = _Scan()
+def scan_checkpoint(layout: CheckpointLayout, trust_pickles: bool, files: list[str] | None = None) -> Scan:
+    """Read and check every file (or ``files``), one at a time, before anything is written."""
+    scan = Scan()
     layers: set[str] = set()
-    for f in read_checkpoint(layout, trust_pickles=trust_pickles, infos=scan.infos):
+    for f in read_checkpoint(layout, trust_pickles=trust_pickles, files=files, infos=scan.infos):
         for entry in f.entries:
             for seg in entry.segments:
                 layers.add(seg.layer)
-                if seg.kind == A.WEIGHT and seg.start == 0 and entry.tensor.dtype in LOW_PRECISION:
-                    scan.weights[seg.param] = (entry.tensor.dtype, seg.numel)
+                if seg.kind == A.WEIGHT and seg.start == 0 and entry.dtype_name in ROUNDED_DTYPES:
+                    scan.weights[seg.param] = (entry.dtype_name, seg.numel)
         scan.files.append(f)
     scan.layers = frozenset(layers)
     scan.structure = structure.from_segments([s for f in scan.files for e in f.entries for s in e.segments])
     return scan
 
 
-def _measure_changes(
-    store: Repository, layout: CheckpointLayout, scan: _Scan, sources: dict[str, _Inheritance]
-) -> dict:
+def _measure_changes(store: Repository, layout: CheckpointLayout, scan: Scan, sources: dict[str, _Inheritance]) -> dict:
     """Relative change of each layer's FP32 master since the version an earlier step holds, file by file."""
     totals: dict[str, LayerChange] = {}
     by_path = {f.path: f for f in scan.files}
@@ -203,9 +173,9 @@ def commit_checkpoint(
     check_options(options)
     tag = options.tag or None
     layout = detect(Path(ckpt_dir), part=options.part)
-    scan = _scan(layout, options.trust_pickles)
+    scan = scan_checkpoint(layout, options.trust_pickles)
     files = scan.files
-    step = _step_of(options, layout, files)
+    step = step_of(options, layout, files)
     layers = scan.layers
 
     with store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock:
@@ -213,7 +183,7 @@ def commit_checkpoint(
         # name a manifest (and blobs) another host's gc removed since this store was opened.
         store.refresh()
         if options.part:
-            return _commit_part(store, Path(ckpt_dir), layout, scan, step, options, lock, progress, began)
+            return commit_part(store, Path(ckpt_dir), layout, scan, step, options, lock, progress, began)
         run = options.run
         base = store.run_base(run)
         if not options.force:
@@ -338,16 +308,18 @@ def _cleaned_up_on_failure(
 
 def _write_checked(
     layout: CheckpointLayout,
-    scan: _Scan,
+    scan: Scan,
     options: CommitOptions,
     stored: frozenset[str],
     sources: dict[str, _Inheritance],
     writer: BlobWriter,
     progress: Progress,
+    checked_weights: frozenset[tuple[str, str]] = frozenset(),
 ) -> tuple[_Plan, list[BlobRecord]]:
     """Write the blobs, then take the last look at every input (a change after a file's pass
     is refused too), then make the blobs durable."""
-    plan = _write_files(layout, scan, options, stored, sources, writer, progress)
+    rounded = RoundedMasters(scan.weights if options.derive_weights else {}, checked_weights)
+    plan = write_files(layout, scan, stored, sources, writer, rounded, progress)
     for f in scan.files:
         assert f.identity is not None
         check_unchanged(f.source, f.identity)
@@ -362,27 +334,33 @@ def _facts(files: list[ReadFile]) -> dict[str, int]:
     return facts
 
 
-def _commit_part(
+def commit_part(
     store: Repository,
     ckpt_dir: Path,
     layout: CheckpointLayout,
-    scan: _Scan,
+    scan: Scan,
     step: int,
     options: CommitOptions,
     lock: LockHandle | LeaseHandle,
     progress: Progress,
     began: float,
+    checked_weights: frozenset[tuple[str, str]] = frozenset(),
+    elsewhere: frozenset[str] = frozenset(),
 ) -> CommitResult:
     """Write this host's files' blobs, then one part object naming them; no manifest yet.
 
     Every layer is stored (a policy needs the whole step); weights are derived where this
-    part holds their masters too. The part object is the commit point of a part.
+    part holds their masters too, or where the ranks holding them checked them
+    (``checked_weights``). Blobs in ``elsewhere`` are written by another rank's part of the
+    same commit. The part object is the commit point of a part.
     """
     if store.index.commit_at(step, options.run) is not None and not options.force:
         raise StepExistsError(f"step {step} is already in the store; a part of it cannot be added any more.")
-    writer = BlobWriter(store, level=options.level, threads=options.threads)
+    writer = BlobWriter(store, level=options.level, threads=options.threads, elsewhere=elsewhere)
     with _cleaned_up_on_failure(store, writer, lock, progress):
-        plan, new_blobs = _write_checked(layout, scan, options, scan.layers, {}, writer, progress)
+        plan, new_blobs = _write_checked(
+            layout, scan, options, scan.layers, {}, writer, progress, checked_weights=checked_weights
+        )
         written = {b.hash: b for b in new_blobs}
         needed = {f.blob for f in plan.files} | {f.container for f in plan.files if f.container}
         needed |= {a.blob for a in plan.atoms if a.derived is None}
@@ -417,6 +395,22 @@ def _commit_part(
     )
 
 
+class PieceWriter(Protocol):
+    """Names pieces by their xxh3-128 and, for a real commit, writes the new ones (BlobWriter)."""
+
+    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False) -> str: ...
+    def add_stream(self, src: InputFile, offset: int, length: int) -> str: ...
+    def hash_only(self, data: memoryview) -> str: ...
+
+
+class MasterPieces(Protocol):
+    """Sees each FP32 master piece as it is written; decides which weights are derived (derive.py)."""
+
+    def add_piece(self, seg: A.Segment, dtype: str, piece: memoryview) -> None: ...
+    def may_derive(self, path: str, param: str) -> bool: ...
+    def derivable(self, path: str, seg: A.Segment, weight_hash: str) -> bool: ...
+
+
 @dataclass
 class _Plan:
     files: list[FileRecord] = field(default_factory=list)
@@ -425,18 +419,23 @@ class _Plan:
     derived_bytes: int = 0
 
 
-def _write_files(
+def write_files(
     layout: CheckpointLayout,
-    scan: _Scan,
-    options: CommitOptions,
+    scan: Scan,
     stored: frozenset[str],
     sources: dict[str, _Inheritance],
-    writer: BlobWriter,
+    writer: PieceWriter,
+    rounded: MasterPieces,
     progress: Progress,
+    release: bool = True,
 ) -> _Plan:
-    """The second pass: one file at a time, masters before weights, each file released when done."""
+    """The second pass: one file at a time, masters before weights, each file released when done.
+
+    ``writer`` names (and writes) every blob; ``rounded`` sees every FP32 master piece and says
+    which weights are derived. A rank-parallel commit's survey passes a writer that only
+    names and a ``rounded`` that only compares (rank_share.py), and keeps the files' entries
+    (``release=False``) for the write that follows."""
     plan = _Plan()
-    rounded = RoundedMasters(scan.weights if options.derive_weights else {})
     progress.start("commit", sum(f.size for f in scan.files))
     by_path = {f.path: f for f in scan.files}
     for f in (by_path[path] for path in write_order(layout)):
@@ -455,7 +454,8 @@ def _write_files(
                     plan.atoms.append(_atom(f, src, entry, seg, stored, sources, writer, rounded, plan))
             src.check()
         plan.files.append(FileRecord(f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, f.trusted, container))
-        f.release()
+        if release:
+            f.release()
         progress.advance(f.size)
     return plan
 
@@ -474,8 +474,8 @@ def _atom(
     seg: A.Segment,
     stored: frozenset[str],
     sources: dict[str, _Inheritance],
-    writer: BlobWriter,
-    rounded: RoundedMasters,
+    writer: PieceWriter,
+    rounded: MasterPieces,
     plan: _Plan,
 ) -> AtomRecord:
     size = entry.tensor.element_size()
@@ -486,9 +486,9 @@ def _atom(
     if seg.layer in stored:
         piece = f.piece(src, entry, seg)  # private memory: hashed and compressed from this one copy
         if seg.kind == A.MASTER:
-            rounded.add_piece(seg, entry.tensor.dtype, piece)
-        weight_hash = writer.hash_only(piece) if seg.param in rounded.hashes else None
-        if weight_hash is not None and rounded.derivable(seg, weight_hash):
+            rounded.add_piece(seg, entry.dtype_name, piece)
+        weight_hash = writer.hash_only(piece) if rounded.may_derive(f.path, seg.param) else None
+        if weight_hash is not None and rounded.derivable(f.path, seg, weight_hash):
             blob, derived = weight_hash, ROUND_FROM_MASTER
             plan.derived_bytes += nbytes
         else:
@@ -500,7 +500,7 @@ def _atom(
             raise StoreError(
                 f"layer {seg.layer} cannot be inherited from step {source.step}: it has no matching piece for "
                 f"{seg.param} ({seg.kind}, rank {seg.rank}) in {f.path}. The layout or world size changed; "
-                "commit this step with --policy full."
+                "commit this step with `policy=full`."
             )
         blob, derived = old.blob, old.derived
     return AtomRecord(

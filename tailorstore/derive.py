@@ -8,17 +8,14 @@ a weight whose own xxh3-128 equals that hash is marked derived and gets no blob;
 rebuilds it from the master atoms of the same manifest and checks the rebuilt bytes against
 the weight's recorded hash, so a derived weight can never come back wrong. Where the
 rounding does not reproduce the weight (edited weights, another rounding), it is stored.
+Commit and checkout round with the same numpy code (rounding.py).
 """
 
 from __future__ import annotations
 
-import torch
-
 from . import atoms as A
 from .codec import content_hash
-
-ROUND_FROM_MASTER = "round-from-master"
-LOW_PRECISION = (torch.bfloat16, torch.float16)
+from .rounding import rounded
 
 
 class RoundedMasters:
@@ -28,18 +25,19 @@ class RoundedMasters:
     parameter not yet complete are held, rounded (2 bytes an element).
     """
 
-    def __init__(self, weights: dict[str, tuple[torch.dtype, int]]) -> None:
-        self.weights = weights  # param -> (weight dtype, numel), for low-precision weights only
-        self._pending: dict[str, dict[int, torch.Tensor]] = {}
+    def __init__(self, weights: dict[str, tuple[str, int]], checked: frozenset[tuple[str, str]] = frozenset()) -> None:
+        self.weights = weights  # param -> (weight dtype name, numel), for low-precision weights only
+        self._pending: dict[str, dict[int, memoryview]] = {}
         self.hashes: dict[str, str] = {}
+        # (file, param): weights whose masters other ranks hold and compared range by range, all equal
+        self.checked = checked
 
-    def add_piece(self, seg: A.Segment, dtype: torch.dtype, piece: memoryview) -> None:
+    def add_piece(self, seg: A.Segment, dtype: str, piece: memoryview) -> None:
         """A master piece as read from its file (private memory): rounded and held until its parameter is whole."""
-        if dtype != torch.float32 or seg.kind != A.MASTER or seg.param not in self.weights or seg.param in self.hashes:
+        if dtype != "float32" or seg.kind != A.MASTER or seg.param not in self.weights or seg.param in self.hashes:
             return
         weight_dtype, _ = self.weights[seg.param]
-        master = torch.frombuffer(piece, dtype=torch.float32) if len(piece) else torch.empty(0)
-        self._pending.setdefault(seg.param, {})[seg.start] = master.to(weight_dtype)
+        self._pending.setdefault(seg.param, {})[seg.start] = rounded(piece, weight_dtype)
         self._complete(seg.param)
 
     def _complete(self, param: str) -> None:
@@ -51,16 +49,17 @@ class RoundedMasters:
             if start != cursor:
                 return
             ordered.append(pieces[start])
-            cursor += pieces[start].numel()
+            cursor += len(pieces[start]) // 2
         if cursor != numel:
             return
-        whole = torch.cat(ordered) if len(ordered) > 1 else ordered[0]
-        self.hashes[param] = content_hash(A.byte_view(whole))
+        whole = b"".join(ordered) if len(ordered) > 1 else ordered[0]
+        self.hashes[param] = content_hash(whole)
         del self._pending[param]
 
-    def derivable(self, seg: A.Segment, weight_hash: str) -> bool:
-        return seg.kind == A.WEIGHT and seg.start == 0 and self.hashes.get(seg.param) == weight_hash
+    def may_derive(self, path: str, param: str) -> bool:
+        return param in self.hashes or (path, param) in self.checked
 
-
-def rebuild(master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return master.to(dtype)
+    def derivable(self, path: str, seg: A.Segment, weight_hash: str) -> bool:
+        if seg.kind != A.WEIGHT or seg.start != 0:
+            return False
+        return self.hashes.get(seg.param) == weight_hash or (path, seg.param) in self.checked

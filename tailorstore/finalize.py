@@ -77,7 +77,7 @@ def _merged_files(parts: list[Part]) -> tuple[list[FileRecord], list[AtomRecord]
             if seen is not None and (seen[0].blob, seen[0].raw_size) != (f.blob, f.raw_size):
                 raise BadCheckpointError(
                     f"step {part.step}: {f.path} differs between parts {seen[1].source} and {part.source}; the "
-                    "hosts did not save the same step. Drop the parts with `tailor gc --drop-parts` and commit again."
+                    "hosts did not save the same step. Drop the parts with `gc(drop_parts=True)` and commit again."
                 )
             files.setdefault(f.path, (f, part))
     atoms = [a for f, part in files.values() for a in part.atoms if a.path == f.path]
@@ -102,7 +102,7 @@ def _check_blobs(store: Repository, parts: list[Part]) -> None:
             if not ok:
                 raise CorruptStoreError(
                     f"part {part.key} ({part.source}): blob {row.hash} is missing from {store.location}. "
-                    "Commit that part again with `tailor commit DIR --part --force`, then finalize."
+                    "Commit that part again with `commit(DIR, part=True, force=True)`, then finalize."
                 )
 
 
@@ -127,7 +127,7 @@ def finalize_step(
         if not parts:
             raise StoreError(
                 f"step {step} has no parts to finalize. Each host commits its ranks with "
-                "`tailor commit DIR --part` first."
+                "`commit(DIR, part=True)` first."
             )
         if store.index.commit_at(step, run) is not None:
             raise StepExistsError(f"step {step} is already in the store; its parts were finalized before.")
@@ -145,7 +145,7 @@ def finalize_step(
         if missing:
             raise BadCheckpointError(
                 f"step {step} is incomplete: its {len(parts)} part(s) lack {'; '.join(missing)}. Commit the missing "
-                "host's files with `tailor commit DIR --part`, then finalize again."
+                "host's files with `commit(DIR, part=True)`, then finalize again."
             )
         _check_blobs(store, parts)
         if not force:

@@ -45,9 +45,9 @@ class Retention:
     run: str | None = None  # apply the rules to this run only (None: to every run, each on its own)
 
     def __post_init__(self) -> None:
-        for name, value in (("--keep-last", self.keep_last), ("--keep-every", self.keep_every)):
+        for name, value in (("keep_last", self.keep_last), ("keep_every", self.keep_every)):
             if value is not None and value < 1:
-                raise StoreError(f"{name} {value} is not allowed: give a whole number of 1 or more.")
+                raise StoreError(f"`{name}={value}` is not allowed: give a whole number of 1 or more.")
 
     @property
     def drops_manifests(self) -> bool:
@@ -204,7 +204,7 @@ def _repack(store: Repository, packs: list[str]) -> int:
             if codec.content_hash(raw) != blob.hash:
                 raise CorruptStoreError(
                     f"pack {name}: blob {blob.hash} does not match its hash; gc stopped before deleting anything "
-                    "of that pack. Run `tailor verify --deep`."
+                    "of that pack. Run `verify(deep=True)`."
                 )
             writer.add(blob.hash, data, blob.raw_size, blob.codec)
             moved.append(blob.hash)

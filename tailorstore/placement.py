@@ -26,17 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import xxhash
 
 from . import codec
 from .atom_reader import rebuilt_weight
-from .atoms import MASTER, dtype_from_name
-from .derive import ROUND_FROM_MASTER
+from .atoms import MASTER
 from .errors import CorruptStoreError
-from .formats.reader import TORCH
+from .formats.kinds import TORCH
 from .formats.torch_zip import gaps, mend_crcs
 from .paths import safe_join
+from .rounding import ROUND_FROM_MASTER, round_into
 from .store.direct_io import PlacedWriter
 from .store.posix import start_writeback
 from .store.records import AtomRecord, BlobRecord, FileRecord
@@ -55,6 +54,7 @@ class _Target:
 
 
 _EARLY_BUDGET = 64 << 20  # bytes of rounded weight held while waiting for the pieces before them
+WEIGHT_ITEMSIZE = 2  # a derived weight is bf16 or fp16
 
 
 class _Budget:
@@ -88,7 +88,7 @@ class _Weight:
 
     target: _Target
     offset: int
-    dtype: torch.dtype
+    dtype: str  # bfloat16 or float16 (rounding.ROUNDED_DTYPES): 2 bytes an element
     numel: int
     blob: str
     layer: str
@@ -101,7 +101,7 @@ class _Weight:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def feed(self, first: int, data: memoryview) -> None:
-        size = self.dtype.itemsize
+        size = WEIGHT_ITEMSIZE
         with self.lock:
             if self.read_back:
                 return
@@ -133,15 +133,16 @@ def _scratch(nbytes: int) -> memoryview:
     return memoryview(buf)[:nbytes]
 
 
-def _rounded(piece: memoryview, dtype: torch.dtype) -> memoryview:
-    """The FP32 elements of ``piece`` rounded to ``dtype`` exactly as DeepSpeed does (``Tensor.to``)."""
-    n = len(piece) // 4
+def _rounded(piece: memoryview, dtype: str) -> memoryview:
+    """The FP32 elements of ``piece`` rounded to ``dtype`` exactly as DeepSpeed does (``Tensor.to``),
+    in a buffer of this thread's that the next call reuses."""
+    nbytes = len(piece) // 4 * WEIGHT_ITEMSIZE
     out = getattr(_local, "rounded", None)
-    if out is None or out.dtype != dtype or out.numel() < n:
-        out = _local.rounded = torch.empty(max(n, codec.GROUP_CHUNK // 4), dtype=dtype)
-    dest = out[:n]
-    dest.copy_(torch.frombuffer(piece, dtype=torch.float32))
-    return memoryview(dest.view(torch.uint8).numpy()).cast("B")
+    if out is None or len(out) < nbytes:
+        out = _local.rounded = memoryview(np.empty(max(nbytes, codec.GROUP_CHUNK // 2), dtype=np.uint8))
+    dest = out[:nbytes]
+    round_into(piece, dtype, dest)
+    return dest
 
 
 def write_files(
@@ -238,7 +239,7 @@ def _derived_weights(atoms: dict[str, list[AtomRecord]], targets: dict[str, _Tar
             if a.derived != ROUND_FROM_MASTER or a.start != 0:
                 raise CorruptStoreError(f"{targets[path].where}: unknown derivation {a.derived!r}; upgrade tailorstore")
             weights.setdefault(a.param, []).append(
-                _Weight(targets[path], a.file_offset or 0, dtype_from_name(a.dtype), a.numel, a.blob, a.layer, budget)
+                _Weight(targets[path], a.file_offset or 0, a.dtype, a.numel, a.blob, a.layer, budget)
             )
     return weights
 
@@ -286,14 +287,14 @@ def _place(store: Repository, target: _Target, atom: AtomRecord, blob: BlobRecor
             for weight in weights:
                 if first + len(piece) // 4 <= weight.numel:
                     rounded = _rounded(piece, weight.dtype)
-                    weight.target.out.pwrite(rounded, weight.offset + first * weight.dtype.itemsize)
+                    weight.target.out.pwrite(rounded, weight.offset + first * WEIGHT_ITEMSIZE)
                     weight.feed(first, rounded)
             pos += len(piece)
             done += len(piece)
     if hasher.hexdigest() != atom.blob:
         raise CorruptStoreError(
             f"{where}: blob {atom.blob} does not match its hash (the blob file is damaged). "
-            "Run `tailor verify --deep` to find every damaged blob."
+            "Run `verify(deep=True)` to find every damaged blob."
         )
     for weight in weights:
         weight.cover(atom.start, atom.numel)
@@ -312,7 +313,7 @@ def _check_weights(store: Repository, manifest: int, step: int, weights: dict[st
                 raise CorruptStoreError(f"{where}: the weight rebuilt from the master does not match its hash")
             continue
         hasher = xxhash.xxh3_128()
-        nbytes = w.numel * w.dtype.itemsize
+        nbytes = w.numel * WEIGHT_ITEMSIZE
         for at in range(0, nbytes, codec.MAX_CHUNK):
             n = min(codec.MAX_CHUNK, nbytes - at)
             buf = _scratch(n)

@@ -61,7 +61,7 @@ def filter_policy(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
     """The first K and last M blocks and the auxiliary groups always; the rest every E-th commit."""
     first, last, every = int(params.get("keep_first", 0)), int(params.get("keep_last", 0)), int(params.get("every", 1))
     if every < 1 or first < 0 or last < 0:
-        raise PolicyError("filter needs --keep-first >= 0, --keep-last >= 0 and --every >= 1")
+        raise PolicyError("filter needs `keep_first=K` >= 0, `keep_last=K` >= 0 and `every=E` >= 1")
     blocks = _blocks(facts)
     edge = {name for pos, (_, name) in enumerate(blocks) if pos < first or pos >= len(blocks) - last}
     middle = {name for _, name in blocks} if facts.commit_index % every == 0 else set()
@@ -72,7 +72,7 @@ def adaptive(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
     """A block is stored when its FP32 master moved by at least the threshold since it was last stored."""
     threshold = float(params.get("threshold", 0.0))
     if threshold < 0:
-        raise PolicyError("adaptive needs --threshold >= 0")
+        raise PolicyError("adaptive needs `threshold=T` >= 0")
     if facts.changes is None:
         return set(facts.layers)
     return _aux(facts) | {name for _, name in _blocks(facts) if facts.changes.get(name, float("inf")) >= threshold}

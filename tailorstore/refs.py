@@ -25,7 +25,7 @@ def tag(store: Repository, selector: str, name: str, *, force: bool = False) -> 
     with store.transaction() as index:
         holder = index.tagged(name)
         if holder and holder.id != manifest and not force:
-            raise StepExistsError(f"tag {name!r} already names another manifest; pass --force to move it")
+            raise StepExistsError(f"tag {name!r} already names another manifest; pass `force=True` to move it")
         old = store.manifest(manifest).tag
         index.set_tag(manifest, name)  # takes the tag from any other holder
         if old and old != name:
@@ -59,11 +59,11 @@ def remove(store: Repository, selector: str, *, force: bool = False) -> int:
     if (record.pinned or record.tag) and not force:
         what = "pinned" if record.pinned else f"tagged {record.tag!r}"
         hint = "`tailor unpin`" if record.pinned else f"`tailor untag {record.tag}`"
-        raise StoreError(f"step {record.step} is {what}; {hint} first, or pass --force")
+        raise StoreError(f"step {record.step} is {what}; {hint} first, or pass `force=True`")
     heirs = [r.name for r in store.index.created_runs().values() if r.base and r.base == record.object_key]
     if heirs and not force:
         raise StoreError(
-            f"step {record.step} is the base of run(s) {', '.join(heirs)}; pass --force to remove it anyway"
+            f"step {record.step} is the base of run(s) {', '.join(heirs)}; pass `force=True` to remove it anyway"
         )
     with store.transaction() as index:
         if record.tag:  # the objects (manifest, tag, pin) go before the index rows

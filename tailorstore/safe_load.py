@@ -101,13 +101,13 @@ def _load(source: Path | str, path: Path | str, *, trust_pickles: bool, mmap: bo
         if match:
             raise UnsafePickleError(
                 f"{path}: the pickle needs {match.group(1)}, which is not on tailorstore's allowlist, so it was "
-                "not loaded. If you trust this file, run again with --trust-pickles."
+                "not loaded. If you trust this file, run again with `trust_pickles=True`."
             ) from None
         detail = _detail(text)
         if "Weights only load failed" in text:
             raise UnsafePickleError(
                 f"{path}: cannot be read safely as a torch checkpoint ({detail}). It may be truncated or corrupt: "
-                "restore it from a good copy. If it is intact and you trust it, run again with --trust-pickles."
+                "restore it from a good copy. If it is intact and you trust it, run again with `trust_pickles=True`."
             ) from None
         raise BadCheckpointError(
             f"{path}: cannot be read as a torch checkpoint ({type(exc).__name__}: {detail}). "
@@ -132,8 +132,8 @@ def load_skeleton(data: bytes, where: str, *, trusted: bool, trust_pickles: bool
     """
     if trusted and not trust_pickles:
         raise UnsafePickleError(
-            f"{where}: this file was committed with --trust-pickles and holds globals outside the allowlist; "
-            "pass --trust-pickles to check it out."
+            f"{where}: this file was committed with `trust_pickles=True` and holds globals outside the allowlist; "
+            "pass `trust_pickles=True` to check it out."
         )
     buf = io.BytesIO(data)
     if trusted:

@@ -58,6 +58,6 @@ def refuse_other_model(index: Index, new: Structure, run: str, base: ManifestRec
         where = f"step {newest.step} of run {newest.run!r}"
         raise StoreError(
             f"this checkpoint holds a different model from {where} ({'; '.join(diff)}). "
-            "Commit it to a run of its own with `--run NAME` (steps are numbered per run, blobs are shared), "
-            "or pass --force to commit it here anyway."
+            "Commit it to a run of its own with `run=NAME` (steps are numbered per run, blobs are shared), "
+            "or pass `force=True` to commit it here anyway."
         )

@@ -49,6 +49,9 @@ def test_the_public_api_end_to_end(runs: Runs, tmp_path: Path) -> None:
             store.checkout(3, tmp_path / "gone")
         with pytest.raises(tailorstore.StoreError):
             store.checkout(True, tmp_path / "bool")  # type: ignore[arg-type]
+        with pytest.raises(tailorstore.StepExistsError) as again:  # the library's advice names its own options
+            store.commit(tmp_path / "at6")
+        assert "`force=True`" in str(again.value) and "--" not in str(again.value)
 
     with Store.init(tmp_path / "tailored") as store:  # a policy and its parameters pass through
         store.commit(tmp_path / "at3")

@@ -112,3 +112,43 @@ def test_progress_bar_on_a_terminal_only(runs: Runs, tmp_path: Path) -> None:
     assert b"commit" in shown and "━".encode() in shown, shown[-500:]
     quiet = under_pty("commit", str(as_of_step(save, 6, tmp_path / "at6")), "--quiet")
     assert "━".encode() not in quiet and b"committed step" not in quiet
+
+
+_PROBE = """
+import json, sys
+from tailorstore.cli.app import main
+sys.argv = ["tailor", *json.loads(sys.argv[1])]
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+print(json.dumps({"code": code, "loaded": sorted(m for m in ("torch", "deepspeed") if m in sys.modules)}))
+"""
+
+
+def _loaded_by(*args: str, store: Path) -> list[str]:
+    """What `tailor ARGS` imported of torch and DeepSpeed, read off its own sys.modules."""
+    env = {**os.environ, "TAILOR_STORE": str(store)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(list(args))], capture_output=True, text=True, env=env, timeout=300
+    )
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["code"] == 0, proc.stderr
+    return result["loaded"]
+
+
+def test_reading_commands_and_checkout_do_not_import_torch(runs: Runs, tmp_path: Path) -> None:
+    """`tailor --help`, log, show, tag, gc and verify (deep too) never need torch or DeepSpeed; checkout of
+    files committed with their containers rounds derived weights with numpy and needs neither either."""
+    store = tmp_path / "store"
+    with tailorstore.Store.init(store) as st:
+        st.commit(as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "at3"))
+    for args in (["--help"], ["log"], ["show", "step=3"], ["tag", "step=3", "warm"], ["gc", "--dry-run"], ["verify"],
+                 ["verify", "--deep"], ["checkout", "latest", "--out", str(tmp_path / "out"), "-q"]):  # fmt: skip
+        assert _loaded_by(*args, store=store) == [], f"tailor {' '.join(args)} imported torch or DeepSpeed"
+    assert (tmp_path / "out" / "global_step3").is_dir()
+    at6 = as_of_step(runs.get("zero2-bf16").save_dir, 6, tmp_path / "at6")
+    loaded = _loaded_by("commit", str(at6), "-q", store=store)
+    assert loaded == ["deepspeed", "torch"], "the probe must see a command that does import them"

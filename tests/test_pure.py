@@ -307,3 +307,13 @@ def test_light_commands_import_neither_torch_nor_deepspeed(tmp_path: Path, comma
     )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr
+
+
+def test_the_command_shows_library_advice_as_flags() -> None:
+    from tailorstore.cli.app import as_flags
+
+    assert as_flags("pass `force=True` to replace it") == "pass --force to replace it"
+    assert as_flags("Commit under another `step=N`.") == "Commit under another --step N."
+    assert as_flags("raise `lock_timeout=SECONDS`") == "raise --lock-timeout SECONDS"
+    assert as_flags("Run `verify(deep=True)`.") == "Run `tailor verify --deep`."
+    assert as_flags("check out `tailor checkout step=3` as it is") == "check out `tailor checkout step=3` as it is"

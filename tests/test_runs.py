@@ -109,6 +109,6 @@ def test_a_branch_inherits_before_its_first_commit_and_refuses_another_model(run
         try:
             ft.commit(odd)
         except StoreError as exc:
-            assert "step 6 of run 'main'" in str(exc) and "--run NAME" in str(exc)
+            assert "step 6 of run 'main'" in str(exc) and "`run=NAME`" in str(exc)
         else:
             raise AssertionError("a branch took another model than its base")

@@ -161,7 +161,7 @@ def _hf_layout(path: Path, part: bool = False) -> CheckpointLayout:
         try:
             step = int(json.loads((path / "trainer_state.json").read_text())["global_step"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise BadCheckpointError(f"{path / 'trainer_state.json'}: unreadable ({exc}); pass --step N.") from None
+            raise BadCheckpointError(f"{path / 'trainer_state.json'}: unreadable ({exc}); pass `step=N`.") from None
     ds_tag = None
     if (path / "latest").is_file():
         ds_tag = (path / "latest").read_text().strip()

@@ -26,15 +26,13 @@ from .. import atoms as A
 from ..atoms import TensorEntry
 from ..safe_load import load_torch_file
 from . import deepspeed as ds
+from .kinds import RAW, SAFETENSORS, TORCH
 from .layout import CheckpointLayout
 from .safetensors_file import read_safetensors
 from .skeleton import split_tensors
 from .source import Identity, InputFile
+from .tensors import byte_view
 from .torch_zip import gaps, locate_tensors
-
-RAW = "raw"
-TORCH = "torch"
-SAFETENSORS = "safetensors"
 
 # Generic torch files that hold model or optimizer tensors worth cutting into atoms.
 _TORCH_NAMES = ("optimizer.pt", "pytorch_model.bin")
@@ -85,7 +83,7 @@ class ReadFile:
         size = entry.tensor.element_size()
         if self.located:
             return src.read((entry.file_offset or 0) + seg.offset * size, seg.numel * size)
-        return A.byte_view(entry.tensor)[seg.offset * size : (seg.offset + seg.numel) * size]
+        return byte_view(entry.tensor)[seg.offset * size : (seg.offset + seg.numel) * size]
 
 
 def classify(rel: str) -> str:

@@ -63,6 +63,16 @@ def blob_key(name: str) -> str:
     return f"{BLOB_PREFIX}{name[:2]}/{check_name(name)}"
 
 
+PACK_PREFIX = "packs/"
+
+
+def pack_key(name: str) -> str:
+    """The key of pack ``name`` (packs.py); here, beside blob_key, so records name keys without zstd."""
+    if not _HASH.fullmatch(name):
+        raise CorruptStoreError(f"the index names a pack {name!r}, which is not a 32-digit hex name")
+    return f"{PACK_PREFIX}{name[:2]}/{name}"
+
+
 def blob_name(key: str) -> str | None:
     """The blob name a key under ``blobs/`` stands for, or None for anything else found there."""
     parts = key.split("/")

@@ -601,7 +601,7 @@ class Index:
 def damaged(path: Path, exc: BaseException) -> CorruptStoreError:
     return CorruptStoreError(
         f"{path}: the index is damaged or unreadable ({exc}). The blobs and manifest objects are untouched; "
-        "recreate the index with `tailor index rebuild`, then run `tailor verify --deep`."
+        "recreate the index with `tailor index rebuild`, then run `verify(deep=True)`."
     )
 
 

@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..environment import TTL_ENV
 from ..errors import LockTimeoutError, StoreError
 from .backend import Backend
 
 LOCK_PREFIX = "locks/"
-TTL_ENV = "TAILOR_LOCK_TTL"
 DEFAULT_TTL = 120.0
 
 

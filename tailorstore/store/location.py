@@ -16,11 +16,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..environment import CACHE_ENV
 from .backend import Backend
 from .posix import PosixBackend
 from .s3 import S3Backend
 
-CACHE_ENV = "TAILOR_CACHE"
 INDEX_NAME = "index.sqlite"
 
 

@@ -54,7 +54,7 @@ def store_lock(
                 if time.monotonic() >= deadline:
                     raise LockTimeoutError(
                         f"{path}: could not take the store lock within {timeout:g} s; another tailor process "
-                        "(a commit or gc) is still running. Wait for it, or raise --lock-timeout."
+                        "(a commit or gc) is still running. Wait for it, or raise `lock_timeout=SECONDS`."
                     ) from None
                 time.sleep(0.05)
         yield LockHandle(fd)

@@ -30,9 +30,8 @@ import xxhash
 import zstandard
 
 from ..errors import CorruptStoreError
-from .backend import Backend, Batch
+from .backend import PACK_PREFIX, Backend, Batch, pack_key
 
-PACK_PREFIX = "packs/"
 PACK_BELOW = 1 << 20  # blobs of a smaller raw size go into packs
 PACK_TARGET = 16 << 20  # a pack is sealed once it holds this many bytes
 MAGIC = b"TLRPACK1"
@@ -47,12 +46,6 @@ class PackEntry:
     stored_size: int
     raw_size: int
     codec: str
-
-
-def pack_key(name: str) -> str:
-    if not _NAME.fullmatch(name):
-        raise CorruptStoreError(f"the index names a pack {name!r}, which is not a 32-digit hex name")
-    return f"{PACK_PREFIX}{name[:2]}/{name}"
 
 
 def pack_names(backend: Backend) -> Iterator[str]:
@@ -81,10 +74,10 @@ def read_trailer(backend: Backend, name: str) -> tuple[int, list[PackEntry]]:
     key = pack_key(name)
     size = backend.size(key)
     if size < _FOOT.size:
-        raise CorruptStoreError(f"pack {name} is cut short ({size} bytes); run `tailor verify --deep`")
+        raise CorruptStoreError(f"pack {name} is cut short ({size} bytes); run `verify(deep=True)`")
     length, magic = _FOOT.unpack(backend.get(key, size - _FOOT.size, _FOOT.size))
     if magic != MAGIC or length > size - _FOOT.size:
-        raise CorruptStoreError(f"pack {name} has no valid trailer; it is damaged. Run `tailor verify --deep`.")
+        raise CorruptStoreError(f"pack {name} has no valid trailer; it is damaged. Run `verify(deep=True)`.")
     try:
         raw = zstandard.ZstdDecompressor().decompress(
             backend.get(key, size - _FOOT.size - length, length), max_output_size=1 << 30
@@ -92,7 +85,7 @@ def read_trailer(backend: Backend, name: str) -> tuple[int, list[PackEntry]]:
         rows = json.loads(raw)["blobs"]
         entries = [PackEntry(str(h), int(o), int(s), int(r), str(c)) for h, o, s, r, c in rows]
     except (zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
-        raise CorruptStoreError(f"pack {name}: its trailer is damaged ({exc}); run `tailor verify --deep`") from None
+        raise CorruptStoreError(f"pack {name}: its trailer is damaged ({exc}); run `verify(deep=True)`") from None
     return size, entries
 
 

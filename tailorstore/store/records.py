@@ -12,8 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .backend import blob_key
-from .packs import pack_key
+from .backend import blob_key, pack_key
 
 COMMIT = "commit"
 MERGE = "merge"

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .. import codec
+from ..environment import STORE_ENV
 from ..errors import CorruptStoreError, StoreError, UnknownStepError
 from . import manifest_objects
 from .backend import Backend, blob_names
@@ -37,7 +38,6 @@ from .packs import pack_names, read_trailer
 from .records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
 from .schema import FORMAT_VERSION
 
-STORE_ENV = "TAILOR_STORE"
 MARKER = "tailorstore.json"
 MAX_STEP = (1 << 63) - 1  # SQLite's INTEGER
 
@@ -73,7 +73,7 @@ def _location(location: Path | str | None) -> Path | str:
     if location is None:
         location = os.environ.get(STORE_ENV)
     if not location:
-        raise StoreError(f"no store given: pass --store PATH or set {STORE_ENV}.")
+        raise StoreError(f"no store given: pass `store=PATH` or set {STORE_ENV}.")
     return location
 
 
@@ -259,7 +259,7 @@ class Repository:
         if codec.content_hash(dest) != row.hash:
             raise CorruptStoreError(
                 f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). "
-                "Run `tailor verify --deep` to find every damaged blob."
+                "Run `verify(deep=True)` to find every damaged blob."
             )
 
     def read_blob(self, digest: str, where: str) -> bytes:

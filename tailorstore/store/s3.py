@@ -19,12 +19,11 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError
 from obstore.store import from_url
 
+from ..environment import RETRY_ENV, TIMEOUT_ENV
 from .backend import BackendError, BytesLike, Chunks, ObjectExistsError, RangeReader, as_chunks, check_key
 
 T = TypeVar("T")
 _PART = 8 << 20  # bytes per multipart chunk
-RETRY_ENV = "TAILOR_S3_RETRY_SECONDS"
-TIMEOUT_ENV = "TAILOR_S3_TIMEOUT_SECONDS"
 
 
 def _seconds(name: str, default: float, most: float) -> float:

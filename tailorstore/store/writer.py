@@ -42,9 +42,16 @@ def disk_full(location: str) -> StoreError:
 
 class BlobWriter:
     def __init__(
-        self, store: Repository, *, level: int = codec.DEFAULT_LEVEL, threads: int = 2, in_flight: int = IN_FLIGHT_BYTES
+        self,
+        store: Repository,
+        *,
+        level: int = codec.DEFAULT_LEVEL,
+        threads: int = 2,
+        in_flight: int = IN_FLIGHT_BYTES,
+        elsewhere: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
+        self.elsewhere = elsewhere  # blobs another rank of the same rank-parallel commit writes
         self.batch = store.backend.batch()  # this commit's blobs, durable together at finish()
         self.packs = PackWriter(self.batch)  # small blobs share pack objects
         self._pack_sizes: dict[str, int | None] = {}  # packs of earlier commits, looked up once per commit
@@ -92,7 +99,7 @@ class BlobWriter:
         return digest
 
     def _known_blob(self, digest: str, size: int) -> bool:
-        if digest in self._pending or digest in self._known:
+        if digest in self._pending or digest in self._known or digest in self.elsewhere:
             self.reused_bytes += size
             return True
         row = self.store.blob(digest)

@@ -1,0 +1,10 @@
+"""The environment variables tailorstore reads, in one place (README lists them for users).
+
+No imports here: the ``tailor`` command names them in its help before anything else loads.
+"""
+
+STORE_ENV = "TAILOR_STORE"  # the store, when none is given
+CACHE_ENV = "TAILOR_CACHE"  # where a remote store's index cache lives
+TTL_ENV = "TAILOR_LOCK_TTL"  # seconds before a lock of a host that stopped renewing it goes stale
+RETRY_ENV = "TAILOR_S3_RETRY_SECONDS"  # how long failing S3 requests are retried
+TIMEOUT_ENV = "TAILOR_S3_TIMEOUT_SECONDS"  # how long one S3 request may take

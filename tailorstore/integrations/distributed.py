@@ -1,0 +1,115 @@
+"""Rank-parallel commits under torch.distributed: every rank writes its own files' blobs.
+
+::
+
+    from tailorstore.integrations.distributed import commit_rank_parallel
+
+    engine.save_checkpoint("saves", tag=f"global_step{step}")          # collective
+    commit_rank_parallel(store, f"saves/global_step{step}")            # collective too
+
+Every rank calls it with a store handle on the same store. Each surveys its share, the
+surveys are gathered, each writes its share as a part, and global rank 0 finalizes the
+step into one manifest (rank_share.py says why it equals a single-process commit). Every
+rank returns rank 0's result and every rank's part. A failure on any rank fails the commit on every rank, with
+every rank's error in the message; no manifest is written then, and the parts already
+published are deleted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ..api import Store
+from ..commit_options import CommitOptions, CommitResult
+from ..errors import StoreError
+from ..finalize import FinalizeResult
+from ..rank_share import Survey, checked_weights, survey, write_share, writers
+
+T = TypeVar("T")
+
+
+class RankParallelCommitError(StoreError):
+    """A rank-parallel commit failed on one rank or more; nothing was recorded."""
+
+
+@dataclass
+class RankParallelResult:
+    """The step as rank 0 finalized it, and what each rank's part wrote (None: a rank with no files)."""
+
+    finalized: FinalizeResult
+    parts: list[CommitResult | None] = field(default_factory=list)  # by rank
+
+
+def commit_rank_parallel(
+    store: Store,
+    path: str | os.PathLike,
+    *,
+    step: int | None = None,
+    tag: str | None = None,
+    level: int = 1,
+    trust_pickles: bool = False,
+    lock_timeout: float = 600.0,
+    group: Any = None,
+) -> RankParallelResult:
+    """Commit the save at ``path`` (a folder every rank can read) from all ranks of ``group``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise StoreError("commit_rank_parallel needs torch.distributed initialized; use Store.commit in one process.")
+    rank = dist.get_rank(group)
+    options = CommitOptions(
+        step=step, trust_pickles=trust_pickles, level=level, lock_timeout=lock_timeout, part=True, run=store.run
+    )
+    share, mine = _together(lambda: survey(store.repo, Path(path), options, rank), group, "surveying its files")
+    surveys: list[Survey] = _gathered(mine, group)
+    elsewhere, derived = writers(surveys)[rank], checked_weights(surveys)
+    written = _together(
+        lambda: write_share(store.repo, share, options, elsewhere, derived),
+        group,
+        "writing its files",
+        undo=lambda result: result is not None and result.part and store.repo.backend.delete(result.part),
+    )
+    parts: list[CommitResult | None] = _gathered(written, group)
+    outcome: list[Any] = [None]
+    if rank == 0:
+        try:
+            outcome[0] = store.finalize(share.step, tag=tag, lock_timeout=lock_timeout)
+        except Exception as exc:  # handed to every rank below
+            outcome[0] = f"rank 0 failed finalizing step {share.step}: {exc}"
+    dist.broadcast_object_list(outcome, src=_global(0, group), group=group)
+    if not isinstance(outcome[0], FinalizeResult):
+        raise RankParallelCommitError(f"the rank-parallel commit of {path} failed: {outcome[0]}")
+    return RankParallelResult(outcome[0], parts)
+
+
+def _together(work: Callable[[], T], group: Any, doing: str, undo: Callable[[T], object] | None = None) -> T:
+    """Run ``work`` on every rank; if it failed on any, raise on all, naming every failure."""
+    rank = dist.get_rank(group)
+    value: T | None = None
+    error: str | None = None
+    try:
+        value = work()
+    except Exception as exc:
+        error = f"rank {rank} failed {doing}: {exc}"
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = [e for e in errors if e]
+    if failed:
+        if value is not None and undo is not None:
+            undo(value)
+        raise RankParallelCommitError("the rank-parallel commit failed: " + "; ".join(failed))
+    return value  # type: ignore[return-value]
+
+
+def _gathered(item: T, group: Any) -> list[T]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, item, group=group)
+    return out
+
+
+def _global(rank: int, group: Any) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
