@@ -9,6 +9,8 @@ quiet bit. ``tests/test_rounding.py`` checks every one of these cases against to
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .errors import CorruptStoreError
@@ -25,19 +27,37 @@ def round_into(master: memoryview | bytes, dtype: str, out: memoryview) -> None:
     dest = np.frombuffer(out, dtype=np.uint16)
     if dest.size != u.size:
         raise ValueError(f"rounding {u.size} elements into room for {dest.size}")
-    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    nan = np.isnan(u.view(np.float32))
     if dtype == "bfloat16":
-        bias = ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
-        np.right_shift(u + bias, np.uint32(16), out=dest, casting="unsafe")
-        dest[nan] = 0xFFFF
+        # (u + 0x7FFF + lowest kept bit) >> 16, in place in one scratch buffer: no temporaries
+        t = _scratch(u.size)
+        np.right_shift(u, 16, out=t)
+        np.bitwise_and(t, 1, out=t)
+        np.add(t, 0x7FFF, out=t)
+        np.add(t, u, out=t)  # wraps only for NaNs, which are set below
+        np.right_shift(t, 16, out=t)
+        np.copyto(dest, t, casting="unsafe")
+        if nan.any():
+            dest[nan] = 0xFFFF
     elif dtype == "float16":
         with np.errstate(over="ignore"):
-            dest[:] = u.view(np.float32).astype(np.float16).view(np.uint16)
+            np.copyto(dest, u.view(np.float32).astype(np.float16).view(np.uint16))
         if nan.any():
             sign = (u[nan] >> np.uint32(16)) & np.uint32(0x8000)
             dest[nan] = (sign | np.uint32(0x7E00) | ((u[nan] >> np.uint32(13)) & np.uint32(0x3FF))).astype(np.uint16)
     else:
         raise CorruptStoreError(f"cannot derive a {dtype} weight from an FP32 master; upgrade tailorstore")
+
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """This thread's uint32 buffer of at least ``n`` elements (reused: fresh pages are slow here)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _local.buf = np.empty(n, dtype=np.uint32)
+    return buf[:n]
 
 
 def rounded(master: memoryview | bytes, dtype: str) -> memoryview:

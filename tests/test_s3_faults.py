@@ -86,7 +86,8 @@ def test_kill_commit_and_gc_on_s3(
     landed = 0
     for i in range(KILLS):
         proc = start(s3_location, tmp_path / f"committer-{i}", "commit", str(at6), "--quiet")
-        landed += kill_after(proc, rng.uniform(0.5 * span, span))
+        # from a quarter of the measured span: one measurement on a loaded machine can run long
+        landed += kill_after(proc, rng.uniform(0.25 * span, 0.9 * span))
         with fresh_host(s3_location, tmp_path, monkeypatch) as store:
             assert_intact(store, save, [3], tmp_path)
             if any(m.step == 6 for m in store.index.manifests()):  # the kill came after the commit point
