@@ -132,7 +132,22 @@ class Store:
         """
         if part and delete_after_commit:
             raise StoreError("delete_after_commit waits for the manifest, which a part does not write; finalize first.")
-        options = CommitOptions(
+        options = self._options(step, tag, policy, force, level, trust_pickles, lock_timeout, policy_params, part)
+        return _commit(self.repo, Path(path), options, delete_after_commit, progress, on_wait)
+
+    def _options(
+        self,
+        step: int | None,
+        tag: str | None,
+        policy: str,
+        force: bool,
+        level: int,
+        trust_pickles: bool,
+        lock_timeout: float,
+        policy_params: dict[str, float],
+        part: bool = False,
+    ) -> CommitOptions:
+        return CommitOptions(
             step=step,
             tag=tag,
             force=force,
@@ -143,7 +158,6 @@ class Store:
             part=part,
             run=self.run,
         )
-        return _commit(self.repo, Path(path), options, delete_after_commit, progress, on_wait)
 
     def finalize(
         self,
@@ -181,16 +195,7 @@ class Store:
         done: a commit refuses an input that changes under it.
         """
         source = Path(path)
-        options = CommitOptions(
-            step=step,
-            tag=tag,
-            force=force,
-            trust_pickles=trust_pickles,
-            level=level,
-            lock_timeout=lock_timeout,
-            policy=PolicySpec(policy, dict(policy_params)),
-            run=self.run,
-        )
+        options = self._options(step, tag, policy, force, level, trust_pickles, lock_timeout, policy_params)
         location = self.location
 
         def job() -> CommitResult:
@@ -237,8 +242,7 @@ class Store:
 
     def plot(self, out: str | os.PathLike) -> Path:
         """A PNG heatmap of each layer's relative change over this run's committed steps."""
-        plot(self.repo, Path(out), self.run)
-        return Path(out)
+        return plot(self.repo, Path(out), self.run)
 
     def usage(self) -> Usage:
         return usage(self.repo)

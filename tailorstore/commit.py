@@ -26,7 +26,7 @@ from . import atoms as A
 from . import structure
 from .changes import LayerChange, masters_by_layer, stored_pieces
 from .commit_options import CommitOptions, CommitResult
-from .derive import RoundedMasters
+from .derive import RoundedMasters, is_derivable_weight
 from .errors import BadCheckpointError, StepExistsError, StoreError
 from .formats.deepspeed import ModelInfo
 from .formats.kinds import RAW
@@ -37,7 +37,7 @@ from .layers import STATE, sort_key
 from .policies import CommitFacts, decide, needs_changes
 from .progress import Progress, Silent
 from .refs import check_tag
-from .rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES
+from .rounding import ROUND_FROM_MASTER
 from .store import manifest_objects, parts
 from .store.backend import blob_key
 from .store.index import Index
@@ -137,7 +137,7 @@ def scan_checkpoint(layout: CheckpointLayout, trust_pickles: bool, files: list[s
         for entry in f.entries:
             for seg in entry.segments:
                 layers.add(seg.layer)
-                if seg.kind == A.WEIGHT and seg.start == 0 and entry.dtype_name in ROUNDED_DTYPES:
+                if is_derivable_weight(entry, seg):
                     scan.weights[seg.param] = (entry.dtype_name, seg.numel)
         scan.files.append(f)
     scan.layers = frozenset(layers)

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from . import atoms as A
 from .codec import content_hash
-from .rounding import rounded
+from .rounding import ROUNDED_DTYPES, rounded
+
+
+def is_derivable_weight(entry: A.TensorEntry, seg: A.Segment) -> bool:
+    """A whole low-precision weight: the pieces a rounded FP32 master may stand in for."""
+    return seg.kind == A.WEIGHT and seg.start == 0 and entry.dtype_name in ROUNDED_DTYPES
 
 
 class RoundedMasters:

@@ -31,12 +31,13 @@ from . import atoms as A
 from .codec import content_hash
 from .commit import Scan, commit_part, scan_checkpoint, step_of, write_files
 from .commit_options import CommitOptions, CommitResult
+from .derive import is_derivable_weight
 from .formats.deepspeed import file_rank, is_model_states
 from .formats.layout import CheckpointLayout, detect
 from .formats.reader import ReadFile
 from .formats.source import InputFile
 from .progress import Silent
-from .rounding import ROUNDED_DTYPES, rounded
+from .rounding import rounded
 from .store.repo import Repository
 
 WeightKey = tuple[str, str]  # (file path in the checkpoint, parameter)
@@ -45,8 +46,10 @@ WeightKey = tuple[str, str]  # (file path in the checkpoint, parameter)
 def owner_of(rel: str) -> int:
     """The global rank that commits a file of the save: its DeepSpeed rank, else 0."""
     name = PurePosixPath(rel).name
-    if "zero_pp_rank_" in name or name.startswith("rng_state_"):
-        return file_rank(name) if "zero_pp_rank_" in name else _rng_rank(name)
+    if "zero_pp_rank_" in name:
+        return file_rank(name)
+    if name.startswith("rng_state_"):
+        return _rng_rank(name)
     return 0
 
 
@@ -83,7 +86,7 @@ def survey(store: Repository, ckpt_dir: Path, options: CommitOptions, rank: int)
     helpers = [rel for rel in layout.files if rel not in own and _helps(rel, rank)]
     scan = scan_checkpoint(layout, options.trust_pickles, files=helpers + own)
     step = step_of(options, layout, scan.files)
-    weight_files = [f for f in scan.files if any(_is_weight(e, s) for e in f.entries for s in e.segments)]
+    weight_files = [f for f in scan.files if any(is_derivable_weight(e, s) for e in f.entries for s in e.segments)]
     mine = dataclasses.replace(layout, files=own)
     own_scan = dataclasses.replace(scan, files=[f for f in scan.files if f.path in own])
     own_scan.layers = frozenset(s.layer for f in own_scan.files for e in f.entries for s in e.segments)
@@ -101,10 +104,6 @@ def _helps(rel: str, rank: int) -> bool:
     if is_model_states(name):
         return owner_of(rel) in (0, rank)
     return name.endswith(".safetensors")
-
-
-def _is_weight(entry: A.TensorEntry, seg: A.Segment) -> bool:
-    return seg.kind == A.WEIGHT and seg.start == 0 and entry.dtype_name in ROUNDED_DTYPES
 
 
 class _Namer:
@@ -144,7 +143,7 @@ class _WeightRanges:
             self._sources.append(src)
             for entry in f.entries:
                 for seg in entry.segments:
-                    if _is_weight(entry, seg):
+                    if is_derivable_weight(entry, seg):
                         self._where.setdefault(seg.param, []).append((f, src, entry, seg))
                         self.found.weights[(f.path, seg.param)] = seg.numel
         return self

@@ -11,8 +11,9 @@ Every rank calls it with a store handle on the same store. Each surveys its shar
 surveys are gathered, each writes its share as a part, and global rank 0 finalizes the
 step into one manifest (rank_share.py says why it equals a single-process commit). Every
 rank returns rank 0's result and every rank's part. A failure on any rank fails the commit on every rank, with
-every rank's error in the message; no manifest is written then, and the parts already
-published are deleted.
+every rank's error in the message, and no manifest is written. A failure while writing
+deletes the parts already published; a failed finalize keeps them, for a later
+``Store.finalize`` (or ``gc(drop_parts=True)``).
 """
 
 from __future__ import annotations
