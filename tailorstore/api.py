@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from .background import CommitQueue
 from .checkout import CheckoutResult, checkout_step
@@ -68,7 +69,7 @@ class Store:
         self.repo = repo
         self.location = repo.location
         self.run = check_run_name(run)  # commits go to this run; step=N and latest are read in it
-        self._queue: CommitQueue[CommitResult] = CommitQueue(max_in_flight)
+        self._queue: CommitQueue[Any] = CommitQueue(max_in_flight)
 
     # -- lifecycle ---------------------------------------------------------------------
     @classmethod
@@ -196,13 +197,22 @@ class Store:
         """
         source = Path(path)
         options = self._options(step, tag, policy, force, level, trust_pickles, lock_timeout, policy_params)
-        location = self.location
+        return self.background(
+            str(source), lambda store: _commit(store.repo, source, options, delete_after_commit, None, None)
+        )
 
-        def job() -> CommitResult:
-            with Repository.open(location) as repo:
-                return _commit(repo, source, options, delete_after_commit, None, None)
+    def background(self, what: str, job: Callable[[Store], Any]) -> Future[Any]:
+        """Run ``job`` on the background worker, in order with :meth:`commit_async`, and with its errors
+        raised the same way. ``job`` gets its own handle on this store and run: one handle serves one
+        thread. Integrations use this to wrap a commit (the DeepSpeed engine rescues its staged save
+        when the commit fails)."""
+        location, run = self.location, self.run
 
-        return self._queue.submit(str(source), job)
+        def run_job() -> Any:
+            with Store(Repository.open(location), run=run) as store:
+                return job(store)
+
+        return self._queue.submit(what, run_job)
 
     # -- reading -----------------------------------------------------------------------
     def checkout(
@@ -302,9 +312,9 @@ def _commit(
     progress: Progress | None,
     on_wait: Callable[[str], None] | None,
 ) -> CommitResult:
-    # The checkpoint readers import torch (about two seconds). Importing them on the first commit,
-    # not with this module, keeps that cost off `tailor log`, `show`, `gc` and `verify`, and off a
-    # training script's `import tailorstore` until it commits.
+    # The commit machinery (readers, planner, codec pools) costs about 0.3 s to import, and torch
+    # too for a file that needs its loader. Importing it on the first commit, not with this module,
+    # keeps that off `tailor log`, `show`, `gc` and `verify`.
     from .commit import commit_checkpoint
 
     result = commit_checkpoint(repo, path, options, progress=progress, on_wait=on_wait)

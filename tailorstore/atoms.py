@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from .formats.tensor_ref import TensorRef
+
 # Kinds of tensor state. Anything else keeps the key it had in the optimizer state.
 WEIGHT = "weight"
 MASTER = "master"
@@ -55,7 +57,7 @@ class TensorEntry:
 
     slot: int
     path: str  # where it sits in the file's object tree, keys joined by '/'
-    tensor: torch.Tensor
+    tensor: TensorRef | torch.Tensor  # described (torch-free readers) or loaded (the torch fallback)
     segments: list[Segment] = field(default_factory=list)
     file_offset: int | None = None  # where the tensor's bytes start in its file, when known
 

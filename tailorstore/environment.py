@@ -8,3 +8,4 @@ CACHE_ENV = "TAILOR_CACHE"  # where a remote store's index cache lives
 TTL_ENV = "TAILOR_LOCK_TTL"  # seconds before a lock of a host that stopped renewing it goes stale
 RETRY_ENV = "TAILOR_S3_RETRY_SECONDS"  # how long failing S3 requests are retried
 TIMEOUT_ENV = "TAILOR_S3_TIMEOUT_SECONDS"  # how long one S3 request may take
+STAGING_ENV = "TAILOR_STAGING"  # where TailorCheckpointEngine stages a save in memory (default /dev/shm)

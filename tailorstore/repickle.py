@@ -88,6 +88,6 @@ def _write_safetensors(store: Repository, manifest: int, row: FileRecord, target
     with open(target, "wb") as f:
         f.write(header)
         for slot, (name, dtype, shape) in enumerate(tensor_layout(header, where)):
-            tensor = torch.empty(shape, dtype=dtype)
+            tensor = torch.empty(shape, dtype=dtype_from_name(dtype))
             _fill(store, manifest, tensor, by_slot.get(slot, []), f"{where}, tensor {name}")
             f.write(byte_view(tensor))

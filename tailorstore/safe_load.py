@@ -20,26 +20,21 @@ import torch
 
 from .atoms import TensorSlot
 from .errors import BadCheckpointError, UnsafePickleError
-
-# (module, attribute) pairs seen in DeepSpeed 0.14 to 0.19 checkpoints.
-_DEEPSPEED_GLOBALS = (
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    ("deepspeed.utils.tensor_fragment", "fragment_address"),
-)
+from .formats.torch_pickle import DEEPSPEED_GLOBALS
 
 _UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
 
 
 @functools.cache
 def allowed_globals() -> tuple[Any, ...]:
-    """The allowlist, resolved; a DeepSpeed class that does not import is simply left out.
+    """The allowlist for torch's own loader, resolved; a DeepSpeed class that does not import is left out.
 
-    Resolved lazily because importing DeepSpeed costs seconds, which `tailor log` must not pay.
+    Only the torch fallback (files the torch-free reader does not take, and re-pickling
+    checkout) uses this; it is resolved on first use because importing DeepSpeed costs seconds.
     """
     found: list[Any] = []
-    for module_name, attr in _DEEPSPEED_GLOBALS:
+    for name in DEEPSPEED_GLOBALS:
+        module_name, attr = name.rsplit(".", 1)
         try:
             found.append(getattr(importlib.import_module(module_name), attr))
         except (ImportError, AttributeError):

@@ -67,6 +67,18 @@ def test_reader_streams_ranges_across_chunk_boundaries(backend: Backend) -> None
         assert f.read(100) == data[4097:4100]
 
 
+def test_an_object_above_the_single_put_limit_goes_up_whole(backend: Backend) -> None:
+    """70 MiB from chunks: above S3's one-PUT limit (64 MiB), so a multipart upload there; it reads
+    back whole and across the reader's chunk boundaries."""
+    piece = os.urandom(1 << 20)
+    backend.put("x/large", (memoryview(piece) for _ in range(70)))
+    assert backend.size("x/large") == 70 << 20
+    with backend.reader("x/large") as f:
+        assert f.read() == piece * 70
+    with backend.reader("x/large", (32 << 20) - 3, 6) as f:
+        assert f.read() == piece[-3:] + piece[:3]
+
+
 def test_create_only_never_replaces(backend: Backend) -> None:
     backend.put("m/1", b"first", create_only=True)
     with pytest.raises(ObjectExistsError):

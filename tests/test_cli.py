@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from conftest import Runs, as_of_step
 
 import tailorstore
@@ -150,5 +151,13 @@ def test_reading_commands_and_checkout_do_not_import_torch(runs: Runs, tmp_path:
         assert _loaded_by(*args, store=store) == [], f"tailor {' '.join(args)} imported torch or DeepSpeed"
     assert (tmp_path / "out" / "global_step3").is_dir()
     at6 = as_of_step(runs.get("zero2-bf16").save_dir, 6, tmp_path / "at6")
-    loaded = _loaded_by("commit", str(at6), "-q", store=store)
+    assert _loaded_by("commit", str(at6), "-q", store=store) == [], "plain torch.save files are read without torch"
+
+    # A non-contiguous tensor needs torch's own loader: the fallback imports it.
+    strided = as_of_step(runs.get("zero2-bf16").save_dir, 6, tmp_path / "strided")
+    model_states = strided / "global_step6" / "mp_rank_00_model_states.pt"
+    obj = torch.load(model_states, weights_only=False)
+    obj["client_extra"] = torch.arange(10.0)[::2]
+    torch.save(obj, model_states)
+    loaded = _loaded_by("commit", str(strided), "--step", "7", "-q", store=store)
     assert loaded == ["deepspeed", "torch"], "the probe must see a command that does import them"

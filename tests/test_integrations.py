@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import HFRun, Runs
+import pytest
+from conftest import HFRun, Runs, same_tree
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from safetensors.torch import load_file
 
-from tailorstore import Store
+from tailorstore import BackgroundCommitError, Store
+from tailorstore.integrations.deepspeed import TailorCheckpointEngine
+from tailorstore.safe_load import load_torch_file
 from tailorstore.testing.compare import differences
 from tailorstore.testing.runs import train_hf, train_tiny
 
@@ -44,6 +48,80 @@ def test_deepspeed_save_helper_commits_in_the_background_and_resume_is_bit_exact
     assert {s: resumed[s] for s in (4, 5, 6)} == {s: reference.losses[s] for s in (4, 5, 6)}
 
 
+def test_tailor_checkpoint_engine_saves_into_the_store_and_resumes_from_it_bit_exact(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """engine.save_checkpoint goes through TailorCheckpointEngine into the store, nothing raw on disk;
+    engine.load_checkpoint resumes from the store; the step checks out as DeepSpeed's own bytes."""
+    reference = runs.get("zero2-bf16")
+    staging = tmp_path / "staging"  # memory-backed by default (/dev/shm); here a folder we can inspect
+    staging.mkdir()
+    monkeypatch.setenv("TAILOR_STAGING", str(staging))
+    Store.init(tmp_path / "store").close()
+    save = tmp_path / "save"
+    options = {"commit_to": tmp_path / "store", "tailor_engine": True, **reference.options}
+    losses = train_tiny(save, losses_out=tmp_path / "losses.json", steps=6, save_every=3, **options)
+    assert losses == reference.losses, "saving through the engine must not change training"
+    assert sorted(p.name for p in save.iterdir()) == ["latest", "zero_to_fp32.py", "zero_to_torch.py"], (
+        "only DeepSpeed's pointer and scripts land in save_dir; the checkpoint went to the store"
+    )
+    assert not list(staging.rglob("*")), "the staged saves were deleted once committed"
+    with Store.open(tmp_path / "store") as store:
+        assert [s.step for s in store.log()] == [3, 6]
+        assert store.verify(deep=True).ok
+        store.checkout(6, tmp_path / "out")
+    assert same_tree(tmp_path / "out" / "global_step6", reference.save_dir / "global_step6"), (
+        "the store holds exactly the files DeepSpeed writes raw"
+    )
+    resumed = train_tiny(
+        save,
+        losses_out=tmp_path / "resumed.json",
+        resume_from=save,
+        resume_tag="global_step3",
+        steps=6,
+        save_every=0,
+        **options,
+    )
+    assert resumed == {s: reference.losses[s] for s in (4, 5, 6)}
+    assert sorted(p.name for p in save.iterdir()) == ["latest", "zero_to_fp32.py", "zero_to_torch.py"]
+    assert not list(staging.rglob("*")), "the checkout made for resuming was deleted"
+
+
+def test_tailor_checkpoint_engine_writes_a_save_whose_commit_failed_where_deepspeed_would(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's calls as DeepSpeed makes them, on one rank: the second save of step 3 is refused by
+    the store; the error surfaces at flush and the staged files land in save_dir, nothing lost."""
+    reference = runs.get("zero2-bf16").save_dir / "global_step3"
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    monkeypatch.setenv("TAILOR_STAGING", str(staging))
+    real = tmp_path / "save" / "global_step3"
+    states = {f.name: load_torch_file(f, mmap=False)[0] for f in sorted(reference.iterdir())}
+
+    def save(engine: TailorCheckpointEngine) -> None:
+        info = CheckpointCommitInfo(tag="global_step3", save_dir=str(tmp_path / "save"), save_latest=True)
+        engine.create(info)
+        engine.makedirs(str(real), exist_ok=True)
+        for name, state in states.items():
+            engine.save(state, str(real / name))
+        engine.commit(info)
+
+    with Store.init(tmp_path / "store") as store:
+        engine = TailorCheckpointEngine(store)
+        save(engine)
+        engine.flush()
+        assert not real.exists(), "a committed save never lands in save_dir"
+        save(engine)
+        with pytest.raises(BackgroundCommitError, match="step 3"):
+            engine.flush()
+        assert sorted(p.name for p in real.iterdir()) == sorted(states), "the refused save was written raw"
+        assert all(load_torch_file(real / name, mmap=False)[0].keys() == states[name].keys() for name in states)
+        assert not list(staging.rglob("*.pt")), "nothing stays behind in memory"
+        assert [s.step for s in store.log()] == [3]
+        assert store.verify(deep=True).ok
+
+
 def test_hf_trainer_callback_with_delete_and_save_total_limit(hf_run: HFRun, tmp_path: Path) -> None:
     Store.init(tmp_path / "store").close()
     out = tmp_path / "out"
@@ -60,6 +138,8 @@ def test_hf_trainer_callback_with_delete_and_save_total_limit(hf_run: HFRun, tmp
     assert not list(out.glob("checkpoint-*")), "every checkpoint folder was deleted once committed"
     with Store.open(tmp_path / "store") as store:
         assert [s.step for s in store.log()] == [3, 6]
+        sources = [store.repo.manifest(s.manifest).source.split("; ") for s in store.log()]
+        assert [len(parts) for parts in sources] == [2, 2], "rank-parallel: each rank committed a part"
         assert store.verify(deep=True).ok
         store.checkout("latest", tmp_path / "restored" / "checkpoint-6")
         store.checkout(3, tmp_path / "restored" / "checkpoint-3")

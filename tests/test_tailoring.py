@@ -18,6 +18,7 @@ from tailorstore.checkout import checkout_step
 from tailorstore.commit import CommitOptions, commit_checkpoint
 from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
+from tailorstore.formats.tensors import dtype_from_name
 from tailorstore.layers import block_index
 from tailorstore.policies import PolicySpec
 from tailorstore.store.repo import Repository
@@ -44,7 +45,7 @@ def pieces(ckpt: Path) -> dict[tuple[str, str, str, int, int], tuple[str, object
                     if seg.kind in KINDS and seg.numel:
                         key = (f.file_key, seg.param, seg.kind, seg.rank, seg.start)
                         data = bytearray(f.piece(src, entry, seg))
-                        out[key] = (seg.layer, torch.frombuffer(data, dtype=entry.tensor.dtype))
+                        out[key] = (seg.layer, torch.frombuffer(data, dtype=dtype_from_name(entry.dtype_name)))
     return out
 
 

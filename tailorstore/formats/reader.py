@@ -5,9 +5,12 @@ checked not to change while it is read; tensors are described (dtype, shape, fil
 *meta* tensors that hold no data, and their bytes are copied out of the file, piece by piece,
 only when a commit stores them (see ``source``). Each file becomes one of three kinds:
 
-* ``torch``: a DeepSpeed or torch pickle, cut into atoms; its skeleton is the object
-  tree with tensors replaced by slots, itself saved with ``torch.save``, and its container
-  is every byte of the file outside the tensors (see ``torch_zip``);
+* ``torch``: a DeepSpeed or torch pickle, cut into atoms. A plain ``torch.save`` zip is read
+  without torch (``torch_pickle``: a restricted unpickler turns tensors into descriptors);
+  its skeleton is the file's own pickle record. Other files go through torch
+  (``torch_fallback``), and their skeleton is the object tree with tensors replaced by
+  slots, saved with ``torch.save``. Either way the container is every byte of the file
+  outside the tensors (see ``torch_zip``);
 * ``safetensors``: the header bytes as skeleton and container, one atom per tensor;
 * ``raw``: any other file, kept whole as one blob (configs, RNG states, scripts, the
   pickled TrainingArguments, which we never unpickle).
@@ -15,24 +18,21 @@ only when a commit stores them (see ``source``). Each file becomes one of three 
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-import torch
-
 from .. import atoms as A
 from ..atoms import TensorEntry
-from ..safe_load import load_torch_file
+from ..errors import UnsafePickleError
 from . import deepspeed as ds
 from .kinds import RAW, SAFETENSORS, TORCH
 from .layout import CheckpointLayout
 from .safetensors_file import read_safetensors
 from .skeleton import split_tensors
 from .source import Identity, InputFile
-from .tensors import byte_view
-from .torch_zip import gaps, locate_tensors
+from .torch_pickle import read_torch_zip
+from .torch_zip import gaps
 
 # Generic torch files that hold model or optimizer tensors worth cutting into atoms.
 _TORCH_NAMES = ("optimizer.pt", "pytorch_model.bin")
@@ -56,7 +56,9 @@ class ReadFile:
     identity: Identity | None = None  # the file as first opened; it must not change until the commit records it
 
     def skeleton_blob(self) -> bytes:
-        if self.skeleton is None:
+        if self.skeleton is None:  # a file torch loaded: its tree is pickled only when a commit stores it
+            from .torch_fallback import skeleton_bytes  # torch is imported already for such a file
+
             self.skeleton = skeleton_bytes(self.tree)
         return self.skeleton
 
@@ -83,7 +85,9 @@ class ReadFile:
         size = entry.tensor.element_size()
         if self.located:
             return src.read((entry.file_offset or 0) + seg.offset * size, seg.numel * size)
-        return byte_view(entry.tensor)[seg.offset * size : (seg.offset + seg.numel) * size]
+        from .torch_fallback import tensor_bytes  # only a file torch loaded into memory gets here
+
+        return tensor_bytes(entry.tensor)[seg.offset * size : (seg.offset + seg.numel) * size]
 
 
 def classify(rel: str) -> str:
@@ -95,12 +99,6 @@ def classify(rel: str) -> str:
     if name.endswith(".safetensors"):
         return SAFETENSORS
     return RAW
-
-
-def skeleton_bytes(skeleton: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(skeleton, buf)
-    return buf.getvalue()
 
 
 def write_order(layout: CheckpointLayout) -> list[str]:
@@ -152,22 +150,27 @@ def read_checkpoint(
 
 
 def _read_torch(out: ReadFile, src: InputFile, trust_pickles: bool, infos: dict[str, ds.ModelInfo]) -> None:
-    """Unpickle (mapped, so no tensor byte is read), locate every tensor, then cut it into segments.
-
-    Located tensors become meta tensors, so nothing can read the input's mapping later (a
-    truncated file would turn that read into SIGBUS). A file whose tensors cannot be located
-    is loaded again into private memory, the one case where a file's tensors are held whole.
-    """
+    """Describe every tensor and cut it into segments: without torch for a plain torch.save zip,
+    else through torch (see ``torch_fallback``)."""
     name = PurePosixPath(out.path).name
-    obj, out.trusted = load_torch_file(src.by_descriptor, trust_pickles=trust_pickles, where=out.source)
-    skeleton, entries = split_tensors(obj, where=str(out.source), file_size=out.size)
-    out.located = locate_tensors(src.by_descriptor, entries)
-    if out.located:
-        for entry in entries:
-            entry.tensor = torch.empty_like(entry.tensor, device="meta")
+    where = str(out.source)
+    parsed = None
+    try:
+        parsed = read_torch_zip(src, where)
+    except UnsafePickleError:
+        if not trust_pickles:
+            raise
+    if parsed is not None:
+        obj, pickle_record = parsed
+        _, entries = split_tensors(obj, where=where, file_size=out.size)
+        for entry in entries:  # an empty tensor has no bytes, so no offset (as the torch fallback says)
+            entry.file_offset = entry.tensor.file_offset if entry.tensor.numel() else None
+        out.skeleton, out.located = pickle_record, True
     else:
-        obj, out.trusted = load_torch_file(src.by_descriptor, trust_pickles=trust_pickles, where=out.source, mmap=False)
-        skeleton, entries = split_tensors(obj, where=str(out.source), file_size=out.size)
+        # Importing torch costs about two seconds; only a file the torch-free reader cannot take pays it.
+        from .torch_fallback import load_with_torch
+
+        obj, out.tree, entries, out.located, out.trusted = load_with_torch(src, where, out.size, trust_pickles)
     folder = str(PurePosixPath(out.path).parent)
     if ds.is_model_states(name):
         info = ds.model_info(obj)
@@ -176,9 +179,8 @@ def _read_torch(out: ReadFile, src: InputFile, trust_pickles: bool, infos: dict[
         ds.segment_model_states(obj, entries, out.rank or 0, info)
     elif ds.is_optim_states(name):
         info = infos.get(folder, ds.ModelInfo())
-        ds.segment_optim_states(obj, entries, out.rank or 0, info, str(out.source))
+        ds.segment_optim_states(obj, entries, out.rank or 0, info, where)
     else:
         for entry in entries:
             ds.generic(entry, 0)
-    out.tree = skeleton  # pickled only when a commit stores it (skeleton_blob)
     out.entries = entries

@@ -11,24 +11,23 @@ from __future__ import annotations
 import json
 import struct
 
-import torch
-
 from .. import atoms as A
 from ..errors import BadCheckpointError
 from ..layers import layer_of
 from .source import InputFile
+from .tensor_ref import DTYPES, TensorRef
 
-_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
+_DTYPES = {  # safetensors' dtype codes, by torch's names
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
 }
 
 
@@ -53,7 +52,7 @@ def parse_header(data: bytes, where: str) -> tuple[int, list[tuple[str, str, lis
     for name, dtype, shape, begin, end in tensors:
         if begin != cursor or end < begin:
             raise BadCheckpointError(f"{where}: tensor {name} does not follow the previous one; not contiguous")
-        width = _DTYPES[dtype].itemsize if dtype in _DTYPES else None
+        width = DTYPES[_DTYPES[dtype]].itemsize if dtype in _DTYPES else None
         if width is not None and _count(shape) * width != end - begin:
             raise BadCheckpointError(f"{where}: tensor {name}'s shape and byte range disagree; the file is damaged")
         cursor = end
@@ -76,7 +75,7 @@ def _count(shape: list[int]) -> int:
 
 
 def read_safetensors(src: InputFile, where: str) -> tuple[bytes, list[A.TensorEntry]] | None:
-    """Header bytes and entries (meta tensors: the bytes stay in the file), or None when the file
+    """Header bytes and entries (described: the bytes stay in the file), or None when the file
     must be kept whole (unknown dtype)."""
     size = src.size
     if size < 8:
@@ -95,7 +94,7 @@ def read_safetensors(src: InputFile, where: str) -> tuple[bytes, list[A.TensorEn
         return None
     entries = []
     for slot, (name, dtype, shape, begin, _end) in enumerate(tensors):
-        tensor = torch.empty(shape, dtype=_DTYPES[dtype], device="meta")
+        tensor = TensorRef(_DTYPES[dtype], tuple(shape), data_start + begin)
         entry = A.TensorEntry(slot=slot, path=name, tensor=tensor, file_offset=data_start + begin)
         n = tensor.numel()
         entry.segments = [A.Segment(0, n, name, A.WEIGHT, 0, 0, layer_of(name))] if n else []
@@ -103,6 +102,7 @@ def read_safetensors(src: InputFile, where: str) -> tuple[bytes, list[A.TensorEn
     return header, entries
 
 
-def tensor_layout(header: bytes, where: str) -> list[tuple[str, torch.dtype, list[int]]]:
+def tensor_layout(header: bytes, where: str) -> list[tuple[str, str, list[int]]]:
+    """(name, torch dtype name, shape) of every tensor, in file order."""
     _, tensors = parse_header(header, where)
     return [(name, _DTYPES[dtype], shape) for name, dtype, shape, _, _ in tensors]

@@ -2,19 +2,19 @@
 
 Dicts (with their exact type, OrderedDict included), lists and plain tuples are walked;
 every tensor is replaced by a :class:`TensorSlot`. Other objects (torch.Size, enums,
-DeepSpeed's LossScaler, ...) stay in the skeleton as they are, so the skeleton pickles
+DeepSpeed's LossScaler, or their torch-free stand-ins) stay in the skeleton as they are, so the skeleton pickles
 back to an equal structure.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
-
-import torch
 
 from ..atoms import TensorEntry, TensorSlot, dtype_name
 from ..errors import BadCheckpointError
+from .tensor_ref import TensorRef
 
 MAX_DEPTH = 200  # DeepSpeed's deepest tree is about 6 levels
 MIN_NODE_BUDGET = 1_000_000
@@ -47,7 +47,7 @@ def split_tensors(obj: Any, *, where: str = "", file_size: int = 0) -> tuple[Any
             raise refuse(f"the pickle's object tree nests deeper than {MAX_DEPTH} levels")
         if isinstance(node, TensorSlot):
             raise refuse("it holds tailorstore's own TensorSlot objects")
-        if isinstance(node, torch.Tensor):
+        if _is_tensor(node):
             slot = TensorSlot(len(entries), dtype_name(node.dtype), tuple(node.shape))
             entries.append(TensorEntry(slot=slot.slot, path=path, tensor=node))
             return slot
@@ -66,7 +66,16 @@ def split_tensors(obj: Any, *, where: str = "", file_size: int = 0) -> tuple[Any
     return walk(obj, ""), entries
 
 
-def fill_tensors(skeleton: Any, tensors: dict[int, torch.Tensor]) -> Any:
+def _is_tensor(node: Any) -> bool:
+    """A TensorRef (the torch-free readers), or a torch tensor (the torch fallback). Without torch
+    imported, nothing can be a torch tensor, so this never imports it."""
+    if isinstance(node, TensorRef):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(node, torch.Tensor)
+
+
+def fill_tensors(skeleton: Any, tensors: dict[int, Any]) -> Any:
     """Put tensors back where their slots are; the skeleton itself is not changed."""
 
     def walk(node: Any) -> Any:

@@ -16,8 +16,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous tensor, without copying."""
-    flat = tensor.reshape(-1)
+    """The raw bytes of a tensor in element order; copied only when the tensor is a strided view."""
+    flat = tensor.reshape(-1).contiguous()
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")

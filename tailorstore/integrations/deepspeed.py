@@ -1,35 +1,320 @@
-"""DeepSpeed: save, then commit, from the training loop.
+"""DeepSpeed: a checkpoint engine that saves into the store, and a save-then-commit helper.
 
-::
+The engine (every rank attaches it; ``attach`` is collective)::
 
-    from tailorstore.integrations.deepspeed import save_checkpoint
+    from tailorstore.integrations.deepspeed import attach
 
-    with tailorstore.Store.open("ckpt-store") as store:
-        for step in ...:
-            ...
-            if step % 100 == 0:
-                save_checkpoint(engine, "saves", store)   # the save, then a background commit
-    # resume: store.checkout("latest", "restored"); engine.load_checkpoint("restored")
+    store = tailorstore.Store.open("ckpt-store")        # needed on global rank 0 only
+    tailor = attach(engine, store)                       # after deepspeed.initialize
+    for step in ...:
+        ...
+        engine.save_checkpoint("saves")                  # into the store, in the background
+    engine.load_checkpoint("saves")                      # resumes from the store
+    tailor.flush()                                       # before exit: the last commit's errors
 
-Every rank calls ``save_checkpoint`` (DeepSpeed's own is collective); after DeepSpeed's
-closing barrier, global rank 0 commits the step's folder in the background and, with
-``delete_after_commit``, deletes it once its manifest is durable.
+``engine.save_checkpoint`` hands each file to :class:`TailorCheckpointEngine`, which
+serializes it into a staging folder in memory (``/dev/shm``, or ``$TAILOR_STAGING``), never
+into ``save_dir``. Once every rank has saved, global rank 0 commits the staged step through
+the same container path as ``tailor commit`` (one process, so every policy works) and
+deletes the staged copy once the manifest is durable and its blobs are checked. DeepSpeed
+still writes its small ``latest`` pointer and recovery scripts into ``save_dir`` itself.
+
+Memory: a save waits in the staging folder while it is committed, so up to two raw saves
+of this node's ranks sit in memory (the one being committed, the next being saved). On
+several nodes, global rank 0 must see every rank's staged files: pass ``staging=`` a folder
+all nodes share, or use :func:`save_checkpoint` (save to disk, then commit).
+
+If a background commit fails, its staged files are moved to where DeepSpeed would have
+written them (``save_dir/tag``), so nothing is lost, and the error is raised at the next
+save or at :meth:`TailorCheckpointEngine.flush`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from ..api import Store
 from ..commit import CommitResult
+from ..environment import STAGING_ENV
+from ..errors import StoreError
+from ..formats.deepspeed import is_model_states
+from ..safe_load import load_torch_file
+
+log = logging.getLogger("tailorstore")
+ENGINE_NAME = "TailorCheckpointEngine"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def default_staging() -> Path:
+    """Memory-backed staging: ``$TAILOR_STAGING``, else ``/dev/shm`` where it exists, else the temp dir."""
+    configured = os.environ.get(STAGING_ENV)
+    if configured:
+        return Path(configured)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def step_of_tag(tag: str) -> int | None:
+    """``global_step120`` -> 120: DeepSpeed's default tag names the step."""
+    match = re.fullmatch(r"global_step(\d+)", tag)
+    return int(match.group(1)) if match else None
+
+
+class TailorCheckpointEngine(CheckpointEngine):
+    """A DeepSpeed checkpoint engine whose saves go into a tailorstore store.
+
+    Build it with :func:`attach`, which also routes ``engine.load_checkpoint`` through it.
+    ``store`` is needed on global rank 0 only. ``policy`` and its parameters choose the layers
+    stored at each step, as in :meth:`Store.commit`.
+    """
+
+    def __init__(
+        self,
+        store: Store | None,
+        *,
+        policy: str = "full",
+        asynchronous: bool = True,
+        staging: str | os.PathLike | None = None,
+        global_steps: Callable[[], int] | None = None,
+        **policy_params: float,
+    ) -> None:
+        super().__init__(None)
+        self.name = ENGINE_NAME
+        if _rank() == 0 and store is None:
+            raise StoreError("TailorCheckpointEngine: global rank 0 commits, so it needs the store.")
+        self.store = store if _rank() == 0 else None
+        self.policy = policy
+        self.policy_params = dict(policy_params)
+        self.asynchronous = asynchronous
+        self._global_steps = global_steps
+        # One folder per engine, the same on every rank: rank 0 commits what all ranks staged.
+        token = _from_rank0(f"tailor-staging-{os.getpid()}-{secrets.token_hex(4)}")
+        self.staging = Path(staging) if staging is not None else default_staging()
+        self._root = self.staging / token
+        self._saves = 0
+        self._save: tuple[Path, Path] | None = None  # (the real tag folder, its staged twin)
+        self._staged_names: list[str] = []
+
+    # -- what DeepSpeed calls while saving ----------------------------------------------
+    def create(self, info: CheckpointCommitInfo) -> None:
+        """A new save begins: it gets its own staged folder (the previous one may still be committing)."""
+        self._saves += 1
+        real = Path(info.save_dir) / info.tag
+        self._save = (real.absolute(), self._root / f"save-{self._saves:06d}" / info.tag)
+        self._staged_names = []
+
+    def _staged(self, path: str | os.PathLike) -> Path | None:
+        """The staged twin of a path inside the save's tag folder (None for anything else)."""
+        if self._save is None:
+            return None
+        real, twin = self._save
+        target = Path(path).absolute()
+        if target == real:
+            return twin
+        if real in target.parents:
+            return twin / target.relative_to(real)
+        return None
+
+    def makedirs(self, path: str | os.PathLike, exist_ok: bool = False) -> None:
+        twin = self._staged(path)
+        (twin or Path(path)).mkdir(parents=True, exist_ok=exist_ok or twin is not None)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Serialize one file into memory; the tensors may change as soon as this returns."""
+        twin = self._staged(path)
+        if twin is None:  # not part of the tag folder: DeepSpeed's own behaviour
+            torch.save(state_dict, path)
+            return
+        twin.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state_dict, twin)
+        self._staged_names.append(str(twin.relative_to(self._save[1])))  # type: ignore[index]
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """Files come from a checkout of the store; loaded with the allowlist, never running unknown code."""
+        return load_torch_file(path, mmap=False)[0]
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """Every rank has staged its files: rank 0 commits the step (in the background by default)."""
+        if self._save is None:
+            return True
+        real, twin = self._save
+        self._save = None
+        names = self._gathered_names()
+        if _rank() != 0:
+            return True
+        missing = sorted(n for n in names if not (twin / n).is_file())
+        if missing:
+            raise StoreError(
+                f"global rank 0 does not see the staged files {missing[:3]} of {info.tag} in {twin.parent}: the "
+                "ranks do not share a staging folder (several nodes?). Pass `staging=` a folder every node "
+                "sees, or save with tailorstore.integrations.deepspeed.save_checkpoint."
+            )
+        step = step_of_tag(info.tag)
+        if step is None and self._global_steps is not None:
+            step = self._global_steps()
+        self._submit(twin, real, step)
+        return True
+
+    def _gathered_names(self) -> list[str]:
+        """Every rank's staged file names, after a barrier: all files are complete once it passes."""
+        if not _distributed():
+            return list(self._staged_names)
+        every: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, list(self._staged_names))
+        return sorted({n for names in every for n in names or []})
+
+    def _submit(self, twin: Path, real: Path, step: int | None) -> Future[CommitResult] | CommitResult:
+        assert self.store is not None
+        options: dict[str, Any] = {"step": step, "policy": self.policy, **self.policy_params}
+
+        def job(store: Store) -> CommitResult:
+            try:
+                return store.commit(twin, delete_after_commit=True, **options)
+            except BaseException:
+                _rescue(twin, real)
+                raise
+            finally:
+                _remove_empty(twin.parent)
+
+        if self.asynchronous:
+            return self.store.background(str(real), job)
+        return job(self.store)
+
+    # -- resuming ----------------------------------------------------------------------
+    def load_checkpoint(self, original: Callable[..., Any], load_dir: str, tag: str | None = None, **kw: Any) -> Any:
+        """``engine.load_checkpoint`` through the store: a folder on disk is loaded as it is; otherwise
+        rank 0 checks the step out into the staging folder, every rank loads it, and it is deleted."""
+        if tag is None and (Path(load_dir) / "latest").is_file():
+            tag = (Path(load_dir) / "latest").read_text().strip()
+        if tag and any(is_model_states(p.name) for p in (Path(load_dir) / tag).glob("*")):
+            return original(load_dir, tag, **kw)
+        restored = self._root / f"restore-{self._saves:06d}"
+        outcome: tuple[str | None, str | None] = (None, None)
+        if _rank() == 0:
+            outcome = self._checkout(tag, restored)
+        restored_tag, error = _from_rank0(outcome)
+        if error:
+            raise StoreError(error)
+        try:
+            return original(str(restored), restored_tag, **kw)
+        finally:
+            _barrier()
+            if _rank() == 0:
+                shutil.rmtree(restored, ignore_errors=True)
+                _remove_empty(self._root)
+
+    def _checkout(self, tag: str | None, out: Path) -> tuple[str | None, str | None]:
+        """(the checked-out tag folder, None) or (None, why it failed): every rank must hear either."""
+        assert self.store is not None
+        try:
+            self.store.flush()  # the step asked for may still be committing
+            step = step_of_tag(tag) if tag else None
+            if tag and step is None:
+                return None, f"the DeepSpeed tag {tag!r} names no step; load 'global_stepN' or leave tag=None"
+            self.store.checkout(step if step is not None else "latest", out)
+            folders = [p.name for p in out.iterdir() if p.is_dir()]
+            if len(folders) != 1:
+                return None, f"the checked-out step in {out} holds {len(folders)} tag folders, not one"
+            return folders[0], None
+        except Exception as exc:
+            shutil.rmtree(out, ignore_errors=True)
+            return None, f"resuming from {self.store.location} failed: {exc}"
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait for the commits in flight and raise the first failure (rank 0; a no-op elsewhere)."""
+        if self.store is not None:
+            self.store.flush()
+            _remove_empty(self._root)
+
+    def cleanup(self) -> None:
+        self.flush()
+
+
+def _rescue(twin: Path, real: Path) -> None:
+    """A failed commit's staged files go where DeepSpeed would have written them."""
+    if not twin.is_dir():
+        return
+    real.mkdir(parents=True, exist_ok=True)
+    for item in twin.iterdir():
+        shutil.move(str(item), str(real / item.name))
+    twin.rmdir()
+    log.error("tailorstore: the commit of %s failed; its files were written there instead", real)
+
+
+def _remove_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+
+
+def attach(
+    engine: Any,
+    store: Store | None,
+    *,
+    policy: str = "full",
+    asynchronous: bool = True,
+    staging: str | os.PathLike | None = None,
+    **policy_params: float,
+) -> TailorCheckpointEngine:
+    """Install a :class:`TailorCheckpointEngine` on a DeepSpeed engine, on every rank (collective).
+
+    ``engine.save_checkpoint`` then saves into the store and ``engine.load_checkpoint`` resumes
+    from it (a tag folder that exists on disk is still loaded from disk).
+    """
+    tailor = TailorCheckpointEngine(
+        store,
+        policy=policy,
+        asynchronous=asynchronous,
+        staging=staging,
+        global_steps=lambda: int(engine.global_steps),
+        **policy_params,
+    )
+    engine.checkpoint_engine = tailor
+    original = engine.load_checkpoint
+
+    def load_checkpoint(load_dir: str, tag: str | None = None, **kw: Any) -> Any:
+        return tailor.load_checkpoint(original, load_dir, tag, **kw)
+
+    engine.load_checkpoint = load_checkpoint
+    return tailor
 
 
 def save_checkpoint(
@@ -46,8 +331,9 @@ def save_checkpoint(
 ) -> Future[CommitResult] | CommitResult | None:
     """``engine.save_checkpoint(save_dir, tag)`` on every rank, then rank 0 commits the step.
 
-    ``store`` is needed on rank 0 only (other ranks may pass None). Returns rank 0's future
-    (or result, when not asynchronous); other ranks get None.
+    The plain "save, then commit" path: the save lands on disk first. ``store`` is needed on
+    rank 0 only (other ranks may pass None). Returns rank 0's future (or result, when not
+    asynchronous); other ranks get None.
     """
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state or {})
     if _rank() != 0:

@@ -62,6 +62,7 @@ def commit_rank_parallel(
     if not (dist.is_available() and dist.is_initialized()):
         raise StoreError("commit_rank_parallel needs torch.distributed initialized; use Store.commit in one process.")
     rank = dist.get_rank(group)
+    dist.barrier(group)  # every rank has finished writing its files before any rank reads the folder
     options = CommitOptions(
         step=step, trust_pickles=trust_pickles, level=level, lock_timeout=lock_timeout, part=True, run=store.run
     )

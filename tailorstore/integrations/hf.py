@@ -12,8 +12,12 @@
         store.checkout("latest", "restored/checkpoint-latest")
     trainer.train(resume_from_checkpoint="restored/checkpoint-latest")
 
-Only the main process (global rank 0) commits, once every rank has written its files:
-DeepSpeed's ``save_checkpoint`` ends with a barrier before the Trainer calls ``on_save``.
+In a distributed run with the ``full`` policy the commit is rank-parallel
+(:mod:`tailorstore.integrations.distributed`): every rank writes its own files' blobs and
+global rank 0 finalizes the one manifest. Background commits then talk over a process group
+of their own, so their collectives never interleave with training's. Other policies decide
+from the whole step, so global rank 0 commits it alone.
+
 With ``save_total_limit``, the Trainer deletes the oldest checkpoint when it writes the next
 one; the callback therefore waits for the commits in flight before each save, so a commit
 never reads a folder the Trainer is deleting.
@@ -25,10 +29,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..api import Store
+from ..api import Store, check_blobs_present, delete_committed
+from .distributed import RankParallelResult, commit_rank_parallel
 
 
 class TailorCallback(TrainerCallback):
@@ -46,26 +52,51 @@ class TailorCallback(TrainerCallback):
         self.policy_params = policy_params
         self.delete_after_commit = delete_after_commit
         self.asynchronous = asynchronous
+        self._group: Any = None  # the background commits' own process group
 
     def _open(self) -> Store:
         if self._store is None:
             self._store = Store.open(self._store_arg)  # type: ignore[arg-type]
         return self._store
 
+    def rank_parallel(self) -> bool:
+        """Whether every rank commits its own files (a distributed run with the full policy)."""
+        return self.policy == "full" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if self.rank_parallel() and self.asynchronous and self._group is None:
+            self._group = dist.new_group(backend="gloo")  # collective: every rank calls on_train_begin
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if control.should_save and self._store is not None and args.save_total_limit:
             self._store.flush()  # the coming save may delete a folder a commit is still reading
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if self.rank_parallel():
+            store = self._open()
+            step = state.global_step
+            if self.asynchronous:
+                store.background(str(folder), lambda handle: self._commit_parallel(handle, folder, step))
+            else:
+                self._commit_parallel(store, folder, step)
+            return
         if not state.is_world_process_zero:
             return
-        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         store = self._open()
         options: dict[str, Any] = {"step": state.global_step, "policy": self.policy, **self.policy_params}
         if self.asynchronous:
             store.commit_async(folder, delete_after_commit=self.delete_after_commit, **options)
         else:
             store.commit(folder, delete_after_commit=self.delete_after_commit, **options)
+
+    def _commit_parallel(self, store: Store, folder: Path, step: int) -> RankParallelResult:
+        """Every rank's share, rank 0's manifest; rank 0 deletes the folder once its blobs are checked."""
+        result = commit_rank_parallel(store, folder, step=step, group=self._group)
+        if self.delete_after_commit and dist.get_rank() == 0:
+            check_blobs_present(store.repo, result.finalized.manifest)
+            delete_committed(store.repo, result.finalized.manifest, folder)
+        return result
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self._store is not None:

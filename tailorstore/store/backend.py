@@ -117,8 +117,11 @@ class RangeReader(io.RawIOBase):
     """A forward-only file over ranged gets, ``READ_CHUNK`` bytes at a time: what codec
     decoding reads from, so memory stays at one chunk whatever the object's size."""
 
-    def __init__(self, backend: Backend, key: str, start: int = 0, length: int | None = None) -> None:
+    def __init__(
+        self, backend: Backend, key: str, start: int = 0, length: int | None = None, chunk: int = READ_CHUNK
+    ) -> None:
         self._backend = backend
+        self._chunk = chunk
         self._key = key
         self._pos = start
         self._end = None if length is None else start + length
@@ -130,7 +133,7 @@ class RangeReader(io.RawIOBase):
         return True
 
     def _fill(self) -> None:
-        want = READ_CHUNK if self._end is None else min(READ_CHUNK, self._end - self._pos)
+        want = self._chunk if self._end is None else min(self._chunk, self._end - self._pos)
         if want <= 0:
             self._eof = True
             self._buf, self._at = b"", 0

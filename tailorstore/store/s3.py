@@ -10,6 +10,7 @@ multipart uploads, which S3 makes visible only when complete.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -24,6 +25,8 @@ from .backend import BackendError, BytesLike, Chunks, ObjectExistsError, RangeRe
 
 T = TypeVar("T")
 _PART = 8 << 20  # bytes per multipart chunk
+_READ = 32 << 20  # bytes per ranged GET when streaming: each GET is a round trip
+_SINGLE_PUT = 64 << 20  # objects up to this size go up in one PUT, held in memory once
 
 
 def _seconds(name: str, default: float, most: float) -> float:
@@ -79,14 +82,24 @@ class S3Backend:
             ) from None
 
     def put(self, key: str, data: BytesLike | Chunks, *, create_only: bool = False) -> None:
+        """One PUT for an object up to ``_SINGLE_PUT`` bytes (most blobs, packs, manifests), a
+        multipart upload above: each upload part is a request, and the server joins them."""
         check_key(key)
-        chunks = as_chunks(data)
-        payload: object
-        if isinstance(chunks, list) and len(chunks) == 1:
-            payload = bytes(chunks[0]) if isinstance(chunks[0], memoryview) else chunks[0]
-        else:
-            payload = (bytes(c) if isinstance(c, memoryview) else c for c in chunks)
+        chunks = iter(as_chunks(data))
+        head: list[bytes] = []
+        size = 0
+        for chunk in chunks:
+            head.append(bytes(chunk) if isinstance(chunk, memoryview) else chunk)  # type: ignore[arg-type]
+            size += len(head[-1])
+            if size > _SINGLE_PUT:
+                break
         mode = "create" if create_only else "overwrite"
+        if size <= _SINGLE_PUT:
+            whole = head[0] if len(head) == 1 else b"".join(head)
+            self._call("writing", key, lambda: obstore.put(self._store, key, whole, mode=mode, use_multipart=False))
+            return
+        rest = (bytes(c) if isinstance(c, memoryview) else c for c in chunks)
+        payload = itertools.chain(head, rest)
         self._call("writing", key, lambda: obstore.put(self._store, key, payload, mode=mode, chunk_size=_PART))
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
@@ -104,7 +117,7 @@ class S3Backend:
     def reader(self, key: str, start: int = 0, length: int | None = None) -> BinaryIO:
         if length is None:  # a range past the end is an error on S3, so bound it first
             length = self.size(key) - start
-        return RangeReader(self, key, start, length)  # type: ignore[return-value]
+        return RangeReader(self, key, start, length, _READ)  # type: ignore[return-value]
 
     def exists(self, key: str) -> bool:
         try:

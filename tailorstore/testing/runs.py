@@ -24,7 +24,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(module: str, args: list[str], *, nproc: int = 2, log: Path | None = None, timeout: float = 900) -> None:
+def torchrun_command(module: str, args: list[str], *, nproc: int = 2) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a CPU torchrun job on 127.0.0.1 (benchmarks poll it while it runs)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [
@@ -41,6 +42,11 @@ def torchrun(module: str, args: list[str], *, nproc: int = 2, log: Path | None =
         module,
         *args,
     ]
+    return cmd, env
+
+
+def torchrun(module: str, args: list[str], *, nproc: int = 2, log: Path | None = None, timeout: float = 900) -> None:
+    cmd, env = torchrun_command(module, args, nproc=nproc)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ import importlib
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailorstore.api import Store
-from tailorstore.integrations.deepspeed import save_checkpoint
+from tailorstore.integrations.deepspeed import attach, save_checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -157,6 +158,8 @@ def ds_config(args: argparse.Namespace) -> dict:
             config["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
     elif args.dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if args.fast_writer:  # DeepSpeed's FastCheckpointEngine, for the training-stall benchmark
+        config["checkpoint"] = {"writer": {"type": "python", "decoupled": False, "data_parallel": "replica"}}
     return config
 
 
@@ -166,6 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-every", type=int, default=3)
     p.add_argument("--resume-from", default=None, help="a DeepSpeed save dir to load_checkpoint from")
+    p.add_argument("--resume-tag", default=None, help="the tag to load (default: what 'latest' names)")
     p.add_argument("--losses-out", default=None)
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
@@ -182,6 +186,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--commit-to", default=None, help="a tailorstore: rank 0 commits after every save")
     p.add_argument("--delete-after-commit", action="store_true", help="remove each tag folder once committed")
+    p.add_argument(
+        "--tailor-engine",
+        action="store_true",
+        help="attach TailorCheckpointEngine: saves go into --commit-to, and --resume-from loads from it",
+    )
+    p.add_argument("--engine-policy", default="full", help="the policy TailorCheckpointEngine commits with")
+    p.add_argument("--fast-writer", action="store_true", help="save with DeepSpeed's FastCheckpointEngine")
+    p.add_argument("--timings-out", default=None, help="JSON: each save's stall and the training loop's seconds")
     return p.parse_args(argv)
 
 
@@ -194,6 +206,10 @@ def main(argv: list[str] | None = None) -> None:
     # Skip DeepSpeed's JIT build of its shared-memory op (47 to 95 s on a fresh machine);
     # gloo then carries all communication and losses stay bit-identical.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    if args.fast_writer:  # its writer config reads what DeepSpeed's own launcher sets; torchrun runs one node
+        os.environ.setdefault("CROSS_SIZE", "1")
+        os.environ.setdefault("CROSS_RANK", "0")
+        os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
 
@@ -208,15 +224,19 @@ def main(argv: list[str] | None = None) -> None:
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(args)
     )
 
+    store = Store.open(args.commit_to) if args.commit_to and rank == 0 else None
+    tailor = attach(engine, store, policy=args.engine_policy) if args.tailor_engine else None
+
     start_step = 0
     if args.resume_from:
-        load_path, client_state = engine.load_checkpoint(args.resume_from)
+        load_path, client_state = engine.load_checkpoint(args.resume_from, tag=args.resume_tag)
         if load_path is None:
             raise SystemExit(f"DeepSpeed found no checkpoint to resume from in {args.resume_from}")
         start_step = int(client_state["my_step"])
 
-    store = Store.open(args.commit_to) if args.commit_to and rank == 0 else None
     losses: dict[int, float] = {}
+    stalls: list[float] = []  # how long each save blocked training (rank 0)
+    loop_began = time.perf_counter()
     for step in range(start_step + 1, args.steps + 1):
         tokens = batch_for_step(step, rank, args.micro_batch, args.seq, args.vocab)
         loss = engine(tokens)
@@ -224,7 +244,10 @@ def main(argv: list[str] | None = None) -> None:
         engine.step()
         losses[step] = loss.item()
         if args.save_every and step % args.save_every == 0:
-            if store is not None or args.commit_to:
+            save_began = time.perf_counter()
+            if tailor is not None:  # the engine saves into the store itself
+                engine.save_checkpoint(args.save_dir, client_state={"my_step": step})
+            elif store is not None or args.commit_to:
                 # the save on every rank, then rank 0 commits it in the background
                 save_checkpoint(
                     engine,
@@ -235,12 +258,21 @@ def main(argv: list[str] | None = None) -> None:
                 )
             else:
                 engine.save_checkpoint(args.save_dir, client_state={"my_step": step})
+            stalls.append(time.perf_counter() - save_began)
 
+    if tailor is not None:
+        tailor.flush()  # rank 0: waits for the last commit and raises any failure
+    if args.fast_writer:
+        engine.checkpoint_engine.cleanup()  # DeepSpeed's writer finishes what it still holds
     if store is not None:
         store.close()  # waits for the last commit and raises any failure
         with Store.open(args.commit_to) as done:
             for s in done.log():
                 print(f"[tailor] committed step {s.step}: {s.raw_bytes} raw, {s.new_bytes} newly stored", flush=True)
+    torch.distributed.barrier()
+    if rank == 0 and args.timings_out:
+        timings = {"stalls": stalls, "loop_seconds": time.perf_counter() - loop_began}
+        Path(args.timings_out).write_text(json.dumps(timings))
     if rank == 0 and args.losses_out:
         # float.hex keeps every bit, so equality checks are exact.
         Path(args.losses_out).write_text(json.dumps({str(k): v.hex() for k, v in losses.items()}))

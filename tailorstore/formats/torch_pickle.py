@@ -1,0 +1,250 @@
+"""Reading a ``torch.save`` checkpoint without torch: a restricted unpickler over its zip.
+
+``torch.save`` writes a zip of stored records: ``<archive>/data.pkl`` (the object tree,
+pickled, with each storage as a persistent id) and one ``<archive>/data/<key>`` record per
+storage holding its raw bytes. A commit needs the tree and each tensor's dtype, shape and
+file offset, never the tensors' values as tensors. So this module unpickles ``data.pkl``
+with Python's own unpickler, restricted to an allowlist *named as strings*: the tensor
+rebuild functions become :class:`TensorRef` descriptors pointing into the storage records,
+``torch.Size`` a tuple, and the few DeepSpeed classes (``LossScaler``, ``ZeroStageEnum``,
+``fragment_address``) plain :class:`Opaque` objects holding their arguments and state.
+Neither torch nor DeepSpeed is imported, which keeps both off ``tailor commit``'s start-up.
+
+Anything else is refused before it runs (:class:`UnsafePickleError`), exactly as torch's
+``weights_only`` loader refuses it. A file this reader cannot take as a plain torch.save
+zip (compressed records, a non-contiguous tensor, a dtype outside :data:`DTYPES`) returns
+None, and the caller falls back to torch.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import codecs
+import io
+import pickle
+import zipfile
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import BadCheckpointError, UnsafePickleError
+from .source import InputFile
+from .tensor_ref import DTYPES, TensorRef
+from .torch_zip import record_offsets
+
+# DeepSpeed's own classes seen in DeepSpeed 0.14 to 0.19 checkpoints; kept as Opaque objects.
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+_STORAGES = {
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+}
+
+
+class NotPlainTorchSave(Exception):
+    """The file is not one this reader takes (the caller falls back to torch); never shown to users."""
+
+
+class Opaque:
+    """An allowlisted object that is not a tensor: its global's name, its arguments and its state.
+
+    The layout code reads attributes of some (``fragment_address.start``); nothing calls them.
+    """
+
+    name = ""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self.name} {self.__dict__}>"
+
+
+def _opaque_class(name: str) -> type[Opaque]:
+    return type(name.rsplit(".", 1)[-1], (Opaque,), {"name": name, "__module__": __name__})
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: str
+
+
+@dataclass(frozen=True)
+class _Storage:
+    key: str
+    dtype: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class _DTypeName:
+    """``torch.bfloat16`` and the like, as objects in a tree (optimizer configs hold a few)."""
+
+    name: str
+
+
+class _Located(TensorRef):
+    """A TensorRef still tied to its storage record; the offset is resolved after the load."""
+
+    storage: _Storage
+    storage_offset: int
+
+
+def _rebuild_tensor_v2(
+    storage: Any,
+    storage_offset: int,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    backward_hooks: Any = None,
+    metadata: Any = None,
+) -> _Located:
+    if not isinstance(storage, _Storage) or not isinstance(storage_offset, int):
+        raise NotPlainTorchSave("a tensor without a storage record")
+    shape = tuple(int(d) for d in size)
+    expected, step = [], 1
+    for d in reversed(shape):
+        expected.append(step)
+        step *= d
+    if step > 1 and tuple(int(s) for s in stride) != tuple(reversed(expected)):
+        raise NotPlainTorchSave("a non-contiguous tensor")
+    ref = _Located(storage.dtype, shape)
+    ref.storage, ref.storage_offset = storage, storage_offset
+    return ref
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any = False, backward_hooks: Any = None, *state: Any) -> Any:
+    return data
+
+
+def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: tuple, state: Any) -> Any:
+    """A tensor of a subclass (or with attributes): its bytes are a plain tensor's; the type is dropped
+    here, and the file's own pickle (kept in its container) still names it."""
+    return func(*args)
+
+
+def _allowed() -> dict[str, Any]:
+    allowed: dict[str, Any] = {
+        "collections.OrderedDict": OrderedDict,
+        "collections.Counter": Counter,
+        "builtins.set": set,
+        "builtins.frozenset": frozenset,
+        "builtins.bytearray": bytearray,
+        "builtins.complex": complex,
+        "_codecs.encode": codecs.encode,  # how protocol 2 pickles bytes
+        "torch.Size": lambda dims=(): tuple(int(d) for d in dims),
+        "torch._utils._rebuild_parameter": _rebuild_parameter,
+        "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+        "torch.device": _opaque_class("torch.device"),
+    }
+    allowed.update({f"torch.{kind}": _StorageType(dtype) for kind, dtype in _STORAGES.items()})
+    allowed.update({f"torch.{dtype}": _DTypeName(dtype) for dtype in DTYPES})
+    allowed.update({name: _opaque_class(name) for name in DEEPSPEED_GLOBALS})
+    return allowed
+
+
+ALLOWED = _allowed()
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, records: dict[str, tuple[int, int]], prefix: str, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.records, self.prefix, self.where = records, prefix, where
+        self.refs: list[_Located] = []
+
+    def _rebuild_tensor(self, *args: Any) -> _Located:
+        ref = _rebuild_tensor_v2(*args)
+        self.refs.append(ref)
+        return ref
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Protocol 2 (torch.save's) writes Python 2 names (__builtin__.set); map them as pickle does.
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        else:
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return self._rebuild_tensor
+        found = ALLOWED.get(f"{module}.{name}")
+        if found is None and module == "torch":
+            raise NotPlainTorchSave(f"torch.{name}")  # a dtype or storage we do not cut: torch's loader decides
+        if found is None:
+            raise UnsafePickleError(
+                f"{self.where}: the pickle needs {module}.{name}, which is not on tailorstore's allowlist, so it "
+                "was not loaded. If you trust this file, run again with `trust_pickles=True`."
+            )
+        return found
+
+    def persistent_load(self, pid: Any) -> _Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise BadCheckpointError(f"{self.where}: a persistent id {str(pid)[:80]} that torch.save does not write")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType) or not isinstance(key, str) or not isinstance(numel, int):
+            raise NotPlainTorchSave("an untyped or unknown storage")
+        record = self.records.get(f"{self.prefix}data/{key}")
+        if record is None or record[1] != numel * DTYPES[storage_type.dtype].itemsize:
+            raise BadCheckpointError(
+                f"{self.where}: storage {key} has no record of {numel} elements in the zip; the file is damaged; "
+                "restore it from a good copy."
+            )
+        return _Storage(key, storage_type.dtype, numel)
+
+
+def read_torch_zip(src: InputFile, where: str) -> tuple[Any, bytes] | None:
+    """(the object tree, with a TensorRef holding its file offset for every tensor, and the bytes of
+    its pickle), or None when the file needs torch (the caller falls back). Raises
+    UnsafePickleError for a global outside the allowlist, BadCheckpointError for a damaged file."""
+    try:
+        records = record_offsets(src.by_descriptor)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None  # not a zip torch.save wrote: torch's loader says what it is
+    pickles = [name for name in records if name.endswith("/data.pkl") and name.count("/") == 1]
+    if not records or len(pickles) != 1:
+        return None
+    prefix = pickles[0].removesuffix("data.pkl")
+    order = records.get(f"{prefix}byteorder")
+    if order is not None and bytes(src.read(*order)) != b"little":
+        return None
+    data = bytes(src.read(*records[pickles[0]]))
+    unpickler = _Unpickler(data, records, prefix, where)
+    try:
+        tree = unpickler.load()
+    except (UnsafePickleError, BadCheckpointError):
+        raise
+    except NotPlainTorchSave:
+        return None
+    except Exception as exc:  # a truncated or corrupt pickle raises any of several types
+        raise BadCheckpointError(
+            f"{where}: the checkpoint's pickle does not load ({type(exc).__name__}: {str(exc)[:120]}); it may be "
+            "truncated or corrupt; restore it from a good copy."
+        ) from None
+    for ref in unpickler.refs:
+        start, _size = records[f"{prefix}data/{ref.storage.key}"]
+        if ref.storage_offset < 0 or ref.storage_offset + ref.numel() > ref.storage.numel:
+            raise BadCheckpointError(
+                f"{where}: a tensor reaches past the end of its storage {ref.storage.key}; the file is damaged; "
+                "restore it from a good copy."
+            )
+        ref.file_offset = start + ref.storage_offset * ref.element_size()
+    return tree, data

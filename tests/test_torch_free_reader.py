@@ -1,0 +1,116 @@
+"""The torch-free reader (a restricted unpickler over torch.save's zip) describes every file of
+real DeepSpeed and HF Trainer saves exactly as the torch loader does: the same tensors, dtypes,
+shapes, file offsets, segments and run facts; and a commit made without torch checks out the
+same bytes."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import HFRun, Runs, same_tree
+
+import tailorstore.formats.reader as reader
+from tailorstore import Store, UnsafePickleError
+from tailorstore.formats.layout import detect
+from tailorstore.formats.source import InputFile
+from tailorstore.formats.torch_pickle import read_torch_zip
+
+
+def described(path: Path) -> list[tuple]:
+    layout = detect(path)
+    return [
+        (
+            f.path,
+            f.kind,
+            f.located,
+            f.meta,
+            [(e.path, e.dtype_name, tuple(e.tensor.shape), e.file_offset, e.segments) for e in f.entries],
+        )
+        for f in reader.read_checkpoint(layout)
+    ]
+
+
+@pytest.mark.parametrize("name", ["zero2-bf16", "zero3-bf16", "zero0-fp32", "zero2-bf16-odd-two-groups"])
+def test_torch_free_reader_describes_deepspeed_files_as_torch_does(
+    runs: Runs, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save = runs.get(name).save_dir
+    free = described(save)
+    monkeypatch.setattr(reader, "read_torch_zip", lambda src, where: None)  # every file through torch
+    through_torch = described(save)
+    assert [f[0] for f in free] == [f[0] for f in through_torch] and any(f[1] == "torch" for f in free)
+    assert free == through_torch
+
+
+def test_torch_free_reader_describes_an_hf_checkpoint_as_torch_does(
+    hf_run: HFRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = hf_run.output_dir / "checkpoint-6"
+    free = described(folder)
+    monkeypatch.setattr(reader, "read_torch_zip", lambda src, where: None)
+    assert free == described(folder)
+
+
+def test_commit_without_torch_checks_out_the_same_bytes(runs: Runs, tmp_path: Path) -> None:
+    save = runs.get("zero3-bf16").save_dir
+    with Store.init(tmp_path / "store") as store:
+        store.commit(save)
+        store.checkout("latest", tmp_path / "out")
+        assert store.verify(deep=True).ok
+    assert same_tree(tmp_path / "out" / "global_step6", save / "global_step6")
+
+
+class _Boom:
+    def __reduce__(self) -> tuple:
+        return (print, ("ran",))
+
+
+def test_a_global_outside_the_allowlist_is_refused_before_it_runs(tmp_path: Path) -> None:
+    """A torch.save-shaped zip whose pickle calls builtins.print: refused, naming the global."""
+    victim = tmp_path / "evil.pt"
+    with zipfile.ZipFile(victim, "w", compression=zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"x": _Boom()}, protocol=2))
+        z.writestr("archive/byteorder", "little")
+    with InputFile(victim) as src, pytest.raises(UnsafePickleError, match=r"builtins\.print"):
+        read_torch_zip(src, str(victim))
+
+
+def test_reading_a_save_does_not_import_torch(runs: Runs, tmp_path: Path) -> None:
+    import subprocess
+
+    probe = (
+        "import sys; from pathlib import Path; from tailorstore.formats.layout import detect; "
+        "from tailorstore.formats.reader import read_checkpoint; "
+        f"files = list(read_checkpoint(detect(Path({str(runs.get('zero2-bf16').save_dir)!r})))); "
+        "print(len(files), 'torch' in sys.modules, 'deepspeed' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out[1:] == ["False", "False"] and int(out[0]) >= 3
+
+
+def test_tree_objects_views_and_what_falls_back_to_torch(tmp_path: Path) -> None:
+    """Protocol-2 names (sets, bytes), torch.Size and a view into a shared storage read without torch;
+    a non-contiguous tensor or a dtype it does not cut sends the file to torch (None)."""
+    import torch
+
+    base = torch.arange(12, dtype=torch.bfloat16)
+    plain = tmp_path / "plain.pt"
+    torch.save({"s": {1, 2}, "b": b"\x00\x01", "size": torch.Size([3, 4]), "view": base[4:10], "all": base}, plain)
+    with InputFile(plain) as src:
+        parsed = read_torch_zip(src, str(plain))
+        assert parsed is not None
+        tree, _record = parsed
+        assert tree["s"] == {1, 2} and tree["b"] == b"\x00\x01" and tree["size"] == (3, 4)
+        view, whole = tree["view"], tree["all"]
+        assert (view.dtype, view.shape, whole.shape) == ("bfloat16", (6,), (12,))
+        assert view.file_offset == whole.file_offset + 4 * 2
+        assert bytes(src.read(view.file_offset, 12)) == base[4:10].view(torch.int16).numpy().tobytes()
+    for name, obj in (("strided", base[::2]), ("complex", torch.zeros(2, dtype=torch.complex64))):
+        path = tmp_path / f"{name}.pt"
+        torch.save({"t": obj}, path)
+        with InputFile(path) as src:
+            assert read_torch_zip(src, str(path)) is None, name
