@@ -15,6 +15,7 @@ import argparse
 import datetime as dt
 import json
 import platform
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -48,6 +49,15 @@ def run_size(size: suite.Size, work: Path, repeats: int, saves: int, interval: i
         result["show_seconds"] = suite.time_cli(["show", f"step={steps[0]}"], thousand, repeats)
         result["log_json_seconds"] = suite.time_cli(["log", "--json"], thousand, repeats)
     return result
+
+
+def with_kept_sections(text: str, previous: str) -> str:
+    """Append the sections other benchmark scripts own (``<!-- NAME:begin -->`` to ``<!-- NAME:end -->``,
+    written by benchmarks/startup.py and benchmarks/stall.py) from the previous document."""
+    for match in re.finditer(r"<!-- (\w+):begin -->.*?<!-- \1:end -->", previous, flags=re.S):
+        if match.group(0).split("\n", 1)[0] not in text:
+            text = text.rstrip() + "\n\n" + match.group(0) + "\n"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     scaling = json.loads(scaling_file.read_text()) if scaling_file.exists() else None
     s3_file = args.workdir / "s3.json"
     s3 = json.loads(s3_file.read_text()) if s3_file.exists() else None
-    args.out.write_text(render(results, quality, scaling, s3))
+    previous = args.out.read_text() if args.out.exists() else ""
+    args.out.write_text(with_kept_sections(render(results, quality, scaling, s3), previous))
     print(f"wrote {args.out}")
 
     return 0

@@ -24,7 +24,7 @@ def _sum(values: list[float]) -> float:
 def render(
     results: dict[str, dict], quality: dict | None = None, scaling: list | None = None, s3: dict | None = None
 ) -> str:
-    order = [k for k in ("small", "medium", "large") if k in results]
+    order = [k for k in ("small", "mid", "medium", "large") if k in results]
     lines = [
         "# Benchmarks",
         "",
@@ -48,8 +48,8 @@ def render(
         "## Commit and checkout against cp -r + sync (sum over the series of saves)",
         "",
         "Commit and checkout are whole `tailor commit` / `tailor checkout` processes, start-up included",
-        "(`import torch` alone costs about 2 s here); the library columns are the same calls timed inside",
-        "the process, which is what a training script using the Python API pays.",
+        "(neither imports torch or DeepSpeed for these files); the library columns are the same calls timed",
+        "inside the process, which is what a training script using the Python API pays.",
         "",
         "| size | params | saves | raw per save | cp -r + sync | tailor commit | commit / copy | tailor checkout"
         " | checkout / copy | library commit / copy | library checkout / copy | store / raw |",
@@ -221,6 +221,10 @@ def render(
     return "\n".join(lines) + "\n"
 
 
+# The in-training issue's targets: 0.8x for the 58M save, 1.5x for a save of about 300 MB.
+COMMIT_TARGETS = {"mid": 1.5, "medium": 0.8}
+
+
 def targets(results: dict[str, dict]) -> list[str]:
     out = ["| target | measured | met |", "|---|---|---|"]
     for name, r in results.items():
@@ -230,8 +234,9 @@ def targets(results: dict[str, dict]) -> list[str]:
         rss_ok = max(p["commit_rss"]) <= r["largest_file"] + 500e6
         co_rss_ok = max(p["checkout_rss"]) <= r["largest_file"] + 500e6
         size_ratio = _sum(r["raw_step_bytes"]) / r["store_bytes"]
+        limit = COMMIT_TARGETS.get(name, 0.8)
         out += [
-            f"| {name}: tailor commit <= 0.8x cp -r + sync | {c:.2f}x | {'yes' if c <= 0.8 else 'no'} |",
+            f"| {name}: tailor commit <= {limit}x cp -r + sync | {c:.2f}x | {'yes' if c <= limit else 'no'} |",
             f"| {name}: tailor checkout <= 1.0x cp -r + sync | {k:.2f}x | {'yes' if k <= 1.0 else 'no'} |",
             f"| {name}: commit peak RSS <= largest file + 500 MB | {mb(max(p['commit_rss']))} | "
             f"{'yes' if rss_ok else 'no'} |",

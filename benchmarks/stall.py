@@ -136,7 +136,7 @@ def median_run(found: list[dict]) -> dict:
 def render(results: dict[str, dict], size_name: str, steps: int, every: int, command: str) -> str:
     plain = results["plain"]
     raw = plain["raw_save"]
-    saves = len(plain["stalls"])
+    saves = len(plain["stalls"]) // plain["repeats"]  # stalls are pooled over the repeats
     lines = [
         BEGIN,
         "## Training stall: saving inside the training loop",
@@ -147,7 +147,8 @@ def render(results: dict[str, dict], size_name: str, steps: int, every: int, com
         f"{raw / 1e6:,.1f} MB raw), median of {plain['repeats']} runs of each, alternating the order. "
         "Wall is the whole `torchrun` job; loop is the training loop inside it "
         "(including waiting for the last commit or write); the stall is how long `save_checkpoint` "
-        "blocked rank 0. Peak disk is sampled every 50 ms over the save folder and the store; the "
+        "blocked rank 0, over every save of every run. Peak disk is sampled every 50 ms over the save "
+        "folder and the store; the "
         "staging column is the memory-backed folder (/dev/shm) the tailor engine serializes into.",
         "",
         "| way | wall | wall / plain | loop | median stall per save | max stall | peak disk | final disk "
@@ -194,6 +195,7 @@ def main() -> None:
             runs[way].append(run_way(way, work, args.size, args.steps, args.save_every))
             print(f"[stall] {way} #{repeat + 1}: {runs[way][-1]['wall']:.1f} s", flush=True)
     results = {way: median_run(found) for way, found in runs.items()}
+    (work / "results.json").write_text(json.dumps(runs, indent=1))  # every run, for a later look
     command = (
         f"python -m benchmarks.stall --size {args.size} --steps {args.steps} --save-every {args.save_every} "
         f"--repeats {args.repeats}"

@@ -43,6 +43,7 @@ class Size:
 
 SIZES = {
     "small": Size("small", 256, 4, 688, 8000, 4),
+    "mid": Size("mid", 384, 6, 1024, 16000, 6),  # 23M parameters: the "save of about 300 MB"
     "medium": Size("medium", 512, 8, 1376, 32000, 8),
     "large": Size("large", 640, 12, 1728, 32000, 10),
 }
@@ -250,7 +251,7 @@ def codec_speeds(save: Path, step: int, repeats: int = 3) -> dict:
     for f in read_checkpoint(detect(save / f"global_step{step}")):
         with f.open() as src:
             for entry in f.entries:
-                if entry.tensor.dtype == __import__("torch").float32 and entry.tensor.numel() > (1 << 20):
+                if entry.dtype_name == "float32" and entry.tensor.numel() > (1 << 20):
                     nbytes = entry.tensor.numel() * 4
                     flat = src.read(entry.file_offset or 0, nbytes)
                     pieces += [flat[i : i + (8 << 20)] for i in range(0, len(flat), 8 << 20)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import HFRun, Runs, same_tree
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from safetensors.torch import load_file
@@ -120,6 +121,25 @@ def test_tailor_checkpoint_engine_writes_a_save_whose_commit_failed_where_deepsp
         assert not list(staging.rglob("*.pt")), "nothing stays behind in memory"
         assert [s.step for s in store.log()] == [3]
         assert store.verify(deep=True).ok
+
+
+def test_tailor_checkpoint_engine_leaves_a_16bit_export_where_deepspeed_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_16bit_model goes through the engine too, with a file beside the tag folder: written as
+    DeepSpeed writes it, and no commit is attempted for the empty staged step."""
+    monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
+    export = tmp_path / "export"
+    with Store.init(tmp_path / "store") as store:
+        engine = TailorCheckpointEngine(store)
+        info = CheckpointCommitInfo(tag="global_step5", save_dir=str(export), save_latest=False)
+        engine.create(info)
+        engine.makedirs(str(export), exist_ok=True)
+        engine.save({"w": torch.ones(3)}, str(export / "pytorch_model.bin"))
+        engine.commit(info)
+        engine.flush()
+        assert store.log() == []
+    assert torch.equal(load_torch_file(export / "pytorch_model.bin", mmap=False)[0]["w"], torch.ones(3))
 
 
 def test_hf_trainer_callback_with_delete_and_save_total_limit(hf_run: HFRun, tmp_path: Path) -> None:

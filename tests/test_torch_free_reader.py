@@ -14,7 +14,7 @@ import pytest
 from conftest import HFRun, Runs, same_tree
 
 import tailorstore.formats.reader as reader
-from tailorstore import Store, UnsafePickleError
+from tailorstore import BadCheckpointError, Store, UnsafePickleError
 from tailorstore.formats.layout import detect
 from tailorstore.formats.source import InputFile
 from tailorstore.formats.torch_pickle import read_torch_zip
@@ -76,6 +76,16 @@ def test_a_global_outside_the_allowlist_is_refused_before_it_runs(tmp_path: Path
         z.writestr("archive/data.pkl", pickle.dumps({"x": _Boom()}, protocol=2))
         z.writestr("archive/byteorder", "little")
     with InputFile(victim) as src, pytest.raises(UnsafePickleError, match=r"builtins\.print"):
+        read_torch_zip(src, str(victim))
+
+
+def test_a_pickle_that_asks_for_a_huge_bytearray_is_refused_without_allocating(tmp_path: Path) -> None:
+    """bytearray(10**12) in nine bytes of pickle: refused before anything is allocated."""
+    victim = tmp_path / "huge.pt"
+    data = b"\x80\x02c__builtin__\nbytearray\nq\x00\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x85q\x01Rq\x02."
+    with zipfile.ZipFile(victim, "w", compression=zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", data)
+    with InputFile(victim) as src, pytest.raises(BadCheckpointError, match=r"huge\.pt: .*bytearray from a size"):
         read_torch_zip(src, str(victim))
 
 

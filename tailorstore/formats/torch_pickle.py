@@ -143,13 +143,21 @@ def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: tuple, 
     return func(*args)
 
 
+def _bytearray(source: Any = b"", *args: Any) -> bytearray:
+    """``bytearray`` as pickles rebuild it (from a string or bytes), never ``bytearray(n)``: a
+    hostile pickle would allocate n bytes from a few bytes of input."""
+    if not isinstance(source, str | bytes | bytearray):
+        raise BadCheckpointError("the pickle builds a bytearray from a size, which torch.save never writes")
+    return bytearray(source, *args)
+
+
 def _allowed() -> dict[str, Any]:
     allowed: dict[str, Any] = {
         "collections.OrderedDict": OrderedDict,
         "collections.Counter": Counter,
         "builtins.set": set,
         "builtins.frozenset": frozenset,
-        "builtins.bytearray": bytearray,
+        "builtins.bytearray": _bytearray,
         "builtins.complex": complex,
         "_codecs.encode": codecs.encode,  # how protocol 2 pickles bytes
         "torch.Size": lambda dims=(): tuple(int(d) for d in dims),
@@ -230,8 +238,12 @@ def read_torch_zip(src: InputFile, where: str) -> tuple[Any, bytes] | None:
     unpickler = _Unpickler(data, records, prefix, where)
     try:
         tree = unpickler.load()
-    except (UnsafePickleError, BadCheckpointError):
+    except UnsafePickleError:
         raise
+    except BadCheckpointError as exc:
+        if str(exc).startswith(where):
+            raise
+        raise BadCheckpointError(f"{where}: {exc}; restore it from a good copy.") from None
     except NotPlainTorchSave:
         return None
     except Exception as exc:  # a truncated or corrupt pickle raises any of several types

@@ -176,10 +176,11 @@ class TailorCheckpointEngine(CheckpointEngine):
         real, twin = self._save
         self._save = None
         names = self._gathered_names()
-        if _rank() != 0:
+        if _rank() != 0 or not names:  # nothing staged: save_16bit_model writes beside the tag folder
             return True
         missing = sorted(n for n in names if not (twin / n).is_file())
         if missing:
+            _rescue(twin, real)  # what rank 0 does see is written where DeepSpeed would have put it
             raise StoreError(
                 f"global rank 0 does not see the staged files {missing[:3]} of {info.tag} in {twin.parent}: the "
                 "ranks do not share a staging folder (several nodes?). Pass `staging=` a folder every node "
