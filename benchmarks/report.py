@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 
 def mb(n: float) -> str:
@@ -284,3 +285,15 @@ def s3_section(r: dict) -> list[str]:
         f"({'met' if checkout / down <= 1.0 else 'not met'}).",
     ]
     return out
+
+
+def write_section(doc: Path, block: str) -> None:
+    """Put ``block`` (``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``) into ``doc``, replacing the
+    section of that name, or after the rest; other scripts' sections stay as they are."""
+    begin, end = block.split("\n", 1)[0], block.rsplit("\n", 1)[-1]
+    text = doc.read_text()
+    if begin in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)

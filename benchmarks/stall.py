@@ -29,6 +29,7 @@ from pathlib import Path
 from tailorstore.api import Store
 from tailorstore.testing.runs import torchrun_command
 
+from .report import write_section
 from .suite import SIZES, params_of
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -201,12 +202,7 @@ def main() -> None:
         f"--repeats {args.repeats}"
     )
     block = render(results, args.size, args.steps, args.save_every, command)
-    text = DOC.read_text()
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.write_text(text)
+    write_section(DOC, block)
     print(block)
 
 

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .report import write_section
+
 REPEATS = 15
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- startup:begin -->", "<!-- startup:end -->"
@@ -61,13 +63,8 @@ def main() -> None:
         f"Target: `tailor --help` <= 0.3 s: {'met' if rows[1][1] <= 0.3 else 'not met'}.",
         END,
     ]
-    text = DOC.read_text()
     block = "\n".join(lines)
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.write_text(text)
+    write_section(DOC, block)
     print(block)
 
 

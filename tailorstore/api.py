@@ -319,9 +319,14 @@ def _commit(
 
     result = commit_checkpoint(repo, path, options, progress=progress, on_wait=on_wait)
     if delete_after_commit:
-        check_blobs_present(repo, result.manifest)
-        delete_committed(repo, result.manifest, path)
+        delete_once_durable(repo, result.manifest, path)
     return result
+
+
+def delete_once_durable(repo: Repository, manifest: int, path: Path) -> None:
+    """``delete_after_commit``: every blob of the manifest is checked present, then the files go."""
+    check_blobs_present(repo, manifest)
+    delete_committed(repo, manifest, path)
 
 
 def check_blobs_present(repo: Repository, manifest: int) -> None:

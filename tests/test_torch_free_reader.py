@@ -6,6 +6,7 @@ same bytes."""
 from __future__ import annotations
 
 import pickle
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -90,8 +91,6 @@ def test_a_pickle_that_asks_for_a_huge_bytearray_is_refused_without_allocating(t
 
 
 def test_reading_a_save_does_not_import_torch(runs: Runs, tmp_path: Path) -> None:
-    import subprocess
-
     probe = (
         "import sys; from pathlib import Path; from tailorstore.formats.layout import detect; "
         "from tailorstore.formats.reader import read_checkpoint; "

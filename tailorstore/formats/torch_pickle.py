@@ -94,6 +94,7 @@ class _Storage:
     key: str
     dtype: str
     numel: int
+    start: int  # the file offset of its record's bytes
 
 
 @dataclass(frozen=True)
@@ -206,17 +207,14 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise BadCheckpointError(f"{self.where}: a persistent id {str(pid)[:80]} that torch.save does not write")
+            raise BadCheckpointError(f"a persistent id {str(pid)[:80]} that torch.save does not write")
         _, storage_type, key, _location, numel = pid
         if not isinstance(storage_type, _StorageType) or not isinstance(key, str) or not isinstance(numel, int):
             raise NotPlainTorchSave("an untyped or unknown storage")
         record = self.records.get(f"{self.prefix}data/{key}")
         if record is None or record[1] != numel * DTYPES[storage_type.dtype].itemsize:
-            raise BadCheckpointError(
-                f"{self.where}: storage {key} has no record of {numel} elements in the zip; the file is damaged; "
-                "restore it from a good copy."
-            )
-        return _Storage(key, storage_type.dtype, numel)
+            raise BadCheckpointError(f"storage {key} has no record of {numel} elements in the zip; the file is damaged")
+        return _Storage(key, storage_type.dtype, numel, record[0])
 
 
 def read_torch_zip(src: InputFile, where: str) -> tuple[Any, bytes] | None:
@@ -240,9 +238,7 @@ def read_torch_zip(src: InputFile, where: str) -> tuple[Any, bytes] | None:
         tree = unpickler.load()
     except UnsafePickleError:
         raise
-    except BadCheckpointError as exc:
-        if str(exc).startswith(where):
-            raise
+    except BadCheckpointError as exc:  # raised while loading, without the file's name
         raise BadCheckpointError(f"{where}: {exc}; restore it from a good copy.") from None
     except NotPlainTorchSave:
         return None
@@ -252,11 +248,10 @@ def read_torch_zip(src: InputFile, where: str) -> tuple[Any, bytes] | None:
             "truncated or corrupt; restore it from a good copy."
         ) from None
     for ref in unpickler.refs:
-        start, _size = records[f"{prefix}data/{ref.storage.key}"]
         if ref.storage_offset < 0 or ref.storage_offset + ref.numel() > ref.storage.numel:
             raise BadCheckpointError(
                 f"{where}: a tensor reaches past the end of its storage {ref.storage.key}; the file is damaged; "
                 "restore it from a good copy."
             )
-        ref.file_offset = start + ref.storage_offset * ref.element_size()
+        ref.file_offset = ref.storage.start + ref.storage_offset * ref.element_size()
     return tree, data

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..api import Store, check_blobs_present, delete_committed
+from ..api import Store, delete_once_durable
 from .distributed import RankParallelResult, commit_rank_parallel
 
 
@@ -94,8 +94,7 @@ class TailorCallback(TrainerCallback):
         """Every rank's share, rank 0's manifest; rank 0 deletes the folder once its blobs are checked."""
         result = commit_rank_parallel(store, folder, step=step, group=self._group)
         if self.delete_after_commit and dist.get_rank() == 0:
-            check_blobs_present(store.repo, result.finalized.manifest)
-            delete_committed(store.repo, result.finalized.manifest, folder)
+            delete_once_durable(store.repo, result.finalized.manifest, folder)
         return result
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
