@@ -7,11 +7,13 @@ treated as read-only ("pristine"); tests copy what they modify.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -185,6 +187,27 @@ def kill_after(proc: subprocess.Popen[bytes], delay: float) -> bool:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         return True
+
+
+class KillClock:
+    """Random kill moments inside a command's span, with the span learned as the attempts run.
+
+    One timing on a loaded machine can run long (a cold cache, CI's other work), and then every
+    draw falls after the command ended. Each attempt whose process ends before its kill narrows
+    the span to what that run took, so later draws land inside it.
+    """
+
+    def __init__(self, span: float, rng: random.Random, low: float, high: float) -> None:
+        self.span, self.rng, self.low, self.high = span, rng, low, high
+
+    def kill(self, proc: subprocess.Popen[bytes], started: float) -> bool:
+        """SIGKILL ``proc`` (started at ``started``, perf_counter) at a random moment of the span."""
+        delay = self.rng.uniform(self.low * self.span, self.high * self.span)
+        landed = kill_after(proc, max(0.0, started + delay - time.perf_counter()))
+        if not landed:  # the run took this long: draw inside it from now on
+            self.span = min(self.span, time.perf_counter() - started)
+            self.high = min(self.high, 0.95)
+        return landed
 
 
 def as_of_step(save_dir: Path, step: int, dst: Path) -> Path:
