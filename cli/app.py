@@ -189,6 +189,41 @@ def checkout(
         )
 
 
+@app.command()
+def export(
+    selector: str = typer.Argument(..., help=SELECTOR_HELP),
+    out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32: the FP32 masters rounded to this."),
+    max_shard_size: str = typer.Option(
+        "5GB", "--max-shard-size", help="Split model.safetensors above this size (5GB, 500MB, 2GiB)."
+    ),
+    config: Path | None = typer.Option(None, "--config", help="A config.json to add (a plain DeepSpeed save)."),
+    run: str | None = RunOpt,
+    store: str | None = StoreOpt,
+    quiet: bool = QuietOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Write a step as a Hugging Face model folder (model.safetensors from the FP32 masters)."""
+    with _open(store, run) as st:
+        result = st.export(
+            selector,
+            out,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            config=config,
+            progress=for_terminal(quiet or as_json),
+            warn=lambda m: _say(f"warning: {m}"),
+        )
+    if as_json:
+        typer.echo(json.dumps({**asdict(result), "out": str(result.out)}))
+    elif not quiet:
+        typer.echo(
+            f"exported step {result.step} into {result.out}: {result.tensors} tensors in {len(result.shards)} "
+            f"file(s), {human(result.bytes_written)} ({result.dtype})"
+            + (f"; copied {', '.join(result.copied)}" if result.copied else "")
+        )
+
+
 def _when(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 

@@ -30,6 +30,7 @@ from .checkout import CheckoutResult, checkout_step
 from .commit_options import CommitOptions, CommitResult
 from .diff import LayerDiff, diff, plot
 from .errors import CorruptStoreError, StoreError
+from .export import DEFAULT_SHARD_SIZE, ExportResult, export_step
 from .finalize import FinalizeResult, finalize_step
 from .formats.layout import DEEPSPEED, DEEPSPEED_TAG
 from .gc import GcPlan, Retention, gc
@@ -227,6 +228,31 @@ class Store:
         """Write the checkpoint ``ref`` names into the new directory ``out``, every byte hash-checked."""
         return checkout_step(
             self.repo, self._selector(ref), Path(out), trust_pickles=trust_pickles, progress=progress, warn=warn
+        )
+
+    def export(
+        self,
+        ref: Ref,
+        out: str | os.PathLike,
+        *,
+        dtype: str = "bf16",
+        max_shard_size: str = DEFAULT_SHARD_SIZE,
+        config: str | os.PathLike | None = None,
+        progress: Progress | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> ExportResult:
+        """Write ``ref`` as a Hugging Face model folder at ``out``: ``model.safetensors`` (sharded above
+        ``max_shard_size``) from the FP32 masters in ``dtype`` (bf16, fp16 or fp32), with the step's
+        config and tokenizer files, or the ``config.json`` given."""
+        return export_step(
+            self.repo,
+            self._selector(ref),
+            Path(out),
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            config=None if config is None else Path(config),
+            progress=progress,
+            warn=warn,
         )
 
     def log(self, *, all_runs: bool = False) -> list[StepSummary]:

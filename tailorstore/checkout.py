@@ -8,10 +8,7 @@ name; the hidden ``.NAME.tailor-partial-*`` directory of a killed one can be del
 
 from __future__ import annotations
 
-import errno
 import os
-import secrets
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,9 +18,10 @@ import xxhash
 
 from . import codec, placement
 from .atom_reader import blob_of
-from .errors import CorruptStoreError, StoreError, UnsafePickleError
+from .errors import CorruptStoreError, UnsafePickleError
 from .formats.kinds import RAW, SAFETENSORS, TORCH
 from .formats.layout import DEEPSPEED_TAG
+from .output_dir import staged
 from .paths import safe_join
 from .progress import Progress, Silent
 from .store.records import COMMIT
@@ -39,39 +37,6 @@ class CheckoutResult:
     bytes_written: int
     inherited: dict[str, int] = field(default_factory=dict)  # layer -> source step, for composites
     seconds: float = 0.0  # the library call, without the process's start-up
-
-
-def _prepare_out(out: Path, store: Repository) -> Path:
-    if out.is_symlink():
-        raise StoreError(f"{out}: is a symbolic link; name a new directory to check out into, not a link.")
-    resolved = out.resolve()
-    for root in filter(None, (store.root, store.where.index_path.parent)):
-        root = root.resolve()
-        if resolved == root or root in resolved.parents:
-            raise StoreError(f"{out}: lies inside the store {root}; check out somewhere outside it.")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise StoreError(f"{out}: already exists and is not empty; check out into a new directory, or remove it.")
-    if out.exists() and os.path.ismount(out):
-        raise StoreError(f"{out}: is a mount point, which cannot be replaced; name a new directory inside it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tailor-partial-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    return tmp
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for folder, _dirs, names in os.walk(root):
-        for name in names:
-            _fsync(Path(folder) / name)
-        _fsync(Path(folder))
 
 
 def inherited_layers(store: Repository, manifest: int) -> dict[str, int]:
@@ -107,72 +72,47 @@ def checkout_step(
                 f"step {step}, file {row.path}: this file was committed with `trust_pickles=True` and holds globals "
                 "outside the allowlist; pass `trust_pickles=True` to check it out."
             )
-    tmp = _prepare_out(out, store)
     written = 0
     try:
-        progress.start(f"checkout step {step}", sum(r.raw_size for r in files))
-        placed = [row for row in files if row.container is not None and row.kind in (TORCH, SAFETENSORS)]
-        if placed:
-            placement.write_files(store, manifest, placed, tmp, step, mend=not exact_bytes, advance=progress.advance)
-            for row in placed:
+        with staged(out, store) as tmp:
+            progress.start(f"checkout step {step}", sum(r.raw_size for r in files))
+            placed = [row for row in files if row.container is not None and row.kind in (TORCH, SAFETENSORS)]
+            if placed:
+                mend = not exact_bytes
+                placement.write_files(store, manifest, placed, tmp, step, mend=mend, advance=progress.advance)
+                for row in placed:
+                    target = safe_join(tmp, row.path)
+                    os.chmod(target, row.mode or 0o644)
+                    written += target.stat().st_size
+            placed_paths = {row.path for row in placed}
+            for row in files:
+                if row.path in placed_paths:
+                    continue
                 target = safe_join(tmp, row.path)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                where = f"step {step}, file {row.path}"
+                if row.kind == RAW:
+                    write_raw_blob(store, row.blob, target, where)
+                elif row.kind in (TORCH, SAFETENSORS):
+                    # Files committed without a container (by tailorstore 0.1) are re-pickled by torch; importing
+                    # it here, not at the top, keeps the two seconds it costs off every checkout that needs none.
+                    from . import repickle
+
+                    repickle.write_file(store, manifest, row, target, where, trust_pickles)
+                else:
+                    raise CorruptStoreError(f"{where}: unknown file kind {row.kind!r}; upgrade tailorstore")
                 os.chmod(target, row.mode or 0o644)
                 written += target.stat().st_size
-        placed_paths = {row.path for row in placed}
-        for row in files:
-            if row.path in placed_paths:
-                continue
-            target = safe_join(tmp, row.path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            where = f"step {step}, file {row.path}"
-            if row.kind == RAW:
-                _write_raw(store, row.blob, target, where)
-            elif row.kind in (TORCH, SAFETENSORS):
-                # Files committed without a container (by tailorstore 0.1) are re-pickled by torch; importing
-                # it here, not at the top, keeps the two seconds it costs off every checkout that needs none.
-                from . import repickle
-
-                repickle.write_file(store, manifest, row, target, where, trust_pickles)
-            else:
-                raise CorruptStoreError(f"{where}: unknown file kind {row.kind!r}; upgrade tailorstore")
-            os.chmod(target, row.mode or 0o644)
-            written += target.stat().st_size
-            progress.advance(row.raw_size)
-        if facts.layout == DEEPSPEED_TAG and facts.ds_tag and not any(r.path == "latest" for r in files):
-            # A tag folder was committed; `engine.load_checkpoint(out)` needs `latest` to find it.
-            (tmp / "latest").write_text(facts.ds_tag)
-        _fsync_tree(tmp)
-        _publish(tmp, out)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StoreError(f"{out}: no space left on the device; nothing was written there.") from None
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                progress.advance(row.raw_size)
+            if facts.layout == DEEPSPEED_TAG and facts.ds_tag and not any(r.path == "latest" for r in files):
+                # A tag folder was committed; `engine.load_checkpoint(out)` needs `latest` to find it.
+                (tmp / "latest").write_text(facts.ds_tag)
     finally:
         progress.close()
     return CheckoutResult(step, manifest, out, len(files), written, inherited, time.perf_counter() - began)
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename the finished directory into place; refuse if another process filled ``out`` meanwhile."""
-    try:
-        if out.exists():
-            out.rmdir()  # empty, checked before writing
-        os.rename(tmp, out)
-    except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
-            raise StoreError(
-                f"{out}: another process wrote into it during this checkout; nothing of ours was left there. "
-                "Choose another directory to check out into."
-            ) from None
-        raise
-    _fsync(out.parent)
-
-
-def _write_raw(store: Repository, digest: str, target: Path, where: str) -> None:
+def write_raw_blob(store: Repository, digest: str, target: Path, where: str) -> None:
     """A whole-file blob, streamed through one reused buffer and hash-checked: memory stays at a chunk."""
     row = blob_of(store, digest, where)
     buf = memoryview(bytearray(min(codec.MAX_CHUNK, max(row.raw_size, 1))))

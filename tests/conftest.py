@@ -61,6 +61,8 @@ CONFIGS: dict[str, dict[str, object]] = {
         "param_groups": "per-layer",
     },
     "zero2-bf16-1rank": {"stage": 2, "dtype": "bf16", "nproc": 1},
+    # lm_head shares the embedding's weight (DeepSpeed's shared_params)
+    "zero3-bf16-tied": {"stage": 3, "dtype": "bf16", "tie_embeddings": True},
 }
 
 # Longer runs with 6 blocks for layer-wise tailoring: 18 steps, a save every 3 (6 saves).

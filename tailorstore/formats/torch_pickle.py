@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadCheckpointError, UnsafePickleError
+from ..errors import BadCheckpointError, CorruptStoreError, UnsafePickleError
 from .source import InputFile
 from .tensor_ref import DTYPES, TensorRef
 from .torch_zip import record_offsets
@@ -255,3 +255,34 @@ def read_torch_zip(src: InputFile, where: str) -> tuple[Any, bytes] | None:
             )
         ref.file_offset = ref.storage.start + ref.storage_offset * ref.element_size()
     return tree, data
+
+
+class _DetachedUnpickler(_Unpickler):
+    """The same allowlist over a ``data.pkl`` kept apart from its zip (a committed file's
+    skeleton): storages are named, not located, since their bytes live in the store's atoms."""
+
+    def persistent_load(self, pid: Any) -> _Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise BadCheckpointError(f"a persistent id {str(pid)[:80]} that torch.save does not write")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType) or not isinstance(key, str) or not isinstance(numel, int):
+            raise NotPlainTorchSave("an untyped or unknown storage")
+        return _Storage(key, storage_type.dtype, numel, 0)
+
+
+def load_pickle_tree(data: bytes, where: str) -> Any:
+    """The object tree of a torch.save pickle record, tensors as :class:`TensorRef` (shape and
+    dtype only), through the allowlist; for reading what a committed file's skeleton says.
+
+    The record passed this reader when it was committed, so a failure here means the store
+    holds something else now: a damaged-store error.
+    """
+    try:
+        return _DetachedUnpickler(data, {}, "", where).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:
+        raise CorruptStoreError(
+            f"{where}: the committed pickle does not load ({type(exc).__name__}: {str(exc)[:120]}); "
+            "run `tailor verify --deep`."
+        ) from None

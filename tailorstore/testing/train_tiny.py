@@ -94,10 +94,12 @@ class Backbone(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, hidden: int) -> None:
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, hidden: int, tie: bool = False) -> None:
         super().__init__()
         self.model = Backbone(vocab, dim, layers, heads, hidden)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if tie:  # one parameter under two names, as tie_word_embeddings makes it
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)
@@ -184,6 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares the embedding's weight")
     p.add_argument("--commit-to", default=None, help="a tailorstore: rank 0 commits after every save")
     p.add_argument("--delete-after-commit", action="store_true", help="remove each tag folder once committed")
     p.add_argument(
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     rank = torch.distributed.get_rank()
 
     torch.manual_seed(args.seed)
-    model = TinyLlama(args.vocab, args.dim, args.layers, args.heads, args.hidden)
+    model = TinyLlama(args.vocab, args.dim, args.layers, args.heads, args.hidden, tie=args.tie_embeddings)
     optimizer = torch.optim.AdamW(param_groups(model, args.param_groups, args.lr), lr=args.lr)
     warmup = 4
     scheduler = torch.optim.lr_scheduler.LambdaLR(

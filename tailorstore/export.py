@@ -1,0 +1,169 @@
+"""``tailor export``: a consolidated Hugging Face model folder from a stored DeepSpeed step.
+
+What ``zero_to_fp32`` does from a checkout, done straight from the atoms: each parameter's
+FP32 master is read piece by piece from every rank's partition (hash-checked), rounded to the
+requested dtype and streamed into ``model.safetensors`` (sharded above ``max_shard_size``,
+with ``model.safetensors.index.json``). One tensor is in memory at a time, and neither torch
+nor DeepSpeed is imported. Tied parameters are written once, under the name DeepSpeed
+registered, as ``save_pretrained`` does; ``from_pretrained`` ties them again from the config.
+
+An HF Trainer checkpoint's ``config.json``, ``generation_config.json`` and tokenizer files are
+copied, so ``AutoModelForCausalLM.from_pretrained(out)`` loads the folder; for a plain
+DeepSpeed save, ``config`` names a ``config.json`` to add. The folder appears whole or not at
+all (see :mod:`output_dir`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from .checkout import write_raw_blob
+from .errors import BadCheckpointError, StoreError
+from .formats.kinds import RAW
+from .formats.safetensors_writer import (
+    INDEX_FILE,
+    TensorSpec,
+    header_bytes,
+    index_json,
+    parse_size,
+    plan_shards,
+    shard_names,
+)
+from .model_tensors import ModelTensor, ModelView, model_view, read_float32, read_raw
+from .output_dir import staged
+from .progress import Progress, Silent
+from .rounding import round_into
+from .store.repo import Repository
+
+EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DEFAULT_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
+# Files of an HF checkpoint that from_pretrained and the tokenizer read next to the weights.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass
+class ExportResult:
+    step: int
+    manifest: int
+    out: Path
+    dtype: str
+    tensors: int
+    shards: list[str]
+    bytes_written: int
+    copied: list[str] = field(default_factory=list)  # config and tokenizer files
+    tied: dict[str, str] = field(default_factory=dict)  # written once: alias -> name written
+    seconds: float = 0.0
+
+
+def export_dtype(name: str) -> str:
+    try:
+        return EXPORT_DTYPES[name]
+    except KeyError:
+        raise StoreError(f"dtype {name!r}: choose one of {', '.join(EXPORT_DTYPES)}.") from None
+
+
+def output_specs(view: ModelView, dtype: str) -> list[TensorSpec]:
+    """What each tensor becomes: floating ones in ``dtype``, others (integer buffers) as they are."""
+    return [TensorSpec(t.name, dtype if t.floating else t.dtype, t.shape) for t in view.tensors]
+
+
+def tensor_bytes(store: Repository, view: ModelView, tensor: ModelTensor, dtype: str) -> memoryview:
+    """The tensor's bytes as written: rounded from float32 (ties to even, as torch's ``.to``)."""
+    if not tensor.floating:
+        return read_raw(store, view, tensor)
+    values = read_float32(store, view, tensor)
+    if dtype == "float32":
+        return memoryview(values).cast("B")
+    out = memoryview(bytearray(values.size * 2))
+    round_into(memoryview(values).cast("B"), dtype, out)
+    return out
+
+
+def export_step(
+    store: Repository,
+    selector: str,
+    out: Path,
+    *,
+    dtype: str = "bf16",
+    max_shard_size: str = DEFAULT_SHARD_SIZE,
+    config: Path | None = None,
+    progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> ExportResult:
+    """Write the step ``selector`` names as a consolidated model folder at ``out``."""
+    began = time.perf_counter()
+    target_dtype = export_dtype(dtype)
+    limit = parse_size(max_shard_size)
+    if config is not None and not Path(config).is_file():
+        raise BadCheckpointError(f"{config}: no such file; give the path of a model's config.json.")
+    manifest = store.resolve(selector)
+    view = model_view(store, manifest)
+    # Plan everything before writing: shard names, headers, the files to copy.
+    specs = output_specs(view, target_dtype)
+    shards = plan_shards(specs, limit)
+    names = shard_names(len(shards))
+    by_name = {t.name: t for t in view.tensors}
+    copies = [f for f in store.index.files(manifest) if f.kind == RAW and f.path in MODEL_FILES]
+    if config is not None:
+        copies = [f for f in copies if f.path != "config.json"]
+    if warn and config is None and not any(f.path == "config.json" for f in copies):
+        warn(f"step {view.step} holds no config.json; pass a config to make the folder loadable by from_pretrained")
+    out = Path(out)
+    written = 0
+    progress = progress or Silent()
+    try:
+        with staged(out, store) as tmp:
+            progress.start(f"export step {view.step}", sum(s.nbytes for s in specs))
+            for shard, name in zip(shards, names, strict=True):
+                with open(tmp / name, "wb") as f:
+                    f.write(header_bytes(shard))
+                    for spec in shard:
+                        data = tensor_bytes(store, view, by_name[spec.name], target_dtype)
+                        if len(data) != spec.nbytes:
+                            raise StoreError(f"{spec.name}: came out at {len(data)} bytes, not {spec.nbytes}")
+                        f.write(data)
+                        progress.advance(spec.nbytes)
+                written += (tmp / name).stat().st_size
+            if len(shards) > 1:
+                (tmp / INDEX_FILE).write_text(index_json(shards, names))
+            for row in copies:
+                where = f"step {view.step}, file {row.path}"
+                write_raw_blob(store, row.blob, tmp / PurePosixPath(row.path).name, where)
+            if config is not None:
+                shutil.copyfile(config, tmp / "config.json")
+            for path in tmp.iterdir():
+                os.chmod(path, 0o644)
+    finally:
+        progress.close()
+    copied = sorted({r.path for r in copies} | ({"config.json"} if config is not None else set()))
+    return ExportResult(
+        view.step,
+        manifest,
+        out,
+        dtype,
+        len(specs),
+        names,
+        written,
+        copied,
+        dict(view.aliases),
+        time.perf_counter() - began,
+    )

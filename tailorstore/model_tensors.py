@@ -1,0 +1,192 @@
+"""A manifest seen as a model: each parameter's full shape and the atoms that hold its values.
+
+DeepSpeed scatters a parameter's FP32 master over the ranks' flat partitions; the index
+records each piece's parameter and element range, and the model-states file's own pickle
+(kept as the file's skeleton) records the full shapes (``param_shapes``), the buffers and the
+tied parameters. Together they say, for every tensor of the model's state dict, which atoms
+tile it, without reading a byte of tensor data. Export and the universal writer read tensors
+through :func:`read_float32`, one at a time, so memory stays at the largest tensor.
+
+Values come from the FP32 master where there is one (what ``zero_to_fp32`` returns), else from
+the module's own weight (ZeRO 0 in fp32, frozen parameters), widened exactly to float32.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+import numpy as np
+
+from .atom_reader import decode_atom_into
+from .atoms import BUFFER, MASTER, WEIGHT
+from .errors import CorruptStoreError, StoreError
+from .formats import deepspeed as ds
+from .formats.kinds import TORCH
+from .formats.tensor_ref import DTYPES
+from .formats.torch_pickle import load_pickle_tree
+from .rounding import widened
+from .store.records import AtomRecord, FileRecord
+from .store.repo import Repository
+
+
+@dataclass(frozen=True)
+class ModelTensor:
+    """One tensor of the state dict: its shape, the dtype its atoms hold, and the atoms in order."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # of the atoms: float32 for masters
+    atoms: tuple[AtomRecord, ...]  # tile elements [0, numel) in order
+    kind: str  # master, weight or buffer
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def floating(self) -> bool:
+        return DTYPES[self.dtype].is_float
+
+
+@dataclass
+class ModelView:
+    manifest: int
+    step: int
+    tensors: list[ModelTensor]
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name it shares storage with
+    zero_stage: int | None = None
+    world_size: int | None = None
+
+
+def model_states_file(files: list[FileRecord], step: int) -> FileRecord:
+    """Rank 0's model-states file (every rank's holds the same shapes and names)."""
+    found = [f for f in files if f.kind == TORCH and ds.is_model_states(PurePosixPath(f.path).name)]
+    if not found:
+        raise StoreError(
+            f"step {step} holds no DeepSpeed model-states file (*model_states.pt); export and the universal layout "
+            "read DeepSpeed checkpoints. A plain HF checkpoint already holds model.safetensors."
+        )
+    folders = {str(PurePosixPath(f.path).parent) for f in found}
+    if len(folders) != 1:
+        raise StoreError(
+            f"step {step} holds model-states files in {len(folders)} folders ({', '.join(sorted(folders))}); "
+            "commit one tag folder per step to export it."
+        )
+    return min(found, key=lambda f: (f.rank or 0, f.path))
+
+
+def skeleton_tree(store: Repository, row: FileRecord, where: str) -> Any:
+    """The object tree a committed torch file's skeleton describes, tensors as shapes only."""
+    data = store.read_blob(row.blob, where)
+    if data[:2] != b"PK":  # the file's own data.pkl (committed without torch)
+        return load_pickle_tree(data, where)
+    # A skeleton torch.save wrote (a file that needed torch to commit): torch reads it back.
+    from .safe_load import load_skeleton  # imports torch, which only such a file needs
+
+    return load_skeleton(data, where, trusted=row.trusted, trust_pickles=False)
+
+
+def _shapes(tree: dict, key: str) -> dict[str, tuple[int, ...]]:
+    groups = tree.get(key) or []
+    out: dict[str, tuple[int, ...]] = {}
+    for group in groups if isinstance(groups, list) else [groups]:
+        if isinstance(group, dict):
+            out.update({str(name): tuple(int(d) for d in shape) for name, shape in group.items()})
+    return out
+
+
+def _tiling(pieces: list[AtomRecord], numel: int) -> tuple[AtomRecord, ...] | None:
+    """The pieces that cover [0, numel) end to end, or None when they do not."""
+    unique = {(p.start, p.numel): p for p in pieces if p.numel}
+    chosen, cursor = [], 0
+    for (start, n), piece in sorted(unique.items()):
+        if start < cursor:
+            continue  # the same range again (another file's copy)
+        if start != cursor:
+            return None
+        chosen.append(piece)
+        cursor += n
+    return tuple(chosen) if cursor == numel else None
+
+
+def model_view(store: Repository, manifest: int) -> ModelView:
+    """Every tensor of the model's state dict at ``manifest``, in DeepSpeed's parameter order."""
+    facts = store.manifest(manifest)
+    files = store.index.files(manifest)
+    states = model_states_file(files, facts.step)
+    where = f"step {facts.step}, file {states.path}"
+    tree = skeleton_tree(store, states, where)
+    if not isinstance(tree, dict):
+        raise CorruptStoreError(f"{where}: the model-states pickle is not a dict")
+    shapes = _shapes(tree, "param_shapes")
+    frozen = _shapes(tree, "frozen_param_shapes")
+    buffer_names = [str(n) for n in tree.get("buffer_names") or []]
+    shared = {str(k): str(v) for k, v in (tree.get("shared_params") or {}).items()}
+    module = tree.get("module") if isinstance(tree.get("module"), dict) else {}
+    if not shapes:  # ZeRO 0 records no param_shapes: the module's own tensors are full size
+        shapes = {str(k): tuple(v.shape) for k, v in module.items() if k not in buffer_names and hasattr(v, "shape")}
+
+    by_param: dict[tuple[str, str], list[AtomRecord]] = defaultdict(list)
+    for atom in store.index.atoms(manifest):
+        if atom.kind in (MASTER, WEIGHT, BUFFER):
+            by_param[(atom.param, atom.kind)].append(atom)
+
+    tensors: list[ModelTensor] = []
+    for name in buffer_names:
+        ref = module.get(name)
+        if ref is None or not hasattr(ref, "shape"):
+            continue  # a non-persistent buffer: not in the state dict
+        tensors.append(_tensor(name, tuple(ref.shape), by_param, (BUFFER, WEIGHT), where))
+    for name, shape in frozen.items():
+        tensors.append(_tensor(name, shape, by_param, (WEIGHT,), where, frozen=True))
+    for name, shape in shapes.items():
+        tensors.append(_tensor(name, shape, by_param, (MASTER, WEIGHT), where))
+    return ModelView(manifest, facts.step, tensors, shared, facts.zero_stage, facts.world_size)
+
+
+def _tensor(
+    name: str,
+    shape: tuple[int, ...],
+    by_param: dict[tuple[str, str], list[AtomRecord]],
+    kinds: tuple[str, ...],
+    where: str,
+    frozen: bool = False,
+) -> ModelTensor:
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    for kind in kinds:
+        pieces = by_param.get((name, kind), [])
+        tiled = _tiling(pieces, numel)
+        if tiled and len({p.dtype for p in tiled}) == 1:
+            return ModelTensor(name, shape, tiled[0].dtype, tiled, kind)
+    if numel == 0:
+        return ModelTensor(name, shape, "float32", (), kinds[0])
+    if frozen:
+        raise StoreError(
+            f"{where}: the frozen parameter {name} is held only as per-rank fragments (ZeRO 3); "
+            "tailorstore cannot consolidate it yet. Use DeepSpeed's zero_to_fp32 on a checkout."
+        )
+    raise CorruptStoreError(f"{where}: the pieces of {name} do not cover its {numel} elements; run `tailor verify`")
+
+
+def read_raw(store: Repository, view: ModelView, tensor: ModelTensor) -> memoryview:
+    """The tensor's elements in the dtype its atoms hold, hash-checked."""
+    size = DTYPES[tensor.dtype].itemsize
+    out = memoryview(bytearray(tensor.numel * size))
+    for atom in tensor.atoms:
+        dest = out[atom.start * size : (atom.start + atom.numel) * size]
+        decode_atom_into(store, view.manifest, atom, dest, f"step {view.step}, {tensor.name}")
+    return out
+
+
+def read_float32(store: Repository, view: ModelView, tensor: ModelTensor) -> np.ndarray:
+    """A floating tensor's values as float32 (flat): the master as stored, or a weight widened exactly."""
+    raw = read_raw(store, view, tensor)
+    if tensor.dtype == "float32":
+        return np.frombuffer(raw, dtype=np.float32)
+    return np.ascontiguousarray(widened(raw, tensor.dtype), dtype=np.float32)
