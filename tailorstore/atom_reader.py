@@ -23,13 +23,20 @@ def blob_of(store: Repository, digest: str, where: str) -> BlobRecord:
     return row
 
 
+def decode_stored_atom(store: Repository, row: BlobRecord, dest: memoryview, where: str) -> None:
+    """Fill ``dest`` with a stored (not derived) atom's blob, its row already looked up; hash-checked.
+
+    Touches no SQL, so a reader thread can run it while the caller's thread holds the index.
+    """
+    if row.raw_size != len(dest):
+        raise CorruptStoreError(f"{where}: blob {row.hash} holds {row.raw_size} bytes, the atom needs {len(dest)}")
+    store.read_blob_into(row, dest, where)
+
+
 def decode_atom_into(store: Repository, manifest: int, atom: AtomRecord, dest: memoryview, where: str) -> None:
     """Fill ``dest`` with one atom's bytes, from its blob or rebuilt from its master; hash-checked."""
     if atom.derived is None:
-        row = blob_of(store, atom.blob, where)
-        if row.raw_size != len(dest):
-            raise CorruptStoreError(f"{where}: blob {row.hash} holds {row.raw_size} bytes, the atom needs {len(dest)}")
-        store.read_blob_into(row, dest, where)
+        decode_stored_atom(store, blob_of(store, atom.blob, where), dest, where)
         return
     if atom.derived != ROUND_FROM_MASTER:
         raise CorruptStoreError(f"{where}: unknown derivation {atom.derived!r}; upgrade tailorstore")

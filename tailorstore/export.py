@@ -18,9 +18,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from .checkout import write_raw_blob
 from .errors import BadCheckpointError, StoreError
@@ -40,6 +43,9 @@ from .progress import Progress, Silent
 from .rounding import round_into
 from .store.repo import Repository
 
+PREFETCH_BYTES = 64 << 20  # at most this much read ahead (beyond one tensor of any size)
+READERS = 2  # threads that read and decode ahead
+FLUSH_BYTES = 64 << 20  # start writing out every this many bytes
 EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 # Files of an HF checkpoint that from_pretrained and the tokenizer read next to the weights.
@@ -98,6 +104,65 @@ def tensor_bytes(store: Repository, view: ModelView, tensor: ModelTensor, dtype:
     return out
 
 
+def streamed(store: Repository, view: ModelView, order: list[ModelTensor], dtype: str) -> Iterator[memoryview]:
+    """Each tensor's output bytes in ``order``, the next ones read and decoded on two helper threads
+    while the caller writes this one (zstd, xxh3, numpy and file I/O release the GIL, so both cores
+    work). Tensors are read ahead only while those in flight stay within :data:`PREFETCH_BYTES`, so
+    memory stays at the largest tensor plus that bound."""
+    with ThreadPoolExecutor(READERS, thread_name_prefix="tailor-export") as pool:
+        ahead: deque[Future[memoryview]] = deque()
+        queued, budget = 0, 0  # never queued past a tensor that cannot be read ahead
+        for i, tensor in enumerate(order):
+            if not _prefetchable(tensor):  # derived atoms need the index, on this thread
+                yield tensor_bytes(store, view, tensor, dtype)
+                queued = i + 1
+                continue
+            while queued < len(order) and _prefetchable(order[queued]):
+                if ahead and budget + _cost(order[queued]) > PREFETCH_BYTES:
+                    break
+                ahead.append(pool.submit(tensor_bytes, store, view, order[queued], dtype))
+                budget += _cost(order[queued])
+                queued += 1
+            budget -= _cost(tensor)
+            yield ahead.popleft().result()
+
+
+def _cost(tensor: ModelTensor) -> int:
+    return tensor.numel * 4
+
+
+def _prefetchable(tensor: ModelTensor) -> bool:
+    return all(a.derived is None for a in tensor.atoms)
+
+
+class Flusher:
+    """Starts writing a growing file out to disk while it is still being written: every
+    :data:`FLUSH_BYTES` a helper thread fdatasyncs it, so the fsync before publishing waits for
+    the last stretch only, not for the whole file."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.pending = f, 0
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tailor-flush")
+        self.flushing: Future[None] | None = None
+
+    def wrote(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= FLUSH_BYTES and (self.flushing is None or self.flushing.done()):
+            if self.flushing is not None:
+                self.flushing.result()
+            self.f.flush()
+            self.flushing = self.pool.submit(os.fdatasync, self.f.fileno())
+            self.pending = 0
+
+    def __enter__(self) -> Flusher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True)
+        if self.flushing is not None and exc[0] is None:
+            self.flushing.result()
+
+
 def export_step(
     store: Repository,
     selector: str,
@@ -133,14 +198,16 @@ def export_step(
     try:
         with staged(out, store) as tmp:
             progress.start(f"export step {view.step}", sum(s.nbytes for s in specs))
+            tensors = streamed(store, view, [by_name[s.name] for shard in shards for s in shard], target_dtype)
             for shard, name in zip(shards, names, strict=True):
-                with open(tmp / name, "wb") as f:
+                with open(tmp / name, "wb") as f, Flusher(f) as flusher:
                     f.write(header_bytes(shard))
                     for spec in shard:
-                        data = tensor_bytes(store, view, by_name[spec.name], target_dtype)
+                        data = next(tensors)
                         if len(data) != spec.nbytes:
                             raise StoreError(f"{spec.name}: came out at {len(data)} bytes, not {spec.nbytes}")
                         f.write(data)
+                        flusher.wrote(len(data))
                         progress.advance(spec.nbytes)
                 written += (tmp / name).stat().st_size
             if len(shards) > 1:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .atom_reader import decode_atom_into
+from .atom_reader import blob_of, decode_atom_into, decode_stored_atom
 from .atoms import BUFFER, MASTER, WEIGHT
 from .errors import CorruptStoreError, StoreError
 from .formats import deepspeed as ds
@@ -28,7 +28,7 @@ from .formats.kinds import TORCH
 from .formats.tensor_ref import DTYPES
 from .formats.torch_pickle import load_pickle_tree
 from .rounding import widened
-from .store.records import AtomRecord, FileRecord
+from .store.records import AtomRecord, BlobRecord, FileRecord
 from .store.repo import Repository
 
 
@@ -60,6 +60,7 @@ class ModelView:
     step: int
     tensors: list[ModelTensor]
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name it shares storage with
+    rows: dict[str, BlobRecord] = field(default_factory=dict)  # the blob rows of every stored atom, looked up once
     zero_stage: int | None = None
     world_size: int | None = None
 
@@ -147,7 +148,9 @@ def model_view(store: Repository, manifest: int) -> ModelView:
         tensors.append(_tensor(name, shape, by_param, (WEIGHT,), where, frozen=True))
     for name, shape in shapes.items():
         tensors.append(_tensor(name, shape, by_param, (MASTER, WEIGHT), where))
-    return ModelView(manifest, facts.step, tensors, shared, facts.zero_stage, facts.world_size)
+    stored = {a.blob for t in tensors for a in t.atoms if a.derived is None}
+    rows = {digest: blob_of(store, digest, where) for digest in stored}
+    return ModelView(manifest, facts.step, tensors, shared, rows, facts.zero_stage, facts.world_size)
 
 
 def _tensor(
@@ -175,12 +178,18 @@ def _tensor(
 
 
 def read_raw(store: Repository, view: ModelView, tensor: ModelTensor) -> memoryview:
-    """The tensor's elements in the dtype its atoms hold, hash-checked."""
+    """The tensor's elements in the dtype its atoms hold, hash-checked. Stored atoms are read
+    with the rows looked up by :func:`model_view`, so this runs on a reader thread too; a derived
+    one (rebuilt from its master, which needs the index) only on the index's own thread."""
     size = DTYPES[tensor.dtype].itemsize
     out = memoryview(bytearray(tensor.numel * size))
+    where = f"step {view.step}, {tensor.name}"
     for atom in tensor.atoms:
         dest = out[atom.start * size : (atom.start + atom.numel) * size]
-        decode_atom_into(store, view.manifest, atom, dest, f"step {view.step}, {tensor.name}")
+        if atom.derived is None:
+            decode_stored_atom(store, view.rows[atom.blob], dest, where)
+        else:
+            decode_atom_into(store, view.manifest, atom, dest, where)
     return out
 
 
