@@ -168,11 +168,27 @@ def checkout(
     out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
     run: str | None = RunOpt,
     trust_pickles: bool = TrustOpt,
+    layout: str = typer.Option(
+        "native", "--format", help="native (as saved) or universal (DeepSpeed's, loadable at any world size)."
+    ),
     store: str | None = StoreOpt,
     quiet: bool = QuietOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Write a step back in its native layout, checking every blob's hash."""
+    if layout not in ("native", "universal"):
+        raise tailorstore.StoreError(f"--format {layout}: choose native or universal.")
+    if layout == "universal":
+        with _open(store, run) as st:
+            done = st.checkout_universal(selector, out, progress=for_terminal(quiet or as_json))
+        if as_json:
+            typer.echo(json.dumps({**asdict(done), "out": str(done.out)}))
+        elif not quiet:
+            typer.echo(
+                f"wrote step {done.step} as a universal checkpoint into {done.out}: {done.params} parameters, "
+                f"{done.files} files, {human(done.bytes_written)}"
+            )
+        return
     with _open(store, run) as st:
         result = st.checkout(
             selector,

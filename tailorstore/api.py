@@ -44,6 +44,7 @@ from .runs import RunInfo, create_run, list_runs, qualify
 from .store.manifest_objects import check_run_name
 from .store.records import MAIN_RUN
 from .store.repo import Repository
+from .universal import UniversalResult, checkout_universal
 from .usage import Usage, usage
 from .verify import VerifyReport, verify
 
@@ -229,6 +230,13 @@ class Store:
         return checkout_step(
             self.repo, self._selector(ref), Path(out), trust_pickles=trust_pickles, progress=progress, warn=warn
         )
+
+    def checkout_universal(
+        self, ref: Ref, out: str | os.PathLike, *, progress: Progress | None = None
+    ) -> UniversalResult:
+        """Write ``ref`` as DeepSpeed's universal checkpoint at ``out`` (``latest_universal``, ``<tag>/zero/<param>/``),
+        which ``engine.load_checkpoint`` loads at any world size with ``"checkpoint": {"load_universal": true}``."""
+        return checkout_universal(self.repo, self._selector(ref), Path(out), progress=progress)
 
     def export(
         self,

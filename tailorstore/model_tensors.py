@@ -15,18 +15,21 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import PurePosixPath
 from typing import Any
 
 import numpy as np
 
 from .atom_reader import blob_of, decode_atom_into, decode_stored_atom
-from .atoms import BUFFER, MASTER, WEIGHT
+from .atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
 from .errors import CorruptStoreError, StoreError
 from .formats import deepspeed as ds
 from .formats.kinds import TORCH
+from .formats.skeleton import fill_tensors, slots_of, split_tensors
 from .formats.tensor_ref import DTYPES
 from .formats.torch_pickle import load_pickle_tree
+from .formats.torch_save_writer import TensorOut
 from .rounding import widened
 from .store.records import AtomRecord, BlobRecord, FileRecord
 from .store.repo import Repository
@@ -63,6 +66,17 @@ class ModelView:
     rows: dict[str, BlobRecord] = field(default_factory=dict)  # the blob rows of every stored atom, looked up once
     zero_stage: int | None = None
     world_size: int | None = None
+    pieces: dict[tuple[str, str], list[AtomRecord]] = field(default_factory=dict)  # (param, kind) -> atoms
+    groups: dict[str, int] = field(default_factory=dict)  # trainable parameter -> its param group
+    module_names: list[str] = field(default_factory=list)  # the module's state-dict keys, in order
+    states_file: FileRecord | None = None  # rank 0's model-states file
+
+    def state(self, name: str, kind: str, shape: tuple[int, ...]) -> ModelTensor:
+        """A parameter's optimizer state of ``kind`` (exp_avg, exp_avg_sq) as one tensor of ``shape``."""
+        return _tensor(name, shape, self.pieces, (kind,), f"step {self.step}")
+
+
+_VIEWED = (MASTER, WEIGHT, BUFFER, EXP_AVG, EXP_AVG_SQ, STEP)
 
 
 def model_states_file(files: list[FileRecord], step: int) -> FileRecord:
@@ -102,7 +116,7 @@ def _shapes(tree: dict, key: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _tiling(pieces: list[AtomRecord], numel: int) -> tuple[AtomRecord, ...] | None:
+def tiling(pieces: list[AtomRecord], numel: int) -> tuple[AtomRecord, ...] | None:
     """The pieces that cover [0, numel) end to end, or None when they do not."""
     unique = {(p.start, p.numel): p for p in pieces if p.numel}
     chosen, cursor = [], 0
@@ -135,7 +149,7 @@ def model_view(store: Repository, manifest: int) -> ModelView:
 
     by_param: dict[tuple[str, str], list[AtomRecord]] = defaultdict(list)
     for atom in store.index.atoms(manifest):
-        if atom.kind in (MASTER, WEIGHT, BUFFER):
+        if atom.kind in _VIEWED:
             by_param[(atom.param, atom.kind)].append(atom)
 
     tensors: list[ModelTensor] = []
@@ -150,7 +164,23 @@ def model_view(store: Repository, manifest: int) -> ModelView:
         tensors.append(_tensor(name, shape, by_param, (MASTER, WEIGHT), where))
     stored = {a.blob for t in tensors for a in t.atoms if a.derived is None}
     rows = {digest: blob_of(store, digest, where) for digest in stored}
-    return ModelView(manifest, facts.step, tensors, shared, rows, facts.zero_stage, facts.world_size)
+    groups = {}
+    raw_groups = tree.get("param_shapes") or []
+    for g, group in enumerate(raw_groups if isinstance(raw_groups, list) else [raw_groups]):
+        groups.update({str(name): g for name in group} if isinstance(group, dict) else {})
+    return ModelView(
+        manifest,
+        facts.step,
+        tensors,
+        shared,
+        rows,
+        facts.zero_stage,
+        facts.world_size,
+        dict(by_param),
+        groups,
+        [str(k) for k in module],
+        states,
+    )
 
 
 def _tensor(
@@ -164,7 +194,7 @@ def _tensor(
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     for kind in kinds:
         pieces = by_param.get((name, kind), [])
-        tiled = _tiling(pieces, numel)
+        tiled = tiling(pieces, numel)
         if tiled and len({p.dtype for p in tiled}) == 1:
             return ModelTensor(name, shape, tiled[0].dtype, tiled, kind)
     if numel == 0:
@@ -186,8 +216,9 @@ def read_raw(store: Repository, view: ModelView, tensor: ModelTensor) -> memoryv
     where = f"step {view.step}, {tensor.name}"
     for atom in tensor.atoms:
         dest = out[atom.start * size : (atom.start + atom.numel) * size]
-        if atom.derived is None:
-            decode_stored_atom(store, view.rows[atom.blob], dest, where)
+        row = view.rows.get(atom.blob)
+        if row is not None:
+            decode_stored_atom(store, row, dest, where)
         else:
             decode_atom_into(store, view.manifest, atom, dest, where)
     return out
@@ -199,3 +230,37 @@ def read_float32(store: Repository, view: ModelView, tensor: ModelTensor) -> np.
     if tensor.dtype == "float32":
         return np.frombuffer(raw, dtype=np.float32)
     return np.ascontiguousarray(widened(raw, tensor.dtype), dtype=np.float32)
+
+
+def committed_tree(store: Repository, manifest: int, row: FileRecord, where: str) -> Any:
+    """A committed torch file's object tree, each tensor a :class:`TensorOut` whose bytes are read
+    from its atoms (hash-checked) only when written: a file is re-pickled holding one tensor at a time."""
+    tree = skeleton_tree(store, row, where)
+    if slots_of(tree):  # a skeleton torch.save wrote already holds its slots
+        skeleton, slots = tree, slots_of(tree)
+    else:
+        skeleton, entries = split_tensors(tree, where=where, file_size=row.raw_size)
+        slots = [TensorSlot(e.slot, e.tensor.dtype, tuple(e.tensor.shape)) for e in entries]
+    by_slot: dict[int, list[AtomRecord]] = defaultdict(list)
+    for atom in store.index.atoms(manifest, path=row.path):
+        by_slot[atom.slot].append(atom)
+    tensors = {
+        s.slot: TensorOut(s.dtype, tuple(s.shape), partial(_slot_bytes, store, manifest, s, by_slot[s.slot], where))
+        for s in slots
+    }
+    return fill_tensors(skeleton, tensors)
+
+
+def _slot_bytes(store: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str) -> memoryview:
+    size = DTYPES[slot.dtype].itemsize
+    numel = int(np.prod(slot.shape, dtype=np.int64)) if slot.shape else 1
+    out = memoryview(bytearray(numel * size))
+    cursor = 0
+    for atom in sorted(atoms, key=lambda a: a.offset):
+        if atom.offset != cursor:
+            raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} leave a gap at element {cursor}")
+        decode_atom_into(store, manifest, atom, out[cursor * size : (cursor + atom.numel) * size], where)
+        cursor += atom.numel
+    if cursor != numel:
+        raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} cover {cursor} of {numel} elements")
+    return out

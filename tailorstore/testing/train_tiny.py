@@ -160,6 +160,8 @@ def ds_config(args: argparse.Namespace) -> dict:
             config["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
     elif args.dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if args.load_universal:  # resume from a universal checkpoint (any world size)
+        config["checkpoint"] = {"load_universal": True}
     if args.fast_writer:  # DeepSpeed's FastCheckpointEngine, for the training-stall benchmark
         config["checkpoint"] = {"writer": {"type": "python", "decoupled": False, "data_parallel": "replica"}}
     return config
@@ -186,6 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--load-universal", action="store_true", help="--resume-from names a universal checkpoint")
     p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares the embedding's weight")
     p.add_argument("--commit-to", default=None, help="a tailorstore: rank 0 commits after every save")
     p.add_argument("--delete-after-commit", action="store_true", help="remove each tag folder once committed")

@@ -1,0 +1,179 @@
+"""Writing ``torch.save`` files without torch: a protocol-2 pickle and a stored zip.
+
+``torch.load`` reads a zip of stored records under one folder (``data.pkl``, ``byteorder``,
+``version``, ``data/<key>`` per storage). The pickle names torch's globals as plain
+``GLOBAL module name`` opcodes and each storage as a persistent id, so writing one needs no
+torch: this module pickles an object tree with Python's own (pure-Python) pickler, taught to
+write :class:`TensorOut` as ``torch._utils._rebuild_tensor_v2`` over a storage record, a
+:class:`GlobalName` as the global it names, and the torch-free reader's :class:`Opaque` stand-ins
+(DeepSpeed's ``LossScaler``, ``ZeroStageEnum``) back as the objects they stood for.
+Storage records start on 64-byte boundaries, as torch writes them.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from .tensor_ref import DTYPES
+from .torch_pickle import Opaque, _DTypeName
+
+STORAGE_TYPES = {
+    "float64": "DoubleStorage",
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+}
+ALIGNMENT = 64
+
+
+@dataclass(frozen=True)
+class GlobalName:
+    """A global written by name (``torch.FloatStorage``), never imported."""
+
+    module: str
+    name: str
+
+
+@dataclass
+class TensorOut:
+    """A contiguous tensor to write: dtype (torch's name), shape and its bytes, or a function that
+    returns them when the record is written (so a file's tensors are held one at a time)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview | bytes | Callable[[], memoryview | bytes]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype].itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def __post_init__(self) -> None:
+        if not callable(self.data) and len(self.data) != self.nbytes:
+            raise ValueError(f"{len(self.data)} bytes for a {self.dtype} tensor of shape {self.shape}")
+
+    def payload(self) -> memoryview | bytes:
+        data = self.data() if callable(self.data) else self.data
+        if len(data) != self.nbytes:
+            raise ValueError(f"{len(data)} bytes for a {self.dtype} tensor of shape {self.shape}")
+        return data
+
+
+class _Pickler(pickle._Pickler):  # type: ignore[misc]  # the pure-Python pickler: its dispatch is extendable
+    dispatch: ClassVar[dict] = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=2)
+        self.storages: list[TensorOut] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageId):
+            return ("storage", GlobalName("torch", STORAGE_TYPES[obj.tensor.dtype]), obj.key, "cpu", obj.numel)
+        return None
+
+    def _global(self, ref: GlobalName) -> None:
+        self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode())
+        self.memoize(ref)
+
+    def _tensor(self, tensor: TensorOut) -> None:
+        key = str(len(self.storages))
+        self.storages.append(tensor)
+        numel = tensor.nbytes // DTYPES[tensor.dtype].itemsize
+        stride, step = [], 1
+        for d in reversed(tensor.shape):
+            stride.append(step)
+            step *= d
+        self.save(GlobalName("torch._utils", "_rebuild_tensor_v2"))
+        storage = _StorageId(tensor, key, numel)
+        self.save((storage, 0, tuple(tensor.shape), tuple(reversed(stride)), False, OrderedDict()))
+        self.write(pickle.REDUCE)
+
+    def _opaque(self, obj: Opaque) -> None:
+        module, name = obj.name.rsplit(".", 1)
+        self.save(GlobalName(module, name))
+        state = {k: v for k, v in obj.__dict__.items() if k != "args"}
+        if "args" in obj.__dict__:  # it was rebuilt by calling the class (REDUCE)
+            self.save(tuple(obj.args))
+            self.write(pickle.REDUCE)
+        else:  # by __new__ and then its state (NEWOBJ, BUILD)
+            self.save(())
+            self.write(pickle.NEWOBJ)
+        if state:
+            self.save(state.get("state", state) if set(state) == {"state"} else state)
+            self.write(pickle.BUILD)
+
+    def _dtype(self, obj: _DTypeName) -> None:
+        self.save(GlobalName("torch", obj.name))
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if isinstance(obj, Opaque):
+            return self._opaque(obj)
+        return super().save(obj, save_persistent_id)
+
+    dispatch[GlobalName] = _global
+    dispatch[TensorOut] = _tensor
+    dispatch[_DTypeName] = _dtype
+
+
+@dataclass(frozen=True)
+class _StorageId:
+    tensor: TensorOut
+    key: str
+    numel: int
+
+
+def dumps(tree: Any) -> tuple[bytes, list[TensorOut]]:
+    """The ``data.pkl`` bytes of ``tree`` and its tensors in storage-key order."""
+    buf = io.BytesIO()
+    pickler = _Pickler(buf)
+    pickler.dump(tree)
+    return buf.getvalue(), pickler.storages
+
+
+def _aligned_info(name: str, offset: int, size: int) -> zipfile.ZipInfo:
+    """A stored record whose data starts on an :data:`ALIGNMENT` boundary (padding in an extra field)."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = size
+    header = 30 + len(name.encode())
+    if size * 1.05 > zipfile.ZIP64_LIMIT:
+        header += 20  # zipfile adds a zip64 extra field for it
+    pad = -(offset + header + 4) % ALIGNMENT
+    info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # id "FB", as torch's writer pads
+    return info
+
+
+def write_torch_save(path: Path, tree: Any) -> None:
+    """``torch.save(tree, path)``, byte-compatible for ``torch.load``, without torch."""
+    pickled, tensors = dumps(tree)
+    archive = path.stem or "archive"
+    records: list[tuple[str, bytes | TensorOut]] = [
+        (f"{archive}/data.pkl", pickled),
+        (f"{archive}/.format_version", b"1"),
+        (f"{archive}/.storage_alignment", str(ALIGNMENT).encode()),
+        (f"{archive}/byteorder", b"little"),
+    ]
+    records += [(f"{archive}/data/{i}", t) for i, t in enumerate(tensors)]
+    records.append((f"{archive}/version", b"3\n"))
+    with open(path, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
+        for name, record in records:
+            data = record.payload() if isinstance(record, TensorOut) else record
+            info = _aligned_info(name, f.tell(), len(data))
+            with zf.open(info, "w") as out:
+                out.write(data)

@@ -1,0 +1,212 @@
+"""``tailor checkout REF --format universal``: DeepSpeed's universal checkpoint, straight from atoms.
+
+DeepSpeed resumes at another world size from a *universal* checkpoint: one folder per
+parameter under ``<tag>/zero/`` holding its full FP32 master and Adam moments
+(``fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``, and ``step.pt`` under ZeRO 1 and 2),
+``<tag>/zero/optimizer_state.pt`` with the optimizer's settings, the model-states files as
+they were, and ``latest_universal`` naming the tag. ``ds_to_universal`` makes it from a save by
+writing every rank's fragments out and merging them; here each parameter's pieces are read
+from the store once, hash-checked, and written whole, without torch (``torch_save_writer``).
+``engine.load_checkpoint`` with ``"checkpoint": {"load_universal": true}`` then loads it at any
+world size. The folder appears whole or not at all.
+
+ZeRO 1, 2 and 3 are written (under ZeRO 3, as ds_to_universal does, the state files hold flat
+tensors, there is no step.pt, and optimizer_state.pt carries rank 0's whole optimizer state);
+ZeRO 0 is refused before anything is written (DeepSpeed has no universal path from it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from . import placement
+from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER, STEP
+from .checkout import write_raw_blob
+from .errors import StoreError
+from .formats import deepspeed as ds
+from .formats.kinds import RAW, TORCH
+from .formats.torch_save_writer import TensorOut, write_torch_save
+from .model_tensors import (
+    ModelTensor,
+    ModelView,
+    committed_tree,
+    model_view,
+    read_float32,
+    read_raw,
+    skeleton_tree,
+    tiling,
+)
+from .output_dir import staged
+from .paths import safe_join
+from .progress import Progress, Silent
+from .store.records import COMMIT, FileRecord
+from .store.repo import Repository
+
+UNIVERSAL = "universal"
+LATEST_UNIVERSAL = "latest_universal"
+# What ds_to_universal leaves out of optimizer_state.pt: the per-rank partitions it writes per parameter.
+_SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+
+
+@dataclass
+class UniversalResult:
+    step: int
+    manifest: int
+    out: Path
+    tag: str
+    params: int
+    files: int
+    bytes_written: int
+    seconds: float = 0.0
+
+
+def _optimizer_file(files: list[FileRecord], folder: str, step: int) -> FileRecord:
+    rank0 = [
+        f
+        for f in files
+        if f.kind == TORCH
+        and ds.is_optim_states(PurePosixPath(f.path).name)
+        and str(PurePosixPath(f.path).parent) == folder
+        and (f.rank or 0) == 0
+    ]
+    if not rank0:
+        raise StoreError(
+            f"step {step} holds no optimizer-states file of rank 0; a universal checkpoint needs the optimizer "
+            "state (a checkpoint saved without it can be exported with `tailor export`)."
+        )
+    return rank0[0]
+
+
+def _check_stage(view: ModelView) -> None:
+    if view.zero_stage in (1, 2, 3):
+        return
+    raise StoreError(
+        f"step {view.step} is a ZeRO-{view.zero_stage} save; DeepSpeed loads universal checkpoints of ZeRO 1 "
+        "to 3 only (no ZeRO 0: DeepSpeed #7200). Check it out as it is."
+    )
+
+
+def _whole(view: ModelView, name: str, kind: str, shape: tuple[int, ...]) -> ModelTensor:
+    tensor = view.state(name, kind, shape)
+    if tensor.dtype != "float32":
+        raise StoreError(f"step {view.step}: the {kind} of {name} is {tensor.dtype}, not float32; upgrade tailorstore")
+    return tensor
+
+
+def _step_tensor(store: Repository, view: ModelView, name: str) -> TensorOut | None:
+    """The Adam step of the parameter's group, as rank 0's optimizer holds it (a scalar tensor)."""
+    pieces = [a for a in view.pieces.get((f"group.{view.groups.get(name, 0)}", STEP), []) if a.rank == 0]
+    tiled = tiling(pieces, 1)
+    if not tiled:
+        return None
+    step = ModelTensor(name, (), tiled[0].dtype, tiled, STEP)
+    return TensorOut(step.dtype, tuple(json.loads(tiled[0].shape)), read_raw(store, view, step))
+
+
+def _optimizer_state(store: Repository, manifest: int, row: FileRecord, where: str, stage: int) -> dict[str, Any]:
+    """optimizer_state.pt as ds_to_universal writes it. ZeRO 1/2: rank 0's optimizer settings without
+    the partitions. ZeRO 3: rank 0's whole optimizer state (its partition included, read from the
+    atoms as the file is written) with the param groups also at the top."""
+    if stage == 3:
+        tree = committed_tree(store, manifest, row, where)
+        osd = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
+        inner = osd.get("optimizer_state_dict") if isinstance(osd, dict) else None
+        if not isinstance(inner, dict) or "param_groups" not in inner:
+            raise StoreError(f"{where}: not a ZeRO-3 optimizer-states file (no optimizer_state_dict inside)")
+        osd["param_groups"] = inner["param_groups"]
+        return osd
+    tree = skeleton_tree(store, row, where)
+    osd = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
+    base = osd.get("base_optimizer_state") if isinstance(osd, dict) else None
+    if not isinstance(base, dict) or "param_groups" not in base:
+        raise StoreError(f"{where}: not a ZeRO 1/2 optimizer-states file (no base_optimizer_state)")
+    out = {k: v for k, v in osd.items() if k not in _SHARDED}
+    out["param_groups"] = base["param_groups"]
+    return out
+
+
+def _state_file(tensor: ModelTensor, data: memoryview | bytes, stage: int) -> Any:
+    """What ds_to_universal puts in fp32.pt, exp_avg.pt and exp_avg_sq.pt: under ZeRO 1/2 a dict of
+    the tensor in its shape and the dimension tensor parallelism would cut; under ZeRO 3 the flat tensor."""
+    if stage == 3:
+        return TensorOut("float32", (tensor.numel,), data)
+    return {"cat_dim": 0, "param": TensorOut("float32", tensor.shape, data)}
+
+
+def checkout_universal(
+    store: Repository, selector: str, out: Path, *, progress: Progress | None = None
+) -> UniversalResult:
+    """Write the step ``selector`` names as a universal checkpoint at ``out`` (``out/<tag>/zero/...``)."""
+    began = time.perf_counter()
+    manifest = store.resolve(selector)
+    facts = store.manifest(manifest)
+    view = model_view(store, manifest)
+    _check_stage(view)
+    files = store.index.files(manifest)
+    assert view.states_file is not None
+    folder = str(PurePosixPath(view.states_file.path).parent)
+    tag = PurePosixPath(folder).name if folder != "." else (facts.ds_tag or f"global_step{facts.step}")
+    optimizer = _optimizer_file(files, folder, facts.step)
+    states = [
+        f
+        for f in files
+        if f.kind == TORCH
+        and ds.is_model_states(PurePosixPath(f.path).name)
+        and str(PurePosixPath(f.path).parent) == folder
+    ]
+    trainable = [t for t in view.tensors if t.kind == MASTER]
+    if not trainable:
+        raise StoreError(f"step {facts.step} holds no FP32 masters; there is no universal checkpoint to write of it")
+    stage = int(view.zero_stage or 0)
+    settings = _optimizer_state(store, manifest, optimizer, f"step {facts.step}, file {optimizer.path}", stage)
+    progress = progress or Silent()
+    written = count = 0
+    try:
+        with staged(Path(out), store) as tmp:
+            progress.start(f"universal checkpoint of step {facts.step}", sum(t.numel * 12 for t in trainable))
+            tag_dir = tmp / tag
+            tag_dir.mkdir()
+            exact = facts.origin == COMMIT and facts.exact
+            # the model-states files as they are (`load_universal` reads the module and scheduler there),
+            # and every file outside the tag folder (an HF Trainer's config, trainer state, RNG states)
+            states_root = tmp if folder != "." else tag_dir
+            others = [f for f in files if str(PurePosixPath(f.path).parent) != folder]
+            for row in [*states, *others]:
+                if row.kind != RAW and row.container is None:
+                    raise StoreError(f"{row.path}: committed by tailorstore 0.1; check the step out instead")
+            mend = not exact
+            placement.write_files(store, manifest, states, states_root, facts.step, mend=mend, advance=lambda n: None)
+            placed = [f for f in others if f.kind != RAW]
+            placement.write_files(store, manifest, placed, tmp, facts.step, mend=mend, advance=lambda n: None)
+            for row in others:
+                if row.kind == RAW:
+                    target = safe_join(tmp, row.path)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    write_raw_blob(store, row.blob, target, f"step {facts.step}, file {row.path}")
+            count += len(states) + len(others)
+            for tensor in trainable:
+                param_dir = safe_join(tag_dir / "zero", tensor.name)
+                param_dir.mkdir(parents=True)
+                fp32 = read_float32(store, view, tensor)
+                write_torch_save(param_dir / "fp32.pt", _state_file(tensor, memoryview(fp32).cast("B"), stage))
+                for kind in (EXP_AVG, EXP_AVG_SQ):
+                    state = _whole(view, tensor.name, kind, tensor.shape)
+                    data = read_raw(store, view, state)
+                    write_torch_save(param_dir / f"{kind}.pt", _state_file(tensor, data, stage))
+                step = _step_tensor(store, view, tensor.name) if stage != 3 else None
+                if step is not None:
+                    write_torch_save(param_dir / "step.pt", step)
+                count += 4 if step is not None else 3
+                progress.advance(tensor.numel * 12)
+            write_torch_save(tag_dir / "zero" / "optimizer_state.pt", settings)
+            (tmp / LATEST_UNIVERSAL).write_text(tag)
+            count += 2
+            written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - began
+    return UniversalResult(facts.step, manifest, Path(out), tag, len(trainable), count, written, seconds)

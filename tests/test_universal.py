@@ -1,0 +1,129 @@
+"""`tailor checkout --format universal`: DeepSpeed's universal checkpoint written from the store,
+checked tensor for tensor against `ds_to_universal --inject_missing_state` on the same real saves,
+and loaded by DeepSpeed's `load_universal` at other world sizes with the same losses as DeepSpeed's
+own conversion gives."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import HFRun, Runs, as_of_step
+
+import tailorstore
+from tailorstore.testing.runs import train_tiny
+
+
+def ds_to_universal(tag_dir: Path, out: Path) -> Path:
+    """DeepSpeed's own conversion of one tag folder into ``out/<tag>`` (plus ``out/latest_universal``)."""
+    subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+         "--output_folder", str(out / tag_dir.name), "--inject_missing_state"],
+        check=True, capture_output=True, timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )  # fmt: skip
+    return out
+
+
+def same(x: Any, y: Any) -> bool:
+    """Equal trees: tensors bit for bit (dtype and shape too), objects by their attributes."""
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and set(x) == set(y) and all(same(x[k], y[k]) for k in x)
+    if isinstance(x, list | tuple):
+        return type(x) is type(y) and len(x) == len(y) and all(same(a, b) for a, b in zip(x, y, strict=True))
+    if hasattr(x, "__dict__") and not isinstance(x, type):
+        return type(x).__name__ == type(y).__name__ and same(vars(x), vars(y))
+    return x == y
+
+
+def assert_same_universal(ours: Path, theirs: Path, tag: str) -> None:
+    mine = sorted(p.relative_to(ours) for p in (ours / tag / "zero").rglob("*.pt"))
+    ref = sorted(p.relative_to(theirs) for p in (theirs / tag / "zero").rglob("*.pt"))
+    assert mine == ref, set(mine) ^ set(ref)
+    for rel in ref:
+        a, b = torch.load(ours / rel, weights_only=False), torch.load(theirs / rel, weights_only=False)
+        assert same(a, b), rel
+    assert (ours / "latest_universal").read_text() == (theirs / "latest_universal").read_text() == tag
+    for states in (theirs / tag).glob("*model_states.pt"):
+        assert (ours / tag / states.name).read_bytes() == states.read_bytes(), states.name
+
+
+@pytest.mark.parametrize(
+    "run", ["zero2-bf16", "zero2-fp32", "zero2-bf16-odd-two-groups", "zero3-bf16-odd-per-layer", "zero3-bf16-tied"]
+)
+def test_universal_equals_ds_to_universal(runs: Runs, tmp_path: Path, run: str) -> None:
+    save = runs.get(run).save_dir
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(save, 3, tmp_path / "at3"))
+        result = store.checkout_universal(3, tmp_path / "ours")
+    assert result.tag == "global_step3" and result.params > 0
+    theirs = ds_to_universal(save / "global_step3", tmp_path / "theirs")
+    assert_same_universal(tmp_path / "ours", theirs, "global_step3")
+
+
+@pytest.mark.parametrize(
+    ("run_name", "sizes"), [("zero2-bf16-odd-two-groups", (1, 3)), ("zero3-bf16-odd-per-layer", (1,))]
+)
+def test_load_universal_at_other_world_sizes(runs: Runs, tmp_path: Path, run_name: str, sizes: tuple[int, ...]) -> None:
+    """DeepSpeed loads ours at other world sizes than the save's 2, and the next losses equal those
+    after loading DeepSpeed's own conversion at the same world size."""
+    run = runs.get(run_name)
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(run.save_dir, 3, tmp_path / "at3"))
+        store.checkout_universal("latest", tmp_path / "ours")
+    theirs = ds_to_universal(run.save_dir / "global_step3", tmp_path / "theirs")
+    for nproc in sizes:
+        losses = {}
+        for name, source in (("ours", tmp_path / "ours"), ("theirs", theirs)):
+            losses[name] = train_tiny(
+                tmp_path / f"resumed-{name}-{nproc}",
+                losses_out=tmp_path / f"losses-{name}-{nproc}.json",
+                nproc=nproc,
+                steps=5,
+                save_every=0,
+                resume_from=source,
+                load_universal=True,
+                **run.options,
+            )
+        assert losses["ours"] == losses["theirs"] and sorted(losses["ours"]) == [4, 5], (nproc, losses)
+
+
+def test_hf_trainer_checkpoint(hf_run: HFRun, tmp_path: Path) -> None:
+    """An HF Trainer checkpoint-N: the universal folder sits beside the Trainer's own files."""
+    checkpoint = hf_run.output_dir / "checkpoint-6"
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(checkpoint)
+        store.checkout_universal("latest", tmp_path / "ours")
+    ours = tmp_path / "ours"
+    for name in ("config.json", "trainer_state.json", "model.safetensors"):
+        assert (ours / name).read_bytes() == (checkpoint / name).read_bytes(), name
+    theirs = ds_to_universal(checkpoint / "global_step6", tmp_path / "theirs")
+    assert_same_universal(ours, theirs, "global_step6")
+
+
+def tailor(*args: str, store: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TAILOR_STORE": str(store)}
+    return subprocess.run(
+        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_what_cannot_be_written_is_refused_before_writing(runs: Runs, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with tailorstore.Store.init(store) as st:
+        st.commit(as_of_step(runs.get("zero0-bf16").save_dir, 3, tmp_path / "z0"))
+    cases = [
+        (store, ["--format", "universal"], "ZeRO-0"),
+        (store, ["--format", "sideways"], "--format sideways"),
+    ]
+    for where, extra, says in cases:
+        out = tmp_path / "out"
+        proc = tailor("checkout", "step=3", "--out", str(out), *extra, store=where)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not out.exists() and not list(tmp_path.glob(".out.tailor-partial-*"))
