@@ -149,7 +149,7 @@ def test_reading_commands_and_checkout_do_not_import_torch(runs: Runs, tmp_path:
     for args in (["--help"], ["log"], ["show", "step=3"], ["tag", "step=3", "warm"], ["gc", "--dry-run"], ["verify"],
                  ["verify", "--deep"], ["checkout", "latest", "--out", str(tmp_path / "out"), "-q"],
                  ["export", "latest", "--out", str(tmp_path / "model"), "-q"],
-                 ["checkout", "latest", "--out", str(tmp_path / "universal"), "--format", "universal", "-q"]):  # fmt: skip
+                 ["checkout", "latest", "--out", str(tmp_path / "u"), "--format", "universal", "-q"]):  # fmt: skip
         assert _loaded_by(*args, store=store) == [], f"tailor {' '.join(args)} imported torch or DeepSpeed"
     assert (tmp_path / "out" / "global_step3").is_dir() and (tmp_path / "model" / "model.safetensors").is_file()
     at6 = as_of_step(runs.get("zero2-bf16").save_dir, 6, tmp_path / "at6")
