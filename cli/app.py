@@ -171,6 +171,10 @@ def checkout(
     layout: str = typer.Option(
         "native", "--format", help="native (as saved) or universal (DeepSpeed's, loadable at any world size)."
     ),
+    world_size: int | None = typer.Option(
+        None, "--world-size", help="Write the ZeRO layout for this many data-parallel ranks (ZeRO 1-3)."
+    ),
+    zero_stage: int | None = typer.Option(None, "--zero-stage", help="Write it for this ZeRO stage (1 or 2)."),
     store: str | None = StoreOpt,
     quiet: bool = QuietOpt,
     as_json: bool = JsonOpt,
@@ -178,6 +182,21 @@ def checkout(
     """Write a step back in its native layout, checking every blob's hash."""
     if layout not in ("native", "universal"):
         raise tailorstore.StoreError(f"--format {layout}: choose native or universal.")
+    if layout == "universal" and (world_size is not None or zero_stage is not None):
+        raise tailorstore.StoreError("--format universal loads at any world size and stage; drop --world-size.")
+    if world_size is not None or zero_stage is not None:
+        with _open(store, run) as st:
+            moved = st.checkout_resharded(
+                selector, out, world_size=world_size, zero_stage=zero_stage, progress=for_terminal(quiet or as_json)
+            )
+        if as_json:
+            typer.echo(json.dumps({**asdict(moved), "out": str(moved.out)}))
+        elif not quiet:
+            typer.echo(
+                f"checked out step {moved.step} for {moved.world_size} ranks (ZeRO-{moved.zero_stage}) into "
+                f"{moved.out}: {moved.files} files, {human(moved.bytes_written)}"
+            )
+        return
     if layout == "universal":
         with _open(store, run) as st:
             done = st.checkout_universal(selector, out, progress=for_terminal(quiet or as_json))

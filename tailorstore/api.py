@@ -40,6 +40,7 @@ from .paths import safe_join
 from .policies import PolicySpec
 from .progress import Progress
 from .refs import pin, remove, tag, untag
+from .reshard import ReshardResult, checkout_resharded
 from .runs import RunInfo, create_run, list_runs, qualify
 from .store.manifest_objects import check_run_name
 from .store.records import MAIN_RUN
@@ -229,6 +230,22 @@ class Store:
         """Write the checkpoint ``ref`` names into the new directory ``out``, every byte hash-checked."""
         return checkout_step(
             self.repo, self._selector(ref), Path(out), trust_pickles=trust_pickles, progress=progress, warn=warn
+        )
+
+    def checkout_resharded(
+        self,
+        ref: Ref,
+        out: str | os.PathLike,
+        *,
+        world_size: int | None = None,
+        zero_stage: int | None = None,
+        progress: Progress | None = None,
+    ) -> ReshardResult:
+        """Write ``ref`` in DeepSpeed's native layout as ``world_size`` data-parallel ranks would have saved it
+        (ZeRO 1-3; ``zero_stage`` switches between 1 and 2), so ``engine.load_checkpoint(out)`` resumes at that
+        world size. Refused, before anything is written, for what cannot be produced."""
+        return checkout_resharded(
+            self.repo, self._selector(ref), Path(out), world_size=world_size, zero_stage=zero_stage, progress=progress
         )
 
     def checkout_universal(

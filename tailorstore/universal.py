@@ -43,7 +43,7 @@ from .model_tensors import (
 from .output_dir import staged
 from .paths import safe_join
 from .progress import Progress, Silent
-from .store.records import COMMIT, FileRecord
+from .store.records import COMMIT, FileRecord, ManifestRecord
 from .store.repo import Repository
 
 UNIVERSAL = "universal"
@@ -137,6 +137,24 @@ def _state_file(tensor: ModelTensor, data: memoryview | bytes, stage: int) -> An
     return {"cat_dim": 0, "param": TensorOut("float32", tensor.shape, data)}
 
 
+def write_files_as_they_are(
+    store: Repository, manifest: int, facts: ManifestRecord, rows: list[FileRecord], root: Path
+) -> None:
+    """Files of the step byte for byte under ``root`` (containers placed, whole-file blobs streamed),
+    every byte hash-checked; refused before writing for a file committed without a container."""
+    for row in rows:
+        if row.kind != RAW and row.container is None:
+            raise StoreError(f"{row.path}: committed by tailorstore 0.1; check the step out as it is instead")
+    mend = not (facts.origin == COMMIT and facts.exact)
+    placed = [f for f in rows if f.kind != RAW]
+    placement.write_files(store, manifest, placed, root, facts.step, mend=mend, advance=lambda n: None)
+    for row in rows:
+        if row.kind == RAW:
+            target = safe_join(root, row.path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_raw_blob(store, row.blob, target, f"step {facts.step}, file {row.path}")
+
+
 def checkout_universal(
     store: Repository, selector: str, out: Path, *, progress: Progress | None = None
 ) -> UniversalResult:
@@ -170,23 +188,11 @@ def checkout_universal(
             progress.start(f"universal checkpoint of step {facts.step}", sum(t.numel * 12 for t in trainable))
             tag_dir = tmp / tag
             tag_dir.mkdir()
-            exact = facts.origin == COMMIT and facts.exact
             # the model-states files as they are (`load_universal` reads the module and scheduler there),
             # and every file outside the tag folder (an HF Trainer's config, trainer state, RNG states)
-            states_root = tmp if folder != "." else tag_dir
             others = [f for f in files if str(PurePosixPath(f.path).parent) != folder]
-            for row in [*states, *others]:
-                if row.kind != RAW and row.container is None:
-                    raise StoreError(f"{row.path}: committed by tailorstore 0.1; check the step out instead")
-            mend = not exact
-            placement.write_files(store, manifest, states, states_root, facts.step, mend=mend, advance=lambda n: None)
-            placed = [f for f in others if f.kind != RAW]
-            placement.write_files(store, manifest, placed, tmp, facts.step, mend=mend, advance=lambda n: None)
-            for row in others:
-                if row.kind == RAW:
-                    target = safe_join(tmp, row.path)
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    write_raw_blob(store, row.blob, target, f"step {facts.step}, file {row.path}")
+            write_files_as_they_are(store, manifest, facts, states, tmp if folder != "." else tag_dir)
+            write_files_as_they_are(store, manifest, facts, others, tmp)
             count += len(states) + len(others)
             for tensor in trainable:
                 param_dir = safe_join(tag_dir / "zero", tensor.name)

@@ -61,6 +61,8 @@ CONFIGS: dict[str, dict[str, object]] = {
         "param_groups": "per-layer",
     },
     "zero2-bf16-1rank": {"stage": 2, "dtype": "bf16", "nproc": 1},
+    # ZeRO-1 in fp32: DeepSpeedZeroOptimizer without partitioned gradients
+    "zero1-fp32": {"stage": 1, "dtype": "fp32"},
     # lm_head shares the embedding's weight (DeepSpeed's shared_params)
     "zero3-bf16-tied": {"stage": 3, "dtype": "bf16", "tie_embeddings": True},
 }

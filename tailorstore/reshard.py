@@ -1,0 +1,367 @@
+"""``tailor checkout REF --world-size M [--zero-stage S]``: the native DeepSpeed layout for M ranks.
+
+DeepSpeed refuses to resume a ZeRO checkpoint at another data-parallel world size ("used a DP
+world size of 32 but the current world size is 128"); its own way round is two slow steps
+(``ds_to_universal``, then ``load_universal``). Every atom already says which parameter, kind
+and element range it holds, so the files DeepSpeed itself would have saved at M ranks can be
+written straight from the store:
+
+* ZeRO 1/2: each param group's parameters end to end (with their alignment paddings), padded to
+  a multiple of 2*M elements and cut into M equal partitions; rank r's optimizer file holds its
+  FP32 partition (the last rank's without the group padding, as DeepSpeed saves it), its Adam
+  moments over the whole partition, the group's step, and ``param_slice_mappings`` naming every
+  parameter fragment it holds.
+* ZeRO 3: every parameter cut on its own into ``ceil(numel / M)`` elements per rank (the last
+  rank's padded); rank r's flat group is its pieces end to end.
+
+The model-states files are the saved ones with ``dp_world_size`` set to M (ZeRO 3 writes one per
+rank). The plan (partitions, names, refusals) is made before anything is written; tensors are
+read from the atoms, hash-checked, one partition at a time, without torch. ``--zero-stage``
+switches between 1 and 2, which share one file layout; ZeRO 3's files differ in structure and
+hold no module weights, so a change to or from 3 is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+
+from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER
+from .errors import StoreError
+from .formats import deepspeed as ds
+from .formats.kinds import TORCH
+from .formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, _opaque_class
+from .formats.torch_save_writer import TensorOut, write_torch_save
+from .formats.zero_partitions import zero3_pieces, zero12_pieces
+from .model_tensors import ModelView, committed_tree, model_view, read_float32, read_raw
+from .output_dir import staged
+from .progress import Progress, Silent
+from .store.records import FileRecord
+from .store.repo import Repository
+from .universal import write_files_as_they_are
+
+MAX_WORLD_SIZE = 65536
+ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor: a group pads to a multiple of 2 * world size
+_STAGES = {1: "optimizer_states", 2: "gradients", 3: "weights"}  # ZeroStageEnum's members
+_ZERO_STAGE_ENUM = _opaque_class(DEEPSPEED_GLOBALS[2])
+_FRAGMENT_ADDRESS = _opaque_class(DEEPSPEED_GLOBALS[3])
+
+
+@dataclass
+class ReshardResult:
+    step: int
+    manifest: int
+    out: Path
+    tag: str
+    world_size: int
+    zero_stage: int
+    files: int
+    bytes_written: int
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """Everything decided before a byte is written: the source files, the target, the groups."""
+
+    tag: str
+    folder: str  # the tag folder's path in the manifest ("." when the tag folder itself was committed)
+    world: int
+    stage: int  # target ZeRO stage
+    source_stage: int
+    groups: tuple[tuple[tuple[str, int], ...], ...]  # per param group: (parameter, numel) in flat order
+    alignment_paddings: tuple[tuple[int, ...], ...] | None  # ZeRO 1/2, per group and parameter
+    states: FileRecord  # rank 0's model-states file
+    optimizer: FileRecord  # rank 0's optimizer-states file
+    optimizer_prefix: str  # "bf16_" or ""
+
+    def optimizer_name(self, rank: int) -> str:
+        return f"{self.optimizer_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+    def states_names(self) -> list[str]:
+        if self.stage == 3:
+            return [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(self.world)]
+        return ["mp_rank_00_model_states.pt"]
+
+    def zero12_partition(self, group: int) -> tuple[int, int]:
+        """(elements per partition, padding of the last rank) of a ZeRO 1/2 group at this world size."""
+        paddings = self.alignment_paddings[group] if self.alignment_paddings else ()
+        total = sum(n for _, n in self.groups[group]) + sum(paddings)
+        alignment = ALIGNMENT_FACTOR * self.world
+        aligned = math.ceil(total / alignment) * alignment
+        return aligned // self.world, aligned - total
+
+
+def plan_reshard(view: ModelView, files: list[FileRecord], tree: Any, world: int, stage: int | None) -> ReshardPlan:
+    """The reshard of ``view`` to ``world`` ranks (and ZeRO ``stage``), or a refusal that says why."""
+    if not 1 <= world <= MAX_WORLD_SIZE:
+        raise StoreError(f"world size {world}: give a number of data-parallel ranks from 1 to {MAX_WORLD_SIZE}.")
+    source = view.zero_stage
+    if source not in (1, 2, 3):
+        raise StoreError(
+            f"step {view.step} is a ZeRO-{source} save: ZeRO 0 keeps whole tensors, not partitions, and loads at any "
+            "world size as it is; check it out without --world-size."
+        )
+    target = source if stage is None else stage
+    if target not in (1, 2, 3):
+        raise StoreError(f"ZeRO stage {target}: give 1, 2 or 3.")
+    if (source == 3) != (target == 3):
+        raise StoreError(
+            f"ZeRO-{source} to ZeRO-{target}: DeepSpeed's ZeRO-3 files differ in structure from ZeRO 1/2 (no module "
+            "weights in the model states, per-parameter partitions); change between stages 1 and 2 only. A "
+            "universal checkpoint (--format universal) loads under any stage."
+        )
+    assert view.states_file is not None
+    folder = str(PurePosixPath(view.states_file.path).parent)
+    optimizers = [
+        f
+        for f in files
+        if f.kind == TORCH
+        and ds.is_optim_states(PurePosixPath(f.path).name)
+        and str(PurePosixPath(f.path).parent) == folder
+    ]
+    rank0 = [f for f in optimizers if (f.rank or 0) == 0]
+    if not rank0:
+        raise StoreError(f"step {view.step} holds no optimizer-states file of rank 0; it has no ZeRO state to reshard")
+    match = ds.OPTIM_STATES.match(PurePosixPath(rank0[0].path).name)
+    prefix = f"{match.group(1)}_" if match and match.group(1) else ""
+    osd = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
+    if not isinstance(osd, dict):
+        raise StoreError(f"step {view.step}: {rank0[0].path} has no optimizer_state_dict")
+    if source != 3 and ("base_optimizer_state" not in osd or "zero_stage" not in osd):
+        raise StoreError(
+            f"step {view.step}: {rank0[0].path} is not in DeepSpeedZeroOptimizer's layout (a BF16_Optimizer save, "
+            "ZeRO-1 with fp32 gradient accumulation?); tailorstore reshards ZeRO 1/2 and 3 saves only."
+        )
+    config = tree.get("ds_config") if isinstance(tree.get("ds_config"), dict) else {}
+    if (config.get("zero_optimization") or {}).get("round_robin_gradients"):
+        raise StoreError("the save used round_robin_gradients, whose partition order tailorstore does not write")
+    shapes = {t.name: t.numel for t in view.tensors if t.kind == MASTER}
+    by_group: dict[int, list[tuple[str, int]]] = {}
+    for name, group in view.groups.items():
+        by_group.setdefault(group, []).append((name, shapes.get(name, 0)))
+    groups = tuple(tuple(by_group.get(g, [])) for g in range(max(by_group, default=-1) + 1))
+    paddings = osd.get("param_alignment_paddings") if source != 3 else None
+    aligned = tuple(tuple(int(p) for p in group) for group in paddings) if paddings else None
+    tag = PurePosixPath(folder).name if folder != "." else f"global_step{view.step}"
+    return ReshardPlan(tag, folder, world, target, int(source), groups, aligned, view.states_file, rank0[0], prefix)
+
+
+class _Params:
+    """Whole parameters' states read from the store, the last one of each kind kept: a parameter
+    that straddles two partitions is read once, not twice."""
+
+    def __init__(self, store: Repository, view: ModelView) -> None:
+        self.store, self.view = store, view
+        self.tensors = {t.name: t for t in view.tensors if t.kind == MASTER}
+        self.last: dict[str, tuple[str, np.ndarray]] = {}
+
+    def values(self, name: str, kind: str) -> np.ndarray:
+        cached = self.last.get(kind)
+        if cached is not None and cached[0] == name:
+            return cached[1]
+        master = self.tensors[name]
+        if kind == MASTER:
+            data = read_float32(self.store, self.view, master)
+        else:
+            data = np.frombuffer(read_raw(self.store, self.view, self.view.state(name, kind, master.shape)), np.float32)
+        self.last[kind] = (name, data)
+        return data
+
+
+Build = Callable[[], memoryview]
+
+
+def _zero12_flat(params: _Params, plan: ReshardPlan, group: int, rank: int, kind: str, length: int) -> Build:
+    def build() -> memoryview:
+        partition, _ = plan.zero12_partition(group)
+        paddings = plan.alignment_paddings[group] if plan.alignment_paddings else None
+        out = np.zeros(length, dtype=np.float32)
+        for piece in zero12_pieces(plan.groups[group], paddings, rank, partition, length):
+            if piece.param is not None:
+                out[piece.offset : piece.offset + piece.numel] = params.values(piece.param, kind)[
+                    piece.start : piece.start + piece.numel
+                ]
+        return memoryview(out).cast("B")
+
+    return build
+
+
+def _zero3_flat(params: _Params, plan: ReshardPlan, group: int, rank: int, kind: str) -> tuple[int, Build]:
+    shapes = plan.groups[group]
+    length = sum(math.ceil(n / plan.world) for _, n in shapes)
+
+    def build() -> memoryview:
+        out = np.zeros(length, dtype=np.float32)
+        for piece in zero3_pieces(shapes, plan.world, rank, length):
+            if piece.param is not None:
+                out[piece.offset : piece.offset + piece.numel] = params.values(piece.param, kind)[
+                    piece.start : piece.start + piece.numel
+                ]
+        return memoryview(out).cast("B")
+
+    return length, build
+
+
+def _fragment(numel: int, start: int) -> Opaque:
+    address = _FRAGMENT_ADDRESS.__new__(_FRAGMENT_ADDRESS)
+    address.__dict__.update(numel=numel, start=start)
+    return address
+
+
+def _stage_enum(stage: int) -> Opaque:
+    return _ZERO_STAGE_ENUM(stage)
+
+
+def _group_of_state_keys(param_groups: Any) -> dict[Any, int]:
+    keys: dict[Any, int] = {}
+    for g, group in enumerate(param_groups if isinstance(param_groups, list) else []):
+        for key in group.get("params", []) if isinstance(group, dict) else []:
+            keys[key] = g
+    return keys
+
+
+def _rank_zero12(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> dict:
+    """Rank ``rank``'s optimizer_state_dict at the new world size, keys in the saved order."""
+    last = plan.world - 1
+    out: dict[str, Any] = {}
+    base = saved["base_optimizer_state"]
+    group_of = _group_of_state_keys(base.get("param_groups"))
+    for key, value in saved.items():
+        if key == "base_optimizer_state":
+            state = {}
+            for state_key, group_state in base["state"].items():
+                g = group_of.get(state_key, int(state_key) if isinstance(state_key, int) else 0)
+                partition, _ = plan.zero12_partition(g)
+                state[state_key] = {
+                    k: (TensorOut("float32", (partition,), _zero12_flat(params, plan, g, rank, k, partition))
+                        if k in (EXP_AVG, EXP_AVG_SQ) else v)
+                    for k, v in group_state.items()
+                }  # fmt: skip
+            out[key] = {k: (state if k == "state" else v) for k, v in base.items()}
+        elif key == "single_partition_of_fp32_groups":
+            flats = []
+            for g in range(len(plan.groups)):
+                partition, padding = plan.zero12_partition(g)
+                length = partition - (padding if rank == last else 0)
+                flats.append(TensorOut("float32", (length,), _zero12_flat(params, plan, g, rank, MASTER, length)))
+            out[key] = flats
+        elif key == "group_paddings":
+            out[key] = [plan.zero12_partition(g)[1] if rank == last else 0 for g in range(len(plan.groups))]
+        elif key == "partition_count":
+            out[key] = [plan.world] * len(plan.groups)
+        elif key == "param_slice_mappings":
+            mappings = []
+            for g in range(len(plan.groups)):
+                partition, _ = plan.zero12_partition(g)
+                paddings = plan.alignment_paddings[g] if plan.alignment_paddings else None
+                pieces = zero12_pieces(plan.groups[g], paddings, rank, partition)
+                mappings.append(
+                    OrderedDict((p.param, _fragment(p.numel, p.offset)) for p in pieces if p.param is not None)
+                )
+            out[key] = mappings
+        elif key == "zero_stage" and plan.stage != plan.source_stage:
+            out[key] = _stage_enum(plan.stage)
+        else:
+            out[key] = value
+    return out
+
+
+def _rank_zero3(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> dict:
+    out: dict[str, Any] = {}
+    inner = saved["optimizer_state_dict"]
+    group_of = _group_of_state_keys(inner.get("param_groups"))
+    for key, value in saved.items():
+        if key == "fp32_flat_groups":
+            flats = []
+            for g in range(len(plan.groups)):
+                length, build = _zero3_flat(params, plan, g, rank, MASTER)
+                flats.append(TensorOut("float32", (length,), build))
+            out[key] = flats
+        elif key == "optimizer_state_dict":
+            state = {}
+            for state_key, group_state in inner["state"].items():
+                g = group_of.get(state_key, 0)
+                moments = {}
+                for k, v in group_state.items():
+                    if k in (EXP_AVG, EXP_AVG_SQ):
+                        length, build = _zero3_flat(params, plan, g, rank, k)
+                        moments[k] = TensorOut("float32", (length,), build)
+                    else:
+                        moments[k] = v
+                state[state_key] = moments
+            out[key] = {k: (state if k == "state" else v) for k, v in inner.items()}
+        elif key == "partition_count":
+            out[key] = plan.world
+        else:
+            out[key] = value
+    return out
+
+
+def _is_zero_file(row: FileRecord) -> bool:
+    name = PurePosixPath(row.path).name
+    return ds.is_model_states(name) or ds.is_optim_states(name)
+
+
+def checkout_resharded(
+    store: Repository,
+    selector: str,
+    out: Path,
+    *,
+    world_size: int | None,
+    zero_stage: int | None = None,
+    progress: Progress | None = None,
+) -> ReshardResult:
+    """Write the step ``selector`` names at ``out`` as DeepSpeed would have saved it on ``world_size``
+    ranks (default: the save's own) under ZeRO ``zero_stage`` (default: the save's own)."""
+    began = time.perf_counter()
+    manifest = store.resolve(selector)
+    facts = store.manifest(manifest)
+    if world_size is None:
+        world_size = facts.world_size or 1
+    view = model_view(store, manifest)
+    files = store.index.files(manifest)
+    assert view.states_file is not None
+    where = f"step {facts.step}"
+    # the source optimizer file's tree (tensors read lazily: only the step counters are ever read)
+    rank0 = [f for f in files if f.kind == TORCH and ds.is_optim_states(PurePosixPath(f.path).name)]
+    saved_tree = committed_tree(store, manifest, min(rank0, key=lambda f: f.rank or 0), where) if rank0 else {}
+    plan = plan_reshard(view, files, saved_tree, world_size, zero_stage)
+    states_tree = committed_tree(store, manifest, plan.states, f"{where}, file {plan.states.path}")
+    states_tree["dp_world_size"] = plan.world
+    in_tag = [f for f in files if str(PurePosixPath(f.path).parent) == plan.folder]
+    extras = [f for f in in_tag if not _is_zero_file(f)]  # anything else DeepSpeed's tag folder held
+    others = [f for f in files if str(PurePosixPath(f.path).parent) != plan.folder]
+    params = _Params(store, view)
+    progress = progress or Silent()
+    count = 0
+    try:
+        with staged(Path(out), store) as tmp:
+            progress.start(f"step {facts.step} for {plan.world} ranks", plan.world)
+            tag_dir = tmp / plan.tag
+            tag_dir.mkdir()
+            write_files_as_they_are(store, manifest, facts, others, tmp)
+            write_files_as_they_are(store, manifest, facts, extras, tmp if plan.folder != "." else tag_dir)
+            for name in plan.states_names():
+                write_torch_save(tag_dir / name, states_tree)
+            for rank in range(plan.world):
+                osd = saved_tree["optimizer_state_dict"]
+                rebuild = _rank_zero3 if plan.stage == 3 else _rank_zero12
+                rebuilt = rebuild(osd, params, plan, rank)
+                write_torch_save(tag_dir / plan.optimizer_name(rank), {**saved_tree, "optimizer_state_dict": rebuilt})
+                progress.advance(1)
+            if not (tmp / "latest").exists():
+                (tmp / "latest").write_text(plan.tag)  # `engine.load_checkpoint(out)` finds the tag by it
+            count = len(others) + len(extras) + len(plan.states_names()) + plan.world
+            written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - began
+    return ReshardResult(facts.step, manifest, Path(out), plan.tag, plan.world, plan.stage, count, written, seconds)

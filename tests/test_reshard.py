@@ -1,0 +1,217 @@
+"""`tailor checkout --world-size M [--zero-stage S]`: the native ZeRO layout for another world size,
+checked against DeepSpeed's own path on real runs. After `engine.load_checkpoint` of ours at M ranks,
+what DeepSpeed holds (saved right after the load, as DeepSpeed saves it) equals, tensor for tensor,
+what it holds after `ds_to_universal` then `load_universal` at M, and the next losses are equal.
+Covered: 2->1, 1->2 and 2->3 ranks, ZeRO 1 (to 2), 2 and 3, bf16 and fp32, odd sizes, two and
+per-layer param groups, a composite step; and the universal layout written by tailorstore loaded
+the same way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import Run, Runs, as_of_step
+from test_universal import ds_to_universal
+
+import tailorstore
+from tailorstore.model_tensors import model_view, read_float32, read_raw
+from tailorstore.testing.runs import train_tiny
+
+STEP = 3
+
+
+def tensors(tree: Any, path: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {path: tree}
+    out: dict[str, torch.Tensor] = {}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list | tuple) else []
+    for key, value in items:
+        out.update(tensors(value, f"{path}/{key}"))
+    return out
+
+
+def assert_same_zero_files(ours: Path, theirs: Path) -> None:
+    """The same files, each with the same tensors (bit for bit) and the same partition bookkeeping."""
+    names = sorted(p.name for p in theirs.glob("*.pt"))
+    assert sorted(p.name for p in ours.glob("*.pt")) == names
+    for name in names:
+        a, b = torch.load(ours / name, weights_only=False), torch.load(theirs / name, weights_only=False)
+        ta, tb = tensors(a), tensors(b)
+        assert set(ta) == set(tb), (name, set(ta) ^ set(tb))
+        for key, tensor in tb.items():
+            assert ta[key].dtype == tensor.dtype and ta[key].shape == tensor.shape, (name, key)
+            assert torch.equal(ta[key], tensor), (name, key)
+        if "optim" in name:
+            oa, ob = a["optimizer_state_dict"], b["optimizer_state_dict"]
+            for key in ("param_slice_mappings", "group_paddings", "partition_count", "zero_stage"):
+                assert repr(oa.get(key)) == repr(ob.get(key)), (name, key)
+        else:
+            assert a["dp_world_size"] == b["dp_world_size"]
+
+
+class DeepSpeedPath:
+    """What DeepSpeed itself holds after ds_to_universal + load_universal at M ranks (cached per case)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[tuple[str, int, int], tuple[dict[int, str], Path]] = {}
+
+    def universal(self, run: Run) -> Path:
+        out = self.root / f"universal-{run.name}"
+        if not out.exists():
+            ds_to_universal(as_of_step(run.save_dir, STEP, self.root / f"at-{run.name}") / f"global_step{STEP}", out)
+        return out
+
+    def loaded(self, run: Run, nproc: int, stage: int) -> tuple[dict[int, str], Path]:
+        key = (run.name, nproc, stage)
+        if key not in self.done:
+            self.done[key] = resume(
+                run, self.universal(run), nproc, stage, self.root / f"ds-{run.name}-{nproc}-{stage}", universal=True
+            )
+        return self.done[key]
+
+
+def resume(
+    run: Run, source: Path, nproc: int, stage: int, work: Path, universal: bool = False
+) -> tuple[dict[int, str], Path]:
+    """Resume ``source`` at ``nproc`` ranks; (the next two losses, the state DeepSpeed saved right after loading)."""
+    options = {**run.options, "stage": stage}
+    losses = train_tiny(
+        work / "save", losses_out=work / "losses.json", nproc=nproc, steps=STEP + 2, save_every=0,
+        resume_from=source, load_universal=universal, save_on_load=str(work / "loaded"), **options,
+    )  # fmt: skip
+    assert sorted(losses) == [STEP + 1, STEP + 2]
+    return losses, work / "loaded" / "loaded"
+
+
+@pytest.fixture(scope="module")
+def deepspeed_path(tmp_path_factory: pytest.TempPathFactory) -> DeepSpeedPath:
+    return DeepSpeedPath(tmp_path_factory.mktemp("deepspeed-path"))
+
+
+@pytest.mark.parametrize(
+    ("run_name", "world", "stage", "same_losses"),
+    [
+        ("zero2-bf16-odd-two-groups", 1, None, True),  # 2 -> 1
+        ("zero2-bf16-1rank", 2, None, True),  # 1 -> 2
+        ("zero2-bf16-odd-two-groups", 3, None, True),  # 2 -> 3: the group padding moves to the third rank
+        ("zero3-bf16", 3, None, True),  # ZeRO 3, every parameter cut three ways
+        ("zero1-fp32", 3, 2, True),  # ZeRO 1 to ZeRO 2, fp32
+    ],
+)
+def test_reshard_equals_deepspeeds_universal_path(
+    runs: Runs,
+    deepspeed_path: DeepSpeedPath,
+    tmp_path: Path,
+    run_name: str,
+    world: int,
+    stage: int | None,
+    same_losses: bool,
+) -> None:
+    run = runs.get(run_name)
+    target_stage = stage or int(run.options["stage"])  # type: ignore[call-overload]
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(run.save_dir, STEP, tmp_path / "at"))
+        result = store.checkout_resharded(STEP, tmp_path / "ours", world_size=world, zero_stage=stage)
+    assert (result.world_size, result.zero_stage, result.tag) == (world, target_stage, f"global_step{STEP}")
+    expected_losses, expected_state = deepspeed_path.loaded(run, world, target_stage)
+    # what we wrote is what DeepSpeed saves at M ranks after its own universal load ...
+    assert_same_zero_files(tmp_path / "ours" / f"global_step{STEP}", expected_state)
+    # ... and what DeepSpeed holds after loading ours is the same, and trains on the same
+    losses, state = resume(run, tmp_path / "ours", world, target_stage, tmp_path / "resumed")
+    assert_same_zero_files(state, expected_state)
+    assert (losses == expected_losses) == same_losses, (losses, expected_losses)
+
+
+def test_resharding_to_the_saved_world_size_resumes_exactly(runs: Runs, tmp_path: Path) -> None:
+    """Written for the world size it was saved at, the step resumes exactly as the uninterrupted run
+    went on (ZeRO 3, odd sizes, seven param groups). DeepSpeed's own universal path is no reference
+    here: with several ZeRO-3 param groups, after load_universal its second loss differs from the
+    uninterrupted run's even at the saved world size (seen with DeepSpeed 0.19.8), though the state
+    it saves right after loading equals ours."""
+    run = runs.get("zero3-bf16-odd-per-layer")
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(run.save_dir, STEP, tmp_path / "at"))
+        store.checkout_resharded(STEP, tmp_path / "ours", world_size=2)
+    losses, _ = resume(run, tmp_path / "ours", 2, 3, tmp_path / "resumed")
+    assert losses == {s: run.losses[s] for s in (STEP + 1, STEP + 2)}
+
+
+def test_tailorstores_universal_layout_loads_at_another_world_size(
+    runs: Runs, deepspeed_path: DeepSpeedPath, tmp_path: Path
+) -> None:
+    run = runs.get("zero2-bf16-odd-two-groups")
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(run.save_dir, STEP, tmp_path / "at"))
+        store.checkout_universal(STEP, tmp_path / "ours")
+    losses, state = resume(run, tmp_path / "ours", 3, 2, tmp_path / "resumed", universal=True)
+    expected_losses, expected_state = deepspeed_path.loaded(run, 3, 2)
+    assert losses == expected_losses
+    assert_same_zero_files(state, expected_state)
+
+
+def test_a_composite_reshards_like_an_exact_step(runs: Runs, tmp_path: Path) -> None:
+    """A parity commit inherits layers from an earlier step; resharded, every parameter's master and
+    moments are those the composite names, and DeepSpeed resumes from it at the new world size."""
+    run = runs.get("tailor-zero2")
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(run.save_dir, 15, tmp_path / "at15"))
+        committed = store.commit(as_of_step(run.save_dir, 18, tmp_path / "at18"), policy="parity")
+        assert committed.inherited_layers
+        store.checkout_resharded(18, tmp_path / "ours", world_size=1)
+        composite = model_view(store.repo, store.repo.resolve("step=18"))
+        expected = {(t.name, "master"): read_float32(store.repo, composite, t).tobytes() for t in composite.tensors}
+        for t in composite.tensors:
+            for kind in ("exp_avg", "exp_avg_sq"):
+                expected[(t.name, kind)] = bytes(
+                    read_raw(store.repo, composite, composite.state(t.name, kind, t.shape))
+                )
+    with tailorstore.Store.init(tmp_path / "again") as again:
+        again.commit(tmp_path / "ours", step=18)
+        resharded = model_view(again.repo, again.repo.resolve("step=18"))
+        assert resharded.world_size == 1
+        for t in resharded.tensors:
+            assert read_float32(again.repo, resharded, t).tobytes() == expected[(t.name, "master")], t.name
+            for kind in ("exp_avg", "exp_avg_sq"):
+                got = bytes(read_raw(again.repo, resharded, resharded.state(t.name, kind, t.shape)))
+                assert got == expected[(t.name, kind)], (t.name, kind)
+    losses = train_tiny(
+        tmp_path / "resumed", losses_out=tmp_path / "losses.json", nproc=1, steps=19, save_every=0,
+        resume_from=tmp_path / "ours", **run.options,
+    )  # fmt: skip
+    assert sorted(losses) == [19]
+
+
+def tailor(*args: str, store: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TAILOR_STORE": str(store)}
+    return subprocess.run(
+        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_what_cannot_be_produced_is_refused_before_writing(runs: Runs, tmp_path: Path) -> None:
+    stores = {}
+    for name in ("zero2-bf16", "zero0-bf16", "zero1-bf16-acc32"):
+        stores[name] = tmp_path / f"store-{name}"
+        with tailorstore.Store.init(stores[name]) as st:
+            st.commit(as_of_step(runs.get(name).save_dir, STEP, tmp_path / f"at-{name}"))
+    cases = [
+        ("zero2-bf16", ["--world-size", "0"], "world size 0"),
+        ("zero2-bf16", ["--world-size", "2", "--zero-stage", "3"], "ZeRO-2 to ZeRO-3"),
+        ("zero2-bf16", ["--zero-stage", "7"], "ZeRO stage 7"),
+        ("zero2-bf16", ["--world-size", "2", "--format", "universal"], "drop --world-size"),
+        ("zero0-bf16", ["--world-size", "1"], "ZeRO-0"),
+        ("zero1-bf16-acc32", ["--world-size", "1"], "BF16_Optimizer"),
+    ]
+    for name, extra, says in cases:
+        out = tmp_path / "out"
+        proc = tailor("checkout", f"step={STEP}", "--out", str(out), *extra, store=stores[name])
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, (extra, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not out.exists() and not list(tmp_path.glob(".out.tailor-partial-*"))
