@@ -4,13 +4,16 @@
 
 * ``tailor export STEP --dtype fp32`` against ``python zero_to_fp32.py SAVE OUT
   --safe_serialization`` (the copy DeepSpeed writes next to every save, as users run it), both
-  writing one consolidated fp32 model.safetensors.
+  writing one consolidated fp32 model.safetensors;
+* ``tailor checkout STEP --format universal`` against ``ds_to_universal --inject_missing_state``;
+* ``tailor checkout STEP --world-size 1`` against ``ds_to_universal`` (DeepSpeed's way to another
+  world size), alone and followed by a DeepSpeed process that loads the result on one rank.
 
 Each time is a whole process, start-up included; each peak RSS is that process's own VmHWM
 (read by a wrapper at exit: Linux carries ru_maxrss across fork and exec, so a child's
 ru_maxrss can report its parent's peak). Medians of ``--repeats``, alternating which side goes
 first. Saves are the suite's (benchmarks/suite.py SIZES: medium 58M, large 100M parameters,
-ZeRO-2 bf16, 2 ranks), trained once under --workdir. The table goes into docs/benchmarks.md
+ZeRO-2 bf16, 2 ranks), trained once under --workdir. The tables go into docs/benchmarks.md
 between the ``convert`` markers.
 """
 
@@ -28,6 +31,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tailorstore.testing.runs import train_tiny
 
 from . import suite
 from .report import write_section
@@ -90,73 +95,126 @@ def measure(name: str, workdir: Path, repeats: int) -> dict:
     if not store.exists():
         subprocess.run([*suite.TAILOR, "init", str(store)], check=True, env=env, capture_output=True)
         subprocess.run([*suite.TAILOR, "commit", str(single), "-q"], check=True, env=env, capture_output=True)
-    sides = {
-        "tailor export --dtype fp32": ("module", "tailorstore.cli.app", ["export", f"step={step}", "--dtype", "fp32"]),
-        "zero_to_fp32.py --safe_serialization": ("path", str(single / "zero_to_fp32.py"), [str(single)]),
-    }
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    peaks: dict[str, list[int]] = {k: [] for k in sides}
-    outputs: dict[str, int] = {}
-    for r in range(repeats):
-        order = list(sides) if r % 2 == 0 else list(reversed(sides))
-        for label in order:
-            kind, target, args = sides[label]
-            out = work / f"out-{r}-{label.split()[0].replace('.py', '')}"
-            shutil.rmtree(out, ignore_errors=True)
-            extra = ["--out", str(out), "-q"] if kind == "module" else [str(out), "--safe_serialization"]
-            suite.warm(single)
-            wall, peak = run_measured(kind, target, [*args, *extra], env)
-            times[label].append(wall)
-            peaks[label].append(peak)
-            outputs[label] = suite.dir_bytes(out)
-            shutil.rmtree(out)
+    universal_args = ["--input_folder", str(single / tag_dir.name), "--inject_missing_state", "--output_folder"]
+    pairs = {
+        "export": (
+            ("tailor export --dtype fp32", "module", "tailorstore.cli.app",
+             ["export", f"step={step}", "--dtype", "fp32", "-q", "--out"]),
+            ("zero_to_fp32.py --safe_serialization", "path", str(single / "zero_to_fp32.py"),
+             [str(single), "--safe_serialization"]),
+        ),
+        "universal": (
+            ("tailor checkout --format universal", "module", "tailorstore.cli.app",
+             ["checkout", f"step={step}", "--format", "universal", "-q", "--out"]),
+            ("ds_to_universal", "module", "deepspeed.checkpoint.ds_to_universal", universal_args),
+        ),
+        "world-size": (
+            ("tailor checkout --world-size 1", "module", "tailorstore.cli.app",
+             ["checkout", f"step={step}", "--world-size", "1", "-q", "--out"]),
+            ("ds_to_universal", "module", "deepspeed.checkpoint.ds_to_universal", universal_args),
+        ),
+    }  # fmt: skip
+    results: dict[str, dict] = {}
+    for what, sides in pairs.items():
+        times: dict[str, list[float]] = {label: [] for label, *_ in sides}
+        peaks: dict[str, list[int]] = {label: [] for label, *_ in sides}
+        for r in range(repeats):
+            for label, kind, target, args in sides if r % 2 == 0 else tuple(reversed(sides)):
+                out = work / f"out-{what}-{r}-{len(times[label])}-{label.split()[0].replace('.py', '')}"
+                shutil.rmtree(out, ignore_errors=True)
+                # the output directory goes last; ds_to_universal writes into out/<tag>
+                place = str(out / tag_dir.name) if target.startswith("deepspeed.") else str(out)
+                suite.warm(single)
+                wall, peak = run_measured(kind, target, [*args, place], env)
+                times[label].append(wall)
+                peaks[label].append(peak)
+                if r < repeats - 1 or what != "world-size":
+                    shutil.rmtree(out)
+                else:
+                    results.setdefault("kept", {})[label] = str(out)
+        results[what] = {
+            "sides": [label for label, *_ in sides],
+            "seconds": {k: statistics.median(v) for k, v in times.items()},
+            "peak": {k: statistics.median(v) for k, v in peaks.items()},
+        }
+    # End to end for another world size: the conversion, then DeepSpeed loading it on 1 rank (a process
+    # that loads and stops; its start-up is the same on both sides).
+    size = suite.SIZES[name]
+    options = dict(stage=2, dtype="bf16", dim=size.dim, layers=size.layers, hidden=size.hidden, vocab=size.vocab,
+                   heads=size.heads, seq=64, micro_batch=2)  # fmt: skip
+    loads: dict[str, float] = {}
+    for label, universal in (("tailor checkout --world-size 1", False), ("ds_to_universal", True)):
+        source = Path(results["kept"][label])
+        began = time.perf_counter()
+        train_tiny(work / f"load-{universal}", losses_out=work / f"load-{universal}.json", nproc=1, steps=step,
+                   save_every=0, resume_from=source, load_universal=universal, **options)  # fmt: skip
+        loads[label] = time.perf_counter() - began
+    results["world-size"]["load"] = loads
+    del results["kept"]
     return {
         "size": name,
         "params": suite.params_of(suite.SIZES[name]),
         "raw": suite.dir_bytes(single / tag_dir.name),
         "largest_tensor": 4 * suite.SIZES[name].vocab * suite.SIZES[name].dim,
-        "seconds": {k: statistics.median(v) for k, v in times.items()},
-        "peak": {k: statistics.median(v) for k, v in peaks.items()},
-        "output": outputs,
+        **results,
     }
 
 
 def render(results: list[dict], command: str) -> str:
-    ours, theirs = "tailor export --dtype fp32", "zero_to_fp32.py --safe_serialization"
     lines = [
         BEGIN,
-        "## Conversion: export against DeepSpeed's zero_to_fp32",
+        "## Conversion: export, universal and another world size, against DeepSpeed's own tools",
         "",
         f"Command: `{command}` (measured {dt.datetime.now().isoformat(timespec='seconds')}).",
         "Whole processes, start-up included, on the same ZeRO-2 bf16 save (2 ranks); peak RSS is each",
         "process's own VmHWM. tailorstore's modules are byte-compiled first, as `pip install` leaves them",
         "(this machine sets PYTHONDONTWRITEBYTECODE; DeepSpeed's are compiled in site-packages).",
-        "Both write one fp32 `model.safetensors`; `tailor export` reads the",
-        "committed step from the store, zero_to_fp32 the save's files (in the page cache, read once before).",
-        "tests/test_export.py checks that the tensors are equal.",
+        "tailorstore reads the committed step from the store; DeepSpeed's tools read the save's files (in the",
+        "page cache, read once before). tests/test_export.py, test_universal.py and test_reshard.py check",
+        "that the outputs are equal. Targets: at least 5x faster, at most 1/4 of the peak RSS.",
         "",
-        "| size | params | save | zero_to_fp32 | tailor export | speed-up | zero_to_fp32 peak RSS | export peak RSS |"
-        " RSS ratio | largest tensor + 500 MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| size | params | save | ours | theirs | their time | our time | speed-up | their peak RSS |"
+        " our peak RSS | RSS ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    met = []
+    verdicts = []
     for r in results:
-        t, o = r["seconds"][theirs], r["seconds"][ours]
-        pt, po = r["peak"][theirs], r["peak"][ours]
-        bound = r["largest_tensor"] + 500e6
-        met.append((t / o >= 5, po <= pt / 4, po <= bound))
-        lines.append(
-            f"| {r['size']} | {r['params'] / 1e6:.0f}M | {r['raw'] / 1e6:,.1f} MB | {t:.2f} s | {o:.2f} s | "
-            f"{t / o:.1f}x | {pt / 1e6:,.1f} MB | {po / 1e6:,.1f} MB | {po / pt:.2f} | {bound / 1e6:,.0f} MB |"
-        )
+        for what in ("export", "universal", "world-size"):
+            ours, theirs = r[what]["sides"]
+            t, o = r[what]["seconds"][theirs], r[what]["seconds"][ours]
+            pt, po = r[what]["peak"][theirs], r[what]["peak"][ours]
+            verdicts.append(
+                f"{r['size']} {what}: {'met' if t / o >= 5 else 'not met'} / {'met' if po <= pt / 4 else 'not met'}"
+            )
+            lines.append(
+                f"| {r['size']} | {r['params'] / 1e6:.0f}M | {r['raw'] / 1e6:,.1f} MB | `{ours}` | `{theirs}` | "
+                f"{t:.2f} s | {o:.2f} s | {t / o:.1f}x | {pt / 1e6:,.1f} MB | {po / 1e6:,.1f} MB | {po / pt:.2f} |"
+            )
+    lines += ["", "Speed / RSS targets: " + "; ".join(verdicts) + ".", ""]
+    lines += [
+        "End to end for another world size: the conversion plus a DeepSpeed process (1 rank) that loads the",
+        "result and stops (`engine.load_checkpoint`, natively for ours, with `load_universal` for DeepSpeed's):",
+        "",
+        "| size | checkout --world-size 1 + load | ds_to_universal + load_universal | speed-up |",
+        "|---|---|---|---|",
+    ]
+    for r in results:
+        w = r["world-size"]
+        ours, theirs = w["sides"]
+        o = w["seconds"][ours] + w["load"][ours]
+        t = w["seconds"][theirs] + w["load"][theirs]
+        lines.append(f"| {r['size']} | {o:.2f} s | {t:.2f} s | {t / o:.2f}x |")
     lines += [
         "",
-        "Targets: at least 5x faster: " + ", ".join("met" if m[0] else "not met" for m in met)
-        + "; at most 1/4 of zero_to_fp32's peak RSS: " + ", ".join("met" if m[1] else "not met" for m in met)
-        + "; peak RSS within the largest tensor + 500 MB: " + ", ".join("met" if m[2] else "not met" for m in met)
-        + " (in the order of the rows).",
+        "Export's peak RSS against its bound (the largest tensor + 500 MB): "
+        + ", ".join(
+            f"{r['size']} {r['export']['peak'][r['export']['sides'][0]] / 1e6:,.0f} MB of "
+            f"{(r['largest_tensor'] + 500e6) / 1e6:,.0f} MB"
+            for r in results
+        )
+        + ".",
         END,
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)
 
 

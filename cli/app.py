@@ -585,7 +585,8 @@ def main() -> None:
         sys.exit(3)
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
-        typer.echo(f"error: {where}{exc.strerror or exc}; the command was not carried out.", err=True)
+        first = (exc.strerror or str(exc) or type(exc).__name__).strip().splitlines()[0]  # one line, never a debug dump
+        typer.echo(f"error: {where}{first}; the command was not carried out.", err=True)
         sys.exit(2)
     except RecursionError:
         typer.echo("error: the input nests too deeply to be read; the command was not carried out.", err=True)

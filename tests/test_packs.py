@@ -3,6 +3,7 @@ from the packs and manifest objects finds every blob where it now is. Real DeepS
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 from conftest import Runs, as_of_step, assert_only_live, object_count
@@ -12,7 +13,10 @@ from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
 from tailorstore.gc import REPACK_AT, Retention, gc
 from tailorstore.refs import remove
-from tailorstore.store.packs import PACK_BELOW, read_trailer
+from tailorstore.store.backend import pack_key
+from tailorstore.store.index import Index
+from tailorstore.store.manifest_objects import MANIFEST_PREFIX, is_manifest_key, sync
+from tailorstore.store.packs import PACK_BELOW, pack_names, read_trailer
 from tailorstore.store.repo import Repository
 from tailorstore.verify import verify
 
@@ -87,3 +91,39 @@ def test_a_partly_dead_pack_is_repacked(runs: Runs, tmp_path: Path) -> None:
     assert verify(store, deep=True).ok
     checkout_step(store, "step=3", tmp_path / "out")
     assert_same_checkpoint(as_of_step(save, 3, tmp_path / "ref"), tmp_path / "out")
+
+
+class _GcMidway:
+    """The store's real backend, with another host's gc deleting ``victim`` (a pack, or a manifest
+    object) right after this host listed it: the moment no lock covers while a store is opened."""
+
+    def __init__(self, inner: object, victim: str) -> None:
+        self.inner, self.victim = inner, victim
+
+    def list(self, prefix: str) -> Iterator[str]:
+        names = list(self.inner.list(prefix))  # type: ignore[attr-defined]
+        if self.victim.startswith(prefix) and self.victim in names:
+            self.inner.delete(self.victim)  # type: ignore[attr-defined]
+        return iter(names)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_objects_deleted_between_listing_and_reading_are_skipped_when_opening(runs: Runs, tmp_path: Path) -> None:
+    """Opening a store syncs its index without the lock; a pack or manifest object that another host's
+    gc deletes after the listing is treated as gone, not as an error (it was one, seen on S3)."""
+    save = runs.get("zero2-bf16").save_dir
+    with Repository.init(tmp_path / "store") as store:
+        commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
+        commit_checkpoint(store, as_of_step(save, 6, tmp_path / "at6"))
+        backend = store.backend
+        packs = sorted(pack_names(backend))
+        manifests = sorted(k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k))
+    assert packs and len(manifests) == 2
+    for victim in (pack_key(packs[0]), manifests[-1]):
+        fresh = Index.create(tmp_path / f"fresh-{len(victim)}.sqlite")
+        imported, _ = sync(_GcMidway(backend, victim), fresh)  # type: ignore[arg-type]
+        assert victim.split("/")[-1] not in fresh.packs()
+        assert imported == len([m for m in manifests if m != victim and backend.exists(m)])
+        fresh.close()

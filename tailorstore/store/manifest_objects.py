@@ -237,6 +237,13 @@ def _current_versions(keys: Iterable[str]) -> set[str]:
     return out | {key for _, key in best.values()}
 
 
+def _read_if_held(backend: Backend, key: str) -> Any:
+    try:
+        return decode(backend.get(key), key)
+    except FileNotFoundError:
+        return None
+
+
 def sync(backend: Backend, index: Index) -> tuple[int, int]:
     """Import the manifests the backend holds and the index lacks, drop those it no longer holds,
     and take tags and pins from the backend. Returns (imported, dropped).
@@ -259,8 +266,16 @@ def sync(backend: Backend, index: Index) -> tuple[int, int]:
     have = {mid: (tags.get(key), pin_key(key) in pins) for key, mid in indexed.items() if key in present}
     if not gone and not new and want == have and listed_packs == known_packs and listed_runs == known_runs:
         return 0, 0
-    docs = {k: decode(backend.get(k), k) for k in new}
-    trailers = {name: read_trailer(backend, name) for name in sorted(listed_packs - known_packs)}
+    # Without the lock (opening a store), a gc on another host may delete a pack or manifest between
+    # the listing and the read: what is gone by then is treated as never listed.
+    docs = {k: doc for k in new if (doc := _read_if_held(backend, k)) is not None}
+    new = [k for k in new if k in docs]
+    trailers = {}
+    for name in sorted(listed_packs - known_packs):
+        try:
+            trailers[name] = read_trailer(backend, name)
+        except FileNotFoundError:
+            listed_packs.discard(name)
     with index.transaction():
         index.delete_packs(known_packs - listed_packs)
         for name, (size, entries) in trailers.items():  # where each blob is: packs are the truth
