@@ -9,12 +9,13 @@
 * ``tailor checkout STEP --world-size 1`` against ``ds_to_universal`` (DeepSpeed's way to another
   world size), alone and followed by a DeepSpeed process that loads the result on one rank.
 
-Each time is a whole process, start-up included; each peak RSS is that process's own VmHWM
-(read by a wrapper at exit: Linux carries ru_maxrss across fork and exec, so a child's
-ru_maxrss can report its parent's peak). Medians of ``--repeats``, alternating which side goes
-first. Saves are the suite's (benchmarks/suite.py SIZES: medium 58M, large 100M parameters,
-ZeRO-2 bf16, 2 ranks), trained once under --workdir. The tables go into docs/benchmarks.md
-between the ``convert`` markers.
+Each time is a whole process, start-up included; each peak RSS is that process's own VmHWM, or
+its largest worker process's ru_maxrss when that is higher (ds_to_universal works in a pool),
+read by a wrapper at exit (the wrapper, not the benchmark, is the parent: Linux carries ru_maxrss
+across fork and exec, so a child's ru_maxrss can report its parent's peak). Medians of
+``--repeats``, alternating which side goes first. Saves are the suite's (benchmarks/suite.py
+SIZES: medium 58M, large 100M parameters, ZeRO-2 bf16, 2 ranks), trained once under --workdir.
+The tables go into docs/benchmarks.md between the ``convert`` markers.
 """
 
 from __future__ import annotations
@@ -40,17 +41,21 @@ from .report import write_section
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- convert:begin -->", "<!-- convert:end -->"
 
-# Runs a command in this process, then reports its own peak resident set (kB) on stderr's last line.
+# Runs a command in this process, then reports its peak resident set (kB) on stderr's last line: its
+# own VmHWM, or the largest of its worker processes' (ds_to_universal works in a multiprocessing pool).
 _PEAK = (
-    "import runpy, sys\n"
+    "import resource, runpy, sys\n"
     "def peak():\n"
-    "    print('VmHWM', [x.split()[1] for x in open('/proc/self/status') if x.startswith('VmHWM')][0],"
-    " file=sys.stderr)\n"
+    "    own = int([x.split()[1] for x in open('/proc/self/status') if x.startswith('VmHWM')][0])\n"
+    "    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
+    "    print('VmHWM', max(own, workers), file=sys.stderr)\n"
     "kind, target, *rest = sys.argv[1:]\n"
     "sys.argv = [target, *rest]\n"
     "try:\n"
-    "    runpy.run_module(target, run_name='__main__') if kind == 'module' else runpy.run_path(target,"
-    " run_name='__main__')\n"
+    "    if kind == 'module':\n"
+    "        runpy.run_module(target, run_name='__main__', alter_sys=True)\n"
+    "    else:\n"
+    "        runpy.run_path(target, run_name='__main__')\n"
     "finally:\n"
     "    peak()\n"
 )
@@ -167,7 +172,8 @@ def render(results: list[dict], command: str) -> str:
         "",
         f"Command: `{command}` (measured {dt.datetime.now().isoformat(timespec='seconds')}).",
         "Whole processes, start-up included, on the same ZeRO-2 bf16 save (2 ranks); peak RSS is each",
-        "process's own VmHWM. tailorstore's modules are byte-compiled first, as `pip install` leaves them",
+        "process's own VmHWM, or its largest worker's (ds_to_universal's pool) when higher.",
+        "tailorstore's modules are byte-compiled first, as `pip install` leaves them",
         "(this machine sets PYTHONDONTWRITEBYTECODE; DeepSpeed's are compiled in site-packages).",
         "tailorstore reads the committed step from the store; DeepSpeed's tools read the save's files (in the",
         "page cache, read once before). tests/test_export.py, test_universal.py and test_reshard.py check",
