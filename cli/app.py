@@ -17,6 +17,7 @@ import sqlite3
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -162,6 +163,14 @@ def commit(
             typer.echo("  change since last stored: " + ", ".join(f"{k} {v:.2e}" for k, v in result.changes.items()))
 
 
+def _report_written(result: Any, as_json: bool, quiet: bool, line: str) -> None:
+    """What a command that wrote a directory prints: its result as JSON, or one line unless quiet."""
+    if as_json:
+        typer.echo(json.dumps({**asdict(result), "out": str(result.out)}))
+    elif not quiet:
+        typer.echo(line)
+
+
 @app.command()
 def checkout(
     selector: str = typer.Argument(..., help=SELECTOR_HELP),
@@ -189,24 +198,24 @@ def checkout(
             moved = st.checkout_resharded(
                 selector, out, world_size=world_size, zero_stage=zero_stage, progress=for_terminal(quiet or as_json)
             )
-        if as_json:
-            typer.echo(json.dumps({**asdict(moved), "out": str(moved.out)}))
-        elif not quiet:
-            typer.echo(
-                f"checked out step {moved.step} for {moved.world_size} ranks (ZeRO-{moved.zero_stage}) into "
-                f"{moved.out}: {moved.files} files, {human(moved.bytes_written)}"
-            )
+        _report_written(
+            moved,
+            as_json,
+            quiet,
+            f"checked out step {moved.step} for {moved.world_size} ranks (ZeRO-{moved.zero_stage}) into "
+            f"{moved.out}: {moved.files} files, {human(moved.bytes_written)}",
+        )
         return
     if layout == "universal":
         with _open(store, run) as st:
             done = st.checkout_universal(selector, out, progress=for_terminal(quiet or as_json))
-        if as_json:
-            typer.echo(json.dumps({**asdict(done), "out": str(done.out)}))
-        elif not quiet:
-            typer.echo(
-                f"wrote step {done.step} as a universal checkpoint into {done.out}: {done.params} parameters, "
-                f"{done.files} files, {human(done.bytes_written)}"
-            )
+        _report_written(
+            done,
+            as_json,
+            quiet,
+            f"wrote step {done.step} as a universal checkpoint into {done.out}: {done.params} parameters, "
+            f"{done.files} files, {human(done.bytes_written)}",
+        )
         return
     with _open(store, run) as st:
         result = st.checkout(
@@ -216,12 +225,12 @@ def checkout(
             progress=for_terminal(quiet or as_json),
             warn=lambda m: _say(f"warning: {m}"),
         )
-    if as_json:
-        typer.echo(json.dumps({**asdict(result), "out": str(result.out)}))
-    elif not quiet:
-        typer.echo(
-            f"checked out step {result.step} into {result.out}: {result.files} files, {human(result.bytes_written)}"
-        )
+    _report_written(
+        result,
+        as_json,
+        quiet,
+        f"checked out step {result.step} into {result.out}: {result.files} files, {human(result.bytes_written)}",
+    )
 
 
 @app.command()
@@ -249,14 +258,14 @@ def export(
             progress=for_terminal(quiet or as_json),
             warn=lambda m: _say(f"warning: {m}"),
         )
-    if as_json:
-        typer.echo(json.dumps({**asdict(result), "out": str(result.out)}))
-    elif not quiet:
-        typer.echo(
-            f"exported step {result.step} into {result.out}: {result.tensors} tensors in {len(result.shards)} "
-            f"file(s), {human(result.bytes_written)} ({result.dtype})"
-            + (f"; copied {', '.join(result.copied)}" if result.copied else "")
-        )
+    _report_written(
+        result,
+        as_json,
+        quiet,
+        f"exported step {result.step} into {result.out}: {result.tensors} tensors in {len(result.shards)} "
+        f"file(s), {human(result.bytes_written)} ({result.dtype})"
+        + (f"; copied {', '.join(result.copied)}" if result.copied else ""),
+    )
 
 
 def _when(ts: float) -> str:

@@ -24,7 +24,7 @@ from .formats.layout import DEEPSPEED_TAG
 from .output_dir import staged
 from .paths import safe_join
 from .progress import Progress, Silent
-from .store.records import COMMIT
+from .store.records import COMMIT, FileRecord, ManifestRecord
 from .store.repo import Repository
 
 
@@ -60,7 +60,6 @@ def checkout_step(
     step = facts.step
     out = Path(out)
     files = store.index.files(manifest)
-    exact_bytes = facts.origin == COMMIT and facts.exact  # else other steps' atoms: mend zip CRCs
     inherited = inherited_layers(store, manifest)
     if inherited and warn:
         names = ", ".join(f"{layer} (from step {src})" for layer, src in sorted(inherited.items()))
@@ -72,44 +71,61 @@ def checkout_step(
                 f"step {step}, file {row.path}: this file was committed with `trust_pickles=True` and holds globals "
                 "outside the allowlist; pass `trust_pickles=True` to check it out."
             )
-    written = 0
     try:
         with staged(out, store) as tmp:
             progress.start(f"checkout step {step}", sum(r.raw_size for r in files))
-            placed = [row for row in files if row.container is not None and row.kind in (TORCH, SAFETENSORS)]
-            if placed:
-                mend = not exact_bytes
-                placement.write_files(store, manifest, placed, tmp, step, mend=mend, advance=progress.advance)
-                for row in placed:
-                    target = safe_join(tmp, row.path)
-                    os.chmod(target, row.mode or 0o644)
-                    written += target.stat().st_size
-            placed_paths = {row.path for row in placed}
-            for row in files:
-                if row.path in placed_paths:
-                    continue
-                target = safe_join(tmp, row.path)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                where = f"step {step}, file {row.path}"
-                if row.kind == RAW:
-                    write_raw_blob(store, row.blob, target, where)
-                elif row.kind in (TORCH, SAFETENSORS):
-                    # Files committed without a container (by tailorstore 0.1) are re-pickled by torch; importing
-                    # it here, not at the top, keeps the two seconds it costs off every checkout that needs none.
-                    from . import repickle
-
-                    repickle.write_file(store, manifest, row, target, where, trust_pickles)
-                else:
-                    raise CorruptStoreError(f"{where}: unknown file kind {row.kind!r}; upgrade tailorstore")
-                os.chmod(target, row.mode or 0o644)
-                written += target.stat().st_size
-                progress.advance(row.raw_size)
+            written = write_step_files(store, facts, files, tmp, trust_pickles=trust_pickles, advance=progress.advance)
             if facts.layout == DEEPSPEED_TAG and facts.ds_tag and not any(r.path == "latest" for r in files):
                 # A tag folder was committed; `engine.load_checkpoint(out)` needs `latest` to find it.
                 (tmp / "latest").write_text(facts.ds_tag)
     finally:
         progress.close()
     return CheckoutResult(step, manifest, out, len(files), written, inherited, time.perf_counter() - began)
+
+
+def write_step_files(
+    store: Repository,
+    facts: ManifestRecord,
+    rows: list[FileRecord],
+    root: Path,
+    *,
+    trust_pickles: bool = False,
+    advance: Callable[[int], None] = lambda n: None,
+) -> int:
+    """Write files of manifest ``facts`` under ``root`` byte for byte, every byte hash-checked: those
+    with a container placed around their atoms, whole-file blobs streamed, files committed without a
+    container (by tailorstore 0.1) re-pickled by torch. Returns the bytes written."""
+    manifest, step = facts.id, facts.step
+    exact_bytes = facts.origin == COMMIT and facts.exact  # else other steps' atoms: mend zip CRCs
+    written = 0
+    placed = [row for row in rows if row.container is not None and row.kind in (TORCH, SAFETENSORS)]
+    if placed:
+        placement.write_files(store, manifest, placed, root, step, mend=not exact_bytes, advance=advance)
+        for row in placed:
+            target = safe_join(root, row.path)
+            os.chmod(target, row.mode or 0o644)
+            written += target.stat().st_size
+    placed_paths = {row.path for row in placed}
+    for row in rows:
+        if row.path in placed_paths:
+            continue
+        target = safe_join(root, row.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        where = f"step {step}, file {row.path}"
+        if row.kind == RAW:
+            write_raw_blob(store, row.blob, target, where)
+        elif row.kind in (TORCH, SAFETENSORS):
+            # Files committed without a container (by tailorstore 0.1) are re-pickled by torch; importing
+            # it here, not at the top, keeps the two seconds it costs off every checkout that needs none.
+            from . import repickle
+
+            repickle.write_file(store, manifest, row, target, where, trust_pickles)
+        else:
+            raise CorruptStoreError(f"{where}: unknown file kind {row.kind!r}; upgrade tailorstore")
+        os.chmod(target, row.mode or 0o644)
+        written += target.stat().st_size
+        advance(row.raw_size)
+    return written
 
 
 def write_raw_blob(store: Repository, digest: str, target: Path, where: str) -> None:

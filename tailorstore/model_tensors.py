@@ -27,7 +27,7 @@ from .errors import CorruptStoreError, StoreError
 from .formats import deepspeed as ds
 from .formats.kinds import TORCH
 from .formats.skeleton import fill_tensors, slots_of, split_tensors
-from .formats.tensor_ref import DTYPES
+from .formats.tensor_ref import DTYPES, numel_of
 from .formats.torch_pickle import load_pickle_tree
 from .formats.torch_save_writer import TensorOut
 from .rounding import widened
@@ -47,10 +47,7 @@ class ModelTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel_of(self.shape)
 
     @property
     def floating(self) -> bool:
@@ -94,6 +91,15 @@ def model_states_file(files: list[FileRecord], step: int) -> FileRecord:
             "commit one tag folder per step to export it."
         )
     return min(found, key=lambda f: (f.rank or 0, f.path))
+
+
+def rank0_optimizer_file(files: list[FileRecord], folder: str) -> FileRecord | None:
+    """Rank 0's DeepSpeed optimizer-states file in the tag folder ``folder``, if the step holds one."""
+    for f in files:
+        name = PurePosixPath(f.path)
+        if f.kind == TORCH and ds.is_optim_states(name.name) and str(name.parent) == folder and not f.rank:
+            return f
+    return None
 
 
 def skeleton_tree(store: Repository, row: FileRecord, where: str) -> Any:
@@ -191,7 +197,7 @@ def _tensor(
     where: str,
     frozen: bool = False,
 ) -> ModelTensor:
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    numel = numel_of(shape)
     for kind in kinds:
         pieces = by_param.get((name, kind), [])
         tiled = tiling(pieces, numel)
@@ -253,7 +259,7 @@ def committed_tree(store: Repository, manifest: int, row: FileRecord, where: str
 
 def _slot_bytes(store: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str) -> memoryview:
     size = DTYPES[slot.dtype].itemsize
-    numel = int(np.prod(slot.shape, dtype=np.int64)) if slot.shape else 1
+    numel = numel_of(tuple(slot.shape))
     out = memoryview(bytearray(numel * size))
     cursor = 0
     for atom in sorted(atoms, key=lambda a: a.offset):

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import StoreError
+from .store.posix import fsync_path
 from .store.repo import Repository
 
 
@@ -36,14 +37,6 @@ def prepare_out(out: Path, store: Repository) -> Path:
     tmp = out.parent / f".{out.name}.tailor-partial-{secrets.token_hex(4)}"
     tmp.mkdir()
     return tmp
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(root: Path) -> None:

@@ -34,24 +34,22 @@ from typing import Any
 import numpy as np
 
 from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER
+from .checkout import write_step_files
 from .errors import StoreError
 from .formats import deepspeed as ds
-from .formats.kinds import TORCH
-from .formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, _opaque_class
+from .formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_class
 from .formats.torch_save_writer import TensorOut, write_torch_save
 from .formats.zero_partitions import zero3_pieces, zero12_pieces
-from .model_tensors import ModelView, committed_tree, model_view, read_float32, read_raw
+from .model_tensors import ModelView, committed_tree, model_view, rank0_optimizer_file, read_float32, read_raw
 from .output_dir import staged
 from .progress import Progress, Silent
 from .store.records import FileRecord
 from .store.repo import Repository
-from .universal import write_files_as_they_are
 
 MAX_WORLD_SIZE = 65536
 ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor: a group pads to a multiple of 2 * world size
-_STAGES = {1: "optimizer_states", 2: "gradients", 3: "weights"}  # ZeroStageEnum's members
-_ZERO_STAGE_ENUM = _opaque_class(DEEPSPEED_GLOBALS[2])
-_FRAGMENT_ADDRESS = _opaque_class(DEEPSPEED_GLOBALS[3])
+_ZERO_STAGE_ENUM = opaque_class(DEEPSPEED_GLOBALS[2])
+_FRAGMENT_ADDRESS = opaque_class(DEEPSPEED_GLOBALS[3])
 
 
 @dataclass
@@ -99,8 +97,8 @@ class ReshardPlan:
         return aligned // self.world, aligned - total
 
 
-def plan_reshard(view: ModelView, files: list[FileRecord], tree: Any, world: int, stage: int | None) -> ReshardPlan:
-    """The reshard of ``view`` to ``world`` ranks (and ZeRO ``stage``), or a refusal that says why."""
+def check_target(view: ModelView, world: int, stage: int | None) -> int:
+    """The target ZeRO stage, once the world size and the change of stage are ones this can write."""
     if not 1 <= world <= MAX_WORLD_SIZE:
         raise StoreError(f"world size {world}: give a number of data-parallel ranks from 1 to {MAX_WORLD_SIZE}.")
     source = view.zero_stage
@@ -118,26 +116,23 @@ def plan_reshard(view: ModelView, files: list[FileRecord], tree: Any, world: int
             "weights in the model states, per-parameter partitions); change between stages 1 and 2 only. A "
             "universal checkpoint (--format universal) loads under any stage."
         )
+    return target
+
+
+def plan_reshard(view: ModelView, optimizer: FileRecord, tree: Any, world: int, target: int) -> ReshardPlan:
+    """The reshard of ``view`` (rank 0's optimizer file and its tree given) to ``world`` ranks under ZeRO
+    ``target`` (from :func:`check_target`), or a refusal that says why."""
     assert view.states_file is not None
     folder = str(PurePosixPath(view.states_file.path).parent)
-    optimizers = [
-        f
-        for f in files
-        if f.kind == TORCH
-        and ds.is_optim_states(PurePosixPath(f.path).name)
-        and str(PurePosixPath(f.path).parent) == folder
-    ]
-    rank0 = [f for f in optimizers if (f.rank or 0) == 0]
-    if not rank0:
-        raise StoreError(f"step {view.step} holds no optimizer-states file of rank 0; it has no ZeRO state to reshard")
-    match = ds.OPTIM_STATES.match(PurePosixPath(rank0[0].path).name)
+    source = int(view.zero_stage or 0)
+    match = ds.OPTIM_STATES.match(PurePosixPath(optimizer.path).name)
     prefix = f"{match.group(1)}_" if match and match.group(1) else ""
     osd = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
     if not isinstance(osd, dict):
-        raise StoreError(f"step {view.step}: {rank0[0].path} has no optimizer_state_dict")
+        raise StoreError(f"step {view.step}: {optimizer.path} has no optimizer_state_dict")
     if source != 3 and ("base_optimizer_state" not in osd or "zero_stage" not in osd):
         raise StoreError(
-            f"step {view.step}: {rank0[0].path} is not in DeepSpeedZeroOptimizer's layout (a BF16_Optimizer save, "
+            f"step {view.step}: {optimizer.path} is not in DeepSpeedZeroOptimizer's layout (a BF16_Optimizer save, "
             "ZeRO-1 with fp32 gradient accumulation?); tailorstore reshards ZeRO 1/2 and 3 saves only."
         )
     config = tree.get("ds_config") if isinstance(tree.get("ds_config"), dict) else {}
@@ -151,7 +146,7 @@ def plan_reshard(view: ModelView, files: list[FileRecord], tree: Any, world: int
     paddings = osd.get("param_alignment_paddings") if source != 3 else None
     aligned = tuple(tuple(int(p) for p in group) for group in paddings) if paddings else None
     tag = PurePosixPath(folder).name if folder != "." else f"global_step{view.step}"
-    return ReshardPlan(tag, folder, world, target, int(source), groups, aligned, view.states_file, rank0[0], prefix)
+    return ReshardPlan(tag, folder, world, target, source, groups, aligned, view.states_file, optimizer, prefix)
 
 
 class _Params:
@@ -216,29 +211,17 @@ def _fragment(numel: int, start: int) -> Opaque:
     return address
 
 
-def _stage_enum(stage: int) -> Opaque:
-    return _ZERO_STAGE_ENUM(stage)
-
-
-def _group_of_state_keys(param_groups: Any) -> dict[Any, int]:
-    keys: dict[Any, int] = {}
-    for g, group in enumerate(param_groups if isinstance(param_groups, list) else []):
-        for key in group.get("params", []) if isinstance(group, dict) else []:
-            keys[key] = g
-    return keys
-
-
 def _rank_zero12(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> dict:
     """Rank ``rank``'s optimizer_state_dict at the new world size, keys in the saved order."""
     last = plan.world - 1
     out: dict[str, Any] = {}
     base = saved["base_optimizer_state"]
-    group_of = _group_of_state_keys(base.get("param_groups"))
+    group_of = ds.group_of_state_key(base.get("param_groups") or [])
     for key, value in saved.items():
         if key == "base_optimizer_state":
             state = {}
             for state_key, group_state in base["state"].items():
-                g = group_of.get(state_key, int(state_key) if isinstance(state_key, int) else 0)
+                g = group_of.get(str(state_key), int(state_key) if isinstance(state_key, int) else 0)
                 partition, _ = plan.zero12_partition(g)
                 state[state_key] = {
                     k: (TensorOut("float32", (partition,), _zero12_flat(params, plan, g, rank, k, partition))
@@ -268,7 +251,7 @@ def _rank_zero12(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> 
                 )
             out[key] = mappings
         elif key == "zero_stage" and plan.stage != plan.source_stage:
-            out[key] = _stage_enum(plan.stage)
+            out[key] = _ZERO_STAGE_ENUM(plan.stage)
         else:
             out[key] = value
     return out
@@ -277,7 +260,7 @@ def _rank_zero12(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> 
 def _rank_zero3(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> dict:
     out: dict[str, Any] = {}
     inner = saved["optimizer_state_dict"]
-    group_of = _group_of_state_keys(inner.get("param_groups"))
+    group_of = ds.group_of_state_key(inner.get("param_groups") or [])
     for key, value in saved.items():
         if key == "fp32_flat_groups":
             flats = []
@@ -288,7 +271,7 @@ def _rank_zero3(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> d
         elif key == "optimizer_state_dict":
             state = {}
             for state_key, group_state in inner["state"].items():
-                g = group_of.get(state_key, 0)
+                g = group_of.get(str(state_key), 0)
                 moments = {}
                 for k, v in group_state.items():
                     if k in (EXP_AVG, EXP_AVG_SQ):
@@ -330,10 +313,13 @@ def checkout_resharded(
     files = store.index.files(manifest)
     assert view.states_file is not None
     where = f"step {facts.step}"
+    target = check_target(view, world_size, zero_stage)
+    optimizer = rank0_optimizer_file(files, str(PurePosixPath(view.states_file.path).parent))
+    if optimizer is None:
+        raise StoreError(f"step {view.step} holds no optimizer-states file of rank 0; it has no ZeRO state to reshard")
     # the source optimizer file's tree (tensors read lazily: only the step counters are ever read)
-    rank0 = [f for f in files if f.kind == TORCH and ds.is_optim_states(PurePosixPath(f.path).name)]
-    saved_tree = committed_tree(store, manifest, min(rank0, key=lambda f: f.rank or 0), where) if rank0 else {}
-    plan = plan_reshard(view, files, saved_tree, world_size, zero_stage)
+    saved_tree = committed_tree(store, manifest, optimizer, f"{where}, file {optimizer.path}")
+    plan = plan_reshard(view, optimizer, saved_tree, world_size, target)
     states_tree = committed_tree(store, manifest, plan.states, f"{where}, file {plan.states.path}")
     states_tree["dp_world_size"] = plan.world
     in_tag = [f for f in files if str(PurePosixPath(f.path).parent) == plan.folder]
@@ -347,8 +333,8 @@ def checkout_resharded(
             progress.start(f"step {facts.step} for {plan.world} ranks", plan.world)
             tag_dir = tmp / plan.tag
             tag_dir.mkdir()
-            write_files_as_they_are(store, manifest, facts, others, tmp)
-            write_files_as_they_are(store, manifest, facts, extras, tmp if plan.folder != "." else tag_dir)
+            write_step_files(store, facts, others, tmp)
+            write_step_files(store, facts, extras, tmp if plan.folder != "." else tag_dir)
             for name in plan.states_names():
                 write_torch_save(tag_dir / name, states_tree)
             for rank in range(plan.world):

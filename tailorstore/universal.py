@@ -23,18 +23,18 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from . import placement
 from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER, STEP
-from .checkout import write_raw_blob
+from .checkout import write_step_files
 from .errors import StoreError
 from .formats import deepspeed as ds
-from .formats.kinds import RAW, TORCH
+from .formats.kinds import TORCH
 from .formats.torch_save_writer import TensorOut, write_torch_save
 from .model_tensors import (
     ModelTensor,
     ModelView,
     committed_tree,
     model_view,
+    rank0_optimizer_file,
     read_float32,
     read_raw,
     skeleton_tree,
@@ -43,7 +43,7 @@ from .model_tensors import (
 from .output_dir import staged
 from .paths import safe_join
 from .progress import Progress, Silent
-from .store.records import COMMIT, FileRecord, ManifestRecord
+from .store.records import FileRecord
 from .store.repo import Repository
 
 UNIVERSAL = "universal"
@@ -65,20 +65,13 @@ class UniversalResult:
 
 
 def _optimizer_file(files: list[FileRecord], folder: str, step: int) -> FileRecord:
-    rank0 = [
-        f
-        for f in files
-        if f.kind == TORCH
-        and ds.is_optim_states(PurePosixPath(f.path).name)
-        and str(PurePosixPath(f.path).parent) == folder
-        and (f.rank or 0) == 0
-    ]
-    if not rank0:
+    found = rank0_optimizer_file(files, folder)
+    if found is None:
         raise StoreError(
             f"step {step} holds no optimizer-states file of rank 0; a universal checkpoint needs the optimizer "
             "state (a checkpoint saved without it can be exported with `tailor export`)."
         )
-    return rank0[0]
+    return found
 
 
 def _check_stage(view: ModelView) -> None:
@@ -137,24 +130,6 @@ def _state_file(tensor: ModelTensor, data: memoryview | bytes, stage: int) -> An
     return {"cat_dim": 0, "param": TensorOut("float32", tensor.shape, data)}
 
 
-def write_files_as_they_are(
-    store: Repository, manifest: int, facts: ManifestRecord, rows: list[FileRecord], root: Path
-) -> None:
-    """Files of the step byte for byte under ``root`` (containers placed, whole-file blobs streamed),
-    every byte hash-checked; refused before writing for a file committed without a container."""
-    for row in rows:
-        if row.kind != RAW and row.container is None:
-            raise StoreError(f"{row.path}: committed by tailorstore 0.1; check the step out as it is instead")
-    mend = not (facts.origin == COMMIT and facts.exact)
-    placed = [f for f in rows if f.kind != RAW]
-    placement.write_files(store, manifest, placed, root, facts.step, mend=mend, advance=lambda n: None)
-    for row in rows:
-        if row.kind == RAW:
-            target = safe_join(root, row.path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            write_raw_blob(store, row.blob, target, f"step {facts.step}, file {row.path}")
-
-
 def checkout_universal(
     store: Repository, selector: str, out: Path, *, progress: Progress | None = None
 ) -> UniversalResult:
@@ -191,8 +166,8 @@ def checkout_universal(
             # the model-states files as they are (`load_universal` reads the module and scheduler there),
             # and every file outside the tag folder (an HF Trainer's config, trainer state, RNG states)
             others = [f for f in files if str(PurePosixPath(f.path).parent) != folder]
-            write_files_as_they_are(store, manifest, facts, states, tmp if folder != "." else tag_dir)
-            write_files_as_they_are(store, manifest, facts, others, tmp)
+            write_step_files(store, facts, states, tmp if folder != "." else tag_dir)
+            write_step_files(store, facts, others, tmp)
             count += len(states) + len(others)
             for tensor in trainable:
                 param_dir = safe_join(tag_dir / "zero", tensor.name)

@@ -6,14 +6,11 @@ produced."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import HFRun, Runs, as_of_step, blob_object
+from conftest import HFRun, Runs, as_of_step, blob_object, tailor
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from safetensors.torch import load_file
 
@@ -120,13 +117,6 @@ def test_hf_checkpoint_exports_a_folder_from_pretrained_loads(hf_run: HFRun, tmp
     # the Trainer's own bf16 weights are these masters rounded: the same bytes as its model.safetensors
     trainer_weights = load_file(checkpoint / "model.safetensors")
     assert all(torch.equal(trainer_weights[k], state[k]) for k in trainer_weights)
-
-
-def tailor(*args: str, store: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TAILOR_STORE": str(store)}
-    return subprocess.run(
-        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=300
-    )
 
 
 def test_refusals_write_nothing(runs: Runs, tmp_path: Path) -> None:

@@ -8,15 +8,12 @@ the same way."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import Run, Runs, as_of_step
+from conftest import Run, Runs, as_of_step, tailor
 from test_universal import ds_to_universal
 
 import tailorstore
@@ -189,13 +186,6 @@ def test_a_composite_reshards_like_an_exact_step(runs: Runs, tmp_path: Path) -> 
         resume_from=tmp_path / "ours", **run.options,
     )  # fmt: skip
     assert sorted(losses) == [19]
-
-
-def tailor(*args: str, store: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TAILOR_STORE": str(store)}
-    return subprocess.run(
-        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=300
-    )
 
 
 def test_what_cannot_be_produced_is_refused_before_writing(runs: Runs, tmp_path: Path) -> None:

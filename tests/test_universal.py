@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HFRun, Runs, as_of_step
+from conftest import HFRun, Runs, as_of_step, tailor
 
 import tailorstore
 
@@ -76,13 +76,6 @@ def test_hf_trainer_checkpoint(hf_run: HFRun, tmp_path: Path) -> None:
         assert (ours / name).read_bytes() == (checkpoint / name).read_bytes(), name
     theirs = ds_to_universal(checkpoint / "global_step6", tmp_path / "theirs")
     assert_same_universal(ours, theirs, "global_step6")
-
-
-def tailor(*args: str, store: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TAILOR_STORE": str(store)}
-    return subprocess.run(
-        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=300
-    )
 
 
 def test_what_cannot_be_written_is_refused_before_writing(runs: Runs, tmp_path: Path) -> None:

@@ -164,7 +164,7 @@ def segment_optim_states(obj: dict, entries: list[A.TensorEntry], rank: int, inf
             generic(entry, rank)
 
 
-def _group_of_state_key(param_groups: list[dict]) -> dict[str, int]:
+def group_of_state_key(param_groups: list[dict]) -> dict[str, int]:
     """Flat optimizer state is keyed by the flat param's index; map it to its group."""
     return {str(p): g for g, group in enumerate(param_groups) for p in group.get("params", [])}
 
@@ -232,7 +232,7 @@ def _segment_zero12(osd: dict, entries: list[A.TensorEntry], rank: int, info: Mo
         )
 
     base = osd.get("base_optimizer_state", {})
-    keys = _group_of_state_key(base.get("param_groups", [])) if isinstance(base, dict) else {}
+    keys = group_of_state_key(base.get("param_groups", [])) if isinstance(base, dict) else {}
     _segment_flat(
         entries,
         rank,
@@ -267,7 +267,7 @@ def _segment_zero3(osd: dict, entries: list[A.TensorEntry], rank: int, info: Mod
     for g in range(len(flats)):
         pieces_for(g, sizes[g])  # raises LayoutError early when param_shapes do not fit
     inner = osd.get("optimizer_state_dict", {})
-    keys = _group_of_state_key(inner.get("param_groups", [])) if isinstance(inner, dict) else {}
+    keys = group_of_state_key(inner.get("param_groups", [])) if isinstance(inner, dict) else {}
     _segment_flat(
         entries,
         rank,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from ..errors import StoreError
-from .tensor_ref import DTYPES
+from .tensor_ref import nbytes_of
 
 SAFETENSORS_CODES = {
     "bool": "BOOL",
@@ -50,10 +50,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPES[self.dtype].itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes_of(self.dtype, self.shape)
 
 
 def parse_size(text: str) -> int:

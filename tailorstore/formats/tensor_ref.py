@@ -38,6 +38,27 @@ DTYPES = {
 }
 
 
+def numel_of(shape: tuple[int, ...]) -> int:
+    """Elements of a tensor of ``shape`` (1 for a scalar)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
+    return DTYPES[dtype].itemsize * numel_of(shape)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``, in elements."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
 @dataclass
 class TensorRef:
     """dtype, shape and the offset of the bytes in their file (None until known)."""
@@ -47,10 +68,7 @@ class TensorRef:
     file_offset: int | None = None
 
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel_of(self.shape)
 
     def dim(self) -> int:
         return len(self.shape)

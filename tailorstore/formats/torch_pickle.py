@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import BadCheckpointError, CorruptStoreError, UnsafePickleError
 from .source import InputFile
-from .tensor_ref import DTYPES, TensorRef
+from .tensor_ref import DTYPES, TensorRef, contiguous_strides, numel_of
 from .torch_zip import record_offsets
 
 # DeepSpeed's own classes seen in DeepSpeed 0.14 to 0.19 checkpoints; kept as Opaque objects.
@@ -80,7 +80,7 @@ class Opaque:
         return f"<{self.name} {self.__dict__}>"
 
 
-def _opaque_class(name: str) -> type[Opaque]:
+def opaque_class(name: str) -> type[Opaque]:
     return type(name.rsplit(".", 1)[-1], (Opaque,), {"name": name, "__module__": __name__})
 
 
@@ -98,7 +98,7 @@ class _Storage:
 
 
 @dataclass(frozen=True)
-class _DTypeName:
+class DTypeName:
     """``torch.bfloat16`` and the like, as objects in a tree (optimizer configs hold a few)."""
 
     name: str
@@ -123,11 +123,7 @@ def _rebuild_tensor_v2(
     if not isinstance(storage, _Storage) or not isinstance(storage_offset, int):
         raise NotPlainTorchSave("a tensor without a storage record")
     shape = tuple(int(d) for d in size)
-    expected, step = [], 1
-    for d in reversed(shape):
-        expected.append(step)
-        step *= d
-    if step > 1 and tuple(int(s) for s in stride) != tuple(reversed(expected)):
+    if numel_of(shape) > 1 and tuple(int(s) for s in stride) != contiguous_strides(shape):
         raise NotPlainTorchSave("a non-contiguous tensor")
     ref = _Located(storage.dtype, shape)
     ref.storage, ref.storage_offset = storage, storage_offset
@@ -165,11 +161,11 @@ def _allowed() -> dict[str, Any]:
         "torch._utils._rebuild_parameter": _rebuild_parameter,
         "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
         "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-        "torch.device": _opaque_class("torch.device"),
+        "torch.device": opaque_class("torch.device"),
     }
     allowed.update({f"torch.{kind}": _StorageType(dtype) for kind, dtype in _STORAGES.items()})
-    allowed.update({f"torch.{dtype}": _DTypeName(dtype) for dtype in DTYPES})
-    allowed.update({name: _opaque_class(name) for name in DEEPSPEED_GLOBALS})
+    allowed.update({f"torch.{dtype}": DTypeName(dtype) for dtype in DTYPES})
+    allowed.update({name: opaque_class(name) for name in DEEPSPEED_GLOBALS})
     return allowed
 
 
@@ -177,7 +173,7 @@ ALLOWED = _allowed()
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, records: dict[str, tuple[int, int]], prefix: str, where: str) -> None:
+    def __init__(self, data: bytes, records: dict[str, tuple[int, int]] | None, prefix: str, where: str) -> None:
         super().__init__(io.BytesIO(data))
         self.records, self.prefix, self.where = records, prefix, where
         self.refs: list[_Located] = []
@@ -211,6 +207,8 @@ class _Unpickler(pickle.Unpickler):
         _, storage_type, key, _location, numel = pid
         if not isinstance(storage_type, _StorageType) or not isinstance(key, str) or not isinstance(numel, int):
             raise NotPlainTorchSave("an untyped or unknown storage")
+        if self.records is None:  # a data.pkl kept apart from its zip: storages are named, not located
+            return _Storage(key, storage_type.dtype, numel, 0)
         record = self.records.get(f"{self.prefix}data/{key}")
         if record is None or record[1] != numel * DTYPES[storage_type.dtype].itemsize:
             raise BadCheckpointError(f"storage {key} has no record of {numel} elements in the zip; the file is damaged")
@@ -257,19 +255,6 @@ def read_torch_zip(src: InputFile, where: str) -> tuple[Any, bytes] | None:
     return tree, data
 
 
-class _DetachedUnpickler(_Unpickler):
-    """The same allowlist over a ``data.pkl`` kept apart from its zip (a committed file's
-    skeleton): storages are named, not located, since their bytes live in the store's atoms."""
-
-    def persistent_load(self, pid: Any) -> _Storage:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise BadCheckpointError(f"a persistent id {str(pid)[:80]} that torch.save does not write")
-        _, storage_type, key, _location, numel = pid
-        if not isinstance(storage_type, _StorageType) or not isinstance(key, str) or not isinstance(numel, int):
-            raise NotPlainTorchSave("an untyped or unknown storage")
-        return _Storage(key, storage_type.dtype, numel, 0)
-
-
 def load_pickle_tree(data: bytes, where: str) -> Any:
     """The object tree of a torch.save pickle record, tensors as :class:`TensorRef` (shape and
     dtype only), through the allowlist; for reading what a committed file's skeleton says.
@@ -278,7 +263,7 @@ def load_pickle_tree(data: bytes, where: str) -> Any:
     holds something else now: a damaged-store error.
     """
     try:
-        return _DetachedUnpickler(data, {}, "", where).load()
+        return _Unpickler(data, None, "", where).load()
     except UnsafePickleError:
         raise
     except Exception as exc:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .tensor_ref import DTYPES
-from .torch_pickle import Opaque, _DTypeName
+from .tensor_ref import contiguous_strides, nbytes_of, numel_of
+from .torch_pickle import DTypeName, Opaque
 
 STORAGE_TYPES = {
     "float64": "DoubleStorage",
@@ -59,10 +59,7 @@ class TensorOut:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPES[self.dtype].itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return nbytes_of(self.dtype, self.shape)
 
     def __post_init__(self) -> None:
         if not callable(self.data) and len(self.data) != self.nbytes:
@@ -94,14 +91,10 @@ class _Pickler(pickle._Pickler):  # type: ignore[misc]  # the pure-Python pickle
     def _tensor(self, tensor: TensorOut) -> None:
         key = str(len(self.storages))
         self.storages.append(tensor)
-        numel = tensor.nbytes // DTYPES[tensor.dtype].itemsize
-        stride, step = [], 1
-        for d in reversed(tensor.shape):
-            stride.append(step)
-            step *= d
+        shape = tuple(tensor.shape)
         self.save(GlobalName("torch._utils", "_rebuild_tensor_v2"))
-        storage = _StorageId(tensor, key, numel)
-        self.save((storage, 0, tuple(tensor.shape), tuple(reversed(stride)), False, OrderedDict()))
+        storage = _StorageId(tensor, key, numel_of(shape))
+        self.save((storage, 0, shape, contiguous_strides(shape), False, OrderedDict()))
         self.write(pickle.REDUCE)
 
     def _opaque(self, obj: Opaque) -> None:
@@ -118,7 +111,7 @@ class _Pickler(pickle._Pickler):  # type: ignore[misc]  # the pure-Python pickle
             self.save(state.get("state", state) if set(state) == {"state"} else state)
             self.write(pickle.BUILD)
 
-    def _dtype(self, obj: _DTypeName) -> None:
+    def _dtype(self, obj: DTypeName) -> None:
         self.save(GlobalName("torch", obj.name))
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
@@ -128,7 +121,7 @@ class _Pickler(pickle._Pickler):  # type: ignore[misc]  # the pure-Python pickle
 
     dispatch[GlobalName] = _global
     dispatch[TensorOut] = _tensor
-    dispatch[_DTypeName] = _dtype
+    dispatch[DTypeName] = _dtype
 
 
 @dataclass(frozen=True)

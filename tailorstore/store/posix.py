@@ -53,7 +53,8 @@ def start_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
         pass
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by path (a directory: so the names created in it are durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -119,7 +120,7 @@ class PosixBackend:
         size = sum(len(c) for c in chunks) if isinstance(chunks, list) else 0
         tmp = self._write_temp(key, chunks, size, sync=True)
         self._place(tmp, key, create_only=create_only)
-        _fsync_dir(self.path(key).parent)
+        fsync_path(self.path(key).parent)
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         with open(self.path(key), "rb") as f:
