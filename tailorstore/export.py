@@ -22,10 +22,10 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import BinaryIO
 
-from .checkout import write_raw_blob
+from .checkout import write_step_files
 from .errors import BadCheckpointError, StoreError
 from .formats.kinds import RAW
 from .formats.safetensors_writer import (
@@ -212,9 +212,7 @@ def export_step(
                 written += (tmp / name).stat().st_size
             if len(shards) > 1:
                 (tmp / INDEX_FILE).write_text(index_json(shards, names))
-            for row in copies:
-                where = f"step {view.step}, file {row.path}"
-                write_raw_blob(store, row.blob, tmp / PurePosixPath(row.path).name, where)
+            write_step_files(store, store.manifest(manifest), copies, tmp)  # top-level files, hash-checked
             if config is not None:
                 shutil.copyfile(config, tmp / "config.json")
             for path in tmp.iterdir():
