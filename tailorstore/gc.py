@@ -147,6 +147,7 @@ def plan_gc(store: Repository, rules: Retention, *, drop_parts: bool = False) ->
             plan.orphan_packs.append(name)
             plan.freed_bytes += store.object_size(pack_key(name)) or 0
     plan.temp_files = store.backend.leftovers()
+    plan.freed_bytes += store.backend.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too
     return plan
 
 

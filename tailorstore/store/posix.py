@@ -160,6 +160,16 @@ class PosixBackend:
         """Temp files of writes that never finished (a killed commit)."""
         return sorted(p.name for p in self.tmp_dir.glob("*.tmp")) if self.tmp_dir.is_dir() else []
 
+    def leftover_bytes(self, names: list[str]) -> int:
+        """What the temp files ``names`` hold (gc counts them in what it frees)."""
+        total = 0
+        for name in names:
+            try:
+                total += (self.tmp_dir / Path(name).name).stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
+
     def clear_leftovers(self, names: list[str]) -> None:
         for name in names:
             (self.tmp_dir / Path(name).name).unlink(missing_ok=True)

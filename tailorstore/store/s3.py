@@ -146,6 +146,9 @@ class S3Backend:
     def leftovers(self) -> list[str]:
         return []  # an unfinished multipart upload is never visible; a bucket lifecycle rule expires it
 
+    def leftover_bytes(self, names: list[str]) -> int:
+        return 0
+
     def clear_leftovers(self, names: list[str]) -> None:
         return None
 
