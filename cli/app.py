@@ -297,6 +297,16 @@ def log(run: str | None = typer.Option(None, "--run", help="Only this run's step
         )
 
 
+def _what(exact: bool, policy: dict[str, Any]) -> str:
+    """exact, composite, or which average a manifest is."""
+    spec = policy.get("spec") if policy.get("name") == "average" else None
+    if isinstance(spec, dict):
+        steps = spec.get("steps")
+        listed = ", ".join(map(str, steps)) if isinstance(steps, list) else json.dumps(steps)
+        return f"{spec.get('method')} average of steps {listed}"
+    return "exact" if exact else "composite"
+
+
 @app.command()
 def show(
     selector: str = typer.Argument(..., help=SELECTOR_HELP),
@@ -313,7 +323,7 @@ def show(
     s = detail.summary
     typer.echo(
         f"{'' if s.run == 'main' else f'run {s.run} '}step {s.step}{f' (tag {s.tag})' if s.tag else ''}: "
-        f"{'exact' if s.exact else 'composite'}, "
+        f"{_what(s.exact, s.policy)}, "
         f"committed {_when(s.created_at)}, {human(s.raw_bytes)} raw, policy {s.policy.get('name')}"
     )
     typer.echo(f"{'layer':14}  {'source':>7}  {'raw':>10}  {'stored':>10}  {'derived':>10}  kinds")
@@ -327,19 +337,33 @@ def show(
 
 @app.command()
 def merge(
-    spec: Path = typer.Argument(..., help="YAML spec: base, slices of layer ranges, embed, norm, lm_head."),
+    spec: Path = typer.Argument(
+        ...,
+        help="YAML spec: base and slices of layer ranges (a composite), or method: sma|ema|wma and steps (an average).",
+    ),
     tag: str = typer.Option(..., "--tag", help="Name of the composite; check it out as tag=NAME."),
     run: str = typer.Option("main", "--run", help="The run whose steps the spec's {step: N} name."),
     store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Compose a checkpoint from layers of different steps. Writes no blob, only a manifest."""
+    """Compose a checkpoint from layers of different steps (no blob written), or average several steps' masters."""
     with _open(store, run) as st:
         result = st.merge(spec, tag=tag)
     if as_json:
         typer.echo(json.dumps(asdict(result)))
         return
     ms = result.seconds * 1000
+    if isinstance(result, tailorstore.AverageResult):
+        weights = ", ".join(f"step {s}: {c:.4g}" for s, c in result.coefficients.items())
+        typer.echo(
+            f"averaged ({result.method}) into tag {result.tag} (id={result.manifest}) on base step {result.step} "
+            f"in {ms:.1f} ms: {weights}"
+        )
+        typer.echo(
+            f"  {len(result.layers)} layers ({', '.join(result.layers)}), kinds {', '.join(result.kinds)}; "
+            f"{result.new_blobs} new blobs, {human(result.new_bytes)}"
+        )
+        return
     typer.echo(f"merged tag {result.tag} (id={result.manifest}) on base step {result.step} in {ms:.1f} ms:")
 
     def source(layer: str, step: int) -> str:

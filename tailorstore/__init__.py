@@ -33,13 +33,17 @@ from .store.records import MAIN_RUN
 from .store.schema import FORMAT_VERSION
 
 if TYPE_CHECKING:
-    from .api import Store
+    from .api import AverageResult, MergeResult, Store
+
+# Loaded from .api on first use (the module docstring says why).
+_FROM_API = ("AverageResult", "MergeResult", "Store")
 
 __version__ = "0.3.0"
 __all__ = [
     "FORMAT_VERSION",
     "MAIN_RUN",
     "STORE_ENV",
+    "AverageResult",
     "BackendError",
     "BackgroundCommitError",
     "BadCheckpointError",
@@ -48,6 +52,7 @@ __all__ = [
     "InputChangedError",
     "LayoutError",
     "LockTimeoutError",
+    "MergeResult",
     "Progress",
     "StepExistsError",
     "Store",
@@ -63,6 +68,6 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Store":
-        return importlib.import_module(".api", __name__).Store
+    if name in _FROM_API:
+        return getattr(importlib.import_module(".api", __name__), name)
     raise AttributeError(f"module 'tailorstore' has no attribute {name!r}")

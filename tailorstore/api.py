@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from .averaging import AverageResult
 from .background import CommitQueue
 from .checkout import CheckoutResult, checkout_step
 from .commit_options import CommitOptions, CommitResult
@@ -338,8 +339,10 @@ class Store:
             show_plan=show_plan,
         )
 
-    def merge(self, spec: str | os.PathLike, *, tag: str) -> MergeResult:
-        """Compose a checkpoint from the layer slices a YAML spec names; it is recorded under ``tag``."""
+    def merge(self, spec: str | os.PathLike, *, tag: str) -> MergeResult | AverageResult:
+        """Compose a checkpoint from the layer slices a YAML spec names, or (a spec with
+        ``method: sma | ema | wma``) average the FP32 masters of several steps; it is recorded
+        under ``tag``. An average writes new blobs; a composite writes none."""
         return merge(self.repo, Path(spec), tag, self.run)
 
     def tag(self, ref: Ref, name: str, *, force: bool = False) -> int:

@@ -200,7 +200,7 @@ def commit_checkpoint(
         for layer in layers - stored:
             _load_inherited_atoms(store, sources[layer], layer)
         writer = BlobWriter(store, level=options.level, threads=options.threads)
-        with _cleaned_up_on_failure(store, writer, lock, progress):
+        with cleaned_up_on_failure(store, writer, lock, progress):
             plan, new_blobs = _write_checked(layout, scan, options, stored, sources, writer, progress)
 
         raw_bytes = sum(f.size for f in files)
@@ -269,7 +269,7 @@ def commit_checkpoint(
             if replaced is not None:  # its tag object may name the new key by now
                 manifest_objects.write_refs(store.backend, store.index, [replaced.id])
             if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind
-                _remove_unindexed(store, writer)
+                remove_unindexed(store, writer)
             raise
         if replaced is not None:
             manifest_objects.unpublish(store.backend, [replaced.object_key])
@@ -290,7 +290,7 @@ def commit_checkpoint(
 
 
 @contextmanager
-def _cleaned_up_on_failure(
+def cleaned_up_on_failure(
     store: Repository, writer: BlobWriter, lock: LockHandle | LeaseHandle, progress: Progress
 ) -> Iterator[None]:
     """A failure leaves no temp files, and, when this commit is alone on the store, no blobs
@@ -300,7 +300,7 @@ def _cleaned_up_on_failure(
     except BaseException:
         writer.abort()
         if lock.try_exclusive():
-            _remove_unindexed(store, writer)
+            remove_unindexed(store, writer)
         raise
     finally:
         progress.close()
@@ -357,7 +357,7 @@ def commit_part(
     if store.index.commit_at(step, options.run) is not None and not options.force:
         raise StepExistsError(f"step {step} is already in the store; a part of it cannot be added any more.")
     writer = BlobWriter(store, level=options.level, threads=options.threads, elsewhere=elsewhere)
-    with _cleaned_up_on_failure(store, writer, lock, progress):
+    with cleaned_up_on_failure(store, writer, lock, progress):
         plan, new_blobs = _write_checked(
             layout, scan, options, scan.layers, {}, writer, progress, checked_weights=checked_weights
         )
@@ -522,7 +522,7 @@ def _atom(
     )
 
 
-def _remove_unindexed(store: Repository, writer: BlobWriter) -> None:
+def remove_unindexed(store: Repository, writer: BlobWriter) -> None:
     """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes
     (a part of another host may hold the same blob without this index knowing)."""
     held = {h for part in parts.read_parts(store.backend) for h in part.blob_hashes()}

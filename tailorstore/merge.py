@@ -25,22 +25,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from .errors import StepExistsError, TailorError
-from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, STATE, block_index, block_label, sort_key
+from .averaging import AverageResult, average, is_averaging
+from .errors import StepExistsError
+from .layers import STATE, block_index, sort_key
+from .merge_spec import AUX_KEYS, MergeSpecError, layer_range, load_spec, ref_of
 from .refs import check_tag
 from .store import manifest_objects
 from .store.index import Index
-from .store.manifest_objects import RUN_NAME
 from .store.records import MAIN_RUN, MERGE, AtomKey, AtomRecord, LayerRecord
 from .store.repo import Repository
 
-_AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
-
-
-class MergeSpecError(TailorError):
-    """The merge spec is malformed or names what the store does not hold."""
+__all__ = ["MergeResult", "MergeSpecError", "merge", "parse_spec"]
 
 
 @dataclass(frozen=True)
@@ -53,23 +48,6 @@ class MergeResult:
     seconds: float
 
 
-def _ref_of(entry: Any, where: str) -> str:
-    """A spec source as a selector: {step: N}, {tag: NAME} or {id: N}, exactly one of them;
-    a step may name its run ({run: pretrain, step: 300})."""
-    keys = [k for k in ("step", "tag", "id") if isinstance(entry, dict) and k in entry]
-    if len(keys) != 1:
-        raise MergeSpecError(f"{where}: needs one of step, tag or id, e.g. {{step: 300}} or {{tag: warm}}")
-    value = entry[keys[0]]
-    run = entry.get("run")
-    if run is not None and (keys[0] != "step" or not isinstance(run, str) or not RUN_NAME.fullmatch(run)):
-        raise MergeSpecError(f"{where}: run {run!r} is not allowed here; write {{run: NAME, step: N}}")
-    if keys[0] == "tag" and isinstance(value, str) and value:
-        return f"tag={value}"
-    if keys[0] != "tag" and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return f"{run}:step={value}" if run else f"{keys[0]}={value}"
-    raise MergeSpecError(f"{where}: {keys[0]} {value!r} is not a valid {keys[0]}")
-
-
 def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[str, dict[str, str]]:
     """Pure: (base selector, {layer label: selector}) for the blocks and auxiliary groups the spec names.
 
@@ -77,10 +55,10 @@ def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[str, dict[str
     """
     if not isinstance(spec, dict):
         raise MergeSpecError(f"{origin}: the spec must be a mapping with 'base' and 'slices'")
-    unknown = set(spec) - {"base", "slices", *_AUX_KEYS}
+    unknown = set(spec) - {"base", "slices", *AUX_KEYS}
     if unknown:
         raise MergeSpecError(f"{origin}: unknown keys {sorted(unknown)}; allowed: base, slices, embed, norm, lm_head")
-    base = _ref_of(spec.get("base"), f"{origin}: base")
+    base = ref_of(spec.get("base"), f"{origin}: base")
     chosen: dict[str, str] = {}
     slices = spec.get("slices")
     if not isinstance(slices, list) or not slices:
@@ -89,40 +67,31 @@ def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[str, dict[str
         where = f"{origin}: slices[{i}]"
         sources = item.get("sources") if isinstance(item, dict) else None
         if not isinstance(sources, list) or len(sources) != 1:
-            raise MergeSpecError(f"{where}: needs exactly one source; tailorstore composes layers, it does not average")
+            raise MergeSpecError(
+                f"{where}: needs exactly one source; to average steps, write a spec with `method: sma` (docs/API.md)"
+            )
         source = sources[0]
-        ref = _ref_of(source, where)
-        span = source.get("layer_range")
-        if not (
-            isinstance(span, list)
-            and len(span) == 2
-            and all(isinstance(x, int) for x in span)
-            and 0 <= span[0] < span[1]
-        ):
-            raise MergeSpecError(f"{where}: layer_range must be [start, end) with 0 <= start < end")
-        for index in range(span[0], span[1]):
-            label = block_label(index)
-            if index not in blocks:
-                raise MergeSpecError(f"{where}: block {index} does not exist; the model has blocks 0..{max(blocks)}")
+        ref = ref_of(source, where)
+        for label in layer_range(source, blocks, where):
             if label in chosen:
-                raise MergeSpecError(f"{where}: block {index} is already taken by an earlier slice (ranges overlap)")
+                raise MergeSpecError(f"{where}: {label} is already taken by an earlier slice (ranges overlap)")
             chosen[label] = ref
-    for key, label in _AUX_KEYS.items():
+    for key, label in AUX_KEYS.items():
         if key in spec:
-            chosen[label] = _ref_of(spec[key], f"{origin}: {key}")
+            chosen[label] = ref_of(spec[key], f"{origin}: {key}")
     return base, chosen
 
 
-def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> MergeResult:
-    """Record a composite of layers from several steps; ``step=N`` references in the spec are
-    read in ``run`` (or the run they name, ``RUN:step=N``), and the merge belongs to its base's run."""
+def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> MergeResult | AverageResult:
+    """Record a composite of layers from several steps, or (a spec with ``method``) an average
+    of steps; ``step=N`` references in the spec are read in ``run`` (or the run they name,
+    ``RUN:step=N``), and the merge belongs to its base's run."""
     began = time.perf_counter()
     check_tag(tag)
-    try:
-        spec = yaml.safe_load(Path(spec_path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise MergeSpecError(f"{spec_path}: cannot read the spec ({exc})") from None
-    base = store.resolve(_ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"), run)
+    spec = load_spec(spec_path)
+    if is_averaging(spec):
+        return average(store, spec, Path(spec_path), tag, run)
+    base = store.resolve(ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"), run)
     base_record = store.manifest(base)
     layers = {x.layer for x in store.index.layers(base)}
     blocks = sorted(i for name in layers if (i := block_index(name)) is not None)
