@@ -290,6 +290,7 @@ def log(run: str | None = typer.Option(None, "--run", help="Only this run's step
     typer.echo(f"{'id':>6}  {column}{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
     for s in steps:
         kind = "merge" if s.origin == "merge" else "exact" if s.exact else "composite"
+        kind += f", thinned to {s.tier}" if s.tier else ""
         typer.echo(
             f"{'id=' + str(s.manifest):>6}  {f'{s.run:10}  ' if several else ''}{s.step:>8}  {_when(s.created_at)}  "
             f"{(s.tag or '-'):12}  {human(s.raw_bytes):>10}  {human(s.new_bytes):>10}  {kind}"
@@ -324,6 +325,7 @@ def show(
     typer.echo(
         f"{'' if s.run == 'main' else f'run {s.run} '}step {s.step}{f' (tag {s.tag})' if s.tag else ''}: "
         f"{_what(s.exact, s.policy)}, "
+        f"{f'thinned to {s.tier} (exports and averages; does not resume), ' if s.tier else ''}"
         f"committed {_when(s.created_at)}, {human(s.raw_bytes)} raw, policy {s.policy.get('name')}"
     )
     typer.echo(f"{'layer':14}  {'source':>7}  {'raw':>10}  {'stored':>10}  {'derived':>10}  kinds")
@@ -465,6 +467,12 @@ def gc(
     run: str | None = typer.Option(
         None, "--run", help="Apply --keep-last/--keep-every to this run only (default: to each run on its own)."
     ),
+    thin: str | None = typer.Option(
+        None,
+        "--thin",
+        help="Thin the steps the rules do not keep instead of dropping them: 'weights' keeps the model's weights, "
+        "'master' the FP32 master. Thinned steps export and average; they do not resume.",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and change nothing."),
     drop_parts: bool = typer.Option(
         False, "--drop-parts", help="Also drop parts no finalize has taken (abandoned multi-host commits)."
@@ -473,7 +481,7 @@ def gc(
     as_json: bool = JsonOpt,
     lock_timeout: float = LockOpt,
 ) -> None:
-    """Drop steps outside the retention rules, then delete every blob no kept manifest uses."""
+    """Drop (or --thin) steps outside the retention rules, then delete every blob no kept manifest uses."""
 
     def show_plan(plan: object) -> None:
         if not as_json:
@@ -483,6 +491,7 @@ def gc(
         plan = st.gc(
             keep_last=keep_last,
             keep_every=keep_every,
+            thin=thin,
             all_runs=run is None,
             dry_run=dry_run,
             drop_parts=drop_parts,
@@ -585,6 +594,34 @@ def run_create(
         info = st.create_run(name, base=base, lock_timeout=lock_timeout)
     where = "" if info.base is None else f" from run {info.base.run} step {info.base.step}"
     typer.echo(f"created run {name}{where}; commit to it with `tailor commit DIR --run {name}`")
+
+
+@run_app.command("retention")
+def run_retention(
+    keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the K newest committed steps whole."),
+    keep_every: int | None = typer.Option(None, "--keep-every", help="Keep steps whose number is a multiple of N."),
+    thin: str | None = typer.Option(None, "--thin", help="Thin the other steps to 'weights' or 'master'."),
+    clear: bool = typer.Option(False, "--clear", help="Carry no retention: `tailor gc` then drops nothing here."),
+    run: str = typer.Option("main", "--run", help="The run that carries it."),
+    store: str | None = StoreOpt,
+) -> None:
+    """The retention a run carries: `tailor gc` without rules applies it. Without options, print it."""
+    with _open(store, run) as st:
+        if clear or keep_last is not None or keep_every is not None or thin is not None:
+            rules = st.set_retention(keep_last=keep_last, keep_every=keep_every, thin=thin) if not clear else None
+            if clear:
+                st.set_retention()
+        else:
+            rules = st.retention()
+    if rules is None:
+        typer.echo(f"run {run} carries no retention; `tailor gc` without rules drops none of its steps")
+        return
+    parts = [
+        f"keep the last {rules.keep_last}" if rules.keep_last else "",
+        f"every {rules.keep_every}th step" if rules.keep_every else "",
+    ]
+    rest = f"thin the rest to {rules.thin}" if rules.thin else "drop the rest"
+    typer.echo(f"run {run}: {' and '.join(p for p in parts if p)} whole, {rest} (applied by `tailor gc`)")
 
 
 index_app = typer.Typer(no_args_is_help=True, help="The store's SQLite index, a cache of its manifest objects.")

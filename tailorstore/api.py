@@ -34,7 +34,7 @@ from .errors import CorruptStoreError, StoreError
 from .export import DEFAULT_SHARD_SIZE, ExportResult, export_step
 from .finalize import FinalizeResult, finalize_step
 from .formats.layout import DEEPSPEED, DEEPSPEED_TAG
-from .gc import GcPlan, Retention, gc
+from .gc import GcPlan, Retention, carried_rules, gc
 from .inspect import StepDetail, StepSummary, log, show
 from .merge import MergeResult, merge
 from .paths import safe_join
@@ -43,7 +43,7 @@ from .progress import Progress
 from .refs import pin, remove, tag, untag
 from .reshard import ReshardResult, checkout_resharded
 from .runs import RunInfo, create_run, list_runs, qualify
-from .store.manifest_objects import check_run_name
+from .store.manifest_objects import check_run_name, write_retention
 from .store.records import MAIN_RUN
 from .store.repo import Repository
 from .universal import UniversalResult, checkout_universal
@@ -293,6 +293,19 @@ class Store:
         base_selector = None if base is None else self._selector(base)
         return create_run(self.repo, name, base_selector, from_run=self.run, lock_timeout=lock_timeout)
 
+    def set_retention(
+        self, *, keep_last: int | None = None, keep_every: int | None = None, thin: str | None = None
+    ) -> Retention | None:
+        """The retention this handle's run carries: ``gc()`` without rules applies it (``keep_last=3,
+        thin="weights"`` keeps three steps whole and thins the rest). All None clears it."""
+        rules = Retention(keep_last=keep_last, keep_every=keep_every, thin=thin, run=self.run)
+        write_retention(self.repo.backend, self.run, rules.as_doc() if rules.drops_manifests else None)
+        return rules if rules.drops_manifests else None
+
+    def retention(self) -> Retention | None:
+        """The retention this handle's run carries, if any."""
+        return next((r for r in carried_rules(self.repo) if r.run == self.run), None)
+
     def _selector(self, ref: Ref) -> str:
         return qualify(selector(ref), self.run)
 
@@ -320,6 +333,7 @@ class Store:
         *,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        thin: str | None = None,
         all_runs: bool = False,
         dry_run: bool = False,
         drop_parts: bool = False,
@@ -328,10 +342,12 @@ class Store:
         show_plan: Callable[[GcPlan], None] | None = None,
     ) -> GcPlan:
         """Drop this run's manifests outside the retention (every run's, each counted on its own, with
-        ``all_runs``; tags, pins and run bases stay), then every blob no kept manifest uses."""
+        ``all_runs``; tags, pins and run bases stay), then every blob no kept manifest uses. With
+        ``thin="weights"`` (or ``"master"``) the commits outside the retention are thinned to that tier
+        instead of dropped: they keep their weights (or FP32 masters) for export and averaging."""
         return gc(
             self.repo,
-            Retention(keep_last=keep_last, keep_every=keep_every, run=None if all_runs else self.run),
+            Retention(keep_last=keep_last, keep_every=keep_every, run=None if all_runs else self.run, thin=thin),
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,

@@ -41,16 +41,17 @@ from typing import Any
 
 import numpy as np
 
-from .atom_reader import decode_atom_into
+from .atom_reader import decode_atom, decode_atom_into
 from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
 from .commit import cleaned_up_on_failure, remove_unindexed
-from .errors import StepExistsError
+from .errors import CorruptStoreError, StepExistsError
 from .layers import AUX_GROUPS, STATE, block_index, sort_key
 from .merge_spec import AUX_KEYS, MergeSpecError, layer_range, ref_of
+from .model_tensors import tiling
 from .progress import Silent
-from .rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded
+from .rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
 from .store import manifest_objects
-from .store.records import MERGE, AtomKey, AtomRecord, LayerRecord
+from .store.records import MERGE, THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
 from .store.repo import Repository
 from .store.writer import BlobWriter
 
@@ -209,6 +210,11 @@ def average(store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, 
         if store.index.tagged(tag):
             raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
         base_record = store.manifest(base)
+        if base_record.tier is not None:
+            raise MergeSpecError(
+                f"the base, step {base_record.step}, was thinned to {base_record.tier}: the average takes its "
+                "moments and files from the base, so name a whole step as base ({step: N})"
+            )
         layers = chosen_layers(parsed.layers, {x.layer for x in store.index.layers(base)}, str(spec_path))
         writer = BlobWriter(store)
         with cleaned_up_on_failure(store, writer, lock, Silent()):
@@ -283,12 +289,21 @@ def _write_averages(
         if atom.layer in layers and (atom.kind in spec.kinds or atom.kind == WEIGHT):
             by_param[atom.param].append(atom)
     sources = [store.index.atoms_by_key(m) for m in manifests]
-    averager = _Averager(store, manifests, spec, sources, writer)
+    weights = [_weights_by_param(store, m) if store.manifest(m).tier == THIN_WEIGHTS else {} for m in manifests]
+    averager = _Averager(store, manifests, spec, sources, weights, writer)
     out: dict[AtomKey, AtomRecord] = {}
     for param in sorted(by_param):
         out.update(averager.param(param, by_param[param]))
     if not out:
         raise MergeSpecError(f"nothing to average: the layers named hold no {', '.join(spec.kinds)} state")
+    return out
+
+
+def _weights_by_param(store: Repository, manifest: int) -> dict[str, list[AtomRecord]]:
+    """A step thinned to weights: its weight atoms by parameter (they stand in for its masters)."""
+    out: dict[str, list[AtomRecord]] = defaultdict(list)
+    for atom in store.index.atoms(manifest, kind=WEIGHT):
+        out[atom.param].append(atom)
     return out
 
 
@@ -299,15 +314,19 @@ class _Averager:
         manifests: list[int],
         spec: AverageSpec,
         sources: list[dict[AtomKey, AtomRecord]],
+        weights: list[dict[str, list[AtomRecord]]],
         writer: BlobWriter,
     ) -> None:
         self.store = store
         self.manifests = manifests
         self.spec = spec
         self.sources = sources
+        self.weights = weights  # per step: weight atoms by param, for steps thinned to weights
         self.writer = writer
+        self._widened: dict[tuple[int, str], np.ndarray] = {}  # (step index, param) -> its weight as float32
 
     def param(self, param: str, atoms: list[AtomRecord]) -> dict[AtomKey, AtomRecord]:
+        self._widened.clear()  # one parameter's weights at a time
         out: dict[AtomKey, AtomRecord] = {}
         masters = [a for a in atoms if a.kind == MASTER]
         weights = [a for a in atoms if a.kind == WEIGHT]
@@ -343,19 +362,46 @@ class _Averager:
         acc = np.zeros(atom.numel, dtype=np.float64)
         term = np.empty(atom.numel, dtype=np.float64)
         piece = memoryview(bytearray(atom.nbytes))
-        for manifest, coefficient, source in zip(self.manifests, self.spec.coefficients, self.sources, strict=True):
-            match = source.get(atom.key())
-            if match is None or match.dtype != atom.dtype:
-                step = self.store.manifest(manifest).step
-                raise MergeSpecError(
-                    f"step {step} has no matching piece for {atom.param} ({atom.kind}, rank {atom.rank}); the steps "
-                    "differ in layout or world size and cannot be averaged"
-                )
-            decode_atom_into(self.store, manifest, match, piece, f"averaging {atom.param}")
-            np.copyto(term, np.frombuffer(piece, dtype=np.float32))  # exact: float32 -> float64
+        for i, coefficient in enumerate(self.spec.coefficients):
+            np.copyto(term, self._values(i, atom, piece))  # exact: float32 -> float64
             term *= coefficient
             acc += term
         return acc.astype(np.float32)
+
+    def _values(self, i: int, atom: AtomRecord, piece: memoryview) -> np.ndarray:
+        """Step ``i``'s float32 values for the elements ``atom`` covers: its own piece, or, for a step
+        thinned to weights, its weight widened exactly (bf16 -> float32)."""
+        manifest = self.manifests[i]
+        match = self.sources[i].get(atom.key())
+        if match is not None and match.dtype == atom.dtype:
+            decode_atom_into(self.store, manifest, match, piece, f"averaging {atom.param}")
+            return np.frombuffer(piece, dtype=np.float32)
+        if atom.kind == MASTER and atom.param in self.weights[i]:
+            return self._widened_weight(i, atom.param)[atom.start : atom.start + atom.numel]
+        record = self.store.manifest(manifest)
+        if record.tier is not None:
+            raise MergeSpecError(
+                f"step {record.step} was thinned to {record.tier} and holds no {atom.kind} of {atom.param}; "
+                "average its masters only (kinds: [master])"
+            )
+        raise MergeSpecError(
+            f"step {record.step} has no matching piece for {atom.param} ({atom.kind}, rank {atom.rank}); the steps "
+            "differ in layout or world size and cannot be averaged"
+        )
+
+    def _widened_weight(self, i: int, param: str) -> np.ndarray:
+        if (i, param) not in self._widened:
+            pieces = self.weights[i][param]
+            numel = max(a.start + a.numel for a in pieces)
+            tiled = tiling(pieces, numel)
+            if tiled is None:
+                raise CorruptStoreError(f"the weight pieces of {param} do not cover it; run `tailor verify`")
+            out = np.empty(numel, dtype=np.float32)
+            for atom in tiled:
+                raw = decode_atom(self.store, self.manifests[i], atom, f"averaging {param}")
+                out[atom.start : atom.start + atom.numel] = widened(raw, atom.dtype)
+            self._widened[(i, param)] = out
+        return self._widened[(i, param)]
 
     def _stored(self, atom: AtomRecord, data: np.ndarray) -> AtomRecord:
         blob = self.writer.add(memoryview(data).cast("B"), itemsize=data.itemsize, is_float=True)

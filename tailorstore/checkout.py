@@ -26,6 +26,7 @@ from .paths import safe_join
 from .progress import Progress, Silent
 from .store.records import COMMIT, FileRecord, ManifestRecord
 from .store.repo import Repository
+from .thinning import refuse_thinned
 
 
 @dataclass
@@ -58,6 +59,7 @@ def checkout_step(
     manifest = store.resolve(selector)
     facts = store.manifest(manifest)
     step = facts.step
+    refuse_thinned(facts, "a checkout")
     out = Path(out)
     files = store.index.files(manifest)
     inherited = inherited_layers(store, manifest)

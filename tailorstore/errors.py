@@ -42,6 +42,10 @@ class UnknownStepError(StoreError):
     """A step, tag or selector names nothing in the store."""
 
 
+class ThinnedStepError(StoreError):
+    """What was asked for needs state a retention tier dropped (``tailor gc --thin``)."""
+
+
 class FormatVersionError(StoreError):
     """The store was written by a format version this program does not read."""
 

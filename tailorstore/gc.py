@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import codec
 from .errors import CorruptStoreError, StoreError
@@ -32,8 +33,9 @@ from .store import manifest_objects
 from .store.backend import blob_key, blob_names
 from .store.packs import PackWriter, pack_key, pack_names
 from .store.parts import read_parts
-from .store.records import COMMIT, ManifestRecord
+from .store.records import COMMIT, TIERS, ManifestRecord
 from .store.repo import Repository
+from .thinning import check_tier, contents_of, thin, thinner
 
 REPACK_AT = 0.25  # repack a pack once this share of its bytes is dead
 
@@ -43,15 +45,45 @@ class Retention:
     keep_last: int | None = None  # the K newest committed steps
     keep_every: int | None = None  # committed steps whose number is a multiple of N
     run: str | None = None  # apply the rules to this run only (None: to every run, each on its own)
+    thin: str | None = None  # thin the commits the rules do not keep to this tier, instead of dropping them
 
     def __post_init__(self) -> None:
         for name, value in (("keep_last", self.keep_last), ("keep_every", self.keep_every)):
             if value is not None and value < 1:
                 raise StoreError(f"`{name}={value}` is not allowed: give a whole number of 1 or more.")
+        if self.thin is not None:
+            check_tier(self.thin)
+            if not self.drops_manifests:
+                raise StoreError("`thin` thins the steps the rules do not keep: give `keep_last` or `keep_every` too.")
 
     @property
     def drops_manifests(self) -> bool:
         return self.keep_last is not None or self.keep_every is not None
+
+    def as_doc(self) -> dict[str, Any]:
+        """The rules as a run carries them (``refs/retention/RUN``)."""
+        return {"keep_last": self.keep_last, "keep_every": self.keep_every, "thin": self.thin}
+
+    @classmethod
+    def from_doc(cls, run: str, doc: dict[str, Any]) -> Retention:
+        try:
+            return cls(keep_last=doc.get("keep_last"), keep_every=doc.get("keep_every"), thin=doc.get("thin"), run=run)
+        except (StoreError, TypeError) as exc:
+            raise CorruptStoreError(f"the retention run {run!r} carries is damaged ({exc}); set it again") from None
+
+
+def carried_rules(store: Repository) -> list[Retention]:
+    """The retention each run carries (``tailor run retention``), each touching its own run only."""
+    return [
+        Retention.from_doc(run, doc) for run, doc in sorted(manifest_objects.read_retentions(store.backend).items())
+    ]
+
+
+def effective_rules(store: Repository, rules: Retention) -> list[Retention]:
+    """Rules given win; without any, each run's carried retention applies (within ``rules.run`` if set)."""
+    if rules.drops_manifests:
+        return [rules]
+    return [r for r in carried_rules(store) if rules.run is None or r.run == rules.run]
 
 
 @dataclass
@@ -66,6 +98,9 @@ class GcPlan:
     repack: list[str] = field(default_factory=list)  # packs whose live blobs move to new packs
     orphan_packs: list[str] = field(default_factory=list)  # pack objects the index does not know
     drop_parts: list[str] = field(default_factory=list)  # part objects to delete (finalized, or asked to)
+    thin: list[tuple[int, int, str]] = field(default_factory=list)  # (manifest, step, tier) to thin
+    thin_freed_bytes: int = 0  # stored bytes of the blobs only the thinned steps' dropped state used
+    thin_weight_bytes: int = 0  # raw bytes of derived weights that become blobs (compressed when written)
     pending_parts: int = 0  # parts kept for a finalize; their blobs are live
     freed_bytes: int = 0  # planned; after gc ran, what it freed
 
@@ -79,11 +114,24 @@ class GcPlan:
         parts = ""
         if self.drop_parts or self.pending_parts:
             parts = f"; drop {len(self.drop_parts)} part(s), keep {self.pending_parts} waiting for a finalize"
+        thin = ""
+        if self.thin:
+            tiers = ", ".join(
+                f"{[s for _, s, t in self.thin if t == tier]} to {tier}" for tier in TIERS if any(self.thin_to(tier))
+            )
+            thin = (
+                f"thin {len(self.thin)} manifest(s) {tiers} (freeing {self.thin_freed_bytes} bytes of their other "
+                f"state, writing {self.thin_weight_bytes} raw bytes of weights), "
+            )
         return (
-            f"drop {len(self.drop)} manifest(s) {[s for _, s in self.drop]}, keep {len(self.keep)}; delete "
+            f"{thin}drop {len(self.drop)} manifest(s) {[s for _, s in self.drop]}, keep {len(self.keep)}; delete "
             f"{len(self.dead_blobs)} unreferenced blob(s), {len(self.orphan_files)} orphan blob file(s) and "
             f"{len(self.temp_files)} temp file(s){packs}{parts}, freeing {self.freed_bytes} bytes"
         )
+
+    def thin_to(self, tier: str) -> list[int]:
+        """The manifests this plan thins to ``tier``."""
+        return [m for m, _, t in self.thin if t == tier]
 
 
 def kept_manifests(manifests: list[ManifestRecord], rules: Retention, bases: frozenset[int] = frozenset()) -> set[int]:
@@ -105,15 +153,31 @@ def kept_manifests(manifests: list[ManifestRecord], rules: Retention, bases: fro
     return keep
 
 
-def plan_gc(store: Repository, rules: Retention, *, drop_parts: bool = False) -> GcPlan:
-    """What gc would do. Blobs a pending part names are live (the part waits for its finalize);
-    a part of a step already recorded is dropped, and every part when ``drop_parts``."""
+def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts: bool = False) -> GcPlan:
+    """What gc would do under ``rules`` (one set, or several each touching its own run). Blobs a
+    pending part names are live (the part waits for its finalize); a part of a step already
+    recorded is dropped, and every part when ``drop_parts``."""
     manifests = store.index.manifests()
     bases = {r.base for r in store.index.created_runs().values() if r.base}
-    keep = kept_manifests(manifests, rules, frozenset(m.id for m in manifests if m.object_key in bases))
+    base_ids = frozenset(m.id for m in manifests if m.object_key in bases)
+    keep = {m.id for m in manifests}
+    tiers: dict[int, str] = {}
+    for one in [rules] if isinstance(rules, Retention) else rules:
+        kept = kept_manifests(manifests, one, base_ids)
+        for m in manifests:
+            if m.id in kept:
+                continue
+            if one.thin and m.origin == COMMIT:  # thinned, not dropped (or left, if thin enough already)
+                if thinner(one.thin, m.tier):
+                    tiers[m.id] = one.thin
+            else:
+                keep.discard(m.id)
+    to_thin = [m for m in manifests if m.id in tiers]
+    keep -= set(tiers)  # kept as they will be: their rows after thinning are counted below
     plan = GcPlan(
-        drop=[(m.id, m.step) for m in manifests if m.id not in keep],
+        drop=[(m.id, m.step) for m in manifests if m.id not in keep and m.id not in tiers],
         keep=[(m.id, m.step) for m in manifests if m.id in keep],
+        thin=[(m.id, m.step, tiers[m.id]) for m in to_thin],
     )
     held: set[str] = set()
     for part in read_parts(store.backend):
@@ -122,7 +186,16 @@ def plan_gc(store: Repository, rules: Retention, *, drop_parts: bool = False) ->
         else:
             plan.pending_parts += 1
             held |= part.blob_hashes()
-    dead = [b for b in store.index.blobs_unused_by(keep) if b.hash not in held]
+    thinned = {m.id: contents_of(store, m.id, tiers[m.id]) for m in to_thin}
+    still = set().union(*(c.hashes() for c in thinned.values())) if thinned else set()
+    dead = [b for b in store.index.blobs_unused_by(keep) if b.hash not in held and b.hash not in still]
+    if thinned:
+        used_by_thinned = set().union(*(store.index.referenced_hashes(m) for m in thinned))
+        dropped_only = set().union(*(store.index.referenced_hashes(m) for m, _ in plan.drop)) if plan.drop else set()
+        plan.thin_freed_bytes = sum(
+            b.stored_size for b in dead if b.hash in used_by_thinned and b.hash not in dropped_only
+        )
+        plan.thin_weight_bytes = sum(a.nbytes for c in thinned.values() for a in c.materialize)
     plan.dead_blobs = [b.hash for b in dead]
     plan.dead_loose = [b.hash for b in dead if b.pack is None]
     dead_set = set(plan.dead_blobs)
@@ -161,13 +234,17 @@ def gc(
     on_wait: Callable[[str], None] | None = None,
     show_plan: Callable[[GcPlan], None] | None = None,
 ) -> GcPlan:
-    with store.lock(exclusive=True, timeout=lock_timeout, on_wait=on_wait):
+    written = 0
+    with store.lock(exclusive=True, timeout=lock_timeout, on_wait=on_wait) as lock:
         store.refresh()  # what other hosts recorded before this lock was taken
-        plan = plan_gc(store, rules, drop_parts=drop_parts)
+        plan = plan_gc(store, effective_rules(store, rules), drop_parts=drop_parts)
         if show_plan:
             show_plan(plan)
         if dry_run:
             return plan
+        for tier in TIERS:  # first: the blobs it materializes must exist before their masters go
+            targets = [r for m in plan.thin_to(tier) if (r := store.index.manifest(m)) is not None]
+            written += thin(store, targets, tier, lock)
         for key in plan.drop_parts:  # before anything they name: a dropped part stops holding its blobs
             store.backend.delete(key)
         with store.transaction() as index:
@@ -177,7 +254,7 @@ def gc(
             index.delete_manifests(dropped)
             index.delete_blobs(plan.dead_blobs)
             index.delete_packs(plan.dead_packs)
-        written = _repack(store, plan.repack)
+        written += _repack(store, plan.repack)
         batch = store.backend.batch()
         for name in [*plan.dead_loose, *plan.orphan_files]:
             batch.delete(blob_key(name))

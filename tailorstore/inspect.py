@@ -27,6 +27,7 @@ class StepSummary:
     pinned: bool
     policy: dict
     run: str = "main"
+    tier: str | None = None  # thinned by gc to this tier (weights, master): exports and averages, no resume
 
 
 @dataclass
@@ -61,6 +62,7 @@ def _summary(r: ManifestRecord) -> StepSummary:
         pinned=r.pinned,
         policy=json.loads(r.policy),
         run=r.run,
+        tier=r.tier,
     )
 
 

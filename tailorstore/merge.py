@@ -99,6 +99,12 @@ def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> 
         raise MergeSpecError(f"step {base_record.step} has no transformer blocks to slice")
     _, chosen = parse_spec(spec, blocks, str(spec_path))
     manifests = {ref: store.resolve(ref, run) for ref in set(chosen.values())}
+    for m in {base, *manifests.values()}:
+        if (thinned := store.manifest(m)).tier is not None:
+            raise MergeSpecError(
+                f"step {thinned.step} was thinned to {thinned.tier}: a composite takes every kind of state of its "
+                "layers. Average it instead (method: sma) or export it."
+            )
     sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
     record = replace(
         base_record,

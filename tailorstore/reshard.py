@@ -45,6 +45,7 @@ from .output_dir import staged
 from .progress import Progress, Silent
 from .store.records import FileRecord
 from .store.repo import Repository
+from .thinning import refuse_thinned
 
 MAX_WORLD_SIZE = 65536
 ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor: a group pads to a multiple of 2 * world size
@@ -307,6 +308,7 @@ def checkout_resharded(
     began = time.perf_counter()
     manifest = store.resolve(selector)
     facts = store.manifest(manifest)
+    refuse_thinned(facts, "a resharded checkpoint")
     if world_size is None:
         world_size = facts.world_size or 1
     view = model_view(store, manifest)

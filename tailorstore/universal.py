@@ -45,6 +45,7 @@ from .paths import safe_join
 from .progress import Progress, Silent
 from .store.records import FileRecord
 from .store.repo import Repository
+from .thinning import refuse_thinned
 
 UNIVERSAL = "universal"
 LATEST_UNIVERSAL = "latest_universal"
@@ -137,6 +138,7 @@ def checkout_universal(
     began = time.perf_counter()
     manifest = store.resolve(selector)
     facts = store.manifest(manifest)
+    refuse_thinned(facts, "a universal checkpoint")
     view = model_view(store, manifest)
     _check_stage(view)
     files = store.index.files(manifest)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import atoms as A
-from .gc import Retention, plan_gc
+from .gc import Retention, effective_rules, plan_gc
 from .store.repo import Repository
 
 _KIND_GROUPS = {A.WEIGHT: "weights", A.MASTER: "masters", A.EXP_AVG: "moments", A.EXP_AVG_SQ: "moments"}
@@ -62,5 +62,5 @@ def usage(store: Repository) -> Usage:
     other_files.raw_bytes = max(0, out.raw_bytes - sum(k.raw_bytes for name, k in out.kinds.items() if name != "files"))
     alone = index.bytes_alone()
     out.steps = [StepUsage(m.id, m.step, m.tag, m.raw_bytes, alone.get(m.id, 0)) for m in manifests]
-    out.gc_frees = plan_gc(store, Retention()).freed_bytes
+    out.gc_frees = plan_gc(store, effective_rules(store, Retention())).freed_bytes
     return out

@@ -303,9 +303,27 @@ class Index:
     def delete_manifests(self, manifests: Iterable[int]) -> None:
         """Drop manifests; their files, atoms and layers go with them (foreign keys cascade)."""
         self.conn.executemany("DELETE FROM manifests WHERE id=?", [(m,) for m in manifests])
+        self._adopt_orphaned_layers()
 
     def delete_commit_at(self, step: int, run: str) -> None:
         self.conn.execute("DELETE FROM manifests WHERE step=? AND run=? AND origin=?", (step, run, COMMIT))
+        self._adopt_orphaned_layers()
+
+    def _adopt_orphaned_layers(self) -> None:
+        """A layer whose source manifest is gone becomes its manifest's own: its atom rows are
+        already its own, and ``source_step`` still says where it came from. Without this, a
+        later commit inheriting the layer would name a manifest that no longer exists."""
+        self.conn.execute("UPDATE layers SET source=manifest WHERE source NOT IN (SELECT id FROM manifests)")
+
+    def set_tier(self, manifest: int, tier: str | None) -> None:
+        self.conn.execute("UPDATE manifests SET tier=? WHERE id=?", (tier, manifest))
+
+    def replace_contents(self, manifest: int, files: list[FileRecord], atoms: list[AtomRecord]) -> None:
+        """A manifest's file and atom rows, all replaced (thinning keeps a subset of them)."""
+        self.conn.execute("DELETE FROM atoms WHERE manifest=?", (manifest,))
+        self.conn.execute("DELETE FROM files WHERE manifest=?", (manifest,))
+        self.insert_files(manifest, files)
+        self.insert_atoms(manifest, atoms)
 
     def set_tag(self, manifest: int, tag: str | None) -> None:
         if tag is not None:
@@ -393,12 +411,13 @@ class Index:
         return _layer(row, manifest) if row else None
 
     def layer_history(self, before_step: int, run: str) -> list[tuple[int, LayerRecord]]:
-        """(step, layer) of every commit of the run before ``before_step``, newest step first (for inheritance)."""
+        """(step, layer) of every whole commit of the run before ``before_step``, newest step first (for
+        inheritance: a thinned step keeps no optimizer state to inherit)."""
         return [
             (r["step"], _layer(r, r["manifest"]))
             for r in self.conn.execute(
                 "SELECT l.*, m.step FROM layers l JOIN manifests m ON m.id=l.manifest"
-                " WHERE m.origin=? AND m.run=? AND m.step<? ORDER BY m.step DESC",
+                " WHERE m.origin=? AND m.run=? AND m.step<? AND m.tier IS NULL ORDER BY m.step DESC",
                 (COMMIT, run, before_step),
             )
         ]

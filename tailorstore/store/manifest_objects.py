@@ -15,7 +15,8 @@ Keys (docs/FORMAT.md):
 - ``refs/tags/<tag>``: the object key a tag names (mutable; tag bytes outside
   ``[A-Za-z0-9._-]`` are written ``=XX``);
 - ``refs/pins/<manifest object name>``: present while the manifest is pinned;
-- ``refs/runs/<run>``: a run created by name, with its base (create-only JSON).
+- ``refs/runs/<run>``: a run created by name, with its base (create-only JSON);
+- ``refs/retention/<run>``: the retention a run carries, which ``gc`` without rules applies (mutable JSON).
 
 :func:`sync` brings the index up to date with the backend (new manifests of other hosts,
 manifests another host's gc dropped, tags and pins); :func:`rebuild` recreates it.
@@ -57,8 +58,10 @@ MANIFEST_PREFIX = "manifests/"
 TAG_PREFIX = "refs/tags/"
 PIN_PREFIX = "refs/pins/"
 RUN_PREFIX = "refs/runs/"
+RETENTION_PREFIX = "refs/retention/"
 DOC_VERSION = 2  # 2 adds the manifest's run; version 1 objects are all of run 'main'
-READABLE_DOC_VERSIONS = (1, 2)
+THINNED_DOC_VERSION = 3  # a thinned manifest: a reader that does not know tiers must not check it out
+READABLE_DOC_VERSIONS = (1, 2, 3)
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 _COMMIT_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/step-(\d{20})-v(\d+)\.json\.zst")
 _MERGE_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/merge-[0-9a-f]+\.json\.zst")
@@ -115,14 +118,14 @@ def document(index: Index, manifest: int) -> dict[str, Any]:
     source_keys = index.object_keys({x.source for x in layers if x.source != manifest})
     layer_rows = to_table(layers, _LAYER_COLUMNS)["rows"]
     return {
-        "tailorstore_manifest": DOC_VERSION,
+        "tailorstore_manifest": DOC_VERSION if record.tier is None else THINNED_DOC_VERSION,
         "manifest": dict(zip(MANIFEST_DOC_FIELDS, to_table([record], MANIFEST_DOC_FIELDS)["rows"][0], strict=True)),
         "files": to_table(index.files(manifest), FILE_COLUMNS),
         "atoms": to_table(index.atoms(manifest), ATOM_COLUMNS),
         "layers": {
             "columns": (*_LAYER_COLUMNS, "source"),
             "rows": [
-                [*row, None if x.source == manifest else source_keys[x.source]]
+                [*row, None if x.source == manifest else source_keys.get(x.source)]  # gone: its own (FORMAT.md 7)
                 for x, row in zip(layers, layer_rows, strict=True)
             ],
         },
@@ -188,7 +191,7 @@ def import_document(index: Index, key: str, doc: dict[str, Any], ids: dict[str, 
     m = doc["manifest"]
     # where a blob is, the packs decide: a known blob keeps its row
     index.add_blobs(from_table(doc["blobs"], BlobRecord))
-    m = {**m, "run": m.get("run", run_of_key(key))}
+    m = {**m, "run": m.get("run", run_of_key(key)), "tier": m.get("tier")}
     record = ManifestRecord(**{c: m[c] for c in MANIFEST_DOC_FIELDS if c != "exact"}, exact=bool(m["exact"]))
     manifest = index.insert_manifest(replace(record, object_key=key))
     ids[key] = manifest
@@ -199,12 +202,8 @@ def import_document(index: Index, key: str, doc: dict[str, Any], ids: dict[str, 
     for row in doc["layers"]["rows"]:
         fields = dict(zip(columns, row, strict=False))
         source_key = fields.get("source")
-        source = manifest if source_key is None else ids.get(source_key)
-        if source is None:
-            raise CorruptStoreError(
-                f"manifest object {key} inherits from {source_key}, which the store no longer holds; "
-                "restore that object from a backup."
-            )
+        # A source gc dropped since: the layer's atoms are this manifest's own rows anyway (FORMAT.md 7).
+        source = ids.get(source_key, manifest) if source_key is not None else manifest
         layers.append(
             LayerRecord(
                 fields["layer"], source, fields["source_step"], fields["raw_bytes"], bool(fields["stored"]),
@@ -338,4 +337,29 @@ def _listed_tags(backend: Backend) -> dict[str, str]:
             out[backend.get(key).decode()] = tag_of_key(key)
         except FileNotFoundError:  # untagged while we listed
             continue
+    return out
+
+
+def write_retention(backend: Backend, run: str, rules: dict[str, Any] | None) -> None:
+    """Set (or with None, clear) the retention rules ``run`` carries."""
+    key = check_key(RETENTION_PREFIX + check_run_name(run))
+    if rules is None:
+        backend.delete(key)
+    else:
+        backend.put(key, json.dumps({"tailorstore_retention": 1, **rules}).encode())
+
+
+def read_retentions(backend: Backend) -> dict[str, dict[str, Any]]:
+    """Run -> the retention rules it carries (keep_last, keep_every, thin)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key in backend.list(RETENTION_PREFIX):
+        try:
+            doc = json.loads(backend.get(key))
+        except FileNotFoundError:
+            continue
+        except ValueError as exc:
+            raise CorruptStoreError(f"retention object {key} is damaged ({exc}); set it again") from None
+        if not isinstance(doc, dict) or doc.pop("tailorstore_retention", None) != 1:
+            raise CorruptStoreError(f"retention object {key} is not one this tailorstore reads; upgrade tailorstore")
+        out[key[len(RETENTION_PREFIX) :]] = doc
     return out

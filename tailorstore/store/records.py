@@ -17,6 +17,9 @@ from .backend import blob_key, pack_key
 COMMIT = "commit"
 MERGE = "merge"
 MAIN_RUN = "main"  # the run a store starts with, and every command's default
+THIN_MASTER = "master"  # retention tiers (gc --thin): the FP32 master only
+THIN_WEIGHTS = "weights"  # the model's own weights only
+TIERS = (THIN_MASTER, THIN_WEIGHTS)  # thinner last
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +44,18 @@ class ManifestRecord:
     object_key: str | None = None
     id: int = 0
     run: str = MAIN_RUN  # steps are numbered per run
+    tier: str | None = None  # None: whole; THIN_MASTER or THIN_WEIGHTS once gc thinned it
+
+    @property
+    def resumable(self) -> bool:
+        """A thinned manifest keeps no optimizer state: it exports and merges, it does not resume."""
+        return self.tier is None
 
 
 # The columns a manifest object carries; tag, pin and id are not part of it (refs and the index hold them).
 MANIFEST_DOC_FIELDS = (
     "step", "origin", "created_at", "layout", "ds_tag", "zero_stage", "world_size", "policy", "exact",
-    "raw_bytes", "new_bytes", "source", "run",
+    "raw_bytes", "new_bytes", "source", "run", "tier",
 )  # fmt: skip
 
 

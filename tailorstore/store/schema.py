@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 # Upgrades from an older format: each runs in one transaction with the version bump.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -36,6 +36,8 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE UNIQUE INDEX manifests_commit_step ON manifests(run, step) WHERE origin = 'commit'",
         "CREATE TABLE runs (name TEXT PRIMARY KEY, created_at REAL NOT NULL, base TEXT)",
     ),
+    # 4 -> 5: retention tiers. Every manifest so far is whole (NULL).
+    4: ("ALTER TABLE manifests ADD COLUMN tier TEXT",),
 }
 
 _SCHEMA_TEXT = """
@@ -74,7 +76,8 @@ CREATE TABLE manifests (
     new_bytes   INTEGER NOT NULL,   -- stored bytes of blobs this commit wrote first
     source      TEXT NOT NULL,      -- the directory committed, or the merge spec file
     object_key  TEXT,               -- the manifest's object in the backend (manifests/...)
-    run         TEXT NOT NULL DEFAULT 'main'  -- the run whose step this is
+    run         TEXT NOT NULL DEFAULT 'main',  -- the run whose step this is
+    tier        TEXT                -- NULL: whole; master | weights: thinned by gc to that tier
 );
 CREATE UNIQUE INDEX manifests_commit_step ON manifests(run, step) WHERE origin = 'commit';
 CREATE UNIQUE INDEX manifests_object_key ON manifests(object_key);

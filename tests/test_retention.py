@@ -1,0 +1,224 @@
+"""Retention tiers (`tailor gc --thin weights|master`) on real DeepSpeed runs, and gc dropping
+a step that kept composites inherit from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, assert_only_live, same_tree, store_state, tailor
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+from tailorstore import atoms as A
+from tailorstore.commit import CommitOptions, commit_checkpoint
+from tailorstore.policies import PolicySpec
+from tailorstore.store.records import AtomRecord, FileRecord
+from tailorstore.store.repo import Repository
+from tailorstore.testing.compare import tensors_identical
+from tailorstore.thinning import thinned_contents
+
+SAVES = list(range(TAILOR_EVERY, TAILOR_STEPS + 1, TAILOR_EVERY))  # 3, 6, ..., 18
+OPTIM = "global_step3/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+STATES = "global_step3/mp_rank_00_model_states.pt"
+
+
+# -- pure ----------------------------------------------------------------------------------
+
+
+def atom(path: str, param: str, kind: str, derived: str | None = None, numel: int = 4) -> AtomRecord:
+    return AtomRecord(
+        path, 0, 0, numel, "float32", "[4]", param, kind, 0, 0, 16, "block.0", f"{param}{kind}", derived, 0
+    )
+
+
+def file(path: str) -> FileRecord:
+    return FileRecord(path, path, "torch", 0, f"skeleton-{path}", 100, 0o644, False, f"container-{path}")
+
+
+def test_thinned_contents_per_tier() -> None:
+    files = [file(STATES), file(OPTIM), file("global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt")]
+    atoms = [
+        atom(STATES, "w", A.WEIGHT, derived="round-from-master"),
+        atom(STATES, "rope", A.BUFFER),
+        atom(STATES, "z3", A.WEIGHT, numel=0),  # ZeRO 3: the model states hold no weight of it
+        atom(OPTIM, "w", A.MASTER),
+        atom(OPTIM, "w", A.EXP_AVG),
+        atom(OPTIM, "w", A.EXP_AVG_SQ),
+        atom(OPTIM, "z3", A.MASTER),
+        atom(OPTIM, "z3", A.EXP_AVG),
+    ]
+    master = thinned_contents(files, atoms, "master")
+    assert [(a.param, a.kind) for a in master.atoms] == [
+        ("w", A.WEIGHT), ("rope", A.BUFFER), ("z3", A.WEIGHT), ("w", A.MASTER), ("z3", A.MASTER),
+    ]  # fmt: skip
+    assert master.materialize == [] and master.atoms[0].derived == "round-from-master"
+    assert [f.path for f in master.files] == [STATES, OPTIM]  # the optimizer file without atoms goes
+    assert "wweight" not in master.hashes() and "wmaster" in master.hashes()
+
+    weights = thinned_contents(files, atoms, "weights")
+    assert [(a.param, a.kind) for a in weights.atoms] == [
+        ("w", A.WEIGHT), ("rope", A.BUFFER), ("z3", A.WEIGHT), ("z3", A.MASTER),
+    ]  # fmt: skip
+    assert [(a.param, a.kind) for a in weights.materialize] == [("w", A.WEIGHT)]
+    assert all(a.derived is None for a in weights.stored_atoms())
+    assert {"wweight", "z3master", f"skeleton-{OPTIM}", f"container-{STATES}"} <= weights.hashes()
+    assert "wmaster" not in weights.hashes() and "wexp_avg" not in weights.hashes()
+
+
+# -- real runs -----------------------------------------------------------------------------
+
+
+def committed(runs: Runs, name: str, work: Path, policy: PolicySpec | None = None) -> tuple[Repository, Path]:
+    save_dir = runs.get(name).save_dir
+    store = Repository.init(work / "store")
+    options = CommitOptions(policy=policy) if policy else CommitOptions()
+    for step in SAVES:
+        commit_checkpoint(store, as_of_step(save_dir, step, work / f"at{step}"), options)
+    return store, save_dir
+
+
+def export(store: Repository, ref: str, out: Path, dtype: str) -> bytes:
+    proc = tailor("export", ref, "--out", str(out), "--dtype", dtype, store=store.root)
+    assert proc.returncode == 0, proc.stderr
+    return (out / "model.safetensors").read_bytes()
+
+
+def kinds_of(store: Repository, step: int) -> set[str]:
+    return {
+        r[0]
+        for r in store.conn.execute(
+            "SELECT DISTINCT a.kind FROM atoms a JOIN manifests m ON m.id=a.manifest"
+            " WHERE m.step=? AND m.origin='commit'",
+            (step,),
+        )
+    }
+
+
+def test_thin_to_weights_keeps_every_step_exportable_and_the_last_resumable(runs: Runs, tmp_path: Path) -> None:
+    store, save_dir = committed(runs, "tailor-zero2", tmp_path)
+    before_export = {s: export(store, f"step={s}", tmp_path / f"exp{s}", "bf16") for s in (3, 12)}
+    raw_before = sum(p.stat().st_size for p in store.root.rglob("*") if p.is_file())
+
+    state = store_state(store.root)
+    proc = tailor("gc", "--keep-last", "2", "--thin", "weights", "--dry-run", "--json", store=store.root)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["thin"] == [[m, s, "weights"] for m, s in zip([1, 2, 3, 4], [3, 6, 9, 12], strict=True)]
+    assert plan["drop"] == []
+    assert plan["thin_freed_bytes"] > 0 and plan["thin_weight_bytes"] > 0
+    assert store_state(store.root) == state, "a dry run changes nothing"
+
+    proc = tailor("gc", "--keep-last", "2", "--thin", "weights", store=store.root)
+    assert proc.returncode == 0, proc.stderr
+    assert "thin 4 manifest(s) [3, 6, 9, 12] to weights" in proc.stdout
+    store = Repository.open(store.root)
+    assert_only_live(store)
+    for step in (3, 6, 9, 12):  # exactly the tier's atoms: the weights, stored now, nothing of the optimizer
+        assert kinds_of(store, step) == {A.WEIGHT}
+        assert (
+            store.conn.execute(
+                "SELECT count(*) FROM atoms a JOIN manifests m ON m.id=a.manifest"
+                " WHERE m.step=? AND a.derived IS NOT NULL",
+                (step,),
+            ).fetchone()[0]
+            == 0
+        )
+    assert {A.MASTER, A.EXP_AVG, A.EXP_AVG_SQ, A.WEIGHT} <= kinds_of(store, 15)
+    after = sum(p.stat().st_size for p in store.root.rglob("*") if p.is_file())
+    assert after < 0.6 * raw_before
+
+    log = tailor("log", store=store.root).stdout
+    assert log.count("thinned to weights") == 4
+    assert (
+        "thinned to weights (exports and averages; does not resume)"
+        in tailor("show", "step=9", store=store.root).stdout
+    )
+    assert tailor("verify", "--deep", store=store.root).returncode == 0
+    for s, data in before_export.items():  # the weights both keep: bit for bit
+        assert export(store, f"step={s}", tmp_path / f"again{s}", "bf16") == data
+
+    for extra in ([], ["--format", "universal"], ["--world-size", "1"]):
+        out = tmp_path / f"refused{len(extra)}"
+        proc = tailor("checkout", "step=9", "--out", str(out), *extra, store=store.root)
+        assert proc.returncode == 2 and "thinned to weights" in proc.stderr and "export" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+    out = tmp_path / "resumable"
+    assert tailor("checkout", "step=18", "--out", str(out), store=store.root).returncode == 0
+    assert same_tree(out, as_of_step(save_dir, 18, tmp_path / "orig18"))
+
+    # a rebuilt index (another host) reads the tiers from the manifest objects
+    assert tailor("index", "rebuild", store=store.root).returncode == 0
+    assert tailor("log", store=store.root).stdout.count("thinned to weights") == 4
+    assert tailor("checkout", "step=9", "--out", str(tmp_path / "x"), store=store.root).returncode == 2
+    # thinning again finds nothing to do; a composite refuses a thinned source
+    proc = tailor("gc", "--keep-last", "2", "--thin", "weights", "--json", store=store.root)
+    assert json.loads(proc.stdout)["thin"] == [] and json.loads(proc.stdout)["drop"] == []
+    spec = tmp_path / "mix.yaml"
+    spec.write_text(
+        yaml.safe_dump({"base": {"step": 18}, "slices": [{"sources": [{"step": 9, "layer_range": [0, 2]}]}]})
+    )
+    proc = tailor("merge", str(spec), "--tag", "mix", store=store.root)
+    assert proc.returncode == 2 and "thinned to weights" in proc.stderr
+
+    # an average over thinned steps takes their bf16 weights, widened exactly
+    spec = tmp_path / "avg.yaml"
+    spec.write_text(yaml.safe_dump({"method": "sma", "steps": [9, 12, 15, 18]}))
+    proc = tailor("merge", str(spec), "--tag", "avg", store=store.root)
+    assert proc.returncode == 0, proc.stderr
+    expected: dict[str, torch.Tensor] = {}
+    for step in (9, 12, 15, 18):
+        if step in (9, 12):
+            states = torch.load(save_dir / f"global_step{step}" / "mp_rank_00_model_states.pt", weights_only=False)
+            values = {k: v.float() for k, v in states["module"].items()}
+        else:
+            values = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), tag=f"global_step{step}")
+        for name, tensor in values.items():
+            expected[name] = expected.get(name, torch.zeros(tensor.shape, dtype=torch.float64)) + 0.25 * tensor.double()
+    out = tmp_path / "avg"
+    assert tailor("checkout", "tag=avg", "--out", str(out), store=store.root).returncode == 0
+    got = get_fp32_state_dict_from_zero_checkpoint(str(out))
+    assert sorted(got) == sorted(expected)
+    assert all(tensors_identical(got[k], v.float()) for k, v in expected.items())
+
+
+@pytest.mark.parametrize(("name", "tier"), [("tailor-zero2", "master"), ("tailor-zero3", "weights")])
+def test_thin_keeps_the_fp32_master_where_it_is_the_only_copy(runs: Runs, tmp_path: Path, name: str, tier: str) -> None:
+    """`master` keeps the FP32 master (and the weights derived from it); ZeRO 3 saves hold no weights
+    in their model states, so `weights` keeps their masters. Either way fp32 export is unchanged."""
+    store, _ = committed(runs, name, tmp_path)
+    before = export(store, "step=6", tmp_path / "before", "fp32")
+    # the run carries the retention; `tailor gc` without rules applies it (keeps 9 and 18 whole)
+    proc = tailor("run", "retention", "--keep-every", "9", "--thin", tier, store=store.root)
+    assert proc.returncode == 0 and f"thin the rest to {tier}" in proc.stdout, proc.stderr
+    assert tailor("index", "rebuild", store=store.root).returncode == 0  # the rules are in the store, not the cache
+    assert f"thin the rest to {tier}" in tailor("run", "retention", store=store.root).stdout
+    proc = tailor("gc", store=store.root)
+    assert proc.returncode == 0, proc.stderr
+    store = Repository.open(store.root)
+    assert_only_live(store)
+    thinned = [r[0] for r in store.conn.execute("SELECT step FROM manifests WHERE tier=? ORDER BY step", (tier,))]
+    assert thinned == [3, 6, 12, 15]
+    assert kinds_of(store, 6) & {A.EXP_AVG, A.EXP_AVG_SQ} == set() and A.MASTER in kinds_of(store, 6)
+    assert tailor("verify", "--deep", store=store.root).returncode == 0
+    assert export(store, "step=6", tmp_path / "after", "fp32") == before
+    assert tailor("checkout", "step=6", "--out", str(tmp_path / "x"), store=store.root).returncode == 2
+
+
+def test_gc_dropping_the_source_of_a_kept_composite(runs: Runs, tmp_path: Path) -> None:
+    """Parity composites inherit layers from the steps before them; gc drops those steps. The next
+    tailored commit, an index rebuild (a new host) and checkout all still work."""
+    store, save_dir = committed(runs, "tailor-zero2", tmp_path, PolicySpec("parity"))
+    store.close()
+    assert tailor("rm", "step=18", store=store.root).returncode == 0
+    assert tailor("gc", "--keep-last", "1", store=store.root).returncode == 0  # keeps 15, which inherits from 12
+    proc = tailor("commit", str(as_of_step(save_dir, 18, tmp_path / "again18")), "--policy", "parity", store=store.root)
+    assert proc.returncode == 0, proc.stderr
+    assert tailor("index", "rebuild", store=store.root).returncode == 0
+    for step in (15, 18):
+        out = tmp_path / f"out{step}"
+        proc = tailor("checkout", f"step={step}", "--out", str(out), store=store.root)
+        assert proc.returncode == 0, proc.stderr
+    assert tailor("verify", "--deep", store=store.root).returncode == 0
