@@ -98,8 +98,11 @@ class GcPlan:
     repack: list[str] = field(default_factory=list)  # packs whose live blobs move to new packs
     orphan_packs: list[str] = field(default_factory=list)  # pack objects the index does not know
     drop_parts: list[str] = field(default_factory=list)  # part objects to delete (finalized, or asked to)
+    superseded: list[str] = field(default_factory=list)  # older versions of a step's manifest object
     thin: list[tuple[int, int, str]] = field(default_factory=list)  # (manifest, step, tier) to thin
-    thin_freed_bytes: int = 0  # stored bytes of the blobs only the thinned steps' dropped state used
+    # stored bytes of the dead blobs, by what frees them: "drop" (a dropped manifest used them), or the tier
+    # thinning to which drops them (only thinned manifests used them); orphans and packs are on top
+    freed_by_tier: dict[str, int] = field(default_factory=dict)
     thin_weight_bytes: int = 0  # raw bytes of derived weights that become blobs (compressed when written)
     pending_parts: int = 0  # parts kept for a finalize; their blobs are live
     freed_bytes: int = 0  # planned; after gc ran, what it freed
@@ -114,17 +117,20 @@ class GcPlan:
         parts = ""
         if self.drop_parts or self.pending_parts:
             parts = f"; drop {len(self.drop_parts)} part(s), keep {self.pending_parts} waiting for a finalize"
-        thin = ""
-        if self.thin:
-            tiers = ", ".join(
-                f"{[s for _, s, t in self.thin if t == tier]} to {tier}" for tier in TIERS if any(self.thin_to(tier))
-            )
-            thin = (
-                f"thin {len(self.thin)} manifest(s) {tiers} (freeing {self.thin_freed_bytes} bytes of their other "
-                f"state, writing {self.thin_weight_bytes} raw bytes of weights), "
-            )
+        if self.superseded:
+            parts += f"; delete {len(self.superseded)} superseded manifest object(s)"
+        thin = "".join(
+            f"thin {len(steps)} manifest(s) {steps} to {tier} (their other state: "
+            f"{self.freed_by_tier.get(tier, 0)} bytes), "
+            for tier in TIERS
+            if (steps := [s for _, s, t in self.thin if t == tier])
+        )
+        if self.thin_weight_bytes:
+            thin += f"write {self.thin_weight_bytes} raw bytes of weights, "
+        dropped = f" ({self.freed_by_tier['drop']} bytes)" if self.thin and self.drop else ""
         return (
-            f"{thin}drop {len(self.drop)} manifest(s) {[s for _, s in self.drop]}, keep {len(self.keep)}; delete "
+            f"{thin}drop {len(self.drop)} manifest(s) {[s for _, s in self.drop]}{dropped}, keep {len(self.keep)}; "
+            "delete "
             f"{len(self.dead_blobs)} unreferenced blob(s), {len(self.orphan_files)} orphan blob file(s) and "
             f"{len(self.temp_files)} temp file(s){packs}{parts}, freeing {self.freed_bytes} bytes"
         )
@@ -190,11 +196,11 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     still = set().union(*(c.hashes() for c in thinned.values())) if thinned else set()
     dead = [b for b in store.index.blobs_unused_by(keep) if b.hash not in held and b.hash not in still]
     if thinned:
-        used_by_thinned = set().union(*(store.index.referenced_hashes(m) for m in thinned))
-        dropped_only = set().union(*(store.index.referenced_hashes(m) for m, _ in plan.drop)) if plan.drop else set()
-        plan.thin_freed_bytes = sum(
-            b.stored_size for b in dead if b.hash in used_by_thinned and b.hash not in dropped_only
-        )
+        by_drop = set().union(*(store.index.referenced_hashes(m) for m, _ in plan.drop)) if plan.drop else set()
+        by_tier = {tier: set().union(*(store.index.referenced_hashes(m) for m in plan.thin_to(tier))) for tier in TIERS}
+        plan.freed_by_tier["drop"] = sum(b.stored_size for b in dead if b.hash in by_drop)
+        for tier, used in by_tier.items():
+            plan.freed_by_tier[tier] = sum(b.stored_size for b in dead if b.hash in used and b.hash not in by_drop)
         plan.thin_weight_bytes = sum(a.nbytes for c in thinned.values() for a in c.materialize)
     plan.dead_blobs = [b.hash for b in dead]
     plan.dead_loose = [b.hash for b in dead if b.pack is None]
@@ -219,6 +225,7 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
         if name not in known:
             plan.orphan_packs.append(name)
             plan.freed_bytes += store.object_size(pack_key(name)) or 0
+    plan.superseded = manifest_objects.superseded(store.backend)
     plan.temp_files = store.backend.leftovers()
     plan.freed_bytes += store.backend.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too
     return plan
@@ -245,7 +252,7 @@ def gc(
         for tier in TIERS:  # first: the blobs it materializes must exist before their masters go
             targets = [r for m in plan.thin_to(tier) if (r := store.index.manifest(m)) is not None]
             written += thin(store, targets, tier, lock)
-        for key in plan.drop_parts:  # before anything they name: a dropped part stops holding its blobs
+        for key in [*plan.drop_parts, *plan.superseded]:  # before anything they name
             store.backend.delete(key)
         with store.transaction() as index:
             # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes

@@ -29,6 +29,12 @@ def assert_same_checkpoint(original: Path, restored: Path) -> int:
     return len(names)
 
 
+# Every configuration's checkout is byte-identical to its save; one per ZeRO stage and dtype also
+# trains on from it under DeepSpeed (the others get the same bytes, so DeepSpeed's own determinism
+# does the rest; each resume is a DeepSpeed job of some 8 s).
+RESUMED = {"zero0-fp32", "zero1-bf16", "zero2-bf16", "zero2-fp32", "zero3-bf16"}
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_commit_delete_checkout_resume(config: str, runs: Runs, store: Repository, tmp_path: Path) -> None:
     run = runs.get(config)
@@ -49,7 +55,8 @@ def test_commit_delete_checkout_resume(config: str, runs: Runs, store: Repositor
     out6 = tmp_path / "out6"
     checkout_step(store, "latest", out6)
     assert_same_checkpoint(as_of_step(run.save_dir, 6, tmp_path / "ref6"), out6)
-
+    if config not in RESUMED:
+        return
     resumed = train_tiny(
         tmp_path / "resumed-save",
         losses_out=tmp_path / "resumed.json",

@@ -133,3 +133,27 @@ def test_codec_refuses_unknown_descriptor_and_short_blob() -> None:
         codec.decode_into('{"id": "zstd", "v": 9}', io.BytesIO(b""), memoryview(bytearray(4)), "test")
     with pytest.raises(CorruptStoreError, match="truncated"):
         codec.decode_into('{"id": "raw", "v": 1}', io.BytesIO(b"ab"), memoryview(bytearray(4)), "test")
+
+
+def test_a_failed_rank_ends_the_job_and_the_others_are_killed(tmp_path) -> None:
+    """The rank launcher (torchrun's job, without torchrun's start-up) never leaves a rank waiting."""
+    import time
+
+    from tailorstore.testing.runs import TrainingFailed, torchrun
+
+    module = tmp_path / "one_rank_fails.py"
+    module.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n    print('rank 1 gives up'); sys.exit(3)\n"
+        "time.sleep(60)\n"
+    )
+    began = time.monotonic()
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(tmp_path)
+    try:
+        with pytest.raises(TrainingFailed, match="rank 1 exited with code 3") as caught:
+            torchrun("one_rank_fails", [], nproc=2, log=tmp_path / "job.log")
+    finally:
+        os.environ.pop("PYTHONPATH") if old is None else os.environ.update(PYTHONPATH=old)
+    assert time.monotonic() - began < 20, "rank 0 was not left sleeping"
+    assert "rank 1 gives up" in caught.value.args[0] and "[rank 0]" in (tmp_path / "job.log").read_text()

@@ -236,6 +236,14 @@ def _current_versions(keys: Iterable[str]) -> set[str]:
     return out | {key for _, key in best.values()}
 
 
+def superseded(backend: Backend) -> list[str]:
+    """Manifest objects an interrupted ``--force`` or thinning left behind: older versions of a step
+    whose newer version is the one readers take. Only gc, under the exclusive lock, deletes them."""
+    keys = [k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k)]
+    current = _current_versions(keys)
+    return sorted(k for k in keys if k not in current)
+
+
 def _read_if_held(backend: Backend, key: str) -> Any:
     try:
         return decode(backend.get(key), key)
