@@ -23,7 +23,7 @@ from tailorstore.refs import remove
 from tailorstore.store.repo import Repository
 from tailorstore.verify import verify
 
-KILLS = 14
+KILLS = 12
 SEED = 20261122
 
 

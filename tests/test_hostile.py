@@ -217,12 +217,12 @@ def test_force_keeps_the_tag_and_the_pin(two_steps) -> None:
 
 
 def test_a_large_raw_file_commits_and_checks_out_in_bounded_memory(two_steps, tmp_path: Path) -> None:
-    """A 2 GB sparse file took RSS of its size before (4.4 GB for 4 GB); now it streams in chunks."""
+    """A 1 GB sparse file: RSS took its size before (4.4 GB for 4 GB); now it streams in chunks."""
     store, at6 = two_steps
     big = at6 / "big.bin"
     with open(big, "wb") as f:
-        f.truncate(2 << 30)
-        f.seek(1 << 30)
+        f.truncate(1 << 30)
+        f.seek(1 << 29)
         f.write(b"not all zeros")
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork and exec, so it would report the
     # pytest process's own peak (which grows with the tests that ran before this one).
@@ -241,11 +241,11 @@ def test_a_large_raw_file_commits_and_checks_out_in_bounded_memory(two_steps, tm
         )
         assert done.returncode == 0, done.stderr
         peak_mb = int(done.stderr.strip().splitlines()[-1]) / 1024
-        assert peak_mb < 900, f"{args[0]} peaked at {peak_mb:.0f} MB for a 2 GB file"
+        assert peak_mb < 300, f"{args[0]} peaked at {peak_mb:.0f} MB for a 1 GB file"  # 61 and 77 MB measured
     restored = tmp_path / "out" / "big.bin"
-    assert restored.stat().st_size == 2 << 30
+    assert restored.stat().st_size == 1 << 30
     with open(restored, "rb") as f:
-        f.seek(1 << 30)
+        f.seek(1 << 29)
         assert f.read(13) == b"not all zeros"
 
 

@@ -98,7 +98,7 @@ def deepspeed_path(tmp_path_factory: pytest.TempPathFactory) -> DeepSpeedPath:
         ("zero2-bf16-odd-two-groups", 1, None, False),  # 2 -> 1
         ("zero2-bf16-1rank", 2, None, False),  # 1 -> 2
         ("zero2-bf16-odd-two-groups", 3, None, False),  # 2 -> 3: the group padding moves to the third rank
-        ("zero3-bf16", 3, None, True),  # ZeRO 3, every parameter cut three ways
+        ("zero3-bf16", 3, None, True),  # ZeRO 3, every parameter cut three ways (and DeepSpeed loads ours)
         ("zero1-fp32", 3, 2, False),  # ZeRO 1 to ZeRO 2, fp32
     ],
 )

@@ -97,8 +97,9 @@ def committed(runs: Runs, name: str, work: Path, policy: PolicySpec | None = Non
 
 
 def export(store: Repository, ref: str, out: Path, dtype: str) -> bytes:
-    proc = tailor("export", ref, "--out", str(out), "--dtype", dtype, store=store.root)
-    assert proc.returncode == 0, proc.stderr
+    """Through the API: the CLI's export is tested in test_export, here only the bytes matter."""
+    with tailorstore.Store.open(store.root) as api:
+        api.export(ref, out, dtype=dtype)
     return (out / "model.safetensors").read_bytes()
 
 
@@ -152,26 +153,32 @@ def test_thin_to_weights_keeps_every_step_exportable_and_the_last_resumable(runs
         "thinned to weights (exports and averages; does not resume)"
         in tailor("show", "step=9", store=store.root).stdout
     )
-    assert tailor("verify", "--deep", store=store.root).returncode == 0
+    with tailorstore.Store.open(store.root) as api:
+        assert api.verify(deep=True).ok
     for s, data in before_export.items():  # the weights both keep: bit for bit
         assert export(store, f"step={s}", tmp_path / f"again{s}", "bf16") == data
 
-    for extra in ([], ["--format", "universal"], ["--world-size", "1"]):
-        out = tmp_path / f"refused{len(extra)}"
-        proc = tailor("checkout", "step=9", "--out", str(out), *extra, store=store.root)
-        assert proc.returncode == 2 and "thinned to weights" in proc.stderr and "export" in proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
-    out = tmp_path / "resumable"
-    assert tailor("checkout", "step=18", "--out", str(out), store=store.root).returncode == 0
-    assert same_tree(out, as_of_step(save_dir, 18, tmp_path / "orig18"))
+    proc = tailor("checkout", "step=9", "--out", str(tmp_path / "refused"), store=store.root)
+    assert proc.returncode == 2 and "thinned to weights" in proc.stderr and "export" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "refused").exists()
+    with tailorstore.Store.open(store.root) as api:
+        for name, write in (("universal", api.checkout_universal), ("resharded", api.checkout_resharded)):
+            extra = {"world_size": 1} if name == "resharded" else {}
+            with pytest.raises(tailorstore.ThinnedStepError, match="thinned to weights"):
+                write(9, tmp_path / name, **extra)
+            assert not (tmp_path / name).exists()
+        api.checkout(18, tmp_path / "resumable")
+    assert same_tree(tmp_path / "resumable", as_of_step(save_dir, 18, tmp_path / "orig18"))
 
     # a rebuilt index (another host) reads the tiers from the manifest objects
-    assert tailor("index", "rebuild", store=store.root).returncode == 0
-    assert tailor("log", store=store.root).stdout.count("thinned to weights") == 4
-    assert tailor("checkout", "step=9", "--out", str(tmp_path / "x"), store=store.root).returncode == 2
-    # thinning again finds nothing to do; a composite refuses a thinned source
-    proc = tailor("gc", "--keep-last", "2", "--thin", "weights", "--json", store=store.root)
-    assert json.loads(proc.stdout)["thin"] == [] and json.loads(proc.stdout)["drop"] == []
+    assert tailorstore.Store.rebuild_index(store.root)
+    with tailorstore.Store.open(store.root) as api:
+        assert [s.step for s in api.log() if s.tier == "weights"] == [3, 6, 9, 12]
+        with pytest.raises(tailorstore.ThinnedStepError):
+            api.checkout(9, tmp_path / "x")
+        # thinning again finds nothing to do
+        again = api.gc(keep_last=2, thin="weights")
+        assert again.thin == [] and again.drop == []
     spec = tmp_path / "mix.yaml"
     spec.write_text(
         yaml.safe_dump({"base": {"step": 18}, "slices": [{"sources": [{"step": 9, "layer_range": [0, 2]}]}]})
@@ -182,8 +189,9 @@ def test_thin_to_weights_keeps_every_step_exportable_and_the_last_resumable(runs
     # an average over thinned steps takes their bf16 weights, widened exactly
     spec = tmp_path / "avg.yaml"
     spec.write_text(yaml.safe_dump({"method": "sma", "steps": [9, 12, 15, 18]}))
-    proc = tailor("merge", str(spec), "--tag", "avg", store=store.root)
-    assert proc.returncode == 0, proc.stderr
+    with tailorstore.Store.open(store.root) as api:
+        api.merge(spec, tag="avg")
+        api.checkout("tag=avg", tmp_path / "avg")
     expected: dict[str, torch.Tensor] = {}
     for step in (9, 12, 15, 18):
         if step in (9, 12):
@@ -193,9 +201,7 @@ def test_thin_to_weights_keeps_every_step_exportable_and_the_last_resumable(runs
             values = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), tag=f"global_step{step}")
         for name, tensor in values.items():
             expected[name] = expected.get(name, torch.zeros(tensor.shape, dtype=torch.float64)) + 0.25 * tensor.double()
-    out = tmp_path / "avg"
-    assert tailor("checkout", "tag=avg", "--out", str(out), store=store.root).returncode == 0
-    got = get_fp32_state_dict_from_zero_checkpoint(str(out))
+    got = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "avg"))
     assert sorted(got) == sorted(expected)
     assert all(tensors_identical(got[k], v.float()) for k, v in expected.items())
 
@@ -209,7 +215,7 @@ def test_thin_keeps_the_fp32_master_where_it_is_the_only_copy(runs: Runs, tmp_pa
     # the run carries the retention; `tailor gc` without rules applies it (keeps 9 and 18 whole)
     proc = tailor("run", "retention", "--keep-every", "9", "--thin", tier, store=store.root)
     assert proc.returncode == 0 and f"thin the rest to {tier}" in proc.stdout, proc.stderr
-    assert tailor("index", "rebuild", store=store.root).returncode == 0  # the rules are in the store, not the cache
+    assert tailorstore.Store.rebuild_index(store.root)  # the rules are in the store, not the cache
     assert f"thin the rest to {tier}" in tailor("run", "retention", store=store.root).stdout
     proc = tailor("gc", store=store.root)
     assert proc.returncode == 0, proc.stderr
@@ -218,9 +224,11 @@ def test_thin_keeps_the_fp32_master_where_it_is_the_only_copy(runs: Runs, tmp_pa
     thinned = [r[0] for r in store.conn.execute("SELECT step FROM manifests WHERE tier=? ORDER BY step", (tier,))]
     assert thinned == [3, 6, 12, 15]
     assert kinds_of(store, 6) & {A.EXP_AVG, A.EXP_AVG_SQ} == set() and A.MASTER in kinds_of(store, 6)
-    assert tailor("verify", "--deep", store=store.root).returncode == 0
+    with tailorstore.Store.open(store.root) as api:
+        assert api.verify(deep=True).ok
+        with pytest.raises(tailorstore.ThinnedStepError):
+            api.checkout(6, tmp_path / "x")
     assert export(store, "step=6", tmp_path / "after", "fp32") == before
-    assert tailor("checkout", "step=6", "--out", str(tmp_path / "x"), store=store.root).returncode == 2
 
 
 def test_gc_dropping_the_source_of_a_kept_composite(runs: Runs, tmp_path: Path) -> None:
