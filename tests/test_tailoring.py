@@ -129,7 +129,8 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
         assert warnings and "composite" in warnings[0] and f"from step {step - TAILOR_EVERY}" in warnings[0]
         assert_layers_from_sources(restored, run.save_dir, sources, tmp_path / f"cmp{step}")
         assert_zip_crcs_hold(restored)
-        if step == log[-1]["step"]:  # the last composite (inheriting from the most steps) trains on
+        # the last ZeRO 3 composite trains on here; the ZeRO 2 one does in test_quality_parity_composite_against_exact
+        if step == log[-1]["step"] and config == "tailor-zero3":
             resume_finite(restored, run.options, step, tmp_path / f"resume{step}")
 
 
