@@ -607,10 +607,10 @@ def run_retention(
 ) -> None:
     """The retention a run carries: `tailor gc` without rules applies it. Without options, print it."""
     with _open(store, run) as st:
-        if clear or keep_last is not None or keep_every is not None or thin is not None:
-            rules = st.set_retention(keep_last=keep_last, keep_every=keep_every, thin=thin) if not clear else None
-            if clear:
-                st.set_retention()
+        if clear:
+            rules = st.set_retention()
+        elif keep_last is not None or keep_every is not None or thin is not None:
+            rules = st.set_retention(keep_last=keep_last, keep_every=keep_every, thin=thin)
         else:
             rules = st.retention()
     if rules is None:

@@ -30,7 +30,6 @@ lock; the manifest is recorded last, so a failed merge leaves the store as it wa
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -46,12 +45,12 @@ from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
 from .commit import cleaned_up_on_failure, remove_unindexed
 from .errors import CorruptStoreError, StepExistsError
 from .layers import AUX_GROUPS, STATE, block_index, sort_key
-from .merge_spec import AUX_KEYS, MergeSpecError, layer_range, ref_of
+from .merge_spec import AUX_KEYS, MergeSpecError, layer_range, merge_record, ref_of
 from .model_tensors import tiling
 from .progress import Silent
 from .rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
 from .store import manifest_objects
-from .store.records import MERGE, THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
+from .store.records import THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
 from .store.repo import Repository
 from .store.writer import BlobWriter
 
@@ -220,18 +219,7 @@ def average(store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, 
         with cleaned_up_on_failure(store, writer, lock, Silent()):
             replaced = _write_averages(store, base, manifests, parsed, layers, writer)
             new_blobs = writer.finish()
-        record = replace(
-            base_record,
-            origin=MERGE,
-            tag=tag,
-            created_at=time.time(),
-            policy=json.dumps({"name": "average", "spec": spec}),
-            exact=False,
-            new_bytes=sum(b.stored_size for b in new_blobs),
-            source=str(Path(spec_path).resolve()),
-            pinned=False,
-            object_key=None,
-        )
+        record = merge_record(base_record, tag, {"name": "average", "spec": spec}, spec_path, new_blobs)
         published: str | None = None
         try:
             with store.transaction() as index:
@@ -343,16 +331,15 @@ class _Averager:
                     )
                 out[atom.key()] = self._stored(atom, self._sum(atom))
             return out
-        whole = np.empty(max(a.start + a.numel for a in masters), dtype=np.float32) if weights else None
-        covered = set()
+        whole = np.empty(max(a.start + a.numel for a in masters), dtype=np.float32)
+        if weights and tiling(masters, len(whole)) is None:
+            raise MergeSpecError(f"{param}: the FP32 master does not cover its weight; it cannot be averaged")
         for atom in masters:
             averaged = self._sum(atom)
             out[atom.key()] = self._stored(atom, averaged)
-            if whole is not None:
-                whole[atom.start : atom.start + atom.numel] = averaged
-                covered.add((atom.start, atom.numel))
+            whole[atom.start : atom.start + atom.numel] = averaged
         for atom in weights:
-            out[atom.key()] = self._weight(param, atom, whole, covered)
+            out[atom.key()] = self._weight(param, atom, whole)
         return out
 
     def _sum(self, atom: AtomRecord) -> np.ndarray:
@@ -407,19 +394,9 @@ class _Averager:
         blob = self.writer.add(memoryview(data).cast("B"), itemsize=data.itemsize, is_float=True)
         return replace(atom, blob=blob, derived=None)
 
-    def _weight(
-        self, param: str, atom: AtomRecord, whole: np.ndarray | None, covered: set[tuple[int, int]]
-    ) -> AtomRecord:
+    def _weight(self, param: str, atom: AtomRecord, whole: np.ndarray) -> AtomRecord:
         """The weight is the averaged master in the weight's dtype; a whole bf16/fp16 weight is
         derived (rebuilt at checkout from the masters just written), any other is stored."""
-        assert whole is not None
-        cursor = 0
-        for start, numel in sorted(covered):
-            if start > cursor:
-                break
-            cursor = max(cursor, start + numel)
-        if atom.start + atom.numel > cursor:
-            raise MergeSpecError(f"{param}: the FP32 master does not cover its weight; it cannot be averaged")
         part = memoryview(np.ascontiguousarray(whole[atom.start : atom.start + atom.numel])).cast("B")
         if atom.dtype == "float32":
             return self._stored(atom, np.frombuffer(part, dtype=np.float32))

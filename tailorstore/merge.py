@@ -19,7 +19,6 @@ cost grows with the number of parameters and ranks, not with their bytes.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,11 +27,11 @@ from typing import Any
 from .averaging import AverageResult, average, is_averaging
 from .errors import StepExistsError
 from .layers import STATE, block_index, sort_key
-from .merge_spec import AUX_KEYS, MergeSpecError, layer_range, load_spec, ref_of
+from .merge_spec import AUX_KEYS, MergeSpecError, layer_range, load_spec, merge_record, ref_of
 from .refs import check_tag
 from .store import manifest_objects
 from .store.index import Index
-from .store.records import MAIN_RUN, MERGE, AtomKey, AtomRecord, LayerRecord
+from .store.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord
 from .store.repo import Repository
 
 __all__ = ["MergeResult", "MergeSpecError", "merge", "parse_spec"]
@@ -106,18 +105,7 @@ def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> 
                 "layers. Average it instead (method: sma) or export it."
             )
     sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
-    record = replace(
-        base_record,
-        origin=MERGE,
-        tag=tag,
-        created_at=time.time(),
-        policy=json.dumps({"name": "merge", "spec": spec}),
-        exact=False,
-        new_bytes=0,
-        source=str(Path(spec_path).resolve()),
-        pinned=False,
-        object_key=None,
-    )
+    record = merge_record(base_record, tag, {"name": "merge", "spec": spec}, spec_path)
     with store.transaction() as index:
         if index.tagged(tag):
             raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")

@@ -8,6 +8,10 @@ learned one reads the other.
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ import yaml
 from .errors import TailorError
 from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, block_label
 from .store.manifest_objects import RUN_NAME
+from .store.records import MERGE, BlobRecord, ManifestRecord
 
 AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
 
@@ -60,3 +65,22 @@ def layer_range(entry: Any, blocks: list[int], where: str) -> list[str]:
         if index not in blocks:
             raise MergeSpecError(f"{where}: block {index} does not exist; the model has blocks 0..{max(blocks)}")
     return [block_label(i) for i in range(span[0], span[1])]
+
+
+def merge_record(
+    base: ManifestRecord, tag: str, policy: dict[str, Any], spec_path: Path, new_blobs: Iterable[BlobRecord] = ()
+) -> ManifestRecord:
+    """The manifest row of a merge (composite or average): the base's facts under ``tag``, its own
+    policy, source and new bytes, no pin and no object yet."""
+    return replace(
+        base,
+        origin=MERGE,
+        tag=tag,
+        created_at=time.time(),
+        policy=json.dumps(policy),
+        exact=False,
+        new_bytes=sum(b.stored_size for b in new_blobs),
+        source=str(Path(spec_path).resolve()),
+        pinned=False,
+        object_key=None,
+    )

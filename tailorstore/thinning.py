@@ -30,6 +30,7 @@ from .atoms import MASTER, WEIGHT
 from .commit import cleaned_up_on_failure
 from .errors import CorruptStoreError, StoreError, ThinnedStepError
 from .formats import deepspeed as ds
+from .formats.tensor_ref import DTYPES
 from .progress import Silent
 from .store import manifest_objects
 from .store.lease import LeaseHandle
@@ -115,7 +116,7 @@ def thin(store: Repository, targets: list[ManifestRecord], tier: str, lock: Lock
             contents = contents_of(store, record.id, tier)
             for atom in contents.materialize:
                 data = decode_atom(store, record.id, atom, f"thinning step {record.step}")
-                if writer.add(data, itemsize=len(data) // max(atom.numel, 1), is_float=True) != atom.blob:
+                if writer.add(data, itemsize=DTYPES[atom.dtype].itemsize, is_float=True) != atom.blob:
                     raise CorruptStoreError(f"step {record.step}: the rebuilt weight of {atom.param} changed its name")
             plans[record.id] = contents
         new_blobs = writer.finish()

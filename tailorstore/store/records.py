@@ -46,11 +46,6 @@ class ManifestRecord:
     run: str = MAIN_RUN  # steps are numbered per run
     tier: str | None = None  # None: whole; THIN_MASTER or THIN_WEIGHTS once gc thinned it
 
-    @property
-    def resumable(self) -> bool:
-        """A thinned manifest keeps no optimizer state: it exports and merges, it does not resume."""
-        return self.tier is None
-
 
 # The columns a manifest object carries; tag, pin and id are not part of it (refs and the index hold them).
 MANIFEST_DOC_FIELDS = (
