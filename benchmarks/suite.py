@@ -15,6 +15,7 @@ import sqlite3
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -55,13 +56,19 @@ def params_of(size: Size) -> int:
 
 
 def measured(cmd: list[str]) -> tuple[float, int, dict]:
-    """Run a process; (wall seconds, ru_maxrss of that process in bytes, its JSON output if any)."""
-    began = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - began
-    out = proc.stdout.read().decode() if proc.stdout else ""
-    err = proc.stderr.read().decode() if proc.stderr else ""
+    """Run a process; (wall seconds, ru_maxrss of that process in bytes, its JSON output if any).
+
+    Output goes to files, not pipes: wait4 reads nothing until the end, and a process that
+    prints more than a pipe holds (gc's JSON plan) would block on its write forever."""
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        began = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - began
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        stdout.seek(0)
+        stderr.seek(0)
+        out, err = stdout.read().decode(), stderr.read().decode()
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {err[-2000:]}")
     lines = [line for line in out.splitlines() if line.startswith("{")]

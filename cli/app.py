@@ -87,11 +87,17 @@ def commit(
     tag: str | None = typer.Option(None, "--tag", help="A name for this step."),
     force: bool = typer.Option(False, "--force", help="Replace a step that is already in the store."),
     level: int = typer.Option(1, "--level", help="zstd level (1 is best per second here)."),
-    policy: str = typer.Option("full", "--policy", help="Which layers to store: full, parity, filter, adaptive."),
+    policy: str = typer.Option(
+        "full", "--policy", help="Which layers to store: full, parity, filter, adaptive, budget."
+    ),
     keep_first: int = typer.Option(0, "--keep-first", help="filter: blocks stored on every commit, from the start."),
     keep_last: int = typer.Option(0, "--keep-last", help="filter: blocks stored on every commit, from the end."),
     every: int = typer.Option(1, "--every", help="filter: store the other blocks on every E-th commit."),
     threshold: float = typer.Option(0.0, "--threshold", help="adaptive: store a block that moved this much."),
+    fraction: float = typer.Option(
+        0.25, "--fraction", help="budget: the share of the checkpoint's bytes one commit may store."
+    ),
+    max_age: int = typer.Option(8, "--max-age", help="budget: store a block left unstored for this many commits."),
     part: bool = typer.Option(False, "--part", help="Commit only this host's files, as one part of the step."),
     run: str = typer.Option("main", "--run", help="The run this step belongs to; steps are numbered per run."),
     finalize: str | None = typer.Option(
@@ -125,6 +131,7 @@ def commit(
     params = {
         "filter": {"keep_first": keep_first, "keep_last": keep_last, "every": every},
         "adaptive": {"threshold": threshold},
+        "budget": {"fraction": fraction, "max_age": max_age},
     }.get(policy, {})
     with _open(store, run) as st:
         result = st.commit(

@@ -129,7 +129,7 @@ class Store:
     ) -> CommitResult:
         """Commit a DeepSpeed save, a ``global_stepN`` folder or an HF ``checkpoint-N`` folder.
 
-        ``policy`` (full, parity, filter, adaptive) and its parameters choose the layers stored;
+        ``policy`` (full, parity, filter, adaptive, budget) and its parameters choose the layers stored;
         the rest are inherited from earlier steps. With ``delete_after_commit``, the committed
         files are deleted once the manifest is durable and every blob it names has been found
         with its recorded size. With ``part``, only the files this host holds are committed, as

@@ -33,6 +33,7 @@ from .formats.kinds import RAW
 from .formats.layout import CheckpointLayout, detect
 from .formats.reader import ReadFile, read_checkpoint, write_order
 from .formats.source import CHUNK, InputFile, check_unchanged
+from .formats.tensor_ref import DTYPES
 from .layers import STATE, sort_key
 from .policies import CommitFacts, decide, needs_changes
 from .progress import Progress, Silent
@@ -127,6 +128,7 @@ class Scan:
     weights: dict[str, tuple] = field(default_factory=dict)  # low-precision weights: param -> (dtype, numel)
     structure: dict[str, int] = field(default_factory=dict)  # param -> elements (structure.from_segments)
     infos: dict[str, ModelInfo] = field(default_factory=dict)
+    layer_bytes: dict[str, int] = field(default_factory=dict)  # raw bytes of each layer, over every file
 
 
 def scan_checkpoint(layout: CheckpointLayout, trust_pickles: bool, files: list[str] | None = None) -> Scan:
@@ -135,8 +137,10 @@ def scan_checkpoint(layout: CheckpointLayout, trust_pickles: bool, files: list[s
     layers: set[str] = set()
     for f in read_checkpoint(layout, trust_pickles=trust_pickles, files=files, infos=scan.infos):
         for entry in f.entries:
+            itemsize = DTYPES[entry.dtype_name].itemsize if entry.dtype_name in DTYPES else 0
             for seg in entry.segments:
                 layers.add(seg.layer)
+                scan.layer_bytes[seg.layer] = scan.layer_bytes.get(seg.layer, 0) + seg.numel * itemsize
                 if is_derivable_weight(entry, seg):
                     scan.weights[seg.param] = (entry.dtype_name, seg.numel)
         scan.files.append(f)
@@ -193,9 +197,14 @@ def commit_checkpoint(
         commits_before = store.index.commits_before(step, run) + (base is not None)
         adaptive = needs_changes(options.policy)
         changes = _measure_changes(store, layout, scan, sources) if adaptive else {}
+        ages = {
+            layer: commits_before - store.index.commits_before(src.source_step, run) for layer, src in sources.items()
+        }
         stored = decide(
             options.policy,
-            CommitFacts(layers, commits_before, frozenset(sources), changes if adaptive else None),
+            CommitFacts(
+                layers, commits_before, frozenset(sources), changes if adaptive else None, scan.layer_bytes, ages
+            ),
         )
         for layer in layers - stored:
             _load_inherited_atoms(store, sources[layer], layer)

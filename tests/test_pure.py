@@ -40,8 +40,8 @@ def facts(index: int, changes: dict[str, float] | None = None, inheritable: froz
 
 
 def test_first_commit_stores_everything_whatever_the_policy() -> None:
-    for name in ("full", "parity", "filter", "adaptive"):
-        assert decide(PolicySpec(name, {"threshold": 1e9}), facts(0)) == LAYERS
+    for name in ("full", "parity", "filter", "adaptive", "budget"):
+        assert decide(PolicySpec(name, {"threshold": 1e9, "fraction": 0.01}), facts(0)) == LAYERS
 
 
 def test_parity_alternates_blocks_and_keeps_aux() -> None:
@@ -64,6 +64,35 @@ def test_adaptive_stores_exactly_the_blocks_that_moved_enough() -> None:
     assert chosen == AUX | {"block.0", "block.2", "block.3", "block.5"}
     with pytest.raises(PolicyError):
         decide(PolicySpec("adaptive", {"threshold": -1}), facts(1, changes))
+
+
+def budget_facts(changes: dict[str, float], ages: dict[str, int]) -> CommitFacts:
+    """Six blocks of 100 bytes, the aux groups and state 400 (1,000 bytes in all)."""
+    sizes = {**dict.fromkeys(BLOCKS, 100), "embedding": 40, "final_norm": 40, "lm_head": 40, "state": 280}
+    return CommitFacts(LAYERS, 5, LAYERS - {"state"}, changes, sizes, ages)
+
+
+def test_budget_stores_the_layers_that_moved_most_until_the_bytes_are_spent() -> None:
+    changes = {"block.0": 0.1, "block.1": 0.5, "block.2": 0.3, "block.3": 0.2, "block.4": 0.05, "block.5": 0.4}
+    changes |= {"embedding": 0.001, "final_norm": 0.002, "lm_head": 0.45}
+    young = dict.fromkeys(LAYERS - {"state"}, 1)
+    # state takes 280 of a 550 budget; then by change: block.1, lm_head, block.5 (520); nothing else fits
+    chosen = decide(PolicySpec("budget", {"fraction": 0.55, "max_age": 4}), budget_facts(changes, young))
+    assert chosen == {"state", "block.1", "lm_head", "block.5"}
+    # a layer unstored for max_age commits is stored first (the embedding, which hardly moved);
+    # the greedy fill then skips block.5 (it would pass 550) and takes the small final norm
+    old = young | {"embedding": 4}
+    chosen = decide(PolicySpec("budget", {"fraction": 0.55, "max_age": 4}), budget_facts(changes, old))
+    assert chosen == {"state", "embedding", "block.1", "lm_head", "final_norm"}
+    # an unmeasured change counts as the largest
+    unmeasured = {k: v for k, v in changes.items() if k != "block.0"}
+    chosen = decide(PolicySpec("budget", {"fraction": 0.5, "max_age": 4}), budget_facts(unmeasured, young))
+    assert chosen == {"state", "block.0", "block.1"}
+    # a budget smaller than state stores state only
+    assert decide(PolicySpec("budget", {"fraction": 0.1}), budget_facts(changes, young)) == {"state"}
+    for bad in ({"fraction": 0}, {"fraction": 1.5}, {"max_age": 0}):
+        with pytest.raises(PolicyError, match="budget needs"):
+            decide(PolicySpec("budget", bad), budget_facts(changes, young))
 
 
 def test_a_layer_no_earlier_step_has_is_stored() -> None:

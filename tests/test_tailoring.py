@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step
+from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, tailor
 
 from tailorstore import atoms as A
 from tailorstore.checkout import checkout_step
-from tailorstore.commit import CommitOptions, commit_checkpoint
+from tailorstore.commit import CommitOptions, commit_checkpoint, scan_checkpoint
 from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
 from tailorstore.formats.tensors import dtype_from_name
@@ -188,6 +188,55 @@ def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
         if r["id"] == 2:  # measured against step 3, which stored everything: the same change as above
             assert {x["layer"] for x in layers if x["stored"]} == moved_at_second
     assert inherited_some
+
+
+def test_budget_policy_spends_its_bytes_on_the_layers_that_moved_most(runs: Runs, tmp_path: Path) -> None:
+    """Six saves of a real run. Each commit stores state, every layer left unstored for max_age
+    commits, then layers by measured change while the byte budget lasts: an unstored layer never
+    fits in what is left, nor would it have where a layer that moved less was taken. The composite
+    checks out with each layer from the step the index names."""
+    run = runs.get("tailor-zero2")
+    sizes = scan_checkpoint(detect(as_of_step(run.save_dir, SAVES[0], tmp_path / "s")), False).layer_bytes
+    allowance, max_age = 0.4 * sum(sizes.values()), 3
+    store = Repository.init(tmp_path / "budget")
+    spec = PolicySpec("budget", {"fraction": 0.4, "max_age": max_age})
+    for step in SAVES[:-1]:
+        commit_checkpoint(store, as_of_step(run.save_dir, step, tmp_path / f"at{step}"), CommitOptions(policy=spec))
+    # the last one through the command line, whose flags must reach the policy
+    last = as_of_step(run.save_dir, SAVES[-1], tmp_path / f"at{SAVES[-1]}")
+    flags = ["--policy", "budget", "--fraction", "0.4", "--max-age", str(max_age)]
+    assert tailor("commit", str(last), *flags, store=tmp_path / "budget").returncode == 0
+    store.refresh()
+    recorded = json.loads(store.conn.execute("SELECT policy FROM manifests WHERE step=?", (SAVES[-1],)).fetchone()[0])
+    assert recorded == {"name": "budget", "fraction": 0.4, "max_age": max_age}
+    candidates = sorted(set(sizes) - {"state"})
+    last_stored = dict.fromkeys(candidates, 0)
+    rows = store.conn.execute("SELECT id, step FROM manifests ORDER BY step").fetchall()
+    inherited = 0
+    for i, r in enumerate(rows[1:], start=1):
+        layers = {x["layer"]: x for x in store.conn.execute("SELECT * FROM layers WHERE manifest=?", (r["id"],))}
+        assert layers["state"]["stored"]
+        forced = {x for x in candidates if i - last_stored[x] >= max_age}
+        stored = {x for x in candidates if layers[x]["stored"]}
+        chosen = stored - forced
+        assert forced <= stored
+        spent = sum(sizes[x] for x in stored | {"state"})
+        assert sum(sizes[x] for x in chosen) <= max(0.0, allowance - sum(sizes[x] for x in forced | {"state"}))
+        for left in set(candidates) - stored:
+            assert spent + sizes[left] > allowance, (r["step"], left)
+            moved_less = [x for x in chosen if layers[x]["change"] < layers[left]["change"]]
+            assert all(sizes[left] > sizes[x] for x in moved_less), (r["step"], left, moved_less)
+        for x in stored:
+            last_stored[x] = i
+        assert all(i - last_stored[x] < max_age for x in candidates)  # nobody waits longer than the bound
+        inherited += len(candidates) - len(stored)
+    assert inherited >= 2 * (len(rows) - 1)  # the budget held commits well below every layer
+    sources = {
+        x["layer"]: x["source_step"]
+        for x in store.conn.execute("SELECT layer, source_step FROM layers WHERE manifest=?", (rows[-1]["id"],))
+    }
+    checkout_step(store, f"step={rows[-1]['step']}", tmp_path / "composite", warn=lambda _: None)
+    assert_layers_from_sources(tmp_path / "composite", run.save_dir, sources, tmp_path / "cmp")
 
 
 def test_merge_from_three_steps(runs: Runs, tmp_path: Path) -> None:

@@ -118,7 +118,13 @@ def _flags(options: dict[str, object]) -> list[str]:
 
 
 def train_tiny(
-    save_dir: Path, *, losses_out: Path, resume_from: Path | None = None, nproc: int = 2, **options: object
+    save_dir: Path,
+    *,
+    losses_out: Path,
+    resume_from: Path | None = None,
+    nproc: int = 2,
+    timeout: float = 900,
+    **options: object,
 ) -> dict[int, str]:
     """Run train_tiny; options map to its flags (stage=3 -> --stage 3). Returns losses as float.hex."""
     losses_out.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +132,7 @@ def train_tiny(
     if resume_from is not None:
         args += ["--resume-from", str(resume_from)]
     args += _flags(options)
-    torchrun("tailorstore.testing.train_tiny", args, nproc=nproc, log=losses_out.with_suffix(".log"))
+    torchrun("tailorstore.testing.train_tiny", args, nproc=nproc, log=losses_out.with_suffix(".log"), timeout=timeout)
     return {int(k): v for k, v in json.loads(losses_out.read_text()).items()}
 
 

@@ -14,6 +14,7 @@ on N, which makes a resumed run see the batches the uninterrupted run saw.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import math
@@ -93,16 +94,42 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(dim)
 
 
+class Fp32ComputeLinear(nn.Linear):
+    """A linear layer whose parameters keep their dtype (bf16 in the checkpoint) but whose
+    arithmetic runs in the input's dtype: this CPU (AVX2, no AVX512-BF16) multiplies bf16
+    matrices 27x slower than fp32 ones, which would make a benchmark of hundreds of steps
+    at 50M parameters take hours."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
 class TinyLlama(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, hidden: int, tie: bool = False) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        dim: int,
+        layers: int,
+        heads: int,
+        hidden: int,
+        tie: bool = False,
+        fp32_compute: bool = False,
+    ) -> None:
         super().__init__()
         self.model = Backbone(vocab, dim, layers, heads, hidden)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tie:  # one parameter under two names, as tie_word_embeddings makes it
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.fp32_compute = fp32_compute
+        if fp32_compute:  # same parameters and checkpoint layout; activations in fp32
+            for module in self.modules():
+                if type(module) is nn.Linear:
+                    module.__class__ = Fp32ComputeLinear
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)
+        if self.fp32_compute:
+            x = x.float()
         for block in self.model.layers:
             x = block(x)
         logits = self.lm_head(self.model.norm(x)).float()
@@ -143,6 +170,46 @@ def batch_for_step(step: int, rank: int, batch: int, seq: int, vocab: int) -> to
     noise = torch.randint(0, vocab, (batch, seq), generator=gen)
     keep = torch.rand((batch, seq), generator=gen) < 0.8
     return torch.where(keep, ramp, noise)
+
+
+@functools.cache
+def _chain_tables(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed successor for every token and Zipf(1.1) token frequencies, as text has."""
+    successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(42))
+    zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64) ** 1.1
+    return successor, zipf / zipf.sum()
+
+
+def chain_batch_for_step(step: int, rank: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
+    """Text-like tokens: a token follows its fixed successor 3 times in 4, else a Zipf draw.
+
+    With a large vocabulary the ramp above is not learnable in a few hundred steps; this is:
+    the loss falls from ln(vocab) as frequent tokens' successors are learnt, and, as in real
+    text, rare tokens' rows move little. Depends only on (step, rank), like the ramp."""
+    successor, zipf = _chain_tables(vocab)
+    gen = torch.Generator().manual_seed(1_000_003 * step + rank)
+    draws = torch.multinomial(zipf, batch * seq, replacement=True, generator=gen).view(batch, seq)
+    follow = torch.rand((batch, seq), generator=gen) < 0.75
+    tokens = draws.clone()
+    for t in range(1, seq):
+        tokens[:, t] = torch.where(follow[:, t], successor[tokens[:, t - 1]], draws[:, t])
+    return tokens
+
+
+DATA = {"ramp": batch_for_step, "chain": chain_batch_for_step}
+HELD_OUT = 10_000_000  # held-out batches are those of steps from here on, which no training reaches
+
+
+def held_out_loss(engine: object, args: argparse.Namespace) -> float:
+    """Mean loss over --eval-batches held-out batches. Every rank runs the same batches, so a
+    ZeRO-3 engine, which gathers parameters collectively, evaluates as well as the others."""
+    make = DATA[args.data]
+    engine.eval()
+    with torch.no_grad():
+        batches = [make(HELD_OUT + i, 0, args.micro_batch, args.seq, args.vocab) for i in range(args.eval_batches)]
+        losses = [engine(tokens).item() for tokens in batches]
+    engine.train()
+    return sum(losses) / len(losses)
 
 
 def ds_config(args: argparse.Namespace) -> dict:
@@ -201,6 +268,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-policy", default="full", help="the policy TailorCheckpointEngine commits with")
     p.add_argument("--fast-writer", action="store_true", help="save with DeepSpeed's FastCheckpointEngine")
     p.add_argument("--timings-out", default=None, help="JSON: each save's stall and the training loop's seconds")
+    p.add_argument("--data", choices=sorted(DATA), default="ramp", help="ramp (tests) or chain (text-like)")
+    p.add_argument("--fp32-compute", action="store_true", help="bf16 parameters, fp32 arithmetic (fast on CPU)")
+    p.add_argument("--eval-batches", type=int, default=0, help="held-out batches to evaluate after training")
+    p.add_argument("--eval-out", default=None, help="JSON: the held-out loss after training (rank 0)")
     return p.parse_args(argv)
 
 
@@ -221,7 +292,15 @@ def main(argv: list[str] | None = None) -> None:
     rank = torch.distributed.get_rank()
 
     torch.manual_seed(args.seed)
-    model = TinyLlama(args.vocab, args.dim, args.layers, args.heads, args.hidden, tie=args.tie_embeddings)
+    model = TinyLlama(
+        args.vocab,
+        args.dim,
+        args.layers,
+        args.heads,
+        args.hidden,
+        tie=args.tie_embeddings,
+        fp32_compute=args.fp32_compute,
+    )
     optimizer = torch.optim.AdamW(param_groups(model, args.param_groups, args.lr), lr=args.lr)
     warmup = 4
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -247,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     stalls: list[float] = []  # how long each save blocked training (rank 0)
     loop_began = time.perf_counter()
     for step in range(start_step + 1, args.steps + 1):
-        tokens = batch_for_step(step, rank, args.micro_batch, args.seq, args.vocab)
+        tokens = DATA[args.data](step, rank, args.micro_batch, args.seq, args.vocab)
         loss = engine(tokens)
         engine.backward(loss)
         engine.step()
@@ -282,6 +361,10 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0 and args.timings_out:
         timings = {"stalls": stalls, "loop_seconds": time.perf_counter() - loop_began}
         Path(args.timings_out).write_text(json.dumps(timings))
+    if args.eval_batches:
+        held_out = held_out_loss(engine, args)
+        if rank == 0 and args.eval_out:
+            Path(args.eval_out).write_text(json.dumps({"held_out_loss": held_out, "batches": args.eval_batches}))
     if rank == 0 and args.losses_out:
         # float.hex keeps every bit, so equality checks are exact.
         Path(args.losses_out).write_text(json.dumps({str(k): v.hex() for k, v in losses.items()}))
