@@ -203,7 +203,7 @@ def average(store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, 
     began = time.perf_counter()
     parsed = parse_average(spec, str(spec_path))
     with store.lock(exclusive=False, timeout=LOCK_TIMEOUT) as lock:
-        store.refresh()  # another host's gc may have dropped a step since the store was opened
+        store.refresh(lock)  # another host's gc may have dropped a step since the store was opened
         manifests = [store.resolve(f"step={s}", run) for s in parsed.steps]
         base = store.resolve(parsed.base, run) if parsed.base else manifests[-1]
         if store.index.tagged(tag):

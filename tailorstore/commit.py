@@ -185,7 +185,7 @@ def commit_checkpoint(
     with store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock:
         # What other hosts recorded or dropped before this lock was taken: inheritance must not
         # name a manifest (and blobs) another host's gc removed since this store was opened.
-        store.refresh()
+        store.refresh(lock)
         if options.part:
             return commit_part(store, Path(ckpt_dir), layout, scan, step, options, lock, progress, began)
         run = options.run

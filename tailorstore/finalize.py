@@ -121,8 +121,8 @@ def finalize_step(
     check_run_name(run)
     if tag:
         check_tag(tag)
-    with store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait):
-        store.refresh()  # packs and manifests other hosts wrote since this store was opened
+    with store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
+        store.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
         parts = read_parts(store.backend, step, run)
         if not parts:
             raise StoreError(

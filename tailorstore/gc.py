@@ -243,7 +243,7 @@ def gc(
 ) -> GcPlan:
     written = 0
     with store.lock(exclusive=True, timeout=lock_timeout, on_wait=on_wait) as lock:
-        store.refresh()  # what other hosts recorded before this lock was taken
+        store.refresh(lock)  # what other hosts recorded before this lock was taken
         plan = plan_gc(store, effective_rules(store, rules), drop_parts=drop_parts)
         if show_plan:
             show_plan(plan)

@@ -36,7 +36,7 @@ class CommitFacts:
     layers: frozenset[str]  # every layer label in the checkpoint being committed
     commit_index: int  # how many commits the store already holds (0 for the first)
     inheritable: frozenset[str]  # layers an earlier step can supply
-    changes: Mapping[str, float] | None = None  # relative change per block layer, when measured
+    changes: Mapping[str, float] | None = None  # relative change of each inheritable layer, when measured
     sizes: Mapping[str, int] = field(default_factory=dict)  # raw bytes of each layer in this checkpoint
     ages: Mapping[str, int] = field(default_factory=dict)  # commits since an inheritable layer was stored
 

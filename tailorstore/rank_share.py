@@ -213,7 +213,7 @@ def write_share(
     began = time.perf_counter()
     part_options = dataclasses.replace(options, part=True, step=share.step)
     with store.lock(exclusive=False, timeout=options.lock_timeout) as lock:
-        store.refresh()
+        store.refresh(lock)
         return commit_part(
             store,
             Path(share.layout.root),

@@ -69,8 +69,8 @@ def create_run(
     and keeps its base.
     """
     manifest_objects.check_run_name(name)
-    with store.lock(exclusive=False, timeout=lock_timeout):
-        store.refresh()
+    with store.lock(exclusive=False, timeout=lock_timeout) as lock:
+        store.refresh(lock)
         if name == MAIN_RUN or any(r.name == name for r in store.index.runs()):
             raise StepExistsError(f"run {name!r} already exists; `tailor run list` shows the runs.")
         base: ManifestRecord | None = None

@@ -11,7 +11,7 @@ from test_roundtrip import assert_same_checkpoint
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
-from tailorstore.gc import REPACK_AT, Retention, gc
+from tailorstore.gc import REPACK_AT, GcPlan, Retention, gc
 from tailorstore.refs import remove
 from tailorstore.store.backend import pack_key
 from tailorstore.store.index import Index
@@ -123,7 +123,101 @@ def test_objects_deleted_between_listing_and_reading_are_skipped_when_opening(ru
     assert packs and len(manifests) == 2
     for victim in (pack_key(packs[0]), manifests[-1]):
         fresh = Index.create(tmp_path / f"fresh-{len(victim)}.sqlite")
-        imported, _ = sync(_GcMidway(backend, victim), fresh)  # type: ignore[arg-type]
+        imported, _ = sync(_GcMidway(backend, victim), fresh, locked=True)  # type: ignore[arg-type]
         assert victim.split("/")[-1] not in fresh.packs()
         assert imported == len([m for m in manifests if m != victim and backend.exists(m)])
         fresh.close()
+
+
+def _repacked_store(runs: Runs, tmp_path: Path) -> tuple[Repository, Path, dict[str, bytes], GcPlan]:
+    """A store whose gc just repacked a pack (as in the test above), with the old packs' bytes kept."""
+    save = runs.get("zero2-bf16").save_dir
+    store = Repository.init(tmp_path / "store")
+    merged = as_of_step(save, 6, tmp_path / "both")
+    (merged / "extra").mkdir()
+    for f in (save / "global_step3").iterdir():
+        (merged / "extra" / f.name).write_bytes(f.read_bytes())
+    commit_checkpoint(store, merged)
+    commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
+    before = {name: store.backend.get(pack_key(name)) for name in pack_names(store.backend)}
+    remove(store, "step=6")
+    plan = gc(store, Retention())
+    assert plan.repack, "the shared pack was mostly dead and got repacked"
+    return store, save, before, plan
+
+
+def _assert_step3_whole(store: Repository, save: Path, tmp_path: Path) -> None:
+    problems = verify(store, deep=True)
+    assert problems.ok, problems.problems[:3]
+    assert_only_live(store)
+    checkout_step(store, "step=3", tmp_path / "out")
+    assert_same_checkpoint(as_of_step(save, 3, tmp_path / "ref"), tmp_path / "out")
+
+
+def test_a_store_opened_while_gc_repacks_keeps_its_blobs_where_they_are(runs: Runs, tmp_path: Path) -> None:
+    """gc writes the new pack, points the index at it, then deletes the old pack. A store opened in
+    between (a background commit opens one each time) lists the old pack too. It must not take the
+    old pack's trailer as the truth: that pointed the live blobs at the pack about to go, and the
+    next gc deleted the new pack, the only copy (16 blobs lost in a 70-save run with gc beside it)."""
+    store, save, before, plan = _repacked_store(runs, tmp_path)
+    for name in plan.repack:  # the moment after gc's index transaction, before it deletes the old packs
+        store.backend.put(pack_key(name), before[name])
+    with Repository.open(store.root):  # opened right then, without the lock
+        pass
+    for name in plan.repack:  # gc's last step
+        store.backend.delete(pack_key(name))
+    gc(store, Retention())  # the next gc
+    _assert_step3_whole(store, save, tmp_path)
+
+
+def test_rows_naming_a_gone_pack_are_placed_again_before_gc_plans(runs: Runs, tmp_path: Path) -> None:
+    """An index whose rows still name a pack that is gone (left by a sync that raced a repack
+    before this was fixed, or by a crash) is set right by the sync gc runs under its lock, from
+    the trailer of the pack that holds the blobs, so gc never takes that pack for empty."""
+    store, save, before, plan = _repacked_store(runs, tmp_path)
+    moved = [b.hash for name in store.index.packs() if name not in before for b in store.index.blobs_in_pack(name)]
+    assert moved, "the repack moved live blobs into a new pack"
+    with store.transaction() as index:  # the damage: the moved blobs point back at the old pack
+        index.conn.executemany("UPDATE blobs SET pack=? WHERE hash=?", [(plan.repack[0], h) for h in moved])
+    gc(store, Retention())
+    _assert_step3_whole(store, save, tmp_path)
+
+
+def test_a_store_opened_while_gc_thins_a_step_keeps_that_step(runs: Runs, tmp_path: Path) -> None:
+    """Thinning records a step again under a new object version. A sync that listed the manifests
+    before that and read the index after took the step for dropped and deleted its rows; the next
+    gc would then have deleted what only that step used. The listing that decides is taken inside
+    the index transaction, after the thinning's."""
+    save = runs.get("zero2-bf16").save_dir
+    root = tmp_path / "store"
+    with Repository.init(root) as store:
+        commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
+        commit_checkpoint(store, as_of_step(save, 6, tmp_path / "at6"))
+        backend = store.backend
+
+    class ThinnedWhileListing:
+        """The real backend; right after the first listing of manifests, another process thins step 3."""
+
+        def __init__(self) -> None:
+            self.thinned = False
+
+        def list(self, prefix: str) -> Iterator[str]:
+            names = list(backend.list(prefix))
+            if prefix == MANIFEST_PREFIX and not self.thinned:
+                self.thinned = True
+                with Repository.open(root) as other:
+                    assert gc(other, Retention(keep_last=1, thin="weights")).thin
+            return iter(names)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(backend, name)
+
+    index = Index.open(root / "index.sqlite")
+    sync(ThinnedWhileListing(), index, locked=False)  # type: ignore[arg-type]
+    assert sorted(m.step for m in index.manifests()) == [3, 6]
+    index.close()
+    with Repository.open(root) as store:
+        assert {m.step: m.tier for m in store.index.manifests()} == {3: "weights", 6: None}
+        gc(store, Retention())
+        problems = verify(store, deep=True)
+        assert problems.ok, problems.problems[:3]

@@ -470,11 +470,17 @@ class Index:
             )
         }
 
+    def _temp_set(self, table: str, column: str, values: Iterable[object]) -> None:
+        """A one-column temporary table holding ``values``, for ``IN (SELECT ...)`` over sets too
+        large for bound parameters. ``table`` and ``column`` are ours, never user input."""
+        name = column.split()[0]
+        self.conn.execute(f"CREATE TEMP TABLE IF NOT EXISTS {table}({column} PRIMARY KEY)")
+        self.conn.execute(f"DELETE FROM {table}")
+        self.conn.executemany(f"INSERT INTO {table}({name}) VALUES (?)", [(v,) for v in values])
+
     def blobs_unused_by(self, keep: Iterable[int]) -> list[BlobRecord]:
         """Blob rows that none of the ``keep`` manifests needs (what gc may drop)."""
-        self.conn.execute("CREATE TEMP TABLE IF NOT EXISTS keep_set(id INTEGER PRIMARY KEY)")
-        self.conn.execute("DELETE FROM keep_set")
-        self.conn.executemany("INSERT INTO keep_set(id) VALUES (?)", [(m,) for m in keep])
+        self._temp_set("keep_set", "id INTEGER", keep)
         return [
             _blob(r)
             for r in self.conn.execute(
@@ -532,6 +538,21 @@ class Index:
         self.conn.executemany(
             "UPDATE blobs SET pack=?, pack_offset=? WHERE hash=?", [(p, o, h) for h, (p, o) in placed.items()]
         )
+
+    def packs_named_by_blobs(self) -> set[str]:
+        """Every pack some blob row names (read from the ``blobs_pack`` index)."""
+        return {r[0] for r in self.conn.execute("SELECT DISTINCT pack FROM blobs WHERE pack IS NOT NULL")}
+
+    def blobs_packed_outside(self, packs: Iterable[str]) -> list[BlobRecord]:
+        """Packed blob rows whose pack is not among ``packs`` (the packs the backend holds): rows
+        left pointing at a pack that is gone, which only the packs' trailers can place again."""
+        self._temp_set("pack_set", "name TEXT", packs)
+        return [
+            _blob(r)
+            for r in self.conn.execute(
+                "SELECT * FROM blobs WHERE pack IS NOT NULL AND pack NOT IN (SELECT name FROM pack_set)"
+            )
+        ]
 
     def blobs_in_pack(self, name: str) -> list[BlobRecord]:
         return [_blob(r) for r in self.conn.execute("SELECT * FROM blobs WHERE pack=? ORDER BY pack_offset", (name,))]

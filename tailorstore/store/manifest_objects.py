@@ -27,9 +27,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import time
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import zstandard
@@ -37,7 +36,8 @@ import zstandard
 from ..errors import CorruptStoreError, StepExistsError, StoreError
 from .backend import Backend, ObjectExistsError, check_key
 from .index import Index
-from .packs import pack_names, read_trailer
+from .pack_sync import packs_in_step, reconcile_packs
+from .packs import pack_names
 from .records import (
     ATOM_COLUMNS,
     COMMIT,
@@ -251,52 +251,93 @@ def _read_if_held(backend: Backend, key: str) -> Any:
         return None
 
 
-def sync(backend: Backend, index: Index) -> tuple[int, int]:
-    """Import the manifests the backend holds and the index lacks, drop those it no longer holds,
-    and take tags and pins from the backend. Returns (imported, dropped).
+@dataclass
+class _Listing:
+    """The backend's manifests, refs and packs beside what the index holds, at one moment."""
 
-    Reads first and writes only when something differs, so opening an unchanged store takes
-    no write lock: one LIST of manifests and refs, and one GET per tag.
+    packs: set[str]
+    present: set[str]
+    indexed: dict[str, int]
+    tags: dict[str, str]
+    pins: set[str]
+    listed_runs: dict[str, RunRecord]
+    known_runs: dict[str, RunRecord]
+    want: dict[int, tuple[str | None, bool]]
+
+    @classmethod
+    def take(cls, backend: Backend, index: Index) -> _Listing:
+        packs = set(pack_names(backend))
+        present = _current_versions(k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k))
+        records = index.manifests()
+        known_runs = index.created_runs()
+        return cls(
+            packs=packs,
+            present=present,
+            indexed={r.object_key: r.id for r in records if r.object_key is not None},
+            tags=_listed_tags(backend),
+            pins=set(backend.list(PIN_PREFIX)),
+            listed_runs=_listed_runs(backend, known_runs),
+            known_runs=known_runs,
+            want={r.id: (r.tag, r.pinned) for r in records if r.object_key in present},
+        )
+
+    @property
+    def gone(self) -> list[int]:
+        return [mid for key, mid in self.indexed.items() if key not in self.present]
+
+    @property
+    def new(self) -> list[str]:
+        return sorted(self.present - self.indexed.keys())
+
+    def refs(self) -> dict[int, tuple[str | None, bool]]:
+        return {
+            mid: (self.tags.get(key), pin_key(key) in self.pins)
+            for key, mid in self.indexed.items()
+            if key in self.present
+        }
+
+    def in_step(self, index: Index, *, locked: bool) -> bool:
+        return (
+            not self.gone
+            and not self.new
+            and self.want == self.refs()
+            and self.listed_runs == self.known_runs
+            and packs_in_step(index, self.packs, locked=locked)
+        )
+
+
+def sync(backend: Backend, index: Index, *, locked: bool) -> tuple[int, int]:
+    """Import the manifests the backend holds and the index lacks, drop those it no longer holds,
+    take tags, pins and runs from the backend, and place blobs as the packs say (fully only when
+    ``locked``: the caller holds the store lock; store/pack_sync.py says why). Returns (imported,
+    dropped).
+
+    Reads first and writes only when something differs, so opening an unchanged store takes no
+    write lock: one LIST of manifests, refs and packs, and one GET per tag. When something
+    differs, everything is listed again inside the index's write transaction: a commit, a gc or
+    a thinning of this store changes its manifest objects inside its own index transaction, so a
+    listing taken inside ours cannot fall between their object and their rows (a listing taken
+    before could: a thinned step's new version not listed yet, its rows already naming it, would
+    have looked dropped).
     """
-    listed_packs = set(pack_names(backend))
-    known_packs = set(index.packs())
-    present = _current_versions(k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k))
-    records = index.manifests()
-    indexed = {r.object_key: r.id for r in records if r.object_key is not None}
-    gone = [mid for key, mid in indexed.items() if key not in present]
-    new = sorted(present - indexed.keys())
-    tags = _listed_tags(backend)
-    pins = set(backend.list(PIN_PREFIX))
-    known_runs = index.created_runs()
-    listed_runs = _listed_runs(backend, known_runs)
-    want = {r.id: (r.tag, r.pinned) for r in records if r.object_key in present}
-    have = {mid: (tags.get(key), pin_key(key) in pins) for key, mid in indexed.items() if key in present}
-    if not gone and not new and want == have and listed_packs == known_packs and listed_runs == known_runs:
+    if _Listing.take(backend, index).in_step(index, locked=locked):
         return 0, 0
-    # Without the lock (opening a store), a gc on another host may delete a pack or manifest between
-    # the listing and the read: what is gone by then is treated as never listed.
-    docs = {k: doc for k in new if (doc := _read_if_held(backend, k)) is not None}
-    new = [k for k in new if k in docs]
-    trailers = {}
-    for name in sorted(listed_packs - known_packs):
-        try:
-            trailers[name] = read_trailer(backend, name)
-        except FileNotFoundError:
-            listed_packs.discard(name)
     with index.transaction():
-        index.delete_packs(known_packs - listed_packs)
-        for name, (size, entries) in trailers.items():  # where each blob is: packs are the truth
-            index.add_packs([(name, size)])
-            index.upsert_blobs(
-                BlobRecord(e.hash, e.raw_size, e.stored_size, e.codec, name, e.offset, time.time()) for e in entries
-            )
+        seen = _Listing.take(backend, index)
+        # Another host's gc may still delete a manifest between the listing and the read: what is
+        # gone by then is treated as never listed.
+        docs = {k: doc for k in seen.new if (doc := _read_if_held(backend, k)) is not None}
+        new = [k for k in seen.new if k in docs]
+        gone = seen.gone
         index.delete_manifests(gone)
-        ids = {k: v for k, v in indexed.items() if k in present}
+        ids = {k: v for k, v in seen.indexed.items() if k in seen.present}
         for key in _order(new, docs):
             if not index.has_object(key):
                 import_document(index, key, docs[key], ids)
-        index.set_refs({mid: (tags.get(key), pin_key(key) in pins) for key, mid in ids.items()})
-        index.set_runs(listed_runs.values())
+        # after the imports: a manifest's blob rows say where the blob was when it was committed
+        reconcile_packs(backend, index, seen.packs, locked=locked)
+        index.set_refs({mid: (seen.tags.get(key), pin_key(key) in seen.pins) for key, mid in ids.items()})
+        index.set_runs(seen.listed_runs.values())
     return len(new), len(gone)
 
 

@@ -136,16 +136,20 @@ class Repository:
     def read_only(self) -> bool:
         return self.index.read_only
 
-    def refresh(self) -> tuple[int, int]:
+    def refresh(self, held: LockHandle | LeaseHandle | None = None) -> tuple[int, int]:
         """Bring the index up to date with the backend: write the objects of manifests that have
         none (a store upgraded from format 2), then import what other hosts committed and drop
-        what their gc removed. Returns (imported, dropped)."""
+        what their gc removed. Returns (imported, dropped).
+
+        ``held`` is the store lock the caller holds. Only then are pack rows reconciled in full
+        (store/pack_sync.py): without it a gc may be mid-repack, and what the packs' listing says
+        would be half of the truth."""
         if self.read_only:
             return 0, 0
         for manifest in self.index.unpublished():  # oldest first: a layer's source has its object before its heirs
             with self.index.transaction() as index:
                 manifest_objects.publish(self.backend, index, manifest)
-        return manifest_objects.sync(self.backend, self.index)
+        return manifest_objects.sync(self.backend, self.index, locked=held is not None)
 
     @classmethod
     def rebuild_index(cls, location: Path | str | None) -> tuple[int, int]:
@@ -166,7 +170,8 @@ class Repository:
             leftover.unlink()
         fresh = Index.create(tmp)
         try:
-            manifest_objects.sync(where.backend, fresh)
+            # Built alone (the docstring asks for it), so the packs' trailers are the whole truth.
+            manifest_objects.sync(where.backend, fresh, locked=True)
             counts = fresh.counts()
             fresh.checkpoint()
         finally:
