@@ -19,7 +19,7 @@ from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
 from tailorstore.errors import CorruptStoreError
 from tailorstore.gc import Retention, gc
-from tailorstore.refs import tag
+from tailorstore.refs import remove, tag
 from tailorstore.store.repo import Repository
 from tailorstore.testing.local_s3 import BUCKET, CuttableLink, LocalS3
 from tailorstore.verify import verify
@@ -183,3 +183,37 @@ def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
         assert verify(store, deep=True).ok
         commit_checkpoint(store, at6)  # and the store goes on working
         assert verify(store, deep=True).ok
+
+
+def test_a_host_reading_after_another_hosts_repack_finds_the_moved_blobs(
+    s3_location: str, runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host a's gc repacks the pack host b's cache names for step 3's blobs. Host b then only
+    reads (an open takes no lock): its rows naming the gone pack are placed again from the new
+    pack's trailer, and its checkout of step 3 is whole."""
+    save = runs.get("zero2-bf16").save_dir
+    host_a, host_b = tmp_path / "cache-a", tmp_path / "cache-b"
+    merged = as_of_step(save, 6, tmp_path / "both")  # global_step3 beside global_step6: one commit, one pack
+    (merged / "extra").mkdir()
+    for f in (save / "global_step3").iterdir():
+        (merged / "extra" / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setenv("TAILOR_CACHE", str(host_a))
+    Repository.init(s3_location).close()
+    with Repository.open(s3_location) as a:
+        commit_checkpoint(a, merged)
+        commit_checkpoint(a, as_of_step(save, 3, tmp_path / "at3"))
+    monkeypatch.setenv("TAILOR_CACHE", str(host_b))
+    with Repository.open(s3_location) as b:
+        before = {r["pack"] for r in b.conn.execute("SELECT pack FROM blobs WHERE pack IS NOT NULL")}
+    monkeypatch.setenv("TAILOR_CACHE", str(host_a))
+    with Repository.open(s3_location) as a:
+        remove(a, "step=6")
+        assert gc(a, Retention()).repack
+    monkeypatch.setenv("TAILOR_CACHE", str(host_b))
+    with Repository.open(s3_location) as b:
+        after = {r["pack"] for r in b.conn.execute("SELECT pack FROM blobs WHERE pack IS NOT NULL")}
+        assert after - before, "step 3's blobs now name the pack the repack wrote"
+        out = tmp_path / "out"
+        checkout_step(b, "step=3", out)
+        assert verify(b, deep=True).ok
+    assert same_tree(out / "global_step3", save / "global_step3")
