@@ -36,7 +36,7 @@ import zstandard
 from ..errors import CorruptStoreError, StepExistsError, StoreError
 from .backend import Backend, ObjectExistsError, check_key
 from .index import Index
-from .pack_sync import packs_in_step, reconcile_packs
+from .pack_sync import packs_agree, reconcile_packs
 from .packs import pack_names
 from .records import (
     ATOM_COLUMNS,
@@ -262,7 +262,7 @@ class _Listing:
     pins: set[str]
     listed_runs: dict[str, RunRecord]
     known_runs: dict[str, RunRecord]
-    want: dict[int, tuple[str | None, bool]]
+    indexed_refs: dict[int, tuple[str | None, bool]]  # (tag, pinned) as the index has them
 
     @classmethod
     def take(cls, backend: Backend, index: Index) -> _Listing:
@@ -278,7 +278,7 @@ class _Listing:
             pins=set(backend.list(PIN_PREFIX)),
             listed_runs=_listed_runs(backend, known_runs),
             known_runs=known_runs,
-            want={r.id: (r.tag, r.pinned) for r in records if r.object_key in present},
+            indexed_refs={r.id: (r.tag, r.pinned) for r in records if r.object_key in present},
         )
 
     @property
@@ -289,20 +289,21 @@ class _Listing:
     def new(self) -> list[str]:
         return sorted(self.present - self.indexed.keys())
 
-    def refs(self) -> dict[int, tuple[str | None, bool]]:
+    def listed_refs(self) -> dict[int, tuple[str | None, bool]]:
+        """(tag, pinned) of each indexed manifest as the backend's ref objects say."""
         return {
             mid: (self.tags.get(key), pin_key(key) in self.pins)
             for key, mid in self.indexed.items()
             if key in self.present
         }
 
-    def in_step(self, index: Index, *, locked: bool) -> bool:
+    def agrees(self, index: Index, *, locked: bool) -> bool:
         return (
             not self.gone
             and not self.new
-            and self.want == self.refs()
+            and self.indexed_refs == self.listed_refs()
             and self.listed_runs == self.known_runs
-            and packs_in_step(index, self.packs, locked=locked)
+            and packs_agree(index, self.packs, locked=locked)
         )
 
 
@@ -320,7 +321,7 @@ def sync(backend: Backend, index: Index, *, locked: bool) -> tuple[int, int]:
     before could: a thinned step's new version not listed yet, its rows already naming it, would
     have looked dropped).
     """
-    if _Listing.take(backend, index).in_step(index, locked=locked):
+    if _Listing.take(backend, index).agrees(index, locked=locked):
         return 0, 0
     with index.transaction():
         seen = _Listing.take(backend, index)

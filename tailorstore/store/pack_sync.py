@@ -33,7 +33,7 @@ from .packs import PackEntry, read_trailer
 from .records import BlobRecord
 
 
-def packs_in_step(index: Index, listed: set[str], *, locked: bool) -> bool:
+def packs_agree(index: Index, listed: set[str], *, locked: bool) -> bool:
     """Whether the index's packs agree with ``listed`` as far as a sync of this kind would change."""
     named = index.packs_named_by_blobs()
     known = set(index.packs())
