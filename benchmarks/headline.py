@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import filecmp
 import json
 import shutil
 import statistics
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 from tailorstore.api import Store
+from tailorstore.testing.compare import same_tree
 from tailorstore.testing.runs import train_tiny
 
 from .report import write_section
@@ -154,11 +154,9 @@ def checkout(store: Path, ref: str, out: Path) -> Path:
     return out
 
 
-def same_files(a: Path, b: Path) -> bool:
-    """Every file under ``a`` equal, byte for byte, to the same path under ``b`` (and no others)."""
-    names_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    names_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    return names_a == names_b and all(filecmp.cmp(a / n, b / n, shallow=False) for n in names_a)
+def save_results(work: Path, results: dict) -> None:
+    """After every row: a later run picks up where this one stopped."""
+    (work / "headline.json").write_text(json.dumps(results, indent=1))
 
 
 def measure(work: Path, info: dict, args: argparse.Namespace) -> dict:
@@ -189,14 +187,14 @@ def measure(work: Path, info: dict, args: argparse.Namespace) -> dict:
                 {"commit_seconds": again["commit_seconds"], "inprocess_seconds": again["inprocess_seconds"]}
             )
             shutil.rmtree(work / "stores" / f"{key}-again")
-            (work / "headline.json").write_text(json.dumps(results, indent=1))
+            save_results(work, results)
             print(f"[headline] {key} timed again", flush=True)
         if key in rows:
             continue
         store = work / "stores" / key
         row = {"label": label, **commit_series(save, steps, store, flags)}
         ckpt = checkout(store, f"step={last}", work / "checkout")
-        row["last_step_exact"] = same_files(ckpt / f"global_step{last}", exact_dir / f"global_step{last}")
+        row["last_step_exact"] = same_tree(ckpt / f"global_step{last}", exact_dir / f"global_step{last}")
         # an exact last step resumes as the original does, bit for bit: no need to train it again
         row["held_out"] = (
             results["exact"]["after_resume"]
@@ -205,7 +203,7 @@ def measure(work: Path, info: dict, args: argparse.Namespace) -> dict:
         )
         rows[key] = row
         print(f"[headline] {key}: {json.dumps({k: v for k, v in row.items() if k != 'label'})}", flush=True)
-        (work / "headline.json").write_text(json.dumps(results, indent=1))
+        save_results(work, results)
         if key != "full":
             shutil.rmtree(store)  # disk: every row's store is a few GB
     full = work / "stores" / "full"
@@ -223,12 +221,12 @@ def measure(work: Path, info: dict, args: argparse.Namespace) -> dict:
             "store_bytes": dir_bytes(store),
             "gc_seconds": wall,
             "freed_by_tier": plan.get("freed_by_tier"),
-            "last_step_exact": same_files(ckpt / f"global_step{last}", exact_dir / f"global_step{last}"),
+            "last_step_exact": same_tree(ckpt / f"global_step{last}", exact_dir / f"global_step{last}"),
             "held_out": results["exact"]["after_resume"],
         }
         print(f"[headline] {key}: {rows[key]}", flush=True)
         shutil.rmtree(store)
-        (work / "headline.json").write_text(json.dumps(results, indent=1))
+        save_results(work, results)
     if "sma" not in results:
         k = args.sma
         spec = work / "sma.yaml"
@@ -241,7 +239,7 @@ def measure(work: Path, info: dict, args: argparse.Namespace) -> dict:
             "at_last": held_out_after_resume(work, f"sma{k}-0", ckpt, last, 0),
             "after_resume": held_out_after_resume(work, f"sma{k}", ckpt, last, args.resume_steps),
         }
-        (work / "headline.json").write_text(json.dumps(results, indent=1))
+        save_results(work, results)
     shutil.rmtree(work / "checkout", ignore_errors=True)
     return results
 
@@ -371,17 +369,6 @@ def render(results: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def live_bytes(root: Path) -> int:
-    """Bytes under ``root`` while other processes write and delete there."""
-    total = 0
-    for p in root.rglob("*"):
-        try:
-            total += p.stat().st_size if p.is_file() else 0
-        except FileNotFoundError:
-            pass
-    return total
-
-
 def long_series(work: Path, steps: int, every: int, gc_every: float) -> dict:
     """A longer series thinned as it trains: rank 0 commits every save into a store whose run carries
     ``--keep-last 3 --thin weights`` and deletes the save; ``tailor gc`` runs every ``gc_every``
@@ -417,7 +404,7 @@ def long_series(work: Path, steps: int, every: int, gc_every: float) -> dict:
     gc_runs, peak = 0, 0
     while trainer.is_alive():
         trainer.join(gc_every)
-        peak = max(peak, live_bytes(store) + live_bytes(out / "save"))
+        peak = max(peak, dir_bytes(store) + dir_bytes(out / "save"))
         measured([*TAILOR, "gc", "--store", str(store), "--json"])
         gc_runs += 1
     if failed:
@@ -476,7 +463,7 @@ def main() -> None:
     results = measure(work, info, args)
     if args.long_steps:
         results["long"] = long_series(work, args.long_steps, args.long_every, args.gc_every)
-        (work / "headline.json").write_text(json.dumps(results, indent=1))
+        save_results(work, results)
     command = "python -m benchmarks.headline " + " ".join(
         [
             f"--steps {args.steps} --every {args.every} --resume-steps {args.resume_steps}",

@@ -97,7 +97,15 @@ def warm(path: Path) -> None:
 
 
 def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes of the files under ``path``; a file deleted while it is walked (a gc or a commit
+    running beside the walk) counts as gone."""
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except FileNotFoundError:
+            pass
+    return total
 
 
 def largest_file(path: Path) -> int:

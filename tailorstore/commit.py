@@ -33,7 +33,6 @@ from .formats.kinds import RAW
 from .formats.layout import CheckpointLayout, detect
 from .formats.reader import ReadFile, read_checkpoint, write_order
 from .formats.source import CHUNK, InputFile, check_unchanged
-from .formats.tensor_ref import DTYPES
 from .layers import STATE, sort_key
 from .policies import CommitFacts, decide, needs_changes
 from .progress import Progress, Silent
@@ -137,7 +136,7 @@ def scan_checkpoint(layout: CheckpointLayout, trust_pickles: bool, files: list[s
     layers: set[str] = set()
     for f in read_checkpoint(layout, trust_pickles=trust_pickles, files=files, infos=scan.infos):
         for entry in f.entries:
-            itemsize = DTYPES[entry.dtype_name].itemsize if entry.dtype_name in DTYPES else 0
+            itemsize = entry.tensor.element_size()
             for seg in entry.segments:
                 layers.add(seg.layer)
                 scan.layer_bytes[seg.layer] = scan.layer_bytes.get(seg.layer, 0) + seg.numel * itemsize
@@ -162,6 +161,12 @@ def _measure_changes(store: Repository, layout: CheckpointLayout, scan: Scan, so
             src.check()
     expected = {layer: store.index.count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()}
     return {layer: t.value() for layer, t in totals.items() if t.pieces == expected.get(layer) and t.matched}
+
+
+def _ages(store: Repository, sources: dict[str, _Inheritance], commits_before: int, run: str) -> dict[str, int]:
+    """Commits since each inheritable layer was last stored (one query per distinct source step)."""
+    before = {step: store.index.commits_before(step, run) for step in {src.source_step for src in sources.values()}}
+    return {layer: commits_before - before[src.source_step] for layer, src in sources.items()}
 
 
 def commit_checkpoint(
@@ -197,9 +202,7 @@ def commit_checkpoint(
         commits_before = store.index.commits_before(step, run) + (base is not None)
         adaptive = needs_changes(options.policy)
         changes = _measure_changes(store, layout, scan, sources) if adaptive else {}
-        ages = {
-            layer: commits_before - store.index.commits_before(src.source_step, run) for layer, src in sources.items()
-        }
+        ages = _ages(store, sources, commits_before, run) if adaptive else {}
         stored = decide(
             options.policy,
             CommitFacts(

@@ -175,13 +175,6 @@ def copy_tree(src: Path, dst: Path) -> Path:
     return dst
 
 
-def same_tree(a: Path, b: Path) -> bool:
-    """The two directories hold the same files with the same bytes."""
-    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    return files_a == files_b and all((a / f).read_bytes() == (b / f).read_bytes() for f in files_a)
-
-
 def kill_after(proc: subprocess.Popen[bytes], delay: float) -> bool:
     """SIGKILL after ``delay`` seconds; True when the kill landed before the process ended."""
     try:

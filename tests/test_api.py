@@ -13,12 +13,7 @@ from conftest import Runs, as_of_step, copy_tree
 
 import tailorstore
 from tailorstore import BackgroundCommitError, BadCheckpointError, Store
-
-
-def same_tree(a: Path, b: Path) -> bool:
-    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    return files_a == files_b and all((a / f).read_bytes() == (b / f).read_bytes() for f in files_a)
+from tailorstore.testing.compare import same_tree
 
 
 def test_the_public_api_end_to_end(runs: Runs, tmp_path: Path) -> None:

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HFRun, Runs, same_tree
+from conftest import HFRun, Runs
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from safetensors.torch import load_file
 
 from tailorstore import BackgroundCommitError, Store
 from tailorstore.integrations.deepspeed import TailorCheckpointEngine
 from tailorstore.safe_load import load_torch_file
-from tailorstore.testing.compare import differences
+from tailorstore.testing.compare import differences, same_tree
 from tailorstore.testing.runs import train_hf, train_tiny
 
 

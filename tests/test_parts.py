@@ -23,6 +23,7 @@ from tailorstore.gc import Retention, gc
 from tailorstore.store.parts import part_keys
 from tailorstore.store.records import FileRecord
 from tailorstore.store.repo import Repository
+from tailorstore.testing.compare import same_tree
 from tailorstore.testing.local_s3 import LocalS3
 from tailorstore.testing.runs import train_tiny
 from tailorstore.verify import verify
@@ -50,12 +51,6 @@ def split_by_host(save: Path, step: int, root: Path) -> tuple[Path, Path]:
     for name in (OPTIM.format(1), "mp_rank_00_model_states.pt"):
         shutil.copy2(full / f"global_step{step}" / name, b / name)
     return a, b
-
-
-def same_tree(a: Path, b: Path) -> bool:
-    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    return files_a == files_b and all((a / f).read_bytes() == (b / f).read_bytes() for f in files_a)
 
 
 def test_two_hosts_commit_parts_to_one_s3_store_and_resume_bit_exact(

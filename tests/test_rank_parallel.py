@@ -9,10 +9,11 @@ import json
 from dataclasses import astuple
 from pathlib import Path
 
-from conftest import Runs, as_of_step, same_tree
+from conftest import Runs, as_of_step
 
 from tailorstore import Store
 from tailorstore.rank_share import Survey, checked_weights, owner_of, writers
+from tailorstore.testing.compare import same_tree
 from tailorstore.testing.runs import torchrun
 
 

@@ -15,17 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import (
-    TAILOR_EVERY,
-    TAILOR_STEPS,
-    KillClock,
-    Runs,
-    as_of_step,
-    assert_only_live,
-    same_tree,
-    store_state,
-    tailor,
-)
+from conftest import TAILOR_EVERY, TAILOR_STEPS, KillClock, Runs, as_of_step, assert_only_live, store_state, tailor
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 import tailorstore
@@ -34,7 +24,7 @@ from tailorstore.commit import CommitOptions, commit_checkpoint
 from tailorstore.policies import PolicySpec
 from tailorstore.store.records import AtomRecord, FileRecord
 from tailorstore.store.repo import Repository
-from tailorstore.testing.compare import tensors_identical
+from tailorstore.testing.compare import same_tree, tensors_identical
 from tailorstore.thinning import thinned_contents
 from tailorstore.verify import verify
 

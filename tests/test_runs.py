@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import Runs, as_of_step, same_tree, tailor
+from conftest import Runs, as_of_step, tailor
 
 from tailorstore import Store
 from tailorstore.errors import StoreError, UnknownStepError
 from tailorstore.store.repo import Repository
+from tailorstore.testing.compare import same_tree
 
 
 def ok(store: Path, *args: str) -> str:

@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import KillClock, Runs, as_of_step, same_tree
+from conftest import KillClock, Runs, as_of_step
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
 from tailorstore.gc import Retention, gc
 from tailorstore.refs import remove
 from tailorstore.store.repo import Repository
+from tailorstore.testing.compare import same_tree
 from tailorstore.testing.local_s3 import LocalS3
 from tailorstore.verify import verify
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from conftest import Runs, as_of_step, same_tree, tailor
+from conftest import Runs, as_of_step, tailor
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
@@ -21,6 +21,7 @@ from tailorstore.errors import CorruptStoreError
 from tailorstore.gc import Retention, gc
 from tailorstore.refs import remove, tag
 from tailorstore.store.repo import Repository
+from tailorstore.testing.compare import same_tree
 from tailorstore.testing.local_s3 import BUCKET, CuttableLink, LocalS3
 from tailorstore.verify import verify
 

@@ -12,13 +12,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import HFRun, Runs, same_tree
+from conftest import HFRun, Runs
 
 import tailorstore.formats.reader as reader
 from tailorstore import BadCheckpointError, Store, UnsafePickleError
 from tailorstore.formats.layout import detect
 from tailorstore.formats.source import InputFile
 from tailorstore.formats.torch_pickle import read_torch_zip
+from tailorstore.testing.compare import same_tree
 
 
 def described(path: Path) -> list[tuple]:

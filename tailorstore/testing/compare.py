@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import filecmp
+from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def same_tree(a: Path, b: Path) -> bool:
+    """The two directories hold the same files with the same bytes (compared in chunks, so
+    checkpoint files of gigabytes are never held whole)."""
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    return files_a == files_b and all(filecmp.cmp(a / f, b / f, shallow=False) for f in files_a)
 
 
 def tensors_identical(a: torch.Tensor, b: torch.Tensor) -> bool:
