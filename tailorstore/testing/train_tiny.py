@@ -369,6 +369,9 @@ def main(argv: list[str] | None = None) -> None:
         # float.hex keeps every bit, so equality checks are exact.
         Path(args.losses_out).write_text(json.dumps({str(k): v.hex() for k, v in losses.items()}))
     torch.distributed.barrier()
+    # Left to interpreter exit, gloo's threads are torn down in no set order; one CI run saw a rank
+    # abort there ("terminate called without an active exception") after its work was done.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
