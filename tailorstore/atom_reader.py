@@ -7,12 +7,20 @@ reader can skip the hash check or rebuild a weight differently from the others.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import xxhash
+
 from . import codec
 from .atoms import MASTER
 from .errors import CorruptStoreError
 from .rounding import ROUND_FROM_MASTER, round_into
 from .store.records import AtomRecord, BlobRecord
 from .store.repo import Repository
+
+_local = threading.local()
 
 
 def blob_of(store: Repository, digest: str, where: str) -> BlobRecord:
@@ -33,29 +41,102 @@ def decode_stored_atom(store: Repository, row: BlobRecord, dest: memoryview, whe
     store.read_blob_into(row, dest, where)
 
 
+def _chunk_space(nbytes: int) -> memoryview:
+    """This thread's reused decode buffer (one chunk): streaming never allocates per chunk."""
+    buf = getattr(_local, "chunk", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.chunk = np.empty(max(nbytes, codec.GROUP_CHUNK), dtype=np.uint8)
+    return memoryview(buf)[:nbytes]
+
+
+def stream_blob(store: Repository, row: BlobRecord, lo: int, hi: int, where: str) -> Iterator[memoryview]:
+    """Bytes ``[lo, hi)`` of a stored blob, decoded chunk by chunk into one reused buffer.
+
+    The whole blob is decoded and hashed even when only part of it is wanted, and the check
+    comes after the last chunk: a caller writes what it yields into a staged output that an
+    error discards (checkout, export, universal, reshard), so memory stays at one chunk and no
+    unchecked byte is ever published. Each yielded view is valid until the next one.
+    """
+    if not 0 <= lo <= hi <= row.raw_size:
+        raise CorruptStoreError(f"{where}: bytes [{lo}, {hi}) lie outside blob {row.hash} of {row.raw_size} bytes")
+    hasher = xxhash.xxh3_128()
+    pos = 0
+    with store.open_row(row, where) as f:
+        for piece in codec.decode_pieces(row.codec, f, row.raw_size, _chunk_space, f"{where}: blob {row.hash}"):
+            hasher.update(piece)
+            a, b = max(lo - pos, 0), min(hi - pos, len(piece))
+            if a < b:
+                yield piece[a:b]
+            pos += len(piece)
+    if hasher.hexdigest() != row.hash:
+        raise CorruptStoreError(
+            f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). "
+            "Run `verify(deep=True)` to find every damaged blob."
+        )
+
+
+def stream_atom(
+    store: Repository, manifest: int, atom: AtomRecord, lo: int, hi: int, where: str, row: BlobRecord | None = None
+) -> Iterator[memoryview]:
+    """Bytes ``[lo, hi)`` of one atom, checked: a stored atom's blob (:func:`stream_blob`), or a
+    derived weight rounded from its master as the master streams by (:func:`stream_rebuilt`)."""
+    if atom.derived is None:
+        yield from stream_blob(store, row or blob_of(store, atom.blob, where), lo, hi, where)
+        return
+    pos = 0
+    for piece in stream_rebuilt(store, manifest, atom, where):
+        a, b = max(lo - pos, 0), min(hi - pos, len(piece))
+        if a < b:
+            yield piece[a:b]
+        pos += len(piece)
+
+
+def _rounded_space(nbytes: int) -> memoryview:
+    """This thread's reused buffer for rounded weight chunks (apart from the decode buffer they come from)."""
+    buf = getattr(_local, "rounded", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.rounded = np.empty(max(nbytes, codec.GROUP_CHUNK // 2), dtype=np.uint8)
+    return memoryview(buf)[:nbytes]
+
+
+def stream_rebuilt(store: Repository, manifest: int, atom: AtomRecord, where: str) -> Iterator[memoryview]:
+    """A derived weight's bytes in order, each master chunk rounded as it is decoded; the
+    weight's own hash is checked after the last chunk (so, as with :func:`stream_blob`, what
+    is yielded goes into staged output). Memory stays at a chunk whatever the tensor's size."""
+    if atom.derived != ROUND_FROM_MASTER:
+        raise CorruptStoreError(f"{where}: unknown derivation {atom.derived!r}; upgrade tailorstore")
+    if atom.start != 0:
+        raise CorruptStoreError(f"{where}: the derived weight of {atom.param} does not start at its first element")
+    pieces = store.index.atoms(manifest, param=atom.param, kind=MASTER, derived=False)
+    unique = sorted({(p.start, p.numel): p for p in pieces}.items())
+    hasher = xxhash.xxh3_128()
+    cursor = 0
+    for (start, numel), piece in unique:
+        if start != cursor or start + numel > atom.numel:
+            break
+        for chunk in stream_atom(store, manifest, piece, 0, piece.nbytes, where):
+            rounded = _rounded_space(len(chunk) // 2)
+            round_into(chunk, atom.dtype, rounded)
+            hasher.update(rounded)
+            yield rounded
+        cursor += numel
+    if cursor != atom.numel:
+        raise CorruptStoreError(f"{where}: the FP32 master of {atom.param} is incomplete; cannot rebuild its weight")
+    if hasher.hexdigest() != atom.blob:
+        raise CorruptStoreError(f"{where}: the weight rebuilt from the master of {atom.param} does not match its hash")
+
+
 def decode_atom_into(store: Repository, manifest: int, atom: AtomRecord, dest: memoryview, where: str) -> None:
     """Fill ``dest`` with one atom's bytes, from its blob or rebuilt from its master; hash-checked."""
     if atom.derived is None:
         decode_stored_atom(store, blob_of(store, atom.blob, where), dest, where)
         return
-    if atom.derived != ROUND_FROM_MASTER:
-        raise CorruptStoreError(f"{where}: unknown derivation {atom.derived!r}; upgrade tailorstore")
-    pieces = store.index.atoms(manifest, param=atom.param, kind=MASTER, derived=False)
-    unique = {(p.start, p.numel): p for p in pieces}
-    master = memoryview(bytearray(4 * atom.numel))
-    cursor = 0
-    for (start, numel), piece in sorted(unique.items()):
-        if start != cursor:
-            break
-        decode_atom_into(store, manifest, piece, master[4 * start : 4 * (start + numel)], where)
-        cursor += numel
-    if cursor != atom.numel:
-        raise CorruptStoreError(f"{where}: the FP32 master of {atom.param} is incomplete; cannot rebuild its weight")
     if len(dest) != 2 * atom.numel:
         raise CorruptStoreError(f"{where}: {atom.numel} {atom.dtype} elements cannot fill {len(dest)} bytes")
-    round_into(master, atom.dtype, dest)
-    if codec.content_hash(dest) != atom.blob:
-        raise CorruptStoreError(f"{where}: the weight rebuilt from the master of {atom.param} does not match its hash")
+    pos = 0
+    for piece in stream_rebuilt(store, manifest, atom, where):
+        dest[pos : pos + len(piece)] = piece
+        pos += len(piece)
 
 
 def decode_atom(store: Repository, manifest: int, atom: AtomRecord, where: str) -> memoryview:
@@ -63,11 +144,3 @@ def decode_atom(store: Repository, manifest: int, atom: AtomRecord, where: str) 
     out = memoryview(bytearray(atom.nbytes))
     decode_atom_into(store, manifest, atom, out, where)
     return out
-
-
-def rebuilt_weight(store: Repository, manifest: int, param: str, where: str) -> memoryview:
-    """The bytes of a derived weight, rebuilt from its masters and checked."""
-    derived = store.index.atoms(manifest, param=param, derived=True)
-    if not derived:
-        raise CorruptStoreError(f"{where}: {param} has no derived weight to rebuild")
-    return decode_atom(store, manifest, derived[0], f"{where}, {param}")

@@ -14,10 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import xxhash
-
-from . import codec, placement
-from .atom_reader import blob_of
+from . import placement
+from .atom_reader import blob_of, stream_blob
 from .errors import CorruptStoreError, UnsafePickleError
 from .formats.kinds import RAW, SAFETENSORS, TORCH
 from .formats.layout import DEEPSPEED_TAG
@@ -133,14 +131,6 @@ def write_step_files(
 def write_raw_blob(store: Repository, digest: str, target: Path, where: str) -> None:
     """A whole-file blob, streamed through one reused buffer and hash-checked: memory stays at a chunk."""
     row = blob_of(store, digest, where)
-    buf = memoryview(bytearray(min(codec.MAX_CHUNK, max(row.raw_size, 1))))
-    hasher = xxhash.xxh3_128()
-    with store.open_blob(row.hash, where) as src, open(target, "wb") as out:
-        for piece in codec.decode_pieces(row.codec, src, row.raw_size, lambda n: buf[:n], f"{where}: blob {row.hash}"):
-            hasher.update(piece)
+    with open(target, "wb") as out:
+        for piece in stream_blob(store, row, 0, row.raw_size, where):
             out.write(piece)
-    if hasher.hexdigest() != row.hash:
-        raise CorruptStoreError(
-            f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). "
-            "Run `verify(deep=True)` to find every damaged blob."
-        )

@@ -4,8 +4,9 @@ DeepSpeed scatters a parameter's FP32 master over the ranks' flat partitions; th
 records each piece's parameter and element range, and the model-states file's own pickle
 (kept as the file's skeleton) records the full shapes (``param_shapes``), the buffers and the
 tied parameters. Together they say, for every tensor of the model's state dict, which atoms
-tile it, without reading a byte of tensor data. Export and the universal writer read tensors
-through :func:`read_float32`, one at a time, so memory stays at the largest tensor.
+tile it, without reading a byte of tensor data. Export reads tensors through
+:func:`read_float32`, one at a time (memory at the largest tensor); the universal and
+resharded writers stream them (:func:`stream_elements`), so their memory stays at a chunk.
 
 Values come from the FP32 master where there is one (what ``zero_to_fp32`` returns), else from
 the module's own weight (ZeRO 0 in fp32, frozen parameters), widened exactly to float32.
@@ -14,6 +15,7 @@ the module's own weight (ZeRO 0 in fp32, frozen parameters), widened exactly to 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import PurePosixPath
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .atom_reader import blob_of, decode_atom_into, decode_stored_atom
+from .atom_reader import blob_of, decode_atom_into, decode_stored_atom, stream_atom
 from .atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
 from .errors import CorruptStoreError, StoreError
 from .formats import deepspeed as ds
@@ -238,9 +240,47 @@ def read_float32(store: Repository, view: ModelView, tensor: ModelTensor) -> np.
     return np.ascontiguousarray(widened(raw, tensor.dtype), dtype=np.float32)
 
 
+def look_up_rows(store: Repository, view: ModelView, tensor: ModelTensor) -> None:
+    """Add the blob rows of ``tensor``'s stored atoms to ``view.rows``, so that streaming it
+    (:func:`stream_elements`) needs no SQL and can run on a writer thread."""
+    where = f"step {view.step}, {tensor.name}"
+    for atom in tensor.atoms:
+        if atom.derived is None and atom.blob not in view.rows:
+            view.rows[atom.blob] = blob_of(store, atom.blob, where)
+
+
+def stream_elements(
+    store: Repository, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
+) -> Iterator[memoryview]:
+    """Elements ``[start, start + count)`` of ``tensor`` as raw bytes in its atoms' dtype, in order,
+    a chunk at a time (:func:`~tailorstore.atom_reader.stream_atom`: every atom hash-checked whole,
+    each view valid until the next). Writers of whole files (universal, reshard) stream through
+    this, so memory stays at a chunk, not at the largest tensor."""
+    end = tensor.numel if count is None else start + count
+    if not 0 <= start <= end <= tensor.numel:
+        raise StoreError(f"step {view.step}: elements [{start}, {end}) lie outside {tensor.name} ({tensor.numel})")
+    size = DTYPES[tensor.dtype].itemsize
+    where = f"step {view.step}, {tensor.name}"
+    for atom in tensor.atoms:
+        lo, hi = max(start, atom.start), min(end, atom.start + atom.numel)
+        if lo < hi:
+            yield from stream_atom(
+                store, view.manifest, atom, (lo - atom.start) * size, (hi - atom.start) * size, where,
+                view.rows.get(atom.blob),
+            )  # fmt: skip
+
+
+def stream_float32(
+    store: Repository, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
+) -> Iterator[memoryview]:
+    """:func:`stream_elements` as float32: a master as stored, a weight widened exactly chunk by chunk."""
+    for piece in stream_elements(store, view, tensor, start, count):
+        yield piece if tensor.dtype == "float32" else memoryview(widened(piece, tensor.dtype)).cast("B")
+
+
 def committed_tree(store: Repository, manifest: int, row: FileRecord, where: str) -> Any:
-    """A committed torch file's object tree, each tensor a :class:`TensorOut` whose bytes are read
-    from its atoms (hash-checked) only when written: a file is re-pickled holding one tensor at a time."""
+    """A committed torch file's object tree, each tensor a :class:`TensorOut` whose bytes stream
+    from its atoms (hash-checked) only as it is written: a file is re-pickled holding a chunk at a time."""
     tree = skeleton_tree(store, row, where)
     if slots_of(tree):  # a skeleton torch.save wrote already holds its slots
         skeleton, slots = tree, slots_of(tree)
@@ -251,22 +291,22 @@ def committed_tree(store: Repository, manifest: int, row: FileRecord, where: str
     for atom in store.index.atoms(manifest, path=row.path):
         by_slot[atom.slot].append(atom)
     tensors = {
-        s.slot: TensorOut(s.dtype, tuple(s.shape), partial(_slot_bytes, store, manifest, s, by_slot[s.slot], where))
+        s.slot: TensorOut(s.dtype, tuple(s.shape), partial(_slot_chunks, store, manifest, s, by_slot[s.slot], where))
         for s in slots
     }
     return fill_tensors(skeleton, tensors)
 
 
-def _slot_bytes(store: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str) -> memoryview:
-    size = DTYPES[slot.dtype].itemsize
+def _slot_chunks(
+    store: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str
+) -> Iterator[memoryview]:
+    """A tensor slot's bytes streamed from its atoms in file order (a chunk in memory at a time)."""
     numel = numel_of(tuple(slot.shape))
-    out = memoryview(bytearray(numel * size))
     cursor = 0
     for atom in sorted(atoms, key=lambda a: a.offset):
         if atom.offset != cursor:
             raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} leave a gap at element {cursor}")
-        decode_atom_into(store, manifest, atom, out[cursor * size : (cursor + atom.numel) * size], where)
+        yield from stream_atom(store, manifest, atom, 0, atom.nbytes, where)
         cursor += atom.numel
     if cursor != numel:
         raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} cover {cursor} of {numel} elements")
-    return out

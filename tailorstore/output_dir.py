@@ -12,11 +12,14 @@ import os
 import secrets
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from .errors import StoreError
-from .store.posix import fsync_path
+from .formats.torch_save_writer import write_torch_save_to
+from .store.posix import fsync_path, start_writeback
 from .store.repo import Repository
 
 
@@ -39,11 +42,34 @@ def prepare_out(out: Path, store: Repository) -> Path:
     return tmp
 
 
+def write_torch_file(path: Path, tree: Any) -> None:
+    """A torch file of the output, tensors given as chunks streamed straight through; once it is
+    complete the kernel is asked to start writing it back, so the disk works while the next
+    file is decoded and the closing :func:`fsync_tree` finds little left. (Through the page
+    cache: for the many small files of a universal checkpoint, measured faster than checkout's
+    ``O_DIRECT`` writes, each of which waits for the disk.)"""
+    with open(path, "wb") as f:
+        write_torch_save_to(f, path.stem or "archive", tree)
+        f.flush()
+        start_writeback(f.fileno())
+
+
+FSYNC_THREADS = 16
+
+
 def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root``, many at once: each fsync of a new file waits for
+    a journal commit, and concurrent ones share commits (hundreds of small files of a universal
+    checkpoint take one or two commits' time instead of one each; a ``syncfs`` would also flush
+    whatever else on that file system is dirty, such as a training run's own saves)."""
+    paths: list[Path] = []
+    folders: list[Path] = []
     for folder, _dirs, names in os.walk(root):
-        for name in names:
-            fsync_path(Path(folder) / name)
-        fsync_path(Path(folder))
+        paths += [Path(folder) / name for name in names]
+        folders.append(Path(folder))
+    with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="tailor-fsync") as pool:
+        list(pool.map(fsync_path, paths))
+        list(pool.map(fsync_path, folders))
 
 
 def publish(tmp: Path, out: Path) -> None:

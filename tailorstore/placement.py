@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from . import codec
-from .atom_reader import rebuilt_weight
+from .atom_reader import stream_atom
 from .atoms import MASTER
 from .errors import CorruptStoreError
 from .formats.kinds import TORCH
@@ -93,6 +93,7 @@ class _Weight:
     blob: str
     layer: str
     budget: _Budget
+    atom: AtomRecord  # the derived atom, for rebuilding it when its masters are not among the files
     covered: list[tuple[int, int]] = field(default_factory=list)
     hasher: Any = field(default_factory=xxhash.xxh3_128)
     hashed: int = 0  # elements hashed, in order
@@ -239,7 +240,7 @@ def _derived_weights(atoms: dict[str, list[AtomRecord]], targets: dict[str, _Tar
             if a.derived != ROUND_FROM_MASTER or a.start != 0:
                 raise CorruptStoreError(f"{targets[path].where}: unknown derivation {a.derived!r}; upgrade tailorstore")
             weights.setdefault(a.param, []).append(
-                _Weight(targets[path], a.file_offset or 0, a.dtype, a.numel, a.blob, a.layer, budget)
+                _Weight(targets[path], a.file_offset or 0, a.dtype, a.numel, a.blob, a.layer, budget, a)
             )
     return weights
 
@@ -305,9 +306,12 @@ def _check_weights(store: Repository, manifest: int, step: int, weights: dict[st
     """Every derived weight fully rebuilt from masters, and equal to its recorded hash."""
     for param, w in ((param, w) for param, copies in weights.items() for w in copies):
         where = f"{w.target.where}, layer {w.layer}, {param} (weight, rebuilt from its FP32 master)"
-        if gaps(w.numel, w.covered):  # its masters are in a file written by re-pickling
-            w.target.out.pwrite(rebuilt_weight(store, manifest, param, f"step {step}"), w.offset)  # hash checked below
-            w.read_back = True
+        if gaps(w.numel, w.covered):  # its masters are not among these files: round them as they stream
+            pos = w.offset
+            for piece in stream_atom(store, manifest, w.atom, 0, w.numel * WEIGHT_ITEMSIZE, where):
+                w.target.out.pwrite(piece, pos)
+                pos += len(piece)
+            continue  # stream_atom checked the weight's hash
         if not w.read_back and w.hashed == w.numel:
             if w.hasher.hexdigest() != w.blob:
                 raise CorruptStoreError(f"{where}: the weight rebuilt from the master does not match its hash")

@@ -26,22 +26,27 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
-
-import numpy as np
 
 from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER
 from .checkout import write_step_files
 from .errors import StoreError
 from .formats import deepspeed as ds
 from .formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_class
-from .formats.torch_save_writer import TensorOut, write_torch_save
-from .formats.zero_partitions import zero3_pieces, zero12_pieces
-from .model_tensors import ModelView, committed_tree, model_view, rank0_optimizer_file, read_float32, read_raw
-from .output_dir import staged
+from .formats.torch_save_writer import TensorOut
+from .formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
+from .model_tensors import (
+    ModelView,
+    committed_tree,
+    model_view,
+    rank0_optimizer_file,
+    stream_elements,
+    stream_float32,
+)
+from .output_dir import staged, write_torch_file
 from .progress import Progress, Silent
 from .store.records import FileRecord
 from .store.repo import Repository
@@ -150,60 +155,54 @@ def plan_reshard(view: ModelView, optimizer: FileRecord, tree: Any, world: int, 
     return ReshardPlan(tag, folder, world, target, source, groups, aligned, view.states_file, optimizer, prefix)
 
 
-class _Params:
-    """Whole parameters' states read from the store, the last one of each kind kept: a parameter
-    that straddles two partitions is read once, not twice."""
+class _States:
+    """The parameters' states as chunk streams: a partition is written piece by piece straight
+    from the atoms (a parameter that straddles two partitions is decoded for each), so memory
+    stays at a chunk whatever the partition's size."""
 
     def __init__(self, store: Repository, view: ModelView) -> None:
         self.store, self.view = store, view
-        self.tensors = {t.name: t for t in view.tensors if t.kind == MASTER}
-        self.last: dict[str, tuple[str, np.ndarray]] = {}
+        self.masters = {t.name: t for t in view.tensors if t.kind == MASTER}
 
-    def values(self, name: str, kind: str) -> np.ndarray:
-        cached = self.last.get(kind)
-        if cached is not None and cached[0] == name:
-            return cached[1]
-        master = self.tensors[name]
+    def chunks(self, name: str, kind: str, start: int, numel: int) -> Iterator[memoryview]:
+        master = self.masters[name]
         if kind == MASTER:
-            data = read_float32(self.store, self.view, master)
-        else:
-            data = np.frombuffer(read_raw(self.store, self.view, self.view.state(name, kind, master.shape)), np.float32)
-        self.last[kind] = (name, data)
-        return data
+            return stream_float32(self.store, self.view, master, start, numel)
+        return stream_elements(self.store, self.view, self.view.state(name, kind, master.shape), start, numel)
 
 
-Build = Callable[[], memoryview]
+Chunks = Callable[[], Iterator[memoryview]]
+_ZEROS = memoryview(bytes(1 << 20))
 
 
-def _zero12_flat(params: _Params, plan: ReshardPlan, group: int, rank: int, kind: str, length: int) -> Build:
-    def build() -> memoryview:
-        partition, _ = plan.zero12_partition(group)
-        paddings = plan.alignment_paddings[group] if plan.alignment_paddings else None
-        out = np.zeros(length, dtype=np.float32)
-        for piece in zero12_pieces(plan.groups[group], paddings, rank, partition, length):
-            if piece.param is not None:
-                out[piece.offset : piece.offset + piece.numel] = params.values(piece.param, kind)[
-                    piece.start : piece.start + piece.numel
-                ]
-        return memoryview(out).cast("B")
-
-    return build
+def _zeros(nbytes: int) -> Iterator[memoryview]:
+    for at in range(0, nbytes, len(_ZEROS)):
+        yield _ZEROS[: min(len(_ZEROS), nbytes - at)]
 
 
-def _zero3_flat(params: _Params, plan: ReshardPlan, group: int, rank: int, kind: str) -> tuple[int, Build]:
+def _flat(states: _States, pieces: list[Piece], kind: str) -> Chunks:
+    """A flat float32 partition, its parameters' pieces and paddings end to end."""
+
+    def chunks() -> Iterator[memoryview]:
+        for piece in pieces:
+            if piece.param is None:
+                yield from _zeros(4 * piece.numel)
+            else:
+                yield from states.chunks(piece.param, kind, piece.start, piece.numel)
+
+    return chunks
+
+
+def _zero12_flat(states: _States, plan: ReshardPlan, group: int, rank: int, kind: str, length: int) -> Chunks:
+    partition, _ = plan.zero12_partition(group)
+    paddings = plan.alignment_paddings[group] if plan.alignment_paddings else None
+    return _flat(states, zero12_pieces(plan.groups[group], paddings, rank, partition, length), kind)
+
+
+def _zero3_flat(states: _States, plan: ReshardPlan, group: int, rank: int, kind: str) -> tuple[int, Chunks]:
     shapes = plan.groups[group]
     length = sum(math.ceil(n / plan.world) for _, n in shapes)
-
-    def build() -> memoryview:
-        out = np.zeros(length, dtype=np.float32)
-        for piece in zero3_pieces(shapes, plan.world, rank, length):
-            if piece.param is not None:
-                out[piece.offset : piece.offset + piece.numel] = params.values(piece.param, kind)[
-                    piece.start : piece.start + piece.numel
-                ]
-        return memoryview(out).cast("B")
-
-    return length, build
+    return length, _flat(states, zero3_pieces(shapes, plan.world, rank, length), kind)
 
 
 def _fragment(numel: int, start: int) -> Opaque:
@@ -212,7 +211,7 @@ def _fragment(numel: int, start: int) -> Opaque:
     return address
 
 
-def _rank_zero12(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> dict:
+def _rank_zero12(saved: dict, states: _States, plan: ReshardPlan, rank: int) -> dict:
     """Rank ``rank``'s optimizer_state_dict at the new world size, keys in the saved order."""
     last = plan.world - 1
     out: dict[str, Any] = {}
@@ -225,7 +224,7 @@ def _rank_zero12(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> 
                 g = group_of.get(str(state_key), int(state_key) if isinstance(state_key, int) else 0)
                 partition, _ = plan.zero12_partition(g)
                 state[state_key] = {
-                    k: (TensorOut("float32", (partition,), _zero12_flat(params, plan, g, rank, k, partition))
+                    k: (TensorOut("float32", (partition,), _zero12_flat(states, plan, g, rank, k, partition))
                         if k in (EXP_AVG, EXP_AVG_SQ) else v)
                     for k, v in group_state.items()
                 }  # fmt: skip
@@ -235,7 +234,7 @@ def _rank_zero12(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> 
             for g in range(len(plan.groups)):
                 partition, padding = plan.zero12_partition(g)
                 length = partition - (padding if rank == last else 0)
-                flats.append(TensorOut("float32", (length,), _zero12_flat(params, plan, g, rank, MASTER, length)))
+                flats.append(TensorOut("float32", (length,), _zero12_flat(states, plan, g, rank, MASTER, length)))
             out[key] = flats
         elif key == "group_paddings":
             out[key] = [plan.zero12_partition(g)[1] if rank == last else 0 for g in range(len(plan.groups))]
@@ -258,7 +257,7 @@ def _rank_zero12(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> 
     return out
 
 
-def _rank_zero3(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> dict:
+def _rank_zero3(saved: dict, states: _States, plan: ReshardPlan, rank: int) -> dict:
     out: dict[str, Any] = {}
     inner = saved["optimizer_state_dict"]
     group_of = ds.group_of_state_key(inner.get("param_groups") or [])
@@ -266,7 +265,7 @@ def _rank_zero3(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> d
         if key == "fp32_flat_groups":
             flats = []
             for g in range(len(plan.groups)):
-                length, build = _zero3_flat(params, plan, g, rank, MASTER)
+                length, build = _zero3_flat(states, plan, g, rank, MASTER)
                 flats.append(TensorOut("float32", (length,), build))
             out[key] = flats
         elif key == "optimizer_state_dict":
@@ -276,7 +275,7 @@ def _rank_zero3(saved: dict, params: _Params, plan: ReshardPlan, rank: int) -> d
                 moments = {}
                 for k, v in group_state.items():
                     if k in (EXP_AVG, EXP_AVG_SQ):
-                        length, build = _zero3_flat(params, plan, g, rank, k)
+                        length, build = _zero3_flat(states, plan, g, rank, k)
                         moments[k] = TensorOut("float32", (length,), build)
                     else:
                         moments[k] = v
@@ -327,7 +326,7 @@ def checkout_resharded(
     in_tag = [f for f in files if str(PurePosixPath(f.path).parent) == plan.folder]
     extras = [f for f in in_tag if not _is_zero_file(f)]  # anything else DeepSpeed's tag folder held
     others = [f for f in files if str(PurePosixPath(f.path).parent) != plan.folder]
-    params = _Params(store, view)
+    states = _States(store, view)
     progress = progress or Silent()
     count = 0
     try:
@@ -338,12 +337,12 @@ def checkout_resharded(
             write_step_files(store, facts, others, tmp)
             write_step_files(store, facts, extras, tmp if plan.folder != "." else tag_dir)
             for name in plan.states_names():
-                write_torch_save(tag_dir / name, states_tree)
+                write_torch_file(tag_dir / name, states_tree)
             for rank in range(plan.world):
                 osd = saved_tree["optimizer_state_dict"]
                 rebuild = _rank_zero3 if plan.stage == 3 else _rank_zero12
-                rebuilt = rebuild(osd, params, plan, rank)
-                write_torch_save(tag_dir / plan.optimizer_name(rank), {**saved_tree, "optimizer_state_dict": rebuilt})
+                rebuilt = rebuild(osd, states, plan, rank)
+                write_torch_file(tag_dir / plan.optimizer_name(rank), {**saved_tree, "optimizer_state_dict": rebuilt})
                 progress.advance(1)
             if not (tmp / "latest").exists():
                 (tmp / "latest").write_text(plan.tag)  # `engine.load_checkpoint(out)` finds the tag by it

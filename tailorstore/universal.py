@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -28,19 +31,21 @@ from .checkout import write_step_files
 from .errors import StoreError
 from .formats import deepspeed as ds
 from .formats.kinds import TORCH
-from .formats.torch_save_writer import TensorOut, write_torch_save
+from .formats.torch_save_writer import TensorOut
 from .model_tensors import (
     ModelTensor,
     ModelView,
     committed_tree,
+    look_up_rows,
     model_view,
     rank0_optimizer_file,
-    read_float32,
     read_raw,
     skeleton_tree,
+    stream_elements,
+    stream_float32,
     tiling,
 )
-from .output_dir import staged
+from .output_dir import staged, write_torch_file
 from .paths import safe_join
 from .progress import Progress, Silent
 from .store.records import FileRecord
@@ -50,6 +55,7 @@ from .thinning import refuse_thinned
 UNIVERSAL = "universal"
 LATEST_UNIVERSAL = "latest_universal"
 # What ds_to_universal leaves out of optimizer_state.pt: the per-rank partitions it writes per parameter.
+WRITERS = 3  # on 2 cores: two decode and write while a third waits for its reads
 _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 
 
@@ -123,12 +129,27 @@ def _optimizer_state(store: Repository, manifest: int, row: FileRecord, where: s
     return out
 
 
-def _state_file(tensor: ModelTensor, data: memoryview | bytes, stage: int) -> Any:
+def _state_file(tensor: ModelTensor, data: Callable[[], Iterator[memoryview]], stage: int) -> Any:
     """What ds_to_universal puts in fp32.pt, exp_avg.pt and exp_avg_sq.pt: under ZeRO 1/2 a dict of
     the tensor in its shape and the dimension tensor parallelism would cut; under ZeRO 3 the flat tensor."""
     if stage == 3:
         return TensorOut("float32", (tensor.numel,), data)
     return {"cat_dim": 0, "param": TensorOut("float32", tensor.shape, data)}
+
+
+def _write_all(jobs: list[tuple[Path, Any, int]], progress: Progress) -> None:
+    """Write the per-parameter files on :data:`WRITERS` threads: one waits on the store's disk
+    while others decode and write (preadv, zstd, numpy, crc32 and file writes release the GIL)."""
+    with ThreadPoolExecutor(WRITERS, thread_name_prefix="tailor-universal") as pool:
+        futures = {pool.submit(write_torch_file, path, tree): elements for path, tree, elements in jobs}
+        try:
+            for future in as_completed(futures):
+                future.result()
+                progress.advance(futures[future])
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
 
 
 def checkout_universal(
@@ -171,21 +192,24 @@ def checkout_universal(
             write_step_files(store, facts, states, tmp if folder != "." else tag_dir)
             write_step_files(store, facts, others, tmp)
             count += len(states) + len(others)
+            jobs: list[tuple[Path, Any, int]] = []  # (file, what it holds, its bytes for the progress bar)
             for tensor in trainable:
                 param_dir = safe_join(tag_dir / "zero", tensor.name)
                 param_dir.mkdir(parents=True)
-                fp32 = read_float32(store, view, tensor)
-                write_torch_save(param_dir / "fp32.pt", _state_file(tensor, memoryview(fp32).cast("B"), stage))
+                # each file streamed from its atoms a chunk at a time (memory stays at a chunk)
+                contents = {"fp32": partial(stream_float32, store, view, tensor)}
                 for kind in (EXP_AVG, EXP_AVG_SQ):
                     state = _whole(view, tensor.name, kind, tensor.shape)
-                    data = read_raw(store, view, state)
-                    write_torch_save(param_dir / f"{kind}.pt", _state_file(tensor, data, stage))
+                    look_up_rows(store, view, state)  # here: the writer threads must not touch the index
+                    contents[kind] = partial(stream_elements, store, view, state)
+                for name, chunks in contents.items():
+                    jobs.append((param_dir / f"{name}.pt", _state_file(tensor, chunks, stage), tensor.numel * 4))
                 step = _step_tensor(store, view, tensor.name) if stage != 3 else None
                 if step is not None:
-                    write_torch_save(param_dir / "step.pt", step)
-                count += 4 if step is not None else 3
-                progress.advance(tensor.numel * 12)
-            write_torch_save(tag_dir / "zero" / "optimizer_state.pt", settings)
+                    jobs.append((param_dir / "step.pt", step, 0))
+            _write_all(jobs, progress)
+            count += len(jobs)
+            write_torch_file(tag_dir / "zero" / "optimizer_state.pt", settings)
             (tmp / LATEST_UNIVERSAL).write_text(tag)
             count += 2
             written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())

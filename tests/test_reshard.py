@@ -8,12 +8,14 @@ the same way."""
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import Run, Runs, as_of_step, tailor
+from conftest import Run, Runs, as_of_step, blob_object, tailor
 from test_universal import ds_to_universal
 
 import tailorstore
@@ -208,3 +210,42 @@ def test_what_cannot_be_produced_is_refused_before_writing(runs: Runs, tmp_path:
         assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, (extra, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert not out.exists() and not list(tmp_path.glob(".out.tailor-partial-*"))
+
+
+def _last_raw_plane_byte(stored: bytes) -> int:
+    """The offset of a byte inside the last raw-stored plane of a bytegroup-zstd blob (a flip there
+    decodes cleanly, so only the hash check, after the whole atom has streamed out, can catch it)."""
+    found, at = -1, 0
+    while at < len(stored):
+        _raw, planes = struct.unpack_from("<IB", stored, at)
+        at += 5
+        specs = [struct.unpack_from("<BI", stored, at + 5 * i) for i in range(planes)]
+        at += 5 * planes
+        for mode, length in specs:
+            if mode == 0 and length:
+                found = at + length // 2
+            at += length
+    assert found >= 0, "no raw plane in this blob"
+    return found
+
+
+@pytest.mark.parametrize("kind", ["master", "exp_avg"])
+def test_a_damaged_blob_stops_a_streamed_checkout_with_nothing_published(runs: Runs, tmp_path: Path, kind: str) -> None:
+    """Universal and resharded checkouts stream each tensor from its atoms and check an atom's hash
+    only after its last chunk is written: a flipped byte must still end in exit 3 and no output."""
+    store = tmp_path / "store"
+    with tailorstore.Store.init(store) as st:
+        st.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
+        atom = max(st.repo.index.atoms(1, kind=kind), key=lambda a: a.nbytes)
+        assert json.loads(st.repo.blob(atom.blob).codec)["id"] == "bytegroup-zstd"
+        file, start, size = blob_object(st.repo, atom.blob)
+    file.chmod(0o644)
+    data = bytearray(file.read_bytes())
+    data[start + _last_raw_plane_byte(bytes(data[start : start + size]))] ^= 0x01
+    file.write_bytes(bytes(data))
+    for extra in (["--format", "universal"], ["--world-size", "1"], ["--world-size", "3"]):
+        out = tmp_path / "out"
+        proc = tailor("checkout", f"step={STEP}", "--out", str(out), *extra, store=store)
+        assert proc.returncode == 3 and "does not match its hash" in proc.stderr, (extra, proc.stderr)
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not out.exists() and not list(tmp_path.glob(".out.tailor-partial-*")), extra

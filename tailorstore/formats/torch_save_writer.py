@@ -17,10 +17,10 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 from .tensor_ref import contiguous_strides, nbytes_of, numel_of
 from .torch_pickle import DTypeName, Opaque
@@ -48,28 +48,40 @@ class GlobalName:
     name: str
 
 
+Bytes = memoryview | bytes | bytearray
+
+
 @dataclass
 class TensorOut:
     """A contiguous tensor to write: dtype (torch's name), shape and its bytes, or a function that
-    returns them when the record is written (so a file's tensors are held one at a time)."""
+    returns them when the record is written, whole or as an iterable of chunks (so a file's
+    tensors are held one at a time, or only a chunk of one at a time)."""
 
     dtype: str
     shape: tuple[int, ...]
-    data: memoryview | bytes | Callable[[], memoryview | bytes]
+    data: Bytes | Callable[[], Bytes | Iterable[Bytes]]
 
     @property
     def nbytes(self) -> int:
         return nbytes_of(self.dtype, self.shape)
 
     def __post_init__(self) -> None:
-        if not callable(self.data) and len(self.data) != self.nbytes:
-            raise ValueError(f"{len(self.data)} bytes for a {self.dtype} tensor of shape {self.shape}")
+        if not callable(self.data) and _size(self.data) != self.nbytes:
+            raise ValueError(f"{_size(self.data)} bytes for a {self.dtype} tensor of shape {self.shape}")
 
-    def payload(self) -> memoryview | bytes:
+    def chunks(self) -> Iterator[Bytes]:
+        """The tensor's bytes in order; raises once they come out at another length than its shape's."""
         data = self.data() if callable(self.data) else self.data
-        if len(data) != self.nbytes:
-            raise ValueError(f"{len(data)} bytes for a {self.dtype} tensor of shape {self.shape}")
-        return data
+        total = 0
+        for piece in (data,) if isinstance(data, memoryview | bytes | bytearray) else data:
+            total += _size(piece)
+            yield piece
+        if total != self.nbytes:
+            raise ValueError(f"{total} bytes for a {self.dtype} tensor of shape {self.shape}")
+
+
+def _size(data: Bytes) -> int:
+    return data.nbytes if isinstance(data, memoryview) else len(data)
 
 
 class _Pickler(pickle._Pickler):  # type: ignore[misc]  # the pure-Python pickler: its dispatch is extendable
@@ -154,8 +166,17 @@ def _aligned_info(name: str, offset: int, size: int) -> zipfile.ZipInfo:
 
 def write_torch_save(path: Path, tree: Any) -> None:
     """``torch.save(tree, path)``, byte-compatible for ``torch.load``, without torch."""
+    with open(path, "wb") as f:
+        write_torch_save_to(f, path.stem or "archive", tree)
+
+
+def write_torch_save_to(f: BinaryIO, archive: str, tree: Any) -> None:
+    """:func:`write_torch_save` into ``f``, a new seekable binary file (the caller chooses how its
+    bytes reach the disk), under the archive folder name torch would take from the file's name.
+
+    Each tensor record is written as its chunks come (zipfile keeps the CRC as it goes), so a
+    tensor given as chunks is never whole in memory."""
     pickled, tensors = dumps(tree)
-    archive = path.stem or "archive"
     records: list[tuple[str, bytes | TensorOut]] = [
         (f"{archive}/data.pkl", pickled),
         (f"{archive}/.format_version", b"1"),
@@ -164,9 +185,10 @@ def write_torch_save(path: Path, tree: Any) -> None:
     ]
     records += [(f"{archive}/data/{i}", t) for i, t in enumerate(tensors)]
     records.append((f"{archive}/version", b"3\n"))
-    with open(path, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
+    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
         for name, record in records:
-            data = record.payload() if isinstance(record, TensorOut) else record
-            info = _aligned_info(name, f.tell(), len(data))
+            size = record.nbytes if isinstance(record, TensorOut) else len(record)
+            info = _aligned_info(name, f.tell(), size)
             with zf.open(info, "w") as out:
-                out.write(data)
+                for piece in record.chunks() if isinstance(record, TensorOut) else (record,):
+                    out.write(piece)
