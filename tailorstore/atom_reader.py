@@ -7,20 +7,17 @@ reader can skip the hash check or rebuild a weight differently from the others.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
-import numpy as np
 import xxhash
 
 from . import codec
 from .atoms import MASTER
 from .errors import CorruptStoreError
-from .rounding import ROUND_FROM_MASTER, round_into
+from .rounding import ROUND_FROM_MASTER, rounded_chunks
 from .store.records import AtomRecord, BlobRecord
 from .store.repo import Repository
-
-_local = threading.local()
+from .thread_buffers import thread_buffer
 
 
 def blob_of(store: Repository, digest: str, where: str) -> BlobRecord:
@@ -43,10 +40,7 @@ def decode_stored_atom(store: Repository, row: BlobRecord, dest: memoryview, whe
 
 def _chunk_space(nbytes: int) -> memoryview:
     """This thread's reused decode buffer (one chunk): streaming never allocates per chunk."""
-    buf = getattr(_local, "chunk", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _local.chunk = np.empty(max(nbytes, codec.GROUP_CHUNK), dtype=np.uint8)
-    return memoryview(buf)[:nbytes]
+    return memoryview(thread_buffer("atom-chunk", nbytes, codec.GROUP_CHUNK))
 
 
 def stream_blob(store: Repository, row: BlobRecord, lo: int, hi: int, where: str) -> Iterator[memoryview]:
@@ -91,14 +85,6 @@ def stream_atom(
         pos += len(piece)
 
 
-def _rounded_space(nbytes: int) -> memoryview:
-    """This thread's reused buffer for rounded weight chunks (apart from the decode buffer they come from)."""
-    buf = getattr(_local, "rounded", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _local.rounded = np.empty(max(nbytes, codec.GROUP_CHUNK // 2), dtype=np.uint8)
-    return memoryview(buf)[:nbytes]
-
-
 def stream_rebuilt(store: Repository, manifest: int, atom: AtomRecord, where: str) -> Iterator[memoryview]:
     """A derived weight's bytes in order, each master chunk rounded as it is decoded; the
     weight's own hash is checked after the last chunk (so, as with :func:`stream_blob`, what
@@ -114,9 +100,9 @@ def stream_rebuilt(store: Repository, manifest: int, atom: AtomRecord, where: st
     for (start, numel), piece in unique:
         if start != cursor or start + numel > atom.numel:
             break
-        for chunk in stream_atom(store, manifest, piece, 0, piece.nbytes, where):
-            rounded = _rounded_space(len(chunk) // 2)
-            round_into(chunk, atom.dtype, rounded)
+        for rounded in rounded_chunks(
+            stream_atom(store, manifest, piece, 0, piece.nbytes, where), atom.dtype, "rebuilt"
+        ):
             hasher.update(rounded)
             yield rounded
         cursor += numel

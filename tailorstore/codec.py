@@ -41,6 +41,7 @@ import xxhash
 import zstandard
 
 from .errors import CorruptStoreError
+from .thread_buffers import thread_buffer
 
 RAW = "raw"
 ZSTD = "zstd"
@@ -104,15 +105,6 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cache[level]
 
 
-def _scratch(name: str, size: int) -> np.ndarray:
-    """A per-thread buffer that only grows, so its pages are touched once and then reused."""
-    buf = getattr(_local, name, None)
-    if buf is None or len(buf) < size:
-        buf = np.empty(max(size, 1 << 20), dtype=np.uint8)
-        setattr(_local, name, buf)
-    return buf[:size]
-
-
 def encode(data: memoryview, *, itemsize: int = 1, is_float: bool = False, level: int = DEFAULT_LEVEL) -> Encoded:
     """The codec for these bytes; float data streams out chunk by chunk. Thread-safe; parallelism
     comes from the caller's threads, since every codec here releases the GIL."""
@@ -152,7 +144,7 @@ def _bytegroup_chunks(data: memoryview, itemsize: int, level: int) -> Iterator[B
     for first in range(0, len(elements), per_chunk):
         rows = elements[first : first + per_chunk]
         m = len(rows)
-        planes = _scratch("planes", m * itemsize).reshape(itemsize, m)
+        planes = thread_buffer("codec-planes", m * itemsize).reshape(itemsize, m)
         heads: list[bytes] = [_CHUNK_HEAD.pack(m * itemsize, itemsize)]
         payloads: list[BytesLike] = []
         for k in range(itemsize):
@@ -266,7 +258,7 @@ def _read_into(reader: BinaryIO, dest: memoryview) -> int:
 
 
 def _read_exact(source: BinaryIO, n: int, where: str, what: str) -> memoryview:
-    buf = memoryview(_scratch("payload", n))
+    buf = memoryview(thread_buffer("codec-payload", n))
     if _read_into(source, buf) != n:
         raise CorruptStoreError(f"{where}: {what} is cut short; the blob is truncated")
     return buf

@@ -3,8 +3,9 @@
 What ``zero_to_fp32`` does from a checkout, done straight from the atoms: each parameter's
 FP32 master is read piece by piece from every rank's partition (hash-checked), rounded to the
 requested dtype and streamed into ``model.safetensors`` (sharded above ``max_shard_size``,
-with ``model.safetensors.index.json``). One tensor is in memory at a time, and neither torch
-nor DeepSpeed is imported. Tied parameters are written once, under the name DeepSpeed
+with ``model.safetensors.index.json``) a chunk at a time, decoded on a helper thread ahead of
+the writer (:mod:`read_ahead`): memory stays at a few chunks whatever the size of a tensor, and
+neither torch nor DeepSpeed is imported. Tied parameters are written once, under the name DeepSpeed
 registered, as ``save_pretrained`` does; ``from_pretrained`` ties them again from the config.
 
 An HF Trainer checkpoint's ``config.json``, ``generation_config.json`` and tokenizer files are
@@ -18,10 +19,10 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
@@ -37,14 +38,13 @@ from .formats.safetensors_writer import (
     plan_shards,
     shard_names,
 )
-from .model_tensors import ModelTensor, ModelView, model_view, read_float32, read_raw
+from .model_tensors import ModelTensor, ModelView, look_up_rows, model_view, stream_elements, stream_float32
 from .output_dir import staged
 from .progress import Progress, Silent
-from .rounding import round_into
+from .read_ahead import ReadAhead
+from .rounding import rounded_chunks
 from .store.repo import Repository
 
-PREFETCH_BYTES = 64 << 20  # at most this much read ahead (beyond one tensor of any size)
-READERS = 2  # threads that read and decode ahead
 FLUSH_BYTES = 64 << 20  # start writing out every this many bytes
 EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
@@ -92,47 +92,24 @@ def output_specs(view: ModelView, dtype: str) -> list[TensorSpec]:
     return [TensorSpec(t.name, dtype if t.floating else t.dtype, t.shape) for t in view.tensors]
 
 
-def tensor_bytes(store: Repository, view: ModelView, tensor: ModelTensor, dtype: str) -> memoryview:
-    """The tensor's bytes as written: rounded from float32 (ties to even, as torch's ``.to``)."""
+def tensor_chunks(store: Repository, view: ModelView, tensor: ModelTensor, dtype: str) -> Iterator[memoryview]:
+    """The tensor's bytes as written, a chunk at a time (each hash-checked as its blob ends):
+    floating tensors as float32 rounded to ``dtype`` (ties to even, as torch's ``.to``), others
+    (integer buffers) as they are."""
     if not tensor.floating:
-        return read_raw(store, view, tensor)
-    values = read_float32(store, view, tensor)
-    if dtype == "float32":
-        return memoryview(values).cast("B")
-    out = memoryview(bytearray(values.size * 2))
-    round_into(memoryview(values).cast("B"), dtype, out)
-    return out
+        return stream_elements(store, view, tensor)
+    values = stream_float32(store, view, tensor)
+    return values if dtype == "float32" else rounded_chunks(values, dtype)
 
 
-def streamed(store: Repository, view: ModelView, order: list[ModelTensor], dtype: str) -> Iterator[memoryview]:
-    """Each tensor's output bytes in ``order``, the next ones read and decoded on two helper threads
-    while the caller writes this one (zstd, xxh3, numpy and file I/O release the GIL, so both cores
-    work). Tensors are read ahead only while those in flight stay within :data:`PREFETCH_BYTES`, so
-    memory stays at the largest tensor plus that bound."""
-    with ThreadPoolExecutor(READERS, thread_name_prefix="tailor-export") as pool:
-        ahead: deque[Future[memoryview]] = deque()
-        queued, budget = 0, 0  # never queued past a tensor that cannot be read ahead
-        for i, tensor in enumerate(order):
-            if not _prefetchable(tensor):  # derived atoms need the index, on this thread
-                yield tensor_bytes(store, view, tensor, dtype)
-                queued = i + 1
-                continue
-            while queued < len(order) and _prefetchable(order[queued]):
-                if ahead and budget + _cost(order[queued]) > PREFETCH_BYTES:
-                    break
-                ahead.append(pool.submit(tensor_bytes, store, view, order[queued], dtype))
-                budget += _cost(order[queued])
-                queued += 1
-            budget -= _cost(tensor)
-            yield ahead.popleft().result()
-
-
-def _cost(tensor: ModelTensor) -> int:
-    return tensor.numel * 4
-
-
-def _prefetchable(tensor: ModelTensor) -> bool:
-    return all(a.derived is None for a in tensor.atoms)
+def read_ahead(store: Repository, view: ModelView, order: list[ModelTensor], dtype: str) -> ReadAhead:
+    """The tensors of ``order`` decoded on a helper thread while the caller writes (see
+    :mod:`read_ahead`: memory stays at its slots, not at the largest tensor). A derived weight
+    is rebuilt on the caller's thread, which holds the index its master is looked up in."""
+    for tensor in order:
+        look_up_rows(store, view, tensor)  # so that the helper needs no SQL
+    sources = [partial(tensor_chunks, store, view, tensor, dtype) for tensor in order]
+    return ReadAhead(sources, [all(a.derived is None for a in t.atoms) for t in order])
 
 
 class Flusher:
@@ -198,18 +175,23 @@ def export_step(
     try:
         with staged(out, store) as tmp:
             progress.start(f"export step {view.step}", sum(s.nbytes for s in specs))
-            tensors = streamed(store, view, [by_name[s.name] for shard in shards for s in shard], target_dtype)
-            for shard, name in zip(shards, names, strict=True):
-                with open(tmp / name, "wb") as f, Flusher(f) as flusher:
-                    f.write(header_bytes(shard))
-                    for spec in shard:
-                        data = next(tensors)
-                        if len(data) != spec.nbytes:
-                            raise StoreError(f"{spec.name}: came out at {len(data)} bytes, not {spec.nbytes}")
-                        f.write(data)
-                        flusher.wrote(len(data))
-                        progress.advance(spec.nbytes)
-                written += (tmp / name).stat().st_size
+            order = [by_name[s.name] for shard in shards for s in shard]
+            with read_ahead(store, view, order, target_dtype) as ahead:
+                i = 0
+                for shard, name in zip(shards, names, strict=True):
+                    with open(tmp / name, "wb") as f, Flusher(f) as flusher:
+                        f.write(header_bytes(shard))
+                        for spec in shard:
+                            size = 0
+                            for chunk in ahead.chunks(i):
+                                f.write(chunk)
+                                flusher.wrote(len(chunk))
+                                size += len(chunk)
+                            if size != spec.nbytes:
+                                raise StoreError(f"{spec.name}: came out at {size} bytes, not {spec.nbytes}")
+                            progress.advance(spec.nbytes)
+                            i += 1
+                    written += (tmp / name).stat().st_size
             if len(shards) > 1:
                 (tmp / INDEX_FILE).write_text(index_json(shards, names))
             write_step_files(store, store.manifest(manifest), copies, tmp)  # top-level files, hash-checked

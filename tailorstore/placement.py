@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import xxhash
 
 from . import codec
@@ -40,8 +39,7 @@ from .store.direct_io import PlacedWriter
 from .store.posix import start_writeback
 from .store.records import AtomRecord, BlobRecord, FileRecord
 from .store.repo import Repository
-
-_local = threading.local()
+from .thread_buffers import thread_buffer
 
 
 @dataclass
@@ -128,20 +126,14 @@ class _Weight:
 
 
 def _scratch(nbytes: int) -> memoryview:
-    buf = getattr(_local, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _local.buf = np.empty(max(nbytes, codec.GROUP_CHUNK), dtype=np.uint8)  # grows for blosc2's 16 MiB
-    return memoryview(buf)[:nbytes]
+    return memoryview(thread_buffer("placement-chunk", nbytes, codec.GROUP_CHUNK))  # grows for blosc2's 16 MiB
 
 
 def _rounded(piece: memoryview, dtype: str) -> memoryview:
     """The FP32 elements of ``piece`` rounded to ``dtype`` exactly as DeepSpeed does (``Tensor.to``),
     in a buffer of this thread's that the next call reuses."""
     nbytes = len(piece) // 4 * WEIGHT_ITEMSIZE
-    out = getattr(_local, "rounded", None)
-    if out is None or len(out) < nbytes:
-        out = _local.rounded = memoryview(np.empty(max(nbytes, codec.GROUP_CHUNK // 2), dtype=np.uint8))
-    dest = out[:nbytes]
+    dest = memoryview(thread_buffer("placement-rounded", nbytes, codec.GROUP_CHUNK // 2))
     round_into(piece, dtype, dest)
     return dest
 

@@ -9,11 +9,12 @@ quiet bit. ``tests/test_rounding.py`` checks every one of these cases against to
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from .errors import CorruptStoreError
+from .thread_buffers import thread_buffer
 
 #: How the index marks a derived weight (atoms.derived).
 ROUND_FROM_MASTER = "round-from-master"
@@ -49,15 +50,19 @@ def round_into(master: memoryview | bytes, dtype: str, out: memoryview) -> None:
         raise CorruptStoreError(f"cannot derive a {dtype} weight from an FP32 master; upgrade tailorstore")
 
 
-_local = threading.local()
-
-
 def _scratch(n: int) -> np.ndarray:
-    """This thread's uint32 buffer of at least ``n`` elements (reused: fresh pages are slow here)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.size < n:
-        buf = _local.buf = np.empty(n, dtype=np.uint32)
-    return buf[:n]
+    """This thread's uint32 buffer of ``n`` elements (reused: fresh pages are slow here)."""
+    return thread_buffer("round-scratch", n * 4).view(np.uint32)
+
+
+def rounded_chunks(pieces: Iterable[memoryview], dtype: str, buffer: str = "rounded") -> Iterator[memoryview]:
+    """Each FP32 piece rounded to ``dtype`` into this thread's reused buffer named ``buffer``:
+    a stream of weights from a stream of masters, each view valid until the next. Streams that
+    can nest (a rebuilt weight read by export) use different names."""
+    for piece in pieces:
+        out = memoryview(thread_buffer(buffer, len(piece) // 2))
+        round_into(piece, dtype, out)
+        yield out
 
 
 def rounded(master: memoryview | bytes, dtype: str) -> memoryview:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import sys
 
 import torch
+
+from tailorstore.testing.teardown import exit_without_teardown
 
 
 class RampTokens(torch.utils.data.Dataset):
@@ -106,23 +107,6 @@ def main(argv: list[str] | None = None) -> None:
         save_file(state, args.final_weights)
 
 
-def _exit_without_teardown() -> None:
-    """Leave once every rank is done, skipping interpreter teardown.
-
-    Seen on this CPU machine kind: a rank that had trained, saved and written its results
-    aborted while the interpreter tore down its communication threads ("terminate called
-    without an active exception"), failing a run whose work was complete.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
     main()
-    _exit_without_teardown()
+    exit_without_teardown()

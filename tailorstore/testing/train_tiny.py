@@ -28,6 +28,7 @@ from torch import nn
 
 from tailorstore.api import Store
 from tailorstore.integrations.deepspeed import attach, save_checkpoint
+from tailorstore.testing.teardown import exit_without_teardown
 
 
 class RMSNorm(nn.Module):
@@ -368,11 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0 and args.losses_out:
         # float.hex keeps every bit, so equality checks are exact.
         Path(args.losses_out).write_text(json.dumps({str(k): v.hex() for k, v in losses.items()}))
-    torch.distributed.barrier()
-    # Left to interpreter exit, gloo's threads are torn down in no set order; one CI run saw a rank
-    # abort there ("terminate called without an active exception") after its work was done.
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -1,0 +1,27 @@
+"""Per-thread buffers that only grow, for code that streams chunk by chunk.
+
+New pages cost about 0.4 GB/s on first touch on this machine kind (see :mod:`memory`), a
+small fraction of what decoding or copying runs at, so a decoder or rounder that allocated a fresh
+buffer per chunk would spend most of its time faulting pages in. Each thread keeps one buffer
+per purpose instead, touched once and reused. The purposes are named apart so that a stream
+read through another (a derived weight rounded from a streamed master) never has its chunk
+overwritten underneath it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+_local = threading.local()
+
+
+def thread_buffer(name: str, nbytes: int, minimum: int = 1 << 20) -> np.ndarray:
+    """``nbytes`` of this thread's buffer ``name`` (uint8), grown to at least ``minimum`` at once
+    so that chunks of varying size do not regrow it. Valid until this thread asks for ``name`` again."""
+    buf = getattr(_local, name, None)
+    if buf is None or len(buf) < nbytes:
+        buf = np.empty(max(nbytes, minimum), dtype=np.uint8)
+        setattr(_local, name, buf)
+    return buf[:nbytes]
