@@ -86,7 +86,7 @@ def policy_rows(thresholds: list[float], budgets: list[tuple[float, int]]) -> li
     """(key, label, tailor commit flags) of every row that commits the series with a policy."""
     rows = [
         ("full", "full, lossless", ["--policy", "full"]),
-        ("parity", "parity (even blocks, then odd)", ["--policy", "parity"]),
+        ("parity", "parity (half the model, then the other half)", ["--policy", "parity"]),
         (
             "filter",
             "filter (first and last block every save, the rest every 3rd)",

@@ -44,9 +44,18 @@ def test_first_commit_stores_everything_whatever_the_policy() -> None:
         assert decide(PolicySpec(name, {"threshold": 1e9, "fraction": 0.01}), facts(0)) == LAYERS
 
 
-def test_parity_alternates_blocks_and_keeps_aux() -> None:
-    assert decide(PolicySpec("parity"), facts(1)) == AUX | {"block.1", "block.3", "block.5"}
-    assert decide(PolicySpec("parity"), facts(2)) == AUX | {"block.0", "block.2", "block.4"}
+def test_parity_alternates_blocks_and_the_aux_groups_join_the_lighter_half() -> None:
+    # no sizes known: the aux groups alternate by count, in layer order
+    assert decide(PolicySpec("parity"), facts(1)) == {"state", "final_norm", "block.1", "block.3", "block.5"}
+    assert decide(PolicySpec("parity"), facts(2)) == {"state", "embedding", "lm_head", "block.0", "block.2", "block.4"}
+    # a large vocabulary: embedding and head outweigh a half of the blocks and split between the halves
+    sizes = {**dict.fromkeys(BLOCKS, 100), "embedding": 500, "lm_head": 500, "final_norm": 1, "state": 50}
+    odd, even = (decide(PolicySpec("parity"), CommitFacts(LAYERS, i, LAYERS - {"state"}, None, sizes)) for i in (1, 2))
+    big = {"embedding", "lm_head"}
+    assert (odd & big, even & big) in (({"embedding"}, {"lm_head"}), ({"lm_head"}, {"embedding"}))
+    assert odd & even == {"state"} and odd | even == LAYERS  # every group every other commit
+    weights = [sum(sizes[name] for name in half - {"state"}) for half in (odd, even)]
+    assert abs(weights[0] - weights[1]) <= 1, weights
 
 
 def test_filter_keeps_edges_and_the_middle_every_e_th_commit() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -107,6 +108,7 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
 
     log = parity.conn.execute("SELECT id, step, exact FROM manifests ORDER BY step").fetchall()
     assert [r["exact"] for r in log] == [1, 0, 0, 0, 0, 0]
+    halves = []
     for r in log[1:]:
         stored = {
             x["layer"] for x in parity.conn.execute("SELECT layer FROM layers WHERE manifest=? AND stored", (r["id"],))
@@ -114,7 +116,11 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
         blocks = {block_index(x) for x in stored} - {None}
         turn = SAVES.index(r["step"]) % 2
         assert blocks == {i for i in range(6) if i % 2 == turn}
-        assert {"embedding", "final_norm", "lm_head", "state"} <= stored
+        halves.append(stored)
+    layers = {x["layer"] for x in parity.conn.execute("SELECT layer FROM layers WHERE manifest=?", (log[0]["id"],))}
+    for this, following in itertools.pairwise(halves):  # every group, aux ones too, every other commit
+        assert this & following == {"state"} and this | following == layers
+        assert {"embedding", "lm_head"} - this and {"embedding", "lm_head"} - following
 
     for r in log[1:]:
         step = r["step"]
