@@ -18,7 +18,10 @@ Codecs:
   hash table and 7-byte minimum matches, and the lower planes of 4- and 8-byte floats with
   zstd level -5, which skips entropy coding where there is no entropy to code; on real
   training state that keeps within 2% of zstd-1 on every plane at about three times its
-  speed (docs/benchmarks.md). Any other level applies that zstd level to every plane.
+  speed (docs/benchmarks.md). A lower plane whose first 64 KiB do not shrink is stored raw
+  without compressing the rest (trained FP32 state: 0.01% larger, the codec 29% faster).
+  Planes are split with shifts of whole words rather than strided byte copies, twice as
+  fast. Any other level applies that zstd level to every plane.
   Chunks are independent, so a blob streams in and out with one chunk of memory.
 * ``blosc2-shuffle-zstd`` v1 (read only; written by tailorstore 0.1): blosc2 chunks of at
   most 16 MiB raw with the SHUFFLE filter and zstd, back to back.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -139,19 +143,21 @@ def _bytegroup_chunks(data: memoryview, itemsize: int, level: int) -> Iterator[B
     per_chunk = GROUP_CHUNK // itemsize
     top = _compressor(level)
     # Below the sign/exponent plane a 4- or 8-byte float's bytes are noise or runs of zeros: a
-    # negative zstd level (no entropy coding, fast match search) keeps their ratio at 2.5x the speed.
-    low = _compressor(_LOW_PLANES_LEVEL) if level == 1 and itemsize > 2 else top
+    # negative zstd level (no entropy coding, fast match search) keeps their ratio at 2.5x the speed,
+    # and a plane whose sample does not shrink is stored raw without compressing it at all.
+    fast = level == 1 and itemsize > 2
+    low = _compressor(_LOW_PLANES_LEVEL) if fast else top
     for first in range(0, len(elements), per_chunk):
         rows = elements[first : first + per_chunk]
         m = len(rows)
         planes = thread_buffer("codec-planes", m * itemsize).reshape(itemsize, m)
         heads: list[bytes] = [_CHUNK_HEAD.pack(m * itemsize, itemsize)]
         payloads: list[BytesLike] = []
-        for k in range(itemsize):
-            plane = planes[k]
-            np.copyto(plane, rows[:, k])
-            packed = (top if k == itemsize - 1 else low).compress(plane)
-            if len(packed) < m:
+        for k, plane in enumerate(_split(rows, planes)):
+            is_top = k == itemsize - 1
+            worth_trying = is_top or not fast or _shrinks(low, plane)
+            packed = (top if is_top else low).compress(plane) if worth_trying else None
+            if packed is not None and len(packed) < m:
                 heads.append(_PLANE_HEAD.pack(_PLANE_ZSTD, len(packed)))
                 payloads.append(packed)
             else:
@@ -159,6 +165,42 @@ def _bytegroup_chunks(data: memoryview, itemsize: int, level: int) -> Iterator[B
                 payloads.append(plane.data)
         yield b"".join(heads)
         yield from payloads
+
+
+_WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SAMPLE = 64 << 10  # bytes of a lower plane compressed to decide whether the rest is worth it
+_SAMPLE_GAIN = 0.98  # the sample must shrink to this fraction or below
+
+
+def _split(rows: np.ndarray, planes: np.ndarray) -> Iterator[np.ndarray]:
+    """Byte k of every element into ``planes[k]``, one plane at a time (each is compressed before
+    the next is split, while it is still in the cache).
+
+    On a little-endian machine byte k of an element is its word shifted right by 8k bits, so a
+    shift and a narrowing copy, both contiguous, replace a copy with a stride of the element size;
+    that runs at about twice the speed (the strided split was a third of the codec's time)."""
+    itemsize = rows.shape[1]
+    words_ok = sys.byteorder == "little" and rows.ctypes.data % itemsize == 0
+    if not words_ok:
+        for k in range(itemsize):
+            np.copyto(planes[k], rows[:, k])
+            yield planes[k]
+        return
+    words = rows.reshape(-1).view(_WORDS[itemsize])
+    shifted = thread_buffer("codec-shift", rows.size).view(_WORDS[itemsize])
+    for k in range(itemsize):
+        np.right_shift(words, 8 * k, out=shifted)
+        np.copyto(planes[k], shifted, casting="unsafe")  # keeps the low 8 bits: exactly byte k
+        yield planes[k]
+
+
+def _shrinks(compressor: zstandard.ZstdCompressor, plane: np.ndarray) -> bool:
+    """Whether compressing a lower plane of FP32 or FP64 state can pay: those bytes are noise in
+    trained weights and moments (they shrink by 0.2% at best), and trying costs more than the
+    rest of the encoding. A plane of zeros or repeated values shrinks in any sample of it."""
+    if len(plane) <= 2 * _SAMPLE:
+        return True
+    return len(compressor.compress(plane[:_SAMPLE])) <= _SAMPLE * _SAMPLE_GAIN
 
 
 # -- decoding -------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import struct
 
 import pytest
 
@@ -103,6 +104,64 @@ def test_byte_grouped_codec_round_trip_across_chunks(monkeypatch: pytest.MonkeyP
         pass
     else:  # then the content hash is what catches it
         assert codec.content_hash(decoded) != codec.content_hash(data)
+
+
+def _plane_modes(payload: bytes) -> list[list[int]]:
+    """Each chunk's plane modes (0 raw, 1 zstd), read from the bytegroup format (docs/FORMAT.md)."""
+    modes, at = [], 0
+    while at < len(payload):
+        _, planes = struct.unpack_from("<IB", payload, at)
+        heads = [struct.unpack_from("<BI", payload, at + 5 + 5 * k) for k in range(planes)]
+        modes.append([mode for mode, _ in heads])
+        at += 5 + 5 * planes + sum(length for _, length in heads)
+    return modes
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_byte_planes_split_by_shifts_round_trip_aligned_or_not(dtype: str) -> None:
+    import torch
+
+    tensor = (torch.randn(1_500_000) * 1e-2).to(getattr(torch, dtype))
+    tensor[:200_000] = 0.5  # a repeated value: every plane of that stretch compresses
+    data = bytes(memoryview(tensor.numpy() if dtype != "bfloat16" else tensor.view(torch.int16).numpy()).cast("B"))
+    itemsize = tensor.element_size()
+    for view in (memoryview(data), memoryview(bytearray(b"x" + data))[1:]):  # the second is not word-aligned
+        encoded = codec.encode(view, itemsize=itemsize, is_float=True)
+        payload = b"".join(bytes(c) for c in encoded)
+        out = bytearray(len(data))
+        codec.decode_into(encoded.descriptor, io.BytesIO(payload), memoryview(out), "test")
+        assert out == data
+
+
+def test_noisy_lower_planes_are_stored_raw_without_compressing_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    sizes: list[int] = []
+
+    class Counting:
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def compress(self, data: object) -> bytes:
+            sizes.append(len(memoryview(data).cast("B")))
+            return self.inner.compress(data)
+
+    real = codec._compressor
+    monkeypatch.setattr(codec, "_compressor", lambda level: Counting(real(level)))
+    noise = memoryview((torch.randn(1 << 20) * 1e-2).numpy()).cast("B")  # 4 MiB: one chunk, planes of 1 MiB
+    payload = b"".join(bytes(c) for c in codec.encode(noise, itemsize=4, is_float=True))
+    assert _plane_modes(payload) == [[0, 0, 0, 1]]  # the exponent plane compresses, the rest is noise
+    assert sorted(sizes) == [64 << 10] * 3 + [1 << 20]  # a sample of each lower plane, the top plane whole
+    # values with zero low bytes (bf16-exact floats): the lower planes shrink and are compressed whole
+    sizes.clear()
+    exact = memoryview((torch.randn(1 << 20) * 1e-2).bfloat16().float().numpy()).cast("B")
+    payload = b"".join(bytes(c) for c in codec.encode(exact, itemsize=4, is_float=True))
+    assert _plane_modes(payload) == [[1, 1, 0, 1]] and len(payload) < 0.6 * len(exact)
+    out = bytearray(len(exact))
+    codec.decode_into(
+        '{"id": "bytegroup-zstd", "v": 1, "typesize": 4, "level": 1}', io.BytesIO(payload), memoryview(out), "t"
+    )
+    assert out == exact
 
 
 def test_blosc2_blobs_of_tailorstore_0_1_still_decode() -> None:
