@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from .errors import CorruptStoreError
+from .reused_memory import private_copy_buffer
 from .thread_buffers import thread_buffer
 
 #: How the index marks a derived weight (atoms.derived).
@@ -66,8 +67,8 @@ def rounded_chunks(pieces: Iterable[memoryview], dtype: str, buffer: str = "roun
 
 
 def rounded(master: memoryview | bytes, dtype: str) -> memoryview:
-    """A new buffer holding ``master`` rounded to ``dtype``."""
-    out = memoryview(bytearray(len(master) // 2))
+    """A new buffer holding ``master`` rounded to ``dtype`` (reused memory: reused_memory.py)."""
+    out = private_copy_buffer(len(master) // 2)
     round_into(master, dtype, out)
     return out
 

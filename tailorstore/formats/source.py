@@ -25,6 +25,7 @@ import numpy as np
 import xxhash
 
 from ..errors import BadCheckpointError, InputChangedError
+from ..reused_memory import private_copy_buffer
 
 CHUNK = 4 << 20  # bytes per read when a file is streamed
 
@@ -92,8 +93,7 @@ class InputFile:
 
     def read(self, offset: int, length: int) -> memoryview:
         """``length`` bytes at ``offset``, copied into private memory."""
-        buf = np.empty(length, dtype=np.uint8)
-        view = memoryview(buf).cast("B") if length else memoryview(b"")
+        view = private_copy_buffer(length) if length else memoryview(b"")
         self._fill(view, offset)
         return view
 
