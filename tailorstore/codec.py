@@ -19,9 +19,9 @@ Codecs:
   zstd level -5, which skips entropy coding where there is no entropy to code; on real
   training state that keeps within 2% of zstd-1 on every plane at about three times its
   speed (docs/benchmarks.md). A lower plane whose first 64 KiB do not shrink is stored raw
-  without compressing the rest (trained FP32 state: 0.01% larger, the codec 29% faster).
-  Planes are split with shifts of whole words rather than strided byte copies, twice as
-  fast. Any other level applies that zstd level to every plane.
+  without compressing the rest, and planes are split with shifts of whole words rather than
+  strided byte copies; together 1.2-1.3x the encoding speed on trained FP32 state, with
+  the ratio unchanged (docs/benchmarks.md). Any other level applies that zstd level to every plane.
   Chunks are independent, so a blob streams in and out with one chunk of memory.
 * ``blosc2-shuffle-zstd`` v1 (read only; written by tailorstore 0.1): blosc2 chunks of at
   most 16 MiB raw with the SHUFFLE filter and zstd, back to back.
