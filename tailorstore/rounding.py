@@ -47,9 +47,10 @@ def round_into(master: memoryview | bytes, dtype: str, out: memoryview) -> None:
         else:
             with np.errstate(over="ignore"):
                 np.copyto(into.view(np.float16), part.view(np.float32), casting="unsafe")
-        np.isnan(part.view(np.float32), out=nan[:n])
-        if nan[:n].any():
-            _fix_nans(part, into, nan[:n], dtype)
+        mask = nan[:n]
+        np.isnan(part.view(np.float32), out=mask)
+        if mask.any():
+            _fix_nans(part, into, mask, dtype)
 
 
 #: Elements rounded per pass: 128 Ki FP32 elements, 512 KiB of input and as much scratch (L2 is 1 MiB).
