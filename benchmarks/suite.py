@@ -96,6 +96,21 @@ def warm(path: Path) -> None:
                     pass
 
 
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_caches() -> bool:
+    """Write dirty pages out and empty the page cache, so that the next reader starts from disk.
+
+    Needs root; returns False where the kernel refuses (the cold rows are then left out)."""
+    os.sync()
+    try:
+        DROP_CACHES.write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
 def dir_bytes(path: Path) -> int:
     """Bytes of the files under ``path``; a file deleted while it is walked (a gc or a commit
     running beside the walk) counts as gone."""
@@ -146,7 +161,12 @@ TAILOR = [sys.executable, "-m", "tailorstore.cli.app"]  # what the `tailor` scri
 
 
 def measure_io(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
-    """Commit the series into a fresh store per repeat; checkout each step; cp -r + sync each."""
+    """Commit the series into a fresh store per repeat; checkout each step; cp -r + sync each.
+
+    The warm pair starts with the save in the page cache, as right after it was written; the
+    store's blobs are read around the page cache, so checkout reads them from disk either way.
+    The cold pair (where the kernel lets us drop the page cache) is the restore a user does
+    later: both `cp -r` + `sync` of the save and `tailor checkout` start with nothing cached."""
     rows: dict[str, list[list[float]]] = defaultdict(lambda: [[] for _ in steps])
     store = work / "store"
     for rep in range(repeats):
@@ -178,7 +198,22 @@ def measure_io(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
             rows["checkout_rss"][i].append(rss)
             shutil.rmtree(work / "copies" / f"c{step}")
             shutil.rmtree(work / "checkouts" / f"o{step}")
-    med = {k: [statistics.median(v) for v in per_step] for k, per_step in rows.items()}
+            for way in ("copy", "checkout") if copy_first else ("checkout", "copy"):
+                # Restoring from disk: nothing cached on either side (the save, the store, Python's own files).
+                if not drop_caches():
+                    break
+                if way == "copy":
+                    rows["copy_cold"][i].append(copy_and_sync(tag_dir, work / "copies" / f"c{step}"))
+                else:
+                    wall, _, out3 = measured(
+                        [*TAILOR, "checkout", f"step={step}", "--out", str(work / "checkouts" / f"o{step}"),
+                         "--store", str(store), "--json"]
+                    )  # fmt: skip
+                    rows["checkout_cold"][i].append(wall)
+                    rows["checkout_cold_library"][i].append(out3["seconds"])
+            shutil.rmtree(work / "copies" / f"c{step}", ignore_errors=True)
+            shutil.rmtree(work / "checkouts" / f"o{step}", ignore_errors=True)
+    med = {k: [statistics.median(v) for v in per_step] for k, per_step in rows.items() if all(per_step)}
     return {
         "per_step": med,
         "raw_step_bytes": [dir_bytes(save / f"global_step{s}") for s in steps],

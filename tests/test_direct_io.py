@@ -77,3 +77,31 @@ def test_placed_writer_from_two_threads_in_any_order(
     os.fsync(out.fd)
     out.close()
     assert path.read_bytes() == data
+
+
+def _bytes_read() -> int:
+    """Bytes this process has had from read system calls (the kernel's own count)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's /proc/self/io")
+@pytest.mark.parametrize(("mode", "direct"), MODES)
+@pytest.mark.parametrize(("start", "length"), [(5000, 10_000), (ALIGN, ALIGN), (3 * BLOCK - 7, BLOCK + 9)])
+def test_a_range_reads_its_own_blocks_not_a_whole_block_beyond(
+    mode: str, direct: bool, start: int, length: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small blob inside a large pack: only the aligned blocks around it are read from disk."""
+    force(mode, monkeypatch)
+    data = random.Random(7).randbytes(6 * BLOCK)
+    path = tmp_path / "pack"
+    path.write_bytes(data)
+    before = _bytes_read()
+    with DirectReader(path, start, length) as reader:
+        got = reader.read()
+    read = _bytes_read() - before
+    assert got == data[start : start + length]
+    aligned = (start + length + ALIGN - 1) // ALIGN * ALIGN - start // ALIGN * ALIGN
+    assert aligned <= read <= aligned + ALIGN
