@@ -72,3 +72,34 @@ def test_sources_are_read_in_order() -> None:
     with ReadAhead([lambda: pieces(0, [1]), lambda: pieces(1, [1])], [False, False]) as reader:
         with pytest.raises(ValueError, match="out of order"):
             next(reader.chunks(1))
+
+
+def test_two_helpers_read_two_sources_at_once() -> None:
+    """The second source is being read while the first still is: what makes export's reads overlap."""
+    second_started = threading.Event()
+
+    def first() -> Iterator[memoryview]:
+        assert second_started.wait(5), "the second source never started while the first was being read"
+        yield memoryview(b"one")
+
+    def second() -> Iterator[memoryview]:
+        second_started.set()
+        yield memoryview(b"two")
+
+    with ReadAhead([first, second], [True, True], helpers=2) as reader:
+        assert [bytes(b"".join(bytes(c) for c in reader.chunks(i))) for i in range(2)] == [b"one", b"two"]
+
+
+def test_failures_on_two_helpers_surface_at_the_first_failing_source() -> None:
+    def failing(message: str, good: int) -> Iterator[memoryview]:
+        for _ in range(good):
+            yield memoryview(b"good")
+        raise OSError(message)
+
+    sources = [lambda: pieces(0, [4] * 5), lambda: failing("first", 2), lambda: failing("second", 0)]
+    sources.append(lambda: pieces(3, [4]))
+    with pytest.raises(OSError, match="first"):
+        with ReadAhead(sources, [True] * 4, slots=2, slot_bytes=4, helpers=2) as reader:
+            assert b"".join(bytes(c) for c in reader.chunks(0)) == expected(0, [4] * 5)
+            assert [bytes(c) for c in reader.chunks(1)]  # raises after the good chunks
+    assert not [t for t in threading.enumerate() if t.name == "tailor-read-ahead"]
