@@ -189,10 +189,9 @@ def measure_io(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
             if not copy_first:
                 warm(tag_dir)
                 rows["copy"][i].append(copy_and_sync(tag_dir, work / "copies" / f"c{step}"))
-            wall, rss, out2 = measured(
-                [*TAILOR, "checkout", f"step={step}", "--out", str(work / "checkouts" / f"o{step}"), "--store",
-                 str(store), "--json"]
-            )  # fmt: skip
+            checkout = [*TAILOR, "checkout", f"step={step}", "--out", str(work / "checkouts" / f"o{step}"), "--store",
+                        str(store), "--json"]  # fmt: skip
+            wall, rss, out2 = measured(checkout)
             rows["checkout"][i].append(wall)
             rows["checkout_library"][i].append(out2["seconds"])
             rows["checkout_rss"][i].append(rss)
@@ -205,10 +204,7 @@ def measure_io(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
                 if way == "copy":
                     rows["copy_cold"][i].append(copy_and_sync(tag_dir, work / "copies" / f"c{step}"))
                 else:
-                    wall, _, out3 = measured(
-                        [*TAILOR, "checkout", f"step={step}", "--out", str(work / "checkouts" / f"o{step}"),
-                         "--store", str(store), "--json"]
-                    )  # fmt: skip
+                    wall, _, out3 = measured(checkout)
                     rows["checkout_cold"][i].append(wall)
                     rows["checkout_cold_library"][i].append(out3["seconds"])
             shutil.rmtree(work / "copies" / f"c{step}", ignore_errors=True)

@@ -56,15 +56,15 @@ class ReadAhead:
         if len(sources) != len(ahead):
             raise ValueError("one `ahead` flag per source")
         self._sources, self._ahead, self._slot_bytes = list(sources), list(ahead), slot_bytes
-        self._pending = iter([i for i, flag in enumerate(self._ahead) if flag])  # taken in order
-        self._claim = threading.Lock()
         self._out: dict[int, queue.SimpleQueue[_Item]] = {i: queue.SimpleQueue() for i, a in enumerate(ahead) if a}
+        self._pending = iter(list(self._out))  # the helpers' sources, taken in order
+        self._claim = threading.Lock()
         self._stop = threading.Event()
-        count = max(1, min(helpers, len(self._out)))
-        per_helper = max(1, slots // count)
+        count = min(max(1, helpers), len(self._out))
+        per_helper = max(1, slots // max(1, count))
         self._threads = [
             threading.Thread(target=self._produce, args=(per_helper,), name="tailor-read-ahead", daemon=True)
-            for _ in range(count if self._out else 0)
+            for _ in range(count)
         ]
         self._next = 0
 
