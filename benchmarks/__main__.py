@@ -60,6 +60,11 @@ def with_kept_sections(text: str, previous: str) -> str:
     return text
 
 
+def s3_file_name(latency_ms: float) -> str:
+    """s3.json for the run without added latency (as before), s3-latency-20ms.json for one with."""
+    return "s3.json" if latency_ms == 0 else f"s3-latency-{latency_ms:g}ms.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -74,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-quality", action="store_true", help="skip the parity-composite quality run")
     parser.add_argument("--s3", default="", help="also measure S3 against obstore copies for this size (e.g. medium)")
     parser.add_argument("--s3-saves", type=int, default=2, help="how many of that size's saves the S3 run commits")
+    parser.add_argument(
+        "--s3-latency", default="0", help="milliseconds each S3 request is held back, one S3 run per value (e.g. 0,20)"
+    )
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
@@ -91,9 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks " + shlex.join(sys.argv[1:] if argv is None else argv)
     if not args.report_only and args.s3:
         save, steps, _ = suite.train(suite.SIZES[args.s3], args.workdir / args.s3 / "train", args.saves, args.interval)
-        s3_run = suite.measure_s3(save, steps[: args.s3_saves], args.workdir / "s3", args.repeats)
-        s3_run |= {"size": args.s3, "command": command, "measured_at": dt.datetime.now().isoformat(timespec="seconds")}
-        (args.workdir / "s3.json").write_text(json.dumps(s3_run, indent=1))
+        for ms in (float(v) for v in args.s3_latency.split(",")):
+            s3_run = suite.measure_s3(save, steps[: args.s3_saves], args.workdir / "s3", args.repeats, ms / 1000)
+            s3_run |= {
+                "size": args.s3, "command": command, "measured_at": dt.datetime.now().isoformat(timespec="seconds")
+            }  # fmt: skip
+            (args.workdir / s3_file_name(ms)).write_text(json.dumps(s3_run, indent=1))
     if not args.report_only and not (args.workdir / "merge-scaling.json").exists():
         scaling_run = suite.merge_scaling(args.workdir / "merge-scaling")
         (args.workdir / "merge-scaling.json").write_text(json.dumps(scaling_run, indent=1))
@@ -107,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     quality = json.loads(quality_file.read_text()) if quality_file.exists() else None
     scaling_file = args.workdir / "merge-scaling.json"
     scaling = json.loads(scaling_file.read_text()) if scaling_file.exists() else None
-    s3_file = args.workdir / "s3.json"
-    s3 = json.loads(s3_file.read_text()) if s3_file.exists() else None
+    s3 = [json.loads(f.read_text()) for f in sorted(args.workdir.glob("s3*.json"), key=lambda f: len(f.name))]
     previous = args.out.read_text() if args.out.exists() else ""
     args.out.write_text(with_kept_sections(render(results, quality, scaling, s3), previous))
     print(f"wrote {args.out}")

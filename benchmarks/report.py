@@ -23,7 +23,7 @@ def _sum(values: list[float]) -> float:
 
 
 def render(
-    results: dict[str, dict], quality: dict | None = None, scaling: list | None = None, s3: dict | None = None
+    results: dict[str, dict], quality: dict | None = None, scaling: list | None = None, s3: list[dict] | None = None
 ) -> str:
     order = [k for k in ("small", "mid", "medium", "large") if k in results]
     lines = [
@@ -216,8 +216,8 @@ def render(
             f"| exact step 18 | {q['exact_final_loss']:.6f} |",
             f"| relative difference | {diff * 100:.3f}% |",
         ]
-    if s3:
-        lines += s3_section(s3)
+    for run in s3 or []:
+        lines += s3_section(run)
     lines += ["", "## Targets", ""]
     lines += targets(results)
     return "\n".join(lines) + "\n"
@@ -306,23 +306,39 @@ def s3_section(r: dict) -> list[str]:
     p = r["per_step"]
     raw = _sum(r["raw_step_bytes"])
     up, commit, down, checkout = (_sum(p[k]) for k in ("upload", "commit", "download", "checkout"))
+    latency = r.get("latency_ms", 0)
+
+    def requests(side: str) -> str:
+        return f"{_sum(p[side + '_requests']):,.0f}" if side + "_requests" in p else "-"
+
     out = [
         "",
-        f"## S3: tailor against copying the files with obstore ({r['size']}, {len(r['steps'])} saves)",
+        f"## S3: tailor against copying the files with obstore ({r['size']}, {len(r['steps'])} saves"
+        + (f", {latency:g} ms a request)" if latency else ")"),
         "",
         f"Command: `{r['command']}` (measured {r['measured_at']}). A local S3 server (moto's ThreadedMotoServer on",
-        "127.0.0.1) behind a relay that counts the bytes each way. The baseline uploads each file of the",
+        "127.0.0.1) behind a relay that counts the bytes each way and the requests"
+        + (
+            f", and holds each request back by {latency:g} ms, as a real endpoint's first-byte latency does "
+            "(a local server has none)."
+            if latency
+            else "."
+        ),
+        "The baseline uploads each file of the",
         "`global_stepN/` folder as one object with obstore (`benchmarks/s3_copy.py`), and downloads them again",
         "(written and synced). Every time is a whole process. The server is the same Python process for both",
         "sides and is the bottleneck here; a real S3 endpoint moves bytes faster, which favours fewer bytes less.",
         "",
-        "| | obstore copy | tailor | tailor / copy | bytes sent (copy / tailor) | bytes received (copy / tailor) |",
-        "|---|---|---|---|---|---|",
+        "| | obstore copy | tailor | tailor / copy | bytes sent (copy / tailor) | bytes received (copy / tailor) "
+        "| requests (copy / tailor) |",
+        "|---|---|---|---|---|---|---|",
         f"| commit vs upload | {s(up)} | {s(commit)} | {commit / up:.2f} | {mb(_sum(p['upload_sent']))} / "
-        f"{mb(_sum(p['commit_sent']))} | {mb(_sum(p['upload_received']))} / {mb(_sum(p['commit_received']))} |",
+        f"{mb(_sum(p['commit_sent']))} | {mb(_sum(p['upload_received']))} / {mb(_sum(p['commit_received']))} "
+        f"| {requests('upload')} / {requests('commit')} |",
         f"| checkout vs download | {s(down)} | {s(checkout)} | {checkout / down:.2f} | "
         f"{mb(_sum(p['download_sent']))} / {mb(_sum(p['checkout_sent']))} | "
-        f"{mb(_sum(p['download_received']))} / {mb(_sum(p['checkout_received']))} |",
+        f"{mb(_sum(p['download_received']))} / {mb(_sum(p['checkout_received']))} "
+        f"| {requests('download')} / {requests('checkout')} |",
         "",
         f"Raw bytes of the saves: {mb(raw)}. Targets: commit <= 0.8x the upload "
         f"({'met' if commit / up <= 0.8 else 'not met'}), checkout <= 1.0x the download "

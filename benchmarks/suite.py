@@ -560,13 +560,15 @@ def merge_scaling(work: Path, repeats: int = 5) -> list[dict]:
     return out
 
 
-def measure_s3(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
-    """Against a local S3 server (moto, 127.0.0.1), through a relay that counts bytes each way:
-    `tailor commit` against uploading the same files with obstore, `tailor checkout` against
-    downloading them. Every figure is a whole process; the server is the same for both."""
+def measure_s3(save: Path, steps: list[int], work: Path, repeats: int, latency: float = 0.0) -> dict:
+    """Against a local S3 server (moto, 127.0.0.1), through a relay that counts bytes each way
+    and the requests, and holds each request back by ``latency`` seconds (a real endpoint's
+    first-byte latency): `tailor commit` against uploading the same files with obstore,
+    `tailor checkout` against downloading them. Every figure is a whole process; the server is
+    the same for both."""
     rows: dict[str, list[list[float]]] = defaultdict(lambda: [[] for _ in steps])
     with local_s3() as server:
-        link = CuttableLink(server.port)
+        link = CuttableLink(server.port, delay=latency)
         for rep in range(repeats):
             env = {**os.environ, "AWS_ENDPOINT_URL": link.endpoint, "TAILOR_CACHE": str(work / f"s3-cache-{rep}")}
             location = server.new_location()
@@ -585,6 +587,7 @@ def measure_s3(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
                     rows[name][i].append(timed(cmd, env))
                     rows[f"{name}_sent"][i].append(link.sent)
                     rows[f"{name}_received"][i].append(link.received)
+                    rows[f"{name}_requests"][i].append(sum(link.requests.values()))
                 for name, cmd in (
                     ("download", [sys.executable, "-m", "benchmarks.s3_copy", "down", f"{location}-raw/{step}",
                                   str(work / "s3-down" / f"d{step}")]),
@@ -595,10 +598,12 @@ def measure_s3(save: Path, steps: list[int], work: Path, repeats: int) -> dict:
                     rows[name][i].append(timed(cmd, env))
                     rows[f"{name}_sent"][i].append(link.sent)
                     rows[f"{name}_received"][i].append(link.received)
+                    rows[f"{name}_requests"][i].append(sum(link.requests.values()))
                 shutil.rmtree(work / "s3-down", ignore_errors=True)
                 shutil.rmtree(work / "s3-out", ignore_errors=True)
     med = {k: [statistics.median(v) for v in per_step] for k, per_step in rows.items()}
-    return {"steps": steps, "per_step": med, "raw_step_bytes": [dir_bytes(save / f"global_step{s}") for s in steps]}
+    raw = [dir_bytes(save / f"global_step{s}") for s in steps]
+    return {"steps": steps, "per_step": med, "raw_step_bytes": raw, "latency_ms": latency * 1000}
 
 
 def timed(cmd: list[str], env: dict[str, str]) -> float:

@@ -72,7 +72,7 @@ def checkout_step(
                 "outside the allowlist; pass `trust_pickles=True` to check it out."
             )
     try:
-        with staged(out, store) as tmp:
+        with store.reading_manifest(manifest), staged(out, store) as tmp:
             progress.start(f"checkout step {step}", sum(r.raw_size for r in files))
             written = write_step_files(store, facts, files, tmp, trust_pickles=trust_pickles, advance=progress.advance)
             if facts.layout == DEEPSPEED_TAG and facts.ds_tag and not any(r.path == "latest" for r in files):

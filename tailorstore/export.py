@@ -176,7 +176,8 @@ def export_step(
         with staged(out, store) as tmp:
             progress.start(f"export step {view.step}", sum(s.nbytes for s in specs))
             order = [by_name[s.name] for shard in shards for s in shard]
-            with read_ahead(store, view, order, target_dtype) as ahead:
+            ahead = read_ahead(store, view, order, target_dtype)  # looks up every row first: the plan
+            with store.reading(view.rows.values()), ahead:
                 i = 0
                 for shard, name in zip(shards, names, strict=True):
                     with open(tmp / name, "wb") as f, Flusher(f) as flusher:

@@ -330,7 +330,7 @@ def checkout_resharded(
     progress = progress or Silent()
     count = 0
     try:
-        with staged(Path(out), store) as tmp:
+        with store.reading_manifest(manifest), staged(Path(out), store) as tmp:
             progress.start(f"step {facts.step} for {plan.world} ranks", plan.world)
             tag_dir = tmp / plan.tag
             tag_dir.mkdir()

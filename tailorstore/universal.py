@@ -182,7 +182,7 @@ def checkout_universal(
     progress = progress or Silent()
     written = count = 0
     try:
-        with staged(Path(out), store) as tmp:
+        with store.reading_manifest(manifest), staged(Path(out), store) as tmp:
             progress.start(f"universal checkpoint of step {facts.step}", sum(t.numel * 12 for t in trainable))
             tag_dir = tmp / tag
             tag_dir.mkdir()

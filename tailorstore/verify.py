@@ -46,6 +46,10 @@ def _users(store: Repository, manifest_ids: list[int]) -> dict[str, list[str]]:
     return users
 
 
+def _place(where: list[str]) -> str:
+    return "; ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+
+
 def verify(
     store: Repository, selector: str | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None
 ) -> VerifyReport:
@@ -59,15 +63,17 @@ def verify(
     users = _users(store, ids) if ids else {}
     for manifest in ids:
         _check_structure(store, manifest, report)
-    for digest, where in sorted(users.items()):
-        row = store.blob(digest)
-        place = "; ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+    rows = {digest: store.blob(digest) for digest in sorted(users)}
+    for digest, row in rows.items():
         if row is None:
-            report.problems.append(f"blob {digest}: no row in the index (used by {place})")
-            continue
-        _check_blob(store, row, place, deep, report)
-        if progress:
-            progress(row.raw_size)
+            report.problems.append(f"blob {digest}: no row in the index (used by {_place(users[digest])})")
+    # in pack order, so that on an object store a deep check reads each pack a span at a time
+    found = sorted((r for r in rows.values() if r is not None), key=lambda r: (r.pack or "", r.pack_offset or 0))
+    with store.reading(found if deep else ()):
+        for row in found:
+            _check_blob(store, row, _place(users[row.hash]), deep, report)
+            if progress:
+                progress(row.raw_size)
     if deep:
         rebuilt: set[tuple] = set()
         for manifest in ids:

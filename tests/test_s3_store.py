@@ -18,8 +18,11 @@ from conftest import Runs, as_of_step, tailor
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
 from tailorstore.errors import CorruptStoreError
+from tailorstore.export import export_step
 from tailorstore.gc import Retention, gc
+from tailorstore.model_tensors import model_view
 from tailorstore.refs import remove, tag
+from tailorstore.store.pack_spans import plan_spans
 from tailorstore.store.repo import Repository
 from tailorstore.testing.compare import same_tree
 from tailorstore.testing.local_s3 import BUCKET, CuttableLink, LocalS3
@@ -146,6 +149,51 @@ def test_missing_or_altered_objects_are_found_and_never_checked_out(
     client.put_object(Bucket=BUCKET, Key=key, Body=original)
     with Repository.open(s3_location) as store:
         assert verify(store, deep=True).ok
+
+
+def test_reading_from_s3_costs_one_request_per_loose_blob_and_per_span_of_a_pack(
+    s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On S3 a request is a round trip. A checkout asks for no object's size (the index knows
+    it), reads each loose blob with one GET however large, and each pack's wanted blobs with one
+    GET per span of neighbours, not one per blob; export, which reads the masters only, too.
+    Counted at a relay between the client and the server."""
+    save = runs.get("zero2-bf16").save_dir
+    at6 = as_of_step(save, 6, tmp_path / "at6")
+    (at6 / "global_step6" / "big.bin").write_bytes(os.urandom(70 << 20))  # a loose blob above a GET window
+    Repository.init(s3_location).close()
+    with Repository.open(s3_location) as store:
+        manifest = commit_checkpoint(store, at6).manifest
+        needed = store.index.referenced_blobs(manifest)
+        view = model_view(store, manifest)  # what export reads: masters, buffers, frozen weights
+        exported_rows = [store.blob(a.blob) for t in view.tensors for a in t.atoms if a.derived is None]
+    loose = [r for r in needed if r.pack is None]
+    packed = [r for r in needed if r.pack is not None]
+    spans = {id(span) for span in plan_spans(packed).values()}
+    export_spans = {id(span) for span in plan_spans(r for r in exported_rows if r is not None).values()}
+    assert len(packed) > 50 and 1 <= len(spans) <= 3 and len(loose) >= 1
+
+    link = CuttableLink(s3_server.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
+    with Repository.open(s3_location) as store:
+        link.reset_counts()
+        checkout_step(store, "step=6", tmp_path / "out")
+        asked = dict(link.requests)
+        link.reset_counts()
+        model_view(store, manifest)  # export's plan: it reads the skeleton of the model-states file
+        planning = link.requests["GET packs"]
+        link.reset_counts()
+        export_step(store, "step=6", tmp_path / "export", dtype="fp32")
+        exported = dict(link.requests)
+    assert same_tree(tmp_path / "out" / "global_step6", at6 / "global_step6")
+    big = max(loose, key=lambda r: r.stored_size)
+    windows = -(-big.stored_size // (64 << 20))  # a GET carries 64 MiB at most (one timeout's worth)
+    assert not any(k.startswith("HEAD") for k in asked), asked
+    assert asked.get("GET blobs", 0) == len(loose) + windows - 1, asked
+    assert asked.get("GET packs", 0) == len(spans), f"{len(packed)} packed blobs: {asked}"
+    assert not any(k.startswith("HEAD") for k in exported), exported
+    assert planning == 1 and exported.get("GET packs", 0) == planning + len(export_spans), exported
+    assert len(export_spans) < len(exported_rows) / 10
 
 
 def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(

@@ -17,7 +17,6 @@ completed PUT is durable. docs/FORMAT.md lists the keys.
 
 from __future__ import annotations
 
-import io
 import re
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO, Protocol
@@ -30,7 +29,7 @@ Chunks = Iterable[BytesLike]
 _HASH = re.compile(r"[0-9a-f]{32}")
 _KEY = re.compile(r"[A-Za-z0-9._=-]+(/[A-Za-z0-9._=-]+)*")
 BLOB_PREFIX = "blobs/"
-READ_CHUNK = 8 << 20  # bytes per ranged GET when streaming an object
+READ_CHUNK = 8 << 20  # bytes a streaming reader holds at a time
 
 
 class ObjectExistsError(StoreError):
@@ -112,53 +111,6 @@ class Backend(Protocol):
     def leftovers(self) -> list[str]: ...
     def leftover_bytes(self, names: list[str]) -> int: ...
     def clear_leftovers(self, names: list[str]) -> None: ...
-
-
-class RangeReader(io.RawIOBase):
-    """A forward-only file over ranged gets, ``READ_CHUNK`` bytes at a time: what codec
-    decoding reads from, so memory stays at one chunk whatever the object's size."""
-
-    def __init__(
-        self, backend: Backend, key: str, start: int = 0, length: int | None = None, chunk: int = READ_CHUNK
-    ) -> None:
-        self._backend = backend
-        self._chunk = chunk
-        self._key = key
-        self._pos = start
-        self._end = None if length is None else start + length
-        self._buf = b""
-        self._at = 0
-        self._eof = False
-
-    def readable(self) -> bool:
-        return True
-
-    def _fill(self) -> None:
-        want = self._chunk if self._end is None else min(self._chunk, self._end - self._pos)
-        if want <= 0:
-            self._eof = True
-            self._buf, self._at = b"", 0
-            return
-        data = self._backend.get(self._key, self._pos, want)
-        self._pos += len(data)
-        self._buf, self._at = data, 0
-        self._eof = len(data) < want
-
-    def readinto(self, dest: memoryview | bytearray) -> int:  # type: ignore[override]
-        dest = memoryview(dest).cast("B")
-        done = 0
-        while done < len(dest):
-            if self._at == len(self._buf):
-                if self._eof:
-                    break
-                self._fill()
-                if not self._buf:
-                    break
-            n = min(len(dest) - done, len(self._buf) - self._at)
-            dest[done : done + n] = self._buf[self._at : self._at + n]
-            self._at += n
-            done += n
-        return done
 
 
 def as_chunks(data: BytesLike | Chunks) -> Chunks:

@@ -10,6 +10,7 @@ multipart uploads, which S3 makes visible only when complete.
 
 from __future__ import annotations
 
+import io
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -21,11 +22,11 @@ from obstore.exceptions import AlreadyExistsError, BaseError
 from obstore.store import from_url
 
 from ..environment import RETRY_ENV, TIMEOUT_ENV
-from .backend import BackendError, BytesLike, Chunks, ObjectExistsError, RangeReader, as_chunks, check_key
+from .backend import READ_CHUNK, BackendError, BytesLike, Chunks, ObjectExistsError, as_chunks, check_key
 
 T = TypeVar("T")
 _PART = 8 << 20  # bytes per multipart chunk
-_READ = 32 << 20  # bytes per ranged GET when streaming: each GET is a round trip
+_WINDOW = 64 << 20  # most bytes one streamed GET carries: each GET is a round trip, and must end within the timeout
 _SINGLE_PUT = 64 << 20  # objects up to this size go up in one PUT, held in memory once
 
 
@@ -115,9 +116,19 @@ class S3Backend:
         )
 
     def reader(self, key: str, start: int = 0, length: int | None = None) -> BinaryIO:
-        if length is None:  # a range past the end is an error on S3, so bound it first
-            length = self.size(key) - start
-        return RangeReader(self, key, start, length, _READ)  # type: ignore[return-value]
+        check_key(key)
+        return GetReader(self, key, start, length)  # type: ignore[return-value]
+
+    def stream(self, key: str, start: int, end: int | None) -> tuple[int, int, Iterator[bytes]]:
+        """One GET of ``[start, end)`` (the whole object when ``start`` is 0 and ``end`` is None),
+        streamed: the object's size, the end of what the response carries, and its chunks."""
+        if (start, end) == (0, None):
+            options = None
+        else:
+            options = {"range": (start, end) if end is not None else {"offset": start}}
+        result = self._call("reading", key, lambda: obstore.get(self._store, key, options=options))
+        chunks = iter(result.stream(min_chunk_size=READ_CHUNK))
+        return int(result.meta["size"]), int(result.range[1]), chunks
 
     def exists(self, key: str) -> bool:
         try:
@@ -151,6 +162,97 @@ class S3Backend:
 
     def clear_leftovers(self, names: list[str]) -> None:
         return None
+
+
+def _unsatisfiable(exc: BaseException) -> bool:
+    """S3 answers 416 to a range that starts at or past an object's end (an object cut short)."""
+    return "416" in str(exc)
+
+
+class GetReader(io.RawIOBase):
+    """A forward-only file over streamed GETs: the whole range in one request up to
+    :data:`_WINDOW` bytes, then one request a window.
+
+    What a blob read costs is round trips: no HEAD first (a reader without a length learns the
+    size from its first response), and no request per few megabytes. A response that ends early
+    (an object shorter than the range asked for, or a range past its end) ends the reader
+    early: the caller sees a short read, and decoding says the blob is damaged. A connection
+    that drops mid-body is resumed from where it stopped, twice at most.
+    """
+
+    RESUMES = 2
+
+    def __init__(self, backend: S3Backend, key: str, start: int = 0, length: int | None = None) -> None:
+        self._backend, self._key = backend, key
+        self._pos = start
+        self._end = None if length is None else start + length
+        self._chunks: Iterator[bytes] | None = None
+        self._carried = start  # end of what the open response carries
+        self._buf = memoryview(b"")
+        self._eof = self._end is not None and length <= 0  # type: ignore[operator]
+        self._resumes = 0
+        if not self._eof:
+            self._open()  # at once, so that a missing object is a FileNotFoundError here
+
+    def readable(self) -> bool:
+        return True
+
+    def _open(self) -> None:
+        whole = self._pos == 0 and self._end is None
+        end = None if whole else (self._pos + _WINDOW if self._end is None else min(self._end, self._pos + _WINDOW))
+        try:
+            size, self._carried, self._chunks = self._backend.stream(self._key, self._pos, end)
+        except BackendError as exc:
+            if not _unsatisfiable(exc):
+                raise
+            self._eof = True
+            return
+        self._end = size if self._end is None else min(self._end, size)  # a cut-short object ends here
+        if whole and size > _WINDOW:
+            self._carried = _WINDOW  # take one window of this response, then ranged ones
+
+    def _fill(self) -> None:
+        while not self._buf and not self._eof:
+            if self._chunks is None:
+                if self._end is not None and self._pos >= self._end:
+                    self._eof = True
+                    return
+                self._open()
+                continue
+            try:
+                chunk = next(self._chunks, None)
+            except (BaseError, OSError) as exc:
+                if self._resumes >= self.RESUMES:
+                    raise BackendError(
+                        f"{self._backend.location}: reading {self._key} failed ({_first_line(exc)}). "
+                        "Check that the server is reachable."
+                    ) from None
+                self._resumes += 1
+                self._chunks = None
+                continue
+            if chunk is None:
+                self._chunks = None
+                if self._pos < self._carried:  # the response ended before the bytes it announced
+                    self._eof = True
+                continue
+            view = memoryview(chunk)[: self._carried - self._pos]
+            self._pos += len(view)
+            self._buf = view
+            if self._pos >= self._carried:
+                self._chunks = None  # past this window (or its one window of a whole-object GET)
+
+    def readinto(self, dest: memoryview | bytearray) -> int:  # type: ignore[override]
+        dest = memoryview(dest).cast("B")
+        done = 0
+        while done < len(dest):
+            self._fill()
+            if not self._buf:
+                break
+            n = min(len(dest) - done, len(self._buf))
+            dest[done : done + n] = self._buf[:n]
+            self._buf = self._buf[n:]
+            done += n
+        return done
 
 
 class S3Batch:

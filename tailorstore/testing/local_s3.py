@@ -7,12 +7,15 @@ standard AWS environment variables, which :meth:`LocalS3.environ` lists.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import re
 import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -103,14 +106,21 @@ def local_s3() -> Iterator[LocalS3]:
         server.stop()
 
 
-class CuttableLink:
-    """A TCP relay in front of the server that counts the bytes each way and can be cut:
-    every open connection is reset and new ones are refused, as when a server or the network
-    between goes away mid-request."""
+_REQUEST = re.compile(rb"(HEAD|GET|PUT|POST|DELETE) /([^ ?]*)[^ ]* HTTP/1\.1\r\n")
 
-    def __init__(self, target_port: int) -> None:
+
+class CuttableLink:
+    """A TCP relay in front of the server that counts the bytes each way and the requests by
+    method and store area (``"GET packs"``), can hold each request back by ``delay`` seconds
+    (the first-byte latency of a real object store, which a local server does not have), and
+    can be cut: every open connection is reset and new ones are refused, as when a server or
+    the network between goes away mid-request."""
+
+    def __init__(self, target_port: int, delay: float = 0.0) -> None:
         self.sent = 0  # bytes from clients to the server
         self.received = 0  # bytes from the server to clients
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.delay = delay
         self._target = target_port
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -136,9 +146,26 @@ class CuttableLink:
             threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
 
+    def _count_requests(self, data: bytes, tail: bytes) -> int:
+        """Count the request lines that end in ``data`` (``tail`` is the end of the previous read)."""
+        seen = 0
+        for match in _REQUEST.finditer(tail + data):
+            if match.end() > len(tail):
+                # /bucket/prefix/area/...: the area of a store's key (blobs, packs, manifests, ...)
+                parts = match.group(2).decode(errors="replace").split("/")
+                with self._lock:
+                    self.requests[f"{match.group(1).decode()} {parts[2] if len(parts) > 2 else ''}"] += 1
+                seen += 1
+        return seen
+
     def _pipe(self, src: socket.socket, dst: socket.socket, upward: bool) -> None:
+        tail = b""
         try:
             while data := src.recv(1 << 18):
+                if upward:
+                    if self._count_requests(data, tail) and self.delay:
+                        time.sleep(self.delay)
+                    tail = data[-256:]
                 dst.sendall(data)
                 with self._lock:
                     if upward:
@@ -154,6 +181,7 @@ class CuttableLink:
     def reset_counts(self) -> None:
         with self._lock:
             self.sent = self.received = 0
+            self.requests.clear()
 
     def cut(self) -> None:
         with self._lock:
