@@ -30,8 +30,8 @@ from typing import Any
 from . import codec
 from .errors import CorruptStoreError, StoreError
 from .store import manifest_objects
-from .store.backend import blob_key, blob_names
-from .store.packs import PackWriter, pack_key, pack_names
+from .store.backend import blob_key
+from .store.packs import PackWriter, pack_key
 from .store.parts import read_parts
 from .store.records import COMMIT, TIERS, ManifestRecord
 from .store.repo import Repository
@@ -216,15 +216,16 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
             plan.repack.append(name)
             plan.freed_bytes += size - live
     indexed = store.index.blob_hashes(loose_only=True)
-    for name in blob_names(store.backend):
+    holdings = store.holdings()  # sizes from the listing: no request per orphan on an object store
+    for name, size in holdings.blobs.items():
         if name not in indexed and name not in held:
             plan.orphan_files.append(name)
-            plan.freed_bytes += store.object_size(blob_key(name)) or 0
+            plan.freed_bytes += size
     known = set(store.index.packs())
-    for name in pack_names(store.backend):
+    for name, size in holdings.packs.items():
         if name not in known:
             plan.orphan_packs.append(name)
-            plan.freed_bytes += store.object_size(pack_key(name)) or 0
+            plan.freed_bytes += size
     plan.superseded = manifest_objects.superseded(store.backend)
     plan.temp_files = store.backend.leftovers()
     plan.freed_bytes += store.backend.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too

@@ -19,8 +19,6 @@ from .atom_reader import decode_atom
 from .atoms import MASTER
 from .errors import CorruptStoreError
 from .paths import check_relative
-from .store.backend import blob_names
-from .store.packs import pack_names
 from .store.records import AtomRecord, BlobRecord
 from .store.repo import Repository
 
@@ -67,11 +65,12 @@ def verify(
     for digest, row in rows.items():
         if row is None:
             report.problems.append(f"blob {digest}: no row in the index (used by {_place(users[digest])})")
+    held = store.holdings()  # every object's size from a listing, not a request per blob
     # in pack order, so that on an object store a deep check reads each pack a span at a time
     found = sorted((r for r in rows.values() if r is not None), key=lambda r: (r.pack or "", r.pack_offset or 0))
     with store.reading(found if deep else ()):
         for row in found:
-            _check_blob(store, row, _place(users[row.hash]), deep, report)
+            _check_blob(store, row, held.stored_bytes(row), _place(users[row.hash]), deep, report)
             if progress:
                 progress(row.raw_size)
     if deep:
@@ -79,11 +78,11 @@ def verify(
         for manifest in ids:
             _check_derived(store, manifest, report, rebuilt)
     indexed = store.index.blob_hashes()
-    orphans = [n for n in blob_names(store.backend) if n not in indexed]
+    orphans = [n for n in held.blobs if n not in indexed]
     if orphans:
         report.notes.append(f"{len(orphans)} orphan blob file(s) no manifest uses; `tailor gc` removes them")
     known_packs = set(store.index.packs())
-    stray = [n for n in pack_names(store.backend) if n not in known_packs]
+    stray = [n for n in held.packs if n not in known_packs]
     if stray:
         report.notes.append(f"{len(stray)} pack(s) the index does not know; `tailor gc` removes them")
     temps = store.backend.leftovers()
@@ -92,9 +91,11 @@ def verify(
     return report
 
 
-def _check_blob(store: Repository, row: BlobRecord, place: str, deep: bool, report: VerifyReport) -> None:
+def _check_blob(
+    store: Repository, row: BlobRecord, size: int | None, place: str, deep: bool, report: VerifyReport
+) -> None:
+    """``size``: how many of the blob's stored bytes its object holds, None when it is missing."""
     report.blobs_checked += 1
-    size = store.stored_bytes(row)
     if size is None:
         report.problems.append(f"blob {row.hash}: file missing (used by {place})")
         return

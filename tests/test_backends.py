@@ -122,6 +122,14 @@ def test_list_under_a_prefix_sorted(backend: Backend) -> None:
     assert list(backend.list("b/")) == ["b/2", "b/sub/4"]
 
 
+def test_sizes_list_each_key_with_its_size(backend: Backend) -> None:
+    for key, size in (("b/2", 7), ("a/1", 0), ("b/1", 3 << 20), ("b/sub/4", 1)):
+        backend.put(key, b"z" * size)
+    assert list(backend.sizes("b/")) == [("b/1", 3 << 20), ("b/2", 7), ("b/sub/4", 1)]
+    assert dict(backend.sizes("")) == {key: backend.size(key) for key in backend.list("")}
+    assert list(backend.sizes("nothing/")) == []
+
+
 def test_a_failed_put_leaves_no_object(backend: Backend) -> None:
     def failing() -> Iterator[bytes]:
         yield b"x" * (6 << 20)

@@ -196,6 +196,46 @@ def test_reading_from_s3_costs_one_request_per_loose_blob_and_per_span_of_a_pack
     assert len(export_spans) < len(exported_rows) / 10
 
 
+def test_verify_and_gc_take_sizes_from_listings_not_a_request_per_blob(
+    s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tailor verify` and gc's plan need the size of every object; a HEAD each would cost a
+    round trip per blob. They list blobs/ and packs/ instead, and still catch a pack cut short."""
+    save = runs.get("zero2-bf16").save_dir
+    Repository.init(s3_location).close()
+    with Repository.open(s3_location) as store:
+        commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
+        commit_checkpoint(store, as_of_step(save, 6, tmp_path / "at6"))
+        blobs = store.conn.execute("SELECT count(*) FROM blobs").fetchone()[0]
+        store.backend.put(f"blobs/ff/{'f' * 32}", b"o" * 1234)  # an orphan, as a killed commit leaves
+    assert blobs > 50
+
+    link = CuttableLink(s3_server.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
+    with Repository.open(s3_location) as store:
+        link.reset_counts()
+        report = verify(store)
+        checked = dict(link.requests)
+        link.reset_counts()
+        plan = gc(store, Retention(), dry_run=True)
+        planned = dict(link.requests)
+    assert report.ok and report.blobs_checked == blobs, report.problems
+    assert any("1 orphan blob" in note for note in report.notes), report.notes
+    assert plan.orphan_files == ["f" * 32] and plan.freed_bytes >= 1234
+    for asked in (checked, planned):
+        assert not any(k.startswith("HEAD") for k in asked), asked
+        assert sum(asked.values()) < 20, asked
+
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    prefix = s3_location.removeprefix(f"s3://{BUCKET}/")
+    pack = next(k for k in s3_server.keys(s3_location) if k.startswith("packs/"))
+    body = client.get_object(Bucket=BUCKET, Key=f"{prefix}/{pack}")["Body"].read()
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/{pack}", Body=body[: len(body) // 2])
+    with Repository.open(s3_location) as store:
+        problems = verify(store).problems
+    assert problems and all("truncated" in p or "missing" in p for p in problems), problems
+
+
 def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
     s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path
 ) -> None:

@@ -7,7 +7,8 @@ object store (S3 API) can promise:
 - ``put``: an object appears whole or not at all; ``create_only`` refuses to replace one
   (S3 ``If-None-Match: *``, POSIX ``link``), which manifests and locks rely on;
 - ``get`` of a byte range, and ``reader`` that streams a range in bounded chunks;
-- ``exists``, ``size``, ``list`` under a prefix, ``delete``.
+- ``exists``, ``size``, ``list`` under a prefix (``sizes``: with each object's size, which
+  an object store's listing carries for free), ``delete``.
 
 Durability of many objects at once belongs to a :class:`Batch`, one per commit or gc,
 never to shared state on the backend: a POSIX batch flushes all its files with one
@@ -80,6 +81,14 @@ def blob_name(key: str) -> str | None:
     return None
 
 
+def pack_name(key: str) -> str | None:
+    """The pack name a key under ``packs/`` stands for, or None for anything else found there."""
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] == "packs" and _HASH.fullmatch(parts[2]) and parts[2][:2] == parts[1]:
+        return parts[2]
+    return None
+
+
 def blob_names(backend: Backend) -> Iterator[str]:
     """Names of the blobs the backend holds (other objects under ``blobs/`` are skipped)."""
     for key in backend.list(BLOB_PREFIX):
@@ -106,6 +115,7 @@ class Backend(Protocol):
     def exists(self, key: str) -> bool: ...
     def size(self, key: str) -> int: ...
     def list(self, prefix: str) -> Iterator[str]: ...
+    def sizes(self, prefix: str) -> Iterator[tuple[str, int]]: ...
     def delete(self, key: str) -> None: ...
     def batch(self) -> Batch: ...
     def leftovers(self) -> list[str]: ...

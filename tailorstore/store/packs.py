@@ -20,7 +20,6 @@ any manifest, since manifests name blobs by hash only.
 from __future__ import annotations
 
 import json
-import re
 import struct
 import threading
 from collections.abc import Iterator
@@ -30,13 +29,12 @@ import xxhash
 import zstandard
 
 from ..errors import CorruptStoreError
-from .backend import PACK_PREFIX, Backend, Batch, pack_key
+from .backend import PACK_PREFIX, Backend, Batch, pack_key, pack_name
 
 PACK_BELOW = 1 << 20  # blobs of a smaller raw size go into packs
 PACK_TARGET = 16 << 20  # a pack is sealed once it holds this many bytes
 MAGIC = b"TLRPACK1"
 _FOOT = struct.Struct("<Q8s")
-_NAME = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -50,9 +48,9 @@ class PackEntry:
 
 def pack_names(backend: Backend) -> Iterator[str]:
     for key in backend.list(PACK_PREFIX):
-        parts = key.split("/")
-        if len(parts) == 3 and _NAME.fullmatch(parts[2]) and parts[2][:2] == parts[1]:
-            yield parts[2]
+        name = pack_name(key)
+        if name is not None:
+            yield name
 
 
 def seal(entries: list[tuple[str, bytes, int, str]]) -> tuple[str, bytes, list[PackEntry]]:

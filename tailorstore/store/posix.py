@@ -138,6 +138,17 @@ class PosixBackend:
 
     def list(self, prefix: str) -> Iterator[str]:
         """Every key under ``prefix`` (a folder path ending in '/'), sorted, temp files excluded."""
+        for _, key in self._walk(prefix):
+            yield key
+
+    def sizes(self, prefix: str) -> Iterator[tuple[str, int]]:
+        for path, key in self._walk(prefix):
+            try:
+                yield key, path.stat().st_size
+            except FileNotFoundError:  # deleted since the walk saw it (gc): not there any more
+                continue
+
+    def _walk(self, prefix: str) -> Iterator[tuple[Path, str]]:
         base = self.root / prefix.rstrip("/") if prefix else self.root
         if not base.is_dir():
             return
@@ -148,7 +159,7 @@ class PosixBackend:
                 continue
             dirnames.sort()
             for name in sorted(filenames):
-                yield name if rel_dir == "." else f"{rel_dir}/{name}"
+                yield Path(dirpath) / name, name if rel_dir == "." else f"{rel_dir}/{name}"
 
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)

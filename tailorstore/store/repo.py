@@ -32,6 +32,7 @@ from . import manifest_objects
 from .backend import Backend, blob_names
 from .index import Index
 from .lease import LeaseHandle, lease_lock
+from .listing import Holdings, stored_part
 from .location import Location, resolve
 from .lock import LockHandle, store_lock
 from .pack_spans import PackSpans
@@ -222,6 +223,10 @@ class Repository:
             held.update(e.hash for e in read_trailer(self.backend, name)[1])
         return held
 
+    def holdings(self) -> Holdings:
+        """The size of every loose blob and pack the backend holds, from one listing of each."""
+        return Holdings.of(self.backend)
+
     def object_size(self, key: str) -> int | None:
         try:
             return self.backend.size(key)
@@ -231,13 +236,8 @@ class Repository:
     def stored_bytes(self, row: BlobRecord) -> int | None:
         """How many of the blob's stored bytes its object holds (``stored_size`` when intact),
         or None when the object is missing."""
-        try:
-            size = self.backend.size(row.key())
-        except FileNotFoundError:
-            return None
-        if row.pack is None:
-            return size
-        return max(0, min(row.stored_size, size - (row.pack_offset or 0)))
+        size = self.object_size(row.key())
+        return None if size is None else stored_part(row, size)
 
     def open_blob(self, digest: str, where: str) -> BinaryIO:
         row = self.blob(digest)

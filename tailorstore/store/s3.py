@@ -142,8 +142,19 @@ class S3Backend:
         return int(self._call("reading", key, lambda: obstore.head(self._store, key))["size"])
 
     def list(self, prefix: str) -> Iterator[str]:
-        def pages() -> list[str]:
-            return [meta["path"] for batch in obstore.list(self._store, prefix=prefix or None) for meta in batch]
+        for key, _ in self.sizes(prefix):
+            yield key
+
+    def sizes(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """Every key under ``prefix`` with its size, sorted: one LIST request per 1,000 keys,
+        where asking each object's size would cost a HEAD each."""
+
+        def pages() -> list[tuple[str, int]]:
+            return [
+                (meta["path"], int(meta["size"]))
+                for batch in obstore.list(self._store, prefix=prefix or None)
+                for meta in batch
+            ]
 
         yield from sorted(self._call("listing", prefix or "/", pages))
 
