@@ -538,9 +538,6 @@ def remove_unindexed(store: Repository, writer: BlobWriter) -> None:
     """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes
     (a part of another host may hold the same blob without this index knowing)."""
     held = {h for part in parts.read_parts(store.backend) for h in part.blob_hashes()}
-    for digest in writer.written():
-        if store.blob(digest) is None and digest not in held:
-            store.backend.delete(blob_key(digest))
-    for name in writer.written_packs():
-        if not store.index.has_pack(name):
-            store.backend.delete(pack_key(name))
+    loose = [blob_key(d) for d in writer.written() if store.blob(d) is None and d not in held]
+    packed = [pack_key(name) for name in writer.written_packs() if not store.index.has_pack(name)]
+    store.backend.delete_many([*loose, *packed])

@@ -130,6 +130,16 @@ def test_sizes_list_each_key_with_its_size(backend: Backend) -> None:
     assert list(backend.sizes("nothing/")) == []
 
 
+def test_delete_many_deletes_those_keys_and_no_other(backend: Backend) -> None:
+    keys = [blob_key(f"{i:02x}" * 16) for i in range(12)]
+    for key in keys:
+        backend.put(key, b"k")
+    backend.put("keep/me", b"k")
+    backend.delete_many([*keys[:10], blob_key("e" * 32)])  # a key already gone is not an error
+    assert list(backend.list("")) == [*keys[10:], "keep/me"]
+    backend.delete_many([])
+
+
 def test_a_failed_put_leaves_no_object(backend: Backend) -> None:
     def failing() -> Iterator[bytes]:
         yield b"x" * (6 << 20)

@@ -236,6 +236,35 @@ def test_verify_and_gc_take_sizes_from_listings_not_a_request_per_blob(
     assert problems and all("truncated" in p or "missing" in p for p in problems), problems
 
 
+def test_gc_deletes_many_objects_in_a_few_requests(
+    s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gc that frees thousands of blobs must not cost a DELETE each: S3 takes up to 1,000 keys
+    in one DeleteObjects request."""
+    save = runs.get("zero2-bf16").save_dir
+    Repository.init(s3_location).close()
+    orphans = [f"{i:032x}" for i in range(1, 41)]
+    with Repository.open(s3_location) as store:
+        commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
+        commit_checkpoint(store, as_of_step(save, 6, tmp_path / "at6"))
+        for name in orphans:  # what killed commits leave behind
+            store.backend.put(f"blobs/{name[:2]}/{name}", b"orphan")
+    link = CuttableLink(s3_server.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
+    with Repository.open(s3_location) as store:
+        link.reset_counts()
+        plan = gc(store, Retention(keep_last=1))
+        asked = dict(link.requests)
+        assert verify(store, deep=True).ok
+        assert [m.step for m in store.index.manifests()] == [6]
+    assert sorted(plan.orphan_files) == orphans and plan.dead_blobs
+    assert not any(k.startswith("DELETE blobs") or k.startswith("DELETE packs") for k in asked), asked
+    # obstore deletes through DeleteObjects (a POST), even one key: one for the 40 orphans, the dead
+    # blobs' objects together, then the dropped manifest, its pin and the lease one each (was 44)
+    assert asked.get("POST ", 0) <= 4, asked
+    assert not any(k.endswith(name) for k in s3_server.keys(s3_location) for name in orphans)
+
+
 def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
     s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path
 ) -> None:

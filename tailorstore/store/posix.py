@@ -16,7 +16,7 @@ import errno
 import os
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -163,6 +163,10 @@ class PosixBackend:
 
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.delete(key)
 
     def batch(self) -> PosixBatch:
         return PosixBatch(self)
