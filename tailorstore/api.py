@@ -401,19 +401,10 @@ def delete_once_durable(repo: Repository, manifest: int, path: Path) -> None:
 
 def check_blobs_present(repo: Repository, manifest: int) -> None:
     """Every blob the manifest names exists in the backend with its recorded size."""
-    pack_sizes: dict[str, int | None] = {}  # one size lookup per pack, not one per blob
-    for digest in sorted(repo.index.referenced_hashes(manifest)):
-        row = repo.blob(digest)
-        if row is None:
-            ok = False
-        elif row.pack is None:
-            ok = repo.stored_bytes(row) == row.stored_size
-        else:
-            if row.pack not in pack_sizes:
-                pack_sizes[row.pack] = repo.object_size(row.key())
-            size = pack_sizes[row.pack]
-            ok = size is not None and (row.pack_offset or 0) + row.stored_size <= size
-        if not ok:
+    rows = {digest: repo.blob(digest) for digest in sorted(repo.index.referenced_hashes(manifest))}
+    stored_bytes = repo.size_lookup([r for r in rows.values() if r is not None])
+    for digest, row in rows.items():
+        if row is None or stored_bytes(row) != row.stored_size:
             raise CorruptStoreError(
                 f"blob {digest} of the commit just made is missing or cut short in {repo.location}; "
                 "the original checkpoint was kept. Run `tailor verify` and commit it again."

@@ -15,6 +15,7 @@ import boto3
 import pytest
 from conftest import Runs, as_of_step, tailor
 
+from tailorstore.api import Store, check_blobs_present
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import commit_checkpoint
 from tailorstore.errors import CorruptStoreError
@@ -263,6 +264,31 @@ def test_gc_deletes_many_objects_in_a_few_requests(
     # blobs' objects together, then the dropped manifest, its pin and the lease one each (was 44)
     assert asked.get("POST ", 0) <= 4, asked
     assert not any(k.endswith(name) for k in s3_server.keys(s3_location) for name in orphans)
+
+
+def test_delete_after_commit_checks_the_blobs_with_a_listing_not_a_head_each(
+    s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before a committed save is deleted every blob it needs is checked in the bucket; for a
+    store of fewer than a thousand loose blobs per new one, one listing does it."""
+    at6 = as_of_step(runs.get("zero2-bf16").save_dir, 6, tmp_path / "at6")
+    for i in range(6):  # loose blobs (above the pack limit) beside the packed ones
+        (at6 / "global_step6" / f"extra{i}.bin").write_bytes(os.urandom(2 << 20))
+    link = CuttableLink(s3_server.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
+    with Store.init(s3_location) as store:
+        link.reset_counts()
+        result = store.commit(at6, delete_after_commit=True)
+        asked = dict(link.requests)
+        loose = [r for r in store.repo.index.referenced_blobs(result.manifest) if r.pack is None]
+    assert not (at6 / "global_step6").exists() and len(loose) >= 6
+    assert not any(k.startswith("HEAD") for k in asked), asked
+
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    prefix = s3_location.removeprefix(f"s3://{BUCKET}/")
+    client.delete_object(Bucket=BUCKET, Key=f"{prefix}/{loose[0].key()}")
+    with Store.open(s3_location) as store, pytest.raises(CorruptStoreError, match=loose[0].hash):
+        check_blobs_present(store.repo, result.manifest)
 
 
 def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(

@@ -443,6 +443,9 @@ class Index:
         row = self.conn.execute("SELECT * FROM blobs WHERE hash=?", (digest,)).fetchone()
         return _blob(row) if row else None
 
+    def loose_blob_count(self) -> int:
+        return self.conn.execute("SELECT count(*) FROM blobs WHERE pack IS NULL").fetchone()[0]
+
     def blob_hashes(self, *, loose_only: bool = False) -> set[str]:
         query = "SELECT hash FROM blobs" + (" WHERE pack IS NULL" if loose_only else "")
         return {r[0] for r in self.conn.execute(query)}

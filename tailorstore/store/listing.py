@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from .backend import BLOB_PREFIX, PACK_PREFIX, Backend, blob_name, pack_name
 from .records import BlobRecord
 
+LIST_PAGE = 1000  # keys in one page of an S3 listing
+
 
 def stored_part(row: BlobRecord, object_size: int) -> int:
     """How many of the blob's stored bytes an object of ``object_size`` bytes holds: all of
