@@ -344,6 +344,24 @@ def s3_section(r: dict) -> list[str]:
         f"({'met' if commit / up <= 0.8 else 'not met'}), checkout <= 1.0x the download "
         f"({'met' if checkout / down <= 1.0 else 'not met'}).",
     ]
+    ops = r.get("store_ops")
+    if ops:
+        out += [
+            "",
+            "Then, on the store of both saves (whole processes, medians):",
+            "",
+            "| command | time | requests |",
+            "|---|---|---|",
+            *(
+                f"| `tailor {label}` | {s(ops[name])} | {ops[name + '_requests']:,.0f} |"
+                for name, label in (
+                    ("verify", "verify"),
+                    ("verify_deep", "verify --deep"),
+                    ("gc", "gc --keep-last 1"),
+                )
+                if name in ops
+            ),
+        ]
     return out
 
 

@@ -567,6 +567,7 @@ def measure_s3(save: Path, steps: list[int], work: Path, repeats: int, latency: 
     `tailor checkout` against downloading them. Every figure is a whole process; the server is
     the same for both."""
     rows: dict[str, list[list[float]]] = defaultdict(lambda: [[] for _ in steps])
+    whole: dict[str, list[float]] = defaultdict(list)  # operations on the whole store, once per repeat
     with local_s3() as server:
         link = CuttableLink(server.port, delay=latency)
         for rep in range(repeats):
@@ -601,9 +602,24 @@ def measure_s3(save: Path, steps: list[int], work: Path, repeats: int, latency: 
                     rows[f"{name}_requests"][i].append(sum(link.requests.values()))
                 shutil.rmtree(work / "s3-down", ignore_errors=True)
                 shutil.rmtree(work / "s3-out", ignore_errors=True)
+            # what runs over the whole store: the checks, then a gc that drops all but the last step
+            for name, args in (
+                ("verify", ["verify"]),
+                ("verify_deep", ["verify", "--deep"]),
+                ("gc", ["gc", "--keep-last", "1"]),
+            ):
+                link.reset_counts()
+                whole[name].append(timed([*TAILOR, *args, "--store", location], env))
+                whole[f"{name}_requests"].append(sum(link.requests.values()))
     med = {k: [statistics.median(v) for v in per_step] for k, per_step in rows.items()}
     raw = [dir_bytes(save / f"global_step{s}") for s in steps]
-    return {"steps": steps, "per_step": med, "raw_step_bytes": raw, "latency_ms": latency * 1000}
+    return {
+        "steps": steps,
+        "per_step": med,
+        "store_ops": {k: statistics.median(v) for k, v in whole.items()},
+        "raw_step_bytes": raw,
+        "latency_ms": latency * 1000,
+    }
 
 
 def timed(cmd: list[str], env: dict[str, str]) -> float:

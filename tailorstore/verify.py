@@ -11,16 +11,20 @@ next ``tailor gc`` removes them.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from . import codec
-from .atom_reader import decode_atom
+from .atom_reader import stream_rebuilt
 from .atoms import MASTER
 from .errors import CorruptStoreError
 from .paths import check_relative
 from .store.records import AtomRecord, BlobRecord
 from .store.repo import Repository
+
+CHECKERS = 4  # threads of a deep check: two decode and hash on two cores while two wait on the disk or network
 
 
 @dataclass
@@ -68,15 +72,25 @@ def verify(
     held = store.holdings()  # every object's size from a listing, not a request per blob
     # in pack order, so that on an object store a deep check reads each pack a span at a time
     found = sorted((r for r in rows.values() if r is not None), key=lambda r: (r.pack or "", r.pack_offset or 0))
-    with store.reading(found if deep else ()):
-        for row in found:
-            _check_blob(store, row, held.stored_bytes(row), _place(users[row.hash]), deep, report)
+    with store.reading(found if deep else ()), _checkers(CHECKERS if deep else 1) as pool:
+        checks = pool.map(lambda r: _check_blob(store, r, held.stored_bytes(r), _place(users[r.hash]), deep), found)
+        for row, (problem, rehashed) in zip(found, checks, strict=True):
+            report.blobs_checked += 1
+            report.bytes_rehashed += rehashed
+            if problem:
+                report.problems.append(problem)
             if progress:
                 progress(row.raw_size)
     if deep:
         rebuilt: set[tuple] = set()
-        for manifest in ids:
-            _check_derived(store, manifest, report, rebuilt)
+        jobs = [job for manifest in ids for job in _derived_jobs(store, manifest, rebuilt)]
+        masters = [r for blob in sorted({m for _, _, _, ms in jobs for m in ms}) if (r := store.blob(blob))]
+        with store.reading(masters), _checkers(CHECKERS) as pool:
+            checks = pool.map(lambda job: _rebuild(store, *job[:3]), jobs)
+            for (_, atom, _, _), problem in zip(jobs, checks, strict=True):
+                report.bytes_rehashed += atom.nbytes
+                if problem:
+                    report.problems.append(problem)
     indexed = store.index.blob_hashes()
     orphans = [n for n in held.blobs if n not in indexed]
     if orphans:
@@ -91,34 +105,44 @@ def verify(
     return report
 
 
-def _check_blob(
-    store: Repository, row: BlobRecord, size: int | None, place: str, deep: bool, report: VerifyReport
-) -> None:
-    """``size``: how many of the blob's stored bytes its object holds, None when it is missing."""
-    report.blobs_checked += 1
+@contextmanager
+def _checkers(threads: int) -> Iterator[ThreadPoolExecutor]:
+    """A pool whose queued checks are cancelled when one fails outright (an unreachable server):
+    the error comes at once, not after every other check has failed in turn."""
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="tailor-verify")
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _check_blob(store: Repository, row: BlobRecord, size: int | None, place: str, deep: bool) -> tuple[str | None, int]:
+    """(the problem found or None, bytes re-hashed) for one blob; ``size``: how many of its stored
+    bytes its object holds, None when it is missing. Run on several threads: touches no report."""
     if size is None:
-        report.problems.append(f"blob {row.hash}: file missing (used by {place})")
-        return
+        return f"blob {row.hash}: file missing (used by {place})", 0
     if size != row.stored_size:
-        report.problems.append(
-            f"blob {row.hash}: file has {size} bytes, the index says {row.stored_size}; truncated (used by {place})"
-        )
-        return
-    if deep:
-        buf = bytearray(row.raw_size)
-        try:
-            with store.open_row(row, place) as f:
-                codec.decode_into(row.codec, f, memoryview(buf), f"blob {row.hash}")
-        except CorruptStoreError as exc:
-            report.problems.append(f"{exc} (used by {place})")
-            return
-        report.bytes_rehashed += row.raw_size
-        if codec.content_hash(buf) != row.hash:
-            report.problems.append(f"blob {row.hash}: content does not match its hash; damaged (used by {place})")
+        truncated = f"file has {size} bytes, the index says {row.stored_size}; truncated"
+        return f"blob {row.hash}: {truncated} (used by {place})", 0
+    if not deep:
+        return None, 0
+    buf = bytearray(row.raw_size)
+    try:
+        with store.open_row(row, place) as f:
+            codec.decode_into(row.codec, f, memoryview(buf), f"blob {row.hash}")
+    except CorruptStoreError as exc:
+        return f"{exc} (used by {place})", 0
+    if codec.content_hash(buf) != row.hash:
+        return f"blob {row.hash}: content does not match its hash; damaged (used by {place})", row.raw_size
+    return None, row.raw_size
 
 
-def _check_derived(store: Repository, manifest: int, report: VerifyReport, done: set[tuple]) -> None:
-    """Rebuild every derived weight from its masters and check its hash, as checkout does.
+def _derived_jobs(store: Repository, manifest: int, done: set[tuple]) -> list[tuple[int, AtomRecord, str, tuple]]:
+    """The derived weights of a manifest to rebuild from their masters and check, as checkout does:
+    (manifest, atom, where, master blobs).
 
     A master atom pointed at another step's (intact) blob passes the blob checks, but its
     weight would no longer rebuild. The same weight over the same master blobs is rebuilt once.
@@ -127,16 +151,25 @@ def _check_derived(store: Repository, manifest: int, report: VerifyReport, done:
     masters: dict[str, list[AtomRecord]] = defaultdict(list)
     for a in store.index.atoms(manifest, kind=MASTER):
         masters[a.param].append(a)
+    jobs = []
     for atom in sorted(store.index.atoms(manifest, derived=True), key=lambda a: a.param):
-        key = (atom.blob, atom.dtype, tuple(m.blob for m in sorted(masters[atom.param], key=lambda m: m.start)))
+        blobs = tuple(m.blob for m in sorted(masters[atom.param], key=lambda m: m.start))
+        key = (atom.blob, atom.dtype, blobs)
         if key in done:
             continue
         done.add(key)
-        try:
-            decode_atom(store, manifest, atom, f"step {step}, layer {atom.layer}, file {atom.path}")
-        except CorruptStoreError as exc:
-            report.problems.append(str(exc))
-        report.bytes_rehashed += atom.nbytes
+        jobs.append((manifest, atom, f"step {step}, layer {atom.layer}, file {atom.path}", blobs))
+    return jobs
+
+
+def _rebuild(store: Repository, manifest: int, atom: AtomRecord, where: str) -> str | None:
+    """Rebuild one derived weight a chunk at a time (its hash is checked after the last); the problem or None."""
+    try:
+        for _ in stream_rebuilt(store, manifest, atom, where):
+            pass
+    except CorruptStoreError as exc:
+        return str(exc)
+    return None
 
 
 def _check_structure(store: Repository, manifest: int, report: VerifyReport) -> None:
