@@ -253,8 +253,7 @@ def gc(
         for tier in TIERS:  # first: the blobs it materializes must exist before their masters go
             targets = [r for m in plan.thin_to(tier) if (r := store.index.manifest(m)) is not None]
             written += thin(store, targets, tier, lock)
-        for key in [*plan.drop_parts, *plan.superseded]:  # before anything they name
-            store.backend.delete(key)
+        store.backend.delete_many([*plan.drop_parts, *plan.superseded])  # before anything they name
         with store.transaction() as index:
             # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
             dropped = [m for m, _ in plan.drop]

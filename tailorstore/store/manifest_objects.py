@@ -161,11 +161,11 @@ def publish(backend: Backend, index: Index, manifest: int) -> str:
 
 
 def unpublish(backend: Backend, keys: Iterable[str | None]) -> None:
-    """Delete manifest objects (and their pins) that are no longer wanted."""
-    for key in keys:
-        if key:
-            backend.delete(key)
-            backend.delete(pin_key(key))
+    """Delete manifest objects (and their pins) that are no longer wanted, in as few requests as
+    the backend allows (a gc may drop hundreds). Should the request fail half-way, a pin left
+    without its manifest pins nothing (pins are read only for manifests that exist), and a
+    manifest left without its pin is one the next gc finds unkept again."""
+    backend.delete_many([k for key in keys if key for k in (key, pin_key(key))])
 
 
 def write_refs(backend: Backend, index: Index, manifests: Iterable[int]) -> None:
