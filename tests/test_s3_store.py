@@ -291,6 +291,20 @@ def test_delete_after_commit_checks_the_blobs_with_a_listing_not_a_head_each(
         check_blobs_present(store.repo, result.manifest)
 
 
+def test_the_relay_closes_the_connections_its_clients_are_done_with(s3_server: LocalS3) -> None:
+    """The counting relay of the S3 tests and benchmarks must not keep a socket pair per finished
+    connection: a long benchmark opens thousands."""
+    link = CuttableLink(s3_server.port)
+    for _ in range(5):
+        client = boto3.client("s3", endpoint_url=link.endpoint)
+        client.list_objects_v2(Bucket=BUCKET, MaxKeys=1)
+        client.close()
+    deadline = time.monotonic() + 30
+    while link._sockets and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert link.requests["GET "] == 5 and link._sockets == []
+
+
 def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
     s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path
 ) -> None:

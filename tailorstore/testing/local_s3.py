@@ -109,6 +109,21 @@ def local_s3() -> Iterator[LocalS3]:
 _REQUEST = re.compile(rb"(HEAD|GET|PUT|POST|DELETE) /([^ ?]*)[^ ]* HTTP/1\.1\r\n")
 
 
+class _Pair:
+    """A client connection and its upstream one, closed once both directions are finished."""
+
+    def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
+        self.client, self.upstream = client, upstream
+        self._left = 2
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        """One direction finished; True for the second."""
+        with self._lock:
+            self._left -= 1
+            return self._left == 0
+
+
 class CuttableLink:
     """A TCP relay in front of the server that counts the bytes each way and the requests by
     method and store area (``"GET packs"``), can hold each request back by ``delay`` seconds
@@ -135,7 +150,10 @@ class CuttableLink:
             try:
                 client, _ = self._listener.accept()
             except OSError:
-                return
+                if self._cut:
+                    return
+                time.sleep(0.01)  # a transient failure (out of descriptors): never stop relaying for good
+                continue
             upstream = socket.create_connection(("127.0.0.1", self._target))
             with self._lock:
                 if self._cut:
@@ -143,8 +161,9 @@ class CuttableLink:
                     upstream.close()
                     return
                 self._sockets += [client, upstream]
-            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+            pair = _Pair(client, upstream)
+            threading.Thread(target=self._pipe, args=(client, upstream, True, pair), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False, pair), daemon=True).start()
 
     def _count_requests(self, data: bytes, tail: bytes) -> int:
         """Count the request lines that end in ``data`` (``tail`` is the end of the previous read)."""
@@ -158,7 +177,7 @@ class CuttableLink:
                 seen += 1
         return seen
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, upward: bool) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, upward: bool, pair: _Pair) -> None:
         tail = b""
         try:
             while data := src.recv(1 << 18):
@@ -177,6 +196,12 @@ class CuttableLink:
         finally:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
+            if pair.done():  # both ways finished: close the two sockets, which would otherwise pile up
+                with self._lock:  # over a long benchmark (a client drops a connection per unread body)
+                    for sock in (pair.client, pair.upstream):
+                        if sock in self._sockets:
+                            self._sockets.remove(sock)
+                        sock.close()
 
     def reset_counts(self) -> None:
         with self._lock:
