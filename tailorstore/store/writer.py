@@ -24,13 +24,18 @@ from dataclasses import replace
 from .. import codec
 from ..errors import InputChangedError, StoreError
 from ..formats.source import InputFile
+from ..reused_memory import SLAB_BYTES
 from .backend import BackendError, blob_key
 from .packs import PACK_BELOW, PackWriter
 from .posix import is_out_of_space
 from .records import BlobRecord
 from .repo import Repository
 
-IN_FLIGHT_BYTES = 256 << 20  # raw bytes queued for compression at once
+# Raw bytes queued for compression at once: what the slab of reused piece memory holds
+# (reused_memory.py). A piece read while the queue holds more than the slab is fresh memory,
+# whose pages the kernel must zero on first touch; at 256 MB queued a 58M-model commit spent
+# 0.75-0.96 s of system time, at 128 MB 0.42-0.51 s, with a lower peak RSS (measured 2026-11-25).
+IN_FLIGHT_BYTES = SLAB_BYTES
 
 
 def disk_full(location: str) -> StoreError:
