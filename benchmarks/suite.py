@@ -373,16 +373,39 @@ def threading_local_zstd() -> Callable[[], Any]:
 
 
 def io_paths(work: Path, size: int = 512 << 20, repeats: int = 3) -> dict:
-    """Writing new bytes durably: through the page cache (write + fsync) against O_DIRECT."""
+    """Moving new bytes to and from the disk: writing durably through the page cache (write + fsync)
+    against O_DIRECT, reading with O_DIRECT (as checkout reads blobs, which are never in the page
+    cache), and reading one file while writing another (as checkout does): what any checkout of
+    bytes not cached must spend, whatever its code."""
     import mmap as mmap_module
+    import threading
 
-    from tailorstore.store.direct_io import BLOCK, SequentialWriter
+    from tailorstore.store.direct_io import BLOCK, DirectReader, SequentialWriter
 
     work.mkdir(parents=True, exist_ok=True)
     block = mmap_module.mmap(-1, BLOCK)
     block.write(os.urandom(BLOCK))
     view = memoryview(block)
-    times: dict[str, list[float]] = {"buffered": [], "direct": []}
+
+    def write_direct(path: Path) -> None:
+        out = SequentialWriter(path)
+        for _ in range(size // BLOCK):
+            out.write(view)
+        out.close()
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    def read_direct(path: Path) -> None:
+        sink = bytearray(BLOCK)
+        reader = DirectReader(path)
+        try:
+            while reader.readinto(sink):
+                pass
+        finally:
+            reader.close()
+
+    times: dict[str, list[float]] = {"buffered": [], "direct": [], "direct_read": [], "read_and_write": []}
     for rep in range(repeats):
         for mode in ("buffered", "direct") if rep % 2 == 0 else ("direct", "buffered"):
             path = work / f"io-{mode}-{rep}"
@@ -394,17 +417,23 @@ def io_paths(work: Path, size: int = 512 << 20, repeats: int = 3) -> dict:
                 os.fsync(fd)
                 os.close(fd)
             else:
-                out = SequentialWriter(path)
-                for _ in range(size // BLOCK):
-                    out.write(view)
-                out.close()
-                fd = os.open(path, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
+                write_direct(path)
             times[mode].append(time.perf_counter() - began)
-    for p in work.glob("io-*"):
-        p.unlink()
-    return {mode: size / statistics.median(t) / 1e9 for mode, t in times.items()} | {"bytes": size}
+        drop_caches()  # the buffered file's pages too: both reads below come from the disk
+        began = time.perf_counter()
+        read_direct(work / f"io-direct-{rep}")
+        times["direct_read"].append(time.perf_counter() - began)
+        began = time.perf_counter()
+        reading = threading.Thread(target=read_direct, args=(work / f"io-buffered-{rep}",))
+        reading.start()
+        write_direct(work / f"io-both-{rep}")
+        reading.join()
+        times["read_and_write"].append(time.perf_counter() - began)
+        for p in work.glob("io-*"):
+            p.unlink()
+    # read_and_write moves twice the bytes (one file read, one written) in the time it reports
+    rates = {mode: size / statistics.median(t) / 1e9 for mode, t in times.items()}
+    return rates | {"read_and_write": 2 * rates["read_and_write"], "bytes": size}
 
 
 def build_thousand(store_root: Path, target: Path, count: int = 1000) -> Path:
