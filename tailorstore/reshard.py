@@ -41,6 +41,7 @@ from .formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
 from .model_tensors import (
     ModelView,
     committed_tree,
+    look_up_rows,
     model_view,
     rank0_optimizer_file,
     stream_elements,
@@ -163,6 +164,24 @@ class _States:
     def __init__(self, store: Repository, view: ModelView) -> None:
         self.store, self.view = store, view
         self.masters = {t.name: t for t in view.tensors if t.kind == MASTER}
+        self.any_thread = self._look_up_rows()  # may the streams run on read-ahead helper threads
+
+    def _look_up_rows(self) -> bool:
+        """Look up the blob rows of every master and moment, so that streaming them touches no SQL
+        and can run on a read-ahead helper thread. False when one of them is derived (rebuilt
+        through the index): then every stream stays on the caller's thread."""
+        for name, master in self.masters.items():
+            tensors = [master]
+            for kind in (EXP_AVG, EXP_AVG_SQ):
+                try:
+                    tensors.append(self.view.state(name, kind, master.shape))
+                except StoreError:  # no such moment: never streamed, or its stream raises this itself
+                    continue
+            for tensor in tensors:
+                if any(atom.derived is not None for atom in tensor.atoms):
+                    return False
+                look_up_rows(self.store, self.view, tensor)
+        return True
 
     def chunks(self, name: str, kind: str, start: int, numel: int) -> Iterator[memoryview]:
         master = self.masters[name]
@@ -224,7 +243,8 @@ def _rank_zero12(saved: dict, states: _States, plan: ReshardPlan, rank: int) -> 
                 g = group_of.get(str(state_key), int(state_key) if isinstance(state_key, int) else 0)
                 partition, _ = plan.zero12_partition(g)
                 state[state_key] = {
-                    k: (TensorOut("float32", (partition,), _zero12_flat(states, plan, g, rank, k, partition))
+                    k: (TensorOut("float32", (partition,), _zero12_flat(states, plan, g, rank, k, partition),
+                                  states.any_thread)
                         if k in (EXP_AVG, EXP_AVG_SQ) else v)
                     for k, v in group_state.items()
                 }  # fmt: skip
@@ -234,7 +254,8 @@ def _rank_zero12(saved: dict, states: _States, plan: ReshardPlan, rank: int) -> 
             for g in range(len(plan.groups)):
                 partition, padding = plan.zero12_partition(g)
                 length = partition - (padding if rank == last else 0)
-                flats.append(TensorOut("float32", (length,), _zero12_flat(states, plan, g, rank, MASTER, length)))
+                build = _zero12_flat(states, plan, g, rank, MASTER, length)
+                flats.append(TensorOut("float32", (length,), build, states.any_thread))
             out[key] = flats
         elif key == "group_paddings":
             out[key] = [plan.zero12_partition(g)[1] if rank == last else 0 for g in range(len(plan.groups))]
@@ -266,7 +287,7 @@ def _rank_zero3(saved: dict, states: _States, plan: ReshardPlan, rank: int) -> d
             flats = []
             for g in range(len(plan.groups)):
                 length, build = _zero3_flat(states, plan, g, rank, MASTER)
-                flats.append(TensorOut("float32", (length,), build))
+                flats.append(TensorOut("float32", (length,), build, states.any_thread))
             out[key] = flats
         elif key == "optimizer_state_dict":
             state = {}
@@ -276,7 +297,7 @@ def _rank_zero3(saved: dict, states: _States, plan: ReshardPlan, rank: int) -> d
                 for k, v in group_state.items():
                     if k in (EXP_AVG, EXP_AVG_SQ):
                         length, build = _zero3_flat(states, plan, g, rank, k)
-                        moments[k] = TensorOut("float32", (length,), build)
+                        moments[k] = TensorOut("float32", (length,), build, states.any_thread)
                     else:
                         moments[k] = v
                 state[state_key] = moments

@@ -103,3 +103,39 @@ def test_failures_on_two_helpers_surface_at_the_first_failing_source() -> None:
             assert b"".join(bytes(c) for c in reader.chunks(0)) == expected(0, [4] * 5)
             assert [bytes(c) for c in reader.chunks(1)]  # raises after the good chunks
     assert not [t for t in threading.enumerate() if t.name == "tailor-read-ahead"]
+
+
+def test_a_torch_file_decodes_its_any_thread_tensors_on_helpers(tmp_path) -> None:
+    """write_torch_file hands the tensors marked any_thread to read-ahead helpers and runs the others
+    (which may need the caller's SQLite connection) on the caller's thread; torch loads the result."""
+    import numpy as np
+    import torch
+
+    from tailorstore.formats.torch_save_writer import TensorOut
+    from tailorstore.output_dir import write_torch_file
+
+    ran_on: dict[str, str] = {}
+
+    def values(name: str, n: int, offset: float):
+        def chunks() -> Iterator[memoryview]:
+            ran_on[name] = threading.current_thread().name
+            data = np.arange(n, dtype=np.float32) + np.float32(offset)
+            for at in range(0, n, 1000):  # several chunks, one buffer reused as the decoders do
+                yield memoryview(data[at : at + 1000].copy()).cast("B")
+
+        return chunks
+
+    tree = {
+        "ahead": TensorOut("float32", (5000,), values("ahead", 5000, 0.5), any_thread=True),
+        "here": TensorOut("float32", (3, 7), values("here", 21, -2.0)),
+        "also_ahead": [TensorOut("float32", (2500,), values("also_ahead", 2500, 7.0), any_thread=True)],
+        "step": 12,
+    }
+    write_torch_file(tmp_path / "f.pt", tree)
+    loaded = torch.load(tmp_path / "f.pt", weights_only=True)
+    assert torch.equal(loaded["ahead"], torch.arange(5000, dtype=torch.float32) + 0.5)
+    assert torch.equal(loaded["here"], (torch.arange(21, dtype=torch.float32) - 2.0).reshape(3, 7))
+    assert torch.equal(loaded["also_ahead"][0], torch.arange(2500, dtype=torch.float32) + 7.0)
+    assert loaded["step"] == 12
+    assert ran_on["ahead"].startswith("tailor-read-ahead") and ran_on["also_ahead"].startswith("tailor-read-ahead")
+    assert ran_on["here"] == threading.current_thread().name

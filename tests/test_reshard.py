@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from conftest import Run, Runs, as_of_step, blob_object, tailor
 from test_universal import ds_to_universal
 
 import tailorstore
+from tailorstore import atom_reader
 from tailorstore.model_tensors import model_view, read_float32, read_raw
 from tailorstore.testing.runs import train_tiny
 
@@ -254,3 +256,29 @@ def test_a_damaged_blob_stops_a_streamed_checkout_with_nothing_published(runs: R
         errors = [line for line in proc.stderr.strip().splitlines() if not line.startswith("warning: ")]
         assert "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr  # export warns of no config.json
         assert not out.exists() and not list(tmp_path.glob(".out.tailor-partial-*")), extra
+
+
+def test_a_resharded_optimizer_file_is_decoded_on_read_ahead_helpers(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The masters and moments of the optimizer files stream on read-ahead helper threads, ahead of
+    the writer (the model-states file, whose derived weights are rebuilt through the index, stays on
+    the caller's thread); at the saved world size its tensors still equal the saved ones."""
+    threads: dict[str, set[str]] = {}
+    real = atom_reader.stream_blob
+
+    def watched(store, row, lo, hi, where):  # type: ignore[no-untyped-def]
+        threads.setdefault(threading.current_thread().name.split("_")[0], set()).add(where)
+        return real(store, row, lo, hi, where)
+
+    monkeypatch.setattr(atom_reader, "stream_blob", watched)
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
+        store.checkout_resharded(STEP, tmp_path / "ours", world_size=2)
+        store.checkout(STEP, tmp_path / "plain")
+    assert any(name.startswith("tailor-read-ahead") for name in threads), threads
+    tag = f"global_step{STEP}"
+    for path in (tmp_path / "plain" / tag).glob("*optim_states.pt"):
+        ours = tensors(torch.load(tmp_path / "ours" / tag / path.name, weights_only=False))
+        saved = tensors(torch.load(path, weights_only=False))
+        assert set(ours) == set(saved) and all(torch.equal(ours[k], t) for k, t in saved.items()), path.name

@@ -55,11 +55,16 @@ Bytes = memoryview | bytes | bytearray
 class TensorOut:
     """A contiguous tensor to write: dtype (torch's name), shape and its bytes, or a function that
     returns them when the record is written, whole or as an iterable of chunks (so a file's
-    tensors are held one at a time, or only a chunk of one at a time)."""
+    tensors are held one at a time, or only a chunk of one at a time).
+
+    ``any_thread``: the function may run on a helper thread, ahead of the writer (it touches
+    nothing bound to the writer's thread, such as the SQLite index), so a file's next tensors
+    are decoded while the current one is written."""
 
     dtype: str
     shape: tuple[int, ...]
     data: Bytes | Callable[[], Bytes | Iterable[Bytes]]
+    any_thread: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -172,23 +177,37 @@ def write_torch_save(path: Path, tree: Any) -> None:
 
 def write_torch_save_to(f: BinaryIO, archive: str, tree: Any) -> None:
     """:func:`write_torch_save` into ``f``, a new seekable binary file (the caller chooses how its
-    bytes reach the disk), under the archive folder name torch would take from the file's name.
-
-    Each tensor record is written as its chunks come (zipfile keeps the CRC as it goes), so a
-    tensor given as chunks is never whole in memory."""
+    bytes reach the disk), under the archive folder name torch would take from the file's name."""
     pickled, tensors = dumps(tree)
-    records: list[tuple[str, bytes | TensorOut]] = [
+    write_pickled_to(f, archive, pickled, tensors)
+
+
+def write_pickled_to(
+    f: BinaryIO,
+    archive: str,
+    pickled: bytes,
+    tensors: list[TensorOut],
+    chunks_of: Callable[[int], Iterable[Bytes]] | None = None,
+) -> None:
+    """The records of a tree :func:`dumps` made: its pickle, then each tensor's bytes as its chunks
+    come (zipfile keeps the CRC as it goes), so a tensor given as chunks is never whole in memory.
+    ``chunks_of(i)``, when given, hands tensor ``i``'s chunks instead of ``tensors[i].chunks()``
+    (a read-ahead that produced them on helper threads); it is asked for each tensor once, in order."""
+    records: list[tuple[str, bytes | int]] = [
         (f"{archive}/data.pkl", pickled),
         (f"{archive}/.format_version", b"1"),
         (f"{archive}/.storage_alignment", str(ALIGNMENT).encode()),
         (f"{archive}/byteorder", b"little"),
     ]
-    records += [(f"{archive}/data/{i}", t) for i, t in enumerate(tensors)]
+    records += [(f"{archive}/data/{i}", i) for i in range(len(tensors))]
     records.append((f"{archive}/version", b"3\n"))
     with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
         for name, record in records:
-            size = record.nbytes if isinstance(record, TensorOut) else len(record)
+            size = tensors[record].nbytes if isinstance(record, int) else len(record)
             info = _aligned_info(name, f.tell(), size)
             with zf.open(info, "w") as out:
-                for piece in record.chunks() if isinstance(record, TensorOut) else (record,):
+                if not isinstance(record, int):
+                    out.write(record)
+                    continue
+                for piece in tensors[record].chunks() if chunks_of is None else chunks_of(record):
                     out.write(piece)
