@@ -162,11 +162,12 @@ def render(
         io = results["medium"]["io_paths"]
         lines += [
             "",
-            "## Writing new bytes durably: page cache against O_DIRECT",
+            "## Moving new bytes to and from the disk: page cache against O_DIRECT",
             "",
             f"{mb(io['bytes'])} written in 4 MiB blocks to a new file and made durable, median of the repeats",
             "(`benchmarks/suite.py: io_paths`). New page-cache pages are expensive on this VM; O_DIRECT skips them,",
-            "which is why blobs and checked-out files are written with it.",
+            "which is why blobs and checked-out files are written with it. The reads are O_DIRECT too, so they",
+            "come from the disk, as checkout's reads of blobs do.",
             "",
             "| path | throughput |",
             "|---|---|",
