@@ -171,12 +171,9 @@ class _States:
         and can run on a read-ahead helper thread. False when one of them is derived (rebuilt
         through the index): then every stream stays on the caller's thread."""
         for name, master in self.masters.items():
-            tensors = [master]
-            for kind in (EXP_AVG, EXP_AVG_SQ):
-                try:
-                    tensors.append(self.view.state(name, kind, master.shape))
-                except StoreError:  # no such moment: never streamed, or its stream raises this itself
-                    continue
+            # a save before the first optimizer step holds no moments, and its files ask for none
+            kinds = [k for k in (EXP_AVG, EXP_AVG_SQ) if self.view.pieces.get((name, k))]
+            tensors = [master, *(self.view.state(name, k, master.shape) for k in kinds)]
             for tensor in tensors:
                 if any(atom.derived is not None for atom in tensor.atoms):
                     return False

@@ -198,12 +198,19 @@ def checkout_universal(
                 param_dir.mkdir(parents=True)
                 # each file streamed from its atoms a chunk at a time (memory stays at a chunk)
                 contents = {"fp32": partial(stream_float32, store, view, tensor)}
-                for kind in (EXP_AVG, EXP_AVG_SQ):
+                # A save before the first optimizer step holds no moments. ds_to_universal then writes
+                # no moment files, and fp32.pt from the module's weights as {"param": ...} alone (its
+                # fallback for parameters without optimizer state); the masters equal those weights then.
+                moments = [k for k in (EXP_AVG, EXP_AVG_SQ) if view.pieces.get((tensor.name, k))]
+                for kind in moments:
                     state = _whole(view, tensor.name, kind, tensor.shape)
                     look_up_rows(store, view, state)  # here: the writer threads must not touch the index
                     contents[kind] = partial(stream_elements, store, view, state)
                 for name, chunks in contents.items():
-                    jobs.append((param_dir / f"{name}.pt", _state_file(tensor, chunks, stage), tensor.numel * 4))
+                    tree = _state_file(tensor, chunks, stage)
+                    if not moments and isinstance(tree, dict):
+                        tree = {"param": tree["param"]}
+                    jobs.append((param_dir / f"{name}.pt", tree, tensor.numel * 4))
                 step = _step_tensor(store, view, tensor.name) if stage != 3 else None
                 if step is not None:
                     jobs.append((param_dir / "step.pt", step, 0))

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Run, Runs, as_of_step, blob_object, tailor
-from test_universal import ds_to_universal
+from test_universal import assert_same_universal, ds_to_universal
 
 import tailorstore
 from tailorstore import atom_reader
@@ -282,3 +282,30 @@ def test_a_resharded_optimizer_file_is_decoded_on_read_ahead_helpers(
         ours = tensors(torch.load(tmp_path / "ours" / tag / path.name, weights_only=False))
         saved = tensors(torch.load(path, weights_only=False))
         assert set(ours) == set(saved) and all(torch.equal(ours[k], t) for k, t in saved.items()), path.name
+
+
+@pytest.mark.slow  # trains (2 ranks), then resumes (1 rank)
+def test_a_save_before_the_first_step_reshards_and_resumes(tmp_path: Path) -> None:
+    """Before its first step AdamW holds no moments, so the step has no exp_avg atoms: resharding
+    it must not ask for them (looking up every moment's blob row for the read-ahead once did,
+    and failed with exit 3), and DeepSpeed resumes the result at the new world size; its universal
+    layout equals ds_to_universal's (fp32 only; this exited 3 before)."""
+    save = tmp_path / "save"
+    train_tiny(save, losses_out=tmp_path / "losses.json", steps=2, save_every=2, save_at_start=True)
+    store = tmp_path / "store"
+    with tailorstore.Store.init(store) as st:
+        st.commit(as_of_step(save, 0, tmp_path / "at0"))
+        assert not st.repo.index.atoms(1, kind="exp_avg"), "a save before the first step holds no moments"
+    proc = tailor("checkout", "step=0", "--world-size", "1", "--out", str(tmp_path / "ours"), store=store)
+    assert proc.returncode == 0, proc.stderr
+    # the universal layout of it: fp32.pt per parameter and no moments, as DeepSpeed's converter writes it
+    proc = tailor("checkout", "step=0", "--format", "universal", "--out", str(tmp_path / "universal"), store=store)
+    assert proc.returncode == 0, proc.stderr
+    theirs = ds_to_universal(save / "global_step0", tmp_path / "theirs")
+    assert_same_universal(tmp_path / "universal", theirs, "global_step0")
+    assert not list((tmp_path / "universal").rglob("exp_avg*.pt"))
+    work = tmp_path / "resumed"
+    losses = train_tiny(
+        work / "save", losses_out=work / "losses.json", nproc=1, steps=2, save_every=0, resume_from=tmp_path / "ours"
+    )
+    assert sorted(losses) == [1, 2]

@@ -257,6 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--save-on-load", default=None, help="save the loaded state into this dir (tag 'loaded')")
+    p.add_argument("--save-at-start", action="store_true", help="also save before the first step (global_step0)")
     p.add_argument("--load-universal", action="store_true", help="--resume-from names a universal checkpoint")
     p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares the embedding's weight")
     p.add_argument("--commit-to", default=None, help="a tailorstore: rank 0 commits after every save")
@@ -322,6 +323,9 @@ def main(argv: list[str] | None = None) -> None:
         start_step = int(client_state["my_step"])
         if args.save_on_load:  # what DeepSpeed holds right after the load, saved as it saves it
             engine.save_checkpoint(args.save_on_load, tag="loaded", client_state={"my_step": start_step})
+
+    if args.save_at_start and not args.resume_from:  # no optimizer step yet: AdamW holds no moments
+        engine.save_checkpoint(args.save_dir, client_state={"my_step": 0})
 
     losses: dict[int, float] = {}
     stalls: list[float] = []  # how long each save blocked training (rank 0)
