@@ -28,7 +28,7 @@ from typing import Any
 
 from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER, STEP
 from .checkout import write_step_files
-from .errors import StoreError
+from .errors import CorruptStoreError, StoreError
 from .formats import deepspeed as ds
 from .formats.kinds import TORCH
 from .formats.torch_save_writer import TensorOut
@@ -202,6 +202,11 @@ def checkout_universal(
                 # no moment files, and fp32.pt from the module's weights as {"param": ...} alone (its
                 # fallback for parameters without optimizer state); the masters equal those weights then.
                 moments = [k for k in (EXP_AVG, EXP_AVG_SQ) if view.pieces.get((tensor.name, k))]
+                if len(moments) == 1:
+                    raise CorruptStoreError(
+                        f"step {facts.step}: {tensor.name} has an {moments[0]} but no other Adam moment; "
+                        "run `tailor verify`"
+                    )
                 for kind in moments:
                     state = _whole(view, tensor.name, kind, tensor.shape)
                     look_up_rows(store, view, state)  # here: the writer threads must not touch the index

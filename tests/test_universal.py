@@ -91,3 +91,19 @@ def test_what_cannot_be_written_is_refused_before_writing(runs: Runs, tmp_path: 
         proc = tailor("checkout", "step=3", "--out", str(out), *extra, store=where)
         assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert not out.exists() and not list(tmp_path.glob(".out.tailor-partial-*"))
+
+
+def test_a_step_missing_one_of_its_adam_moments_is_refused_as_damaged(runs: Runs, tmp_path: Path) -> None:
+    """A step with no moments at all was saved before the first optimizer step and converts; one
+    that holds exp_avg but no exp_avg_sq for a parameter is a damaged index: exit 3, nothing written."""
+    store = tmp_path / "store"
+    with tailorstore.Store.init(store) as st:
+        st.commit(as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "at3"))
+        param = st.repo.index.atoms(1, kind="exp_avg_sq")[0].param
+        with st.repo.conn:
+            st.repo.conn.execute("DELETE FROM atoms WHERE param = ? AND kind = 'exp_avg_sq'", (param,))
+    out = tmp_path / "out"
+    proc = tailor("checkout", "step=3", "--format", "universal", "--out", str(out), store=store)
+    assert proc.returncode == 3 and param in proc.stderr and "Adam moment" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists() and not list(tmp_path.glob(".out.tailor-partial-*"))
