@@ -74,6 +74,11 @@ class ModelView:
         """A parameter's optimizer state of ``kind`` (exp_avg, exp_avg_sq) as one tensor of ``shape``."""
         return _tensor(name, shape, self.pieces, (kind,), f"step {self.step}")
 
+    def moments(self, name: str) -> list[str]:
+        """The Adam moments the step holds for a parameter: both, or none for a save made before
+        the first optimizer step (AdamW creates them at its first step)."""
+        return [kind for kind in (EXP_AVG, EXP_AVG_SQ) if self.pieces.get((name, kind))]
+
 
 _VIEWED = (MASTER, WEIGHT, BUFFER, EXP_AVG, EXP_AVG_SQ, STEP)
 

@@ -13,7 +13,7 @@ import secrets
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +55,9 @@ def write_torch_file(path: Path, tree: Any) -> None:
     them, and decoding it on the writer's thread left the disk and the other core idle."""
     pickled, tensors = dumps(tree)
     ahead = [t.any_thread for t in tensors]
-    with open(path, "wb") as f:
-        if any(ahead):
-            with ReadAhead([t.chunks for t in tensors], ahead) as reader:
-                write_pickled_to(f, path.stem or "archive", pickled, tensors, reader.chunks)
-        else:
-            write_pickled_to(f, path.stem or "archive", pickled, tensors)
+    reading = ReadAhead([t.chunks for t in tensors], ahead) if any(ahead) else nullcontext()
+    with open(path, "wb") as f, reading as reader:
+        write_pickled_to(f, path.stem or "archive", pickled, tensors, reader.chunks if reader else None)
         f.flush()
         start_writeback(f.fileno())
 

@@ -171,9 +171,7 @@ class _States:
         and can run on a read-ahead helper thread. False when one of them is derived (rebuilt
         through the index): then every stream stays on the caller's thread."""
         for name, master in self.masters.items():
-            # a save before the first optimizer step holds no moments, and its files ask for none
-            kinds = [k for k in (EXP_AVG, EXP_AVG_SQ) if self.view.pieces.get((name, k))]
-            tensors = [master, *(self.view.state(name, k, master.shape) for k in kinds)]
+            tensors = [master, *(self.view.state(name, k, master.shape) for k in self.view.moments(name))]
             for tensor in tensors:
                 if any(atom.derived is not None for atom in tensor.atoms):
                     return False

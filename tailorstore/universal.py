@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER, STEP
+from .atoms import MASTER, STEP
 from .checkout import write_step_files
 from .errors import CorruptStoreError, StoreError
 from .formats import deepspeed as ds
@@ -129,12 +129,15 @@ def _optimizer_state(store: Repository, manifest: int, row: FileRecord, where: s
     return out
 
 
-def _state_file(tensor: ModelTensor, data: Callable[[], Iterator[memoryview]], stage: int) -> Any:
+def _state_file(tensor: ModelTensor, data: Callable[[], Iterator[memoryview]], stage: int, moments: bool) -> Any:
     """What ds_to_universal puts in fp32.pt, exp_avg.pt and exp_avg_sq.pt: under ZeRO 1/2 a dict of
-    the tensor in its shape and the dimension tensor parallelism would cut; under ZeRO 3 the flat tensor."""
+    the tensor in its shape and the dimension tensor parallelism would cut; under ZeRO 3 the flat tensor.
+    A parameter without optimizer state (a save before the first step) gets ds_to_universal's fallback,
+    fp32.pt from the module's weights as {"param": ...} alone; the masters equal those weights then."""
     if stage == 3:
         return TensorOut("float32", (tensor.numel,), data)
-    return {"cat_dim": 0, "param": TensorOut("float32", tensor.shape, data)}
+    param = TensorOut("float32", tensor.shape, data)
+    return {"cat_dim": 0, "param": param} if moments else {"param": param}
 
 
 def _write_all(jobs: list[tuple[Path, Any, int]], progress: Progress) -> None:
@@ -198,10 +201,7 @@ def checkout_universal(
                 param_dir.mkdir(parents=True)
                 # each file streamed from its atoms a chunk at a time (memory stays at a chunk)
                 contents = {"fp32": partial(stream_float32, store, view, tensor)}
-                # A save before the first optimizer step holds no moments. ds_to_universal then writes
-                # no moment files, and fp32.pt from the module's weights as {"param": ...} alone (its
-                # fallback for parameters without optimizer state); the masters equal those weights then.
-                moments = [k for k in (EXP_AVG, EXP_AVG_SQ) if view.pieces.get((tensor.name, k))]
+                moments = view.moments(tensor.name)  # none before the first step: no moment files then
                 if len(moments) == 1:
                     raise CorruptStoreError(
                         f"step {facts.step}: {tensor.name} has an {moments[0]} but no other Adam moment; "
@@ -212,9 +212,7 @@ def checkout_universal(
                     look_up_rows(store, view, state)  # here: the writer threads must not touch the index
                     contents[kind] = partial(stream_elements, store, view, state)
                 for name, chunks in contents.items():
-                    tree = _state_file(tensor, chunks, stage)
-                    if not moments and isinstance(tree, dict):
-                        tree = {"param": tree["param"]}
+                    tree = _state_file(tensor, chunks, stage, bool(moments))
                     jobs.append((param_dir / f"{name}.pt", tree, tensor.numel * 4))
                 step = _step_tensor(store, view, tensor.name) if stage != 3 else None
                 if step is not None:
