@@ -20,7 +20,8 @@ from typing import Any
 from .errors import StoreError
 from .formats.torch_save_writer import dumps, write_pickled_to
 from .read_ahead import ReadAhead
-from .store.posix import fsync_path, start_writeback
+from .store.direct_io import RewritableWriter
+from .store.posix import fsync_path
 from .store.repo import Repository
 
 
@@ -56,10 +57,8 @@ def write_torch_file(path: Path, tree: Any) -> None:
     pickled, tensors = dumps(tree)
     ahead = [t.any_thread for t in tensors]
     reading = ReadAhead([t.chunks for t in tensors], ahead) if any(ahead) else nullcontext()
-    with open(path, "wb") as f, reading as reader:
+    with RewritableWriter(path) as f, reading as reader:
         write_pickled_to(f, path.stem or "archive", pickled, tensors, reader.chunks if reader else None)
-        f.flush()
-        start_writeback(f.fileno())
 
 
 FSYNC_THREADS = 16

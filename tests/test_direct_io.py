@@ -6,11 +6,13 @@ import itertools
 import os
 import random
 import threading
+import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tailorstore.store.direct_io import ALIGN, BLOCK, DirectReader, PlacedWriter, SequentialWriter
+from tailorstore.store.direct_io import ALIGN, BLOCK, DirectReader, PlacedWriter, RewritableWriter, SequentialWriter
 
 MODES = [("direct", True), ("buffered", False)]
 
@@ -77,6 +79,61 @@ def test_placed_writer_from_two_threads_in_any_order(
     os.fsync(out.fd)
     out.close()
     assert path.read_bytes() == data
+
+
+@pytest.mark.parametrize(("mode", "direct"), MODES)
+def test_a_rewritable_writer_overwrites_bytes_written_out_and_still_staged(
+    mode: str, direct: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """zipfile goes back to each record's header once its CRC is known: the header may already
+    have gone out direct, may still sit in the staging buffer, or straddle the two."""
+    force(mode, monkeypatch)
+    rng = random.Random(3)
+    expect = bytearray()
+    out = RewritableWriter(tmp_path / "file")
+    assert out.direct == direct
+    for _ in range(40):
+        piece = rng.randbytes(rng.choice([1, 30, ALIGN + 5, BLOCK // 3, BLOCK + 7]))
+        out.write(piece)
+        expect += piece
+        assert out.tell() == len(expect)
+        back = rng.choice([0, 3, len(expect) // 2, len(expect) - BLOCK // 2, len(expect) - 20])
+        patch = rng.randbytes(min(40, len(expect) - max(back, 0)))
+        out.seek(max(back, 0))
+        out.write(patch)
+        expect[max(back, 0) : max(back, 0) + len(patch)] = patch
+        out.seek(0, os.SEEK_END)
+    with pytest.raises(OSError):
+        out.seek(len(expect) + 1)  # past the end: nothing there to overwrite
+    out.close()
+    assert (tmp_path / "file").read_bytes() == bytes(expect)
+
+
+@pytest.mark.parametrize(("mode", "direct"), MODES)
+def test_a_zip_written_through_a_rewritable_writer_is_the_same_zip(
+    mode: str, direct: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Torch files are zips of stored records: through the writer byte for byte what a plain file gets."""
+    force(mode, monkeypatch)
+    rng = random.Random(5)
+    records = [
+        (f"archive/data/{i}", rng.randbytes(rng.choice([3, ALIGN - 1, BLOCK + 11, 2 * BLOCK]))) for i in range(7)
+    ]
+
+    def write(f: Any) -> None:
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
+            for name, data in records:
+                with zf.open(zipfile.ZipInfo(name, (1980, 1, 1, 0, 0, 0)), "w") as member:
+                    for at in range(0, len(data), 1 << 20):
+                        member.write(data[at : at + (1 << 20)])
+
+    with open(tmp_path / "plain.zip", "wb") as plain:
+        write(plain)
+    with RewritableWriter(tmp_path / "ours.zip") as ours:
+        write(ours)
+    assert (tmp_path / "ours.zip").read_bytes() == (tmp_path / "plain.zip").read_bytes()
+    with zipfile.ZipFile(tmp_path / "ours.zip") as zf:
+        assert zf.testzip() is None and [zf.read(n) for n, _ in records] == [d for _, d in records]
 
 
 def _bytes_read() -> int:

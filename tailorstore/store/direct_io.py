@@ -127,14 +127,87 @@ class SequentialWriter:
     def close(self) -> None:
         """Write the tail (padded to the alignment, then cut back to size) and close."""
         try:
-            if self._buf is not None and self._fill:
-                padded = _up(self._fill)
-                self._buf[self._fill : padded] = bytes(padded - self._fill)
-                self._flush(padded)
-                os.ftruncate(self.fd, self.size)
+            self._write_tail()
         finally:
             os.close(self.fd)
             _give("write", self._held if self.direct else None)
+
+    def _write_tail(self) -> None:
+        if self._buf is not None and self._fill:
+            padded = _up(self._fill)
+            self._buf[self._fill : padded] = bytes(padded - self._fill)
+            self._flush(padded)
+            os.ftruncate(self.fd, self.size)
+
+
+class RewritableWriter(SequentialWriter):
+    """A new file written front to back like :class:`SequentialWriter`, whose writer may also go
+    back and overwrite bytes it has written: a file object for :mod:`zipfile`, which rewrites
+    each record's local header once the record's CRC is known (torch files are zips).
+
+    Overwritten bytes still in the staging buffer are changed there. Bytes already written out
+    direct are kept aside and written through the page cache at :meth:`close`, after the last
+    direct write (zipfile's rewrites are a record header each, tens of bytes): a direct write
+    never meets a dirty page of the same file.
+    """
+
+    def __init__(self, path: os.PathLike | str, mode: int = 0o644, direct: bool = True) -> None:
+        super().__init__(path, mode, direct)
+        self.pos = 0
+        self._later: list[tuple[int, bytes]] = []  # (offset, bytes) to write at close
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        target = {os.SEEK_SET: offset, os.SEEK_CUR: self.pos + offset, os.SEEK_END: self.size + offset}[whence]
+        if not 0 <= target <= self.size:
+            raise OSError(errno.EINVAL, f"cannot seek to {target} in a file of {self.size} bytes being written")
+        self.pos = target
+        return target
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        if self.pos < self.size:
+            head = view[: self.size - self.pos]
+            self._overwrite(head, self.pos)
+            self.pos += len(head)
+            view = view[len(head) :]
+        if view:
+            super().write(view)
+            self.pos = self.size
+        return len(memoryview(data).cast("B"))
+
+    def _overwrite(self, view: memoryview, at: int) -> None:
+        if self._buf is None:  # buffered (no O_DIRECT here): the page cache takes any offset
+            _pwrite_all(self.fd, view, at)
+            return
+        written_out = self.size - self._fill  # bytes before this offset have left the staging buffer
+        if at < written_out:
+            split = min(len(view), written_out - at)
+            self._later.append((at, bytes(view[:split])))
+            view, at = view[split:], at + split
+        if view:
+            self._buf[at - written_out : at - written_out + len(view)] = view
+
+    def flush(self) -> None:
+        """Nothing to do: whole blocks go out as they fill, the rest at :meth:`close`."""
+
+    def _write_tail(self) -> None:
+        super()._write_tail()
+        if self._later:
+            _drop_direct(self.fd)
+            for at, data in self._later:
+                _pwrite_all(self.fd, memoryview(data), at)
+
+    def __enter__(self) -> RewritableWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class PlacedWriter:
