@@ -22,7 +22,7 @@ from .formats.layout import DEEPSPEED_TAG
 from .output_dir import staged
 from .paths import safe_join
 from .progress import Progress, Silent
-from .store.records import COMMIT, FileRecord, ManifestRecord
+from .store.records import FileRecord, ManifestRecord
 from .store.repo import Repository
 from .thinning import refuse_thinned
 
@@ -83,6 +83,12 @@ def checkout_step(
     return CheckoutResult(step, manifest, out, len(files), written, inherited, time.perf_counter() - began)
 
 
+def placed_rows(rows: list[FileRecord]) -> list[FileRecord]:
+    """The files written in place from a container and atoms (:mod:`placement`); the rest are
+    whole-file blobs, or files committed without a container (by tailorstore 0.1)."""
+    return [row for row in rows if row.container is not None and row.kind in (TORCH, SAFETENSORS)]
+
+
 def write_step_files(
     store: Repository,
     facts: ManifestRecord,
@@ -96,15 +102,11 @@ def write_step_files(
     with a container placed around their atoms, whole-file blobs streamed, files committed without a
     container (by tailorstore 0.1) re-pickled by torch. Returns the bytes written."""
     manifest, step = facts.id, facts.step
-    exact_bytes = facts.origin == COMMIT and facts.exact  # else other steps' atoms: mend zip CRCs
     written = 0
-    placed = [row for row in rows if row.container is not None and row.kind in (TORCH, SAFETENSORS)]
+    placed = placed_rows(rows)
     if placed:
-        placement.write_files(store, manifest, placed, root, step, mend=not exact_bytes, advance=advance)
-        for row in placed:
-            target = safe_join(root, row.path)
-            os.chmod(target, row.mode or 0o644)
-            written += target.stat().st_size
+        placement.write_files(store, facts, placed, root, advance=advance)
+        written += sum(safe_join(root, row.path).stat().st_size for row in placed)
     placed_paths = {row.path for row in placed}
     for row in rows:
         if row.path in placed_paths:

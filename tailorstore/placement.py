@@ -37,7 +37,7 @@ from .paths import safe_join
 from .rounding import ROUND_FROM_MASTER, round_into
 from .store.direct_io import PlacedWriter
 from .store.posix import start_writeback
-from .store.records import AtomRecord, BlobRecord, FileRecord
+from .store.records import COMMIT, AtomRecord, BlobRecord, FileRecord, ManifestRecord
 from .store.repo import Repository
 from .thread_buffers import thread_buffer
 
@@ -140,45 +140,92 @@ def _rounded(piece: memoryview, dtype: str) -> memoryview:
 
 def write_files(
     store: Repository,
-    manifest: int,
+    facts: ManifestRecord,
     rows: list[FileRecord],
     root: Path,
-    step: int,
-    mend: bool,
     advance: Callable[[int], None],
     threads: int = 4,
 ) -> None:
     """Write every file of ``rows`` (all with a container) under ``root``, checked and fsynced.
 
-    ``mend``: recompute the zip CRCs (the atoms may come from other steps than the
-    containers). A derived weight whose masters are not among these files (they are in a
-    file checked out by re-pickling) is rebuilt through the atom reader.
+    A derived weight whose masters are not among these files (they are in a file checked out
+    by re-pickling) is rebuilt through the atom reader.
     """
-    targets: dict[str, _Target] = {}
-    try:
-        for row in rows:
-            path = safe_join(root, row.path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            targets[row.path] = _Target(
-                row.path, PlacedWriter(path, row.raw_size), f"step {step}, file {row.path}", row.raw_size, row.kind
-            )
-        blobs = {b.hash: b for b in store.index.referenced_blobs(manifest)}
-        atoms = _atoms(store, manifest, targets, blobs)
-        for row in rows:
-            _write_container(store, row, targets[row.path], atoms[row.path])
-        weights = _derived_weights(atoms, targets)
-        _place_atoms(store, atoms, blobs, targets, weights, advance, threads)
-        _check_weights(store, manifest, step, weights)
-        for row in rows:
-            target = targets[row.path]
-            if mend and target.kind == TORCH:
+    with PlacedFiles(store, facts, rows, root) as files:
+        files.place_stored(advance, threads)
+        files.finish()
+
+
+class PlacedFiles:
+    """Files of a manifest being written in place: their containers at once, their stored atoms
+    by :meth:`place_stored`, and their derived weights from whoever streams the FP32 masters.
+
+    A checkout's masters are among its files, so placing them rounds the weights as they pass.
+    A universal checkpoint writes the masters into files of its own (``fp32.pt``); its writers
+    hand each master chunk to :meth:`feed_master` so that the model-states file's weights are
+    rounded from the same decoded bytes, instead of the masters being read and decoded a second
+    time (a sixth of the run). :meth:`finish` checks every weight against its recorded hash and
+    rebuilds through the index, on the caller's thread, any that nobody fed whole.
+    """
+
+    def __init__(self, store: Repository, facts: ManifestRecord, rows: list[FileRecord], root: Path) -> None:
+        self.store, self.manifest, self.step, self.rows = store, facts.id, facts.step, rows
+        # atoms from other steps than the containers (a composite, a merge): mend the zip CRCs
+        self.mend = not (facts.origin == COMMIT and facts.exact)
+        self.targets: dict[str, _Target] = {}
+        try:
+            for row in rows:
+                path = safe_join(root, row.path)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.targets[row.path] = _Target(
+                    row.path, PlacedWriter(path, row.raw_size), f"step {facts.step}, file {row.path}",
+                    row.raw_size, row.kind,
+                )  # fmt: skip
+            self.blobs = {b.hash: b for b in store.index.referenced_blobs(facts.id)}
+            self.atoms = _atoms(store, facts.id, self.targets, self.blobs)
+            for row in rows:
+                _write_container(store, row, self.targets[row.path], self.atoms[row.path])
+            self.weights = _derived_weights(self.atoms, self.targets)
+        except BaseException:
+            self.close()
+            raise
+
+    def place_stored(self, advance: Callable[[int], None], threads: int = 4) -> None:
+        """Decode every stored atom of the files into place (a master also feeds its weights)."""
+        _place_atoms(self.store, self.atoms, self.blobs, self.targets, self.weights, advance, threads)
+
+    def feed_master(self, param: str, first: int, piece: memoryview) -> None:
+        """FP32 elements ``[first, first + len(piece) // 4)`` of ``param``'s master, already
+        hash-checked or about to be (an error then fails the whole write): rounded into each
+        copy of its derived weight. Any thread may call it."""
+        _feed(self.weights.get(param, []), first, piece)
+
+    def cover_master(self, param: str, start: int, numel: int) -> None:
+        """Elements ``[start, start + numel)`` of ``param``'s master have all been fed and checked."""
+        for weight in self.weights.get(param, []):
+            weight.cover(start, numel)
+
+    def finish(self) -> None:
+        """Check every derived weight, mend the CRCs, check each size, fsync and set each mode."""
+        _check_weights(self.store, self.manifest, self.step, self.weights)
+        for row in self.rows:
+            target = self.targets[row.path]
+            if self.mend and target.kind == TORCH:
                 mend_crcs(target.out.fd, target.where)
             if os.fstat(target.out.fd).st_size != target.size:
                 raise CorruptStoreError(f"{target.where}: came out at the wrong size; run `tailor verify`")
             os.fsync(target.out.fd)
-    finally:
-        for target in targets.values():
+            os.fchmod(target.out.fd, row.mode or 0o644)
+
+    def close(self) -> None:
+        for target in self.targets.values():
             target.out.close()
+
+    def __enter__(self) -> PlacedFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _atoms(
@@ -276,12 +323,7 @@ def _place(store: Repository, target: _Target, atom: AtomRecord, blob: BlobRecor
         for piece in codec.decode_pieces(blob.codec, f, atom.nbytes, _scratch, f"{where}: blob {atom.blob}"):
             hasher.update(piece)
             target.out.pwrite(piece, pos)
-            first = atom.start + done // 4
-            for weight in weights:
-                if first + len(piece) // 4 <= weight.numel:
-                    rounded = _rounded(piece, weight.dtype)
-                    weight.target.out.pwrite(rounded, weight.offset + first * WEIGHT_ITEMSIZE)
-                    weight.feed(first, rounded)
+            _feed(weights, atom.start + done // 4, piece)
             pos += len(piece)
             done += len(piece)
     if hasher.hexdigest() != atom.blob:
@@ -292,6 +334,15 @@ def _place(store: Repository, target: _Target, atom: AtomRecord, blob: BlobRecor
     for weight in weights:
         weight.cover(atom.start, atom.numel)
     start_writeback(target.out.fd, atom.file_offset or 0, atom.nbytes)  # the page-cache edges
+
+
+def _feed(weights: list[_Weight], first: int, piece: memoryview) -> None:
+    """Round FP32 elements ``[first, ...)`` of a master into each copy of its weight, and hash them."""
+    for weight in weights:
+        if first + len(piece) // 4 <= weight.numel:
+            rounded = _rounded(piece, weight.dtype)
+            weight.target.out.pwrite(rounded, weight.offset + first * WEIGHT_ITEMSIZE)
+            weight.feed(first, rounded)
 
 
 def _check_weights(store: Repository, manifest: int, step: int, weights: dict[str, list[_Weight]]) -> None:

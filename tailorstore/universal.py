@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .atoms import MASTER, STEP
-from .checkout import write_step_files
+from .checkout import placed_rows, write_step_files
 from .errors import CorruptStoreError, StoreError
 from .formats import deepspeed as ds
 from .formats.kinds import TORCH
@@ -47,6 +47,7 @@ from .model_tensors import (
 )
 from .output_dir import staged, write_torch_file
 from .paths import safe_join
+from .placement import PlacedFiles
 from .progress import Progress, Silent
 from .store.records import FileRecord
 from .store.repo import Repository
@@ -140,12 +141,17 @@ def _state_file(tensor: ModelTensor, data: Callable[[], Iterator[memoryview]], s
     return {"cat_dim": 0, "param": param} if moments else {"param": param}
 
 
-def _write_all(jobs: list[tuple[Path, Any, int]], progress: Progress) -> None:
+def _write_all(jobs: list[tuple[Path, Any, int]], progress: Progress, meanwhile: Callable[[], None]) -> None:
     """Write the per-parameter files on :data:`WRITERS` threads: one waits on the store's disk
-    while others decode and write (preadv, zstd, numpy, crc32 and file writes release the GIL)."""
+    while others decode and write (preadv, zstd, numpy, crc32 and file writes release the GIL).
+
+    ``meanwhile`` runs on the caller's thread as they work: the model-states file, whose weights
+    are rebuilt from their masters through the index (which only this thread may use), and took
+    a third of the whole run when it went first on its own."""
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="tailor-universal") as pool:
         futures = {pool.submit(write_torch_file, path, tree): elements for path, tree, elements in jobs}
         try:
+            meanwhile()
             for future in as_completed(futures):
                 future.result()
                 progress.advance(futures[future])
@@ -153,6 +159,45 @@ def _write_all(jobs: list[tuple[Path, Any, int]], progress: Progress) -> None:
             for future in futures:
                 future.cancel()
             raise
+
+
+def _jobs(
+    store: Repository, view: ModelView, trainable: list[ModelTensor], tag_dir: Path, stage: int, weights: PlacedFiles
+) -> list[tuple[Path, Any, int]]:
+    """Every per-parameter file to write: (path, what it holds, its bytes for the progress bar).
+    Each tensor streams from its atoms a chunk at a time (memory stays at a chunk); fp32.pt's
+    master chunks also feed the model-states file's weights."""
+    jobs: list[tuple[Path, Any, int]] = []
+    for tensor in trainable:
+        param_dir = safe_join(tag_dir / "zero", tensor.name)
+        param_dir.mkdir(parents=True)
+        contents = {"fp32": partial(_feeding, store, view, tensor, weights)}
+        moments = view.moments(tensor.name)  # none before the first step: no moment files then
+        if len(moments) == 1:
+            raise CorruptStoreError(
+                f"step {view.step}: {tensor.name} has an {moments[0]} but no other Adam moment; run `tailor verify`"
+            )
+        for kind in moments:
+            state = _whole(view, tensor.name, kind, tensor.shape)
+            look_up_rows(store, view, state)  # here: the writer threads must not touch the index
+            contents[kind] = partial(stream_elements, store, view, state)
+        for name, chunks in contents.items():
+            jobs.append((param_dir / f"{name}.pt", _state_file(tensor, chunks, stage, bool(moments)), tensor.numel * 4))
+        step = _step_tensor(store, view, tensor.name) if stage != 3 else None
+        if step is not None:
+            jobs.append((param_dir / "step.pt", step, 0))
+    return jobs
+
+
+def _feeding(store: Repository, view: ModelView, master: ModelTensor, weights: PlacedFiles) -> Iterator[memoryview]:
+    """The master's FP32 chunks for fp32.pt, each also rounded into the model-states file's copy of
+    its weight; the weight counts as fed once the last chunk has passed its blob's hash check."""
+    first = 0
+    for piece in stream_float32(store, view, master):
+        weights.feed_master(master.name, first, piece)
+        first += len(piece) // 4
+        yield piece
+    weights.cover_master(master.name, 0, first)
 
 
 def checkout_universal(
@@ -192,32 +237,20 @@ def checkout_universal(
             # the model-states files as they are (`load_universal` reads the module and scheduler there),
             # and every file outside the tag folder (an HF Trainer's config, trainer state, RNG states)
             others = [f for f in files if str(PurePosixPath(f.path).parent) != folder]
-            write_step_files(store, facts, states, tmp if folder != "." else tag_dir)
-            write_step_files(store, facts, others, tmp)
+            fed = placed_rows(states)  # their weights rounded from the masters fp32.pt streams
+            rest = [f for f in states if f not in fed]
+            states_root = tmp if folder != "." else tag_dir
             count += len(states) + len(others)
-            jobs: list[tuple[Path, Any, int]] = []  # (file, what it holds, its bytes for the progress bar)
-            for tensor in trainable:
-                param_dir = safe_join(tag_dir / "zero", tensor.name)
-                param_dir.mkdir(parents=True)
-                # each file streamed from its atoms a chunk at a time (memory stays at a chunk)
-                contents = {"fp32": partial(stream_float32, store, view, tensor)}
-                moments = view.moments(tensor.name)  # none before the first step: no moment files then
-                if len(moments) == 1:
-                    raise CorruptStoreError(
-                        f"step {facts.step}: {tensor.name} has an {moments[0]} but no other Adam moment; "
-                        "run `tailor verify`"
-                    )
-                for kind in moments:
-                    state = _whole(view, tensor.name, kind, tensor.shape)
-                    look_up_rows(store, view, state)  # here: the writer threads must not touch the index
-                    contents[kind] = partial(stream_elements, store, view, state)
-                for name, chunks in contents.items():
-                    tree = _state_file(tensor, chunks, stage, bool(moments))
-                    jobs.append((param_dir / f"{name}.pt", tree, tensor.numel * 4))
-                step = _step_tensor(store, view, tensor.name) if stage != 3 else None
-                if step is not None:
-                    jobs.append((param_dir / "step.pt", step, 0))
-            _write_all(jobs, progress)
+            with PlacedFiles(store, facts, fed, states_root) as model_states:
+                jobs = _jobs(store, view, trainable, tag_dir, stage, model_states)
+
+                def meanwhile() -> None:
+                    model_states.place_stored(lambda n: None)
+                    write_step_files(store, facts, rest, states_root)
+                    write_step_files(store, facts, others, tmp)
+
+                _write_all(jobs, progress, meanwhile)
+                model_states.finish()
             count += len(jobs)
             write_torch_file(tag_dir / "zero" / "optimizer_state.pt", settings)
             (tmp / LATEST_UNIVERSAL).write_text(tag)

@@ -15,6 +15,7 @@ import torch
 from conftest import HFRun, Runs, as_of_step, tailor
 
 import tailorstore
+from tailorstore import atom_reader
 
 
 def ds_to_universal(tag_dir: Path, out: Path) -> Path:
@@ -107,3 +108,30 @@ def test_a_step_missing_one_of_its_adam_moments_is_refused_as_damaged(runs: Runs
     assert proc.returncode == 3 and param in proc.stderr and "Adam moment" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists() and not list(tmp_path.glob(".out.tailor-partial-*"))
+
+
+def test_each_master_is_read_once_and_feeds_the_model_states_weights(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 save's module weights are rounded from the master chunks fp32.pt streams, not rebuilt
+    by reading and decoding every master a second time; the model-states file is still the saved
+    one byte for byte (assert_same_universal)."""
+    reads: dict[str, int] = {}
+    real = atom_reader.stream_blob
+
+    def counted(store, row, lo, hi, where):  # type: ignore[no-untyped-def]
+        reads[row.hash] = reads.get(row.hash, 0) + 1
+        return real(store, row, lo, hi, where)
+
+    monkeypatch.setattr(atom_reader, "stream_blob", counted)
+    save = runs.get("zero2-bf16-odd-two-groups").save_dir
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(save, 3, tmp_path / "at3"))
+        masters = {a.blob for a in store.repo.index.atoms(1, kind="master")}
+        derived = [a for a in store.repo.index.atoms(1) if a.derived is not None]
+        reads.clear()
+        store.checkout_universal(3, tmp_path / "ours")
+    assert derived and masters <= set(reads), "the save has derived weights and every master was read"
+    assert {h: n for h, n in reads.items() if h in masters and n != 1} == {}
+    theirs = ds_to_universal(save / "global_step3", tmp_path / "theirs")
+    assert_same_universal(tmp_path / "ours", theirs, "global_step3")
