@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from conftest import Run, Runs, as_of_step, blob_object, tailor
 from test_universal import assert_same_universal, ds_to_universal
 
 import tailorstore
-from tailorstore import atom_reader
+from tailorstore import atom_reader, reshard
 from tailorstore.model_tensors import model_view, read_float32, read_raw
 from tailorstore.testing.runs import train_tiny
 
@@ -282,6 +283,35 @@ def test_a_resharded_optimizer_file_is_decoded_on_read_ahead_helpers(
         ours = tensors(torch.load(tmp_path / "ours" / tag / path.name, weights_only=False))
         saved = tensors(torch.load(path, weights_only=False))
         assert set(ours) == set(saved) and all(torch.equal(ours[k], t) for k, t in saved.items()), path.name
+
+
+def test_the_model_states_file_is_written_beside_the_optimizer_files(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model-states file (its weights rebuilt through the index, on the caller's thread) is
+    written while a worker writes the optimizer files, not before them; the files are the same."""
+    spans: dict[str, tuple[str, float, float]] = {}
+    real = reshard.write_torch_file
+
+    def timed(path: Path, tree: Any) -> None:
+        began = time.perf_counter()
+        real(path, tree)
+        spans[path.name] = (threading.current_thread().name, began, time.perf_counter())
+
+    monkeypatch.setattr(reshard, "write_torch_file", timed)
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
+        store.checkout_resharded(STEP, tmp_path / "ours", world_size=2)
+    states, optimizers = spans.pop("mp_rank_00_model_states.pt"), list(spans.values())
+    assert len(optimizers) == 2 and states[0] == "MainThread"
+    assert all(name.startswith("tailor-reshard") for name, _, _ in optimizers), spans
+    assert min(began for _, began, _ in optimizers) < states[2], "the optimizer files waited for the model states"
+    tag = f"global_step{STEP}"
+    resumed = torch.load(tmp_path / "ours" / tag / "mp_rank_00_model_states.pt", weights_only=False)
+    saved = torch.load(runs.get("zero2-bf16").save_dir / tag / "mp_rank_00_model_states.pt", weights_only=False)
+    assert resumed["dp_world_size"] == 2 and all(
+        torch.equal(resumed["module"][k], t) for k, t in saved["module"].items()
+    )
 
 
 @pytest.mark.slow  # trains (2 ranks), then resumes (1 rank)
