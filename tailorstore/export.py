@@ -20,11 +20,9 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import BinaryIO
 
 from .checkout import write_step_files
 from .errors import BadCheckpointError, StoreError
@@ -43,9 +41,9 @@ from .output_dir import staged
 from .progress import Progress, Silent
 from .read_ahead import ReadAhead
 from .rounding import rounded_chunks
+from .store.direct_io import SequentialWriter
 from .store.repo import Repository
 
-FLUSH_BYTES = 64 << 20  # start writing out every this many bytes
 EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 # Files of an HF checkpoint that from_pretrained and the tokenizer read next to the weights.
@@ -112,34 +110,6 @@ def read_ahead(store: Repository, view: ModelView, order: list[ModelTensor], dty
     return ReadAhead(sources, [all(a.derived is None for a in t.atoms) for t in order])
 
 
-class Flusher:
-    """Starts writing a growing file out to disk while it is still being written: every
-    :data:`FLUSH_BYTES` a helper thread fdatasyncs it, so the fsync before publishing waits for
-    the last stretch only, not for the whole file."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self.f, self.pending = f, 0
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tailor-flush")
-        self.flushing: Future[None] | None = None
-
-    def wrote(self, nbytes: int) -> None:
-        self.pending += nbytes
-        if self.pending >= FLUSH_BYTES and (self.flushing is None or self.flushing.done()):
-            if self.flushing is not None:
-                self.flushing.result()
-            self.f.flush()
-            self.flushing = self.pool.submit(os.fdatasync, self.f.fileno())
-            self.pending = 0
-
-    def __enter__(self) -> Flusher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.pool.shutdown(wait=True)
-        if self.flushing is not None and exc[0] is None:
-            self.flushing.result()
-
-
 def export_step(
     store: Repository,
     selector: str,
@@ -180,13 +150,12 @@ def export_step(
             with store.reading(view.rows.values()), ahead:
                 i = 0
                 for shard, name in zip(shards, names, strict=True):
-                    with open(tmp / name, "wb") as f, Flusher(f) as flusher:
+                    with SequentialWriter(tmp / name, 0o644) as f:  # around the page cache (direct_io)
                         f.write(header_bytes(shard))
                         for spec in shard:
                             size = 0
                             for chunk in ahead.chunks(i):
                                 f.write(chunk)
-                                flusher.wrote(len(chunk))
                                 size += len(chunk)
                             if size != spec.nbytes:
                                 raise StoreError(f"{spec.name}: came out at {size} bytes, not {spec.nbytes}")

@@ -132,6 +132,12 @@ class SequentialWriter:
             os.close(self.fd)
             _give("write", self._held if self.direct else None)
 
+    def __enter__(self) -> SequentialWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _write_tail(self) -> None:
         if self._buf is not None and self._fill:
             padded = _up(self._fill)
@@ -202,13 +208,6 @@ class RewritableWriter(SequentialWriter):
             _drop_direct(self.fd)
             for at, data in self._later:
                 _pwrite_all(self.fd, memoryview(data), at)
-
-    def __enter__(self) -> RewritableWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class PlacedWriter:
     """Writes at any offset of a new file of known size; the way checkout writes files.
