@@ -34,10 +34,12 @@ from .store.records import MAIN_RUN
 from .store.schema import FORMAT_VERSION
 
 if TYPE_CHECKING:
-    from .api import AverageResult, MergeResult, Store
+    from .api import Store
+    from .averaging import AverageResult
+    from .merge import MergeResult
 
-# Loaded from .api on first use (the module docstring says why).
-_FROM_API = ("AverageResult", "MergeResult", "Store")
+# Loaded on first use (the module docstring says why): name -> module.
+_LOADED_ON_USE = {"Store": ".api", "AverageResult": ".averaging", "MergeResult": ".merge"}
 
 __version__ = "0.3.0"
 __all__ = [
@@ -70,6 +72,6 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_API:
-        return getattr(importlib.import_module(".api", __name__), name)
+    if name in _LOADED_ON_USE:
+        return getattr(importlib.import_module(_LOADED_ON_USE[name], __name__), name)
     raise AttributeError(f"module 'tailorstore' has no attribute {name!r}")

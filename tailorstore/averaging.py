@@ -42,8 +42,8 @@ import numpy as np
 
 from .atom_reader import decode_atom, decode_atom_into
 from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
-from .commit import cleaned_up_on_failure, remove_unindexed
 from .errors import CorruptStoreError, StepExistsError
+from .failed_writes import cleaned_up_on_failure, remove_unindexed
 from .layers import AUX_GROUPS, STATE, block_index, sort_key
 from .merge_spec import AUX_KEYS, MergeSpecError, layer_range, merge_record, ref_of
 from .model_tensors import tiling

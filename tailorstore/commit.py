@@ -16,8 +16,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -28,6 +27,7 @@ from .changes import LayerChange, masters_by_layer, stored_pieces
 from .commit_options import CommitOptions, CommitResult
 from .derive import RoundedMasters, is_derivable_weight
 from .errors import BadCheckpointError, StepExistsError, StoreError
+from .failed_writes import cleaned_up_on_failure, remove_unindexed
 from .formats.deepspeed import ModelInfo
 from .formats.kinds import RAW
 from .formats.layout import CheckpointLayout, detect
@@ -39,12 +39,10 @@ from .progress import Progress, Silent
 from .refs import check_tag
 from .rounding import ROUND_FROM_MASTER
 from .store import manifest_objects, parts
-from .store.backend import blob_key
 from .store.index import Index
 from .store.lease import LeaseHandle
 from .store.lock import LockHandle
 from .store.manifest_objects import check_run_name
-from .store.packs import pack_key
 from .store.parts import Part
 from .store.posix import is_out_of_space
 from .store.records import COMMIT, MAIN_RUN, AtomKey, AtomRecord, BlobRecord, FileRecord, LayerRecord, ManifestRecord
@@ -301,23 +299,6 @@ def commit_checkpoint(
     )
 
 
-@contextmanager
-def cleaned_up_on_failure(
-    store: Repository, writer: BlobWriter, lock: LockHandle | LeaseHandle, progress: Progress
-) -> Iterator[None]:
-    """A failure leaves no temp files, and, when this commit is alone on the store, no blobs
-    that nothing records."""
-    try:
-        yield
-    except BaseException:
-        writer.abort()
-        if lock.try_exclusive():
-            remove_unindexed(store, writer)
-        raise
-    finally:
-        progress.close()
-
-
 def _write_checked(
     layout: CheckpointLayout,
     scan: Scan,
@@ -532,12 +513,3 @@ def _atom(
         derived,
         None if entry.file_offset is None or not f.located else entry.file_offset + seg.offset * size,
     )
-
-
-def remove_unindexed(store: Repository, writer: BlobWriter) -> None:
-    """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes
-    (a part of another host may hold the same blob without this index knowing)."""
-    held = {h for part in parts.read_parts(store.backend) for h in part.blob_hashes()}
-    loose = [blob_key(d) for d in writer.written() if store.blob(d) is None and d not in held]
-    packed = [pack_key(name) for name in writer.written_packs() if not store.index.has_pack(name)]
-    store.backend.delete_many([*loose, *packed])

@@ -28,6 +28,7 @@ from .checkout import write_step_files
 from .errors import BadCheckpointError, StoreError
 from .formats.kinds import RAW
 from .formats.safetensors_writer import (
+    DEFAULT_SHARD_SIZE,
     INDEX_FILE,
     TensorSpec,
     header_bytes,
@@ -45,7 +46,6 @@ from .store.direct_io import SequentialWriter
 from .store.repo import Repository
 
 EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-DEFAULT_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 # Files of an HF checkpoint that from_pretrained and the tokenizer read next to the weights.
 MODEL_FILES = (
     "config.json",

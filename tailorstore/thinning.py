@@ -27,8 +27,8 @@ from pathlib import PurePosixPath
 
 from .atom_reader import decode_atom
 from .atoms import MASTER, WEIGHT
-from .commit import cleaned_up_on_failure
 from .errors import CorruptStoreError, StoreError, ThinnedStepError
+from .failed_writes import cleaned_up_on_failure
 from .formats import deepspeed as ds
 from .formats.tensor_ref import DTYPES
 from .progress import Silent

@@ -118,6 +118,7 @@ def test_progress_bar_on_a_terminal_only(runs: Runs, tmp_path: Path) -> None:
 _PROBE = """
 import json, sys
 from tailorstore.cli.app import main
+also = json.loads(sys.argv[2])
 sys.argv = ["tailor", *json.loads(sys.argv[1])]
 try:
     main()
@@ -125,17 +126,20 @@ except SystemExit as exc:
     code = exc.code
 else:
     code = 0
-print(json.dumps({"code": code, "loaded": sorted(m for m in ("torch", "deepspeed", "pydantic") if m in sys.modules)}))
+watched = ("torch", "deepspeed", "pydantic", *also)
+print(json.dumps({"code": code, "loaded": sorted(m for m in watched if m in sys.modules)}))
 """
 
 
-def _loaded_by(*args: str, store: Path) -> list[str]:
+def _loaded_by(*args: str, store: Path, also: tuple[str, ...] = ()) -> list[str]:
     """What `tailor ARGS` imported of torch, DeepSpeed and pydantic (which typer 0.29 and later load
-    to parse every option, about 0.08 s of each command), read off its own sys.modules."""
+    to parse every option, about 0.08 s of each command), and of the modules ``also`` names, read
+    off its own sys.modules."""
     env = {**os.environ, "TAILOR_STORE": str(store)}
     proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(list(args))], capture_output=True, text=True, env=env, timeout=300
-    )
+        [sys.executable, "-c", _PROBE, json.dumps(list(args)), json.dumps(list(also))],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["code"] == 0, proc.stderr
     return result["loaded"]
@@ -164,3 +168,19 @@ def test_reading_commands_and_checkout_do_not_import_torch(runs: Runs, tmp_path:
     torch.save(obj, model_states)
     loaded = _loaded_by("commit", str(strided), "--step", "7", "-q", store=store)
     assert loaded == ["deepspeed", "pydantic", "torch"], "the probe must see a command that does import them"
+
+
+def test_a_command_loads_the_machinery_of_its_own_verb_only(runs: Runs, tmp_path: Path) -> None:
+    """The API imports each verb's modules when the verb is called: `tailor log` paid 60 ms for
+    every other verb's when they came with `tailorstore.Store`."""
+    store = tmp_path / "store"
+    with tailorstore.Store.init(store) as st:
+        st.commit(as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "at3"))
+    verbs = tuple(
+        f"tailorstore.{name}"
+        for name in ("averaging", "commit", "export", "gc", "merge_spec", "reshard", "universal", "verify")
+    )
+    assert _loaded_by("log", store=store, also=verbs) == []
+    assert _loaded_by("show", "step=3", store=store, also=verbs) == []
+    exported = _loaded_by("export", "step=3", "--out", str(tmp_path / "model"), "-q", store=store, also=verbs)
+    assert exported == ["tailorstore.export"], "the probe must see the verb's own module"

@@ -21,6 +21,8 @@ from typing import BinaryIO
 from ..errors import StoreError
 from .tensor_ref import nbytes_of
 
+DEFAULT_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
+
 SAFETENSORS_CODES = {
     "bool": "BOOL",
     "uint8": "U8",

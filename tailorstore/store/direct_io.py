@@ -209,6 +209,7 @@ class RewritableWriter(SequentialWriter):
             for at, data in self._later:
                 _pwrite_all(self.fd, memoryview(data), at)
 
+
 class PlacedWriter:
     """Writes at any offset of a new file of known size; the way checkout writes files.
 
