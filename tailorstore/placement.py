@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +32,7 @@ from .atom_reader import stream_atom
 from .atoms import MASTER
 from .errors import CorruptStoreError
 from .formats.kinds import TORCH
-from .formats.torch_zip import gaps, mend_crcs
+from .formats.torch_zip import gaps, mend_crcs, record_offsets
 from .paths import safe_join
 from .rounding import ROUND_FROM_MASTER, round_into
 from .store.direct_io import PlacedWriter
@@ -173,6 +173,7 @@ class PlacedFiles:
         # atoms from other steps than the containers (a composite, a merge): mend the zip CRCs
         self.mend = not (facts.origin == COMMIT and facts.exact)
         self.targets: dict[str, _Target] = {}
+        self.edited: dict[str, set[str]] = {}  # path -> zip records rewritten, whose CRCs to mend
         try:
             for row in rows:
                 path = safe_join(root, row.path)
@@ -200,10 +201,39 @@ class PlacedFiles:
         copy of its derived weight. Any thread may call it."""
         _feed(self.weights.get(param, []), first, piece)
 
+    def passing(self, param: str, start: int, chunks: Iterable[memoryview]) -> Iterator[memoryview]:
+        """``chunks``, FP32 elements of ``param``'s master from element ``start`` on, passed through
+        and each fed to the weights; the range counts as covered once the last chunk has passed
+        (the streams hash-check each atom after its last chunk)."""
+        first = start
+        for piece in chunks:
+            self.feed_master(param, first, piece)
+            first += len(piece) // 4
+            yield piece
+        self.cover_master(param, start, first - start)
+
     def cover_master(self, param: str, start: int, numel: int) -> None:
         """Elements ``[start, start + numel)`` of ``param``'s master have all been fed and checked."""
         for weight in self.weights.get(param, []):
             weight.cover(start, numel)
+
+    def rewrite_record(self, path: str, suffix: str, edit: Callable[[bytes], bytes | None]) -> bool:
+        """Replace the bytes of the zip record whose name ends with ``suffix`` in file ``path`` (its
+        container already written) by ``edit(old)``, of the same length; the record's CRC is
+        mended at :meth:`finish`. False, and nothing changed, when ``edit`` returns None."""
+        target = self.targets[path]
+        found = [(name, span) for name, span in record_offsets(target.out.fd).items() if name.endswith(suffix)]
+        if len(found) != 1:
+            return False
+        name, (offset, size) = found[0]
+        old = bytearray(size)
+        target.out.pread_into(memoryview(old), offset)
+        new = edit(bytes(old))
+        if new is None or len(new) != size:
+            return False
+        target.out.pwrite(memoryview(new), offset)
+        self.edited.setdefault(path, set()).add(name)
+        return True
 
     def finish(self) -> None:
         """Check every derived weight, mend the CRCs, check each size, fsync and set each mode."""
@@ -212,6 +242,8 @@ class PlacedFiles:
             target = self.targets[row.path]
             if self.mend and target.kind == TORCH:
                 mend_crcs(target.out.fd, target.where)
+            elif row.path in self.edited:
+                mend_crcs(target.out.fd, target.where, self.edited[row.path])
             if os.fstat(target.out.fd).st_size != target.size:
                 raise CorruptStoreError(f"{target.where}: came out at the wrong size; run `tailor verify`")
             os.fsync(target.out.fd)

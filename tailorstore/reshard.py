@@ -28,15 +28,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER
-from .checkout import write_step_files
+from .checkout import placed_rows, write_step_files
 from .errors import StoreError
 from .formats import deepspeed as ds
-from .formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_class
+from .formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_class, with_int_field
 from .formats.torch_save_writer import TensorOut
 from .formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
 from .model_tensors import (
@@ -49,12 +51,15 @@ from .model_tensors import (
     stream_float32,
 )
 from .output_dir import staged, write_torch_file
+from .paths import safe_join
+from .placement import PlacedFiles
 from .progress import Progress, Silent
-from .store.records import FileRecord
+from .store.records import FileRecord, ManifestRecord
 from .store.repo import Repository
 from .thinning import refuse_thinned
 
 MAX_WORLD_SIZE = 65536
+DP_WORLD_SIZE = "dp_world_size"  # the model-states field that names the world size
 ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor: a group pads to a multiple of 2 * world size
 _ZERO_STAGE_ENUM = opaque_class(DEEPSPEED_GLOBALS[2])
 _FRAGMENT_ADDRESS = opaque_class(DEEPSPEED_GLOBALS[3])
@@ -162,8 +167,8 @@ class _States:
     from the atoms (a parameter that straddles two partitions is decoded for each), so memory
     stays at a chunk whatever the partition's size."""
 
-    def __init__(self, store: Repository, view: ModelView) -> None:
-        self.store, self.view = store, view
+    def __init__(self, store: Repository, view: ModelView, weights: PlacedFiles | None = None) -> None:
+        self.store, self.view, self.weights = store, view, weights
         self.masters = {t.name: t for t in view.tensors if t.kind == MASTER}
         self.any_thread = self._look_up_rows()  # may the streams run on read-ahead helper threads
 
@@ -182,7 +187,8 @@ class _States:
     def chunks(self, name: str, kind: str, start: int, numel: int) -> Iterator[memoryview]:
         master = self.masters[name]
         if kind == MASTER:
-            return stream_float32(self.store, self.view, master, start, numel)
+            chunks = stream_float32(self.store, self.view, master, start, numel)
+            return chunks if self.weights is None else self.weights.passing(name, start, chunks)
         return stream_elements(self.store, self.view, self.view.state(name, kind, master.shape), start, numel)
 
 
@@ -305,6 +311,28 @@ def _rank_zero3(saved: dict, states: _States, plan: ReshardPlan, rank: int) -> d
     return out
 
 
+def _states_in_place(store: Repository, facts: ManifestRecord, plan: ReshardPlan, root: Path) -> PlacedFiles | None:
+    """Under ZeRO 1/2 the model-states file at M ranks is the saved one with ``dp_world_size`` set to
+    M: written in place from its container (:mod:`placement`), that one field patched, its weights
+    rounded from the masters as the optimizer files stream them instead of the masters being read
+    and decoded a second time. None (the file is then re-pickled from its tree) under ZeRO 3, for a
+    file committed without a container, or when the new world size does not fit the saved field."""
+    if plan.stage == 3 or plan.source_stage == 3 or placed_rows([plan.states]) != [plan.states]:
+        return None
+    files = PlacedFiles(store, facts, [plan.states], root)
+    try:
+        if files.rewrite_record(
+            plan.states.path, "/data.pkl", partial(with_int_field, key=DP_WORLD_SIZE, value=plan.world)
+        ):
+            return files
+    except BaseException:
+        files.close()
+        raise
+    files.close()
+    safe_join(root, plan.states.path).unlink()
+    return None
+
+
 def _write_beside(
     on_caller: Callable[[], None], rank_file: Callable[[int], None], ranks: int, any_thread: bool, progress: Progress
 ) -> None:
@@ -367,11 +395,10 @@ def checkout_resharded(
     saved_tree = committed_tree(store, manifest, optimizer, f"{where}, file {optimizer.path}")
     plan = plan_reshard(view, optimizer, saved_tree, world_size, target)
     states_tree = committed_tree(store, manifest, plan.states, f"{where}, file {plan.states.path}")
-    states_tree["dp_world_size"] = plan.world
+    states_tree[DP_WORLD_SIZE] = plan.world
     in_tag = [f for f in files if str(PurePosixPath(f.path).parent) == plan.folder]
     extras = [f for f in in_tag if not _is_zero_file(f)]  # anything else DeepSpeed's tag folder held
     others = [f for f in files if str(PurePosixPath(f.path).parent) != plan.folder]
-    states = _States(store, view)
     progress = progress or Silent()
     count = 0
     try:
@@ -381,6 +408,8 @@ def checkout_resharded(
             tag_dir.mkdir()
             write_step_files(store, facts, others, tmp)
             write_step_files(store, facts, extras, tmp if plan.folder != "." else tag_dir)
+            in_place = _states_in_place(store, facts, plan, tmp if plan.folder != "." else tag_dir)
+            states = _States(store, view, in_place)
             rebuild = _rank_zero3 if plan.stage == 3 else _rank_zero12
 
             def optimizer_file(rank: int) -> None:
@@ -388,10 +417,16 @@ def checkout_resharded(
                 write_torch_file(tag_dir / plan.optimizer_name(rank), {**saved_tree, "optimizer_state_dict": rebuilt})
 
             def states_files() -> None:
+                if in_place is not None:
+                    in_place.place_stored(lambda n: None)  # its weights come as the optimizer files pass
+                    return
                 for name in plan.states_names():
                     write_torch_file(tag_dir / name, states_tree)
 
-            _write_beside(states_files, optimizer_file, plan.world, states.any_thread, progress)
+            with in_place or nullcontext():
+                _write_beside(states_files, optimizer_file, plan.world, states.any_thread, progress)
+                if in_place is not None:
+                    in_place.finish()
             if not (tmp / "latest").exists():
                 (tmp / "latest").write_text(plan.tag)  # `engine.load_checkpoint(out)` finds the tag by it
             count = len(others) + len(extras) + len(plan.states_names()) + plan.world

@@ -171,7 +171,7 @@ def _jobs(
     for tensor in trainable:
         param_dir = safe_join(tag_dir / "zero", tensor.name)
         param_dir.mkdir(parents=True)
-        contents = {"fp32": partial(_feeding, store, view, tensor, weights)}
+        contents = {"fp32": partial(_fp32_feeding, store, view, tensor, weights)}
         moments = view.moments(tensor.name)  # none before the first step: no moment files then
         if len(moments) == 1:
             raise CorruptStoreError(
@@ -189,15 +189,11 @@ def _jobs(
     return jobs
 
 
-def _feeding(store: Repository, view: ModelView, master: ModelTensor, weights: PlacedFiles) -> Iterator[memoryview]:
-    """The master's FP32 chunks for fp32.pt, each also rounded into the model-states file's copy of
-    its weight; the weight counts as fed once the last chunk has passed its blob's hash check."""
-    first = 0
-    for piece in stream_float32(store, view, master):
-        weights.feed_master(master.name, first, piece)
-        first += len(piece) // 4
-        yield piece
-    weights.cover_master(master.name, 0, first)
+def _fp32_feeding(
+    store: Repository, view: ModelView, master: ModelTensor, weights: PlacedFiles
+) -> Iterator[memoryview]:
+    """The master's FP32 chunks for fp32.pt, each also rounded into the model-states file's copy of its weight."""
+    return weights.passing(master.name, 0, stream_float32(store, view, master))
 
 
 def checkout_universal(

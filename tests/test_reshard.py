@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
-import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -285,33 +285,61 @@ def test_a_resharded_optimizer_file_is_decoded_on_read_ahead_helpers(
         assert set(ours) == set(saved) and all(torch.equal(ours[k], t) for k, t in saved.items()), path.name
 
 
-def test_the_model_states_file_is_written_beside_the_optimizer_files(
-    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_model_states_weights_come_from_the_masters_the_optimizer_files_stream(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_place: bool
 ) -> None:
-    """The model-states file (its weights rebuilt through the index, on the caller's thread) is
-    written while a worker writes the optimizer files, not before them; the files are the same."""
-    spans: dict[str, tuple[str, float, float]] = {}
-    real = reshard.write_torch_file
+    """Under ZeRO 1/2 the model-states file is the saved one with dp_world_size patched, written in
+    place, its weights rounded from the master chunks the optimizer files stream: every master blob
+    is read once. Where the field cannot be patched (``in_place=False``) the file is re-pickled from
+    its tree and the masters are read again for its weights. Either way it loads as the saved one."""
+    reads: dict[str, int] = {}
+    real = atom_reader.stream_blob
 
-    def timed(path: Path, tree: Any) -> None:
-        began = time.perf_counter()
-        real(path, tree)
-        spans[path.name] = (threading.current_thread().name, began, time.perf_counter())
+    def counted(store, row, lo, hi, where):  # type: ignore[no-untyped-def]
+        reads[row.hash] = reads.get(row.hash, 0) + 1
+        return real(store, row, lo, hi, where)
 
-    monkeypatch.setattr(reshard, "write_torch_file", timed)
+    monkeypatch.setattr(atom_reader, "stream_blob", counted)
+    if not in_place:
+        monkeypatch.setattr(reshard, "with_int_field", lambda pickled, key, value: None)
+    save = runs.get("zero2-bf16").save_dir
     with tailorstore.Store.init(tmp_path / "store") as store:
-        store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
-        store.checkout_resharded(STEP, tmp_path / "ours", world_size=2)
-    states, optimizers = spans.pop("mp_rank_00_model_states.pt"), list(spans.values())
-    assert len(optimizers) == 2 and states[0] == "MainThread"
-    assert all(name.startswith("tailor-reshard") for name, _, _ in optimizers), spans
-    assert min(began for _, began, _ in optimizers) < states[2], "the optimizer files waited for the model states"
-    tag = f"global_step{STEP}"
-    resumed = torch.load(tmp_path / "ours" / tag / "mp_rank_00_model_states.pt", weights_only=False)
-    saved = torch.load(runs.get("zero2-bf16").save_dir / tag / "mp_rank_00_model_states.pt", weights_only=False)
-    assert resumed["dp_world_size"] == 2 and all(
-        torch.equal(resumed["module"][k], t) for k, t in saved["module"].items()
-    )
+        store.commit(as_of_step(save, STEP, tmp_path / "at"))
+        masters = {a.blob for a in store.repo.index.atoms(1, kind="master")}
+        reads.clear()
+        store.checkout_resharded(STEP, tmp_path / "one", world_size=1)  # one partition: no master straddles two
+        assert masters and masters <= set(reads)
+        twice = {h for h in masters if reads[h] > 1}
+        assert (twice == set()) if in_place else (twice == masters), reads
+        store.checkout_resharded(STEP, tmp_path / "ours", world_size=3)
+    name = f"global_step{STEP}/mp_rank_00_model_states.pt"
+    with zipfile.ZipFile(tmp_path / "ours" / name) as zf:
+        assert zf.testzip() is None  # the patched pickle's CRC was mended
+    ours, saved = torch.load(tmp_path / "ours" / name, weights_only=False), torch.load(save / name, weights_only=False)
+    assert ours["dp_world_size"] == 3 and saved["dp_world_size"] == 2
+    assert set(ours) == set(saved) and all(torch.equal(ours["module"][k], t) for k, t in saved["module"].items())
+    if in_place:  # the saved file's bytes but the field and the two copies of its record's CRC
+        mine, theirs = (tmp_path / "ours" / name).read_bytes(), (save / name).read_bytes()
+        assert len(mine) == len(theirs) and sum(a != b for a, b in zip(mine, theirs, strict=True)) <= 9
+
+
+def test_an_int_field_of_a_pickle_is_patched_only_where_it_fits() -> None:
+    """with_int_field keeps the pickle's length: the new value in the old one's opcode, else None."""
+    import pickle
+
+    from tailorstore.formats.torch_pickle import with_int_field
+
+    tree = {"module": {"w": [1.5]}, "dp_world_size": 2, "mp_world_size": 1}
+    pickled = pickle.dumps(tree, protocol=2)
+    assert pickle.loads(with_int_field(pickled, "dp_world_size", 3) or b"") == {**tree, "dp_world_size": 3}
+    assert with_int_field(pickled, "dp_world_size", 300) is None  # BININT1 holds 0-255
+    assert with_int_field(pickled, "no_such_key", 3) is None
+    wide = pickle.dumps({**tree, "dp_world_size": 1000}, protocol=2)
+    assert pickle.loads(with_int_field(wide, "dp_world_size", 7) or b"")["dp_world_size"] == 7  # BININT2 holds it
+    for protocol in (2, 4):  # the key again through the memo (2), or memoized implicitly (4): refuse
+        twice = pickle.dumps([{"dp_world_size": 2}, {"dp_world_size": 2}], protocol=protocol)
+        assert with_int_field(twice, "dp_world_size", 3) is None
 
 
 @pytest.mark.slow  # trains (2 ranks), then resumes (1 rank)

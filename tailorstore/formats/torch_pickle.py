@@ -22,6 +22,8 @@ import _compat_pickle
 import codecs
 import io
 import pickle
+import pickletools
+import struct
 import zipfile
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -271,3 +273,39 @@ def load_pickle_tree(data: bytes, where: str) -> Any:
             f"{where}: the committed pickle does not load ({type(exc).__name__}: {str(exc)[:120]}); "
             "run `tailor verify --deep`."
         ) from None
+
+
+_STRINGS = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE")
+_MEMO = ("BINPUT", "LONG_BINPUT", "PUT")
+_GETS = ("BINGET", "LONG_BINGET", "GET")
+_INTS = {"BININT1": "<B", "BININT2": "<H", "BININT": "<i"}
+
+
+def with_int_field(pickled: bytes, key: str, value: int) -> bytes | None:
+    """``pickled`` with the int stored under the string ``key`` set to ``value``, the same length
+    (the new value in the old one's opcode); None when the key is not followed by an int exactly
+    once (or is used again through the memo), or when ``value`` does not fit that opcode. A
+    resharded model-states file is the saved one with ``dp_world_size`` changed: patching that one
+    field keeps every byte of its container, so the file can be written in place like a checkout's."""
+    ops = list(pickletools.genops(pickled))
+    spans, memos = [], set()
+    for i, (op, arg, _) in enumerate(ops):
+        if op.name not in _STRINGS or arg != key:
+            continue
+        j = i + 1
+        while j < len(ops) and ops[j][0].name in _MEMO:
+            memos.add(ops[j][1])
+            j += 1
+        if j < len(ops) and ops[j][0].name == "MEMOIZE":
+            return None  # protocol 4's implicit memo indices: not worth tracking (torch.save pickles with 2)
+        if j < len(ops) and ops[j][0].name in _INTS:
+            spans.append((ops[j][2] + 1, _INTS[ops[j][0].name]))
+    reused = any(op.name in _GETS and arg in memos for op, arg, _ in ops)  # the key again, from the memo
+    if len(spans) != 1 or reused:
+        return None
+    at, form = spans[0]
+    try:
+        packed = struct.pack(form, value)
+    except struct.error:
+        return None
+    return pickled[:at] + packed + pickled[at + len(packed) :]

@@ -38,10 +38,12 @@ def _data_offset(f: object, info: zipfile.ZipInfo, where: str) -> int:
     return info.header_offset + _LOCAL.size + fields[9] + fields[10]
 
 
-def record_offsets(path: Path) -> dict[str, tuple[int, int]]:
-    """Record name -> (offset of its bytes, size), for every record of a stored torch zip."""
+def record_offsets(path: Path | int) -> dict[str, tuple[int, int]]:
+    """Record name -> (offset of its bytes, size), for every record of a stored torch zip (a path,
+    or a file descriptor open for reading)."""
     out: dict[str, tuple[int, int]] = {}
-    with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+    opened = open(path, "rb", closefd=not isinstance(path, int))
+    with opened as f, zipfile.ZipFile(f) as z:
         for info in z.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
                 return {}  # not written by torch.save; no container
@@ -94,14 +96,22 @@ def gaps(size: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def mend_crcs(fd: int, path: str) -> None:
-    """Recompute every record's CRC-32 from the bytes now in the file and write it where
-    zip keeps it: the central directory, and the data descriptor (torch sets flag bit 3)
-    or else the local header."""
+def mend_crcs(fd: int, path: str, records: set[str] | None = None) -> None:
+    """Recompute each record's CRC-32 (every record's, or those ``records`` names) from the bytes
+    now in the file and write it where zip keeps it: the central directory, and the data
+    descriptor (torch sets flag bit 3) or else the local header."""
     with open(fd, "rb", closefd=False) as f, zipfile.ZipFile(f) as z:
         infos = z.infolist()
         central = z.start_dir  # type: ignore[attr-defined]
         for info in infos:
+            head = os.pread(fd, 46, central)
+            if len(head) != 46 or struct.unpack_from("<I", head)[0] != _CENTRAL_SIG:
+                raise BadCheckpointError(f"{path}: the zip central directory does not parse")
+            entry = central
+            n, m, k = struct.unpack_from("<HHH", head, 28)
+            central += 46 + n + m + k
+            if records is not None and info.filename not in records:
+                continue
             data = _data_offset(f, info, path)
             crc = 0
             for at in range(data, data + info.file_size, _CRC_BLOCK):
@@ -113,9 +123,4 @@ def mend_crcs(fd: int, path: str) -> None:
                 os.pwrite(fd, packed, after + (4 if struct.unpack("<I", sig)[0] == _DESCRIPTOR_SIG else 0))
             else:
                 os.pwrite(fd, packed, info.header_offset + 14)
-            head = os.pread(fd, 46, central)
-            if len(head) != 46 or struct.unpack_from("<I", head)[0] != _CENTRAL_SIG:
-                raise BadCheckpointError(f"{path}: the zip central directory does not parse")
-            os.pwrite(fd, packed, central + 16)
-            n, m, k = struct.unpack_from("<HHH", head, 28)
-            central += 46 + n + m + k
+            os.pwrite(fd, packed, entry + 16)
