@@ -161,11 +161,12 @@ class PlacedFiles:
     by :meth:`place_stored`, and their derived weights from whoever streams the FP32 masters.
 
     A checkout's masters are among its files, so placing them rounds the weights as they pass.
-    A universal checkpoint writes the masters into files of its own (``fp32.pt``); its writers
-    hand each master chunk to :meth:`feed_master` so that the model-states file's weights are
-    rounded from the same decoded bytes, instead of the masters being read and decoded a second
-    time (a sixth of the run). :meth:`finish` checks every weight against its recorded hash and
-    rebuilds through the index, on the caller's thread, any that nobody fed whole.
+    A universal checkpoint and a reshard write the masters into files of their own (``fp32.pt``,
+    the optimizer files at M ranks); their writers pass each master chunk through
+    :meth:`passing` so that the model-states file's weights are rounded from the same decoded
+    bytes, instead of the masters being read and decoded a second time (a sixth of the run).
+    :meth:`finish` checks every weight against its recorded hash and rebuilds through the
+    index, on the caller's thread, any that nobody fed whole.
     """
 
     def __init__(self, store: Repository, facts: ManifestRecord, rows: list[FileRecord], root: Path) -> None:

@@ -338,10 +338,11 @@ def _write_beside(
 ) -> None:
     """The model-states files on the caller's thread while a worker writes the optimizer files.
 
-    A bf16 save's module weights are rebuilt from their masters through the index, which only the
-    caller's thread may use; the optimizer files read no SQL when every state is stored
-    (``any_thread``). Written one after the other, the model states left the other core and the
-    disk idle for a quarter of the run. The progress bar advances on the caller's thread only."""
+    Re-pickled, a bf16 save's module weights are rebuilt from their masters through the index,
+    which only the caller's thread may use (written in place, only their stored tensors are left
+    to it); the optimizer files read no SQL when every state is stored (``any_thread``). Written
+    one after the other, the model states left the other core and the disk idle for a quarter of
+    the run. The progress bar advances on the caller's thread only."""
     if not any_thread:
         on_caller()
         for rank in range(ranks):
