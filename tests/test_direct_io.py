@@ -162,3 +162,21 @@ def test_a_range_reads_its_own_blocks_not_a_whole_block_beyond(
     assert got == data[start : start + length]
     aligned = (start + length + ALIGN - 1) // ALIGN * ALIGN - start // ALIGN * ALIGN
     assert aligned <= read <= aligned + ALIGN
+
+
+@pytest.mark.parametrize(("mode", "direct"), MODES)
+def test_a_write_abandoned_by_an_error_raises_that_error_and_frees_the_buffer(
+    mode: str, direct: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leaving the block on an error closes the file without writing its tail: the caller discards
+    it, and the error raised is the one that stopped the write, whatever writing the tail would say."""
+    force(mode, monkeypatch)
+    from tailorstore.store import direct_io
+
+    with pytest.raises(KeyError, match="stopped"), RewritableWriter(tmp_path / "file") as out:
+        out.write(b"x" * (BLOCK + 5))
+        os.close(out.fd)  # the tail's write would now fail with EBADF
+        out.fd = os.open(tmp_path / "file", os.O_RDONLY)
+        raise KeyError("stopped")
+    assert "write" not in getattr(direct_io._local, "busy", set())  # the staging buffer is reused next time
+    assert (tmp_path / "file").stat().st_size == (BLOCK if direct else BLOCK + 5)  # no tail written

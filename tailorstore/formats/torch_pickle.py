@@ -287,7 +287,10 @@ def with_int_field(pickled: bytes, key: str, value: int) -> bytes | None:
     once (or is used again through the memo), or when ``value`` does not fit that opcode. A
     resharded model-states file is the saved one with ``dp_world_size`` changed: patching that one
     field keeps every byte of its container, so the file can be written in place like a checkout's."""
-    ops = list(pickletools.genops(pickled))
+    try:
+        ops = list(pickletools.genops(pickled))
+    except ValueError:  # not a pickle this can read op by op: the caller writes the tree anew
+        return None
     spans, memos = [], set()
     for i, (op, arg, _) in enumerate(ops):
         if op.name not in _STRINGS or arg != key:

@@ -135,8 +135,12 @@ class SequentialWriter:
     def __enter__(self) -> SequentialWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        os.close(self.fd)  # failed: the file is being discarded, and the error is what matters
+        _give("write", self._held if self.direct else None)
 
     def _write_tail(self) -> None:
         if self._buf is not None and self._fill:
