@@ -11,14 +11,15 @@ import errno
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from .errors import StoreError
-from .formats.torch_save_writer import dumps, write_pickled_to
+from .formats.torch_save_writer import Parts, TensorOut, dumps, write_pickled_to
 from .read_ahead import ReadAhead
 from .store.direct_io import RewritableWriter
 from .store.posix import fsync_path
@@ -55,10 +56,29 @@ def write_torch_file(path: Path, tree: Any) -> None:
     (:mod:`read_ahead`, in bounded memory): a resharded optimizer file is one long run of
     them, and decoding it on the writer's thread left the disk and the other core idle."""
     pickled, tensors = dumps(tree)
-    ahead = [t.any_thread for t in tensors]
-    reading = ReadAhead([t.chunks for t in tensors], ahead) if any(ahead) else nullcontext()
+    sources: list[Callable[[], Iterable[memoryview]]] = []
+    ahead: list[bool] = []
+    spans: list[range] = []  # tensor -> its sources (a tensor given as Parts has several)
+    for t in tensors:
+        parts = t.data.streams if t.any_thread and isinstance(t.data, Parts) else (t.chunks,)
+        spans.append(range(len(sources), len(sources) + len(parts)))
+        sources += parts
+        ahead += [t.any_thread] * len(parts)
+    reading = ReadAhead(sources, ahead) if any(ahead) else nullcontext()
     with RewritableWriter(path) as f, reading as reader:
-        write_pickled_to(f, path.stem or "archive", pickled, tensors, reader.chunks if reader else None)
+        chunks_of = partial(_joined, reader, spans, tensors) if reader else None
+        write_pickled_to(f, path.stem or "archive", pickled, tensors, chunks_of)
+
+
+def _joined(reader: ReadAhead, spans: list[range], tensors: list[TensorOut], i: int) -> Iterator[memoryview]:
+    """Tensor ``i``'s chunks from the read-ahead, its sources in order; its size checked."""
+    total = 0
+    for source in spans[i]:
+        for chunk in reader.chunks(source):
+            total += len(chunk)
+            yield chunk
+    if total != tensors[i].nbytes:
+        raise ValueError(f"{total} bytes for a {tensors[i].dtype} tensor of shape {tensors[i].shape}")
 
 
 FSYNC_THREADS = 16

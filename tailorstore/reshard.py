@@ -39,7 +39,7 @@ from .checkout import placed_rows, write_step_files
 from .errors import StoreError
 from .formats import deepspeed as ds
 from .formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_class, with_int_field
-from .formats.torch_save_writer import TensorOut
+from .formats.torch_save_writer import Parts, TensorOut
 from .formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
 from .model_tensors import (
     ModelView,
@@ -192,7 +192,6 @@ class _States:
         return stream_elements(self.store, self.view, self.view.state(name, kind, master.shape), start, numel)
 
 
-Chunks = Callable[[], Iterator[memoryview]]
 _ZEROS = memoryview(bytes(1 << 20))
 
 
@@ -201,26 +200,26 @@ def _zeros(nbytes: int) -> Iterator[memoryview]:
         yield _ZEROS[: min(len(_ZEROS), nbytes - at)]
 
 
-def _flat(states: _States, pieces: list[Piece], kind: str) -> Chunks:
-    """A flat float32 partition, its parameters' pieces and paddings end to end."""
+def _flat(states: _States, pieces: list[Piece], kind: str) -> Parts:
+    """A flat float32 partition, its parameters' pieces and paddings end to end: one stream per
+    piece, so that a read-ahead decodes several pieces of one partition at once."""
+    return Parts(
+        tuple(
+            partial(_zeros, 4 * piece.numel)
+            if piece.param is None
+            else partial(states.chunks, piece.param, kind, piece.start, piece.numel)
+            for piece in pieces
+        )
+    )
 
-    def chunks() -> Iterator[memoryview]:
-        for piece in pieces:
-            if piece.param is None:
-                yield from _zeros(4 * piece.numel)
-            else:
-                yield from states.chunks(piece.param, kind, piece.start, piece.numel)
 
-    return chunks
-
-
-def _zero12_flat(states: _States, plan: ReshardPlan, group: int, rank: int, kind: str, length: int) -> Chunks:
+def _zero12_flat(states: _States, plan: ReshardPlan, group: int, rank: int, kind: str, length: int) -> Parts:
     partition, _ = plan.zero12_partition(group)
     paddings = plan.alignment_paddings[group] if plan.alignment_paddings else None
     return _flat(states, zero12_pieces(plan.groups[group], paddings, rank, partition, length), kind)
 
 
-def _zero3_flat(states: _States, plan: ReshardPlan, group: int, rank: int, kind: str) -> tuple[int, Chunks]:
+def _zero3_flat(states: _States, plan: ReshardPlan, group: int, rank: int, kind: str) -> tuple[int, Parts]:
     shapes = plan.groups[group]
     length = sum(math.ceil(n / plan.world) for _, n in shapes)
     return length, _flat(states, zero3_pieces(shapes, plan.world, rank, length), kind)

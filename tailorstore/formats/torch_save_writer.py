@@ -51,6 +51,19 @@ class GlobalName:
 Bytes = memoryview | bytes | bytearray
 
 
+@dataclass(frozen=True)
+class Parts:
+    """A tensor's bytes as chunk streams to run one after another (a flat partition: its
+    parameters' pieces end to end). A read-ahead may decode different parts on different
+    helpers at once, where one stream would keep one helper busy and the writer waiting."""
+
+    streams: tuple[Callable[[], Iterable[Bytes]], ...]
+
+    def __call__(self) -> Iterator[Bytes]:
+        for stream in self.streams:
+            yield from stream()
+
+
 @dataclass
 class TensorOut:
     """A contiguous tensor to write: dtype (torch's name), shape and its bytes, or a function that
