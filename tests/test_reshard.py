@@ -285,6 +285,29 @@ def test_a_resharded_optimizer_file_is_decoded_on_read_ahead_helpers(
         assert set(ours) == set(saved) and all(torch.equal(ours[k], t) for k, t in saved.items()), path.name
 
 
+def test_one_partition_is_decoded_by_both_read_ahead_helpers(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At one rank a group's FP32 partition is one tensor of every parameter's piece; each piece is
+    a read-ahead source of its own, so both helpers decode it (as one source, one helper did while
+    the writer waited)."""
+    decoders: dict[str, set[int]] = {}
+    real = atom_reader.stream_blob
+
+    def watched(store, row, lo, hi, where):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name.startswith("tailor-read-ahead"):
+            decoders.setdefault(row.hash, set()).add(threading.get_ident())
+        return real(store, row, lo, hi, where)
+
+    monkeypatch.setattr(atom_reader, "stream_blob", watched)
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
+        masters = {a.blob for a in store.repo.index.atoms(1, kind="master")}
+        store.checkout_resharded(STEP, tmp_path / "ours", world_size=1)
+    helpers = set().union(*(decoders[h] for h in masters if h in decoders))
+    assert masters <= set(decoders) and len(helpers) == 2, decoders
+
+
 @pytest.mark.parametrize("in_place", [True, False])
 def test_the_model_states_weights_come_from_the_masters_the_optimizer_files_stream(
     runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_place: bool
