@@ -148,8 +148,11 @@ def _write_all(jobs: list[tuple[Path, Any, int]], progress: Progress, meanwhile:
     ``meanwhile`` runs on the caller's thread as they work: the model-states file, whose weights
     are rebuilt from their masters through the index (which only this thread may use), and took
     a third of the whole run when it went first on its own."""
+    # Largest first: the embedding's and the head's files (each one blob, decoded as one stream)
+    # no longer come last, with two writers idle while the third finishes them.
+    ordered = sorted(jobs, key=lambda job: -job[2])
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="tailor-universal") as pool:
-        futures = {pool.submit(write_torch_file, path, tree): elements for path, tree, elements in jobs}
+        futures = {pool.submit(write_torch_file, path, tree): elements for path, tree, elements in ordered}
         try:
             meanwhile()
             for future in as_completed(futures):
