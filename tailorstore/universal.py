@@ -236,17 +236,18 @@ def checkout_universal(
             # the model-states files as they are (`load_universal` reads the module and scheduler there),
             # and every file outside the tag folder (an HF Trainer's config, trainer state, RNG states)
             others = [f for f in files if str(PurePosixPath(f.path).parent) != folder]
-            fed = placed_rows(states)  # their weights rounded from the masters fp32.pt streams
-            rest = [f for f in states if f not in fed]
             states_root = tmp if folder != "." else tag_dir
+            # their weights rounded from the masters fp32.pt streams (an HF Trainer's model.safetensors
+            # too, when it shares their root)
+            fed = placed_rows(states) + (placed_rows(others) if states_root == tmp else [])
             count += len(states) + len(others)
             with PlacedFiles(store, facts, fed, states_root) as model_states:
                 jobs = _jobs(store, view, trainable, tag_dir, stage, model_states)
 
                 def meanwhile() -> None:
                     model_states.place_stored(lambda n: None)
-                    write_step_files(store, facts, rest, states_root)
-                    write_step_files(store, facts, others, tmp)
+                    write_step_files(store, facts, [f for f in states if f not in fed], states_root)
+                    write_step_files(store, facts, [f for f in others if f not in fed], tmp)
 
                 _write_all(jobs, progress, meanwhile)
                 model_states.finish()

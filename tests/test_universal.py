@@ -66,12 +66,27 @@ def test_universal_equals_ds_to_universal(runs: Runs, tmp_path: Path, run: str) 
     assert_same_universal(tmp_path / "ours", theirs, "global_step3")
 
 
-def test_hf_trainer_checkpoint(hf_run: HFRun, tmp_path: Path) -> None:
-    """An HF Trainer checkpoint-N: the universal folder sits beside the Trainer's own files."""
+def test_hf_trainer_checkpoint(hf_run: HFRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An HF Trainer checkpoint-N: the universal folder sits beside the Trainer's own files. The
+    weights of its model.safetensors, like the model states', are rounded from the masters fp32.pt
+    streams: each master is read once."""
+    reads: dict[str, int] = {}
+    real = atom_reader.stream_blob
+
+    def counted(store, row, lo, hi, where):  # type: ignore[no-untyped-def]
+        reads[row.hash] = reads.get(row.hash, 0) + 1
+        return real(store, row, lo, hi, where)
+
+    monkeypatch.setattr(atom_reader, "stream_blob", counted)
     checkpoint = hf_run.output_dir / "checkpoint-6"
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(checkpoint)
+        masters = {a.blob for a in store.repo.index.atoms(1, kind="master")}
+        derived = {a.path for a in store.repo.index.atoms(1) if a.derived is not None}
+        reads.clear()
         store.checkout_universal("latest", tmp_path / "ours")
+    assert "model.safetensors" in derived and masters <= set(reads)
+    assert {h: n for h, n in reads.items() if h in masters and n != 1} == {}
     ours = tmp_path / "ours"
     for name in ("config.json", "trainer_state.json", "model.safetensors"):
         assert (ours / name).read_bytes() == (checkpoint / name).read_bytes(), name
