@@ -310,15 +310,18 @@ def _rank_zero3(saved: dict, states: _States, plan: ReshardPlan, rank: int) -> d
     return out
 
 
-def _states_in_place(store: Repository, facts: ManifestRecord, plan: ReshardPlan, root: Path) -> PlacedFiles | None:
+def _states_in_place(
+    store: Repository, facts: ManifestRecord, plan: ReshardPlan, root: Path, beside: list[FileRecord]
+) -> PlacedFiles | None:
     """Under ZeRO 1/2 the model-states file at M ranks is the saved one with ``dp_world_size`` set to
     M: written in place from its container (:mod:`placement`), that one field patched, its weights
     rounded from the masters as the optimizer files stream them instead of the masters being read
-    and decoded a second time. None (the file is then re-pickled from its tree) under ZeRO 3, for a
-    file committed without a container, or when the new world size does not fit the saved field."""
+    and decoded a second time; so are those of the files ``beside`` it (written as they were). None
+    (the file is then re-pickled from its tree) under ZeRO 3, for a file committed without a
+    container, or when the new world size does not fit the saved field."""
     if plan.stage == 3 or plan.source_stage == 3 or placed_rows([plan.states]) != [plan.states]:
         return None
-    files = PlacedFiles(store, facts, [plan.states], root)
+    files = PlacedFiles(store, facts, [plan.states, *beside], root)
     try:
         if files.rewrite_record(
             plan.states.path, "/data.pkl", partial(with_int_field, key=DP_WORLD_SIZE, value=plan.world)
@@ -328,7 +331,8 @@ def _states_in_place(store: Repository, facts: ManifestRecord, plan: ReshardPlan
         files.close()
         raise
     files.close()
-    safe_join(root, plan.states.path).unlink()
+    for row in files.rows:
+        safe_join(root, row.path).unlink()
     return None
 
 
@@ -406,9 +410,12 @@ def checkout_resharded(
             progress.start(f"step {facts.step} for {plan.world} ranks", plan.world)
             tag_dir = tmp / plan.tag
             tag_dir.mkdir()
-            write_step_files(store, facts, others, tmp)
-            write_step_files(store, facts, extras, tmp if plan.folder != "." else tag_dir)
-            in_place = _states_in_place(store, facts, plan, tmp if plan.folder != "." else tag_dir)
+            root = tmp if plan.folder != "." else tag_dir
+            # an HF Trainer's model.safetensors beside the tag folder: its weights fed the same way
+            in_place = _states_in_place(store, facts, plan, root, placed_rows(others) if root == tmp else [])
+            written_in_place = in_place.rows if in_place is not None else []
+            write_step_files(store, facts, [f for f in others if f not in written_in_place], tmp)
+            write_step_files(store, facts, extras, root)
             states = _States(store, view, in_place)
             rebuild = _rank_zero3 if plan.stage == 3 else _rank_zero12
 

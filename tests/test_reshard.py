@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Run, Runs, as_of_step, blob_object, tailor
+from conftest import HFRun, Run, Runs, as_of_step, blob_object, tailor
 from test_universal import assert_same_universal, ds_to_universal
 
 import tailorstore
@@ -345,6 +345,36 @@ def test_the_model_states_weights_come_from_the_masters_the_optimizer_files_stre
     if in_place:  # the saved file's bytes but the field and the two copies of its record's CRC
         mine, theirs = (tmp_path / "ours" / name).read_bytes(), (save / name).read_bytes()
         assert len(mine) == len(theirs) and sum(a != b for a, b in zip(mine, theirs, strict=True)) <= 9
+
+
+def test_an_hf_trainer_checkpoint_reshards_reading_each_master_once(
+    hf_run: HFRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An HF Trainer checkpoint-N (ZeRO 2, bf16, 2 ranks) at one rank: its model.safetensors beside
+    the tag folder holds weights derived from the masters, rounded like the model states' from the
+    masters the optimizer file streams; the Trainer's files come out as they were."""
+    reads: dict[str, int] = {}
+    real = atom_reader.stream_blob
+
+    def counted(store, row, lo, hi, where):  # type: ignore[no-untyped-def]
+        reads[row.hash] = reads.get(row.hash, 0) + 1
+        return real(store, row, lo, hi, where)
+
+    monkeypatch.setattr(atom_reader, "stream_blob", counted)
+    checkpoint = hf_run.output_dir / "checkpoint-6"
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(checkpoint)
+        masters = {a.blob for a in store.repo.index.atoms(1, kind="master")}
+        derived = {a.path for a in store.repo.index.atoms(1) if a.derived is not None}
+        reads.clear()
+        result = store.checkout_resharded("latest", tmp_path / "ours", world_size=1)
+    assert result.world_size == 1 and "model.safetensors" in derived and masters <= set(reads)
+    assert {h: n for h, n in reads.items() if h in masters and n != 1} == {}
+    ours = tmp_path / "ours"
+    for name in ("config.json", "trainer_state.json", "model.safetensors"):
+        assert (ours / name).read_bytes() == (checkpoint / name).read_bytes(), name
+    states = torch.load(ours / "global_step6" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert states["dp_world_size"] == 1
 
 
 def test_an_int_field_of_a_pickle_is_patched_only_where_it_fits() -> None:
