@@ -46,15 +46,16 @@ def prepare_out(out: Path, store: Repository) -> Path:
 
 
 def write_torch_file(path: Path, tree: Any) -> None:
-    """A torch file of the output, tensors given as chunks streamed straight through; once it is
-    complete the kernel is asked to start writing it back, so the disk works while the next
-    file is decoded and the closing :func:`fsync_tree` finds little left. (Through the page
-    cache: for the many small files of a universal checkpoint, measured faster than checkout's
-    ``O_DIRECT`` writes, each of which waits for the disk.)
+    """A torch file of the output, tensors given as chunks streamed straight through, written
+    around the page cache (:class:`RewritableWriter`): on this machine kind new page-cache pages
+    cost the kernel 0.7-1.0 s of system time for a medium reshard, against 0.3 s this way, and
+    the closing :func:`fsync_tree` finds the data already on disk.
 
     Tensors marked ``any_thread`` are decoded on helper threads ahead of the writer
     (:mod:`read_ahead`, in bounded memory): a resharded optimizer file is one long run of
-    them, and decoding it on the writer's thread left the disk and the other core idle."""
+    them, and decoding it on the writer's thread left the disk and the other core idle. A
+    tensor given as :class:`Parts` (a flat partition of many parameters' pieces) is handed to
+    the helpers part by part, so that both decode it."""
     pickled, tensors = dumps(tree)
     sources: list[Callable[[], Iterable[memoryview]]] = []
     ahead: list[bool] = []

@@ -181,6 +181,7 @@ class RewritableWriter(SequentialWriter):
 
     def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
+        count = len(view)
         if self.pos < self.size:
             head = view[: self.size - self.pos]
             self._overwrite(head, self.pos)
@@ -189,7 +190,7 @@ class RewritableWriter(SequentialWriter):
         if view:
             super().write(view)
             self.pos = self.size
-        return len(memoryview(data).cast("B"))
+        return count
 
     def _overwrite(self, view: memoryview, at: int) -> None:
         if self._buf is None:  # buffered (no O_DIRECT here): the page cache takes any offset
