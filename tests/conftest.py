@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import pytest
 
+from tailorstore import atom_reader
 from tailorstore.store.backend import blob_names
 from tailorstore.store.packs import pack_names
 from tailorstore.store.repo import Repository
@@ -308,3 +309,17 @@ def assert_only_live(store: Repository) -> None:
     for name, size in packs.items():
         held = store.conn.execute("SELECT coalesce(sum(stored_size), 0) FROM blobs WHERE pack=?", (name,)).fetchone()[0]
         assert size - held < REPACK_AT * size, f"pack {name} is {1 - held / size:.0%} dead"
+
+
+@pytest.fixture
+def blob_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How many times each blob (by hash) is streamed through the atom reader while the test runs."""
+    reads: dict[str, int] = {}
+    real = atom_reader.stream_blob
+
+    def counted(store, row, lo, hi, where):  # type: ignore[no-untyped-def]
+        reads[row.hash] = reads.get(row.hash, 0) + 1
+        return real(store, row, lo, hi, where)
+
+    monkeypatch.setattr(atom_reader, "stream_blob", counted)
+    return reads

@@ -310,20 +310,13 @@ def test_one_partition_is_decoded_by_both_read_ahead_helpers(
 
 @pytest.mark.parametrize("in_place", [True, False])
 def test_the_model_states_weights_come_from_the_masters_the_optimizer_files_stream(
-    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_place: bool
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blob_reads: dict[str, int], in_place: bool
 ) -> None:
     """Under ZeRO 1/2 the model-states file is the saved one with dp_world_size patched, written in
     place, its weights rounded from the master chunks the optimizer files stream: every master blob
     is read once. Where the field cannot be patched (``in_place=False``) the file is re-pickled from
     its tree and the masters are read again for its weights. Either way it loads as the saved one."""
-    reads: dict[str, int] = {}
-    real = atom_reader.stream_blob
-
-    def counted(store, row, lo, hi, where):  # type: ignore[no-untyped-def]
-        reads[row.hash] = reads.get(row.hash, 0) + 1
-        return real(store, row, lo, hi, where)
-
-    monkeypatch.setattr(atom_reader, "stream_blob", counted)
+    reads = blob_reads  # conftest: each blob's stream count
     if not in_place:
         monkeypatch.setattr(reshard, "with_int_field", lambda pickled, key, value: None)
     save = runs.get("zero2-bf16").save_dir
@@ -348,19 +341,12 @@ def test_the_model_states_weights_come_from_the_masters_the_optimizer_files_stre
 
 
 def test_an_hf_trainer_checkpoint_reshards_reading_each_master_once(
-    hf_run: HFRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    hf_run: HFRun, tmp_path: Path, blob_reads: dict[str, int]
 ) -> None:
     """An HF Trainer checkpoint-N (ZeRO 2, bf16, 2 ranks) at one rank: its model.safetensors beside
     the tag folder holds weights derived from the masters, rounded like the model states' from the
     masters the optimizer file streams; the Trainer's files come out as they were."""
-    reads: dict[str, int] = {}
-    real = atom_reader.stream_blob
-
-    def counted(store, row, lo, hi, where):  # type: ignore[no-untyped-def]
-        reads[row.hash] = reads.get(row.hash, 0) + 1
-        return real(store, row, lo, hi, where)
-
-    monkeypatch.setattr(atom_reader, "stream_blob", counted)
+    reads = blob_reads  # conftest: each blob's stream count
     checkpoint = hf_run.output_dir / "checkpoint-6"
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(checkpoint)

@@ -15,7 +15,6 @@ import torch
 from conftest import HFRun, Runs, as_of_step, tailor
 
 import tailorstore
-from tailorstore import atom_reader
 
 
 def ds_to_universal(tag_dir: Path, out: Path) -> Path:
@@ -66,18 +65,11 @@ def test_universal_equals_ds_to_universal(runs: Runs, tmp_path: Path, run: str) 
     assert_same_universal(tmp_path / "ours", theirs, "global_step3")
 
 
-def test_hf_trainer_checkpoint(hf_run: HFRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hf_trainer_checkpoint(hf_run: HFRun, tmp_path: Path, blob_reads: dict[str, int]) -> None:
     """An HF Trainer checkpoint-N: the universal folder sits beside the Trainer's own files. The
     weights of its model.safetensors, like the model states', are rounded from the masters fp32.pt
     streams: each master is read once."""
-    reads: dict[str, int] = {}
-    real = atom_reader.stream_blob
-
-    def counted(store, row, lo, hi, where):  # type: ignore[no-untyped-def]
-        reads[row.hash] = reads.get(row.hash, 0) + 1
-        return real(store, row, lo, hi, where)
-
-    monkeypatch.setattr(atom_reader, "stream_blob", counted)
+    reads = blob_reads  # conftest: each blob's stream count
     checkpoint = hf_run.output_dir / "checkpoint-6"
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(checkpoint)
@@ -126,19 +118,12 @@ def test_a_step_missing_one_of_its_adam_moments_is_refused_as_damaged(runs: Runs
 
 
 def test_each_master_is_read_once_and_feeds_the_model_states_weights(
-    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    runs: Runs, tmp_path: Path, blob_reads: dict[str, int]
 ) -> None:
     """A bf16 save's module weights are rounded from the master chunks fp32.pt streams, not rebuilt
     by reading and decoding every master a second time; the model-states file is still the saved
     one byte for byte (assert_same_universal)."""
-    reads: dict[str, int] = {}
-    real = atom_reader.stream_blob
-
-    def counted(store, row, lo, hi, where):  # type: ignore[no-untyped-def]
-        reads[row.hash] = reads.get(row.hash, 0) + 1
-        return real(store, row, lo, hi, where)
-
-    monkeypatch.setattr(atom_reader, "stream_blob", counted)
+    reads = blob_reads  # conftest: each blob's stream count
     save = runs.get("zero2-bf16-odd-two-groups").save_dir
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(as_of_step(save, 3, tmp_path / "at3"))
