@@ -413,24 +413,26 @@ def checkout_resharded(
             root = tmp if plan.folder != "." else tag_dir
             # an HF Trainer's model.safetensors beside the tag folder: its weights fed the same way
             in_place = _states_in_place(store, facts, plan, root, placed_rows(others) if root == tmp else [])
-            written_in_place = in_place.rows if in_place is not None else []
-            write_step_files(store, facts, [f for f in others if f not in written_in_place], tmp)
-            write_step_files(store, facts, extras, root)
-            states = _States(store, view, in_place)
-            rebuild = _rank_zero3 if plan.stage == 3 else _rank_zero12
+            with in_place or nullcontext():  # its files closed on any error
+                written_in_place = in_place.rows if in_place is not None else []
+                write_step_files(store, facts, [f for f in others if f not in written_in_place], tmp)
+                write_step_files(store, facts, extras, root)
+                states = _States(store, view, in_place)
+                rebuild = _rank_zero3 if plan.stage == 3 else _rank_zero12
 
-            def optimizer_file(rank: int) -> None:
-                rebuilt = rebuild(saved_tree["optimizer_state_dict"], states, plan, rank)
-                write_torch_file(tag_dir / plan.optimizer_name(rank), {**saved_tree, "optimizer_state_dict": rebuilt})
+                def optimizer_file(rank: int) -> None:
+                    rebuilt = rebuild(saved_tree["optimizer_state_dict"], states, plan, rank)
+                    write_torch_file(
+                        tag_dir / plan.optimizer_name(rank), {**saved_tree, "optimizer_state_dict": rebuilt}
+                    )
 
-            def states_files() -> None:
-                if in_place is not None:
-                    in_place.place_stored(lambda n: None)  # its weights come as the optimizer files pass
-                    return
-                for name in plan.states_names():
-                    write_torch_file(tag_dir / name, states_tree)
+                def states_files() -> None:
+                    if in_place is not None:
+                        in_place.place_stored(lambda n: None)  # its weights come as the optimizer files pass
+                        return
+                    for name in plan.states_names():
+                        write_torch_file(tag_dir / name, states_tree)
 
-            with in_place or nullcontext():
                 _write_beside(states_files, optimizer_file, plan.world, states.any_thread, progress)
                 if in_place is not None:
                     in_place.finish()
