@@ -20,6 +20,7 @@ import threading
 
 ALIGN = 4096
 BLOCK = 4 << 20  # bytes per direct write or read
+MARK_SPAN = 512  # bytes after a told position whose pages a RewritableWriter keeps (a zip header)
 _local = threading.local()
 
 
@@ -96,6 +97,7 @@ class SequentialWriter:
         self.fd = fd if fd is not None else os.open(path, flags, mode)
         self.size = 0
         self._fill = 0
+        self._written = 0  # bytes written out of the staging buffer so far
         self._buf = self._held = _take("write") if self.direct else None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -122,12 +124,16 @@ class SequentialWriter:
             _drop_direct(self.fd)  # the file system takes O_DIRECT at open but not at write
             self._buf = None
             _write_all(self.fd, self._held[: self._fill])
+        self._written += length
         self._fill = 0
 
-    def close(self) -> None:
-        """Write the tail (padded to the alignment, then cut back to size) and close."""
+    def close(self, durable: bool = False) -> None:
+        """Write the tail and close; ``durable``: fsync first, after the last byte is written
+        (an fsync before the tail would leave the tail and the file's size to chance)."""
         try:
             self._write_tail()
+            if durable:
+                os.fsync(self.fd)
         finally:
             os.close(self.fd)
             _give("write", self._held if self.direct else None)
@@ -143,11 +149,22 @@ class SequentialWriter:
         _give("write", self._held if self.direct else None)
 
     def _write_tail(self) -> None:
-        if self._buf is not None and self._fill:
-            padded = _up(self._fill)
-            self._buf[self._fill : padded] = bytes(padded - self._fill)
-            self._flush(padded)
-            os.ftruncate(self.fd, self.size)
+        """The whole pages left in the staging buffer go direct; the last partial page goes
+        through the page cache (the file's end is a new page there, nothing to read first).
+        Padding it and cutting the file back instead cost an ``ftruncate`` per file, which
+        waited for the journal: 2 ms a file with three writers busy, a tenth of a universal
+        checkpoint's 450 files' time."""
+        if self._buf is None or not self._fill:
+            return
+        fill, whole = self._fill, _down(self._fill)
+        if whole:
+            self._fill = whole
+            self._flush(whole)
+        if fill > whole:
+            _drop_direct(self.fd)  # from here the file is written through the page cache
+            self._buf = None
+            _write_all(self.fd, self._held[whole:fill])
+        self._fill = 0
 
 
 class RewritableWriter(SequentialWriter):
@@ -155,18 +172,26 @@ class RewritableWriter(SequentialWriter):
     back and overwrite bytes it has written: a file object for :mod:`zipfile`, which rewrites
     each record's local header once the record's CRC is known (torch files are zips).
 
-    Overwritten bytes still in the staging buffer are changed there. Bytes already written out
-    direct are kept aside and written through the page cache at :meth:`close`, after the last
-    direct write (zipfile's rewrites are a record header each, tens of bytes): a direct write
-    never meets a dirty page of the same file.
+    Overwritten bytes still in the staging buffer are changed there. For bytes already written
+    out, the writer keeps a copy of the pages around every position :meth:`tell` reported (where
+    zipfile puts a header, to come back to it): an overwrite there changes the copy, and the
+    changed pages go out direct, whole, at :meth:`close`. Any other overwrite of bytes written out
+    is kept aside and written through the page cache at close, after the last direct write (a
+    direct write never meets a dirty page of the same file); that costs the kernel a read of the
+    page from disk first, 0.5 ms a file with the disk busy, which the kept pages avoid.
     """
 
     def __init__(self, path: os.PathLike | str, mode: int = 0o644, direct: bool = True) -> None:
         super().__init__(path, mode, direct)
         self.pos = 0
         self._later: list[tuple[int, bytes]] = []  # (offset, bytes) to write at close
+        self._marks: list[int] = []  # positions told and still in the staging buffer
+        self._kept: dict[int, bytearray] = {}  # file offset of a page written out -> its bytes
+        self._changed: set[int] = set()  # kept pages overwritten since
 
     def tell(self) -> int:
+        if self._buf is not None and self.pos == self.size:
+            self._marks.append(self.pos)
         return self.pos
 
     def seekable(self) -> bool:
@@ -192,22 +217,55 @@ class RewritableWriter(SequentialWriter):
             self.pos = self.size
         return count
 
+    def _flush(self, length: int) -> None:
+        """Before a block goes out, copy the pages of it that lie within :data:`MARK_SPAN` bytes
+        after a told position (a zip header's bytes, to be rewritten)."""
+        start = self._written
+        end = start + length
+        for mark in self._marks:
+            first, last = max(_down(mark), start), min(_up(mark + MARK_SPAN), end)
+            for page in range(first, last, ALIGN):
+                if page not in self._kept:
+                    self._kept[page] = bytearray(self._buf[page - start : page - start + ALIGN])
+        self._marks = [m for m in self._marks if m + MARK_SPAN > end]
+        super()._flush(length)
+
     def _overwrite(self, view: memoryview, at: int) -> None:
         if self._buf is None:  # buffered (no O_DIRECT here): the page cache takes any offset
             _pwrite_all(self.fd, view, at)
             return
-        written_out = self.size - self._fill  # bytes before this offset have left the staging buffer
+        written_out = self._written  # bytes before this offset have left the staging buffer
         if at < written_out:
             split = min(len(view), written_out - at)
-            self._later.append((at, bytes(view[:split])))
+            if not self._in_kept(view[:split], at):
+                self._later.append((at, bytes(view[:split])))
             view, at = view[split:], at + split
         if view:
             self._buf[at - written_out : at - written_out + len(view)] = view
+
+    def _in_kept(self, view: memoryview, at: int) -> bool:
+        """Overwrite the kept copies of written-out pages, if every page ``view`` touches is kept."""
+        pages = range(_down(at), _up(at + len(view)), ALIGN)
+        if not all(page in self._kept for page in pages):
+            return False
+        for page in pages:
+            lo, hi = max(at, page), min(at + len(view), page + ALIGN)
+            self._kept[page][lo - page : hi - page] = view[lo - at : hi - at]
+            self._changed.add(page)
+        return True
 
     def flush(self) -> None:
         """Nothing to do: whole blocks go out as they fill, the rest at :meth:`close`."""
 
     def _write_tail(self) -> None:
+        if self._changed and self._buf is not None:  # still direct: the changed pages go out whole
+            page_buf = _staging("page")
+            for page in sorted(self._changed):
+                page_buf[:ALIGN] = self._kept[page]
+                _pwrite_all(self.fd, page_buf[:ALIGN], page)
+        elif self._changed:  # the file system refused O_DIRECT on the way: through the page cache
+            for page in sorted(self._changed):
+                _pwrite_all(self.fd, memoryview(self._kept[page]), page)
         super()._write_tail()
         if self._later:
             _drop_direct(self.fd)

@@ -81,9 +81,7 @@ class PosixBackend:
         try:
             for chunk in chunks:
                 out.write(chunk)
-            if sync:
-                os.fsync(out.fd)
-            elif not out.direct:
+            if not sync and not out.direct:
                 start_writeback(out.fd)
         except BaseException:
             with contextlib.suppress(OSError):  # closing writes the tail, which may fail the same way
@@ -91,7 +89,7 @@ class PosixBackend:
             tmp.unlink(missing_ok=True)
             raise
         try:
-            out.close()
+            out.close(durable=sync)  # the fsync after the tail: every byte and the size on disk
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
