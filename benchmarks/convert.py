@@ -78,6 +78,21 @@ def run_measured(kind: str, target: str, args: list[str], env: dict[str, str]) -
     return wall, int(peak.split()[1]) * 1024
 
 
+def disk_counters(path: Path) -> tuple[int, int] | None:
+    """(bytes read + written, milliseconds busy) so far on the block device holding ``path``
+    (/proc/diskstats), or None where there is no such line (not Linux, a network file system)."""
+    dev = os.stat(path).st_dev
+    try:
+        lines = Path("/proc/diskstats").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        f = line.split()
+        if (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
+            return (int(f[5]) + int(f[9])) * 512, int(f[12])
+    return None
+
+
 def training(name: str, workdir: Path) -> tuple[Path, int]:
     """The size's save (trained once), and the step to convert."""
     if (workdir / name / "train" / "trained.json").exists():
@@ -125,6 +140,7 @@ def measure(name: str, workdir: Path, repeats: int) -> dict:
     }  # fmt: skip
     results: dict[str, dict] = {}
     out_bytes: dict[str, int] = {}
+    disk: dict[str, list[tuple[float, int, float]]] = {}  # our warm runs: (wall, bytes moved, seconds busy)
     for start in ("warm", "cold"):  # every warm run first: a cold run evicts what the next one would read
         for what, sides in pairs.items():
             times: dict[str, list[float]] = {label: [] for label, *_ in sides}
@@ -139,11 +155,17 @@ def measure(name: str, workdir: Path, repeats: int) -> dict:
                         suite.warm(single)  # DeepSpeed's input as right after a save; our blobs are never cached
                     else:
                         evict(single)  # the save read from disk too, as when it is converted days later
+                    before = disk_counters(work)
                     wall, peak = run_measured(kind, target, [*args, place], env)
+                    after = disk_counters(work)
                     times[label].append(wall)
                     peaks[label].append(peak)
                     if start == "warm" and target == "tailorstore.cli.app":
                         out_bytes[what] = suite.dir_bytes(out)
+                        if before is not None and after is not None:
+                            disk.setdefault(what, []).append(
+                                (wall, after[0] - before[0], (after[1] - before[1]) / 1000)
+                            )
                     if start == "warm" and r == repeats - 1 and what == "world-size":
                         results.setdefault("kept", {})[label] = str(out)
                     else:
@@ -157,6 +179,13 @@ def measure(name: str, workdir: Path, repeats: int) -> dict:
             else:
                 results[what]["cold_seconds"] = {k: statistics.median(v) for k, v in times.items()}
     results["floor"] = floor_inputs(work, store, step, env, out_bytes)
+    results["floor"]["disk"] = {
+        what: {
+            "moved": statistics.median(m / w for w, m, _ in runs),  # bytes a second over the whole process
+            "busy": statistics.median(b / w for w, _, b in runs),  # share of the process the disk was busy
+        }
+        for what, runs in disk.items()
+    }
     # End to end for another world size: the conversion, then DeepSpeed loading it on 1 rank (a process
     # that loads and stops; its start-up is the same on both sides).
     size = suite.SIZES[name]
@@ -276,6 +305,23 @@ def render(results: list[dict], command: str) -> str:
         + (", ".join(room) or "none")
         + ".",
     ]
+    if all(r["floor"].get("disk") for r in results):
+        lines += [
+            "",
+            "How hard our warm runs above worked the disk (/proc/diskstats of its device, whole process,",
+            "start-up included): the bytes it moved a second, and the share of the time it had a request",
+            "in flight (a disk that serves requests in parallel can be busy and still take more, so the",
+            "rate is the figure to set against the one measured above).",
+            "",
+            "| size | ours | disk moved | disk busy |",
+            "|---|---|---|---|",
+        ]
+        for r in results:
+            for what in ("export", "universal", "world-size"):
+                d = r["floor"]["disk"][what]
+                lines.append(
+                    f"| {r['size']} | `{r[what]['sides'][0]}` | {d['moved'] / 1e9:.2f} GB/s | {d['busy']:.0%} |"
+                )
     if all("cold_seconds" in r[w] for r in results for w in ("export", "universal", "world-size")):
         lines += [
             "",

@@ -82,6 +82,18 @@ def _joined(reader: ReadAhead, spans: list[range], tensors: list[TensorOut], i: 
         raise ValueError(f"{total} bytes for a {tensors[i].dtype} tensor of shape {tensors[i].shape}")
 
 
+def tree_bytes(root: Path) -> int:
+    """The bytes of every file under ``root`` (one stat per file: a universal checkpoint has hundreds)."""
+    total = 0
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                total += tree_bytes(Path(entry.path))
+            elif entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
 FSYNC_THREADS = 16
 
 

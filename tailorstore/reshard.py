@@ -50,7 +50,7 @@ from .model_tensors import (
     stream_elements,
     stream_float32,
 )
-from .output_dir import staged, write_torch_file
+from .output_dir import staged, tree_bytes, write_torch_file
 from .paths import safe_join
 from .placement import PlacedFiles
 from .progress import Progress, Silent
@@ -439,7 +439,7 @@ def checkout_resharded(
             if not (tmp / "latest").exists():
                 (tmp / "latest").write_text(plan.tag)  # `engine.load_checkpoint(out)` finds the tag by it
             count = len(others) + len(extras) + len(plan.states_names()) + plan.world
-            written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+            written = tree_bytes(tmp)
     finally:
         progress.close()
     seconds = time.perf_counter() - began

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path, PurePosixPath
@@ -45,7 +45,7 @@ from .model_tensors import (
     stream_float32,
     tiling,
 )
-from .output_dir import staged, write_torch_file
+from .output_dir import staged, tree_bytes, write_torch_file
 from .paths import safe_join
 from .placement import PlacedFiles
 from .progress import Progress, Silent
@@ -141,19 +141,21 @@ def _state_file(tensor: ModelTensor, data: Callable[[], Iterator[memoryview]], s
     return {"cat_dim": 0, "param": param} if moments else {"param": param}
 
 
-def _write_all(jobs: list[tuple[Path, Any, int]], progress: Progress, meanwhile: Callable[[], None]) -> None:
+def _write_all(jobs: Iterable[Job], progress: Progress, meanwhile: Callable[[], None]) -> int:
     """Write the per-parameter files on :data:`WRITERS` threads: one waits on the store's disk
     while others decode and write (preadv, zstd, numpy, crc32 and file writes release the GIL).
+    Returns how many files were written.
 
-    ``meanwhile`` runs on the caller's thread as they work: the model-states file, whose weights
-    are rebuilt from their masters through the index (which only this thread may use), and took
-    a third of the whole run when it went first on its own."""
-    # Largest first: the embedding's and the head's files (each one blob, decoded as one stream)
-    # no longer come last, with two writers idle while the third finishes them.
-    ordered = sorted(jobs, key=lambda job: -job[2])
+    Each file is handed to the writers as soon as it is planned, so they start on the first
+    (the largest) while this thread looks up the rest in the index. ``meanwhile`` runs on this
+    thread next: the model-states file, whose weights are rebuilt from their masters through the
+    index (which only this thread may use), and took a third of the whole run when it went first
+    on its own."""
+    futures: dict[Future[None], int] = {}
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="tailor-universal") as pool:
-        futures = {pool.submit(write_torch_file, path, tree): elements for path, tree, elements in ordered}
         try:
+            for path, tree, elements in jobs:
+                futures[pool.submit(write_torch_file, path, tree)] = elements
             meanwhile()
             for future in as_completed(futures):
                 future.result()
@@ -162,16 +164,22 @@ def _write_all(jobs: list[tuple[Path, Any, int]], progress: Progress, meanwhile:
             for future in futures:
                 future.cancel()
             raise
+    return len(futures)
+
+
+Job = tuple[Path, Any, int]
 
 
 def _jobs(
     store: Repository, view: ModelView, trainable: list[ModelTensor], tag_dir: Path, stage: int, weights: PlacedFiles
-) -> list[tuple[Path, Any, int]]:
-    """Every per-parameter file to write: (path, what it holds, its bytes for the progress bar).
+) -> Iterator[Job]:
+    """Every per-parameter file to write: (path, what it holds, its bytes for the progress bar),
+    the largest parameters first: the embedding's and the head's files (each one blob, decoded as
+    one stream) no longer come last, with two writers idle while the third finishes them.
     Each tensor streams from its atoms a chunk at a time (memory stays at a chunk); fp32.pt's
     master chunks also feed the model-states file's weights."""
-    jobs: list[tuple[Path, Any, int]] = []
-    for tensor in trainable:
+    steps: dict[int, TensorOut | None] = {}  # a group's step, read once for all of its parameters
+    for tensor in sorted(trainable, key=lambda t: -t.numel):
         param_dir = safe_join(tag_dir / "zero", tensor.name)
         param_dir.mkdir(parents=True)
         contents = {"fp32": partial(_fp32_feeding, store, view, tensor, weights)}
@@ -185,11 +193,13 @@ def _jobs(
             look_up_rows(store, view, state)  # here: the writer threads must not touch the index
             contents[kind] = partial(stream_elements, store, view, state)
         for name, chunks in contents.items():
-            jobs.append((param_dir / f"{name}.pt", _state_file(tensor, chunks, stage, bool(moments)), tensor.numel * 4))
-        step = _step_tensor(store, view, tensor.name) if stage != 3 else None
-        if step is not None:
-            jobs.append((param_dir / "step.pt", step, 0))
-    return jobs
+            yield param_dir / f"{name}.pt", _state_file(tensor, chunks, stage, bool(moments)), tensor.numel * 4
+        if stage != 3:
+            group = view.groups.get(tensor.name, 0)
+            if group not in steps:
+                steps[group] = _step_tensor(store, view, tensor.name)
+            if steps[group] is not None:
+                yield param_dir / "step.pt", steps[group], 0
 
 
 def _fp32_feeding(
@@ -249,13 +259,12 @@ def checkout_universal(
                     write_step_files(store, facts, [f for f in states if f not in fed], states_root)
                     write_step_files(store, facts, [f for f in others if f not in fed], tmp)
 
-                _write_all(jobs, progress, meanwhile)
+                count += _write_all(jobs, progress, meanwhile)
                 model_states.finish()
-            count += len(jobs)
             write_torch_file(tag_dir / "zero" / "optimizer_state.pt", settings)
             (tmp / LATEST_UNIVERSAL).write_text(tag)
             count += 2
-            written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+            written = tree_bytes(tmp)
     finally:
         progress.close()
     seconds = time.perf_counter() - began
