@@ -107,6 +107,9 @@ class SequentialWriter:
             _write_all(self.fd, view)
             return
         while view:
+            if self._buf is None:  # a flush found O_DIRECT refused: the rest through the page cache
+                _write_all(self.fd, view)
+                return
             n = min(len(view), BLOCK - self._fill)
             self._buf[self._fill : self._fill + n] = view[:n]
             self._fill += n
@@ -229,6 +232,10 @@ class RewritableWriter(SequentialWriter):
                     self._kept[page] = bytearray(self._buf[page - start : page - start + ALIGN])
         self._marks = [m for m in self._marks if m + MARK_SPAN > end]
         super()._flush(length)
+        if self._buf is None:  # O_DIRECT refused on the way: every overwrite goes to the page cache now
+            self._write_kept()
+            self._kept.clear()
+            self._marks.clear()
 
     def _overwrite(self, view: memoryview, at: int) -> None:
         if self._buf is None:  # buffered (no O_DIRECT here): the page cache takes any offset
@@ -257,15 +264,20 @@ class RewritableWriter(SequentialWriter):
     def flush(self) -> None:
         """Nothing to do: whole blocks go out as they fill, the rest at :meth:`close`."""
 
-    def _write_tail(self) -> None:
-        if self._changed and self._buf is not None:  # still direct: the changed pages go out whole
-            page_buf = _staging("page")
-            for page in sorted(self._changed):
+    def _write_kept(self) -> None:
+        """Write the changed kept pages: whole and direct, or through the page cache once the
+        file system has refused O_DIRECT."""
+        page_buf = _staging("page") if self._buf is not None else None
+        for page in sorted(self._changed):
+            if page_buf is None:
+                _pwrite_all(self.fd, memoryview(self._kept[page]), page)
+            else:
                 page_buf[:ALIGN] = self._kept[page]
                 _pwrite_all(self.fd, page_buf[:ALIGN], page)
-        elif self._changed:  # the file system refused O_DIRECT on the way: through the page cache
-            for page in sorted(self._changed):
-                _pwrite_all(self.fd, memoryview(self._kept[page]), page)
+        self._changed.clear()
+
+    def _write_tail(self) -> None:
+        self._write_kept()
         super()._write_tail()
         if self._later:
             _drop_direct(self.fd)
