@@ -259,6 +259,7 @@ def test_a_write_abandoned_by_an_error_raises_that_error_and_frees_the_buffer(
     assert (tmp_path / "file").stat().st_size == (BLOCK if direct else BLOCK + 5)  # no tail written
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux's /proc/self/fd")
 @pytest.mark.parametrize(("mode", "direct"), MODES)
 def test_a_durable_put_is_synced_after_its_last_byte(
     mode: str, direct: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
