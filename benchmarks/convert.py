@@ -44,6 +44,7 @@ from .report import write_section
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- convert:begin -->", "<!-- convert:end -->"
+CONVERSIONS = ("export", "universal", "world-size")  # the keys of measure()'s pairs, in report order
 
 # Runs a command in this process, then reports its peak resident set (kB) on stderr's last line: its
 # own VmHWM, or the largest of its worker processes' (ds_to_universal works in a multiprocessing pool).
@@ -248,6 +249,19 @@ def floor_inputs(work: Path, store: Path, step: int, env: dict[str, str], out_by
     return {"read": read, "written": out_bytes, "rate": io["read_and_write"], "startup": statistics.median(starts)}
 
 
+def _speedup_rows(results: list[dict], key: str) -> tuple[list[str], list[str]]:
+    """Table rows (size, ours, theirs, their time, our time, speed-up) of the medians under ``key``
+    for every conversion, and a verdict on the 5x target for each."""
+    rows, verdicts = [], []
+    for r in results:
+        for what in CONVERSIONS:
+            ours, theirs = r[what]["sides"]
+            t, o = r[what][key][theirs], r[what][key][ours]
+            rows.append(f"| {r['size']} | `{ours}` | `{theirs}` | {t:.2f} s | {o:.2f} s | {t / o:.1f}x |")
+            verdicts.append(f"{r['size']} {what} {'met' if t / o >= 5 else 'not met'}")
+    return rows, verdicts
+
+
 def render(results: list[dict], command: str) -> str:
     lines = [
         BEGIN,
@@ -268,7 +282,7 @@ def render(results: list[dict], command: str) -> str:
     ]
     verdicts = []
     for r in results:
-        for what in ("export", "universal", "world-size"):
+        for what in CONVERSIONS:
             ours, theirs = r[what]["sides"]
             t, o = r[what]["seconds"][theirs], r[what]["seconds"][ours]
             pt, po = r[what]["peak"][theirs], r[what]["peak"][ours]
@@ -294,7 +308,7 @@ def render(results: list[dict], command: str) -> str:
     ruled_out, room = [], []
     for r in results:
         f = r["floor"]
-        for what in ("export", "universal", "world-size"):
+        for what in CONVERSIONS:
             ours, theirs = r[what]["sides"]
             read, written = f["read"][what], f["written"][what]
             least = (read + written) / (f["rate"] * 1e9) + f["startup"]
@@ -324,12 +338,12 @@ def render(results: list[dict], command: str) -> str:
             "|---|---|---|---|",
         ]
         for r in results:
-            for what in ("export", "universal", "world-size"):
+            for what in CONVERSIONS:
                 d = r["floor"]["disk"][what]
                 lines.append(
                     f"| {r['size']} | `{r[what]['sides'][0]}` | {d['moved'] / 1e9:.2f} GB/s | {d['busy']:.0%} |"
                 )
-    if all("durable" in r[w] for r in results for w in ("export", "universal", "world-size")):
+    if all("durable" in r[w] for r in results for w in CONVERSIONS):
         lines += [
             "",
             "Until the output is on disk: each warm run above followed by `sync`. tailorstore fsyncs its output",
@@ -339,12 +353,8 @@ def render(results: list[dict], command: str) -> str:
             "| size | ours | theirs | their time + sync | our time + sync | speed-up |",
             "|---|---|---|---|---|---|",
         ]
-        for r in results:
-            for what in ("export", "universal", "world-size"):
-                ours, theirs = r[what]["sides"]
-                t, o = r[what]["durable"][theirs], r[what]["durable"][ours]
-                lines.append(f"| {r['size']} | `{ours}` | `{theirs}` | {t:.2f} s | {o:.2f} s | {t / o:.1f}x |")
-    if all("cold_seconds" in r[w] for r in results for w in ("export", "universal", "world-size")):
+        lines += _speedup_rows(results, "durable")[0]
+    if all("cold_seconds" in r[w] for r in results for w in CONVERSIONS):
         lines += [
             "",
             "Both sides cold: the save's files dropped from the page cache (`posix_fadvise(DONTNEED)`, libraries",
@@ -354,14 +364,8 @@ def render(results: list[dict], command: str) -> str:
             "| size | ours | theirs | their time | our time | speed-up |",
             "|---|---|---|---|---|---|",
         ]
-        cold_verdicts = []
-        for r in results:
-            for what in ("export", "universal", "world-size"):
-                ours, theirs = r[what]["sides"]
-                t, o = r[what]["cold_seconds"][theirs], r[what]["cold_seconds"][ours]
-                lines.append(f"| {r['size']} | `{ours}` | `{theirs}` | {t:.2f} s | {o:.2f} s | {t / o:.1f}x |")
-                cold_verdicts.append(f"{r['size']} {what} {'met' if t / o >= 5 else 'not met'}")
-        lines += ["", "Speed target, both cold: " + "; ".join(cold_verdicts) + "."]
+        rows, cold_verdicts = _speedup_rows(results, "cold_seconds")
+        lines += [*rows, "", "Speed target, both cold: " + "; ".join(cold_verdicts) + "."]
     lines.append("")
     lines += [
         "End to end for another world size: the conversion plus a DeepSpeed process (1 rank) that loads the",

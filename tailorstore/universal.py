@@ -98,13 +98,13 @@ def _whole(view: ModelView, name: str, kind: str, shape: tuple[int, ...]) -> Mod
     return tensor
 
 
-def _step_tensor(store: Repository, view: ModelView, name: str) -> TensorOut | None:
-    """The Adam step of the parameter's group, as rank 0's optimizer holds it (a scalar tensor)."""
-    pieces = [a for a in view.pieces.get((f"group.{view.groups.get(name, 0)}", STEP), []) if a.rank == 0]
+def _step_tensor(store: Repository, view: ModelView, group: int) -> TensorOut | None:
+    """The Adam step of a parameter group, as rank 0's optimizer holds it (a scalar tensor)."""
+    pieces = [a for a in view.pieces.get((f"group.{group}", STEP), []) if a.rank == 0]
     tiled = tiling(pieces, 1)
     if not tiled:
         return None
-    step = ModelTensor(name, (), tiled[0].dtype, tiled, STEP)
+    step = ModelTensor(f"group.{group}", (), tiled[0].dtype, tiled, STEP)
     return TensorOut(step.dtype, tuple(json.loads(tiled[0].shape)), read_raw(store, view, step))
 
 
@@ -197,7 +197,7 @@ def _jobs(
         if stage != 3:
             group = view.groups.get(tensor.name, 0)
             if group not in steps:
-                steps[group] = _step_tensor(store, view, tensor.name)
+                steps[group] = _step_tensor(store, view, group)
             if steps[group] is not None:
                 yield param_dir / "step.pt", steps[group], 0
 

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 
@@ -28,6 +28,9 @@ from tailorstore.store.packs import pack_names
 from tailorstore.store.repo import Repository
 from tailorstore.testing.local_s3 import LocalS3, local_s3
 from tailorstore.testing.runs import TrainingFailed, train_hf, train_tiny
+
+if TYPE_CHECKING:
+    from tailorstore import Store
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 T = TypeVar("T")
@@ -323,3 +326,14 @@ def blob_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
     monkeypatch.setattr(atom_reader, "stream_blob", counted)
     return reads
+
+
+def commit_and_reset_reads(store: Store, checkpoint: Path, reads: dict[str, int]) -> tuple[set[str], set[str]]:
+    """Commit ``checkpoint`` as the store's first manifest, then clear ``reads`` (the blob_reads
+    fixture) so that it counts what comes next only: (the step's master blobs, the paths of its
+    files holding derived weights)."""
+    store.commit(checkpoint)
+    masters = {a.blob for a in store.repo.index.atoms(1, kind="master")}
+    derived = {a.path for a in store.repo.index.atoms(1) if a.derived is not None}
+    reads.clear()
+    return masters, derived

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import os
 import random
@@ -124,7 +125,7 @@ def test_a_rewritable_writer_refused_direct_midway_keeps_every_overwrite(
 
     def refuse_the_third(fd: int, data: memoryview) -> None:
         nonlocal flushes
-        if fcntl_flags(fd) & os.O_DIRECT and len(data) == BLOCK:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and len(data) == BLOCK:
             flushes += 1
             if flushes == 3:
                 raise OSError(errno.EINVAL, "direct I/O refused here")
@@ -148,12 +149,6 @@ def test_a_rewritable_writer_refused_direct_midway_keeps_every_overwrite(
     out.close()
     assert flushes >= 3  # the refusal came, after two blocks had gone out direct
     assert (tmp_path / "file").read_bytes() == bytes(expect)
-
-
-def fcntl_flags(fd: int) -> int:
-    import fcntl
-
-    return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 
 @pytest.mark.parametrize(("mode", "direct"), MODES)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HFRun, Run, Runs, as_of_step, blob_object, tailor
+from conftest import HFRun, Run, Runs, as_of_step, blob_object, commit_and_reset_reads, tailor
 from test_universal import assert_same_universal, ds_to_universal
 
 import tailorstore
@@ -321,9 +321,7 @@ def test_the_model_states_weights_come_from_the_masters_the_optimizer_files_stre
         monkeypatch.setattr(reshard, "with_int_field", lambda pickled, key, value: None)
     save = runs.get("zero2-bf16").save_dir
     with tailorstore.Store.init(tmp_path / "store") as store:
-        store.commit(as_of_step(save, STEP, tmp_path / "at"))
-        masters = {a.blob for a in store.repo.index.atoms(1, kind="master")}
-        reads.clear()
+        masters, _ = commit_and_reset_reads(store, as_of_step(save, STEP, tmp_path / "at"), reads)
         store.checkout_resharded(STEP, tmp_path / "one", world_size=1)  # one partition: no master straddles two
         assert masters and masters <= set(reads)
         twice = {h for h in masters if reads[h] > 1}
@@ -349,10 +347,7 @@ def test_an_hf_trainer_checkpoint_reshards_reading_each_master_once(
     reads = blob_reads  # conftest: each blob's stream count
     checkpoint = hf_run.output_dir / "checkpoint-6"
     with tailorstore.Store.init(tmp_path / "store") as store:
-        store.commit(checkpoint)
-        masters = {a.blob for a in store.repo.index.atoms(1, kind="master")}
-        derived = {a.path for a in store.repo.index.atoms(1) if a.derived is not None}
-        reads.clear()
+        masters, derived = commit_and_reset_reads(store, checkpoint, reads)
         result = store.checkout_resharded("latest", tmp_path / "ours", world_size=1)
     assert result.world_size == 1 and "model.safetensors" in derived and masters <= set(reads)
     assert {h: n for h, n in reads.items() if h in masters and n != 1} == {}

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HFRun, Runs, as_of_step, tailor
+from conftest import HFRun, Runs, as_of_step, commit_and_reset_reads, tailor
 
 import tailorstore
 
@@ -72,10 +72,7 @@ def test_hf_trainer_checkpoint(hf_run: HFRun, tmp_path: Path, blob_reads: dict[s
     reads = blob_reads  # conftest: each blob's stream count
     checkpoint = hf_run.output_dir / "checkpoint-6"
     with tailorstore.Store.init(tmp_path / "store") as store:
-        store.commit(checkpoint)
-        masters = {a.blob for a in store.repo.index.atoms(1, kind="master")}
-        derived = {a.path for a in store.repo.index.atoms(1) if a.derived is not None}
-        reads.clear()
+        masters, derived = commit_and_reset_reads(store, checkpoint, reads)
         store.checkout_universal("latest", tmp_path / "ours")
     assert "model.safetensors" in derived and masters <= set(reads)
     assert {h: n for h, n in reads.items() if h in masters and n != 1} == {}
@@ -126,10 +123,7 @@ def test_each_master_is_read_once_and_feeds_the_model_states_weights(
     reads = blob_reads  # conftest: each blob's stream count
     save = runs.get("zero2-bf16-odd-two-groups").save_dir
     with tailorstore.Store.init(tmp_path / "store") as store:
-        store.commit(as_of_step(save, 3, tmp_path / "at3"))
-        masters = {a.blob for a in store.repo.index.atoms(1, kind="master")}
-        derived = [a for a in store.repo.index.atoms(1) if a.derived is not None]
-        reads.clear()
+        masters, derived = commit_and_reset_reads(store, as_of_step(save, 3, tmp_path / "at3"), reads)
         store.checkout_universal(3, tmp_path / "ours")
     assert derived and masters <= set(reads), "the save has derived weights and every master was read"
     assert {h: n for h, n in reads.items() if h in masters and n != 1} == {}

@@ -193,8 +193,8 @@ class RewritableWriter(SequentialWriter):
         self._changed: set[int] = set()  # kept pages overwritten since
 
     def tell(self) -> int:
-        if self._buf is not None and self.pos == self.size:
-            self._marks.append(self.pos)
+        if self._buf is not None and self.pos == self.size and self.pos not in self._marks[-1:]:
+            self._marks.append(self.pos)  # zipfile and torch_save_writer both ask before each record
         return self.pos
 
     def seekable(self) -> bool:
