@@ -248,7 +248,9 @@ def export(
     max_shard_size: str = typer.Option(
         "5GB", "--max-shard-size", help="Split model.safetensors above this size (5GB, 500MB, 2GiB)."
     ),
-    config: Path | None = typer.Option(None, "--config", help="A config.json to add (a plain DeepSpeed save)."),
+    config: Path | None = typer.Option(
+        None, "--config", help="A model's config.json to add (a plain DeepSpeed save holds none)."
+    ),
     run: str | None = RunOpt,
     store: str | None = StoreOpt,
     quiet: bool = QuietOpt,

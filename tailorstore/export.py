@@ -16,8 +16,8 @@ all (see :mod:`output_dir`).
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,6 +42,7 @@ from .output_dir import staged
 from .progress import Progress, Silent
 from .read_ahead import ReadAhead
 from .rounding import rounded_chunks
+from .small_text import read_small_text
 from .store.direct_io import SequentialWriter
 from .store.repo import Repository
 
@@ -110,6 +111,24 @@ def read_ahead(store: Repository, view: ModelView, order: list[ModelTensor], dty
     return ReadAhead(sources, [all(a.derived is None for a in t.atoms) for t in order])
 
 
+def _model_config(config: Path) -> str:
+    """The text of the config to add, checked as ``from_pretrained`` will read it: a JSON object
+    naming its ``model_type`` (a wrong path would otherwise make a folder that does not load)."""
+    if not config.is_file():
+        raise BadCheckpointError(f"{config}: no such file; give the path of a model's config.json.")
+    text = read_small_text(config, "a model's config.json")
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise BadCheckpointError(f"{config}: not JSON ({exc}); give the path of a model's config.json.") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
+        raise BadCheckpointError(
+            f"{config}: not a model's config (a JSON object with a model_type, as save_pretrained writes it); "
+            "give the path of the config.json of the model that was trained."
+        )
+    return text
+
+
 def export_step(
     store: Repository,
     selector: str,
@@ -125,8 +144,7 @@ def export_step(
     began = time.perf_counter()
     target_dtype = export_dtype(dtype)
     limit = parse_size(max_shard_size)
-    if config is not None and not Path(config).is_file():
-        raise BadCheckpointError(f"{config}: no such file; give the path of a model's config.json.")
+    config_text = _model_config(Path(config)) if config is not None else None
     manifest = store.resolve(selector)
     view = model_view(store, manifest)
     # Plan everything before writing: shard names, headers, the files to copy.
@@ -165,8 +183,8 @@ def export_step(
             if len(shards) > 1:
                 (tmp / INDEX_FILE).write_text(index_json(shards, names))
             write_step_files(store, store.manifest(manifest), copies, tmp)  # top-level files, hash-checked
-            if config is not None:
-                shutil.copyfile(config, tmp / "config.json")
+            if config_text is not None:
+                (tmp / "config.json").write_text(config_text)  # the bytes checked, not a second read
             for path in tmp.iterdir():
                 os.chmod(path, 0o644)
     finally:

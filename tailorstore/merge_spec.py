@@ -19,6 +19,7 @@ import yaml
 
 from .errors import TailorError
 from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, block_label
+from .small_text import read_small_text
 from .store.manifest_objects import RUN_NAME
 from .store.records import MERGE, BlobRecord, ManifestRecord
 
@@ -32,7 +33,7 @@ class MergeSpecError(TailorError):
 def load_spec(path: Path) -> Any:
     """The spec file's YAML document (any shape; the parsers check it)."""
     try:
-        return yaml.safe_load(Path(path).read_text())
+        return yaml.safe_load(read_small_text(Path(path), "a merge spec (YAML)", error=MergeSpecError))
     except (OSError, yaml.YAMLError) as exc:
         raise MergeSpecError(f"{path}: cannot read the spec ({exc})") from None
 

@@ -119,16 +119,64 @@ def test_hf_checkpoint_exports_a_folder_from_pretrained_loads(hf_run: HFRun, tmp
     assert all(torch.equal(trainer_weights[k], state[k]) for k in trainer_weights)
 
 
+def test_a_plain_save_with_a_config_given_loads_in_from_pretrained(runs: Runs, tmp_path: Path) -> None:
+    """A DeepSpeed save holds no config.json: `--config` adds the model's, byte for byte, and
+    transformers then builds the model from the folder with every weight from the masters."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    save = runs.get("zero2-bf16").save_dir  # train_tiny's defaults: a Llama of these sizes, untied
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
+    config.save_pretrained(tmp_path / "config")
+    given = tmp_path / "config" / "config.json"
+    store = tmp_path / "store"
+    with tailorstore.Store.init(store) as st:
+        st.commit(as_of_step(save, 6, tmp_path / "at6"))
+    out = tmp_path / "model"
+    proc = tailor("export", "step=6", "--out", str(out), "--dtype", "bf16", "--config", str(given), store=store)
+    assert proc.returncode == 0 and "no config.json" not in proc.stderr, proc.stderr
+    assert (out / "config.json").read_bytes() == given.read_bytes()
+    model, info = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.bfloat16, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "at6"))
+    state = model.state_dict()
+    assert set(reference) == set(state)
+    for name, tensor in reference.items():
+        assert torch.equal(state[name], tensor.to(torch.bfloat16)), name
+
+
 def test_refusals_write_nothing(runs: Runs, tmp_path: Path) -> None:
     save = runs.get("zero2-bf16").save_dir
     store = tmp_path / "store"
     with tailorstore.Store.init(store) as st:
         st.commit(as_of_step(save, 3, tmp_path / "at3"))
     out = tmp_path / "out"
+    not_configs = {
+        "passwd": b"root:x:0:0:root:/root:/bin/bash\n",
+        "binary": bytes(range(256)),
+        "list.json": b"[1, 2]",
+        "untyped.json": json.dumps({"hidden_size": 64}).encode(),
+    }
+    for name, data in not_configs.items():
+        (tmp_path / name).write_bytes(data)
+    with open(tmp_path / "huge.json", "wb") as f:
+        f.truncate((64 << 20) + 1)  # sparse: read up to the limit and refused, never loaded whole
     cases = [
         (["--dtype", "int8"], "dtype 'int8'"),
         (["--max-shard-size", "lots"], "shard size 'lots'"),
         (["--config", str(tmp_path / "missing.json")], "no such file"),
+        (["--config", str(tmp_path / "passwd")], "passwd: not JSON"),
+        (["--config", str(tmp_path / "binary")], "binary: not UTF-8 text"),
+        (["--config", str(tmp_path / "list.json")], "list.json: not a model's config"),
+        (["--config", str(tmp_path / "untyped.json")], "untyped.json: not a model's config"),
+        (["--config", str(tmp_path / "huge.json")], "huge.json: over 64 MiB"),
     ]
     for extra, says in cases:
         proc = tailor("export", "step=3", "--out", str(out), *extra, store=store)

@@ -314,6 +314,26 @@ def test_odd_paths_and_arguments(two_steps, tmp_path: Path) -> None:
     one_line(tailor("init", str(tmp_path / "a-file")), 2, "not a directory")
 
 
+def test_text_files_that_are_binary_or_huge(two_steps, tmp_path: Path) -> None:
+    """`latest`, trainer_state.json and a merge spec are read whole: a binary one is one line (it
+    was a UnicodeDecodeError traceback), a huge one is refused at a bound instead of loaded."""
+    store, at6 = two_steps
+    before = store_state(store.root)
+    (at6 / "latest").write_bytes(b"\xffglobal_step6")
+    one_line(tailor("commit", str(at6), "--step", "8", store=store.root), 2, "latest: not UTF-8 text")
+    with open(at6 / "latest", "wb") as f:
+        f.truncate((64 << 10) + 1)  # sparse
+    one_line(tailor("commit", str(at6), "--step", "8", store=store.root), 2, "latest: over 64 KiB")
+    hf = tmp_path / "final"  # no step in the name: it is read from trainer_state.json
+    hf.mkdir()
+    (hf / "trainer_state.json").write_bytes(b'{"global_step": 6\xfe}')
+    one_line(tailor("commit", str(hf), store=store.root), 2, "trainer_state.json: not UTF-8 text")
+    spec = tmp_path / "spec.yaml"
+    spec.write_bytes(b"layers:\n  - \x80\x81\n")
+    one_line(tailor("merge", str(spec), "--tag", "m", store=store.root), 2, "spec.yaml: not UTF-8 text")
+    assert store_state(store.root) == before
+
+
 def test_checkout_onto_a_mount_point_or_a_full_disk(two_steps, tmp_path: Path) -> None:
     store, _ = two_steps
     with mounted("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "small")) as small:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError, UnsafePathError
 from ..paths import check_relative
+from ..small_text import NAME_LIMIT, read_small_text
 from .deepspeed import is_model_states, is_optim_states
 
 DEEPSPEED = "deepspeed"
@@ -134,7 +135,7 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
     if (path / "trainer_state.json").is_file():
         return _hf_layout(path, part)
     if (path / "latest").is_file():
-        tag = (path / "latest").read_text().strip()
+        tag = read_small_text(path / "latest", "DeepSpeed's `latest` (a tag name)", NAME_LIMIT).strip()
         tag_dir = path / tag
         if not tag or "/" in tag or tag in (".", "..") or not tag_dir.is_dir():
             raise BadCheckpointError(
@@ -159,12 +160,13 @@ def _hf_layout(path: Path, part: bool = False) -> CheckpointLayout:
     step = _step_from_name(path.name)
     if step is None:
         try:
-            step = int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+            state = read_small_text(path / "trainer_state.json", "an HF Trainer's trainer_state.json")
+            step = int(json.loads(state)["global_step"])
         except (ValueError, KeyError, TypeError) as exc:
             raise BadCheckpointError(f"{path / 'trainer_state.json'}: unreadable ({exc}); pass `step=N`.") from None
     ds_tag = None
     if (path / "latest").is_file():
-        ds_tag = (path / "latest").read_text().strip()
+        ds_tag = read_small_text(path / "latest", "DeepSpeed's `latest` (a tag name)", NAME_LIMIT).strip()
     files = _top_files(path)
     for sub in sorted(p for p in path.iterdir() if p.is_dir()):
         if sub.is_symlink():
