@@ -334,6 +334,20 @@ def test_text_files_that_are_binary_or_huge(two_steps, tmp_path: Path) -> None:
     assert store_state(store.root) == before
 
 
+def test_tag_names_that_cannot_be_keys_or_lines(two_steps) -> None:
+    """A tag names an object key and a line of `tailor log`: `..` (a path), a newline or tab,
+    bytes argv could not decode, and names whose escaped key is too long for a file name are
+    refused before anything is written (`..` was a backend error, 200 bytes a failed temp file)."""
+    store, _ = two_steps
+    before = store_state(store.root)
+    for bad in ("..", ".", "a\nb", "a\tb", os.fsdecode(b"\xff"), "x" * 73, "\u00fc" * 37):
+        one_line(tailor("tag", "step=6", "--", bad, store=store.root), 2, "is not allowed")
+    assert store_state(store.root) == before
+    longest = "\u00fc" * 36  # 72 bytes, 216 escaped
+    assert tailor("tag", "step=6", "--", longest, store=store.root).returncode == 0
+    assert longest in tailor("log", store=store.root).stdout
+
+
 def test_checkout_onto_a_mount_point_or_a_full_disk(two_steps, tmp_path: Path) -> None:
     store, _ = two_steps
     with mounted("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "small")) as small:
