@@ -64,7 +64,8 @@ def layer_range(entry: Any, blocks: list[int], where: str) -> list[str]:
         raise MergeSpecError(f"{where}: layer_range must be [start, end) with 0 <= start < end")
     for index in range(span[0], span[1]):
         if index not in blocks:
-            raise MergeSpecError(f"{where}: block {index} does not exist; the model has blocks 0..{max(blocks)}")
+            has = f"blocks 0..{max(blocks)}" if blocks else "no numbered blocks (no layers.N in its names)"
+            raise MergeSpecError(f"{where}: block {index} does not exist; the model has {has}")
     return [block_label(i) for i in range(span[0], span[1])]
 
 

@@ -215,6 +215,13 @@ def test_parse_spec_refusals(change: dict, message: str) -> None:
         parse_spec(spec(**change), list(range(6)), "s")
 
 
+def test_parse_spec_on_a_model_without_numbered_blocks() -> None:
+    """A model whose names hold no layers.N (any DeepSpeed model commits) has no blocks to slice:
+    a message saying so, not max() of an empty list."""
+    with pytest.raises(MergeSpecError, match="block 0 does not exist; the model has no numbered blocks"):
+        parse_spec(spec(), [], "s")
+
+
 # -- structure, steps, names ---------------------------------------------------------------
 
 
