@@ -184,7 +184,7 @@ def export_step(
                 (tmp / INDEX_FILE).write_text(index_json(shards, names))
             write_step_files(store, store.manifest(manifest), copies, tmp)  # top-level files, hash-checked
             if config_text is not None:
-                (tmp / "config.json").write_text(config_text)  # the bytes checked, not a second read
+                (tmp / "config.json").write_text(config_text, encoding="utf-8")  # the bytes checked, not a second read
             for path in tmp.iterdir():
                 os.chmod(path, 0o644)
     finally:

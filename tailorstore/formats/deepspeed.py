@@ -12,11 +12,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .. import atoms as A
 from ..errors import LayoutError
 from ..layers import STATE, layer_of
+from ..small_text import NAME_LIMIT, read_small_text
 from .zero_partitions import Piece, check_slice_mappings, zero3_pieces, zero12_pieces
 
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -53,6 +55,11 @@ def is_model_states(name: str) -> bool:
 
 def is_optim_states(name: str) -> bool:
     return OPTIM_STATES.match(name) is not None
+
+
+def read_latest(folder: Path) -> str:
+    """The tag DeepSpeed's ``latest`` file in ``folder`` names (one line; read at a bound)."""
+    return read_small_text(folder / "latest", "DeepSpeed's `latest` (a tag name)", NAME_LIMIT).strip()
 
 
 def model_info(obj: Any) -> ModelInfo:

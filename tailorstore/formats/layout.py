@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ..errors import BadCheckpointError, UnsafePathError
 from ..paths import check_relative
-from ..small_text import NAME_LIMIT, read_small_text
-from .deepspeed import is_model_states, is_optim_states
+from ..small_text import read_small_text
+from .deepspeed import is_model_states, is_optim_states, read_latest
 
 DEEPSPEED = "deepspeed"
 DEEPSPEED_TAG = "deepspeed-tag"
@@ -135,7 +135,7 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
     if (path / "trainer_state.json").is_file():
         return _hf_layout(path, part)
     if (path / "latest").is_file():
-        tag = read_small_text(path / "latest", "DeepSpeed's `latest` (a tag name)", NAME_LIMIT).strip()
+        tag = read_latest(path)
         tag_dir = path / tag
         if not tag or "/" in tag or tag in (".", "..") or not tag_dir.is_dir():
             raise BadCheckpointError(
@@ -166,7 +166,7 @@ def _hf_layout(path: Path, part: bool = False) -> CheckpointLayout:
             raise BadCheckpointError(f"{path / 'trainer_state.json'}: unreadable ({exc}); pass `step=N`.") from None
     ds_tag = None
     if (path / "latest").is_file():
-        ds_tag = read_small_text(path / "latest", "DeepSpeed's `latest` (a tag name)", NAME_LIMIT).strip()
+        ds_tag = read_latest(path)
     files = _top_files(path)
     for sub in sorted(p for p in path.iterdir() if p.is_dir()):
         if sub.is_symlink():

@@ -50,9 +50,8 @@ from ..api import Store
 from ..commit import CommitResult
 from ..environment import STAGING_ENV
 from ..errors import StoreError
-from ..formats.deepspeed import is_model_states
+from ..formats.deepspeed import is_model_states, read_latest
 from ..safe_load import load_torch_file
-from ..small_text import NAME_LIMIT, read_small_text
 
 log = logging.getLogger("tailorstore")
 ENGINE_NAME = "TailorCheckpointEngine"
@@ -223,7 +222,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         """``engine.load_checkpoint`` through the store: a folder on disk is loaded as it is; otherwise
         rank 0 checks the step out into the staging folder, every rank loads it, and it is deleted."""
         if tag is None and (Path(load_dir) / "latest").is_file():
-            tag = read_small_text(Path(load_dir) / "latest", "DeepSpeed's `latest` (a tag name)", NAME_LIMIT).strip()
+            tag = read_latest(Path(load_dir))
         if tag and any(is_model_states(p.name) for p in (Path(load_dir) / tag).glob("*")):
             return original(load_dir, tag, **kw)
         restored = self._root / f"restore-{self._saves:06d}"
