@@ -8,6 +8,8 @@ the file, not a process that fills memory or stops on a ``UnicodeDecodeError`` t
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from .errors import BadCheckpointError, TailorError
@@ -20,8 +22,12 @@ def read_small_text(
     path: Path, what: str, limit: int = TEXT_LIMIT, error: type[TailorError] = BadCheckpointError
 ) -> str:
     """The UTF-8 text of ``path`` (``what`` it should be, for the message), at most ``limit`` bytes.
-    OSError goes up as it is: the command line reports it as a file it cannot read."""
-    with open(path, "rb") as f:
+    OSError goes up as it is: the command line reports it as a file it cannot read. A FIFO or a
+    device is refused rather than read: reading a FIFO nobody writes would wait forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, and is refused below
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(f"{path}: not a regular file; {what} is a text file. Check that the path is right.")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise error(f"{path}: over {_size(limit)}; {what} is a small text file. Check that the path is right.")

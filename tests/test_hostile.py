@@ -316,7 +316,8 @@ def test_odd_paths_and_arguments(two_steps, tmp_path: Path) -> None:
 
 def test_text_files_that_are_binary_or_huge(two_steps, tmp_path: Path) -> None:
     """`latest`, trainer_state.json and a merge spec are read whole: a binary one is one line (it
-    was a UnicodeDecodeError traceback), a huge one is refused at a bound instead of loaded."""
+    was a UnicodeDecodeError traceback), a huge one is refused at a bound instead of loaded, and
+    a FIFO is refused instead of waited on (a merge spec that was one hung)."""
     store, at6 = two_steps
     before = store_state(store.root)
     (at6 / "latest").write_bytes(b"\xffglobal_step6")
@@ -331,6 +332,10 @@ def test_text_files_that_are_binary_or_huge(two_steps, tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_bytes(b"layers:\n  - \x80\x81\n")
     one_line(tailor("merge", str(spec), "--tag", "m", store=store.root), 2, "spec.yaml: not UTF-8 text")
+    os.mkfifo(tmp_path / "spec.fifo")  # nobody writes it: reading it would wait forever
+    one_line(
+        tailor("merge", str(tmp_path / "spec.fifo"), "--tag", "m", store=store.root, timeout=60), 2, "not a regular"
+    )
     assert store_state(store.root) == before
 
 
