@@ -6,6 +6,8 @@ and of the model weight, computed from the stored atoms (derived weights are reb
 
 from __future__ import annotations
 
+import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from . import structure
 from .changes import relative_change, stored_pieces
 from .errors import StoreError
 from .layers import STATE, sort_key
+from .output_dir import refuse_inside_store
 from .store.records import MAIN_RUN
 from .store.repo import Repository
 
@@ -88,6 +91,8 @@ def change_matrix(store: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
 
 
 def plot(store: Repository, out: Path, run: str = MAIN_RUN) -> Path:
+    """A PNG heatmap of the change of each layer over the run's manifests, written whole at ``out``."""
+    _check_plot_out(store, out)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,6 +123,23 @@ def plot(store: Repository, out: Path, run: str = MAIN_RUN) -> Path:
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     inherited = Patch(facecolor="lightgrey", hatch="///", edgecolor="grey", label="inherited (not stored here)")
     fig.legend(handles=[inherited], loc="lower left", fontsize=8, frameon=False)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    tmp = out.parent / f".{out.name}.tailor-partial-{secrets.token_hex(4)}"
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, out)  # a finished picture or none: never a cut one under the name
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
+
+
+def _check_plot_out(store: Repository, out: Path) -> None:
+    """A new or existing .png file outside the store: matplotlib would otherwise pick the format
+    from any suffix (a traceback for .sqlite), write ``DIR.png`` beside a directory named, and
+    write into a device as if it were a file."""
+    if out.suffix.lower() != ".png":
+        raise StoreError(f"{out}: the plot is a PNG; give a path ending in .png.")
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        raise StoreError(f"{out}: exists and is not a regular file; give a new .png path or an old plot's.")
+    refuse_inside_store(out, store)
+    out.parent.mkdir(parents=True, exist_ok=True)  # as checkout and export make their folder's parents

@@ -26,15 +26,21 @@ from .store.posix import fsync_path
 from .store.repo import Repository
 
 
-def prepare_out(out: Path, store: Repository) -> Path:
-    """The hidden sibling to write into, once ``out`` is known to be a new or empty directory outside the store."""
-    if out.is_symlink():
-        raise StoreError(f"{out}: is a symbolic link; name a new directory to write into, not a link.")
+def refuse_inside_store(out: Path, store: Repository) -> None:
+    """Nothing we write goes into the store's own folders (its blobs or its index cache), where
+    gc and verify would take it for the store's."""
     resolved = out.resolve()
     for root in filter(None, (store.root, store.where.index_path.parent)):
         root = root.resolve()
         if resolved == root or root in resolved.parents:
             raise StoreError(f"{out}: lies inside the store {root}; write somewhere outside it.")
+
+
+def prepare_out(out: Path, store: Repository) -> Path:
+    """The hidden sibling to write into, once ``out`` is known to be a new or empty directory outside the store."""
+    if out.is_symlink():
+        raise StoreError(f"{out}: is a symbolic link; name a new directory to write into, not a link.")
+    refuse_inside_store(out, store)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise StoreError(f"{out}: already exists and is not empty; name a new directory, or remove it.")
     if out.exists() and os.path.ismount(out):

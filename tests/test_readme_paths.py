@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Runs, as_of_step, copy_tree, tailor
+from conftest import Runs, as_of_step, copy_tree, store_state, tailor
 
 from tailorstore.checkout import checkout_step
 from tailorstore.commit import CommitOptions, commit_checkpoint
@@ -164,3 +164,26 @@ def test_plot_marks_inherited_layers_and_shows_every_manifest(tailored: Reposito
     assert any(flags[0] for flags in m.inherited) and not all(flags[0] for flags in m.inherited)
     assert tailor("plot", "--out", str(tmp_path / "p.png"), store=store.root).returncode == 0
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_writes_a_png_file_outside_the_store_or_nothing(tailored: Repository, tmp_path: Path) -> None:
+    """matplotlib picks a format from any suffix and writes DIR.png for a directory named; plot
+    takes a .png path, a new one or an old plot's, outside the store, and writes it whole."""
+    store = tailored
+    before = store_state(store.root)
+    (tmp_path / "folder.png").mkdir()
+    refused = {
+        str(tmp_path): "give a path ending in .png",  # wrote tmp_path.png beside it, said it wrote tmp_path
+        str(tmp_path / "p.sqlite"): "give a path ending in .png",  # a ValueError traceback
+        str(tmp_path / "folder.png"): "not a regular file",
+        str(store.root / "blobs" / "p.png"): "lies inside the store",
+    }
+    for out, says in refused.items():
+        proc = tailor("plot", "--out", out, store=store.root)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not Path(f"{tmp_path}.png").exists() and not (tmp_path / "p.sqlite").exists()
+    assert store_state(store.root) == before
+    (tmp_path / "old.png").write_bytes(b"an old plot")
+    assert tailor("plot", "--out", str(tmp_path / "old.png"), store=store.root).returncode == 0
+    assert (tmp_path / "old.png").read_bytes()[:4] == b"\x89PNG"
+    assert not list(tmp_path.glob(".*tailor-partial*"))
