@@ -11,6 +11,7 @@ stores everything.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -47,6 +48,15 @@ def _blocks(facts: CommitFacts) -> list[tuple[int, str]]:
 
 def _aux(facts: CommitFacts) -> set[str]:
     return {name for name in facts.layers if block_index(name) is None}
+
+
+def _moved(facts: CommitFacts, name: str) -> float:
+    """A layer's measured change, or infinity where there is no number: not measured, or NaN
+    (a master gone NaN or infinite). Such a layer counts as having moved most and is stored: a
+    NaN compares false with any threshold, and a diverged layer inherited would make the step's
+    checkout hold the older, healthy weights instead of what training held."""
+    change = facts.changes.get(name) if facts.changes is not None else None
+    return math.inf if change is None or math.isnan(change) else change
 
 
 def full(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
@@ -96,11 +106,11 @@ def filter_policy(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
 def adaptive(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
     """A block is stored when its FP32 master moved by at least the threshold since it was last stored."""
     threshold = float(params.get("threshold", 0.0))
-    if threshold < 0:
-        raise PolicyError("adaptive needs `threshold=T` >= 0")
+    if not 0 <= threshold < math.inf:  # NaN too: no change is ever >= NaN, so no block would be stored again
+        raise PolicyError("adaptive needs `threshold=T`, a finite number >= 0")
     if facts.changes is None:
         return set(facts.layers)
-    return _aux(facts) | {name for _, name in _blocks(facts) if facts.changes.get(name, float("inf")) >= threshold}
+    return _aux(facts) | {name for _, name in _blocks(facts) if _moved(facts, name) >= threshold}
 
 
 def budget(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
@@ -128,7 +138,7 @@ def budget(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
     spent = sum(facts.sizes.get(name, 0) for name in chosen | ({STATE} & facts.layers))
     by_change = sorted(
         (name for name in candidates if name not in chosen),
-        key=lambda name: -facts.changes.get(name, float("inf")),  # stable: layer order breaks ties
+        key=lambda name: -_moved(facts, name),  # stable: layer order breaks ties
     )
     for name in by_change:
         size = facts.sizes.get(name, 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import sqlite3
 import struct
@@ -71,8 +72,24 @@ def test_adaptive_stores_exactly_the_blocks_that_moved_enough() -> None:
     chosen = decide(PolicySpec("adaptive", {"threshold": 1e-3}), facts(4, changes))
     # block.5 has no measured change (nothing to compare with): stored, to be safe.
     assert chosen == AUX | {"block.0", "block.2", "block.3", "block.5"}
-    with pytest.raises(PolicyError):
-        decide(PolicySpec("adaptive", {"threshold": -1}), facts(1, changes))
+    for bad in (-1, float("nan"), float("inf")):  # nan and inf would never store a block again
+        with pytest.raises(PolicyError, match="a finite number"):
+            decide(PolicySpec("adaptive", {"threshold": bad}), facts(1, changes))
+
+
+def test_a_layer_whose_change_is_nan_is_stored() -> None:
+    """A master gone NaN makes its change NaN, which is below no threshold and sorts nowhere:
+    inherited, the step's checkout would hold the older, healthy weights instead of what training
+    held. adaptive and budget store it, as they store a layer whose change was not measured."""
+    changes = {"block.0": math.nan, "block.1": 1e-4, "block.2": 1e-4, "block.3": 1e-4, "block.4": 1e-4}
+    changes |= {"block.5": 1e-4}
+    chosen = decide(PolicySpec("adaptive", {"threshold": 1e-3}), facts(4, changes))
+    assert chosen == AUX | {"block.0"}
+    changes |= {"embedding": 0.001, "final_norm": 0.002, "lm_head": 0.45}
+    young = dict.fromkeys(LAYERS - {"state"}, 1)
+    chosen = decide(PolicySpec("budget", {"fraction": 0.5, "max_age": 4}), budget_facts(changes, young))
+    # state 280 of 500; block.0 first (100), then by change the head and norms (40 each); no other block fits
+    assert chosen == {"state", "block.0", "lm_head", "final_norm", "embedding"}
 
 
 def budget_facts(changes: dict[str, float], ages: dict[str, int]) -> CommitFacts:
