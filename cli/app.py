@@ -90,14 +90,22 @@ def commit(
     policy: str = typer.Option(
         "full", "--policy", help="Which layers to store: full, parity, filter, adaptive, budget."
     ),
-    keep_first: int = typer.Option(0, "--keep-first", help="filter: blocks stored on every commit, from the start."),
-    keep_last: int = typer.Option(0, "--keep-last", help="filter: blocks stored on every commit, from the end."),
-    every: int = typer.Option(1, "--every", help="filter: store the other blocks on every E-th commit."),
-    threshold: float = typer.Option(0.0, "--threshold", help="adaptive: store a block that moved this much."),
-    fraction: float = typer.Option(
-        0.25, "--fraction", help="budget: the share of the checkpoint's bytes one commit may store."
+    keep_first: int | None = typer.Option(
+        None, "--keep-first", help="filter: blocks stored on every commit, from the start (0)."
     ),
-    max_age: int = typer.Option(8, "--max-age", help="budget: store a block left unstored for this many commits."),
+    keep_last: int | None = typer.Option(
+        None, "--keep-last", help="filter: blocks stored on every commit, from the end (0)."
+    ),
+    every: int | None = typer.Option(None, "--every", help="filter: store the other blocks on every E-th commit (1)."),
+    threshold: float | None = typer.Option(
+        None, "--threshold", help="adaptive: store a block that moved this much (0)."
+    ),
+    fraction: float | None = typer.Option(
+        None, "--fraction", help="budget: the share of the checkpoint's bytes one commit may store (0.25)."
+    ),
+    max_age: int | None = typer.Option(
+        None, "--max-age", help="budget: store a block left unstored for this many commits (8)."
+    ),
     part: bool = typer.Option(False, "--part", help="Commit only this host's files, as one part of the step."),
     run: str = typer.Option("main", "--run", help="The run this step belongs to; steps are numbered per run."),
     finalize: str | None = typer.Option(
@@ -128,11 +136,15 @@ def commit(
         return
     if ckpt_dir is None:
         raise TailorError("name the checkpoint directory to commit (or pass --finalize step=N).")
-    params = {
-        "filter": {"keep_first": keep_first, "keep_last": keep_last, "every": every},
-        "adaptive": {"threshold": threshold},
-        "budget": {"fraction": fraction, "max_age": max_age},
-    }.get(policy, {})
+    given = {
+        "keep_first": keep_first,
+        "keep_last": keep_last,
+        "every": every,
+        "threshold": threshold,
+        "fraction": fraction,
+        "max_age": max_age,
+    }
+    params = {k: v for k, v in given.items() if v is not None}  # the library refuses those of another policy
     with _open(store, run) as st:
         result = st.commit(
             ckpt_dir,

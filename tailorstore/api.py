@@ -159,7 +159,7 @@ class Store:
         part: bool = False,
     ) -> CommitOptions:
         from .commit_options import CommitOptions
-        from .policies import PolicySpec
+        from .policies import policy_spec
 
         return CommitOptions(
             step=step,
@@ -168,7 +168,7 @@ class Store:
             trust_pickles=trust_pickles,
             level=level,
             lock_timeout=lock_timeout,
-            policy=PolicySpec(policy, dict(policy_params)),
+            policy=policy_spec(policy, policy_params),
             part=part,
             run=self.run,
         )

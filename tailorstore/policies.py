@@ -157,6 +157,33 @@ POLICIES: dict[str, Callable[[CommitFacts, Mapping[str, float]], set[str]]] = {
 }
 
 
+# What each policy reads from its parameters (the defaults are in the functions).
+PARAMETERS: dict[str, tuple[str, ...]] = {
+    "full": (),
+    "parity": (),
+    "filter": ("keep_first", "keep_last", "every"),
+    "adaptive": ("threshold",),
+    "budget": ("fraction", "max_age"),
+}
+
+
+def policy_spec(name: str, params: Mapping[str, float]) -> PolicySpec:
+    """A policy by name with its parameters, checked before anything is read: an unknown name,
+    or a parameter the policy does not take, is refused. It would be ignored otherwise, and
+    recorded in the manifest as if it had counted (``every=3`` given to ``full``, or a misspelt
+    keyword of ``Store.commit``, which collects the policy's parameters)."""
+    if name not in POLICIES:
+        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    stray = sorted(set(params) - set(PARAMETERS[name]))
+    if stray:
+        takes = ", ".join(f"`{k}=N`" for k in PARAMETERS[name]) or "no parameters"
+        given = ", ".join(f"`{k}={params[k]}`" for k in stray)
+        raise PolicyError(
+            f"policy {name} takes {takes}, not {given}; give it to the policy it belongs to, or check its spelling."
+        )
+    return PolicySpec(name, dict(params))
+
+
 def decide(spec: PolicySpec, facts: CommitFacts) -> frozenset[str]:
     try:
         policy = POLICIES[spec.name]

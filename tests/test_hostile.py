@@ -199,6 +199,13 @@ def test_bad_numbers_are_refused(two_steps) -> None:
     one_line(tailor("commit", str(at6), "--step", "9", "--level", "99", store=store.root), 2, "--level")
     one_line(tailor("gc", "--lock-timeout", "nan", store=store.root), 2, "lock timeout")
     one_line(tailor("show", "step=99999999999999999999999", store=store.root), 2, "out of range")
+    # options of another policy were ignored and recorded in the manifest as if they had counted
+    one_line(tailor("commit", str(at6), "--step", "9", "--every", "3", store=store.root), 2, "not --every 3")
+    one_line(
+        tailor("commit", str(at6), "--step", "9", "--policy", "adaptive", "--threshold", "nan", store=store.root),
+        2,
+        "a finite number",
+    )
     assert store_state(store.root) == before
 
 

@@ -23,7 +23,7 @@ from tailorstore.formats.skeleton import split_tensors
 from tailorstore.formats.source import Identity
 from tailorstore.gc import Retention, kept_manifests
 from tailorstore.merge import MergeSpecError, parse_spec
-from tailorstore.policies import CommitFacts, PolicyError, PolicySpec, decide
+from tailorstore.policies import PARAMETERS, POLICIES, CommitFacts, PolicyError, PolicySpec, decide, policy_spec
 from tailorstore.store.backend import check_name
 from tailorstore.store.records import ManifestRecord
 from tailorstore.store.repo import Repository, check_step
@@ -129,6 +129,19 @@ def test_a_layer_no_earlier_step_has_is_stored() -> None:
 def test_unknown_policy() -> None:
     with pytest.raises(PolicyError, match="unknown policy"):
         decide(PolicySpec("nope"), facts(1))
+    with pytest.raises(PolicyError, match="unknown policy"):
+        policy_spec("nope", {})
+
+
+def test_a_parameter_the_policy_does_not_take_is_refused() -> None:
+    """Ignored, it would be recorded in the manifest as if it had counted; a misspelt keyword of
+    Store.commit lands among the policy's parameters too."""
+    assert set(PARAMETERS) == set(POLICIES)
+    assert policy_spec("filter", {"every": 3, "keep_first": 1}) == PolicySpec("filter", {"every": 3, "keep_first": 1})
+    with pytest.raises(PolicyError, match="policy full takes no parameters, not `every=3`"):
+        policy_spec("full", {"every": 3})
+    with pytest.raises(PolicyError, match="policy adaptive takes `threshold=N`, not `delete_after_comit=True`"):
+        policy_spec("adaptive", {"threshold": 0.1, "delete_after_comit": True})
 
 
 # -- retention ------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from ..commit import CommitResult
 from ..environment import STAGING_ENV
 from ..errors import StoreError
 from ..formats.deepspeed import is_model_states, read_latest
+from ..policies import policy_spec
 from ..safe_load import load_torch_file
 
 log = logging.getLogger("tailorstore")
@@ -119,6 +120,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         if _rank() == 0 and store is None:
             raise StoreError("TailorCheckpointEngine: global rank 0 commits, so it needs the store.")
         self.store = store if _rank() == 0 else None
+        policy_spec(policy, policy_params)  # a misspelt parameter fails here, not at the first save
         self.policy = policy
         self.policy_params = dict(policy_params)
         self.asynchronous = asynchronous

@@ -34,6 +34,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..api import Store, delete_once_durable
+from ..policies import policy_spec
 from .distributed import RankParallelResult, commit_rank_parallel
 
 
@@ -48,6 +49,7 @@ class TailorCallback(TrainerCallback):
     ) -> None:
         self._store_arg = store
         self._store: Store | None = store if isinstance(store, Store) else None
+        policy_spec(policy, policy_params)  # a misspelt parameter fails here, not at the first save
         self.policy = policy
         self.policy_params = policy_params
         self.delete_after_commit = delete_after_commit
