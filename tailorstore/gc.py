@@ -54,7 +54,9 @@ class Retention:
         if self.thin is not None:
             check_tier(self.thin)
             if not self.drops_manifests:
-                raise StoreError("`thin` thins the steps the rules do not keep: give `keep_last` or `keep_every` too.")
+                raise StoreError(
+                    "`thin=TIER` thins the steps the rules do not keep: give `keep_last=N` or `keep_every=N` too."
+                )
 
     @property
     def drops_manifests(self) -> bool:
