@@ -3,7 +3,8 @@
 Files are written into a hidden sibling directory and renamed to ``--out`` only when every
 file is complete, fsynced and every blob has matched its hash. A failed or killed
 checkout therefore never leaves a directory that looks complete under the requested
-name; the hidden ``.NAME.tailor-partial-*`` directory of a killed one can be deleted.
+name; the hidden ``.NAME.tailor-partial-*`` directory a killed one leaves is deleted by the
+next checkout or export to that name (see :mod:`output_dir`).
 """
 
 from __future__ import annotations

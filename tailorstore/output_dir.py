@@ -2,12 +2,16 @@
 
 Checkout and export both write into a hidden sibling directory, fsync every file, and rename
 it to the requested name only when everything matched its hash; a failed or killed run never
-leaves a directory that looks complete under that name.
+leaves a directory that looks complete under that name. The writer holds a lock on the hidden
+directory, so the next run to write that name can tell one a killed run left (and delete it)
+from one another process is still writing.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import glob
 import os
 import secrets
 import shutil
@@ -25,6 +29,8 @@ from .store.direct_io import RewritableWriter
 from .store.posix import fsync_path
 from .store.repo import Repository
 
+PARTIAL = ".tailor-partial-"  # .NAME.tailor-partial-<random>: where NAME is written before it is renamed
+
 
 def refuse_inside_store(out: Path, store: Repository) -> None:
     """Nothing we write goes into the store's own folders (its blobs or its index cache), where
@@ -36,8 +42,9 @@ def refuse_inside_store(out: Path, store: Repository) -> None:
             raise StoreError(f"{out}: lies inside the store {root}; write somewhere outside it.")
 
 
-def prepare_out(out: Path, store: Repository) -> Path:
-    """The hidden sibling to write into, once ``out`` is known to be a new or empty directory outside the store."""
+def prepare_out(out: Path, store: Repository) -> tuple[Path, int]:
+    """The hidden sibling to write into, once ``out`` is known to be a new or empty directory outside the
+    store, with the fd that holds its lock until the caller closes it."""
     if out.is_symlink():
         raise StoreError(f"{out}: is a symbolic link; name a new directory to write into, not a link.")
     refuse_inside_store(out, store)
@@ -46,9 +53,59 @@ def prepare_out(out: Path, store: Repository) -> Path:
     if out.exists() and os.path.ismount(out):
         raise StoreError(f"{out}: is a mount point, which cannot be replaced; name a new directory inside it.")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tailor-partial-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    return tmp
+    remove_stale_partials(out)
+    while True:
+        tmp = out.parent / f"{_partial_prefix(out)}{secrets.token_hex(4)}"
+        tmp.mkdir()
+        fd = _lock_dir(tmp, wait=True)
+        if os.fstat(fd).st_nlink:  # not removed as stale by another process before we locked it
+            return tmp, fd
+        os.close(fd)
+
+
+def _partial_prefix(out: Path) -> str:
+    return f".{out.name}{PARTIAL}"
+
+
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+
+
+def _lock_dir(path: Path, *, wait: bool) -> int:
+    """An fd of the directory holding an exclusive flock, or -1 when another process holds one.
+    The kernel lets go of the lock when its holder dies, however it dies: an unlocked partial
+    directory is one nobody is writing. On a file system without flock, a writer goes on
+    unlocked and a cleaner takes every directory for live (-1): nothing is deleted there."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if wait and exc.errno in _NO_LOCKS:
+            return fd
+        os.close(fd)
+        if isinstance(exc, BlockingIOError) or exc.errno in _NO_LOCKS:
+            return -1
+        raise
+    return fd
+
+
+def remove_stale_partials(out: Path) -> int:
+    """Delete the hidden partial directories of ``out`` that a killed checkout or export left
+    (a whole checkpoint's bytes each: a preempted job would otherwise leave them for good);
+    those a live process is writing hold its lock and stay. Returns how many were deleted."""
+    removed = 0
+    for found in out.parent.glob(f"{glob.escape(_partial_prefix(out))}*"):
+        try:
+            fd = _lock_dir(found, wait=False)
+        except OSError:  # gone meanwhile, or not a directory of ours
+            continue
+        if fd < 0:
+            continue
+        try:
+            shutil.rmtree(found, ignore_errors=True)
+            removed += 1
+        finally:
+            os.close(fd)
+    return removed
 
 
 def write_torch_file(path: Path, tree: Any) -> None:
@@ -138,7 +195,7 @@ def publish(tmp: Path, out: Path) -> None:
 def staged(out: Path, store: Repository) -> Iterator[Path]:
     """A hidden directory to fill; on a clean exit it is fsynced and renamed to ``out``, on any
     error (or a kill signal turned into an exception) it is removed and ``out`` left as it was."""
-    tmp = prepare_out(out, store)
+    tmp, lock = prepare_out(out, store)
     try:
         yield tmp
         fsync_tree(tmp)
@@ -151,3 +208,5 @@ def staged(out: Path, store: Repository) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)

@@ -7,6 +7,7 @@ files are read, blobs are written, the index transaction runs, and after.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import subprocess
@@ -166,5 +167,21 @@ def test_killed_checkout_leaves_nothing_complete_looking(runs: Runs, tmp_path: P
             assert not partial
         elif partial:
             during_write += 1  # killed while writing: only the hidden directory is left
+            left = i
     assert during_write >= 2, during_write
     assert verify(store, deep=True).ok
+
+    # The next checkout to that name deletes what the killed one left (a whole checkpoint's bytes
+    # on a real run), but not the hidden directory of a process still writing: its lock says so.
+    live = tmp_path / f".out{left}.tailor-partial-live"
+    live.mkdir()
+    (live / "being-written").write_bytes(b"x")
+    holder = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        timed(store.root, "checkout", "step=5", "--out", str(tmp_path / f"out{left}"))  # exits 0
+        assert list(tmp_path.glob(f".out{left}.tailor-partial-*")) == [live]  # the killed one's is gone
+        assert (live / "being-written").exists()
+    finally:
+        os.close(holder)
+    assert_same_checkpoint(as_of_step(save_dir, 5, tmp_path / "ref-left"), tmp_path / f"out{left}")
