@@ -4,6 +4,8 @@ from the store is bit-exact."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,63 @@ def test_tailor_checkpoint_engine_writes_a_save_whose_commit_failed_where_deepsp
         assert not list(staging.rglob("*.pt")), "nothing stays behind in memory"
         assert [s.step for s in store.log()] == [3]
         assert store.verify(deep=True).ok
+
+
+STAGE_AND_WAIT = """
+import sys, time
+from pathlib import Path
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+from tailorstore import Store
+from tailorstore.integrations.deepspeed import TailorCheckpointEngine
+from tailorstore.safe_load import load_torch_file
+
+reference, save_dir, store = Path(sys.argv[1]), Path(sys.argv[2]), Store.open(sys.argv[3])
+engine = TailorCheckpointEngine(store)
+info = CheckpointCommitInfo(tag="global_step3", save_dir=str(save_dir), save_latest=True)
+engine.create(info)
+for f in sorted(reference.iterdir()):
+    engine.save(load_torch_file(f, mmap=False)[0], str(save_dir / "global_step3" / f.name))
+print("staged", flush=True)
+time.sleep(600)  # killed here, before engine.commit: the staged save is the only copy
+"""
+
+
+def test_a_killed_runs_staged_save_is_written_where_deepspeed_would_by_the_next_engine(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed between saving and committing left its staged save in memory (/dev/shm) for
+    good, the only copy of it. The next engine to start moves it to save_dir/tag and frees the
+    staging folder, but leaves a live run's staged save alone (its lock says it is live)."""
+    reference = runs.get("zero2-bf16").save_dir / "global_step3"
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    monkeypatch.setenv("TAILOR_STAGING", str(staging))
+    Store.init(tmp_path / "store").close()
+    save_dir = tmp_path / "save"
+    script = tmp_path / "stage.py"
+    script.write_text(STAGE_AND_WAIT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(reference), str(save_dir), str(tmp_path / "store")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "staged"
+        staged = sorted(p.name for p in staging.rglob("*.pt"))
+        assert staged == sorted(f.name for f in reference.iterdir())
+        with Store.open(tmp_path / "store") as store:
+            TailorCheckpointEngine(store)  # the staging run is alive: nothing of it moves
+            assert sorted(p.name for p in staging.rglob("*.pt")) == staged and not save_dir.exists()
+            proc.kill()
+            proc.wait(timeout=60)
+            TailorCheckpointEngine(store)
+    finally:
+        proc.kill()
+    real = save_dir / "global_step3"
+    assert sorted(p.name for p in real.iterdir()) == staged, "the staged save was written where DeepSpeed would"
+    for f in sorted(reference.iterdir()):
+        assert differences(load_torch_file(real / f.name, mmap=False)[0], load_torch_file(f, mmap=False)[0]) == []
+    assert not list(staging.iterdir()), "the dead run's staging folder was freed"
 
 
 def test_tailor_checkpoint_engine_leaves_a_16bit_export_where_deepspeed_writes_it(

@@ -26,7 +26,8 @@ all nodes share, or use :func:`save_checkpoint` (save to disk, then commit).
 
 If a background commit fails, its staged files are moved to where DeepSpeed would have
 written them (``save_dir/tag``), so nothing is lost, and the error is raised at the next
-save or at :meth:`TailorCheckpointEngine.flush`.
+save or at :meth:`TailorCheckpointEngine.flush`. What a killed run left staged is moved there
+by the next engine to start (:mod:`.staging`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from ..errors import StoreError
 from ..formats.deepspeed import is_model_states, read_latest
 from ..policies import policy_spec
 from ..safe_load import load_torch_file
+from . import staging as staged
 
 log = logging.getLogger("tailorstore")
 ENGINE_NAME = "TailorCheckpointEngine"
@@ -126,9 +128,11 @@ class TailorCheckpointEngine(CheckpointEngine):
         self.asynchronous = asynchronous
         self._global_steps = global_steps
         # One folder per engine, the same on every rank: rank 0 commits what all ranks staged.
-        token = _from_rank0(f"tailor-staging-{os.getpid()}-{secrets.token_hex(4)}")
+        token = _from_rank0(f"{staged.PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         self.staging = Path(staging) if staging is not None else default_staging()
+        staged.recover(self.staging)  # what a killed run left in memory goes where DeepSpeed would have put it
         self._root = self.staging / token
+        self._lock: int | None = None  # our shared lock on _root while it exists: a later engine leaves it be
         self._saves = 0
         self._save: tuple[Path, Path] | None = None  # (the real tag folder, its staged twin)
         self._staged_names: list[str] = []
@@ -138,8 +142,17 @@ class TailorCheckpointEngine(CheckpointEngine):
         """A new save begins: it gets its own staged folder (the previous one may still be committing)."""
         self._saves += 1
         real = Path(info.save_dir) / info.tag
+        self._hold()
         self._save = (real.absolute(), self._root / f"save-{self._saves:06d}" / info.tag)
+        staged.record_target(self._save[1].parent, self._save[0])
         self._staged_names = []
+
+    def _hold(self) -> None:
+        """Lock our staging folder (again, when it was emptied and deleted since)."""
+        if not staged.still_held(self._lock, self._root):
+            if self._lock is not None:
+                os.close(self._lock)
+            self._lock = staged.hold(self._root)
 
     def _staged(self, path: str | os.PathLike) -> Path | None:
         """The staged twin of a path inside the save's tag folder (None for anything else)."""
@@ -183,6 +196,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         missing = sorted(n for n in names if not (twin / n).is_file())
         if missing:
             _rescue(twin, real)  # what rank 0 does see is written where DeepSpeed would have put it
+            staged.finish(twin.parent)
             raise StoreError(
                 f"global rank 0 does not see the staged files {missing[:3]} of {info.tag} in {twin.parent}: the "
                 "ranks do not share a staging folder (several nodes?). Pass `staging=` a folder every node "
@@ -213,7 +227,7 @@ class TailorCheckpointEngine(CheckpointEngine):
                 _rescue(twin, real)
                 raise
             finally:
-                _remove_empty(twin.parent)
+                staged.finish(twin.parent)
 
         if self.asynchronous:
             return self.store.background(str(real), job)
@@ -227,6 +241,7 @@ class TailorCheckpointEngine(CheckpointEngine):
             tag = read_latest(Path(load_dir))
         if tag and any(is_model_states(p.name) for p in (Path(load_dir) / tag).glob("*")):
             return original(load_dir, tag, **kw)
+        self._hold()
         restored = self._root / f"restore-{self._saves:06d}"
         outcome: tuple[str | None, str | None] = (None, None)
         if _rank() == 0:
@@ -272,13 +287,9 @@ class TailorCheckpointEngine(CheckpointEngine):
 
 def _rescue(twin: Path, real: Path) -> None:
     """A failed commit's staged files go where DeepSpeed would have written them."""
-    if not twin.is_dir():
-        return
-    real.mkdir(parents=True, exist_ok=True)
-    for item in twin.iterdir():
-        shutil.move(str(item), str(real / item.name))
-    twin.rmdir()
-    log.error("tailorstore: the commit of %s failed; its files were written there instead", real)
+    if twin.is_dir():
+        staged.rescue(twin, real)
+        log.error("tailorstore: the commit of %s failed; its files were written there instead", real)
 
 
 def _remove_empty(folder: Path) -> None:

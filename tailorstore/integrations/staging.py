@@ -1,0 +1,155 @@
+"""TailorCheckpointEngine's staging folders, and what a killed run leaves in them.
+
+A save is staged in memory (``/dev/shm``) until global rank 0 has committed it. A training run
+killed before that (preempted, OOM-killed, a node lost) left its staged saves there for good:
+up to two raw saves of a node's ranks held in RAM until the machine restarts, and among them
+the only copy of a save whose commit had not finished.
+
+So each process holds a shared ``flock`` on its engine's folder (``tailor-staging-*``) while it
+uses it, and records beside each staged save where DeepSpeed would have written it. An engine
+that starts later takes an exclusive lock on every other such folder of the same user, which it
+gets only when no live process holds one (the kernel lets go of a dead process's locks, however
+it died), and then does what a failed commit does: moves each staged save to where DeepSpeed
+would have written it, so nothing is lost, and deletes the rest. On a file system without
+``flock`` nothing is recovered: a folder that cannot be locked is taken for a live one.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from ..small_text import NAME_LIMIT, read_small_text
+
+log = logging.getLogger("tailorstore")
+
+PREFIX = "tailor-staging-"
+TARGET = "target"  # in save-N/, beside the staged tag folder: the absolute path DeepSpeed would have written
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+
+
+def hold(root: Path) -> int:
+    """Create ``root`` if needed and hold a shared lock on it (every rank of a node stages into
+    the same folder); returns the fd that keeps the lock until it is closed."""
+    while True:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKS:
+                os.close(fd)
+                raise
+        if os.fstat(fd).st_nlink:  # not deleted by a recovery between the mkdir and the lock
+            return fd
+        os.close(fd)
+
+
+def still_held(fd: int | None, root: Path) -> bool:
+    """Whether ``fd`` is the folder now at ``root`` (the engine deletes its folder when it empties)."""
+    if fd is None:
+        return False
+    try:
+        return os.stat(root).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def record_target(save: Path, real: Path) -> None:
+    """Write where the save staged under ``save`` (``save-N/``) would have gone; every rank of the
+    node may write it, with the same content."""
+    save.mkdir(parents=True, exist_ok=True)
+    tmp = save / f".{TARGET}.{os.getpid()}.{secrets.token_hex(4)}"
+    tmp.write_text(str(real.absolute()), encoding="utf-8")
+    os.replace(tmp, save / TARGET)
+
+
+def finish(save: Path) -> None:
+    """A staged save was committed (or rescued): drop its record and its folder if empty."""
+    (save / TARGET).unlink(missing_ok=True)
+    try:
+        save.rmdir()
+    except OSError:
+        pass
+
+
+def rescue(twin: Path, real: Path) -> None:
+    """A staged save goes where DeepSpeed would have written it."""
+    if not twin.is_dir():
+        return
+    real.mkdir(parents=True, exist_ok=True)
+    for item in twin.iterdir():
+        shutil.move(str(item), str(real / item.name))
+    twin.rmdir()
+
+
+def recover(staging: Path) -> list[Path]:
+    """Every engine folder in ``staging`` that no live process holds, of this user: staged saves
+    moved to where DeepSpeed would have written them, the rest deleted. Returns where saves went."""
+    rescued: list[Path] = []
+    try:
+        found = sorted(staging.glob(f"{PREFIX}*"))
+    except OSError:
+        return rescued
+    for root in found:
+        fd = _lock_dead(root)
+        if fd is None:
+            continue
+        try:
+            rescued += _recover_one(root)
+        finally:
+            os.close(fd)
+    return rescued
+
+
+def _lock_dead(root: Path) -> int | None:
+    """An exclusive lock on a folder of this user that no live process holds, or None."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # gone meanwhile, not a directory, or a link
+        return None
+    try:
+        if os.fstat(fd).st_uid != os.getuid():  # /dev/shm is shared: never act on another user's files
+            raise BlockingIOError
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held by a live process, or no flock here: taken for live either way
+        os.close(fd)
+        return None
+    return fd
+
+
+def _recover_one(root: Path) -> list[Path]:
+    rescued: list[Path] = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith("restore-"):  # a checkout made for resuming: in the store already
+            shutil.rmtree(entry, ignore_errors=True)
+            continue
+        target = entry / TARGET
+        tags = [p for p in entry.iterdir() if p.is_dir()] if entry.is_dir() else []
+        if not entry.name.startswith("save-") or not target.is_file() or len(tags) != 1:
+            log.warning("tailorstore: %s was left by a run that is gone; it is not ours to move, so it stays", entry)
+            continue
+        real = Path(read_small_text(target, "a staged save's target", NAME_LIMIT))
+        if not real.is_absolute():
+            log.warning("tailorstore: %s names no absolute target; it stays", target)
+            continue
+        rescue(tags[0], real)
+        finish(entry)
+        rescued.append(real)
+        log.warning(
+            "tailorstore: a run that is gone left the staged save %s before its commit was confirmed; it "
+            "was written to %s (`tailor log` says whether the store has the step; if not, `tailor commit %s`)",
+            tags[0].name,
+            real,
+            real,
+        )
+    try:
+        root.rmdir()
+    except OSError:
+        pass
+    return rescued
