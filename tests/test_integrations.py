@@ -198,6 +198,7 @@ def test_tailor_checkpoint_engine_leaves_a_16bit_export_where_deepspeed_writes_i
         engine.commit(info)
         engine.flush()
         assert store.log() == []
+        assert not list((tmp_path / "staging").iterdir()), "the empty staged step left nothing behind"
     assert torch.equal(load_torch_file(export / "pytorch_model.bin", mmap=False)[0]["w"], torch.ones(3))
 
 

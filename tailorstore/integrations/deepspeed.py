@@ -191,7 +191,10 @@ class TailorCheckpointEngine(CheckpointEngine):
         real, twin = self._save
         self._save = None
         names = self._gathered_names()
-        if _rank() != 0 or not names:  # nothing staged: save_16bit_model writes beside the tag folder
+        if not names:  # nothing staged: save_16bit_model writes beside the tag folder
+            staged.finish(twin.parent)
+            return True
+        if _rank() != 0:
             return True
         missing = sorted(n for n in names if not (twin / n).is_file())
         if missing:
