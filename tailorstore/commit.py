@@ -167,6 +167,25 @@ def _ages(store: Repository, sources: dict[str, _Inheritance], commits_before: i
     return {layer: commits_before - before[src.source_step] for layer, src in sources.items()}
 
 
+def detect_input(store: Repository, ckpt_dir: Path, part: bool = False) -> CheckpointLayout:
+    """The checkpoint's layout, refused when a file it would commit lies inside the store: a store
+    kept inside an HF Trainer's checkpoint folder had its own index (changing as the commit wrote
+    it) recorded as files of the step."""
+    layout = detect(Path(ckpt_dir), part=part)
+    root = layout.root.resolve()
+    for store_dir in filter(None, (store.root, store.where.index_path.parent)):
+        inside = store_dir.resolve()
+        if inside != root and root not in inside.parents:
+            continue
+        rel = inside.relative_to(root).as_posix()
+        if rel == "." or any(f == rel or f.startswith(f"{rel}/") for f in layout.files):
+            raise BadCheckpointError(
+                f"{ckpt_dir}: the store {store_dir} lies inside this checkpoint, whose files would include the "
+                "store's own. Keep the store outside the checkpoint folders."
+            )
+    return layout
+
+
 def commit_checkpoint(
     store: Repository,
     ckpt_dir: Path,
@@ -179,7 +198,7 @@ def commit_checkpoint(
     began = time.perf_counter()
     check_options(options)
     tag = options.tag or None
-    layout = detect(Path(ckpt_dir), part=options.part)
+    layout = detect_input(store, Path(ckpt_dir), part=options.part)
     scan = scan_checkpoint(layout, options.trust_pickles)
     files = scan.files
     step = step_of(options, layout, files)

@@ -29,11 +29,11 @@ from pathlib import Path, PurePosixPath
 
 from . import atoms as A
 from .codec import content_hash
-from .commit import Scan, commit_part, scan_checkpoint, step_of, write_files
+from .commit import Scan, commit_part, detect_input, scan_checkpoint, step_of, write_files
 from .commit_options import CommitOptions, CommitResult
 from .derive import is_derivable_weight
 from .formats.deepspeed import file_rank, is_model_states
-from .formats.layout import CheckpointLayout, detect
+from .formats.layout import CheckpointLayout
 from .formats.reader import ReadFile
 from .formats.source import InputFile
 from .progress import Silent
@@ -81,7 +81,7 @@ class Share:
 def survey(store: Repository, ckpt_dir: Path, options: CommitOptions, rank: int) -> tuple[Share, Survey]:
     """Scan this rank's files (and the model states that cut them), then name every piece
     and compare every owned master range with its weight. Reads only; writes nothing."""
-    layout = detect(Path(ckpt_dir))
+    layout = detect_input(store, Path(ckpt_dir))
     own = [rel for rel in layout.files if owner_of(rel) == rank]
     helpers = [rel for rel in layout.files if rel not in own and _helps(rel, rank)]
     scan = scan_checkpoint(layout, options.trust_pickles, files=helpers + own)

@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import resource
+import shutil
 import sqlite3
 import struct
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Runs, as_of_step, blob_object, store_state, tailor
+from conftest import HFRun, Runs, as_of_step, blob_object, copy_tree, store_state, tailor
 
 from tailorstore.atoms import TensorSlot
 from tailorstore.commit import commit_checkpoint
@@ -358,6 +359,19 @@ def test_tag_names_that_cannot_be_keys_or_lines(two_steps) -> None:
     longest = "\u00fc" * 36  # 72 bytes, 216 escaped
     assert tailor("tag", "step=6", "--", longest, store=store.root).returncode == 0
     assert longest in tailor("log", store=store.root).stdout
+
+
+def test_a_store_inside_the_checkpoint_it_commits_is_refused(hf_run: HFRun, tmp_path: Path) -> None:
+    """An HF checkpoint folder's subfolders are committed; a store kept there had its own index,
+    changing as the commit wrote it, recorded as files of the step. Beside it, the same commit works."""
+    checkpoint = copy_tree(hf_run.output_dir / "checkpoint-6", tmp_path / "checkpoint-6")
+    inside = Repository.init(checkpoint / "store")
+    before = store_state(inside.root)
+    one_line(tailor("commit", str(checkpoint), store=inside.root), 2, "lies inside this checkpoint")
+    assert store_state(inside.root) == before
+    shutil.rmtree(checkpoint / "store")
+    beside = Repository.init(tmp_path / "store")
+    assert tailor("commit", str(checkpoint), store=beside.root).returncode == 0
 
 
 def test_checkout_onto_a_mount_point_or_a_full_disk(two_steps, tmp_path: Path) -> None:
