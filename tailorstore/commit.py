@@ -173,14 +173,13 @@ def detect_input(store: Repository, ckpt_dir: Path, part: bool = False) -> Check
     it) recorded as files of the step."""
     layout = detect(Path(ckpt_dir), part=part)
     root = layout.root.resolve()
-    for store_dir in filter(None, (store.root, store.where.index_path.parent)):
-        inside = store_dir.resolve()
+    for inside in store.local_folders():
         if inside != root and root not in inside.parents:
             continue
         rel = inside.relative_to(root).as_posix()
         if rel == "." or any(f == rel or f.startswith(f"{rel}/") for f in layout.files):
             raise BadCheckpointError(
-                f"{ckpt_dir}: the store {store_dir} lies inside this checkpoint, whose files would include the "
+                f"{ckpt_dir}: the store {inside} lies inside this checkpoint, whose files would include the "
                 "store's own. Keep the store outside the checkpoint folders."
             )
     return layout

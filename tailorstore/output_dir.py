@@ -36,8 +36,7 @@ def refuse_inside_store(out: Path, store: Repository) -> None:
     """Nothing we write goes into the store's own folders (its blobs or its index cache), where
     gc and verify would take it for the store's."""
     resolved = out.resolve()
-    for root in filter(None, (store.root, store.where.index_path.parent)):
-        root = root.resolve()
+    for root in store.local_folders():
         if resolved == root or root in resolved.parents:
             raise StoreError(f"{out}: lies inside the store {root}; write somewhere outside it.")
 

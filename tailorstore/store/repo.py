@@ -139,6 +139,12 @@ class Repository:
     def read_only(self) -> bool:
         return self.index.read_only
 
+    def local_folders(self) -> list[Path]:
+        """The folders of this host that hold the store's files, resolved: its directory (a local
+        store) and its index's folder (for a remote store, this host's cache). Nothing we write may
+        go into them, and nothing in them may be committed."""
+        return [p.resolve() for p in (self.root, self.where.index_path.parent) if p is not None]
+
     def refresh(self, held: LockHandle | LeaseHandle | None = None) -> tuple[int, int]:
         """Bring the index up to date with the backend: write the objects of manifests that have
         none (a store upgraded from format 2), then import what other hosts committed and drop
