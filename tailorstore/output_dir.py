@@ -10,7 +10,6 @@ from one another process is still writing.
 from __future__ import annotations
 
 import errno
-import fcntl
 import glob
 import os
 import secrets
@@ -22,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from .dir_locks import hold_dir, removed, take_abandoned
 from .errors import StoreError
 from .formats.torch_save_writer import Parts, TensorOut, dumps, write_pickled_to
 from .read_ahead import ReadAhead
@@ -56,8 +56,8 @@ def prepare_out(out: Path, store: Repository) -> tuple[Path, int]:
     while True:
         tmp = out.parent / f"{_partial_prefix(out)}{secrets.token_hex(4)}"
         tmp.mkdir()
-        fd = _lock_dir(tmp, wait=True)
-        if os.fstat(fd).st_nlink:  # not removed as stale by another process before we locked it
+        fd = hold_dir(tmp)
+        if not removed(fd):
             return tmp, fd
         os.close(fd)
 
@@ -66,45 +66,21 @@ def _partial_prefix(out: Path) -> str:
     return f".{out.name}{PARTIAL}"
 
 
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
-
-
-def _lock_dir(path: Path, *, wait: bool) -> int:
-    """An fd of the directory holding an exclusive flock, or -1 when another process holds one.
-    The kernel lets go of the lock when its holder dies, however it dies: an unlocked partial
-    directory is one nobody is writing. On a file system without flock, a writer goes on
-    unlocked and a cleaner takes every directory for live (-1): nothing is deleted there."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if wait and exc.errno in _NO_LOCKS:
-            return fd
-        os.close(fd)
-        if isinstance(exc, BlockingIOError) or exc.errno in _NO_LOCKS:
-            return -1
-        raise
-    return fd
-
-
 def remove_stale_partials(out: Path) -> int:
     """Delete the hidden partial directories of ``out`` that a killed checkout or export left
     (a whole checkpoint's bytes each: a preempted job would otherwise leave them for good);
     those a live process is writing hold its lock and stay. Returns how many were deleted."""
-    removed = 0
+    count = 0
     for found in out.parent.glob(f"{glob.escape(_partial_prefix(out))}*"):
-        try:
-            fd = _lock_dir(found, wait=False)
-        except OSError:  # gone meanwhile, or not a directory of ours
-            continue
-        if fd < 0:
+        fd = take_abandoned(found)
+        if fd is None:
             continue
         try:
             shutil.rmtree(found, ignore_errors=True)
-            removed += 1
+            count += 1
         finally:
             os.close(fd)
-    return removed
+    return count
 
 
 def write_torch_file(path: Path, tree: Any) -> None:

@@ -16,21 +16,19 @@ would have written it, so nothing is lost, and deletes the rest. On a file syste
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import secrets
 import shutil
 from pathlib import Path
 
+from ..dir_locks import hold_dir, removed, take_abandoned
 from ..small_text import NAME_LIMIT, read_small_text
 
 log = logging.getLogger("tailorstore")
 
 PREFIX = "tailor-staging-"
 TARGET = "target"  # in save-N/, beside the staged tag folder: the absolute path DeepSpeed would have written
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
 
 
 def hold(root: Path) -> int:
@@ -38,14 +36,8 @@ def hold(root: Path) -> int:
     the same folder); returns the fd that keeps the lock until it is closed."""
     while True:
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        except OSError as exc:
-            if exc.errno not in _NO_LOCKS:
-                os.close(fd)
-                raise
-        if os.fstat(fd).st_nlink:  # not deleted by a recovery between the mkdir and the lock
+        fd = hold_dir(root, shared=True)
+        if not removed(fd):  # not deleted by a recovery between the mkdir and the lock
             return fd
         os.close(fd)
 
@@ -97,7 +89,7 @@ def recover(staging: Path) -> list[Path]:
     except OSError:
         return rescued
     for root in found:
-        fd = _lock_dead(root)
+        fd = take_abandoned(root)
         if fd is None:
             continue
         try:
@@ -105,22 +97,6 @@ def recover(staging: Path) -> list[Path]:
         finally:
             os.close(fd)
     return rescued
-
-
-def _lock_dead(root: Path) -> int | None:
-    """An exclusive lock on a folder of this user that no live process holds, or None."""
-    try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:  # gone meanwhile, not a directory, or a link
-        return None
-    try:
-        if os.fstat(fd).st_uid != os.getuid():  # /dev/shm is shared: never act on another user's files
-            raise BlockingIOError
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held by a live process, or no flock here: taken for live either way
-        os.close(fd)
-        return None
-    return fd
 
 
 def _recover_one(root: Path) -> list[Path]:
