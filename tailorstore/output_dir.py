@@ -47,7 +47,9 @@ def prepare_out(out: Path, store: Repository) -> tuple[Path, int]:
     if out.is_symlink():
         raise StoreError(f"{out}: is a symbolic link; name a new directory to write into, not a link.")
     refuse_inside_store(out, store)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise StoreError(f"{out}: is a file, not a directory; name a new directory to write into.")
+    if out.exists() and any(out.iterdir()):
         raise StoreError(f"{out}: already exists and is not empty; name a new directory, or remove it.")
     if out.exists() and os.path.ismount(out):
         raise StoreError(f"{out}: is a mount point, which cannot be replaced; name a new directory inside it.")

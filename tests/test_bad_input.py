@@ -175,6 +175,9 @@ def test_checkout_refuses_nonempty_out(committed: tuple[Repository, Path], tmp_p
     proc = tailor("checkout", "step=3", "--out", str(out), store=store.root)
     assert proc.returncode == 2 and "not empty" in proc.stderr
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    proc = tailor("checkout", "step=3", "--out", str(out / "keep.txt"), store=store.root)
+    assert proc.returncode == 2 and "keep.txt: is a file, not a directory" in proc.stderr  # was "not empty"
+    assert (out / "keep.txt").read_text() == "mine"
 
 
 def test_legacy_pickle_format_is_named(committed: tuple[Repository, Path]) -> None:
