@@ -161,6 +161,21 @@ def test_a_damaged_index_is_one_line_and_exit_3(two_steps, damage: str) -> None:
         one_line(tailor(*command, store=store.root), 3, "index")
 
 
+def test_a_directory_in_an_objects_place_is_a_damaged_store(two_steps, tmp_path: Path) -> None:
+    """A directory where a blob or pack should be opens (a directory does) and failed at its
+    first read: 'Is a directory', naming nothing, exit 2. It is a missing object: exit 3, named."""
+    store, _ = two_steps
+    master = max(store.index.atoms(2, kind="master"), key=lambda a: a.nbytes)
+    file, _, _ = blob_object(store, master.blob)
+    file.parent.chmod(0o755)
+    file.unlink()
+    file.mkdir()
+    one_line(tailor("checkout", "step=6", "--out", str(tmp_path / "out"), store=store.root), 3, "is missing from")
+    assert not (tmp_path / "out").exists()
+    deep = tailor("verify", "--deep", store=store.root)  # one line per problem
+    assert deep.returncode == 3 and "file missing" in deep.stdout + deep.stderr and "Traceback" not in deep.stderr
+
+
 def test_a_missing_index_does_not_suggest_init(two_steps) -> None:
     store, _ = two_steps
     store.close()

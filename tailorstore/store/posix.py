@@ -15,6 +15,7 @@ import ctypes
 import errno
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -121,12 +122,21 @@ class PosixBackend:
         fsync_path(self.path(key).parent)
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
-        with open(self.path(key), "rb") as f:
+        with open(self._object(key), "rb") as f:
             f.seek(start)
             return f.read() if length is None else f.read(length)
 
     def reader(self, key: str, start: int = 0, length: int | None = None) -> BinaryIO:
-        return DirectReader(self.path(key), start, length)  # type: ignore[return-value]
+        return DirectReader(self._object(key), start, length)  # type: ignore[return-value]
+
+    def _object(self, key: str) -> Path:
+        """The object's path, or FileNotFoundError when no file is there: a directory or a device
+        put in an object's place is no object (a directory opens, and its reads failed later as
+        'Is a directory', naming no file, with the exit code of bad input)."""
+        path = self.path(key)
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise FileNotFoundError(errno.ENOENT, "not a file where the store keeps an object", str(path))
+        return path
 
     def exists(self, key: str) -> bool:
         return self.path(key).is_file()
