@@ -176,6 +176,21 @@ def test_a_directory_in_an_objects_place_is_a_damaged_store(two_steps, tmp_path:
     assert deep.returncode == 3 and "file missing" in deep.stdout + deep.stderr and "Traceback" not in deep.stderr
 
 
+@pytest.mark.parametrize("damage", ["lock-is-a-directory", "tmp-is-a-file"])
+def test_a_damaged_lock_or_temp_folder_is_exit_3_and_the_store_stays(two_steps, damage: str) -> None:
+    """Both were 'Is a directory' / 'Not a directory' with the exit code of bad input."""
+    store, at6 = two_steps
+    if damage == "lock-is-a-directory":
+        (store.root / "lock").unlink()
+        (store.root / "lock").mkdir()
+    else:
+        shutil.rmtree(store.root / "tmp", ignore_errors=True)
+        (store.root / "tmp").write_text("not a folder")
+    before = store_state(store.root)
+    one_line(tailor("commit", str(at6), "--step", "8", store=store.root), 3, "move it away and retry")
+    assert store_state(store.root) == before
+
+
 def test_a_missing_index_does_not_suggest_init(two_steps) -> None:
     store, _ = two_steps
     store.close()

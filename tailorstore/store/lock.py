@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import LockTimeoutError, StoreError
+from ..errors import CorruptStoreError, LockTimeoutError, StoreError
 
 
 class LockHandle:
@@ -37,7 +37,10 @@ def store_lock(
 ) -> Iterator[LockHandle]:
     if not (timeout >= 0 and timeout != float("inf")):  # also refuses NaN, which would wait forever
         raise StoreError(f"lock timeout {timeout!r} is not allowed: give a number of seconds, 0 or more.")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except IsADirectoryError:
+        raise CorruptStoreError(f"{path}: the store's lock file is a directory; move it away and retry.") from None
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     deadline = time.monotonic() + timeout
     told = False

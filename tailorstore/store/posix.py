@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from ..errors import CorruptStoreError
 from .backend import BytesLike, Chunks, ObjectExistsError, as_chunks, check_key
 from .direct_io import DirectReader, SequentialWriter
 
@@ -79,6 +80,10 @@ class PosixBackend:
         except FileNotFoundError:
             self.tmp_dir.mkdir(parents=True, exist_ok=True)
             out = SequentialWriter(tmp, direct=size_hint >= _DIRECT_FROM)
+        except NotADirectoryError:
+            raise CorruptStoreError(
+                f"{self.tmp_dir}: is not a directory, where the store writes its temp files; move it away and retry."
+            ) from None
         try:
             for chunk in chunks:
                 out.write(chunk)
