@@ -24,9 +24,10 @@ from tailorstore.formats.source import Identity
 from tailorstore.gc import Retention, kept_manifests
 from tailorstore.merge import MergeSpecError, parse_spec
 from tailorstore.policies import PARAMETERS, POLICIES, CommitFacts, PolicyError, PolicySpec, decide, policy_spec
-from tailorstore.store.backend import check_name
+from tailorstore.store.backend import BackendError, check_name
 from tailorstore.store.records import ManifestRecord
 from tailorstore.store.repo import Repository, check_step
+from tailorstore.store.s3 import S3Backend
 
 BLOCKS = [f"block.{i}" for i in range(6)]
 LAYERS = frozenset([*BLOCKS, "embedding", "final_norm", "lm_head", "state"])
@@ -392,3 +393,10 @@ def test_the_command_shows_library_advice_as_flags() -> None:
     assert as_flags("raise `lock_timeout=SECONDS`") == "raise --lock-timeout SECONDS"
     assert as_flags("Run `verify(deep=True)`.") == "Run `tailor verify --deep`."
     assert as_flags("check out `tailor checkout step=3` as it is") == "check out `tailor checkout step=3` as it is"
+
+
+@pytest.mark.parametrize("location", ["s3://", "s3:///p", "s3://b/p1/../p2", "s3://b/./p", "s3://b/p1//p2"])
+def test_an_s3_location_with_odd_prefix_parts_is_refused_before_any_request(location: str) -> None:
+    """S3 keeps '..' and empty parts literally: s3://b/p1/../p2 was a third store, not p2."""
+    with pytest.raises(BackendError, match="s3://bucket/prefix"):
+        S3Backend(location)

@@ -59,6 +59,12 @@ class S3Backend:
         if not location.startswith("s3://") or len(location) <= 5:
             raise BackendError(f"{location!r}: an S3 store is named s3://bucket/prefix")
         self.location = location.rstrip("/")
+        bucket, _, prefix = self.location[len("s3://") :].partition("/")
+        if not bucket or (prefix and any(part in ("", ".", "..") for part in prefix.split("/"))):
+            # S3 keeps such keys literally: s3://b/p1/../p2 would be a third store, not p2
+            raise BackendError(
+                f"{location!r}: an S3 store is named s3://bucket/prefix, with no empty, '.' or '..' parts in the prefix"
+            )
         endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
         options: dict = {"allow_http": True} if endpoint.startswith("http://") else {}
         options["timeout"] = f"{_seconds(TIMEOUT_ENV, 30, 3600):g}s"
