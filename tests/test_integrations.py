@@ -182,6 +182,40 @@ def test_a_killed_runs_staged_save_is_written_where_deepspeed_would_by_the_next_
     assert not list(staging.iterdir()), "the dead run's staging folder was freed"
 
 
+def test_a_killed_runs_staged_save_that_cannot_be_moved_stays_and_training_starts(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the save should go cannot be written (here a file took the folder's name): the new
+    engine starts anyway, the staged save stays, and a later engine moves it once it can."""
+    reference = runs.get("zero2-bf16").save_dir / "global_step3"
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    monkeypatch.setenv("TAILOR_STAGING", str(staging))
+    Store.init(tmp_path / "store").close()
+    save_dir = tmp_path / "blocked" / "save"
+    script = tmp_path / "stage.py"
+    script.write_text(STAGE_AND_WAIT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(reference), str(save_dir), str(tmp_path / "store")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "staged"
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    staged = sorted(p.name for p in staging.rglob("*.pt"))
+    (tmp_path / "blocked").write_text("a file where the save folder's parent should be")
+    with Store.open(tmp_path / "store") as store:
+        TailorCheckpointEngine(store)  # does not raise
+        assert sorted(p.name for p in staging.rglob("*.pt")) == staged
+        (tmp_path / "blocked").unlink()
+        TailorCheckpointEngine(store)
+    assert sorted(p.name for p in (save_dir / "global_step3").iterdir()) == staged
+    assert not list(staging.iterdir())
+
+
 def test_tailor_checkpoint_engine_leaves_a_16bit_export_where_deepspeed_writes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 
 from ..dir_locks import hold_dir, removed, take_abandoned
+from ..errors import BadCheckpointError, TailorError
 from ..small_text import NAME_LIMIT, read_small_text
 
 log = logging.getLogger("tailorstore")
@@ -94,6 +95,8 @@ def recover(staging: Path) -> list[Path]:
             continue
         try:
             rescued += _recover_one(root)
+        except OSError as exc:  # never stops the training that starts
+            log.warning("tailorstore: could not recover %s, left by a run that is gone (%s)", root, exc)
         finally:
             os.close(fd)
     return rescued
@@ -110,11 +113,14 @@ def _recover_one(root: Path) -> list[Path]:
         if not entry.name.startswith("save-") or not target.is_file() or len(tags) != 1:
             log.warning("tailorstore: %s was left by a run that is gone; it is not ours to move, so it stays", entry)
             continue
-        real = Path(read_small_text(target, "a staged save's target", NAME_LIMIT))
-        if not real.is_absolute():
-            log.warning("tailorstore: %s names no absolute target; it stays", target)
+        try:
+            real = Path(read_small_text(target, "a staged save's target", NAME_LIMIT))
+            if not real.is_absolute():
+                raise BadCheckpointError(f"{target}: names no absolute path")
+            rescue(tags[0], real)
+        except (OSError, TailorError) as exc:  # a recovery that cannot be done must not stop the training
+            log.warning("tailorstore: could not move %s, left by a run that is gone (%s); it stays", tags[0], exc)
             continue
-        rescue(tags[0], real)
         finish(entry)
         rescued.append(real)
         log.warning(
