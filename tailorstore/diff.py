@@ -16,7 +16,7 @@ from . import structure
 from .changes import relative_change, stored_pieces
 from .errors import StoreError
 from .layers import STATE, sort_key
-from .output_dir import PARTIAL, refuse_inside_store
+from .output_dir import partial_prefix, refuse_inside_store
 from .store.records import MAIN_RUN
 from .store.repo import Repository
 
@@ -123,7 +123,7 @@ def plot(store: Repository, out: Path, run: str = MAIN_RUN) -> Path:
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     inherited = Patch(facecolor="lightgrey", hatch="///", edgecolor="grey", label="inherited (not stored here)")
     fig.legend(handles=[inherited], loc="lower left", fontsize=8, frameon=False)
-    tmp = out.parent / f".{out.name}{PARTIAL}{secrets.token_hex(4)}"
+    tmp = out.parent / f"{partial_prefix(out)}{secrets.token_hex(4)}"
     try:
         fig.savefig(tmp, dpi=120, format="png")
         os.replace(tmp, out)  # a finished picture or none: never a cut one under the name

@@ -56,7 +56,7 @@ def prepare_out(out: Path, store: Repository) -> tuple[Path, int]:
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(out)
     while True:
-        tmp = out.parent / f"{_partial_prefix(out)}{secrets.token_hex(4)}"
+        tmp = out.parent / f"{partial_prefix(out)}{secrets.token_hex(4)}"
         tmp.mkdir()
         fd = hold_dir(tmp)
         if not removed(fd):
@@ -64,7 +64,7 @@ def prepare_out(out: Path, store: Repository) -> tuple[Path, int]:
         os.close(fd)
 
 
-def _partial_prefix(out: Path) -> str:
+def partial_prefix(out: Path) -> str:
     return f".{out.name}{PARTIAL}"
 
 
@@ -73,7 +73,7 @@ def remove_stale_partials(out: Path) -> int:
     (a whole checkpoint's bytes each: a preempted job would otherwise leave them for good);
     those a live process is writing hold its lock and stay. Returns how many were deleted."""
     count = 0
-    for found in out.parent.glob(f"{glob.escape(_partial_prefix(out))}*"):
+    for found in out.parent.glob(f"{glob.escape(partial_prefix(out))}*"):
         fd = take_abandoned(found)
         if fd is None:
             continue

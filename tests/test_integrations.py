@@ -144,18 +144,16 @@ time.sleep(600)  # killed here, before engine.commit: the staged save is the onl
 """
 
 
-def test_a_killed_runs_staged_save_is_written_where_deepspeed_would_by_the_next_engine(
-    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A run killed between saving and committing left its staged save in memory (/dev/shm) for
-    good, the only copy of it. The next engine to start moves it to save_dir/tag and frees the
-    staging folder, but leaves a live run's staged save alone (its lock says it is live)."""
+def stage_and_wait(
+    runs: Runs, tmp_path: Path, save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, Path, subprocess.Popen[str]]:
+    """A store, a staging folder this test and its engines use, and a process that has staged
+    DeepSpeed's step-3 files there through a TailorCheckpointEngine and waits, uncommitted."""
     reference = runs.get("zero2-bf16").save_dir / "global_step3"
     staging = tmp_path / "staging"
     staging.mkdir()
     monkeypatch.setenv("TAILOR_STAGING", str(staging))
     Store.init(tmp_path / "store").close()
-    save_dir = tmp_path / "save"
     script = tmp_path / "stage.py"
     script.write_text(STAGE_AND_WAIT)
     proc = subprocess.Popen(
@@ -163,8 +161,21 @@ def test_a_killed_runs_staged_save_is_written_where_deepspeed_would_by_the_next_
         stdout=subprocess.PIPE,
         text=True,
     )
+    if proc.stdout is None or proc.stdout.readline().strip() != "staged":
+        proc.kill()
+        raise AssertionError("the staging process did not stage its save")
+    return reference, staging, proc
+
+
+def test_a_killed_runs_staged_save_is_written_where_deepspeed_would_by_the_next_engine(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed between saving and committing left its staged save in memory (/dev/shm) for
+    good, the only copy of it. The next engine to start moves it to save_dir/tag and frees the
+    staging folder, but leaves a live run's staged save alone (its lock says it is live)."""
+    save_dir = tmp_path / "save"
+    reference, staging, proc = stage_and_wait(runs, tmp_path, save_dir, monkeypatch)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "staged"
         staged = sorted(p.name for p in staging.rglob("*.pt"))
         assert staged == sorted(f.name for f in reference.iterdir())
         with Store.open(tmp_path / "store") as store:
@@ -187,24 +198,10 @@ def test_a_killed_runs_staged_save_that_cannot_be_moved_stays_and_training_start
 ) -> None:
     """Where the save should go cannot be written (here a file took the folder's name): the new
     engine starts anyway, the staged save stays, and a later engine moves it once it can."""
-    reference = runs.get("zero2-bf16").save_dir / "global_step3"
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    monkeypatch.setenv("TAILOR_STAGING", str(staging))
-    Store.init(tmp_path / "store").close()
     save_dir = tmp_path / "blocked" / "save"
-    script = tmp_path / "stage.py"
-    script.write_text(STAGE_AND_WAIT)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(reference), str(save_dir), str(tmp_path / "store")],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "staged"
-    finally:
-        proc.kill()
-        proc.wait(timeout=60)
+    _, staging, proc = stage_and_wait(runs, tmp_path, save_dir, monkeypatch)
+    proc.kill()
+    proc.wait(timeout=60)
     staged = sorted(p.name for p in staging.rglob("*.pt"))
     (tmp_path / "blocked").write_text("a file where the save folder's parent should be")
     with Store.open(tmp_path / "store") as store:
