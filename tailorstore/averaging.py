@@ -84,6 +84,11 @@ class AverageResult:
     seconds: float
 
 
+# Far more steps than any average wants (each is a checkpoint read in full); the bound keeps a
+# range such as {from: 0, to: 10**12, every: 1} from being built as a list before it is refused.
+MAX_AVERAGED_STEPS = 10_000
+
+
 def is_averaging(spec: Any) -> bool:
     return isinstance(spec, dict) and "method" in spec
 
@@ -116,11 +121,19 @@ def _steps(value: Any, where: str) -> tuple[int, ...]:
             raise MergeSpecError(f"{where}: a range of steps is {{from: N, to: M, every: K}}, all three integers")
         if value["every"] <= 0 or value["from"] < 0 or value["to"] < value["from"]:
             raise MergeSpecError(f"{where}: the range needs 0 <= from <= to and every > 0")
-        value = list(range(value["from"], value["to"] + 1, value["every"]))
+        value = range(value["from"], value["to"] + 1, value["every"])
+        if len(value) > MAX_AVERAGED_STEPS:  # checked before the range becomes a list: 10**12 steps filled memory
+            raise MergeSpecError(
+                f"{where}: the range names {len(value):,} steps; an average takes at most {MAX_AVERAGED_STEPS:,} "
+                "(raise every, or narrow from and to)"
+            )
+        value = list(value)
     if not isinstance(value, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value):
         raise MergeSpecError(f"{where}: steps is a list of step numbers, e.g. [100, 200, 300], or {{from, to, every}}")
     if len(value) < 2:
         raise MergeSpecError(f"{where}: an average needs at least two steps")
+    if len(value) > MAX_AVERAGED_STEPS:
+        raise MergeSpecError(f"{where}: {len(value):,} steps; an average takes at most {MAX_AVERAGED_STEPS:,}")
     if any(b <= a for a, b in pairwise(value)):
         raise MergeSpecError(f"{where}: list the steps oldest first, each once")
     return tuple(value)

@@ -26,6 +26,11 @@ from .store.records import MERGE, BlobRecord, ManifestRecord
 AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
 
 
+# A spec is a few dozen lines. PyYAML takes about 3 s and 160 MB to parse each MiB, so the
+# general 64 MiB bound for small text files would let one spec run for minutes in gigabytes.
+SPEC_LIMIT = 1 << 20
+
+
 class MergeSpecError(TailorError):
     """The merge spec is malformed or names what the store does not hold."""
 
@@ -33,7 +38,7 @@ class MergeSpecError(TailorError):
 def load_spec(path: Path) -> Any:
     """The spec file's YAML document (any shape; the parsers check it)."""
     try:
-        return yaml.safe_load(read_small_text(Path(path), "a merge spec (YAML)", error=MergeSpecError))
+        return yaml.safe_load(read_small_text(Path(path), "a merge spec (YAML)", SPEC_LIMIT, MergeSpecError))
     except (OSError, yaml.YAMLError) as exc:
         raise MergeSpecError(f"{path}: cannot read the spec ({exc})") from None
 

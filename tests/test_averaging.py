@@ -68,6 +68,8 @@ def test_a_range_of_steps() -> None:
         ({"steps": [9, -3]}, "list of step numbers"),
         ({"steps": {"from": 9, "to": 3, "every": 3}}, "0 <= from <= to"),
         ({"steps": {"from": 9, "to": 18}}, "from: N, to: M, every: K"),
+        ({"steps": {"from": 0, "to": 10**12, "every": 1}}, "names 1,000,000,000,001 steps; an average takes at most"),
+        ({"steps": list(range(10_001))}, "10,001 steps; an average takes at most 10,000"),
         ({"method": "ema"}, "0 < alpha <= 1"),
         ({"method": "ema", "alpha": 1.5}, "0 < alpha <= 1"),
         ({"alpha": 0.5}, "alpha belongs to method ema"),

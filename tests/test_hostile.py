@@ -370,6 +370,9 @@ def test_text_files_that_are_binary_or_huge(two_steps, tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_bytes(b"layers:\n  - \x80\x81\n")
     one_line(tailor("merge", str(spec), "--tag", "m", store=store.root), 2, "spec.yaml: not UTF-8 text")
+    # a spec of a million steps parsed for seconds per MiB, up to the 64 MiB bound of other text files
+    spec.write_text("method: sma\nsteps: [" + ", ".join(map(str, range(150_000))) + "]\n")
+    one_line(tailor("merge", str(spec), "--tag", "m", store=store.root), 2, "spec.yaml: over 1 MiB")
     os.mkfifo(tmp_path / "spec.fifo")  # nobody writes it: reading it would wait forever
     one_line(
         tailor("merge", str(tmp_path / "spec.fifo"), "--tag", "m", store=store.root, timeout=60), 2, "not a regular"
