@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 from conftest import HFRun, Runs, as_of_step, blob_object, copy_tree, store_state, tailor
 
 from tailorstore.atoms import TensorSlot
@@ -496,3 +497,55 @@ def test_two_checkouts_into_one_directory(two_steps, tmp_path: Path) -> None:
         assert "Traceback" not in loser and len(loser.strip().splitlines()) == 1, loser
         assert not list(tmp_path.glob(f".out{i}.tailor-partial-*"))
         assert (out / "latest").read_text() == "global_step6"
+
+
+def _rewritten(obj: Path, change) -> None:
+    """Rewrite a manifest object's document through ``change`` (a host with another writer, or damage)."""
+    doc = json.loads(zstandard.ZstdDecompressor().decompress(obj.read_bytes(), max_output_size=1 << 30))
+    change(doc)
+    obj.write_bytes(zstandard.ZstdCompressor().compress(json.dumps(doc).encode()))
+
+
+def _set(table: str, row: int, column: str, value: object):
+    def change(doc: dict) -> None:
+        t = doc[table]
+        t["rows"][row][t["columns"].index(column)] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda d: d.pop("files"), ["table of FileRecord rows"]),  # was KeyError, exit 1
+        (lambda d: d["files"]["rows"][0].pop(), ["FileRecord row has 8 values for 9 columns"]),  # TypeError
+        (lambda d: d["manifest"].pop("step"), ["ManifestRecord has no step"]),  # KeyError
+        (lambda d: d["manifest"].update(step="three"), ["ManifestRecord.step is 'three', not an int"]),  # accepted
+        (lambda d: d["manifest"].update(created_at="today"), ["created_at is 'today'"]),  # every later `log` failed
+        (lambda d: d["atoms"].update(rows=5), ["table of AtomRecord rows"]),  # TypeError
+        (_set("layers", 0, "layer", None), ["LayerRow.layer is None"]),  # a constraint error of the index
+        (_set("blobs", 0, "hash", "zz"), ["'zz' is not a 32-digit hex hash"]),  # accepted as a 77th blob
+        (_set("blobs", 0, "raw_size", -5), ["raw_size is -5"]),  # accepted
+        (_set("files", 0, "path", "/etc/evil.pt"), ["refusing path '/etc/evil.pt'"]),  # exit 2 at checkout
+    ],
+)
+def test_a_damaged_manifest_object_is_named_and_nothing_of_it_is_indexed(tmp_path: Path, change, words) -> None:
+    """Manifest objects are what the index is rebuilt from, and what every open imports from other
+    hosts: a row of the wrong shape or type, a path leaving the checkpoint or a name that is no hash
+    is damage to the store, refused in one line naming the object (exit 3), not a traceback, a
+    wrong row in the index, or a bad-input error at the first checkout."""
+    checkpoint = Path(__file__).parent / "data" / "format1" / "checkpoint"
+    store = tmp_path / "store"
+    assert tailor("init", str(store)).returncode == 0
+    assert tailor("commit", str(checkpoint), store=store).returncode == 0
+    (obj,) = (store / "manifests" / "main").iterdir()
+    _rewritten(obj, change)
+    key = f"manifests/main/{obj.name}"
+    one_line(tailor("index", "rebuild", store=store), 3, key, "is damaged", *words)
+    assert not list(store.glob("index.sqlite.rebuild*"))
+    assert "exact" in tailor("log", store=store).stdout  # the old index, as it was: the rebuild replaced nothing
+    another = obj.with_name(obj.name.replace("-00000000000000000003-", "-00000000000000000004-"))
+    obj.rename(another)  # as if another host had committed it: the next open imports it
+    one_line(tailor("log", store=store), 3, "is damaged", *words)
+    another.unlink()
+    assert tailor("log", store=store).stdout.count("exact") == 0  # step 3's object is gone, so is its row

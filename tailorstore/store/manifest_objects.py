@@ -49,8 +49,11 @@ from .records import (
     FileRecord,
     LayerRecord,
     ManifestRecord,
+    RecordError,
     RunRecord,
+    check_rows,
     from_table,
+    record,
     to_table,
 )
 
@@ -137,14 +140,63 @@ def encode(doc: dict[str, Any]) -> bytes:
     return zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
 
 
-def decode(data: bytes, key: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ManifestDocument:
+    """A manifest object read back, every row a checked record (``records.record``): a damaged
+    object is refused as a whole, naming itself, before any of it reaches the index."""
+
+    manifest: ManifestRecord  # without tag, pin or local id: the refs and the index hold those
+    files: list[FileRecord]
+    atoms: list[AtomRecord]
+    blobs: list[BlobRecord]
+    layers: list[tuple[LayerRecord, str | None]]  # each with the object key of its source (None: itself)
+
+
+def decode(data: bytes, key: str) -> ManifestDocument:
     try:
         doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31))
-    except (zstandard.ZstdError, ValueError) as exc:
+    except (zstandard.ZstdError, ValueError, RecursionError) as exc:
         raise CorruptStoreError(f"manifest object {key} is damaged ({exc}); restore it from a backup") from None
     if not isinstance(doc, dict) or doc.get("tailorstore_manifest") not in READABLE_DOC_VERSIONS:
         raise CorruptStoreError(f"manifest object {key} is not a manifest this tailorstore reads; upgrade tailorstore")
-    return doc
+    try:
+        return _typed_document(doc, key)
+    except RecordError as exc:
+        raise CorruptStoreError(
+            f"manifest object {key} is damaged ({exc}); restore it from a backup, or delete it "
+            "(its step is then gone) and run `tailor index rebuild`"
+        ) from None
+
+
+def _typed_document(doc: dict[str, Any], key: str) -> ManifestDocument:
+    m = doc.get("manifest")
+    if not isinstance(m, dict):
+        raise RecordError("it holds no manifest row")
+    m = {**m, "run": m.get("run", run_of_key(key)), "tier": m.get("tier")}  # version 1 objects have neither
+    manifest = record(ManifestRecord, {c: m[c] for c in MANIFEST_DOC_FIELDS if c in m})
+    if manifest.step < 0:
+        raise RecordError(f"step {manifest.step}")
+    files = from_table(doc.get("files"), FileRecord)
+    atoms = from_table(doc.get("atoms"), AtomRecord)
+    blobs = from_table(doc.get("blobs"), BlobRecord)
+    check_rows(files, atoms, blobs)
+    layers = [
+        (LayerRecord(row.layer, 0, row.source_step, row.raw_bytes, row.stored, row.change), row.source)
+        for row in from_table(doc.get("layers"), LayerRow)
+    ]  # each source's local id is set at import
+    return ManifestDocument(manifest, files, atoms, blobs, layers)
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """A layer as a manifest object writes it: its source named by object key (None: the manifest itself)."""
+
+    layer: str
+    source_step: int
+    raw_bytes: int
+    stored: bool
+    change: float | None
+    source: str | None = None
 
 
 def publish(backend: Backend, index: Index, manifest: int) -> str:
@@ -186,37 +238,23 @@ def drop_tag(backend: Backend, tag: str) -> None:
     backend.delete(tag_key(tag))
 
 
-def import_document(index: Index, key: str, doc: dict[str, Any], ids: dict[str, int]) -> int:
+def import_document(index: Index, key: str, doc: ManifestDocument, ids: dict[str, int]) -> int:
     """Insert one manifest object's rows; ``ids`` maps object keys already in the index to local ids."""
-    m = doc["manifest"]
     # where a blob is, the packs decide: a known blob keeps its row
-    index.add_blobs(from_table(doc["blobs"], BlobRecord))
-    m = {**m, "run": m.get("run", run_of_key(key)), "tier": m.get("tier")}
-    record = ManifestRecord(**{c: m[c] for c in MANIFEST_DOC_FIELDS if c != "exact"}, exact=bool(m["exact"]))
-    manifest = index.insert_manifest(replace(record, object_key=key))
+    index.add_blobs(doc.blobs)
+    manifest = index.insert_manifest(replace(doc.manifest, object_key=key))
     ids[key] = manifest
-    index.insert_files(manifest, from_table(doc["files"], FileRecord))
-    index.insert_atoms(manifest, from_table(doc["atoms"], AtomRecord))
-    layers = []
-    columns = list(doc["layers"]["columns"])
-    for row in doc["layers"]["rows"]:
-        fields = dict(zip(columns, row, strict=False))
-        source_key = fields.get("source")
-        # A source gc dropped since: the layer's atoms are this manifest's own rows anyway (FORMAT.md 7).
-        source = ids.get(source_key, manifest) if source_key is not None else manifest
-        layers.append(
-            LayerRecord(
-                fields["layer"], source, fields["source_step"], fields["raw_bytes"], bool(fields["stored"]),
-                fields["change"],
-            )
-        )  # fmt: skip
+    index.insert_files(manifest, doc.files)
+    index.insert_atoms(manifest, doc.atoms)
+    # A source gc dropped since: the layer's atoms are this manifest's own rows anyway (FORMAT.md 7).
+    layers = [replace(layer, source=ids.get(source, manifest) if source else manifest) for layer, source in doc.layers]
     index.insert_layers(manifest, layers)
     return manifest
 
 
-def _order(keys: list[str], docs: dict[str, dict[str, Any]]) -> list[str]:
+def _order(keys: list[str], docs: dict[str, ManifestDocument]) -> list[str]:
     """Sources before the manifests that inherit from them (sources are always older)."""
-    return sorted(keys, key=lambda k: (docs[k]["manifest"]["created_at"], k))
+    return sorted(keys, key=lambda k: (docs[k].manifest.created_at, k))
 
 
 def _current_versions(keys: Iterable[str]) -> set[str]:

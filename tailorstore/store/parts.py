@@ -29,6 +29,7 @@ from .records import (
     AtomRecord,
     BlobRecord,
     FileRecord,
+    check_rows,
     from_table,
     to_table,
 )
@@ -89,11 +90,16 @@ def encode(part: Part) -> bytes:
     return zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
 
 
+_TABLES = (("files", FileRecord), ("atoms", AtomRecord), ("blobs", BlobRecord))
+
+
 def decode(data: bytes, key: str) -> Part:
     try:
         doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31))
         if not isinstance(doc, dict) or doc.get("tailorstore_part") != DOC_VERSION:
             raise ValueError("not a part this tailorstore reads")
+        files, atoms, blobs = (from_table(doc[n], c) for n, c in _TABLES)
+        check_rows(files, atoms, blobs)
         return Part(
             step=int(doc["step"]),
             layout=doc["layout"],
@@ -103,9 +109,9 @@ def decode(data: bytes, key: str) -> Part:
             created_at=float(doc["created_at"]),
             raw_bytes=int(doc["raw_bytes"]),
             new_bytes=int(doc["new_bytes"]),
-            files=from_table(doc["files"], FileRecord),
-            atoms=from_table(doc["atoms"], AtomRecord),
-            blobs=from_table(doc["blobs"], BlobRecord),
+            files=files,
+            atoms=atoms,
+            blobs=blobs,
             key=key,
             run=key[len(PART_PREFIX) :].split("/", 1)[0],
         )

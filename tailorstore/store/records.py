@@ -8,10 +8,14 @@ index caches and what the backend keeps cannot drift apart.
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from ..errors import UnsafePathError
+from ..paths import check_relative
 from .backend import blob_key, pack_key
 
 COMMIT = "commit"
@@ -159,13 +163,115 @@ def to_table(records: Iterable[object], columns: tuple[str, ...]) -> dict[str, A
     return {"columns": columns, "rows": rows}
 
 
-def from_table(table: dict[str, Any], cls: type) -> list[Any]:
-    """A JSON table back as records, by column name: a reader of a newer object ignores
-    columns it does not know, and 0/1 flags become bools again."""
-    known = {f.name: f.type in ("bool", bool) for f in fields(cls)}
-    columns = list(table["columns"])
-    out = []
-    for row in table["rows"]:
-        named = {c: (bool(v) if known[c] else v) for c, v in zip(columns, row, strict=False) if c in known}
-        out.append(cls(**named))
+class RecordError(ValueError):
+    """A row of a manifest object or part that is not a record of its kind: the object is damaged
+    (or was written by hand). Raised before anything of it reaches the index."""
+
+
+_SCALARS: dict[str, type] = {"int": int, "str": str, "float": float, "bool": bool}
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, tuple[type, bool, bool]]:
+    """Each field of a record class: (its scalar type, whether it may be None, whether it is required)."""
+    out = {}
+    for f in fields(cls):
+        names = [n.strip() for n in str(f.type).split("|")]
+        (scalar,) = [n for n in names if n != "None"]
+        out[f.name] = (_SCALARS[scalar], "None" in names, f.default is MISSING and f.default_factory is MISSING)
     return out
+
+
+def _typed(cls: type, name: str, value: Any) -> Any:
+    scalar, nullable, _ = _field_types(cls)[name]
+    if value is None and nullable:
+        return None
+    if scalar is bool and value in (0, 1) and not isinstance(value, float):
+        return bool(value)  # flags are 0/1, as in SQL
+    plain_number = not isinstance(value, bool)
+    if (scalar is float and isinstance(value, int | float) and plain_number) or (
+        scalar is not float and isinstance(value, scalar) and plain_number
+    ):
+        return float(value) if scalar is float else value
+    raise RecordError(f"{cls.__name__}.{name} is {value!r:.80}, not {'an' if scalar is int else 'a'} {scalar.__name__}")
+
+
+def record(cls: type, named: dict[str, Any]) -> Any:
+    """A record from named values, each checked against the type its field declares. Manifest
+    objects and parts come from the backend, written by other hosts (or damaged): a step that is
+    a string or a missing column must stop here, naming the object, not reach the index and fail
+    later as a traceback. Names the record does not have are ignored (a newer writer's columns)."""
+    types = _field_types(cls)
+    missing = [name for name, (_, _, required) in types.items() if required and name not in named]
+    if missing:
+        raise RecordError(f"a {cls.__name__} has no {', '.join(missing)}")
+    values = {}
+    for name, value in named.items():
+        declared = types.get(name)
+        if declared is None:
+            continue
+        values[name] = value if type(value) is declared[0] else _typed(cls, name, value)  # most are exact
+    return cls(**values)
+
+
+def from_table(table: dict[str, Any], cls: type) -> list[Any]:
+    """A JSON table back as records, by column name (:func:`record` checks every value): a reader
+    of a newer object ignores columns it does not know, and 0/1 flags become bools again."""
+    columns = table.get("columns") if isinstance(table, dict) else None
+    rows = table.get("rows") if isinstance(table, dict) else None
+    named_columns = isinstance(columns, list | tuple) and all(isinstance(c, str) for c in columns)
+    if not named_columns or not isinstance(rows, list):
+        raise RecordError(f"a table of {cls.__name__} rows is not {{columns: [names], rows: [rows]}}")
+    out = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != len(columns):
+            raise RecordError(f"a {cls.__name__} row has {_count(row)} values for {len(columns)} columns")
+        out.append(record(cls, dict(zip(columns, row, strict=True))))
+    return out
+
+
+def _count(row: Any) -> str:
+    return str(len(row)) if isinstance(row, list) else "no list of"
+
+
+def check_rows(files: Iterable[FileRecord], atoms: Iterable[AtomRecord], blobs: Iterable[BlobRecord]) -> None:
+    """What the types cannot say about a manifest's rows: paths stay inside the checkpoint, blob and
+    pack names are hashes, sizes and element ranges are not negative. Checkout refuses such a path
+    anyway; here it is found when the object is read, as damage to the store, naming the object."""
+    paths: set[str] = set()  # a file's atoms repeat its path: each is checked once
+    try:
+        for f in files:
+            _inside(f.path, paths)
+            _hex(f.blob, f.path)
+            if f.container is not None:
+                _hex(f.container, f.path)
+            _not_negative(f.path, raw_size=f.raw_size)
+        for a in atoms:
+            _inside(a.path, paths)
+            _hex(a.blob, a.path)
+            _not_negative(a.path, numel=a.numel, nbytes=a.nbytes, start=a.start, offset=a.offset)
+        for b in blobs:
+            _hex(b.hash, "a blob row")
+            if b.pack is not None:
+                _hex(b.pack, f"blob {b.hash}")
+            _not_negative(f"blob {b.hash}", raw_size=b.raw_size, stored_size=b.stored_size)
+    except UnsafePathError as exc:
+        raise RecordError(str(exc)) from None
+
+
+def _inside(path: str, checked: set[str]) -> None:
+    if path not in checked:
+        check_relative(path)
+        checked.add(path)
+
+
+def _hex(name: str, where: str) -> None:
+    if not _HEX32.fullmatch(name):
+        raise RecordError(f"{where}: {name!r:.80} is not a 32-digit hex hash")
+
+
+def _not_negative(where: str, **numbers: int) -> None:
+    for name, value in numbers.items():
+        if value < 0:
+            raise RecordError(f"{where}: {name} is {value}")

@@ -183,8 +183,12 @@ class Repository:
             manifest_objects.sync(where.backend, fresh, locked=True)
             counts = fresh.counts()
             fresh.checkpoint()
-        finally:
+        except BaseException:
             fresh.close()
+            for partial in path.parent.glob(f"{tmp.name}*"):  # with its -wal and -shm
+                partial.unlink()
+            raise
+        fresh.close()
         for old in path.parent.glob(f"{path.name}-*"):  # the old index's -wal and -shm files
             old.unlink()
         os.replace(tmp, path)
