@@ -549,3 +549,20 @@ def test_a_damaged_manifest_object_is_named_and_nothing_of_it_is_indexed(tmp_pat
     one_line(tailor("log", store=store), 3, "is damaged", *words)
     another.unlink()
     assert tailor("log", store=store).stdout.count("exact") == 0  # step 3's object is gone, so is its row
+
+
+def test_damaged_ref_objects_of_a_store(tmp_path: Path) -> None:
+    """refs/ objects are read by every open: a tag object whose bytes are not UTF-8 names no key and is
+    ignored as a tag of a missing key is (it stopped every command on a UnicodeDecodeError
+    traceback); a run object whose base is not a key is damage, named (it was taken as it was)."""
+    checkpoint = Path(__file__).parent / "data" / "format1" / "checkpoint"
+    store = tmp_path / "store"
+    assert tailor("init", str(store)).returncode == 0
+    assert tailor("commit", str(checkpoint), store=store).returncode == 0
+    (store / "refs" / "tags").mkdir(parents=True, exist_ok=True)
+    (store / "refs" / "tags" / "odd").write_bytes(b"\xff\xfe")
+    listed = tailor("log", store=store)
+    assert listed.returncode == 0 and "exact" in listed.stdout and "odd" not in listed.stdout, listed.stderr
+    (store / "refs" / "runs").mkdir(parents=True, exist_ok=True)
+    (store / "refs" / "runs" / "ft").write_text('{"created_at": 5, "base": 17}')
+    one_line(tailor("log", store=store), 3, "run object refs/runs/ft is damaged", "RunRecord.base is 17")

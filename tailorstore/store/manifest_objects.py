@@ -409,7 +409,8 @@ def _listed_runs(backend: Backend, known: dict[str, RunRecord]) -> dict[str, Run
             continue
         try:
             doc = json.loads(backend.get(key))
-            out[name] = RunRecord(check_run_name(name), float(doc["created_at"]), doc.get("base"))
+            fields = {"name": check_run_name(name), "created_at": doc["created_at"], "base": doc.get("base")}
+            out[name] = record(RunRecord, fields)
         except FileNotFoundError:
             continue
         except (ValueError, KeyError, TypeError, StoreError) as exc:
@@ -418,11 +419,13 @@ def _listed_runs(backend: Backend, known: dict[str, RunRecord]) -> dict[str, Run
 
 
 def _listed_tags(backend: Backend) -> dict[str, str]:
-    """Manifest object key -> tag, from the tag objects."""
+    """Manifest object key -> tag, from the tag objects. Bytes that are not UTF-8 name no key, and are
+    ignored as any tag naming a key that does not exist is (docs/FORMAT.md 3.3), not a decode error
+    that stopped every command of the store."""
     out: dict[str, str] = {}
     for key in backend.list(TAG_PREFIX):
         try:
-            out[backend.get(key).decode()] = tag_of_key(key)
+            out[backend.get(key).decode(errors="replace")] = tag_of_key(key)
         except FileNotFoundError:  # untagged while we listed
             continue
     return out
