@@ -566,3 +566,28 @@ def test_damaged_ref_objects_of_a_store(tmp_path: Path) -> None:
     (store / "refs" / "runs").mkdir(parents=True, exist_ok=True)
     (store / "refs" / "runs" / "ft").write_text('{"created_at": 5, "base": 17}')
     one_line(tailor("log", store=store), 3, "run object refs/runs/ft is damaged", "RunRecord.base is 17")
+
+
+@pytest.mark.parametrize(
+    ("entry", "words"),
+    [
+        (["zz", 0, 10, 10, '{"id": "raw", "v": 1}'], ["entry 'zz'"]),
+        (["0" * 32, -64, 10, 10, '{"id": "raw", "v": 1}'], ["at -64"]),
+        (["0" * 32, 0, 1 << 40, 10, '{"id": "raw", "v": 1}'], ["past the body"]),
+    ],
+)
+def test_a_pack_trailer_naming_what_the_pack_cannot_hold_is_damage(tmp_path: Path, entry, words) -> None:
+    """A pack's trailer is taken into the index as it is, by every host that meets the pack: an
+    entry that is no hash, or that lies outside the pack's body, is refused as a damaged pack
+    (it became a blob row that failed, or read bytes of another blob, only when used)."""
+    checkpoint = Path(__file__).parent / "data" / "format1" / "checkpoint"
+    store = tmp_path / "store"
+    assert tailor("init", str(store)).returncode == 0
+    assert tailor("commit", str(checkpoint), store=store).returncode == 0
+    body = b"\0" * 4096
+    trailer = zstandard.ZstdCompressor().compress(json.dumps({"blobs": [entry]}).encode())
+    name = "ab" * 16
+    pack = store / "packs" / name[:2] / name
+    pack.parent.mkdir(parents=True, exist_ok=True)
+    pack.write_bytes(body + trailer + struct.pack("<Q8s", len(trailer), b"TLRPACK1"))
+    one_line(tailor("index", "rebuild", store=store), 3, f"pack {name}: its trailer is damaged", *words)

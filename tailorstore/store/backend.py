@@ -28,7 +28,7 @@ from ..errors import CorruptStoreError, StoreError
 BytesLike = bytes | bytearray | memoryview
 Chunks = Iterable[BytesLike]
 
-_HASH = re.compile(r"[0-9a-f]{32}")
+HASH_NAME = re.compile(r"[0-9a-f]{32}")  # blobs and packs are named by 32 lowercase hex digits
 _KEY = re.compile(r"[A-Za-z0-9._=-]+(/[A-Za-z0-9._=-]+)*")
 BLOB_PREFIX = "blobs/"
 READ_CHUNK = 8 << 20  # bytes a streaming reader holds at a time
@@ -45,7 +45,7 @@ class BackendError(StoreError):
 def check_name(name: str) -> str:
     """A blob name is 32 lowercase hex digits, checked before it becomes a key: an index row
     such as ``../../tmp/x`` must never let gc delete, or checkout read, an object outside the store."""
-    if not isinstance(name, str) or not _HASH.fullmatch(name):
+    if not isinstance(name, str) or not HASH_NAME.fullmatch(name):
         raise CorruptStoreError(
             f"the index names a blob {name!r}, which is not a 32-digit hex hash; the index is damaged. "
             "Rebuild it with `tailor index rebuild`; nothing was deleted."
@@ -69,7 +69,7 @@ PACK_PREFIX = "packs/"
 
 def pack_key(name: str) -> str:
     """The key of pack ``name`` (packs.py); here, beside blob_key, so records name keys without zstd."""
-    if not _HASH.fullmatch(name):
+    if not HASH_NAME.fullmatch(name):
         raise CorruptStoreError(f"the index names a pack {name!r}, which is not a 32-digit hex name")
     return f"{PACK_PREFIX}{name[:2]}/{name}"
 
@@ -77,7 +77,7 @@ def pack_key(name: str) -> str:
 def blob_name(key: str) -> str | None:
     """The blob name a key under ``blobs/`` stands for, or None for anything else found there."""
     parts = key.split("/")
-    if len(parts) == 3 and parts[0] == "blobs" and _HASH.fullmatch(parts[2]) and parts[2][:2] == parts[1]:
+    if len(parts) == 3 and parts[0] == "blobs" and HASH_NAME.fullmatch(parts[2]) and parts[2][:2] == parts[1]:
         return parts[2]
     return None
 
@@ -85,7 +85,7 @@ def blob_name(key: str) -> str | None:
 def pack_name(key: str) -> str | None:
     """The pack name a key under ``packs/`` stands for, or None for anything else found there."""
     parts = key.split("/")
-    if len(parts) == 3 and parts[0] == "packs" and _HASH.fullmatch(parts[2]) and parts[2][:2] == parts[1]:
+    if len(parts) == 3 and parts[0] == "packs" and HASH_NAME.fullmatch(parts[2]) and parts[2][:2] == parts[1]:
         return parts[2]
     return None
 

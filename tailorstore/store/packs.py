@@ -29,7 +29,7 @@ import xxhash
 import zstandard
 
 from ..errors import CorruptStoreError
-from .backend import PACK_PREFIX, Backend, Batch, pack_key, pack_name
+from .backend import HASH_NAME, PACK_PREFIX, Backend, Batch, pack_key, pack_name
 
 PACK_BELOW = 1 << 20  # blobs of a smaller raw size go into packs
 PACK_TARGET = 16 << 20  # a pack is sealed once it holds this many bytes
@@ -82,6 +82,12 @@ def read_trailer(backend: Backend, name: str) -> tuple[int, list[PackEntry]]:
         )
         rows = json.loads(raw)["blobs"]
         entries = [PackEntry(str(h), int(o), int(s), int(r), str(c)) for h, o, s, r, c in rows]
+        body = size - _FOOT.size - length
+        for e in entries:  # the index takes these rows as they are: a reader of the pack trusts them
+            if not HASH_NAME.fullmatch(e.hash) or e.offset < 0 or e.stored_size < 0 or e.raw_size < 0:
+                raise ValueError(f"entry {e.hash!r:.40} at {e.offset} of {e.stored_size} bytes")
+            if e.offset + e.stored_size > body:
+                raise ValueError(f"blob {e.hash} ends at {e.offset + e.stored_size}, past the body's {body} bytes")
     except (zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
         raise CorruptStoreError(f"pack {name}: its trailer is damaged ({exc}); run `verify(deep=True)`") from None
     return size, entries

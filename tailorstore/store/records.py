@@ -9,14 +9,13 @@ index caches and what the backend keeps cannot drift apart.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from ..errors import UnsafePathError
 from ..paths import check_relative
-from .backend import blob_key, pack_key
+from .backend import HASH_NAME, blob_key, pack_key
 
 COMMIT = "commit"
 MERGE = "merge"
@@ -169,7 +168,6 @@ class RecordError(ValueError):
 
 
 _SCALARS: dict[str, type] = {"int": int, "str": str, "float": float, "bool": bool}
-_HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
 @functools.cache
@@ -267,7 +265,7 @@ def _inside(path: str, checked: set[str]) -> None:
 
 
 def _hex(name: str, where: str) -> None:
-    if not _HEX32.fullmatch(name):
+    if not HASH_NAME.fullmatch(name):
         raise RecordError(f"{where}: {name!r:.80} is not a 32-digit hex hash")
 
 
