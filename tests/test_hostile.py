@@ -499,6 +499,16 @@ def test_two_checkouts_into_one_directory(two_steps, tmp_path: Path) -> None:
         assert (out / "latest").read_text() == "global_step6"
 
 
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store holding the small DeepSpeed save kept in tests/data (no training), committed once;
+    each test damages its own copy."""
+    store = tmp_path_factory.mktemp("small") / "store"
+    assert tailor("init", str(store)).returncode == 0
+    assert tailor("commit", str(Path(__file__).parent / "data" / "format1" / "checkpoint"), store=store).returncode == 0
+    return store
+
+
 def _rewritten(obj: Path, change) -> None:
     """Rewrite a manifest object's document through ``change`` (a host with another writer, or damage)."""
     doc = json.loads(zstandard.ZstdDecompressor().decompress(obj.read_bytes(), max_output_size=1 << 30))
@@ -529,15 +539,14 @@ def _set(table: str, row: int, column: str, value: object):
         (_set("files", 0, "path", "/etc/evil.pt"), ["refusing path '/etc/evil.pt'"]),  # exit 2 at checkout
     ],
 )
-def test_a_damaged_manifest_object_is_named_and_nothing_of_it_is_indexed(tmp_path: Path, change, words) -> None:
+def test_a_damaged_manifest_object_is_named_and_nothing_of_it_is_indexed(
+    small_store: Path, tmp_path: Path, change, words
+) -> None:
     """Manifest objects are what the index is rebuilt from, and what every open imports from other
     hosts: a row of the wrong shape or type, a path leaving the checkpoint or a name that is no hash
     is damage to the store, refused in one line naming the object (exit 3), not a traceback, a
     wrong row in the index, or a bad-input error at the first checkout."""
-    checkpoint = Path(__file__).parent / "data" / "format1" / "checkpoint"
-    store = tmp_path / "store"
-    assert tailor("init", str(store)).returncode == 0
-    assert tailor("commit", str(checkpoint), store=store).returncode == 0
+    store = copy_tree(small_store, tmp_path / "store")
     (obj,) = (store / "manifests" / "main").iterdir()
     _rewritten(obj, change)
     key = f"manifests/main/{obj.name}"
@@ -551,14 +560,11 @@ def test_a_damaged_manifest_object_is_named_and_nothing_of_it_is_indexed(tmp_pat
     assert tailor("log", store=store).stdout.count("exact") == 0  # step 3's object is gone, so is its row
 
 
-def test_damaged_ref_objects_of_a_store(tmp_path: Path) -> None:
+def test_damaged_ref_objects_of_a_store(small_store: Path, tmp_path: Path) -> None:
     """refs/ objects are read by every open: a tag object whose bytes are not UTF-8 names no key and is
     ignored as a tag of a missing key is (it stopped every command on a UnicodeDecodeError
     traceback); a run object whose base is not a key is damage, named (it was taken as it was)."""
-    checkpoint = Path(__file__).parent / "data" / "format1" / "checkpoint"
-    store = tmp_path / "store"
-    assert tailor("init", str(store)).returncode == 0
-    assert tailor("commit", str(checkpoint), store=store).returncode == 0
+    store = copy_tree(small_store, tmp_path / "store")
     (store / "refs" / "tags").mkdir(parents=True, exist_ok=True)
     (store / "refs" / "tags" / "odd").write_bytes(b"\xff\xfe")
     listed = tailor("log", store=store)
@@ -576,14 +582,13 @@ def test_damaged_ref_objects_of_a_store(tmp_path: Path) -> None:
         (["0" * 32, 0, 1 << 40, 10, '{"id": "raw", "v": 1}'], ["past the body"]),
     ],
 )
-def test_a_pack_trailer_naming_what_the_pack_cannot_hold_is_damage(tmp_path: Path, entry, words) -> None:
+def test_a_pack_trailer_naming_what_the_pack_cannot_hold_is_damage(
+    small_store: Path, tmp_path: Path, entry, words
+) -> None:
     """A pack's trailer is taken into the index as it is, by every host that meets the pack: an
     entry that is no hash, or that lies outside the pack's body, is refused as a damaged pack
     (it became a blob row that failed, or read bytes of another blob, only when used)."""
-    checkpoint = Path(__file__).parent / "data" / "format1" / "checkpoint"
-    store = tmp_path / "store"
-    assert tailor("init", str(store)).returncode == 0
-    assert tailor("commit", str(checkpoint), store=store).returncode == 0
+    store = copy_tree(small_store, tmp_path / "store")
     body = b"\0" * 4096
     trailer = zstandard.ZstdCompressor().compress(json.dumps({"blobs": [entry]}).encode())
     name = "ab" * 16
