@@ -49,11 +49,17 @@ CONVERSIONS = ("export", "universal", "world-size")  # the keys of measure()'s p
 # Runs a command in this process, then reports its peak resident set (kB) on stderr's last line: its
 # own VmHWM, or the largest of its worker processes' (ds_to_universal works in a multiprocessing pool).
 _PEAK = (
-    "import resource, runpy, sys\n"
+    "import os, resource, runpy, sys\n"
     "def peak():\n"
     "    own = int([x.split()[1] for x in open('/proc/self/status') if x.startswith('VmHWM')][0])\n"
     "    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
-    "    print('VmHWM', max(own, workers), file=sys.stderr)\n"
+    "    print('VmHWM', max(own, workers), file=sys.stderr, flush=True)\n"
+    "leave, me = os._exit, os.getpid()\n"
+    "def peak_then_leave(code):\n"  # the tailor command leaves through os._exit (cli/app.run)
+    "    if os.getpid() == me:\n"  # not in ds_to_universal's forked workers, which leave the same way
+    "        peak()\n"
+    "    leave(code)\n"
+    "os._exit = peak_then_leave\n"
     "kind, target, *rest = sys.argv[1:]\n"
     "sys.argv = [target, *rest]\n"
     "try:\n"

@@ -12,12 +12,13 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import os
 import re
 import sqlite3
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -712,5 +713,28 @@ _INDEX_HINT = (
 )
 
 
+def run() -> NoReturn:
+    """The ``tailor`` command: :func:`main`, then leave at once, without the interpreter's
+    teardown (freeing every object and module, joining idle pool threads). A command has closed
+    its store, fsynced what it wrote and joined its own threads by the time it returns, so that
+    teardown does nothing a user needs, and it cost 15-20 ms of every command (`tailor log` on a
+    one-step store: 0.134 s against 0.118 s, medians of 10 paired runs; within the noise of a
+    conversion's second). :func:`main` itself ends with SystemExit as usual, for callers that go
+    on after it."""
+    try:
+        main()
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if done.code is not None and not isinstance(done.code, int):
+            print(done.code, file=sys.stderr)  # as SystemExit prints a message it was given
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that closed the pipe: nothing more can reach it
+            code = code or 1
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    run()
