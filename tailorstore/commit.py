@@ -78,10 +78,10 @@ def check_options(options: CommitOptions) -> None:
 def step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFile]) -> int:
     if options.step is not None:
         return options.step
-    if layout.step is not None:
-        return layout.step
+    if layout.step is not None:  # from a folder's name or trainer_state.json: any size of number
+        return check_step(layout.step)
     for f in files:
-        if "global_steps" in f.meta:
+        if isinstance(f.meta.get("global_steps"), int):
             return check_step(f.meta["global_steps"])
     raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass `step=N`.")
 

@@ -596,3 +596,26 @@ def test_a_pack_trailer_naming_what_the_pack_cannot_hold_is_damage(
     pack.parent.mkdir(parents=True, exist_ok=True)
     pack.write_bytes(body + trailer + struct.pack("<Q8s", len(trailer), b"TLRPACK1"))
     one_line(tailor("index", "rebuild", store=store), 3, f"pack {name}: its trailer is damaged", *words)
+
+
+@pytest.mark.parametrize(
+    ("folder", "global_step", "words"),
+    [
+        ("final", "-4", ["step -4 is out of range"]),  # was committed as an object no reader takes
+        ("final", "1e400", ["global_step is inf, not a whole number"]),  # an OverflowError traceback
+        ("final", '"7"', ["global_step is '7', not a whole number"]),  # was taken as step 7
+        ("checkpoint-99999999999999999999999", "3", ["step 99999999999999999999999 is out of range"]),
+    ],
+)
+def test_a_step_a_checkpoint_states_out_of_range_is_refused(
+    small_store: Path, tmp_path: Path, folder: str, global_step: str, words: list[str]
+) -> None:
+    """An HF Trainer folder's step comes from its name or its trainer_state.json: one that is
+    negative, too large for the index, or not a whole number is refused before anything is written."""
+    store = copy_tree(small_store, tmp_path / "store")
+    before = store_state(store)
+    checkpoint = tmp_path / folder
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(f'{{"global_step": {global_step}}}')
+    one_line(tailor("commit", str(checkpoint), store=store), 2, *words)
+    assert store_state(store) == before

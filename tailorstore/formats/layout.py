@@ -161,7 +161,9 @@ def _hf_layout(path: Path, part: bool = False) -> CheckpointLayout:
     if step is None:
         try:
             state = read_small_text(path / "trainer_state.json", "an HF Trainer's trainer_state.json")
-            step = int(json.loads(state)["global_step"])
+            step = json.loads(state)["global_step"]
+            if not isinstance(step, int) or isinstance(step, bool):  # 1e400 is a float (inf), "7" a string
+                raise ValueError(f"global_step is {step!r:.40}, not a whole number")
         except (ValueError, KeyError, TypeError) as exc:
             raise BadCheckpointError(f"{path / 'trainer_state.json'}: unreadable ({exc}); pass `step=N`.") from None
     ds_tag = None
