@@ -284,3 +284,75 @@ def test_a_durable_put_is_synced_after_its_last_byte(
     assert (tmp_path / "store" / "blobs" / "ab" / ("ab" * 8)).read_bytes() == data
     assert events.count("fsync") == 1 and events[-1] == "fsync", events
     assert events.count("write") >= 2 if direct else events.count("write") >= 1
+
+
+@pytest.mark.parametrize(("mode", "direct"), MODES)
+@pytest.mark.parametrize(("start", "length"), [(0, None), (5000, 2 * BLOCK + 17), (BLOCK - 1, BLOCK + 2)])
+def test_a_reader_reads_the_next_block_ahead_on_the_pool(
+    mode: str, direct: bool, start: int, length: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a whole block, the next is read on a prefetch thread while the caller works on this one:
+    the same bytes come out, in pieces of any size, and no read goes past the range."""
+    force(mode, monkeypatch)
+    data = random.Random(3).randbytes(3 * BLOCK + 4321)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    readers: list[str] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers: list, offset: int) -> int:
+        readers.append(threading.current_thread().name)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    sizes = random.Random(9)
+    with DirectReader(path, start, length) as reader:
+        got = b"".join(iter(lambda: reader.read(sizes.choice([7, ALIGN + 3, BLOCK // 3, BLOCK + 5])), b""))
+    end = len(data) if length is None else start + length
+    assert got == data[start:end]
+    ahead = [name for name in readers if name.startswith("tailor-prefetch")]
+    assert ahead and readers[0] == threading.current_thread().name, readers  # the first read is the caller's
+
+
+def test_an_error_in_a_read_ahead_is_raised_to_the_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(3 * BLOCK))
+    real = os.preadv
+
+    def failing(fd: int, buffers: list, offset: int) -> int:
+        if offset >= BLOCK:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with DirectReader(path) as reader:
+        assert len(reader.read(BLOCK)) == BLOCK
+        with pytest.raises(OSError, match="Input/output error"):
+            reader.read(1)
+    with DirectReader(path) as reader:  # closed with a read ahead in flight: it waits, then frees its buffers
+        reader.read(1)
+
+
+def test_a_forked_child_reads_with_its_own_prefetch_threads(tmp_path: Path) -> None:
+    """A fork copies no threads: a child handing reads ahead to its parent's pool would wait forever."""
+    data = random.Random(5).randbytes(2 * BLOCK + 99)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    with DirectReader(path) as reader:  # the parent's pool exists now
+        assert reader.read() == data
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only when it read the same bytes
+        try:
+            with DirectReader(path) as reader:
+                os._exit(0 if reader.read() == data else 1)
+        finally:
+            os._exit(2)
+    for _ in range(600):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        threading.Event().wait(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung reading ahead")

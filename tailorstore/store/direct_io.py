@@ -17,11 +17,33 @@ import fcntl
 import mmap
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 ALIGN = 4096
 BLOCK = 4 << 20  # bytes per direct write or read
 MARK_SPAN = 512  # bytes after a told position whose pages a RewritableWriter keeps (a zip header)
 _local = threading.local()
+PREFETCH_THREADS = 4  # one read in flight per open reader; the conversions keep at most 3 or 4 open
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _prefetch_pool() -> ThreadPoolExecutor:
+    """The threads that read the next block of open readers (preadv releases the GIL)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="tailor-prefetch")
+        return _pool
+
+
+def _forget_pool() -> None:
+    """A forked child has none of the pool's threads: work handed to that pool would never run."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _staging(name: str) -> memoryview:
@@ -351,31 +373,46 @@ class PlacedWriter:
 class DirectReader:
     """A sequential reader of a file or of a byte range of it (a blob inside a pack), the way
     blobs are read: ``read`` and ``readinto``. Direct reads start at the aligned offset
-    below ``start`` and skip the bytes before it."""
+    below ``start`` and skip the bytes before it.
+
+    Once a whole block has been read, the next is read on a pool thread into a second buffer
+    while the caller decodes this one, so a blob streams at the slower of the disk and the
+    decoder rather than at their sum: the 100M model's 82 MB embedding master decodes in
+    0.046 s instead of 0.067 s, and its export takes a median 0.651 s against 0.678 s (12
+    paired runs; docs/benchmarks.md has the conversions)."""
 
     def __init__(self, path: os.PathLike | str, start: int = 0, length: int | None = None) -> None:
         fd = _open_direct(path, os.O_RDONLY)
         self._direct = fd is not None
         self.fd = fd if fd is not None else os.open(path, os.O_RDONLY)
         self._buf = _take("read")
+        self._spare: memoryview | None = None  # the second buffer, taken at the first read ahead
+        self._next: Future[int] | None = None  # the read of the block after the current one
         self._start = self._end = 0  # unread bytes are self._buf[start:end]
         self._eof = False
         self._offset = _down(start)  # file offset of the next refill
         self._skip = start - self._offset
         self._left = None if length is None else length  # bytes still to hand out
 
-    def _refill(self) -> None:
+    def _want(self) -> int:
         # Never past the aligned end of the range: a small blob inside a large pack reads its own
         # blocks, not a whole BLOCK (which made the small atoms of a checkout 9 times dearer).
-        want = BLOCK if self._left is None else min(BLOCK, _up(self._skip + self._left))
+        return BLOCK if self._left is None else min(BLOCK, _up(self._skip + self._left))
+
+    def _read_block(self, buf: memoryview, want: int, offset: int) -> int:
         try:
-            n = os.preadv(self.fd, [self._buf[:want]], self._offset)
+            return os.preadv(self.fd, [buf[:want]], offset)
         except OSError as exc:
             if exc.errno != errno.EINVAL or not self._direct:
                 raise
             _drop_direct(self.fd)
             self._direct = False
-            n = os.preadv(self.fd, [self._buf[:want]], self._offset)
+            return os.preadv(self.fd, [buf[:want]], offset)
+
+    def _refill(self) -> None:
+        n = self._take_prefetched()
+        if n is None:
+            n = self._read_block(self._buf, self._want(), self._offset)
         self._offset += n
         start, end = min(self._skip, n), n
         self._skip -= start
@@ -384,6 +421,22 @@ class DirectReader:
             self._left -= end - start
         self._start, self._end = start, end
         self._eof = n == 0 or self._left == 0
+        if not self._eof and n == BLOCK:  # a short read is the range's (or the file's) end
+            self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        if self._spare is None:
+            self._spare = _take("read-next")
+        self._next = _prefetch_pool().submit(self._read_block, self._spare, self._want(), self._offset)
+
+    def _take_prefetched(self) -> int | None:
+        """The length of the block read ahead, now in ``_buf`` (errors of that read raise here,
+        where a read of the caller's own would have); None when none was started."""
+        if self._next is None:
+            return None
+        n, self._next = self._next.result(), None
+        self._buf, self._spare = self._spare, self._buf
+        return n
 
     def readinto(self, dest: memoryview | bytearray) -> int:
         dest = memoryview(dest).cast("B")
@@ -416,8 +469,13 @@ class DirectReader:
         return True
 
     def close(self) -> None:
+        if self._next is not None:  # its read writes into our buffer: wait before giving the buffer back
+            self._next.exception()
+            self._next = None
         os.close(self.fd)
-        _give("read", self._buf)
+        for buf in (self._buf, self._spare):
+            _give("read", buf)
+            _give("read-next", buf)
 
     def __enter__(self) -> DirectReader:
         return self
