@@ -168,6 +168,18 @@ def decode(data: bytes, key: str) -> ManifestDocument:
         ) from None
 
 
+@dataclass(frozen=True)
+class LayerRow:
+    """A layer as a manifest object writes it: its source named by object key (None: the manifest itself)."""
+
+    layer: str
+    source_step: int
+    raw_bytes: int
+    stored: bool
+    change: float | None
+    source: str | None = None
+
+
 def _typed_document(doc: dict[str, Any], key: str) -> ManifestDocument:
     m = doc.get("manifest")
     if not isinstance(m, dict):
@@ -185,18 +197,6 @@ def _typed_document(doc: dict[str, Any], key: str) -> ManifestDocument:
         for row in from_table(doc.get("layers"), LayerRow)
     ]  # each source's local id is set at import
     return ManifestDocument(manifest, files, atoms, blobs, layers)
-
-
-@dataclass(frozen=True)
-class LayerRow:
-    """A layer as a manifest object writes it: its source named by object key (None: the manifest itself)."""
-
-    layer: str
-    source_step: int
-    raw_bytes: int
-    stored: bool
-    change: float | None
-    source: str | None = None
 
 
 def publish(backend: Backend, index: Index, manifest: int) -> str:

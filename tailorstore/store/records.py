@@ -183,16 +183,22 @@ def _field_types(cls: type) -> dict[str, tuple[type, bool, bool]]:
 
 def _typed(cls: type, name: str, value: Any) -> Any:
     scalar, nullable, _ = _field_types(cls)[name]
-    if value is None and nullable:
-        return None
-    if scalar is bool and value in (0, 1) and not isinstance(value, float):
-        return bool(value)  # flags are 0/1, as in SQL
-    plain_number = not isinstance(value, bool)
-    if (scalar is float and isinstance(value, int | float) and plain_number) or (
-        scalar is not float and isinstance(value, scalar) and plain_number
-    ):
-        return float(value) if scalar is float else value
-    raise RecordError(f"{cls.__name__}.{name} is {value!r:.80}, not {'an' if scalar is int else 'a'} {scalar.__name__}")
+    if value is None:
+        ok = nullable
+    elif isinstance(value, bool):
+        ok = scalar is bool
+    elif scalar is bool:  # flags are 0/1, as in SQL
+        ok = isinstance(value, int) and value in (0, 1)
+        value = bool(value) if ok else value
+    elif scalar is float:  # JSON writes a whole-number float as an int
+        ok = isinstance(value, int | float)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, scalar)
+    if not ok:
+        article = "an" if scalar is int else "a"
+        raise RecordError(f"{cls.__name__}.{name} is {value!r:.80}, not {article} {scalar.__name__}")
+    return value
 
 
 def record(cls: type, named: dict[str, Any]) -> Any:
