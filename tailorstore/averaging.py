@@ -122,18 +122,14 @@ def _steps(value: Any, where: str) -> tuple[int, ...]:
         if value["every"] <= 0 or value["from"] < 0 or value["to"] < value["from"]:
             raise MergeSpecError(f"{where}: the range needs 0 <= from <= to and every > 0")
         value = range(value["from"], value["to"] + 1, value["every"])
-        if len(value) > MAX_AVERAGED_STEPS:  # checked before the range becomes a list: 10**12 steps filled memory
-            raise MergeSpecError(
-                f"{where}: the range names {len(value):,} steps; an average takes at most {MAX_AVERAGED_STEPS:,} "
-                "(raise every, or narrow from and to)"
-            )
-        value = list(value)
+    if isinstance(value, list | range) and len(value) > MAX_AVERAGED_STEPS:  # a range before it is a list
+        limit = f"an average takes at most {MAX_AVERAGED_STEPS:,}"
+        raise MergeSpecError(f"{where}: the spec names {len(value):,} steps; {limit}")
+    value = list(value) if isinstance(value, range) else value
     if not isinstance(value, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value):
         raise MergeSpecError(f"{where}: steps is a list of step numbers, e.g. [100, 200, 300], or {{from, to, every}}")
     if len(value) < 2:
         raise MergeSpecError(f"{where}: an average needs at least two steps")
-    if len(value) > MAX_AVERAGED_STEPS:
-        raise MergeSpecError(f"{where}: {len(value):,} steps; an average takes at most {MAX_AVERAGED_STEPS:,}")
     if any(b <= a for a, b in pairwise(value)):
         raise MergeSpecError(f"{where}: list the steps oldest first, each once")
     return tuple(value)
