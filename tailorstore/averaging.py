@@ -240,7 +240,7 @@ def average(store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, 
                 index.insert_files(new, index.files(base))
                 index.insert_atoms(new, [replaced.get(a.key(), a) for a in index.atoms(base)])
                 index.insert_layers(new, _layers(index.layers(base), layers, new, base_record.step))
-                published = manifest_objects.publish(store.backend, index, new)
+                published = manifest_objects.publish(store.backend, index, new, fence=lock)
         except BaseException:
             if published is not None:
                 manifest_objects.unpublish(store.backend, [published])

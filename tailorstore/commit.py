@@ -286,7 +286,9 @@ def commit_checkpoint(
                     ],
                 )
                 try:
-                    published = manifest_objects.publish(store.backend, index, manifest)  # the commit point
+                    published = manifest_objects.publish(
+                        store.backend, index, manifest, fence=lock, replacing=options.force
+                    )  # the commit point
                 except OSError as exc:
                     if is_out_of_space(exc):
                         raise disk_full(store.location) from None
@@ -390,6 +392,7 @@ def commit_part(
             atoms=plan.atoms,
             blobs=[b for b in blobs if b is not None],
         )
+        lock.check("committing a part")
         key = parts.publish(store.backend, part)
     return CommitResult(
         step=step,

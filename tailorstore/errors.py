@@ -64,3 +64,8 @@ class LockTimeoutError(TailorError):
     """Another tailorstore process held the store lock for too long."""
 
     exit_code = 4
+
+
+class LeaseLostError(LockTimeoutError):
+    """This process no longer surely holds its store lease (it stalled past the lease, or
+    renewing failed), so it stopped before publishing or deleting anything more."""

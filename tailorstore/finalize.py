@@ -182,7 +182,7 @@ def finalize_step(
             index.insert_layers(
                 manifest, [LayerRecord(x, manifest, step, n, True, None) for x, n in sorted(layer_bytes.items())]
             )
-            manifest_objects.publish(store.backend, index, manifest)  # the commit point
+            manifest_objects.publish(store.backend, index, manifest, fence=lock)  # the commit point
         for part in parts:  # after the manifest is durable: a crash before leaves parts gc can drop
             store.backend.delete(part.key)
     return FinalizeResult(

@@ -29,8 +29,11 @@ from typing import Any
 
 from . import codec
 from .errors import CorruptStoreError, StoreError
+from .failpoints import failpoint
 from .store import manifest_objects
 from .store.backend import blob_key
+from .store.lease import LeaseHandle
+from .store.lock import LockHandle
 from .store.packs import PackWriter, pack_key
 from .store.parts import read_parts
 from .store.records import COMMIT, TIERS, ManifestRecord
@@ -252,30 +255,45 @@ def gc(
             show_plan(plan)
         if dry_run:
             return plan
+        # Fencing (store/lease.py): before each step that deletes, gc must still hold its lease and be
+        # alone; a gc that stalled past its lease stops there, having deleted nothing more.
+        fence = _fence(lock)
         for tier in TIERS:  # first: the blobs it materializes must exist before their masters go
             targets = [r for m in plan.thin_to(tier) if (r := store.index.manifest(m)) is not None]
             written += thin(store, targets, tier, lock)
+        fence()
         store.backend.delete_many([*plan.drop_parts, *plan.superseded])  # before anything they name
         with store.transaction() as index:
+            fence()
             # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
             dropped = [m for m, _ in plan.drop]
             manifest_objects.unpublish(store.backend, index.object_keys(dropped).values())
             index.delete_manifests(dropped)
             index.delete_blobs(plan.dead_blobs)
             index.delete_packs(plan.dead_packs)
-        written += _repack(store, plan.repack)
+        written += _repack(store, plan.repack, fence)
         batch = store.backend.batch()
         for name in [*plan.dead_loose, *plan.orphan_files]:
             batch.delete(blob_key(name))
         for name in [*plan.dead_packs, *plan.repack, *plan.orphan_packs]:
             batch.delete(pack_key(name))
+        fence()
         batch.publish()
+        fence()
         store.backend.clear_leftovers(plan.temp_files)
         plan.freed_bytes -= written
     return plan
 
 
-def _repack(store: Repository, packs: list[str]) -> int:
+def _fence(lock: LockHandle | LeaseHandle) -> Callable[[], None]:
+    def check() -> None:
+        failpoint("gc-before-delete")
+        lock.check_alone("gc")
+
+    return check
+
+
+def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> int:
     """Move the live blobs of ``packs`` into new packs and point the index at them; returns
     the bytes written. The old packs stay until the caller deletes them, after this commits."""
     if not packs:
@@ -298,6 +316,7 @@ def _repack(store: Repository, packs: list[str]) -> int:
     writer.flush()
     batch.publish()
     with store.transaction() as index:
+        fence()
         index.add_packs(writer.sealed)
         index.move_blobs({h: writer.placed[h] for h in moved})
         index.delete_packs(packs)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .averaging import AverageResult, average, is_averaging
+from .averaging import LOCK_TIMEOUT, AverageResult, average, is_averaging
 from .errors import StepExistsError
 from .layers import STATE, block_index, sort_key
 from .merge_spec import AUX_KEYS, MergeSpecError, layer_range, load_spec, merge_record, ref_of
@@ -90,31 +90,34 @@ def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> 
     spec = load_spec(spec_path)
     if is_averaging(spec):
         return average(store, spec, Path(spec_path), tag, run)
-    base = store.resolve(ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"), run)
-    base_record = store.manifest(base)
-    layers = {x.layer for x in store.index.layers(base)}
-    blocks = sorted(i for name in layers if (i := block_index(name)) is not None)
-    if not blocks:
-        raise MergeSpecError(f"step {base_record.step} has no transformer blocks to slice")
-    _, chosen = parse_spec(spec, blocks, str(spec_path))
-    manifests = {ref: store.resolve(ref, run) for ref in set(chosen.values())}
-    for m in {base, *manifests.values()}:
-        if (thinned := store.manifest(m)).tier is not None:
-            raise MergeSpecError(
-                f"step {thinned.step} was thinned to {thinned.tier}: a composite takes every kind of state of its "
-                "layers. Average it instead (method: sma) or export it."
-            )
-    sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
-    record = merge_record(base_record, tag, {"name": "merge", "spec": spec}, spec_path)
-    with store.transaction() as index:
-        if index.tagged(tag):
-            raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
-        new = index.insert_manifest(record)
-        index.insert_files(new, index.files(base))
-        index.insert_atoms(new, _composed_atoms(index, base, sources))
-        composed = _composed_layers(index, base, sources)
-        index.insert_layers(new, composed)
-        manifest_objects.publish(store.backend, index, new)
+    # Shared, as a commit: a gc must not delete the blobs the merge names before its manifest is recorded.
+    with store.lock(exclusive=False, timeout=LOCK_TIMEOUT) as lock:
+        store.refresh(lock)
+        base = store.resolve(ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"), run)
+        base_record = store.manifest(base)
+        layers = {x.layer for x in store.index.layers(base)}
+        blocks = sorted(i for name in layers if (i := block_index(name)) is not None)
+        if not blocks:
+            raise MergeSpecError(f"step {base_record.step} has no transformer blocks to slice")
+        _, chosen = parse_spec(spec, blocks, str(spec_path))
+        manifests = {ref: store.resolve(ref, run) for ref in set(chosen.values())}
+        for m in {base, *manifests.values()}:
+            if (thinned := store.manifest(m)).tier is not None:
+                raise MergeSpecError(
+                    f"step {thinned.step} was thinned to {thinned.tier}: a composite takes every kind of state of its "
+                    "layers. Average it instead (method: sma) or export it."
+                )
+        sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
+        record = merge_record(base_record, tag, {"name": "merge", "spec": spec}, spec_path)
+        with store.transaction() as index:
+            if index.tagged(tag):
+                raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
+            new = index.insert_manifest(record)
+            index.insert_files(new, index.files(base))
+            index.insert_atoms(new, _composed_atoms(index, base, sources))
+            composed = _composed_layers(index, base, sources)
+            index.insert_layers(new, composed)
+            manifest_objects.publish(store.backend, index, new, fence=lock)
     ordered = dict(sorted(((x.layer, x.source_step) for x in composed), key=lambda kv: sort_key(kv[0])))
     return MergeResult(new, tag, base_record.step, ordered, chosen, time.perf_counter() - began)
 

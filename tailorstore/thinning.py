@@ -131,7 +131,7 @@ def thin(store: Repository, targets: list[ManifestRecord], tier: str, lock: Lock
                 index.replace_contents(record.id, contents.files, contents.stored_atoms())
                 index.set_tier(record.id, tier)
                 replaced.append(record.object_key)
-                published.append(manifest_objects.publish(store.backend, index, record.id))
+                published.append(manifest_objects.publish(store.backend, index, record.id, fence=lock, replacing=True))
     except BaseException:
         manifest_objects.unpublish(store.backend, published)  # the old versions still stand
         raise

@@ -13,11 +13,21 @@ thread renews the lease every third of its time to live. A lock is *stale* when 
 has expired (its holder died or lost the network) or, on this host, when its process no
 longer exists; stale locks are removed by whoever meets them, with a message naming them.
 Clocks of the hosts must agree to well within the lease time (default 120 s).
+
+Fencing. A lease alone cannot stop a holder that paused (Kleppmann, 2016): it wakes up
+believing it still holds a lock that another host has already removed as stale. So a holder
+checks before each step that publishes or deletes (:meth:`LeaseHandle.check`): the renewer
+has not failed, the lease it last wrote still runs for at least ``margin`` (a third of the
+lease time), and its object still exists. The renewer never brings a lease back: one that
+lapsed, or whose object is gone, is lost for good. gc also checks, just before deleting, that
+no other live lease appeared (:meth:`LeaseHandle.check_alone`). docs/FORMAT.md, section 8,
+states the timing this relies on.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import secrets
@@ -29,11 +39,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..environment import TTL_ENV
-from ..errors import LockTimeoutError, StoreError
+from ..errors import LeaseLostError, LockTimeoutError, StoreError
+from ..failpoints import failpoint
 from .backend import Backend
 
 LOCK_PREFIX = "locks/"
 DEFAULT_TTL = 120.0
+MAX_TTL = 86400.0  # a day: a lease that needs longer is a lease that never goes stale
+MAX_PID = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -50,23 +63,40 @@ class Lease:
 
 
 def lease_ttl() -> float:
+    text = os.environ.get(TTL_ENV, str(DEFAULT_TTL))[:100]
     try:
-        ttl = float(os.environ.get(TTL_ENV, DEFAULT_TTL))
+        ttl = float(text)
     except ValueError:
-        raise StoreError(f"{TTL_ENV}={os.environ[TTL_ENV]!r} is not a number of seconds") from None
-    if not ttl > 0:
-        raise StoreError(f"{TTL_ENV} must be more than 0 seconds")
+        ttl = math.nan
+    if not 0 < ttl <= MAX_TTL:  # NaN and inf included: neither would ever go stale
+        raise StoreError(f"{TTL_ENV}={text!r} is not allowed: give seconds, more than 0 and at most {MAX_TTL:g}.")
     return ttl
 
 
 def _read(backend: Backend, key: str) -> Lease | None:
+    """A lease object as a stranger may have written it: a field of the wrong type or out of
+    range (a pid no process can have, an expiry beyond any lease time) makes it unreadable,
+    and an unreadable lease counts as expired, so whoever meets it removes it."""
     try:
         doc = json.loads(backend.get(key))
-        return Lease(key, bool(doc["exclusive"]), str(doc["host"]), int(doc["pid"]), float(doc["expires"]))
+        exclusive, host, pid, expires = doc["exclusive"], doc["host"], doc["pid"], doc["expires"]
     except FileNotFoundError:
         return None  # released while we listed
-    except (ValueError, KeyError, TypeError):
-        return Lease(key, True, "?", -1, 0.0)  # unreadable: treated as expired, so removed
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return Lease(key, True, "?", -1, 0.0)
+    readable = (
+        isinstance(exclusive, bool)
+        and isinstance(host, str)
+        and len(host) <= 255
+        and isinstance(pid, int)
+        and 0 < pid <= MAX_PID
+        and isinstance(expires, int | float)
+        and math.isfinite(expires)
+        and expires <= time.time() + MAX_TTL
+    )
+    if not readable:
+        return Lease(key, True, "?", -1, 0.0)
+    return Lease(key, exclusive, host, pid, float(expires))
 
 
 def _alive_here(lease: Lease) -> bool:
@@ -86,18 +116,18 @@ def _stale(lease: Lease, now: float) -> bool:
 
 
 class _Renewer(threading.Thread):
-    def __init__(self, backend: Backend, key: str, body: Callable[[], bytes], ttl: float) -> None:
+    def __init__(self, handle: LeaseHandle) -> None:
         super().__init__(name="tailor-lease", daemon=True)
-        self._backend, self._key, self._body, self._ttl = backend, key, body, ttl
+        self._handle = handle
         self._halt = threading.Event()
-        self.error: BaseException | None = None
 
     def run(self) -> None:
-        while not self._halt.wait(self._ttl / 3):
+        while not self._halt.wait(self._handle.ttl / 3):
+            failpoint("before-lease-renewal")
             try:
-                self._backend.put(self._key, self._body())
-            except BaseException as exc:  # noted; the holder finds out when it checks
-                self.error = exc
+                self._handle.renew()
+            except BaseException as exc:  # noted; the holder stops at its next check
+                self._handle.renew_error = exc
 
     def stop(self) -> None:
         self._halt.set()
@@ -110,9 +140,13 @@ class LeaseHandle:
     def __init__(self, backend: Backend, key: str, exclusive: bool, ttl: float) -> None:
         self.backend, self.key, self.exclusive, self.ttl = backend, key, exclusive, ttl
         self.host, self.pid = socket.gethostname(), os.getpid()
+        self.margin = ttl / 3  # what must be left of the lease to publish or delete
+        self.valid_until = 0.0  # the expiry of the lease object this process last wrote
+        self.lost: str | None = None  # why the lease is no longer ours, once it is not
+        self.renew_error: BaseException | None = None
 
-    def body(self) -> bytes:
-        now = time.time()
+    def body(self, now: float | None = None) -> bytes:
+        now = time.time() if now is None else now
         doc = {
             "exclusive": self.exclusive,
             "host": self.host,
@@ -121,6 +155,57 @@ class LeaseHandle:
             "expires": now + self.ttl,
         }
         return json.dumps(doc).encode()
+
+    def write(self, *, create_only: bool = False) -> None:
+        """Put the lease object; it runs from the moment before the request was sent."""
+        started = time.time()
+        self.backend.put(self.key, self.body(started), create_only=create_only)
+        self.valid_until = started + self.ttl
+
+    def renew(self) -> None:
+        """One renewal. A lease that lapsed, or whose object another host removed as stale, is
+        never brought back: that host may be deleting by now, so the lease is lost."""
+        if self.lost is not None:
+            return
+        started = time.time()
+        if started >= self.valid_until:
+            self.lost = f"its lease lapsed {started - self.valid_until:.1f} s before it could be renewed"
+            return
+        if not self.backend.exists(self.key):
+            self.lost = "another process removed its lease as stale"
+            return
+        self.backend.put(self.key, self.body(started))
+        self.valid_until = started + self.ttl
+
+    def check(self, what: str) -> None:
+        """Fencing, before ``what`` publishes or deletes: raise :class:`LeaseLostError` unless the
+        lease surely holds for ``margin`` more seconds and its object is still in the store."""
+        now = time.time()
+        why = self.lost
+        if why is None and self.renew_error is not None:
+            why = f"renewing its lease failed ({self.renew_error})"
+        if why is None and now + self.margin > self.valid_until:
+            left = self.valid_until - now
+            why = f"its lease runs out in {left:.1f} s, less than the {self.margin:g} s it must have left"
+        if why is None and not self.backend.exists(self.key):
+            why = "another process removed its lease as stale"
+        if why is not None:
+            self.lost = why
+            raise LeaseLostError(
+                f"{self.backend.location}: {what} stopped before publishing or deleting anything more: {why} "
+                "(this process stalled or lost the store). Nothing it did is visible; run it again."
+            )
+
+    def check_alone(self, what: str) -> None:
+        """:meth:`check`, and that no other live lease appeared (for gc, before it deletes)."""
+        self.check(what)
+        blockers = self.others()
+        if blockers:
+            self.lost = f"{blockers[0].describe()} took the store lock"
+            raise LeaseLostError(
+                f"{self.backend.location}: {what} stopped before deleting anything more: {self.lost} while this "
+                "process stalled past its lease. Run it again."
+            )
 
     def others(self, on_stale: Callable[[str], None] | None = None) -> list[Lease]:
         """Live leases of other holders that conflict with ours; stale ones are removed."""
@@ -145,11 +230,13 @@ class LeaseHandle:
         next look, anyone after backs off. Reverts to shared when someone else holds a lease."""
         if self.exclusive:
             return True
+        if self.lost is not None:
+            return False
         self.exclusive = True
-        self.backend.put(self.key, self.body())
+        self.write()
         if self.others():
             self.exclusive = False
-            self.backend.put(self.key, self.body())
+            self.write()
             return False
         return True
 
@@ -171,7 +258,7 @@ def lease_lock(
     deadline = time.monotonic() + timeout
     told = False
     while True:
-        backend.put(handle.key, handle.body(), create_only=True)
+        handle.write(create_only=True)
         blockers = handle.others(on_stale)
         if not blockers:
             break
@@ -186,7 +273,7 @@ def lease_lock(
                 f"holder that died is released when its lease expires (at most {ttl:g} s after it stopped)."
             )
         time.sleep(random.uniform(0.05, 0.3))
-    renewer = _Renewer(backend, handle.key, handle.body, ttl)
+    renewer = _Renewer(handle)
     renewer.start()
     try:
         yield handle

@@ -14,13 +14,27 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import CorruptStoreError, LockTimeoutError, StoreError
+
+
+class Fence(Protocol):
+    """What a publishing or deleting step asks of the lock it runs under (lease.py, fencing)."""
+
+    def check(self, what: str) -> None: ...
 
 
 class LockHandle:
     def __init__(self, fd: int) -> None:
         self._fd = fd
+
+    def check(self, what: str) -> None:
+        """Fencing, as a lease does it (lease.py): nothing to do, the kernel holds a ``flock`` for
+        as long as the process lives, however long it stalls."""
+
+    def check_alone(self, what: str) -> None:
+        """As :meth:`check`: an exclusive ``flock`` cannot be shared while it is held."""
 
     def try_exclusive(self) -> bool:
         """Turn a shared lock exclusive if nobody else holds it; for cleanup that must be alone."""

@@ -34,8 +34,10 @@ from typing import Any
 import zstandard
 
 from ..errors import CorruptStoreError, StepExistsError, StoreError
+from ..failpoints import failpoint
 from .backend import Backend, ObjectExistsError, check_key
 from .index import Index
+from .lock import Fence
 from .pack_sync import packs_agree, reconcile_packs
 from .packs import pack_names
 from .records import (
@@ -43,6 +45,7 @@ from .records import (
     COMMIT,
     DOC_BLOB_COLUMNS,
     FILE_COLUMNS,
+    MAIN_RUN,
     MANIFEST_DOC_FIELDS,
     AtomRecord,
     BlobRecord,
@@ -92,8 +95,12 @@ def is_manifest_key(key: str) -> bool:
     return bool(_COMMIT_KEY.fullmatch(key) or _MERGE_KEY.fullmatch(key))
 
 
-def new_key(backend: Backend, index: Index, manifest: int) -> str:
-    """The key a manifest's object gets: by step and version for a commit, random for a merge."""
+def new_key(backend: Backend, index: Index, manifest: int, *, replacing: bool = False) -> str:
+    """The key a manifest's object gets: by step and version for a commit, random for a merge.
+
+    A commit that replaces nothing takes version 1 of its step and is refused when any version
+    exists already, whoever wrote it: the local index may not have seen another host's commit
+    yet. A replacement (``force``, thinning) takes the next version."""
     record = index.manifest(manifest)
     assert record is not None
     run = record.run
@@ -104,7 +111,17 @@ def new_key(backend: Backend, index: Index, manifest: int) -> str:
         for key in backend.list(f"{MANIFEST_PREFIX}{run}/")
         if (m := _COMMIT_KEY.fullmatch(key)) and int(m.group(2)) == record.step
     ]
+    if versions and not replacing:
+        raise _step_exists(record)
     return f"{MANIFEST_PREFIX}{run}/step-{record.step:020d}-v{max(versions, default=0) + 1}.json.zst"
+
+
+def _step_exists(record: ManifestRecord) -> StepExistsError:
+    where = "the store" if record.run == MAIN_RUN else f"run {record.run!r}"
+    return StepExistsError(
+        f"step {record.step} is already in {where}: another host committed it first. Nothing was replaced; "
+        "commit under another step, or pass `force=True` to replace it."
+    )
 
 
 def run_of_key(key: str) -> str:
@@ -199,17 +216,41 @@ def _typed_document(doc: dict[str, Any], key: str) -> ManifestDocument:
     return ManifestDocument(manifest, files, atoms, blobs, layers)
 
 
-def publish(backend: Backend, index: Index, manifest: int) -> str:
+def publish(backend: Backend, index: Index, manifest: int, *, fence: Fence | None, replacing: bool = False) -> str:
     """Write the manifest's object, create-only, from inside the transaction that records it.
 
     Its tag and pin objects go first: they name a key that does not exist yet, which readers
-    ignore, so a crash before the manifest object leaves nothing that counts.
+    ignore, so a crash before the manifest object leaves nothing that counts. ``fence`` (the
+    store lock the caller holds) is checked just before the object is written: a process that
+    stalled past its lease publishes nothing (store/lease.py). Two hosts that publish one step
+    at once cannot both win: the loser's create-only write fails, its refs are taken back, and
+    it gets :class:`StepExistsError`.
     """
-    key = new_key(backend, index, manifest)
+    key = new_key(backend, index, manifest, replacing=replacing)
     index.set_object_key(manifest, key)
-    write_refs(backend, index, [manifest])
-    backend.put(key, encode(document(index, manifest)), create_only=True)
+    written = write_refs(backend, index, [manifest])
+    failpoint("before-publish")
+    if fence is not None:
+        fence.check("recording the manifest")
+    try:
+        backend.put(key, encode(document(index, manifest)), create_only=True)
+    except ObjectExistsError:
+        _take_back_refs(backend, key, written)
+        record = index.manifest(manifest)
+        assert record is not None
+        raise _step_exists(record) from None
     return key
+
+
+def _take_back_refs(backend: Backend, key: str, written: list[str]) -> None:
+    """Delete the ref objects a publish that lost its race wrote, unless they name another key by now."""
+    for ref in written:
+        try:
+            if ref.startswith(TAG_PREFIX) and backend.get(ref) != key.encode():
+                continue
+        except FileNotFoundError:
+            continue
+        backend.delete(ref)
 
 
 def unpublish(backend: Backend, keys: Iterable[str | None]) -> None:
@@ -220,18 +261,23 @@ def unpublish(backend: Backend, keys: Iterable[str | None]) -> None:
     backend.delete_many([k for key in keys if key for k in (key, pin_key(key))])
 
 
-def write_refs(backend: Backend, index: Index, manifests: Iterable[int]) -> None:
-    """Make the tag and pin objects of these manifests say what the index says."""
+def write_refs(backend: Backend, index: Index, manifests: Iterable[int]) -> list[str]:
+    """Make the tag and pin objects of these manifests say what the index says; returns the
+    keys of the ref objects it wrote."""
+    written = []
     for m in manifests:
         record = index.manifest(m)
         if record is None or record.object_key is None:
             continue
         if record.tag:
             backend.put(tag_key(record.tag), record.object_key.encode())
+            written.append(tag_key(record.tag))
         if record.pinned:
             backend.put(pin_key(record.object_key), b"")
+            written.append(pin_key(record.object_key))
         else:
             backend.delete(pin_key(record.object_key))
+    return written
 
 
 def drop_tag(backend: Backend, tag: str) -> None:

@@ -157,7 +157,7 @@ class Repository:
             return 0, 0
         for manifest in self.index.unpublished():  # oldest first: a layer's source has its object before its heirs
             with self.index.transaction() as index:
-                manifest_objects.publish(self.backend, index, manifest)
+                manifest_objects.publish(self.backend, index, manifest, fence=None, replacing=True)
         return manifest_objects.sync(self.backend, self.index, locked=held is not None)
 
     @classmethod

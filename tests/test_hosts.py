@@ -1,0 +1,177 @@
+"""Hosts that race and stall against one store on a real S3 server (moto), as separate
+processes with their own caches: fencing of leases, and steps that only one host may create.
+
+A stall lands where it matters through ``TAILOR_FAILPOINTS`` (tailorstore/failpoints.py): the
+process sends itself SIGSTOP there, and the test resumes it with SIGCONT once another host
+has acted. Every host is a real ``tailor`` process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Runs, as_of_step, tailor
+from test_hostile import one_line
+
+from tailorstore.testing.local_s3 import LocalS3
+
+TTL = "3"  # seconds: a stall of a few seconds outlives the lease
+
+
+def host_env(cache: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, TAILOR_CACHE=str(cache), TAILOR_LOCK_TTL=TTL)
+    env.update(extra)
+    return env
+
+
+def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tailorstore.cli.app", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tailorstore.cli.app", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def wait_stopped(proc: subprocess.Popen[str], limit: float = 120) -> None:
+    """Until the process has sent itself SIGSTOP at its failpoint."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "T":
+            return
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the process never reached its failpoint")
+
+
+def resume(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def steps_seen_by_a_new_host(location: str, cache: Path) -> list[int]:
+    done = run(host_env(cache), "log", "--json", "--store", location)
+    assert done.returncode == 0, done.stderr
+    return sorted(s["step"] for s in json.loads(done.stdout))
+
+
+@pytest.fixture
+def saves(runs: Runs, tmp_path: Path) -> tuple[Path, Path]:
+    save = runs.get("zero2-bf16").save_dir
+    return as_of_step(save, 3, tmp_path / "at3"), as_of_step(save, 6, tmp_path / "at6")
+
+
+def test_a_commit_stalled_past_its_lease_while_gc_ran_publishes_nothing(
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    at3, at6 = saves
+    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
+    assert run(b, "init", s3_location).returncode == 0
+    assert run(b, "commit", str(at3), "--store", s3_location).returncode == 0
+
+    # host a writes step 6's blobs, then stalls just before recording its manifest
+    stalled = start({**a, "TAILOR_FAILPOINTS": "before-publish=stop"}, "commit", str(at6), "--store", s3_location)
+    wait_stopped(stalled)
+    # host b's gc waits for a's lease, finds it stale once the lease time has passed, and deletes a's
+    # blobs as orphans (no manifest names them)
+    collected = run(b, "gc", "--lock-timeout", "60", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    assert "removed a stale shared lock" in collected.stderr
+    assert "freeing 0 bytes" not in collected.stdout, collected.stdout  # a's blobs went
+
+    resumed = resume(stalled)
+    one_line(resumed, 4, "stopped before publishing", "lease")
+    assert "committed" not in resumed.stdout
+    # nothing of step 6 is visible anywhere, and what is visible is whole
+    assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-c") == [3]
+    checked = run(host_env(tmp_path / "host-c"), "verify", "--store", s3_location)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_a_gc_stalled_past_its_lease_while_a_commit_ran_deletes_nothing(
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    at3, at6 = saves
+    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
+    assert run(a, "init", s3_location).returncode == 0
+    for save in (at3, at6):
+        assert run(a, "commit", str(save), "--store", s3_location).returncode == 0
+    assert run(b, "log", "--store", s3_location).returncode == 0  # host b's index knows step 3's blobs
+    assert run(a, "rm", "step=3", "--store", s3_location).returncode == 0
+
+    # host a's gc plans to delete step 3's blobs, then stalls before its first deletion
+    stalled = start({**a, "TAILOR_FAILPOINTS": "gc-before-delete=stop"}, "gc", "--store", s3_location)
+    wait_stopped(stalled)
+    # host b commits step 3's save again as step 30 once a's lease is stale: its blobs are
+    # in b's index, so it writes none of them and names the ones gc is about to delete
+    again = run(b, "commit", str(at3), "--step", "30", "--lock-timeout", "60", "--store", s3_location)
+    assert again.returncode == 0, again.stderr
+    assert "removed a stale exclusive lock" in again.stderr
+
+    resumed = resume(stalled)
+    one_line(resumed, 4, "gc stopped before", "lease")
+    fresh = host_env(tmp_path / "host-c")
+    assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-c") == [6, 30]
+    checked = run(fresh, "verify", "--store", s3_location)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    out = tmp_path / "out"
+    assert run(fresh, "checkout", "step=30", "--out", str(out), "--store", s3_location).returncode == 0
+    assert (out / "global_step3" / "mp_rank_00_model_states.pt").read_bytes() == (
+        at3 / "global_step3" / "mp_rank_00_model_states.pt"
+    ).read_bytes()
+
+
+def test_two_hosts_committing_one_step_at_once_never_both_win(
+    s3_server: LocalS3, s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Both hosts pass their local checks (each sleeps just before it publishes), so only the
+    create-only write of the manifest object can decide: 20 rounds, one winner each."""
+    at3, at6 = saves
+    envs = [
+        host_env(tmp_path / f"host-{h}", TAILOR_FAILPOINTS="before-publish=sleep:0.5", TAILOR_LOCK_TTL="120")
+        for h in "ab"
+    ]
+    assert run(envs[0], "init", s3_location).returncode == 0
+    winners: dict[int, Path] = {}
+    for round_ in range(20):
+        step = str(100 + round_)
+        procs = [
+            start(env, "commit", str(save), "--step", step, "--store", s3_location)
+            for env, save in zip(envs, (at3, at6), strict=True)
+        ]
+        done = [(p, *p.communicate(timeout=300)) for p in procs]
+        codes = sorted(p.returncode for p, _, _ in done)
+        assert codes == [0, 2], [(p.returncode, err) for p, _, err in done]
+        for (p, _, err), save in zip(done, (at3, at6), strict=True):
+            if p.returncode == 0:
+                winners[int(step)] = save
+            else:
+                one_line(subprocess.CompletedProcess(p.args, p.returncode, "", err), 2, f"step {step}", "first")
+    keys = [k for k in s3_server.keys(s3_location) if k.startswith("manifests/")]
+    assert sorted(keys) == [f"manifests/main/step-{s:020d}-v1.json.zst" for s in range(100, 120)]
+    assert not [k for k in s3_server.keys(s3_location) if k.startswith("refs/")]
+    for step in (100, 119):  # every host sees the winner's save
+        for h in "abc":
+            out = tmp_path / f"out-{step}-{h}"
+            env = host_env(tmp_path / f"host-{h}")
+            assert run(env, "checkout", f"step={step}", "--out", str(out), "--store", s3_location).returncode == 0
+            tag_dir = next(winners[step].glob("global_step*")).name
+            name = "mp_rank_00_model_states.pt"
+            assert (out / tag_dir / name).read_bytes() == (winners[step] / tag_dir / name).read_bytes()
