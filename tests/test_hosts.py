@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Runs, as_of_step, tailor
+from conftest import Runs, as_of_step
 from test_hostile import one_line
 
 from tailorstore.testing.local_s3 import LocalS3
