@@ -8,19 +8,23 @@ has acted. Every host is a real ``tailor`` process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import pytest
 from conftest import Runs, as_of_step
 from test_hostile import one_line
 
-from tailorstore.testing.local_s3 import LocalS3
+from tailorstore.testing.local_s3 import BUCKET, LocalS3
 
 TTL = "3"  # seconds: a stall of a few seconds outlives the lease
 
@@ -175,3 +179,77 @@ def test_two_hosts_committing_one_step_at_once_never_both_win(
             tag_dir = next(winners[step].glob("global_step*")).name
             name = "mp_rank_00_model_states.pt"
             assert (out / tag_dir / name).read_bytes() == (winners[step] / tag_dir / name).read_bytes()
+
+
+@contextlib.contextmanager
+def second_server() -> Iterator[LocalS3]:
+    """Another S3 server with a bucket of the same name, in a process of its own (moto's servers in
+    one process share their objects): the same s3://bucket/prefix there is another store."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    server = LocalS3()
+    server.port, server.endpoint = port, f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                boto3.client("s3", **server._client_args()).create_bucket(Bucket=BUCKET)
+                break
+            except Exception:  # not listening yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield server
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_one_location_on_two_servers_is_two_stores_with_two_caches(
+    s3_server: LocalS3, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    at3, at6 = saves
+    location = s3_server.new_location()
+    cache = tmp_path / "one-host"  # one host, one cache folder for everything it opens
+    first = host_env(cache)
+    with second_server() as other:
+        second = host_env(cache, **other.environ())
+        assert run(first, "init", location).returncode == 0
+        assert run(second, "init", location).returncode == 0
+        assert run(first, "commit", str(at3), "--store", location).returncode == 0
+        assert run(second, "commit", str(at6), "--store", location).returncode == 0
+        assert run(second, "gc", "--store", location).returncode == 0
+        for env, steps in ((first, [3]), (second, [6])):
+            done = run(env, "log", "--json", "--store", location)
+            assert sorted(s["step"] for s in json.loads(done.stdout)) == steps, done.stderr
+            checked = run(env, "verify", "--deep", "--store", location)
+            assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert len([p for p in cache.iterdir() if p.is_dir()]) == 2
+
+
+def test_a_cache_of_another_store_at_the_same_place_is_refused(
+    s3_server: LocalS3, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    at3, at6 = saves
+    location = s3_server.new_location()
+    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
+    assert run(a, "init", location).returncode == 0
+    assert run(a, "commit", str(at3), "--store", location).returncode == 0
+    # the store is deleted and made again at the same place by another host, with another step
+    client = boto3.client("s3", **s3_server._client_args())
+    prefix = location.removeprefix(f"s3://{BUCKET}/")
+    for key in s3_server.keys(location):
+        client.delete_object(Bucket=BUCKET, Key=f"{prefix}/{key}")
+    assert run(b, "init", location).returncode == 0
+    assert run(b, "commit", str(at6), "--store", location).returncode == 0
+    for args in (("log",), ("gc",), ("checkout", "step=3", "--out", str(tmp_path / "out"))):
+        one_line(run(a, *args, "--store", location), 3, "another store", "index rebuild")
+    assert run(a, "index", "rebuild", "--store", location).returncode == 0
+    done = run(a, "log", "--json", "--store", location)
+    assert [s["step"] for s in json.loads(done.stdout)] == [6]

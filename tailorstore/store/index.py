@@ -173,6 +173,14 @@ class Index:
     def read_only(self) -> bool:
         return bool(self.conn.execute("PRAGMA query_only").fetchone()[0])
 
+    def meta(self, key: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row["value"])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.transaction():
+            self.conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
     def close(self) -> None:
         self.conn.close()
 

@@ -48,10 +48,14 @@ def cache_root() -> Path:
     return Path(base) / "tailorstore"
 
 
-def cache_dir(location: str) -> Path:
-    """A folder of this host's cache for one remote store, named so a person can tell which."""
+def cache_dir(location: str, endpoint: str) -> Path:
+    """A folder of this host's cache for one remote store, named so a person can tell which.
+
+    The same ``s3://bucket/prefix`` on two servers is two stores, so the endpoint is part of
+    the name; the store's id, checked at every open (repo.py), catches the rest (a store
+    deleted and created again at the same place)."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", location.split("://", 1)[1])[:80]
-    digest = hashlib.sha256(location.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{endpoint}\n{location}".encode()).hexdigest()[:12]
     return cache_root() / f"{readable}-{digest}"
 
 
@@ -59,7 +63,7 @@ def resolve(text: str | os.PathLike) -> Location:
     text = os.fspath(text)
     if is_remote(text):
         backend = S3Backend(text)
-        folder = cache_dir(backend.location)
+        folder = cache_dir(backend.location, backend.endpoint)
         return Location(backend.location, backend, folder / INDEX_NAME, folder / "lock", None)
     root = Path(text).absolute()
     return Location(str(root), PosixBackend(root), root / INDEX_NAME, root / "lock", root)

@@ -18,6 +18,7 @@ import io
 import json
 import os
 import re
+import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -42,6 +43,48 @@ from .schema import FORMAT_VERSION
 
 MARKER = "tailorstore.json"
 MAX_STEP = (1 << 63) - 1  # SQLite's INTEGER
+
+
+STORE_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def store_id(backend: Backend) -> str | None:
+    """The random id ``init`` wrote into the store's marker (None for a store made before ids,
+    and raises FileNotFoundError where there is no store). The marker is read as input from a
+    stranger: at most 64 KiB of a JSON object, and an id of 32 hex digits or none."""
+    data = backend.get(MARKER, 0, 1 << 16)
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        doc = None
+    if not isinstance(doc, dict):
+        raise CorruptStoreError(f"{backend.location}/{MARKER} is damaged: it is not the store's JSON marker")
+    found = doc.get("store_id")
+    if found is not None and not (isinstance(found, str) and STORE_ID.fullmatch(found)):
+        raise CorruptStoreError(f"{backend.location}/{MARKER} is damaged: its store id {found!r} is not 32 hex digits")
+    return found
+
+
+def _check_cache(where: Location, index: Index) -> None:
+    """A remote store's cache must be this store's: the same bucket and prefix on another server,
+    or a store deleted and created again in the same place, would otherwise be read (and
+    collected) through another store's index."""
+    try:
+        found = store_id(where.backend)
+    except FileNotFoundError:
+        raise StoreError(f"{where.text}: no tailorstore here. Create one with `tailor init {where.text}`.") from None
+    cached = index.meta("store_id")
+    if found is None:
+        return
+    if cached is None:
+        if not index.read_only:
+            index.set_meta("store_id", found)
+        return
+    if cached != found:
+        raise CorruptStoreError(
+            f"{where.index_path}: this host's cache was built for another store (id {cached}) than the one at "
+            f"{where.text} (id {found}); rebuild it with `tailor index rebuild`."
+        )
 
 
 def check_step(step: int) -> int:
@@ -111,7 +154,7 @@ class Repository:
                 (root / sub).mkdir(parents=True, exist_ok=True)
         elif next(iter(where.backend.list("")), None) is not None:
             raise StoreError(f"{where.text}: this prefix already holds objects; choose an empty prefix for the store.")
-        marker = {"format_version": FORMAT_VERSION, "created_at": time.time()}
+        marker = {"format_version": FORMAT_VERSION, "created_at": time.time(), "store_id": secrets.token_hex(16)}
         where.backend.put(MARKER, json.dumps(marker).encode(), create_only=True)
         if where.remote:
             where.index_path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +172,8 @@ class Repository:
             Index.create(where.index_path).close()
         store = cls(where, Index.open(where.index_path))
         try:
+            if where.remote:
+                _check_cache(where, store.index)
             store.refresh()
         except BaseException:
             store.close()
@@ -179,6 +224,8 @@ class Repository:
             leftover.unlink()
         fresh = Index.create(tmp)
         try:
+            if where.remote:
+                _check_cache(where, fresh)  # records the store's id
             # Built alone (the docstring asks for it), so the packs' trailers are the whole truth.
             manifest_objects.sync(where.backend, fresh, locked=True)
             counts = fresh.counts()

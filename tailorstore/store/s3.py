@@ -66,6 +66,7 @@ class S3Backend:
                 f"{location!r}: an S3 store is named s3://bucket/prefix, with no empty, '.' or '..' parts in the prefix"
             )
         endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+        self.endpoint = endpoint  # which server: the same bucket and prefix on another is another store
         options: dict = {"allow_http": True} if endpoint.startswith("http://") else {}
         options["timeout"] = f"{_seconds(TIMEOUT_ENV, 30, 3600):g}s"
         try:
