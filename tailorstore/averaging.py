@@ -51,7 +51,7 @@ from .progress import Silent
 from .rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
 from .store import manifest_objects
 from .store.records import THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
-from .store.repo import Repository
+from .store.repo import MAX_STEP, Repository
 from .store.writer import BlobWriter
 
 METHODS = ("sma", "ema", "wma")
@@ -121,12 +121,20 @@ def _steps(value: Any, where: str) -> tuple[int, ...]:
             raise MergeSpecError(f"{where}: a range of steps is {{from: N, to: M, every: K}}, all three integers")
         if value["every"] <= 0 or value["from"] < 0 or value["to"] < value["from"]:
             raise MergeSpecError(f"{where}: the range needs 0 <= from <= to and every > 0")
+        if value["to"] > MAX_STEP:
+            raise MergeSpecError(f"{where}: 'to' is {value['to']}, past the largest step, {MAX_STEP}")
         value = range(value["from"], value["to"] + 1, value["every"])
-    if isinstance(value, list | range) and len(value) > MAX_AVERAGED_STEPS:  # a range before it is a list
+    # counted before it is a list; a range's len() cannot pass sys.maxsize, so it is computed
+    count = (value.stop - value.start + value.step - 1) // value.step if isinstance(value, range) else None
+    if isinstance(value, list):
+        count = len(value)
+    if count is not None and count > MAX_AVERAGED_STEPS:
         limit = f"an average takes at most {MAX_AVERAGED_STEPS:,}"
-        raise MergeSpecError(f"{where}: the spec names {len(value):,} steps; {limit}")
+        raise MergeSpecError(f"{where}: the spec names {count:,} steps; {limit}")
     value = list(value) if isinstance(value, range) else value
-    if not isinstance(value, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value):
+    if not isinstance(value, list) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_STEP for s in value
+    ):
         raise MergeSpecError(f"{where}: steps is a list of step numbers, e.g. [100, 200, 300], or {{from, to, every}}")
     if len(value) < 2:
         raise MergeSpecError(f"{where}: an average needs at least two steps")
@@ -165,6 +173,7 @@ def parse_average(spec: dict[str, Any], origin: str) -> AverageSpec:
     if (
         not isinstance(kinds, list)
         or not kinds
+        or not all(isinstance(k, str) for k in kinds)  # [[master]] is no kind, and no set member
         or not set(kinds) <= set(AVERAGED_KINDS)
         or len(set(kinds)) != len(kinds)
     ):

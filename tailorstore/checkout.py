@@ -125,7 +125,7 @@ def write_step_files(
             repickle.write_file(store, manifest, row, target, where, trust_pickles)
         else:
             raise CorruptStoreError(f"{where}: unknown file kind {row.kind!r}; upgrade tailorstore")
-        os.chmod(target, row.mode or 0o644)
+        os.chmod(target, (row.mode or 0o644) & 0o777)  # never setuid, setgid or sticky
         written += target.stat().st_size
         advance(row.raw_size)
     return written

@@ -248,7 +248,7 @@ class PlacedFiles:
             if os.fstat(target.out.fd).st_size != target.size:
                 raise CorruptStoreError(f"{target.where}: came out at the wrong size; run `tailor verify`")
             os.fsync(target.out.fd)
-            os.fchmod(target.out.fd, row.mode or 0o644)
+            os.fchmod(target.out.fd, (row.mode or 0o644) & 0o777)  # never setuid, setgid or sticky
 
     def close(self) -> None:
         for target in self.targets.values():

@@ -203,8 +203,14 @@ def _typed_document(doc: dict[str, Any], key: str) -> ManifestDocument:
         raise RecordError("it holds no manifest row")
     m = {**m, "run": m.get("run", run_of_key(key)), "tier": m.get("tier")}  # version 1 objects have neither
     manifest = record(ManifestRecord, {c: m[c] for c in MANIFEST_DOC_FIELDS if c in m})
-    if manifest.step < 0:
+    if not 0 <= manifest.step < 1 << 63:  # what the index (SQLite) and every selector can hold
         raise RecordError(f"step {manifest.step}")
+    for name in ("raw_bytes", "new_bytes", "world_size", "zero_stage"):
+        value = getattr(manifest, name)
+        if value is not None and not 0 <= value < 1 << 62:
+            raise RecordError(f"{name} {value}")
+    if manifest.run != run_of_key(key):  # FORMAT.md: a reader MUST refuse it
+        raise RecordError(f"it says run {manifest.run!r}, but its key is of run {run_of_key(key)!r}")
     files = from_table(doc.get("files"), FileRecord)
     atoms = from_table(doc.get("atoms"), AtomRecord)
     blobs = from_table(doc.get("blobs"), BlobRecord)

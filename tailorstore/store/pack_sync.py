@@ -9,7 +9,7 @@ holds them; the next gc finds the new pack with no rows and deletes the only cop
 here: a training run committing every few seconds while ``tailor gc --thin`` ran beside it lost
 16 blobs this way, through the unlocked sync that opens each background commit's store.)
 
-Two rules keep a listing from doing harm:
+Three rules keep a listing from doing harm:
 
 - **Locked** (the caller holds the store lock, shared or exclusive, so no gc is between its
   steps): reconcile fully. Rows of packs that are gone are dropped, every entry of a pack the
@@ -21,6 +21,9 @@ Two rules keep a listing from doing harm:
   name (a manifest imported from another host) gets its ``packs`` row. A listed pack that a gc
   is about to delete never wins over the one the index names, since the index names a pack that
   still exists.
+- **Never moved from a place that stands**: a pack the index does not know gives rows only to
+  blobs the index has no standing place for, so a planted pack whose trailer lies cannot take
+  over another pack's blobs (:func:`_unplaced`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ def packs_agree(index: Index, listed: set[str], *, locked: bool) -> bool:
     named = index.packs_named_by_blobs()
     known = set(index.packs())
     return named <= listed and (known == listed if locked else named <= known)
+
+
+def _unplaced(index: Index, digest: str, listed: set[str]) -> bool:
+    """Whether a pack's trailer may say where this blob is: only when the index has no place for
+    it that still stands. A trailer is input from whoever could write the bucket, and a pack's
+    name is the hash of its bytes only if someone reads them all, so a pack planted under any name
+    with a trailer naming another pack's blobs must not move their rows (gc would then delete the
+    real pack as empty). A blob kept loose, or in a listed pack, stays where it is."""
+    row = index.blob(digest)
+    return row is None or (row.pack is not None and row.pack not in listed)
 
 
 def reconcile_packs(backend: Backend, index: Index, listed: set[str], *, locked: bool) -> None:
@@ -63,7 +76,7 @@ def reconcile_packs(backend: Backend, index: Index, listed: set[str], *, locked:
         index.delete_packs(known - listed)
         for name in sorted(listed - known):
             if (read := trailer(name)) is not None:
-                place(name, read[0], read[1])
+                place(name, read[0], [e for e in read[1] if _unplaced(index, e.hash, listed)])
     lost = {b.hash for b in index.blobs_packed_outside(listed)}
     for name in sorted(listed):
         if not lost:

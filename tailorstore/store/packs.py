@@ -81,14 +81,19 @@ def read_trailer(backend: Backend, name: str) -> tuple[int, list[PackEntry]]:
             backend.get(key, size - _FOOT.size - length, length), max_output_size=1 << 30
         )
         rows = json.loads(raw)["blobs"]
-        entries = [PackEntry(str(h), int(o), int(s), int(r), str(c)) for h, o, s, r, c in rows]
+        entries = [PackEntry(h, o, s, r, c) for h, o, s, r, c in rows]
         body = size - _FOOT.size - length
         for e in entries:  # the index takes these rows as they are: a reader of the pack trusts them
-            if not HASH_NAME.fullmatch(e.hash) or e.offset < 0 or e.stored_size < 0 or e.raw_size < 0:
+            numbers = (e.offset, e.stored_size, e.raw_size)
+            if not (isinstance(e.hash, str) and isinstance(e.codec, str)) or not all(
+                type(n) is int and 0 <= n < 1 << 62 for n in numbers
+            ):
+                raise ValueError(f"entry {e.hash!r:.40} at {e.offset!r:.40} of {e.stored_size!r:.40} bytes")
+            if not HASH_NAME.fullmatch(e.hash):
                 raise ValueError(f"entry {e.hash!r:.40} at {e.offset} of {e.stored_size} bytes")
             if e.offset + e.stored_size > body:
                 raise ValueError(f"blob {e.hash} ends at {e.offset + e.stored_size}, past the body's {body} bytes")
-    except (zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
+    except (zstandard.ZstdError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CorruptStoreError(f"pack {name}: its trailer is damaged ({exc}); run `verify(deep=True)`") from None
     return size, entries
 

@@ -251,6 +251,8 @@ def check_rows(files: Iterable[FileRecord], atoms: Iterable[AtomRecord], blobs: 
             if f.container is not None:
                 _hex(f.container, f.path)
             _not_negative(f.path, raw_size=f.raw_size)
+            if not 0 <= f.mode <= 0o777:  # checkout must never apply setuid, setgid or sticky bits
+                raise RecordError(f"{f.path}: mode {f.mode:#o} is outside 0o777")
         for a in atoms:
             _inside(a.path, paths)
             _hex(a.blob, a.path)
@@ -259,7 +261,7 @@ def check_rows(files: Iterable[FileRecord], atoms: Iterable[AtomRecord], blobs: 
             _hex(b.hash, "a blob row")
             if b.pack is not None:
                 _hex(b.pack, f"blob {b.hash}")
-            _not_negative(f"blob {b.hash}", raw_size=b.raw_size, stored_size=b.stored_size)
+            _not_negative(f"blob {b.hash}", raw_size=b.raw_size, stored_size=b.stored_size, offset=b.pack_offset)
     except UnsafePathError as exc:
         raise RecordError(str(exc)) from None
 
@@ -275,7 +277,8 @@ def _hex(name: str, where: str) -> None:
         raise RecordError(f"{where}: {name!r:.80} is not a 32-digit hex hash")
 
 
-def _not_negative(where: str, **numbers: int) -> None:
+def _not_negative(where: str, **numbers: int | None) -> None:
+    """Sizes and offsets: 0 or more, and small enough for SQLite and for any file (2**62)."""
     for name, value in numbers.items():
-        if value < 0:
+        if value is not None and not 0 <= value < 1 << 62:
             raise RecordError(f"{where}: {name} is {value}")
