@@ -41,7 +41,7 @@ JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON.")
 TrustOpt = typer.Option(False, "--trust-pickles", help="Load pickles with globals outside the allowlist (unsafe).")
 LockOpt = typer.Option(600.0, "--lock-timeout", help="Seconds to wait for the store lock.")
 RunOpt = typer.Option(None, "--run", help="The run whose steps step=N and latest name (default: main).")
-SELECTOR_HELP = "step=N, RUN:step=N, tag=NAME, id=N or latest."
+SELECTOR_HELP = "step=N, RUN:step=N, tag=NAME, id=HEX (as `tailor log` prints it) or latest."
 
 
 def _open(store: str | None, run: str | None = None) -> tailorstore.Store:
@@ -307,14 +307,14 @@ def log(run: str | None = typer.Option(None, "--run", help="Only this run's step
         typer.echo(json.dumps([asdict(s) for s in steps], indent=2))
         return
     if base is not None:
-        typer.echo(f"run {run} branched from run {base.run} step {base.step} (id={base.id})")
+        typer.echo(f"run {run} branched from run {base.run} step {base.step} (id={base.name})")
     column = f"{'run':10}  " if several else ""
-    typer.echo(f"{'id':>6}  {column}{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
+    typer.echo(f"{'id':13}  {column}{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
     for s in steps:
         kind = "merge" if s.origin == "merge" else "exact" if s.exact else "composite"
         kind += f", thinned to {s.tier}" if s.tier else ""
         typer.echo(
-            f"{'id=' + str(s.manifest):>6}  {f'{s.run:10}  ' if several else ''}{s.step:>8}  {_when(s.created_at)}  "
+            f"{'id=' + s.id:13}  {f'{s.run:10}  ' if several else ''}{s.step:>8}  {_when(s.created_at)}  "
             f"{(s.tag or '-'):12}  {human(s.raw_bytes):>10}  {human(s.new_bytes):>10}  {kind}"
             f"{'  pinned' if s.pinned else ''}"
         )
@@ -380,7 +380,7 @@ def merge(
     if isinstance(result, tailorstore.AverageResult):
         weights = ", ".join(f"step {s}: {c:.4g}" for s, c in result.coefficients.items())
         typer.echo(
-            f"averaged ({result.method}) into tag {result.tag} (id={result.manifest}) on base step {result.step} "
+            f"averaged ({result.method}) into tag {result.tag} (id={result.id}) on base step {result.step} "
             f"in {ms:.1f} ms: {weights}"
         )
         typer.echo(
@@ -388,7 +388,7 @@ def merge(
             f"{result.new_blobs} new blobs, {human(result.new_bytes)}"
         )
         return
-    typer.echo(f"merged tag {result.tag} (id={result.manifest}) on base step {result.step} in {ms:.1f} ms:")
+    typer.echo(f"merged tag {result.tag} (id={result.id}) on base step {result.step} in {ms:.1f} ms:")
 
     def source(layer: str, step: int) -> str:
         named = result.named.get(layer)
@@ -450,8 +450,8 @@ def tag_cmd(
 def untag(name: str = typer.Argument(..., help="The tag to remove."), store: str | None = StoreOpt) -> None:
     """Remove a tag. The manifest stays; gc may drop it unless it is pinned."""
     with _open(store) as st:
-        manifest = st.untag(name)
-    typer.echo(f"removed tag {name} from id={manifest}")
+        st.untag(name)
+    typer.echo(f"removed tag {name} (the manifest stays)")
 
 
 @app.command()
@@ -542,10 +542,10 @@ def du(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     typer.echo(f"{'kind':12}  {'raw':>10}  {'stored':>10}  {'derived':>10}")
     for name, k in sorted(u.kinds.items()):
         typer.echo(f"{name:12}  {human(k.raw_bytes):>10}  {human(k.stored_bytes):>10}  {human(k.derived_bytes):>10}")
-    typer.echo(f"{'id':>6}  {'step':>8}  {'tag':12}  {'raw':>10}  {'held alone':>10}")
+    typer.echo(f"{'id':13}  {'step':>8}  {'tag':12}  {'raw':>10}  {'held alone':>10}")
     for s in u.steps:
         typer.echo(
-            f"{'id=' + str(s.manifest):>6}  {s.step:>8}  {(s.tag or '-'):12}  {human(s.raw_bytes):>10}  "
+            f"{'id=' + s.id:13}  {s.step:>8}  {(s.tag or '-'):12}  {human(s.raw_bytes):>10}  "
             f"{human(s.held_alone):>10}"
         )
     typer.echo(f"`tailor gc` would free {human(u.gc_frees)} now")

@@ -82,6 +82,7 @@ class AverageResult:
     new_blobs: int
     new_bytes: int
     seconds: float
+    id: str = "-"  # the manifest's name on every host
 
 
 # Far more steps than any average wants (each is a checkpoint read in full); the bound keeps a
@@ -257,6 +258,7 @@ def average(store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, 
                 remove_unindexed(store, writer)
             raise
     return AverageResult(
+        id=store.manifest(new).name,
         manifest=new,
         tag=tag,
         step=base_record.step,

@@ -27,6 +27,7 @@ class StepSummary:
     pinned: bool
     policy: dict
     run: str = "main"
+    id: str = "-"  # the manifest's name on every host (``id=`` selects it); ``manifest`` is this index's row
     tier: str | None = None  # thinned by gc to this tier (weights, master): exports and averages, no resume
 
 
@@ -63,6 +64,7 @@ def _summary(r: ManifestRecord) -> StepSummary:
         policy=json.loads(r.policy),
         run=r.run,
         tier=r.tier,
+        id=r.name,
     )
 
 

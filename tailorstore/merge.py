@@ -45,6 +45,7 @@ class MergeResult:
     sources: dict[str, int]  # layer -> the step whose blobs it uses (as `tailor show` prints)
     named: dict[str, str]  # layer -> the source the spec named, for the layers the spec names
     seconds: float
+    id: str = "-"  # the manifest's name on every host
 
 
 def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[str, dict[str, str]]:
@@ -119,7 +120,8 @@ def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> 
             index.insert_layers(new, composed)
             manifest_objects.publish(store.backend, index, new, fence=lock)
     ordered = dict(sorted(((x.layer, x.source_step) for x in composed), key=lambda kv: sort_key(kv[0])))
-    return MergeResult(new, tag, base_record.step, ordered, chosen, time.perf_counter() - began)
+    seconds = time.perf_counter() - began
+    return MergeResult(new, tag, base_record.step, ordered, chosen, seconds, store.manifest(new).name)
 
 
 def _composed_atoms(index: Index, base: int, sources: dict[str, int]) -> list[AtomRecord]:

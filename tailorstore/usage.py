@@ -30,6 +30,7 @@ class StepUsage:
     tag: str | None
     raw_bytes: int
     held_alone: int  # stored bytes of blobs no other manifest uses
+    id: str = "-"  # the manifest's name on every host
 
 
 @dataclass
@@ -61,6 +62,6 @@ def usage(store: Repository) -> Usage:
     other_files.stored_bytes += index.non_atom_blob_bytes()
     other_files.raw_bytes = max(0, out.raw_bytes - sum(k.raw_bytes for name, k in out.kinds.items() if name != "files"))
     alone = index.bytes_alone()
-    out.steps = [StepUsage(m.id, m.step, m.tag, m.raw_bytes, alone.get(m.id, 0)) for m in manifests]
+    out.steps = [StepUsage(m.id, m.step, m.tag, m.raw_bytes, alone.get(m.id, 0), m.name) for m in manifests]
     out.gc_frees = plan_gc(store, effective_rules(store, Retention())).freed_bytes
     return out

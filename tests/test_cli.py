@@ -62,7 +62,13 @@ def test_commit_log_show_checkout(runs: Runs, tmp_path: Path) -> None:
     text = run("log", env=env).stdout.splitlines()
     assert text[0].split() == ["id", "step", "committed", "tag", "raw", "new", "kind"]
     row = text[1].split()
-    assert row[0] == f"id={log[0]['manifest']}" and row[1] == "3" and row[4] == "warm" and text[1].endswith("exact")
+    assert (
+        row[0] == f"id={log[0]['id']}"
+        and len(log[0]["id"]) == 10
+        and row[1] == "3"
+        and row[4] == "warm"
+        and text[1].endswith("exact")
+    )
 
     show = json.loads(run("show", "tag=warm", "--json", env=env).stdout)
     layers = {layer["layer"]: layer for layer in show["layers"]}
@@ -79,7 +85,7 @@ def test_commit_log_show_checkout(runs: Runs, tmp_path: Path) -> None:
     assert (out / "latest").read_text() == "global_step6"
     assert run("checkout", "step=99", "--out", str(tmp_path / "x"), env=env).returncode == 2
     bad = run("show", "bogus", env=env)
-    assert bad.returncode == 2 and "step=N, tag=NAME, id=N or latest" in bad.stderr
+    assert bad.returncode == 2 and "step=N, tag=NAME, id=HEX or latest" in bad.stderr
 
 
 def test_progress_bar_on_a_terminal_only(runs: Runs, tmp_path: Path) -> None:

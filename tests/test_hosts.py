@@ -253,3 +253,30 @@ def test_a_cache_of_another_store_at_the_same_place_is_refused(
     assert run(a, "index", "rebuild", "--store", location).returncode == 0
     done = run(a, "log", "--json", "--store", location)
     assert [s["step"] for s in json.loads(done.stdout)] == [6]
+
+
+def test_ids_name_the_same_manifest_on_every_host(s3_server: LocalS3, saves: tuple[Path, Path], tmp_path: Path) -> None:
+    at3, at6 = saves
+    location = s3_server.new_location()
+    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
+    assert run(a, "init", location).returncode == 0
+    for args in (("commit", str(at3)), ("commit", str(at6)), ("rm", "step=3"), ("commit", str(at3))):
+        assert run(a, *args, "--store", location).returncode == 0  # host a numbers its rows 2 (step 6) and 3
+    spec = tmp_path / "mix.yaml"
+    spec.write_text("base: {step: 6}\nslices:\n  - sources: [{step: 3, layer_range: [0, 2]}]\n")
+    merged = run(a, "merge", str(spec), "--tag", "mix", "--store", location)
+    assert merged.returncode == 0, merged.stderr
+    logs = [
+        json.loads(run(host_env(tmp_path / f"host-{h}"), "log", "--json", "--store", location).stdout) for h in "abc"
+    ]
+    named = [{s["id"]: (s["step"], s["tag"]) for s in log} for log in logs]
+    assert named[0] == named[1] == named[2] and len(named[0]) == 3
+    rows = [sorted(s["manifest"] for s in log if s["step"] == 6 and s["tag"] is None) for log in logs]
+    assert rows[0] != rows[1]  # a new host numbers its rows 1 (step 6) and 2: row ids differ, ids do not
+    merge_id = next(i for i, (_, tag) in named[0].items() if tag == "mix")
+    assert f"(id={merge_id})" in merged.stdout
+    for h in "bc":
+        shown = json.loads(
+            run(host_env(tmp_path / f"host-{h}"), "show", f"id={merge_id[:6]}", "--json", "--store", location).stdout
+        )
+        assert shown["summary"]["tag"] == "mix" and shown["summary"]["id"] == merge_id

@@ -347,7 +347,13 @@ def test_store_open_and_resolve_refusals(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="not a directory"):
         Repository.init(tmp_path / "file")
     with Repository.init(tmp_path / "st") as st:
-        refusals = (("latest", "no steps yet"), ("id=3", "no manifest has id 3"), ("step=x", "cannot read"))
+        refusals = (
+            ("latest", "no steps yet"),
+            ("id=3", "at least 4"),
+            ("id=abcd", "no manifest has id abcd"),
+            ("id=../x", "names no manifest"),
+            ("step=x", "cannot read"),
+        )
         for selector, message in refusals:
             with pytest.raises(UnknownStepError, match=message):
                 st.resolve(selector)

@@ -9,9 +9,12 @@ index caches and what the backend keeps cannot drift apart.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
+
+import xxhash
 
 from ..errors import UnsafePathError
 from ..paths import check_relative
@@ -48,6 +51,25 @@ class ManifestRecord:
     id: int = 0
     run: str = MAIN_RUN  # steps are numbered per run
     tier: str | None = None  # None: whole; THIN_MASTER or THIN_WEIGHTS once gc thinned it
+
+    @property
+    def name(self) -> str:
+        """The manifest's id as users see it, the same on every host (:func:`stable_id`)."""
+        return stable_id(self.object_key)
+
+
+ID_DIGITS = 10  # hex digits of a stable id that are printed; a selector may give any 4 or more
+
+
+def stable_id(object_key: str | None) -> str:
+    """A short name for a manifest derived from its object key, so every host gives it the same one
+    (the index's row ids differ from host to host). A commit's version suffix is left out: the
+    name stays when gc thins the step (a new version of its object) and names the step's current
+    version after ``force``. ``-`` for a manifest whose object is not written yet."""
+    if object_key is None:
+        return "-"
+    stem = re.sub(r"-v\d+(\.json\.zst)$", r"\1", object_key)
+    return xxhash.xxh3_64_hexdigest(stem.encode())[:ID_DIGITS]
 
 
 # The columns a manifest object carries; tag, pin and id are not part of it (refs and the index hold them).

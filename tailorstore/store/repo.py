@@ -382,7 +382,8 @@ class Repository:
         Steps are numbered per run: ``step=N`` and ``latest`` look in ``run``, or in the run a
         ``RUN:`` prefix names (``ft:step=200``). A run branched from another run's step
         reaches that base as ``latest`` until it has commits of its own, and by the base's step.
-        ``tag=`` and ``id=`` name one manifest in the whole store. Merges carry their base's
+        ``tag=`` and ``id=`` name one manifest in the whole store; an id is the short hex name
+        every host gives that manifest (``records.stable_id``). Merges carry their base's
         step, so they are named by ``tag=`` or ``id=`` (``tailor log`` prints both); a step
         that only merges carry is refused with the list of them.
         """
@@ -396,12 +397,8 @@ class Repository:
             if latest is None:
                 raise UnknownStepError(f"run {run!r} holds no steps yet; commit one with `tailor commit DIR`.")
             return latest.id
-        match = re.fullmatch(r"id=(\d+)", text)
-        if match and not prefixed:
-            manifest = check_step(int(match.group(1)))
-            if self.index.manifest(manifest) is None:
-                raise UnknownStepError(f"no manifest has id {manifest}; `tailor log` lists the ids.")
-            return manifest
+        if text.startswith("id=") and not prefixed:
+            return self._by_stable_id(text[3:])
         match = re.fullmatch(r"(?:step=)?(\d+)", text)
         if match:
             step = check_step(int(match.group(1)))
@@ -410,7 +407,7 @@ class Repository:
             if commits:
                 return commits[0].id
             if found:
-                names = ", ".join(f"id={m.id} ({m.origin}, tag {m.tag})" for m in found)
+                names = ", ".join(f"id={m.name} ({m.origin}, tag {m.tag})" for m in found)
                 raise UnknownStepError(f"step {step}{where} has no commit, only: {names}. Name one by its id= or tag=.")
             base = self.run_base(run)
             if base is not None and base.step == step:
@@ -423,7 +420,23 @@ class Repository:
             if tagged is None:
                 raise UnknownStepError(f"nothing is tagged {text[4:]!r}; `tailor log` shows the tags.")
             return tagged.id
-        raise UnknownStepError(f"cannot read {selector!r}: write step=N, RUN:step=N, tag=NAME, id=N or latest.")
+        raise UnknownStepError(f"cannot read {selector!r}: write step=N, RUN:step=N, tag=NAME, id=HEX or latest.")
+
+    def _by_stable_id(self, prefix: str) -> int:
+        """The manifest whose stable id (records.stable_id) starts with ``prefix``, as git takes a
+        commit's abbreviated hash: at least 4 hex digits, and naming one manifest only."""
+        if not re.fullmatch(r"[0-9a-f]{4,16}", prefix):
+            raise UnknownStepError(
+                f"id={prefix[:40]!r} names no manifest: an id is the hex name `tailor log` prints (at least "
+                "4 of its digits), the same on every host."
+            )
+        found = [m for m in self.index.manifests() if m.name.startswith(prefix)]
+        if not found:
+            raise UnknownStepError(f"no manifest has id {prefix}; `tailor log` lists the ids.")
+        if len(found) > 1:
+            names = ", ".join(f"id={m.name} (step {m.step})" for m in found[:5])
+            raise UnknownStepError(f"id={prefix} names {len(found)} manifests: {names}; give more digits.")
+        return found[0].id
 
     def run_base(self, run: str) -> ManifestRecord | None:
         """The manifest a run branched from, if it was branched and the base is still held."""
