@@ -545,8 +545,7 @@ def du(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     typer.echo(f"{'id':13}  {'step':>8}  {'tag':12}  {'raw':>10}  {'held alone':>10}")
     for s in u.steps:
         typer.echo(
-            f"{'id=' + s.id:13}  {s.step:>8}  {(s.tag or '-'):12}  {human(s.raw_bytes):>10}  "
-            f"{human(s.held_alone):>10}"
+            f"{'id=' + s.id:13}  {s.step:>8}  {(s.tag or '-'):12}  {human(s.raw_bytes):>10}  {human(s.held_alone):>10}"
         )
     typer.echo(f"`tailor gc` would free {human(u.gc_frees)} now")
 

@@ -131,6 +131,7 @@ class Store:
         part: bool = False,
         progress: Progress | None = None,
         on_wait: Callable[[str], None] | None = None,
+        run: str | None = None,
         **policy_params: float,
     ) -> CommitResult:
         """Commit a DeepSpeed save, a ``global_stepN`` folder or an HF ``checkpoint-N`` folder.
@@ -140,10 +141,11 @@ class Store:
         files are deleted once the manifest is durable and every blob it names has been found
         with its recorded size. With ``part``, only the files this host holds are committed, as
         one part of the step; :meth:`finalize` records the step once every host's part is in.
+        ``run`` commits to that run instead of the handle's.
         """
         if part and delete_after_commit:
             raise StoreError("delete_after_commit waits for the manifest, which a part does not write; finalize first.")
-        options = self._options(step, tag, policy, force, level, trust_pickles, lock_timeout, policy_params, part)
+        options = self._options(step, tag, policy, force, level, trust_pickles, lock_timeout, policy_params, part, run)
         return _commit(self.repo, Path(path), options, delete_after_commit, progress, on_wait)
 
     def _options(
@@ -157,6 +159,7 @@ class Store:
         lock_timeout: float,
         policy_params: dict[str, float],
         part: bool = False,
+        run: str | None = None,
     ) -> CommitOptions:
         from .commit_options import CommitOptions
         from .policies import policy_spec
@@ -170,7 +173,7 @@ class Store:
             lock_timeout=lock_timeout,
             policy=policy_spec(policy, policy_params),
             part=part,
-            run=self.run,
+            run=check_run_name(run) if run is not None else self.run,
         )
 
     def finalize(

@@ -258,7 +258,7 @@ def test_a_cache_of_another_store_at_the_same_place_is_refused(
 def test_ids_name_the_same_manifest_on_every_host(s3_server: LocalS3, saves: tuple[Path, Path], tmp_path: Path) -> None:
     at3, at6 = saves
     location = s3_server.new_location()
-    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
+    a = host_env(tmp_path / "host-a")
     assert run(a, "init", location).returncode == 0
     for args in (("commit", str(at3)), ("commit", str(at6)), ("rm", "step=3"), ("commit", str(at3))):
         assert run(a, *args, "--store", location).returncode == 0  # host a numbers its rows 2 (step 6) and 3

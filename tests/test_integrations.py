@@ -18,7 +18,7 @@ from tailorstore import BackgroundCommitError, Store
 from tailorstore.integrations.deepspeed import TailorCheckpointEngine
 from tailorstore.safe_load import load_torch_file
 from tailorstore.testing.compare import differences, same_tree
-from tailorstore.testing.runs import train_hf, train_tiny
+from tailorstore.testing.runs import TrainingFailed, train_hf, train_tiny
 
 
 def test_deepspeed_save_helper_commits_in_the_background_and_resume_is_bit_exact(runs: Runs, tmp_path: Path) -> None:
@@ -260,3 +260,60 @@ def test_hf_trainer_callback_with_delete_and_save_total_limit(hf_run: HFRun, tmp
     final = tmp_path / "resumed.safetensors"  # resume_from_checkpoint takes the checked-out folder as it is
     train_hf(tmp_path / "resumed", final_weights=final, resume_from=tmp_path / "restored" / "checkpoint-3", steps=6)
     assert not differences(load_file(hf_run.final_weights), load_file(final)), "resumed run ended elsewhere"
+
+
+@pytest.mark.parametrize("engine", [True, False], ids=["attach", "save_checkpoint"])
+def test_resuming_from_an_earlier_step_branches_and_says_so(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: bool
+) -> None:
+    """Training goes back to step 3 after step 6 was committed (a rewind), and saves step 6 again:
+    by default its saves go to a new run branched at step 3, in one warning line, and the first
+    step 6 stays as it was; with on_existing='error' the save fails as a plain commit would.
+    Through ``attach`` (the save staged, resumed from the store) and ``save_checkpoint`` (the save
+    on disk, resumed from there)."""
+    reference = runs.get("zero2-bf16")
+    monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
+    Store.init(tmp_path / "store").close()
+    save = tmp_path / "save"
+    options = {"commit_to": tmp_path / "store", "tailor_engine": engine, **reference.options}
+    train_tiny(save, losses_out=tmp_path / "first.json", steps=6, save_every=3, **options)
+    with Store.open(tmp_path / "store") as store:
+        first = {s.step: s.id for s in store.log()}
+    rewound = train_tiny(
+        save, losses_out=tmp_path / "again.json", resume_from=save, resume_tag="global_step3", steps=9, save_every=3,
+        **options,
+    )  # fmt: skip
+    assert rewound == {s: reference.losses[s] for s in (4, 5, 6)} | {s: rewound[s] for s in (7, 8, 9)}
+    log = (tmp_path / "again.log").read_text()
+    assert log.count("go to a new run 'main-from-3' branched there") == 1, log
+    with Store.open(tmp_path / "store") as store:
+        assert {s.step: s.id for s in store.log()} == first, "main's steps stay as they were"
+        branch = {r.name: r for r in store.runs()}["main-from-3"]
+        assert branch.base is not None and branch.base.step == 3 and branch.latest_step == 9
+        with Store.open(tmp_path / "store", run="main-from-3") as ft:
+            assert [s.step for s in ft.log()] == [6, 9]
+        assert store.verify(deep=True).ok
+
+    with pytest.raises(TrainingFailed, match="already in"):
+        train_tiny(
+            save, losses_out=tmp_path / "strict.json", resume_from=save, resume_tag="global_step3", steps=6,
+            save_every=3, on_existing="error", **options,
+        )  # fmt: skip
+
+
+def test_resuming_from_a_composite_through_attach_warns_which_layers(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = runs.get("zero2-bf16")
+    monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
+    Store.init(tmp_path / "store").close()
+    save = tmp_path / "save"
+    options = {"commit_to": tmp_path / "store", "tailor_engine": True, **reference.options}
+    train_tiny(save, losses_out=tmp_path / "first.json", steps=6, save_every=3, engine_policy="parity", **options)
+    train_tiny(save, losses_out=tmp_path / "exact.json", resume_from=save, resume_tag="global_step3", steps=4,
+               save_every=0, **options)  # fmt: skip
+    assert "a composite" not in (tmp_path / "exact.log").read_text()  # step 3, the first, stores every layer
+    train_tiny(save, losses_out=tmp_path / "mixed.json", resume_from=save, resume_tag="global_step6", steps=7,
+               save_every=0, **options)  # fmt: skip
+    log = (tmp_path / "mixed.log").read_text()
+    assert "resuming from step 6, a composite" in log and "(step 3)" in log, log

@@ -55,6 +55,7 @@ from ..formats.deepspeed import is_model_states, read_latest
 from ..policies import policy_spec
 from ..safe_load import load_torch_file
 from . import staging as staged
+from .rewind import Rewind, warn_if_composite
 
 log = logging.getLogger("tailorstore")
 ENGINE_NAME = "TailorCheckpointEngine"
@@ -115,9 +116,11 @@ class TailorCheckpointEngine(CheckpointEngine):
         asynchronous: bool = True,
         staging: str | os.PathLike | None = None,
         global_steps: Callable[[], int] | None = None,
+        on_existing: str = "branch",
         **policy_params: float,
     ) -> None:
         super().__init__(None)
+        self.rewind = Rewind(on_existing)  # a save of a step the store holds: a rewind (rewind.py)
         self.name = ENGINE_NAME
         if _rank() == 0 and store is None:
             raise StoreError("TailorCheckpointEngine: global rank 0 commits, so it needs the store.")
@@ -221,11 +224,12 @@ class TailorCheckpointEngine(CheckpointEngine):
 
     def _submit(self, twin: Path, real: Path, step: int | None) -> Future[CommitResult] | CommitResult:
         assert self.store is not None
-        options: dict[str, Any] = {"step": step, "policy": self.policy, **self.policy_params}
+        options: dict[str, Any] = {"policy": self.policy, **self.policy_params}
+        options["step"] = step
 
         def job(store: Store) -> CommitResult:
             try:
-                return store.commit(twin, delete_after_commit=True, **options)
+                return self.rewind.commit(store, twin, delete_after_commit=True, **options)
             except BaseException:
                 _rescue(twin, real)
                 raise
@@ -268,10 +272,14 @@ class TailorCheckpointEngine(CheckpointEngine):
             step = step_of_tag(tag) if tag else None
             if tag and step is None:
                 return None, f"the DeepSpeed tag {tag!r} names no step; load 'global_stepN' or leave tag=None"
-            self.store.checkout(step if step is not None else "latest", out)
+            run = self.rewind.run or self.store.run
+            ref = f"{run}:step={step}" if step is not None else f"{run}:latest"
+            result = self.store.checkout(ref, out)
             folders = [p.name for p in out.iterdir() if p.is_dir()]
             if len(folders) != 1:
                 return None, f"the checked-out step in {out} holds {len(folders)} tag folders, not one"
+            self.rewind.resumed_step = result.step  # a save of a step after it that the store holds branches here
+            warn_if_composite(self.store, f"{run}:step={result.step}")
             return folders[0], None
         except Exception as exc:
             shutil.rmtree(out, ignore_errors=True)
@@ -309,12 +317,15 @@ def attach(
     policy: str = "full",
     asynchronous: bool = True,
     staging: str | os.PathLike | None = None,
+    on_existing: str = "branch",
     **policy_params: float,
 ) -> TailorCheckpointEngine:
     """Install a :class:`TailorCheckpointEngine` on a DeepSpeed engine, on every rank (collective).
 
     ``engine.save_checkpoint`` then saves into the store and ``engine.load_checkpoint`` resumes
-    from it (a tag folder that exists on disk is still loaded from disk).
+    from it (a tag folder that exists on disk is still loaded from disk). ``on_existing`` says what
+    a save of a step the store already holds does, after training went back to an earlier step:
+    ``"branch"`` (a new run from the resumed step, with a warning), ``"replace"`` or ``"error"``.
     """
     tailor = TailorCheckpointEngine(
         store,
@@ -322,6 +333,7 @@ def attach(
         asynchronous=asynchronous,
         staging=staging,
         global_steps=lambda: int(engine.global_steps),
+        on_existing=on_existing,
         **policy_params,
     )
     engine.checkpoint_engine = tailor
@@ -344,21 +356,32 @@ def save_checkpoint(
     asynchronous: bool = True,
     policy: str = "full",
     client_state: dict | None = None,
+    on_existing: str = "branch",
     **policy_params: float,
 ) -> Future[CommitResult] | CommitResult | None:
     """``engine.save_checkpoint(save_dir, tag)`` on every rank, then rank 0 commits the step.
 
     The plain "save, then commit" path: the save lands on disk first. ``store`` is needed on
     rank 0 only (other ranks may pass None). Returns rank 0's future (or result, when not
-    asynchronous); other ranks get None.
+    asynchronous); other ranks get None. ``on_existing`` is as for :func:`attach`; a branch, once
+    made, is kept on the engine for its later saves.
     """
+    rewind: Rewind | None = getattr(engine, "_tailor_rewind", None)
+    if rewind is None or rewind.on_existing != on_existing:
+        rewind = Rewind(on_existing, run=rewind.run if rewind else None)
+        engine._tailor_rewind = rewind
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state or {})
     if _rank() != 0:
         return None
     if store is None:
         raise TypeError("save_checkpoint: global rank 0 needs the store to commit to")
     folder = os.path.join(str(save_dir), tag or f"global_step{engine.global_steps}")
-    options: dict[str, Any] = {"step": engine.global_steps, "policy": policy, **policy_params}
+    options: dict[str, Any] = {"policy": policy, **policy_params}
+    step = int(engine.global_steps)
+
+    def job(handle: Store) -> CommitResult:
+        return rewind.commit(handle, folder, step=step, delete_after_commit=delete_after_commit, **options)
+
     if asynchronous:
-        return store.commit_async(folder, delete_after_commit=delete_after_commit, **options)
-    return store.commit(folder, delete_after_commit=delete_after_commit, **options)
+        return store.background(folder, job)
+    return job(store)

@@ -36,6 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..api import Store, delete_once_durable
 from ..policies import policy_spec
 from .distributed import RankParallelResult, commit_rank_parallel
+from .rewind import Rewind, warn_if_composite
 
 
 class TailorCallback(TrainerCallback):
@@ -45,8 +46,10 @@ class TailorCallback(TrainerCallback):
         policy: str = "full",
         delete_after_commit: bool = False,
         asynchronous: bool = True,
+        on_existing: str = "branch",
         **policy_params: float,
     ) -> None:
+        self.rewind = Rewind(on_existing)  # a save of a step the store holds: a rewind (rewind.py)
         self._store_arg = store
         self._store: Store | None = store if isinstance(store, Store) else None
         policy_spec(policy, policy_params)  # a misspelt parameter fails here, not at the first save
@@ -68,6 +71,11 @@ class TailorCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self.rank_parallel() and self.asynchronous and self._group is None:
             self._group = dist.new_group(backend="gloo")  # collective: every rank calls on_train_begin
+        if state.global_step > 0:  # resumed (the Trainer has loaded the checkpoint's state by now)
+            self.rewind.resumed_step = state.global_step
+            if state.is_world_process_zero:
+                store = self._open()
+                warn_if_composite(store, f"{self.rewind.run or store.run}:step={state.global_step}")
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if control.should_save and self._store is not None and args.save_total_limit:
@@ -86,11 +94,17 @@ class TailorCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         store = self._open()
-        options: dict[str, Any] = {"step": state.global_step, "policy": self.policy, **self.policy_params}
+        options: dict[str, Any] = {"policy": self.policy, **self.policy_params}
+        step = state.global_step
+
+        def job(handle: Store) -> Any:
+            delete = self.delete_after_commit
+            return self.rewind.commit(handle, folder, step=step, delete_after_commit=delete, **options)
+
         if self.asynchronous:
-            store.commit_async(folder, delete_after_commit=self.delete_after_commit, **options)
+            store.background(str(folder), job)
         else:
-            store.commit(folder, delete_after_commit=self.delete_after_commit, **options)
+            job(store)
 
     def _commit_parallel(self, store: Store, folder: Path, step: int) -> RankParallelResult:
         """Every rank's share, rank 0's manifest; rank 0 deletes the folder once its blobs are checked."""

@@ -268,6 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="attach TailorCheckpointEngine: saves go into --commit-to, and --resume-from loads from it",
     )
     p.add_argument("--engine-policy", default="full", help="the policy TailorCheckpointEngine commits with")
+    p.add_argument("--on-existing", default="branch", help="what the engine does with a save of a step the store holds")
     p.add_argument("--fast-writer", action="store_true", help="save with DeepSpeed's FastCheckpointEngine")
     p.add_argument("--timings-out", default=None, help="JSON: each save's stall and the training loop's seconds")
     p.add_argument("--data", choices=sorted(DATA), default="ramp", help="ramp (tests) or chain (text-like)")
@@ -313,7 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     store = Store.open(args.commit_to) if args.commit_to and rank == 0 else None
-    tailor = attach(engine, store, policy=args.engine_policy) if args.tailor_engine else None
+    tailor = None
+    if args.tailor_engine:
+        tailor = attach(engine, store, policy=args.engine_policy, on_existing=args.on_existing)
 
     start_step = 0
     if args.resume_from:
@@ -348,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
                     store,
                     client_state={"my_step": step},
                     delete_after_commit=args.delete_after_commit,
+                    on_existing=args.on_existing,
                 )
             else:
                 engine.save_checkpoint(args.save_dir, client_state={"my_step": step})
