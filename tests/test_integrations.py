@@ -13,8 +13,10 @@ import torch
 from conftest import HFRun, Runs
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from safetensors.torch import load_file
+from test_hostile import mounted
 
 from tailorstore import BackgroundCommitError, Store
+from tailorstore.integrations import staging as staged
 from tailorstore.integrations.deepspeed import TailorCheckpointEngine
 from tailorstore.safe_load import load_torch_file
 from tailorstore.testing.compare import differences, same_tree
@@ -111,7 +113,7 @@ def test_tailor_checkpoint_engine_writes_a_save_whose_commit_failed_where_deepsp
         engine.commit(info)
 
     with Store.init(tmp_path / "store") as store:
-        engine = TailorCheckpointEngine(store)
+        engine = TailorCheckpointEngine(store, on_existing="error")  # so the store refuses the second save
         save(engine)
         engine.flush()
         assert not real.exists(), "a committed save never lands in save_dir"
@@ -317,3 +319,60 @@ def test_resuming_from_a_composite_through_attach_warns_which_layers(
                save_every=0, **options)  # fmt: skip
     log = (tmp_path / "mixed.log").read_text()
     assert "resuming from step 6, a composite" in log and "(step 3)" in log, log
+
+
+@pytest.mark.parametrize("mount_options", ["size=1m", "ro,size=1m"], ids=["full", "read-only"])
+def test_a_staging_folder_that_fails_costs_no_save(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mount_options: str
+) -> None:
+    """Staging on a 1 MB tmpfs (Docker's /dev/shm is 64 MB) or a read-only one, as a real DeepSpeed
+    run with attach: each save is written where DeepSpeed writes it and committed from there, one
+    warning per rank names the staging folder and $TAILOR_STAGING, and training is unchanged."""
+    reference = runs.get("zero2-bf16")
+    with mounted("-t", "tmpfs", "-o", mount_options, "tmpfs", str(tmp_path / "shm")) as staging:
+        monkeypatch.setenv("TAILOR_STAGING", str(staging))
+        Store.init(tmp_path / "store").close()
+        save = tmp_path / "save"
+        options = {"commit_to": tmp_path / "store", "tailor_engine": True, **reference.options}
+        losses = train_tiny(save, losses_out=tmp_path / "losses.json", steps=6, save_every=3, **options)
+        assert not [p for p in staging.rglob("*") if p.is_file()], "nothing is left in staging"
+    assert losses == reference.losses
+    log = (tmp_path / "losses.log").read_text()
+    assert log.count(f"staging in {staging} failed") == 2 and "TAILOR_STAGING" in log, log  # once per rank
+    assert sorted(p.name for p in save.iterdir()) == ["latest", "zero_to_fp32.py", "zero_to_torch.py"], (
+        "each save was committed from save_dir, then deleted there"
+    )
+    with Store.open(tmp_path / "store") as store:
+        assert [s.step for s in store.log()] == [3, 6]
+        assert store.verify(deep=True).ok
+        store.checkout(6, tmp_path / "out")
+    assert same_tree(tmp_path / "out" / "global_step6", reference.save_dir / "global_step6")
+
+
+def test_recovery_moves_only_regular_files_it_staged_never_through_a_link(tmp_path: Path) -> None:
+    """An abandoned staging folder with links planted in it: the next engine's recovery moves the
+    staged file and leaves every link, and what they point at, where it is."""
+    outside = tmp_path / "outside"
+    (outside / "tree").mkdir(parents=True)
+    (outside / "secret").write_text("must stay")
+    (outside / "tree" / "inner").write_text("must stay too")
+    staging = tmp_path / "staging"
+    save = staging / f"{staged.PREFIX}999-dead" / "save-000001"
+    tag = save / "global_step3"
+    tag.mkdir(parents=True)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"staged bytes")
+    (tag / "link-to-file").symlink_to(outside / "secret")
+    (tag / "link-to-dir").symlink_to(outside / "tree")
+    real = tmp_path / "save" / "global_step3"
+    (save / staged.TARGET).write_text(str(real))
+    linked = staging / f"{staged.PREFIX}998-dead" / "save-000001"
+    linked.mkdir(parents=True)
+    (linked / "global_step6").symlink_to(outside / "tree")  # the tag folder itself a link
+    (linked / staged.TARGET).write_text(str(tmp_path / "save" / "global_step6"))
+    staged.recover(staging)
+    assert sorted(p.name for p in real.iterdir()) == ["mp_rank_00_model_states.pt"]
+    assert (real / "mp_rank_00_model_states.pt").read_bytes() == b"staged bytes"
+    assert (outside / "secret").read_text() == "must stay" and (
+        outside / "tree" / "inner"
+    ).read_text() == "must stay too"
+    assert not (tmp_path / "save" / "global_step6").exists()

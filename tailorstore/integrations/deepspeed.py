@@ -32,6 +32,7 @@ by the next engine to start (:mod:`.staging`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -139,16 +140,53 @@ class TailorCheckpointEngine(CheckpointEngine):
         self._saves = 0
         self._save: tuple[Path, Path] | None = None  # (the real tag folder, its staged twin)
         self._staged_names: list[str] = []
+        self._direct = False  # this save is written where DeepSpeed would write it: staging failed
+        self._warned = False
+        self._last_bytes = 0  # this rank's bytes in its last save: the room the next one needs
 
     # -- what DeepSpeed calls while saving ----------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
-        """A new save begins: it gets its own staged folder (the previous one may still be committing)."""
+        """A new save begins: it gets its own staged folder (the previous one may still be committing).
+        Where staging cannot take it (no room for a save the size of the last, read-only, gone),
+        the save is written where DeepSpeed would write it and committed from there."""
         self._saves += 1
-        real = Path(info.save_dir) / info.tag
-        self._hold()
-        self._save = (real.absolute(), self._root / f"save-{self._saves:06d}" / info.tag)
-        staged.record_target(self._save[1].parent, self._save[0])
+        real = (Path(info.save_dir) / info.tag).absolute()
+        self._save = (real, self._root / f"save-{self._saves:06d}" / info.tag)
         self._staged_names = []
+        self._direct = False
+        try:
+            self._hold()
+            self._check_room()
+            staged.record_target(self._save[1].parent, self._save[0])
+        except OSError as exc:
+            self._go_direct(exc)
+
+    def _check_room(self) -> None:
+        need = self._last_bytes * max(1, _local_world_size())  # every rank of this node stages into one folder
+        free = shutil.disk_usage(self.staging).free
+        if need and free < need:
+            raise OSError(errno.ENOSPC, f"{free:,} bytes free, and the last save of this node's ranks took {need:,}")
+
+    def _go_direct(self, why: BaseException | str) -> None:
+        """Write this save where DeepSpeed would, moving what this rank staged of it there first."""
+        if self._direct or self._save is None:
+            return
+        real, twin = self._save
+        self._direct = True
+        for name in self._staged_names:
+            (real / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(twin / name), str(real / name))
+        staged.finish(twin.parent)
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "tailorstore: staging in %s failed (%s); the save goes to %s, where DeepSpeed writes it, and is "
+                "committed from there. Give staging= (or $%s) a folder with room for a save of this node's ranks.",
+                self.staging,
+                why,
+                real,
+                STAGING_ENV,
+            )
 
     def _hold(self) -> None:
         """Lock our staging folder (again, when it was emptied and deleted since)."""
@@ -158,8 +196,9 @@ class TailorCheckpointEngine(CheckpointEngine):
             self._lock = staged.hold(self._root)
 
     def _staged(self, path: str | os.PathLike) -> Path | None:
-        """The staged twin of a path inside the save's tag folder (None for anything else)."""
-        if self._save is None:
+        """The staged twin of a path inside the save's tag folder (None for anything else, and for
+        everything while this save is written directly)."""
+        if self._save is None or self._direct:
             return None
         real, twin = self._save
         target = Path(path).absolute()
@@ -169,19 +208,42 @@ class TailorCheckpointEngine(CheckpointEngine):
             return twin / target.relative_to(real)
         return None
 
+    def _name_in_save(self, path: str | os.PathLike) -> str | None:
+        if self._save is None:
+            return None
+        target = Path(path).absolute()
+        return str(target.relative_to(self._save[0])) if self._save[0] in target.parents else None
+
     def makedirs(self, path: str | os.PathLike, exist_ok: bool = False) -> None:
         twin = self._staged(path)
-        (twin or Path(path)).mkdir(parents=True, exist_ok=exist_ok or twin is not None)
+        if twin is not None:
+            try:
+                twin.mkdir(parents=True, exist_ok=True)
+                return
+            except OSError as exc:
+                self._go_direct(exc)
+        in_save = self._save is not None and (Path(path).absolute() == self._save[0] or self._name_in_save(path))
+        Path(path).mkdir(parents=True, exist_ok=exist_ok or bool(in_save))
 
     def save(self, state_dict: Any, path: str) -> None:
-        """Serialize one file into memory; the tensors may change as soon as this returns."""
+        """Serialize one file into memory; the tensors may change as soon as this returns. A staging
+        folder that fails (full, read-only: torch says "unexpected pos") costs no save: the file and
+        those this rank staged before it go where DeepSpeed would have written them."""
         twin = self._staged(path)
-        if twin is None:  # not part of the tag folder: DeepSpeed's own behaviour
-            torch.save(state_dict, path)
-            return
-        twin.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state_dict, twin)
-        self._staged_names.append(str(twin.relative_to(self._save[1])))  # type: ignore[index]
+        name = self._name_in_save(path)
+        if twin is not None:
+            try:
+                twin.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(state_dict, twin)
+                self._staged_names.append(str(name))
+                return
+            except (OSError, RuntimeError) as exc:
+                twin.unlink(missing_ok=True)
+                self._go_direct(exc)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state_dict, path)  # DeepSpeed's own behaviour, and this save's when staging failed
+        if name is not None:
+            self._staged_names.append(name)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """Files come from a checkout of the store; loaded with the allowlist, never running unknown code."""
@@ -192,14 +254,25 @@ class TailorCheckpointEngine(CheckpointEngine):
         if self._save is None:
             return True
         real, twin = self._save
+        names, direct = self._gathered_names()
+        if direct:  # some rank's staging failed: the whole save is committed from where DeepSpeed writes it
+            self._go_direct("another rank's staging failed")
+            _barrier()  # every rank has moved what it had staged
         self._save = None
-        names = self._gathered_names()
+        folder = real if direct else twin
+        self._last_bytes = sum(_size(folder / n) for n in self._staged_names)
         if not names:  # nothing staged: save_16bit_model writes beside the tag folder
             staged.finish(twin.parent)
             return True
         if _rank() != 0:
             return True
-        missing = sorted(n for n in names if not (twin / n).is_file())
+        missing = sorted(n for n in names if not (folder / n).is_file())
+        if missing and direct:
+            raise StoreError(
+                f"global rank 0 does not see the files {missing[:3]} of {info.tag} in {real}, where every rank "
+                "wrote its share because staging failed: the ranks do not share the save folder (several "
+                "nodes?). Commit the folders with `commit(DIR, part=True)` on each node, then `finalize`."
+            )
         if missing:
             _rescue(twin, real)  # what rank 0 does see is written where DeepSpeed would have put it
             staged.finish(twin.parent)
@@ -211,30 +284,36 @@ class TailorCheckpointEngine(CheckpointEngine):
         step = step_of_tag(info.tag)
         if step is None and self._global_steps is not None:
             step = self._global_steps()
-        self._submit(twin, real, step)
+        self._submit(folder, real, step)
         return True
 
-    def _gathered_names(self) -> list[str]:
-        """Every rank's staged file names, after a barrier: all files are complete once it passes."""
+    def _gathered_names(self) -> tuple[list[str], bool]:
+        """Every rank's file names of this save, and whether any rank wrote its share directly,
+        after a barrier: all files are complete once it passes."""
         if not _distributed():
-            return list(self._staged_names)
-        every: list[list[str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, list(self._staged_names))
-        return sorted({n for names in every for n in names or []})
+            return list(self._staged_names), self._direct
+        every: list[tuple[list[str], bool] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (list(self._staged_names), self._direct))
+        names = sorted({n for one in every if one for n in one[0]})
+        return names, any(one[1] for one in every if one)
 
-    def _submit(self, twin: Path, real: Path, step: int | None) -> Future[CommitResult] | CommitResult:
+    def _submit(self, folder: Path, real: Path, step: int | None) -> Future[CommitResult] | CommitResult:
+        """Commit ``folder`` (the staged twin, or ``real`` itself when staging failed) in the background."""
         assert self.store is not None
         options: dict[str, Any] = {"policy": self.policy, **self.policy_params}
         options["step"] = step
+        staged_twin = folder != real
 
         def job(store: Store) -> CommitResult:
             try:
-                return self.rewind.commit(store, twin, delete_after_commit=True, **options)
+                return self.rewind.commit(store, folder, delete_after_commit=True, **options)
             except BaseException:
-                _rescue(twin, real)
+                if staged_twin:  # a save written directly is where DeepSpeed would have put it already
+                    _rescue(folder, real)
                 raise
             finally:
-                staged.finish(twin.parent)
+                if staged_twin:
+                    staged.finish(folder.parent)
 
         if self.asynchronous:
             return self.store.background(str(real), job)
@@ -294,6 +373,20 @@ class TailorCheckpointEngine(CheckpointEngine):
 
     def cleanup(self) -> None:
         self.flush()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _local_world_size() -> int:
+    try:
+        return max(1, min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")[:6]), 4096))
+    except ValueError:
+        return 1
 
 
 def _rescue(twin: Path, real: Path) -> None:

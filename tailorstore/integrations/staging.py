@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 from ..dir_locks import hold_dir, removed, take_abandoned
@@ -71,14 +72,38 @@ def finish(save: Path) -> None:
         pass
 
 
+def _real_dir(path: Path) -> bool:
+    """A directory itself, not a link to one: a staging folder is writable by whoever shares it."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _ours(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+
 def rescue(twin: Path, real: Path) -> None:
-    """A staged save goes where DeepSpeed would have written it."""
-    if not twin.is_dir():
+    """A staged save goes where DeepSpeed would have written it. Only what the engine stages
+    moves: regular files of this user, in folders, never through a link. A link planted in a
+    shared or abandoned staging folder would otherwise move files from anywhere to the target."""
+    if not _real_dir(twin):
         return
     real.mkdir(parents=True, exist_ok=True)
-    for item in twin.iterdir():
-        shutil.move(str(item), str(real / item.name))
-    twin.rmdir()
+    for entry in os.scandir(twin):
+        source, dest = Path(entry.path), real / entry.name
+        st = entry.stat(follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            rescue(source, dest)
+        elif _ours(st):
+            shutil.move(str(source), str(dest))
+        else:
+            log.warning("tailorstore: %s is no file the engine staged (a link, or not this user's); it stays", source)
+    try:
+        twin.rmdir()
+    except OSError:
+        pass  # what was left stays, named above
 
 
 def recover(staging: Path) -> list[Path]:
@@ -109,8 +134,12 @@ def _recover_one(root: Path) -> list[Path]:
             shutil.rmtree(entry, ignore_errors=True)
             continue
         target = entry / TARGET
-        tags = [p for p in entry.iterdir() if p.is_dir()] if entry.is_dir() else []
-        if not entry.name.startswith("save-") or not target.is_file() or len(tags) != 1:
+        tags = [p for p in entry.iterdir() if _real_dir(p)] if _real_dir(entry) else []
+        try:
+            target_ok = _ours(os.lstat(target))
+        except OSError:
+            target_ok = False
+        if not entry.name.startswith("save-") or not target_ok or len(tags) != 1:
             log.warning("tailorstore: %s was left by a run that is gone; it is not ours to move, so it stays", entry)
             continue
         try:
