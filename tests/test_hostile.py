@@ -537,6 +537,10 @@ def _set(table: str, row: int, column: str, value: object):
         (_set("blobs", 0, "hash", "zz"), ["'zz' is not a 32-digit hex hash"]),  # accepted as a 77th blob
         (_set("blobs", 0, "raw_size", -5), ["raw_size is -5"]),  # accepted
         (_set("files", 0, "path", "/etc/evil.pt"), ["refusing path '/etc/evil.pt'"]),  # exit 2 at checkout
+        (_set("files", 0, "mode", 0o4755), ["mode 0o4755 is outside 0o777"]),  # checkout wrote a setuid file
+        (lambda d: d["manifest"].update(step=2**63), ["step 9223372036854775808"]),  # every command: OverflowError
+        (lambda d: d["manifest"].update(run="ft"), ["it says run 'ft'"]),  # "UNIQUE constraint failed"
+        (_set("blobs", 0, "pack_offset", 2**64), ["offset is 18446744073709551616"]),  # OverflowError
     ],
 )
 def test_a_damaged_manifest_object_is_named_and_nothing_of_it_is_indexed(
@@ -580,6 +584,8 @@ def test_damaged_ref_objects_of_a_store(small_store: Path, tmp_path: Path) -> No
         (["zz", 0, 10, 10, '{"id": "raw", "v": 1}'], ["entry 'zz'"]),
         (["0" * 32, -64, 10, 10, '{"id": "raw", "v": 1}'], ["at -64"]),
         (["0" * 32, 0, 1 << 40, 10, '{"id": "raw", "v": 1}'], ["past the body"]),
+        (["0" * 32, float("inf"), 10, 10, '{"id": "raw", "v": 1}'], ["at inf"]),  # 1e999: OverflowError traceback
+        (["0" * 32, 0, 10, 1.5, '{"id": "raw", "v": 1}'], ["entry"]),
     ],
 )
 def test_a_pack_trailer_naming_what_the_pack_cannot_hold_is_damage(
@@ -619,3 +625,75 @@ def test_a_step_a_checkpoint_states_out_of_range_is_refused(
     (checkpoint / "trainer_state.json").write_text(f'{{"global_step": {global_step}}}')
     one_line(tailor("commit", str(checkpoint), store=store), 2, *words)
     assert store_state(store) == before
+
+
+def test_a_setuid_mode_in_the_index_is_never_applied(small_store: Path, tmp_path: Path) -> None:
+    """Checkout runs as root in most containers: a mode from the store (here a damaged index row, as
+    a manifest object rewritten by anyone with bucket access would give) is masked to 0o777."""
+    store = copy_tree(small_store, tmp_path / "store")
+    conn = sqlite3.connect(store / "index.sqlite")
+    conn.execute("UPDATE files SET mode = ?", (0o6755,))
+    conn.commit()
+    conn.close()
+    out = tmp_path / "out"
+    done = tailor("checkout", "latest", "--out", str(out), store=store)
+    assert done.returncode == 0, done.stderr
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert files and all(p.stat().st_mode & 0o7000 == 0 for p in files)
+    assert all(p.stat().st_mode & 0o777 == 0o755 for p in files if p.name != "latest")
+
+
+def test_a_planted_pack_whose_trailer_names_another_packs_blobs_takes_nothing(
+    small_store: Path, tmp_path: Path
+) -> None:
+    """Someone with write access plants a pack under any name, its body garbage and its trailer a
+    copy of a real pack's: no row moves to it, gc deletes it as the orphan it is and keeps the real
+    pack, and every step still checks out."""
+    store = copy_tree(small_store, tmp_path / "store")
+    (real,) = [p for p in (store / "packs").rglob("*") if p.is_file()]
+    data = real.read_bytes()
+    length = struct.unpack("<Q", data[-16:-8])[0]
+    body = len(data) - 16 - length
+    name = "f" * 32
+    planted = store / "packs" / name[:2] / name
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_bytes(os.urandom(body) + data[body:])
+    for command in (("commit", str(Path(__file__).parent / "data" / "format1" / "checkpoint"), "--step", "9"),
+                    ("gc",), ("index", "rebuild"), ("gc",)):  # fmt: skip
+        done = tailor(*command, store=store)
+        assert done.returncode == 0, (command, done.stderr)
+    assert real.is_file() and not planted.exists()
+    assert tailor("checkout", "step=3", "--out", str(tmp_path / "out"), store=store).returncode == 0
+    assert tailor("verify", "--deep", store=store).returncode == 0
+
+
+def test_odd_keys_under_refs_and_locks_are_ignored(small_store: Path, tmp_path: Path) -> None:
+    """Keys no tailorstore writes (a space, non-ASCII, a bad run name), put in the store by hand:
+    every command goes on, as it does past a tag naming a missing key (they stopped every command
+    with exit 2 or 3)."""
+    store = copy_tree(small_store, tmp_path / "store")
+    for folder, name in (("refs/tags", "a b"), ("refs/tags", "\u00e9t\u00e9"), ("refs/runs", "x y"),
+                         ("refs/retention", "a b"), ("locks", "odd lock")):  # fmt: skip
+        (store / folder).mkdir(parents=True, exist_ok=True)
+        (store / folder / name).write_text("{}")
+    for command in (("log",), ("gc", "--keep-last", "1"), ("verify",), ("run", "list")):
+        done = tailor(*command, store=store)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stderr)
+    assert "exact" in tailor("log", store=store).stdout
+
+
+def test_numbers_from_the_store_out_of_range(small_store: Path, tmp_path: Path) -> None:
+    """A retention a run carries of 1.5 steps (a TypeError traceback in gc) is damage, named; an
+    averaging range past any step and kinds that are no names are refused as a spec (tracebacks)."""
+    store = copy_tree(small_store, tmp_path / "store")
+    (store / "refs" / "retention").mkdir(parents=True, exist_ok=True)
+    (store / "refs" / "retention" / "main").write_text('{"tailorstore_retention": 1, "keep_last": 1.5}')
+    one_line(tailor("gc", store=store), 3, "retention", "1.5")
+    (store / "refs" / "retention" / "main").unlink()
+    spec = tmp_path / "avg.yaml"
+    for text, words in (
+        ("method: sma\nsteps: {from: 0, to: 99999999999999999999999999, every: 1}\n", ["past the largest step"]),
+        ("method: sma\nsteps: [1, 3]\nkinds: [[master]]\n", ["kinds is a list"]),
+    ):
+        spec.write_text(text)
+        one_line(tailor("merge", str(spec), "--tag", "avg", store=store), 2, *words)

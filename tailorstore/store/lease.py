@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import re
 import secrets
 import socket
 import threading
@@ -47,6 +48,7 @@ LOCK_PREFIX = "locks/"
 DEFAULT_TTL = 120.0
 MAX_TTL = 86400.0  # a day: a lease that needs longer is a lease that never goes stale
 MAX_PID = (1 << 31) - 1
+_LOCK_KEY = re.compile(r"locks/[A-Za-z0-9._-]+\.json")
 
 
 @dataclass(frozen=True)
@@ -211,8 +213,8 @@ class LeaseHandle:
         """Live leases of other holders that conflict with ours; stale ones are removed."""
         found = []
         for other_key in self.backend.list(LOCK_PREFIX):
-            if other_key == self.key:
-                continue
+            if other_key == self.key or not _LOCK_KEY.fullmatch(other_key):
+                continue  # a key no lease has (put there by hand) is no lock
             other = _read(self.backend, other_key)
             if other is None:
                 continue

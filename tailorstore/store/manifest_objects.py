@@ -25,6 +25,7 @@ manifests another host's gc dropped, tags and pins); :func:`rebuild` recreates i
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 from collections.abc import Iterable
@@ -60,6 +61,8 @@ from .records import (
     to_table,
 )
 
+log = logging.getLogger("tailorstore")
+
 MANIFEST_PREFIX = "manifests/"
 TAG_PREFIX = "refs/tags/"
 PIN_PREFIX = "refs/pins/"
@@ -70,6 +73,7 @@ THINNED_DOC_VERSION = 3  # a thinned manifest: a reader that does not know tiers
 READABLE_DOC_VERSIONS = (1, 2, 3)
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 _COMMIT_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/step-(\d{20})-v(\d+)\.json\.zst")
+_TAG_KEY = re.compile(r"refs/tags/(?:[A-Za-z0-9._-]|=[0-9A-F]{2})+")  # what tag_key writes
 _MERGE_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/merge-[0-9a-f]+\.json\.zst")
 # Columns of the tables inside a manifest object, in their order there (docs/FORMAT.md 3.1).
 _LAYER_COLUMNS = ("layer", "source_step", "raw_bytes", "stored", "change")
@@ -451,11 +455,20 @@ def create_run(backend: Backend, run: RunRecord) -> None:
         raise StepExistsError(f"run {run.name!r} already exists; `tailor run list` shows the runs.") from None
 
 
+def _odd_key(key: str, what: str) -> None:
+    """A key under refs/ that no tailorstore writes: someone with access to the bucket put it there.
+    It names nothing, so it is left alone with a warning, not fatal to every command of the store."""
+    log.warning("tailorstore: ignoring %r: no %s object of tailorstore has such a key", key[:200], what)
+
+
 def _listed_runs(backend: Backend, known: dict[str, RunRecord]) -> dict[str, RunRecord]:
     """The run objects, read only when the index does not know them yet (they never change)."""
     out: dict[str, RunRecord] = {}
     for key in backend.list(RUN_PREFIX):
         name = key[len(RUN_PREFIX) :]
+        if not RUN_NAME.fullmatch(name) or name in (".", ".."):
+            _odd_key(key, "run")
+            continue
         if name in known:
             out[name] = known[name]
             continue
@@ -476,6 +489,9 @@ def _listed_tags(backend: Backend) -> dict[str, str]:
     that stopped every command of the store."""
     out: dict[str, str] = {}
     for key in backend.list(TAG_PREFIX):
+        if not _TAG_KEY.fullmatch(key):
+            _odd_key(key, "tag")
+            continue
         try:
             out[backend.get(key).decode(errors="replace")] = tag_of_key(key)
         except FileNotFoundError:  # untagged while we listed
@@ -496,6 +512,10 @@ def read_retentions(backend: Backend) -> dict[str, dict[str, Any]]:
     """Run -> the retention rules it carries (keep_last, keep_every, thin)."""
     out: dict[str, dict[str, Any]] = {}
     for key in backend.list(RETENTION_PREFIX):
+        name = key[len(RETENTION_PREFIX) :]
+        if not RUN_NAME.fullmatch(name) or name in (".", ".."):
+            _odd_key(key, "retention")
+            continue
         try:
             doc = json.loads(backend.get(key))
         except FileNotFoundError:
