@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sqlite3
 import sys
 from dataclasses import asdict
@@ -415,7 +416,12 @@ def diff(
     def fmt(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.3e}"
 
-    typer.echo(f"relative change from step {step_a} to step {step_b}")
+    def named(selector: str, step: int) -> str:
+        """A merge carries its base's step: it is named as the user named it, not as that step."""
+        text = selector.strip().split(":", 1)[-1]
+        return f"step {step}" if text.removeprefix("step=").isdigit() else f"{selector} (on step {step})"
+
+    typer.echo(f"relative change from {named(a, step_a)} to {named(b, step_b)}")
     typer.echo(f"{'layer':14}  {'fp32 master':>12}  {'weight':>12}")
     for r in rows:
         typer.echo(f"{r.layer:14}  {fmt(r.master):>12}  {fmt(r.weight):>12}")
@@ -665,7 +671,8 @@ def main() -> None:
     are bugs and keep their traceback (exit 1).
     """
     reuse_freed_memory()
-    logging.disable(logging.WARNING)  # this process only: DeepSpeed warns about a missing GPU when imported
+    _quiet_but_ours()
+    signal.signal(signal.SIGINT, _interrupted)  # typer turns KeyboardInterrupt into a silent exit 130
     try:
         app()
     except TailorError as exc:
@@ -682,9 +689,35 @@ def main() -> None:
     except RecursionError:
         typer.echo("error: the input nests too deeply to be read; the command was not carried out.", err=True)
         sys.exit(2)
-    except KeyboardInterrupt:
-        typer.echo("interrupted; the store is as it was before this command", err=True)
+    except (KeyboardInterrupt, Interrupted):
+        typer.echo(
+            "interrupted: what this command had not finished is not in the store (a commit is recorded at its end; "
+            "what an interrupted commit or gc wrote, the next gc removes)",
+            err=True,
+        )
         sys.exit(130)
+
+
+def _quiet_but_ours() -> None:
+    """This process's logging: other libraries say nothing (DeepSpeed warns about a missing GPU when it
+    is imported), and tailorstore's own warnings (a key in the store it ignores, a save it moved) are
+    one line each on stderr."""
+    logging.getLogger().addHandler(logging.NullHandler())  # nothing reaches logging's last-resort printer
+    logging.getLogger("DeepSpeed").disabled = True
+    ours = logging.getLogger("tailorstore")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(logging.WARNING)
+    ours.propagate = False
+
+
+class Interrupted(Exception):
+    """Ctrl-C, raised as our own so that the command line can say what it means."""
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise Interrupted()
 
 
 # The library's errors name what to do as API calls and options (`force=True`), never as flags;

@@ -17,7 +17,7 @@ from .changes import relative_change, stored_pieces
 from .errors import StoreError
 from .layers import STATE, sort_key
 from .output_dir import partial_prefix, refuse_inside_store
-from .store.records import MAIN_RUN
+from .store.records import COMMIT, MAIN_RUN
 from .store.repo import Repository
 
 
@@ -64,13 +64,15 @@ class ChangeMatrix:
 
 
 def change_matrix(store: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
-    """Per manifest (commits and merges, by step) and layer: change since the previous manifest.
+    """Per committed step and layer: change since the previous committed step. Merges and averages are
+    no steps of training (one carries its base's step, and would read as a change in time), so they
+    are left out.
 
     An inherited layer is flagged rather than shown as 0 change, which would read as a frozen layer.
     """
-    rows = store.index.manifests(run)
+    rows = [r for r in store.index.manifests(run) if r.origin == COMMIT]
     if len(rows) < 2:
-        raise StoreError("plotting change needs at least two manifests")
+        raise StoreError("plotting change needs at least two committed steps")
     layers = sorted(store.index.layer_names() - {STATE}, key=sort_key)
     held = {(r.id, x.layer): x.source_step == r.step for r in rows for x in store.index.layers(r.id)}
     columns = [f"step {r.step}" + (f" ({r.tag})" if r.tag else "") for r in rows[1:]]

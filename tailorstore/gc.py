@@ -125,7 +125,7 @@ class GcPlan:
         if self.superseded:
             parts += f"; delete {len(self.superseded)} superseded manifest object(s)"
         thin = "".join(
-            f"thin {len(steps)} manifest(s) {steps} to {tier} (their other state: "
+            f"thin {len(steps)} manifest(s){_steps(steps)} to {tier} (their other state: "
             f"{self.freed_by_tier.get(tier, 0)} bytes), "
             for tier in TIERS
             if (steps := [s for _, s, t in self.thin if t == tier])
@@ -134,7 +134,8 @@ class GcPlan:
             thin += f"write {self.thin_weight_bytes} raw bytes of weights, "
         dropped = f" ({self.freed_by_tier['drop']} bytes)" if self.thin and self.drop else ""
         return (
-            f"{thin}drop {len(self.drop)} manifest(s) {[s for _, s in self.drop]}{dropped}, keep {len(self.keep)}; "
+            f"{thin}drop {len(self.drop)} manifest(s){_steps([s for _, s in self.drop])}{dropped}, "
+            f"keep {len(self.keep)}; "
             "delete "
             f"{len(self.dead_blobs)} unreferenced blob(s), {len(self.orphan_files)} orphan blob file(s) and "
             f"{len(self.temp_files)} temp file(s){packs}{parts}, freeing {self.freed_bytes} bytes"
@@ -143,6 +144,11 @@ class GcPlan:
     def thin_to(self, tier: str) -> list[int]:
         """The manifests this plan thins to ``tier``."""
         return [m for m, _, t in self.thin if t == tier]
+
+
+def _steps(steps: list[int]) -> str:
+    """`` (steps 3, 6)`` for a plan's line, nothing for none: a bare list read as if it were ids."""
+    return f" (steps {', '.join(map(str, steps))})" if steps else ""
 
 
 def kept_manifests(manifests: list[ManifestRecord], rules: Retention, bases: frozenset[int] = frozenset()) -> set[int]:

@@ -107,7 +107,14 @@ class ReshardPlan:
         total = sum(n for _, n in self.groups[group]) + sum(paddings)
         alignment = ALIGNMENT_FACTOR * self.world
         aligned = math.ceil(total / alignment) * alignment
-        return aligned // self.world, aligned - total
+        per, padding = aligned // self.world, aligned - total
+        if padding >= per:  # the last rank would hold padding only (or less than nothing)
+            raise StoreError(
+                f"world size {self.world}: parameter group {group} holds {total:,} elements, too few to give each of "
+                f"{self.world} ranks a share (each would get {per:,}, and the last rank nothing but padding). "
+                "Choose fewer ranks."
+            )
+        return per, padding
 
 
 def check_target(view: ModelView, world: int, stage: int | None) -> int:

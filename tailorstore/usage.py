@@ -50,7 +50,10 @@ def usage(store: Repository) -> Usage:
     blob_bytes = index.blob_object_bytes()  # loose blob objects, and whole packs (trailers and dead bytes too)
     index_bytes = sum(p.stat().st_size for p in store.where.index_path.parent.glob("index.sqlite*") if p.is_file())
     manifests = index.manifests()
-    raw_total = sum(m.raw_bytes for m in manifests)
+    # A thinned step keeps only some of its files: its raw bytes are theirs, not the whole save's it
+    # was committed as (which counted its dropped optimizer states as "files", many times too much).
+    raw_of = {m.id: m.raw_bytes if m.tier is None else sum(f.raw_size for f in index.files(m.id)) for m in manifests}
+    raw_total = sum(raw_of.values())
     stored = blob_bytes + index_bytes
     out = Usage(len(manifests), stored, index_bytes, raw_total, raw_total / stored if stored else 0.0)
     for kind, raw, derived, stored_bytes in index.kind_totals():
@@ -62,6 +65,6 @@ def usage(store: Repository) -> Usage:
     other_files.stored_bytes += index.non_atom_blob_bytes()
     other_files.raw_bytes = max(0, out.raw_bytes - sum(k.raw_bytes for name, k in out.kinds.items() if name != "files"))
     alone = index.bytes_alone()
-    out.steps = [StepUsage(m.id, m.step, m.tag, m.raw_bytes, alone.get(m.id, 0), m.name) for m in manifests]
+    out.steps = [StepUsage(m.id, m.step, m.tag, raw_of[m.id], alone.get(m.id, 0), m.name) for m in manifests]
     out.gc_frees = plan_gc(store, effective_rules(store, Retention())).freed_bytes
     return out

@@ -53,7 +53,7 @@ def test_gc_with_retention_tags_and_a_composite(runs: Runs, tmp_path: Path) -> N
     assert store_state(store.root) == before, "--dry-run changed the store"
 
     text = tailor(store.root, "gc", "--keep-last", "3", "--keep-every", "4")
-    assert text.returncode == 0 and text.stdout.startswith("plan: drop 5 manifest(s) [1, 3, 5, 6, 7]")
+    assert text.returncode == 0 and text.stdout.startswith("plan: drop 5 manifest(s) (steps 1, 3, 5, 6, 7)")
     kept = [r[0] for r in store.conn.execute("SELECT step FROM manifests ORDER BY step")]
     assert kept == [2, 4, 8, 9, 10]
     assert_only_live(store)

@@ -122,7 +122,7 @@ def test_thin_to_weights_keeps_every_step_exportable_and_the_last_resumable(runs
 
     proc = tailor("gc", "--keep-last", "2", "--thin", "weights", store=store.root)
     assert proc.returncode == 0, proc.stderr
-    assert "thin 4 manifest(s) [3, 6, 9, 12] to weights" in proc.stdout
+    assert "thin 4 manifest(s) (steps 3, 6, 9, 12) to weights" in proc.stdout
     store = Repository.open(store.root)
     assert_only_live(store)
     for step in (3, 6, 9, 12):  # exactly the tier's atoms: the weights, stored now, nothing of the optimizer

@@ -11,6 +11,7 @@ Three shapes are accepted, as users meet them:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from ..errors import BadCheckpointError, UnsafePathError
 from ..paths import check_relative
 from ..small_text import read_small_text
 from .deepspeed import is_model_states, is_optim_states, read_latest
+
+log = logging.getLogger("tailorstore")
 
 DEEPSPEED = "deepspeed"
 DEEPSPEED_TAG = "deepspeed-tag"
@@ -51,7 +54,16 @@ def _tag_files(tag_dir: Path, prefix: str, part: bool = False) -> list[str]:
     """The tag folder's files, model states first. A part (one host's share of a save) may lack
     other ranks' files (finalize checks the whole step), but not the model states, whose
     parameter shapes cut the optimizer states (DeepSpeed's ``use_node_local_storage`` writes
-    them on every node)."""
+    them on every node). DeepSpeed writes no folders into a tag folder: a link to one is refused as
+    links are everywhere in a checkpoint, and a folder is left out with a warning that names it."""
+    for p in sorted(tag_dir.iterdir()):
+        if p.is_dir() and p.is_symlink():
+            raise BadCheckpointError(
+                f"{p}: a symbolic link to a directory; tailorstore does not follow links inside a checkpoint. "
+                "Replace it with the files themselves, or remove it."
+            )
+        if p.is_dir():
+            log.warning("tailorstore: %s is a folder inside a DeepSpeed tag folder; it is not committed", p)
     names = sorted(p.name for p in tag_dir.iterdir() if p.is_file())
     model = [n for n in names if is_model_states(n)]
     if part and not model and any(is_optim_states(n) for n in names):

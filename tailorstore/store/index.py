@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..errors import CorruptStoreError, FormatVersionError, StoreError
 from .records import (
@@ -183,6 +184,7 @@ class Index:
 
     def close(self) -> None:
         self.conn.close()
+        self.conn = _Closed()  # type: ignore[assignment]
 
     def checkpoint(self) -> None:
         """Fold the WAL into the main file (before the file is renamed into place)."""
@@ -191,6 +193,11 @@ class Index:
     @contextmanager
     def transaction(self) -> Iterator[Index]:
         """One write transaction; IMMEDIATE so two writers queue instead of failing midway."""
+        if self.read_only:
+            raise StoreError(
+                f"{self.path.parent}: the store is read-only here (its files or their file system), and this "
+                "changes it; run it where the store is writable."
+            )
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             yield self
@@ -485,9 +492,16 @@ class Index:
         """A one-column temporary table holding ``values``, for ``IN (SELECT ...)`` over sets too
         large for bound parameters. ``table`` and ``column`` are ours, never user input."""
         name = column.split()[0]
-        self.conn.execute(f"CREATE TEMP TABLE IF NOT EXISTS {table}({column} PRIMARY KEY)")
-        self.conn.execute(f"DELETE FROM {table}")
-        self.conn.executemany(f"INSERT INTO {table}({name}) VALUES (?)", [(v,) for v in values])
+        read_only = self.read_only  # a temporary table is this connection's own, on a read-only store too
+        if read_only:
+            self.conn.execute("PRAGMA query_only=OFF")
+        try:
+            self.conn.execute(f"CREATE TEMP TABLE IF NOT EXISTS {table}({column} PRIMARY KEY)")
+            self.conn.execute(f"DELETE FROM {table}")
+            self.conn.executemany(f"INSERT INTO {table}({name}) VALUES (?)", [(v,) for v in values])
+        finally:
+            if read_only:
+                self.conn.execute("PRAGMA query_only=ON")
 
     def blobs_unused_by(self, keep: Iterable[int]) -> list[BlobRecord]:
         """Blob rows that none of the ``keep`` manifests needs (what gc may drop)."""
@@ -685,3 +699,13 @@ def _migrate(conn: sqlite3.Connection, path: Path, version: int) -> None:
                 f"{path}: upgrading the index from format {version} failed ({exc}); it is unchanged."
             ) from None
         version = now
+
+
+class _Closed:
+    """The connection of a closed index: any use says so in our terms (it was sqlite3's
+    ProgrammingError, "Cannot operate on a closed database")."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "close":
+            return lambda: None
+        raise StoreError("this store is closed; open it again to use it.")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..environment import CACHE_ENV
+from ..errors import StoreError
 from .backend import Backend
 from .posix import PosixBackend
 from .s3 import S3Backend
@@ -61,6 +62,8 @@ def cache_dir(location: str, endpoint: str) -> Path:
 
 def resolve(text: str | os.PathLike) -> Location:
     text = os.fspath(text)
+    if re.match(r"s3:(?!//)", text, re.IGNORECASE) or re.match(r"S3://", text):
+        raise StoreError(f"{text!r} looks like an S3 location with a typo: write s3://bucket/prefix.")
     if is_remote(text):
         backend = S3Backend(text)
         folder = cache_dir(backend.location, backend.endpoint)

@@ -401,11 +401,12 @@ class _Listing:
         )
 
 
-def sync(backend: Backend, index: Index, *, locked: bool) -> tuple[int, int]:
+def sync(backend: Backend, index: Index, *, locked: bool, rebuilding: bool = False) -> tuple[int, int]:
     """Import the manifests the backend holds and the index lacks, drop those it no longer holds,
     take tags, pins and runs from the backend, and place blobs as the packs say (fully only when
     ``locked``: the caller holds the store lock; store/pack_sync.py says why). Returns (imported,
-    dropped).
+    dropped). ``rebuilding`` (a new index, built alone) passes over a pack whose trailer is damaged,
+    with a warning, rather than building nothing: ``verify`` then names the blobs it held.
 
     Reads first and writes only when something differs, so opening an unchanged store takes no
     write lock: one LIST of manifests, refs and packs, and one GET per tag. When something
@@ -430,7 +431,7 @@ def sync(backend: Backend, index: Index, *, locked: bool) -> tuple[int, int]:
             if not index.has_object(key):
                 import_document(index, key, docs[key], ids)
         # after the imports: a manifest's blob rows say where the blob was when it was committed
-        reconcile_packs(backend, index, seen.packs, locked=locked)
+        reconcile_packs(backend, index, seen.packs, locked=locked, skip_damaged=rebuilding)
         index.set_refs({mid: (seen.tags.get(key), pin_key(key) in seen.pins) for key, mid in ids.items()})
         index.set_runs(seen.listed_runs.values())
     return len(new), len(gone)

@@ -28,12 +28,16 @@ Three rules keep a listing from doing harm:
 
 from __future__ import annotations
 
+import logging
 import time
 
+from ..errors import CorruptStoreError
 from .backend import Backend, pack_key
 from .index import Index
 from .packs import PackEntry, read_trailer
 from .records import BlobRecord
+
+log = logging.getLogger("tailorstore")
 
 
 def packs_agree(index: Index, listed: set[str], *, locked: bool) -> bool:
@@ -53,8 +57,11 @@ def _unplaced(index: Index, digest: str, listed: set[str]) -> bool:
     return row is None or (row.pack is not None and row.pack not in listed)
 
 
-def reconcile_packs(backend: Backend, index: Index, listed: set[str], *, locked: bool) -> None:
-    """Inside the caller's index transaction: the two rules of the module docstring."""
+def reconcile_packs(
+    backend: Backend, index: Index, listed: set[str], *, locked: bool, skip_damaged: bool = False
+) -> None:
+    """Inside the caller's index transaction: the rules of the module docstring. With
+    ``skip_damaged``, a pack whose trailer cannot be read gives no rows (a warning names it)."""
     trailers: dict[str, tuple[int, list[PackEntry]] | None] = {}
 
     def trailer(name: str) -> tuple[int, list[PackEntry]] | None:
@@ -62,6 +69,11 @@ def reconcile_packs(backend: Backend, index: Index, listed: set[str], *, locked:
             try:
                 trailers[name] = read_trailer(backend, name)
             except FileNotFoundError:  # deleted since the listing: treated as never listed
+                trailers[name] = None
+            except CorruptStoreError as exc:
+                if not skip_damaged:
+                    raise
+                log.warning("tailorstore: %s; its blobs are left out of the index", exc)
                 trailers[name] = None
         return trailers[name]
 

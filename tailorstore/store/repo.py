@@ -167,6 +167,7 @@ class Repository:
         where = resolve(_location(location))
         if where.remote and not where.index_path.is_file():
             if not where.backend.exists(MARKER):
+                next(iter(where.backend.list("")), None)  # a bucket that is not there says so, not "no store"
                 raise StoreError(f"{where.text}: no tailorstore here. Create one with `tailor init {where.text}`.")
             where.index_path.parent.mkdir(parents=True, exist_ok=True)
             Index.create(where.index_path).close()
@@ -227,7 +228,7 @@ class Repository:
             if where.remote:
                 _check_cache(where, fresh)  # records the store's id
             # Built alone (the docstring asks for it), so the packs' trailers are the whole truth.
-            manifest_objects.sync(where.backend, fresh, locked=True)
+            manifest_objects.sync(where.backend, fresh, locked=True, rebuilding=True)
             counts = fresh.counts()
             fresh.checkpoint()
         except BaseException:

@@ -31,14 +31,15 @@ _DELETE_MOST = 1000  # keys in one DeleteObjects request (S3's limit)
 _SINGLE_PUT = 64 << 20  # objects up to this size go up in one PUT, held in memory once
 
 
-def _seconds(name: str, default: float, most: float) -> float:
-    text = os.environ.get(name, str(default))
+def _seconds(name: str, default: float, most: float, *, zero: bool = True) -> float:
+    text = os.environ.get(name, str(default))[:100]
     try:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if not 0 <= seconds <= most:
-        raise BackendError(f"{name}={text!r} is not allowed: give seconds from 0 to {most:g}.")
+    if not 0 <= seconds <= most or (seconds == 0 and not zero):
+        least = "from 0" if zero else "more than 0 and at most"
+        raise BackendError(f"{name}={text!r} is not allowed: give seconds {least} {most:g}.")
     return seconds
 
 
@@ -68,7 +69,7 @@ class S3Backend:
         endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
         self.endpoint = endpoint  # which server: the same bucket and prefix on another is another store
         options: dict = {"allow_http": True} if endpoint.startswith("http://") else {}
-        options["timeout"] = f"{_seconds(TIMEOUT_ENV, 30, 3600):g}s"
+        options["timeout"] = f"{_seconds(TIMEOUT_ENV, 30, 3600, zero=False):g}s"  # 0 would fail every request
         try:
             self._store = from_url(self.location, client_options=options, retry_config=_retry_config())
         except (BaseError, ValueError) as exc:
@@ -80,15 +81,33 @@ class S3Backend:
     def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if "NoSuchBucket" in str(exc):
+                raise self._no_bucket() from None
             raise
         except AlreadyExistsError:
             raise ObjectExistsError(f"{self.location}: {key} already exists") from None
         except (BaseError, OSError) as exc:
+            text = str(exc)
+            if "NoSuchBucket" in text or (what == "listing" and "404 Not Found" in text):
+                raise self._no_bucket() from None
+            if any(word in text for word in ("403 Forbidden", "AccessDenied", "InvalidAccessKeyId", "SignatureDoes")):
+                raise BackendError(
+                    f"{self.location}: the server refused {what} {key} (access denied: {_first_line(exc)[:160]}). "
+                    "Check the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and what they may do."
+                ) from None
             raise BackendError(
                 f"{self.location}: {what} {key} failed ({_first_line(exc)}). Check that the server is reachable; "
                 "nothing half-written becomes visible on S3."
             ) from None
+
+    def _no_bucket(self) -> BackendError:
+        bucket = self.location[len("s3://") :].split("/", 1)[0]
+        endpoint = self.endpoint or "AWS"
+        return BackendError(
+            f"{self.location}: the bucket {bucket!r} does not exist on {endpoint} (or these credentials cannot see "
+            "it). Create the bucket first, or check AWS_ENDPOINT_URL."
+        )
 
     def put(self, key: str, data: BytesLike | Chunks, *, create_only: bool = False) -> None:
         """One PUT for an object up to ``_SINGLE_PUT`` bytes (most blobs, packs, manifests), a
