@@ -7,15 +7,19 @@ never a traceback, and the store is left as it was unless the case is a repair.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pickle
 import resource
 import shutil
+import signal
 import sqlite3
 import struct
 import subprocess
 import sys
+import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -24,8 +28,10 @@ import torch
 import zstandard
 from conftest import HFRun, Runs, as_of_step, blob_object, copy_tree, store_state, tailor
 
+from tailorstore import Store
 from tailorstore.atoms import TensorSlot
 from tailorstore.commit import commit_checkpoint
+from tailorstore.errors import StoreError
 from tailorstore.store.repo import Repository
 
 MODEL = "mp_rank_00_model_states.pt"
@@ -718,3 +724,73 @@ def test_a_folder_inside_a_tag_folder_is_named(small_store: Path, tmp_path: Path
     (checkpoint / "global_step3" / "extra").mkdir()
     done = tailor("commit", str(checkpoint), "--step", "4", store=store)
     assert done.returncode == 0 and "extra is a folder inside a DeepSpeed tag folder" in done.stderr, done.stderr
+
+
+# -- the low findings of the hosts review (issue 34) ------------------------------------------
+
+
+def test_environment_and_selector_typos_are_one_line(small_store: Path, tmp_path: Path) -> None:
+    """TAILOR_S3_TIMEOUT_SECONDS=0 made every request fail; `--store s3:/x` was taken for a local
+    directory; a world size with fewer elements than ranks said '-5364 elements'."""
+    store = copy_tree(small_store, tmp_path / "store")
+    env = dict(os.environ, TAILOR_S3_TIMEOUT_SECONDS="0")
+    done = subprocess.run(
+        [sys.executable, "-m", "tailorstore.cli.app", "log", "--store", "s3://bucket/x"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    one_line(done, 2, "TAILOR_S3_TIMEOUT_SECONDS='0' is not allowed")
+    one_line(tailor("log", "--store", "s3:/x"), 2, "looks like an S3 location with a typo")
+    out = tmp_path / "out"
+    one_line(
+        tailor("checkout", "latest", "--out", str(out), "--world-size", "5000", store=store), 2, "Choose fewer ranks"
+    )
+    assert not out.exists()
+
+
+def test_ctrl_c_says_what_it_leaves(small_store: Path, tmp_path: Path) -> None:
+    store = copy_tree(small_store, tmp_path / "store")
+    fd = os.open(store / "lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another process holds the store: gc waits
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tailorstore.cli.app", "gc", "--store", str(store)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        time.sleep(3)  # started, and waiting for the lock
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        os.close(fd)
+    assert proc.returncode == 130 and "interrupted: what this command had not finished is not in the store" in err
+
+
+def test_merges_are_named_as_merges_in_diff(small_store: Path, tmp_path: Path) -> None:
+    store = copy_tree(small_store, tmp_path / "store")
+    spec = tmp_path / "mix.yaml"
+    spec.write_text("base: {step: 3}\nslices:\n  - sources: [{step: 3, layer_range: [0, 1]}]\n")
+    assert tailor("merge", str(spec), "--tag", "mix", store=store).returncode == 0
+    done = tailor("diff", "step=3", "tag=mix", store=store)
+    assert done.returncode == 0 and "relative change from step 3 to tag=mix (on step 3)" in done.stdout, done.stdout
+
+
+def test_du_after_thinning_counts_what_a_thinned_step_keeps(small_store: Path, tmp_path: Path) -> None:
+    """du's raw figure of the files (skeletons, containers) was the whole save's raw size less the atoms
+    a thinned step kept: 70 times too large after thinning to weights."""
+    store = copy_tree(small_store, tmp_path / "store")
+    checkpoint = Path(__file__).parent / "data" / "format1" / "checkpoint"
+    assert tailor("commit", str(checkpoint), "--step", "6", store=store).returncode == 0
+    before = json.loads(tailor("du", "--json", store=store).stdout)
+    assert tailor("gc", "--keep-last", "1", "--thin", "weights", store=store).returncode == 0
+    after = json.loads(tailor("du", "--json", store=store).stdout)
+    assert after["kinds"]["files"]["raw_bytes"] <= before["kinds"]["files"]["raw_bytes"]
+    thinned = next(s for s in after["steps"] if s["step"] == 3)
+    assert thinned["raw_bytes"] < next(s for s in before["steps"] if s["step"] == 3)["raw_bytes"]
+    assert after["raw_bytes"] == sum(s["raw_bytes"] for s in after["steps"])
+
+
+def test_a_closed_store_says_so() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.init(Path(tmp) / "store")
+        store.close()
+        with pytest.raises(StoreError, match="this store is closed"):
+            store.log()
