@@ -24,6 +24,7 @@ import pytest
 from conftest import Runs, as_of_step
 from test_hostile import one_line
 
+from tailorstore.store.location import resolve
 from tailorstore.testing.local_s3 import BUCKET, LocalS3
 
 TTL = "3"  # seconds: a stall of a few seconds outlives the lease
@@ -280,3 +281,28 @@ def test_ids_name_the_same_manifest_on_every_host(s3_server: LocalS3, saves: tup
             run(host_env(tmp_path / f"host-{h}"), "show", f"id={merge_id[:6]}", "--json", "--store", location).stdout
         )
         assert shown["summary"]["tag"] == "mix" and shown["summary"]["id"] == merge_id
+
+
+def test_leases_and_lease_times_from_strangers(s3_location: str, tmp_path: Path) -> None:
+    """A lease of this host with a pid no process can have (os.kill overflowed), or an expiry that
+    never comes (NaN, 1e300), is unreadable, so stale, and removed; a lease time of inf is refused
+    in one line before anything is taken (a traceback in the lease thread, and exit 0)."""
+    env = host_env(tmp_path / "host")
+    assert run(env, "init", s3_location).returncode == 0
+    backend = resolve(s3_location).backend
+    here = socket.gethostname()
+    for name, pid, expires in (("pid", 2**70, time.time() + 60), ("nan", 7, float("nan")), ("far", 7, 1e300)):
+        body = {"exclusive": True, "host": here if name == "pid" else "far-away", "pid": pid, "expires": expires}
+        backend.put(f"locks/{name}.json", json.dumps(body).encode())
+    collected = run(env, "gc", "--lock-timeout", "5", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    assert not list(backend.list("locks/"))
+    one_line(run({**env, "TAILOR_LOCK_TTL": "inf"}, "gc", "--store", s3_location), 2, "TAILOR_LOCK_TTL='inf'")
+
+
+def test_a_missing_bucket_is_named_as_such(s3_server: LocalS3, tmp_path: Path) -> None:
+    """It said "no tailorstore here, create one with tailor init", and that init then failed with
+    "check the server is reachable"."""
+    env = host_env(tmp_path / "host")
+    for args in (("log", "--store", "s3://no-such-bucket/x"), ("init", "s3://no-such-bucket/x")):
+        one_line(run(env, *args), 2, "the bucket 'no-such-bucket' does not exist", "Create the bucket first")
