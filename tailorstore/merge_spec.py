@@ -44,8 +44,9 @@ def load_spec(path: Path) -> Any:
 
 
 def ref_of(entry: Any, where: str) -> str:
-    """A spec source as a selector: {step: N}, {tag: NAME} or {id: N}, exactly one of them;
-    a step may name its run ({run: pretrain, step: 300})."""
+    """A spec source as a selector: {step: N}, {tag: NAME} or {id: "HEX"}, exactly one of them;
+    a step may name its run ({run: pretrain, step: 300}). An id is the hex name ``log`` prints;
+    quoted, since YAML reads one of digits only as a number (and drops its leading zeros)."""
     keys = [k for k in ("step", "tag", "id") if isinstance(entry, dict) and k in entry]
     if len(keys) != 1:
         raise MergeSpecError(f"{where}: needs one of step, tag or id, e.g. {{step: 300}} or {{tag: warm}}")
@@ -55,6 +56,8 @@ def ref_of(entry: Any, where: str) -> str:
         raise MergeSpecError(f"{where}: run {run!r} is not allowed here; write {{run: NAME, step: N}}")
     if keys[0] == "tag" and isinstance(value, str) and value:
         return f"tag={value}"
+    if keys[0] == "id" and isinstance(value, str) and value:
+        return f"id={value}"
     if keys[0] != "tag" and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return f"{run}:step={value}" if run else f"{keys[0]}={value}"
     raise MergeSpecError(f"{where}: {keys[0]} {value!r} is not a valid {keys[0]}")

@@ -31,6 +31,7 @@ from conftest import HFRun, Runs, as_of_step, blob_object, copy_tree, store_stat
 from tailorstore import Store
 from tailorstore.atoms import TensorSlot
 from tailorstore.commit import commit_checkpoint
+from tailorstore.diff import change_matrix
 from tailorstore.errors import StoreError
 from tailorstore.store.repo import Repository
 
@@ -771,6 +772,10 @@ def test_merges_are_named_as_merges_in_diff(small_store: Path, tmp_path: Path) -
     assert tailor("merge", str(spec), "--tag", "mix", store=store).returncode == 0
     done = tailor("diff", "step=3", "tag=mix", store=store)
     assert done.returncode == 0 and "relative change from step 3 to tag=mix (on step 3)" in done.stdout, done.stdout
+    assert tailor("commit", str(Path(__file__).parent / "data" / "format1" / "checkpoint"), "--step", "6",
+                  store=store).returncode == 0  # fmt: skip
+    with Repository.open(store) as repo:  # the plot's columns: committed steps only, not the merge on step 3
+        assert change_matrix(repo).columns == ["step 6"]
 
 
 def test_du_after_thinning_counts_what_a_thinned_step_keeps(small_store: Path, tmp_path: Path) -> None:

@@ -183,9 +183,8 @@ def test_two_hosts_committing_one_step_at_once_never_both_win(
 
 
 @contextlib.contextmanager
-def second_server() -> Iterator[LocalS3]:
-    """Another S3 server with a bucket of the same name, in a process of its own (moto's servers in
-    one process share their objects): the same s3://bucket/prefix there is another store."""
+def moto_process(**env: str) -> Iterator[LocalS3]:
+    """An S3 server in a process of its own (moto's servers in one process share their objects)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -193,23 +192,31 @@ def second_server() -> Iterator[LocalS3]:
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, **env},
     )
     server = LocalS3()
     server.port, server.endpoint = port, f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
         while True:
-            try:
-                boto3.client("s3", **server._client_args()).create_bucket(Bucket=BUCKET)
-                break
-            except Exception:  # not listening yet
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+            with socket.socket() as knock:
+                if knock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, "the S3 server did not start"
+            time.sleep(0.2)
         yield server
     finally:
         proc.kill()
         proc.wait()
+
+
+@contextlib.contextmanager
+def second_server() -> Iterator[LocalS3]:
+    """Another S3 server with a bucket of the same name: the same s3://bucket/prefix there is
+    another store."""
+    with moto_process() as server:
+        boto3.client("s3", **server._client_args()).create_bucket(Bucket=BUCKET)
+        yield server
 
 
 def test_one_location_on_two_servers_is_two_stores_with_two_caches(
@@ -306,3 +313,10 @@ def test_a_missing_bucket_is_named_as_such(s3_server: LocalS3, tmp_path: Path) -
     env = host_env(tmp_path / "host")
     for args in (("log", "--store", "s3://no-such-bucket/x"), ("init", "s3://no-such-bucket/x")):
         one_line(run(env, *args), 2, "the bucket 'no-such-bucket' does not exist", "Create the bucket first")
+
+
+def test_access_denied_is_named_as_such(tmp_path: Path) -> None:
+    """A 403 got the advice to check that the server is reachable."""
+    with moto_process(INITIAL_NO_AUTH_ACTION_COUNT="0") as strict:  # moto then checks every request's keys
+        env = host_env(tmp_path / "host", **strict.environ(), TAILOR_S3_RETRY_SECONDS="0")
+        one_line(run(env, "log", "--store", "s3://bucket/x"), 2, "access denied", "AWS_ACCESS_KEY_ID")

@@ -376,3 +376,25 @@ def test_recovery_moves_only_regular_files_it_staged_never_through_a_link(tmp_pa
         outside / "tree" / "inner"
     ).read_text() == "must stay too"
     assert not (tmp_path / "save" / "global_step6").exists()
+
+
+def test_hf_trainer_going_back_to_an_earlier_checkpoint_branches(hf_run: HFRun, tmp_path: Path) -> None:
+    """The HF Trainer resumed from checkpoint-3 after step 6 was committed saves checkpoint-6 again:
+    the callback's rank-parallel commit goes to a new run branched at step 3, in one warning, and
+    main's step 6 stays as it was."""
+    Store.init(tmp_path / "store").close()
+    out = tmp_path / "out"
+    options = {"steps": 6, "save_steps": 3, "tailor_store": tmp_path / "store"}
+    train_hf(out, final_weights=tmp_path / "first.safetensors", **options)
+    with Store.open(tmp_path / "store") as store:
+        first = {s.step: s.id for s in store.log()}
+    assert sorted(first) == [3, 6]
+    train_hf(out, final_weights=tmp_path / "again.safetensors", resume_from=out / "checkpoint-3", **options)
+    log = (tmp_path / "again.log").read_text()
+    assert "go to a new run 'main-from-3' branched there" in log, log
+    with Store.open(tmp_path / "store") as store:
+        assert {s.step: s.id for s in store.log()} == first
+        with Store.open(tmp_path / "store", run="main-from-3") as branch:
+            assert [s.step for s in branch.log()] == [6]
+        assert store.verify(deep=True).ok
+    assert not differences(load_file(tmp_path / "first.safetensors"), load_file(tmp_path / "again.safetensors"))

@@ -49,7 +49,10 @@ def test_merge_base_by_tag_fills_unnamed_blocks_and_agrees_with_show(tailored: R
     store = tailored
     assert tailor("tag", "step=18", "late", store=store.root).returncode == 0
     spec = tmp_path / "spec.yaml"
-    spec.write_text("base: {tag: late}\nslices:\n  - sources: [{step: 12, layer_range: [0, 2]}]\nnorm: {id: 1}\n")
+    first = json.loads(tailor("log", "--json", store=store.root).stdout)[0]
+    assert first["step"] == 6
+    slices = "slices:\n  - sources: [{step: 12, layer_range: [0, 2]}]\n"
+    spec.write_text(f'base: {{tag: late}}\n{slices}norm: {{id: "{first["id"]}"}}\n')
     done = tailor("merge", str(spec), "--tag", "mix", "--json", store=store.root)
     assert done.returncode == 0, done.stderr
     merged = json.loads(done.stdout)
@@ -66,7 +69,7 @@ def test_merge_base_by_tag_fills_unnamed_blocks_and_agrees_with_show(tailored: R
     assert merged["named"][inherited] == "step=12"
     text = tailor("merge", str(spec), "--tag", "mix2", store=store.root).stdout
     assert f"{inherited} <- step 6 (named step=12)" in text
-    # Unnamed blocks 2..5 come from the base, step 18; the norm from id=1, step 6.
+    # Unnamed blocks 2..5 come from the base, step 18; the norm from step 6's id.
     assert all(by_show[f"block.{i}"] == 18 for i in range(2, 6)) and by_show["final_norm"] == 6
     out = tmp_path / "mix"
     checkout_step(store, "tag=mix", out)
@@ -79,7 +82,7 @@ def test_every_manifest_has_a_reference_and_steps_are_unambiguous(tailored: Repo
     spec.write_text("base: {step: 12}\nslices:\n  - sources: [{step: 18, layer_range: [0, 6]}]\n")
     assert tailor("merge", str(spec), "--tag", "mix", store=store.root).returncode == 0
     log = tailor("log", store=store.root).stdout
-    merge_id = json.loads(tailor("log", "--json", store=store.root).stdout)[-1]["id"]
+    merge_id = next(s["id"] for s in json.loads(tailor("log", "--json", store=store.root).stdout) if s["tag"] == "mix")
     assert f"id={merge_id}" in log and "merge" in log
     assert tailor("rm", "step=12", "--force", store=store.root).returncode == 0
     done = tailor("show", "step=12", store=store.root)
@@ -145,7 +148,8 @@ def test_du_accounts_for_every_byte(tailored: Repository) -> None:
     assert "smaller" in tailor("du", store=store.root).stdout
 
 
-def test_plot_marks_inherited_layers_and_shows_every_manifest(tailored: Repository, tmp_path: Path) -> None:
+def test_plot_marks_inherited_layers_and_shows_every_committed_step(tailored: Repository, tmp_path: Path) -> None:
+    """A merge is no step of training (it carries its base's step): the plot leaves it out."""
     from tailorstore.diff import change_matrix
 
     store = tailored
@@ -153,7 +157,7 @@ def test_plot_marks_inherited_layers_and_shows_every_manifest(tailored: Reposito
     spec.write_text("base: {step: 12}\nslices:\n  - sources: [{step: 18, layer_range: [0, 6]}]\n")
     assert tailor("merge", str(spec), "--tag", "mix", store=store.root).returncode == 0
     m = change_matrix(store)
-    assert m.columns == ["step 12", "step 12 (mix)", "step 18"]
+    assert m.columns == ["step 12", "step 18"]
     assert {"embedding", "final_norm", "lm_head"} <= set(m.layers) and "state" not in m.layers
     layers12 = {
         r["layer"]: r["source_step"]
@@ -161,7 +165,7 @@ def test_plot_marks_inherited_layers_and_shows_every_manifest(tailored: Reposito
     }
     for layer, flags in zip(m.layers, m.inherited, strict=True):
         assert flags[0] == (layers12[layer] != 12), layer
-        assert flags[2] is False
+        assert flags[1] is False
     assert any(flags[0] for flags in m.inherited) and not all(flags[0] for flags in m.inherited)
     assert tailor("plot", "--out", str(tmp_path / "p.png"), store=store.root).returncode == 0
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -107,7 +107,20 @@ class TailorCallback(TrainerCallback):
             job(store)
 
     def _commit_parallel(self, store: Store, folder: Path, step: int) -> RankParallelResult:
-        """Every rank's share, rank 0's manifest; rank 0 deletes the folder once its blobs are checked."""
+        """Every rank's share, rank 0's manifest; rank 0 deletes the folder once its blobs are checked.
+        Rank 0 decides the run first (a rewind may branch one) and every rank commits to it."""
+        decision: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                decision[0] = self.rewind.run_for(store, step)
+            except Exception as exc:  # every rank must hear it, or the others wait in the commit
+                decision[0] = exc
+        dist.broadcast_object_list(decision, src=0, group=self._group)
+        if isinstance(decision[0], BaseException):
+            raise decision[0]
+        self.rewind.run = decision[0]
+        if decision[0] != store.run:
+            store = Store(store.repo, run=decision[0])  # a handle on the same open store, in that run
         result = commit_rank_parallel(store, folder, step=step, group=self._group)
         if self.delete_after_commit and dist.get_rank() == 0:
             delete_once_durable(store.repo, result.finalized.manifest, folder)

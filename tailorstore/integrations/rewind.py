@@ -61,6 +61,25 @@ class Rewind:
         self.run = self.branch(store, run, step)
         return store.commit(path, step=step, run=self.run, **options)
 
+    def run_for(self, store: Store, step: int) -> str:
+        """The run a save of ``step`` goes to, decided before a commit that cannot retry (the
+        rank-parallel one, whose ranks must agree): a branch is created here when the step is
+        already held. ``"replace"`` removes the held step first (that commit path cannot replace
+        in one transaction, so until the new one is recorded the step is gone; its save is still
+        on disk)."""
+        run = self.run or store.run
+        store.repo.refresh()
+        if store.repo.index.commit_at(step, run) is None:
+            return run
+        if self.on_existing == "error":
+            raise StepExistsError(f"step {step} is already in run {run!r}; on_existing='error' refuses a second save")
+        if self.on_existing == "replace":
+            log.warning("tailorstore: step %d is already in run %r; replacing it (on_existing='replace')", step, run)
+            store.remove(f"{run}:step={step}", force=True)
+            return run
+        self.run = self.branch(store, run, step)
+        return self.run
+
     def branch(self, store: Store, run: str, step: int) -> str:
         """Create the run this training goes on in, branched where it resumed; say so in one line."""
         steps = sorted(s.step for s in store.log(all_runs=True) if s.run == run and s.origin == COMMIT)
