@@ -19,7 +19,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 
@@ -757,11 +756,13 @@ def test_ctrl_c_says_what_it_leaves(small_store: Path, tmp_path: Path) -> None:
             [sys.executable, "-m", "tailorstore.cli.app", "gc", "--store", str(store)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        time.sleep(3)  # started, and waiting for the lock
+        assert proc.stderr is not None
+        waiting = proc.stderr.readline()  # started, and waiting for the lock
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
         os.close(fd)
+    assert "waiting for the exclusive store lock" in waiting
     assert proc.returncode == 130 and "interrupted: what this command had not finished is not in the store" in err
 
 
