@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .background import BackgroundCommitError
-from .environment import STORE_ENV
-from .errors import (
+from tailorstore.background import BackgroundCommitError
+from tailorstore.environment import STORE_ENV
+from tailorstore.errors import (
     BadCheckpointError,
     CorruptStoreError,
     FormatVersionError,
@@ -27,16 +27,16 @@ from .errors import (
     UnsafePathError,
     UnsafePickleError,
 )
-from .memory import reuse_freed_memory
-from .progress import Progress, for_terminal
-from .store.backend import BackendError
-from .store.records import MAIN_RUN
-from .store.schema import FORMAT_VERSION
+from tailorstore.memory import reuse_freed_memory
+from tailorstore.progress import Progress, for_terminal
+from tailorstore.store.backend import BackendError
+from tailorstore.store.records import MAIN_RUN
+from tailorstore.store.schema import FORMAT_VERSION
 
 if TYPE_CHECKING:
-    from .api import Store
-    from .averaging import AverageResult
-    from .merge import MergeResult
+    from tailorstore.api import Store
+    from tailorstore.averaging import AverageResult
+    from tailorstore.merge import MergeResult
 
 # Loaded on first use (the module docstring says why): name -> module.
 _LOADED_ON_USE = {"Store": ".api", "AverageResult": ".averaging", "MergeResult": ".merge"}

@@ -11,13 +11,13 @@ from collections.abc import Iterator
 
 import xxhash
 
-from . import codec
-from .atoms import MASTER
-from .errors import CorruptStoreError
-from .rounding import ROUND_FROM_MASTER, rounded_chunks
-from .store.records import AtomRecord, BlobRecord
-from .store.repo import Repository
-from .thread_buffers import thread_buffer
+from tailorstore import codec
+from tailorstore.atoms import MASTER
+from tailorstore.errors import CorruptStoreError
+from tailorstore.rounding import ROUND_FROM_MASTER, rounded_chunks
+from tailorstore.store.records import AtomRecord, BlobRecord
+from tailorstore.store.repo import Repository
+from tailorstore.thread_buffers import thread_buffer
 
 
 def blob_of(store: Repository, digest: str, where: str) -> BlobRecord:

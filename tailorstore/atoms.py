@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from .formats.tensor_ref import TensorRef
+    from tailorstore.formats.tensor_ref import TensorRef
 
 # Kinds of tensor state. Anything else keeps the key it had in the optimizer state.
 WEIGHT = "weight"

@@ -40,19 +40,19 @@ from typing import Any
 
 import numpy as np
 
-from .atom_reader import decode_atom, decode_atom_into
-from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
-from .errors import CorruptStoreError, StepExistsError
-from .failed_writes import cleaned_up_on_failure, remove_unindexed
-from .layers import AUX_GROUPS, STATE, block_index, sort_key
-from .merge_spec import AUX_KEYS, MergeSpecError, layer_range, merge_record, ref_of
-from .model_tensors import tiling
-from .progress import Silent
-from .rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
-from .store import manifest_objects
-from .store.records import THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
-from .store.repo import MAX_STEP, Repository
-from .store.writer import BlobWriter
+from tailorstore.atom_reader import decode_atom, decode_atom_into
+from tailorstore.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
+from tailorstore.errors import CorruptStoreError, StepExistsError
+from tailorstore.failed_writes import cleaned_up_on_failure, remove_unindexed
+from tailorstore.layers import AUX_GROUPS, STATE, block_index, sort_key
+from tailorstore.merge_spec import AUX_KEYS, MergeSpecError, layer_range, merge_record, ref_of
+from tailorstore.model_tensors import tiling
+from tailorstore.progress import Silent
+from tailorstore.rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
+from tailorstore.store import manifest_objects
+from tailorstore.store.records import THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
+from tailorstore.store.repo import MAX_STEP, Repository
+from tailorstore.store.writer import BlobWriter
 
 METHODS = ("sma", "ema", "wma")
 AVERAGED_KINDS = (MASTER, EXP_AVG, EXP_AVG_SQ)

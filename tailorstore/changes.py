@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import atoms as A
-from .atom_reader import decode_atom
-from .rounding import widened
-from .store.repo import Repository
+from tailorstore import atoms as A
+from tailorstore.atom_reader import decode_atom
+from tailorstore.rounding import widened
+from tailorstore.store.repo import Repository
 
 if TYPE_CHECKING:  # the commit passes them; diff, which imports this too, never reads a file
-    from .formats.reader import ReadFile
-    from .formats.source import InputFile
+    from tailorstore.formats.reader import ReadFile
+    from tailorstore.formats.source import InputFile
 
 PieceKey = tuple[str, int, int]
 

@@ -15,17 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import placement
-from .atom_reader import blob_of, stream_blob
-from .errors import CorruptStoreError, UnsafePickleError
-from .formats.kinds import RAW, SAFETENSORS, TORCH
-from .formats.layout import DEEPSPEED_TAG
-from .output_dir import staged
-from .paths import safe_join
-from .progress import Progress, Silent
-from .store.records import FileRecord, ManifestRecord
-from .store.repo import Repository
-from .thinning import refuse_thinned
+from tailorstore import placement
+from tailorstore.atom_reader import blob_of, stream_blob
+from tailorstore.errors import CorruptStoreError, UnsafePickleError
+from tailorstore.formats.kinds import RAW, SAFETENSORS, TORCH
+from tailorstore.formats.layout import DEEPSPEED_TAG
+from tailorstore.output_dir import staged
+from tailorstore.paths import safe_join
+from tailorstore.progress import Progress, Silent
+from tailorstore.store.records import FileRecord, ManifestRecord
+from tailorstore.store.repo import Repository
+from tailorstore.thinning import refuse_thinned
 
 
 @dataclass
@@ -120,7 +120,7 @@ def write_step_files(
         elif row.kind in (TORCH, SAFETENSORS):
             # Files committed without a container (by tailorstore 0.1) are re-pickled by torch; importing
             # it here, not at the top, keeps the two seconds it costs off every checkout that needs none.
-            from . import repickle
+            from tailorstore import repickle
 
             repickle.write_file(store, manifest, row, target, where, trust_pickles)
         else:

@@ -44,8 +44,8 @@ import numpy as np
 import xxhash
 import zstandard
 
-from .errors import CorruptStoreError
-from .thread_buffers import thread_buffer
+from tailorstore.errors import CorruptStoreError
+from tailorstore.thread_buffers import thread_buffer
 
 RAW = "raw"
 ZSTD = "zstd"

@@ -21,33 +21,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from . import atoms as A
-from . import structure
-from .changes import LayerChange, masters_by_layer, stored_pieces
-from .commit_options import CommitOptions, CommitResult
-from .derive import RoundedMasters, is_derivable_weight
-from .errors import BadCheckpointError, StepExistsError, StoreError
-from .failed_writes import cleaned_up_on_failure, remove_unindexed
-from .formats.deepspeed import ModelInfo
-from .formats.kinds import RAW
-from .formats.layout import CheckpointLayout, detect
-from .formats.reader import ReadFile, read_checkpoint, write_order
-from .formats.source import CHUNK, InputFile, check_unchanged
-from .layers import STATE, sort_key
-from .policies import CommitFacts, decide, needs_changes
-from .progress import Progress, Silent
-from .refs import check_tag
-from .rounding import ROUND_FROM_MASTER
-from .store import manifest_objects, parts
-from .store.index import Index
-from .store.lease import LeaseHandle
-from .store.lock import LockHandle
-from .store.manifest_objects import check_run_name
-from .store.parts import Part
-from .store.posix import is_out_of_space
-from .store.records import COMMIT, MAIN_RUN, AtomKey, AtomRecord, BlobRecord, FileRecord, LayerRecord, ManifestRecord
-from .store.repo import Repository, check_step
-from .store.writer import BlobWriter, disk_full
+from tailorstore import atoms as A
+from tailorstore import structure
+from tailorstore.changes import LayerChange, masters_by_layer, stored_pieces
+from tailorstore.commit_options import CommitOptions, CommitResult
+from tailorstore.derive import RoundedMasters, is_derivable_weight
+from tailorstore.errors import BadCheckpointError, StepExistsError, StoreError
+from tailorstore.failed_writes import cleaned_up_on_failure, remove_unindexed
+from tailorstore.formats.deepspeed import ModelInfo
+from tailorstore.formats.kinds import RAW
+from tailorstore.formats.layout import CheckpointLayout, detect
+from tailorstore.formats.reader import ReadFile, read_checkpoint, write_order
+from tailorstore.formats.source import CHUNK, InputFile, check_unchanged
+from tailorstore.layers import STATE, sort_key
+from tailorstore.policies import CommitFacts, decide, needs_changes
+from tailorstore.progress import Progress, Silent
+from tailorstore.refs import check_tag
+from tailorstore.rounding import ROUND_FROM_MASTER
+from tailorstore.store import manifest_objects, parts
+from tailorstore.store.index import Index
+from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.lock import LockHandle
+from tailorstore.store.manifest_objects import check_run_name
+from tailorstore.store.parts import Part
+from tailorstore.store.posix import is_out_of_space
+from tailorstore.store.records import (
+    COMMIT,
+    MAIN_RUN,
+    AtomKey,
+    AtomRecord,
+    BlobRecord,
+    FileRecord,
+    LayerRecord,
+    ManifestRecord,
+)
+from tailorstore.store.repo import Repository, check_step
+from tailorstore.store.writer import BlobWriter, disk_full
 
 
 @dataclass

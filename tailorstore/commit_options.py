@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .policies import PolicySpec
-from .store.records import MAIN_RUN
+from tailorstore.policies import PolicySpec
+from tailorstore.store.records import MAIN_RUN
 
 
 @dataclass

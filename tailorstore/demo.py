@@ -17,9 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .inspect import log
-from .store.repo import Repository
-from .testing.runs import train_tiny
+from tailorstore.inspect import log
+from tailorstore.store.repo import Repository
+from tailorstore.testing.runs import train_tiny
 
 
 def _human(n: float) -> str:

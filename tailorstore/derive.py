@@ -13,9 +13,9 @@ Commit and checkout round with the same numpy code (rounding.py).
 
 from __future__ import annotations
 
-from . import atoms as A
-from .codec import content_hash
-from .rounding import ROUNDED_DTYPES, rounded
+from tailorstore import atoms as A
+from tailorstore.codec import content_hash
+from tailorstore.rounding import ROUNDED_DTYPES, rounded
 
 
 def is_derivable_weight(entry: A.TensorEntry, seg: A.Segment) -> bool:

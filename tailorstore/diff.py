@@ -11,14 +11,14 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import atoms as A
-from . import structure
-from .changes import relative_change, stored_pieces
-from .errors import StoreError
-from .layers import STATE, sort_key
-from .output_dir import partial_prefix, refuse_inside_store
-from .store.records import COMMIT, MAIN_RUN
-from .store.repo import Repository
+from tailorstore import atoms as A
+from tailorstore import structure
+from tailorstore.changes import relative_change, stored_pieces
+from tailorstore.errors import StoreError
+from tailorstore.layers import STATE, sort_key
+from tailorstore.output_dir import partial_prefix, refuse_inside_store
+from tailorstore.store.records import COMMIT, MAIN_RUN
+from tailorstore.store.repo import Repository
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from .checkout import write_step_files
-from .errors import BadCheckpointError, StoreError
-from .formats.kinds import RAW
-from .formats.safetensors_writer import (
+from tailorstore.checkout import write_step_files
+from tailorstore.errors import BadCheckpointError, StoreError
+from tailorstore.formats.kinds import RAW
+from tailorstore.formats.safetensors_writer import (
     DEFAULT_SHARD_SIZE,
     INDEX_FILE,
     TensorSpec,
@@ -37,14 +37,14 @@ from .formats.safetensors_writer import (
     plan_shards,
     shard_names,
 )
-from .model_tensors import ModelTensor, ModelView, look_up_rows, model_view, stream_elements, stream_float32
-from .output_dir import staged
-from .progress import Progress, Silent
-from .read_ahead import ReadAhead
-from .rounding import rounded_chunks
-from .small_text import read_small_text
-from .store.direct_io import SequentialWriter
-from .store.repo import Repository
+from tailorstore.model_tensors import ModelTensor, ModelView, look_up_rows, model_view, stream_elements, stream_float32
+from tailorstore.output_dir import staged
+from tailorstore.progress import Progress, Silent
+from tailorstore.read_ahead import ReadAhead
+from tailorstore.rounding import rounded_chunks
+from tailorstore.small_text import read_small_text
+from tailorstore.store.direct_io import SequentialWriter
+from tailorstore.store.repo import Repository
 
 EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Files of an HF checkpoint that from_pretrained and the tokenizer read next to the weights.

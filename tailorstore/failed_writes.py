@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .progress import Progress
-from .store import parts
-from .store.backend import blob_key
-from .store.lease import LeaseHandle
-from .store.lock import LockHandle
-from .store.packs import pack_key
-from .store.repo import Repository
-from .store.writer import BlobWriter
+from tailorstore.progress import Progress
+from tailorstore.store import parts
+from tailorstore.store.backend import blob_key
+from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.lock import LockHandle
+from tailorstore.store.packs import pack_key
+from tailorstore.store.repo import Repository
+from tailorstore.store.writer import BlobWriter
 
 
 @contextmanager

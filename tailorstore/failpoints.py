@@ -18,7 +18,7 @@ import signal
 import time
 from functools import cache
 
-from .environment import FAILPOINTS_ENV
+from tailorstore.environment import FAILPOINTS_ENV
 
 POINTS = ("before-publish", "gc-before-delete", "before-lease-renewal")
 

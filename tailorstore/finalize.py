@@ -15,18 +15,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import structure
-from .errors import BadCheckpointError, CorruptStoreError, StepExistsError, StoreError
-from .formats.deepspeed import file_rank, is_model_states, is_optim_states
-from .formats.layout import DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
-from .policies import PolicySpec
-from .refs import check_tag
-from .store import manifest_objects
-from .store.backend import blob_key
-from .store.manifest_objects import check_run_name
-from .store.parts import Part, read_parts
-from .store.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
-from .store.repo import Repository, check_step
+from tailorstore import structure
+from tailorstore.errors import BadCheckpointError, CorruptStoreError, StepExistsError, StoreError
+from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
+from tailorstore.formats.layout import DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
+from tailorstore.policies import PolicySpec
+from tailorstore.refs import check_tag
+from tailorstore.store import manifest_objects
+from tailorstore.store.backend import blob_key
+from tailorstore.store.manifest_objects import check_run_name
+from tailorstore.store.parts import Part, read_parts
+from tailorstore.store.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
+from tailorstore.store.repo import Repository, check_step
 
 
 @dataclass

@@ -27,18 +27,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import codec
-from .errors import CorruptStoreError, StoreError
-from .failpoints import failpoint
-from .store import manifest_objects
-from .store.backend import blob_key
-from .store.lease import LeaseHandle
-from .store.lock import LockHandle
-from .store.packs import PackWriter, pack_key
-from .store.parts import read_parts
-from .store.records import COMMIT, TIERS, ManifestRecord
-from .store.repo import Repository
-from .thinning import check_tier, contents_of, thin, thinner
+from tailorstore import codec
+from tailorstore.errors import CorruptStoreError, StoreError
+from tailorstore.failpoints import failpoint
+from tailorstore.store import manifest_objects
+from tailorstore.store.backend import blob_key
+from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.lock import LockHandle
+from tailorstore.store.packs import PackWriter, pack_key
+from tailorstore.store.parts import read_parts
+from tailorstore.store.records import COMMIT, TIERS, ManifestRecord
+from tailorstore.store.repo import Repository
+from tailorstore.thinning import check_tier, contents_of, thin, thinner
 
 REPACK_AT = 0.25  # repack a pack once this share of its bytes is dead
 

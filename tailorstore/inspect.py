@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .layers import sort_key
-from .store.records import ManifestRecord
-from .store.repo import Repository
+from tailorstore.layers import sort_key
+from tailorstore.store.records import ManifestRecord
+from tailorstore.store.repo import Repository
 
 
 @dataclass

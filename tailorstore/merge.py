@@ -24,15 +24,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .averaging import LOCK_TIMEOUT, AverageResult, average, is_averaging
-from .errors import StepExistsError
-from .layers import STATE, block_index, sort_key
-from .merge_spec import AUX_KEYS, MergeSpecError, layer_range, load_spec, merge_record, ref_of
-from .refs import check_tag
-from .store import manifest_objects
-from .store.index import Index
-from .store.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord
-from .store.repo import Repository
+from tailorstore.averaging import LOCK_TIMEOUT, AverageResult, average, is_averaging
+from tailorstore.errors import StepExistsError
+from tailorstore.layers import STATE, block_index, sort_key
+from tailorstore.merge_spec import AUX_KEYS, MergeSpecError, layer_range, load_spec, merge_record, ref_of
+from tailorstore.refs import check_tag
+from tailorstore.store import manifest_objects
+from tailorstore.store.index import Index
+from tailorstore.store.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord
+from tailorstore.store.repo import Repository
 
 __all__ = ["MergeResult", "MergeSpecError", "merge", "parse_spec"]
 

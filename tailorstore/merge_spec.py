@@ -17,11 +17,11 @@ from typing import Any
 
 import yaml
 
-from .errors import TailorError
-from .layers import EMBEDDING, FINAL_NORM, LM_HEAD, block_label
-from .small_text import read_small_text
-from .store.manifest_objects import RUN_NAME
-from .store.records import MERGE, BlobRecord, ManifestRecord
+from tailorstore.errors import TailorError
+from tailorstore.layers import EMBEDDING, FINAL_NORM, LM_HEAD, block_label
+from tailorstore.small_text import read_small_text
+from tailorstore.store.manifest_objects import RUN_NAME
+from tailorstore.store.records import MERGE, BlobRecord, ManifestRecord
 
 AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
 

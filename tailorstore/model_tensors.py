@@ -23,18 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from .atom_reader import blob_of, decode_atom_into, decode_stored_atom, stream_atom
-from .atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
-from .errors import CorruptStoreError, StoreError
-from .formats import deepspeed as ds
-from .formats.kinds import TORCH
-from .formats.skeleton import fill_tensors, slots_of, split_tensors
-from .formats.tensor_ref import DTYPES, numel_of
-from .formats.torch_pickle import load_pickle_tree
-from .formats.torch_save_writer import TensorOut
-from .rounding import widened
-from .store.records import AtomRecord, BlobRecord, FileRecord
-from .store.repo import Repository
+from tailorstore.atom_reader import blob_of, decode_atom_into, decode_stored_atom, stream_atom
+from tailorstore.atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
+from tailorstore.errors import CorruptStoreError, StoreError
+from tailorstore.formats import deepspeed as ds
+from tailorstore.formats.kinds import TORCH
+from tailorstore.formats.skeleton import fill_tensors, slots_of, split_tensors
+from tailorstore.formats.tensor_ref import DTYPES, numel_of
+from tailorstore.formats.torch_pickle import load_pickle_tree
+from tailorstore.formats.torch_save_writer import TensorOut
+from tailorstore.rounding import widened
+from tailorstore.store.records import AtomRecord, BlobRecord, FileRecord
+from tailorstore.store.repo import Repository
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def skeleton_tree(store: Repository, row: FileRecord, where: str) -> Any:
     if data[:2] != b"PK":  # the file's own data.pkl (committed without torch)
         return load_pickle_tree(data, where)
     # A skeleton torch.save wrote (a file that needed torch to commit): torch reads it back.
-    from .safe_load import load_skeleton  # imports torch, which only such a file needs
+    from tailorstore.safe_load import load_skeleton  # imports torch, which only such a file needs
 
     return load_skeleton(data, where, trusted=row.trusted, trust_pickles=False)
 

@@ -21,13 +21,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .dir_locks import hold_dir, removed, take_abandoned
-from .errors import StoreError
-from .formats.torch_save_writer import Parts, TensorOut, dumps, write_pickled_to
-from .read_ahead import ReadAhead
-from .store.direct_io import RewritableWriter
-from .store.posix import fsync_path
-from .store.repo import Repository
+from tailorstore.dir_locks import hold_dir, removed, take_abandoned
+from tailorstore.errors import StoreError
+from tailorstore.formats.torch_save_writer import Parts, TensorOut, dumps, write_pickled_to
+from tailorstore.read_ahead import ReadAhead
+from tailorstore.store.direct_io import RewritableWriter
+from tailorstore.store.posix import fsync_path
+from tailorstore.store.repo import Repository
 
 PARTIAL = ".tailor-partial-"  # .NAME.tailor-partial-<random>: where NAME is written before it is renamed
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from .errors import UnsafePathError
+from tailorstore.errors import UnsafePathError
 
 
 def check_relative(rel: str) -> PurePosixPath:

@@ -27,19 +27,19 @@ from typing import Any
 
 import xxhash
 
-from . import codec
-from .atom_reader import stream_atom
-from .atoms import MASTER
-from .errors import CorruptStoreError
-from .formats.kinds import TORCH
-from .formats.torch_zip import gaps, mend_crcs, record_offsets
-from .paths import safe_join
-from .rounding import ROUND_FROM_MASTER, round_into
-from .store.direct_io import PlacedWriter
-from .store.posix import start_writeback
-from .store.records import COMMIT, AtomRecord, BlobRecord, FileRecord, ManifestRecord
-from .store.repo import Repository
-from .thread_buffers import thread_buffer
+from tailorstore import codec
+from tailorstore.atom_reader import stream_atom
+from tailorstore.atoms import MASTER
+from tailorstore.errors import CorruptStoreError
+from tailorstore.formats.kinds import TORCH
+from tailorstore.formats.torch_zip import gaps, mend_crcs, record_offsets
+from tailorstore.paths import safe_join
+from tailorstore.rounding import ROUND_FROM_MASTER, round_into
+from tailorstore.store.direct_io import PlacedWriter
+from tailorstore.store.posix import start_writeback
+from tailorstore.store.records import COMMIT, AtomRecord, BlobRecord, FileRecord, ManifestRecord
+from tailorstore.store.repo import Repository
+from tailorstore.thread_buffers import thread_buffer
 
 
 @dataclass

@@ -15,8 +15,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .errors import TailorError
-from .layers import STATE, block_index, sort_key
+from tailorstore.errors import TailorError
+from tailorstore.layers import STATE, block_index, sort_key
 
 
 class PolicyError(TailorError):

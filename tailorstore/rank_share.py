@@ -27,18 +27,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from . import atoms as A
-from .codec import content_hash
-from .commit import Scan, commit_part, detect_input, scan_checkpoint, step_of, write_files
-from .commit_options import CommitOptions, CommitResult
-from .derive import is_derivable_weight
-from .formats.deepspeed import file_rank, is_model_states
-from .formats.layout import CheckpointLayout
-from .formats.reader import ReadFile
-from .formats.source import InputFile
-from .progress import Silent
-from .rounding import rounded
-from .store.repo import Repository
+from tailorstore import atoms as A
+from tailorstore.codec import content_hash
+from tailorstore.commit import Scan, commit_part, detect_input, scan_checkpoint, step_of, write_files
+from tailorstore.commit_options import CommitOptions, CommitResult
+from tailorstore.derive import is_derivable_weight
+from tailorstore.formats.deepspeed import file_rank, is_model_states
+from tailorstore.formats.layout import CheckpointLayout
+from tailorstore.formats.reader import ReadFile
+from tailorstore.formats.source import InputFile
+from tailorstore.progress import Silent
+from tailorstore.rounding import rounded
+from tailorstore.store.repo import Repository
 
 WeightKey = tuple[str, str]  # (file path in the checkpoint, parameter)
 

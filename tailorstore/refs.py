@@ -8,9 +8,9 @@ first and the index second, so an interrupted change is undone at the next open.
 
 from __future__ import annotations
 
-from .errors import StepExistsError, StoreError
-from .store import manifest_objects
-from .store.repo import Repository
+from tailorstore.errors import StepExistsError, StoreError
+from tailorstore.store import manifest_objects
+from tailorstore.store.repo import Repository
 
 TAG_BYTES = 72  # escaped (=XX a byte outside [A-Za-z0-9._-]), with a temp file's suffix: under 255 bytes
 

@@ -14,15 +14,15 @@ from typing import Any
 
 import torch
 
-from .atom_reader import decode_atom_into
-from .errors import CorruptStoreError, LayoutError
-from .formats.kinds import SAFETENSORS
-from .formats.safetensors_file import tensor_layout
-from .formats.skeleton import fill_tensors, slots_of
-from .formats.tensors import byte_view, dtype_from_name
-from .safe_load import load_skeleton
-from .store.records import AtomRecord, FileRecord
-from .store.repo import Repository
+from tailorstore.atom_reader import decode_atom_into
+from tailorstore.errors import CorruptStoreError, LayoutError
+from tailorstore.formats.kinds import SAFETENSORS
+from tailorstore.formats.safetensors_file import tensor_layout
+from tailorstore.formats.skeleton import fill_tensors, slots_of
+from tailorstore.formats.tensors import byte_view, dtype_from_name
+from tailorstore.safe_load import load_skeleton
+from tailorstore.store.records import AtomRecord, FileRecord
+from tailorstore.store.repo import Repository
 
 
 def write_file(store: Repository, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:

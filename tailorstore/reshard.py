@@ -34,14 +34,14 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .atoms import EXP_AVG, EXP_AVG_SQ, MASTER
-from .checkout import placed_rows, write_step_files
-from .errors import StoreError
-from .formats import deepspeed as ds
-from .formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_class, with_int_field
-from .formats.torch_save_writer import Parts, TensorOut
-from .formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
-from .model_tensors import (
+from tailorstore.atoms import EXP_AVG, EXP_AVG_SQ, MASTER
+from tailorstore.checkout import placed_rows, write_step_files
+from tailorstore.errors import StoreError
+from tailorstore.formats import deepspeed as ds
+from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_class, with_int_field
+from tailorstore.formats.torch_save_writer import Parts, TensorOut
+from tailorstore.formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
+from tailorstore.model_tensors import (
     ModelView,
     committed_tree,
     look_up_rows,
@@ -50,13 +50,13 @@ from .model_tensors import (
     stream_elements,
     stream_float32,
 )
-from .output_dir import staged, tree_bytes, write_torch_file
-from .paths import safe_join
-from .placement import PlacedFiles
-from .progress import Progress, Silent
-from .store.records import FileRecord, ManifestRecord
-from .store.repo import Repository
-from .thinning import refuse_thinned
+from tailorstore.output_dir import staged, tree_bytes, write_torch_file
+from tailorstore.paths import safe_join
+from tailorstore.placement import PlacedFiles
+from tailorstore.progress import Progress, Silent
+from tailorstore.store.records import FileRecord, ManifestRecord
+from tailorstore.store.repo import Repository
+from tailorstore.thinning import refuse_thinned
 
 MAX_WORLD_SIZE = 65536
 DP_WORLD_SIZE = "dp_world_size"  # the model-states field that names the world size

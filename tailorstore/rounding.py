@@ -13,9 +13,9 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from .errors import CorruptStoreError
-from .reused_memory import private_copy_buffer
-from .thread_buffers import thread_buffer
+from tailorstore.errors import CorruptStoreError
+from tailorstore.reused_memory import private_copy_buffer
+from tailorstore.thread_buffers import thread_buffer
 
 #: How the index marks a derived weight (atoms.derived).
 ROUND_FROM_MASTER = "round-from-master"

@@ -14,10 +14,10 @@ import re
 import time
 from dataclasses import dataclass
 
-from .errors import StepExistsError, UnknownStepError
-from .store import manifest_objects
-from .store.records import MAIN_RUN, ManifestRecord, RunRecord
-from .store.repo import Repository
+from tailorstore.errors import StepExistsError, UnknownStepError
+from tailorstore.store import manifest_objects
+from tailorstore.store.records import MAIN_RUN, ManifestRecord, RunRecord
+from tailorstore.store.repo import Repository
 
 
 @dataclass(frozen=True)

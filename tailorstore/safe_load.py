@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .atoms import TensorSlot
-from .errors import BadCheckpointError, UnsafePickleError
-from .formats.torch_pickle import DEEPSPEED_GLOBALS
+from tailorstore.atoms import TensorSlot
+from tailorstore.errors import BadCheckpointError, UnsafePickleError
+from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS
 
 _UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
 

@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import BadCheckpointError, TailorError
+from tailorstore.errors import BadCheckpointError, TailorError
 
 TEXT_LIMIT = 64 << 20  # a Trainer's trainer_state.json grows with its log history: a few MB after long runs
 NAME_LIMIT = 64 << 10  # DeepSpeed's `latest` holds one tag name

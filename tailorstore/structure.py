@@ -8,10 +8,10 @@ steps give theirs from their atom rows; a commit of another model is refused unl
 
 from __future__ import annotations
 
-from . import atoms as A
-from .errors import StoreError
-from .store.index import Index
-from .store.records import AtomRecord, ManifestRecord
+from tailorstore import atoms as A
+from tailorstore.errors import StoreError
+from tailorstore.store.index import Index
+from tailorstore.store.records import AtomRecord, ManifestRecord
 
 Structure = dict[str, int]  # parameter -> elements
 

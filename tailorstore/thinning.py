@@ -25,19 +25,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
-from .atom_reader import decode_atom
-from .atoms import MASTER, WEIGHT
-from .errors import CorruptStoreError, StoreError, ThinnedStepError
-from .failed_writes import cleaned_up_on_failure
-from .formats import deepspeed as ds
-from .formats.tensor_ref import DTYPES
-from .progress import Silent
-from .store import manifest_objects
-from .store.lease import LeaseHandle
-from .store.lock import LockHandle
-from .store.records import THIN_MASTER, TIERS, AtomRecord, FileRecord, ManifestRecord
-from .store.repo import Repository
-from .store.writer import BlobWriter
+from tailorstore.atom_reader import decode_atom
+from tailorstore.atoms import MASTER, WEIGHT
+from tailorstore.errors import CorruptStoreError, StoreError, ThinnedStepError
+from tailorstore.failed_writes import cleaned_up_on_failure
+from tailorstore.formats import deepspeed as ds
+from tailorstore.formats.tensor_ref import DTYPES
+from tailorstore.progress import Silent
+from tailorstore.store import manifest_objects
+from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.lock import LockHandle
+from tailorstore.store.records import THIN_MASTER, TIERS, AtomRecord, FileRecord, ManifestRecord
+from tailorstore.store.repo import Repository
+from tailorstore.store.writer import BlobWriter
 
 
 def check_tier(tier: str) -> str:

@@ -26,13 +26,13 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .atoms import MASTER, STEP
-from .checkout import placed_rows, write_step_files
-from .errors import CorruptStoreError, StoreError
-from .formats import deepspeed as ds
-from .formats.kinds import TORCH
-from .formats.torch_save_writer import TensorOut
-from .model_tensors import (
+from tailorstore.atoms import MASTER, STEP
+from tailorstore.checkout import placed_rows, write_step_files
+from tailorstore.errors import CorruptStoreError, StoreError
+from tailorstore.formats import deepspeed as ds
+from tailorstore.formats.kinds import TORCH
+from tailorstore.formats.torch_save_writer import TensorOut
+from tailorstore.model_tensors import (
     ModelTensor,
     ModelView,
     committed_tree,
@@ -45,13 +45,13 @@ from .model_tensors import (
     stream_float32,
     tiling,
 )
-from .output_dir import staged, tree_bytes, write_torch_file
-from .paths import safe_join
-from .placement import PlacedFiles
-from .progress import Progress, Silent
-from .store.records import FileRecord
-from .store.repo import Repository
-from .thinning import refuse_thinned
+from tailorstore.output_dir import staged, tree_bytes, write_torch_file
+from tailorstore.paths import safe_join
+from tailorstore.placement import PlacedFiles
+from tailorstore.progress import Progress, Silent
+from tailorstore.store.records import FileRecord
+from tailorstore.store.repo import Repository
+from tailorstore.thinning import refuse_thinned
 
 UNIVERSAL = "universal"
 LATEST_UNIVERSAL = "latest_universal"

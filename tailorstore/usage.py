@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import atoms as A
-from .gc import Retention, effective_rules, plan_gc
-from .store.repo import Repository
+from tailorstore import atoms as A
+from tailorstore.gc import Retention, effective_rules, plan_gc
+from tailorstore.store.repo import Repository
 
 _KIND_GROUPS = {A.WEIGHT: "weights", A.MASTER: "masters", A.EXP_AVG: "moments", A.EXP_AVG_SQ: "moments"}
 

@@ -16,13 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from . import codec
-from .atom_reader import stream_rebuilt
-from .atoms import MASTER
-from .errors import CorruptStoreError
-from .paths import check_relative
-from .store.records import AtomRecord, BlobRecord
-from .store.repo import Repository
+from tailorstore import codec
+from tailorstore.atom_reader import stream_rebuilt
+from tailorstore.atoms import MASTER
+from tailorstore.errors import CorruptStoreError
+from tailorstore.paths import check_relative
+from tailorstore.store.records import AtomRecord, BlobRecord
+from tailorstore.store.repo import Repository
 
 CHECKERS = 4  # threads of a deep check: two decode and hash on two cores while two wait on the disk or network
 

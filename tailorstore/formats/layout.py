@@ -17,10 +17,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import BadCheckpointError, UnsafePathError
-from ..paths import check_relative
-from ..small_text import read_small_text
-from .deepspeed import is_model_states, is_optim_states, read_latest
+from tailorstore.errors import BadCheckpointError, UnsafePathError
+from tailorstore.formats.deepspeed import is_model_states, is_optim_states, read_latest
+from tailorstore.paths import check_relative
+from tailorstore.small_text import read_small_text
 
 log = logging.getLogger("tailorstore")
 

@@ -22,17 +22,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from .. import atoms as A
-from ..atoms import TensorEntry
-from ..errors import UnsafePickleError
-from . import deepspeed as ds
-from .kinds import RAW, SAFETENSORS, TORCH
-from .layout import CheckpointLayout
-from .safetensors_file import read_safetensors
-from .skeleton import split_tensors
-from .source import Identity, InputFile
-from .torch_pickle import read_torch_zip
-from .torch_zip import gaps
+from tailorstore import atoms as A
+from tailorstore.atoms import TensorEntry
+from tailorstore.errors import UnsafePickleError
+from tailorstore.formats import deepspeed as ds
+from tailorstore.formats.kinds import RAW, SAFETENSORS, TORCH
+from tailorstore.formats.layout import CheckpointLayout
+from tailorstore.formats.safetensors_file import read_safetensors
+from tailorstore.formats.skeleton import split_tensors
+from tailorstore.formats.source import Identity, InputFile
+from tailorstore.formats.torch_pickle import read_torch_zip
+from tailorstore.formats.torch_zip import gaps
 
 # Generic torch files that hold model or optimizer tensors worth cutting into atoms.
 _TORCH_NAMES = ("optimizer.pt", "pytorch_model.bin")
@@ -57,7 +57,7 @@ class ReadFile:
 
     def skeleton_blob(self) -> bytes:
         if self.skeleton is None:  # a file torch loaded: its tree is pickled only when a commit stores it
-            from .torch_fallback import skeleton_bytes  # torch is imported already for such a file
+            from tailorstore.formats.torch_fallback import skeleton_bytes  # torch is imported already for such a file
 
             self.skeleton = skeleton_bytes(self.tree)
         return self.skeleton
@@ -85,7 +85,7 @@ class ReadFile:
         size = entry.tensor.element_size()
         if self.located:
             return src.read((entry.file_offset or 0) + seg.offset * size, seg.numel * size)
-        from .torch_fallback import tensor_bytes  # only a file torch loaded into memory gets here
+        from tailorstore.formats.torch_fallback import tensor_bytes  # only a file torch loaded into memory gets here
 
         return tensor_bytes(entry.tensor)[seg.offset * size : (seg.offset + seg.numel) * size]
 
@@ -168,7 +168,7 @@ def _read_torch(out: ReadFile, src: InputFile, trust_pickles: bool, infos: dict[
         out.skeleton, out.located = pickle_record, True
     else:
         # Importing torch costs about two seconds; only a file the torch-free reader cannot take pays it.
-        from .torch_fallback import load_with_torch
+        from tailorstore.formats.torch_fallback import load_with_torch
 
         obj, out.tree, entries, out.located, out.trusted = load_with_torch(src, where, out.size, trust_pickles)
     folder = str(PurePosixPath(out.path).parent)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import struct
 
-from .. import atoms as A
-from ..errors import BadCheckpointError
-from ..layers import layer_of
-from .source import InputFile
-from .tensor_ref import DTYPES, TensorRef
+from tailorstore import atoms as A
+from tailorstore.errors import BadCheckpointError
+from tailorstore.formats.source import InputFile
+from tailorstore.formats.tensor_ref import DTYPES, TensorRef
+from tailorstore.layers import layer_of
 
 _DTYPES = {  # safetensors' dtype codes, by torch's names
     "BOOL": "bool",

@@ -30,10 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadCheckpointError, CorruptStoreError, UnsafePickleError
-from .source import InputFile
-from .tensor_ref import DTYPES, TensorRef, contiguous_strides, numel_of
-from .torch_zip import record_offsets
+from tailorstore.errors import BadCheckpointError, CorruptStoreError, UnsafePickleError
+from tailorstore.formats.source import InputFile
+from tailorstore.formats.tensor_ref import DTYPES, TensorRef, contiguous_strides, numel_of
+from tailorstore.formats.torch_zip import record_offsets
 
 # DeepSpeed's own classes seen in DeepSpeed 0.14 to 0.19 checkpoints; kept as Opaque objects.
 DEEPSPEED_GLOBALS = (

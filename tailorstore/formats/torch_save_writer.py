@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
-from .tensor_ref import contiguous_strides, nbytes_of, numel_of
-from .torch_pickle import DTypeName, Opaque
+from tailorstore.formats.tensor_ref import contiguous_strides, nbytes_of, numel_of
+from tailorstore.formats.torch_pickle import DTypeName, Opaque
 
 STORAGE_TYPES = {
     "float64": "DoubleStorage",

@@ -18,8 +18,8 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from ..atoms import TensorEntry
-from ..errors import BadCheckpointError
+from tailorstore.atoms import TensorEntry
+from tailorstore.errors import BadCheckpointError
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
 _LOCAL_SIG = 0x04034B50

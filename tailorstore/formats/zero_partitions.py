@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..errors import LayoutError
+from tailorstore.errors import LayoutError
 
 
 @dataclass(frozen=True)

@@ -48,15 +48,15 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from ..api import Store
-from ..commit import CommitResult
-from ..environment import STAGING_ENV
-from ..errors import StoreError
-from ..formats.deepspeed import is_model_states, read_latest
-from ..policies import policy_spec
-from ..safe_load import load_torch_file
-from . import staging as staged
-from .rewind import Rewind, warn_if_composite
+from tailorstore.api import Store
+from tailorstore.commit import CommitResult
+from tailorstore.environment import STAGING_ENV
+from tailorstore.errors import StoreError
+from tailorstore.formats.deepspeed import is_model_states, read_latest
+from tailorstore.integrations import staging as staged
+from tailorstore.integrations.rewind import Rewind, warn_if_composite
+from tailorstore.policies import policy_spec
+from tailorstore.safe_load import load_torch_file
 
 log = logging.getLogger("tailorstore")
 ENGINE_NAME = "TailorCheckpointEngine"

@@ -26,11 +26,11 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ..api import Store
-from ..commit_options import CommitOptions, CommitResult
-from ..errors import StoreError
-from ..finalize import FinalizeResult
-from ..rank_share import Survey, checked_weights, survey, write_share, writers
+from tailorstore.api import Store
+from tailorstore.commit_options import CommitOptions, CommitResult
+from tailorstore.errors import StoreError
+from tailorstore.finalize import FinalizeResult
+from tailorstore.rank_share import Survey, checked_weights, survey, write_share, writers
 
 T = TypeVar("T")
 

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..api import Store, delete_once_durable
-from ..policies import policy_spec
-from .distributed import RankParallelResult, commit_rank_parallel
-from .rewind import Rewind, warn_if_composite
+from tailorstore.api import Store, delete_once_durable
+from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
+from tailorstore.integrations.rewind import Rewind, warn_if_composite
+from tailorstore.policies import policy_spec
 
 
 class TailorCallback(TrainerCallback):

@@ -20,10 +20,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..api import Store
-from ..commit_options import CommitResult
-from ..errors import StepExistsError, StoreError
-from ..store.records import COMMIT
+from tailorstore.api import Store
+from tailorstore.commit_options import CommitResult
+from tailorstore.errors import StepExistsError, StoreError
+from tailorstore.store.records import COMMIT
 
 log = logging.getLogger("tailorstore")
 

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptStoreError, FormatVersionError, StoreError
-from .records import (
+from tailorstore.errors import CorruptStoreError, FormatVersionError, StoreError
+from tailorstore.store.records import (
     ATOM_COLUMNS,
     COMMIT,
     FILE_COLUMNS,
@@ -40,7 +40,7 @@ from .records import (
     RunRecord,
     values,
 )
-from .schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
+from tailorstore.store.schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
 
 INDEX_NAME = "index.sqlite"
 

@@ -39,10 +39,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..environment import TTL_ENV
-from ..errors import LeaseLostError, LockTimeoutError, StoreError
-from ..failpoints import failpoint
-from .backend import Backend
+from tailorstore.environment import TTL_ENV
+from tailorstore.errors import LeaseLostError, LockTimeoutError, StoreError
+from tailorstore.failpoints import failpoint
+from tailorstore.store.backend import Backend
 
 LOCK_PREFIX = "locks/"
 DEFAULT_TTL = 120.0

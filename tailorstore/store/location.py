@@ -16,11 +16,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..environment import CACHE_ENV
-from ..errors import StoreError
-from .backend import Backend
-from .posix import PosixBackend
-from .s3 import S3Backend
+from tailorstore.environment import CACHE_ENV
+from tailorstore.errors import StoreError
+from tailorstore.store.backend import Backend
+from tailorstore.store.posix import PosixBackend
+from tailorstore.store.s3 import S3Backend
 
 INDEX_NAME = "index.sqlite"
 

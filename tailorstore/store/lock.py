@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import CorruptStoreError, LockTimeoutError, StoreError
+from tailorstore.errors import CorruptStoreError, LockTimeoutError, StoreError
 
 
 class Fence(Protocol):

@@ -34,14 +34,14 @@ from typing import Any
 
 import zstandard
 
-from ..errors import CorruptStoreError, StepExistsError, StoreError
-from ..failpoints import failpoint
-from .backend import Backend, ObjectExistsError, check_key
-from .index import Index
-from .lock import Fence
-from .pack_sync import packs_agree, reconcile_packs
-from .packs import pack_names
-from .records import (
+from tailorstore.errors import CorruptStoreError, StepExistsError, StoreError
+from tailorstore.failpoints import failpoint
+from tailorstore.store.backend import Backend, ObjectExistsError, check_key
+from tailorstore.store.index import Index
+from tailorstore.store.lock import Fence
+from tailorstore.store.pack_sync import packs_agree, reconcile_packs
+from tailorstore.store.packs import pack_names
+from tailorstore.store.records import (
     ATOM_COLUMNS,
     COMMIT,
     DOC_BLOB_COLUMNS,

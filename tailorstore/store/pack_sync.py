@@ -31,11 +31,11 @@ from __future__ import annotations
 import logging
 import time
 
-from ..errors import CorruptStoreError
-from .backend import Backend, pack_key
-from .index import Index
-from .packs import PackEntry, read_trailer
-from .records import BlobRecord
+from tailorstore.errors import CorruptStoreError
+from tailorstore.store.backend import Backend, pack_key
+from tailorstore.store.index import Index
+from tailorstore.store.packs import PackEntry, read_trailer
+from tailorstore.store.records import BlobRecord
 
 log = logging.getLogger("tailorstore")
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import xxhash
 import zstandard
 
-from ..errors import CorruptStoreError
-from .backend import HASH_NAME, PACK_PREFIX, Backend, Batch, pack_key, pack_name
+from tailorstore.errors import CorruptStoreError
+from tailorstore.store.backend import HASH_NAME, PACK_PREFIX, Backend, Batch, pack_key, pack_name
 
 PACK_BELOW = 1 << 20  # blobs of a smaller raw size go into packs
 PACK_TARGET = 16 << 20  # a pack is sealed once it holds this many bytes

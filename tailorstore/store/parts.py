@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import zstandard
 
-from ..errors import CorruptStoreError
-from .backend import Backend, check_key
-from .records import (
+from tailorstore.errors import CorruptStoreError
+from tailorstore.store.backend import Backend, check_key
+from tailorstore.store.records import (
     ATOM_COLUMNS,
     DOC_BLOB_COLUMNS,
     FILE_COLUMNS,

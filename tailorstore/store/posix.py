@@ -21,9 +21,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CorruptStoreError
-from .backend import BytesLike, Chunks, ObjectExistsError, as_chunks, check_key
-from .direct_io import DirectReader, SequentialWriter
+from tailorstore.errors import CorruptStoreError
+from tailorstore.store.backend import BytesLike, Chunks, ObjectExistsError, as_chunks, check_key
+from tailorstore.store.direct_io import DirectReader, SequentialWriter
 
 _SYNC_FILE_RANGE_WRITE = 2
 _DIRECT_FROM = 1 << 20  # objects of at least this size are written with O_DIRECT

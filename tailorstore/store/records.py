@@ -16,9 +16,9 @@ from typing import Any
 
 import xxhash
 
-from ..errors import UnsafePathError
-from ..paths import check_relative
-from .backend import HASH_NAME, blob_key, pack_key
+from tailorstore.errors import UnsafePathError
+from tailorstore.paths import check_relative
+from tailorstore.store.backend import HASH_NAME, blob_key, pack_key
 
 COMMIT = "commit"
 MERGE = "merge"

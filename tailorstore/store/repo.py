@@ -26,20 +26,20 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from .. import codec
-from ..environment import STORE_ENV
-from ..errors import CorruptStoreError, StoreError, UnknownStepError
-from . import manifest_objects
-from .backend import Backend, blob_names
-from .index import Index
-from .lease import LeaseHandle, lease_lock
-from .listing import LIST_PAGE, Holdings, stored_part
-from .location import Location, resolve
-from .lock import LockHandle, store_lock
-from .pack_spans import PackSpans
-from .packs import pack_names, read_trailer
-from .records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
-from .schema import FORMAT_VERSION
+from tailorstore import codec
+from tailorstore.environment import STORE_ENV
+from tailorstore.errors import CorruptStoreError, StoreError, UnknownStepError
+from tailorstore.store import manifest_objects
+from tailorstore.store.backend import Backend, blob_names
+from tailorstore.store.index import Index
+from tailorstore.store.lease import LeaseHandle, lease_lock
+from tailorstore.store.listing import LIST_PAGE, Holdings, stored_part
+from tailorstore.store.location import Location, resolve
+from tailorstore.store.lock import LockHandle, store_lock
+from tailorstore.store.pack_spans import PackSpans
+from tailorstore.store.packs import pack_names, read_trailer
+from tailorstore.store.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
+from tailorstore.store.schema import FORMAT_VERSION
 
 MARKER = "tailorstore.json"
 MAX_STEP = (1 << 63) - 1  # SQLite's INTEGER

@@ -21,8 +21,16 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError
 from obstore.store import from_url
 
-from ..environment import RETRY_ENV, TIMEOUT_ENV
-from .backend import READ_CHUNK, BackendError, BytesLike, Chunks, ObjectExistsError, as_chunks, check_key
+from tailorstore.environment import RETRY_ENV, TIMEOUT_ENV
+from tailorstore.store.backend import (
+    READ_CHUNK,
+    BackendError,
+    BytesLike,
+    Chunks,
+    ObjectExistsError,
+    as_chunks,
+    check_key,
+)
 
 T = TypeVar("T")
 _PART = 8 << 20  # bytes per multipart chunk

@@ -21,15 +21,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
-from .. import codec
-from ..errors import InputChangedError, StoreError
-from ..formats.source import InputFile
-from ..reused_memory import SLAB_BYTES
-from .backend import BackendError, blob_key
-from .packs import PACK_BELOW, PackWriter
-from .posix import is_out_of_space
-from .records import BlobRecord
-from .repo import Repository
+from tailorstore import codec
+from tailorstore.errors import InputChangedError, StoreError
+from tailorstore.formats.source import InputFile
+from tailorstore.reused_memory import SLAB_BYTES
+from tailorstore.store.backend import BackendError, blob_key
+from tailorstore.store.packs import PACK_BELOW, PackWriter
+from tailorstore.store.posix import is_out_of_space
+from tailorstore.store.records import BlobRecord
+from tailorstore.store.repo import Repository
 
 # Raw bytes queued for compression at once: what the slab of reused piece memory holds
 # (reused_memory.py). A piece read while the queue holds more than the slab is fresh memory,
