@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PYTHON) -m tailorstore.demo
+	$(PYTHON) -m examples.demo
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q

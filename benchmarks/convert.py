@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from tailorstore.store.repo import Repository
-from tailorstore.testing.runs import train_tiny
+from testbed.runs import train_tiny
 
 from . import suite
 from .report import write_section

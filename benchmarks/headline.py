@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from tailorstore.api import Store
-from tailorstore.testing.compare import same_tree
-from tailorstore.testing.runs import train_tiny
+from testbed.compare import same_tree
+from testbed.runs import train_tiny
 
 from .report import write_section
 from .suite import TAILOR, dir_bytes, measured, warm

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from tailorstore.api import Store
-from tailorstore.testing.runs import torchrun_command
+from testbed.runs import torchrun_command
 
 from .report import write_section
 from .suite import SIZES, params_of
@@ -97,7 +97,7 @@ def run_way(way: str, work: Path, size_name: str, steps: int, every: int, fp32_c
     if way == "tailor":
         Store.init(store).close()
         args += ["--tailor-engine", "--commit-to", str(store)]
-    cmd, env = torchrun_command("tailorstore.testing.train_tiny", args)
+    cmd, env = torchrun_command("testbed.train_tiny", args)
     staging.mkdir(exist_ok=True)
     env["TAILOR_STAGING"] = str(staging)
     with Sampler([save, store], [staging]) as sampler:

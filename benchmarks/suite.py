@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tailorstore import codec
+from tailorstore.curate.merge import merge
 from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
-from tailorstore.merge import merge
+from tailorstore.store import codec
 from tailorstore.store.repo import Repository
-from tailorstore.testing.local_s3 import CuttableLink, local_s3
-from tailorstore.testing.runs import train_tiny
+from testbed.local_s3 import CuttableLink, local_s3
+from testbed.runs import train_tiny
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ def codec_speeds(save: Path, step: int, repeats: int = 3) -> dict:
     import blosc2
     import numpy as np
 
-    from tailorstore.memory import reuse_freed_memory
+    from tailorstore.core.memory import reuse_freed_memory
 
     reuse_freed_memory()
     blosc2.set_releasegil(True)
@@ -510,9 +510,9 @@ def time_merge(store_root: Path, steps: list[int], layers: int, repeats: int) ->
 
 def quality(work: Path) -> dict:
     """Issue 3's quality check: 20 more steps from a parity composite and from the exact checkpoint."""
-    from tailorstore.checkout import checkout_step
-    from tailorstore.commit import CommitOptions, commit_checkpoint
-    from tailorstore.policies import PolicySpec
+    from tailorstore.core.policies import PolicySpec
+    from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
+    from tailorstore.restore.checkout import checkout_step
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -566,7 +566,7 @@ def merge_scaling(work: Path, repeats: int = 5) -> list[dict]:
             heads=4,
         )
         store = Repository.init(base / "store")
-        from tailorstore.commit import commit_checkpoint
+        from tailorstore.ingest.commit import commit_checkpoint
 
         for step in (1, 2, 3):
             view = base / f"at{step}"

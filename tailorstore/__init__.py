@@ -11,8 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from tailorstore.background import BackgroundCommitError
-from tailorstore.environment import STORE_ENV
-from tailorstore.errors import (
+from tailorstore.core.environment import STORE_ENV
+from tailorstore.core.errors import (
     BadCheckpointError,
     CorruptStoreError,
     FormatVersionError,
@@ -27,19 +27,19 @@ from tailorstore.errors import (
     UnsafePathError,
     UnsafePickleError,
 )
-from tailorstore.memory import reuse_freed_memory
-from tailorstore.progress import Progress, for_terminal
+from tailorstore.core.memory import reuse_freed_memory
+from tailorstore.core.progress import Progress, for_terminal
 from tailorstore.store.backend import BackendError
 from tailorstore.store.records import MAIN_RUN
 from tailorstore.store.schema import FORMAT_VERSION
 
 if TYPE_CHECKING:
     from tailorstore.api import Store
-    from tailorstore.averaging import AverageResult
-    from tailorstore.merge import MergeResult
+    from tailorstore.curate.averaging import AverageResult
+    from tailorstore.curate.merge import MergeResult
 
 # Loaded on first use (the module docstring says why): name -> module.
-_LOADED_ON_USE = {"Store": ".api", "AverageResult": ".averaging", "MergeResult": ".merge"}
+_LOADED_ON_USE = {"Store": ".api", "AverageResult": ".curate.averaging", "MergeResult": ".curate.merge"}
 
 __version__ = "0.3.0"
 __all__ = [

@@ -4,7 +4,7 @@ Everything the ``tailor`` command does goes through this class, so a training lo
 the same behaviour without paying the command's start-up, and can commit in the
 background (:meth:`Store.commit_async`). The library has no process-wide side effects: it
 logs to the ``tailorstore`` logger and never configures logging, and its errors
-(:mod:`tailorstore.errors`) say what to do without naming command-line flags.
+(:mod:`tailorstore.core.errors`) say what to do without naming command-line flags.
 
 Each verb's machinery is imported when the verb is first called, not with this module: a
 command pays only for its own (``tailor log`` 60 ms less than with every verb loaded, ``tailor
@@ -30,31 +30,31 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from tailorstore.background import CommitQueue
-from tailorstore.errors import CorruptStoreError, StoreError
+from tailorstore.core.errors import CorruptStoreError, StoreError
+from tailorstore.core.paths import safe_join
+from tailorstore.core.progress import Progress
+from tailorstore.curate.runs import qualify
 from tailorstore.formats.layout import DEEPSPEED, DEEPSPEED_TAG
 from tailorstore.formats.safetensors_writer import DEFAULT_SHARD_SIZE
-from tailorstore.paths import safe_join
-from tailorstore.progress import Progress
-from tailorstore.runs import qualify
 from tailorstore.store.manifest_objects import check_run_name, write_retention
 from tailorstore.store.records import MAIN_RUN
 from tailorstore.store.repo import Repository
 
 if TYPE_CHECKING:
-    from tailorstore.averaging import AverageResult
-    from tailorstore.checkout import CheckoutResult
-    from tailorstore.commit_options import CommitOptions, CommitResult
-    from tailorstore.diff import LayerDiff
-    from tailorstore.export import ExportResult
-    from tailorstore.finalize import FinalizeResult
-    from tailorstore.gc import GcPlan, Retention
-    from tailorstore.inspect import StepDetail, StepSummary
-    from tailorstore.merge import MergeResult
-    from tailorstore.reshard import ReshardResult
-    from tailorstore.runs import RunInfo
-    from tailorstore.universal import UniversalResult
-    from tailorstore.usage import Usage
-    from tailorstore.verify import VerifyReport
+    from tailorstore.curate.averaging import AverageResult
+    from tailorstore.curate.gc import GcPlan, Retention
+    from tailorstore.curate.merge import MergeResult
+    from tailorstore.curate.runs import RunInfo
+    from tailorstore.ingest.commit_options import CommitOptions, CommitResult
+    from tailorstore.ingest.finalize import FinalizeResult
+    from tailorstore.report.diff import LayerDiff
+    from tailorstore.report.inspect import StepDetail, StepSummary
+    from tailorstore.report.usage import Usage
+    from tailorstore.report.verify import VerifyReport
+    from tailorstore.restore.checkout import CheckoutResult
+    from tailorstore.restore.export import ExportResult
+    from tailorstore.restore.reshard import ReshardResult
+    from tailorstore.restore.universal import UniversalResult
 
 logger = logging.getLogger("tailorstore")
 Ref = int | str
@@ -161,8 +161,8 @@ class Store:
         part: bool = False,
         run: str | None = None,
     ) -> CommitOptions:
-        from tailorstore.commit_options import CommitOptions
-        from tailorstore.policies import policy_spec
+        from tailorstore.core.policies import policy_spec
+        from tailorstore.ingest.commit_options import CommitOptions
 
         return CommitOptions(
             step=step,
@@ -187,7 +187,7 @@ class Store:
     ) -> FinalizeResult:
         """Record step ``step`` from the parts every host committed; refused, naming the missing
         ranks, while a part is missing (the parts then stay for a later finalize)."""
-        from tailorstore.finalize import finalize_step
+        from tailorstore.ingest.finalize import finalize_step
 
         return finalize_step(
             self.repo, step, tag=tag, force=force, run=self.run, lock_timeout=lock_timeout, on_wait=on_wait
@@ -243,7 +243,7 @@ class Store:
         warn: Callable[[str], None] | None = None,
     ) -> CheckoutResult:
         """Write the checkpoint ``ref`` names into the new directory ``out``, every byte hash-checked."""
-        from tailorstore.checkout import checkout_step
+        from tailorstore.restore.checkout import checkout_step
 
         return checkout_step(
             self.repo, self._selector(ref), Path(out), trust_pickles=trust_pickles, progress=progress, warn=warn
@@ -261,7 +261,7 @@ class Store:
         """Write ``ref`` in DeepSpeed's native layout as ``world_size`` data-parallel ranks would have saved it
         (ZeRO 1-3; ``zero_stage`` switches between 1 and 2), so ``engine.load_checkpoint(out)`` resumes at that
         world size. Refused, before anything is written, for what cannot be produced."""
-        from tailorstore.reshard import checkout_resharded
+        from tailorstore.restore.reshard import checkout_resharded
 
         return checkout_resharded(
             self.repo, self._selector(ref), Path(out), world_size=world_size, zero_stage=zero_stage, progress=progress
@@ -272,7 +272,7 @@ class Store:
     ) -> UniversalResult:
         """Write ``ref`` as DeepSpeed's universal checkpoint at ``out`` (``latest_universal``, ``<tag>/zero/<param>/``),
         which ``engine.load_checkpoint`` loads at any world size with ``"checkpoint": {"load_universal": true}``."""
-        from tailorstore.universal import checkout_universal
+        from tailorstore.restore.universal import checkout_universal
 
         return checkout_universal(self.repo, self._selector(ref), Path(out), progress=progress)
 
@@ -290,7 +290,7 @@ class Store:
         """Write ``ref`` as a Hugging Face model folder at ``out``: ``model.safetensors`` (sharded above
         ``max_shard_size``) from the FP32 masters in ``dtype`` (bf16, fp16 or fp32), with the step's
         config and tokenizer files, or the ``config.json`` given."""
-        from tailorstore.export import export_step
+        from tailorstore.restore.export import export_step
 
         return export_step(
             self.repo,
@@ -305,18 +305,18 @@ class Store:
 
     def log(self, *, all_runs: bool = False) -> list[StepSummary]:
         """This handle's run's manifests by step (every run's with ``all_runs``)."""
-        from tailorstore.inspect import log
+        from tailorstore.report.inspect import log
 
         return log(self.repo, None if all_runs else self.run)
 
     def runs(self) -> list[RunInfo]:
-        from tailorstore.runs import list_runs
+        from tailorstore.curate.runs import list_runs
 
         return list_runs(self.repo)
 
     def create_run(self, name: str, *, base: Ref | None = None, lock_timeout: float = 600.0) -> RunInfo:
         """Start run ``name``, branched from the step ``base`` names (read in this handle's run), or empty."""
-        from tailorstore.runs import create_run
+        from tailorstore.curate.runs import create_run
 
         base_selector = None if base is None else self._selector(base)
         return create_run(self.repo, name, base_selector, from_run=self.run, lock_timeout=lock_timeout)
@@ -326,7 +326,7 @@ class Store:
     ) -> Retention | None:
         """The retention this handle's run carries: ``gc()`` without rules applies it (``keep_last=3,
         thin="weights"`` keeps three steps whole and thins the rest). All None clears it."""
-        from tailorstore.gc import Retention
+        from tailorstore.curate.gc import Retention
 
         rules = Retention(keep_last=keep_last, keep_every=keep_every, thin=thin, run=self.run)
         write_retention(self.repo.backend, self.run, rules.as_doc() if rules.drops_manifests else None)
@@ -334,7 +334,7 @@ class Store:
 
     def retention(self) -> Retention | None:
         """The retention this handle's run carries, if any."""
-        from tailorstore.gc import carried_rules
+        from tailorstore.curate.gc import carried_rules
 
         return next((r for r in carried_rules(self.repo) if r.run == self.run), None)
 
@@ -342,30 +342,30 @@ class Store:
         return qualify(selector(ref), self.run)
 
     def show(self, ref: Ref) -> StepDetail:
-        from tailorstore.inspect import show
+        from tailorstore.report.inspect import show
 
         return show(self.repo, self._selector(ref))
 
     def diff(self, a: Ref, b: Ref) -> tuple[int, int, list[LayerDiff]]:
-        from tailorstore.diff import diff
+        from tailorstore.report.diff import diff
 
         return diff(self.repo, self._selector(a), self._selector(b))
 
     def plot(self, out: str | os.PathLike) -> Path:
         """A PNG heatmap of each layer's relative change over this run's committed steps."""
-        from tailorstore.diff import plot
+        from tailorstore.report.diff import plot
 
         return plot(self.repo, Path(out), self.run)
 
     def usage(self) -> Usage:
-        from tailorstore.usage import usage
+        from tailorstore.report.usage import usage
 
         return usage(self.repo)
 
     def verify(
         self, ref: Ref | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None
     ) -> VerifyReport:
-        from tailorstore.verify import verify
+        from tailorstore.report.verify import verify
 
         return verify(self.repo, None if ref is None else self._selector(ref), deep=deep, progress=progress)
 
@@ -387,7 +387,7 @@ class Store:
         ``all_runs``; tags, pins and run bases stay), then every blob no kept manifest uses. With
         ``thin="weights"`` (or ``"master"``) the commits outside the retention are thinned to that tier
         instead of dropped: they keep their weights (or FP32 masters) for export and averaging."""
-        from tailorstore.gc import Retention, gc
+        from tailorstore.curate.gc import Retention, gc
 
         return gc(
             self.repo,
@@ -403,27 +403,27 @@ class Store:
         """Compose a checkpoint from the layer slices a YAML spec names, or (a spec with
         ``method: sma | ema | wma``) average the FP32 masters of several steps; it is recorded
         under ``tag``. An average writes new blobs; a composite writes none."""
-        from tailorstore.merge import merge
+        from tailorstore.curate.merge import merge
 
         return merge(self.repo, Path(spec), tag, self.run)
 
     def tag(self, ref: Ref, name: str, *, force: bool = False) -> int:
-        from tailorstore.refs import tag
+        from tailorstore.curate.refs import tag
 
         return tag(self.repo, self._selector(ref), name, force=force)
 
     def untag(self, name: str) -> int:
-        from tailorstore.refs import untag
+        from tailorstore.curate.refs import untag
 
         return untag(self.repo, name)
 
     def pin(self, ref: Ref, pinned: bool = True) -> int:
-        from tailorstore.refs import pin
+        from tailorstore.curate.refs import pin
 
         return pin(self.repo, self._selector(ref), pinned)
 
     def remove(self, ref: Ref, *, force: bool = False) -> int:
-        from tailorstore.refs import remove
+        from tailorstore.curate.refs import remove
 
         return remove(self.repo, self._selector(ref), force=force)
 
@@ -439,7 +439,7 @@ def _commit(
     # The commit machinery (readers, planner, codec pools) costs about 0.3 s to import, and torch
     # too for a file that needs its loader. Importing it on the first commit, not with this module,
     # keeps that off `tailor log`, `show`, `gc` and `verify`.
-    from tailorstore.commit import commit_checkpoint
+    from tailorstore.ingest.commit import commit_checkpoint
 
     result = commit_checkpoint(repo, path, options, progress=progress, on_wait=on_wait)
     if delete_after_commit:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-from tailorstore.errors import TailorError
+from tailorstore.core.errors import TailorError
 
 log = logging.getLogger("tailorstore")
 T = TypeVar("T")

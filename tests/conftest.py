@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 
-from tailorstore import atom_reader
+from tailorstore.access import atom_reader
 from tailorstore.store.backend import blob_names
 from tailorstore.store.packs import pack_names
 from tailorstore.store.repo import Repository
-from tailorstore.testing.local_s3 import LocalS3, local_s3
-from tailorstore.testing.runs import TrainingFailed, train_hf, train_tiny
+from testbed.local_s3 import LocalS3, local_s3
+from testbed.runs import TrainingFailed, train_hf, train_tiny
 
 if TYPE_CHECKING:
     from tailorstore import Store
@@ -300,7 +300,7 @@ def referenced_blobs(store: Repository) -> set[str]:
 def assert_only_live(store: Repository) -> None:
     """After gc: the index holds exactly the referenced blobs, the backend holds them all, no
     object is an orphan, and no pack holds as much dead data as gc repacks."""
-    from tailorstore.gc import REPACK_AT
+    from tailorstore.curate.gc import REPACK_AT
 
     live = referenced_blobs(store)
     assert {r[0] for r in store.conn.execute("SELECT hash FROM blobs")} == live

@@ -13,7 +13,7 @@ from conftest import Runs, as_of_step, copy_tree
 
 import tailorstore
 from tailorstore import BackgroundCommitError, BadCheckpointError, Store
-from tailorstore.testing.compare import same_tree
+from testbed.compare import same_tree
 
 
 def test_the_public_api_end_to_end(runs: Runs, tmp_path: Path) -> None:

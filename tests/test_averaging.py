@@ -13,17 +13,17 @@ import yaml
 from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, tailor
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from tailorstore import atoms as A
-from tailorstore.averaging import chosen_layers, coefficients, parse_average
-from tailorstore.commit import commit_checkpoint
+from tailorstore.core import atoms as A
+from tailorstore.core.layers import layer_of
+from tailorstore.curate.averaging import chosen_layers, coefficients, parse_average
+from tailorstore.curate.merge_spec import MergeSpecError
 from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
 from tailorstore.formats.tensors import dtype_from_name
-from tailorstore.layers import layer_of
-from tailorstore.merge_spec import MergeSpecError
+from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.store.repo import Repository
-from tailorstore.testing.compare import tensors_identical
-from tailorstore.testing.runs import train_tiny
+from testbed.compare import tensors_identical
+from testbed.runs import train_tiny
 
 SAVES = list(range(TAILOR_EVERY, TAILOR_STEPS + 1, TAILOR_EVERY))  # 3, 6, ..., 18
 AVERAGED = SAVES[-4:]  # 9, 12, 15, 18

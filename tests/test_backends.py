@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tailorstore.errors import StoreError
+from tailorstore.core.errors import StoreError
 from tailorstore.store.backend import (
     READ_CHUNK,
     Backend,
@@ -19,7 +19,7 @@ from tailorstore.store.backend import (
     check_key,
 )
 from tailorstore.store.location import resolve
-from tailorstore.testing.local_s3 import LocalS3
+from testbed.local_s3 import LocalS3
 
 
 @pytest.fixture(params=["posix", "s3"])

@@ -12,15 +12,15 @@ import pytest
 import torch
 from conftest import Runs, as_of_step, blob_object, store_state, tailor
 
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import CommitOptions, commit_checkpoint
-from tailorstore.errors import (
+from tailorstore.core.errors import (
     BadCheckpointError,
     CorruptStoreError,
     StepExistsError,
     UnsafePathError,
     UnsafePickleError,
 )
+from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
+from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.repo import Repository
 
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from conftest import Runs, as_of_step, store_state, tailor
 
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import CommitOptions, commit_checkpoint
-from tailorstore.errors import BadCheckpointError, InputChangedError
+from tailorstore.core.errors import BadCheckpointError, InputChangedError
 from tailorstore.formats.source import InputFile
+from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
+from tailorstore.report.verify import verify
+from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.repo import Repository
-from tailorstore.verify import verify
 
 OPTIM = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 

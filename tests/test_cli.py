@@ -189,4 +189,4 @@ def test_a_command_loads_the_machinery_of_its_own_verb_only(runs: Runs, tmp_path
     assert _loaded_by("log", store=store, also=verbs) == []
     assert _loaded_by("show", "step=3", store=store, also=verbs) == []
     exported = _loaded_by("export", "step=3", "--out", str(tmp_path / "model"), "-q", store=store, also=verbs)
-    assert exported == ["tailorstore.export"], "the probe must see the verb's own module"
+    assert exported == ["tailorstore.restore.export"], "the probe must see the verb's own module"

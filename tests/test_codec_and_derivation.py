@@ -10,11 +10,12 @@ import torch
 from conftest import Runs, as_of_step
 from test_roundtrip import assert_same_checkpoint
 
-from tailorstore import codec, placement
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import CommitOptions, commit_checkpoint
-from tailorstore.errors import CorruptStoreError
-from tailorstore.inspect import show
+from tailorstore.access import placement
+from tailorstore.core.errors import CorruptStoreError
+from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
+from tailorstore.report.inspect import show
+from tailorstore.restore.checkout import checkout_step
+from tailorstore.store import codec
 from tailorstore.store import writer as writer_module
 from tailorstore.store.repo import Repository
 

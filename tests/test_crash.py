@@ -17,12 +17,12 @@ from pathlib import Path
 from conftest import Runs, as_of_step, assert_only_live, kill_after, object_count
 from test_roundtrip import assert_same_checkpoint
 
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import commit_checkpoint
-from tailorstore.gc import Retention, gc
-from tailorstore.refs import remove
+from tailorstore.curate.gc import Retention, gc
+from tailorstore.curate.refs import remove
+from tailorstore.ingest.commit import commit_checkpoint
+from tailorstore.report.verify import verify
+from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.repo import Repository
-from tailorstore.verify import verify
 
 KILLS = 12
 SEED = 20261122

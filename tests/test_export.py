@@ -93,7 +93,7 @@ def test_export_of_a_composite_uses_each_layer_from_its_step(runs: Runs, tmp_pat
     step15 = get_fp32_state_dict_from_zero_checkpoint(str(save), tag="global_step15")
     step18 = get_fp32_state_dict_from_zero_checkpoint(str(save), tag="global_step18")
     got = exported(tmp_path / "out")
-    from tailorstore.layers import layer_of
+    from tailorstore.core.layers import layer_of
 
     for name, tensor in got.items():
         expected = step15[name] if layer_of(name) in inherited else step18[name]

@@ -12,12 +12,12 @@ import shutil
 import sqlite3
 from pathlib import Path
 
-from tailorstore.checkout import checkout_step
-from tailorstore.safe_load import load_torch_file
+from tailorstore.formats.safe_load import load_torch_file
+from tailorstore.report.verify import verify
+from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.repo import Repository
 from tailorstore.store.schema import FORMAT_VERSION
-from tailorstore.testing.compare import differences
-from tailorstore.verify import verify
+from testbed.compare import differences
 
 DATA = Path(__file__).parent / "data" / "format1"
 

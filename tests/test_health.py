@@ -14,14 +14,14 @@ from conftest import Runs, as_of_step, assert_only_live, blob_object, store_stat
 from test_roundtrip import assert_same_checkpoint
 from test_tailoring import assert_layers_from_sources
 
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import CommitOptions, commit_checkpoint
-from tailorstore.errors import FormatVersionError, LockTimeoutError, StoreError
-from tailorstore.gc import Retention, gc
-from tailorstore.policies import PolicySpec
-from tailorstore.refs import pin, remove, tag
+from tailorstore.core.errors import FormatVersionError, LockTimeoutError, StoreError
+from tailorstore.core.policies import PolicySpec
+from tailorstore.curate.gc import Retention, gc
+from tailorstore.curate.refs import pin, remove, tag
+from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
+from tailorstore.report.verify import verify
+from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.repo import Repository
-from tailorstore.verify import verify
 
 
 def tailor(store: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

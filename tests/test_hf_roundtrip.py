@@ -9,11 +9,11 @@ from conftest import HFRun, copy_tree
 from safetensors.torch import load_file
 from test_roundtrip import assert_same_checkpoint
 
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import commit_checkpoint
+from tailorstore.ingest.commit import commit_checkpoint
+from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.repo import Repository
-from tailorstore.testing.compare import differences
-from tailorstore.testing.runs import train_hf
+from testbed.compare import differences
+from testbed.runs import train_hf
 
 
 def test_hf_trainer_checkpoint_round_trip_and_resume(hf_run: HFRun, store: Repository, tmp_path: Path) -> None:

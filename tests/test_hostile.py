@@ -28,10 +28,10 @@ import zstandard
 from conftest import HFRun, Runs, as_of_step, blob_object, copy_tree, store_state, tailor
 
 from tailorstore import Store
-from tailorstore.atoms import TensorSlot
-from tailorstore.commit import commit_checkpoint
-from tailorstore.diff import change_matrix
-from tailorstore.errors import StoreError
+from tailorstore.core.atoms import TensorSlot
+from tailorstore.core.errors import StoreError
+from tailorstore.ingest.commit import commit_checkpoint
+from tailorstore.report.diff import change_matrix
 from tailorstore.store.repo import Repository
 
 MODEL = "mp_rank_00_model_states.pt"

@@ -1,7 +1,7 @@
 """Hosts that race and stall against one store on a real S3 server (moto), as separate
 processes with their own caches: fencing of leases, and steps that only one host may create.
 
-A stall lands where it matters through ``TAILOR_FAILPOINTS`` (tailorstore/failpoints.py): the
+A stall lands where it matters through ``TAILOR_FAILPOINTS`` (tailorstore/core/failpoints.py): the
 process sends itself SIGSTOP there, and the test resumes it with SIGCONT once another host
 has acted. Every host is a real ``tailor`` process.
 """
@@ -25,7 +25,7 @@ from conftest import Runs, as_of_step
 from test_hostile import one_line
 
 from tailorstore.store.location import resolve
-from tailorstore.testing.local_s3 import BUCKET, LocalS3
+from testbed.local_s3 import BUCKET, LocalS3
 
 TTL = "3"  # seconds: a stall of a few seconds outlives the lease
 

@@ -16,11 +16,11 @@ from safetensors.torch import load_file
 from test_hostile import mounted
 
 from tailorstore import BackgroundCommitError, Store
+from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.integrations import staging as staged
 from tailorstore.integrations.deepspeed import TailorCheckpointEngine
-from tailorstore.safe_load import load_torch_file
-from tailorstore.testing.compare import differences, same_tree
-from tailorstore.testing.runs import TrainingFailed, train_hf, train_tiny
+from testbed.compare import differences, same_tree
+from testbed.runs import TrainingFailed, train_hf, train_tiny
 
 
 def test_deepspeed_save_helper_commits_in_the_background_and_resume_is_bit_exact(runs: Runs, tmp_path: Path) -> None:
@@ -133,7 +133,7 @@ from pathlib import Path
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from tailorstore import Store
 from tailorstore.integrations.deepspeed import TailorCheckpointEngine
-from tailorstore.safe_load import load_torch_file
+from tailorstore.formats.safe_load import load_torch_file
 
 reference, save_dir, store = Path(sys.argv[1]), Path(sys.argv[2]), Store.open(sys.argv[3])
 engine = TailorCheckpointEngine(store)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from conftest import tailor
 
-from tailorstore.errors import LockTimeoutError
+from tailorstore.core.errors import LockTimeoutError
 from tailorstore.store.backend import Backend
 from tailorstore.store.lease import LOCK_PREFIX, lease_lock
 from tailorstore.store.location import resolve
 from tailorstore.store.repo import Repository
-from tailorstore.testing.local_s3 import LocalS3
+from testbed.local_s3 import LocalS3
 
 
 @pytest.fixture(params=["posix", "s3"])

@@ -9,16 +9,16 @@ from pathlib import Path
 from conftest import Runs, as_of_step, assert_only_live, object_count
 from test_roundtrip import assert_same_checkpoint
 
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import commit_checkpoint
-from tailorstore.gc import REPACK_AT, GcPlan, Retention, gc
-from tailorstore.refs import remove
+from tailorstore.curate.gc import REPACK_AT, GcPlan, Retention, gc
+from tailorstore.curate.refs import remove
+from tailorstore.ingest.commit import commit_checkpoint
+from tailorstore.report.verify import verify
+from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.backend import pack_key
 from tailorstore.store.index import Index
 from tailorstore.store.manifest_objects import MANIFEST_PREFIX, is_manifest_key, sync
 from tailorstore.store.packs import PACK_BELOW, pack_names, read_trailer
 from tailorstore.store.repo import Repository
-from tailorstore.verify import verify
 
 
 def disk_usage(root: Path) -> int:

@@ -16,17 +16,17 @@ import pytest
 from conftest import Runs, as_of_step
 
 from tailorstore import Store
-from tailorstore.errors import BadCheckpointError
-from tailorstore.finalize import missing_pieces
+from tailorstore.core.errors import BadCheckpointError
+from tailorstore.curate.gc import Retention, gc
 from tailorstore.formats.layout import DEEPSPEED, HF_TRAINER
-from tailorstore.gc import Retention, gc
+from tailorstore.ingest.finalize import missing_pieces
+from tailorstore.report.verify import verify
 from tailorstore.store.parts import part_keys
 from tailorstore.store.records import FileRecord
 from tailorstore.store.repo import Repository
-from tailorstore.testing.compare import same_tree
-from tailorstore.testing.local_s3 import LocalS3
-from tailorstore.testing.runs import train_tiny
-from tailorstore.verify import verify
+from testbed.compare import same_tree
+from testbed.local_s3 import LocalS3
+from testbed.runs import train_tiny
 
 OPTIM = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 

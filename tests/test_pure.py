@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tailorstore import atoms as A
-from tailorstore import structure
-from tailorstore.errors import BadCheckpointError, CorruptStoreError, StoreError, UnknownStepError
+from tailorstore.access import structure
+from tailorstore.core import atoms as A
+from tailorstore.core.errors import BadCheckpointError, CorruptStoreError, StoreError, UnknownStepError
+from tailorstore.core.policies import PARAMETERS, POLICIES, CommitFacts, PolicyError, PolicySpec, decide, policy_spec
+from tailorstore.curate.gc import Retention, kept_manifests
+from tailorstore.curate.merge import MergeSpecError, parse_spec
 from tailorstore.formats.layout import check_files
 from tailorstore.formats.safetensors_file import parse_header
 from tailorstore.formats.skeleton import split_tensors
 from tailorstore.formats.source import Identity
-from tailorstore.gc import Retention, kept_manifests
-from tailorstore.merge import MergeSpecError, parse_spec
-from tailorstore.policies import PARAMETERS, POLICIES, CommitFacts, PolicyError, PolicySpec, decide, policy_spec
 from tailorstore.store.backend import BackendError, check_name
 from tailorstore.store.records import LayerRecord, ManifestRecord, RecordError, from_table, record
 from tailorstore.store.repo import Repository, check_step
@@ -186,7 +186,7 @@ def test_retention_counts_each_run_on_its_own_and_keeps_run_bases() -> None:
 
 
 def test_selectors_read_in_a_run() -> None:
-    from tailorstore.runs import qualify
+    from tailorstore.curate.runs import qualify
     from tailorstore.store.manifest_objects import check_run_name
 
     assert qualify("step=3", "ft") == "ft:step=3"
@@ -438,3 +438,11 @@ def test_a_record_takes_only_values_of_its_fields_types(field: str, value: objec
     table = {"columns": list(named), "rows": [[*named.values()][:-1]]}
     with pytest.raises(RecordError, match="row has 5 values for 6 columns"):
         from_table(table, LayerRecord)
+
+
+def test_stored_skeletons_name_tensor_slot_as_they_always_did() -> None:
+    """The class a skeleton pickle names is part of the format (FORMAT.md 3.2): moving the module
+    into core/ must not change the bytes a commit stores, nor stop old skeletons from loading."""
+    data = pickle.dumps(A.TensorSlot(0, "float32", (1,)), protocol=2)
+    assert b"tailorstore.atoms" in data and b"tailorstore.core" not in data
+    assert pickle.loads(data) == A.TensorSlot(0, "float32", (1,))

@@ -12,9 +12,9 @@ from pathlib import Path
 from conftest import Runs, as_of_step
 
 from tailorstore import Store
-from tailorstore.rank_share import Survey, checked_weights, owner_of, writers
-from tailorstore.testing.compare import same_tree
-from tailorstore.testing.runs import torchrun
+from tailorstore.ingest.rank_share import Survey, checked_weights, owner_of, writers
+from testbed.compare import same_tree
+from testbed.runs import torchrun
 
 
 def _rows(store: Store) -> tuple[list, list, set[str]]:
@@ -32,7 +32,7 @@ def test_two_ranks_commit_what_one_process_commits(runs: Runs, tmp_path: Path) -
         files, atoms, blobs = _rows(single)
     Store.init(tmp_path / "parallel").close()
     out = tmp_path / "result.json"
-    torchrun("tailorstore.testing.rank_commit", [str(tmp_path / "parallel"), str(save), str(out)])
+    torchrun("testbed.rank_commit", [str(tmp_path / "parallel"), str(save), str(out)])
     results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)]
     assert results[0] == results[1], "every rank returns the same result"
     parts = results[0]["parts"]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tailorstore.read_ahead import ReadAhead
+from tailorstore.access.read_ahead import ReadAhead
 
 
 def pieces(tag: int, sizes: list[int], log: list[str] | None = None) -> Iterator[memoryview]:
@@ -111,8 +111,8 @@ def test_a_torch_file_decodes_its_any_thread_tensors_on_helpers(tmp_path) -> Non
     import numpy as np
     import torch
 
+    from tailorstore.access.output_dir import write_torch_file
     from tailorstore.formats.torch_save_writer import TensorOut
-    from tailorstore.output_dir import write_torch_file
 
     ran_on: dict[str, str] = {}
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from conftest import Runs, as_of_step, copy_tree, store_state, tailor
 
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import CommitOptions, commit_checkpoint
-from tailorstore.policies import PolicySpec
+from tailorstore.core.policies import PolicySpec
+from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
+from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.repo import Repository
-from tailorstore.testing.runs import train_tiny
+from testbed.runs import train_tiny
 
 
 def test_a_tag_folder_checkout_is_resumable_as_is(runs: Runs, store: Repository, tmp_path: Path) -> None:
@@ -150,7 +150,7 @@ def test_du_accounts_for_every_byte(tailored: Repository) -> None:
 
 def test_plot_marks_inherited_layers_and_shows_every_committed_step(tailored: Repository, tmp_path: Path) -> None:
     """A merge is no step of training (it carries its base's step): the plot leaves it out."""
-    from tailorstore.diff import change_matrix
+    from tailorstore.report.diff import change_matrix
 
     store = tailored
     spec = tmp_path / "spec.yaml"

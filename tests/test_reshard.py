@@ -21,9 +21,10 @@ from conftest import HFRun, Run, Runs, as_of_step, blob_object, commit_and_reset
 from test_universal import assert_same_universal, ds_to_universal
 
 import tailorstore
-from tailorstore import atom_reader, reshard
-from tailorstore.model_tensors import model_view, read_float32, read_raw
-from tailorstore.testing.runs import train_tiny
+from tailorstore.access import atom_reader
+from tailorstore.access.model_tensors import model_view, read_float32, read_raw
+from tailorstore.restore import reshard
+from testbed.runs import train_tiny
 
 STEP = 3
 

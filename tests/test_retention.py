@@ -19,14 +19,14 @@ from conftest import TAILOR_EVERY, TAILOR_STEPS, KillClock, Runs, as_of_step, as
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 import tailorstore
-from tailorstore import atoms as A
-from tailorstore.commit import CommitOptions, commit_checkpoint
-from tailorstore.policies import PolicySpec
+from tailorstore.core import atoms as A
+from tailorstore.core.policies import PolicySpec
+from tailorstore.curate.thinning import thinned_contents
+from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
+from tailorstore.report.verify import verify
 from tailorstore.store.records import AtomRecord, FileRecord
 from tailorstore.store.repo import Repository
-from tailorstore.testing.compare import same_tree, tensors_identical
-from tailorstore.thinning import thinned_contents
-from tailorstore.verify import verify
+from testbed.compare import same_tree, tensors_identical
 
 SAVES = list(range(TAILOR_EVERY, TAILOR_STEPS + 1, TAILOR_EVERY))  # 3, 6, ..., 18
 OPTIM = "global_step3/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from tailorstore.reused_memory import Slab
+from tailorstore.core.reused_memory import Slab
 
 MB = 1 << 20
 

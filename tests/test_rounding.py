@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tailorstore.rounding import rounded, widened
+from tailorstore.core.rounding import rounded, widened
 
 
 def _interesting_floats() -> np.ndarray:

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from conftest import CONFIGS, Runs, as_of_step, copy_tree
 
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import commit_checkpoint
-from tailorstore.safe_load import load_torch_file
+from tailorstore.formats.safe_load import load_torch_file
+from tailorstore.ingest.commit import commit_checkpoint
+from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.repo import Repository
-from tailorstore.testing.compare import differences
-from tailorstore.testing.runs import train_tiny
+from testbed.compare import differences
+from testbed.runs import train_tiny
 
 
 def assert_same_checkpoint(original: Path, restored: Path) -> int:

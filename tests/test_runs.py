@@ -9,9 +9,9 @@ from pathlib import Path
 from conftest import Runs, as_of_step, tailor
 
 from tailorstore import Store
-from tailorstore.errors import StoreError, UnknownStepError
+from tailorstore.core.errors import StoreError, UnknownStepError
 from tailorstore.store.repo import Repository
-from tailorstore.testing.compare import same_tree
+from testbed.compare import same_tree
 
 
 def ok(store: Path, *args: str) -> str:

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from conftest import KillClock, Runs, as_of_step
 
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import commit_checkpoint
-from tailorstore.gc import Retention, gc
-from tailorstore.refs import remove
+from tailorstore.curate.gc import Retention, gc
+from tailorstore.curate.refs import remove
+from tailorstore.ingest.commit import commit_checkpoint
+from tailorstore.report.verify import verify
+from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.repo import Repository
-from tailorstore.testing.compare import same_tree
-from tailorstore.testing.local_s3 import LocalS3
-from tailorstore.verify import verify
+from testbed.compare import same_tree
+from testbed.local_s3 import LocalS3
 
 SEED = 20261123
 KILLS = 2

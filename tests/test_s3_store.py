@@ -15,19 +15,19 @@ import boto3
 import pytest
 from conftest import Runs, as_of_step, tailor
 
+from tailorstore.access.model_tensors import model_view
 from tailorstore.api import Store, check_blobs_present
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import commit_checkpoint
-from tailorstore.errors import CorruptStoreError
-from tailorstore.export import export_step
-from tailorstore.gc import Retention, gc
-from tailorstore.model_tensors import model_view
-from tailorstore.refs import remove, tag
+from tailorstore.core.errors import CorruptStoreError
+from tailorstore.curate.gc import Retention, gc
+from tailorstore.curate.refs import remove, tag
+from tailorstore.ingest.commit import commit_checkpoint
+from tailorstore.report.verify import verify
+from tailorstore.restore.checkout import checkout_step
+from tailorstore.restore.export import export_step
 from tailorstore.store.pack_spans import plan_spans
 from tailorstore.store.repo import Repository
-from tailorstore.testing.compare import same_tree
-from tailorstore.testing.local_s3 import BUCKET, CuttableLink, LocalS3
-from tailorstore.verify import verify
+from testbed.compare import same_tree
+from testbed.local_s3 import BUCKET, CuttableLink, LocalS3
 
 
 def test_every_command_works_on_an_s3_store(s3_server: LocalS3, s3_location: str, runs: Runs, tmp_path: Path) -> None:

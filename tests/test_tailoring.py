@@ -14,17 +14,17 @@ import pytest
 import torch
 from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, tailor
 
-from tailorstore import atoms as A
-from tailorstore.checkout import checkout_step
-from tailorstore.commit import CommitOptions, commit_checkpoint, scan_checkpoint
+from tailorstore.core import atoms as A
+from tailorstore.core.layers import block_index
+from tailorstore.core.policies import PolicySpec
 from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
 from tailorstore.formats.tensors import dtype_from_name
-from tailorstore.layers import block_index
-from tailorstore.policies import PolicySpec
+from tailorstore.ingest.commit import CommitOptions, commit_checkpoint, scan_checkpoint
+from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.repo import Repository
-from tailorstore.testing.compare import tensors_identical
-from tailorstore.testing.runs import train_tiny
+from testbed.compare import tensors_identical
+from testbed.runs import train_tiny
 
 SAVES = list(range(TAILOR_EVERY, TAILOR_STEPS + 1, TAILOR_EVERY))
 KINDS = (A.WEIGHT, A.MASTER, A.EXP_AVG, A.EXP_AVG_SQ)

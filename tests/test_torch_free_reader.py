@@ -19,7 +19,7 @@ from tailorstore import BadCheckpointError, Store, UnsafePickleError
 from tailorstore.formats.layout import detect
 from tailorstore.formats.source import InputFile
 from tailorstore.formats.torch_pickle import read_torch_zip
-from tailorstore.testing.compare import same_tree
+from testbed.compare import same_tree
 
 
 def described(path: Path) -> list[tuple]:

@@ -9,11 +9,11 @@ import struct
 
 import pytest
 
-from tailorstore import codec
-from tailorstore.errors import CorruptStoreError, LayoutError, UnsafePathError
+from tailorstore.core.errors import CorruptStoreError, LayoutError, UnsafePathError
+from tailorstore.core.layers import layer_of, sort_key
+from tailorstore.core.paths import check_relative
 from tailorstore.formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
-from tailorstore.layers import layer_of, sort_key
-from tailorstore.paths import check_relative
+from tailorstore.store import codec
 
 
 @pytest.mark.parametrize(
@@ -198,7 +198,7 @@ def test_a_failed_rank_ends_the_job_and_the_others_are_killed(tmp_path) -> None:
     """The rank launcher (torchrun's job, without torchrun's start-up) never leaves a rank waiting."""
     import time
 
-    from tailorstore.testing.runs import TrainingFailed, torchrun
+    from testbed.runs import TrainingFailed, torchrun
 
     module = tmp_path / "one_rank_fails.py"
     module.write_text(
@@ -224,10 +224,10 @@ def test_the_headline_trainings_options_keep_deepspeeds_bf16_layout(tmp_path) ->
     the checkpoint must still be the bf16 one (bf16 weights, FP32 masters) the policies are for."""
     import math
 
-    from tailorstore import atoms as A
+    from tailorstore.core import atoms as A
     from tailorstore.formats.layout import detect
     from tailorstore.formats.reader import read_checkpoint
-    from tailorstore.testing.runs import train_tiny
+    from testbed.runs import train_tiny
 
     losses = train_tiny(
         tmp_path / "save",

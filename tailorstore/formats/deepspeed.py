@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailorstore import atoms as A
-from tailorstore.errors import LayoutError
+from tailorstore.core import atoms as A
+from tailorstore.core.errors import LayoutError
+from tailorstore.core.layers import STATE, layer_of
+from tailorstore.formats.small_text import NAME_LIMIT, read_small_text
 from tailorstore.formats.zero_partitions import Piece, check_slice_mappings, zero3_pieces, zero12_pieces
-from tailorstore.layers import STATE, layer_of
-from tailorstore.small_text import NAME_LIMIT, read_small_text
 
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_STATES = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

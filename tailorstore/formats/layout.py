@@ -17,10 +17,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailorstore.errors import BadCheckpointError, UnsafePathError
+from tailorstore.core.errors import BadCheckpointError, UnsafePathError
+from tailorstore.core.paths import check_relative
 from tailorstore.formats.deepspeed import is_model_states, is_optim_states, read_latest
-from tailorstore.paths import check_relative
-from tailorstore.small_text import read_small_text
+from tailorstore.formats.small_text import read_small_text
 
 log = logging.getLogger("tailorstore")
 

@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from tailorstore import atoms as A
-from tailorstore.atoms import TensorEntry
-from tailorstore.errors import UnsafePickleError
+from tailorstore.core import atoms as A
+from tailorstore.core.atoms import TensorEntry
+from tailorstore.core.errors import UnsafePickleError
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import RAW, SAFETENSORS, TORCH
 from tailorstore.formats.layout import CheckpointLayout

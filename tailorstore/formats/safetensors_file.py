@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import struct
 
-from tailorstore import atoms as A
-from tailorstore.errors import BadCheckpointError
+from tailorstore.core import atoms as A
+from tailorstore.core.errors import BadCheckpointError
+from tailorstore.core.layers import layer_of
+from tailorstore.core.tensor_ref import DTYPES, TensorRef
 from tailorstore.formats.source import InputFile
-from tailorstore.formats.tensor_ref import DTYPES, TensorRef
-from tailorstore.layers import layer_of
 
 _DTYPES = {  # safetensors' dtype codes, by torch's names
     "BOOL": "bool",

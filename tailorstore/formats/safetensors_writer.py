@@ -18,8 +18,8 @@ import struct
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from tailorstore.errors import StoreError
-from tailorstore.formats.tensor_ref import nbytes_of
+from tailorstore.core.errors import StoreError
+from tailorstore.core.tensor_ref import nbytes_of
 
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 

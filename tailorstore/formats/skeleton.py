@@ -12,9 +12,9 @@ import copy
 import sys
 from typing import Any
 
-from tailorstore.atoms import TensorEntry, TensorSlot, dtype_name
-from tailorstore.errors import BadCheckpointError
-from tailorstore.formats.tensor_ref import TensorRef
+from tailorstore.core.atoms import TensorEntry, TensorSlot, dtype_name
+from tailorstore.core.errors import BadCheckpointError
+from tailorstore.core.tensor_ref import TensorRef
 
 MAX_DEPTH = 200  # DeepSpeed's deepest tree is about 6 levels
 MIN_NODE_BUDGET = 1_000_000

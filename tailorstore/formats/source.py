@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tailorstore.errors import BadCheckpointError, InputChangedError
-from tailorstore.reused_memory import private_copy_buffer
+from tailorstore.core.errors import BadCheckpointError, InputChangedError
+from tailorstore.core.reused_memory import private_copy_buffer
 
 CHUNK = 4 << 20  # bytes per read when a file is streamed
 

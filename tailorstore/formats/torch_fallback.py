@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from tailorstore.atoms import TensorEntry
+from tailorstore.core.atoms import TensorEntry
+from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.formats.skeleton import split_tensors
 from tailorstore.formats.source import InputFile
 from tailorstore.formats.tensors import byte_view
 from tailorstore.formats.torch_zip import locate_tensors
-from tailorstore.safe_load import load_torch_file
 
 
 def load_with_torch(

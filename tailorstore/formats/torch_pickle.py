@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tailorstore.errors import BadCheckpointError, CorruptStoreError, UnsafePickleError
+from tailorstore.core.errors import BadCheckpointError, CorruptStoreError, UnsafePickleError
+from tailorstore.core.tensor_ref import DTYPES, TensorRef, contiguous_strides, numel_of
 from tailorstore.formats.source import InputFile
-from tailorstore.formats.tensor_ref import DTYPES, TensorRef, contiguous_strides, numel_of
 from tailorstore.formats.torch_zip import record_offsets
 
 # DeepSpeed's own classes seen in DeepSpeed 0.14 to 0.19 checkpoints; kept as Opaque objects.

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
-from tailorstore.formats.tensor_ref import contiguous_strides, nbytes_of, numel_of
+from tailorstore.core.tensor_ref import contiguous_strides, nbytes_of, numel_of
 from tailorstore.formats.torch_pickle import DTypeName, Opaque
 
 STORAGE_TYPES = {

@@ -18,8 +18,8 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from tailorstore.atoms import TensorEntry
-from tailorstore.errors import BadCheckpointError
+from tailorstore.core.atoms import TensorEntry
+from tailorstore.core.errors import BadCheckpointError
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
 _LOCAL_SIG = 0x04034B50

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tailorstore.errors import LayoutError
+from tailorstore.core.errors import LayoutError
 
 
 @dataclass(frozen=True)

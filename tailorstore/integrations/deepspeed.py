@@ -49,14 +49,14 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from tailorstore.api import Store
-from tailorstore.commit import CommitResult
-from tailorstore.environment import STAGING_ENV
-from tailorstore.errors import StoreError
+from tailorstore.core.environment import STAGING_ENV
+from tailorstore.core.errors import StoreError
+from tailorstore.core.policies import policy_spec
 from tailorstore.formats.deepspeed import is_model_states, read_latest
+from tailorstore.formats.safe_load import load_torch_file
+from tailorstore.ingest.commit import CommitResult
 from tailorstore.integrations import staging as staged
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
-from tailorstore.policies import policy_spec
-from tailorstore.safe_load import load_torch_file
 
 log = logging.getLogger("tailorstore")
 ENGINE_NAME = "TailorCheckpointEngine"

@@ -27,10 +27,10 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from tailorstore.api import Store
-from tailorstore.commit_options import CommitOptions, CommitResult
-from tailorstore.errors import StoreError
-from tailorstore.finalize import FinalizeResult
-from tailorstore.rank_share import Survey, checked_weights, survey, write_share, writers
+from tailorstore.core.errors import StoreError
+from tailorstore.ingest.commit_options import CommitOptions, CommitResult
+from tailorstore.ingest.finalize import FinalizeResult
+from tailorstore.ingest.rank_share import Survey, checked_weights, survey, write_share, writers
 
 T = TypeVar("T")
 

@@ -34,9 +34,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tailorstore.api import Store, delete_once_durable
+from tailorstore.core.policies import policy_spec
 from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
-from tailorstore.policies import policy_spec
 
 
 class TailorCallback(TrainerCallback):

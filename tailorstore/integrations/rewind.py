@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tailorstore.api import Store
-from tailorstore.commit_options import CommitResult
-from tailorstore.errors import StepExistsError, StoreError
+from tailorstore.core.errors import StepExistsError, StoreError
+from tailorstore.ingest.commit_options import CommitResult
 from tailorstore.store.records import COMMIT
 
 log = logging.getLogger("tailorstore")

@@ -23,9 +23,9 @@ import shutil
 import stat
 from pathlib import Path
 
-from tailorstore.dir_locks import hold_dir, removed, take_abandoned
-from tailorstore.errors import BadCheckpointError, TailorError
-from tailorstore.small_text import NAME_LIMIT, read_small_text
+from tailorstore.core.dir_locks import hold_dir, removed, take_abandoned
+from tailorstore.core.errors import BadCheckpointError, TailorError
+from tailorstore.formats.small_text import NAME_LIMIT, read_small_text
 
 log = logging.getLogger("tailorstore")
 

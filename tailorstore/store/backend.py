@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO, Protocol
 
-from tailorstore.errors import CorruptStoreError, StoreError
+from tailorstore.core.errors import CorruptStoreError, StoreError
 
 BytesLike = bytes | bytearray | memoryview
 Chunks = Iterable[BytesLike]

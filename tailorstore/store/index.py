@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tailorstore.errors import CorruptStoreError, FormatVersionError, StoreError
+from tailorstore.core.errors import CorruptStoreError, FormatVersionError, StoreError
 from tailorstore.store.records import (
     ATOM_COLUMNS,
     COMMIT,

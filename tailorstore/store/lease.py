@@ -39,9 +39,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tailorstore.environment import TTL_ENV
-from tailorstore.errors import LeaseLostError, LockTimeoutError, StoreError
-from tailorstore.failpoints import failpoint
+from tailorstore.core.environment import TTL_ENV
+from tailorstore.core.errors import LeaseLostError, LockTimeoutError, StoreError
+from tailorstore.core.failpoints import failpoint
 from tailorstore.store.backend import Backend
 
 LOCK_PREFIX = "locks/"

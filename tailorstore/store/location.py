@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailorstore.environment import CACHE_ENV
-from tailorstore.errors import StoreError
+from tailorstore.core.environment import CACHE_ENV
+from tailorstore.core.errors import StoreError
 from tailorstore.store.backend import Backend
 from tailorstore.store.posix import PosixBackend
 from tailorstore.store.s3 import S3Backend

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
-from tailorstore.errors import CorruptStoreError, LockTimeoutError, StoreError
+from tailorstore.core.errors import CorruptStoreError, LockTimeoutError, StoreError
 
 
 class Fence(Protocol):

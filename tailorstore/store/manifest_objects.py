@@ -34,8 +34,8 @@ from typing import Any
 
 import zstandard
 
-from tailorstore.errors import CorruptStoreError, StepExistsError, StoreError
-from tailorstore.failpoints import failpoint
+from tailorstore.core.errors import CorruptStoreError, StepExistsError, StoreError
+from tailorstore.core.failpoints import failpoint
 from tailorstore.store.backend import Backend, ObjectExistsError, check_key
 from tailorstore.store.index import Index
 from tailorstore.store.lock import Fence

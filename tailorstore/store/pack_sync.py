@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tailorstore.errors import CorruptStoreError
+from tailorstore.core.errors import CorruptStoreError
 from tailorstore.store.backend import Backend, pack_key
 from tailorstore.store.index import Index
 from tailorstore.store.packs import PackEntry, read_trailer

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import xxhash
 import zstandard
 
-from tailorstore.errors import CorruptStoreError
+from tailorstore.core.errors import CorruptStoreError
 from tailorstore.store.backend import HASH_NAME, PACK_PREFIX, Backend, Batch, pack_key, pack_name
 
 PACK_BELOW = 1 << 20  # blobs of a smaller raw size go into packs

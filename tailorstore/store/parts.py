@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import zstandard
 
-from tailorstore.errors import CorruptStoreError
+from tailorstore.core.errors import CorruptStoreError
 from tailorstore.store.backend import Backend, check_key
 from tailorstore.store.records import (
     ATOM_COLUMNS,

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from tailorstore.errors import CorruptStoreError
+from tailorstore.core.errors import CorruptStoreError
 from tailorstore.store.backend import BytesLike, Chunks, ObjectExistsError, as_chunks, check_key
 from tailorstore.store.direct_io import DirectReader, SequentialWriter
 

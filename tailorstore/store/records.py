@@ -16,8 +16,8 @@ from typing import Any
 
 import xxhash
 
-from tailorstore.errors import UnsafePathError
-from tailorstore.paths import check_relative
+from tailorstore.core.errors import UnsafePathError
+from tailorstore.core.paths import check_relative
 from tailorstore.store.backend import HASH_NAME, blob_key, pack_key
 
 COMMIT = "commit"

@@ -26,10 +26,9 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from tailorstore import codec
-from tailorstore.environment import STORE_ENV
-from tailorstore.errors import CorruptStoreError, StoreError, UnknownStepError
-from tailorstore.store import manifest_objects
+from tailorstore.core.environment import STORE_ENV
+from tailorstore.core.errors import CorruptStoreError, StoreError, UnknownStepError
+from tailorstore.store import codec, manifest_objects
 from tailorstore.store.backend import Backend, blob_names
 from tailorstore.store.index import Index
 from tailorstore.store.lease import LeaseHandle, lease_lock

@@ -21,7 +21,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError
 from obstore.store import from_url
 
-from tailorstore.environment import RETRY_ENV, TIMEOUT_ENV
+from tailorstore.core.environment import RETRY_ENV, TIMEOUT_ENV
 from tailorstore.store.backend import (
     READ_CHUNK,
     BackendError,

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
-from tailorstore import codec
-from tailorstore.errors import InputChangedError, StoreError
+from tailorstore.core.errors import InputChangedError, StoreError
+from tailorstore.core.reused_memory import SLAB_BYTES
 from tailorstore.formats.source import InputFile
-from tailorstore.reused_memory import SLAB_BYTES
+from tailorstore.store import codec
 from tailorstore.store.backend import BackendError, blob_key
 from tailorstore.store.packs import PACK_BELOW, PackWriter
 from tailorstore.store.posix import is_out_of_space

@@ -1,0 +1,317 @@
+"""A manifest seen as a model: each parameter's full shape and the atoms that hold its values.
+
+DeepSpeed scatters a parameter's FP32 master over the ranks' flat partitions; the index
+records each piece's parameter and element range, and the model-states file's own pickle
+(kept as the file's skeleton) records the full shapes (``param_shapes``), the buffers and the
+tied parameters. Together they say, for every tensor of the model's state dict, which atoms
+tile it, without reading a byte of tensor data. Export reads tensors through
+:func:`read_float32`, one at a time (memory at the largest tensor); the universal and
+resharded writers stream them (:func:`stream_elements`), so their memory stays at a chunk.
+
+Values come from the FP32 master where there is one (what ``zero_to_fp32`` returns), else from
+the module's own weight (ZeRO 0 in fp32, frozen parameters), widened exactly to float32.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import PurePosixPath
+from typing import Any
+
+import numpy as np
+
+from tailorstore.access.atom_reader import blob_of, decode_atom_into, decode_stored_atom, stream_atom
+from tailorstore.core.atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
+from tailorstore.core.errors import CorruptStoreError, StoreError
+from tailorstore.core.rounding import widened
+from tailorstore.core.tensor_ref import DTYPES, numel_of
+from tailorstore.formats import deepspeed as ds
+from tailorstore.formats.kinds import TORCH
+from tailorstore.formats.skeleton import fill_tensors, slots_of, split_tensors
+from tailorstore.formats.torch_pickle import load_pickle_tree
+from tailorstore.formats.torch_save_writer import TensorOut
+from tailorstore.store.records import AtomRecord, BlobRecord, FileRecord
+from tailorstore.store.repo import Repository
+
+
+@dataclass(frozen=True)
+class ModelTensor:
+    """One tensor of the state dict: its shape, the dtype its atoms hold, and the atoms in order."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # of the atoms: float32 for masters
+    atoms: tuple[AtomRecord, ...]  # tile elements [0, numel) in order
+    kind: str  # master, weight or buffer
+
+    @property
+    def numel(self) -> int:
+        return numel_of(self.shape)
+
+    @property
+    def floating(self) -> bool:
+        return DTYPES[self.dtype].is_float
+
+
+@dataclass
+class ModelView:
+    manifest: int
+    step: int
+    tensors: list[ModelTensor]
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name it shares storage with
+    rows: dict[str, BlobRecord] = field(default_factory=dict)  # the blob rows of every stored atom, looked up once
+    zero_stage: int | None = None
+    world_size: int | None = None
+    pieces: dict[tuple[str, str], list[AtomRecord]] = field(default_factory=dict)  # (param, kind) -> atoms
+    groups: dict[str, int] = field(default_factory=dict)  # trainable parameter -> its param group
+    module_names: list[str] = field(default_factory=list)  # the module's state-dict keys, in order
+    states_file: FileRecord | None = None  # rank 0's model-states file
+
+    def state(self, name: str, kind: str, shape: tuple[int, ...]) -> ModelTensor:
+        """A parameter's optimizer state of ``kind`` (exp_avg, exp_avg_sq) as one tensor of ``shape``."""
+        return _tensor(name, shape, self.pieces, (kind,), f"step {self.step}")
+
+    def moments(self, name: str) -> list[str]:
+        """The Adam moments the step holds for a parameter: both, or none for a save made before
+        the first optimizer step (AdamW creates them at its first step)."""
+        return [kind for kind in (EXP_AVG, EXP_AVG_SQ) if self.pieces.get((name, kind))]
+
+
+_VIEWED = (MASTER, WEIGHT, BUFFER, EXP_AVG, EXP_AVG_SQ, STEP)
+
+
+def model_states_file(files: list[FileRecord], step: int) -> FileRecord:
+    """Rank 0's model-states file (every rank's holds the same shapes and names)."""
+    found = [f for f in files if f.kind == TORCH and ds.is_model_states(PurePosixPath(f.path).name)]
+    if not found:
+        raise StoreError(
+            f"step {step} holds no DeepSpeed model-states file (*model_states.pt); export and the universal layout "
+            "read DeepSpeed checkpoints. A plain HF checkpoint already holds model.safetensors."
+        )
+    folders = {str(PurePosixPath(f.path).parent) for f in found}
+    if len(folders) != 1:
+        raise StoreError(
+            f"step {step} holds model-states files in {len(folders)} folders ({', '.join(sorted(folders))}); "
+            "commit one tag folder per step to export it."
+        )
+    return min(found, key=lambda f: (f.rank or 0, f.path))
+
+
+def rank0_optimizer_file(files: list[FileRecord], folder: str) -> FileRecord | None:
+    """Rank 0's DeepSpeed optimizer-states file in the tag folder ``folder``, if the step holds one."""
+    for f in files:
+        name = PurePosixPath(f.path)
+        if f.kind == TORCH and ds.is_optim_states(name.name) and str(name.parent) == folder and not f.rank:
+            return f
+    return None
+
+
+def skeleton_tree(store: Repository, row: FileRecord, where: str) -> Any:
+    """The object tree a committed torch file's skeleton describes, tensors as shapes only."""
+    data = store.read_blob(row.blob, where)
+    if data[:2] != b"PK":  # the file's own data.pkl (committed without torch)
+        return load_pickle_tree(data, where)
+    # A skeleton torch.save wrote (a file that needed torch to commit): torch reads it back.
+    from tailorstore.formats.safe_load import load_skeleton  # imports torch, which only such a file needs
+
+    return load_skeleton(data, where, trusted=row.trusted, trust_pickles=False)
+
+
+def _shapes(tree: dict, key: str) -> dict[str, tuple[int, ...]]:
+    groups = tree.get(key) or []
+    out: dict[str, tuple[int, ...]] = {}
+    for group in groups if isinstance(groups, list) else [groups]:
+        if isinstance(group, dict):
+            out.update({str(name): tuple(int(d) for d in shape) for name, shape in group.items()})
+    return out
+
+
+def tiling(pieces: list[AtomRecord], numel: int) -> tuple[AtomRecord, ...] | None:
+    """The pieces that cover [0, numel) end to end, or None when they do not."""
+    unique = {(p.start, p.numel): p for p in pieces if p.numel}
+    chosen, cursor = [], 0
+    for (start, n), piece in sorted(unique.items()):
+        if start < cursor:
+            continue  # the same range again (another file's copy)
+        if start != cursor:
+            return None
+        chosen.append(piece)
+        cursor += n
+    return tuple(chosen) if cursor == numel else None
+
+
+def model_view(store: Repository, manifest: int) -> ModelView:
+    """Every tensor of the model's state dict at ``manifest``, in DeepSpeed's parameter order."""
+    facts = store.manifest(manifest)
+    files = store.index.files(manifest)
+    states = model_states_file(files, facts.step)
+    where = f"step {facts.step}, file {states.path}"
+    tree = skeleton_tree(store, states, where)
+    if not isinstance(tree, dict):
+        raise CorruptStoreError(f"{where}: the model-states pickle is not a dict")
+    shapes = _shapes(tree, "param_shapes")
+    frozen = _shapes(tree, "frozen_param_shapes")
+    buffer_names = [str(n) for n in tree.get("buffer_names") or []]
+    shared = {str(k): str(v) for k, v in (tree.get("shared_params") or {}).items()}
+    module = tree.get("module") if isinstance(tree.get("module"), dict) else {}
+    if not shapes:  # ZeRO 0 records no param_shapes: the module's own tensors are full size
+        shapes = {str(k): tuple(v.shape) for k, v in module.items() if k not in buffer_names and hasattr(v, "shape")}
+
+    by_param: dict[tuple[str, str], list[AtomRecord]] = defaultdict(list)
+    for atom in store.index.atoms(manifest):
+        if atom.kind in _VIEWED:
+            by_param[(atom.param, atom.kind)].append(atom)
+
+    tensors: list[ModelTensor] = []
+    for name in buffer_names:
+        ref = module.get(name)
+        if ref is None or not hasattr(ref, "shape"):
+            continue  # a non-persistent buffer: not in the state dict
+        tensors.append(_tensor(name, tuple(ref.shape), by_param, (BUFFER, WEIGHT), where))
+    for name, shape in frozen.items():
+        tensors.append(_tensor(name, shape, by_param, (WEIGHT,), where, frozen=True))
+    for name, shape in shapes.items():
+        tensors.append(_tensor(name, shape, by_param, (MASTER, WEIGHT), where))
+    stored = {a.blob for t in tensors for a in t.atoms if a.derived is None}
+    rows = {digest: blob_of(store, digest, where) for digest in stored}
+    groups = {}
+    raw_groups = tree.get("param_shapes") or []
+    for g, group in enumerate(raw_groups if isinstance(raw_groups, list) else [raw_groups]):
+        groups.update({str(name): g for name in group} if isinstance(group, dict) else {})
+    return ModelView(
+        manifest,
+        facts.step,
+        tensors,
+        shared,
+        rows,
+        facts.zero_stage,
+        facts.world_size,
+        dict(by_param),
+        groups,
+        [str(k) for k in module],
+        states,
+    )
+
+
+def _tensor(
+    name: str,
+    shape: tuple[int, ...],
+    by_param: dict[tuple[str, str], list[AtomRecord]],
+    kinds: tuple[str, ...],
+    where: str,
+    frozen: bool = False,
+) -> ModelTensor:
+    numel = numel_of(shape)
+    for kind in kinds:
+        pieces = by_param.get((name, kind), [])
+        tiled = tiling(pieces, numel)
+        if tiled and len({p.dtype for p in tiled}) == 1:
+            return ModelTensor(name, shape, tiled[0].dtype, tiled, kind)
+    if numel == 0:
+        return ModelTensor(name, shape, "float32", (), kinds[0])
+    if frozen:
+        raise StoreError(
+            f"{where}: the frozen parameter {name} is held only as per-rank fragments (ZeRO 3); "
+            "tailorstore cannot consolidate it yet. Use DeepSpeed's zero_to_fp32 on a checkout."
+        )
+    raise CorruptStoreError(f"{where}: the pieces of {name} do not cover its {numel} elements; run `tailor verify`")
+
+
+def read_raw(store: Repository, view: ModelView, tensor: ModelTensor) -> memoryview:
+    """The tensor's elements in the dtype its atoms hold, hash-checked. Stored atoms are read
+    with the rows looked up by :func:`model_view`, so this runs on a reader thread too; a derived
+    one (rebuilt from its master, which needs the index) only on the index's own thread."""
+    size = DTYPES[tensor.dtype].itemsize
+    out = memoryview(bytearray(tensor.numel * size))
+    where = f"step {view.step}, {tensor.name}"
+    for atom in tensor.atoms:
+        dest = out[atom.start * size : (atom.start + atom.numel) * size]
+        row = view.rows.get(atom.blob)
+        if row is not None:
+            decode_stored_atom(store, row, dest, where)
+        else:
+            decode_atom_into(store, view.manifest, atom, dest, where)
+    return out
+
+
+def read_float32(store: Repository, view: ModelView, tensor: ModelTensor) -> np.ndarray:
+    """A floating tensor's values as float32 (flat): the master as stored, or a weight widened exactly."""
+    raw = read_raw(store, view, tensor)
+    if tensor.dtype == "float32":
+        return np.frombuffer(raw, dtype=np.float32)
+    return np.ascontiguousarray(widened(raw, tensor.dtype), dtype=np.float32)
+
+
+def look_up_rows(store: Repository, view: ModelView, tensor: ModelTensor) -> None:
+    """Add the blob rows of ``tensor``'s stored atoms to ``view.rows``, so that streaming it
+    (:func:`stream_elements`) needs no SQL and can run on a writer thread."""
+    where = f"step {view.step}, {tensor.name}"
+    for atom in tensor.atoms:
+        if atom.derived is None and atom.blob not in view.rows:
+            view.rows[atom.blob] = blob_of(store, atom.blob, where)
+
+
+def stream_elements(
+    store: Repository, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
+) -> Iterator[memoryview]:
+    """Elements ``[start, start + count)`` of ``tensor`` as raw bytes in its atoms' dtype, in order,
+    a chunk at a time (:func:`~tailorstore.access.atom_reader.stream_atom`: every atom hash-checked whole,
+    each view valid until the next). Writers of whole files (universal, reshard) stream through
+    this, so memory stays at a chunk, not at the largest tensor."""
+    end = tensor.numel if count is None else start + count
+    if not 0 <= start <= end <= tensor.numel:
+        raise StoreError(f"step {view.step}: elements [{start}, {end}) lie outside {tensor.name} ({tensor.numel})")
+    size = DTYPES[tensor.dtype].itemsize
+    where = f"step {view.step}, {tensor.name}"
+    for atom in tensor.atoms:
+        lo, hi = max(start, atom.start), min(end, atom.start + atom.numel)
+        if lo < hi:
+            yield from stream_atom(
+                store, view.manifest, atom, (lo - atom.start) * size, (hi - atom.start) * size, where,
+                view.rows.get(atom.blob),
+            )  # fmt: skip
+
+
+def stream_float32(
+    store: Repository, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
+) -> Iterator[memoryview]:
+    """:func:`stream_elements` as float32: a master as stored, a weight widened exactly chunk by chunk."""
+    for piece in stream_elements(store, view, tensor, start, count):
+        yield piece if tensor.dtype == "float32" else memoryview(widened(piece, tensor.dtype)).cast("B")
+
+
+def committed_tree(store: Repository, manifest: int, row: FileRecord, where: str) -> Any:
+    """A committed torch file's object tree, each tensor a :class:`TensorOut` whose bytes stream
+    from its atoms (hash-checked) only as it is written: a file is re-pickled holding a chunk at a time."""
+    tree = skeleton_tree(store, row, where)
+    if slots_of(tree):  # a skeleton torch.save wrote already holds its slots
+        skeleton, slots = tree, slots_of(tree)
+    else:
+        skeleton, entries = split_tensors(tree, where=where, file_size=row.raw_size)
+        slots = [TensorSlot(e.slot, e.tensor.dtype, tuple(e.tensor.shape)) for e in entries]
+    by_slot: dict[int, list[AtomRecord]] = defaultdict(list)
+    for atom in store.index.atoms(manifest, path=row.path):
+        by_slot[atom.slot].append(atom)
+    tensors = {
+        s.slot: TensorOut(s.dtype, tuple(s.shape), partial(_slot_chunks, store, manifest, s, by_slot[s.slot], where))
+        for s in slots
+    }
+    return fill_tensors(skeleton, tensors)
+
+
+def _slot_chunks(
+    store: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str
+) -> Iterator[memoryview]:
+    """A tensor slot's bytes streamed from its atoms in file order (a chunk in memory at a time)."""
+    numel = numel_of(tuple(slot.shape))
+    cursor = 0
+    for atom in sorted(atoms, key=lambda a: a.offset):
+        if atom.offset != cursor:
+            raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} leave a gap at element {cursor}")
+        yield from stream_atom(store, manifest, atom, 0, atom.nbytes, where)
+        cursor += atom.numel
+    if cursor != numel:
+        raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} cover {cursor} of {numel} elements")

@@ -1,0 +1,63 @@
+"""A model's structure: which parameters it has and how many elements each holds.
+
+Layer inheritance, merges and ``diff`` compare pieces of the same parameter across steps, so
+they only make sense between steps of one model. A commit reads the structure off the
+pieces it cuts (weights and FP32 masters, whatever the ZeRO stage), and the store's earlier
+steps give theirs from their atom rows; a commit of another model is refused unless forced.
+"""
+
+from __future__ import annotations
+
+from tailorstore.core import atoms as A
+from tailorstore.core.errors import StoreError
+from tailorstore.store.index import Index
+from tailorstore.store.records import AtomRecord, ManifestRecord
+
+Structure = dict[str, int]  # parameter -> elements
+
+
+def from_segments(segments: list[A.Segment]) -> Structure:
+    """Pure: each parameter's element count, as the end of its furthest weight or master piece."""
+    out: Structure = {}
+    for seg in segments:
+        if seg.kind in (A.WEIGHT, A.MASTER) and seg.numel:
+            out[seg.param] = max(out.get(seg.param, 0), seg.start + seg.numel)
+    return out
+
+
+def from_atoms(atoms: list[AtomRecord]) -> Structure:
+    """Pure: the same, from atom records (a step assembled from parts)."""
+    out: Structure = {}
+    for a in atoms:
+        if a.kind in (A.WEIGHT, A.MASTER) and a.numel:
+            out[a.param] = max(out.get(a.param, 0), a.start + a.numel)
+    return out
+
+
+def of_manifest(index: Index, manifest: int) -> Structure:
+    return index.param_sizes(manifest, (A.WEIGHT, A.MASTER))
+
+
+def differences(old: Structure, new: Structure, limit: int = 3) -> list[str]:
+    """Pure: what differs, in words, at most ``limit`` items (empty when the structures agree)."""
+    out = [f"{p} is new" for p in sorted(set(new) - set(old))]
+    out += [f"{p} is gone" for p in sorted(set(old) - set(new))]
+    out += [f"{p} has {new[p]} elements, not {old[p]}" for p in sorted(set(old) & set(new)) if old[p] != new[p]]
+    return out[:limit] + ([f"and {len(out) - limit} more"] if len(out) > limit else [])
+
+
+def refuse_other_model(index: Index, new: Structure, run: str, base: ManifestRecord | None = None) -> None:
+    """Refuse a commit whose model differs from the run's newest committed step (or, for a run
+    with no commits yet, from the step it branched from): another model belongs in a run of its own."""
+    newest = index.newest_commit(run) or base
+    if newest is None or not new:
+        return
+    old = of_manifest(index, newest.id)
+    diff = differences(old, new)
+    if old and diff:
+        where = f"step {newest.step} of run {newest.run!r}"
+        raise StoreError(
+            f"this checkpoint holds a different model from {where} ({'; '.join(diff)}). "
+            "Commit it to a run of its own with `run=NAME` (steps are numbered per run, blobs are shared), "
+            "or pass `force=True` to commit it here anyway."
+        )

@@ -1,0 +1,1 @@
+"""Shared names and pure rules every layer uses: errors, atoms, layers, policies, rounding."""

@@ -1,0 +1,328 @@
+"""``tailor gc``: drop manifests under retention rules, then delete unreferenced blobs.
+
+Like restic's prune, gc first computes a plan (the manifests to drop, the blobs to delete
+and the bytes freed), shows it, and only then carries it out, with the store lock held
+exclusively so no commit is in flight.
+
+The order of deletion is what keeps a killed gc harmless: manifests and blob rows leave
+the index in one transaction first, blob files are unlinked after. A crash in between
+leaves unindexed blob files, which are orphans that the next gc removes; it can never
+leave an index row that points at a deleted file.
+
+A blob is live when any kept manifest references it, through a file row or a non-derived
+atom row. Composites reference their inherited blobs directly, so a blob first stored at a
+dropped step lives on as long as a kept composite uses it.
+
+Packs: a pack none of whose blobs lives is deleted. A pack whose dead bytes reach
+``REPACK_AT`` of its size is repacked: its live blobs are read, hash-checked, written into
+new packs, the index is pointed at them, and only then is the old pack deleted. A pack with
+fewer dead bytes is left as it is (its dead rows leave the index; its bytes wait for a
+later repack), so gc does not rewrite gigabytes to free a few kilobytes.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailorstore.core.errors import CorruptStoreError, StoreError
+from tailorstore.core.failpoints import failpoint
+from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
+from tailorstore.store import codec, manifest_objects
+from tailorstore.store.backend import blob_key
+from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.lock import LockHandle
+from tailorstore.store.packs import PackWriter, pack_key
+from tailorstore.store.parts import read_parts
+from tailorstore.store.records import COMMIT, TIERS, ManifestRecord
+from tailorstore.store.repo import Repository
+
+REPACK_AT = 0.25  # repack a pack once this share of its bytes is dead
+
+
+@dataclass(frozen=True)
+class Retention:
+    keep_last: int | None = None  # the K newest committed steps
+    keep_every: int | None = None  # committed steps whose number is a multiple of N
+    run: str | None = None  # apply the rules to this run only (None: to every run, each on its own)
+    thin: str | None = None  # thin the commits the rules do not keep to this tier, instead of dropping them
+
+    def __post_init__(self) -> None:
+        for name, value in (("keep_last", self.keep_last), ("keep_every", self.keep_every)):
+            if value is not None and (type(value) is not int or not 1 <= value < 1 << 63):
+                raise StoreError(f"`{name}={value}` is not allowed: give a whole number of 1 or more.")
+        if self.thin is not None:
+            check_tier(self.thin)
+            if not self.drops_manifests:
+                raise StoreError(
+                    "`thin=TIER` thins the steps the rules do not keep: give `keep_last=N` or `keep_every=N` too."
+                )
+
+    @property
+    def drops_manifests(self) -> bool:
+        return self.keep_last is not None or self.keep_every is not None
+
+    def as_doc(self) -> dict[str, Any]:
+        """The rules as a run carries them (``refs/retention/RUN``)."""
+        return {"keep_last": self.keep_last, "keep_every": self.keep_every, "thin": self.thin}
+
+    @classmethod
+    def from_doc(cls, run: str, doc: dict[str, Any]) -> Retention:
+        try:
+            return cls(keep_last=doc.get("keep_last"), keep_every=doc.get("keep_every"), thin=doc.get("thin"), run=run)
+        except (StoreError, TypeError) as exc:
+            raise CorruptStoreError(f"the retention run {run!r} carries is damaged ({exc}); set it again") from None
+
+
+def carried_rules(store: Repository) -> list[Retention]:
+    """The retention each run carries (``tailor run retention``), each touching its own run only."""
+    return [
+        Retention.from_doc(run, doc) for run, doc in sorted(manifest_objects.read_retentions(store.backend).items())
+    ]
+
+
+def effective_rules(store: Repository, rules: Retention) -> list[Retention]:
+    """Rules given win; without any, each run's carried retention applies (within ``rules.run`` if set)."""
+    if rules.drops_manifests:
+        return [rules]
+    return [r for r in carried_rules(store) if rules.run is None or r.run == rules.run]
+
+
+@dataclass
+class GcPlan:
+    drop: list[tuple[int, int]] = field(default_factory=list)  # (manifest, step)
+    keep: list[tuple[int, int]] = field(default_factory=list)
+    dead_blobs: list[str] = field(default_factory=list)  # indexed, referenced by no kept manifest
+    orphan_files: list[str] = field(default_factory=list)  # blob files with no index row
+    temp_files: list[str] = field(default_factory=list)
+    dead_loose: list[str] = field(default_factory=list)  # the dead blobs that are objects of their own
+    dead_packs: list[str] = field(default_factory=list)  # packs with no live blob
+    repack: list[str] = field(default_factory=list)  # packs whose live blobs move to new packs
+    orphan_packs: list[str] = field(default_factory=list)  # pack objects the index does not know
+    drop_parts: list[str] = field(default_factory=list)  # part objects to delete (finalized, or asked to)
+    superseded: list[str] = field(default_factory=list)  # older versions of a step's manifest object
+    thin: list[tuple[int, int, str]] = field(default_factory=list)  # (manifest, step, tier) to thin
+    # stored bytes of the dead blobs, by what frees them: "drop" (a dropped manifest used them), or the tier
+    # thinning to which drops them (only thinned manifests used them); orphans and packs are on top
+    freed_by_tier: dict[str, int] = field(default_factory=dict)
+    thin_weight_bytes: int = 0  # raw bytes of derived weights that become blobs (compressed when written)
+    pending_parts: int = 0  # parts kept for a finalize; their blobs are live
+    freed_bytes: int = 0  # planned; after gc ran, what it freed
+
+    def summary(self) -> str:
+        packs = ""
+        if self.dead_packs or self.repack or self.orphan_packs:
+            packs = (
+                f"; delete {len(self.dead_packs)} empty and {len(self.orphan_packs)} orphan pack(s), "
+                f"repack {len(self.repack)}"
+            )
+        parts = ""
+        if self.drop_parts or self.pending_parts:
+            parts = f"; drop {len(self.drop_parts)} part(s), keep {self.pending_parts} waiting for a finalize"
+        if self.superseded:
+            parts += f"; delete {len(self.superseded)} superseded manifest object(s)"
+        thin = "".join(
+            f"thin {len(steps)} manifest(s){_steps(steps)} to {tier} (their other state: "
+            f"{self.freed_by_tier.get(tier, 0)} bytes), "
+            for tier in TIERS
+            if (steps := [s for _, s, t in self.thin if t == tier])
+        )
+        if self.thin_weight_bytes:
+            thin += f"write {self.thin_weight_bytes} raw bytes of weights, "
+        dropped = f" ({self.freed_by_tier['drop']} bytes)" if self.thin and self.drop else ""
+        return (
+            f"{thin}drop {len(self.drop)} manifest(s){_steps([s for _, s in self.drop])}{dropped}, "
+            f"keep {len(self.keep)}; "
+            "delete "
+            f"{len(self.dead_blobs)} unreferenced blob(s), {len(self.orphan_files)} orphan blob file(s) and "
+            f"{len(self.temp_files)} temp file(s){packs}{parts}, freeing {self.freed_bytes} bytes"
+        )
+
+    def thin_to(self, tier: str) -> list[int]:
+        """The manifests this plan thins to ``tier``."""
+        return [m for m, _, t in self.thin if t == tier]
+
+
+def _steps(steps: list[int]) -> str:
+    """`` (steps 3, 6)`` for a plan's line, nothing for none: a bare list read as if it were ids."""
+    return f" (steps {', '.join(map(str, steps))})" if steps else ""
+
+
+def kept_manifests(manifests: list[ManifestRecord], rules: Retention, bases: frozenset[int] = frozenset()) -> set[int]:
+    """Pure: which manifests survive. Tags, pins, merges and the bases runs branched from
+    always do. The rules count each run's steps on their own (``--keep-last 3`` keeps three
+    steps of every run), and touch only ``rules.run`` when it is set."""
+    if not rules.drops_manifests:
+        return {m.id for m in manifests}
+    keep = {m.id for m in manifests if m.tag or m.pinned or m.origin != COMMIT or m.id in bases}
+    keep |= {m.id for m in manifests if rules.run is not None and m.run != rules.run}
+    by_run: dict[str, list[ManifestRecord]] = {}
+    for m in sorted((m for m in manifests if m.origin == COMMIT), key=lambda m: m.step):
+        by_run.setdefault(m.run, []).append(m)
+    for commits in by_run.values():
+        if rules.keep_last:
+            keep |= {m.id for m in commits[-rules.keep_last :]}
+        if rules.keep_every:
+            keep |= {m.id for m in commits if m.step % rules.keep_every == 0}
+    return keep
+
+
+def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts: bool = False) -> GcPlan:
+    """What gc would do under ``rules`` (one set, or several each touching its own run). Blobs a
+    pending part names are live (the part waits for its finalize); a part of a step already
+    recorded is dropped, and every part when ``drop_parts``."""
+    manifests = store.index.manifests()
+    bases = {r.base for r in store.index.created_runs().values() if r.base}
+    base_ids = frozenset(m.id for m in manifests if m.object_key in bases)
+    keep = {m.id for m in manifests}
+    tiers: dict[int, str] = {}
+    for one in [rules] if isinstance(rules, Retention) else rules:
+        kept = kept_manifests(manifests, one, base_ids)
+        for m in manifests:
+            if m.id in kept:
+                continue
+            if one.thin and m.origin == COMMIT:  # thinned, not dropped (or left, if thin enough already)
+                if thinner(one.thin, m.tier):
+                    tiers[m.id] = one.thin
+            else:
+                keep.discard(m.id)
+    to_thin = [m for m in manifests if m.id in tiers]
+    keep -= set(tiers)  # kept as they will be: their rows after thinning are counted below
+    plan = GcPlan(
+        drop=[(m.id, m.step) for m in manifests if m.id not in keep and m.id not in tiers],
+        keep=[(m.id, m.step) for m in manifests if m.id in keep],
+        thin=[(m.id, m.step, tiers[m.id]) for m in to_thin],
+    )
+    held: set[str] = set()
+    for part in read_parts(store.backend):
+        if drop_parts or store.index.commit_at(part.step, part.run) is not None:
+            plan.drop_parts.append(part.key)
+        else:
+            plan.pending_parts += 1
+            held |= part.blob_hashes()
+    thinned = {m.id: contents_of(store, m.id, tiers[m.id]) for m in to_thin}
+    still = set().union(*(c.hashes() for c in thinned.values())) if thinned else set()
+    dead = [b for b in store.index.blobs_unused_by(keep) if b.hash not in held and b.hash not in still]
+    if thinned:
+        by_drop = set().union(*(store.index.referenced_hashes(m) for m, _ in plan.drop)) if plan.drop else set()
+        by_tier = {tier: set().union(*(store.index.referenced_hashes(m) for m in plan.thin_to(tier))) for tier in TIERS}
+        plan.freed_by_tier["drop"] = sum(b.stored_size for b in dead if b.hash in by_drop)
+        for tier, used in by_tier.items():
+            plan.freed_by_tier[tier] = sum(b.stored_size for b in dead if b.hash in used and b.hash not in by_drop)
+        plan.thin_weight_bytes = sum(a.nbytes for c in thinned.values() for a in c.materialize)
+    plan.dead_blobs = [b.hash for b in dead]
+    plan.dead_loose = [b.hash for b in dead if b.pack is None]
+    dead_set = set(plan.dead_blobs)
+    plan.freed_bytes = sum(b.stored_size for b in dead if b.pack is None)
+    for name, size in store.index.packs().items():
+        inside = store.index.blobs_in_pack(name)
+        live = sum(b.stored_size for b in inside if b.hash not in dead_set)
+        if not any(b.hash not in dead_set for b in inside):
+            plan.dead_packs.append(name)
+            plan.freed_bytes += size
+        elif size - live >= REPACK_AT * size:
+            plan.repack.append(name)
+            plan.freed_bytes += size - live
+    indexed = store.index.blob_hashes(loose_only=True)
+    holdings = store.holdings()  # sizes from the listing: no request per orphan on an object store
+    for name, size in holdings.blobs.items():
+        if name not in indexed and name not in held:
+            plan.orphan_files.append(name)
+            plan.freed_bytes += size
+    known = set(store.index.packs())
+    for name, size in holdings.packs.items():
+        if name not in known:
+            plan.orphan_packs.append(name)
+            plan.freed_bytes += size
+    plan.superseded = manifest_objects.superseded(store.backend)
+    plan.temp_files = store.backend.leftovers()
+    plan.freed_bytes += store.backend.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too
+    return plan
+
+
+def gc(
+    store: Repository,
+    rules: Retention,
+    *,
+    dry_run: bool = False,
+    drop_parts: bool = False,
+    lock_timeout: float = 600.0,
+    on_wait: Callable[[str], None] | None = None,
+    show_plan: Callable[[GcPlan], None] | None = None,
+) -> GcPlan:
+    written = 0
+    with store.lock(exclusive=True, timeout=lock_timeout, on_wait=on_wait) as lock:
+        store.refresh(lock)  # what other hosts recorded before this lock was taken
+        plan = plan_gc(store, effective_rules(store, rules), drop_parts=drop_parts)
+        if show_plan:
+            show_plan(plan)
+        if dry_run:
+            return plan
+        # Fencing (store/lease.py): before each step that deletes, gc must still hold its lease and be
+        # alone; a gc that stalled past its lease stops there, having deleted nothing more.
+        fence = _fence(lock)
+        for tier in TIERS:  # first: the blobs it materializes must exist before their masters go
+            targets = [r for m in plan.thin_to(tier) if (r := store.index.manifest(m)) is not None]
+            written += thin(store, targets, tier, lock)
+        fence()
+        store.backend.delete_many([*plan.drop_parts, *plan.superseded])  # before anything they name
+        with store.transaction() as index:
+            fence()
+            # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
+            dropped = [m for m, _ in plan.drop]
+            manifest_objects.unpublish(store.backend, index.object_keys(dropped).values())
+            index.delete_manifests(dropped)
+            index.delete_blobs(plan.dead_blobs)
+            index.delete_packs(plan.dead_packs)
+        written += _repack(store, plan.repack, fence)
+        batch = store.backend.batch()
+        for name in [*plan.dead_loose, *plan.orphan_files]:
+            batch.delete(blob_key(name))
+        for name in [*plan.dead_packs, *plan.repack, *plan.orphan_packs]:
+            batch.delete(pack_key(name))
+        fence()
+        batch.publish()
+        fence()
+        store.backend.clear_leftovers(plan.temp_files)
+        plan.freed_bytes -= written
+    return plan
+
+
+def _fence(lock: LockHandle | LeaseHandle) -> Callable[[], None]:
+    def check() -> None:
+        failpoint("gc-before-delete")
+        lock.check_alone("gc")
+
+    return check
+
+
+def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> int:
+    """Move the live blobs of ``packs`` into new packs and point the index at them; returns
+    the bytes written. The old packs stay until the caller deletes them, after this commits."""
+    if not packs:
+        return 0
+    batch = store.backend.batch()
+    writer = PackWriter(batch)
+    moved = []
+    for name in packs:
+        for blob in store.index.blobs_in_pack(name):
+            data = store.backend.get(blob.key(), blob.pack_offset or 0, blob.stored_size)
+            raw = bytearray(blob.raw_size)  # decoded and hash-checked: a damaged blob is never carried over
+            codec.decode_into(blob.codec, io.BytesIO(data), memoryview(raw), f"repacking pack {name}: {blob.hash}")
+            if codec.content_hash(raw) != blob.hash:
+                raise CorruptStoreError(
+                    f"pack {name}: blob {blob.hash} does not match its hash; gc stopped before deleting anything "
+                    "of that pack. Run `verify(deep=True)`."
+                )
+            writer.add(blob.hash, data, blob.raw_size, blob.codec)
+            moved.append(blob.hash)
+    writer.flush()
+    batch.publish()
+    with store.transaction() as index:
+        fence()
+        index.add_packs(writer.sealed)
+        index.move_blobs({h: writer.placed[h] for h in moved})
+        index.delete_packs(packs)
+    return sum(size for _, size in writer.sealed)

@@ -1,0 +1,85 @@
+"""Runs: several lines of training in one store, like git branches.
+
+Steps are numbered per run, so a fine-tune can count from 0 again beside its pre-training.
+Blobs are content-addressed and shared by every run: a fine-tune branched from a
+pre-training step stores only what changed. ``tailor run create NAME --from [RUN:]step=N``
+records the branch point (its *base*): the run's first commits inherit layers from it, its
+model must match it, and gc keeps it while the run exists. A run also comes into being at
+its first commit (``tailor commit DIR --run NAME``), without a base.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+from tailorstore.core.errors import StepExistsError, UnknownStepError
+from tailorstore.store import manifest_objects
+from tailorstore.store.records import MAIN_RUN, ManifestRecord, RunRecord
+from tailorstore.store.repo import Repository
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One line of ``tailor run list``."""
+
+    name: str
+    created_at: float
+    base: ManifestRecord | None  # the step it branched from, if any
+    steps: int  # commits of its own
+    latest_step: int | None
+
+
+def qualify(selector: str, run: str | None) -> str:
+    """The selector read in ``run``: ``step=N`` and ``latest`` become ``RUN:step=N`` and
+    ``RUN:latest``; ``tag=``, ``id=`` and selectors that already name a run stay as they are."""
+    text = selector.strip()
+    if run is None or text.startswith(("tag=", "id=")) or re.match(r"[A-Za-z0-9._-]+:", text):
+        return text
+    return f"{manifest_objects.check_run_name(run)}:{text}"
+
+
+def list_runs(store: Repository) -> list[RunInfo]:
+    runs = store.index.runs()
+    if not any(r.name == MAIN_RUN for r in runs):
+        runs.insert(0, RunRecord(MAIN_RUN, 0.0))
+    out = []
+    for run in runs:
+        commits = [m for m in store.index.manifests(run.name) if m.origin == "commit"]
+        out.append(
+            RunInfo(
+                run.name,
+                run.created_at,
+                store.run_base(run.name),
+                len(commits),
+                max((m.step for m in commits), default=None),
+            )
+        )
+    return out
+
+
+def create_run(
+    store: Repository, name: str, base_selector: str | None, *, from_run: str = MAIN_RUN, lock_timeout: float = 60.0
+) -> RunInfo:
+    """Create run ``name``, branched from the manifest ``base_selector`` names (in ``from_run``
+    unless it says ``RUN:``), or empty when no base is given.
+
+    It holds the store's shared lock, like a commit: a gc waits for it, then sees the new run
+    and keeps its base.
+    """
+    manifest_objects.check_run_name(name)
+    with store.lock(exclusive=False, timeout=lock_timeout) as lock:
+        store.refresh(lock)
+        if name == MAIN_RUN or any(r.name == name for r in store.index.runs()):
+            raise StepExistsError(f"run {name!r} already exists; `tailor run list` shows the runs.")
+        base: ManifestRecord | None = None
+        if base_selector is not None:
+            base = store.manifest(store.resolve(base_selector, from_run))
+            if base.object_key is None:
+                raise UnknownStepError(f"step {base.step} has no manifest object yet; run `tailor verify` first.")
+        record = RunRecord(name, time.time(), base.object_key if base else None)
+        with store.transaction() as index:
+            manifest_objects.create_run(store.backend, record)  # the object first: it is the truth
+            index.set_runs([*index.created_runs().values(), record])
+    return RunInfo(name, record.created_at, base, 0, None)

@@ -1,0 +1,139 @@
+"""Retention tiers: thin an old step to what evaluation and merging need instead of dropping it.
+
+A step costs 14 bytes a parameter whole, but evaluating or averaging it needs only its weights
+(2 bytes a parameter in bf16) or its FP32 master (4). ``tailor gc --keep-last 3 --thin weights``
+keeps the last three steps whole (resumable) and thins every other step the rules would have
+dropped:
+
+- ``master`` keeps the FP32 master and every file but the optimizer states' moments: the atoms
+  of DeepSpeed's optimizer-states files other than ``master`` go. Derived bf16 weights stay
+  derived (their masters are kept).
+- ``weights`` keeps what the model files hold (model states, ``model.safetensors``): the
+  weights, buffers and the files themselves. A weight that was derived from its master becomes
+  a blob of its own first (rebuilt and hash-checked, so its name does not change), because the
+  master goes. A parameter the model files hold no weight of (ZeRO 3 saves keep none) keeps its
+  FP32 master instead, the only copy of its values. Optimizer-states files whose atoms all go
+  are dropped from the manifest.
+
+A thinned manifest is recorded again with its tier (a new object version, as ``--force``
+writes one), and the old object is deleted after the index commits. It exports and averages; it
+does not check out, since what it would write could not resume training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import PurePosixPath
+
+from tailorstore.access.atom_reader import decode_atom
+from tailorstore.core.atoms import MASTER, WEIGHT
+from tailorstore.core.errors import CorruptStoreError, StoreError, ThinnedStepError
+from tailorstore.core.progress import Silent
+from tailorstore.core.tensor_ref import DTYPES
+from tailorstore.formats import deepspeed as ds
+from tailorstore.store import manifest_objects
+from tailorstore.store.failed_writes import cleaned_up_on_failure
+from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.lock import LockHandle
+from tailorstore.store.records import THIN_MASTER, TIERS, AtomRecord, FileRecord, ManifestRecord
+from tailorstore.store.repo import Repository
+from tailorstore.store.writer import BlobWriter
+
+
+def check_tier(tier: str) -> str:
+    if tier not in TIERS:
+        raise StoreError(f"`thin={tier}` is not a tier; use one of {', '.join(TIERS)} (thinnest last).")
+    return tier
+
+
+def thinner(tier: str, than: str | None) -> bool:
+    """Whether ``tier`` keeps less than ``than`` (None: a whole manifest)."""
+    return TIERS.index(tier) > (-1 if than is None else TIERS.index(than))
+
+
+def refuse_thinned(record: ManifestRecord, what: str) -> None:
+    """Checkout of a thinned step would write a checkpoint that cannot resume: say so, write nothing."""
+    if record.tier is not None:
+        raise ThinnedStepError(
+            f"step {record.step} was thinned to {record.tier} by `tailor gc --thin`: it holds no optimizer state, "
+            f"so {what} cannot resume training from it. `tailor export step={record.step} --out DIR` writes its "
+            "weights as safetensors; an averaging merge reads it too."
+        )
+
+
+@dataclass(frozen=True)
+class ThinnedContents:
+    files: list[FileRecord]
+    atoms: list[AtomRecord]
+    materialize: list[AtomRecord]  # derived weights that become blobs of their own (their masters go)
+
+    def stored_atoms(self) -> list[AtomRecord]:
+        """The atom rows as recorded after thinning: the materialized weights no longer derived."""
+        keys = {_where(a) for a in self.materialize}
+        return [replace(a, derived=None) if _where(a) in keys else a for a in self.atoms]
+
+    def hashes(self) -> set[str]:
+        """What the thinned manifest still needs: its files' blobs and every atom stored after thinning."""
+        atoms = {a.blob for a in self.stored_atoms() if a.derived is None}
+        return atoms | {f.blob for f in self.files} | {f.container for f in self.files if f.container}
+
+
+def _where(atom: AtomRecord) -> tuple[str, int, int]:
+    return (atom.path, atom.slot, atom.offset)
+
+
+def _optimizer_paths(files: list[FileRecord]) -> set[str]:
+    return {f.path for f in files if ds.is_optim_states(PurePosixPath(f.path).name)}
+
+
+def thinned_contents(files: list[FileRecord], atoms: list[AtomRecord], tier: str) -> ThinnedContents:
+    """Pure: the rows a manifest keeps at ``tier`` (the module docstring says which and why)."""
+    optimizer = _optimizer_paths(files)
+    if tier == THIN_MASTER:
+        kept = [a for a in atoms if a.path not in optimizer or a.kind == MASTER]
+        materialize: list[AtomRecord] = []
+    else:  # weights
+        weighted = {a.param for a in atoms if a.kind == WEIGHT and a.numel and a.path not in optimizer}
+        kept = [a for a in atoms if a.path not in optimizer or (a.kind == MASTER and a.param not in weighted)]
+        materialize = [a for a in kept if a.derived is not None]
+    still = {a.path for a in kept}
+    return ThinnedContents([f for f in files if f.path not in optimizer or f.path in still], kept, materialize)
+
+
+def contents_of(store: Repository, manifest: int, tier: str) -> ThinnedContents:
+    return thinned_contents(store.index.files(manifest), store.index.atoms(manifest), tier)
+
+
+def thin(store: Repository, targets: list[ManifestRecord], tier: str, lock: LockHandle | LeaseHandle) -> int:
+    """Thin ``targets`` to ``tier`` under the caller's exclusive lock; returns the stored bytes written
+    (the weights materialized). Blobs no longer needed are left for gc's deletion that follows."""
+    if not targets:
+        return 0
+    writer = BlobWriter(store)
+    plans: dict[int, ThinnedContents] = {}
+    with cleaned_up_on_failure(store, writer, lock, Silent()):
+        for record in targets:
+            contents = contents_of(store, record.id, tier)
+            for atom in contents.materialize:
+                data = decode_atom(store, record.id, atom, f"thinning step {record.step}")
+                if writer.add(data, itemsize=DTYPES[atom.dtype].itemsize, is_float=True) != atom.blob:
+                    raise CorruptStoreError(f"step {record.step}: the rebuilt weight of {atom.param} changed its name")
+            plans[record.id] = contents
+        new_blobs = writer.finish()
+    replaced: list[str | None] = []
+    published: list[str] = []
+    try:
+        with store.transaction() as index:
+            index.add_packs(writer.new_packs())
+            index.upsert_blobs(new_blobs)
+            for record in targets:
+                contents = plans[record.id]
+                index.replace_contents(record.id, contents.files, contents.stored_atoms())
+                index.set_tier(record.id, tier)
+                replaced.append(record.object_key)
+                published.append(manifest_objects.publish(store.backend, index, record.id, fence=lock, replacing=True))
+    except BaseException:
+        manifest_objects.unpublish(store.backend, published)  # the old versions still stand
+        raise
+    manifest_objects.unpublish(store.backend, replaced)  # after the index names the new versions
+    return sum(b.stored_size for b in new_blobs)

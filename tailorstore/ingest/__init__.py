@@ -1,0 +1,1 @@
+"""Turning checkpoints into blobs and manifests: commit, parts and finalize, rank-parallel shares."""

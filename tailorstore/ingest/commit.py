@@ -1,0 +1,545 @@
+"""``tailor commit``: turn one checkpoint directory into blobs plus one manifest.
+
+The order of work is what makes a failed or killed commit harmless:
+
+1. read and check every input file (bad input is refused before anything is written);
+2. decide which layers to store (the policy) and which to inherit from earlier steps;
+3. write the blobs that the store does not have yet, each durable on its own;
+4. record the manifest (manifest row, files, atoms, layers) in one SQLite transaction.
+
+Until step 4 commits, no reader can see the step; blobs written before a crash are
+orphans that ``tailor gc`` removes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from tailorstore.access import structure
+from tailorstore.access.changes import LayerChange, masters_by_layer, stored_pieces
+from tailorstore.core import atoms as A
+from tailorstore.core.errors import BadCheckpointError, StepExistsError, StoreError
+from tailorstore.core.layers import STATE, sort_key
+from tailorstore.core.policies import CommitFacts, decide, needs_changes
+from tailorstore.core.progress import Progress, Silent
+from tailorstore.core.rounding import ROUND_FROM_MASTER
+from tailorstore.curate.refs import check_tag
+from tailorstore.formats.deepspeed import ModelInfo
+from tailorstore.formats.kinds import RAW
+from tailorstore.formats.layout import CheckpointLayout, detect
+from tailorstore.formats.reader import ReadFile, read_checkpoint, write_order
+from tailorstore.formats.source import CHUNK, InputFile, check_unchanged
+from tailorstore.ingest.commit_options import CommitOptions, CommitResult
+from tailorstore.ingest.derive import RoundedMasters, is_derivable_weight
+from tailorstore.store import manifest_objects, parts
+from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
+from tailorstore.store.index import Index
+from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.lock import LockHandle
+from tailorstore.store.manifest_objects import check_run_name
+from tailorstore.store.parts import Part
+from tailorstore.store.posix import is_out_of_space
+from tailorstore.store.records import (
+    COMMIT,
+    MAIN_RUN,
+    AtomKey,
+    AtomRecord,
+    BlobRecord,
+    FileRecord,
+    LayerRecord,
+    ManifestRecord,
+)
+from tailorstore.store.repo import Repository, check_step
+from tailorstore.store.writer import BlobWriter, disk_full
+
+
+@dataclass
+class _Inheritance:
+    manifest: int
+    step: int
+    source: int
+    source_step: int
+    atoms: dict[AtomKey, AtomRecord]
+
+
+def check_options(options: CommitOptions) -> None:
+    """Refuse values that would commit something no selector reaches, or that the codec cannot take."""
+    if options.step is not None:
+        check_step(options.step)
+    if not 1 <= options.level <= 22:
+        raise StoreError(f"`level={options.level}` is not allowed: zstd levels run from 1 to 22 (1 is the default).")
+    if options.tag:
+        check_tag(options.tag)
+    check_run_name(options.run)
+    if options.part and (options.policy.name != "full" or options.tag):
+        raise StoreError(
+            "a commit of a part stores every layer and takes no tag: drop `policy=...` and `tag=...` (tag the "
+            "step once `finalize(step)` recorded it)."
+        )
+
+
+def step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFile]) -> int:
+    if options.step is not None:
+        return options.step
+    if layout.step is not None:  # from a folder's name or trainer_state.json: any size of number
+        return check_step(layout.step)
+    for f in files:
+        if isinstance(f.meta.get("global_steps"), int):
+            return check_step(f.meta["global_steps"])
+    raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass `step=N`.")
+
+
+def _refuse_existing(index: Index, step: int, tag: str | None, run: str) -> None:
+    if index.commit_at(step, run) is not None:
+        where = "the store" if run == MAIN_RUN else f"run {run!r}"
+        raise StepExistsError(
+            f"step {step} is already in {where}. Commit under another `step=N`, or pass `force=True` to replace it."
+        )
+    if tag and index.tagged(tag) is not None:
+        raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag or pass `force=True`.")
+
+
+def _inheritance(
+    store: Repository, step: int, layers: frozenset[str], run: str, base: ManifestRecord | None
+) -> dict[str, _Inheritance]:
+    """For each layer, the newest earlier committed step of the run that has it, with its atoms
+    by key; then the run's base (the step it branched from), which is older than all of them."""
+    found: dict[str, _Inheritance] = {}
+    history = store.index.layer_history(step, run)
+    if base is not None:
+        history += [(base.step, x) for x in store.index.layers(base.id)]
+    for at_step, x in history:
+        if x.layer in layers and x.layer != STATE and x.layer not in found:
+            found[x.layer] = _Inheritance(x.manifest, at_step, x.source, x.source_step, {})
+    return found
+
+
+def _load_inherited_atoms(store: Repository, inherit: _Inheritance, layer: str) -> None:
+    inherit.atoms.update(store.index.atoms_by_key(inherit.manifest, layer))
+
+
+@dataclass
+class Scan:
+    """What the validating pass learns. Files keep their entries (meta tensors with file offsets,
+    no data) so that writing needs no second unpickling."""
+
+    files: list[ReadFile] = field(default_factory=list)
+    layers: frozenset[str] = frozenset()
+    weights: dict[str, tuple] = field(default_factory=dict)  # low-precision weights: param -> (dtype, numel)
+    structure: dict[str, int] = field(default_factory=dict)  # param -> elements (structure.from_segments)
+    infos: dict[str, ModelInfo] = field(default_factory=dict)
+    layer_bytes: dict[str, int] = field(default_factory=dict)  # raw bytes of each layer, over every file
+
+
+def scan_checkpoint(layout: CheckpointLayout, trust_pickles: bool, files: list[str] | None = None) -> Scan:
+    """Read and check every file (or ``files``), one at a time, before anything is written."""
+    scan = Scan()
+    layers: set[str] = set()
+    for f in read_checkpoint(layout, trust_pickles=trust_pickles, files=files, infos=scan.infos):
+        for entry in f.entries:
+            itemsize = entry.tensor.element_size()
+            for seg in entry.segments:
+                layers.add(seg.layer)
+                scan.layer_bytes[seg.layer] = scan.layer_bytes.get(seg.layer, 0) + seg.numel * itemsize
+                if is_derivable_weight(entry, seg):
+                    scan.weights[seg.param] = (entry.dtype_name, seg.numel)
+        scan.files.append(f)
+    scan.layers = frozenset(layers)
+    scan.structure = structure.from_segments([s for f in scan.files for e in f.entries for s in e.segments])
+    return scan
+
+
+def _measure_changes(store: Repository, layout: CheckpointLayout, scan: Scan, sources: dict[str, _Inheritance]) -> dict:
+    """Relative change of each layer's FP32 master since the version an earlier step holds, file by file."""
+    totals: dict[str, LayerChange] = {}
+    by_path = {f.path: f for f in scan.files}
+    for f in (by_path[path] for path in write_order(layout)):
+        with f.open() as src:
+            for layer, pieces in masters_by_layer(f, src).items():
+                if layer in sources:
+                    stored = stored_pieces(store, sources[layer].manifest, layer, keys=set(pieces))
+                    totals.setdefault(layer, LayerChange()).add(pieces, stored)
+            src.check()
+    expected = {layer: store.index.count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()}
+    return {layer: t.value() for layer, t in totals.items() if t.pieces == expected.get(layer) and t.matched}
+
+
+def _ages(store: Repository, sources: dict[str, _Inheritance], commits_before: int, run: str) -> dict[str, int]:
+    """Commits since each inheritable layer was last stored (one query per distinct source step)."""
+    before = {step: store.index.commits_before(step, run) for step in {src.source_step for src in sources.values()}}
+    return {layer: commits_before - before[src.source_step] for layer, src in sources.items()}
+
+
+def detect_input(store: Repository, ckpt_dir: Path, part: bool = False) -> CheckpointLayout:
+    """The checkpoint's layout, refused when a file it would commit lies inside the store: a store
+    kept inside an HF Trainer's checkpoint folder had its own index (changing as the commit wrote
+    it) recorded as files of the step."""
+    layout = detect(Path(ckpt_dir), part=part)
+    root = layout.root.resolve()
+    for inside in store.local_folders():
+        if inside != root and root not in inside.parents:
+            continue
+        rel = inside.relative_to(root).as_posix()
+        if rel == "." or any(f == rel or f.startswith(f"{rel}/") for f in layout.files):
+            raise BadCheckpointError(
+                f"{ckpt_dir}: the store {inside} lies inside this checkpoint, whose files would include the "
+                "store's own. Keep the store outside the checkpoint folders."
+            )
+    return layout
+
+
+def commit_checkpoint(
+    store: Repository,
+    ckpt_dir: Path,
+    options: CommitOptions | None = None,
+    progress: Progress | None = None,
+    on_wait: Callable[[str], None] | None = None,
+) -> CommitResult:
+    options = options or CommitOptions()
+    progress = progress or Silent()
+    began = time.perf_counter()
+    check_options(options)
+    tag = options.tag or None
+    layout = detect_input(store, Path(ckpt_dir), part=options.part)
+    scan = scan_checkpoint(layout, options.trust_pickles)
+    files = scan.files
+    step = step_of(options, layout, files)
+    layers = scan.layers
+
+    with store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock:
+        # What other hosts recorded or dropped before this lock was taken: inheritance must not
+        # name a manifest (and blobs) another host's gc removed since this store was opened.
+        store.refresh(lock)
+        if options.part:
+            return commit_part(store, Path(ckpt_dir), layout, scan, step, options, lock, progress, began)
+        run = options.run
+        base = store.run_base(run)
+        if not options.force:
+            structure.refuse_other_model(store.index, scan.structure, run, base)
+            _refuse_existing(store.index, step, tag, run)
+        sources = _inheritance(store, step, layers, run, base)
+        commits_before = store.index.commits_before(step, run) + (base is not None)
+        adaptive = needs_changes(options.policy)
+        changes = _measure_changes(store, layout, scan, sources) if adaptive else {}
+        ages = _ages(store, sources, commits_before, run) if adaptive else {}
+        stored = decide(
+            options.policy,
+            CommitFacts(
+                layers, commits_before, frozenset(sources), changes if adaptive else None, scan.layer_bytes, ages
+            ),
+        )
+        for layer in layers - stored:
+            _load_inherited_atoms(store, sources[layer], layer)
+        writer = BlobWriter(store, level=options.level, threads=options.threads)
+        with cleaned_up_on_failure(store, writer, lock, progress):
+            plan, new_blobs = _write_checked(layout, scan, options, stored, sources, writer, progress)
+
+        raw_bytes = sum(f.size for f in files)
+        facts = _facts(files)
+        new_bytes = sum(b.stored_size for b in new_blobs)
+        published: str | None = None
+        replaced: ManifestRecord | None = None
+        try:
+            with store.transaction() as index:
+                pinned = False
+                if options.force:  # the replaced step keeps its tag and pin, unless a new tag is given
+                    replaced = index.commit_at(step, run)
+                    if replaced is not None:
+                        tag = tag or replaced.tag
+                        pinned = replaced.pinned
+                    index.delete_commit_at(step, run)
+                    if tag and (holder := index.tagged(tag)) is not None:
+                        index.set_tag(holder.id, None)
+                _refuse_existing(index, step, tag, run)
+                index.add_packs(writer.new_packs())
+                index.upsert_blobs(new_blobs)  # a repaired blob (rewritten because its object was missing) moves
+                manifest = index.insert_manifest(
+                    ManifestRecord(
+                        step=step,
+                        origin=COMMIT,
+                        created_at=time.time(),
+                        layout=layout.kind,
+                        ds_tag=layout.ds_tag,
+                        zero_stage=facts.get("zero_stage"),
+                        world_size=facts.get("world_size"),
+                        policy=json.dumps(options.policy.as_json()),
+                        exact=stored >= layers,
+                        raw_bytes=raw_bytes,
+                        new_bytes=new_bytes,
+                        source=str(Path(ckpt_dir).resolve()),
+                        run=run,
+                        tag=tag,
+                        pinned=pinned,
+                    )
+                )
+                index.insert_files(manifest, plan.files)
+                index.insert_atoms(manifest, plan.atoms)
+                index.insert_layers(
+                    manifest,
+                    [
+                        LayerRecord(
+                            layer,
+                            manifest if layer in stored else sources[layer].source,
+                            step if layer in stored else sources[layer].source_step,
+                            plan.layer_bytes.get(layer, 0),
+                            layer in stored,
+                            changes.get(layer),
+                        )
+                        for layer in layers
+                    ],
+                )
+                try:
+                    published = manifest_objects.publish(
+                        store.backend, index, manifest, fence=lock, replacing=options.force
+                    )  # the commit point
+                except OSError as exc:
+                    if is_out_of_space(exc):
+                        raise disk_full(store.location) from None
+                    raise
+        except BaseException:
+            if published is not None:  # the object went up but the index refused it: take it back
+                manifest_objects.unpublish(store.backend, [published])
+            if replaced is not None:  # its tag object may name the new key by now
+                manifest_objects.write_refs(store.backend, store.index, [replaced.id])
+            if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind
+                remove_unindexed(store, writer)
+            raise
+        if replaced is not None:
+            manifest_objects.unpublish(store.backend, [replaced.object_key])
+    return CommitResult(
+        step=step,
+        manifest=int(manifest),
+        files=len(plan.files),
+        atoms=len(plan.atoms),
+        raw_bytes=raw_bytes,
+        new_blobs=len(new_blobs),
+        new_bytes=new_bytes,
+        derived_bytes=plan.derived_bytes,
+        seconds=time.perf_counter() - began,
+        stored_layers=sorted(stored, key=sort_key),
+        inherited_layers={layer: sources[layer].source_step for layer in sorted(layers - stored, key=sort_key)},
+        changes=changes,
+    )
+
+
+def _write_checked(
+    layout: CheckpointLayout,
+    scan: Scan,
+    options: CommitOptions,
+    stored: frozenset[str],
+    sources: dict[str, _Inheritance],
+    writer: BlobWriter,
+    progress: Progress,
+    checked_weights: frozenset[tuple[str, str]] = frozenset(),
+) -> tuple[_Plan, list[BlobRecord]]:
+    """Write the blobs, then take the last look at every input (a change after a file's pass
+    is refused too), then make the blobs durable."""
+    rounded = RoundedMasters(scan.weights if options.derive_weights else {}, checked_weights)
+    plan = write_files(layout, scan, stored, sources, writer, rounded, progress)
+    for f in scan.files:
+        assert f.identity is not None
+        check_unchanged(f.source, f.identity)
+    return plan, writer.finish()
+
+
+def _facts(files: list[ReadFile]) -> dict[str, int]:
+    """Step, ZeRO stage and world size, as the first file that says each one says it."""
+    facts: dict[str, int] = {}
+    for f in files:
+        facts.update({k: v for k, v in f.meta.items() if k not in facts})
+    return facts
+
+
+def commit_part(
+    store: Repository,
+    ckpt_dir: Path,
+    layout: CheckpointLayout,
+    scan: Scan,
+    step: int,
+    options: CommitOptions,
+    lock: LockHandle | LeaseHandle,
+    progress: Progress,
+    began: float,
+    checked_weights: frozenset[tuple[str, str]] = frozenset(),
+    elsewhere: frozenset[str] = frozenset(),
+) -> CommitResult:
+    """Write this host's files' blobs, then one part object naming them; no manifest yet.
+
+    Every layer is stored (a policy needs the whole step); weights are derived where this
+    part holds their masters too, or where the ranks holding them checked them
+    (``checked_weights``). Blobs in ``elsewhere`` are written by another rank's part of the
+    same commit. The part object is the commit point of a part.
+    """
+    if store.index.commit_at(step, options.run) is not None and not options.force:
+        raise StepExistsError(f"step {step} is already in the store; a part of it cannot be added any more.")
+    writer = BlobWriter(store, level=options.level, threads=options.threads, elsewhere=elsewhere)
+    with cleaned_up_on_failure(store, writer, lock, progress):
+        plan, new_blobs = _write_checked(
+            layout, scan, options, scan.layers, {}, writer, progress, checked_weights=checked_weights
+        )
+        written = {b.hash: b for b in new_blobs}
+        needed = {f.blob for f in plan.files} | {f.container for f in plan.files if f.container}
+        needed |= {a.blob for a in plan.atoms if a.derived is None}
+        blobs = [written.get(h) or store.blob(h) for h in sorted(needed)]
+        part = Part(
+            step=step,
+            run=options.run,
+            layout=layout.kind,
+            ds_tag=layout.ds_tag,
+            facts=_facts(scan.files),
+            source=f"{socket.gethostname()}:{ckpt_dir.resolve()}",
+            created_at=time.time(),
+            raw_bytes=sum(f.size for f in scan.files),
+            new_bytes=sum(b.stored_size for b in new_blobs),
+            files=plan.files,
+            atoms=plan.atoms,
+            blobs=[b for b in blobs if b is not None],
+        )
+        lock.check("committing a part")
+        key = parts.publish(store.backend, part)
+    return CommitResult(
+        step=step,
+        manifest=0,
+        files=len(plan.files),
+        atoms=len(plan.atoms),
+        raw_bytes=part.raw_bytes,
+        new_blobs=len(new_blobs),
+        new_bytes=part.new_bytes,
+        derived_bytes=plan.derived_bytes,
+        seconds=time.perf_counter() - began,
+        stored_layers=sorted(scan.layers, key=sort_key),
+        part=key,
+    )
+
+
+class PieceWriter(Protocol):
+    """Names pieces by their xxh3-128 and, for a real commit, writes the new ones (BlobWriter)."""
+
+    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False) -> str: ...
+    def add_stream(self, src: InputFile, offset: int, length: int) -> str: ...
+    def hash_only(self, data: memoryview) -> str: ...
+
+
+class MasterPieces(Protocol):
+    """Sees each FP32 master piece as it is written; decides which weights are derived (derive.py)."""
+
+    def add_piece(self, seg: A.Segment, dtype: str, piece: memoryview) -> None: ...
+    def may_derive(self, path: str, param: str) -> bool: ...
+    def derivable(self, path: str, seg: A.Segment, weight_hash: str) -> bool: ...
+
+
+@dataclass
+class _Plan:
+    files: list[FileRecord] = field(default_factory=list)
+    atoms: list[AtomRecord] = field(default_factory=list)
+    layer_bytes: dict[str, int] = field(default_factory=dict)
+    derived_bytes: int = 0
+
+
+def write_files(
+    layout: CheckpointLayout,
+    scan: Scan,
+    stored: frozenset[str],
+    sources: dict[str, _Inheritance],
+    writer: PieceWriter,
+    rounded: MasterPieces,
+    progress: Progress,
+    release: bool = True,
+) -> _Plan:
+    """The second pass: one file at a time, masters before weights, each file released when done.
+
+    ``writer`` names (and writes) every blob; ``rounded`` sees every FP32 master piece and says
+    which weights are derived. A rank-parallel commit's survey passes a writer that only
+    names and a ``rounded`` that only compares (rank_share.py), and keeps the files' entries
+    (``release=False``) for the write that follows."""
+    plan = _Plan()
+    progress.start("commit", sum(f.size for f in scan.files))
+    by_path = {f.path: f for f in scan.files}
+    for f in (by_path[path] for path in write_order(layout)):
+        container: str | None = None
+        with f.open() as src:
+            if f.kind == RAW:
+                digest = _add_raw(writer, src)
+            else:
+                digest = writer.add(memoryview(f.skeleton_blob()))
+                literal = f.container(src)
+                container = None if literal is None else writer.add(memoryview(literal))
+                # Masters first, so that a weight in the same file (ZeRO 0) finds its rounded master.
+                segments = [(e, s) for e in f.entries for s in e.segments]
+                segments.sort(key=lambda es: es[1].kind != A.MASTER)
+                for entry, seg in segments:
+                    plan.atoms.append(_atom(f, src, entry, seg, stored, sources, writer, rounded, plan))
+            src.check()
+        plan.files.append(FileRecord(f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, f.trusted, container))
+        if release:
+            f.release()
+        progress.advance(f.size)
+    return plan
+
+
+def _add_raw(writer: BlobWriter, src: InputFile) -> str:
+    """A file kept whole: copied once when small, streamed in chunks when large (memory stays bounded)."""
+    if src.size <= CHUNK:
+        return writer.add(src.read(0, src.size))
+    return writer.add_stream(src, 0, src.size)
+
+
+def _atom(
+    f: ReadFile,
+    src: InputFile,
+    entry: A.TensorEntry,
+    seg: A.Segment,
+    stored: frozenset[str],
+    sources: dict[str, _Inheritance],
+    writer: PieceWriter,
+    rounded: MasterPieces,
+    plan: _Plan,
+) -> AtomRecord:
+    size = entry.tensor.element_size()
+    nbytes = seg.numel * size
+    shape = json.dumps(list(entry.tensor.shape) if seg.numel == entry.tensor.numel() else [seg.numel])
+    plan.layer_bytes[seg.layer] = plan.layer_bytes.get(seg.layer, 0) + nbytes
+    derived: str | None = None
+    if seg.layer in stored:
+        piece = f.piece(src, entry, seg)  # private memory: hashed and compressed from this one copy
+        if seg.kind == A.MASTER:
+            rounded.add_piece(seg, entry.dtype_name, piece)
+        weight_hash = writer.hash_only(piece) if rounded.may_derive(f.path, seg.param) else None
+        if weight_hash is not None and rounded.derivable(f.path, seg, weight_hash):
+            blob, derived = weight_hash, ROUND_FROM_MASTER
+            plan.derived_bytes += nbytes
+        else:
+            blob = writer.add(piece, itemsize=size, is_float=entry.tensor.is_floating_point())
+    else:
+        source = sources[seg.layer]
+        old = source.atoms.get((f.file_key, seg.param, seg.kind, seg.rank, seg.start, seg.numel))
+        if old is None or old.dtype != entry.dtype_name:
+            raise StoreError(
+                f"layer {seg.layer} cannot be inherited from step {source.step}: it has no matching piece for "
+                f"{seg.param} ({seg.kind}, rank {seg.rank}) in {f.path}. The layout or world size changed; "
+                "commit this step with `policy=full`."
+            )
+        blob, derived = old.blob, old.derived
+    return AtomRecord(
+        f.path,
+        entry.slot,
+        seg.offset,
+        seg.numel,
+        entry.dtype_name,
+        shape,
+        seg.param,
+        seg.kind,
+        seg.rank,
+        seg.start,
+        nbytes,
+        seg.layer,
+        blob,
+        derived,
+        None if entry.file_offset is None or not f.located else entry.file_offset + seg.offset * size,
+    )

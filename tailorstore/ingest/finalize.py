@@ -1,0 +1,198 @@
+"""``tailor commit --finalize step=N``: turn the parts several hosts committed into one manifest.
+
+Each host commits only its own ranks' files as a part (``tailor commit DIR --part``). Once
+every host is done, one of them (global rank 0 under torch.distributed) finalizes: it reads
+every part of the step, checks that together they hold every file the saved world size
+needs, and records one manifest exactly as a single-host commit would, then deletes the
+parts. A step with a missing part is refused, naming the missing ranks, and nothing is
+recorded; the parts stay for a later finalize.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tailorstore.access import structure
+from tailorstore.core.errors import BadCheckpointError, CorruptStoreError, StepExistsError, StoreError
+from tailorstore.core.policies import PolicySpec
+from tailorstore.curate.refs import check_tag
+from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
+from tailorstore.formats.layout import DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
+from tailorstore.store import manifest_objects
+from tailorstore.store.backend import blob_key
+from tailorstore.store.manifest_objects import check_run_name
+from tailorstore.store.parts import Part, read_parts
+from tailorstore.store.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
+from tailorstore.store.repo import Repository, check_step
+
+
+@dataclass
+class FinalizeResult:
+    step: int
+    manifest: int
+    parts: int
+    files: int
+    atoms: int
+    raw_bytes: int
+    new_bytes: int
+    seconds: float
+    sources: list[str] = field(default_factory=list)
+
+
+def missing_pieces(layout: str, files: list[FileRecord], world_size: int | None, zero_stage: int | None) -> list[str]:
+    """Pure: what a DeepSpeed step lacks for its saved world size, in words (empty when complete).
+
+    An HF Trainer checkpoint without DeepSpeed files has no ranks to check."""
+    names = [f.path.rsplit("/", 1)[-1] for f in files]
+    model = [n for n in names if is_model_states(n)]
+    optim_ranks = {file_rank(n) for n in names if is_optim_states(n)}
+    if layout == HF_TRAINER and not model and not optim_ranks:
+        return []
+    if not model:
+        return ["the model states file (mp_rank_00_model_states.pt, which rank 0 writes)"]
+    if world_size is None:
+        return []
+    missing: list[str] = []
+    if zero_stage:
+        lost = sorted(set(range(world_size)) - optim_ranks)
+        if lost:
+            missing.append(f"the optimizer states of rank(s) {lost}")
+    if zero_stage == 3:
+        model_ranks = {file_rank(n) for n in model}
+        lost = sorted(set(range(world_size)) - model_ranks)
+        if lost:
+            missing.append(f"the model states of rank(s) {lost}")
+    return missing
+
+
+def _merged_files(parts: list[Part]) -> tuple[list[FileRecord], list[AtomRecord]]:
+    """Files and atoms of all parts; a file two parts both hold (``latest``, scripts) must be the same."""
+    files: dict[str, tuple[FileRecord, Part]] = {}
+    for part in parts:
+        for f in part.files:
+            seen = files.get(f.path)
+            if seen is not None and (seen[0].blob, seen[0].raw_size) != (f.blob, f.raw_size):
+                raise BadCheckpointError(
+                    f"step {part.step}: {f.path} differs between parts {seen[1].source} and {part.source}; the "
+                    "hosts did not save the same step. Drop the parts with `gc(drop_parts=True)` and commit again."
+                )
+            files.setdefault(f.path, (f, part))
+    atoms = [a for f, part in files.values() for a in part.atoms if a.path == f.path]
+    return sorted((f for f, _ in files.values()), key=lambda f: f.path), atoms
+
+
+def _one_fact(parts: list[Part], name: str) -> int | None:
+    found = {p.facts[name] for p in parts if name in p.facts}
+    if len(found) > 1:
+        raise BadCheckpointError(f"the parts disagree on {name} ({sorted(found)}); they are not one save")
+    return found.pop() if found else None
+
+
+def _check_blobs(store: Repository, parts: list[Part]) -> None:
+    """Every blob a part names is in the backend (loose objects) or in a pack the index knows."""
+    for part in parts:
+        for row in part.blobs:
+            if row.pack is None:
+                ok = store.object_size(blob_key(row.hash)) == row.stored_size
+            else:
+                ok = store.blob(row.hash) is not None
+            if not ok:
+                raise CorruptStoreError(
+                    f"part {part.key} ({part.source}): blob {row.hash} is missing from {store.location}. "
+                    "Commit that part again with `commit(DIR, part=True, force=True)`, then finalize."
+                )
+
+
+def finalize_step(
+    store: Repository,
+    step: int,
+    *,
+    tag: str | None = None,
+    force: bool = False,
+    run: str = MAIN_RUN,
+    lock_timeout: float = 600.0,
+    on_wait: Callable[[str], None] | None = None,
+) -> FinalizeResult:
+    began = time.perf_counter()
+    check_step(step)
+    check_run_name(run)
+    if tag:
+        check_tag(tag)
+    with store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
+        store.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
+        parts = read_parts(store.backend, step, run)
+        if not parts:
+            raise StoreError(
+                f"step {step} has no parts to finalize. Each host commits its ranks with "
+                "`commit(DIR, part=True)` first."
+            )
+        if store.index.commit_at(step, run) is not None:
+            raise StepExistsError(f"step {step} is already in the store; its parts were finalized before.")
+        kinds = {p.layout for p in parts}
+        tags = {p.ds_tag for p in parts}
+        if len(tags) > 1 or (len(kinds) > 1 and not kinds <= {DEEPSPEED, DEEPSPEED_TAG}):
+            raise BadCheckpointError(
+                f"step {step}: the parts hold different layouts or tag folders "
+                f"({sorted(kinds)}, {sorted(map(str, tags))}); they are not one save."
+            )
+        layout = DEEPSPEED if DEEPSPEED in kinds else kinds.pop()
+        files, atoms = _merged_files(parts)
+        world_size, zero_stage = _one_fact(parts, "world_size"), _one_fact(parts, "zero_stage")
+        missing = missing_pieces(layout, files, world_size, zero_stage)
+        if missing:
+            raise BadCheckpointError(
+                f"step {step} is incomplete: its {len(parts)} part(s) lack {'; '.join(missing)}. Commit the missing "
+                "host's files with `commit(DIR, part=True)`, then finalize again."
+            )
+        _check_blobs(store, parts)
+        if not force:
+            structure.refuse_other_model(store.index, structure.from_atoms(atoms), run, store.run_base(run))
+        layer_bytes: dict[str, int] = {}
+        for a in atoms:
+            layer_bytes[a.layer] = layer_bytes.get(a.layer, 0) + a.nbytes
+        raw_bytes = sum(f.raw_size for f in files)
+        new_bytes = sum(p.new_bytes for p in parts)
+        with store.transaction() as index:
+            if tag and index.tagged(tag) is not None:
+                raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag.")
+            index.add_blobs(b for p in parts for b in p.blobs)  # a packed blob keeps the row its pack gave
+            manifest = index.insert_manifest(
+                ManifestRecord(
+                    step=step,
+                    origin=COMMIT,
+                    created_at=time.time(),
+                    layout=layout,
+                    ds_tag=parts[0].ds_tag,
+                    zero_stage=zero_stage,
+                    world_size=world_size,
+                    policy=json.dumps(PolicySpec().as_json()),
+                    exact=True,
+                    raw_bytes=raw_bytes,
+                    new_bytes=new_bytes,
+                    source="; ".join(sorted(p.source for p in parts)),
+                    run=run,
+                    tag=tag,
+                )
+            )
+            index.insert_files(manifest, files)
+            index.insert_atoms(manifest, atoms)
+            index.insert_layers(
+                manifest, [LayerRecord(x, manifest, step, n, True, None) for x, n in sorted(layer_bytes.items())]
+            )
+            manifest_objects.publish(store.backend, index, manifest, fence=lock)  # the commit point
+        for part in parts:  # after the manifest is durable: a crash before leaves parts gc can drop
+            store.backend.delete(part.key)
+    return FinalizeResult(
+        step=step,
+        manifest=manifest,
+        parts=len(parts),
+        files=len(files),
+        atoms=len(atoms),
+        raw_bytes=raw_bytes,
+        new_bytes=new_bytes,
+        seconds=time.perf_counter() - began,
+        sources=sorted(p.source for p in parts),
+    )

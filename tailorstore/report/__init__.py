@@ -1,0 +1,1 @@
+"""Reading a store for people: log and show, diff and plot, usage, verify."""

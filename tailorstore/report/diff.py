@@ -1,0 +1,147 @@
+"""``tailor diff`` and ``tailor plot``: how much each layer moved between steps.
+
+The measure is the relative change ||w_B - w_A|| / ||w_A||, per layer, of the FP32 master
+and of the model weight, computed from the stored atoms (derived weights are rebuilt).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from tailorstore.access import structure
+from tailorstore.access.changes import relative_change, stored_pieces
+from tailorstore.access.output_dir import partial_prefix, refuse_inside_store
+from tailorstore.core import atoms as A
+from tailorstore.core.errors import StoreError
+from tailorstore.core.layers import STATE, sort_key
+from tailorstore.store.records import COMMIT, MAIN_RUN
+from tailorstore.store.repo import Repository
+
+
+@dataclass(frozen=True)
+class LayerDiff:
+    layer: str
+    master: float | None
+    weight: float | None
+
+
+def diff(store: Repository, selector_a: str, selector_b: str) -> tuple[int, int, list[LayerDiff]]:
+    """Per layer, the change from A to B; refused, with the reason, where the two cannot be compared."""
+    a, b = store.resolve(selector_a), store.resolve(selector_b)
+    ma, mb = store.manifest(a), store.manifest(b)
+    step_a, step_b = ma.step, mb.step
+    other = structure.differences(structure.of_manifest(store.index, a), structure.of_manifest(store.index, b))
+    if other:
+        raise StoreError(
+            f"cannot compare step {step_a} with step {step_b}: they hold different models ({'; '.join(other)})"
+        )
+    if (ma.world_size, ma.zero_stage) != (mb.world_size, mb.zero_stage):
+        raise StoreError(
+            f"cannot compare step {step_a} with step {step_b}: they were saved at different world sizes or ZeRO "
+            "stages, and diff compares piece by piece"
+        )
+    layers_a = {x.layer for x in store.index.layers(a)}
+    layers_b = {x.layer for x in store.index.layers(b)}
+    out = []
+    for layer in sorted((layers_a & layers_b) - {STATE}, key=sort_key):
+        values = []
+        for kind in (A.MASTER, A.WEIGHT):
+            old, new = stored_pieces(store, a, layer, kind), stored_pieces(store, b, layer, kind)
+            values.append(relative_change(new, old) if old and new else None)
+        out.append(LayerDiff(layer, values[0], values[1]))
+    return step_a, step_b, out
+
+
+@dataclass
+class ChangeMatrix:
+    columns: list[str]  # one per manifest after the first, in step order: "step N" or "step N (tag T)"
+    layers: list[str]  # every layer but state, in model order
+    values: list[list[float | None]]  # [layer][column]: change since the previous column; None: not comparable
+    inherited: list[list[bool]]  # [layer][column]: the layer was not stored at that manifest
+
+
+def change_matrix(store: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
+    """Per committed step and layer: change since the previous committed step. Merges and averages are
+    no steps of training (one carries its base's step, and would read as a change in time), so they
+    are left out.
+
+    An inherited layer is flagged rather than shown as 0 change, which would read as a frozen layer.
+    """
+    rows = [r for r in store.index.manifests(run) if r.origin == COMMIT]
+    if len(rows) < 2:
+        raise StoreError("plotting change needs at least two committed steps")
+    layers = sorted(store.index.layer_names() - {STATE}, key=sort_key)
+    held = {(r.id, x.layer): x.source_step == r.step for r in rows for x in store.index.layers(r.id)}
+    columns = [f"step {r.step}" + (f" ({r.tag})" if r.tag else "") for r in rows[1:]]
+    values: list[list[float | None]] = []
+    inherited: list[list[bool]] = []
+    for layer in layers:
+        line: list[float | None] = []
+        flags: list[bool] = []
+        previous = stored_pieces(store, rows[0].id, layer)
+        for r in rows[1:]:
+            current = stored_pieces(store, r.id, layer)
+            flags.append(not held.get((r.id, layer), True))
+            line.append(relative_change(current, previous) if current and previous else None)
+            previous = current
+        values.append(line)
+        inherited.append(flags)
+    return ChangeMatrix(columns, layers, values, inherited)
+
+
+def plot(store: Repository, out: Path, run: str = MAIN_RUN) -> Path:
+    """A PNG heatmap of the change of each layer over the run's manifests, written whole at ``out``."""
+    _check_plot_out(store, out)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Patch, Rectangle
+
+    m = change_matrix(store, run)
+    cells = zip(m.values, m.inherited, strict=True)
+    data = np.array(
+        [[np.nan if v is None or gone else v for v, gone in zip(line, flags, strict=True)] for line, flags in cells],
+        dtype=float,
+    )
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(m.columns) + 3), max(3.0, 0.35 * len(m.layers) + 1.8)))
+    cmap = matplotlib.colormaps["viridis"].copy()
+    cmap.set_bad("lightgrey")
+    image = ax.imshow(data, aspect="auto", cmap=cmap, origin="lower")
+    for y, flags in enumerate(m.inherited):
+        for x, gone in enumerate(flags):
+            if gone:
+                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, hatch="///", edgecolor="grey", lw=0))
+    ax.set_xticks(range(len(m.columns)), m.columns, rotation=45, ha="right")
+    ax.set_yticks(range(len(m.layers)), m.layers)
+    ax.set_xlabel("manifest (change since the previous one)")
+    ax.set_ylabel("layer")
+    ax.set_title("FP32 master change since the previous manifest\n||w - w_prev|| / ||w_prev||", fontsize=10)
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    inherited = Patch(facecolor="lightgrey", hatch="///", edgecolor="grey", label="inherited (not stored here)")
+    fig.legend(handles=[inherited], loc="lower left", fontsize=8, frameon=False)
+    tmp = out.parent / f"{partial_prefix(out)}{secrets.token_hex(4)}"
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, out)  # a finished picture or none: never a cut one under the name
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _check_plot_out(store: Repository, out: Path) -> None:
+    """A new or existing .png file outside the store: matplotlib would otherwise pick the format
+    from any suffix (a traceback for .sqlite), write ``DIR.png`` beside a directory named, and
+    write into a device as if it were a file."""
+    if out.suffix.lower() != ".png":
+        raise StoreError(f"{out}: the plot is a PNG; give a path ending in .png.")
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        raise StoreError(f"{out}: exists and is not a regular file; give a new .png path or an old plot's.")
+    refuse_inside_store(out, store)
+    out.parent.mkdir(parents=True, exist_ok=True)  # as checkout and export make their folder's parents

@@ -1,0 +1,70 @@
+"""``tailor du``: where the store's bytes go, from the index (no blob is read).
+
+A blob shared by several manifests or kinds is counted once, under the first kind that uses
+it. "Held alone" is what dropping that manifest (and running gc) would free; "gc frees now"
+is what `tailor gc` without retention rules would delete today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tailorstore.core import atoms as A
+from tailorstore.curate.gc import Retention, effective_rules, plan_gc
+from tailorstore.store.repo import Repository
+
+_KIND_GROUPS = {A.WEIGHT: "weights", A.MASTER: "masters", A.EXP_AVG: "moments", A.EXP_AVG_SQ: "moments"}
+
+
+@dataclass
+class KindUsage:
+    raw_bytes: int = 0  # what the manifests' atoms of this kind stand for, counting every manifest
+    stored_bytes: int = 0  # compressed bytes of the distinct blobs first used by this kind
+    derived_bytes: int = 0  # raw bytes rebuilt from the master instead of stored
+
+
+@dataclass
+class StepUsage:
+    manifest: int
+    step: int
+    tag: str | None
+    raw_bytes: int
+    held_alone: int  # stored bytes of blobs no other manifest uses
+    id: str = "-"  # the manifest's name on every host
+
+
+@dataclass
+class Usage:
+    manifests: int
+    stored_bytes: int  # blobs as stored, plus the index
+    index_bytes: int
+    raw_bytes: int  # the checkpoints the manifests check out to
+    ratio: float
+    kinds: dict[str, KindUsage] = field(default_factory=dict)
+    steps: list[StepUsage] = field(default_factory=list)
+    gc_frees: int = 0
+
+
+def usage(store: Repository) -> Usage:
+    index = store.index
+    blob_bytes = index.blob_object_bytes()  # loose blob objects, and whole packs (trailers and dead bytes too)
+    index_bytes = sum(p.stat().st_size for p in store.where.index_path.parent.glob("index.sqlite*") if p.is_file())
+    manifests = index.manifests()
+    # A thinned step keeps only some of its files: its raw bytes are theirs, not the whole save's it
+    # was committed as (which counted its dropped optimizer states as "files", many times too much).
+    raw_of = {m.id: m.raw_bytes if m.tier is None else sum(f.raw_size for f in index.files(m.id)) for m in manifests}
+    raw_total = sum(raw_of.values())
+    stored = blob_bytes + index_bytes
+    out = Usage(len(manifests), stored, index_bytes, raw_total, raw_total / stored if stored else 0.0)
+    for kind, raw, derived, stored_bytes in index.kind_totals():
+        group = out.kinds.setdefault(_KIND_GROUPS.get(kind, "other state"), KindUsage())
+        group.raw_bytes += raw
+        group.derived_bytes += derived
+        group.stored_bytes += stored_bytes
+    other_files = out.kinds.setdefault("files", KindUsage())  # skeletons, containers, whole files
+    other_files.stored_bytes += index.non_atom_blob_bytes()
+    other_files.raw_bytes = max(0, out.raw_bytes - sum(k.raw_bytes for name, k in out.kinds.items() if name != "files"))
+    alone = index.bytes_alone()
+    out.steps = [StepUsage(m.id, m.step, m.tag, raw_of[m.id], alone.get(m.id, 0), m.name) for m in manifests]
+    out.gc_frees = plan_gc(store, effective_rules(store, Retention())).freed_bytes
+    return out

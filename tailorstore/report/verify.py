@@ -1,0 +1,200 @@
+"""``tailor verify``: check that the store can hand back every manifest it holds.
+
+Like ``restic check`` and ``git fsck``. The default pass reads the index and stats the blob
+files: every blob a manifest needs has an index row and a file of the recorded size, atoms
+tile their tensors, derived weights have their masters. ``--deep`` also decodes every blob
+and re-hashes it. Every problem names the step, the layer and the file it affects.
+Leftover temp files and orphan blobs are reported as notes: they block nothing and the
+next ``tailor gc`` removes them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from tailorstore.access.atom_reader import stream_rebuilt
+from tailorstore.core.atoms import MASTER
+from tailorstore.core.errors import CorruptStoreError
+from tailorstore.core.paths import check_relative
+from tailorstore.store import codec
+from tailorstore.store.records import AtomRecord, BlobRecord
+from tailorstore.store.repo import Repository
+
+CHECKERS = 4  # threads of a deep check: two decode and hash on two cores while two wait on the disk or network
+
+
+@dataclass
+class VerifyReport:
+    manifests: int = 0
+    blobs_checked: int = 0
+    bytes_rehashed: int = 0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _users(store: Repository, manifest_ids: list[int]) -> dict[str, list[str]]:
+    """blob -> where it is used, as 'step S, layer L, file F' (for messages)."""
+    users: dict[str, list[str]] = defaultdict(list)
+    for digest, where in store.index.blob_uses(manifest_ids):
+        users[digest].append(where)
+    return users
+
+
+def _place(where: list[str]) -> str:
+    return "; ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+
+
+def verify(
+    store: Repository, selector: str | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None
+) -> VerifyReport:
+    report = VerifyReport()
+    report.problems.extend(store.index.integrity_problems())
+    if selector is None:
+        ids = [m.id for m in store.index.manifests()]
+    else:
+        ids = [store.resolve(selector)]
+    report.manifests = len(ids)
+    users = _users(store, ids) if ids else {}
+    for manifest in ids:
+        _check_structure(store, manifest, report)
+    rows = {digest: store.blob(digest) for digest in sorted(users)}
+    for digest, row in rows.items():
+        if row is None:
+            report.problems.append(f"blob {digest}: no row in the index (used by {_place(users[digest])})")
+    held = store.holdings()  # every object's size from a listing, not a request per blob
+    # in pack order, so that on an object store a deep check reads each pack a span at a time
+    found = sorted((r for r in rows.values() if r is not None), key=lambda r: (r.pack or "", r.pack_offset or 0))
+    with store.reading(found if deep else ()), _checkers(CHECKERS if deep else 1) as pool:
+        checks = pool.map(lambda r: _check_blob(store, r, held.stored_bytes(r), _place(users[r.hash]), deep), found)
+        for row, (problem, rehashed) in zip(found, checks, strict=True):
+            report.blobs_checked += 1
+            report.bytes_rehashed += rehashed
+            if problem:
+                report.problems.append(problem)
+            if progress:
+                progress(row.raw_size)
+    if deep:
+        rebuilt: set[tuple] = set()
+        jobs = [job for manifest in ids for job in _derived_jobs(store, manifest, rebuilt)]
+        masters = [r for blob in sorted({m for _, _, _, ms in jobs for m in ms}) if (r := store.blob(blob))]
+        with store.reading(masters), _checkers(CHECKERS) as pool:
+            checks = pool.map(lambda job: _rebuild(store, *job[:3]), jobs)
+            for (_, atom, _, _), problem in zip(jobs, checks, strict=True):
+                report.bytes_rehashed += atom.nbytes
+                if problem:
+                    report.problems.append(problem)
+    indexed = store.index.blob_hashes()
+    orphans = [n for n in held.blobs if n not in indexed]
+    if orphans:
+        report.notes.append(f"{len(orphans)} orphan blob file(s) no manifest uses; `tailor gc` removes them")
+    known_packs = set(store.index.packs())
+    stray = [n for n in held.packs if n not in known_packs]
+    if stray:
+        report.notes.append(f"{len(stray)} pack(s) the index does not know; `tailor gc` removes them")
+    temps = store.backend.leftovers()
+    if temps:
+        report.notes.append(f"{len(temps)} temp file(s) of interrupted commits; `tailor gc` removes them")
+    return report
+
+
+@contextmanager
+def _checkers(threads: int) -> Iterator[ThreadPoolExecutor]:
+    """A pool whose queued checks are cancelled when one fails outright (an unreachable server):
+    the error comes at once, not after every other check has failed in turn."""
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="tailor-verify")
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _check_blob(store: Repository, row: BlobRecord, size: int | None, place: str, deep: bool) -> tuple[str | None, int]:
+    """(the problem found or None, bytes re-hashed) for one blob; ``size``: how many of its stored
+    bytes its object holds, None when it is missing. Run on several threads: touches no report."""
+    if size is None:
+        return f"blob {row.hash}: file missing (used by {place})", 0
+    if size != row.stored_size:
+        truncated = f"file has {size} bytes, the index says {row.stored_size}; truncated"
+        return f"blob {row.hash}: {truncated} (used by {place})", 0
+    if not deep:
+        return None, 0
+    buf = bytearray(row.raw_size)
+    try:
+        with store.open_row(row, place) as f:
+            codec.decode_into(row.codec, f, memoryview(buf), f"blob {row.hash}")
+    except CorruptStoreError as exc:
+        return f"{exc} (used by {place})", 0
+    if codec.content_hash(buf) != row.hash:
+        return f"blob {row.hash}: content does not match its hash; damaged (used by {place})", row.raw_size
+    return None, row.raw_size
+
+
+def _derived_jobs(store: Repository, manifest: int, done: set[tuple]) -> list[tuple[int, AtomRecord, str, tuple]]:
+    """The derived weights of a manifest to rebuild from their masters and check, as checkout does:
+    (manifest, atom, where, master blobs).
+
+    A master atom pointed at another step's (intact) blob passes the blob checks, but its
+    weight would no longer rebuild. The same weight over the same master blobs is rebuilt once.
+    """
+    step = store.manifest(manifest).step
+    masters: dict[str, list[AtomRecord]] = defaultdict(list)
+    for a in store.index.atoms(manifest, kind=MASTER):
+        masters[a.param].append(a)
+    jobs = []
+    for atom in sorted(store.index.atoms(manifest, derived=True), key=lambda a: a.param):
+        blobs = tuple(m.blob for m in sorted(masters[atom.param], key=lambda m: m.start))
+        key = (atom.blob, atom.dtype, blobs)
+        if key in done:
+            continue
+        done.add(key)
+        jobs.append((manifest, atom, f"step {step}, layer {atom.layer}, file {atom.path}", blobs))
+    return jobs
+
+
+def _rebuild(store: Repository, manifest: int, atom: AtomRecord, where: str) -> str | None:
+    """Rebuild one derived weight a chunk at a time (its hash is checked after the last); the problem or None."""
+    try:
+        for _ in stream_rebuilt(store, manifest, atom, where):
+            pass
+    except CorruptStoreError as exc:
+        return str(exc)
+    return None
+
+
+def _check_structure(store: Repository, manifest: int, report: VerifyReport) -> None:
+    step = store.manifest(manifest).step
+    for f in store.index.files(manifest):
+        try:
+            check_relative(f.path)
+        except Exception as exc:  # UnsafePathError; reported, not raised
+            report.problems.append(f"step {step}, file {f.path!r}: {exc}")
+    cursor: dict[tuple[str, int], int] = {}
+    atoms = store.index.atoms(manifest)
+    for a in atoms:
+        key = (a.path, a.slot)
+        if cursor.get(key, 0) != a.offset:
+            report.problems.append(
+                f"step {step}, layer {a.layer}, file {a.path}: atoms of tensor slot {a.slot} leave a gap "
+                f"or overlap at element {a.offset}"
+            )
+        cursor[key] = a.offset + a.numel
+    with_master = {a.param for a in atoms if a.kind == MASTER}
+    reported: set[tuple[str, str, str]] = set()
+    for a in atoms:
+        if a.derived is not None and a.param not in with_master and (a.param, a.layer, a.path) not in reported:
+            reported.add((a.param, a.layer, a.path))
+            report.problems.append(
+                f"step {step}, layer {a.layer}, file {a.path}: derived weight {a.param} "
+                "has no FP32 master to be rebuilt from"
+            )

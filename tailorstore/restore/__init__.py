@@ -1,0 +1,1 @@
+"""Writing stored steps back out: checkout, another world size, the universal layout, export."""

@@ -1,0 +1,139 @@
+"""``tailor checkout``: write a manifest back in its native layout, every byte checked.
+
+Files are written into a hidden sibling directory and renamed to ``--out`` only when every
+file is complete, fsynced and every blob has matched its hash. A failed or killed
+checkout therefore never leaves a directory that looks complete under the requested
+name; the hidden ``.NAME.tailor-partial-*`` directory a killed one leaves is deleted by the
+next checkout or export to that name (see :mod:`output_dir`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tailorstore.access import placement
+from tailorstore.access.atom_reader import blob_of, stream_blob
+from tailorstore.access.output_dir import staged
+from tailorstore.core.errors import CorruptStoreError, UnsafePickleError
+from tailorstore.core.paths import safe_join
+from tailorstore.core.progress import Progress, Silent
+from tailorstore.curate.thinning import refuse_thinned
+from tailorstore.formats.kinds import RAW, SAFETENSORS, TORCH
+from tailorstore.formats.layout import DEEPSPEED_TAG
+from tailorstore.store.records import FileRecord, ManifestRecord
+from tailorstore.store.repo import Repository
+
+
+@dataclass
+class CheckoutResult:
+    step: int
+    manifest: int
+    out: Path
+    files: int
+    bytes_written: int
+    inherited: dict[str, int] = field(default_factory=dict)  # layer -> source step, for composites
+    seconds: float = 0.0  # the library call, without the process's start-up
+
+
+def inherited_layers(store: Repository, manifest: int) -> dict[str, int]:
+    step = store.manifest(manifest).step
+    return {x.layer: x.source_step for x in store.index.layers(manifest) if x.source_step != step}
+
+
+def checkout_step(
+    store: Repository,
+    selector: str,
+    out: Path,
+    *,
+    trust_pickles: bool = False,
+    progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> CheckoutResult:
+    began = time.perf_counter()
+    progress = progress or Silent()
+    manifest = store.resolve(selector)
+    facts = store.manifest(manifest)
+    step = facts.step
+    refuse_thinned(facts, "a checkout")
+    out = Path(out)
+    files = store.index.files(manifest)
+    inherited = inherited_layers(store, manifest)
+    if inherited and warn:
+        names = ", ".join(f"{layer} (from step {src})" for layer, src in sorted(inherited.items()))
+        warn(f"step {step} is a composite: these layers come from other steps: {names}")
+    for row in files:
+        safe_join(out, row.path)  # refuse before writing anything
+        if row.trusted and not trust_pickles:
+            raise UnsafePickleError(
+                f"step {step}, file {row.path}: this file was committed with `trust_pickles=True` and holds globals "
+                "outside the allowlist; pass `trust_pickles=True` to check it out."
+            )
+    try:
+        with store.reading_manifest(manifest), staged(out, store) as tmp:
+            progress.start(f"checkout step {step}", sum(r.raw_size for r in files))
+            written = write_step_files(store, facts, files, tmp, trust_pickles=trust_pickles, advance=progress.advance)
+            if facts.layout == DEEPSPEED_TAG and facts.ds_tag and not any(r.path == "latest" for r in files):
+                # A tag folder was committed; `engine.load_checkpoint(out)` needs `latest` to find it.
+                (tmp / "latest").write_text(facts.ds_tag)
+    finally:
+        progress.close()
+    return CheckoutResult(step, manifest, out, len(files), written, inherited, time.perf_counter() - began)
+
+
+def placed_rows(rows: list[FileRecord]) -> list[FileRecord]:
+    """The files written in place from a container and atoms (:mod:`placement`); the rest are
+    whole-file blobs, or files committed without a container (by tailorstore 0.1)."""
+    return [row for row in rows if row.container is not None and row.kind in (TORCH, SAFETENSORS)]
+
+
+def write_step_files(
+    store: Repository,
+    facts: ManifestRecord,
+    rows: list[FileRecord],
+    root: Path,
+    *,
+    trust_pickles: bool = False,
+    advance: Callable[[int], None] = lambda n: None,
+) -> int:
+    """Write files of manifest ``facts`` under ``root`` byte for byte, every byte hash-checked: those
+    with a container placed around their atoms, whole-file blobs streamed, files committed without a
+    container (by tailorstore 0.1) re-pickled by torch. Returns the bytes written."""
+    manifest, step = facts.id, facts.step
+    written = 0
+    placed = placed_rows(rows)
+    if placed:
+        placement.write_files(store, facts, placed, root, advance=advance)
+        written += sum(safe_join(root, row.path).stat().st_size for row in placed)
+    placed_paths = {row.path for row in placed}
+    for row in rows:
+        if row.path in placed_paths:
+            continue
+        target = safe_join(root, row.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        where = f"step {step}, file {row.path}"
+        if row.kind == RAW:
+            write_raw_blob(store, row.blob, target, where)
+        elif row.kind in (TORCH, SAFETENSORS):
+            # Files committed without a container (by tailorstore 0.1) are re-pickled by torch; importing
+            # it here, not at the top, keeps the two seconds it costs off every checkout that needs none.
+            from tailorstore.restore import repickle
+
+            repickle.write_file(store, manifest, row, target, where, trust_pickles)
+        else:
+            raise CorruptStoreError(f"{where}: unknown file kind {row.kind!r}; upgrade tailorstore")
+        os.chmod(target, (row.mode or 0o644) & 0o777)  # never setuid, setgid or sticky
+        written += target.stat().st_size
+        advance(row.raw_size)
+    return written
+
+
+def write_raw_blob(store: Repository, digest: str, target: Path, where: str) -> None:
+    """A whole-file blob, streamed through one reused buffer and hash-checked: memory stays at a chunk."""
+    row = blob_of(store, digest, where)
+    with open(target, "wb") as out:
+        for piece in stream_blob(store, row, 0, row.raw_size, where):
+            out.write(piece)

@@ -1,0 +1,47 @@
+"""What a store write that fails leaves behind: nothing that is not recorded.
+
+A commit, an average and a thinning all write blobs before they record anything, so a failed
+one must take its blobs back. Not the commit's own module: checkout, export and conversions
+refuse thinned steps through :mod:`thinning`, which needs this, and must not import the whole
+commit machinery for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from tailorstore.core.progress import Progress
+from tailorstore.store import parts
+from tailorstore.store.backend import blob_key
+from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.lock import LockHandle
+from tailorstore.store.packs import pack_key
+from tailorstore.store.repo import Repository
+from tailorstore.store.writer import BlobWriter
+
+
+@contextmanager
+def cleaned_up_on_failure(
+    store: Repository, writer: BlobWriter, lock: LockHandle | LeaseHandle, progress: Progress
+) -> Iterator[None]:
+    """A failure leaves no temp files, and, when this commit is alone on the store, no blobs
+    that nothing records."""
+    try:
+        yield
+    except BaseException:
+        writer.abort()
+        if lock.try_exclusive():
+            remove_unindexed(store, writer)
+        raise
+    finally:
+        progress.close()
+
+
+def remove_unindexed(store: Repository, writer: BlobWriter) -> None:
+    """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes
+    (a part of another host may hold the same blob without this index knowing)."""
+    held = {h for part in parts.read_parts(store.backend) for h in part.blob_hashes()}
+    loose = [blob_key(d) for d in writer.written() if store.blob(d) is None and d not in held]
+    packed = [pack_key(name) for name in writer.written_packs() if not store.index.has_pack(name)]
+    store.backend.delete_many([*loose, *packed])
