@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from typing import Protocol
 
 from tailorstore.core.errors import InputChangedError, StoreError
 from tailorstore.core.reused_memory import SLAB_BYTES
-from tailorstore.formats.source import InputFile
 from tailorstore.store import codec
-from tailorstore.store.backend import BackendError, blob_key
+from tailorstore.store.backend import BackendError, BytesLike, blob_key
 from tailorstore.store.packs import PACK_BELOW, PackWriter
 from tailorstore.store.posix import is_out_of_space
 from tailorstore.store.records import BlobRecord
@@ -43,6 +43,16 @@ def disk_full(location: str) -> StoreError:
         f"{location}: no space left on the device while writing the commit. The commit was not "
         "recorded and the store is as it was; free some space (or run `tailor gc`) and commit again."
     )
+
+
+class RangeSource(Protocol):
+    """What the writer needs of an input file to store a range of it as one blob: its hash, and
+    its bytes in chunks checked against that hash as they are read (an input that changes in
+    between is refused by the source). The store knows no input format: formats/source.py's
+    ``InputFile`` is one such source."""
+
+    def hash(self, offset: int, length: int) -> str: ...
+    def verified_chunks(self, offset: int, length: int, digest: str) -> Iterable[BytesLike]: ...
 
 
 class BlobWriter:
@@ -85,7 +95,7 @@ class BlobWriter:
         self._pending[digest] = future
         return digest
 
-    def add_stream(self, src: InputFile, offset: int, length: int) -> str:
+    def add_stream(self, src: RangeSource, offset: int, length: int) -> str:
         """Name a large range of an input file and write it if new, in chunks, on this thread."""
         if self._failure is not None:
             raise self._failure
