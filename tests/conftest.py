@@ -337,3 +337,13 @@ def commit_and_reset_reads(store: Store, checkpoint: Path, reads: dict[str, int]
     derived = {a.path for a in store.repo.index.atoms(1) if a.derived is not None}
     reads.clear()
     return masters, derived
+
+
+@pytest.fixture(scope="session")
+def small_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store holding the small DeepSpeed save kept in tests/data (no training), committed once;
+    each test damages its own copy."""
+    store = tmp_path_factory.mktemp("small") / "store"
+    assert tailor("init", str(store)).returncode == 0
+    assert tailor("commit", str(Path(__file__).parent / "data" / "format1" / "checkpoint"), store=store).returncode == 0
+    return store

@@ -184,7 +184,16 @@ def test_a_command_loads_the_machinery_of_its_own_verb_only(runs: Runs, tmp_path
         st.commit(as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "at3"))
     verbs = tuple(
         f"tailorstore.{name}"
-        for name in ("averaging", "commit", "export", "gc", "merge_spec", "reshard", "universal", "verify")
+        for name in (
+            "curate.averaging",
+            "ingest.commit",
+            "restore.export",
+            "curate.gc",
+            "curate.merge_spec",
+            "restore.reshard",
+            "restore.universal",
+            "report.verify",
+        )
     )
     assert _loaded_by("log", store=store, also=verbs) == []
     assert _loaded_by("show", "step=3", store=store, also=verbs) == []

@@ -507,16 +507,6 @@ def test_two_checkouts_into_one_directory(two_steps, tmp_path: Path) -> None:
         assert (out / "latest").read_text() == "global_step6"
 
 
-@pytest.fixture(scope="module")
-def small_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A store holding the small DeepSpeed save kept in tests/data (no training), committed once;
-    each test damages its own copy."""
-    store = tmp_path_factory.mktemp("small") / "store"
-    assert tailor("init", str(store)).returncode == 0
-    assert tailor("commit", str(Path(__file__).parent / "data" / "format1" / "checkpoint"), store=store).returncode == 0
-    return store
-
-
 def _rewritten(obj: Path, change) -> None:
     """Rewrite a manifest object's document through ``change`` (a host with another writer, or damage)."""
     doc = json.loads(zstandard.ZstdDecompressor().decompress(obj.read_bytes(), max_output_size=1 << 30))
