@@ -48,8 +48,9 @@ from tailorstore.core.layers import AUX_GROUPS, STATE, block_index, sort_key
 from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
 from tailorstore.curate.merge_spec import AUX_KEYS, MergeSpecError, layer_range, merge_record, ref_of
-from tailorstore.store import manifest_objects
 from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
+from tailorstore.store.index import Index
+from tailorstore.store.publish import record_manifest
 from tailorstore.store.records import THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
 from tailorstore.store.repo import MAX_STEP, Repository
 from tailorstore.store.writer import BlobWriter
@@ -239,21 +240,21 @@ def average(store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, 
             replaced = _write_averages(store, base, manifests, parsed, layers, writer)
             new_blobs = writer.finish()
         record = merge_record(base_record, tag, {"name": "average", "spec": spec}, spec_path, new_blobs)
-        published: str | None = None
+
+        def rows(index: Index) -> int:
+            if index.tagged(tag):
+                raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
+            index.add_packs(writer.new_packs())
+            index.upsert_blobs(new_blobs)
+            new = index.insert_manifest(record)
+            index.insert_files(new, index.files(base))
+            index.insert_atoms(new, [replaced.get(a.key(), a) for a in index.atoms(base)])
+            index.insert_layers(new, _layers(index.layers(base), layers, new, base_record.step))
+            return new
+
         try:
-            with store.transaction() as index:
-                if index.tagged(tag):
-                    raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
-                index.add_packs(writer.new_packs())
-                index.upsert_blobs(new_blobs)
-                new = index.insert_manifest(record)
-                index.insert_files(new, index.files(base))
-                index.insert_atoms(new, [replaced.get(a.key(), a) for a in index.atoms(base)])
-                index.insert_layers(new, _layers(index.layers(base), layers, new, base_record.step))
-                published = manifest_objects.publish(store.backend, index, new, fence=lock)
+            new = record_manifest(store, rows, fence=lock).manifest
         except BaseException:
-            if published is not None:
-                manifest_objects.unpublish(store.backend, [published])
             if lock.try_exclusive():
                 remove_unindexed(store, writer)
             raise

@@ -29,8 +29,8 @@ from tailorstore.core.layers import STATE, block_index, sort_key
 from tailorstore.curate.averaging import LOCK_TIMEOUT, AverageResult, average, is_averaging
 from tailorstore.curate.merge_spec import AUX_KEYS, MergeSpecError, layer_range, load_spec, merge_record, ref_of
 from tailorstore.curate.refs import check_tag
-from tailorstore.store import manifest_objects
 from tailorstore.store.index import Index
+from tailorstore.store.publish import record_manifest
 from tailorstore.store.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord
 from tailorstore.store.repo import Repository
 
@@ -110,15 +110,19 @@ def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> 
                 )
         sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
         record = merge_record(base_record, tag, {"name": "merge", "spec": spec}, spec_path)
-        with store.transaction() as index:
+        composed: list[LayerRecord] = []
+
+        def rows(index: Index) -> int:
             if index.tagged(tag):
                 raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
             new = index.insert_manifest(record)
             index.insert_files(new, index.files(base))
             index.insert_atoms(new, _composed_atoms(index, base, sources))
-            composed = _composed_layers(index, base, sources)
+            composed[:] = _composed_layers(index, base, sources)
             index.insert_layers(new, composed)
-            manifest_objects.publish(store.backend, index, new, fence=lock)
+            return new
+
+        new = record_manifest(store, rows, fence=lock).manifest
     ordered = dict(sorted(((x.layer, x.source_step) for x in composed), key=lambda kv: sort_key(kv[0])))
     seconds = time.perf_counter() - began
     return MergeResult(new, tag, base_record.step, ordered, chosen, seconds, store.manifest(new).name)

@@ -44,7 +44,7 @@ from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifest_objects import check_run_name
 from tailorstore.store.parts import Part
-from tailorstore.store.posix import is_out_of_space
+from tailorstore.store.publish import record_manifest
 from tailorstore.store.records import (
     COMMIT,
     MAIN_RUN,
@@ -56,7 +56,7 @@ from tailorstore.store.records import (
     ManifestRecord,
 )
 from tailorstore.store.repo import Repository, check_step
-from tailorstore.store.writer import BlobWriter, disk_full
+from tailorstore.store.writer import BlobWriter
 
 
 @dataclass
@@ -243,68 +243,62 @@ def commit_checkpoint(
         raw_bytes = sum(f.size for f in files)
         facts = _facts(files)
         new_bytes = sum(b.stored_size for b in new_blobs)
-        published: str | None = None
         replaced: ManifestRecord | None = None
-        try:
-            with store.transaction() as index:
-                pinned = False
-                if options.force:  # the replaced step keeps its tag and pin, unless a new tag is given
-                    replaced = index.commit_at(step, run)
-                    if replaced is not None:
-                        tag = tag or replaced.tag
-                        pinned = replaced.pinned
-                    index.delete_commit_at(step, run)
-                    if tag and (holder := index.tagged(tag)) is not None:
-                        index.set_tag(holder.id, None)
-                _refuse_existing(index, step, tag, run)
-                index.add_packs(writer.new_packs())
-                index.upsert_blobs(new_blobs)  # a repaired blob (rewritten because its object was missing) moves
-                manifest = index.insert_manifest(
-                    ManifestRecord(
-                        step=step,
-                        origin=COMMIT,
-                        created_at=time.time(),
-                        layout=layout.kind,
-                        ds_tag=layout.ds_tag,
-                        zero_stage=facts.get("zero_stage"),
-                        world_size=facts.get("world_size"),
-                        policy=json.dumps(options.policy.as_json()),
-                        exact=stored >= layers,
-                        raw_bytes=raw_bytes,
-                        new_bytes=new_bytes,
-                        source=str(Path(ckpt_dir).resolve()),
-                        run=run,
-                        tag=tag,
-                        pinned=pinned,
+
+        def rows(index: Index) -> int:
+            nonlocal replaced, tag
+            pinned = False
+            if options.force:  # the replaced step keeps its tag and pin, unless a new tag is given
+                replaced = index.commit_at(step, run)
+                if replaced is not None:
+                    tag = tag or replaced.tag
+                    pinned = replaced.pinned
+                index.delete_commit_at(step, run)
+                if tag and (holder := index.tagged(tag)) is not None:
+                    index.set_tag(holder.id, None)
+            _refuse_existing(index, step, tag, run)
+            index.add_packs(writer.new_packs())
+            index.upsert_blobs(new_blobs)  # a repaired blob (rewritten because its object was missing) moves
+            manifest = index.insert_manifest(
+                ManifestRecord(
+                    step=step,
+                    origin=COMMIT,
+                    created_at=time.time(),
+                    layout=layout.kind,
+                    ds_tag=layout.ds_tag,
+                    zero_stage=facts.get("zero_stage"),
+                    world_size=facts.get("world_size"),
+                    policy=json.dumps(options.policy.as_json()),
+                    exact=stored >= layers,
+                    raw_bytes=raw_bytes,
+                    new_bytes=new_bytes,
+                    source=str(Path(ckpt_dir).resolve()),
+                    run=run,
+                    tag=tag,
+                    pinned=pinned,
+                )
+            )
+            index.insert_files(manifest, plan.files)
+            index.insert_atoms(manifest, plan.atoms)
+            index.insert_layers(
+                manifest,
+                [
+                    LayerRecord(
+                        layer,
+                        manifest if layer in stored else sources[layer].source,
+                        step if layer in stored else sources[layer].source_step,
+                        plan.layer_bytes.get(layer, 0),
+                        layer in stored,
+                        changes.get(layer),
                     )
-                )
-                index.insert_files(manifest, plan.files)
-                index.insert_atoms(manifest, plan.atoms)
-                index.insert_layers(
-                    manifest,
-                    [
-                        LayerRecord(
-                            layer,
-                            manifest if layer in stored else sources[layer].source,
-                            step if layer in stored else sources[layer].source_step,
-                            plan.layer_bytes.get(layer, 0),
-                            layer in stored,
-                            changes.get(layer),
-                        )
-                        for layer in layers
-                    ],
-                )
-                try:
-                    published = manifest_objects.publish(
-                        store.backend, index, manifest, fence=lock, replacing=options.force
-                    )  # the commit point
-                except OSError as exc:
-                    if is_out_of_space(exc):
-                        raise disk_full(store.location) from None
-                    raise
+                    for layer in layers
+                ],
+            )
+            return manifest
+
+        try:
+            manifest = record_manifest(store, rows, fence=lock, replacing=options.force).manifest  # the commit point
         except BaseException:
-            if published is not None:  # the object went up but the index refused it: take it back
-                manifest_objects.unpublish(store.backend, [published])
             if replaced is not None:  # its tag object may name the new key by now
                 manifest_objects.write_refs(store.backend, store.index, [replaced.id])
             if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind

@@ -21,10 +21,11 @@ from tailorstore.core.policies import PolicySpec
 from tailorstore.curate.refs import check_tag
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.layout import DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
-from tailorstore.store import manifest_objects
 from tailorstore.store.backend import blob_key
+from tailorstore.store.index import Index
 from tailorstore.store.manifest_objects import check_run_name
 from tailorstore.store.parts import Part, read_parts
+from tailorstore.store.publish import record_manifest
 from tailorstore.store.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from tailorstore.store.repo import Repository, check_step
 
@@ -155,7 +156,8 @@ def finalize_step(
             layer_bytes[a.layer] = layer_bytes.get(a.layer, 0) + a.nbytes
         raw_bytes = sum(f.raw_size for f in files)
         new_bytes = sum(p.new_bytes for p in parts)
-        with store.transaction() as index:
+
+        def rows(index: Index) -> int:
             if tag and index.tagged(tag) is not None:
                 raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag.")
             index.add_blobs(b for p in parts for b in p.blobs)  # a packed blob keeps the row its pack gave
@@ -182,7 +184,9 @@ def finalize_step(
             index.insert_layers(
                 manifest, [LayerRecord(x, manifest, step, n, True, None) for x, n in sorted(layer_bytes.items())]
             )
-            manifest_objects.publish(store.backend, index, manifest, fence=lock)  # the commit point
+            return manifest
+
+        manifest = record_manifest(store, rows, fence=lock).manifest  # the commit point
         for part in parts:  # after the manifest is durable: a crash before leaves parts gc can drop
             store.backend.delete(part.key)
     return FinalizeResult(

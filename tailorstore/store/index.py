@@ -204,7 +204,12 @@ class Index:
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
-        self.conn.execute("COMMIT")
+        try:
+            self.conn.execute("COMMIT")
+        except BaseException:  # a COMMIT that fails (a deferred constraint, a full disk) leaves it open
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
 
     def integrity_problems(self) -> list[str]:
         """What SQLite itself finds wrong: page-level damage and dangling foreign keys."""

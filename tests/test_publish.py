@@ -1,0 +1,69 @@
+"""Every operation that records a manifest goes through store/publish.py: when the index's COMMIT
+fails after the manifest object went up, the object is taken back, so the step (or merge) that
+was reported as failed does not reappear when the next open syncs objects into the index.
+
+The failure is SQLite's own: the test adds a deferred foreign key to the real index (a trap
+table and a trigger on new manifests), which SQLite checks at COMMIT, after the publish.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+from conftest import copy_tree, tailor
+
+CHECKPOINT = Path(__file__).parent / "data" / "format1" / "checkpoint"
+TRAP = (
+    "CREATE TABLE trap (manifest INTEGER REFERENCES manifests(id) DEFERRABLE INITIALLY DEFERRED)",
+    "CREATE TRIGGER trap_new_manifests AFTER INSERT ON manifests BEGIN INSERT INTO trap VALUES (-1); END",
+)
+
+
+def set_trap(store: Path, armed: bool) -> None:
+    conn = sqlite3.connect(store / "index.sqlite")
+    try:
+        for statement in TRAP if armed else ("DROP TRIGGER trap_new_manifests", "DROP TABLE trap"):
+            conn.execute(statement)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def manifest_objects(store: Path) -> list[str]:
+    return sorted(str(p.relative_to(store)) for p in (store / "manifests").rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("operation", ["commit", "finalize", "merge", "average"])
+def test_a_failed_index_commit_after_the_publish_leaves_nothing_behind(
+    small_store: Path, tmp_path: Path, operation: str
+) -> None:
+    store = copy_tree(small_store, tmp_path / "store")
+    assert tailor("commit", str(CHECKPOINT), "--step", "6", store=store).returncode == 0
+    spec = tmp_path / "spec.yaml"
+    if operation == "finalize":
+        assert tailor("commit", str(CHECKPOINT / "global_step3"), "--part", "--step", "9", store=store).returncode == 0
+        args: tuple[str, ...] = ("commit", "--finalize", "step=9")
+    elif operation == "commit":
+        args = ("commit", str(CHECKPOINT), "--step", "9")
+    elif operation == "merge":
+        spec.write_text("base: {step: 6}\nslices:\n  - sources: [{step: 3, layer_range: [0, 1]}]\n")
+        args = ("merge", str(spec), "--tag", "mix")
+    else:
+        spec.write_text("method: sma\nsteps: [3, 6]\n")
+        args = ("merge", str(spec), "--tag", "avg")
+    before = manifest_objects(store)
+    set_trap(store, True)
+    failed = tailor(*args, store=store)
+    assert failed.returncode == 3 and "FOREIGN KEY constraint failed" in failed.stderr, failed.stderr
+    assert "Traceback" not in failed.stderr
+    set_trap(store, False)
+    assert manifest_objects(store) == before, "the manifest object was taken back"
+    log = tailor("log", "--json", store=store)  # the next open syncs objects into the index
+    assert log.returncode == 0 and [(s["step"], s["tag"]) for s in json.loads(log.stdout)] == [(3, None), (6, None)]
+    done = tailor(*args, store=store)  # and the operation then succeeds as if it never ran
+    assert done.returncode == 0, done.stderr
+    assert len(manifest_objects(store)) == len(before) + 1
+    assert tailor("verify", store=store).returncode == 0
