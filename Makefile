@@ -16,8 +16,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PYTHON) -m examples.demo
 
+# In tiers, cheapest first, so a broken build fails in seconds: lint, the fast tier (no training,
+# under a minute), then the slow tier (real DeepSpeed, HF and S3 runs). Each test has a time limit,
+# so a hang names its test instead of eating CI's 90 minutes.
 test: $(STAMP)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m pytest -q -m "not slow" --timeout 120
+	$(PYTHON) -m pytest -q -m slow --timeout 900
 
 lint: $(STAMP)
 	$(PYTHON) -m ruff check .

@@ -23,7 +23,11 @@ from typing import TYPE_CHECKING, TypeVar
 import pytest
 
 from tailorstore.access import atom_reader
-from tailorstore.store.backend import blob_names
+from tailorstore.core.policies import PolicySpec
+from tailorstore.ingest.commit import commit_checkpoint
+from tailorstore.ingest.commit_options import CommitOptions
+from tailorstore.store.backend import Backend, blob_names
+from tailorstore.store.location import resolve
 from tailorstore.store.packs import pack_names
 from tailorstore.store.repo import Repository
 from testbed.local_s3 import LocalS3, local_s3
@@ -347,3 +351,25 @@ def small_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert tailor("init", str(store)).returncode == 0
     assert tailor("commit", str(Path(__file__).parent / "data" / "format1" / "checkpoint"), store=store).returncode == 0
     return store
+
+
+@pytest.fixture(params=["posix", "s3"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """An empty backend of each kind: a directory, and a prefix on the local S3 server."""
+    if request.param == "posix":
+        return resolve(tmp_path / "store").backend
+    server: LocalS3 = request.getfixturevalue("s3_server")
+    return resolve(server.new_location()).backend
+
+
+def commit_saves(
+    runs: Runs, name: str, work: Path, steps: list[int], policy: PolicySpec | None = None
+) -> tuple[Repository, Path]:
+    """A new store under ``work`` holding ``steps`` of the training ``name``, each committed as
+    the run saved it (with ``policy``); returns it and the run's save directory."""
+    save_dir = runs.get(name).save_dir
+    store = Repository.init(work / "store")
+    options = CommitOptions(policy=policy) if policy else CommitOptions()
+    for step in steps:
+        commit_checkpoint(store, as_of_step(save_dir, step, work / f"at{step}"), options)
+    return store, save_dir

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, tailor
+from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, commit_saves, tailor
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from tailorstore.core import atoms as A
@@ -20,7 +20,6 @@ from tailorstore.curate.merge_spec import MergeSpecError
 from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
 from tailorstore.formats.tensors import dtype_from_name
-from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.store.repo import Repository
 from testbed.compare import tensors_identical
 from testbed.runs import train_tiny
@@ -101,14 +100,6 @@ def test_chosen_layers() -> None:
 # -- real runs -----------------------------------------------------------------------------
 
 
-def committed(runs: Runs, name: str, work: Path) -> tuple[Repository, Path]:
-    run = runs.get(name)
-    store = Repository.init(work / "store")
-    for step in SAVES:
-        commit_checkpoint(store, as_of_step(run.save_dir, step, work / f"at{step}"))
-    return store, run.save_dir
-
-
 def merge(store: Repository, work: Path, name: str, **document: object) -> dict:
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(document))
@@ -154,7 +145,7 @@ def module_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["tailor-zero2", "tailor-zero3"])
 def test_sma_equals_a_torch_average_of_the_original_files(runs: Runs, tmp_path: Path, name: str) -> None:
-    store, save_dir = committed(runs, name, tmp_path)
+    store, save_dir = commit_saves(runs, name, tmp_path, SAVES)
     result = merge(store, tmp_path, "sma", method="sma", steps={"from": 9, "to": 18, "every": 3})
     assert result["coefficients"] == {str(s): 0.25 for s in AVERAGED}
     assert result["step"] == 18 and result["new_bytes"] > 0
@@ -182,7 +173,7 @@ def test_sma_equals_a_torch_average_of_the_original_files(runs: Runs, tmp_path: 
 def test_ema_of_some_layers_and_kinds_then_resume(runs: Runs, tmp_path: Path) -> None:
     """EMA over blocks 0-1 and the lm_head, masters and first moments: the named layers are
     averaged, everything else is the base's; DeepSpeed loads exactly the averaged state and trains on."""
-    store, save_dir = committed(runs, "tailor-zero2", tmp_path)
+    store, save_dir = commit_saves(runs, "tailor-zero2", tmp_path, SAVES)
     alpha = 0.4
     result = merge(
         store, tmp_path, "ema", method="ema", alpha=alpha, steps=AVERAGED, base={"step": 15},
@@ -226,7 +217,7 @@ def test_ema_of_some_layers_and_kinds_then_resume(runs: Runs, tmp_path: Path) ->
 
 
 def test_averaging_refusals_leave_the_store_as_it_was(runs: Runs, tmp_path: Path) -> None:
-    store, _ = committed(runs, "tailor-zero2", tmp_path)
+    store, _ = commit_saves(runs, "tailor-zero2", tmp_path, SAVES)
     before = sorted(p.relative_to(store.root) for p in store.root.rglob("*") if p.is_file() and "index" not in p.name)
     for document, message in [
         ({"method": "sma", "steps": [9, 10]}, "step 10 is not in the store"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -18,16 +17,6 @@ from tailorstore.store.backend import (
     blob_names,
     check_key,
 )
-from tailorstore.store.location import resolve
-from testbed.local_s3 import LocalS3
-
-
-@pytest.fixture(params=["posix", "s3"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
-    if request.param == "posix":
-        return resolve(tmp_path / "store").backend
-    server: LocalS3 = request.getfixturevalue("s3_server")
-    return resolve(server.new_location()).backend
 
 
 def test_put_and_get_whole_and_ranged(backend: Backend) -> None:

@@ -87,7 +87,7 @@ def test_rm_pin_and_tag_protect(runs: Runs, tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def two_steps(runs: Runs, tmp_path: Path) -> Repository:
+def first_two_saves(runs: Runs, tmp_path: Path) -> Repository:
     run = runs.get("ten-saves")
     store = Repository.init(tmp_path / "store")
     for step in (1, 2):
@@ -106,8 +106,8 @@ def _blob_of(store: Repository, step: int, *, only_in_step: bool = True) -> tupl
 
 
 @pytest.mark.parametrize("fault", ["flip", "truncate", "delete"])
-def test_damaged_blob_is_found_and_named(two_steps: Repository, fault: str, tmp_path: Path) -> None:
-    store = two_steps
+def test_damaged_blob_is_found_and_named(first_two_saves: Repository, fault: str, tmp_path: Path) -> None:
+    store = first_two_saves
     digest, path = _blob_of(store, 2)
     file, start, size = blob_object(store, digest)
     file.chmod(0o644)
@@ -132,9 +132,9 @@ def test_damaged_blob_is_found_and_named(two_steps: Repository, fault: str, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_newer_format_is_refused_and_unversioned_is_not_a_store(two_steps: Repository) -> None:
-    root = two_steps.root
-    two_steps.close()
+def test_newer_format_is_refused_and_unversioned_is_not_a_store(first_two_saves: Repository) -> None:
+    root = first_two_saves.root
+    first_two_saves.close()
     conn = sqlite3.connect(root / "index.sqlite")
     conn.execute("UPDATE meta SET value='99' WHERE key='format_version'")
     conn.commit()
@@ -150,9 +150,9 @@ def test_newer_format_is_refused_and_unversioned_is_not_a_store(two_steps: Repos
 
 
 def test_disk_full_during_commit_leaves_store_as_it_was(
-    two_steps: Repository, runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    first_two_saves: Repository, runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = two_steps
+    store = first_two_saves
     before = store_state(store.root)
     budget = {"bytes": 200_000}
     real_write = os.write
@@ -173,15 +173,15 @@ def test_disk_full_during_commit_leaves_store_as_it_was(
     commit_checkpoint(store, at3)  # and the store goes on working
 
 
-def test_lock_timeout_is_clear_and_waiting_is_visible(two_steps: Repository, runs: Runs, tmp_path: Path) -> None:
+def test_lock_timeout_is_clear_and_waiting_is_visible(first_two_saves: Repository, runs: Runs, tmp_path: Path) -> None:
     at3 = as_of_step(runs.get("ten-saves").save_dir, 3, tmp_path / "at3")
-    with two_steps.lock(exclusive=True, timeout=1):
-        proc = tailor(two_steps.root, "commit", str(at3), "--lock-timeout", "1")
+    with first_two_saves.lock(exclusive=True, timeout=1):
+        proc = tailor(first_two_saves.root, "commit", str(at3), "--lock-timeout", "1")
         with pytest.raises(LockTimeoutError):
-            gc(two_steps, Retention(), lock_timeout=0.2)
+            gc(first_two_saves, Retention(), lock_timeout=0.2)
     assert proc.returncode == 4
     assert "waiting for the shared store lock" in proc.stderr and "--lock-timeout" in proc.stderr
-    assert two_steps.conn.execute("SELECT count(*) FROM manifests").fetchone()[0] == 2
+    assert first_two_saves.conn.execute("SELECT count(*) FROM manifests").fetchone()[0] == 2
 
 
 def test_concurrent_commits_gc_and_readers(runs: Runs, tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from conftest import tailor
@@ -17,15 +16,6 @@ from tailorstore.store.backend import Backend
 from tailorstore.store.lease import LOCK_PREFIX, lease_lock
 from tailorstore.store.location import resolve
 from tailorstore.store.repo import Repository
-from testbed.local_s3 import LocalS3
-
-
-@pytest.fixture(params=["posix", "s3"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
-    if request.param == "posix":
-        return resolve(tmp_path / "store").backend
-    server: LocalS3 = request.getfixturevalue("s3_server")
-    return resolve(server.new_location()).backend
 
 
 def plant(backend: Backend, name: str, *, exclusive: bool, host: str, pid: int, expires: float) -> str:

@@ -15,14 +15,23 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import TAILOR_EVERY, TAILOR_STEPS, KillClock, Runs, as_of_step, assert_only_live, store_state, tailor
+from conftest import (
+    TAILOR_EVERY,
+    TAILOR_STEPS,
+    KillClock,
+    Runs,
+    as_of_step,
+    assert_only_live,
+    commit_saves,
+    store_state,
+    tailor,
+)
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 import tailorstore
 from tailorstore.core import atoms as A
 from tailorstore.core.policies import PolicySpec
 from tailorstore.curate.thinning import thinned_contents
-from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
 from tailorstore.report.verify import verify
 from tailorstore.store.records import AtomRecord, FileRecord
 from tailorstore.store.repo import Repository
@@ -79,15 +88,6 @@ def test_thinned_contents_per_tier() -> None:
 # -- real runs -----------------------------------------------------------------------------
 
 
-def committed(runs: Runs, name: str, work: Path, policy: PolicySpec | None = None) -> tuple[Repository, Path]:
-    save_dir = runs.get(name).save_dir
-    store = Repository.init(work / "store")
-    options = CommitOptions(policy=policy) if policy else CommitOptions()
-    for step in SAVES:
-        commit_checkpoint(store, as_of_step(save_dir, step, work / f"at{step}"), options)
-    return store, save_dir
-
-
 def export(store: Repository, ref: str, out: Path, dtype: str) -> bytes:
     """Through the API: the CLI's export is tested in test_export, here only the bytes matter."""
     with tailorstore.Store.open(store.root) as api:
@@ -107,7 +107,7 @@ def kinds_of(store: Repository, step: int) -> set[str]:
 
 
 def test_thin_to_weights_keeps_every_step_exportable_and_the_last_resumable(runs: Runs, tmp_path: Path) -> None:
-    store, save_dir = committed(runs, "tailor-zero2", tmp_path)
+    store, save_dir = commit_saves(runs, "tailor-zero2", tmp_path, SAVES)
     before_export = {s: export(store, f"step={s}", tmp_path / f"exp{s}", "bf16") for s in (3, 12)}
     raw_before = sum(p.stat().st_size for p in store.root.rglob("*") if p.is_file())
 
@@ -202,7 +202,7 @@ def test_thin_to_weights_keeps_every_step_exportable_and_the_last_resumable(runs
 def test_thin_keeps_the_fp32_master_where_it_is_the_only_copy(runs: Runs, tmp_path: Path, name: str, tier: str) -> None:
     """`master` keeps the FP32 master (and the weights derived from it); ZeRO 3 saves hold no weights
     in their model states, so `weights` keeps their masters. Either way fp32 export is unchanged."""
-    store, _ = committed(runs, name, tmp_path)
+    store, _ = commit_saves(runs, name, tmp_path, SAVES)
     before = export(store, "step=6", tmp_path / "before", "fp32")
     # the run carries the retention; `tailor gc` without rules applies it (keeps 9 and 18 whole)
     proc = tailor("run", "retention", "--keep-every", "9", "--thin", tier, store=store.root)
@@ -226,7 +226,7 @@ def test_thin_keeps_the_fp32_master_where_it_is_the_only_copy(runs: Runs, tmp_pa
 def test_gc_dropping_the_source_of_a_kept_composite(runs: Runs, tmp_path: Path) -> None:
     """Parity composites inherit layers from the steps before them; gc drops those steps. The next
     tailored commit, an index rebuild (a new host) and checkout all still work."""
-    store, save_dir = committed(runs, "tailor-zero2", tmp_path, PolicySpec("parity"))
+    store, save_dir = commit_saves(runs, "tailor-zero2", tmp_path, SAVES, PolicySpec("parity"))
     store.close()
     assert tailor("rm", "step=18", store=store.root).returncode == 0
     assert tailor("gc", "--keep-last", "1", store=store.root).returncode == 0  # keeps 15, which inherits from 12
@@ -263,7 +263,7 @@ def test_a_gc_killed_while_it_thins_leaves_every_step_whole_or_thinned(runs: Run
     """SIGKILL `tailor gc --keep-last 2 --thin weights` at random moments: each step is whole or
     thinned (never half), the store verifies deep, what a step keeps exports unchanged, the kept
     steps check out byte for byte, and a gc run to the end then leaves exactly the live blobs."""
-    store, save_dir = committed(runs, "tailor-zero2", tmp_path)
+    store, save_dir = commit_saves(runs, "tailor-zero2", tmp_path, SAVES)
     store.close()
     with tailorstore.Store.open(store.root) as api:
         api.export(6, tmp_path / "before6")
