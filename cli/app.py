@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
+from tailorstore.cli.naming import EXIT_CODES, as_command
 
 import tailorstore
 from tailorstore import FORMAT_VERSION, MAIN_RUN, STORE_ENV, TailorError, __version__, for_terminal, reuse_freed_memory
@@ -676,8 +677,8 @@ def main() -> None:
     try:
         app()
     except TailorError as exc:
-        typer.echo(f"error: {as_flags(str(exc))}", err=True)
-        sys.exit(exc.exit_code)
+        typer.echo(f"error: {exc.render(as_command)}", err=True)
+        sys.exit(EXIT_CODES[exc.category])
     except sqlite3.DatabaseError as exc:
         typer.echo(f"error: the store's index failed ({exc}); the command was not carried out. {_INDEX_HINT}", err=True)
         sys.exit(3)
@@ -718,25 +719,6 @@ class Interrupted(Exception):
 
 def _interrupted(signum: int, frame: object) -> None:
     raise Interrupted()
-
-
-# The library's errors name what to do as API calls and options (`force=True`), never as flags;
-# here they become what a user of this command types.
-_CALLS = {
-    "`verify(deep=True)`": "`tailor verify --deep`",
-    "`gc(drop_parts=True)`": "`tailor gc --drop-parts`",
-    "`commit(DIR, part=True, force=True)`": "`tailor commit DIR --part --force`",
-    "`commit(DIR, part=True)`": "`tailor commit DIR --part`",
-    "`finalize(step)`": "`tailor commit --finalize step=N`",
-}
-_OPTION = re.compile(r"`([a-z_]+)=([^`\s]*)`")
-
-
-def as_flags(message: str) -> str:
-    """``pass `force=True` `` -> ``pass --force``; ``pass `step=N` `` -> ``pass --step N``."""
-    for call, command in _CALLS.items():
-        message = message.replace(call, command)
-    return _OPTION.sub(lambda m: f"--{m[1].replace('_', '-')}" + ("" if m[2] == "True" else f" {m[2]}"), message)
 
 
 _INDEX_HINT = (

@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from tailorstore.background import CommitQueue
-from tailorstore.core.errors import CorruptStoreError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress
 from tailorstore.curate.runs import qualify
@@ -461,7 +461,9 @@ def check_blobs_present(repo: Repository, manifest: int) -> None:
         if row is None or stored_bytes(row) != row.stored_size:
             raise CorruptStoreError(
                 f"blob {digest} of the commit just made is missing or cut short in {repo.location}; "
-                "the original checkpoint was kept. Run `tailor verify` and commit it again."
+                "the original checkpoint was kept. Run ",
+                Call("verify"),
+                " and commit it again.",
             )
 
 

@@ -73,7 +73,11 @@ class CommitQueue(Generic[T]):
             log.error("tailorstore: the background commit of %s also failed: %s", what, exc)
         what, exc = failed[0]
         more = f" ({len(failed) - 1} more failed; see the log)" if len(failed) > 1 else ""
-        raise BackgroundCommitError(f"the background commit of {what} failed: {exc}{more}") from exc
+        cause = exc.parts if isinstance(exc, TailorError) else (str(exc),)
+        error = BackgroundCommitError(f"the background commit of {what} failed: ", *cause, more)
+        if isinstance(exc, TailorError):
+            error.category = exc.category  # a damaged store stays one when the commit ran in the background
+        raise error from exc
 
     def in_flight(self) -> int:
         with self._lock:

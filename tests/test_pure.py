@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import re
 import sqlite3
 import struct
 import subprocess
@@ -391,14 +392,52 @@ def test_light_commands_import_neither_torch_nor_deepspeed(tmp_path: Path, comma
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr
 
 
-def test_the_command_shows_library_advice_as_flags() -> None:
-    from tailorstore.cli.app import as_flags
+def test_a_next_step_is_named_by_each_front_end_its_own_way() -> None:
+    """The library says what to do next as calls of its API; the command line names them as its
+    commands and flags, from the structure (no rewriting of message text), and maps categories
+    to exit codes."""
+    from tailorstore.cli.naming import EXIT_CODES, as_command
 
-    assert as_flags("pass `force=True` to replace it") == "pass --force to replace it"
-    assert as_flags("Commit under another `step=N`.") == "Commit under another --step N."
-    assert as_flags("raise `lock_timeout=SECONDS`") == "raise --lock-timeout SECONDS"
-    assert as_flags("Run `verify(deep=True)`.") == "Run `tailor verify --deep`."
-    assert as_flags("check out `tailor checkout step=3` as it is") == "check out `tailor checkout step=3` as it is"
+    from tailorstore.core.errors import Call, Category, CorruptStoreError, LeaseLostError, StepExistsError
+
+    refused = StepExistsError("step 3 is in the store; commit under another ", Call(step="N"), ", or pass ",
+                              Call(force=True), " to replace it.")  # fmt: skip
+    assert str(refused) == "step 3 is in the store; commit under another `step=N`, or pass `force=True` to replace it."
+    assert refused.render(as_command) == "step 3 is in the store; commit under another --step N, or pass --force " \
+        "to replace it."  # fmt: skip
+    damaged = CorruptStoreError("blob x is damaged. ", Call("verify", deep=True), "; ", Call("rebuild_index"), ".")
+    assert str(damaged) == "blob x is damaged. `verify(deep=True)`; `rebuild_index()`."
+    assert damaged.render(as_command) == "blob x is damaged. `tailor verify --deep`; `tailor index rebuild`."
+    assert as_command(Call("commit", "DIR", part=True, force=True)) == "`tailor commit DIR --part --force`"
+    assert as_command(Call("finalize", "step=N")) == "`tailor commit --finalize step=N`"
+    assert [EXIT_CODES[e.category] for e in (refused, damaged, LeaseLostError("x"))] == [2, 3, 4]
+    assert set(EXIT_CODES) == set(Category)
+    again = pickle.loads(pickle.dumps(refused))  # a rank hands its error to the others whole
+    assert type(again) is StepExistsError and again.render(as_command) == refused.render(as_command)
+
+
+def test_no_message_below_the_command_line_names_a_command() -> None:
+    """The library never names a CLI command or flag: every string it holds (docstrings aside,
+    which may say which command uses a module) is free of `tailor ...` and `--flag` advice."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "tailorstore"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if "`tailor " in node.value or re.search(r"`--[a-z]", node.value):
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {node.value[:80]!r}")
+    assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize("location", ["s3://", "s3:///p", "s3://b/p1/../p2", "s3://b/./p", "s3://b/p1//p2"])

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import xxhash
 
 from tailorstore.core.atoms import MASTER
-from tailorstore.core.errors import CorruptStoreError
+from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.rounding import ROUND_FROM_MASTER, rounded_chunks
 from tailorstore.core.thread_buffers import thread_buffer
 from tailorstore.store import codec
@@ -24,7 +24,7 @@ def blob_of(store: Repository, digest: str, where: str) -> BlobRecord:
     """The blob's row, or a damaged-store error naming where it was needed."""
     row = store.blob(digest)
     if row is None:
-        raise CorruptStoreError(f"{where}: blob {digest} has no row in the index; run `tailor verify`.")
+        raise CorruptStoreError(f"{where}: blob {digest} has no row in the index; run ", Call("verify"), ".")
     return row
 
 
@@ -64,8 +64,9 @@ def stream_blob(store: Repository, row: BlobRecord, lo: int, hi: int, where: str
             pos += len(piece)
     if hasher.hexdigest() != row.hash:
         raise CorruptStoreError(
-            f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). "
-            "Run `verify(deep=True)` to find every damaged blob."
+            f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). Run ",
+            Call("verify", deep=True),
+            " to find every damaged blob.",
         )
 
 

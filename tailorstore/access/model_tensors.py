@@ -25,7 +25,7 @@ import numpy as np
 
 from tailorstore.access.atom_reader import blob_of, decode_atom_into, decode_stored_atom, stream_atom
 from tailorstore.core.atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
-from tailorstore.core.errors import CorruptStoreError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.rounding import widened
 from tailorstore.core.tensor_ref import DTYPES, numel_of
 from tailorstore.formats import deepspeed as ds
@@ -217,7 +217,7 @@ def _tensor(
             f"{where}: the frozen parameter {name} is held only as per-rank fragments (ZeRO 3); "
             "tailorstore cannot consolidate it yet. Use DeepSpeed's zero_to_fp32 on a checkout."
         )
-    raise CorruptStoreError(f"{where}: the pieces of {name} do not cover its {numel} elements; run `tailor verify`")
+    raise CorruptStoreError(f"{where}: the pieces of {name} do not cover its {numel} elements; run ", Call("verify"))
 
 
 def read_raw(store: Repository, view: ModelView, tensor: ModelTensor) -> memoryview:

@@ -29,7 +29,7 @@ import xxhash
 
 from tailorstore.access.atom_reader import stream_atom
 from tailorstore.core.atoms import MASTER
-from tailorstore.core.errors import CorruptStoreError
+from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.rounding import ROUND_FROM_MASTER, round_into
 from tailorstore.core.thread_buffers import thread_buffer
@@ -246,7 +246,7 @@ class PlacedFiles:
             elif row.path in self.edited:
                 mend_crcs(target.out.fd, target.where, self.edited[row.path])
             if os.fstat(target.out.fd).st_size != target.size:
-                raise CorruptStoreError(f"{target.where}: came out at the wrong size; run `tailor verify`")
+                raise CorruptStoreError(f"{target.where}: came out at the wrong size; run ", Call("verify"))
             os.fsync(target.out.fd)
             os.fchmod(target.out.fd, (row.mode or 0o644) & 0o777)  # never setuid, setgid or sticky
 
@@ -273,7 +273,7 @@ def _atoms(
         if a.file_offset is None or a.file_offset < 0 or a.file_offset + a.nbytes > target.size:
             raise CorruptStoreError(f"{target.where}: an atom of {a.param} has no valid place in the file")
         if a.derived is None and a.blob not in blobs:
-            raise CorruptStoreError(f"{target.where}: blob {a.blob} has no row in the index; run `tailor verify`.")
+            raise CorruptStoreError(f"{target.where}: blob {a.blob} has no row in the index; run ", Call("verify"), ".")
         if a.derived is None and blobs[a.blob].raw_size != a.nbytes:
             raise CorruptStoreError(
                 f"{target.where}: blob {a.blob} holds {blobs[a.blob].raw_size} bytes, not {a.nbytes}"
@@ -361,8 +361,9 @@ def _place(store: Repository, target: _Target, atom: AtomRecord, blob: BlobRecor
             done += len(piece)
     if hasher.hexdigest() != atom.blob:
         raise CorruptStoreError(
-            f"{where}: blob {atom.blob} does not match its hash (the blob file is damaged). "
-            "Run `verify(deep=True)` to find every damaged blob."
+            f"{where}: blob {atom.blob} does not match its hash (the blob file is damaged). Run ",
+            Call("verify", deep=True),
+            " to find every damaged blob.",
         )
     for weight in weights:
         weight.cover(atom.start, atom.numel)

@@ -9,7 +9,7 @@ steps give theirs from their atom rows; a commit of another model is refused unl
 from __future__ import annotations
 
 from tailorstore.core import atoms as A
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import Call, StoreError
 from tailorstore.store.index import Index
 from tailorstore.store.records import AtomRecord, ManifestRecord
 
@@ -58,6 +58,9 @@ def refuse_other_model(index: Index, new: Structure, run: str, base: ManifestRec
         where = f"step {newest.step} of run {newest.run!r}"
         raise StoreError(
             f"this checkpoint holds a different model from {where} ({'; '.join(diff)}). "
-            "Commit it to a run of its own with `run=NAME` (steps are numbered per run, blobs are shared), "
-            "or pass `force=True` to commit it here anyway."
+            "Commit it to a run of its own with ",
+            Call(run="NAME"),
+            " (steps are numbered per run, blobs are shared), or pass ",
+            Call(force=True),
+            " to commit it here anyway.",
         )

@@ -1,17 +1,70 @@
-"""Exceptions of tailorstore.
+"""Exceptions of tailorstore, and what they tell a user to do next.
 
-Every error a user can cause or meet carries a message that says what to do next, and
-maps to a process exit code in the CLI: 2 for bad input or a refused request, 3 for a
-damaged store, 4 for a lock that could not be taken.
+Every error a user can cause or meet says what is wrong and what to do next, and carries a
+:class:`Category` (bad input or a refused request, a damaged store, a lock), which is all a
+front end needs to decide how to end: the command line turns it into an exit code (2, 3, 4),
+a training script catches the classes.
+
+What to do next is often another operation, or the same one with an option: "run verify",
+"pass force=True". The library does not know the command line, so such a step is a
+:class:`Call`, a part of the message that each front end names its own way: the API as a
+call (``verify(deep=True)``, ``force=True``), the command line as a command or a flag
+(``tailor verify --deep``, ``--force``). A message is a sequence of text and calls.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from enum import Enum
+from typing import ClassVar
+
+
+class Category(Enum):
+    BAD_INPUT = "bad input"  # the input or the request: change it and try again
+    DAMAGED_STORE = "damaged store"  # the store does not hold what it promised: verify, repair
+    LOCK = "lock"  # another process holds the store, or this one lost its hold on it
+
+
+class Call:
+    """An operation of the public API with its arguments (``operation`` None: the call at hand,
+    with other options). Arguments are shown as given: ``Call("commit", "DIR", part=True)``,
+    ``Call(step="N")``. Each front end names it: :meth:`as_api` here, the command line its own."""
+
+    def __init__(self, operation: str | None = None, *args: str, **options: object) -> None:
+        self.operation, self.args, self.options = operation, args, options
+
+    def as_api(self) -> str:
+        options = [f"{k}={v}" for k, v in self.options.items()]
+        if self.operation is None:
+            return " and ".join(f"`{o}`" for o in options)
+        return f"`{self.operation}({', '.join([*self.args, *options])})`"
+
+    def __repr__(self) -> str:
+        return f"Call({self.operation!r}, {self.args!r}, {self.options!r})"
+
+
+Part = str | Call
+
 
 class TailorError(Exception):
-    """Base of every error that tailorstore raises on purpose."""
+    """Base of every error that tailorstore raises on purpose. Its message is made of ``parts``:
+    text, and :class:`Call` parts that name an operation; ``str()`` names them as the API does."""
 
-    exit_code = 2
+    category: ClassVar[Category] = Category.BAD_INPUT
+
+    def __init__(self, *parts: Part) -> None:
+        self.parts: tuple[Part, ...] = parts
+        super().__init__(self.render(Call.as_api))
+
+    def render(self, name: Callable[[Call], str]) -> str:
+        """The message, each call named by ``name`` (a front end's way of naming operations)."""
+        return "".join(p if isinstance(p, str) else name(p) for p in self.parts)
+
+    def calls(self) -> Iterable[Call]:
+        return (p for p in self.parts if isinstance(p, Call))
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), self.parts)  # pickled whole (a rank hands its error to the others)
 
 
 class BadCheckpointError(TailorError):
@@ -43,7 +96,7 @@ class UnknownStepError(StoreError):
 
 
 class ThinnedStepError(StoreError):
-    """What was asked for needs state a retention tier dropped (``tailor gc --thin``)."""
+    """What was asked for needs state a retention tier dropped (gc's thinning)."""
 
 
 class FormatVersionError(StoreError):
@@ -53,7 +106,7 @@ class FormatVersionError(StoreError):
 class CorruptStoreError(TailorError):
     """A blob or index row does not match what the store promised."""
 
-    exit_code = 3
+    category = Category.DAMAGED_STORE
 
 
 class UnsafePathError(TailorError):
@@ -63,7 +116,7 @@ class UnsafePathError(TailorError):
 class LockTimeoutError(TailorError):
     """Another tailorstore process held the store lock for too long."""
 
-    exit_code = 4
+    category = Category.LOCK
 
 
 class LeaseLostError(LockTimeoutError):

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from tailorstore.core.errors import TailorError
+from tailorstore.core.errors import Call, TailorError
 from tailorstore.core.layers import STATE, block_index, sort_key
 
 
@@ -96,7 +96,15 @@ def filter_policy(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
     """The first K and last M blocks and the auxiliary groups always; the rest every E-th commit."""
     first, last, every = int(params.get("keep_first", 0)), int(params.get("keep_last", 0)), int(params.get("every", 1))
     if every < 1 or first < 0 or last < 0:
-        raise PolicyError("filter needs `keep_first=K` >= 0, `keep_last=K` >= 0 and `every=E` >= 1")
+        raise PolicyError(
+            "filter needs ",
+            Call(keep_first="K"),
+            " >= 0, ",
+            Call(keep_last="K"),
+            " >= 0 and ",
+            Call(every="E"),
+            " >= 1",
+        )
     blocks = _blocks(facts)
     edge = {name for pos, (_, name) in enumerate(blocks) if pos < first or pos >= len(blocks) - last}
     middle = {name for _, name in blocks} if facts.commit_index % every == 0 else set()
@@ -107,7 +115,7 @@ def adaptive(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
     """A block is stored when its FP32 master moved by at least the threshold since it was last stored."""
     threshold = float(params.get("threshold", 0.0))
     if not 0 <= threshold < math.inf:  # NaN too: no change is ever >= NaN, so no block would be stored again
-        raise PolicyError("adaptive needs `threshold=T`, a finite number >= 0")
+        raise PolicyError("adaptive needs ", Call(threshold="T"), ", a finite number >= 0")
     if facts.changes is None:
         return set(facts.layers)
     return _aux(facts) | {name for _, name in _blocks(facts) if _moved(facts, name) >= threshold}
@@ -129,7 +137,7 @@ def budget(facts: CommitFacts, params: Mapping[str, float]) -> set[str]:
     """
     fraction, max_age = float(params.get("fraction", 0.25)), int(params.get("max_age", 8))
     if not 0 < fraction <= 1 or max_age < 1:
-        raise PolicyError("budget needs `fraction=F` with 0 < F <= 1 and `max_age=N` >= 1")
+        raise PolicyError("budget needs ", Call(fraction="F"), " with 0 < F <= 1 and ", Call(max_age="N"), " >= 1")
     if facts.changes is None:
         return set(facts.layers)
     candidates = sorted(facts.layers - {STATE}, key=sort_key)

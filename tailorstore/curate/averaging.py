@@ -43,7 +43,7 @@ import numpy as np
 from tailorstore.access.atom_reader import decode_atom, decode_atom_into
 from tailorstore.access.model_tensors import tiling
 from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
-from tailorstore.core.errors import CorruptStoreError, StepExistsError
+from tailorstore.core.errors import Call, CorruptStoreError, StepExistsError
 from tailorstore.core.layers import AUX_GROUPS, STATE, block_index, sort_key
 from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
@@ -403,7 +403,7 @@ class _Averager:
             numel = max(a.start + a.numel for a in pieces)
             tiled = tiling(pieces, numel)
             if tiled is None:
-                raise CorruptStoreError(f"the weight pieces of {param} do not cover it; run `tailor verify`")
+                raise CorruptStoreError(f"the weight pieces of {param} do not cover it; run ", Call("verify"))
             out = np.empty(numel, dtype=np.float32)
             for atom in tiled:
                 raw = decode_atom(self.store, self.manifests[i], atom, f"averaging {param}")

@@ -1,4 +1,4 @@
-"""``tailor gc``: drop manifests under retention rules, then delete unreferenced blobs.
+"""Garbage collection: drop manifests under retention rules, then delete unreferenced blobs.
 
 Like restic's prune, gc first computes a plan (the manifests to drop, the blobs to delete
 and the bytes freed), shows it, and only then carries it out, with the store lock held
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailorstore.core.errors import CorruptStoreError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
 from tailorstore.store import codec, manifest_objects
@@ -57,7 +57,12 @@ class Retention:
             check_tier(self.thin)
             if not self.drops_manifests:
                 raise StoreError(
-                    "`thin=TIER` thins the steps the rules do not keep: give `keep_last=N` or `keep_every=N` too."
+                    Call(thin="TIER"),
+                    " thins the steps the rules do not keep: give ",
+                    Call(keep_last="N"),
+                    " or ",
+                    Call(keep_every="N"),
+                    " too.",
                 )
 
     @property
@@ -314,7 +319,9 @@ def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> i
             if codec.content_hash(raw) != blob.hash:
                 raise CorruptStoreError(
                     f"pack {name}: blob {blob.hash} does not match its hash; gc stopped before deleting anything "
-                    "of that pack. Run `verify(deep=True)`."
+                    "of that pack. Run ",
+                    Call("verify", deep=True),
+                    ".",
                 )
             writer.add(blob.hash, data, blob.raw_size, blob.codec)
             moved.append(blob.hash)

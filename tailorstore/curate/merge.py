@@ -1,4 +1,4 @@
-"""``tailor merge``: compose a checkpoint from layers of different steps, as a manifest only.
+"""Merging: compose a checkpoint from layers of different steps, as a manifest only.
 
 The spec is a YAML file in the spirit of mergekit's ``slices`` and LLMTailor's examples::
 

@@ -8,7 +8,7 @@ first and the index second, so an interrupted change is undone at the next open.
 
 from __future__ import annotations
 
-from tailorstore.core.errors import StepExistsError, StoreError
+from tailorstore.core.errors import Call, StepExistsError, StoreError
 from tailorstore.store import manifest_objects
 from tailorstore.store.repo import Repository
 
@@ -39,7 +39,9 @@ def tag(store: Repository, selector: str, name: str, *, force: bool = False) -> 
     with store.transaction() as index:
         holder = index.tagged(name)
         if holder and holder.id != manifest and not force:
-            raise StepExistsError(f"tag {name!r} already names another manifest; pass `force=True` to move it")
+            raise StepExistsError(
+                f"tag {name!r} already names another manifest; pass ", Call(force=True), " to move it"
+            )
         old = store.manifest(manifest).tag
         index.set_tag(manifest, name)  # takes the tag from any other holder
         if old and old != name:
@@ -52,7 +54,7 @@ def untag(store: Repository, name: str) -> int:
     """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
     holder = store.index.tagged(name)
     if holder is None:
-        raise StoreError(f"nothing is tagged {name!r}; `tailor log` shows the tags.")
+        raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
     with store.transaction() as index:
         manifest_objects.drop_tag(store.backend, name)
         index.set_tag(holder.id, None)
@@ -72,12 +74,14 @@ def remove(store: Repository, selector: str, *, force: bool = False) -> int:
     record = store.manifest(manifest)
     if (record.pinned or record.tag) and not force:
         what = "pinned" if record.pinned else f"tagged {record.tag!r}"
-        hint = "`tailor unpin`" if record.pinned else f"`tailor untag {record.tag}`"
-        raise StoreError(f"step {record.step} is {what}; {hint} first, or pass `force=True`")
+        undo = Call("unpin", f"step={record.step}") if record.pinned else Call("untag", str(record.tag))
+        raise StoreError(f"step {record.step} is {what}; ", undo, " first, or pass ", Call(force=True))
     heirs = [r.name for r in store.index.created_runs().values() if r.base and r.base == record.object_key]
     if heirs and not force:
         raise StoreError(
-            f"step {record.step} is the base of run(s) {', '.join(heirs)}; pass `force=True` to remove it anyway"
+            f"step {record.step} is the base of run(s) {', '.join(heirs)}; pass ",
+            Call(force=True),
+            " to remove it anyway",
         )
     with store.transaction() as index:
         if record.tag:  # the objects (manifest, tag, pin) go before the index rows

@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from tailorstore.core.errors import StepExistsError, UnknownStepError
+from tailorstore.core.errors import Call, StepExistsError, UnknownStepError
 from tailorstore.store import manifest_objects
 from tailorstore.store.records import MAIN_RUN, ManifestRecord, RunRecord
 from tailorstore.store.repo import Repository
@@ -72,12 +72,12 @@ def create_run(
     with store.lock(exclusive=False, timeout=lock_timeout) as lock:
         store.refresh(lock)
         if name == MAIN_RUN or any(r.name == name for r in store.index.runs()):
-            raise StepExistsError(f"run {name!r} already exists; `tailor run list` shows the runs.")
+            raise StepExistsError(f"run {name!r} already exists; ", Call("runs"), " shows the runs.")
         base: ManifestRecord | None = None
         if base_selector is not None:
             base = store.manifest(store.resolve(base_selector, from_run))
             if base.object_key is None:
-                raise UnknownStepError(f"step {base.step} has no manifest object yet; run `tailor verify` first.")
+                raise UnknownStepError(f"step {base.step} has no manifest object yet; run ", Call("verify"), " first.")
         record = RunRecord(name, time.time(), base.object_key if base else None)
         with store.transaction() as index:
             manifest_objects.create_run(store.backend, record)  # the object first: it is the truth

@@ -27,7 +27,7 @@ from pathlib import PurePosixPath
 
 from tailorstore.access.atom_reader import decode_atom
 from tailorstore.core.atoms import MASTER, WEIGHT
-from tailorstore.core.errors import CorruptStoreError, StoreError, ThinnedStepError
+from tailorstore.core.errors import Call, CorruptStoreError, StoreError, ThinnedStepError
 from tailorstore.core.progress import Silent
 from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.formats import deepspeed as ds
@@ -42,7 +42,7 @@ from tailorstore.store.writer import BlobWriter
 
 def check_tier(tier: str) -> str:
     if tier not in TIERS:
-        raise StoreError(f"`thin={tier}` is not a tier; use one of {', '.join(TIERS)} (thinnest last).")
+        raise StoreError(Call(thin=tier), f" is not a tier; use one of {', '.join(TIERS)} (thinnest last).")
     return tier
 
 
@@ -55,9 +55,10 @@ def refuse_thinned(record: ManifestRecord, what: str) -> None:
     """Checkout of a thinned step would write a checkpoint that cannot resume: say so, write nothing."""
     if record.tier is not None:
         raise ThinnedStepError(
-            f"step {record.step} was thinned to {record.tier} by `tailor gc --thin`: it holds no optimizer state, "
-            f"so {what} cannot resume training from it. `tailor export step={record.step} --out DIR` writes its "
-            "weights as safetensors; an averaging merge reads it too."
+            f"step {record.step} was thinned to {record.tier} by gc: it holds no optimizer state, "
+            f"so {what} cannot resume training from it. ",
+            Call("export", f"step={record.step}", out="DIR"),
+            " writes its weights as safetensors; an averaging merge reads it too.",
         )
 
 

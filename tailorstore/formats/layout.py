@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tailorstore.core.errors import BadCheckpointError, UnsafePathError
+from tailorstore.core.errors import BadCheckpointError, Call, UnsafePathError
 from tailorstore.core.paths import check_relative
 from tailorstore.formats.deepspeed import is_model_states, is_optim_states, read_latest
 from tailorstore.formats.small_text import read_small_text
@@ -177,7 +177,9 @@ def _hf_layout(path: Path, part: bool = False) -> CheckpointLayout:
             if not isinstance(step, int) or isinstance(step, bool):  # 1e400 is a float (inf), "7" a string
                 raise ValueError(f"global_step is {step!r:.40}, not a whole number")
         except (ValueError, KeyError, TypeError) as exc:
-            raise BadCheckpointError(f"{path / 'trainer_state.json'}: unreadable ({exc}); pass `step=N`.") from None
+            raise BadCheckpointError(
+                f"{path / 'trainer_state.json'}: unreadable ({exc}); pass ", Call(step="N"), "."
+            ) from None
     ds_tag = None
     if (path / "latest").is_file():
         ds_tag = read_latest(path)

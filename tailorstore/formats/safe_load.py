@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tailorstore.core.atoms import TensorSlot
-from tailorstore.core.errors import BadCheckpointError, UnsafePickleError
+from tailorstore.core.errors import BadCheckpointError, Call, UnsafePickleError
 from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS
 
 _UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
@@ -96,13 +96,17 @@ def _load(source: Path | str, path: Path | str, *, trust_pickles: bool, mmap: bo
         if match:
             raise UnsafePickleError(
                 f"{path}: the pickle needs {match.group(1)}, which is not on tailorstore's allowlist, so it was "
-                "not loaded. If you trust this file, run again with `trust_pickles=True`."
+                "not loaded. If you trust this file, run again with ",
+                Call(trust_pickles=True),
+                ".",
             ) from None
         detail = _detail(text)
         if "Weights only load failed" in text:
             raise UnsafePickleError(
                 f"{path}: cannot be read safely as a torch checkpoint ({detail}). It may be truncated or corrupt: "
-                "restore it from a good copy. If it is intact and you trust it, run again with `trust_pickles=True`."
+                "restore it from a good copy. If it is intact and you trust it, run again with ",
+                Call(trust_pickles=True),
+                ".",
             ) from None
         raise BadCheckpointError(
             f"{path}: cannot be read as a torch checkpoint ({type(exc).__name__}: {detail}). "
@@ -127,8 +131,11 @@ def load_skeleton(data: bytes, where: str, *, trusted: bool, trust_pickles: bool
     """
     if trusted and not trust_pickles:
         raise UnsafePickleError(
-            f"{where}: this file was committed with `trust_pickles=True` and holds globals outside the allowlist; "
-            "pass `trust_pickles=True` to check it out."
+            f"{where}: this file was committed with ",
+            Call(trust_pickles=True),
+            " and holds globals outside the allowlist; pass ",
+            Call(trust_pickles=True),
+            " to check it out.",
         )
     buf = io.BytesIO(data)
     if trusted:

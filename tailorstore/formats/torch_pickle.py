@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tailorstore.core.errors import BadCheckpointError, CorruptStoreError, UnsafePickleError
+from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, UnsafePickleError
 from tailorstore.core.tensor_ref import DTYPES, TensorRef, contiguous_strides, numel_of
 from tailorstore.formats.source import InputFile
 from tailorstore.formats.torch_zip import record_offsets
@@ -199,7 +199,9 @@ class _Unpickler(pickle.Unpickler):
         if found is None:
             raise UnsafePickleError(
                 f"{self.where}: the pickle needs {module}.{name}, which is not on tailorstore's allowlist, so it "
-                "was not loaded. If you trust this file, run again with `trust_pickles=True`."
+                "was not loaded. If you trust this file, run again with ",
+                Call(trust_pickles=True),
+                ".",
             )
         return found
 
@@ -270,8 +272,9 @@ def load_pickle_tree(data: bytes, where: str) -> Any:
         raise
     except Exception as exc:
         raise CorruptStoreError(
-            f"{where}: the committed pickle does not load ({type(exc).__name__}: {str(exc)[:120]}); "
-            "run `tailor verify --deep`."
+            f"{where}: the committed pickle does not load ({type(exc).__name__}: {str(exc)[:120]}); run ",
+            Call("verify", deep=True),
+            ".",
         ) from None
 
 

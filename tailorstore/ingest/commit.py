@@ -1,4 +1,4 @@
-"""``tailor commit``: turn one checkpoint directory into blobs plus one manifest.
+"""Committing: turn one checkpoint directory into blobs plus one manifest.
 
 The order of work is what makes a failed or killed commit harmless:
 
@@ -24,7 +24,7 @@ from typing import Protocol
 from tailorstore.access import structure
 from tailorstore.access.changes import LayerChange, masters_by_layer, stored_pieces
 from tailorstore.core import atoms as A
-from tailorstore.core.errors import BadCheckpointError, StepExistsError, StoreError
+from tailorstore.core.errors import BadCheckpointError, Call, StepExistsError, StoreError
 from tailorstore.core.layers import STATE, sort_key
 from tailorstore.core.policies import CommitFacts, decide, needs_changes
 from tailorstore.core.progress import Progress, Silent
@@ -73,14 +73,19 @@ def check_options(options: CommitOptions) -> None:
     if options.step is not None:
         check_step(options.step)
     if not 1 <= options.level <= 22:
-        raise StoreError(f"`level={options.level}` is not allowed: zstd levels run from 1 to 22 (1 is the default).")
+        raise StoreError(Call(level=options.level), " is not allowed: zstd levels run from 1 to 22 (1 is the default).")
     if options.tag:
         check_tag(options.tag)
     check_run_name(options.run)
     if options.part and (options.policy.name != "full" or options.tag):
         raise StoreError(
-            "a commit of a part stores every layer and takes no tag: drop `policy=...` and `tag=...` (tag the "
-            "step once `finalize(step)` recorded it)."
+            "a commit of a part stores every layer and takes no tag: drop ",
+            Call(policy="..."),
+            " and ",
+            Call(tag="..."),
+            " (tag the step once ",
+            Call("finalize", "step=N"),
+            " recorded it).",
         )
 
 
@@ -92,17 +97,23 @@ def step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFi
     for f in files:
         if isinstance(f.meta.get("global_steps"), int):
             return check_step(f.meta["global_steps"])
-    raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass `step=N`.")
+    raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass ", Call(step="N"), ".")
 
 
 def _refuse_existing(index: Index, step: int, tag: str | None, run: str) -> None:
     if index.commit_at(step, run) is not None:
         where = "the store" if run == MAIN_RUN else f"run {run!r}"
         raise StepExistsError(
-            f"step {step} is already in {where}. Commit under another `step=N`, or pass `force=True` to replace it."
+            f"step {step} is already in {where}. Commit under another ",
+            Call(step="N"),
+            ", or pass ",
+            Call(force=True),
+            " to replace it.",
         )
     if tag and index.tagged(tag) is not None:
-        raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag or pass `force=True`.")
+        raise StepExistsError(
+            f"tag {tag!r} already names a manifest; choose another tag or pass ", Call(force=True), "."
+        )
 
 
 def _inheritance(
@@ -517,7 +528,9 @@ def _atom(
             raise StoreError(
                 f"layer {seg.layer} cannot be inherited from step {source.step}: it has no matching piece for "
                 f"{seg.param} ({seg.kind}, rank {seg.rank}) in {f.path}. The layout or world size changed; "
-                "commit this step with `policy=full`."
+                "commit this step with ",
+                Call(policy="full"),
+                ".",
             )
         blob, derived = old.blob, old.derived
     return AtomRecord(

@@ -1,4 +1,4 @@
-"""``tailor commit --finalize step=N``: turn the parts several hosts committed into one manifest.
+"""Finalizing a step: turn the parts several hosts committed into one manifest.
 
 Each host commits only its own ranks' files as a part (``tailor commit DIR --part``). Once
 every host is done, one of them (global rank 0 under torch.distributed) finalizes: it reads
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tailorstore.access import structure
-from tailorstore.core.errors import BadCheckpointError, CorruptStoreError, StepExistsError, StoreError
+from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, StepExistsError, StoreError
 from tailorstore.core.policies import PolicySpec
 from tailorstore.curate.refs import check_tag
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
@@ -78,7 +78,9 @@ def _merged_files(parts: list[Part]) -> tuple[list[FileRecord], list[AtomRecord]
             if seen is not None and (seen[0].blob, seen[0].raw_size) != (f.blob, f.raw_size):
                 raise BadCheckpointError(
                     f"step {part.step}: {f.path} differs between parts {seen[1].source} and {part.source}; the "
-                    "hosts did not save the same step. Drop the parts with `gc(drop_parts=True)` and commit again."
+                    "hosts did not save the same step. Drop the parts with ",
+                    Call("gc", drop_parts=True),
+                    " and commit again.",
                 )
             files.setdefault(f.path, (f, part))
     atoms = [a for f, part in files.values() for a in part.atoms if a.path == f.path]
@@ -103,7 +105,9 @@ def _check_blobs(store: Repository, parts: list[Part]) -> None:
             if not ok:
                 raise CorruptStoreError(
                     f"part {part.key} ({part.source}): blob {row.hash} is missing from {store.location}. "
-                    "Commit that part again with `commit(DIR, part=True, force=True)`, then finalize."
+                    "Commit that part again with ",
+                    Call("commit", "DIR", part=True, force=True),
+                    ", then finalize.",
                 )
 
 
@@ -127,8 +131,9 @@ def finalize_step(
         parts = read_parts(store.backend, step, run)
         if not parts:
             raise StoreError(
-                f"step {step} has no parts to finalize. Each host commits its ranks with "
-                "`commit(DIR, part=True)` first."
+                f"step {step} has no parts to finalize. Each host commits its ranks with ",
+                Call("commit", "DIR", part=True),
+                " first.",
             )
         if store.index.commit_at(step, run) is not None:
             raise StepExistsError(f"step {step} is already in the store; its parts were finalized before.")
@@ -146,7 +151,9 @@ def finalize_step(
         if missing:
             raise BadCheckpointError(
                 f"step {step} is incomplete: its {len(parts)} part(s) lack {'; '.join(missing)}. Commit the missing "
-                "host's files with `commit(DIR, part=True)`, then finalize again."
+                "host's files with ",
+                Call("commit", "DIR", part=True),
+                ", then finalize again.",
             )
         _check_blobs(store, parts)
         if not force:

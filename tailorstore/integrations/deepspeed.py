@@ -50,7 +50,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from tailorstore.api import Store
 from tailorstore.core.environment import STAGING_ENV
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import Call, StoreError
 from tailorstore.core.policies import policy_spec
 from tailorstore.formats.deepspeed import is_model_states, read_latest
 from tailorstore.formats.safe_load import load_torch_file
@@ -271,14 +271,16 @@ class TailorCheckpointEngine(CheckpointEngine):
             raise StoreError(
                 f"global rank 0 does not see the files {missing[:3]} of {info.tag} in {real}, where every rank "
                 "wrote its share because staging failed: the ranks do not share the save folder (several "
-                "nodes?). Commit the folders with `commit(DIR, part=True)` on each node, then `finalize`."
+                "nodes?). Commit the folders with ",
+                Call("commit", "DIR", part=True),
+                " on each node, then `finalize`.",
             )
         if missing:
             _rescue(twin, real)  # what rank 0 does see is written where DeepSpeed would have put it
             staged.finish(twin.parent)
             raise StoreError(
                 f"global rank 0 does not see the staged files {missing[:3]} of {info.tag} in {twin.parent}: the "
-                "ranks do not share a staging folder (several nodes?). Pass `staging=` a folder every node "
+                "ranks do not share a staging folder (several nodes?). Pass staging= a folder every node "
                 "sees, or save with tailorstore.integrations.deepspeed.save_checkpoint."
             )
         step = step_of_tag(info.tag)

@@ -154,7 +154,7 @@ def _recover_one(root: Path) -> list[Path]:
         rescued.append(real)
         log.warning(
             "tailorstore: a run that is gone left the staged save %s before its commit was confirmed; it "
-            "was written to %s (`tailor log` says whether the store has the step; if not, `tailor commit %s`)",
+            "was written to %s (the store's log says whether it has the step; if not, commit %s)",
             tags[0].name,
             real,
             real,

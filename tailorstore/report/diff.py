@@ -1,4 +1,4 @@
-"""``tailor diff`` and ``tailor plot``: how much each layer moved between steps.
+"""Change between steps, as numbers and as a picture: how much each layer moved between steps.
 
 The measure is the relative change ||w_B - w_A|| / ||w_A||, per layer, of the FP32 master
 and of the model weight, computed from the stored atoms (derived weights are rebuilt).

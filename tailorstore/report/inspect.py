@@ -1,4 +1,4 @@
-"""``tailor log`` and ``tailor show``: what the store holds, from the index alone.
+"""Listing steps and showing one: what the store holds, from the index alone.
 
 Both read only SQLite rows (no blob is opened), so they stay fast however large the
 checkpoints are; ``benchmarks/`` times them on a store of 1,000 steps.

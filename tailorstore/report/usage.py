@@ -1,4 +1,4 @@
-"""``tailor du``: where the store's bytes go, from the index (no blob is read).
+"""Usage: where the store's bytes go, from the index (no blob is read).
 
 A blob shared by several manifests or kinds is counted once, under the first kind that uses
 it. "Held alone" is what dropping that manifest (and running gc) would free; "gc frees now"

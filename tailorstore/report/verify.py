@@ -1,4 +1,4 @@
-"""``tailor verify``: check that the store can hand back every manifest it holds.
+"""Verifying: check that the store can hand back every manifest it holds.
 
 Like ``restic check`` and ``git fsck``. The default pass reads the index and stats the blob
 files: every blob a manifest needs has an index row and a file of the recorded size, atoms
@@ -94,14 +94,14 @@ def verify(
     indexed = store.index.blob_hashes()
     orphans = [n for n in held.blobs if n not in indexed]
     if orphans:
-        report.notes.append(f"{len(orphans)} orphan blob file(s) no manifest uses; `tailor gc` removes them")
+        report.notes.append(f"{len(orphans)} orphan blob file(s) no manifest uses; gc removes them")
     known_packs = set(store.index.packs())
     stray = [n for n in held.packs if n not in known_packs]
     if stray:
-        report.notes.append(f"{len(stray)} pack(s) the index does not know; `tailor gc` removes them")
+        report.notes.append(f"{len(stray)} pack(s) the index does not know; gc removes them")
     temps = store.backend.leftovers()
     if temps:
-        report.notes.append(f"{len(temps)} temp file(s) of interrupted commits; `tailor gc` removes them")
+        report.notes.append(f"{len(temps)} temp file(s) of interrupted commits; gc removes them")
     return report
 
 

@@ -1,4 +1,4 @@
-"""``tailor checkout``: write a manifest back in its native layout, every byte checked.
+"""Checking out: write a manifest back in its native layout, every byte checked.
 
 Files are written into a hidden sibling directory and renamed to ``--out`` only when every
 file is complete, fsynced and every blob has matched its hash. A failed or killed
@@ -18,7 +18,7 @@ from pathlib import Path
 from tailorstore.access import placement
 from tailorstore.access.atom_reader import blob_of, stream_blob
 from tailorstore.access.output_dir import staged
-from tailorstore.core.errors import CorruptStoreError, UnsafePickleError
+from tailorstore.core.errors import Call, CorruptStoreError, UnsafePickleError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.curate.thinning import refuse_thinned
@@ -69,8 +69,11 @@ def checkout_step(
         safe_join(out, row.path)  # refuse before writing anything
         if row.trusted and not trust_pickles:
             raise UnsafePickleError(
-                f"step {step}, file {row.path}: this file was committed with `trust_pickles=True` and holds globals "
-                "outside the allowlist; pass `trust_pickles=True` to check it out."
+                f"step {step}, file {row.path}: this file was committed with ",
+                Call(trust_pickles=True),
+                " and holds globals outside the allowlist; pass ",
+                Call(trust_pickles=True),
+                " to check it out.",
             )
     try:
         with store.reading_manifest(manifest), staged(out, store) as tmp:

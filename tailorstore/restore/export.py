@@ -1,4 +1,4 @@
-"""``tailor export``: a consolidated Hugging Face model folder from a stored DeepSpeed step.
+"""Exporting: a consolidated Hugging Face model folder from a stored DeepSpeed step.
 
 What ``zero_to_fp32`` does from a checkout, done straight from the atoms: each parameter's
 FP32 master is read piece by piece from every rank's partition (hash-checked), rounded to the

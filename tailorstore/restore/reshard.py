@@ -1,4 +1,4 @@
-"""``tailor checkout REF --world-size M [--zero-stage S]``: the native DeepSpeed layout for M ranks.
+"""Resharding: the native DeepSpeed layout for M ranks.
 
 DeepSpeed refuses to resume a ZeRO checkpoint at another data-parallel world size ("used a DP
 world size of 32 but the current world size is 128"); its own way round is two slow steps

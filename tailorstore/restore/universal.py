@@ -1,4 +1,4 @@
-"""``tailor checkout REF --format universal``: DeepSpeed's universal checkpoint, straight from atoms.
+"""The universal layout: DeepSpeed's universal checkpoint, straight from atoms.
 
 DeepSpeed resumes at another world size from a *universal* checkpoint: one folder per
 parameter under ``<tag>/zero/`` holding its full FP32 master and Adam moments
@@ -42,7 +42,7 @@ from tailorstore.access.model_tensors import (
 from tailorstore.access.output_dir import staged, tree_bytes, write_torch_file
 from tailorstore.access.placement import PlacedFiles
 from tailorstore.core.atoms import MASTER, STEP
-from tailorstore.core.errors import CorruptStoreError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.curate.thinning import refuse_thinned
@@ -77,7 +77,9 @@ def _optimizer_file(files: list[FileRecord], folder: str, step: int) -> FileReco
     if found is None:
         raise StoreError(
             f"step {step} holds no optimizer-states file of rank 0; a universal checkpoint needs the optimizer "
-            "state (a checkpoint saved without it can be exported with `tailor export`)."
+            "state (a checkpoint saved without it can be exported with ",
+            Call("export"),
+            ").",
         )
     return found
 
@@ -186,7 +188,7 @@ def _jobs(
         moments = view.moments(tensor.name)  # none before the first step: no moment files then
         if len(moments) == 1:
             raise CorruptStoreError(
-                f"step {view.step}: {tensor.name} has an {moments[0]} but no other Adam moment; run `tailor verify`"
+                f"step {view.step}: {tensor.name} has an {moments[0]} but no other Adam moment; run ", Call("verify")
             )
         for kind in moments:
             state = _whole(view, tensor.name, kind, tensor.shape)

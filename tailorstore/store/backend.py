@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO, Protocol
 
-from tailorstore.core.errors import CorruptStoreError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 
 BytesLike = bytes | bytearray | memoryview
 Chunks = Iterable[BytesLike]
@@ -48,7 +48,9 @@ def check_name(name: str) -> str:
     if not isinstance(name, str) or not HASH_NAME.fullmatch(name):
         raise CorruptStoreError(
             f"the index names a blob {name!r}, which is not a 32-digit hex hash; the index is damaged. "
-            "Rebuild it with `tailor index rebuild`; nothing was deleted."
+            "Rebuild it with ",
+            Call("rebuild_index"),
+            "; nothing was deleted.",
         )
     return name
 

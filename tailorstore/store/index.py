@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tailorstore.core.errors import CorruptStoreError, FormatVersionError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, FormatVersionError, StoreError
 from tailorstore.store.records import (
     ATOM_COLUMNS,
     COMMIT,
@@ -138,9 +138,11 @@ class Index:
             if (path.parent / "blobs").is_dir():
                 raise CorruptStoreError(
                     f"{path.parent}: the store's index ({path.name}) is missing, though its blobs are there. "
-                    "Recreate it from the manifest objects with `tailor index rebuild`."
+                    "Recreate it from the manifest objects with ",
+                    Call("rebuild_index"),
+                    ".",
                 )
-            raise StoreError(f"{path.parent}: no tailorstore here. Create one with `tailor init {path.parent}`.")
+            raise StoreError(f"{path.parent}: no tailorstore here. Create one: ", Call("init", str(path.parent)), ".")
         read_only = not os.access(path.parent, os.W_OK) or not os.access(path, os.W_OK)
         try:
             conn = cls.connect(path, read_only=read_only)
@@ -671,7 +673,11 @@ class Index:
 def damaged(path: Path, exc: BaseException) -> CorruptStoreError:
     return CorruptStoreError(
         f"{path}: the index is damaged or unreadable ({exc}). The blobs and manifest objects are untouched; "
-        "recreate the index with `tailor index rebuild`, then run `verify(deep=True)`."
+        "recreate the index (",
+        Call("rebuild_index"),
+        "), then check the store (",
+        Call("verify", deep=True),
+        ").",
     )
 
 

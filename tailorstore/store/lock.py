@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
-from tailorstore.core.errors import CorruptStoreError, LockTimeoutError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, LockTimeoutError, StoreError
 
 
 class Fence(Protocol):
@@ -71,7 +71,9 @@ def store_lock(
                 if time.monotonic() >= deadline:
                     raise LockTimeoutError(
                         f"{path}: could not take the store lock within {timeout:g} s; another tailor process "
-                        "(a commit or gc) is still running. Wait for it, or raise `lock_timeout=SECONDS`."
+                        "(a commit or gc) is still running. Wait for it, or raise ",
+                        Call(lock_timeout="SECONDS"),
+                        ".",
                     ) from None
                 time.sleep(0.05)
         yield LockHandle(fd)

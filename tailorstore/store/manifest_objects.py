@@ -34,7 +34,7 @@ from typing import Any
 
 import zstandard
 
-from tailorstore.core.errors import CorruptStoreError, StepExistsError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, StepExistsError, StoreError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.store.backend import Backend, ObjectExistsError, check_key
 from tailorstore.store.index import Index
@@ -124,7 +124,9 @@ def _step_exists(record: ManifestRecord) -> StepExistsError:
     where = "the store" if record.run == MAIN_RUN else f"run {record.run!r}"
     return StepExistsError(
         f"step {record.step} is already in {where}: another host committed it first. Nothing was replaced; "
-        "commit under another step, or pass `force=True` to replace it."
+        "commit under another step, or pass ",
+        Call(force=True),
+        " to replace it.",
     )
 
 
@@ -185,7 +187,8 @@ def decode(data: bytes, key: str) -> ManifestDocument:
     except RecordError as exc:
         raise CorruptStoreError(
             f"manifest object {key} is damaged ({exc}); restore it from a backup, or delete it "
-            "(its step is then gone) and run `tailor index rebuild`"
+            "(its step is then gone) and run ",
+            Call("rebuild_index"),
         ) from None
 
 
@@ -453,7 +456,7 @@ def create_run(backend: Backend, run: RunRecord) -> None:
     try:
         backend.put(run_key(run.name), json.dumps(doc).encode(), create_only=True)
     except ObjectExistsError:
-        raise StepExistsError(f"run {run.name!r} already exists; `tailor run list` shows the runs.") from None
+        raise StepExistsError(f"run {run.name!r} already exists; ", Call("runs"), " shows the runs.") from None
 
 
 def _odd_key(key: str, what: str) -> None:

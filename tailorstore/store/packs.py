@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import xxhash
 import zstandard
 
-from tailorstore.core.errors import CorruptStoreError
+from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.store.backend import HASH_NAME, PACK_PREFIX, Backend, Batch, pack_key, pack_name
 
 PACK_BELOW = 1 << 20  # blobs of a smaller raw size go into packs
@@ -72,10 +72,12 @@ def read_trailer(backend: Backend, name: str) -> tuple[int, list[PackEntry]]:
     key = pack_key(name)
     size = backend.size(key)
     if size < _FOOT.size:
-        raise CorruptStoreError(f"pack {name} is cut short ({size} bytes); run `verify(deep=True)`")
+        raise CorruptStoreError(f"pack {name} is cut short ({size} bytes); run ", Call("verify", deep=True))
     length, magic = _FOOT.unpack(backend.get(key, size - _FOOT.size, _FOOT.size))
     if magic != MAGIC or length > size - _FOOT.size:
-        raise CorruptStoreError(f"pack {name} has no valid trailer; it is damaged. Run `verify(deep=True)`.")
+        raise CorruptStoreError(
+            f"pack {name} has no valid trailer; it is damaged. Run ", Call("verify", deep=True), "."
+        )
     try:
         raw = zstandard.ZstdDecompressor().decompress(
             backend.get(key, size - _FOOT.size - length, length), max_output_size=1 << 30
@@ -94,7 +96,9 @@ def read_trailer(backend: Backend, name: str) -> tuple[int, list[PackEntry]]:
             if e.offset + e.stored_size > body:
                 raise ValueError(f"blob {e.hash} ends at {e.offset + e.stored_size}, past the body's {body} bytes")
     except (zstandard.ZstdError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise CorruptStoreError(f"pack {name}: its trailer is damaged ({exc}); run `verify(deep=True)`") from None
+        raise CorruptStoreError(
+            f"pack {name}: its trailer is damaged ({exc}); run ", Call("verify", deep=True)
+        ) from None
     return size, entries
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from tailorstore.core.environment import STORE_ENV
-from tailorstore.core.errors import CorruptStoreError, StoreError, UnknownStepError
+from tailorstore.core.errors import Call, CorruptStoreError, StoreError, UnknownStepError
 from tailorstore.store import codec, manifest_objects
 from tailorstore.store.backend import Backend, blob_names
 from tailorstore.store.index import Index
@@ -71,7 +71,7 @@ def _check_cache(where: Location, index: Index) -> None:
     try:
         found = store_id(where.backend)
     except FileNotFoundError:
-        raise StoreError(f"{where.text}: no tailorstore here. Create one with `tailor init {where.text}`.") from None
+        raise StoreError(f"{where.text}: no tailorstore here. Create one: ", Call("init", where.text), ".") from None
     cached = index.meta("store_id")
     if found is None:
         return
@@ -82,7 +82,9 @@ def _check_cache(where: Location, index: Index) -> None:
     if cached != found:
         raise CorruptStoreError(
             f"{where.index_path}: this host's cache was built for another store (id {cached}) than the one at "
-            f"{where.text} (id {found}); rebuild it with `tailor index rebuild`."
+            f"{where.text} (id {found}); rebuild it with ",
+            Call("rebuild_index"),
+            ".",
         )
 
 
@@ -117,7 +119,7 @@ def _location(location: Path | str | None) -> Path | str:
     if location is None:
         location = os.environ.get(STORE_ENV)
     if not location:
-        raise StoreError(f"no store given: pass `store=PATH` or set {STORE_ENV}.")
+        raise StoreError("no store given: pass ", Call(store="PATH"), f" or set {STORE_ENV}.")
     return location
 
 
@@ -167,7 +169,7 @@ class Repository:
         if where.remote and not where.index_path.is_file():
             if not where.backend.exists(MARKER):
                 next(iter(where.backend.list("")), None)  # a bucket that is not there says so, not "no store"
-                raise StoreError(f"{where.text}: no tailorstore here. Create one with `tailor init {where.text}`.")
+                raise StoreError(f"{where.text}: no tailorstore here. Create one: ", Call("init", where.text), ".")
             where.index_path.parent.mkdir(parents=True, exist_ok=True)
             Index.create(where.index_path).close()
         store = cls(where, Index.open(where.index_path))
@@ -318,7 +320,7 @@ class Repository:
     def open_blob(self, digest: str, where: str) -> BinaryIO:
         row = self.blob(digest)
         if row is None:
-            raise CorruptStoreError(f"{where}: blob {digest} has no row in the index; run `tailor verify`.")
+            raise CorruptStoreError(f"{where}: blob {digest} has no row in the index; run ", Call("verify"), ".")
         return self.open_row(row, where)
 
     @contextmanager
@@ -345,7 +347,9 @@ class Repository:
         key = row.key()
         missing = CorruptStoreError(
             f"{where}: blob {row.hash} is missing from {self.location}/{key}; it was deleted behind the "
-            "store's back. Run `tailor verify` to see every step it affects."
+            "store's back. To see every step it affects: ",
+            Call("verify"),
+            ".",
         )
         spans = self.spans
         planned = spans.open(row) if spans is not None else None
@@ -363,8 +367,9 @@ class Repository:
             codec.decode_into(row.codec, f, dest, f"{where}: blob {row.hash}")
         if codec.content_hash(dest) != row.hash:
             raise CorruptStoreError(
-                f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). "
-                "Run `verify(deep=True)` to find every damaged blob."
+                f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). Run ",
+                Call("verify", deep=True),
+                " to find every damaged blob.",
             )
 
     def read_blob(self, digest: str, where: str) -> bytes:
@@ -395,7 +400,7 @@ class Repository:
         if text == "latest":
             latest = self.index.latest_commit(run) or self.run_base(run)
             if latest is None:
-                raise UnknownStepError(f"run {run!r} holds no steps yet; commit one with `tailor commit DIR`.")
+                raise UnknownStepError(f"run {run!r} holds no steps yet; commit one with ", Call("commit", "DIR"), ".")
             return latest.id
         if text.startswith("id=") and not prefixed:
             return self._by_stable_id(text[3:])
@@ -413,12 +418,14 @@ class Repository:
             if base is not None and base.step == step:
                 return base.id
             if run != MAIN_RUN and not any(r.name == run for r in self.index.runs()):
-                raise UnknownStepError(f"the store has no run {run!r}; `tailor run list` lists the runs.")
-            raise UnknownStepError(f"step {step} is not in the store{where}; `tailor log` lists the steps it holds.")
+                raise UnknownStepError(f"the store has no run {run!r}; ", Call("runs"), " lists the runs.")
+            raise UnknownStepError(
+                f"step {step} is not in the store{where}; ", Call("log"), " lists the steps it holds."
+            )
         if text.startswith("tag=") and not prefixed:
             tagged = self.index.tagged(text[4:])
             if tagged is None:
-                raise UnknownStepError(f"nothing is tagged {text[4:]!r}; `tailor log` shows the tags.")
+                raise UnknownStepError(f"nothing is tagged {text[4:]!r}; ", Call("log"), " shows the tags.")
             return tagged.id
         raise UnknownStepError(f"cannot read {selector!r}: write step=N, RUN:step=N, tag=NAME, id=HEX or latest.")
 
@@ -427,12 +434,13 @@ class Repository:
         commit's abbreviated hash: at least 4 hex digits, and naming one manifest only."""
         if not re.fullmatch(r"[0-9a-f]{4,16}", prefix):
             raise UnknownStepError(
-                f"id={prefix[:40]!r} names no manifest: an id is the hex name `tailor log` prints (at least "
-                "4 of its digits), the same on every host."
+                f"id={prefix[:40]!r} names no manifest: an id is the hex name ",
+                Call("log"),
+                " prints (at least 4 of its digits), the same on every host.",
             )
         found = [m for m in self.index.manifests() if m.name.startswith(prefix)]
         if not found:
-            raise UnknownStepError(f"no manifest has id {prefix}; `tailor log` lists the ids.")
+            raise UnknownStepError(f"no manifest has id {prefix}; ", Call("log"), " lists the ids.")
         if len(found) > 1:
             names = ", ".join(f"id={m.name} (step {m.step})" for m in found[:5])
             raise UnknownStepError(f"id={prefix} names {len(found)} manifests: {names}; give more digits.")

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
 
-from tailorstore.core.errors import InputChangedError, StoreError
+from tailorstore.core.errors import Call, InputChangedError, StoreError
 from tailorstore.core.reused_memory import SLAB_BYTES
 from tailorstore.store import codec
 from tailorstore.store.backend import BackendError, BytesLike, blob_key
@@ -41,7 +41,9 @@ IN_FLIGHT_BYTES = SLAB_BYTES
 def disk_full(location: str) -> StoreError:
     return StoreError(
         f"{location}: no space left on the device while writing the commit. The commit was not "
-        "recorded and the store is as it was; free some space (or run `tailor gc`) and commit again."
+        "recorded and the store is as it was; free some space (",
+        Call("gc"),
+        " frees what no step uses) and commit again.",
     )
 
 
