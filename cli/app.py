@@ -309,7 +309,7 @@ def log(run: str | None = typer.Option(None, "--run", help="Only this run's step
         typer.echo(json.dumps([asdict(s) for s in steps], indent=2))
         return
     if base is not None:
-        typer.echo(f"run {run} branched from run {base.run} step {base.step} (id={base.name})")
+        typer.echo(f"run {run} branched from run {base.run} step {base.step} (id={base.id})")
     column = f"{'run':10}  " if several else ""
     typer.echo(f"{'id':13}  {column}{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
     for s in steps:

@@ -26,19 +26,18 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tailorstore.background import CommitQueue
-from tailorstore.core.errors import Call, CorruptStoreError, StoreError
-from tailorstore.core.paths import safe_join
+from tailorstore.core.errors import StoreError
 from tailorstore.core.progress import Progress
 from tailorstore.curate.runs import qualify
-from tailorstore.formats.layout import DEEPSPEED, DEEPSPEED_TAG
 from tailorstore.formats.safetensors_writer import DEFAULT_SHARD_SIZE
+from tailorstore.ingest.commit_options import CommitRequest
 from tailorstore.store.manifest_objects import check_run_name, write_retention
 from tailorstore.store.records import MAIN_RUN
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import RebuildResult, Repository
 
 if TYPE_CHECKING:
     from tailorstore.curate.averaging import AverageResult
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
     from tailorstore.curate.runs import RunInfo
     from tailorstore.ingest.commit_options import CommitOptions, CommitResult
     from tailorstore.ingest.finalize import FinalizeResult
-    from tailorstore.report.diff import LayerDiff
+    from tailorstore.report.diff import DiffResult
     from tailorstore.report.inspect import StepDetail, StepSummary
     from tailorstore.report.usage import Usage
     from tailorstore.report.verify import VerifyReport
@@ -94,7 +93,7 @@ class Store:
         return cls(Repository.open(location), max_in_flight=max_in_flight, run=run)
 
     @staticmethod
-    def rebuild_index(location: str | os.PathLike | None = None) -> tuple[int, int]:
+    def rebuild_index(location: str | os.PathLike | None = None) -> RebuildResult:
         """Recreate the index from the manifest objects; returns (manifests, blobs)."""
         return Repository.rebuild_index(location)
 
@@ -119,61 +118,44 @@ class Store:
     def commit(
         self,
         path: str | os.PathLike,
+        request: CommitRequest | None = None,
         *,
-        step: int | None = None,
-        tag: str | None = None,
-        policy: str = "full",
-        force: bool = False,
-        level: int = 1,
-        trust_pickles: bool = False,
-        lock_timeout: float = 600.0,
-        delete_after_commit: bool = False,
         part: bool = False,
         progress: Progress | None = None,
         on_wait: Callable[[str], None] | None = None,
-        run: str | None = None,
-        **policy_params: float,
+        **options: Any,
     ) -> CommitResult:
         """Commit a DeepSpeed save, a ``global_stepN`` folder or an HF ``checkpoint-N`` folder.
 
-        ``policy`` (full, parity, filter, adaptive, budget) and its parameters choose the layers stored;
-        the rest are inherited from earlier steps. With ``delete_after_commit``, the committed
-        files are deleted once the manifest is durable and every blob it names has been found
-        with its recorded size. With ``part``, only the files this host holds are committed, as
-        one part of the step; :meth:`finalize` records the step once every host's part is in.
-        ``run`` commits to that run instead of the handle's.
+        What to do is a :class:`CommitRequest` (or its fields as keywords: ``step``, ``tag``,
+        ``policy``, ``force``, ``level``, ``trust_pickles``, ``lock_timeout``,
+        ``delete_after_commit``, ``run``). ``policy`` (full, parity, filter, adaptive, budget, or a
+        typed one, ``Budget(fraction=0.2)``) chooses the layers stored; the rest are inherited
+        from earlier steps. With ``delete_after_commit``, the committed files are deleted once the
+        manifest is durable and every blob it names has been found with its recorded size. With
+        ``part``, only the files this host holds are committed, as one part of the step;
+        :meth:`finalize` records the step once every host's part is in.
         """
-        if part and delete_after_commit:
+        wanted = CommitRequest.of(request, options)
+        if part and wanted.delete_after_commit:
             raise StoreError("delete_after_commit waits for the manifest, which a part does not write; finalize first.")
-        options = self._options(step, tag, policy, force, level, trust_pickles, lock_timeout, policy_params, part, run)
-        return _commit(self.repo, Path(path), options, delete_after_commit, progress, on_wait)
+        return _commit(
+            self.repo, Path(path), self._options(wanted, part), wanted.delete_after_commit, progress, on_wait
+        )
 
-    def _options(
-        self,
-        step: int | None,
-        tag: str | None,
-        policy: str,
-        force: bool,
-        level: int,
-        trust_pickles: bool,
-        lock_timeout: float,
-        policy_params: dict[str, float],
-        part: bool = False,
-        run: str | None = None,
-    ) -> CommitOptions:
-        from tailorstore.core.policies import policy_spec
+    def _options(self, request: CommitRequest, part: bool = False) -> CommitOptions:
         from tailorstore.ingest.commit_options import CommitOptions
 
         return CommitOptions(
-            step=step,
-            tag=tag,
-            force=force,
-            trust_pickles=trust_pickles,
-            level=level,
-            lock_timeout=lock_timeout,
-            policy=policy_spec(policy, policy_params),
+            step=request.step,
+            tag=request.tag,
+            force=request.force,
+            trust_pickles=request.trust_pickles,
+            level=request.level,
+            lock_timeout=request.lock_timeout,
+            policy=request.spec(),
             part=part,
-            run=check_run_name(run) if run is not None else self.run,
+            run=check_run_name(request.run) if request.run is not None else self.run,
         )
 
     def finalize(
@@ -194,29 +176,21 @@ class Store:
         )
 
     def commit_async(
-        self,
-        path: str | os.PathLike,
-        *,
-        step: int | None = None,
-        tag: str | None = None,
-        policy: str = "full",
-        force: bool = False,
-        level: int = 1,
-        trust_pickles: bool = False,
-        lock_timeout: float = 600.0,
-        delete_after_commit: bool = False,
-        **policy_params: float,
+        self, path: str | os.PathLike, request: CommitRequest | None = None, **options: Any
     ) -> Future[CommitResult]:
         """:meth:`commit` on the background worker; returns at once, or when a slot frees up.
+        It takes the same :class:`CommitRequest` (or keywords).
 
         A failure is raised by the next ``commit_async``, by :meth:`flush` or by :meth:`close`,
         and the save it was committing is kept. The save must not change until the future is
         done: a commit refuses an input that changes under it.
         """
         source = Path(path)
-        options = self._options(step, tag, policy, force, level, trust_pickles, lock_timeout, policy_params)
+        wanted = CommitRequest.of(request, options)
+        commit_options = self._options(wanted)
         return self.background(
-            str(source), lambda store: _commit(store.repo, source, options, delete_after_commit, None, None)
+            str(source),
+            lambda store: _commit(store.repo, source, commit_options, wanted.delete_after_commit, None, None),
         )
 
     def background(self, what: str, job: Callable[[Store], Any]) -> Future[Any]:
@@ -346,7 +320,7 @@ class Store:
 
         return show(self.repo, self._selector(ref))
 
-    def diff(self, a: Ref, b: Ref) -> tuple[int, int, list[LayerDiff]]:
+    def diff(self, a: Ref, b: Ref) -> DiffResult:
         from tailorstore.report.diff import diff
 
         return diff(self.repo, self._selector(a), self._selector(b))
@@ -407,25 +381,36 @@ class Store:
 
         return merge(self.repo, Path(spec), tag, self.run)
 
-    def tag(self, ref: Ref, name: str, *, force: bool = False) -> int:
+    def tag(self, ref: Ref, name: str, *, force: bool = False) -> StepSummary:
+        """Name the step ``ref`` names; returns it as ``log`` lists it."""
         from tailorstore.curate.refs import tag
 
-        return tag(self.repo, self._selector(ref), name, force=force)
+        return self._summary(tag(self.repo, self._selector(ref), name, force=force))
 
-    def untag(self, name: str) -> int:
+    def untag(self, name: str) -> StepSummary:
+        """Remove a tag; returns the step it named (which stays, droppable by gc unless pinned)."""
         from tailorstore.curate.refs import untag
 
-        return untag(self.repo, name)
+        return self._summary(untag(self.repo, name))
 
-    def pin(self, ref: Ref, pinned: bool = True) -> int:
+    def pin(self, ref: Ref, pinned: bool = True) -> StepSummary:
+        """Keep the step through every gc (``pinned=False``: no longer); returns it."""
         from tailorstore.curate.refs import pin
 
-        return pin(self.repo, self._selector(ref), pinned)
+        return self._summary(pin(self.repo, self._selector(ref), pinned))
 
-    def remove(self, ref: Ref, *, force: bool = False) -> int:
+    def remove(self, ref: Ref, *, force: bool = False) -> StepSummary:
+        """Drop one manifest (its blobs go at the next gc); returns it as it was."""
         from tailorstore.curate.refs import remove
 
-        return remove(self.repo, self._selector(ref), force=force)
+        gone = self._summary(self.repo.resolve(self._selector(ref)))
+        remove(self.repo, self._selector(ref), force=force)
+        return gone
+
+    def _summary(self, manifest: int) -> StepSummary:
+        from tailorstore.report.inspect import summary
+
+        return summary(self.repo.manifest(manifest))
 
 
 def _commit(
@@ -443,55 +428,10 @@ def _commit(
 
     result = commit_checkpoint(repo, path, options, progress=progress, on_wait=on_wait)
     if delete_after_commit:
+        from tailorstore.ingest.deletion import delete_once_durable
+
         delete_once_durable(repo, result.manifest, path)
     return result
-
-
-def delete_once_durable(repo: Repository, manifest: int, path: Path) -> None:
-    """``delete_after_commit``: every blob of the manifest is checked present, then the files go."""
-    check_blobs_present(repo, manifest)
-    delete_committed(repo, manifest, path)
-
-
-def check_blobs_present(repo: Repository, manifest: int) -> None:
-    """Every blob the manifest names exists in the backend with its recorded size."""
-    rows = {digest: repo.blob(digest) for digest in sorted(repo.index.referenced_hashes(manifest))}
-    stored_bytes = repo.size_lookup([r for r in rows.values() if r is not None])
-    for digest, row in rows.items():
-        if row is None or stored_bytes(row) != row.stored_size:
-            raise CorruptStoreError(
-                f"blob {digest} of the commit just made is missing or cut short in {repo.location}; "
-                "the original checkpoint was kept. Run ",
-                Call("verify"),
-                " and commit it again.",
-            )
-
-
-def delete_committed(repo: Repository, manifest: int, path: Path) -> None:
-    """Delete what the commit took from ``path``, and the folders it leaves empty.
-
-    For a DeepSpeed save directory only the step's tag folder goes: ``latest`` and the
-    scripts beside it belong to the save directory, and training may already have
-    pointed ``latest`` at a newer step.
-    """
-    row = repo.manifest(manifest)
-    path = path.resolve()
-    root = path.parent if row.layout == DEEPSPEED_TAG else path  # what the recorded paths are relative to
-    files = [f.path for f in repo.index.files(manifest)]
-    if row.layout == DEEPSPEED:
-        files = [f for f in files if PurePosixPath(f).parts[0] == row.ds_tag]
-    folders: set[Path] = set()
-    for rel in files:
-        target = safe_join(root, rel)
-        if target != path and path not in target.parents:
-            continue  # never anything outside what was committed
-        target.unlink(missing_ok=True)
-        folders.update(p for p in target.parents if p == path or path in p.parents)
-    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
-        if folder.is_dir() and not any(folder.iterdir()) and (folder != path or row.layout != DEEPSPEED):
-            folder.rmdir()
-    if row.layout != DEEPSPEED and path.is_dir():
-        logger.info("tailorstore: %s kept files the commit did not take: %s", path, sorted(os.listdir(path)))
 
 
 __all__ = ["Ref", "Store", "selector"]

@@ -138,3 +138,49 @@ def test_the_library_changes_nothing_process_wide(runs: Runs, tmp_path: Path) ->
     assert logging.root.manager.disable == logging.NOTSET
     assert logging.getLogger().handlers == root_handlers
     assert logging.getLogger("tailorstore").handlers == []
+
+
+def test_every_result_of_the_api_is_a_named_type_it_exports() -> None:
+    """A caller can name what every Store method returns: each type in a return annotation is
+    exported by ``tailorstore`` (no tuples of positions, no internal records)."""
+    import inspect
+    import re
+
+    import tailorstore
+
+    builtin = {"None", "int", "str", "float", "bool", "Path", "Future", "Any", "list", "dict", "tuple"}
+    missing = {}
+    for name, method in inspect.getmembers(tailorstore.Store, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        annotation = inspect.signature(method).return_annotation
+        names = set(re.findall(r"[A-Za-z_]\w*", str(annotation))) - builtin - {"Store"}
+        if unknown := sorted(n for n in names if n not in tailorstore.__all__):
+            missing[name] = unknown
+        assert "tuple" not in str(annotation), (name, annotation)
+    assert not missing, missing
+
+
+def test_a_typed_policy_and_one_request_for_commit_and_commit_async(tmp_path: Path) -> None:
+    """``policy=Budget(...)`` is the same policy as ``policy="budget", fraction=...``, and one
+    CommitRequest serves commit and commit_async alike."""
+    import tailorstore
+    from tailorstore import Budget, CommitRequest, PolicyError
+
+    checkpoint = Path(__file__).parent / "data" / "format1" / "checkpoint"
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(checkpoint, CommitRequest(step=1))
+        typed = store.commit(checkpoint, step=2, policy=Budget(fraction=0.3, max_age=4))
+        named = store.commit_async(checkpoint, CommitRequest(step=3, policy="budget"), fraction=0.3, max_age=4).result()
+        assert typed.stored_layers == named.stored_layers and len(typed.stored_layers) < len(typed.stored_layers) + len(
+            typed.inherited_layers
+        )
+        policies = [s.policy for s in store.log()]
+        assert policies[1] == policies[2] == {"name": "budget", "fraction": 0.3, "max_age": 4}
+        with pytest.raises(PolicyError, match="set fraction on it"):
+            store.commit(checkpoint, step=4, policy=Budget(), fraction=0.5)
+        tagged = store.tag(2, "typed")
+        assert isinstance(tagged, tailorstore.StepSummary) and tagged.step == 2 and tagged.tag == "typed"
+        assert store.remove(3).step == 3 and [s.step for s in store.log()] == [1, 2]
+        changed = store.diff(1, 2)
+        assert isinstance(changed, tailorstore.DiffResult) and (changed.step_a, changed.step_b) == (1, 2)

@@ -16,11 +16,12 @@ import pytest
 from conftest import Runs, as_of_step, tailor
 
 from tailorstore.access.model_tensors import model_view
-from tailorstore.api import Store, check_blobs_present
+from tailorstore.api import Store
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.curate.gc import Retention, gc
 from tailorstore.curate.refs import remove, tag
 from tailorstore.ingest.commit import commit_checkpoint
+from tailorstore.ingest.deletion import check_blobs_present
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
 from tailorstore.restore.export import export_step

@@ -175,21 +175,79 @@ PARAMETERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def policy_spec(name: str, params: Mapping[str, float]) -> PolicySpec:
-    """A policy by name with its parameters, checked before anything is read: an unknown name,
-    or a parameter the policy does not take, is refused. It would be ignored otherwise, and
-    recorded in the manifest as if it had counted (``every=3`` given to ``full``, or a misspelt
-    keyword of ``Store.commit``, which collects the policy's parameters)."""
-    if name not in POLICIES:
-        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+# Typed policies, for code that names one: ``store.commit(path, policy=Budget(fraction=0.2))``.
+# Each is a PolicySpec with its parameters as fields, the defaults of the functions above.
+
+
+@dataclass(frozen=True)
+class Full:
+    """Store every layer (the default)."""
+
+
+@dataclass(frozen=True)
+class Parity:
+    """Half the model per commit: even blocks, then odd ones (aux layers split by bytes)."""
+
+
+@dataclass(frozen=True)
+class Filter:
+    """The first and last ``keep_*`` blocks every commit, the others every ``every`` commits."""
+
+    keep_first: int = 0
+    keep_last: int = 0
+    every: int = 1
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """A block whose FP32 master moved by ``threshold`` (relative) or more since it was stored."""
+
+    threshold: float = 0.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """At most ``fraction`` of the save's bytes, the blocks that moved most; none older than ``max_age``."""
+
+    fraction: float = 0.25
+    max_age: int = 8
+
+
+Policy = Full | Parity | Filter | Adaptive | Budget
+_NAMES: dict[type, str] = {Full: "full", Parity: "parity", Filter: "filter", Adaptive: "adaptive", Budget: "budget"}
+
+
+def policy_spec(policy: str | Policy | PolicySpec, params: Mapping[str, float] | None = None) -> PolicySpec:
+    """A policy by name (with its parameters), as a typed policy, or a spec, checked before anything is
+    read: an unknown name, or a parameter the policy does not take, is refused. It would be ignored
+    otherwise, and recorded in the manifest as if it had counted (``every=3`` given to ``full``, or a
+    misspelt keyword of ``Store.commit``, which collects the policy's parameters)."""
+    params = dict(params or {})
+    if isinstance(policy, PolicySpec):
+        policy, params = policy.name, {**policy.params, **params}
+    elif type(policy) in _NAMES:
+        if params:
+            raise PolicyError(
+                f"policy {_NAMES[type(policy)]} was given as a typed policy: set {', '.join(params)} on it"
+            )
+        params = {k: v for k, v in vars(policy).items()}
+        policy = _NAMES[type(policy)]
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise PolicyError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    name = policy
     stray = sorted(set(params) - set(PARAMETERS[name]))
     if stray:
-        takes = ", ".join(f"`{k}=N`" for k in PARAMETERS[name]) or "no parameters"
-        given = ", ".join(f"`{k}={params[k]}`" for k in stray)
+        takes: list[str | Call] = ["no parameters"] if not PARAMETERS[name] else []
+        for k in PARAMETERS[name]:
+            takes += [", "] * bool(takes) + [Call(**{k: "N"})]
+        given: list[str | Call] = []
+        for k in stray:
+            given += [", "] * bool(given) + [Call(**{k: params[k]})]
         raise PolicyError(
-            f"policy {name} takes {takes}, not {given}; give it to the policy it belongs to, or check its spelling."
-        )
-    return PolicySpec(name, dict(params))
+            f"policy {name} takes ", *takes, ", not ", *given,
+            "; give it to the policy it belongs to, or check its spelling.",
+        )  # fmt: skip
+    return PolicySpec(name, params)
 
 
 def decide(spec: PolicySpec, facts: CommitFacts) -> frozenset[str]:

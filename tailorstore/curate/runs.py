@@ -21,12 +21,25 @@ from tailorstore.store.repo import Repository
 
 
 @dataclass(frozen=True)
+class BaseStep:
+    """The step a run branched from."""
+
+    run: str
+    step: int
+    id: str  # its manifest's id, the same on every host
+
+    @classmethod
+    def of(cls, record: ManifestRecord | None) -> BaseStep | None:
+        return None if record is None else cls(record.run, record.step, record.name)
+
+
+@dataclass(frozen=True)
 class RunInfo:
-    """One line of ``tailor run list``."""
+    """A run of the store: its name, where it branched from, and how far it has come."""
 
     name: str
     created_at: float
-    base: ManifestRecord | None  # the step it branched from, if any
+    base: BaseStep | None  # the step it branched from, if any
     steps: int  # commits of its own
     latest_step: int | None
 
@@ -51,7 +64,7 @@ def list_runs(store: Repository) -> list[RunInfo]:
             RunInfo(
                 run.name,
                 run.created_at,
-                store.run_base(run.name),
+                BaseStep.of(store.run_base(run.name)),
                 len(commits),
                 max((m.step for m in commits), default=None),
             )
@@ -82,4 +95,4 @@ def create_run(
         with store.transaction() as index:
             manifest_objects.create_run(store.backend, record)  # the object first: it is the truth
             index.set_runs([*index.created_runs().values(), record])
-    return RunInfo(name, record.created_at, base, 0, None)
+    return RunInfo(name, record.created_at, BaseStep.of(base), 0, None)

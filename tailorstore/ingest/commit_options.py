@@ -6,10 +6,42 @@ without importing the checkpoint readers, which need torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from tailorstore.core.policies import PolicySpec
+from tailorstore.core.policies import Policy, PolicySpec, policy_spec
 from tailorstore.store.records import MAIN_RUN
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """What a caller asks of a commit, the same for ``Store.commit`` and ``Store.commit_async``
+    (either takes one, or these fields as keywords; parameters of a policy named by string go
+    with them: ``commit(path, policy="budget", fraction=0.2)``)."""
+
+    step: int | None = None  # default: the step the checkpoint names
+    tag: str | None = None
+    policy: str | Policy | PolicySpec = "full"  # "budget", or Budget(fraction=0.2), ...
+    policy_params: dict[str, float] = field(default_factory=dict)
+    force: bool = False  # replace the step if the store holds it
+    level: int = 1  # zstd level, 1 to 22
+    trust_pickles: bool = False  # load pickles outside the allowlist
+    lock_timeout: float = 600.0
+    delete_after_commit: bool = False  # delete the committed files once every blob is checked
+    run: str | None = None  # commit to this run (default: the store handle's)
+
+    @classmethod
+    def of(cls, request: CommitRequest | None, keywords: dict[str, Any]) -> CommitRequest:
+        """``request`` with ``keywords`` on top: a field's name sets it, any other keyword is a
+        parameter of the policy (which ``spec`` refuses if the policy does not take it)."""
+        names = {f.name for f in fields(cls)} - {"policy_params"}
+        base = request or cls()
+        given = {k: v for k, v in keywords.items() if k in names}
+        params = {**base.policy_params, **{k: v for k, v in keywords.items() if k not in names}}
+        return cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **given, "policy_params": params})
+
+    def spec(self) -> PolicySpec:
+        return policy_spec(self.policy, self.policy_params)
 
 
 @dataclass

@@ -51,7 +51,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from tailorstore.api import Store
 from tailorstore.core.environment import STAGING_ENV
 from tailorstore.core.errors import Call, StoreError
-from tailorstore.core.policies import policy_spec
+from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.formats.deepspeed import is_model_states, read_latest
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.ingest.commit import CommitResult
@@ -113,7 +113,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         self,
         store: Store | None,
         *,
-        policy: str = "full",
+        policy: str | Policy = "full",
         asynchronous: bool = True,
         staging: str | os.PathLike | None = None,
         global_steps: Callable[[], int] | None = None,
@@ -409,7 +409,7 @@ def attach(
     engine: Any,
     store: Store | None,
     *,
-    policy: str = "full",
+    policy: str | Policy = "full",
     asynchronous: bool = True,
     staging: str | os.PathLike | None = None,
     on_existing: str = "branch",
@@ -449,7 +449,7 @@ def save_checkpoint(
     *,
     delete_after_commit: bool = True,
     asynchronous: bool = True,
-    policy: str = "full",
+    policy: str | Policy = "full",
     client_state: dict | None = None,
     on_existing: str = "branch",
     **policy_params: float,

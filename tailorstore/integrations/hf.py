@@ -33,8 +33,9 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tailorstore.api import Store, delete_once_durable
-from tailorstore.core.policies import policy_spec
+from tailorstore.api import Store
+from tailorstore.core.policies import Policy, policy_spec
+from tailorstore.ingest.deletion import delete_once_durable
 from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 
@@ -43,7 +44,7 @@ class TailorCallback(TrainerCallback):
     def __init__(
         self,
         store: Store | str | os.PathLike,
-        policy: str = "full",
+        policy: str | Policy = "full",
         delete_after_commit: bool = False,
         asynchronous: bool = True,
         on_existing: str = "branch",
@@ -52,7 +53,7 @@ class TailorCallback(TrainerCallback):
         self.rewind = Rewind(on_existing)  # a save of a step the store holds: a rewind (rewind.py)
         self._store_arg = store
         self._store: Store | None = store if isinstance(store, Store) else None
-        policy_spec(policy, policy_params)  # a misspelt parameter fails here, not at the first save
+        self.spec = policy_spec(policy, policy_params)  # a misspelt parameter fails here, not at the first save
         self.policy = policy
         self.policy_params = policy_params
         self.delete_after_commit = delete_after_commit
@@ -66,7 +67,7 @@ class TailorCallback(TrainerCallback):
 
     def rank_parallel(self) -> bool:
         """Whether every rank commits its own files (a distributed run with the full policy)."""
-        return self.policy == "full" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return self.spec.name == "full" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self.rank_parallel() and self.asynchronous and self._group is None:

@@ -10,6 +10,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from tailorstore.access import structure
 from tailorstore.access.changes import relative_change, stored_pieces
@@ -28,7 +29,15 @@ class LayerDiff:
     weight: float | None
 
 
-def diff(store: Repository, selector_a: str, selector_b: str) -> tuple[int, int, list[LayerDiff]]:
+class DiffResult(NamedTuple):
+    """Per layer, the change from step ``step_a`` to ``step_b`` (a merge carries its base's step)."""
+
+    step_a: int
+    step_b: int
+    layers: list[LayerDiff]
+
+
+def diff(store: Repository, selector_a: str, selector_b: str) -> DiffResult:
     """Per layer, the change from A to B; refused, with the reason, where the two cannot be compared."""
     a, b = store.resolve(selector_a), store.resolve(selector_b)
     ma, mb = store.manifest(a), store.manifest(b)
@@ -52,7 +61,7 @@ def diff(store: Repository, selector_a: str, selector_b: str) -> tuple[int, int,
             old, new = stored_pieces(store, a, layer, kind), stored_pieces(store, b, layer, kind)
             values.append(relative_change(new, old) if old and new else None)
         out.append(LayerDiff(layer, values[0], values[1]))
-    return step_a, step_b, out
+    return DiffResult(step_a, step_b, out)
 
 
 @dataclass

@@ -50,7 +50,8 @@ class StepDetail:
     derived_bytes: int = 0
 
 
-def _summary(r: ManifestRecord) -> StepSummary:
+def summary(r: ManifestRecord) -> StepSummary:
+    """A manifest as ``log`` lists it."""
     return StepSummary(
         step=r.step,
         manifest=r.id,
@@ -70,20 +71,20 @@ def _summary(r: ManifestRecord) -> StepSummary:
 
 def log(store: Repository, run: str | None = None) -> list[StepSummary]:
     """Every manifest, or those of one run, by step."""
-    return [_summary(r) for r in store.index.manifests(run)]
+    return [summary(r) for r in store.index.manifests(run)]
 
 
 def show(store: Repository, selector: str) -> StepDetail:
     manifest = store.resolve(selector)
-    summary = _summary(store.manifest(manifest))
+    head = summary(store.manifest(manifest))
     per_layer = {
         x.layer: LayerSummary(x.layer, x.source_step, x.stored, change=x.change) for x in store.index.layers(manifest)
     }
     for name, kinds, raw, derived in store.index.layer_totals(manifest):
-        layer = per_layer.setdefault(name, LayerSummary(name, summary.step, True))
+        layer = per_layer.setdefault(name, LayerSummary(name, head.step, True))
         layer.kinds = kinds
         layer.raw_bytes, layer.derived_bytes = raw, derived
     for name, stored in store.index.layer_stored_bytes(manifest).items():
         per_layer[name].stored_bytes = stored
     layers = sorted(per_layer.values(), key=lambda x: sort_key(x.layer))
-    return StepDetail(summary, layers, sum(x.derived_bytes for x in layers))
+    return StepDetail(head, layers, sum(x.derived_bytes for x in layers))

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from tailorstore.core.environment import STORE_ENV
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError, UnknownStepError
@@ -92,6 +92,13 @@ def check_step(step: int) -> int:
     if not 0 <= step <= MAX_STEP:
         raise StoreError(f"step {step} is out of range: a step is a whole number from 0 to {MAX_STEP}.")
     return step
+
+
+class RebuildResult(NamedTuple):
+    """What a rebuilt index holds."""
+
+    manifests: int
+    blobs: int
 
 
 class _Reading(io.RawIOBase):
@@ -208,7 +215,7 @@ class Repository:
         return manifest_objects.sync(self.backend, self.index, locked=held is not None)
 
     @classmethod
-    def rebuild_index(cls, location: Path | str | None) -> tuple[int, int]:
+    def rebuild_index(cls, location: Path | str | None) -> RebuildResult:
         """Recreate the index from the manifest objects alone (``tailor index rebuild``): for a
         lost or damaged ``index.sqlite``, or a cache on a new host.
 
@@ -241,7 +248,7 @@ class Repository:
         for old in path.parent.glob(f"{path.name}-*"):  # the old index's -wal and -shm files
             old.unlink()
         os.replace(tmp, path)
-        return counts
+        return RebuildResult(*counts)
 
     def close(self) -> None:
         self.index.close()
