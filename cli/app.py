@@ -124,18 +124,7 @@ def commit(
     if finalize is not None:
         if ckpt_dir is not None or part:
             raise TailorError("--finalize takes no directory and no --part: run it once every host committed its part.")
-        match = re.fullmatch(r"(?:step=)?(\d+)", finalize.strip())
-        if match is None:
-            raise TailorError(f"--finalize {finalize!r}: write step=N.")
-        with _open(store, run) as st:
-            done = st.finalize(int(match.group(1)), tag=tag, force=force, lock_timeout=lock_timeout, on_wait=_say)
-        if as_json:
-            typer.echo(json.dumps(asdict(done)))
-        elif not quiet:
-            typer.echo(
-                f"finalized step {done.step} from {done.parts} parts: {done.files} files, {done.atoms} atoms, "
-                f"{human(done.raw_bytes)} raw ({done.seconds:.2f} s)"
-            )
+        _finalize(finalize, tag, force, run, store, quiet, as_json, lock_timeout)
         return
     if ckpt_dir is None:
         raise TailorError("name the checkpoint directory to commit (or pass --finalize step=N).")
@@ -193,6 +182,39 @@ def _report_written(result: Any, as_json: bool, quiet: bool, line: str) -> None:
         typer.echo(line)
 
 
+def _finalize(
+    selector: str, tag: str | None, force: bool, run: str | None, store: str | None, quiet: bool, as_json: bool,
+    lock_timeout: float,
+) -> None:  # fmt: skip
+    match = re.fullmatch(r"(?:step=)?(\d+)", selector.strip())
+    if match is None:
+        raise TailorError(f"{selector!r} names no step to finalize: write step=N.")
+    with _open(store, run) as st:
+        done = st.finalize(int(match.group(1)), tag=tag, force=force, lock_timeout=lock_timeout, on_wait=_say)
+    if as_json:
+        typer.echo(json.dumps(asdict(done)))
+    elif not quiet:
+        typer.echo(
+            f"finalized step {done.step} from {done.parts} parts: {done.files} files, {done.atoms} atoms, "
+            f"{human(done.raw_bytes)} raw ({done.seconds:.2f} s)"
+        )
+
+
+@app.command()
+def finalize(
+    selector: str = typer.Argument(..., help="step=N: the step whose parts every host has committed."),
+    tag: str | None = typer.Option(None, "--tag", help="A name for this step."),
+    force: bool = typer.Option(False, "--force", help="Record it even where its model differs from the newest step's."),
+    run: str | None = RunOpt,
+    store: str | None = StoreOpt,
+    quiet: bool = QuietOpt,
+    as_json: bool = JsonOpt,
+    lock_timeout: float = LockOpt,
+) -> None:
+    """Record a step from the parts several hosts committed (`commit --part`), once all are in."""
+    _finalize(selector, tag, force, run, store, quiet, as_json, lock_timeout)
+
+
 @app.command()
 def checkout(
     selector: str = typer.Argument(..., help=SELECTOR_HELP),
@@ -211,33 +233,21 @@ def checkout(
     as_json: bool = JsonOpt,
 ) -> None:
     """Write a step back in its native layout, checking every blob's hash."""
-    if layout not in ("native", "universal"):
-        raise tailorstore.StoreError(f"--format {layout}: choose native or universal.")
     if layout == "universal" and (world_size is not None or zero_stage is not None):
         raise tailorstore.StoreError("--format universal loads at any world size and stage; drop --world-size.")
-    if world_size is not None or zero_stage is not None:
+    if layout != "native" or world_size is not None or zero_stage is not None:
         with _open(store, run) as st:
-            moved = st.checkout_resharded(
-                selector, out, world_size=world_size, zero_stage=zero_stage, progress=for_terminal(quiet or as_json)
+            done = st.checkout(
+                selector, out, world_size=world_size, zero_stage=zero_stage, format=layout,
+                progress=for_terminal(quiet or as_json),
+            )  # fmt: skip
+        if layout == "universal":
+            said = f"wrote step {done.step} as a universal checkpoint into {done.out}: {done.params} parameters, "  # type: ignore[union-attr]
+        else:
+            said = (
+                f"checked out step {done.step} for {done.world_size} ranks (ZeRO-{done.zero_stage}) into {done.out}: "  # type: ignore[union-attr]
             )
-        _report_written(
-            moved,
-            as_json,
-            quiet,
-            f"checked out step {moved.step} for {moved.world_size} ranks (ZeRO-{moved.zero_stage}) into "
-            f"{moved.out}: {moved.files} files, {human(moved.bytes_written)}",
-        )
-        return
-    if layout == "universal":
-        with _open(store, run) as st:
-            done = st.checkout_universal(selector, out, progress=for_terminal(quiet or as_json))
-        _report_written(
-            done,
-            as_json,
-            quiet,
-            f"wrote step {done.step} as a universal checkpoint into {done.out}: {done.params} parameters, "
-            f"{done.files} files, {human(done.bytes_written)}",
-        )
+        _report_written(done, as_json, quiet, f"{said}{done.files} files, {human(done.bytes_written)}")
         return
     with _open(store, run) as st:
         result = st.checkout(
@@ -477,8 +487,8 @@ def unpin(selector: str = typer.Argument(..., help=SELECTOR_HELP), store: str | 
     typer.echo(f"unpinned {selector}")
 
 
-@app.command()
-def rm(
+@app.command("remove")
+def remove(
     selector: str = typer.Argument(..., help=SELECTOR_HELP),
     force: bool = typer.Option(False, "--force", help="Also drop a tagged or pinned step."),
     store: str | None = StoreOpt,
@@ -521,7 +531,7 @@ def gc(
             keep_last=keep_last,
             keep_every=keep_every,
             thin=thin,
-            all_runs=run is None,
+            run=run,
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,
@@ -534,8 +544,8 @@ def gc(
         typer.echo("done")
 
 
-@app.command()
-def du(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
+@app.command("usage")
+def usage(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     """Where the bytes go: on disk against raw, per kind, per step, and what gc would free."""
     with _open(store) as st:
         u = st.usage()
@@ -661,6 +671,11 @@ def index_rebuild(store: str | None = StoreOpt) -> None:
     """Recreate the index from the manifest objects (a lost or damaged index, or a new host's cache)."""
     manifests, blobs = tailorstore.Store.rebuild_index(store)
     typer.echo(f"rebuilt the index: {manifests} manifest(s), {blobs} blob(s)")
+
+
+# The short names users of git and du know, kept as aliases: one operation, the API's name first.
+app.command("rm", hidden=True, help="The same as `remove`.")(remove)
+app.command("du", hidden=True, help="The same as `usage`.")(usage)
 
 
 def main() -> None:

@@ -212,11 +212,25 @@ class Store:
         ref: Ref,
         out: str | os.PathLike,
         *,
+        world_size: int | None = None,
+        zero_stage: int | None = None,
+        format: str = "native",
         trust_pickles: bool = False,
         progress: Progress | None = None,
         warn: Callable[[str], None] | None = None,
-    ) -> CheckoutResult:
-        """Write the checkpoint ``ref`` names into the new directory ``out``, every byte hash-checked."""
+    ) -> CheckoutResult | ReshardResult | UniversalResult:
+        """Write the checkpoint ``ref`` names into the new directory ``out``, every byte hash-checked:
+        as it was saved; for ``world_size`` ranks (and ``zero_stage`` 1 or 2) as DeepSpeed would have
+        saved it there; or, ``format="universal"``, as DeepSpeed's universal checkpoint. As the
+        ``checkout`` command does with ``--world-size``, ``--zero-stage`` and ``--format``."""
+        if format not in ("native", "universal"):
+            raise StoreError(f"format {format!r}: choose native or universal.")
+        if format == "universal":
+            if world_size is not None or zero_stage is not None:
+                raise StoreError("a universal checkpoint loads at any world size and stage; give neither with it.")
+            return self.checkout_universal(ref, out, progress=progress)
+        if world_size is not None or zero_stage is not None:
+            return self.checkout_resharded(ref, out, world_size=world_size, zero_stage=zero_stage, progress=progress)
         from tailorstore.restore.checkout import checkout_step
 
         return checkout_step(
@@ -232,9 +246,10 @@ class Store:
         zero_stage: int | None = None,
         progress: Progress | None = None,
     ) -> ReshardResult:
-        """Write ``ref`` in DeepSpeed's native layout as ``world_size`` data-parallel ranks would have saved it
-        (ZeRO 1-3; ``zero_stage`` switches between 1 and 2), so ``engine.load_checkpoint(out)`` resumes at that
-        world size. Refused, before anything is written, for what cannot be produced."""
+        """:meth:`checkout` with ``world_size``: ``ref`` in DeepSpeed's native layout as ``world_size``
+        data-parallel ranks would have saved it (ZeRO 1-3; ``zero_stage`` switches between 1 and 2), so
+        ``engine.load_checkpoint(out)`` resumes at that world size. Refused, before anything is
+        written, for what cannot be produced."""
         from tailorstore.restore.reshard import checkout_resharded
 
         return checkout_resharded(
@@ -244,8 +259,9 @@ class Store:
     def checkout_universal(
         self, ref: Ref, out: str | os.PathLike, *, progress: Progress | None = None
     ) -> UniversalResult:
-        """Write ``ref`` as DeepSpeed's universal checkpoint at ``out`` (``latest_universal``, ``<tag>/zero/<param>/``),
-        which ``engine.load_checkpoint`` loads at any world size with ``"checkpoint": {"load_universal": true}``."""
+        """:meth:`checkout` with ``format="universal"``: DeepSpeed's universal checkpoint at ``out``
+        (``latest_universal``, ``<tag>/zero/<param>/``), which ``engine.load_checkpoint`` loads at any
+        world size with ``"checkpoint": {"load_universal": true}``."""
         from tailorstore.restore.universal import checkout_universal
 
         return checkout_universal(self.repo, self._selector(ref), Path(out), progress=progress)
@@ -350,22 +366,23 @@ class Store:
         keep_last: int | None = None,
         keep_every: int | None = None,
         thin: str | None = None,
-        all_runs: bool = False,
+        run: str | None = None,
         dry_run: bool = False,
         drop_parts: bool = False,
         lock_timeout: float = 600.0,
         on_wait: Callable[[str], None] | None = None,
         show_plan: Callable[[GcPlan], None] | None = None,
     ) -> GcPlan:
-        """Drop this run's manifests outside the retention (every run's, each counted on its own, with
-        ``all_runs``; tags, pins and run bases stay), then every blob no kept manifest uses. With
+        """Drop the manifests outside the retention, in every run (each counted on its own) unless ``run``
+        names one, as the ``gc`` command does (tags, pins and run bases stay); then every blob no kept
+        manifest uses. Without rules, each run's own retention (:meth:`set_retention`) applies. With
         ``thin="weights"`` (or ``"master"``) the commits outside the retention are thinned to that tier
         instead of dropped: they keep their weights (or FP32 masters) for export and averaging."""
         from tailorstore.curate.gc import Retention, gc
 
         return gc(
             self.repo,
-            Retention(keep_last=keep_last, keep_every=keep_every, run=None if all_runs else self.run, thin=thin),
+            Retention(keep_last=keep_last, keep_every=keep_every, run=run, thin=thin),
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,
