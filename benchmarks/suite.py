@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import tailorstore
 from tailorstore.curate.merge import merge
 from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
@@ -535,9 +536,8 @@ def quality(work: Path) -> dict:
     exact = train_tiny(
         work / "r2", losses_out=work / "r2.json", resume_from=work / "at18", steps=38, save_every=0, **model
     )
-    inherited = store.conn.execute(
-        "SELECT count(*) FROM layers l JOIN manifests m ON m.id=l.manifest WHERE m.step=18 AND l.source_step<>18"
-    ).fetchone()[0]
+    with tailorstore.Store.open(store.root) as api:
+        inherited = sum(layer.source_step != 18 for layer in api.show(18).layers)
     return {
         "composite_final_loss": float.fromhex(composite[38]),
         "exact_final_loss": float.fromhex(exact[38]),
@@ -575,9 +575,11 @@ def merge_scaling(work: Path, repeats: int = 5) -> list[dict]:
             )
             (view / "latest").write_text(f"global_step{step}")
             commit_checkpoint(store, view)
-        raw = store.conn.execute("SELECT sum(raw_bytes) / count(*) FROM manifests").fetchone()[0]
-        rows = store.conn.execute("SELECT count(*) FROM atoms WHERE manifest=1").fetchone()[0]
         store.close()
+        with tailorstore.Store.open(base / "store") as api:
+            steps = api.log()
+            raw = sum(s.raw_bytes for s in steps) // len(steps)
+            rows = len(api.repo.index.atoms(api.repo.resolve(f"step={steps[0].step}")))  # the rows a merge copies
         out.append(
             {
                 "model": name,

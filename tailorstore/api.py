@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tailorstore.background import CommitQueue
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import Call, StoreError
 from tailorstore.core.progress import Progress
 from tailorstore.curate.runs import qualify
 from tailorstore.formats.safetensors_writer import DEFAULT_SHARD_SIZE
@@ -224,7 +224,7 @@ class Store:
         saved it there; or, ``format="universal"``, as DeepSpeed's universal checkpoint. As the
         ``checkout`` command does with ``--world-size``, ``--zero-stage`` and ``--format``."""
         if format not in ("native", "universal"):
-            raise StoreError(f"format {format!r}: choose native or universal.")
+            raise StoreError(Call(format=format), ": choose native or universal.")
         if format == "universal":
             if world_size is not None or zero_stage is not None:
                 raise StoreError("a universal checkpoint loads at any world size and stage; give neither with it.")

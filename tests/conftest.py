@@ -294,7 +294,7 @@ def object_count(store: Repository) -> int:
 def referenced_blobs(store: Repository) -> set[str]:
     return {
         r[0]
-        for r in store.conn.execute(
+        for r in index_db(store).execute(
             "SELECT blob FROM files UNION SELECT container FROM files WHERE container IS NOT NULL"
             " UNION SELECT blob FROM atoms WHERE derived IS NULL"
         )
@@ -307,14 +307,18 @@ def assert_only_live(store: Repository) -> None:
     from tailorstore.curate.gc import REPACK_AT
 
     live = referenced_blobs(store)
-    assert {r[0] for r in store.conn.execute("SELECT hash FROM blobs")} == live
+    assert {r[0] for r in index_db(store).execute("SELECT hash FROM blobs")} == live
     assert live <= store.held_blobs()
-    loose = {r[0] for r in store.conn.execute("SELECT hash FROM blobs WHERE pack IS NULL")}
+    loose = {r[0] for r in index_db(store).execute("SELECT hash FROM blobs WHERE pack IS NULL")}
     assert set(blob_names(store.backend)) == loose
-    packs = dict(store.conn.execute("SELECT name, size FROM packs").fetchall())
+    packs = dict(index_db(store).execute("SELECT name, size FROM packs").fetchall())
     assert set(pack_names(store.backend)) == set(packs)
     for name, size in packs.items():
-        held = store.conn.execute("SELECT coalesce(sum(stored_size), 0) FROM blobs WHERE pack=?", (name,)).fetchone()[0]
+        held = (
+            index_db(store)
+            .execute("SELECT coalesce(sum(stored_size), 0) FROM blobs WHERE pack=?", (name,))
+            .fetchone()[0]
+        )
         assert size - held < REPACK_AT * size, f"pack {name} is {1 - held / size:.0%} dead"
 
 
@@ -373,3 +377,11 @@ def commit_saves(
     for step in steps:
         commit_checkpoint(store, as_of_step(save_dir, step, work / f"at{step}"), options)
     return store, save_dir
+
+
+def index_db(store: Repository) -> sqlite3.Connection:
+    """The store's SQLite index, opened as any SQLite client would (the library keeps its own
+    connection to itself): a test reads it, or damages it, through this."""
+    conn = sqlite3.connect(store.where.index_path, isolation_level=None, timeout=60.0)
+    conn.row_factory = sqlite3.Row
+    return conn

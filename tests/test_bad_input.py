@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Runs, as_of_step, blob_object, store_state, tailor
+from conftest import Runs, as_of_step, blob_object, index_db, store_state, tailor
 
 from tailorstore.core.errors import (
     BadCheckpointError,
@@ -130,15 +130,19 @@ def test_same_step_twice_is_refused_unless_forced(
         commit_checkpoint(store, again)
     commit_checkpoint(store, again, CommitOptions(force=True, tag="again"))
     assert store.manifest(store.resolve("tag=again")).step == 3
-    assert store.conn.execute("SELECT count(*) FROM manifests").fetchone()[0] == 1
+    assert index_db(store).execute("SELECT count(*) FROM manifests").fetchone()[0] == 1
 
 
 def test_flipped_byte_in_blob_stops_checkout(committed: tuple[Repository, Path], tmp_path: Path) -> None:
     store, _ = committed
-    row = store.conn.execute(
-        "SELECT a.blob, a.path FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.manifest=1 AND b.raw_size > 4096 "
-        "AND a.path LIKE '%optim_states.pt' LIMIT 1"
-    ).fetchone()
+    row = (
+        index_db(store)
+        .execute(
+            "SELECT a.blob, a.path FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.manifest=1 AND b.raw_size > 4096 "
+            "AND a.path LIKE '%optim_states.pt' LIMIT 1"
+        )
+        .fetchone()
+    )
     path, start, size = blob_object(store, row["blob"])
     data = bytearray(path.read_bytes())
     data[start + size // 2] ^= 0x40
@@ -156,13 +160,13 @@ def test_flipped_byte_in_blob_stops_checkout(committed: tuple[Repository, Path],
 
 def test_manifest_path_escaping_out_is_refused(committed: tuple[Repository, Path], tmp_path: Path) -> None:
     store, _ = committed
-    store.conn.execute("PRAGMA foreign_keys=OFF")
-    store.conn.execute("UPDATE files SET path='../escaped' WHERE manifest=1 AND path='latest'")
+    index_db(store).execute("PRAGMA foreign_keys=OFF")
+    index_db(store).execute("UPDATE files SET path='../escaped' WHERE manifest=1 AND path='latest'")
     out = tmp_path / "sub" / "out"
     with pytest.raises(UnsafePathError, match="climbs out"):
         checkout_step(store, "step=3", out)
     assert not (tmp_path / "sub" / "escaped").exists() and not out.exists()
-    store.conn.execute("UPDATE files SET path='/etc/passwd-tailor' WHERE manifest=1 AND path='../escaped'")
+    index_db(store).execute("UPDATE files SET path='/etc/passwd-tailor' WHERE manifest=1 AND path='../escaped'")
     with pytest.raises(UnsafePathError):
         checkout_step(store, "step=3", out)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Runs, as_of_step
+from conftest import Runs, as_of_step, index_db
 from test_roundtrip import assert_same_checkpoint
 
 from tailorstore.access import placement
@@ -23,15 +23,19 @@ from tailorstore.store.repo import Repository
 def test_bf16_weights_are_derived_and_rebuilt_bit_exact(runs: Runs, store: Repository, tmp_path: Path) -> None:
     run = runs.get("zero2-bf16")
     result = commit_checkpoint(store, as_of_step(run.save_dir, 6, tmp_path / "at6"))
-    weights = store.conn.execute(
-        "SELECT count(*), sum(derived IS NOT NULL), sum(nbytes) FROM atoms WHERE kind='weight'"
-    ).fetchone()
+    weights = (
+        index_db(store)
+        .execute("SELECT count(*), sum(derived IS NOT NULL), sum(nbytes) FROM atoms WHERE kind='weight'")
+        .fetchone()
+    )
     assert weights[0] > 0 and weights[1] == weights[0], "every bf16 weight equals its rounded master in ZeRO-2"
     assert result.derived_bytes == weights[2]
     assert show(store, "step=6").derived_bytes == weights[2]
-    derived_blobs = store.conn.execute(
-        "SELECT count(*) FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.derived IS NOT NULL"
-    ).fetchone()[0]
+    derived_blobs = (
+        index_db(store)
+        .execute("SELECT count(*) FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.derived IS NOT NULL")
+        .fetchone()[0]
+    )
     assert derived_blobs == 0, "a derived weight has no blob of its own"
     out = tmp_path / "out"
     checkout_step(store, "step=6", out)
@@ -44,9 +48,11 @@ def test_split_masters_rebuild_weights_in_order_or_by_reading_back(
     """Weights whose masters are split across two ranks' files; then the read-back check; then a bad hash."""
     run = runs.get("zero2-bf16-odd-two-groups")
     commit_checkpoint(store, as_of_step(run.save_dir, 6, tmp_path / "at6"))
-    split = store.conn.execute(
-        "SELECT param FROM atoms WHERE kind='master' GROUP BY param HAVING count(DISTINCT rank) > 1"
-    ).fetchall()
+    split = (
+        index_db(store)
+        .execute("SELECT param FROM atoms WHERE kind='master' GROUP BY param HAVING count(DISTINCT rank) > 1")
+        .fetchall()
+    )
     assert split, "the odd model has a parameter whose master is cut between the ranks"
     reference = as_of_step(run.save_dir, 6, tmp_path / "ref")
     checkout_step(store, "step=6", tmp_path / "in-order")
@@ -58,8 +64,8 @@ def test_split_masters_rebuild_weights_in_order_or_by_reading_back(
     monkeypatch.undo()
 
     param = split[0]["param"]
-    with store.transaction() as index:  # the index now promises other bytes than rounding gives
-        index.conn.execute("UPDATE atoms SET blob=? WHERE derived IS NOT NULL AND param=?", ("0" * 32, param))
+    # the index now promises other bytes than rounding gives
+    index_db(store).execute("UPDATE atoms SET blob=? WHERE derived IS NOT NULL AND param=?", ("0" * 32, param))
     with pytest.raises(CorruptStoreError, match=rf"{param} \(weight, rebuilt from its FP32 master\).*does not match"):
         checkout_step(store, "step=6", tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tailor-partial-*"))
@@ -77,7 +83,7 @@ def test_a_weight_that_is_not_its_rounded_master_is_stored(runs: Runs, store: Re
     torch.save(obj, path)
     commit_checkpoint(store, at6)
     query = "SELECT param, derived FROM atoms WHERE kind='weight'"
-    rows = {r["param"]: r["derived"] for r in store.conn.execute(query)}
+    rows = {r["param"]: r["derived"] for r in index_db(store).execute(query)}
     assert rows[name] is None
     assert sum(v is not None for v in rows.values()) == len(rows) - 1
     out = tmp_path / "out"
@@ -106,7 +112,7 @@ def test_known_blobs_are_not_compressed_again(
 def test_codec_choice_per_kind(runs: Runs, store: Repository, tmp_path: Path) -> None:
     commit_checkpoint(store, as_of_step(runs.get("zero2-fp32").save_dir, 6, tmp_path / "at6"))
     by_kind: dict[str, set[str]] = {}
-    for r in store.conn.execute(
+    for r in index_db(store).execute(
         "SELECT a.kind, b.codec FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE b.raw_size > 4096"
     ):
         by_kind.setdefault(r["kind"], set()).add(json.loads(r["codec"])["id"])
@@ -114,7 +120,9 @@ def test_codec_choice_per_kind(runs: Runs, store: Repository, tmp_path: Path) ->
         assert by_kind[kind] <= {"bytegroup-zstd", "raw"} and "bytegroup-zstd" in by_kind[kind]
     skeletons = {
         json.loads(r[0])["id"]
-        for r in store.conn.execute("SELECT b.codec FROM files f JOIN blobs b ON b.hash=f.blob WHERE f.kind='torch'")
+        for r in index_db(store).execute(
+            "SELECT b.codec FROM files f JOIN blobs b ON b.hash=f.blob WHERE f.kind='torch'"
+        )
     }
     assert skeletons <= {"zstd", "raw"}
 
@@ -124,11 +132,13 @@ def test_zero0_optimizer_state_is_labelled_by_layer_and_weights_derive(
 ) -> None:
     """ZeRO 0 writes no param_shapes; with one param group the module order names the optimizer state."""
     commit_checkpoint(store, as_of_step(runs.get("zero0-bf16").save_dir, 6, tmp_path / "at6"))
-    layers = {r[0] for r in store.conn.execute("SELECT DISTINCT layer FROM atoms WHERE kind IN ('master', 'exp_avg')")}
+    layers = {
+        r[0] for r in index_db(store).execute("SELECT DISTINCT layer FROM atoms WHERE kind IN ('master', 'exp_avg')")
+    }
     assert {"embedding", "block.0", "block.3", "final_norm", "lm_head"} <= layers and "state" not in layers
-    total, derived = store.conn.execute(
-        "SELECT count(*), sum(derived IS NOT NULL) FROM atoms WHERE kind='weight'"
-    ).fetchone()
+    total, derived = (
+        index_db(store).execute("SELECT count(*), sum(derived IS NOT NULL) FROM atoms WHERE kind='weight'").fetchone()
+    )
     assert total == derived > 0
     out = tmp_path / "out"
     checkout_step(store, "step=6", out)

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import Runs, as_of_step, assert_only_live, kill_after, object_count
+from conftest import Runs, as_of_step, assert_only_live, index_db, kill_after, object_count
 from test_roundtrip import assert_same_checkpoint
 
 from tailorstore.curate.gc import Retention, gc
@@ -72,9 +72,9 @@ def test_kill_commit_at_random_points(runs: Runs, tmp_path: Path) -> None:
         else:  # once the first new blob is on disk: while blobs are written and the index transaction runs
             wait_for_new_blob(store, baseline, proc)
             landed += kill_after(proc, rng.uniform(0.0, 1.2 * (visible - writing)))
-        store.conn.close()
+        index_db(store).close()
         store = Repository.open(store.root)  # a fresh open, as the next command would do
-        present = store.conn.execute("SELECT count(*) FROM manifests WHERE step=3").fetchone()[0]
+        present = index_db(store).execute("SELECT count(*) FROM manifests WHERE step=3").fetchone()[0]
         check_intact(store, runs, [1, 2, 3] if present else [1, 2], save_dir, tmp_path / f"k{i}")
         if present:
             remove(store, "step=3")
@@ -113,7 +113,7 @@ def time_to_visible(store: Repository, ckpt: Path, baseline: int) -> tuple[float
     while proc.poll() is None or seen is None:
         if writing is None and blob_count(store) > baseline:
             writing = time.perf_counter() - began
-        if seen is None and store.conn.execute("SELECT count(*) FROM manifests WHERE step=3").fetchone()[0]:
+        if seen is None and index_db(store).execute("SELECT count(*) FROM manifests WHERE step=3").fetchone()[0]:
             seen = time.perf_counter() - began
         time.sleep(0.002)
     assert proc.returncode == 0 and writing is not None
@@ -137,7 +137,7 @@ def test_kill_gc_at_random_points(runs: Runs, tmp_path: Path) -> None:
             full = timed(store.root, "gc")
             continue
         landed += kill_after(start(store.root, "gc"), rng.uniform(0.3 * full, 1.05 * full))
-        store.conn.close()
+        index_db(store).close()
         store = Repository.open(store.root)
         check_intact(store, runs, [1, 2], save_dir, tmp_path / f"k{i}")
     assert landed >= (KILLS - 1) // 2, landed

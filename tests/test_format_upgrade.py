@@ -12,6 +12,8 @@ import shutil
 import sqlite3
 from pathlib import Path
 
+from conftest import index_db
+
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
@@ -31,17 +33,17 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
     probe.close()
 
     with Repository.open(root) as store:  # upgrades
-        version = store.conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]
+        version = index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]
         assert int(version) == FORMAT_VERSION == 5
-        runs = {r[0] for r in store.conn.execute("SELECT run FROM manifests")}
+        runs = {r[0] for r in index_db(store).execute("SELECT run FROM manifests")}
         assert runs == {"main"}, "format 4: every earlier step is main's"
-        tiers = {r[0] for r in store.conn.execute("SELECT tier FROM manifests")}
+        tiers = {r[0] for r in index_db(store).execute("SELECT tier FROM manifests")}
         assert tiers == {None}, "format 5: every earlier step is whole"
-        keys = [r[0] for r in store.conn.execute("SELECT object_key FROM manifests")]
+        keys = [r[0] for r in index_db(store).execute("SELECT object_key FROM manifests")]
         assert keys and all(key and (root / key).is_file() for key in keys), "the upgrade wrote every manifest object"
-        assert store.conn.execute("SELECT count(*) FROM files WHERE container IS NOT NULL").fetchone()[0] == 0
-        assert store.conn.execute("SELECT count(*) FROM atoms WHERE file_offset IS NOT NULL").fetchone()[0] == 0
-        assert store.conn.execute("SELECT count(*) FROM atoms WHERE derived IS NOT NULL").fetchone()[0] > 0
+        assert index_db(store).execute("SELECT count(*) FROM files WHERE container IS NOT NULL").fetchone()[0] == 0
+        assert index_db(store).execute("SELECT count(*) FROM atoms WHERE file_offset IS NOT NULL").fetchone()[0] == 0
+        assert index_db(store).execute("SELECT count(*) FROM atoms WHERE derived IS NOT NULL").fetchone()[0] > 0
         assert verify(store, deep=True).ok
         out = tmp_path / "out"
         checkout_step(store, "step=3", out)  # through the skeletons, as format 1 did
@@ -52,7 +54,7 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
         assert not differences(load_torch_file(original)[0], load_torch_file(restored)[0]), original.name
     assert (out / "latest").read_text() == "global_step3"
     with Repository.open(root) as store:  # a second open finds nothing to do
-        assert int(store.conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 5
+        assert int(index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 5
         assert store.refresh() == (0, 0)
 
     # the upgraded store's index is now a cache: lose it, rebuild it from the objects, check out again

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import Runs, as_of_step, assert_only_live, blob_object, store_state
+from conftest import Runs, as_of_step, assert_only_live, blob_object, index_db, store_state
 from test_roundtrip import assert_same_checkpoint
 from test_tailoring import assert_layers_from_sources
 
@@ -38,7 +38,7 @@ def test_gc_with_retention_tags_and_a_composite(runs: Runs, tmp_path: Path) -> N
     tag(store, "step=2", "warmup-end")
     sources8 = {
         r["layer"]: r["source_step"]
-        for r in store.conn.execute(
+        for r in index_db(store).execute(
             "SELECT layer, source_step FROM layers l JOIN manifests m ON m.id=l.manifest WHERE m.step=8"
         )
     }
@@ -54,7 +54,7 @@ def test_gc_with_retention_tags_and_a_composite(runs: Runs, tmp_path: Path) -> N
 
     text = tailor(store.root, "gc", "--keep-last", "3", "--keep-every", "4")
     assert text.returncode == 0 and text.stdout.startswith("plan: drop 5 manifest(s) (steps 1, 3, 5, 6, 7)")
-    kept = [r[0] for r in store.conn.execute("SELECT step FROM manifests ORDER BY step")]
+    kept = [r[0] for r in index_db(store).execute("SELECT step FROM manifests ORDER BY step")]
     assert kept == [2, 4, 8, 9, 10]
     assert_only_live(store)
     assert verify(store, deep=True).ok
@@ -78,7 +78,7 @@ def test_rm_pin_and_tag_protect(runs: Runs, tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="pinned"):
         remove(store, "step=1")
     gc(store, Retention(keep_last=1))
-    assert [r[0] for r in store.conn.execute("SELECT step FROM manifests ORDER BY step")] == [1, 2, 3]
+    assert [r[0] for r in index_db(store).execute("SELECT step FROM manifests ORDER BY step")] == [1, 2, 3]
     assert tailor(store.root, "unpin", "step=1").returncode == 0
     assert tailor(store.root, "rm", "step=1").returncode == 0
     proc = tailor(store.root, "gc")
@@ -96,12 +96,16 @@ def first_two_saves(runs: Runs, tmp_path: Path) -> Repository:
 
 
 def _blob_of(store: Repository, step: int, *, only_in_step: bool = True) -> tuple[str, str]:
-    row = store.conn.execute(
-        "SELECT a.blob, a.path FROM atoms a JOIN manifests m ON m.id=a.manifest JOIN blobs b ON b.hash=a.blob "
-        "WHERE m.step=? AND a.kind='exp_avg' AND b.raw_size > 1000 AND a.blob NOT IN "
-        "(SELECT blob FROM atoms x JOIN manifests n ON n.id=x.manifest WHERE n.step<>?) LIMIT 1",
-        (step, step),
-    ).fetchone()
+    row = (
+        index_db(store)
+        .execute(
+            "SELECT a.blob, a.path FROM atoms a JOIN manifests m ON m.id=a.manifest JOIN blobs b ON b.hash=a.blob "
+            "WHERE m.step=? AND a.kind='exp_avg' AND b.raw_size > 1000 AND a.blob NOT IN "
+            "(SELECT blob FROM atoms x JOIN manifests n ON n.id=x.manifest WHERE n.step<>?) LIMIT 1",
+            (step, step),
+        )
+        .fetchone()
+    )
     return row["blob"], row["path"]
 
 
@@ -181,7 +185,7 @@ def test_lock_timeout_is_clear_and_waiting_is_visible(first_two_saves: Repositor
             gc(first_two_saves, Retention(), lock_timeout=0.2)
     assert proc.returncode == 4
     assert "waiting for the shared store lock" in proc.stderr and "--lock-timeout" in proc.stderr
-    assert first_two_saves.conn.execute("SELECT count(*) FROM manifests").fetchone()[0] == 2
+    assert index_db(first_two_saves).execute("SELECT count(*) FROM manifests").fetchone()[0] == 2
 
 
 def test_concurrent_commits_gc_and_readers(runs: Runs, tmp_path: Path) -> None:
@@ -220,7 +224,7 @@ def test_concurrent_commits_gc_and_readers(runs: Runs, tmp_path: Path) -> None:
     for p in [*procs, gc_proc]:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
-    assert [r[0] for r in store.conn.execute("SELECT step FROM manifests ORDER BY step")] == [1, 2, 3, 4]
+    assert [r[0] for r in index_db(store).execute("SELECT step FROM manifests ORDER BY step")] == [1, 2, 3, 4]
     assert verify(store, deep=True).ok
     for s in (2, 3, 4):
         out = tmp_path / f"out{s}"

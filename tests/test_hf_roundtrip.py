@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from conftest import HFRun, copy_tree
+from conftest import HFRun, copy_tree, index_db
 from safetensors.torch import load_file
 from test_roundtrip import assert_same_checkpoint
 
@@ -22,15 +22,19 @@ def test_hf_trainer_checkpoint_round_trip_and_resume(hf_run: HFRun, store: Repos
     r3 = commit_checkpoint(store, ck3)
     r6 = commit_checkpoint(store, ck6)
     assert (r3.step, r6.step) == (3, 6)
-    kinds = dict(store.conn.execute("SELECT path, kind FROM files WHERE manifest=1").fetchall())
+    kinds = dict(index_db(store).execute("SELECT path, kind FROM files WHERE manifest=1").fetchall())
     assert kinds["model.safetensors"] == "safetensors"
     assert kinds["global_step3/mp_rank_00_model_states.pt"] == "torch"
     assert kinds["trainer_state.json"] == kinds["training_args.bin"] == kinds["rng_state_1.pth"] == "raw"
     # model.safetensors holds the same bf16 weights as the DeepSpeed module: no extra blobs for them.
-    extra = store.conn.execute(
-        "SELECT count(*) FROM atoms a WHERE a.manifest=1 AND a.path='model.safetensors' AND a.blob NOT IN "
-        "(SELECT blob FROM atoms WHERE manifest=1 AND path LIKE 'global_step3/%')"
-    ).fetchone()[0]
+    extra = (
+        index_db(store)
+        .execute(
+            "SELECT count(*) FROM atoms a WHERE a.manifest=1 AND a.path='model.safetensors' AND a.blob NOT IN "
+            "(SELECT blob FROM atoms WHERE manifest=1 AND path LIKE 'global_step3/%')"
+        )
+        .fetchone()[0]
+    )
     assert extra == 0
     shutil.rmtree(tmp_path / "work")
 

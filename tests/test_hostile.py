@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
-from conftest import HFRun, Runs, as_of_step, blob_object, copy_tree, store_state, tailor
+from conftest import HFRun, Runs, as_of_step, blob_object, copy_tree, index_db, store_state, tailor
 
 from tailorstore import Store
 from tailorstore.core.atoms import TensorSlot
@@ -94,16 +94,20 @@ def test_gc_never_deletes_outside_the_store(two_steps, tmp_path: Path) -> None:
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
     assert victim.read_text() == "must survive"
     with Repository.open(store.root) as again:
-        assert again.conn.execute("SELECT count(*) FROM packs WHERE name=?", (rel,)).fetchone()[0] == 0
+        assert index_db(again).execute("SELECT count(*) FROM packs WHERE name=?", (rel,)).fetchone()[0] == 0
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 def test_commit_repairs_a_missing_or_cut_blob(two_steps, tmp_path: Path, damage: str) -> None:
     store, at6 = two_steps
-    digest = store.conn.execute(
-        "SELECT a.blob FROM atoms a JOIN manifests m ON m.id=a.manifest WHERE m.step=6 AND a.kind='exp_avg'"
-        " AND a.derived IS NULL ORDER BY a.nbytes DESC LIMIT 1"
-    ).fetchone()[0]
+    digest = (
+        index_db(store)
+        .execute(
+            "SELECT a.blob FROM atoms a JOIN manifests m ON m.id=a.manifest WHERE m.step=6 AND a.kind='exp_avg'"
+            " AND a.derived IS NULL ORDER BY a.nbytes DESC LIMIT 1"
+        )
+        .fetchone()[0]
+    )
     path, start, size = blob_object(store, digest)
     if damage == "delete":
         path.unlink()
@@ -121,19 +125,22 @@ def test_commit_repairs_a_missing_or_cut_blob(two_steps, tmp_path: Path, damage:
 def test_verify_deep_rebuilds_derived_weights(two_steps) -> None:
     """A master atom pointed at another step's intact blob: blob checks pass, the weight no longer rebuilds."""
     store, _ = two_steps
-    rows = store.conn.execute(
-        "SELECT a.path, a.slot, a.offset, a.param, a.start, m.step, a.blob FROM atoms a JOIN manifests m"
-        " ON m.id=a.manifest WHERE a.kind='master' AND a.derived IS NULL AND a.layer='block.0'"
-        " AND a.param IN (SELECT param FROM atoms WHERE derived IS NOT NULL) ORDER BY a.nbytes DESC"
-    ).fetchall()
+    rows = (
+        index_db(store)
+        .execute(
+            "SELECT a.path, a.slot, a.offset, a.param, a.start, m.step, a.blob FROM atoms a JOIN manifests m"
+            " ON m.id=a.manifest WHERE a.kind='master' AND a.derived IS NULL AND a.layer='block.0'"
+            " AND a.param IN (SELECT param FROM atoms WHERE derived IS NOT NULL) ORDER BY a.nbytes DESC"
+        )
+        .fetchall()
+    )
     at6 = next(r for r in rows if r["step"] == 6)
     at3 = next(r for r in rows if r["step"] == 3 and (r["param"], r["start"]) == (at6["param"], at6["start"]))
     assert at3["blob"] != at6["blob"]
-    with store.transaction() as index:
-        index.conn.execute(
-            "UPDATE atoms SET blob=? WHERE blob=? AND manifest=(SELECT id FROM manifests WHERE step=6)",
-            (at3["blob"], at6["blob"]),
-        )
+    index_db(store).execute(
+        "UPDATE atoms SET blob=? WHERE blob=? AND manifest=(SELECT id FROM manifests WHERE step=6)",
+        (at3["blob"], at6["blob"]),
+    )
     assert tailor("verify", store=store.root).returncode == 0  # the blobs themselves are fine
     done = tailor("verify", "--deep", store=store.root)
     assert done.returncode == 3 and "rebuilt from the master" in done.stderr, done.stderr

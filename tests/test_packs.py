@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from conftest import Runs, as_of_step, assert_only_live, object_count
+from conftest import Runs, as_of_step, assert_only_live, index_db, object_count
 from test_roundtrip import assert_same_checkpoint
 
 from tailorstore.curate.gc import REPACK_AT, GcPlan, Retention, gc
@@ -29,13 +29,13 @@ def test_small_blobs_share_pack_objects(runs: Runs, tmp_path: Path) -> None:
     save = runs.get("zero2-bf16").save_dir
     store = Repository.init(tmp_path / "store")
     commit_checkpoint(store, as_of_step(save, 6, tmp_path / "at6"))
-    small = store.conn.execute("SELECT count(*) FROM blobs WHERE raw_size < ?", (PACK_BELOW,)).fetchone()[0]
-    packed = store.conn.execute("SELECT count(*) FROM blobs WHERE pack IS NOT NULL").fetchone()[0]
+    small = index_db(store).execute("SELECT count(*) FROM blobs WHERE raw_size < ?", (PACK_BELOW,)).fetchone()[0]
+    packed = index_db(store).execute("SELECT count(*) FROM blobs WHERE pack IS NOT NULL").fetchone()[0]
     assert small > 100 and packed == small, "every small blob is in a pack"
     assert object_count(store) < 10, "hundreds of blobs, a handful of objects"
-    stored = store.conn.execute("SELECT sum(stored_size) FROM blobs").fetchone()[0]
+    stored = index_db(store).execute("SELECT sum(stored_size) FROM blobs").fetchone()[0]
     assert disk_usage(store.root) < 1.1 * stored + 64 * 4096, "no block rounding per blob"
-    for name, size in store.conn.execute("SELECT name, size FROM packs"):
+    for name, size in index_db(store).execute("SELECT name, size FROM packs"):
         assert read_trailer(store.backend, name)[0] == size  # self-describing
     out = tmp_path / "out"
     checkout_step(store, "step=6", out)
@@ -47,14 +47,14 @@ def test_gc_repacks_mostly_dead_packs_and_the_index_rebuilds(runs: Runs, tmp_pat
     store = Repository.init(tmp_path / "store")
     for step in range(1, 11):
         commit_checkpoint(store, as_of_step(save, step, tmp_path / f"at{step}"))
-    packs_before = {r[0] for r in store.conn.execute("SELECT name FROM packs")}
+    packs_before = {r[0] for r in index_db(store).execute("SELECT name FROM packs")}
     for step in range(2, 10):
         remove(store, f"step={step}")
     plan = gc(store, Retention())
     assert plan.dead_packs, "packs of steps nothing keeps go whole"
     assert plan.freed_bytes > 0
     assert_only_live(store)  # and nothing left holds REPACK_AT or more dead bytes
-    after = {r[0] for r in store.conn.execute("SELECT name FROM packs")}
+    after = {r[0] for r in index_db(store).execute("SELECT name FROM packs")}
     assert after != packs_before
     assert verify(store, deep=True).ok
     for step in (1, 10):
@@ -177,8 +177,8 @@ def test_rows_naming_a_gone_pack_are_placed_again_before_gc_plans(runs: Runs, tm
     store, save, before, plan = _repacked_store(runs, tmp_path)
     moved = [b.hash for name in store.index.packs() if name not in before for b in store.index.blobs_in_pack(name)]
     assert moved, "the repack moved live blobs into a new pack"
-    with store.transaction() as index:  # the damage: the moved blobs point back at the old pack
-        index.conn.executemany("UPDATE blobs SET pack=? WHERE hash=?", [(plan.repack[0], h) for h in moved])
+    # the damage: the moved blobs point back at the old pack
+    index_db(store).executemany("UPDATE blobs SET pack=? WHERE hash=?", [(plan.repack[0], h) for h in moved])
     gc(store, Retention())
     _assert_step3_whole(store, save, tmp_path)
 

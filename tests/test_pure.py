@@ -434,9 +434,14 @@ def test_no_message_below_the_command_line_names_a_command() -> None:
             and isinstance(node.body[0].value, ast.Constant)
         }
         for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-                if "`tailor " in node.value or re.search(r"`--[a-z]", node.value):
-                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {node.value[:80]!r}")
+            if isinstance(node, ast.JoinedStr):  # an f-string, its values as {}: "`{name}={value}`" names an option
+                text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                text = node.value
+            else:
+                continue
+            if "`tailor " in text or re.search(r"`--[a-z]|`(\{\}|[a-z_]+)=", text):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {text[:80]!r}")
     assert not found, "\n".join(found)
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Runs, as_of_step, copy_tree, store_state, tailor
+from conftest import Runs, as_of_step, copy_tree, index_db, store_state, tailor
 
 from tailorstore.core.policies import PolicySpec
 from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
@@ -131,7 +131,7 @@ def test_du_accounts_for_every_byte(tailored: Repository) -> None:
     )
     assert u["stored_bytes"] - u["index_bytes"] == blob_files
     assert u["raw_bytes"] == sum(r["raw_bytes"] for r in json.loads(tailor("log", "--json", store=store.root).stdout))
-    stored = store.conn.execute("SELECT sum(stored_size) FROM blobs").fetchone()[0]
+    stored = index_db(store).execute("SELECT sum(stored_size) FROM blobs").fetchone()[0]
     assert sum(k["stored_bytes"] for k in u["kinds"].values()) == stored  # every blob under one kind
     overhead = blob_files - stored  # pack trailers
     assert 0 <= overhead < 0.02 * blob_files
@@ -161,7 +161,7 @@ def test_plot_marks_inherited_layers_and_shows_every_committed_step(tailored: Re
     assert {"embedding", "final_norm", "lm_head"} <= set(m.layers) and "state" not in m.layers
     layers12 = {
         r["layer"]: r["source_step"]
-        for r in store.conn.execute("SELECT layer, source_step FROM layers WHERE manifest=2")
+        for r in index_db(store).execute("SELECT layer, source_step FROM layers WHERE manifest=2")
     }
     for layer, flags in zip(m.layers, m.inherited, strict=True):
         assert flags[0] == (layers12[layer] != 12), layer

@@ -23,6 +23,7 @@ from conftest import (
     as_of_step,
     assert_only_live,
     commit_saves,
+    index_db,
     store_state,
     tailor,
 )
@@ -98,7 +99,7 @@ def export(store: Repository, ref: str, out: Path, dtype: str) -> bytes:
 def kinds_of(store: Repository, step: int) -> set[str]:
     return {
         r[0]
-        for r in store.conn.execute(
+        for r in index_db(store).execute(
             "SELECT DISTINCT a.kind FROM atoms a JOIN manifests m ON m.id=a.manifest"
             " WHERE m.step=? AND m.origin='commit'",
             (step,),
@@ -128,11 +129,13 @@ def test_thin_to_weights_keeps_every_step_exportable_and_the_last_resumable(runs
     for step in (3, 6, 9, 12):  # exactly the tier's atoms: the weights, stored now, nothing of the optimizer
         assert kinds_of(store, step) == {A.WEIGHT}
         assert (
-            store.conn.execute(
+            index_db(store)
+            .execute(
                 "SELECT count(*) FROM atoms a JOIN manifests m ON m.id=a.manifest"
                 " WHERE m.step=? AND a.derived IS NOT NULL",
                 (step,),
-            ).fetchone()[0]
+            )
+            .fetchone()[0]
             == 0
         )
     assert {A.MASTER, A.EXP_AVG, A.EXP_AVG_SQ, A.WEIGHT} <= kinds_of(store, 15)
@@ -213,7 +216,7 @@ def test_thin_keeps_the_fp32_master_where_it_is_the_only_copy(runs: Runs, tmp_pa
     assert proc.returncode == 0, proc.stderr
     store = Repository.open(store.root)
     assert_only_live(store)
-    thinned = [r[0] for r in store.conn.execute("SELECT step FROM manifests WHERE tier=? ORDER BY step", (tier,))]
+    thinned = [r[0] for r in index_db(store).execute("SELECT step FROM manifests WHERE tier=? ORDER BY step", (tier,))]
     assert thinned == [3, 6, 12, 15]
     assert kinds_of(store, 6) & {A.EXP_AVG, A.EXP_AVG_SQ} == set() and A.MASTER in kinds_of(store, 6)
     with tailorstore.Store.open(store.root) as api:

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, Runs, as_of_step, copy_tree
+from conftest import CONFIGS, Runs, as_of_step, copy_tree, index_db
 
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.ingest.commit import commit_checkpoint
@@ -73,9 +73,11 @@ def test_commit_delete_checkout_resume(config: str, runs: Runs, store: Repositor
 def test_flat_partitions_are_cut_at_parameter_boundaries(runs: Runs, store: Repository) -> None:
     """The odd model: ZeRO-2 partitions cut through a parameter; ZeRO-3 pieces carry padding."""
     commit_checkpoint(store, runs.get("zero2-bf16-odd-two-groups").save_dir)
-    rows = store.conn.execute(
-        "SELECT param, rank, start, numel FROM atoms WHERE kind='master' ORDER BY param, rank"
-    ).fetchall()
+    rows = (
+        index_db(store)
+        .execute("SELECT param, rank, start, numel FROM atoms WHERE kind='master' ORDER BY param, rank")
+        .fetchall()
+    )
     by_param: dict[str, list[tuple[int, int, int]]] = {}
     for r in rows:
         by_param.setdefault(r["param"], []).append((r["rank"], r["start"], r["numel"]))
@@ -84,15 +86,17 @@ def test_flat_partitions_are_cut_at_parameter_boundaries(runs: Runs, store: Repo
     for pieces in split.values():
         (r0, s0, n0), (r1, s1, _n1) = pieces
         assert (r0, r1) == (0, 1) and s0 == 0 and s1 == n0  # the second rank continues where the first ended
-    padding = store.conn.execute("SELECT count(*) FROM atoms WHERE kind LIKE '%.padding'").fetchone()[0]
+    padding = index_db(store).execute("SELECT count(*) FROM atoms WHERE kind LIKE '%.padding'").fetchone()[0]
     assert padding > 0
 
 
 def test_zero3_pieces_follow_ceil_split(runs: Runs, store: Repository) -> None:
     commit_checkpoint(store, runs.get("zero3-bf16-odd-per-layer").save_dir)
-    rows = store.conn.execute(
-        "SELECT param, rank, start, numel FROM atoms WHERE kind='master' AND layer<>'state'"
-    ).fetchall()
+    rows = (
+        index_db(store)
+        .execute("SELECT param, rank, start, numel FROM atoms WHERE kind='master' AND layer<>'state'")
+        .fetchall()
+    )
     per_param: dict[str, dict[int, tuple[int, int]]] = {}
     for r in rows:
         per_param.setdefault(r["param"], {})[r["rank"]] = (r["start"], r["numel"])
@@ -101,5 +105,5 @@ def test_zero3_pieces_follow_ceil_split(runs: Runs, store: Repository) -> None:
     for ranks in odd.values():
         (s0, n0), (s1, n1) = ranks[0], ranks[1]
         assert s0 == 0 and s1 == n0 and n0 == n1 + 1  # ceil split; the missing element is padding on rank 1
-    groups = store.conn.execute("SELECT count(DISTINCT param) FROM atoms WHERE kind='step'").fetchone()[0]
+    groups = index_db(store).execute("SELECT count(DISTINCT param) FROM atoms WHERE kind='step'").fetchone()[0]
     assert groups > 2, "per-layer param groups give one optimizer step counter per group"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from conftest import Runs, as_of_step, tailor
+from conftest import Runs, as_of_step, index_db, tailor
 
 from tailorstore.access.model_tensors import model_view
 from tailorstore.api import Store
@@ -83,13 +83,13 @@ def test_hosts_with_separate_caches_see_each_others_commits(
 
     monkeypatch.setenv("TAILOR_CACHE", str(host_b))  # a new host: its index is built from the manifest objects
     with Repository.open(s3_location) as b:
-        assert [r["step"] for r in b.conn.execute("SELECT step FROM manifests")] == [3]
+        assert [r["step"] for r in index_db(b).execute("SELECT step FROM manifests")] == [3]
         commit_checkpoint(b, as_of_step(save, 6, tmp_path / "at6"))
         tag(b, "step=6", "best")
 
     monkeypatch.setenv("TAILOR_CACHE", str(host_a))
     with Repository.open(s3_location) as a:
-        rows = a.conn.execute("SELECT step, tag FROM manifests ORDER BY step").fetchall()
+        rows = index_db(a).execute("SELECT step, tag FROM manifests ORDER BY step").fetchall()
         assert [(r["step"], r["tag"]) for r in rows] == [(3, None), (6, "best")]
         gc(a, Retention(keep_last=1))
         out = tmp_path / "out"
@@ -98,7 +98,7 @@ def test_hosts_with_separate_caches_see_each_others_commits(
 
     monkeypatch.setenv("TAILOR_CACHE", str(host_b))
     with Repository.open(s3_location) as b:  # host a's gc dropped step 3: host b's index follows
-        assert [r["step"] for r in b.conn.execute("SELECT step FROM manifests")] == [6]
+        assert [r["step"] for r in index_db(b).execute("SELECT step FROM manifests")] == [6]
         assert verify(b, deep=True).ok
 
     for f in host_b.rglob("index.sqlite*"):
@@ -107,7 +107,7 @@ def test_hosts_with_separate_caches_see_each_others_commits(
     assert manifests == 1 and blobs > 100
     with Repository.open(s3_location) as b:
         assert verify(b, deep=True).ok
-        assert b.conn.execute("SELECT tag FROM manifests").fetchone()["tag"] == "best"
+        assert index_db(b).execute("SELECT tag FROM manifests").fetchone()["tag"] == "best"
 
 
 def test_missing_or_altered_objects_are_found_and_never_checked_out(
@@ -119,7 +119,7 @@ def test_missing_or_altered_objects_are_found_and_never_checked_out(
         commit_checkpoint(store, as_of_step(save, 6, tmp_path / "at6"))
         rows = [
             store.blob(r["blob"])
-            for r in store.conn.execute(
+            for r in index_db(store).execute(
                 "SELECT a.blob FROM atoms a JOIN blobs b ON b.hash=a.blob WHERE a.derived IS NULL"
                 " ORDER BY b.pack IS NULL DESC, b.pack, b.pack_offset"
             )
@@ -208,7 +208,7 @@ def test_verify_and_gc_take_sizes_from_listings_not_a_request_per_blob(
     with Repository.open(s3_location) as store:
         commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
         commit_checkpoint(store, as_of_step(save, 6, tmp_path / "at6"))
-        blobs = store.conn.execute("SELECT count(*) FROM blobs").fetchone()[0]
+        blobs = index_db(store).execute("SELECT count(*) FROM blobs").fetchone()[0]
         store.backend.put(f"blobs/ff/{'f' * 32}", b"o" * 1234)  # an orphan, as a killed commit leaves
     assert blobs > 50
 
@@ -339,7 +339,7 @@ def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
     unexpected = [k for k in after - before if not k.startswith(("blobs/", "packs/", "locks/"))]
     assert not unexpected, "no manifest or ref of step 6"
     with Repository.open(s3_location) as store:
-        assert [r["step"] for r in store.conn.execute("SELECT step FROM manifests")] == [3]
+        assert [r["step"] for r in index_db(store).execute("SELECT step FROM manifests")] == [3]
         assert verify(store, deep=True).ok
         commit_checkpoint(store, at6)  # and the store goes on working
         assert verify(store, deep=True).ok
@@ -364,14 +364,14 @@ def test_a_host_reading_after_another_hosts_repack_finds_the_moved_blobs(
         commit_checkpoint(a, as_of_step(save, 3, tmp_path / "at3"))
     monkeypatch.setenv("TAILOR_CACHE", str(host_b))
     with Repository.open(s3_location) as b:
-        before = {r["pack"] for r in b.conn.execute("SELECT pack FROM blobs WHERE pack IS NOT NULL")}
+        before = {r["pack"] for r in index_db(b).execute("SELECT pack FROM blobs WHERE pack IS NOT NULL")}
     monkeypatch.setenv("TAILOR_CACHE", str(host_a))
     with Repository.open(s3_location) as a:
         remove(a, "step=6")
         assert gc(a, Retention()).repack
     monkeypatch.setenv("TAILOR_CACHE", str(host_b))
     with Repository.open(s3_location) as b:
-        after = {r["pack"] for r in b.conn.execute("SELECT pack FROM blobs WHERE pack IS NOT NULL")}
+        after = {r["pack"] for r in index_db(b).execute("SELECT pack FROM blobs WHERE pack IS NOT NULL")}
         assert after - before, "step 3's blobs now name the pack the repack wrote"
         out = tmp_path / "out"
         checkout_step(b, "step=3", out)

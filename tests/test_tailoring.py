@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, tailor
+from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, index_db, tailor
 
 from tailorstore.core import atoms as A
 from tailorstore.core.layers import block_index
@@ -79,10 +79,14 @@ def resume_finite(restored: Path, run_options: dict[str, object], start: int, wo
 
 
 def block_bytes(store: Repository) -> int:
-    return store.conn.execute(
-        "SELECT coalesce(sum(b.stored_size), 0) FROM blobs b WHERE b.hash IN (SELECT blob FROM atoms "
-        "WHERE layer LIKE 'block.%' AND derived IS NULL)"
-    ).fetchone()[0]
+    return (
+        index_db(store)
+        .execute(
+            "SELECT coalesce(sum(b.stored_size), 0) FROM blobs b WHERE b.hash IN (SELECT blob FROM atoms "
+            "WHERE layer LIKE 'block.%' AND derived IS NULL)"
+        )
+        .fetchone()[0]
+    )
 
 
 def assert_zip_crcs_hold(restored: Path) -> None:
@@ -106,18 +110,21 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
     ratio = block_bytes(parity) / block_bytes(full)
     assert 0.5 <= ratio <= 0.65, ratio  # 21/36 = 0.583 of the block versions, compressed sizes differ a little
 
-    log = parity.conn.execute("SELECT id, step, exact FROM manifests ORDER BY step").fetchall()
+    log = index_db(parity).execute("SELECT id, step, exact FROM manifests ORDER BY step").fetchall()
     assert [r["exact"] for r in log] == [1, 0, 0, 0, 0, 0]
     halves = []
     for r in log[1:]:
         stored = {
-            x["layer"] for x in parity.conn.execute("SELECT layer FROM layers WHERE manifest=? AND stored", (r["id"],))
+            x["layer"]
+            for x in index_db(parity).execute("SELECT layer FROM layers WHERE manifest=? AND stored", (r["id"],))
         }
         blocks = {block_index(x) for x in stored} - {None}
         turn = SAVES.index(r["step"]) % 2
         assert blocks == {i for i in range(6) if i % 2 == turn}
         halves.append(stored)
-    layers = {x["layer"] for x in parity.conn.execute("SELECT layer FROM layers WHERE manifest=?", (log[0]["id"],))}
+    layers = {
+        x["layer"] for x in index_db(parity).execute("SELECT layer FROM layers WHERE manifest=?", (log[0]["id"],))
+    }
     for this, following in itertools.pairwise(halves):  # every group, aux ones too, every other commit
         assert this & following == {"state"} and this | following == layers
         assert {"embedding", "lm_head"} - this and {"embedding", "lm_head"} - following
@@ -126,7 +133,7 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
         step = r["step"]
         sources = {
             x["layer"]: x["source_step"]
-            for x in parity.conn.execute("SELECT layer, source_step FROM layers WHERE manifest=?", (r["id"],))
+            for x in index_db(parity).execute("SELECT layer, source_step FROM layers WHERE manifest=?", (r["id"],))
         }
         assert any(v != step for v in sources.values())
         restored = tmp_path / f"composite{step}"
@@ -141,7 +148,7 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
 
 
 def stored_block_versions(store: Repository) -> int:
-    return store.conn.execute("SELECT count(*) FROM layers WHERE stored AND layer LIKE 'block.%'").fetchone()[0]
+    return index_db(store).execute("SELECT count(*) FROM layers WHERE stored AND layer LIKE 'block.%'").fetchone()[0]
 
 
 def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
@@ -150,9 +157,9 @@ def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
     commit_series(
         filtered, run.save_dir, tmp_path / "f", PolicySpec("filter", {"keep_first": 1, "keep_last": 1, "every": 3})
     )
-    for i, r in enumerate(filtered.conn.execute("SELECT id FROM manifests ORDER BY step").fetchall()):
+    for i, r in enumerate(index_db(filtered).execute("SELECT id FROM manifests ORDER BY step").fetchall()):
         stored = {
-            x[0] for x in filtered.conn.execute("SELECT layer FROM layers WHERE manifest=? AND stored", (r["id"],))
+            x[0] for x in index_db(filtered).execute("SELECT layer FROM layers WHERE manifest=? AND stored", (r["id"],))
         }
         blocks = {block_index(x) for x in stored} - {None}
         assert blocks == (set(range(6)) if i % 3 == 0 else {0, 5}), (i, blocks)
@@ -163,11 +170,13 @@ def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
     zero = Repository.init(tmp_path / "zero")
     commit_series(zero, run.save_dir, tmp_path / "z", PolicySpec("adaptive", {"threshold": 0.0}))
     for store, expect_blocks in ((huge, False), (zero, True)):
-        rows = store.conn.execute("SELECT id FROM manifests ORDER BY step").fetchall()
+        rows = index_db(store).execute("SELECT id FROM manifests ORDER BY step").fetchall()
         for r in rows[1:]:
-            layers = store.conn.execute(
-                "SELECT layer, stored, change FROM layers WHERE manifest=?", (r["id"],)
-            ).fetchall()
+            layers = (
+                index_db(store)
+                .execute("SELECT layer, stored, change FROM layers WHERE manifest=?", (r["id"],))
+                .fetchall()
+            )
             stored = {x["layer"] for x in layers if x["stored"]}
             assert {x for x in stored if block_index(x) is None} >= {"embedding", "final_norm", "lm_head", "state"}
             assert any(block_index(x) is not None for x in stored) == expect_blocks
@@ -176,19 +185,23 @@ def test_filter_and_adaptive_policies(runs: Runs, tmp_path: Path) -> None:
 
     # A threshold between the measured changes: each commit stores exactly the blocks that moved at
     # least that much since their last stored version, and inherits the others.
-    second = zero.conn.execute(
-        "SELECT layer, change FROM layers WHERE manifest=2 AND layer LIKE 'block.%' ORDER BY change"
-    ).fetchall()
+    second = (
+        index_db(zero)
+        .execute("SELECT layer, change FROM layers WHERE manifest=2 AND layer LIKE 'block.%' ORDER BY change")
+        .fetchall()
+    )
     threshold = (second[2]["change"] + second[3]["change"]) / 2
     mid = Repository.init(tmp_path / "mid")
     commit_series(mid, run.save_dir, tmp_path / "m", PolicySpec("adaptive", {"threshold": threshold}))
     moved_at_second = {x["layer"] for x in second if x["change"] >= threshold}
     assert len(moved_at_second) == 3
     inherited_some = False
-    for r in mid.conn.execute("SELECT id FROM manifests ORDER BY step").fetchall()[1:]:
-        layers = mid.conn.execute(
-            "SELECT layer, stored, change FROM layers WHERE manifest=? AND layer LIKE 'block.%'", (r["id"],)
-        ).fetchall()
+    for r in index_db(mid).execute("SELECT id FROM manifests ORDER BY step").fetchall()[1:]:
+        layers = (
+            index_db(mid)
+            .execute("SELECT layer, stored, change FROM layers WHERE manifest=? AND layer LIKE 'block.%'", (r["id"],))
+            .fetchall()
+        )
         assert {x["layer"] for x in layers if x["stored"]} == {x["layer"] for x in layers if x["change"] >= threshold}
         inherited_some |= any(not x["stored"] for x in layers)
         if r["id"] == 2:  # measured against step 3, which stored everything: the same change as above
@@ -213,14 +226,16 @@ def test_budget_policy_spends_its_bytes_on_the_layers_that_moved_most(runs: Runs
     flags = ["--policy", "budget", "--fraction", "0.4", "--max-age", str(max_age)]
     assert tailor("commit", str(last), *flags, store=tmp_path / "budget").returncode == 0
     store.refresh()
-    recorded = json.loads(store.conn.execute("SELECT policy FROM manifests WHERE step=?", (SAVES[-1],)).fetchone()[0])
+    recorded = json.loads(
+        index_db(store).execute("SELECT policy FROM manifests WHERE step=?", (SAVES[-1],)).fetchone()[0]
+    )
     assert recorded == {"name": "budget", "fraction": 0.4, "max_age": max_age}
     candidates = sorted(set(sizes) - {"state"})
     last_stored = dict.fromkeys(candidates, 0)
-    rows = store.conn.execute("SELECT id, step FROM manifests ORDER BY step").fetchall()
+    rows = index_db(store).execute("SELECT id, step FROM manifests ORDER BY step").fetchall()
     inherited = 0
     for i, r in enumerate(rows[1:], start=1):
-        layers = {x["layer"]: x for x in store.conn.execute("SELECT * FROM layers WHERE manifest=?", (r["id"],))}
+        layers = {x["layer"]: x for x in index_db(store).execute("SELECT * FROM layers WHERE manifest=?", (r["id"],))}
         assert layers["state"]["stored"]
         forced = {x for x in candidates if i - last_stored[x] >= max_age}
         stored = {x for x in candidates if layers[x]["stored"]}
@@ -239,7 +254,7 @@ def test_budget_policy_spends_its_bytes_on_the_layers_that_moved_most(runs: Runs
     assert inherited >= 2 * (len(rows) - 1)  # the budget held commits well below every layer
     sources = {
         x["layer"]: x["source_step"]
-        for x in store.conn.execute("SELECT layer, source_step FROM layers WHERE manifest=?", (rows[-1]["id"],))
+        for x in index_db(store).execute("SELECT layer, source_step FROM layers WHERE manifest=?", (rows[-1]["id"],))
     }
     checkout_step(store, f"step={rows[-1]['step']}", tmp_path / "composite", warn=lambda _: None)
     assert_layers_from_sources(tmp_path / "composite", run.save_dir, sources, tmp_path / "cmp")
@@ -258,14 +273,14 @@ def test_merge_from_three_steps(runs: Runs, tmp_path: Path) -> None:
         "  - sources: [{step: 18, layer_range: [4, 6]}]\n"
         "embed: {step: 18}\nnorm: {step: 12}\nlm_head: {step: 6}\n"
     )
-    blobs_before = store.conn.execute("SELECT count(*) FROM blobs").fetchone()[0]
+    blobs_before = index_db(store).execute("SELECT count(*) FROM blobs").fetchone()[0]
     env = dict(os.environ, TAILOR_STORE=str(store.root))
     proc = subprocess.run(
         ["tailor", "merge", str(spec), "--tag", "mix", "--json"], capture_output=True, text=True, env=env
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["sources"]["block.2"] == 12
-    assert store.conn.execute("SELECT count(*) FROM blobs").fetchone()[0] == blobs_before  # no blob written
+    assert index_db(store).execute("SELECT count(*) FROM blobs").fetchone()[0] == blobs_before  # no blob written
     restored = tmp_path / "mix"
     checkout_step(store, "tag=mix", restored)
     sources = {
@@ -310,7 +325,7 @@ def test_bad_merge_specs(body: str, message: str, runs: Runs, tmp_path: Path) ->
     proc = subprocess.run(["tailor", "merge", str(spec), "--tag", "bad"], capture_output=True, text=True, env=env)
     assert proc.returncode == 2
     assert message in proc.stderr
-    assert store.conn.execute("SELECT count(*) FROM manifests").fetchone()[0] == 3
+    assert index_db(store).execute("SELECT count(*) FROM manifests").fetchone()[0] == 3
 
 
 def test_diff_and_plot(runs: Runs, tmp_path: Path) -> None:
@@ -340,7 +355,7 @@ def test_quality_parity_composite_against_exact(runs: Runs, tmp_path: Path) -> N
     last = SAVES[-1]
     composite = tmp_path / "composite"
     checkout_step(parity, f"step={last}", composite)
-    assert parity.conn.execute("SELECT exact FROM manifests WHERE step=?", (last,)).fetchone()[0] == 0
+    assert index_db(parity).execute("SELECT exact FROM manifests WHERE step=?", (last,)).fetchone()[0] == 0
     exact = as_of_step(run.save_dir, last, tmp_path / "exact")
     from_composite = resume_finite(composite, run.options, last, tmp_path / "rc", steps=20)
     from_exact = resume_finite(exact, run.options, last, tmp_path / "re", steps=20)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HFRun, Runs, as_of_step, commit_and_reset_reads, tailor
+from conftest import HFRun, Runs, as_of_step, commit_and_reset_reads, index_db, tailor
 
 import tailorstore
 
@@ -105,8 +105,7 @@ def test_a_step_missing_one_of_its_adam_moments_is_refused_as_damaged(runs: Runs
     with tailorstore.Store.init(store) as st:
         st.commit(as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "at3"))
         param = st.repo.index.atoms(1, kind="exp_avg_sq")[0].param
-        with st.repo.conn:
-            st.repo.conn.execute("DELETE FROM atoms WHERE param = ? AND kind = 'exp_avg_sq'", (param,))
+        index_db(st.repo).execute("DELETE FROM atoms WHERE param = ? AND kind = 'exp_avg_sq'", (param,))
     out = tmp_path / "out"
     proc = tailor("checkout", "step=3", "--format", "universal", "--out", str(out), store=store)
     assert proc.returncode == 3 and param in proc.stderr and "Adam moment" in proc.stderr, proc.stderr

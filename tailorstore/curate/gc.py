@@ -52,7 +52,7 @@ class Retention:
     def __post_init__(self) -> None:
         for name, value in (("keep_last", self.keep_last), ("keep_every", self.keep_every)):
             if value is not None and (type(value) is not int or not 1 <= value < 1 << 63):
-                raise StoreError(f"`{name}={value}` is not allowed: give a whole number of 1 or more.")
+                raise StoreError(Call(**{name: value}), " is not allowed: give a whole number of 1 or more.")
         if self.thin is not None:
             check_tier(self.thin)
             if not self.drops_manifests:
