@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import signal
-import sqlite3
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -158,7 +157,7 @@ def commit(
         typer.echo(
             f"committed a part of step {result.step}: {result.files} files, {human(result.raw_bytes)} raw, "
             f"{human(result.new_bytes)} newly stored ({result.seconds:.2f} s); once every host has committed its "
-            f"part, run `tailor commit --finalize step={result.step}{'' if run == 'main' else f' --run {run}'}`"
+            f"part, run `tailor finalize step={result.step}{'' if run == 'main' else f' --run {run}'}`"
         )
     elif not quiet:
         typer.echo(
@@ -694,9 +693,6 @@ def main() -> None:
     except TailorError as exc:
         typer.echo(f"error: {exc.render(as_command)}", err=True)
         sys.exit(EXIT_CODES[exc.category])
-    except sqlite3.DatabaseError as exc:
-        typer.echo(f"error: the store's index failed ({exc}); the command was not carried out. {_INDEX_HINT}", err=True)
-        sys.exit(3)
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         first = (exc.strerror or str(exc) or type(exc).__name__).strip().splitlines()[0]  # one line, never a debug dump
@@ -734,12 +730,6 @@ class Interrupted(Exception):
 
 def _interrupted(signum: int, frame: object) -> None:
     raise Interrupted()
-
-
-_INDEX_HINT = (
-    "If the disk is full, free space and retry; if the index is damaged, recreate it with `tailor index rebuild` "
-    "and run `tailor verify --deep`."
-)
 
 
 def run() -> NoReturn:

@@ -16,9 +16,6 @@ EXIT_CODES = {Category.BAD_INPUT: 2, Category.DAMAGED_STORE: 3, Category.LOCK: 4
 COMMANDS = {
     "rebuild_index": "index rebuild",
     "runs": "run list",
-    "finalize": "commit --finalize",
-    "remove": "rm",
-    "usage": "du",
 }
 
 

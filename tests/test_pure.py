@@ -409,7 +409,7 @@ def test_a_next_step_is_named_by_each_front_end_its_own_way() -> None:
     assert str(damaged) == "blob x is damaged. `verify(deep=True)`; `rebuild_index()`."
     assert damaged.render(as_command) == "blob x is damaged. `tailor verify --deep`; `tailor index rebuild`."
     assert as_command(Call("commit", "DIR", part=True, force=True)) == "`tailor commit DIR --part --force`"
-    assert as_command(Call("finalize", "step=N")) == "`tailor commit --finalize step=N`"
+    assert as_command(Call("finalize", "step=N")) == "`tailor finalize step=N`"
     assert [EXIT_CODES[e.category] for e in (refused, damaged, LeaseLostError("x"))] == [2, 3, 4]
     assert set(EXIT_CODES) == set(Category)
     again = pickle.loads(pickle.dumps(refused))  # a rank hands its error to the others whole

@@ -16,15 +16,17 @@ in total, and what it would give (bulk inserts, schema creation) is a few lines 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tailorstore.core.errors import Call, CorruptStoreError, FormatVersionError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, FormatVersionError, StoreError, TailorError
 from tailorstore.store.records import (
     ATOM_COLUMNS,
     COMMIT,
@@ -200,7 +202,10 @@ class Index:
                 f"{self.path.parent}: the store is read-only here (its files or their file system), and this "
                 "changes it; run it where the store is writable."
             )
-        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.DatabaseError as exc:
+            raise index_failed(self.path, exc) from None
         try:
             yield self
         except BaseException:
@@ -208,9 +213,11 @@ class Index:
             raise
         try:
             self.conn.execute("COMMIT")
-        except BaseException:  # a COMMIT that fails (a deferred constraint, a full disk) leaves it open
+        except BaseException as exc:  # a COMMIT that fails (a deferred constraint, a full disk) leaves it open
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.DatabaseError):
+                raise index_failed(self.path, exc) from None
             raise
 
     def integrity_problems(self) -> list[str]:
@@ -720,3 +727,45 @@ class _Closed:
         if name == "close":
             return lambda: None
         raise StoreError("this store is closed; open it again to use it.")
+
+
+def index_failed(path: Path, exc: sqlite3.DatabaseError) -> TailorError:
+    """What SQLite raised, as this library's error: the operation was not carried out, and why
+    (a full disk, a read-only file, a damaged index, a constraint the rows broke)."""
+    text = str(exc)
+    if "disk is full" in text or "disk I/O error" in text:  # the index is where the store was, but cannot grow
+        return CorruptStoreError(
+            f"{path}: the store's index could not be written ({text}); the operation was not carried out. "
+            "Free some space and run it again."
+        )
+    if "readonly" in text:
+        return StoreError(f"{path}: the store's index is read-only here ({text}); the operation was not carried out.")
+    return CorruptStoreError(
+        f"{path}: the store's index failed ({text}); the operation was not carried out. If it is damaged, recreate "
+        "it (",
+        Call("rebuild_index"),
+        ") and check the store (",
+        Call("verify", deep=True),
+        ").",
+    )
+
+
+def _speaking_our_errors(cls: type) -> type:
+    """Every query and change of the index raises this library's errors, never sqlite3's: the
+    layers above the store (and the command line) know no SQL."""
+    for name, member in list(vars(cls).items()):
+        if name.startswith("_") or name == "transaction" or not inspect.isfunction(member):
+            continue  # staticmethods, classmethods and properties translate their own (open: damaged)
+
+        def translated(*args: Any, __member: Callable[..., Any] = member, **kwargs: Any) -> Any:
+            try:
+                return __member(*args, **kwargs)
+            except sqlite3.DatabaseError as exc:
+                raise index_failed(args[0].path, exc) from None
+
+        functools.update_wrapper(translated, member)
+        setattr(cls, name, translated)
+    return cls
+
+
+Index = _speaking_our_errors(Index)

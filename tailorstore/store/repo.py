@@ -19,7 +19,6 @@ import json
 import os
 import re
 import secrets
-import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -138,11 +137,6 @@ class Repository:
         self.root = where.local_root  # the store directory of a local store, else None
         self.index = index
         self.spans: PackSpans | None = None  # the planned reads of the operation under way (reading)
-
-    @property
-    def conn(self) -> sqlite3.Connection:
-        """The raw SQLite connection, for tests and tools that inspect the index itself."""
-        return self.index.conn
 
     # -- lifecycle -----------------------------------------------------------------------
     @classmethod
