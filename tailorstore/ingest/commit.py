@@ -54,6 +54,7 @@ from tailorstore.store.records import (
     FileRecord,
     LayerRecord,
     ManifestRecord,
+    StoredLayer,
 )
 from tailorstore.store.repo import Repository, check_step
 from tailorstore.store.writer import BlobWriter
@@ -124,7 +125,7 @@ def _inheritance(
     found: dict[str, _Inheritance] = {}
     history = store.index.layer_history(step, run)
     if base is not None:
-        history += [(base.step, x) for x in store.index.layers(base.id)]
+        history += [StoredLayer(base.step, x) for x in store.index.layers(base.id)]
     for at_step, x in history:
         if x.layer in layers and x.layer != STATE and x.layer not in found:
             found[x.layer] = _Inheritance(x.manifest, at_step, x.source, x.source_step, {})

@@ -36,10 +36,15 @@ from tailorstore.store.records import (
     AtomKey,
     AtomRecord,
     BlobRecord,
+    BlobUse,
     FileRecord,
+    IndexCounts,
+    KindTotals,
     LayerRecord,
+    LayerTotals,
     ManifestRecord,
     RunRecord,
+    StoredLayer,
     values,
 )
 from tailorstore.store.schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
@@ -229,9 +234,8 @@ class Index:
         ]
         return out
 
-    def counts(self) -> tuple[int, int]:
-        """(manifests, blobs)."""
-        return (
+    def counts(self) -> IndexCounts:
+        return IndexCounts(
             self.conn.execute("SELECT count(*) FROM manifests").fetchone()[0],
             self.conn.execute("SELECT count(*) FROM blobs").fetchone()[0],
         )
@@ -439,11 +443,11 @@ class Index:
         row = self.conn.execute("SELECT * FROM layers WHERE manifest=? AND layer=?", (manifest, layer)).fetchone()
         return _layer(row, manifest) if row else None
 
-    def layer_history(self, before_step: int, run: str) -> list[tuple[int, LayerRecord]]:
-        """(step, layer) of every whole commit of the run before ``before_step``, newest step first (for
+    def layer_history(self, before_step: int, run: str) -> list[StoredLayer]:
+        """Every layer of every whole commit of the run before ``before_step``, newest step first (for
         inheritance: a thinned step keeps no optimizer state to inherit)."""
         return [
-            (r["step"], _layer(r, r["manifest"]))
+            StoredLayer(r["step"], _layer(r, r["manifest"]))
             for r in self.conn.execute(
                 "SELECT l.*, m.step FROM layers l JOIN manifests m ON m.id=l.manifest"
                 " WHERE m.origin=? AND m.run=? AND m.step<? AND m.tier IS NULL ORDER BY m.step DESC",
@@ -531,24 +535,24 @@ class Index:
             )
         ]
 
-    def blob_uses(self, manifests: list[int]) -> list[tuple[str, str]]:
-        """(blob, where it is used, in words) for the given manifests (for verify's messages)."""
+    def blob_uses(self, manifests: list[int]) -> list[BlobUse]:
+        """Where each blob of the given manifests is used, in words (for verify's messages)."""
         marks = ",".join("?" * len(manifests))
-        out: list[tuple[str, str]] = []
+        out: list[BlobUse] = []
         for r in self.conn.execute(
             f"SELECT m.step, f.path, f.blob, f.container FROM files f JOIN manifests m ON m.id=f.manifest"
             f" WHERE f.manifest IN ({marks})",
             manifests,
         ):
-            out.append((r["blob"], f"step {r['step']}, file {r['path']}"))
+            out.append(BlobUse(r["blob"], f"step {r['step']}, file {r['path']}"))
             if r["container"] is not None:
-                out.append((r["container"], f"step {r['step']}, file {r['path']} (container)"))
+                out.append(BlobUse(r["container"], f"step {r['step']}, file {r['path']} (container)"))
         for r in self.conn.execute(
             f"SELECT DISTINCT m.step, a.layer, a.path, a.blob FROM atoms a JOIN manifests m ON m.id=a.manifest"
             f" WHERE a.manifest IN ({marks}) AND a.derived IS NULL",
             manifests,
         ):
-            out.append((r["blob"], f"step {r['step']}, layer {r['layer']}, file {r['path']}"))
+            out.append(BlobUse(r["blob"], f"step {r['step']}, layer {r['layer']}, file {r['path']}"))
         return out
 
     def upsert_blobs(self, blobs: Iterable[BlobRecord]) -> None:
@@ -610,10 +614,10 @@ class Index:
         self.conn.executemany("DELETE FROM packs WHERE name=?", [(n,) for n in names])
 
     # -- summaries (log, show, du) -------------------------------------------------------
-    def layer_totals(self, manifest: int) -> list[tuple[str, list[str], int, int]]:
-        """Per layer of a manifest: (layer, kinds, raw bytes, bytes derived rather than stored)."""
+    def layer_totals(self, manifest: int) -> list[LayerTotals]:
+        """Per layer of a manifest: its kinds, raw bytes, and bytes derived rather than stored."""
         return [
-            (r[0], sorted(set(r[1].split(","))), r[2], r[3])
+            LayerTotals(r[0], sorted(set(r[1].split(","))), r[2], r[3])
             for r in self.conn.execute(
                 "SELECT layer, group_concat(DISTINCT kind), sum(nbytes),"
                 " sum(CASE WHEN derived IS NULL THEN 0 ELSE nbytes END) FROM atoms WHERE manifest=? GROUP BY layer",
@@ -640,8 +644,8 @@ class Index:
             + self.conn.execute("SELECT coalesce(sum(size), 0) FROM packs").fetchone()[0]
         )
 
-    def kind_totals(self) -> list[tuple[str, int, int, int]]:
-        """Per atom kind over all manifests: (kind, raw bytes, derived bytes, stored bytes of its blobs)."""
+    def kind_totals(self) -> list[KindTotals]:
+        """Per atom kind over all manifests: raw bytes, derived bytes, stored bytes of its blobs."""
         stored = {
             r[0]: r[1]
             for r in self.conn.execute(
@@ -650,7 +654,7 @@ class Index:
             )
         }
         return [
-            (r[0], r[1], r[2], stored.get(r[0], 0))
+            KindTotals(r[0], r[1], r[2], stored.get(r[0], 0))
             for r in self.conn.execute(
                 "SELECT kind, sum(nbytes), sum(CASE WHEN derived IS NULL THEN 0 ELSE nbytes END) FROM atoms"
                 " GROUP BY kind"

@@ -12,7 +12,7 @@ import functools
 import re
 from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -70,6 +70,43 @@ def stable_id(object_key: str | None) -> str:
         return "-"
     stem = re.sub(r"-v\d+(\.json\.zst)$", r"\1", object_key)
     return xxhash.xxh3_64_hexdigest(stem.encode())[:ID_DIGITS]
+
+
+class StoredLayer(NamedTuple):
+    """A layer as a committed step stored or inherited it (for inheritance: newest first)."""
+
+    step: int
+    layer: LayerRecord
+
+
+class BlobUse(NamedTuple):
+    """Where a blob is used, in words, for verify's messages."""
+
+    blob: str
+    where: str
+
+
+class LayerTotals(NamedTuple):
+    """A layer of one manifest: its kinds of state and its bytes."""
+
+    layer: str
+    kinds: list[str]
+    raw_bytes: int
+    derived_bytes: int  # rebuilt from the FP32 master rather than stored
+
+
+class KindTotals(NamedTuple):
+    """One kind of state over the whole store."""
+
+    kind: str
+    raw_bytes: int
+    derived_bytes: int
+    stored_bytes: int  # of the distinct blobs behind it
+
+
+class IndexCounts(NamedTuple):
+    manifests: int
+    blobs: int
 
 
 # The columns a manifest object carries; tag, pin and id are not part of it (refs and the index hold them).
