@@ -3,10 +3,14 @@ from the packs and manifest objects finds every blob where it now is. Real DeepS
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from conftest import Runs, as_of_step, assert_only_live, index_db, object_count
+from conftest import Runs, as_of_step, assert_only_live, index_db, object_count, tailor
+from test_hosts import wait_stopped
 from test_roundtrip import assert_same_checkpoint
 
 from tailorstore.curate.gc import REPACK_AT, GcPlan, Retention, gc
@@ -221,3 +225,27 @@ def test_a_store_opened_while_gc_thins_a_step_keeps_that_step(runs: Runs, tmp_pa
         gc(store, Retention())
         problems = verify(store, deep=True)
         assert problems.ok, problems.problems[:3]
+
+
+def test_a_gc_killed_after_writing_its_repacked_pack_loses_nothing(runs: Runs, tmp_path: Path) -> None:
+    """gc writes the repacked pack, then is killed before the index points at it. The next gc takes
+    that pack for dead, repacks the old one again into a pack of the same bytes, hence the same
+    name, and must not then delete it as planned (it did: the step lost every blob of that pack)."""
+    save = runs.get("zero2-bf16").save_dir
+    store = Repository.init(tmp_path / "store")
+    merged = as_of_step(save, 6, tmp_path / "both")
+    (merged / "extra").mkdir()
+    for f in (save / "global_step3").iterdir():
+        (merged / "extra" / f.name).write_bytes(f.read_bytes())
+    commit_checkpoint(store, merged)
+    commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
+    remove(store, "step=6")
+    store.close()
+    env = {**os.environ, "TAILOR_STORE": str(store.root), "TAILOR_FAILPOINTS": "gc-repack-written=stop"}
+    killed = subprocess.Popen([sys.executable, "-m", "tailorstore.cli.app", "gc"], env=env, text=True)
+    wait_stopped(killed)
+    killed.kill()
+    killed.wait(timeout=60)
+    assert tailor("gc", store=store.root).returncode == 0
+    with Repository.open(store.root) as again:
+        _assert_step3_whole(again, save, tmp_path)

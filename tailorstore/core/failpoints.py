@@ -20,7 +20,7 @@ from functools import cache
 
 from tailorstore.core.environment import FAILPOINTS_ENV
 
-POINTS = ("before-publish", "gc-before-delete", "before-lease-renewal")
+POINTS = ("before-publish", "gc-before-delete", "gc-repack-written", "before-lease-renewal")
 
 
 @cache

@@ -282,11 +282,18 @@ def gc(
             index.delete_blobs(plan.dead_blobs)
             index.delete_packs(plan.dead_packs)
         written += _repack(store, plan.repack, fence)
+        # Never delete an object an index row names now: a repack names its pack by its bytes, so it
+        # can write again a pack the plan took for dead (one a killed gc had written before it could
+        # point rows at it), and the row must win over the plan.
+        named_packs = store.index.packs_named_by_blobs()
+        loose = store.index.blob_hashes(loose_only=True)
         batch = store.backend.batch()
         for name in [*plan.dead_loose, *plan.orphan_files]:
-            batch.delete(blob_key(name))
+            if name not in loose:
+                batch.delete(blob_key(name))
         for name in [*plan.dead_packs, *plan.repack, *plan.orphan_packs]:
-            batch.delete(pack_key(name))
+            if name not in named_packs:
+                batch.delete(pack_key(name))
         fence()
         batch.publish()
         fence()
@@ -327,6 +334,7 @@ def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> i
             moved.append(blob.hash)
     writer.flush()
     batch.publish()
+    failpoint("gc-repack-written")
     with store.transaction() as index:
         fence()
         index.add_packs(writer.sealed)
