@@ -17,7 +17,7 @@ from tailorstore.core.rounding import ROUND_FROM_MASTER, rounded_chunks
 from tailorstore.core.thread_buffers import thread_buffer
 from tailorstore.store import codec
 from tailorstore.store.records import AtomRecord, BlobRecord
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import Repository, damaged_blob
 
 
 def blob_of(store: Repository, digest: str, where: str) -> BlobRecord:
@@ -63,11 +63,7 @@ def stream_blob(store: Repository, row: BlobRecord, lo: int, hi: int, where: str
                 yield piece[a:b]
             pos += len(piece)
     if hasher.hexdigest() != row.hash:
-        raise CorruptStoreError(
-            f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). Run ",
-            Call("verify", deep=True),
-            " to find every damaged blob.",
-        )
+        raise damaged_blob(where, row.hash)
 
 
 def stream_atom(

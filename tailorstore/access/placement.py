@@ -39,7 +39,7 @@ from tailorstore.store import codec
 from tailorstore.store.direct_io import PlacedWriter
 from tailorstore.store.posix import start_writeback
 from tailorstore.store.records import COMMIT, AtomRecord, BlobRecord, FileRecord, ManifestRecord
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import Repository, damaged_blob
 
 
 @dataclass
@@ -360,11 +360,7 @@ def _place(store: Repository, target: _Target, atom: AtomRecord, blob: BlobRecor
             pos += len(piece)
             done += len(piece)
     if hasher.hexdigest() != atom.blob:
-        raise CorruptStoreError(
-            f"{where}: blob {atom.blob} does not match its hash (the blob file is damaged). Run ",
-            Call("verify", deep=True),
-            " to find every damaged blob.",
-        )
+        raise damaged_blob(where, atom.blob)
     for weight in weights:
         weight.cover(atom.start, atom.numel)
     start_writeback(target.out.fd, atom.file_offset or 0, atom.nbytes)  # the page-cache edges

@@ -20,7 +20,7 @@ import torch
 
 from tailorstore.core.atoms import TensorSlot
 from tailorstore.core.errors import BadCheckpointError, Call, UnsafePickleError
-from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS
+from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS, untrusted
 
 _UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
 
@@ -130,13 +130,7 @@ def load_skeleton(data: bytes, where: str, *, trusted: bool, trust_pickles: bool
     is only loaded when the user trusts it again.
     """
     if trusted and not trust_pickles:
-        raise UnsafePickleError(
-            f"{where}: this file was committed with ",
-            Call(trust_pickles=True),
-            " and holds globals outside the allowlist; pass ",
-            Call(trust_pickles=True),
-            " to check it out.",
-        )
+        raise untrusted(where)
     buf = io.BytesIO(data)
     if trusted:
         return torch.load(buf, map_location="cpu", weights_only=False)

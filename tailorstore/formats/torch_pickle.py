@@ -82,6 +82,18 @@ class Opaque:
         return f"<{self.name} {self.__dict__}>"
 
 
+def untrusted(where: str) -> UnsafePickleError:
+    """A file committed with trusted pickles is checked out only when the caller trusts it again (here,
+    apart from the torch loader, so that a checkout that needs no torch names it too)."""
+    return UnsafePickleError(
+        f"{where}: this file was committed with ",
+        Call(trust_pickles=True),
+        " and holds globals outside the allowlist; pass ",
+        Call(trust_pickles=True),
+        " to check it out.",
+    )
+
+
 def opaque_class(name: str) -> type[Opaque]:
     return type(name.rsplit(".", 1)[-1], (Opaque,), {"name": name, "__module__": __name__})
 

@@ -18,12 +18,13 @@ from pathlib import Path
 from tailorstore.access import placement
 from tailorstore.access.atom_reader import blob_of, stream_blob
 from tailorstore.access.output_dir import staged
-from tailorstore.core.errors import Call, CorruptStoreError, UnsafePickleError
+from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.curate.thinning import refuse_thinned
 from tailorstore.formats.kinds import RAW, SAFETENSORS, TORCH
 from tailorstore.formats.layout import DEEPSPEED_TAG
+from tailorstore.formats.torch_pickle import untrusted
 from tailorstore.store.records import FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
@@ -68,13 +69,7 @@ def checkout_step(
     for row in files:
         safe_join(out, row.path)  # refuse before writing anything
         if row.trusted and not trust_pickles:
-            raise UnsafePickleError(
-                f"step {step}, file {row.path}: this file was committed with ",
-                Call(trust_pickles=True),
-                " and holds globals outside the allowlist; pass ",
-                Call(trust_pickles=True),
-                " to check it out.",
-            )
+            raise untrusted(f"step {step}, file {row.path}")
     try:
         with store.reading_manifest(manifest), staged(out, store) as tmp:
             progress.start(f"checkout step {step}", sum(r.raw_size for r in files))

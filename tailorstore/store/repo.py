@@ -87,6 +87,15 @@ def _check_cache(where: Location, index: Index) -> None:
         )
 
 
+def damaged_blob(where: str, digest: str) -> CorruptStoreError:
+    """A blob whose bytes no longer hash to its name: what every reader says, naming the way to find them all."""
+    return CorruptStoreError(
+        f"{where}: blob {digest} does not match its hash (the blob file is damaged). Run ",
+        Call("verify", deep=True),
+        " to find every damaged blob.",
+    )
+
+
 def check_step(step: int) -> int:
     if not 0 <= step <= MAX_STEP:
         raise StoreError(f"step {step} is out of range: a step is a whole number from 0 to {MAX_STEP}.")
@@ -367,11 +376,7 @@ class Repository:
         with self.open_row(row, where) as f:
             codec.decode_into(row.codec, f, dest, f"{where}: blob {row.hash}")
         if codec.content_hash(dest) != row.hash:
-            raise CorruptStoreError(
-                f"{where}: blob {row.hash} does not match its hash (the blob file is damaged). Run ",
-                Call("verify", deep=True),
-                " to find every damaged blob.",
-            )
+            raise damaged_blob(where, row.hash)
 
     def read_blob(self, digest: str, where: str) -> bytes:
         row = self.blob(digest)
