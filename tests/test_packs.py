@@ -133,8 +133,9 @@ def test_objects_deleted_between_listing_and_reading_are_skipped_when_opening(ru
         fresh.close()
 
 
-def _repacked_store(runs: Runs, tmp_path: Path) -> tuple[Repository, Path, dict[str, bytes], GcPlan]:
-    """A store whose gc just repacked a pack (as in the test above), with the old packs' bytes kept."""
+def _store_to_repack(runs: Runs, tmp_path: Path) -> tuple[Repository, Path]:
+    """Step 6 with a copy of step 3's files beside it, then step 3: their small blobs share packs,
+    which are mostly dead once step 6 is removed (the caller removes it)."""
     save = runs.get("zero2-bf16").save_dir
     store = Repository.init(tmp_path / "store")
     merged = as_of_step(save, 6, tmp_path / "both")
@@ -143,6 +144,12 @@ def _repacked_store(runs: Runs, tmp_path: Path) -> tuple[Repository, Path, dict[
         (merged / "extra" / f.name).write_bytes(f.read_bytes())
     commit_checkpoint(store, merged)
     commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
+    return store, save
+
+
+def _repacked_store(runs: Runs, tmp_path: Path) -> tuple[Repository, Path, dict[str, bytes], GcPlan]:
+    """A store whose gc just repacked a pack (as in the test above), with the old packs' bytes kept."""
+    store, save = _store_to_repack(runs, tmp_path)
     before = {name: store.backend.get(pack_key(name)) for name in pack_names(store.backend)}
     remove(store, "step=6")
     plan = gc(store, Retention())
@@ -231,14 +238,7 @@ def test_a_gc_killed_after_writing_its_repacked_pack_loses_nothing(runs: Runs, t
     """gc writes the repacked pack, then is killed before the index points at it. The next gc takes
     that pack for dead, repacks the old one again into a pack of the same bytes, hence the same
     name, and must not then delete it as planned (it did: the step lost every blob of that pack)."""
-    save = runs.get("zero2-bf16").save_dir
-    store = Repository.init(tmp_path / "store")
-    merged = as_of_step(save, 6, tmp_path / "both")
-    (merged / "extra").mkdir()
-    for f in (save / "global_step3").iterdir():
-        (merged / "extra" / f.name).write_bytes(f.read_bytes())
-    commit_checkpoint(store, merged)
-    commit_checkpoint(store, as_of_step(save, 3, tmp_path / "at3"))
+    store, save = _store_to_repack(runs, tmp_path)
     remove(store, "step=6")
     store.close()
     env = {**os.environ, "TAILOR_STORE": str(store.root), "TAILOR_FAILPOINTS": "gc-repack-written=stop"}

@@ -201,12 +201,10 @@ class TailorCheckpointEngine(CheckpointEngine):
         if self._save is None or self._direct:
             return None
         real, twin = self._save
-        target = Path(path).absolute()
-        if target == real:
+        if Path(path).absolute() == real:
             return twin
-        if real in target.parents:
-            return twin / target.relative_to(real)
-        return None
+        name = self._name_in_save(path)
+        return None if name is None else twin / name
 
     def _name_in_save(self, path: str | os.PathLike) -> str | None:
         if self._save is None:
@@ -360,7 +358,7 @@ class TailorCheckpointEngine(CheckpointEngine):
             if len(folders) != 1:
                 return None, f"the checked-out step in {out} holds {len(folders)} tag folders, not one"
             self.rewind.resumed_step = result.step  # a save of a step after it that the store holds branches here
-            warn_if_composite(self.store, f"{run}:step={result.step}")
+            warn_if_composite(result.step, result.inherited)  # the checkout knows: no second query
             return folders[0], None
         except Exception as exc:
             shutil.rmtree(out, ignore_errors=True)

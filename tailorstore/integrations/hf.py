@@ -34,6 +34,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tailorstore.api import Store
+from tailorstore.core.errors import StoreError
 from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.ingest.deletion import delete_once_durable
 from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
@@ -76,7 +77,12 @@ class TailorCallback(TrainerCallback):
             self.rewind.resumed_step = state.global_step
             if state.is_world_process_zero:
                 store = self._open()
-                warn_if_composite(store, f"{self.rewind.run or store.run}:step={state.global_step}")
+                try:  # the Trainer loaded the checkpoint itself: ask the store what the step holds
+                    detail = store.show(f"{self.rewind.run or store.run}:step={state.global_step}")
+                except StoreError:
+                    return  # a step the store does not hold: nothing to say about it
+                step = detail.summary.step
+                warn_if_composite(step, {x.layer: x.source_step for x in detail.layers if x.source_step != step})
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if control.should_save and self._store is not None and args.save_total_limit:

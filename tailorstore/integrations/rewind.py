@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,20 +103,16 @@ class Rewind:
         return name
 
 
-def warn_if_composite(store: Store, ref: str) -> None:
-    """One warning when the step training resumes from is a composite, as ``tailor checkout`` gives:
-    its losses will differ from an exact resume, and this says why."""
-    try:
-        detail = store.show(ref)
-    except StoreError:
-        return
-    inherited = {x.layer: x.source_step for x in detail.layers if x.source_step != detail.summary.step}
+def warn_if_composite(step: int, inherited: Mapping[str, int]) -> None:
+    """One warning when the step training resumes from is a composite (``inherited``: layer -> the
+    step it comes from, as ``CheckoutResult.inherited`` says), as a checkout gives: its losses will
+    differ from an exact resume, and this says why."""
     if inherited:
         layers = ", ".join(f"{k} (step {v})" for k, v in list(inherited.items())[:6])
         more = f" and {len(inherited) - 6} more" if len(inherited) > 6 else ""
         log.warning(
             "tailorstore: resuming from step %d, a composite: %d layer(s) come from earlier steps: %s%s",
-            detail.summary.step,
+            step,
             len(inherited),
             layers,
             more,

@@ -75,6 +75,11 @@ def lease_ttl() -> float:
     return ttl
 
 
+def _unreadable(key: str) -> Lease:
+    """A lease no reader can trust, so it counts as expired and whoever meets it removes it."""
+    return Lease(key, True, "?", -1, 0.0)
+
+
 def _read(backend: Backend, key: str) -> Lease | None:
     """A lease object as a stranger may have written it: a field of the wrong type or out of
     range (a pid no process can have, an expiry beyond any lease time) makes it unreadable,
@@ -85,7 +90,7 @@ def _read(backend: Backend, key: str) -> Lease | None:
     except FileNotFoundError:
         return None  # released while we listed
     except (ValueError, KeyError, TypeError, RecursionError):
-        return Lease(key, True, "?", -1, 0.0)
+        return _unreadable(key)
     readable = (
         isinstance(exclusive, bool)
         and isinstance(host, str)
@@ -97,7 +102,7 @@ def _read(backend: Backend, key: str) -> Lease | None:
         and expires <= time.time() + MAX_TTL
     )
     if not readable:
-        return Lease(key, True, "?", -1, 0.0)
+        return _unreadable(key)
     return Lease(key, exclusive, host, pid, float(expires))
 
 
