@@ -244,8 +244,8 @@ def floor_inputs(work: Path, store: Path, step: int, env: dict[str, str], out_by
     repo = Repository.open(store)
     try:
         manifest = repo.resolve(f"step={step}")
-        blobs = {b.hash: b.stored_size for b in repo.index.referenced_blobs(manifest)}
-        masters = {a.blob for a in repo.index.atoms(manifest, kind="master")}
+        blobs = {b.hash: b.stored_size for b in repo.catalogue.referenced_blobs(manifest)}
+        masters = {a.blob for a in repo.catalogue.atoms(manifest, kind="master")}
     finally:
         repo.close()
     read = {"export": sum(blobs[h] for h in masters), "universal": sum(blobs.values())}

@@ -310,7 +310,7 @@ def log(run: str | None = typer.Option(None, "--run", help="Only this run's step
         as_json: bool = JsonOpt) -> None:  # fmt: skip
     """One line per step: step, time, tag, raw bytes, bytes newly stored, exact or composite."""
     with _open(store, run) as st:
-        steps = st.log(all_runs=run is None)
+        steps = st.log(run=run)
         runs = st.runs()
     base = next((r.base for r in runs if r.name == run), None)
     several = len(runs) > 1

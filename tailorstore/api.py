@@ -293,11 +293,12 @@ class Store:
             warn=warn,
         )
 
-    def log(self, *, all_runs: bool = False) -> list[StepSummary]:
-        """This handle's run's manifests by step (every run's with ``all_runs``)."""
+    def log(self, *, run: str | None = None) -> list[StepSummary]:
+        """The manifests by step, of every run unless ``run`` names one: the scope rule of
+        :meth:`gc` and of the ``log`` command (each summary names its run)."""
         from tailorstore.report.inspect import log
 
-        return log(self.repo, None if all_runs else self.run)
+        return log(self.repo, run)
 
     def runs(self) -> list[RunInfo]:
         from tailorstore.curate.runs import list_runs

@@ -341,8 +341,8 @@ def commit_and_reset_reads(store: Store, checkpoint: Path, reads: dict[str, int]
     fixture) so that it counts what comes next only: (the step's master blobs, the paths of its
     files holding derived weights)."""
     store.commit(checkpoint)
-    masters = {a.blob for a in store.repo.index.atoms(1, kind="master")}
-    derived = {a.path for a in store.repo.index.atoms(1) if a.derived is not None}
+    masters = {a.blob for a in store.repo.catalogue.atoms(1, kind="master")}
+    derived = {a.path for a in store.repo.catalogue.atoms(1) if a.derived is not None}
     reads.clear()
     return masters, derived
 

@@ -186,7 +186,7 @@ def test_refusals_write_nothing(runs: Runs, tmp_path: Path) -> None:
 
     # a damaged blob: exit 3, and no folder that looks complete
     with tailorstore.Store.open(store) as st:
-        master = max(st.repo.index.atoms(1, kind="master"), key=lambda a: a.nbytes)
+        master = max(st.repo.catalogue.atoms(1, kind="master"), key=lambda a: a.nbytes)
         file, start, size = blob_object(st.repo, master.blob)
     file.chmod(0o644)
     data = bytearray(file.read_bytes())

@@ -179,7 +179,7 @@ def test_a_directory_in_an_objects_place_is_a_damaged_store(two_steps, tmp_path:
     """A directory where a blob or pack should be opens (a directory does) and failed at its
     first read: 'Is a directory', naming nothing, exit 2. It is a missing object: exit 3, named."""
     store, _ = two_steps
-    master = max(store.index.atoms(2, kind="master"), key=lambda a: a.nbytes)
+    master = max(store.catalogue.atoms(2, kind="master"), key=lambda a: a.nbytes)
     file, _, _ = blob_object(store, master.blob)
     file.parent.chmod(0o755)
     file.unlink()

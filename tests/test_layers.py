@@ -89,3 +89,67 @@ def test_no_relative_imports_and_no_module_left_on_the_top_level() -> None:
         if isinstance(node, ast.ImportFrom) and node.level
     ]
     assert not relative, relative
+
+
+def _outside_store() -> list[Path]:
+    extra = [p.relative_to(ROOT) for p in (ROOT / "benchmarks").rglob("*.py")]
+    return [p for p in sources() + extra if p.parts[:2] != ("tailorstore", "store")]
+
+
+def test_the_index_is_private_to_the_store() -> None:
+    """Above store/, the index is reached only as ``catalogue`` (queries) and inside
+    ``transaction()`` (changes); no module imports it, names ``.index`` or runs SQL."""
+    wrong = []
+    for path in _outside_store():
+        text = (ROOT / path).read_text()
+        for line, module in imports(path):
+            sql = module == "sqlite3" and path.parts[0] != "benchmarks"  # build_thousand fabricates a fixture
+            if module.startswith("tailorstore.store._index") or sql:
+                wrong.append(f"{path}:{line}: imports {module}")
+        tree = ast.parse(text)
+        called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}  # list.index(x) is no index
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("index", "_index", "conn") and id(node) not in called:
+                wrong.append(f"{path}:{node.lineno}: .{node.attr}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_operations_ask_only_what_the_catalogue_declares() -> None:
+    """Every method called on ``<x>.catalogue`` or on a transaction's handle is one the
+    protocols declare, and the index implements every one of them."""
+    from tailorstore.store._index import Index
+    from tailorstore.store.catalogue import Catalogue, CatalogueEdit
+
+    declared_reads = {n for n in dir(Catalogue) if not n.startswith("_")}
+    declared = {n for n in dir(CatalogueEdit) if not n.startswith("_")}
+    assert declared_reads < declared
+    assert all(callable(getattr(Index, n, None)) or isinstance(getattr(Index, n, None), property) for n in declared)
+    wrong = []
+    for path in _outside_store():
+        tree = ast.parse((ROOT / path).read_text())
+        handles = {  # names bound by ``with <x>.transaction() as NAME`` and ``def rows(NAME: CatalogueEdit)``
+            item.optional_vars.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.With)
+            for item in node.items
+            if isinstance(item.optional_vars, ast.Name)
+            and isinstance(item.context_expr, ast.Call)
+            and isinstance(item.context_expr.func, ast.Attribute)
+            and item.context_expr.func.attr == "transaction"
+        } | {
+            a.arg
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef)
+            for a in node.args.args
+            if isinstance(a.annotation, ast.Name) and a.annotation.id in ("Catalogue", "CatalogueEdit")
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            on_catalogue = isinstance(owner, ast.Attribute) and owner.attr == "catalogue"
+            on_handle = isinstance(owner, ast.Name) and owner.id in handles
+            allowed = declared_reads if on_catalogue else declared
+            if (on_catalogue or on_handle) and node.attr not in allowed:
+                wrong.append(f"{path}:{node.lineno}: .{node.attr} is not declared")
+    assert not wrong, "\n".join(wrong)

@@ -18,8 +18,8 @@ from tailorstore.curate.refs import remove
 from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
+from tailorstore.store._index import Index
 from tailorstore.store.backend import pack_key
-from tailorstore.store.index import Index
 from tailorstore.store.manifest_objects import MANIFEST_PREFIX, is_manifest_key, sync
 from tailorstore.store.packs import PACK_BELOW, pack_names, read_trailer
 from tailorstore.store.repo import Repository
@@ -186,7 +186,9 @@ def test_rows_naming_a_gone_pack_are_placed_again_before_gc_plans(runs: Runs, tm
     before this was fixed, or by a crash) is set right by the sync gc runs under its lock, from
     the trailer of the pack that holds the blobs, so gc never takes that pack for empty."""
     store, save, before, plan = _repacked_store(runs, tmp_path)
-    moved = [b.hash for name in store.index.packs() if name not in before for b in store.index.blobs_in_pack(name)]
+    moved = [
+        b.hash for name in store.catalogue.packs() if name not in before for b in store.catalogue.blobs_in_pack(name)
+    ]
     assert moved, "the repack moved live blobs into a new pack"
     # the damage: the moved blobs point back at the old pack
     index_db(store).executemany("UPDATE blobs SET pack=? WHERE hash=?", [(plan.repack[0], h) for h in moved])
@@ -228,7 +230,7 @@ def test_a_store_opened_while_gc_thins_a_step_keeps_that_step(runs: Runs, tmp_pa
     assert sorted(m.step for m in index.manifests()) == [3, 6]
     index.close()
     with Repository.open(root) as store:
-        assert {m.step: m.tier for m in store.index.manifests()} == {3: "weights", 6: None}
+        assert {m.step: m.tier for m in store.catalogue.manifests()} == {3: "weights", 6: None}
         gc(store, Retention())
         problems = verify(store, deep=True)
         assert problems.ok, problems.problems[:3]

@@ -19,7 +19,7 @@ from testbed.runs import torchrun
 
 def _rows(store: Store) -> tuple[list, list, set[str]]:
     (manifest,) = [m.manifest for m in store.log()]
-    index = store.repo.index
+    index = store.repo.catalogue
     files = sorted(astuple(f) for f in index.files(manifest))
     atoms = sorted(astuple(a) for a in index.atoms(manifest))
     return files, atoms, index.blob_hashes()

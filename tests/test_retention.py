@@ -356,7 +356,7 @@ def test_background_commits_beside_a_thinning_gc_lose_nothing(runs: Runs, tmp_pa
     assert len(collected) >= 3 and opened >= 10, "gc and readers ran beside the commits"
     assert tailor("gc", store=root).returncode == 0
     with Repository.open(root) as repo:
-        tiers = {m.step: m.tier for m in repo.index.manifests()}
+        tiers = {m.step: m.tier for m in repo.catalogue.manifests()}
         assert len(tiers) == 10 * rounds and list(tiers.values()).count(None) == 2
         report = verify(repo, deep=True)
         assert report.ok, report.problems[:3]

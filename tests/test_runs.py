@@ -87,7 +87,8 @@ def test_runs_number_steps_apart_share_blobs_and_branch(runs: Runs, tmp_path: Pa
         "main": None, "copy": None, "ft": {"run": "main", "step": 9}, "other": None
     }  # fmt: skip
     with Store.open(root, run="ft") as store:
-        assert [s.step for s in store.log()] == [1]
+        assert [s.step for s in store.log(run="ft")] == [1]
+        assert {s.run for s in store.log()} == {"main", "copy", "ft", "other"}, "every run unless one is named"
         assert store.show("latest").summary.step == 1
     with Repository.open(root) as repo:
         try:

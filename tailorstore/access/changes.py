@@ -44,7 +44,7 @@ def stored_pieces(
     ``keys`` limits the decoding to those pieces, so a caller streaming file by file holds
     only one file's worth.
     """
-    atoms = sorted(store.index.atoms(manifest, layer=layer, kind=kind), key=lambda a: (a.param, a.rank, a.start))
+    atoms = sorted(store.catalogue.atoms(manifest, layer=layer, kind=kind), key=lambda a: (a.param, a.rank, a.start))
     return {
         (a.param, a.rank, a.start): widened(decode_atom(store, manifest, a, "measuring change"), a.dtype)
         for a in atoms

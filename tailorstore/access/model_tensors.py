@@ -146,7 +146,7 @@ def tiling(pieces: list[AtomRecord], numel: int) -> tuple[AtomRecord, ...] | Non
 def model_view(store: Repository, manifest: int) -> ModelView:
     """Every tensor of the model's state dict at ``manifest``, in DeepSpeed's parameter order."""
     facts = store.manifest(manifest)
-    files = store.index.files(manifest)
+    files = store.catalogue.files(manifest)
     states = model_states_file(files, facts.step)
     where = f"step {facts.step}, file {states.path}"
     tree = skeleton_tree(store, states, where)
@@ -161,7 +161,7 @@ def model_view(store: Repository, manifest: int) -> ModelView:
         shapes = {str(k): tuple(v.shape) for k, v in module.items() if k not in buffer_names and hasattr(v, "shape")}
 
     by_param: dict[tuple[str, str], list[AtomRecord]] = defaultdict(list)
-    for atom in store.index.atoms(manifest):
+    for atom in store.catalogue.atoms(manifest):
         if atom.kind in _VIEWED:
             by_param[(atom.param, atom.kind)].append(atom)
 
@@ -293,7 +293,7 @@ def committed_tree(store: Repository, manifest: int, row: FileRecord, where: str
         skeleton, entries = split_tensors(tree, where=where, file_size=row.raw_size)
         slots = [TensorSlot(e.slot, e.tensor.dtype, tuple(e.tensor.shape)) for e in entries]
     by_slot: dict[int, list[AtomRecord]] = defaultdict(list)
-    for atom in store.index.atoms(manifest, path=row.path):
+    for atom in store.catalogue.atoms(manifest, path=row.path):
         by_slot[atom.slot].append(atom)
     tensors = {
         s.slot: TensorOut(s.dtype, tuple(s.shape), partial(_slot_chunks, store, manifest, s, by_slot[s.slot], where))

@@ -183,7 +183,7 @@ class PlacedFiles:
                     row.path, PlacedWriter(path, row.raw_size), f"step {facts.step}, file {row.path}",
                     row.raw_size, row.kind,
                 )  # fmt: skip
-            self.blobs = {b.hash: b for b in store.index.referenced_blobs(facts.id)}
+            self.blobs = {b.hash: b for b in store.catalogue.referenced_blobs(facts.id)}
             self.atoms = _atoms(store, facts.id, self.targets, self.blobs)
             for row in rows:
                 _write_container(store, row, self.targets[row.path], self.atoms[row.path])
@@ -266,7 +266,7 @@ def _atoms(
 ) -> dict[str, list[AtomRecord]]:
     """The atoms of the files being written, by file in file order, each checked to fit its place."""
     by_path: dict[str, list[AtomRecord]] = {path: [] for path in targets}
-    for a in store.index.atoms(manifest):
+    for a in store.catalogue.atoms(manifest):
         if a.path not in by_path:
             continue
         target = targets[a.path]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import Call, StoreError
-from tailorstore.store.index import Index
+from tailorstore.store.catalogue import Catalogue
 from tailorstore.store.records import AtomRecord, ManifestRecord
 
 Structure = dict[str, int]  # parameter -> elements
@@ -34,7 +34,7 @@ def from_atoms(atoms: list[AtomRecord]) -> Structure:
     return out
 
 
-def of_manifest(index: Index, manifest: int) -> Structure:
+def of_manifest(index: Catalogue, manifest: int) -> Structure:
     return index.param_sizes(manifest, (A.WEIGHT, A.MASTER))
 
 
@@ -46,7 +46,7 @@ def differences(old: Structure, new: Structure, limit: int = 3) -> list[str]:
     return out[:limit] + ([f"and {len(out) - limit} more"] if len(out) > limit else [])
 
 
-def refuse_other_model(index: Index, new: Structure, run: str, base: ManifestRecord | None = None) -> None:
+def refuse_other_model(index: Catalogue, new: Structure, run: str, base: ManifestRecord | None = None) -> None:
     """Refuse a commit whose model differs from the run's newest committed step (or, for a run
     with no commits yet, from the step it branched from): another model belongs in a run of its own."""
     newest = index.newest_commit(run) or base

@@ -48,8 +48,8 @@ from tailorstore.core.layers import AUX_GROUPS, STATE, block_index, sort_key
 from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
 from tailorstore.curate.merge_spec import AUX_KEYS, MergeSpecError, layer_range, merge_record, ref_of
+from tailorstore.store.catalogue import CatalogueEdit
 from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
-from tailorstore.store.index import Index
 from tailorstore.store.publish import record_manifest
 from tailorstore.store.records import THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
 from tailorstore.store.repo import MAX_STEP, Repository
@@ -226,7 +226,7 @@ def average(store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, 
         store.refresh(lock)  # another host's gc may have dropped a step since the store was opened
         manifests = [store.resolve(f"step={s}", run) for s in parsed.steps]
         base = store.resolve(parsed.base, run) if parsed.base else manifests[-1]
-        if store.index.tagged(tag):
+        if store.catalogue.tagged(tag):
             raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
         base_record = store.manifest(base)
         if base_record.tier is not None:
@@ -234,14 +234,14 @@ def average(store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, 
                 f"the base, step {base_record.step}, was thinned to {base_record.tier}: the average takes its "
                 "moments and files from the base, so name a whole step as base ({step: N})"
             )
-        layers = chosen_layers(parsed.layers, {x.layer for x in store.index.layers(base)}, str(spec_path))
+        layers = chosen_layers(parsed.layers, {x.layer for x in store.catalogue.layers(base)}, str(spec_path))
         writer = BlobWriter(store)
         with cleaned_up_on_failure(store, writer, lock, Silent()):
             replaced = _write_averages(store, base, manifests, parsed, layers, writer)
             new_blobs = writer.finish()
         record = merge_record(base_record, tag, {"name": "average", "spec": spec}, spec_path, new_blobs)
 
-        def rows(index: Index) -> int:
+        def rows(index: CatalogueEdit) -> int:
             if index.tagged(tag):
                 raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
             index.add_packs(writer.new_packs())
@@ -294,10 +294,10 @@ def _write_averages(
     """The base's atoms that change, by key: one parameter at a time, so memory holds one
     parameter's FP32 master (for its weight) and one atom's sums, whatever the model's size."""
     by_param: dict[str, list[AtomRecord]] = defaultdict(list)
-    for atom in store.index.atoms(base):
+    for atom in store.catalogue.atoms(base):
         if atom.layer in layers and (atom.kind in spec.kinds or atom.kind == WEIGHT):
             by_param[atom.param].append(atom)
-    sources = [store.index.atoms_by_key(m) for m in manifests]
+    sources = [store.catalogue.atoms_by_key(m) for m in manifests]
     weights = [_weights_by_param(store, m) if store.manifest(m).tier == THIN_WEIGHTS else {} for m in manifests]
     averager = _Averager(store, manifests, spec, sources, weights, writer)
     out: dict[AtomKey, AtomRecord] = {}
@@ -311,7 +311,7 @@ def _write_averages(
 def _weights_by_param(store: Repository, manifest: int) -> dict[str, list[AtomRecord]]:
     """A step thinned to weights: its weight atoms by parameter (they stand in for its masters)."""
     out: dict[str, list[AtomRecord]] = defaultdict(list)
-    for atom in store.index.atoms(manifest, kind=WEIGHT):
+    for atom in store.catalogue.atoms(manifest, kind=WEIGHT):
         out[atom.param].append(atom)
     return out
 

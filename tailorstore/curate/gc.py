@@ -178,8 +178,8 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     """What gc would do under ``rules`` (one set, or several each touching its own run). Blobs a
     pending part names are live (the part waits for its finalize); a part of a step already
     recorded is dropped, and every part when ``drop_parts``."""
-    manifests = store.index.manifests()
-    bases = {r.base for r in store.index.created_runs().values() if r.base}
+    manifests = store.catalogue.manifests()
+    bases = {r.base for r in store.catalogue.created_runs().values() if r.base}
     base_ids = frozenset(m.id for m in manifests if m.object_key in bases)
     keep = {m.id for m in manifests}
     tiers: dict[int, str] = {}
@@ -202,17 +202,19 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     )
     held: set[str] = set()
     for part in read_parts(store.backend):
-        if drop_parts or store.index.commit_at(part.step, part.run) is not None:
+        if drop_parts or store.catalogue.commit_at(part.step, part.run) is not None:
             plan.drop_parts.append(part.key)
         else:
             plan.pending_parts += 1
             held |= part.blob_hashes()
     thinned = {m.id: contents_of(store, m.id, tiers[m.id]) for m in to_thin}
     still = set().union(*(c.hashes() for c in thinned.values())) if thinned else set()
-    dead = [b for b in store.index.blobs_unused_by(keep) if b.hash not in held and b.hash not in still]
+    dead = [b for b in store.catalogue.blobs_unused_by(keep) if b.hash not in held and b.hash not in still]
     if thinned:
-        by_drop = set().union(*(store.index.referenced_hashes(m) for m, _ in plan.drop)) if plan.drop else set()
-        by_tier = {tier: set().union(*(store.index.referenced_hashes(m) for m in plan.thin_to(tier))) for tier in TIERS}
+        by_drop = set().union(*(store.catalogue.referenced_hashes(m) for m, _ in plan.drop)) if plan.drop else set()
+        by_tier = {
+            tier: set().union(*(store.catalogue.referenced_hashes(m) for m in plan.thin_to(tier))) for tier in TIERS
+        }
         plan.freed_by_tier["drop"] = sum(b.stored_size for b in dead if b.hash in by_drop)
         for tier, used in by_tier.items():
             plan.freed_by_tier[tier] = sum(b.stored_size for b in dead if b.hash in used and b.hash not in by_drop)
@@ -221,8 +223,8 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     plan.dead_loose = [b.hash for b in dead if b.pack is None]
     dead_set = set(plan.dead_blobs)
     plan.freed_bytes = sum(b.stored_size for b in dead if b.pack is None)
-    for name, size in store.index.packs().items():
-        inside = store.index.blobs_in_pack(name)
+    for name, size in store.catalogue.packs().items():
+        inside = store.catalogue.blobs_in_pack(name)
         live = sum(b.stored_size for b in inside if b.hash not in dead_set)
         if not any(b.hash not in dead_set for b in inside):
             plan.dead_packs.append(name)
@@ -230,13 +232,13 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
         elif size - live >= REPACK_AT * size:
             plan.repack.append(name)
             plan.freed_bytes += size - live
-    indexed = store.index.blob_hashes(loose_only=True)
+    indexed = store.catalogue.blob_hashes(loose_only=True)
     holdings = store.holdings()  # sizes from the listing: no request per orphan on an object store
     for name, size in holdings.blobs.items():
         if name not in indexed and name not in held:
             plan.orphan_files.append(name)
             plan.freed_bytes += size
-    known = set(store.index.packs())
+    known = set(store.catalogue.packs())
     for name, size in holdings.packs.items():
         if name not in known:
             plan.orphan_packs.append(name)
@@ -269,7 +271,7 @@ def gc(
         # alone; a gc that stalled past its lease stops there, having deleted nothing more.
         fence = _fence(lock)
         for tier in TIERS:  # first: the blobs it materializes must exist before their masters go
-            targets = [r for m in plan.thin_to(tier) if (r := store.index.manifest(m)) is not None]
+            targets = [r for m in plan.thin_to(tier) if (r := store.catalogue.manifest(m)) is not None]
             written += thin(store, targets, tier, lock)
         fence()
         store.backend.delete_many([*plan.drop_parts, *plan.superseded])  # before anything they name
@@ -285,8 +287,8 @@ def gc(
         # Never delete an object an index row names now: a repack names its pack by its bytes, so it
         # can write again a pack the plan took for dead (one a killed gc had written before it could
         # point rows at it), and the row must win over the plan.
-        named_packs = store.index.packs_named_by_blobs()
-        loose = store.index.blob_hashes(loose_only=True)
+        named_packs = store.catalogue.packs_named_by_blobs()
+        loose = store.catalogue.blob_hashes(loose_only=True)
         batch = store.backend.batch()
         for name in [*plan.dead_loose, *plan.orphan_files]:
             if name not in loose:
@@ -319,7 +321,7 @@ def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> i
     writer = PackWriter(batch)
     moved = []
     for name in packs:
-        for blob in store.index.blobs_in_pack(name):
+        for blob in store.catalogue.blobs_in_pack(name):
             data = store.backend.get(blob.key(), blob.pack_offset or 0, blob.stored_size)
             raw = bytearray(blob.raw_size)  # decoded and hash-checked: a damaged blob is never carried over
             codec.decode_into(blob.codec, io.BytesIO(data), memoryview(raw), f"repacking pack {name}: {blob.hash}")

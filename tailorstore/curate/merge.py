@@ -29,7 +29,7 @@ from tailorstore.core.layers import STATE, block_index, sort_key
 from tailorstore.curate.averaging import LOCK_TIMEOUT, AverageResult, average, is_averaging
 from tailorstore.curate.merge_spec import AUX_KEYS, MergeSpecError, layer_range, load_spec, merge_record, ref_of
 from tailorstore.curate.refs import check_tag
-from tailorstore.store.index import Index
+from tailorstore.store.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.publish import record_manifest
 from tailorstore.store.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord
 from tailorstore.store.repo import Repository
@@ -96,7 +96,7 @@ def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> 
         store.refresh(lock)
         base = store.resolve(ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"), run)
         base_record = store.manifest(base)
-        layers = {x.layer for x in store.index.layers(base)}
+        layers = {x.layer for x in store.catalogue.layers(base)}
         blocks = sorted(i for name in layers if (i := block_index(name)) is not None)
         if not blocks:
             raise MergeSpecError(f"step {base_record.step} has no transformer blocks to slice")
@@ -112,7 +112,7 @@ def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> 
         record = merge_record(base_record, tag, {"name": "merge", "spec": spec}, spec_path)
         composed: list[LayerRecord] = []
 
-        def rows(index: Index) -> int:
+        def rows(index: CatalogueEdit) -> int:
             if index.tagged(tag):
                 raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
             new = index.insert_manifest(record)
@@ -128,7 +128,7 @@ def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> 
     return MergeResult(new, tag, base_record.step, ordered, chosen, seconds, store.manifest(new).name)
 
 
-def _composed_atoms(index: Index, base: int, sources: dict[str, int]) -> list[AtomRecord]:
+def _composed_atoms(index: Catalogue, base: int, sources: dict[str, int]) -> list[AtomRecord]:
     """The base's atoms, each pointed at the blob of the same piece in its layer's source."""
     cache: dict[int, dict[AtomKey, AtomRecord]] = {}
     out = []
@@ -148,7 +148,7 @@ def _composed_atoms(index: Index, base: int, sources: dict[str, int]) -> list[At
     return out
 
 
-def _composed_layers(index: Index, base: int, sources: dict[str, int]) -> list[LayerRecord]:
+def _composed_layers(index: Catalogue, base: int, sources: dict[str, int]) -> list[LayerRecord]:
     """Each layer names where its atoms really come from: the source's own source when that
     layer was inherited there too."""
     out = []

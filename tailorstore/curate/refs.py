@@ -52,7 +52,7 @@ def tag(store: Repository, selector: str, name: str, *, force: bool = False) -> 
 
 def untag(store: Repository, name: str) -> int:
     """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
-    holder = store.index.tagged(name)
+    holder = store.catalogue.tagged(name)
     if holder is None:
         raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
     with store.transaction() as index:
@@ -76,7 +76,7 @@ def remove(store: Repository, selector: str, *, force: bool = False) -> int:
         what = "pinned" if record.pinned else f"tagged {record.tag!r}"
         undo = Call("unpin", f"step={record.step}") if record.pinned else Call("untag", str(record.tag))
         raise StoreError(f"step {record.step} is {what}; ", undo, " first, or pass ", Call(force=True))
-    heirs = [r.name for r in store.index.created_runs().values() if r.base and r.base == record.object_key]
+    heirs = [r.name for r in store.catalogue.created_runs().values() if r.base and r.base == record.object_key]
     if heirs and not force:
         raise StoreError(
             f"step {record.step} is the base of run(s) {', '.join(heirs)}; pass ",

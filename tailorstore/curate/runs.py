@@ -54,12 +54,12 @@ def qualify(selector: str, run: str | None) -> str:
 
 
 def list_runs(store: Repository) -> list[RunInfo]:
-    runs = store.index.runs()
+    runs = store.catalogue.runs()
     if not any(r.name == MAIN_RUN for r in runs):
         runs.insert(0, RunRecord(MAIN_RUN, 0.0))
     out = []
     for run in runs:
-        commits = [m for m in store.index.manifests(run.name) if m.origin == "commit"]
+        commits = [m for m in store.catalogue.manifests(run.name) if m.origin == "commit"]
         out.append(
             RunInfo(
                 run.name,
@@ -84,7 +84,7 @@ def create_run(
     manifest_objects.check_run_name(name)
     with store.lock(exclusive=False, timeout=lock_timeout) as lock:
         store.refresh(lock)
-        if name == MAIN_RUN or any(r.name == name for r in store.index.runs()):
+        if name == MAIN_RUN or any(r.name == name for r in store.catalogue.runs()):
             raise StepExistsError(f"run {name!r} already exists; ", Call("runs"), " shows the runs.")
         base: ManifestRecord | None = None
         if base_selector is not None:

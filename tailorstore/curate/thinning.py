@@ -102,7 +102,7 @@ def thinned_contents(files: list[FileRecord], atoms: list[AtomRecord], tier: str
 
 
 def contents_of(store: Repository, manifest: int, tier: str) -> ThinnedContents:
-    return thinned_contents(store.index.files(manifest), store.index.atoms(manifest), tier)
+    return thinned_contents(store.catalogue.files(manifest), store.catalogue.atoms(manifest), tier)
 
 
 def thin(store: Repository, targets: list[ManifestRecord], tier: str, lock: LockHandle | LeaseHandle) -> int:

@@ -38,8 +38,8 @@ from tailorstore.formats.source import CHUNK, InputFile, check_unchanged
 from tailorstore.ingest.commit_options import CommitOptions, CommitResult
 from tailorstore.ingest.derive import RoundedMasters, is_derivable_weight
 from tailorstore.store import manifest_objects, parts
+from tailorstore.store.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
-from tailorstore.store.index import Index
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifest_objects import check_run_name
@@ -101,7 +101,7 @@ def step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFi
     raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass ", Call(step="N"), ".")
 
 
-def _refuse_existing(index: Index, step: int, tag: str | None, run: str) -> None:
+def _refuse_existing(index: Catalogue, step: int, tag: str | None, run: str) -> None:
     if index.commit_at(step, run) is not None:
         where = "the store" if run == MAIN_RUN else f"run {run!r}"
         raise StepExistsError(
@@ -123,9 +123,9 @@ def _inheritance(
     """For each layer, the newest earlier committed step of the run that has it, with its atoms
     by key; then the run's base (the step it branched from), which is older than all of them."""
     found: dict[str, _Inheritance] = {}
-    history = store.index.layer_history(step, run)
+    history = store.catalogue.layer_history(step, run)
     if base is not None:
-        history += [StoredLayer(base.step, x) for x in store.index.layers(base.id)]
+        history += [StoredLayer(base.step, x) for x in store.catalogue.layers(base.id)]
     for at_step, x in history:
         if x.layer in layers and x.layer != STATE and x.layer not in found:
             found[x.layer] = _Inheritance(x.manifest, at_step, x.source, x.source_step, {})
@@ -133,7 +133,7 @@ def _inheritance(
 
 
 def _load_inherited_atoms(store: Repository, inherit: _Inheritance, layer: str) -> None:
-    inherit.atoms.update(store.index.atoms_by_key(inherit.manifest, layer))
+    inherit.atoms.update(store.catalogue.atoms_by_key(inherit.manifest, layer))
 
 
 @dataclass
@@ -178,13 +178,13 @@ def _measure_changes(store: Repository, layout: CheckpointLayout, scan: Scan, so
                     stored = stored_pieces(store, sources[layer].manifest, layer, keys=set(pieces))
                     totals.setdefault(layer, LayerChange()).add(pieces, stored)
             src.check()
-    expected = {layer: store.index.count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()}
+    expected = {layer: store.catalogue.count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()}
     return {layer: t.value() for layer, t in totals.items() if t.pieces == expected.get(layer) and t.matched}
 
 
 def _ages(store: Repository, sources: dict[str, _Inheritance], commits_before: int, run: str) -> dict[str, int]:
     """Commits since each inheritable layer was last stored (one query per distinct source step)."""
-    before = {step: store.index.commits_before(step, run) for step in {src.source_step for src in sources.values()}}
+    before = {step: store.catalogue.commits_before(step, run) for step in {src.source_step for src in sources.values()}}
     return {layer: commits_before - before[src.source_step] for layer, src in sources.items()}
 
 
@@ -233,10 +233,10 @@ def commit_checkpoint(
         run = options.run
         base = store.run_base(run)
         if not options.force:
-            structure.refuse_other_model(store.index, scan.structure, run, base)
-            _refuse_existing(store.index, step, tag, run)
+            structure.refuse_other_model(store.catalogue, scan.structure, run, base)
+            _refuse_existing(store.catalogue, step, tag, run)
         sources = _inheritance(store, step, layers, run, base)
-        commits_before = store.index.commits_before(step, run) + (base is not None)
+        commits_before = store.catalogue.commits_before(step, run) + (base is not None)
         adaptive = needs_changes(options.policy)
         changes = _measure_changes(store, layout, scan, sources) if adaptive else {}
         ages = _ages(store, sources, commits_before, run) if adaptive else {}
@@ -257,7 +257,7 @@ def commit_checkpoint(
         new_bytes = sum(b.stored_size for b in new_blobs)
         replaced: ManifestRecord | None = None
 
-        def rows(index: Index) -> int:
+        def rows(index: CatalogueEdit) -> int:
             nonlocal replaced, tag
             pinned = False
             if options.force:  # the replaced step keeps its tag and pin, unless a new tag is given
@@ -312,7 +312,7 @@ def commit_checkpoint(
             manifest = record_manifest(store, rows, fence=lock, replacing=options.force).manifest  # the commit point
         except BaseException:
             if replaced is not None:  # its tag object may name the new key by now
-                manifest_objects.write_refs(store.backend, store.index, [replaced.id])
+                manifest_objects.write_refs(store.backend, store.catalogue, [replaced.id])
             if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind
                 remove_unindexed(store, writer)
             raise
@@ -382,7 +382,7 @@ def commit_part(
     (``checked_weights``). Blobs in ``elsewhere`` are written by another rank's part of the
     same commit. The part object is the commit point of a part.
     """
-    if store.index.commit_at(step, options.run) is not None and not options.force:
+    if store.catalogue.commit_at(step, options.run) is not None and not options.force:
         raise StepExistsError(f"step {step} is already in the store; a part of it cannot be added any more.")
     writer = BlobWriter(store, level=options.level, threads=options.threads, elsewhere=elsewhere)
     with cleaned_up_on_failure(store, writer, lock, progress):

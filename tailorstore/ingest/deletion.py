@@ -29,7 +29,7 @@ def delete_once_durable(repo: Repository, manifest: int, path: Path) -> None:
 
 def check_blobs_present(repo: Repository, manifest: int) -> None:
     """Every blob the manifest names exists in the backend with its recorded size."""
-    rows = {digest: repo.blob(digest) for digest in sorted(repo.index.referenced_hashes(manifest))}
+    rows = {digest: repo.blob(digest) for digest in sorted(repo.catalogue.referenced_hashes(manifest))}
     stored_bytes = repo.size_lookup([r for r in rows.values() if r is not None])
     for digest, row in rows.items():
         if row is None or stored_bytes(row) != row.stored_size:
@@ -51,7 +51,7 @@ def delete_committed(repo: Repository, manifest: int, path: Path) -> None:
     row = repo.manifest(manifest)
     path = path.resolve()
     root = path.parent if row.layout == DEEPSPEED_TAG else path  # what the recorded paths are relative to
-    files = [f.path for f in repo.index.files(manifest)]
+    files = [f.path for f in repo.catalogue.files(manifest)]
     if row.layout == DEEPSPEED:
         files = [f for f in files if PurePosixPath(f).parts[0] == row.ds_tag]
     folders: set[Path] = set()

@@ -22,7 +22,7 @@ from tailorstore.curate.refs import check_tag
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.layout import DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
 from tailorstore.store.backend import blob_key
-from tailorstore.store.index import Index
+from tailorstore.store.catalogue import CatalogueEdit
 from tailorstore.store.manifest_objects import check_run_name
 from tailorstore.store.parts import Part, read_parts
 from tailorstore.store.publish import record_manifest
@@ -135,7 +135,7 @@ def finalize_step(
                 Call("commit", "DIR", part=True),
                 " first.",
             )
-        if store.index.commit_at(step, run) is not None:
+        if store.catalogue.commit_at(step, run) is not None:
             raise StepExistsError(f"step {step} is already in the store; its parts were finalized before.")
         kinds = {p.layout for p in parts}
         tags = {p.ds_tag for p in parts}
@@ -157,14 +157,14 @@ def finalize_step(
             )
         _check_blobs(store, parts)
         if not force:
-            structure.refuse_other_model(store.index, structure.from_atoms(atoms), run, store.run_base(run))
+            structure.refuse_other_model(store.catalogue, structure.from_atoms(atoms), run, store.run_base(run))
         layer_bytes: dict[str, int] = {}
         for a in atoms:
             layer_bytes[a.layer] = layer_bytes.get(a.layer, 0) + a.nbytes
         raw_bytes = sum(f.raw_size for f in files)
         new_bytes = sum(p.new_bytes for p in parts)
 
-        def rows(index: Index) -> int:
+        def rows(index: CatalogueEdit) -> int:
             if tag and index.tagged(tag) is not None:
                 raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag.")
             index.add_blobs(b for p in parts for b in p.blobs)  # a packed blob keeps the row its pack gave

@@ -70,7 +70,7 @@ class Rewind:
         on disk)."""
         run = self.run or store.run
         store.repo.refresh()
-        if store.repo.index.commit_at(step, run) is None:
+        if store.repo.catalogue.commit_at(step, run) is None:
             return run
         if self.on_existing == "error":
             raise StepExistsError(f"step {step} is already in run {run!r}; on_existing='error' refuses a second save")
@@ -83,7 +83,7 @@ class Rewind:
 
     def branch(self, store: Store, run: str, step: int) -> str:
         """Create the run this training goes on in, branched where it resumed; say so in one line."""
-        steps = sorted(s.step for s in store.log(all_runs=True) if s.run == run and s.origin == COMMIT)
+        steps = sorted(s.step for s in store.log(run=run) if s.origin == COMMIT)
         base = self.resumed_step if self.resumed_step is not None and self.resumed_step < step else None
         if base is None or base not in steps:
             base = max((s for s in steps if s < step), default=None)

@@ -42,7 +42,7 @@ def diff(store: Repository, selector_a: str, selector_b: str) -> DiffResult:
     a, b = store.resolve(selector_a), store.resolve(selector_b)
     ma, mb = store.manifest(a), store.manifest(b)
     step_a, step_b = ma.step, mb.step
-    other = structure.differences(structure.of_manifest(store.index, a), structure.of_manifest(store.index, b))
+    other = structure.differences(structure.of_manifest(store.catalogue, a), structure.of_manifest(store.catalogue, b))
     if other:
         raise StoreError(
             f"cannot compare step {step_a} with step {step_b}: they hold different models ({'; '.join(other)})"
@@ -52,8 +52,8 @@ def diff(store: Repository, selector_a: str, selector_b: str) -> DiffResult:
             f"cannot compare step {step_a} with step {step_b}: they were saved at different world sizes or ZeRO "
             "stages, and diff compares piece by piece"
         )
-    layers_a = {x.layer for x in store.index.layers(a)}
-    layers_b = {x.layer for x in store.index.layers(b)}
+    layers_a = {x.layer for x in store.catalogue.layers(a)}
+    layers_b = {x.layer for x in store.catalogue.layers(b)}
     out = []
     for layer in sorted((layers_a & layers_b) - {STATE}, key=sort_key):
         values = []
@@ -79,11 +79,11 @@ def change_matrix(store: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
 
     An inherited layer is flagged rather than shown as 0 change, which would read as a frozen layer.
     """
-    rows = [r for r in store.index.manifests(run) if r.origin == COMMIT]
+    rows = [r for r in store.catalogue.manifests(run) if r.origin == COMMIT]
     if len(rows) < 2:
         raise StoreError("plotting change needs at least two committed steps")
-    layers = sorted(store.index.layer_names() - {STATE}, key=sort_key)
-    held = {(r.id, x.layer): x.source_step == r.step for r in rows for x in store.index.layers(r.id)}
+    layers = sorted(store.catalogue.layer_names() - {STATE}, key=sort_key)
+    held = {(r.id, x.layer): x.source_step == r.step for r in rows for x in store.catalogue.layers(r.id)}
     columns = [f"step {r.step}" + (f" ({r.tag})" if r.tag else "") for r in rows[1:]]
     values: list[list[float | None]] = []
     inherited: list[list[bool]] = []

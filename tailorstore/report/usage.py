@@ -40,13 +40,14 @@ class Usage:
     index_bytes: int
     raw_bytes: int  # the checkpoints the manifests check out to
     ratio: float
-    kinds: dict[str, KindUsage] = field(default_factory=dict)
+    kinds: dict[str, KindUsage] = field(default_factory=dict)  # weights, masters, moments, other state, files
+    atom_kinds: dict[str, KindUsage] = field(default_factory=dict)  # the same, by each atom kind alone
     steps: list[StepUsage] = field(default_factory=list)
     gc_frees: int = 0
 
 
 def usage(store: Repository) -> Usage:
-    index = store.index
+    index = store.catalogue
     blob_bytes = index.blob_object_bytes()  # loose blob objects, and whole packs (trailers and dead bytes too)
     index_bytes = sum(p.stat().st_size for p in store.where.index_path.parent.glob("index.sqlite*") if p.is_file())
     manifests = index.manifests()
@@ -57,6 +58,7 @@ def usage(store: Repository) -> Usage:
     stored = blob_bytes + index_bytes
     out = Usage(len(manifests), stored, index_bytes, raw_total, raw_total / stored if stored else 0.0)
     for kind, raw, derived, stored_bytes in index.kind_totals():
+        out.atom_kinds[kind] = KindUsage(raw, stored_bytes, derived)
         group = out.kinds.setdefault(_KIND_GROUPS.get(kind, "other state"), KindUsage())
         group.raw_bytes += raw
         group.derived_bytes += derived

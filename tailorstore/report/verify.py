@@ -43,7 +43,7 @@ class VerifyReport:
 def _users(store: Repository, manifest_ids: list[int]) -> dict[str, list[str]]:
     """blob -> where it is used, as 'step S, layer L, file F' (for messages)."""
     users: dict[str, list[str]] = defaultdict(list)
-    for digest, where in store.index.blob_uses(manifest_ids):
+    for digest, where in store.catalogue.blob_uses(manifest_ids):
         users[digest].append(where)
     return users
 
@@ -56,9 +56,9 @@ def verify(
     store: Repository, selector: str | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None
 ) -> VerifyReport:
     report = VerifyReport()
-    report.problems.extend(store.index.integrity_problems())
+    report.problems.extend(store.catalogue.integrity_problems())
     if selector is None:
-        ids = [m.id for m in store.index.manifests()]
+        ids = [m.id for m in store.catalogue.manifests()]
     else:
         ids = [store.resolve(selector)]
     report.manifests = len(ids)
@@ -91,11 +91,11 @@ def verify(
                 report.bytes_rehashed += atom.nbytes
                 if problem:
                     report.problems.append(problem)
-    indexed = store.index.blob_hashes()
+    indexed = store.catalogue.blob_hashes()
     orphans = [n for n in held.blobs if n not in indexed]
     if orphans:
         report.notes.append(f"{len(orphans)} orphan blob file(s) no manifest uses; gc removes them")
-    known_packs = set(store.index.packs())
+    known_packs = set(store.catalogue.packs())
     stray = [n for n in held.packs if n not in known_packs]
     if stray:
         report.notes.append(f"{len(stray)} pack(s) the index does not know; gc removes them")
@@ -149,10 +149,10 @@ def _derived_jobs(store: Repository, manifest: int, done: set[tuple]) -> list[tu
     """
     step = store.manifest(manifest).step
     masters: dict[str, list[AtomRecord]] = defaultdict(list)
-    for a in store.index.atoms(manifest, kind=MASTER):
+    for a in store.catalogue.atoms(manifest, kind=MASTER):
         masters[a.param].append(a)
     jobs = []
-    for atom in sorted(store.index.atoms(manifest, derived=True), key=lambda a: a.param):
+    for atom in sorted(store.catalogue.atoms(manifest, derived=True), key=lambda a: a.param):
         blobs = tuple(m.blob for m in sorted(masters[atom.param], key=lambda m: m.start))
         key = (atom.blob, atom.dtype, blobs)
         if key in done:
@@ -174,13 +174,13 @@ def _rebuild(store: Repository, manifest: int, atom: AtomRecord, where: str) -> 
 
 def _check_structure(store: Repository, manifest: int, report: VerifyReport) -> None:
     step = store.manifest(manifest).step
-    for f in store.index.files(manifest):
+    for f in store.catalogue.files(manifest):
         try:
             check_relative(f.path)
         except Exception as exc:  # UnsafePathError; reported, not raised
             report.problems.append(f"step {step}, file {f.path!r}: {exc}")
     cursor: dict[tuple[str, int], int] = {}
-    atoms = store.index.atoms(manifest)
+    atoms = store.catalogue.atoms(manifest)
     for a in atoms:
         key = (a.path, a.slot)
         if cursor.get(key, 0) != a.offset:

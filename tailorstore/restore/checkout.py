@@ -42,7 +42,7 @@ class CheckoutResult:
 
 def inherited_layers(store: Repository, manifest: int) -> dict[str, int]:
     step = store.manifest(manifest).step
-    return {x.layer: x.source_step for x in store.index.layers(manifest) if x.source_step != step}
+    return {x.layer: x.source_step for x in store.catalogue.layers(manifest) if x.source_step != step}
 
 
 def checkout_step(
@@ -61,7 +61,7 @@ def checkout_step(
     step = facts.step
     refuse_thinned(facts, "a checkout")
     out = Path(out)
-    files = store.index.files(manifest)
+    files = store.catalogue.files(manifest)
     inherited = inherited_layers(store, manifest)
     if inherited and warn:
         names = ", ".join(f"{layer} (from step {src})" for layer, src in sorted(inherited.items()))

@@ -159,7 +159,7 @@ def export_step(
     shards = plan_shards(specs, limit)
     names = shard_names(len(shards))
     by_name = {t.name: t for t in view.tensors}
-    copies = [f for f in store.index.files(manifest) if f.kind == RAW and f.path in MODEL_FILES]
+    copies = [f for f in store.catalogue.files(manifest) if f.kind == RAW and f.path in MODEL_FILES]
     if config is not None:
         copies = [f for f in copies if f.path != "config.json"]
     if warn and config is None and not any(f.path == "config.json" for f in copies):

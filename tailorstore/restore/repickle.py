@@ -34,7 +34,7 @@ def write_file(store: Repository, manifest: int, row: FileRecord, target: Path, 
 
 def _atoms_by_slot(store: Repository, manifest: int, path: str) -> dict[int, list[AtomRecord]]:
     by_slot: dict[int, list[AtomRecord]] = defaultdict(list)
-    for atom in store.index.atoms(manifest, path=path):
+    for atom in store.catalogue.atoms(manifest, path=path):
         by_slot[atom.slot].append(atom)
     return by_slot
 

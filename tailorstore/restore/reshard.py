@@ -395,7 +395,7 @@ def checkout_resharded(
     if world_size is None:
         world_size = facts.world_size or 1
     view = model_view(store, manifest)
-    files = store.index.files(manifest)
+    files = store.catalogue.files(manifest)
     assert view.states_file is not None
     where = f"step {facts.step}"
     target = check_target(view, world_size, zero_stage)

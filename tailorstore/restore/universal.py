@@ -221,7 +221,7 @@ def checkout_universal(
     refuse_thinned(facts, "a universal checkpoint")
     view = model_view(store, manifest)
     _check_stage(view)
-    files = store.index.files(manifest)
+    files = store.catalogue.files(manifest)
     assert view.states_file is not None
     folder = str(PurePosixPath(view.states_file.path).parent)
     tag = PurePosixPath(folder).name if folder != "." else (facts.ds_tag or f"global_step{facts.step}")

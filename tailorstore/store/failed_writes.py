@@ -43,5 +43,5 @@ def remove_unindexed(store: Repository, writer: BlobWriter) -> None:
     (a part of another host may hold the same blob without this index knowing)."""
     held = {h for part in parts.read_parts(store.backend) for h in part.blob_hashes()}
     loose = [blob_key(d) for d in writer.written() if store.blob(d) is None and d not in held]
-    packed = [pack_key(name) for name in writer.written_packs() if not store.index.has_pack(name)]
+    packed = [pack_key(name) for name in writer.written_packs() if not store.catalogue.has_pack(name)]
     store.backend.delete_many([*loose, *packed])

@@ -36,8 +36,9 @@ import zstandard
 
 from tailorstore.core.errors import Call, CorruptStoreError, StepExistsError, StoreError
 from tailorstore.core.failpoints import failpoint
+from tailorstore.store._index import Index
 from tailorstore.store.backend import Backend, ObjectExistsError, check_key
-from tailorstore.store.index import Index
+from tailorstore.store.catalogue import Catalogue
 from tailorstore.store.lock import Fence
 from tailorstore.store.pack_sync import packs_agree, reconcile_packs
 from tailorstore.store.packs import pack_names
@@ -274,7 +275,7 @@ def unpublish(backend: Backend, keys: Iterable[str | None]) -> None:
     backend.delete_many([k for key in keys if key for k in (key, pin_key(key))])
 
 
-def write_refs(backend: Backend, index: Index, manifests: Iterable[int]) -> list[str]:
+def write_refs(backend: Backend, index: Catalogue, manifests: Iterable[int]) -> list[str]:
     """Make the tag and pin objects of these manifests say what the index says; returns the
     keys of the ref objects it wrote."""
     written = []

@@ -32,8 +32,8 @@ import logging
 import time
 
 from tailorstore.core.errors import CorruptStoreError
+from tailorstore.store._index import Index
 from tailorstore.store.backend import Backend, pack_key
-from tailorstore.store.index import Index
 from tailorstore.store.packs import PackEntry, read_trailer
 from tailorstore.store.records import BlobRecord
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tailorstore.store import manifest_objects
-from tailorstore.store.index import Index
+from tailorstore.store.catalogue import CatalogueEdit
 from tailorstore.store.lock import Fence
 from tailorstore.store.posix import is_out_of_space
 from tailorstore.store.repo import Repository
@@ -33,14 +33,14 @@ class Recorded:
 
 
 def record_manifest(
-    store: Repository, rows: Callable[[Index], int], *, fence: Fence | None, replacing: bool = False
+    store: Repository, rows: Callable[[CatalogueEdit], int], *, fence: Fence | None, replacing: bool = False
 ) -> Recorded:
     """Insert the rows ``rows`` writes (returning the new manifest's id) and publish the manifest,
     as one step that either happens whole or leaves the store as it was. ``replacing`` takes the
     next version of a step that exists (``force``); otherwise an existing step is refused."""
     published: str | None = None
     try:
-        with store.transaction() as index:
+        with store._index.transaction() as index:
             manifest = rows(index)
             published = manifest_objects.publish(store.backend, index, manifest, fence=fence, replacing=replacing)
     except OSError as exc:

@@ -1,7 +1,7 @@
 """Typed records of what the index holds: a manifest, its files, atoms and layers, and blobs.
 
 Everything above ``store/`` handles these records, never SQL rows or positional tuples,
-so a column added to the schema is a field added here and in :mod:`.index`, nowhere else.
+so a column added to the schema is a field added here and in :mod:`._index`, nowhere else.
 The same records are the rows of a manifest object (``manifest_objects``), so what the
 index caches and what the backend keeps cannot drift apart.
 """

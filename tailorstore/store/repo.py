@@ -28,8 +28,9 @@ from typing import BinaryIO, NamedTuple
 from tailorstore.core.environment import STORE_ENV
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError, UnknownStepError
 from tailorstore.store import codec, manifest_objects
+from tailorstore.store._index import Index
 from tailorstore.store.backend import Backend, blob_names
-from tailorstore.store.index import Index
+from tailorstore.store.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.lease import LeaseHandle, lease_lock
 from tailorstore.store.listing import LIST_PAGE, Holdings, stored_part
 from tailorstore.store.location import Location, resolve
@@ -144,7 +145,7 @@ class Repository:
         self.location = where.text
         self.backend: Backend = where.backend
         self.root = where.local_root  # the store directory of a local store, else None
-        self.index = index
+        self._index = index
         self.spans: PackSpans | None = None  # the planned reads of the operation under way (reading)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -185,7 +186,7 @@ class Repository:
         store = cls(where, Index.open(where.index_path))
         try:
             if where.remote:
-                _check_cache(where, store.index)
+                _check_cache(where, store._index)
             store.refresh()
         except BaseException:
             store.close()
@@ -194,7 +195,7 @@ class Repository:
 
     @property
     def read_only(self) -> bool:
-        return self.index.read_only
+        return self._index.read_only
 
     def local_folders(self) -> list[Path]:
         """The folders of this host that hold the store's files, resolved: its directory (a local
@@ -212,10 +213,10 @@ class Repository:
         would be half of the truth."""
         if self.read_only:
             return 0, 0
-        for manifest in self.index.unpublished():  # oldest first: a layer's source has its object before its heirs
-            with self.index.transaction() as index:
+        for manifest in self._index.unpublished():  # oldest first: a layer's source has its object before its heirs
+            with self._index.transaction() as index:
                 manifest_objects.publish(self.backend, index, manifest, fence=None, replacing=True)
-        return manifest_objects.sync(self.backend, self.index, locked=held is not None)
+        return manifest_objects.sync(self.backend, self._index, locked=held is not None)
 
     @classmethod
     def rebuild_index(cls, location: Path | str | None) -> RebuildResult:
@@ -254,7 +255,7 @@ class Repository:
         return RebuildResult(*counts)
 
     def close(self) -> None:
-        self.index.close()
+        self._index.close()
 
     def __enter__(self) -> Repository:
         return self
@@ -277,13 +278,18 @@ class Repository:
         with store_lock(self.where.lock_path, exclusive=exclusive, timeout=timeout, on_wait=on_wait) as handle:
             yield handle
 
-    def transaction(self) -> AbstractContextManager[Index]:
-        """One write transaction of the index."""
-        return self.index.transaction()
+    @property
+    def catalogue(self) -> Catalogue:
+        """The index's queries (the index itself is private to ``store/``)."""
+        return self._index
+
+    def transaction(self) -> AbstractContextManager[CatalogueEdit]:
+        """One write transaction of the index: its changes commit together or not at all."""
+        return self._index.transaction()
 
     # -- blobs ---------------------------------------------------------------------------
     def blob(self, digest: str) -> BlobRecord | None:
-        return self.index.blob(digest)
+        return self._index.blob(digest)
 
     def held_blobs(self) -> set[str]:
         """Every blob the backend holds: loose blob objects and the entries of every pack."""
@@ -301,7 +307,7 @@ class Repository:
         fewest requests: on an object store one listing (a request per 1,000 objects) when that
         costs fewer than a HEAD per loose blob; otherwise a size per loose blob and one per pack."""
         loose = sum(r.pack is None for r in rows)
-        if self.where.remote and loose > 1 + self.index.loose_blob_count() // LIST_PAGE:
+        if self.where.remote and loose > 1 + self._index.loose_blob_count() // LIST_PAGE:
             return self.holdings().stored_bytes
         pack_sizes: dict[str, int | None] = {}
 
@@ -350,7 +356,7 @@ class Repository:
 
     def reading_manifest(self, manifest: int) -> AbstractContextManager[None]:
         """:meth:`reading` of every blob a manifest needs (asked of the index only when it helps)."""
-        return self.reading(self.index.referenced_blobs(manifest) if self.where.remote else ())
+        return self.reading(self._index.referenced_blobs(manifest) if self.where.remote else ())
 
     def open_row(self, row: BlobRecord, where: str) -> BinaryIO:
         """A reader of exactly the blob's stored bytes, loose or inside its pack."""
@@ -404,7 +410,7 @@ class Repository:
             run, text = prefixed.group(1), prefixed.group(2)
         where = "" if run == MAIN_RUN else f" of run {run!r}"
         if text == "latest":
-            latest = self.index.latest_commit(run) or self.run_base(run)
+            latest = self._index.latest_commit(run) or self.run_base(run)
             if latest is None:
                 raise UnknownStepError(f"run {run!r} holds no steps yet; commit one with ", Call("commit", "DIR"), ".")
             return latest.id
@@ -413,7 +419,7 @@ class Repository:
         match = re.fullmatch(r"(?:step=)?(\d+)", text)
         if match:
             step = check_step(int(match.group(1)))
-            found = self.index.manifests_at(step, run)
+            found = self._index.manifests_at(step, run)
             commits = [m for m in found if m.origin == COMMIT]
             if commits:
                 return commits[0].id
@@ -423,13 +429,13 @@ class Repository:
             base = self.run_base(run)
             if base is not None and base.step == step:
                 return base.id
-            if run != MAIN_RUN and not any(r.name == run for r in self.index.runs()):
+            if run != MAIN_RUN and not any(r.name == run for r in self._index.runs()):
                 raise UnknownStepError(f"the store has no run {run!r}; ", Call("runs"), " lists the runs.")
             raise UnknownStepError(
                 f"step {step} is not in the store{where}; ", Call("log"), " lists the steps it holds."
             )
         if text.startswith("tag=") and not prefixed:
-            tagged = self.index.tagged(text[4:])
+            tagged = self._index.tagged(text[4:])
             if tagged is None:
                 raise UnknownStepError(f"nothing is tagged {text[4:]!r}; ", Call("log"), " shows the tags.")
             return tagged.id
@@ -444,7 +450,7 @@ class Repository:
                 Call("log"),
                 " prints (at least 4 of its digits), the same on every host.",
             )
-        found = [m for m in self.index.manifests() if m.name.startswith(prefix)]
+        found = [m for m in self._index.manifests() if m.name.startswith(prefix)]
         if not found:
             raise UnknownStepError(f"no manifest has id {prefix}; ", Call("log"), " lists the ids.")
         if len(found) > 1:
@@ -454,11 +460,11 @@ class Repository:
 
     def run_base(self, run: str) -> ManifestRecord | None:
         """The manifest a run branched from, if it was branched and the base is still held."""
-        record = self.index.run(run)
-        return self.index.by_object_key(record.base) if record and record.base else None
+        record = self._index.run(run)
+        return self._index.by_object_key(record.base) if record and record.base else None
 
     def manifest(self, manifest_id: int) -> ManifestRecord:
-        found = self.index.manifest(manifest_id)
+        found = self._index.manifest(manifest_id)
         if found is None:
             raise UnknownStepError(f"manifest {manifest_id} is not in the store")
         return found
