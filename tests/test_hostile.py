@@ -529,23 +529,40 @@ def _set(table: str, row: int, column: str, value: object):
     return change
 
 
+SLOW = pytest.mark.slow  # four cases run in the fast tier; all fourteen in the slow
+
+
 @pytest.mark.parametrize(
     ("change", "words"),
     [
         (lambda d: d.pop("files"), ["table of FileRecord rows"]),  # was KeyError, exit 1
-        (lambda d: d["files"]["rows"][0].pop(), ["FileRecord row has 8 values for 9 columns"]),  # TypeError
-        (lambda d: d["manifest"].pop("step"), ["ManifestRecord has no step"]),  # KeyError
-        (lambda d: d["manifest"].update(step="three"), ["ManifestRecord.step is 'three', not an int"]),  # accepted
-        (lambda d: d["manifest"].update(created_at="today"), ["created_at is 'today'"]),  # every later `log` failed
-        (lambda d: d["atoms"].update(rows=5), ["table of AtomRecord rows"]),  # TypeError
-        (_set("layers", 0, "layer", None), ["LayerRow.layer is None"]),  # a constraint error of the index
+        pytest.param(
+            lambda d: d["files"]["rows"][0].pop(), ["FileRecord row has 8 values for 9 columns"], marks=SLOW
+        ),  # TypeError
+        pytest.param(lambda d: d["manifest"].pop("step"), ["ManifestRecord has no step"], marks=SLOW),  # KeyError
+        pytest.param(
+            lambda d: d["manifest"].update(step="three"), ["ManifestRecord.step is 'three', not an int"], marks=SLOW
+        ),  # accepted
+        pytest.param(
+            lambda d: d["manifest"].update(created_at="today"), ["created_at is 'today'"], marks=SLOW
+        ),  # every later `log` failed
+        pytest.param(lambda d: d["atoms"].update(rows=5), ["table of AtomRecord rows"], marks=SLOW),  # TypeError
+        pytest.param(
+            _set("layers", 0, "layer", None), ["LayerRow.layer is None"], marks=SLOW
+        ),  # a constraint error of the index
         (_set("blobs", 0, "hash", "zz"), ["'zz' is not a 32-digit hex hash"]),  # accepted as a 77th blob
-        (_set("blobs", 0, "raw_size", -5), ["raw_size is -5"]),  # accepted
+        pytest.param(_set("blobs", 0, "raw_size", -5), ["raw_size is -5"], marks=SLOW),  # accepted
         (_set("files", 0, "path", "/etc/evil.pt"), ["refusing path '/etc/evil.pt'"]),  # exit 2 at checkout
         (_set("files", 0, "mode", 0o4755), ["mode 0o4755 is outside 0o777"]),  # checkout wrote a setuid file
-        (lambda d: d["manifest"].update(step=2**63), ["step 9223372036854775808"]),  # every command: OverflowError
-        (lambda d: d["manifest"].update(run="ft"), ["it says run 'ft'"]),  # "UNIQUE constraint failed"
-        (_set("blobs", 0, "pack_offset", 2**64), ["offset is 18446744073709551616"]),  # OverflowError
+        pytest.param(
+            lambda d: d["manifest"].update(step=2**63), ["step 9223372036854775808"], marks=SLOW
+        ),  # every command: OverflowError
+        pytest.param(
+            lambda d: d["manifest"].update(run="ft"), ["it says run 'ft'"], marks=SLOW
+        ),  # "UNIQUE constraint failed"
+        pytest.param(
+            _set("blobs", 0, "pack_offset", 2**64), ["offset is 18446744073709551616"], marks=SLOW
+        ),  # OverflowError
     ],
 )
 def test_a_damaged_manifest_object_is_named_and_nothing_of_it_is_indexed(
