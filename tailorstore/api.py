@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -244,16 +244,24 @@ class Store:
         *,
         world_size: int | None = None,
         zero_stage: int | None = None,
+        ranks: Sequence[int] | None = None,
         progress: Progress | None = None,
     ) -> ReshardResult:
         """:meth:`checkout` with ``world_size``: ``ref`` in DeepSpeed's native layout as ``world_size``
         data-parallel ranks would have saved it (ZeRO 1-3; ``zero_stage`` switches between 1 and 2), so
-        ``engine.load_checkpoint(out)`` resumes at that world size. Refused, before anything is
-        written, for what cannot be produced."""
+        ``engine.load_checkpoint(out)`` resumes at that world size. ``ranks`` writes only the ZeRO files
+        those ranks load (one node's share). Refused, before anything is written, for what cannot be
+        produced."""
         from tailorstore.restore.reshard import checkout_resharded
 
         return checkout_resharded(
-            self.repo, self._selector(ref), Path(out), world_size=world_size, zero_stage=zero_stage, progress=progress
+            self.repo,
+            self._selector(ref),
+            Path(out),
+            world_size=world_size,
+            zero_stage=zero_stage,
+            ranks=ranks,
+            progress=progress,
         )
 
     def checkout_universal(

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailorstore.api import Store
-from tailorstore.integrations.deepspeed import attach, save_checkpoint
+from tailorstore.integrations.deepspeed import attach, load_checkpoint, save_checkpoint
 from testbed.teardown import exit_without_teardown
 
 
@@ -213,6 +213,27 @@ def held_out_loss(engine: object, args: argparse.Namespace) -> float:
     return sum(losses) / len(losses)
 
 
+def saved_bytes(model: nn.Module) -> int:
+    """Rank 0's tensor bytes of one ZeRO 1/2 bf16 save: what a snapshot of its state must copy."""
+    n = sum(p.numel() for p in model.parameters())
+    return n * 2 + n * 12 // torch.distributed.get_world_size()  # bf16 weights; this rank's fp32 master, two moments
+
+
+def copy_floor(nbytes: int) -> dict:
+    """Seconds to copy ``nbytes`` from the GPU into pinned host memory that is already mapped
+    (the best of 3, after a warm-up): the snapshot a save cannot go below."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    times = []
+    for _ in range(4):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        target.copy_(source, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return {"copy_floor_seconds": min(times[1:]), "copy_floor_bytes": nbytes}
+
+
 def ds_config(args: argparse.Namespace) -> dict:
     config: dict = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -260,6 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-at-start", action="store_true", help="also save before the first step (global_step0)")
     p.add_argument("--load-universal", action="store_true", help="--resume-from names a universal checkpoint")
     p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares the embedding's weight")
+    p.add_argument("--cuda", action="store_true", help="train on this rank's GPU (nccl) instead of the CPU")
+    p.add_argument("--load-from-store", default=None, help="a ref of --commit-to to resume from, without attach")
     p.add_argument("--commit-to", default=None, help="a tailorstore: rank 0 commits after every save")
     p.add_argument("--delete-after-commit", action="store_true", help="remove each tag folder once committed")
     p.add_argument(
@@ -280,8 +303,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    torch.set_num_threads(1)
+    if args.cuda:  # one GPU a rank; deterministic kernels, so that a resume can be checked bit for bit
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cuda.enable_flash_sdp(False)  # its backward adds in no fixed order
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # nor does cuDNN's: the math kernel is deterministic
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        torch.set_num_threads(1)
     import deepspeed
 
     # Skip DeepSpeed's JIT build of its shared-memory op (47 to 95 s on a fresh machine);
@@ -291,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("CROSS_SIZE", "1")
         os.environ.setdefault("CROSS_RANK", "0")
         os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if args.cuda else "gloo")
     rank = torch.distributed.get_rank()
 
     torch.manual_seed(args.seed)
@@ -313,13 +345,18 @@ def main(argv: list[str] | None = None) -> None:
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(args)
     )
 
-    store = Store.open(args.commit_to) if args.commit_to and rank == 0 else None
+    # global rank 0 commits; each node's local rank 0 may resume from the store
+    leader = rank == 0 or os.environ.get("LOCAL_RANK", "0") == "0"
+    store = Store.open(args.commit_to) if args.commit_to and leader else None
     tailor = None
     if args.tailor_engine:
         tailor = attach(engine, store, policy=args.engine_policy, on_existing=args.on_existing)
 
     start_step = 0
-    if args.resume_from:
+    if args.load_from_store:  # no attach: resume straight from the store at this world size
+        _, client_state = load_checkpoint(engine, store, args.load_from_store)
+        start_step = int(client_state["my_step"])
+    elif args.resume_from:
         load_path, client_state = engine.load_checkpoint(args.resume_from, tag=args.resume_tag)
         if load_path is None:
             raise SystemExit(f"DeepSpeed found no checkpoint to resume from in {args.resume_from}")
@@ -334,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     stalls: list[float] = []  # how long each save blocked training (rank 0)
     loop_began = time.perf_counter()
     for step in range(start_step + 1, args.steps + 1):
-        tokens = DATA[args.data](step, rank, args.micro_batch, args.seq, args.vocab)
+        tokens = DATA[args.data](step, rank, args.micro_batch, args.seq, args.vocab).to(engine.device)
         loss = engine(tokens)
         engine.backward(loss)
         engine.step()
@@ -369,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.distributed.barrier()
     if rank == 0 and args.timings_out:
         timings = {"stalls": stalls, "loop_seconds": time.perf_counter() - loop_began}
+        if args.cuda and args.save_every:  # the floor of a stall: the save's bytes copied into mapped pinned memory
+            timings |= copy_floor(saved_bytes(engine.module))
         Path(args.timings_out).write_text(json.dumps(timings))
     if args.eval_batches:
         held_out = held_out_loss(engine, args)

@@ -402,3 +402,44 @@ def test_a_save_before_the_first_step_reshards_and_resumes(tmp_path: Path) -> No
         work / "save", losses_out=work / "losses.json", nproc=1, steps=2, save_every=0, resume_from=tmp_path / "ours"
     )
     assert sorted(losses) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("run_name", "world", "stage", "attached"),
+    [
+        ("zero2-bf16-odd-two-groups", 1, 2, True),  # 2 -> 1 inside engine.load_checkpoint (attach)
+        ("zero2-bf16-odd-two-groups", 3, 2, False),  # 2 -> 3 through load_checkpoint(engine, store): no attach
+        ("zero1-fp32", 3, 2, True),  # ZeRO 1 at 2 ranks -> ZeRO 2 at 3
+    ],
+)
+def test_training_resumes_at_another_world_size_straight_from_the_store(
+    runs: Runs,
+    deepspeed_path: DeepSpeedPath,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    run_name: str,
+    world: int,
+    stage: int,
+    attached: bool,
+) -> None:
+    """No command and no universal folder: the step is written for the new world size and stage
+    into the staging folder, DeepSpeed loads it, and the next losses equal DeepSpeed's own
+    ds_to_universal + load_universal path at that size, bit for bit. Nothing is left staged."""
+    run = runs.get(run_name)
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(run.save_dir, STEP, tmp_path / "at"))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    monkeypatch.setenv("TAILOR_STAGING", str(staging))
+    how: dict[str, object] = (
+        {"tailor_engine": True, "resume_from": tmp_path / "no-save-on-disk"}
+        if attached
+        else {"load_from_store": "latest"}
+    )
+    losses = train_tiny(
+        tmp_path / "save", losses_out=tmp_path / "losses.json", nproc=world, steps=STEP + 2, save_every=0,
+        commit_to=tmp_path / "store", **how, **{**run.options, "stage": stage},
+    )  # fmt: skip
+    expected, _ = deepspeed_path.loaded(run, world, stage)
+    assert losses == expected
+    assert not [p for p in staging.rglob("*") if p.is_file()], "the restored step is deleted after the load"

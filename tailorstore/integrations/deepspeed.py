@@ -55,6 +55,7 @@ from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.formats.deepspeed import is_model_states, read_latest
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.ingest.commit import CommitResult
+from tailorstore.integrations import resume
 from tailorstore.integrations import staging as staged
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 
@@ -70,17 +71,17 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group)
 
 
-def _from_rank0(value: Any) -> Any:
+def _from_rank0(value: Any, group: Any = None) -> Any:
     """Rank 0's ``value`` on every rank."""
     if not _distributed():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -118,6 +119,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         staging: str | os.PathLike | None = None,
         global_steps: Callable[[], int] | None = None,
         on_existing: str = "branch",
+        shape: Callable[[], tuple[int, int]] | None = None,
         **policy_params: float,
     ) -> None:
         super().__init__(None)
@@ -125,14 +127,17 @@ class TailorCheckpointEngine(CheckpointEngine):
         self.name = ENGINE_NAME
         if _rank() == 0 and store is None:
             raise StoreError("TailorCheckpointEngine: global rank 0 commits, so it needs the store.")
-        self.store = store if _rank() == 0 else None
+        # global rank 0 commits; each node's local rank 0 may hold one to resume from (resume.py)
+        self.store = store if _rank() == 0 or resume.is_leader() else None
+        self.group = resume.tailor_group()  # our collectives never interleave with training's, and time out
+        self._shape = shape
         policy_spec(policy, policy_params)  # a misspelt parameter fails here, not at the first save
         self.policy = policy
         self.policy_params = dict(policy_params)
         self.asynchronous = asynchronous
         self._global_steps = global_steps
         # One folder per engine, the same on every rank: rank 0 commits what all ranks staged.
-        token = _from_rank0(f"{staged.PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        token = _from_rank0(f"{staged.PREFIX}{os.getpid()}-{secrets.token_hex(4)}", self.group)
         self.staging = Path(staging) if staging is not None else default_staging()
         staged.recover(self.staging)  # what a killed run left in memory goes where DeepSpeed would have put it
         self._root = self.staging / token
@@ -255,7 +260,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         names, direct = self._gathered_names()
         if direct:  # some rank's staging failed: the whole save is committed from where DeepSpeed writes it
             self._go_direct("another rank's staging failed")
-            _barrier()  # every rank has moved what it had staged
+            _barrier(self.group)  # every rank has moved what it had staged
         self._save = None
         folder = real if direct else twin
         self._last_bytes = sum(_size(folder / n) for n in self._staged_names)
@@ -292,8 +297,8 @@ class TailorCheckpointEngine(CheckpointEngine):
         after a barrier: all files are complete once it passes."""
         if not _distributed():
             return list(self._staged_names), self._direct
-        every: list[tuple[list[str], bool] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (list(self._staged_names), self._direct))
+        every: list[tuple[list[str], bool] | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, (list(self._staged_names), self._direct), group=self.group)
         names = sorted({n for one in every if one for n in one[0]})
         return names, any(one[1] for one in every if one)
 
@@ -322,47 +327,36 @@ class TailorCheckpointEngine(CheckpointEngine):
     # -- resuming ----------------------------------------------------------------------
     def load_checkpoint(self, original: Callable[..., Any], load_dir: str, tag: str | None = None, **kw: Any) -> Any:
         """``engine.load_checkpoint`` through the store: a folder on disk is loaded as it is; otherwise
-        rank 0 checks the step out into the staging folder, every rank loads it, and it is deleted."""
+        the step is written into each node's staging folder for the world size and ZeRO stage
+        training runs at now (:mod:`.resume`), every rank loads it, and it is deleted."""
         if tag is None and (Path(load_dir) / "latest").is_file():
             tag = read_latest(Path(load_dir))
         if tag and any(is_model_states(p.name) for p in (Path(load_dir) / tag).glob("*")):
             return original(load_dir, tag, **kw)
         self._hold()
-        restored = self._root / f"restore-{self._saves:06d}"
-        outcome: tuple[str | None, str | None] = (None, None)
-        if _rank() == 0:
-            outcome = self._checkout(tag, restored)
-        restored_tag, error = _from_rank0(outcome)
-        if error:
-            raise StoreError(error)
-        try:
-            return original(str(restored), restored_tag, **kw)
-        finally:
-            _barrier()
-            if _rank() == 0:
-                shutil.rmtree(restored, ignore_errors=True)
-                _remove_empty(self._root)
+        world_size, zero_stage = self._shape() if self._shape else (1, 0)
+        found, loaded = resume.restore_and_load(
+            self.store,
+            lambda store: self._find(store, tag),
+            lambda folder, restored_tag: original(folder, restored_tag, **kw),
+            self._root / f"restore-{self._saves:06d}",
+            world_size,
+            zero_stage,
+            self.group,
+        )
+        self.rewind.resumed_step = found.step  # a save of a step after it that the store holds branches here
+        return loaded
 
-    def _checkout(self, tag: str | None, out: Path) -> tuple[str | None, str | None]:
-        """(the checked-out tag folder, None) or (None, why it failed): every rank must hear either."""
-        assert self.store is not None
-        try:
-            self.store.flush()  # the step asked for may still be committing
-            step = step_of_tag(tag) if tag else None
-            if tag and step is None:
-                return None, f"the DeepSpeed tag {tag!r} names no step; load 'global_stepN' or leave tag=None"
-            run = self.rewind.run or self.store.run
-            ref = f"{run}:step={step}" if step is not None else f"{run}:latest"
-            result = self.store.checkout(ref, out)
-            folders = [p.name for p in out.iterdir() if p.is_dir()]
-            if len(folders) != 1:
-                return None, f"the checked-out step in {out} holds {len(folders)} tag folders, not one"
-            self.rewind.resumed_step = result.step  # a save of a step after it that the store holds branches here
-            warn_if_composite(result.step, result.inherited)  # the checkout knows: no second query
-            return folders[0], None
-        except Exception as exc:
-            shutil.rmtree(out, ignore_errors=True)
-            return None, f"resuming from {self.store.location} failed: {exc}"
+    def _find(self, store: Store, tag: str | None) -> resume.Found:
+        """Rank 0: the step ``tag`` names in this engine's run (the latest without one)."""
+        store.flush()  # the step asked for may still be committing
+        step = step_of_tag(tag) if tag else None
+        if tag and step is None:
+            raise StoreError(f"the DeepSpeed tag {tag!r} names no step; load 'global_stepN' or leave tag=None")
+        run = self.rewind.run or store.run
+        found = resume.find(store, f"{run}:step={step}" if step is not None else f"{run}:latest")
+        warn_if_composite(found.step, found.inherited)
+        return found
 
     # -- lifecycle ---------------------------------------------------------------------
     def flush(self) -> None:
@@ -427,6 +421,7 @@ def attach(
         staging=staging,
         global_steps=lambda: int(engine.global_steps),
         on_existing=on_existing,
+        shape=lambda: _shape_of(engine),
         **policy_params,
     )
     engine.checkpoint_engine = tailor
@@ -437,6 +432,49 @@ def attach(
 
     engine.load_checkpoint = load_checkpoint
     return tailor
+
+
+def _shape_of(engine: Any) -> tuple[int, int]:
+    """(data-parallel world size, ZeRO stage) that ``engine`` trains at now."""
+    return int(engine.dp_world_size), int(engine.zero_optimization_stage())
+
+
+def load_checkpoint(
+    engine: Any,
+    store: Store | None,
+    ref: str = "latest",
+    *,
+    staging: str | os.PathLike | None = None,
+    **load_kwargs: Any,
+) -> tuple[Any, Any]:
+    """Resume ``engine`` from the step ``ref`` names, at the world size and ZeRO stage it runs at now
+    (collective: every rank calls it). Without :func:`attach`, and with no conversion step.
+
+    Each node's local rank 0 passes a store handle (on a single node, global rank 0's is enough);
+    the others may pass None. Each node writes only its own ranks' share of the step into its
+    staging folder (``staging``, else ``$TAILOR_STAGING`` or ``/dev/shm``), every rank loads it
+    through DeepSpeed's own ``load_checkpoint`` (``load_kwargs`` go to it), and it is deleted.
+    Returns what ``engine.load_checkpoint`` returns: (load path, client state)."""
+    group = resume.tailor_group()
+    token = resume.gathered(secrets.token_hex(6), group)[0]
+    root = (Path(staging) if staging is not None else default_staging()) / f"tailor-restore-{token}"
+    world_size, zero_stage = _shape_of(engine)
+
+    def pick(handle: Store) -> resume.Found:
+        handle.flush()
+        found = resume.find(handle, ref)
+        warn_if_composite(found.step, found.inherited)
+        return found
+
+    def load(folder: str, tag: str) -> Any:
+        return engine.load_checkpoint(folder, tag, **load_kwargs)
+
+    try:
+        _, loaded = resume.restore_and_load(store, pick, load, root / "step", world_size, zero_stage, group)
+    finally:
+        if resume.is_leader():
+            shutil.rmtree(root, ignore_errors=True)
+    return loaded
 
 
 def save_checkpoint(

@@ -29,6 +29,8 @@ class StepSummary:
     run: str = "main"
     id: str = "-"  # the manifest's name on every host (``id=`` selects it); ``manifest`` is this index's row
     tier: str | None = None  # thinned by gc to this tier (weights, master): exports and averages, no resume
+    world_size: int | None = None  # the data-parallel ranks that saved it (a DeepSpeed save)
+    zero_stage: int | None = None  # its ZeRO stage (a DeepSpeed save)
 
 
 @dataclass
@@ -66,6 +68,8 @@ def summary(r: ManifestRecord) -> StepSummary:
         run=r.run,
         tier=r.tier,
         id=r.name,
+        world_size=r.world_size,
+        zero_stage=r.zero_stage,
     )
 
 

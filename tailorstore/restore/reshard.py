@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -96,9 +96,11 @@ class ReshardPlan:
     def optimizer_name(self, rank: int) -> str:
         return f"{self.optimizer_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
-    def states_names(self) -> list[str]:
+    def states_names(self, ranks: Sequence[int] | None = None) -> list[str]:
+        """The model-states files that ``ranks`` (default: every rank) load."""
         if self.stage == 3:
-            return [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(self.world)]
+            chosen = range(self.world) if ranks is None else ranks
+            return [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in chosen]
         return ["mp_rank_00_model_states.pt"]
 
     def zero12_partition(self, group: int) -> tuple[int, int]:
@@ -344,7 +346,11 @@ def _states_in_place(
 
 
 def _write_beside(
-    on_caller: Callable[[], None], rank_file: Callable[[int], None], ranks: int, any_thread: bool, progress: Progress
+    on_caller: Callable[[], None],
+    rank_file: Callable[[int], None],
+    ranks: Sequence[int],
+    any_thread: bool,
+    progress: Progress,
 ) -> None:
     """The model-states files on the caller's thread while a worker writes the optimizer files.
 
@@ -355,12 +361,12 @@ def _write_beside(
     the run. The progress bar advances on the caller's thread only."""
     if not any_thread:
         on_caller()
-        for rank in range(ranks):
+        for rank in ranks:
             rank_file(rank)
             progress.advance(1)
         return
     with ThreadPoolExecutor(1, thread_name_prefix="tailor-reshard") as pool:
-        futures = [pool.submit(rank_file, rank) for rank in range(ranks)]
+        futures = [pool.submit(rank_file, rank) for rank in ranks]
         try:
             on_caller()
             for future in futures:
@@ -370,6 +376,15 @@ def _write_beside(
             for future in futures:
                 future.cancel()
             raise
+
+
+def _chosen_ranks(ranks: Sequence[int] | None, world: int) -> list[int]:
+    if ranks is None:
+        return list(range(world))
+    chosen = sorted(set(ranks))
+    if not chosen or chosen[0] < 0 or chosen[-1] >= world:
+        raise StoreError(f"ranks {list(ranks)} are not ranks of a world of {world}")
+    return chosen
 
 
 def _is_zero_file(row: FileRecord) -> bool:
@@ -384,10 +399,14 @@ def checkout_resharded(
     *,
     world_size: int | None,
     zero_stage: int | None = None,
+    ranks: Sequence[int] | None = None,
     progress: Progress | None = None,
 ) -> ReshardResult:
     """Write the step ``selector`` names at ``out`` as DeepSpeed would have saved it on ``world_size``
-    ranks (default: the save's own) under ZeRO ``zero_stage`` (default: the save's own)."""
+    ranks (default: the save's own) under ZeRO ``zero_stage`` (default: the save's own).
+
+    ``ranks`` writes only the ZeRO files those data-parallel ranks load (with every other file of
+    the step): what one node of a job needs, so that each node materializes its own share."""
     began = time.perf_counter()
     manifest = store.resolve(selector)
     facts = store.manifest(manifest)
@@ -405,6 +424,7 @@ def checkout_resharded(
     # the source optimizer file's tree (tensors read lazily: only the step counters are ever read)
     saved_tree = committed_tree(store, manifest, optimizer, f"{where}, file {optimizer.path}")
     plan = plan_reshard(view, optimizer, saved_tree, world_size, target)
+    chosen = _chosen_ranks(ranks, plan.world)
     states_tree = committed_tree(store, manifest, plan.states, f"{where}, file {plan.states.path}")
     states_tree[DP_WORLD_SIZE] = plan.world
     in_tag = [f for f in files if str(PurePosixPath(f.path).parent) == plan.folder]
@@ -414,7 +434,7 @@ def checkout_resharded(
     count = 0
     try:
         with store.reading_manifest(manifest), staged(Path(out), store) as tmp:
-            progress.start(f"step {facts.step} for {plan.world} ranks", plan.world)
+            progress.start(f"step {facts.step} for {plan.world} ranks", len(chosen))
             tag_dir = tmp / plan.tag
             tag_dir.mkdir()
             root = tmp if plan.folder != "." else tag_dir
@@ -437,15 +457,15 @@ def checkout_resharded(
                     if in_place is not None:
                         in_place.place_stored(lambda n: None)  # its weights come as the optimizer files pass
                         return
-                    for name in plan.states_names():
+                    for name in plan.states_names(chosen):
                         write_torch_file(tag_dir / name, states_tree)
 
-                _write_beside(states_files, optimizer_file, plan.world, states.any_thread, progress)
+                _write_beside(states_files, optimizer_file, chosen, states.any_thread, progress)
                 if in_place is not None:
                     in_place.finish()
             if not (tmp / "latest").exists():
                 (tmp / "latest").write_text(plan.tag)  # `engine.load_checkpoint(out)` finds the tag by it
-            count = len(others) + len(extras) + len(plan.states_names()) + plan.world
+            count = len(others) + len(extras) + len(plan.states_names(chosen)) + len(chosen)
             written = tree_bytes(tmp)
     finally:
         progress.close()
