@@ -443,3 +443,22 @@ def test_training_resumes_at_another_world_size_straight_from_the_store(
     expected, _ = deepspeed_path.loaded(run, world, stage)
     assert losses == expected
     assert not [p for p in staging.rglob("*") if p.is_file()], "the restored step is deleted after the load"
+
+
+def test_a_node_writes_only_its_own_ranks_share(runs: Runs, tmp_path: Path) -> None:
+    """``ranks=`` (what one node's leader asks for on resume): only those ranks' optimizer files,
+    each byte-identical to the same rank's file of the whole reshard, beside the model states;
+    ranks outside the world are refused before anything is written."""
+    run = runs.get("zero2-bf16-odd-two-groups")
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(run.save_dir, STEP, tmp_path / "at"))
+        store.checkout_resharded(STEP, tmp_path / "whole", world_size=3)
+        store.checkout_resharded(STEP, tmp_path / "node", world_size=3, ranks=[2])
+        with pytest.raises(tailorstore.StoreError, match="not ranks of a world of 3"):
+            store.checkout_resharded(STEP, tmp_path / "wrong", world_size=3, ranks=[3])
+    assert not (tmp_path / "wrong").exists()
+    tag = f"global_step{STEP}"
+    mine = sorted(p.name for p in (tmp_path / "node" / tag).iterdir())
+    assert mine == ["bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"]
+    for name in mine:
+        assert (tmp_path / "node" / tag / name).read_bytes() == (tmp_path / "whole" / tag / name).read_bytes()
