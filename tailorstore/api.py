@@ -152,6 +152,7 @@ class Store:
             force=request.force,
             trust_pickles=request.trust_pickles,
             level=request.level,
+            threads=request.threads,
             lock_timeout=request.lock_timeout,
             policy=request.spec(),
             part=part,
@@ -218,11 +219,14 @@ class Store:
         trust_pickles: bool = False,
         progress: Progress | None = None,
         warn: Callable[[str], None] | None = None,
+        threads: int | None = None,
     ) -> CheckoutResult | ReshardResult | UniversalResult:
         """Write the checkpoint ``ref`` names into the new directory ``out``, every byte hash-checked:
         as it was saved; for ``world_size`` ranks (and ``zero_stage`` 1 or 2) as DeepSpeed would have
         saved it there; or, ``format="universal"``, as DeepSpeed's universal checkpoint. As the
-        ``checkout`` command does with ``--world-size``, ``--zero-stage`` and ``--format``."""
+        ``checkout`` command does with ``--world-size``, ``--zero-stage`` and ``--format``. ``threads``
+        sets the decoding threads of a native checkout (default: ``$TAILOR_THREADS``, else two a
+        usable core)."""
         if format not in ("native", "universal"):
             raise StoreError(Call(format=format), ": choose native or universal.")
         if format == "universal":
@@ -234,7 +238,13 @@ class Store:
         from tailorstore.restore.checkout import checkout_step
 
         return checkout_step(
-            self.repo, self._selector(ref), Path(out), trust_pickles=trust_pickles, progress=progress, warn=warn
+            self.repo,
+            self._selector(ref),
+            Path(out),
+            trust_pickles=trust_pickles,
+            progress=progress,
+            warn=warn,
+            threads=threads,
         )
 
     def checkout_resharded(

@@ -24,6 +24,7 @@ from typing import Any
 from tailorstore.access.read_ahead import ReadAhead
 from tailorstore.core.dir_locks import hold_dir, removed, take_abandoned
 from tailorstore.core.errors import StoreError
+from tailorstore.core.threads import sync_threads
 from tailorstore.formats.torch_save_writer import Parts, TensorOut, dumps, write_pickled_to
 from tailorstore.store.direct_io import RewritableWriter
 from tailorstore.store.posix import fsync_path
@@ -134,9 +135,6 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
-FSYNC_THREADS = 16
-
-
 def fsync_tree(root: Path) -> None:
     """fsync every file and folder under ``root``, many at once: each fsync of a new file waits for
     a journal commit, and concurrent ones share commits (hundreds of small files of a universal
@@ -147,7 +145,7 @@ def fsync_tree(root: Path) -> None:
     for folder, _dirs, names in os.walk(root):
         paths += [Path(folder) / name for name in names]
         folders.append(Path(folder))
-    with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="tailor-fsync") as pool:
+    with ThreadPoolExecutor(sync_threads(), thread_name_prefix="tailor-fsync") as pool:
         list(pool.map(fsync_path, paths))
         list(pool.map(fsync_path, folders))
 

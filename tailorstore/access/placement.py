@@ -33,6 +33,7 @@ from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.rounding import ROUND_FROM_MASTER, round_into
 from tailorstore.core.thread_buffers import thread_buffer
+from tailorstore.core.threads import decode_threads
 from tailorstore.formats.kinds import TORCH
 from tailorstore.formats.torch_zip import gaps, mend_crcs, record_offsets
 from tailorstore.store import codec
@@ -144,7 +145,7 @@ def write_files(
     rows: list[FileRecord],
     root: Path,
     advance: Callable[[int], None],
-    threads: int = 4,
+    threads: int | None = None,
 ) -> None:
     """Write every file of ``rows`` (all with a container) under ``root``, checked and fsynced.
 
@@ -192,7 +193,7 @@ class PlacedFiles:
             self.close()
             raise
 
-    def place_stored(self, advance: Callable[[int], None], threads: int = 4) -> None:
+    def place_stored(self, advance: Callable[[int], None], threads: int | None = None) -> None:
         """Decode every stored atom of the files into place (a master also feeds its weights)."""
         _place_atoms(self.store, self.atoms, self.blobs, self.targets, self.weights, advance, threads)
 
@@ -328,7 +329,7 @@ def _place_atoms(
 ) -> None:
     jobs = [(targets[path], a) for path, rows in atoms.items() for a in rows if a.derived is None]
     jobs.sort(key=lambda job: -job[1].nbytes)  # big first, so the two threads finish together
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tailor-checkout") as pool:
+    with ThreadPoolExecutor(max_workers=decode_threads(threads), thread_name_prefix="tailor-checkout") as pool:
         futures = {
             pool.submit(
                 _place, store, target, a, blobs[a.blob], weights.get(a.param, []) if a.kind == MASTER else []

@@ -29,6 +29,7 @@ class CommitRequest:
     lock_timeout: float = 600.0
     delete_after_commit: bool = False  # delete the committed files once every blob is checked
     run: str | None = None  # commit to this run (default: the store handle's)
+    threads: int | None = None  # compressing threads (default: $TAILOR_THREADS, else from the usable cores)
 
     @classmethod
     def of(cls, request: CommitRequest | None, keywords: dict[str, Any]) -> CommitRequest:
@@ -51,7 +52,7 @@ class CommitOptions:
     force: bool = False
     trust_pickles: bool = False
     level: int = 1
-    threads: int = 3  # compression uses both cores; a third thread keeps them busy while one waits on a write
+    threads: int | None = None  # the blob writers: default from the usable cores (core/threads.py)
     lock_timeout: float = 600.0
     policy: PolicySpec = field(default_factory=PolicySpec)
     derive_weights: bool = True

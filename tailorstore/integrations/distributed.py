@@ -28,9 +28,11 @@ import torch.distributed as dist
 
 from tailorstore.api import Store
 from tailorstore.core.errors import StoreError
+from tailorstore.core.threads import compute_threads
 from tailorstore.ingest.commit_options import CommitOptions, CommitResult
 from tailorstore.ingest.finalize import FinalizeResult
 from tailorstore.ingest.rank_share import Survey, checked_weights, survey, write_share, writers
+from tailorstore.integrations.resume import node_ranks
 
 T = TypeVar("T")
 
@@ -57,14 +59,25 @@ def commit_rank_parallel(
     trust_pickles: bool = False,
     lock_timeout: float = 600.0,
     group: Any = None,
+    threads: int | None = None,
 ) -> RankParallelResult:
-    """Commit the save at ``path`` (a folder every rank can read) from all ranks of ``group``."""
+    """Commit the save at ``path`` (a folder every rank can read) from all ranks of ``group``.
+
+    Each rank compresses on its share of its node's cores (``threads``, else ``$TAILOR_THREADS``,
+    else the usable cores divided among the node's ranks)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise StoreError("commit_rank_parallel needs torch.distributed initialized; use Store.commit in one process.")
     rank = dist.get_rank(group)
     dist.barrier(group)  # every rank has finished writing its files before any rank reads the folder
+    ranks_here = len(node_ranks(dist.get_rank()))
     options = CommitOptions(
-        step=step, trust_pickles=trust_pickles, level=level, lock_timeout=lock_timeout, part=True, run=store.run
+        step=step,
+        trust_pickles=trust_pickles,
+        level=level,
+        lock_timeout=lock_timeout,
+        part=True,
+        run=store.run,
+        threads=compute_threads(threads, share=ranks_here),
     )
     share, mine = _together(lambda: survey(store.repo, Path(path), options, rank), group, "surveying its files")
     surveys: list[Survey] = _gathered(mine, group)

@@ -20,11 +20,10 @@ from tailorstore.access.atom_reader import stream_rebuilt
 from tailorstore.core.atoms import MASTER
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.paths import check_relative
+from tailorstore.core.threads import decode_threads
 from tailorstore.store import codec
 from tailorstore.store.records import AtomRecord, BlobRecord
 from tailorstore.store.repo import Repository
-
-CHECKERS = 4  # threads of a deep check: two decode and hash on two cores while two wait on the disk or network
 
 
 @dataclass
@@ -72,7 +71,7 @@ def verify(
     held = store.holdings()  # every object's size from a listing, not a request per blob
     # in pack order, so that on an object store a deep check reads each pack a span at a time
     found = sorted((r for r in rows.values() if r is not None), key=lambda r: (r.pack or "", r.pack_offset or 0))
-    with store.reading(found if deep else ()), _checkers(CHECKERS if deep else 1) as pool:
+    with store.reading(found if deep else ()), _checkers(decode_threads() if deep else 1) as pool:
         checks = pool.map(lambda r: _check_blob(store, r, held.stored_bytes(r), _place(users[r.hash]), deep), found)
         for row, (problem, rehashed) in zip(found, checks, strict=True):
             report.blobs_checked += 1
@@ -85,7 +84,7 @@ def verify(
         rebuilt: set[tuple] = set()
         jobs = [job for manifest in ids for job in _derived_jobs(store, manifest, rebuilt)]
         masters = [r for blob in sorted({m for _, _, _, ms in jobs for m in ms}) if (r := store.blob(blob))]
-        with store.reading(masters), _checkers(CHECKERS) as pool:
+        with store.reading(masters), _checkers(decode_threads()) as pool:
             checks = pool.map(lambda job: _rebuild(store, *job[:3]), jobs)
             for (_, atom, _, _), problem in zip(jobs, checks, strict=True):
                 report.bytes_rehashed += atom.nbytes

@@ -53,6 +53,7 @@ def checkout_step(
     trust_pickles: bool = False,
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
+    threads: int | None = None,
 ) -> CheckoutResult:
     began = time.perf_counter()
     progress = progress or Silent()
@@ -73,7 +74,9 @@ def checkout_step(
     try:
         with store.reading_manifest(manifest), staged(out, store) as tmp:
             progress.start(f"checkout step {step}", sum(r.raw_size for r in files))
-            written = write_step_files(store, facts, files, tmp, trust_pickles=trust_pickles, advance=progress.advance)
+            written = write_step_files(
+                store, facts, files, tmp, trust_pickles=trust_pickles, advance=progress.advance, threads=threads
+            )
             if facts.layout == DEEPSPEED_TAG and facts.ds_tag and not any(r.path == "latest" for r in files):
                 # A tag folder was committed; `engine.load_checkpoint(out)` needs `latest` to find it.
                 (tmp / "latest").write_text(facts.ds_tag)
@@ -96,6 +99,7 @@ def write_step_files(
     *,
     trust_pickles: bool = False,
     advance: Callable[[int], None] = lambda n: None,
+    threads: int | None = None,
 ) -> int:
     """Write files of manifest ``facts`` under ``root`` byte for byte, every byte hash-checked: those
     with a container placed around their atoms, whole-file blobs streamed, files committed without a
@@ -104,7 +108,7 @@ def write_step_files(
     written = 0
     placed = placed_rows(rows)
     if placed:
-        placement.write_files(store, facts, placed, root, advance=advance)
+        placement.write_files(store, facts, placed, root, advance=advance, threads=threads)
         written += sum(safe_join(root, row.path).stat().st_size for row in placed)
     placed_paths = {row.path for row in placed}
     for row in rows:

@@ -24,6 +24,7 @@ from typing import Protocol
 
 from tailorstore.core.errors import Call, InputChangedError, StoreError
 from tailorstore.core.reused_memory import SLAB_BYTES
+from tailorstore.core.threads import compute_threads
 from tailorstore.store import codec
 from tailorstore.store.backend import BackendError, BytesLike, blob_key
 from tailorstore.store.packs import PACK_BELOW, PackWriter
@@ -63,7 +64,7 @@ class BlobWriter:
         store: Repository,
         *,
         level: int = codec.DEFAULT_LEVEL,
-        threads: int = 2,
+        threads: int | None = None,
         in_flight: int = IN_FLIGHT_BYTES,
         elsewhere: frozenset[str] = frozenset(),
     ) -> None:
@@ -73,8 +74,8 @@ class BlobWriter:
         self.packs = PackWriter(self.batch)  # small blobs share pack objects
         self._pack_sizes: dict[str, int | None] = {}  # packs of earlier commits, looked up once per commit
         self.level = level
-        self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tailor-blob")
+        self.threads = compute_threads(threads)  # from the usable cores unless given (core/threads.py)
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="tailor-blob")
         self._budget = in_flight
         self._queued = 0
         self._room = threading.Condition()

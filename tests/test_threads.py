@@ -1,0 +1,72 @@
+"""Thread pools are sized from the cores this process may use (its affinity mask), never from
+this machine's constants; ``$TAILOR_THREADS`` and ``threads=`` override them, read as hostile
+input; rank-parallel commits divide a node's cores among its ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import tailorstore
+from tailorstore.core.threads import compute_threads, decode_threads, sync_threads, usable_cores
+
+CHECKPOINT = Path(__file__).parent / "data" / "format1" / "checkpoint"
+PROBE = """
+import json, os, sys
+os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")})
+from tailorstore.core.threads import compute_threads, decode_threads, sync_threads, usable_cores
+print(json.dumps([usable_cores(), compute_threads(), decode_threads(), sync_threads(), compute_threads(share=2)]))
+"""
+
+
+def probe(cores: str, **env: str) -> list[int]:
+    environ = {k: v for k, v in os.environ.items() if k != "TAILOR_THREADS"} | env
+    done = subprocess.run([sys.executable, "-c", PROBE, cores], capture_output=True, text=True, env=environ, check=True)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores to narrow the mask")
+def test_pools_follow_the_affinity_mask() -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    assert probe(str(mine[0])) == [1, 2, 2, 8, 2]  # one core: one compressing thread and one that waits
+    both = ",".join(str(c) for c in mine[:2])
+    assert probe(both) == [2, 3, 4, 16, 2]  # two ranks on two cores: one core each, plus a waiter
+
+
+def test_the_override_sets_the_pools_and_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TAILOR_THREADS", "7")
+    assert compute_threads() == 7 and decode_threads() == 7 and compute_threads(share=4) == 7
+    assert compute_threads(2) == 2, "an argument beats the environment"
+    assert sync_threads() == min(64, 8 * usable_cores())  # fsync threads only wait: not the override's business
+    for bad in ("0", "-3", "many", "1e9", "99999"):
+        monkeypatch.setenv("TAILOR_THREADS", bad)
+        with pytest.raises(tailorstore.StoreError, match="TAILOR_THREADS"):
+            compute_threads()
+    monkeypatch.delenv("TAILOR_THREADS")
+    with pytest.raises(tailorstore.StoreError, match="threads=0"):
+        decode_threads(0)
+
+
+def test_a_commit_and_a_checkout_run_the_threads_they_are_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def recording(self: threading.Thread) -> None:
+        started.append(self.name)
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", recording)
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(CHECKPOINT, threads=1)
+        blob_threads = {n for n in started if n.startswith("tailor-blob")}
+        started.clear()
+        store.checkout("latest", tmp_path / "out", threads=1)
+        checkout_threads = {n for n in started if n.startswith("tailor-checkout")}
+    assert len(blob_threads) == 1, blob_threads
+    assert len(checkout_threads) == 1, checkout_threads
