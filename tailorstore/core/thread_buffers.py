@@ -11,8 +11,10 @@ overwritten underneath it.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 _local = threading.local()
 
@@ -22,6 +24,8 @@ def thread_buffer(name: str, nbytes: int, minimum: int = 1 << 20) -> np.ndarray:
     so that chunks of varying size do not regrow it. Valid until this thread asks for ``name`` again."""
     buf = getattr(_local, name, None)
     if buf is None or len(buf) < nbytes:
-        buf = np.empty(max(nbytes, minimum), dtype=np.uint8)
+        import numpy  # on first use: listing steps needs no numpy (start-up)
+
+        buf = numpy.empty(max(nbytes, minimum), dtype=numpy.uint8)
         setattr(_local, name, buf)
     return buf[:nbytes]

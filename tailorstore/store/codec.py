@@ -38,14 +38,28 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-import numpy as np
 import xxhash
 import zstandard
 
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.thread_buffers import thread_buffer
+
+
+class _NumpyOnUse:
+    """numpy, imported the first time a plane is split or joined. Importing it takes about 0.15 s
+    here, more than a whole ``tailor log`` may spend, and listing, tagging or showing steps
+    decodes nothing."""
+
+    def __getattr__(self, name: str) -> object:
+        import numpy
+
+        globals()["np"] = numpy  # every later use in this module goes straight to numpy
+        return getattr(numpy, name)
+
+
+np: Any = _NumpyOnUse()
 
 RAW = "raw"
 ZSTD = "zstd"
@@ -167,7 +181,7 @@ def _bytegroup_chunks(data: memoryview, itemsize: int, level: int) -> Iterator[B
         yield from payloads
 
 
-_WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_WORDS = {2: "<u2", 4: "<u4", 8: "<u8"}  # numpy dtypes by name: views of a word of each size
 _SAMPLE = 64 << 10  # bytes of a lower plane compressed to decide whether the rest is worth it
 _SAMPLE_GAIN = 0.98  # the sample must shrink to this fraction or below
 

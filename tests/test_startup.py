@@ -1,0 +1,45 @@
+"""Start-up imports only what a command uses: ``--help`` and ``--version`` print without numpy
+or torch, and ``log``, ``show`` and ``tag`` list and change refs without numpy (the codec loads
+it on the first plane it splits or joins). The times are a benchmark (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import copy_tree
+
+PROBE = """
+import json, sys
+from tailorstore.cli.app import main
+sys.argv = ["tailor", *json.loads(sys.argv[1])]
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+print(json.dumps([code, sorted(m for m in ("numpy", "torch", "obstore") if m in sys.modules)]), file=sys.stderr)
+"""
+
+
+def loaded(args: list[str], store: Path | None = None) -> tuple[int, list[str]]:
+    env = dict(os.environ, **({"TAILOR_STORE": str(store)} if store else {}))
+    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], capture_output=True, text=True, env=env)
+    code, modules = json.loads(done.stderr.strip().splitlines()[-1])
+    return code or 0, modules
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["log", "--help"]])
+def test_help_and_version_load_no_numpy_or_torch(args: list[str]) -> None:
+    assert loaded(args) == (0, [])
+
+
+def test_listing_showing_and_tagging_load_no_numpy(small_store: Path, tmp_path: Path) -> None:
+    store = copy_tree(small_store, tmp_path / "store")
+    for args in (["log"], ["show", "latest"], ["tag", "latest", "warm"], ["log", "--json"], ["untag", "warm"]):
+        assert loaded(args, store) == (0, []), args
