@@ -24,7 +24,7 @@ import typer
 from tailorstore.cli.naming import EXIT_CODES, as_command
 
 import tailorstore
-from tailorstore import FORMAT_VERSION, MAIN_RUN, STORE_ENV, TailorError, __version__, for_terminal, reuse_freed_memory
+from tailorstore import STORE_ENV, TailorError, __version__, for_terminal
 
 app = typer.Typer(
     add_completion=False,
@@ -47,7 +47,8 @@ SELECTOR_HELP = "step=N, RUN:step=N, tag=NAME, id=HEX (as `tailor log` prints it
 
 def _open(store: str | None, run: str | None = None) -> tailorstore.Store:
     """The store named by --store (or $TAILOR_STORE), reading step=N and latest in ``run``."""
-    return tailorstore.Store.open(store, run=run or MAIN_RUN)
+    tailorstore.reuse_freed_memory()  # a command that opens a store may move gigabytes
+    return tailorstore.Store.open(store, run=run or tailorstore.MAIN_RUN)
 
 
 def human(n: float) -> str:
@@ -64,7 +65,7 @@ def _say(message: str) -> None:
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"tailorstore {__version__} (store format {FORMAT_VERSION})")
+        typer.echo(f"tailorstore {__version__} (store format {tailorstore.FORMAT_VERSION})")
         raise typer.Exit()
 
 
@@ -685,7 +686,6 @@ def main() -> None:
     it gets one line too, with 2 for input and 3 for the store's index. Only other exceptions
     are bugs and keep their traceback (exit 1).
     """
-    reuse_freed_memory()
     _quiet_but_ours()
     signal.signal(signal.SIGINT, _interrupted)  # typer turns KeyboardInterrupt into a silent exit 130
     try:

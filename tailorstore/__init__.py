@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tailorstore.background import BackgroundCommitError
 from tailorstore.core.environment import STORE_ENV
 from tailorstore.core.errors import (
     BadCheckpointError,
@@ -30,20 +29,26 @@ from tailorstore.core.errors import (
     UnsafePathError,
     UnsafePickleError,
 )
-from tailorstore.core.memory import reuse_freed_memory
 from tailorstore.core.progress import Progress, for_terminal
-from tailorstore.store.backend import BackendError
-from tailorstore.store.records import MAIN_RUN
-from tailorstore.store.schema import FORMAT_VERSION
 
 if TYPE_CHECKING:
     from tailorstore.api import Store
+    from tailorstore.background import BackgroundCommitError
+    from tailorstore.core.memory import reuse_freed_memory
     from tailorstore.curate.averaging import AverageResult
     from tailorstore.curate.merge import MergeResult
+    from tailorstore.store.backend import BackendError
+    from tailorstore.store.records import MAIN_RUN
+    from tailorstore.store.schema import FORMAT_VERSION
 
 # Loaded on first use (the module docstring says why): name -> module. Every result a Store
 # method returns is here, and its request and policy types.
 _LOADED_ON_USE = {
+    "BackgroundCommitError": ".background",
+    "reuse_freed_memory": ".core.memory",
+    "BackendError": ".store.backend",
+    "MAIN_RUN": ".store.records",
+    "FORMAT_VERSION": ".store.schema",  # sqlite3: not for --help and --version
     "Store": ".api",
     "CommitRequest": ".ingest.commit_options",
     "CommitResult": ".ingest.commit_options",

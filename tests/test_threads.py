@@ -53,7 +53,9 @@ def test_the_override_sets_the_pools_and_bad_values_are_refused(monkeypatch: pyt
         decode_threads(0)
 
 
-def test_a_commit_and_a_checkout_run_the_threads_they_are_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_commit_and_a_checkout_run_the_threads_they_are_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     started: list[str] = []
     start = threading.Thread.start
 
