@@ -121,6 +121,7 @@ class Store:
         request: CommitRequest | None = None,
         *,
         part: bool = False,
+        part_label: str = "",
         progress: Progress | None = None,
         on_wait: Callable[[str], None] | None = None,
         **options: Any,
@@ -134,14 +135,15 @@ class Store:
         from earlier steps. With ``delete_after_commit``, the committed files are deleted once the
         manifest is durable and every blob it names has been found with its recorded size. With
         ``part``, only the files this host holds are committed, as one part of the step;
-        :meth:`finalize` records the step once every host's part is in.
+        :meth:`finalize` records the step once every host's part is in. ``part_label`` begins the
+        part's key, so that :meth:`finalize` can take one save's parts alone.
         """
         wanted = CommitRequest.of(request, options)
         if part and wanted.delete_after_commit:
             raise StoreError("delete_after_commit waits for the manifest, which a part does not write; finalize first.")
-        return _commit(
-            self.repo, Path(path), self._options(wanted, part), wanted.delete_after_commit, progress, on_wait
-        )
+        commit_options = self._options(wanted, part)
+        commit_options.part_label = part_label
+        return _commit(self.repo, Path(path), commit_options, wanted.delete_after_commit, progress, on_wait)
 
     def _options(self, request: CommitRequest, part: bool = False) -> CommitOptions:
         from tailorstore.ingest.commit_options import CommitOptions
@@ -167,14 +169,30 @@ class Store:
         force: bool = False,
         lock_timeout: float = 600.0,
         on_wait: Callable[[str], None] | None = None,
+        label: str | None = None,
     ) -> FinalizeResult:
-        """Record step ``step`` from the parts every host committed; refused, naming the missing
-        ranks, while a part is missing (the parts then stay for a later finalize)."""
+        """Record step ``step`` from the parts every host committed (with ``label``, only the parts
+        committed with that ``part_label``); refused, naming the missing ranks, while a part is
+        missing (the parts then stay for a later finalize)."""
         from tailorstore.ingest.finalize import finalize_step
 
         return finalize_step(
-            self.repo, step, tag=tag, force=force, run=self.run, lock_timeout=lock_timeout, on_wait=on_wait
+            self.repo,
+            step,
+            tag=tag,
+            force=force,
+            run=self.run,
+            lock_timeout=lock_timeout,
+            on_wait=on_wait,
+            label=label,
         )
+
+    def parts(self, step: int, *, label: str | None = None) -> list[str]:
+        """The keys of the parts of ``step`` (this handle's run) waiting for :meth:`finalize`
+        (with ``label``, those committed with it)."""
+        from tailorstore.store.parts import part_keys
+
+        return part_keys(self.repo.backend, step, self.run, label)
 
     def commit_async(
         self, path: str | os.PathLike, request: CommitRequest | None = None, **options: Any

@@ -55,26 +55,41 @@ def torchrun_command(module: str, args: list[str], *, nproc: int = 2) -> tuple[l
     return cmd, env
 
 
-def torchrun(module: str, args: list[str], *, nproc: int = 2, log: Path | None = None, timeout: float = 900) -> None:
+def torchrun(
+    module: str,
+    args: list[str],
+    *,
+    nproc: int = 2,
+    log: Path | None = None,
+    timeout: float = 900,
+    node_env: list[dict[str, str]] | None = None,
+) -> None:
     """Run ``python -m module`` as ``nproc`` ranks on 127.0.0.1, as torchrun would, without torchrun.
 
     torchrun's own process imports torch before it starts a rank: 2.5 s on this machine kind, once
     per job, and the test suite runs some fifty jobs. The ranks get the environment torchrun gives
     them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...). As torchrun does, a rank that fails
     ends the job: the others are killed rather than left waiting in a collective for gloo's timeout.
+
+    ``node_env`` simulates nodes, as ``torchrun --nnodes N --node_rank R`` on each would: one
+    environment overlay per node (its own ``TAILOR_STAGING``, ``TAILOR_CACHE``), ``nproc`` ranks
+    on each, numbered node by node.
     """
     base = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     base["PYTHONPATH"] = _with_repository(base.get("PYTHONPATH"))
     base.pop("CUDA_VISIBLE_DEVICES", None)
     port = str(_free_port())
+    overlays = node_env or [{}]
+    world = nproc * len(overlays)
     with tempfile.TemporaryDirectory(prefix="tailor-ranks-") as tmp:
-        outputs = [Path(tmp) / f"rank{rank}.log" for rank in range(nproc)]
+        outputs = [Path(tmp) / f"rank{rank}.log" for rank in range(world)]
         procs = []
         for rank, output in enumerate(outputs):
+            node, local = divmod(rank, nproc)
             env = dict(
-                base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-                WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                base, RANK=str(rank), LOCAL_RANK=str(local), GROUP_RANK=str(node), ROLE_RANK=str(rank),
+                WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **overlays[node],
             )  # fmt: skip
             with output.open("wb") as sink:
                 procs.append(
@@ -133,6 +148,7 @@ def train_tiny(
     resume_from: Path | None = None,
     nproc: int = 2,
     timeout: float = 900,
+    node_env: list[dict[str, str]] | None = None,
     **options: object,
 ) -> dict[int, str]:
     """Run train_tiny; options map to its flags (stage=3 -> --stage 3). Returns losses as float.hex."""
@@ -141,7 +157,8 @@ def train_tiny(
     if resume_from is not None:
         args += ["--resume-from", str(resume_from)]
     args += _flags(options)
-    torchrun("testbed.train_tiny", args, nproc=nproc, log=losses_out.with_suffix(".log"), timeout=timeout)
+    log = losses_out.with_suffix(".log")
+    torchrun("testbed.train_tiny", args, nproc=nproc, log=log, timeout=timeout, node_env=node_env)
     return {int(k): v for k, v in json.loads(losses_out.read_text()).items()}
 
 

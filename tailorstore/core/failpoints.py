@@ -6,6 +6,7 @@ the moment that matters, in a real process, so the code names those moments::
 
     TAILOR_FAILPOINTS="before-publish=stop"                 # SIGSTOP this process there
     TAILOR_FAILPOINTS="before-publish=sleep:0.5,gc-before-delete=stop"
+    TAILOR_FAILPOINTS="before-part-publish=kill@2"          # SIGKILL at the second time it is reached
 
 Like etcd's gofail. Unknown names and malformed entries are ignored (the variable is input
 from outside, read once, at most 1,000 characters); a sleep is at most 600 seconds.
@@ -20,7 +21,8 @@ from functools import cache
 
 from tailorstore.core.environment import FAILPOINTS_ENV
 
-POINTS = ("before-publish", "gc-before-delete", "gc-repack-written", "before-lease-renewal")
+POINTS = ("before-publish", "before-part-publish", "gc-before-delete", "gc-repack-written", "before-lease-renewal")
+_reached: dict[str, int] = {}
 
 
 @cache
@@ -29,7 +31,7 @@ def _actions() -> dict[str, str]:
     out = {}
     for entry in text.split(","):
         name, _, action = entry.strip().partition("=")
-        if name in POINTS and (action == "stop" or action.startswith("sleep:")):
+        if name in POINTS and (action.partition("@")[0] in ("stop", "kill") or action.startswith("sleep:")):
             out[name] = action
     return out
 
@@ -39,8 +41,12 @@ def failpoint(name: str) -> None:
     action = _actions().get(name)
     if action is None:
         return
-    if action == "stop":
-        os.kill(os.getpid(), signal.SIGSTOP)
+    _reached[name] = _reached.get(name, 0) + 1
+    action, _, nth = action.partition("@")
+    if nth and nth != str(_reached[name]):
+        return
+    if action in ("stop", "kill"):
+        os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
         return
     try:
         seconds = float(action[len("sleep:") :])

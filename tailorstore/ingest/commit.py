@@ -25,6 +25,7 @@ from tailorstore.access import structure
 from tailorstore.access.changes import LayerChange, masters_by_layer, stored_pieces
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import BadCheckpointError, Call, StepExistsError, StoreError
+from tailorstore.core.failpoints import failpoint
 from tailorstore.core.layers import STATE, sort_key
 from tailorstore.core.policies import CommitFacts, decide, needs_changes
 from tailorstore.core.progress import Progress, Silent
@@ -406,8 +407,10 @@ def commit_part(
             files=plan.files,
             atoms=plan.atoms,
             blobs=[b for b in blobs if b is not None],
+            label=options.part_label,
         )
         lock.check("committing a part")
+        failpoint("before-part-publish")
         key = parts.publish(store.backend, part)
     return CommitResult(
         step=step,

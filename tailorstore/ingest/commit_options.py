@@ -57,6 +57,7 @@ class CommitOptions:
     policy: PolicySpec = field(default_factory=PolicySpec)
     derive_weights: bool = True
     part: bool = False  # commit only these files, as one part of a step several hosts write (finalize.py)
+    part_label: str = ""  # the part's key begins with it: finalize can take one save's parts only
     run: str = MAIN_RUN  # steps are numbered per run (runs.py)
 
 

@@ -120,7 +120,10 @@ def finalize_step(
     run: str = MAIN_RUN,
     lock_timeout: float = 600.0,
     on_wait: Callable[[str], None] | None = None,
+    label: str | None = None,
 ) -> FinalizeResult:
+    """Record ``step`` from its parts (with ``label``, only the parts published with it: one
+    save's, while a dead node's part of an earlier try of the same step waits for gc)."""
     began = time.perf_counter()
     check_step(step)
     check_run_name(run)
@@ -128,7 +131,7 @@ def finalize_step(
         check_tag(tag)
     with store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
         store.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
-        parts = read_parts(store.backend, step, run)
+        parts = read_parts(store.backend, step, run, label)
         if not parts:
             raise StoreError(
                 f"step {step} has no parts to finalize. Each host commits its ranks with ",

@@ -55,7 +55,7 @@ from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.formats.deepspeed import is_model_states, read_latest
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.ingest.commit import CommitResult
-from tailorstore.integrations import resume
+from tailorstore.integrations import nodes, resume
 from tailorstore.integrations import staging as staged
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 
@@ -131,6 +131,12 @@ class TailorCheckpointEngine(CheckpointEngine):
         self.store = store if _rank() == 0 or resume.is_leader() else None
         self.group = resume.tailor_group()  # our collectives never interleave with training's, and time out
         self._shape = shape
+        # Several nodes, each leader with a store: each node commits its own ranks' files as a part
+        # and global rank 0 finalizes the step, so no folder but the store is shared (nodes.py).
+        self._parts = nodes.parts_possible(store, self.group)  # the leader ranks, or empty
+        if self._parts and _rank() == 0:
+            assert store is not None
+            nodes.finish_pending(store)  # a killed job's saves whose every part is in
         policy_spec(policy, policy_params)  # a misspelt parameter fails here, not at the first save
         self.policy = policy
         self.policy_params = dict(policy_params)
@@ -257,7 +263,8 @@ class TailorCheckpointEngine(CheckpointEngine):
         if self._save is None:
             return True
         real, twin = self._save
-        names, direct = self._gathered_names()
+        every, direct = self._gathered_names()
+        names = sorted({n for one in every for n in one})
         if direct:  # some rank's staging failed: the whole save is committed from where DeepSpeed writes it
             self._go_direct("another rank's staging failed")
             _barrier(self.group)  # every rank has moved what it had staged
@@ -266,6 +273,14 @@ class TailorCheckpointEngine(CheckpointEngine):
         self._last_bytes = sum(_size(folder / n) for n in self._staged_names)
         if not names:  # nothing staged: save_16bit_model writes beside the tag folder
             staged.finish(twin.parent)
+            return True
+        step = step_of_tag(info.tag)
+        if step is None and self._global_steps is not None:
+            step = self._global_steps()
+        if self._parts and nodes.each_node_apart(folder, every, self.group):
+            if resume.is_leader():
+                label = nodes.save_label(self._root.name, self._saves, len(self._parts))
+                self._submit_part(folder, real, step, nodes.node_names(every), label)
             return True
         if _rank() != 0:
             return True
@@ -286,21 +301,17 @@ class TailorCheckpointEngine(CheckpointEngine):
                 "ranks do not share a staging folder (several nodes?). Pass staging= a folder every node "
                 "sees, or save with tailorstore.integrations.deepspeed.save_checkpoint."
             )
-        step = step_of_tag(info.tag)
-        if step is None and self._global_steps is not None:
-            step = self._global_steps()
         self._submit(folder, real, step)
         return True
 
-    def _gathered_names(self) -> tuple[list[str], bool]:
-        """Every rank's file names of this save, and whether any rank wrote its share directly,
-        after a barrier: all files are complete once it passes."""
+    def _gathered_names(self) -> tuple[list[list[str]], bool]:
+        """Each rank's file names of this save (by global rank), and whether any rank wrote its
+        share directly, after a barrier: all files are complete once it passes."""
         if not _distributed():
-            return list(self._staged_names), self._direct
+            return [list(self._staged_names)], self._direct
         every: list[tuple[list[str], bool] | None] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(every, (list(self._staged_names), self._direct), group=self.group)
-        names = sorted({n for one in every if one for n in one[0]})
-        return names, any(one[1] for one in every if one)
+        return [one[0] if one else [] for one in every], any(one[1] for one in every if one)
 
     def _submit(self, folder: Path, real: Path, step: int | None) -> Future[CommitResult] | CommitResult:
         """Commit ``folder`` (the staged twin, or ``real`` itself when staging failed) in the background."""
@@ -323,6 +334,44 @@ class TailorCheckpointEngine(CheckpointEngine):
         if self.asynchronous:
             return self.store.background(str(real), job)
         return job(self.store)
+
+    def _submit_part(self, folder: Path, real: Path, step: int | None, mine: list[str], label: str) -> None:
+        """A node's leader: commit what this node's ranks staged as one part of the step; global
+        rank 0 then waits for every node's part and finalizes (in the background by default)."""
+        assert self.store is not None
+        if self.policy != "full" or self.policy_params:
+            raise StoreError(
+                "on several nodes, each node commits its share as a part, which stores every layer: "
+                "use policy='full' (or one staging folder every node sees)"
+            )
+        missing = sorted(n for n in mine if not (folder / n).is_file())
+        if missing:
+            raise StoreError(f"this node does not see the files {missing[:3]} its own ranks staged in {folder}")
+        staged_twin = folder != real
+        root = _rank() == 0
+        count = len(self._parts)
+
+        def job(store: Store) -> CommitResult:
+            try:
+                result = store.commit(folder, part=True, part_label=f"{label}-n{_rank()}", step=step)
+                if staged_twin:  # the part is durable: its blobs hold the node's files now
+                    shutil.rmtree(folder, ignore_errors=True)
+                if root:
+                    nodes.await_parts(store, result.step, label, count)
+                    store.finalize(result.step, label=label)
+                return result
+            except BaseException:
+                if staged_twin:  # the node's files go where DeepSpeed would have written them
+                    _rescue(folder, real)
+                raise
+            finally:
+                if staged_twin:
+                    staged.finish(folder.parent)
+
+        if self.asynchronous:
+            self.store.background(str(real), job)
+        else:
+            job(self.store)
 
     # -- resuming ----------------------------------------------------------------------
     def load_checkpoint(self, original: Callable[..., Any], load_dir: str, tag: str | None = None, **kw: Any) -> Any:
@@ -425,6 +474,11 @@ def attach(
         **policy_params,
     )
     engine.checkpoint_engine = tailor
+    if tailor._parts and resume.is_leader():
+        # Each node's part needs the model states to cut its optimizer states by parameter: every
+        # node's leader writes them, as DeepSpeed's use_node_local_storage makes it do. The copies
+        # are the same bytes, which finalize checks.
+        engine.save_non_zero_checkpoint = True
     original = engine.load_checkpoint
 
     def load_checkpoint(load_dir: str, tag: str | None = None, **kw: Any) -> Any:

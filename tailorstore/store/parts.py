@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import zstandard
 
-from tailorstore.core.errors import CorruptStoreError
+from tailorstore.core.errors import CorruptStoreError, StoreError
 from tailorstore.store.backend import Backend, check_key
 from tailorstore.store.records import (
     ATOM_COLUMNS,
@@ -56,6 +56,7 @@ class Part:
     blobs: list[BlobRecord] = field(default_factory=list)
     key: str = ""
     run: str = MAIN_RUN  # the run the step belongs to (its key says it)
+    label: str = ""  # what its key begins with instead of the host name: one save's parts share it
 
     def blob_hashes(self) -> set[str]:
         """Every hash this part needs kept: its files, containers and stored atoms."""
@@ -67,9 +68,20 @@ def step_prefix(step: int, run: str) -> str:
     return f"{PART_PREFIX}{run}/step-{step:020d}/"
 
 
-def new_key(step: int, run: str) -> str:
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40] or "host"
-    return check_key(f"{step_prefix(step, run)}{host}-{secrets.token_hex(6)}.json.zst")
+LABEL = re.compile(r"[A-Za-z0-9._-]{1,120}")
+
+
+def new_key(step: int, run: str, label: str = "") -> str:
+    """``parts/<run>/step-<step>/<label or host>-<random>.json.zst``."""
+    if label and not LABEL.fullmatch(label):
+        raise StoreError(f"part label {label[:130]!r}: use 1 to 120 letters, digits, '.', '_' or '-'")
+    first = label or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40] or "host"
+    return check_key(f"{step_prefix(step, run)}{first}-{secrets.token_hex(6)}.json.zst")
+
+
+def labelled(key: str, label: str | None) -> bool:
+    """Whether the part at ``key`` was published with ``label`` (None: every part)."""
+    return label is None or key.rsplit("/", 1)[-1].startswith(f"{label}-")
 
 
 def encode(part: Part) -> bytes:
@@ -119,16 +131,16 @@ def decode(data: bytes, key: str) -> Part:
         raise CorruptStoreError(f"part object {key} is damaged ({exc}); delete it and commit that part again") from None
 
 
-def part_keys(backend: Backend, step: int | None = None, run: str = MAIN_RUN) -> list[str]:
+def part_keys(backend: Backend, step: int | None = None, run: str = MAIN_RUN, label: str | None = None) -> list[str]:
     prefix = PART_PREFIX if step is None else step_prefix(step, run)
-    return sorted(k for k in backend.list(prefix) if _PART_KEY.fullmatch(k))
+    return sorted(k for k in backend.list(prefix) if _PART_KEY.fullmatch(k) and labelled(k, label))
 
 
-def read_parts(backend: Backend, step: int | None = None, run: str = MAIN_RUN) -> list[Part]:
-    """Every part (of one step of ``run``; with no step, of every run), read back; a part
-    deleted while listing is skipped."""
+def read_parts(backend: Backend, step: int | None = None, run: str = MAIN_RUN, label: str | None = None) -> list[Part]:
+    """Every part (of one step of ``run``; with no step, of every run; with ``label``, only the
+    parts published with it), read back; a part deleted while listing is skipped."""
     out = []
-    for key in part_keys(backend, step, run):
+    for key in part_keys(backend, step, run, label):
         try:
             out.append(decode(backend.get(key), key))
         except FileNotFoundError:
@@ -138,6 +150,6 @@ def read_parts(backend: Backend, step: int | None = None, run: str = MAIN_RUN) -
 
 def publish(backend: Backend, part: Part) -> str:
     """Write the part, create-only; its blobs must be durable already."""
-    part.key = new_key(part.step, part.run)
+    part.key = new_key(part.step, part.run, part.label)
     backend.put(part.key, encode(part), create_only=True)
     return part.key

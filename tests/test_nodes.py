@@ -1,0 +1,114 @@
+"""Two "nodes" on this machine, each with its own staging folder (its memory) and its own index
+cache, sharing nothing but a store on a local S3 server (moto): each node commits what its own
+ranks staged as a part, global rank 0 finalizes, and the steps check out byte-identical to
+DeepSpeed's own save of the same training. Then the job resumes on one node, at another world
+size, straight from the store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import Runs, as_of_step
+from test_reshard import STEP, DeepSpeedPath
+
+from tailorstore import Store
+from testbed.compare import same_tree
+from testbed.local_s3 import LocalS3
+from testbed.runs import TrainingFailed, train_tiny
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def universal_path(tmp_path_factory: pytest.TempPathFactory) -> DeepSpeedPath:
+    """DeepSpeed's own ds_to_universal + load_universal path, the reference of a resume elsewhere."""
+    return DeepSpeedPath(tmp_path_factory.mktemp("deepspeed-path"))
+
+
+def node_folders(root: Path, count: int) -> list[dict[str, str]]:
+    out = []
+    for n in range(count):
+        staging, cache = root / f"node{n}" / "shm", root / f"node{n}" / "cache"
+        staging.mkdir(parents=True)
+        cache.mkdir(parents=True)
+        out.append({"TAILOR_STAGING": str(staging), "TAILOR_CACHE": str(cache)})
+    return out
+
+
+def test_two_nodes_stage_locally_commit_parts_and_resume_on_one(
+    runs: Runs,
+    universal_path: DeepSpeedPath,
+    s3_server: LocalS3,
+    tmp_path: Path,
+) -> None:
+    reference = runs.get("zero2-bf16")  # the same training, 2 ranks, saved to disk by DeepSpeed
+    location = s3_server.new_location()
+    Store.init(location).close()
+    nodes = node_folders(tmp_path, 2)
+    losses = train_tiny(
+        tmp_path / "save", losses_out=tmp_path / "losses.json", nproc=1, node_env=nodes, steps=6, save_every=3,
+        commit_to=location, tailor_engine=True, **reference.options,
+    )  # fmt: skip
+    assert losses == reference.losses
+    with Store.open(location) as store:
+        assert [s.step for s in store.log()] == [3, 6]
+        for step in (3, 6):
+            assert store.parts(step) == [], "finalize took every part of the save"
+            sources = store.repo.manifest(store.repo.resolve(f"step={step}")).source.split("; ")
+            assert sorted(s.split(":", 1)[1].split("/node")[1][0] for s in sources) == ["0", "1"], sources
+            out = tmp_path / f"out{step}"
+            store.checkout(step, out)
+            theirs = as_of_step(reference.save_dir, step, tmp_path / f"theirs{step}")
+            assert same_tree(out / f"global_step{step}", theirs / f"global_step{step}")
+        assert store.verify(deep=True).ok
+    for node in nodes:
+        assert not [p for p in Path(node["TAILOR_STAGING"]).rglob("*") if p.is_file()], "staging is emptied"
+
+    # the job restarts on one node of one rank: it resumes from the store at world size 1
+    resumed = train_tiny(
+        tmp_path / "again", losses_out=tmp_path / "again.json", nproc=1, node_env=nodes[:1], steps=STEP + 2,
+        save_every=0, commit_to=location, tailor_engine=True, resume_from=tmp_path / "again",
+        resume_tag=f"global_step{STEP}", **reference.options,
+    )  # fmt: skip
+    expected, _ = universal_path.loaded(reference, 1, 2)
+    assert resumed == expected
+
+
+def test_a_node_killed_mid_save_leaves_the_earlier_steps_and_the_job_resumes_on_one(
+    runs: Runs,
+    universal_path: DeepSpeedPath,
+    s3_server: LocalS3,
+    tmp_path: Path,
+) -> None:
+    """Node 1 is SIGKILLed at its second save, just before its part is published: no manifest of
+    step 6 is recorded and step 3 is kept (finalized by the dying job, or from its complete parts
+    by the restarted one); the job restarted on one node resumes at step 3 with DeepSpeed's own
+    losses there; gc's drop_parts collects what the dead save left."""
+    reference = runs.get("zero2-bf16")
+    location = s3_server.new_location()
+    Store.init(location).close()
+    nodes = node_folders(tmp_path, 2)
+    nodes[1]["TAILOR_FAILPOINTS"] = "before-part-publish=kill@2"
+    with pytest.raises(TrainingFailed, match="rank 1 exited with code -9"):
+        train_tiny(
+            tmp_path / "save", losses_out=tmp_path / "losses.json", nproc=1, node_env=nodes, steps=6, save_every=3,
+            commit_to=location, tailor_engine=True, timeout=300, **reference.options,
+        )  # fmt: skip
+    with Store.open(location) as store:
+        assert 6 not in [s.step for s in store.log()], "the dead save recorded nothing"
+        assert len(store.parts(6)) <= 1, "at most node 0's part of the dead save"
+    resumed = train_tiny(
+        tmp_path / "again", losses_out=tmp_path / "again.json", nproc=1, node_env=nodes[:1], steps=STEP + 2,
+        save_every=0, commit_to=location, tailor_engine=True, resume_from=tmp_path / "again", **reference.options,
+    )  # fmt: skip
+    expected, _ = universal_path.loaded(reference, 1, 2)
+    assert resumed == expected
+    with Store.open(location) as store:
+        assert [s.step for s in store.log()] == [3]
+        store.gc(drop_parts=True)
+        assert store.parts(6) == [] and store.parts(3) == []
+        assert store.verify(deep=True).ok
+        store.checkout(3, tmp_path / "out")
+    theirs = as_of_step(reference.save_dir, 3, tmp_path / "theirs")
+    assert same_tree(tmp_path / "out" / "global_step3", theirs / "global_step3")
