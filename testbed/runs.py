@@ -162,9 +162,11 @@ def train_tiny(
     return {int(k): v for k, v in json.loads(losses_out.read_text()).items()}
 
 
-def train_hf(output_dir: Path, *, final_weights: Path, resume_from: Path | None = None, **options: object) -> None:
+def train_hf(
+    output_dir: Path, *, final_weights: Path, resume_from: Path | None = None, nproc: int = 2, **options: object
+) -> None:
     args = ["--output-dir", str(output_dir), "--final-weights", str(final_weights)]
     if resume_from is not None:
         args += ["--resume-from", str(resume_from)]
     args += _flags(options)
-    torchrun("testbed.train_hf", args, log=final_weights.with_suffix(".log"))
+    torchrun("testbed.train_hf", args, nproc=nproc, log=final_weights.with_suffix(".log"))

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tailor-store", default=None, help="commit every save with TailorCallback")
     p.add_argument("--delete-after-commit", action="store_true")
     p.add_argument("--save-total-limit", type=int, default=None)
+    p.add_argument("--load-universal", action="store_true", help="--resume-from holds a universal checkpoint")
     args = p.parse_args(argv)
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         "zero_optimization": {"stage": args.stage},
         "bf16": {"enabled": "auto"},
     }
+    if args.load_universal:  # DeepSpeed's own way to another world size
+        ds_config["checkpoint"] = {"load_universal": True}
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.steps,

@@ -9,6 +9,7 @@ the same way."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import threading
 import zipfile
@@ -18,13 +19,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import HFRun, Run, Runs, as_of_step, blob_object, commit_and_reset_reads, tailor
+from safetensors.torch import load_file
 from test_universal import assert_same_universal, ds_to_universal
 
 import tailorstore
 from tailorstore.access import atom_reader
 from tailorstore.access.model_tensors import model_view, read_float32, read_raw
 from tailorstore.restore import reshard
-from testbed.runs import train_tiny
+from testbed.runs import train_hf, train_tiny
 
 STEP = 3
 
@@ -462,3 +464,24 @@ def test_a_node_writes_only_its_own_ranks_share(runs: Runs, tmp_path: Path) -> N
     assert mine == ["bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"]
     for name in mine:
         assert (tmp_path / "node" / tag / name).read_bytes() == (tmp_path / "whole" / tag / name).read_bytes()
+
+
+def test_the_hf_trainer_resumes_at_another_world_size_from_a_resharded_checkout(hf_run: HFRun, tmp_path: Path) -> None:
+    """The documented path for the HF Trainer with DeepSpeed: ``checkout --world-size M`` of a
+    ``checkpoint-N``, then ``resume_from_checkpoint`` at M ranks, as it is. The final weights
+    equal those of DeepSpeed's own path at M (ds_to_universal, then load_universal), bit for bit."""
+    checkpoint = hf_run.output_dir / "checkpoint-3"
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(checkpoint)
+        store.checkout_resharded(3, tmp_path / "ours", world_size=1)
+    theirs = tmp_path / "theirs"
+    shutil.copytree(checkpoint, theirs, ignore=shutil.ignore_patterns("global_step*", "latest"))
+    ds_to_universal(checkpoint / "global_step3", theirs)
+    train_hf(tmp_path / "a", final_weights=tmp_path / "ours.safetensors", resume_from=tmp_path / "ours", nproc=1)
+    train_hf(
+        tmp_path / "b", final_weights=tmp_path / "theirs.safetensors", resume_from=theirs, nproc=1, load_universal=True
+    )
+    ours, reference = load_file(tmp_path / "ours.safetensors"), load_file(tmp_path / "theirs.safetensors")
+    assert ours.keys() == reference.keys()
+    assert all(torch.equal(ours[k], reference[k]) for k in ours)
+    assert not all(torch.equal(ours[k], load_file(hf_run.final_weights)[k]) for k in ours), "training went on"
