@@ -55,9 +55,10 @@ from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.formats.deepspeed import is_model_states, read_latest
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.ingest.commit import CommitResult
-from tailorstore.integrations import nodes, resume
+from tailorstore.integrations import nodes, resume, snapshot
 from tailorstore.integrations import staging as staged
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
+from tailorstore.integrations.snapshot import Snapshots
 
 log = logging.getLogger("tailorstore")
 ENGINE_NAME = "TailorCheckpointEngine"
@@ -120,6 +121,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         global_steps: Callable[[], int] | None = None,
         on_existing: str = "branch",
         shape: Callable[[], tuple[int, int]] | None = None,
+        snapshot: bool = True,
         **policy_params: float,
     ) -> None:
         super().__init__(None)
@@ -154,6 +156,10 @@ class TailorCheckpointEngine(CheckpointEngine):
         self._direct = False  # this save is written where DeepSpeed would write it: staging failed
         self._warned = False
         self._last_bytes = 0  # this rank's bytes in its last save: the room the next one needs
+        self._save_bytes = 0  # this rank's bytes of the save under way
+        # save() copies the tensors into reused memory and writes the file in the background (snapshot.py)
+        self._snapshots = Snapshots(on_staging_failed=self._warn_staging) if snapshot else None
+        self._snapshotted = False  # this save's files are being written in the background
 
     # -- what DeepSpeed calls while saving ----------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -161,10 +167,14 @@ class TailorCheckpointEngine(CheckpointEngine):
         Where staging cannot take it (no room for a save the size of the last, read-only, gone),
         the save is written where DeepSpeed would write it and committed from there."""
         self._saves += 1
+        if self._snapshots is not None:
+            self._snapshots.begin(self._saves)  # the save before last is written: its buffers are free
         real = (Path(info.save_dir) / info.tag).absolute()
         self._save = (real, self._root / f"save-{self._saves:06d}" / info.tag)
         self._staged_names = []
         self._direct = False
+        self._save_bytes = 0
+        self._snapshotted = False
         try:
             self._hold()
             self._check_room()
@@ -184,10 +194,17 @@ class TailorCheckpointEngine(CheckpointEngine):
             return
         real, twin = self._save
         self._direct = True
+        if self._snapshots is not None:
+            self._snapshots.drain()  # what this rank copied is on disk before it moves
+            snapshot.clear_markers(twin.parent)
         for name in self._staged_names:
             (real / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(twin / name), str(real / name))
         staged.finish(twin.parent)
+        self._warn_staging(why, real)
+
+    def _warn_staging(self, why: BaseException | str, real: Path) -> None:
+        """Once per process: staging failed, and saves go where DeepSpeed writes them."""
         if not self._warned:
             self._warned = True
             log.warning(
@@ -243,7 +260,11 @@ class TailorCheckpointEngine(CheckpointEngine):
         if twin is not None:
             try:
                 twin.parent.mkdir(parents=True, exist_ok=True)
+                if self._snapshot_into(state_dict, twin, Path(path)):
+                    self._staged_names.append(str(name))
+                    return
                 torch.save(state_dict, twin)
+                self._save_bytes += _size(twin)
                 self._staged_names.append(str(name))
                 return
             except (OSError, RuntimeError) as exc:
@@ -263,14 +284,17 @@ class TailorCheckpointEngine(CheckpointEngine):
         if self._save is None:
             return True
         real, twin = self._save
-        every, direct = self._gathered_names()
+        if self._snapshotted and self._snapshots is not None and not self._direct:
+            self._snapshots.finish(twin.parent, _rank())  # the marker the committer waits for
+        every, direct, snapshotted = self._gathered_names()
         names = sorted({n for one in every for n in one})
         if direct:  # some rank's staging failed: the whole save is committed from where DeepSpeed writes it
             self._go_direct("another rank's staging failed")
             _barrier(self.group)  # every rank has moved what it had staged
         self._save = None
         folder = real if direct else twin
-        self._last_bytes = sum(_size(folder / n) for n in self._staged_names)
+        self._last_bytes = self._save_bytes
+        written = [] if direct else snapshotted  # ranks whose files are still being written
         if not names:  # nothing staged: save_16bit_model writes beside the tag folder
             staged.finish(twin.parent)
             return True
@@ -280,9 +304,13 @@ class TailorCheckpointEngine(CheckpointEngine):
         if self._parts and nodes.each_node_apart(folder, every, self.group):
             if resume.is_leader():
                 label = nodes.save_label(self._root.name, self._saves, len(self._parts))
-                self._submit_part(folder, real, step, nodes.node_names(every), label)
+                mine = [r for r in resume.node_ranks(_rank()) if r in written]
+                self._submit_part(folder, real, step, nodes.node_names(every), label, mine)
             return True
         if _rank() != 0:
+            return True
+        if written:  # the files are still being written: the commit job waits for them, then looks
+            self._submit(folder, real, step, written)
             return True
         missing = sorted(n for n in names if not (folder / n).is_file())
         if missing and direct:
@@ -304,17 +332,37 @@ class TailorCheckpointEngine(CheckpointEngine):
         self._submit(folder, real, step)
         return True
 
-    def _gathered_names(self) -> tuple[list[list[str]], bool]:
-        """Each rank's file names of this save (by global rank), and whether any rank wrote its
-        share directly, after a barrier: all files are complete once it passes."""
+    def _gathered_names(self) -> tuple[list[list[str]], bool, list[int]]:
+        """Each rank's file names of this save (by global rank), whether any rank wrote its share
+        directly, and the ranks whose files are written in the background (a snapshot), after a
+        barrier: every other file is complete once it passes."""
+        mine = (list(self._staged_names), self._direct, self._snapshotted)
         if not _distributed():
-            return [list(self._staged_names)], self._direct
-        every: list[tuple[list[str], bool] | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(every, (list(self._staged_names), self._direct), group=self.group)
-        return [one[0] if one else [] for one in every], any(one[1] for one in every if one)
+            return [mine[0]], mine[1], [0] if mine[2] else []
+        every: list[tuple[list[str], bool, bool] | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, mine, group=self.group)
+        names = [one[0] if one else [] for one in every]
+        return names, any(one[1] for one in every if one), [r for r, one in enumerate(every) if one and one[2]]
 
-    def _submit(self, folder: Path, real: Path, step: int | None) -> Future[CommitResult] | CommitResult:
-        """Commit ``folder`` (the staged twin, or ``real`` itself when staging failed) in the background."""
+    def _snapshot_into(self, state_dict: Any, twin: Path, real: Path) -> bool:
+        """Copy the file's tensors and write it in the background; False where it must be written now."""
+        if self._snapshots is None:
+            return False
+        try:
+            tree, nbytes = self._snapshots.copy(state_dict, twin.name)
+        except snapshot.Unsupported as why:
+            log.debug("tailorstore: %s is written at once: %s", twin.name, why)
+            return False
+        self._snapshots.write(tree, twin, real)
+        self._snapshotted = True
+        self._save_bytes += nbytes
+        return True
+
+    def _submit(
+        self, folder: Path, real: Path, step: int | None, written: list[int] | None = None
+    ) -> Future[CommitResult] | CommitResult:
+        """Commit ``folder`` (the staged twin, or ``real`` itself when staging failed) in the background,
+        once the ranks in ``written`` have written their files of it."""
         assert self.store is not None
         options: dict[str, Any] = {"policy": self.policy, **self.policy_params}
         options["step"] = step
@@ -322,7 +370,8 @@ class TailorCheckpointEngine(CheckpointEngine):
 
         def job(store: Store) -> CommitResult:
             try:
-                return self.rewind.commit(store, folder, delete_after_commit=True, **options)
+                source = _written_source(folder, real, written or [])  # the staged twin, or real if staging failed
+                return self.rewind.commit(store, source, delete_after_commit=True, **options)
             except BaseException:
                 if staged_twin:  # a save written directly is where DeepSpeed would have put it already
                     _rescue(folder, real)
@@ -335,7 +384,9 @@ class TailorCheckpointEngine(CheckpointEngine):
             return self.store.background(str(real), job)
         return job(self.store)
 
-    def _submit_part(self, folder: Path, real: Path, step: int | None, mine: list[str], label: str) -> None:
+    def _submit_part(
+        self, folder: Path, real: Path, step: int | None, mine: list[str], label: str, written: list[int]
+    ) -> None:
         """A node's leader: commit what this node's ranks staged as one part of the step; global
         rank 0 then waits for every node's part and finalizes (in the background by default)."""
         assert self.store is not None
@@ -344,18 +395,19 @@ class TailorCheckpointEngine(CheckpointEngine):
                 "on several nodes, each node commits its share as a part, which stores every layer: "
                 "use policy='full' (or one staging folder every node sees)"
             )
-        missing = sorted(n for n in mine if not (folder / n).is_file())
-        if missing:
-            raise StoreError(f"this node does not see the files {missing[:3]} its own ranks staged in {folder}")
         staged_twin = folder != real
         root = _rank() == 0
         count = len(self._parts)
 
         def job(store: Store) -> CommitResult:
             try:
-                result = store.commit(folder, part=True, part_label=f"{label}-n{_rank()}", step=step)
-                if staged_twin:  # the part is durable: its blobs hold the node's files now
-                    shutil.rmtree(folder, ignore_errors=True)
+                source = _written_source(folder, real, written)  # the staged twin, or real if staging failed
+                missing = sorted(n for n in mine if not (source / n).is_file())
+                if missing:
+                    raise StoreError(f"this node does not see the files {missing[:3]} its own ranks staged in {source}")
+                result = store.commit(source, part=True, part_label=f"{label}-n{_rank()}", step=step)
+                if staged_twin or source == real:  # the part is durable: its blobs hold the node's files now
+                    shutil.rmtree(source, ignore_errors=True)
                 if root:
                     nodes.await_parts(store, result.step, label, count)
                     store.finalize(result.step, label=label)
@@ -409,13 +461,33 @@ class TailorCheckpointEngine(CheckpointEngine):
 
     # -- lifecycle ---------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for the commits in flight and raise the first failure (rank 0; a no-op elsewhere)."""
+        """Wait for the files still being written (every rank) and the commits in flight, and raise
+        the first failure (where this rank commits)."""
+        if self._snapshots is not None:
+            self._snapshots.drain()
         if self.store is not None:
             self.store.flush()
             _remove_empty(self._root)
 
     def cleanup(self) -> None:
         self.flush()
+
+
+def _written_source(folder: Path, real: Path, ranks: list[int]) -> Path:
+    """The committer: wait for the ranks still writing their files of the save staged at ``folder``;
+    where a rank could not write into staging (it wrote where DeepSpeed writes), the staged files
+    join it there and the save is committed from ``real``, as when staging fails at once."""
+    if not ranks:
+        return folder
+    try:
+        snapshot.await_written(folder.parent, ranks, resume.collective_timeout())
+        return folder
+    except snapshot.StagingFailed:
+        if folder != real and folder.is_dir():
+            staged.rescue(folder, real)
+        return real
+    finally:
+        snapshot.clear_markers(folder.parent)
 
 
 def _size(path: Path) -> int:
@@ -454,6 +526,7 @@ def attach(
     asynchronous: bool = True,
     staging: str | os.PathLike | None = None,
     on_existing: str = "branch",
+    snapshot: bool = True,
     **policy_params: float,
 ) -> TailorCheckpointEngine:
     """Install a :class:`TailorCheckpointEngine` on a DeepSpeed engine, on every rank (collective).
@@ -462,6 +535,8 @@ def attach(
     from it (a tag folder that exists on disk is still loaded from disk). ``on_existing`` says what
     a save of a step the store already holds does, after training went back to an earlier step:
     ``"branch"`` (a new run from the resumed step, with a warning), ``"replace"`` or ``"error"``.
+    ``snapshot`` (default) makes ``save_checkpoint`` block only for a copy of the tensors into
+    reused memory; the files are written in the background (:mod:`.snapshot`).
     """
     tailor = TailorCheckpointEngine(
         store,
@@ -471,6 +546,7 @@ def attach(
         global_steps=lambda: int(engine.global_steps),
         on_existing=on_existing,
         shape=lambda: _shape_of(engine),
+        snapshot=snapshot,
         **policy_params,
     )
     engine.checkpoint_engine = tailor

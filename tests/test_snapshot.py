@@ -1,0 +1,86 @@
+"""A snapshot writes the bytes ``torch.save`` of the original would write, from a copy taken at
+once: tensors keep their storage sharing, views, dtypes, requires_grad and Parameter type, and
+the original may change as soon as the copy returns. Buffers are reused two saves later; what
+the snapshot does not know how to copy is refused (the engine then saves at once)."""
+
+from __future__ import annotations
+
+import argparse
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+
+from tailorstore.integrations import snapshot
+
+
+def state() -> dict:
+    flat = torch.arange(64, dtype=torch.float32)
+    module = torch.nn.Linear(3, 2).state_dict()  # an OrderedDict with _metadata, as a module's state dict is
+    return {
+        "state_dict": module,
+        "module": OrderedDict(w=flat[:16].view(4, 4), b=flat[16:20], t=flat[20:36].view(4, 4).t()),  # one storage
+        "bf16": torch.randn(8, 3).to(torch.bfloat16),
+        "param": torch.nn.Parameter(torch.ones(5)),
+        "groups": [{"step": torch.tensor(3.0), "lr": 0.1, "shape": torch.Size([4, 4])}],
+        "meta": ("ds", 7, None, {"x": [1, 2]}),
+        "args": argparse.Namespace(lr=0.1),
+        "empty": torch.empty(0),
+    }
+
+
+def test_the_written_file_is_what_torch_save_writes(tmp_path: Path) -> None:
+    original = state()
+    (tmp_path / "direct").mkdir()
+    torch.save(original, tmp_path / "direct" / "file.pt")
+    shots = snapshot.Snapshots(pinned=False)
+    shots.begin(1)
+    tree, nbytes = shots.copy(original, "file.pt")
+    assert nbytes == 64 * 4 + 8 * 3 * 2 + 5 * 4 + 4 + (6 + 2) * 4, "each storage copied once"
+    with torch.no_grad():  # training goes on at once: the copy must not see it
+        original["module"]["w"].add_(1000)
+        original["param"].mul_(7)
+    shots.write(tree, tmp_path / "staged" / "file.pt", tmp_path / "real.pt")
+    shots.finish(tmp_path, 0)
+    shots.drain()
+    assert (tmp_path / "staged" / "file.pt").read_bytes() == (tmp_path / "direct" / "file.pt").read_bytes()
+    assert [p.name for p in (tmp_path / "staged").iterdir()] == ["file.pt"], "no temporary left behind"
+    assert (tmp_path / ".written-0").exists() and not (tmp_path / "real.pt").exists()
+    snapshot.await_written(tmp_path, [0], timeout=5)
+
+
+def test_buffers_alternate_between_two_saves(tmp_path: Path) -> None:
+    shots = snapshot.Snapshots(pinned=False)
+    ptrs = []
+    for save in (1, 2, 3):
+        shots.begin(save)
+        tree, _ = shots.copy({"x": torch.full((1000,), float(save))}, "f.pt")
+        ptrs.append(tree["x"].data_ptr())
+        shots.write(tree, tmp_path / f"s{save}.pt", tmp_path / f"r{save}.pt")
+    shots.drain()
+    assert ptrs[0] == ptrs[2] != ptrs[1], "save 3 reuses save 1's buffer, never save 2's"
+    assert [torch.load(tmp_path / f"s{s}.pt")["x"][0].item() for s in (1, 2, 3)] == [1.0, 2.0, 3.0]
+
+
+def test_a_tensor_inside_an_object_is_not_copied_by_halves() -> None:
+    shots = snapshot.Snapshots(pinned=False)
+    shots.begin(1)
+    with pytest.raises(snapshot.Unsupported):
+        shots.copy({"scaler": argparse.Namespace(scale=torch.ones(1))}, "f.pt")
+    with pytest.raises(snapshot.Unsupported):
+        shots.copy({"sparse": torch.eye(3).to_sparse()}, "f.pt")
+
+
+def test_a_file_staging_cannot_take_goes_where_deepspeed_writes_it(tmp_path: Path) -> None:
+    shots = snapshot.Snapshots(pinned=False)
+    shots.begin(1)
+    tree, _ = shots.copy({"x": torch.ones(3)}, "f.pt")
+    blocked = tmp_path / "staging"
+    blocked.write_text("a file where the staging folder should be")
+    shots.write(tree, blocked / "save" / "f.pt", tmp_path / "real" / "f.pt")
+    shots.finish(tmp_path / "markers", 0)
+    shots.drain()
+    assert torch.equal(torch.load(tmp_path / "real" / "f.pt")["x"], torch.ones(3))
+    with pytest.raises(Exception, match="could not write its files"):
+        snapshot.await_written(tmp_path / "markers", [0], timeout=5)
