@@ -219,17 +219,20 @@ def saved_bytes(model: nn.Module) -> int:
     return n * 2 + n * 12 // torch.distributed.get_world_size()  # bf16 weights; this rank's fp32 master, two moments
 
 
-def copy_floor(nbytes: int) -> dict:
-    """Seconds to copy ``nbytes`` from the GPU into pinned host memory that is already mapped
-    (the best of 3, after a warm-up): the snapshot a save cannot go below."""
-    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def copy_floor(nbytes: int, cuda: bool) -> dict:
+    """Seconds to copy ``nbytes`` into host memory that is already mapped (pinned, from the GPU,
+    with --cuda; else from memory to memory), the best of 3 after a warm-up: the least a snapshot
+    of the save can block for."""
+    source = torch.ones(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    target = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)  # zeros: every page touched
     times = []
     for _ in range(4):
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         began = time.perf_counter()
-        target.copy_(source, non_blocking=True)
-        torch.cuda.synchronize()
+        target.copy_(source, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
     return {"copy_floor_seconds": min(times[1:]), "copy_floor_bytes": nbytes}
 
@@ -290,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="attach TailorCheckpointEngine: saves go into --commit-to, and --resume-from loads from it",
     )
+    p.add_argument("--no-snapshot", action="store_true", help="the engine serializes each file inside the save")
     p.add_argument("--engine-policy", default="full", help="the policy TailorCheckpointEngine commits with")
     p.add_argument("--on-existing", default="branch", help="what the engine does with a save of a step the store holds")
     p.add_argument("--fast-writer", action="store_true", help="save with DeepSpeed's FastCheckpointEngine")
@@ -350,7 +354,9 @@ def main(argv: list[str] | None = None) -> None:
     store = Store.open(args.commit_to) if args.commit_to and leader else None
     tailor = None
     if args.tailor_engine:
-        tailor = attach(engine, store, policy=args.engine_policy, on_existing=args.on_existing)
+        tailor = attach(
+            engine, store, policy=args.engine_policy, on_existing=args.on_existing, snapshot=not args.no_snapshot
+        )
 
     start_step = 0
     if args.load_from_store:  # no attach: resume straight from the store at this world size
@@ -406,8 +412,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.distributed.barrier()
     if rank == 0 and args.timings_out:
         timings = {"stalls": stalls, "loop_seconds": time.perf_counter() - loop_began}
-        if args.cuda and args.save_every:  # the floor of a stall: the save's bytes copied into mapped pinned memory
-            timings |= copy_floor(saved_bytes(engine.module))
+        if args.save_every:  # the floor of a stall: rank 0's bytes of a save copied into mapped memory
+            timings |= copy_floor(saved_bytes(engine.module), args.cuda)
         Path(args.timings_out).write_text(json.dumps(timings))
     if args.eval_batches:
         held_out = held_out_loss(engine, args)
