@@ -27,6 +27,7 @@ def state() -> dict:
         "meta": ("ds", 7, None, {"x": [1, 2]}),
         "args": argparse.Namespace(lr=0.1),
         "empty": torch.empty(0),
+        "also_empty": [torch.empty(0), torch.zeros(0, 3)],  # distinct storages, every one at address 0
     }
 
 

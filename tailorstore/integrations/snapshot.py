@@ -106,12 +106,13 @@ class Snapshots:
         """``state_dict`` with every tensor backed by a copy in this generation's buffers; the
         bytes copied. Raises Unsupported for a tensor it does not know how to copy."""
         buffers = self._buffers[self._generation]
-        copies: dict[tuple[str, int], torch.Tensor] = {}  # original storage -> its copy (sharing kept)
+        copies: dict[int, torch.Tensor] = {}  # original storage -> its copy (sharing kept)
         counter = [0]
 
         def storage_copy(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
-            key = (str(storage.device), storage.data_ptr())
+            key = storage._cdata  # the storage itself, as torch.save tells storages apart: not its address,
+            # which every empty storage shares
             if key in copies:
                 return copies[key]
             slot = (name, counter[0])
