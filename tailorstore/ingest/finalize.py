@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tailorstore.access import structure
@@ -28,6 +29,8 @@ from tailorstore.store.parts import Part, read_parts
 from tailorstore.store.publish import record_manifest
 from tailorstore.store.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from tailorstore.store.repo import Repository, check_step
+
+CHECKERS = 16  # blob objects asked after at once: each a round trip, not a core
 
 
 @dataclass
@@ -95,20 +98,21 @@ def _one_fact(parts: list[Part], name: str) -> int | None:
 
 
 def _check_blobs(store: Repository, parts: list[Part]) -> None:
-    """Every blob a part names is in the backend (loose objects) or in a pack the index knows."""
-    for part in parts:
-        for row in part.blobs:
-            if row.pack is None:
-                ok = store.object_size(blob_key(row.hash)) == row.stored_size
-            else:
-                ok = store.blob(row.hash) is not None
-            if not ok:
-                raise CorruptStoreError(
-                    f"part {part.key} ({part.source}): blob {row.hash} is missing from {store.location}. "
-                    "Commit that part again with ",
-                    Call("commit", "DIR", part=True, force=True),
-                    ", then finalize.",
-                )
+    """Every blob a part names is in the backend (loose objects, asked :data:`CHECKERS` at a time)
+    or in a pack the index knows."""
+    loose = [(part, row) for part in parts for row in part.blobs if row.pack is None]
+    with ThreadPoolExecutor(CHECKERS, thread_name_prefix="tailor-finalize") as pool:
+        sizes = list(pool.map(lambda item: store.object_size(blob_key(item[1].hash)), loose))
+    missing = [item for item, size in zip(loose, sizes, strict=True) if size != item[1].stored_size]
+    missing += [(part, row) for part in parts for row in part.blobs if row.pack and store.blob(row.hash) is None]
+    if missing:
+        part, row = missing[0]
+        raise CorruptStoreError(
+            f"part {part.key} ({part.source}): blob {row.hash} is missing from {store.location}. "
+            "Commit that part again with ",
+            Call("commit", "DIR", part=True, force=True),
+            ", then finalize.",
+        )
 
 
 def finalize_step(
@@ -197,8 +201,8 @@ def finalize_step(
             return manifest
 
         manifest = record_manifest(store, rows, fence=lock).manifest  # the commit point
-        for part in parts:  # after the manifest is durable: a crash before leaves parts gc can drop
-            store.backend.delete(part.key)
+        # after the manifest is durable (a crash before leaves parts gc can drop); one request on S3
+        store.backend.delete_many([part.key for part in parts])
     return FinalizeResult(
         step=step,
         manifest=manifest,

@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.store._index import Index
 from tailorstore.store.backend import Backend, pack_key
 from tailorstore.store.packs import PackEntry, read_trailer
 from tailorstore.store.records import BlobRecord
+
+TRAILER_READERS = 16  # trailers read at once: requests that wait on the network
 
 log = logging.getLogger("tailorstore")
 
@@ -63,18 +66,26 @@ def reconcile_packs(
     """Inside the caller's index transaction: the rules of the module docstring. With
     ``skip_damaged``, a pack whose trailer cannot be read gives no rows (a warning names it)."""
     trailers: dict[str, tuple[int, list[PackEntry]] | None] = {}
+    fetched: dict[str, tuple[int, list[PackEntry]] | BaseException] = {}
+
+    def fetch(name: str) -> tuple[int, list[PackEntry]] | BaseException:
+        try:
+            return read_trailer(backend, name)
+        except (FileNotFoundError, CorruptStoreError) as exc:
+            return exc
 
     def trailer(name: str) -> tuple[int, list[PackEntry]] | None:
         if name not in trailers:
-            try:
-                trailers[name] = read_trailer(backend, name)
-            except FileNotFoundError:  # deleted since the listing: treated as never listed
+            read = fetched.pop(name) if name in fetched else fetch(name)
+            if isinstance(read, FileNotFoundError):  # deleted since the listing: treated as never listed
                 trailers[name] = None
-            except CorruptStoreError as exc:
+            elif isinstance(read, CorruptStoreError):
                 if not skip_damaged:
-                    raise
-                log.warning("tailorstore: %s; its blobs are left out of the index", exc)
+                    raise read
+                log.warning("tailorstore: %s; its blobs are left out of the index", read)
                 trailers[name] = None
+            else:
+                trailers[name] = read
         return trailers[name]
 
     def place(name: str, size: int, entries: list[PackEntry]) -> None:
@@ -86,7 +97,11 @@ def reconcile_packs(
     if locked:
         known = set(index.packs())
         index.delete_packs(known - listed)
-        for name in sorted(listed - known):
+        new = sorted(listed - known)
+        if len(new) > 1:  # each trailer is a round trip: many hosts' new packs are read at once
+            with ThreadPoolExecutor(min(TRAILER_READERS, len(new)), thread_name_prefix="tailor-packs") as pool:
+                fetched.update(zip(new, pool.map(fetch, new), strict=True))
+        for name in new:
             if (read := trailer(name)) is not None:
                 place(name, read[0], [e for e in read[1] if _unplaced(index, e.hash, listed)])
     lost = {b.hash for b in index.blobs_packed_outside(listed)}

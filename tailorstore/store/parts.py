@@ -15,6 +15,7 @@ import json
 import re
 import secrets
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zstandard
@@ -35,6 +36,7 @@ from tailorstore.store.records import (
 )
 
 PART_PREFIX = "parts/"
+READERS = 16  # parts fetched at once: requests that wait on the network, not on a core
 DOC_VERSION = 1
 _PART_KEY = re.compile(r"parts/([A-Za-z0-9._-]+)/step-(\d{20})/([A-Za-z0-9._-]+)\.json\.zst")
 
@@ -138,14 +140,22 @@ def part_keys(backend: Backend, step: int | None = None, run: str = MAIN_RUN, la
 
 def read_parts(backend: Backend, step: int | None = None, run: str = MAIN_RUN, label: str | None = None) -> list[Part]:
     """Every part (of one step of ``run``; with no step, of every run; with ``label``, only the
-    parts published with it), read back; a part deleted while listing is skipped."""
-    out = []
-    for key in part_keys(backend, step, run, label):
+    parts published with it), read back; a part deleted while listing is skipped. The parts are
+    fetched :data:`READERS` at a time: a step of many hosts' parts costs about one round trip."""
+
+    def fetch(key: str) -> Part | None:
         try:
-            out.append(decode(backend.get(key), key))
+            return decode(backend.get(key), key)
         except FileNotFoundError:
-            continue
-    return out
+            return None
+
+    keys = part_keys(backend, step, run, label)
+    if len(keys) <= 1:
+        found = [fetch(k) for k in keys]
+    else:
+        with ThreadPoolExecutor(min(READERS, len(keys)), thread_name_prefix="tailor-parts") as pool:
+            found = list(pool.map(fetch, keys))
+    return [p for p in found if p is not None]
 
 
 def publish(backend: Backend, part: Part) -> str:
