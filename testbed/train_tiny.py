@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     start_step = 0
+    resume_began = time.perf_counter()  # time to resume: load_checkpoint called to the first step done
     if args.load_from_store:  # no attach: resume straight from the store at this world size
         _, client_state = load_checkpoint(engine, store, args.load_from_store)
         start_step = int(client_state["my_step"])
@@ -382,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.backward(loss)
         engine.step()
         losses[step] = loss.item()
+        if step == start_step + 1:
+            resume_seconds = time.perf_counter() - resume_began
         if args.save_every and step % args.save_every == 0:
             save_began = time.perf_counter()
             if tailor is not None:  # the engine saves into the store itself
@@ -412,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.distributed.barrier()
     if rank == 0 and args.timings_out:
         timings = {"stalls": stalls, "loop_seconds": time.perf_counter() - loop_began}
+        if args.resume_from or args.load_from_store:
+            timings["resume_seconds"] = resume_seconds
         if args.save_every:  # the floor of a stall: rank 0's bytes of a save copied into mapped memory
             timings |= copy_floor(saved_bytes(engine.module), args.cuda)
         Path(args.timings_out).write_text(json.dumps(timings))
