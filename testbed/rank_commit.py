@@ -1,11 +1,12 @@
 """A rank-parallel commit as a torchrun job: ``python -m torch.distributed.run --nproc_per_node 2
--m testbed.rank_commit STORE SAVE OUT_JSON``. Each rank writes what its part
-wrote to ``OUT_JSON.rank<R>``, so a test can count every blob written once."""
+-m testbed.rank_commit STORE OUT_JSON SAVE [SAVE ...] [--policy NAME] [--param KEY=VALUE ...]``.
+The saves are committed in order; each rank writes what its parts wrote to ``OUT_JSON.rank<R>``
+(a list, one entry a save), so a test can count every blob written once."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,12 +17,21 @@ from tailorstore.integrations.distributed import commit_rank_parallel
 
 
 def main() -> None:
-    store_path, save, out = sys.argv[1:4]
+    p = argparse.ArgumentParser()
+    p.add_argument("store")
+    p.add_argument("out")
+    p.add_argument("saves", nargs="+")
+    p.add_argument("--policy", default="full")
+    p.add_argument("--param", action="append", default=[], help="a policy parameter, KEY=VALUE")
+    args = p.parse_args()
+    params = {k: float(v) for k, v in (item.split("=", 1) for item in args.param)}
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    with Store.open(store_path) as store:
-        result = commit_rank_parallel(store, save)
-    Path(f"{out}.rank{rank}").write_text(json.dumps(asdict(result)))
+    results = []
+    with Store.open(args.store) as store:
+        for save in args.saves:
+            results.append(asdict(commit_rank_parallel(store, save, policy=args.policy, **params)))
+    Path(f"{args.out}.rank{rank}").write_text(json.dumps(results))
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 

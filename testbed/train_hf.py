@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--tailor-store", default=None, help="commit every save with TailorCallback")
     p.add_argument("--delete-after-commit", action="store_true")
+    p.add_argument("--tailor-policy", default="full", help="the callback's policy: NAME or NAME:KEY=VALUE,...")
     p.add_argument("--save-total-limit", type=int, default=None)
     p.add_argument("--load-universal", action="store_true", help="--resume-from holds a universal checkpoint")
     args = p.parse_args(argv)
@@ -98,7 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.tailor_store:
         from tailorstore.integrations.hf import TailorCallback
 
-        callbacks.append(TailorCallback(args.tailor_store, delete_after_commit=args.delete_after_commit))
+        name, _, given = args.tailor_policy.partition(":")
+        params = {k: float(v) for k, v in (item.split("=", 1) for item in given.split(",") if item)}
+        callbacks.append(
+            TailorCallback(args.tailor_store, policy=name, delete_after_commit=args.delete_after_commit, **params)
+        )
     trainer = Trainer(model=model, args=training_args, train_dataset=RampTokens(64, 32, 128), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=args.resume_from)
     for callback in callbacks:

@@ -6,6 +6,7 @@ treated as read-only ("pristine"); tests copy what they modify.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -16,7 +17,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -385,3 +386,19 @@ def index_db(store: Repository) -> sqlite3.Connection:
     conn = sqlite3.connect(store.where.index_path, isolation_level=None, timeout=60.0)
     conn.row_factory = sqlite3.Row
     return conn
+
+
+def manifest_rows(store: Store, step: int) -> dict:
+    """A step's manifest as a comparable record: files, atoms, layers (sources as steps), policy."""
+    repo = store.repo
+    manifest = repo.resolve(f"step={step}")
+    record = repo.manifest(manifest)
+    index = repo.catalogue
+    layers = sorted((x.layer, x.source_step, x.raw_bytes, x.stored, x.change) for x in index.layers(manifest))
+    return {
+        "files": sorted(astuple(f) for f in index.files(manifest)),
+        "atoms": sorted(astuple(a) for a in index.atoms(manifest)),
+        "layers": layers,
+        "policy": json.loads(record.policy),
+        "exact": record.exact,
+    }

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HFRun, Runs
+from conftest import HFRun, Runs, manifest_rows
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from safetensors.torch import load_file
 from test_hostile import mounted
@@ -397,3 +397,29 @@ def test_hf_trainer_going_back_to_an_earlier_checkpoint_branches(hf_run: HFRun, 
         assert [s.step for s in store.log(run="main-from-3")] == [6]
         assert store.verify(deep=True).ok
     assert not differences(load_file(tmp_path / "first.safetensors"), load_file(tmp_path / "again.safetensors"))
+
+
+def test_hf_trainer_callback_commits_rank_parallel_under_a_policy(hf_run: HFRun, tmp_path: Path) -> None:
+    """The callback commits rank-parallel under a policy too: every rank writes its own files'
+    pieces of the layers the budget keeps, and each step's manifest equals a single-process
+    commit of the same checkpoint folders with the same policy."""
+    Store.init(tmp_path / "store").close()
+    train_hf(
+        tmp_path / "out", final_weights=tmp_path / "final.safetensors", steps=6, save_steps=3,
+        tailor_store=tmp_path / "store", tailor_policy="budget:fraction=0.4",
+    )  # fmt: skip
+    with Store.init(tmp_path / "single") as single:
+        for step in (3, 6):
+            single.commit(hf_run.output_dir / f"checkpoint-{step}", policy="budget", fraction=0.4)
+        expected = {step: manifest_rows(single, step) for step in (3, 6)}
+    assert not expected[6]["exact"], "the budget inherits layers at the second save"
+    with Store.open(tmp_path / "store") as store:
+        sources = [store.repo.manifest(s.manifest).source.split("; ") for s in store.log()]
+        assert [len(parts) for parts in sources] == [2, 2], "rank-parallel: each rank committed a part"
+        for step in (3, 6):
+            found = manifest_rows(store, step)
+            # training_args.bin holds the run's output_dir, which differs between the two runs
+            for rows in (found, expected[step]):
+                rows["files"] = [f for f in rows["files"] if f[0] != "training_args.bin"]
+            assert found == expected[step], step
+        assert store.verify(deep=True).ok

@@ -9,7 +9,8 @@ import json
 from dataclasses import astuple
 from pathlib import Path
 
-from conftest import Runs, as_of_step
+import pytest
+from conftest import Runs, as_of_step, manifest_rows
 
 from tailorstore import Store
 from tailorstore.ingest.rank_share import Survey, checked_weights, owner_of, writers
@@ -32,8 +33,8 @@ def test_two_ranks_commit_what_one_process_commits(runs: Runs, tmp_path: Path) -
         files, atoms, blobs = _rows(single)
     Store.init(tmp_path / "parallel").close()
     out = tmp_path / "result.json"
-    torchrun("testbed.rank_commit", [str(tmp_path / "parallel"), str(save), str(out)])
-    results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)]
+    torchrun("testbed.rank_commit", [str(tmp_path / "parallel"), str(out), str(save)])
+    results = [json.loads(Path(f"{out}.rank{r}").read_text())[0] for r in (0, 1)]
     assert results[0] == results[1], "every rank returns the same result"
     parts = results[0]["parts"]
     assert all(p is not None and p["files"] > 0 for p in parts), "both ranks wrote files"
@@ -62,3 +63,39 @@ def test_ownership_and_derivation_rules() -> None:
     assert checked_weights([a, b]) == frozenset({("m", "w")}), "v has a range that differs"
     gap = Survey(1, [], set(), {("m", "w"): [(5, 5, True)]}, {})
     assert checked_weights([a, gap]) == frozenset(), "a range no rank covered is not derived"
+
+
+@pytest.mark.parametrize(
+    ("policy", "params"),
+    [
+        ("parity", {}),
+        ("filter", {"keep_first": 1, "keep_last": 1, "every": 2}),
+        ("adaptive", {"threshold": 0.02}),
+        ("budget", {"fraction": 0.4}),
+    ],
+)
+def test_every_policy_commits_rank_parallel_what_one_process_commits(
+    runs: Runs, tmp_path: Path, policy: str, params: dict[str, float]
+) -> None:
+    """The plan is decided once from both ranks' surveys (and their measured changes): each step's
+    manifest (files, atoms, layers with their sources and changes, policy) equals a single-process
+    commit of the same saves with the same policy, and the composite step checks out bit for bit."""
+    run = runs.get("zero2-bf16")
+    saves = [as_of_step(run.save_dir, step, tmp_path / f"at{step}") for step in (3, 6)]
+    with Store.init(tmp_path / "single") as single:
+        for save in saves:
+            single.commit(save, policy=policy, **params)
+        expected = {step: manifest_rows(single, step) for step in (3, 6)}
+    Store.init(tmp_path / "parallel").close()
+    args = [str(tmp_path / "parallel"), str(tmp_path / "out.json"), *map(str, saves), "--policy", policy]
+    args += [f"--param={k}={v}" for k, v in params.items()]
+    torchrun("testbed.rank_commit", args)
+    with Store.open(tmp_path / "parallel") as parallel:
+        for step in (3, 6):
+            assert manifest_rows(parallel, step) == expected[step], step
+        assert not expected[6]["exact"] or policy == "adaptive", "the second step inherits something"
+        assert parallel.verify(deep=True).ok
+        parallel.checkout(6, tmp_path / "parallel-out")
+    with Store.open(tmp_path / "single") as single:
+        single.checkout(6, tmp_path / "single-out")
+    assert same_tree(tmp_path / "parallel-out", tmp_path / "single-out"), "the same composite, byte for byte"

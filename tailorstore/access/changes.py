@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,6 +53,28 @@ def stored_pieces(
     }
 
 
+@dataclass(frozen=True)
+class ChangeTerms:
+    """One file's share of a layer's change: (||w - w_ref||^2, ||w_ref||^2) per piece, in order."""
+
+    pieces: tuple[tuple[float, float], ...]
+    matched: bool = True
+
+
+def change_terms(current: dict[PieceKey, np.ndarray], reference: dict[PieceKey, np.ndarray]) -> ChangeTerms:
+    if set(current) != set(reference):
+        return ChangeTerms((), matched=False)
+    return ChangeTerms(
+        tuple(
+            (
+                float(np.sum(np.square(values - reference[key]), dtype=np.float64)),
+                float(np.sum(np.square(reference[key]), dtype=np.float64)),
+            )
+            for key, values in current.items()
+        )
+    )
+
+
 class LayerChange:
     """Accumulates ||w - w_ref||^2 and ||w_ref||^2 over the pieces of one layer as they stream by."""
 
@@ -62,14 +85,18 @@ class LayerChange:
         self.matched = True
 
     def add(self, current: dict[PieceKey, np.ndarray], reference: dict[PieceKey, np.ndarray]) -> None:
-        if set(current) != set(reference):
+        self.add_terms(change_terms(current, reference))
+
+    def add_terms(self, terms: ChangeTerms) -> None:
+        """Add one file's terms, piece by piece in their order: the same sums, in the same order,
+        whether one process measures every file or each rank its own (ingest/rank_share.py)."""
+        if not terms.matched:
             self.matched = False
             return
-        for key, values in current.items():
-            old = reference[key]
-            self.diff += float(np.sum(np.square(values - old), dtype=np.float64))
-            self.ref += float(np.sum(np.square(old), dtype=np.float64))
-        self.pieces += len(current)
+        for diff, ref in terms.pieces:
+            self.diff += diff
+            self.ref += ref
+        self.pieces += len(terms.pieces)
 
     def value(self) -> float:
         if self.ref == 0.0:

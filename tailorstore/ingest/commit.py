@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from tailorstore.access import structure
-from tailorstore.access.changes import LayerChange, masters_by_layer, stored_pieces
+from tailorstore.access.changes import ChangeTerms, LayerChange, change_terms, masters_by_layer, stored_pieces
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import BadCheckpointError, Call, StepExistsError, StoreError
 from tailorstore.core.failpoints import failpoint
@@ -36,7 +36,7 @@ from tailorstore.formats.kinds import RAW
 from tailorstore.formats.layout import CheckpointLayout, detect
 from tailorstore.formats.reader import ReadFile, read_checkpoint, write_order
 from tailorstore.formats.source import CHUNK, InputFile, check_unchanged
-from tailorstore.ingest.commit_options import CommitOptions, CommitResult
+from tailorstore.ingest.commit_options import CommitOptions, CommitResult, PartPlan
 from tailorstore.ingest.derive import RoundedMasters, is_derivable_weight
 from tailorstore.store import manifest_objects, parts
 from tailorstore.store.catalogue import Catalogue, CatalogueEdit
@@ -62,7 +62,7 @@ from tailorstore.store.writer import BlobWriter
 
 
 @dataclass
-class _Inheritance:
+class Inheritance:
     manifest: int
     step: int
     source: int
@@ -118,23 +118,48 @@ def _refuse_existing(index: Catalogue, step: int, tag: str | None, run: str) -> 
         )
 
 
-def _inheritance(
+def inheritance(
     store: Repository, step: int, layers: frozenset[str], run: str, base: ManifestRecord | None
-) -> dict[str, _Inheritance]:
+) -> dict[str, Inheritance]:
     """For each layer, the newest earlier committed step of the run that has it, with its atoms
     by key; then the run's base (the step it branched from), which is older than all of them."""
-    found: dict[str, _Inheritance] = {}
+    found: dict[str, Inheritance] = {}
     history = store.catalogue.layer_history(step, run)
     if base is not None:
         history += [StoredLayer(base.step, x) for x in store.catalogue.layers(base.id)]
     for at_step, x in history:
         if x.layer in layers and x.layer != STATE and x.layer not in found:
-            found[x.layer] = _Inheritance(x.manifest, at_step, x.source, x.source_step, {})
+            found[x.layer] = Inheritance(x.manifest, at_step, x.source, x.source_step, {})
     return found
 
 
-def _load_inherited_atoms(store: Repository, inherit: _Inheritance, layer: str) -> None:
+def load_inherited_atoms(store: Repository, inherit: Inheritance, layer: str) -> None:
     inherit.atoms.update(store.catalogue.atoms_by_key(inherit.manifest, layer))
+
+
+def planned_sources(store: Repository, plan: PartPlan, layers: Iterable[str]) -> dict[str, Inheritance]:
+    """A rank's view of where the plan's inherited layers come from, their atoms loaded."""
+    out: dict[str, Inheritance] = {}
+    for layer in layers:
+        if layer not in plan.inherited:
+            raise StoreError(f"the plan of this rank-parallel commit says nothing of layer {layer}")
+        holder_key, source_key, source_step = plan.inherited[layer]
+        holder, source = store.catalogue.by_object_key(holder_key), store.catalogue.by_object_key(source_key)
+        if holder is None or source is None:
+            raise StoreError(f"layer {layer} is inherited from {holder_key}, which this store no longer holds")
+        out[layer] = Inheritance(holder.id, holder.step, source.id, source_step, {})
+        load_inherited_atoms(store, out[layer], layer)
+    return out
+
+
+def plan_document(plan: PartPlan) -> dict:
+    """The plan as a part object carries it (docs/FORMAT.md, section 8)."""
+    return {
+        "policy": plan.policy,
+        "stored": sorted(plan.stored, key=sort_key),
+        "inherited": {layer: list(found) for layer, found in sorted(plan.inherited.items())},
+        "changes": dict(sorted(plan.changes.items())),
+    }
 
 
 @dataclass
@@ -168,22 +193,39 @@ def scan_checkpoint(layout: CheckpointLayout, trust_pickles: bool, files: list[s
     return scan
 
 
-def _measure_changes(store: Repository, layout: CheckpointLayout, scan: Scan, sources: dict[str, _Inheritance]) -> dict:
+def _measure_changes(store: Repository, layout: CheckpointLayout, scan: Scan, sources: dict[str, Inheritance]) -> dict:
     """Relative change of each layer's FP32 master since the version an earlier step holds, file by file."""
-    totals: dict[str, LayerChange] = {}
     by_path = {f.path: f for f in scan.files}
-    for f in (by_path[path] for path in write_order(layout)):
-        with f.open() as src:
-            for layer, pieces in masters_by_layer(f, src).items():
-                if layer in sources:
-                    stored = stored_pieces(store, sources[layer].manifest, layer, keys=set(pieces))
-                    totals.setdefault(layer, LayerChange()).add(pieces, stored)
-            src.check()
+    terms = {path: file_change_terms(store, by_path[path], sources) for path in write_order(layout)}
+    return combine_changes(store, [terms[path] for path in write_order(layout)], sources)
+
+
+def file_change_terms(store: Repository, f: ReadFile, sources: Mapping[str, Inheritance]) -> dict[str, ChangeTerms]:
+    """One file's terms of each inheritable layer's change (a rank measures only its own files)."""
+    out: dict[str, ChangeTerms] = {}
+    with f.open() as src:
+        for layer, pieces in masters_by_layer(f, src).items():
+            if layer in sources:
+                before = stored_pieces(store, sources[layer].manifest, layer, keys=set(pieces))
+                out[layer] = change_terms(pieces, before)
+        src.check()
+    return out
+
+
+def combine_changes(
+    store: Repository, per_file: list[dict[str, ChangeTerms]], sources: Mapping[str, Inheritance]
+) -> dict[str, float]:
+    """The files' terms summed in write order, as one pass over every file sums them; a layer counts
+    only where every master piece of its source was matched."""
+    totals: dict[str, LayerChange] = {}
+    for terms in per_file:
+        for layer, found in terms.items():
+            totals.setdefault(layer, LayerChange()).add_terms(found)
     expected = {layer: store.catalogue.count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()}
     return {layer: t.value() for layer, t in totals.items() if t.pieces == expected.get(layer) and t.matched}
 
 
-def _ages(store: Repository, sources: dict[str, _Inheritance], commits_before: int, run: str) -> dict[str, int]:
+def ages_of(store: Repository, sources: dict[str, Inheritance], commits_before: int, run: str) -> dict[str, int]:
     """Commits since each inheritable layer was last stored (one query per distinct source step)."""
     before = {step: store.catalogue.commits_before(step, run) for step in {src.source_step for src in sources.values()}}
     return {layer: commits_before - before[src.source_step] for layer, src in sources.items()}
@@ -236,11 +278,11 @@ def commit_checkpoint(
         if not options.force:
             structure.refuse_other_model(store.catalogue, scan.structure, run, base)
             _refuse_existing(store.catalogue, step, tag, run)
-        sources = _inheritance(store, step, layers, run, base)
+        sources = inheritance(store, step, layers, run, base)
         commits_before = store.catalogue.commits_before(step, run) + (base is not None)
         adaptive = needs_changes(options.policy)
         changes = _measure_changes(store, layout, scan, sources) if adaptive else {}
-        ages = _ages(store, sources, commits_before, run) if adaptive else {}
+        ages = ages_of(store, sources, commits_before, run) if adaptive else {}
         stored = decide(
             options.policy,
             CommitFacts(
@@ -248,7 +290,7 @@ def commit_checkpoint(
             ),
         )
         for layer in layers - stored:
-            _load_inherited_atoms(store, sources[layer], layer)
+            load_inherited_atoms(store, sources[layer], layer)
         writer = BlobWriter(store, level=options.level, threads=options.threads)
         with cleaned_up_on_failure(store, writer, lock, progress):
             plan, new_blobs = _write_checked(layout, scan, options, stored, sources, writer, progress)
@@ -340,7 +382,7 @@ def _write_checked(
     scan: Scan,
     options: CommitOptions,
     stored: frozenset[str],
-    sources: dict[str, _Inheritance],
+    sources: dict[str, Inheritance],
     writer: BlobWriter,
     progress: Progress,
     checked_weights: frozenset[tuple[str, str]] = frozenset(),
@@ -378,17 +420,23 @@ def commit_part(
 ) -> CommitResult:
     """Write this host's files' blobs, then one part object naming them; no manifest yet.
 
-    Every layer is stored (a policy needs the whole step); weights are derived where this
-    part holds their masters too, or where the ranks holding them checked them
-    (``checked_weights``). Blobs in ``elsewhere`` are written by another rank's part of the
-    same commit. The part object is the commit point of a part.
+    Every layer is stored, unless ``options.plan`` (a rank-parallel commit's decision, made once
+    from every rank's survey) says which: the other layers' pieces are then inherited as a
+    single-process commit inherits them. Weights are derived where this part holds their
+    masters too, or where the ranks holding them checked them (``checked_weights``). Blobs in
+    ``elsewhere`` are written by another rank's part of the same commit. The part object is
+    the commit point of a part.
     """
     if store.catalogue.commit_at(step, options.run) is not None and not options.force:
         raise StepExistsError(f"step {step} is already in the store; a part of it cannot be added any more.")
+    stored, sources = scan.layers, {}
+    if options.plan is not None:
+        stored = options.plan.stored & scan.layers
+        sources = planned_sources(store, options.plan, scan.layers - stored)
     writer = BlobWriter(store, level=options.level, threads=options.threads, elsewhere=elsewhere)
     with cleaned_up_on_failure(store, writer, lock, progress):
         plan, new_blobs = _write_checked(
-            layout, scan, options, scan.layers, {}, writer, progress, checked_weights=checked_weights
+            layout, scan, options, stored, sources, writer, progress, checked_weights=checked_weights
         )
         written = {b.hash: b for b in new_blobs}
         needed = {f.blob for f in plan.files} | {f.container for f in plan.files if f.container}
@@ -408,6 +456,7 @@ def commit_part(
             atoms=plan.atoms,
             blobs=[b for b in blobs if b is not None],
             label=options.part_label,
+            plan=plan_document(options.plan) if options.plan is not None else None,
         )
         lock.check("committing a part")
         failpoint("before-part-publish")
@@ -455,7 +504,7 @@ def write_files(
     layout: CheckpointLayout,
     scan: Scan,
     stored: frozenset[str],
-    sources: dict[str, _Inheritance],
+    sources: dict[str, Inheritance],
     writer: PieceWriter,
     rounded: MasterPieces,
     progress: Progress,
@@ -505,7 +554,7 @@ def _atom(
     entry: A.TensorEntry,
     seg: A.Segment,
     stored: frozenset[str],
-    sources: dict[str, _Inheritance],
+    sources: dict[str, Inheritance],
     writer: PieceWriter,
     rounded: MasterPieces,
     plan: _Plan,

@@ -45,6 +45,18 @@ class CommitRequest:
         return policy_spec(self.policy, self.policy_params)
 
 
+@dataclass(frozen=True)
+class PartPlan:
+    """What a rank-parallel commit decided once, from every rank's survey, for every rank's part:
+    the policy, the layers stored, where each other layer comes from, and the measured changes.
+    Manifests are named by their object keys, which every host resolves alike."""
+
+    policy: dict  # PolicySpec.as_json()
+    stored: frozenset[str]
+    inherited: dict[str, tuple[str, str, int]]  # layer -> (manifest holding it, its source manifest, source step)
+    changes: dict[str, float]
+
+
 @dataclass
 class CommitOptions:
     step: int | None = None
@@ -58,6 +70,7 @@ class CommitOptions:
     derive_weights: bool = True
     part: bool = False  # commit only these files, as one part of a step several hosts write (finalize.py)
     part_label: str = ""  # the part's key begins with it: finalize can take one save's parts only
+    plan: PartPlan | None = None  # a part of a rank-parallel commit under a policy: what to store
     run: str = MAIN_RUN  # steps are numbered per run (runs.py)
 
 

@@ -90,6 +90,28 @@ def _merged_files(parts: list[Part]) -> tuple[list[FileRecord], list[AtomRecord]
     return sorted((f for f, _ in files.values()), key=lambda f: f.path), atoms
 
 
+def _one_plan(parts: list[Part]) -> dict | None:
+    """The plan every part carries (a rank-parallel commit under a policy), or None; parts that
+    disagree are not one commit."""
+    plans = [json.dumps(p.plan, sort_keys=True) for p in parts]
+    if len(set(plans)) > 1:
+        raise BadCheckpointError("the parts carry different plans (layers stored, inherited); they are not one commit")
+    return parts[0].plan
+
+
+def _plan_sources(store: Repository, plan: dict, step: int) -> dict[str, tuple[int, int]]:
+    """Inherited layer -> (this index's id of its source manifest, source step)."""
+    out = {}
+    for layer, (_, source_key, source_step) in plan["inherited"].items():
+        source = store.catalogue.by_object_key(source_key)
+        if source is None or source_step >= step:
+            raise CorruptStoreError(
+                f"step {step}'s parts inherit layer {layer} from {source_key}, which is not an earlier step here"
+            )
+        out[layer] = (source.id, source_step)
+    return out
+
+
 def _one_fact(parts: list[Part], name: str) -> int | None:
     found = {p.facts[name] for p in parts if name in p.facts}
     if len(found) > 1:
@@ -168,6 +190,8 @@ def finalize_step(
         layer_bytes: dict[str, int] = {}
         for a in atoms:
             layer_bytes[a.layer] = layer_bytes.get(a.layer, 0) + a.nbytes
+        plan = _one_plan(parts)
+        sources = _plan_sources(store, plan, step) if plan else {}
         raw_bytes = sum(f.raw_size for f in files)
         new_bytes = sum(p.new_bytes for p in parts)
 
@@ -184,8 +208,8 @@ def finalize_step(
                     ds_tag=parts[0].ds_tag,
                     zero_stage=zero_stage,
                     world_size=world_size,
-                    policy=json.dumps(PolicySpec().as_json()),
-                    exact=True,
+                    policy=json.dumps(plan["policy"] if plan else PolicySpec().as_json()),
+                    exact=not sources,
                     raw_bytes=raw_bytes,
                     new_bytes=new_bytes,
                     source="; ".join(sorted(p.source for p in parts)),
@@ -195,8 +219,15 @@ def finalize_step(
             )
             index.insert_files(manifest, files)
             index.insert_atoms(manifest, atoms)
+            changes = plan["changes"] if plan else {}
             index.insert_layers(
-                manifest, [LayerRecord(x, manifest, step, n, True, None) for x, n in sorted(layer_bytes.items())]
+                manifest,
+                [
+                    LayerRecord(
+                        x, *(sources[x] if x in sources else (manifest, step)), n, x not in sources, changes.get(x)
+                    )
+                    for x, n in sorted(layer_bytes.items())
+                ],
             )
             return manifest
 

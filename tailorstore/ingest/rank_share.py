@@ -32,7 +32,7 @@ from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import rounded
 from tailorstore.formats.deepspeed import file_rank, is_model_states
 from tailorstore.formats.layout import CheckpointLayout
-from tailorstore.formats.reader import ReadFile
+from tailorstore.formats.reader import ReadFile, write_order
 from tailorstore.formats.source import InputFile
 from tailorstore.ingest.commit import Scan, commit_part, detect_input, scan_checkpoint, step_of, write_files
 from tailorstore.ingest.commit_options import CommitOptions, CommitResult
@@ -67,6 +67,7 @@ class Survey:
     new_hashes: set[str] = field(default_factory=set)  # blobs it would write that the store lacks
     ranges: dict[WeightKey, list[tuple[int, int, bool]]] = field(default_factory=dict)  # (start, numel, equal)
     weights: dict[WeightKey, int] = field(default_factory=dict)  # low-precision weights seen, by elements
+    layer_bytes: dict[str, int] = field(default_factory=dict)  # raw bytes of each layer in its own files
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Share:
     layout: CheckpointLayout
     scan: Scan
     step: int
+    order: list[str] = field(default_factory=list)  # every file of the step, in the order a commit writes them
 
 
 def survey(store: Repository, ckpt_dir: Path, options: CommitOptions, rank: int) -> tuple[Share, Survey]:
@@ -91,10 +93,15 @@ def survey(store: Repository, ckpt_dir: Path, options: CommitOptions, rank: int)
     own_scan = dataclasses.replace(scan, files=[f for f in scan.files if f.path in own])
     own_scan.layers = frozenset(s.layer for f in own_scan.files for e in f.entries for s in e.segments)
     found = Survey(rank, own)
+    for f in own_scan.files:
+        for entry in f.entries:
+            for seg in entry.segments:
+                nbytes = seg.numel * entry.tensor.element_size()
+                found.layer_bytes[seg.layer] = found.layer_bytes.get(seg.layer, 0) + nbytes
     namer = _Namer(store, found.new_hashes)
     with _WeightRanges(weight_files, found) as checker:
         write_files(mine, own_scan, own_scan.layers, {}, namer, checker, Silent(), release=False)
-    return Share(mine, own_scan, step), found
+    return Share(mine, own_scan, step, write_order(layout)), found
 
 
 def _helps(rel: str, rank: int) -> bool:

@@ -28,10 +28,12 @@ import torch.distributed as dist
 
 from tailorstore.api import Store
 from tailorstore.core.errors import StoreError
+from tailorstore.core.policies import Policy, PolicySpec, needs_changes, policy_spec
 from tailorstore.core.threads import compute_threads
-from tailorstore.ingest.commit_options import CommitOptions, CommitResult
+from tailorstore.ingest import rank_plan
+from tailorstore.ingest.commit_options import CommitOptions, CommitResult, PartPlan
 from tailorstore.ingest.finalize import FinalizeResult
-from tailorstore.ingest.rank_share import Survey, checked_weights, survey, write_share, writers
+from tailorstore.ingest.rank_share import Share, Survey, checked_weights, survey, write_share, writers
 from tailorstore.integrations.resume import node_ranks
 
 T = TypeVar("T")
@@ -60,11 +62,15 @@ def commit_rank_parallel(
     lock_timeout: float = 600.0,
     group: Any = None,
     threads: int | None = None,
+    policy: str | Policy = "full",
+    **policy_params: float,
 ) -> RankParallelResult:
     """Commit the save at ``path`` (a folder every rank can read) from all ranks of ``group``.
 
     Each rank compresses on its share of its node's cores (``threads``, else ``$TAILOR_THREADS``,
-    else the usable cores divided among the node's ranks)."""
+    else the usable cores divided among the node's ranks). ``policy`` (and its parameters) is
+    decided once for every rank, from all ranks' surveys (ingest/rank_plan.py): the manifest is
+    the one a single-process commit of the save with that policy records."""
     if not (dist.is_available() and dist.is_initialized()):
         raise StoreError("commit_rank_parallel needs torch.distributed initialized; use Store.commit in one process.")
     rank = dist.get_rank(group)
@@ -79,9 +85,14 @@ def commit_rank_parallel(
         run=store.run,
         threads=compute_threads(threads, share=ranks_here),
     )
+    spec = policy_spec(policy, policy_params)
     share, mine = _together(lambda: survey(store.repo, Path(path), options, rank), group, "surveying its files")
     surveys: list[Survey] = _gathered(mine, group)
     elsewhere, derived = writers(surveys)[rank], checked_weights(surveys)
+    if spec.name != "full":
+        options.plan = _planned(store, share, surveys, spec, group, lock_timeout)
+        # a blob another rank would have written may be one of a layer it now inherits: write your own
+        elsewhere = frozenset()
     written = _together(
         lambda: write_share(store.repo, share, options, elsewhere, derived),
         group,
@@ -99,6 +110,44 @@ def commit_rank_parallel(
     if not isinstance(outcome[0], FinalizeResult):
         raise RankParallelCommitError(f"the rank-parallel commit of {path} failed: {outcome[0]}")
     return RankParallelResult(outcome[0], parts)
+
+
+def _planned(
+    store: Store, share: Share, surveys: list[Survey], spec: PolicySpec, group: Any, lock_timeout: float
+) -> PartPlan:
+    """Every rank: the one plan of this commit (rank 0 finds the sources and decides; every
+    rank measures its own files' share of the changes the policy needs)."""
+    layers, _ = rank_plan.layers_and_sizes(surveys)
+
+    def sources() -> rank_plan.Sources:
+        with store.repo.lock(exclusive=False, timeout=lock_timeout) as lock:
+            store.repo.refresh(lock)
+            return rank_plan.find_sources(store.repo, share.step, layers, store.run, spec)
+
+    found: rank_plan.Sources = _from_rank0(sources, group, "finding the step's sources")
+    terms: dict[str, Any] = {}
+    if needs_changes(spec):
+        mine = _together(lambda: rank_plan.own_terms(store.repo, share, found), group, "measuring its layers' change")
+        for part in _gathered(mine, group):
+            terms.update(part)
+    return _from_rank0(
+        lambda: rank_plan.decide_plan(store.repo, spec, surveys, found, terms, share.order), group, "deciding the plan"
+    )
+
+
+def _from_rank0(work: Callable[[], T], group: Any, doing: str) -> T:
+    """``work`` on rank 0, its value (or its failure) on every rank."""
+    box: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = ("ok", work())
+        except Exception as exc:
+            box[0] = ("failed", f"rank 0 failed {doing}: {exc}")
+    dist.broadcast_object_list(box, src=_global(0, group), group=group)
+    status, value = box[0]
+    if status != "ok":
+        raise RankParallelCommitError(value)
+    return value
 
 
 def _together(work: Callable[[], T], group: Any, doing: str, undo: Callable[[T], object] | None = None) -> T:

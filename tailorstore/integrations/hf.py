@@ -12,11 +12,11 @@
         store.checkout("latest", "restored/checkpoint-latest")
     trainer.train(resume_from_checkpoint="restored/checkpoint-latest")
 
-In a distributed run with the ``full`` policy the commit is rank-parallel
-(:mod:`tailorstore.integrations.distributed`): every rank writes its own files' blobs and
-global rank 0 finalizes the one manifest. Background commits then talk over a process group
-of their own, so their collectives never interleave with training's. Other policies decide
-from the whole step, so global rank 0 commits it alone.
+In a distributed run the commit is rank-parallel, under every policy
+(:mod:`tailorstore.integrations.distributed`): every rank writes its own files' blobs, the
+policy is decided once from every rank's survey, and global rank 0 finalizes the one manifest,
+the one a single-process commit would record. Background commits then talk over a process group
+of their own, so their collectives never interleave with training's.
 
 With ``save_total_limit``, the Trainer deletes the oldest checkpoint when it writes the next
 one; the callback therefore waits for the commits in flight before each save, so a commit
@@ -67,8 +67,8 @@ class TailorCallback(TrainerCallback):
         return self._store
 
     def rank_parallel(self) -> bool:
-        """Whether every rank commits its own files (a distributed run with the full policy)."""
-        return self.spec.name == "full" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        """Whether every rank commits its own files (a distributed run, under any policy)."""
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self.rank_parallel() and self.asynchronous and self._group is None:
@@ -128,7 +128,9 @@ class TailorCallback(TrainerCallback):
         self.rewind.run = decision[0]
         if decision[0] != store.run:
             store = Store(store.repo, run=decision[0])  # a handle on the same open store, in that run
-        result = commit_rank_parallel(store, folder, step=step, group=self._group)
+        result = commit_rank_parallel(
+            store, folder, step=step, group=self._group, policy=self.policy, **self.policy_params
+        )
         if self.delete_after_commit and dist.get_rank() == 0:
             delete_once_durable(store.repo, result.finalized.manifest, folder)
         return result

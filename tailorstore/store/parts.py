@@ -38,6 +38,7 @@ from tailorstore.store.records import (
 PART_PREFIX = "parts/"
 READERS = 16  # parts fetched at once: requests that wait on the network, not on a core
 DOC_VERSION = 1
+PLANNED_VERSION = 2  # a part that carries a plan: a reader that knows no plans must refuse it
 _PART_KEY = re.compile(r"parts/([A-Za-z0-9._-]+)/step-(\d{20})/([A-Za-z0-9._-]+)\.json\.zst")
 
 
@@ -59,6 +60,7 @@ class Part:
     key: str = ""
     run: str = MAIN_RUN  # the run the step belongs to (its key says it)
     label: str = ""  # what its key begins with instead of the host name: one save's parts share it
+    plan: dict | None = None  # a rank-parallel commit's decision under a policy (section 8); None: every layer
 
     def blob_hashes(self) -> set[str]:
         """Every hash this part needs kept: its files, containers and stored atoms."""
@@ -101,6 +103,9 @@ def encode(part: Part) -> bytes:
         "atoms": to_table(part.atoms, ATOM_COLUMNS),
         "blobs": to_table(part.blobs, DOC_BLOB_COLUMNS),
     }
+    if part.plan is not None:
+        doc["plan"] = part.plan
+        doc["tailorstore_part"] = PLANNED_VERSION
     return zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
 
 
@@ -110,7 +115,8 @@ _TABLES = (("files", FileRecord), ("atoms", AtomRecord), ("blobs", BlobRecord))
 def decode(data: bytes, key: str) -> Part:
     try:
         doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31))
-        if not isinstance(doc, dict) or doc.get("tailorstore_part") != DOC_VERSION:
+        version = doc.get("tailorstore_part") if isinstance(doc, dict) else None
+        if version not in (DOC_VERSION, PLANNED_VERSION) or (version == PLANNED_VERSION) != ("plan" in doc):
             raise ValueError("not a part this tailorstore reads")
         files, atoms, blobs = (from_table(doc[n], c) for n, c in _TABLES)
         check_rows(files, atoms, blobs)
@@ -128,9 +134,34 @@ def decode(data: bytes, key: str) -> Part:
             blobs=blobs,
             key=key,
             run=key[len(PART_PREFIX) :].split("/", 1)[0],
+            plan=_plan(doc.get("plan")),
         )
     except (zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
         raise CorruptStoreError(f"part object {key} is damaged ({exc}); delete it and commit that part again") from None
+
+
+def _plan(found: object) -> dict | None:
+    """A part's plan, read as input from a stranger: every field of the type section 8 gives it."""
+    if found is None:
+        return None
+    if not isinstance(found, dict) or set(found) != {"policy", "stored", "inherited", "changes"}:
+        raise ValueError("its plan is not an object of policy, stored, inherited and changes")
+    policy, stored, inherited, changes = found["policy"], found["stored"], found["inherited"], found["changes"]
+    if not (isinstance(policy, dict) and isinstance(policy.get("name"), str)):
+        raise ValueError("its plan's policy names no policy")
+    if not (isinstance(stored, list) and all(isinstance(x, str) for x in stored)):
+        raise ValueError("its plan's stored layers are not a list of names")
+    if not isinstance(inherited, dict) or not all(
+        isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) and isinstance(v[1], str)
+        and isinstance(v[2], int) and not isinstance(v[2], bool)
+        for v in inherited.values()
+    ):  # fmt: skip
+        raise ValueError("its plan's inherited layers are not [manifest, source, step] triples")
+    if not isinstance(changes, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in changes.values()
+    ):
+        raise ValueError("its plan's changes are not numbers")
+    return {"policy": policy, "stored": stored, "inherited": inherited, "changes": changes}
 
 
 def part_keys(backend: Backend, step: int | None = None, run: str = MAIN_RUN, label: str | None = None) -> list[str]:

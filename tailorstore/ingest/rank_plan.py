@@ -1,0 +1,97 @@
+"""A rank-parallel commit under a policy: one decision for every rank's part.
+
+A policy needs the whole step: its layers and their sizes (parity, filter, budget), where each
+layer was last stored (all of them), and for adaptive and budget how far each layer's FP32
+master moved since then, which only the ranks holding the masters can measure. So the ranks
+survey their own files (rank_share.py); global rank 0 finds, under the shared lock, what the
+step may inherit from; each rank measures its own files' terms of the change against those
+sources; rank 0 sums the terms in the order a single-process commit reads the files, so that
+every change is the same number to the last bit, and decides. Every rank then writes only its
+pieces of the stored layers, and inherits the others' pieces as a single-process commit would.
+The manifest the finalize records is the one a single-process commit of the same save records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tailorstore.access.changes import ChangeTerms
+from tailorstore.core.policies import CommitFacts, PolicySpec, decide, needs_changes
+from tailorstore.ingest.commit import Inheritance, ages_of, combine_changes, file_change_terms, inheritance
+from tailorstore.ingest.commit_options import PartPlan
+from tailorstore.ingest.rank_share import Share, Survey
+from tailorstore.store.repo import Repository
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What rank 0 found the step may inherit from, by object keys every host resolves alike."""
+
+    inherited: dict[str, tuple[str, str, int]]  # layer -> (manifest holding it, its source, source step)
+    commits_before: int
+    ages: dict[str, int]
+
+
+def layers_and_sizes(surveys: Sequence[Survey]) -> tuple[frozenset[str], dict[str, int]]:
+    sizes: dict[str, int] = {}
+    for found in surveys:
+        for layer, nbytes in found.layer_bytes.items():
+            sizes[layer] = sizes.get(layer, 0) + nbytes
+    return frozenset(sizes), sizes
+
+
+def find_sources(store: Repository, step: int, layers: frozenset[str], run: str, spec: PolicySpec) -> Sources:
+    """Rank 0, under the shared lock: every layer's newest earlier version, as a commit finds it."""
+    base = store.run_base(run)
+    found = inheritance(store, step, layers, run, base)
+    commits_before = store.catalogue.commits_before(step, run) + (base is not None)
+    ages = ages_of(store, found, commits_before, run) if needs_changes(spec) else {}
+
+    def key(manifest: int) -> str:
+        record = store.manifest(manifest)
+        if record.object_key is None:
+            raise ValueError(f"manifest {manifest} has no object yet")
+        return record.object_key
+
+    inherited = {layer: (key(src.manifest), key(src.source), src.source_step) for layer, src in found.items()}
+    return Sources(inherited, commits_before, ages)
+
+
+def resolved(store: Repository, sources: Sources) -> dict[str, Inheritance]:
+    """This rank's view of the sources (its own index's ids)."""
+    out: dict[str, Inheritance] = {}
+    for layer, (holder_key, source_key, source_step) in sources.inherited.items():
+        holder, source = store.catalogue.by_object_key(holder_key), store.catalogue.by_object_key(source_key)
+        if holder is None or source is None:
+            raise ValueError(f"layer {layer}'s source {holder_key} is not in this host's index")
+        out[layer] = Inheritance(holder.id, holder.step, source.id, source_step, {})
+    return out
+
+
+def own_terms(store: Repository, share: Share, sources: Sources) -> dict[str, dict[str, ChangeTerms]]:
+    """Each rank: its own files' terms of every inheritable layer's change, by file."""
+    mine = resolved(store, sources)
+    return {f.path: file_change_terms(store, f, mine) for f in share.scan.files}
+
+
+def decide_plan(
+    store: Repository,
+    spec: PolicySpec,
+    surveys: Sequence[Survey],
+    sources: Sources,
+    terms: dict[str, dict[str, ChangeTerms]],
+    order: list[str],
+) -> PartPlan:
+    """Rank 0: the layers to store, as a single-process commit of the same save decides them."""
+    layers, sizes = layers_and_sizes(surveys)
+    adaptive = needs_changes(spec)
+    changes = (
+        combine_changes(store, [terms[p] for p in order if p in terms], resolved(store, sources)) if adaptive else {}
+    )
+    facts = CommitFacts(
+        layers, sources.commits_before, frozenset(sources.inherited), changes if adaptive else None, sizes, sources.ages
+    )
+    stored = decide(spec, facts)
+    inherited = {layer: found for layer, found in sources.inherited.items() if layer in layers - stored}
+    return PartPlan(spec.as_json(), frozenset(stored), inherited, changes)
