@@ -141,6 +141,7 @@ info = CheckpointCommitInfo(tag="global_step3", save_dir=str(save_dir), save_lat
 engine.create(info)
 for f in sorted(reference.iterdir()):
     engine.save(load_torch_file(f, mmap=False)[0], str(save_dir / "global_step3" / f.name))
+engine.flush()  # the snapshot's files are written (save_checkpoint returned before they were)
 print("staged", flush=True)
 time.sleep(600)  # killed here, before engine.commit: the staged save is the only copy
 """
