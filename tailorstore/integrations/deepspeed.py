@@ -148,6 +148,9 @@ class TailorCheckpointEngine(CheckpointEngine):
         token = _from_rank0(f"{staged.PREFIX}{os.getpid()}-{secrets.token_hex(4)}", self.group)
         self.staging = Path(staging) if staging is not None else default_staging()
         staged.recover(self.staging)  # what a killed run left in memory goes where DeepSpeed would have put it
+        # No rank creates its folder before every rank of the node has recovered: a recovery
+        # takes a folder nobody holds yet for a dead run's, between its creation and its lock.
+        _barrier(self.group)
         self._root = self.staging / token
         self._lock: int | None = None  # our shared lock on _root while it exists: a later engine leaves it be
         self._saves = 0

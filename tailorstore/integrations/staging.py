@@ -38,7 +38,10 @@ def hold(root: Path) -> int:
     the same folder); returns the fd that keeps the lock until it is closed."""
     while True:
         root.mkdir(parents=True, exist_ok=True)
-        fd = hold_dir(root, shared=True)
+        try:
+            fd = hold_dir(root, shared=True)
+        except FileNotFoundError:  # deleted between the mkdir and the open: make it again
+            continue
         if not removed(fd):  # not deleted by a recovery between the mkdir and the lock
             return fd
         os.close(fd)
