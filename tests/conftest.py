@@ -70,6 +70,7 @@ CONFIGS: dict[str, dict[str, object]] = {
         "param_groups": "per-layer",
     },
     "zero2-bf16-1rank": {"stage": 2, "dtype": "bf16", "nproc": 1},
+    "zero2-bf16-4ranks": {"stage": 2, "dtype": "bf16", "nproc": 4},  # the 2 x 2 nodes test's reference
     # ZeRO-1 in fp32: DeepSpeedZeroOptimizer without partitioned gradients
     "zero1-fp32": {"stage": 1, "dtype": "fp32"},
     # lm_head shares the embedding's weight (DeepSpeed's shared_params)

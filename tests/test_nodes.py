@@ -112,3 +112,36 @@ def test_a_node_killed_mid_save_leaves_the_earlier_steps_and_the_job_resumes_on_
         store.checkout(3, tmp_path / "out")
     theirs = as_of_step(reference.save_dir, 3, tmp_path / "theirs")
     assert same_tree(tmp_path / "out" / "global_step3", theirs / "global_step3")
+
+
+def test_two_nodes_of_two_ranks_each_stage_locally_and_resume_at_three(
+    runs: Runs, universal_path: DeepSpeedPath, s3_server: LocalS3, tmp_path: Path
+) -> None:
+    """2 nodes x 2 ranks, each node with its own staging and cache: the steps are what one
+    process commits of DeepSpeed's own save of the same training at 4 ranks, and the job
+    restarted at 3 ranks on one node resumes as DeepSpeed's universal path does."""
+    reference = runs.get("zero2-bf16-4ranks")
+    location = s3_server.new_location()
+    Store.init(location).close()
+    nodes = node_folders(tmp_path, 2)
+    losses = train_tiny(
+        tmp_path / "save", losses_out=tmp_path / "losses.json", nproc=2, node_env=nodes, steps=6, save_every=3,
+        commit_to=location, tailor_engine=True, **reference.options,
+    )  # fmt: skip
+    assert losses == reference.losses
+    with Store.open(location) as store:
+        assert [s.step for s in store.log()] == [3, 6]
+        for step in (3, 6):
+            sources = store.repo.manifest(store.repo.resolve(f"step={step}")).source.split("; ")
+            assert len(sources) == 2, "one part a node"
+            out = tmp_path / f"out{step}"
+            store.checkout(step, out)
+            theirs = as_of_step(reference.save_dir, step, tmp_path / f"theirs{step}")
+            assert same_tree(out / f"global_step{step}", theirs / f"global_step{step}")
+    resumed = train_tiny(
+        tmp_path / "again", losses_out=tmp_path / "again.json", nproc=3, node_env=nodes[:1], steps=STEP + 2,
+        save_every=0, commit_to=location, tailor_engine=True, resume_from=tmp_path / "again",
+        resume_tag=f"global_step{STEP}", **reference.options,
+    )  # fmt: skip
+    expected, _ = universal_path.loaded(reference, 3, 2)
+    assert resumed == expected

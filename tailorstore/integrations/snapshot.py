@@ -218,12 +218,13 @@ def await_written(folder: Path, ranks: list[int], timeout: float, alive: Callabl
     ``folder`` (its ``save-N/``); raise what a rank reported, or after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        failed = [r for r in ranks if (folder / f"{FAILED}{r}").exists()]
-        if failed:
+        # every rank's marker first, failed or not: none is left behind for a later save to trip on
+        if all((folder / f"{WRITTEN}{r}").exists() or (folder / f"{FAILED}{r}").exists() for r in ranks):
+            failed = [r for r in ranks if (folder / f"{FAILED}{r}").exists()]
+            if not failed:
+                return
             text = (folder / f"{FAILED}{failed[0]}").read_text(encoding="utf-8", errors="replace")[:2000]
             raise StagingFailed(f"rank {failed[0]} could not write its files of the save into staging: {text}")
-        if all((folder / f"{WRITTEN}{r}").exists() for r in ranks):
-            return
         if time.monotonic() > deadline or not alive():
             missing = [r for r in ranks if not (folder / f"{WRITTEN}{r}").exists()]
             raise StoreError(f"ranks {missing[:8]} did not finish writing their files of the save in {timeout:g} s")
