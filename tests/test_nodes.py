@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Runs, as_of_step
+from conftest import Runs, as_of_step, manifest_rows
 from test_reshard import STEP, DeepSpeedPath
 
 from tailorstore import Store
@@ -145,3 +145,33 @@ def test_two_nodes_of_two_ranks_each_stage_locally_and_resume_at_three(
     )  # fmt: skip
     expected, _ = universal_path.loaded(reference, 3, 2)
     assert resumed == expected
+
+
+@pytest.mark.parametrize("policy", ["parity", "budget"])
+def test_two_nodes_commit_under_a_policy_what_one_process_commits(
+    runs: Runs, s3_server: LocalS3, tmp_path: Path, policy: str
+) -> None:
+    """Node-local staging under a policy: the nodes' leaders decide the plan together (their own
+    group, in the background) and each writes its node's pieces of the layers stored; every
+    step's manifest equals a single-process commit of DeepSpeed's own save with that policy."""
+    reference = runs.get("zero2-bf16")
+    location = s3_server.new_location()
+    Store.init(location).close()
+    nodes = node_folders(tmp_path, 2)
+    losses = train_tiny(
+        tmp_path / "save", losses_out=tmp_path / "losses.json", nproc=1, node_env=nodes, steps=6, save_every=3,
+        commit_to=location, tailor_engine=True, engine_policy=policy, **reference.options,
+    )  # fmt: skip
+    assert losses == reference.losses
+    with Store.init(tmp_path / "single") as single:
+        for step in (3, 6):
+            single.commit(as_of_step(reference.save_dir, step, tmp_path / f"theirs{step}") / f"global_step{step}",
+                          policy=policy)  # fmt: skip
+        expected = {step: manifest_rows(single, step) for step in (3, 6)}
+    assert not expected[6]["exact"], "the second save inherits layers"
+    with Store.open(location) as store:
+        for step in (3, 6):
+            assert manifest_rows(store, step) == expected[step], step
+        assert store.verify(deep=True).ok
+    for node in nodes:
+        assert not [p for p in Path(node["TAILOR_STAGING"]).rglob("*") if p.is_file()], "staging is emptied"

@@ -13,11 +13,15 @@ The manifest the finalize records is the one a single-process commit of the same
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 
 from tailorstore.access.changes import ChangeTerms
 from tailorstore.core.policies import CommitFacts, PolicySpec, decide, needs_changes
+from tailorstore.formats.deepspeed import is_model_states
+from tailorstore.formats.reader import write_order
 from tailorstore.ingest.commit import Inheritance, ages_of, combine_changes, file_change_terms, inheritance
 from tailorstore.ingest.commit_options import PartPlan
 from tailorstore.ingest.rank_share import Share, Survey
@@ -31,6 +35,18 @@ class Sources:
     inherited: dict[str, tuple[str, str, int]]  # layer -> (manifest holding it, its source, source step)
     commits_before: int
     ages: dict[str, int]
+
+
+def step_order(share: Share, surveys: Sequence[Survey]) -> list[str]:
+    """Every file of the step in the order one process commits them. Where each member sees the
+    whole folder, its own survey's order; where each sees only its node's files, the order of
+    their union, as the folder of all of them would list it (model states first)."""
+    every = {rel for found in surveys for rel in found.files}
+    if every <= set(share.order):
+        return share.order
+    model = sorted(rel for rel in every if is_model_states(PurePosixPath(rel).name))
+    files = model + sorted(every - set(model))
+    return write_order(dataclasses.replace(share.layout, files=files))
 
 
 def layers_and_sizes(surveys: Sequence[Survey]) -> tuple[frozenset[str], dict[str, int]]:

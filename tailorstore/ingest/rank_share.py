@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -80,11 +80,15 @@ class Share:
     order: list[str] = field(default_factory=list)  # every file of the step, in the order a commit writes them
 
 
-def survey(store: Repository, ckpt_dir: Path, options: CommitOptions, rank: int) -> tuple[Share, Survey]:
+def survey(
+    store: Repository, ckpt_dir: Path, options: CommitOptions, rank: int, owns: Callable[[str], bool] | None = None
+) -> tuple[Share, Survey]:
     """Scan this rank's files (and the model states that cut them), then name every piece
-    and compare every owned master range with its weight. Reads only; writes nothing."""
-    layout = detect_input(store, Path(ckpt_dir))
-    own = [rel for rel in layout.files if owner_of(rel) == rank]
+    and compare every owned master range with its weight. Reads only; writes nothing.
+    ``owns`` says which files are this committer's (default: those DeepSpeed's rank ``rank``
+    wrote); a node's leader committing its node's staged files owns its node's ranks' files."""
+    layout = detect_input(store, Path(ckpt_dir), part=owns is not None)  # a node's folder lacks other nodes' files
+    own = [rel for rel in layout.files if (owns(rel) if owns is not None else owner_of(rel) == rank)]
     helpers = [rel for rel in layout.files if rel not in own and _helps(rel, rank)]
     scan = scan_checkpoint(layout, options.trust_pickles, files=helpers + own)
     step = step_of(options, layout, scan.files)

@@ -55,8 +55,10 @@ from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.formats.deepspeed import is_model_states, read_latest
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.ingest.commit import CommitResult
+from tailorstore.ingest.rank_share import owner_of
 from tailorstore.integrations import nodes, resume, snapshot
 from tailorstore.integrations import staging as staged
+from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.snapshot import Snapshots
 
@@ -136,6 +138,8 @@ class TailorCheckpointEngine(CheckpointEngine):
         # Several nodes, each leader with a store: each node commits its own ranks' files as a part
         # and global rank 0 finalizes the step, so no folder but the store is shared (nodes.py).
         self._parts = nodes.parts_possible(store, self.group)  # the leader ranks, or empty
+        # the leaders' own group: their background commits decide a policy together over it
+        self._leaders_group = nodes.leaders_group(self._parts)
         if self._parts and _rank() == 0:
             assert store is not None
             nodes.finish_pending(store)  # a killed job's saves whose every part is in
@@ -393,12 +397,10 @@ class TailorCheckpointEngine(CheckpointEngine):
         """A node's leader: commit what this node's ranks staged as one part of the step; global
         rank 0 then waits for every node's part and finalizes (in the background by default)."""
         assert self.store is not None
-        if self.policy != "full" or self.policy_params:
-            raise StoreError(
-                "on several nodes, each node commits its share as a part, which stores every layer: "
-                "use policy='full' (or one staging folder every node sees)"
-            )
         staged_twin = folder != real
+        if self.policy != "full" or self.policy_params:  # the leaders decide the plan together
+            self._submit_planned_part(folder, real, step, label, written)
+            return
         root = _rank() == 0
         count = len(self._parts)
 
@@ -417,6 +419,38 @@ class TailorCheckpointEngine(CheckpointEngine):
                 return result
             except BaseException:
                 if staged_twin:  # the node's files go where DeepSpeed would have written them
+                    _rescue(folder, real)
+                raise
+            finally:
+                if staged_twin:
+                    staged.finish(folder.parent)
+
+        if self.asynchronous:
+            self.store.background(str(real), job)
+        else:
+            job(self.store)
+
+    def _submit_planned_part(self, folder: Path, real: Path, step: int | None, label: str, written: list[int]) -> None:
+        """A node's leader, under a policy: a rank-parallel commit among the nodes' leaders over
+        their own group, in the background (every leader's commits run in save order), each
+        leader surveying and writing its node's files; the manifest is what one process would
+        record of the whole save (ingest/rank_plan.py)."""
+        assert self.store is not None
+        staged_twin = folder != real
+        node = set(resume.node_ranks(_rank()))
+
+        def job(store: Store) -> RankParallelResult:
+            try:
+                source = _written_source(folder, real, written)  # the staged twin, or real if staging failed
+                result = commit_rank_parallel(
+                    store, source, step=step, group=self._leaders_group, policy=self.policy, label=label,
+                    owns=lambda rel: owner_of(rel) in node, **self.policy_params,
+                )  # fmt: skip
+                if staged_twin or source == real:  # the step is recorded: its blobs hold the node's files
+                    shutil.rmtree(source, ignore_errors=True)
+                return result
+            except BaseException:
+                if staged_twin:
                     _rescue(folder, real)
                 raise
             finally:

@@ -63,6 +63,8 @@ def commit_rank_parallel(
     group: Any = None,
     threads: int | None = None,
     policy: str | Policy = "full",
+    label: str = "",
+    owns: Callable[[str], bool] | None = None,
     **policy_params: float,
 ) -> RankParallelResult:
     """Commit the save at ``path`` (a folder every rank can read) from all ranks of ``group``.
@@ -70,7 +72,9 @@ def commit_rank_parallel(
     Each rank compresses on its share of its node's cores (``threads``, else ``$TAILOR_THREADS``,
     else the usable cores divided among the node's ranks). ``policy`` (and its parameters) is
     decided once for every rank, from all ranks' surveys (ingest/rank_plan.py): the manifest is
-    the one a single-process commit of the save with that policy records."""
+    the one a single-process commit of the save with that policy records. ``label`` marks the
+    parts (and the finalize takes only them); ``owns`` says which files each member commits
+    (default: DeepSpeed's rank R's files are group rank R's)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise StoreError("commit_rank_parallel needs torch.distributed initialized; use Store.commit in one process.")
     rank = dist.get_rank(group)
@@ -86,7 +90,9 @@ def commit_rank_parallel(
         threads=compute_threads(threads, share=ranks_here),
     )
     spec = policy_spec(policy, policy_params)
-    share, mine = _together(lambda: survey(store.repo, Path(path), options, rank), group, "surveying its files")
+    if label:
+        options.part_label = f"{label}-n{dist.get_rank()}"
+    share, mine = _together(lambda: survey(store.repo, Path(path), options, rank, owns), group, "surveying its files")
     surveys: list[Survey] = _gathered(mine, group)
     elsewhere, derived = writers(surveys)[rank], checked_weights(surveys)
     if spec.name != "full":
@@ -103,7 +109,7 @@ def commit_rank_parallel(
     outcome: list[Any] = [None]
     if rank == 0:
         try:
-            outcome[0] = store.finalize(share.step, tag=tag, lock_timeout=lock_timeout)
+            outcome[0] = store.finalize(share.step, tag=tag, lock_timeout=lock_timeout, label=label or None)
         except Exception as exc:  # handed to every rank below
             outcome[0] = f"rank 0 failed finalizing step {share.step}: {exc}"
     dist.broadcast_object_list(outcome, src=_global(0, group), group=group)
@@ -131,7 +137,9 @@ def _planned(
         for part in _gathered(mine, group):
             terms.update(part)
     return _from_rank0(
-        lambda: rank_plan.decide_plan(store.repo, spec, surveys, found, terms, share.order), group, "deciding the plan"
+        lambda: rank_plan.decide_plan(store.repo, spec, surveys, found, terms, rank_plan.step_order(share, surveys)),
+        group,
+        "deciding the plan",
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,14 @@ def parts_possible(store: Store | None, group: Any) -> list[int]:
     if single or not all(has for _, lead, has, _ in seen if lead):
         return []
     return leaders
+
+
+def leaders_group(leaders: list[int]) -> Any:
+    """Collective (every rank calls it): a gloo group of the nodes' leaders, with our timeout;
+    None on one node."""
+    if not leaders:
+        return None
+    return dist.new_group(ranks=leaders, backend="gloo", timeout=timedelta(seconds=resume.collective_timeout()))
 
 
 def node_names(every: list[list[str]]) -> list[str]:
