@@ -9,14 +9,11 @@ of our own become a one-line message on stderr and the exit code the error class
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import logging
 import os
 import re
 import signal
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -59,6 +56,12 @@ def human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def _asdict(record: Any) -> dict:
+    from dataclasses import asdict  # only for --json output
+
+    return asdict(record)
+
+
 def _say(message: str) -> None:
     typer.echo(message, err=True)
 
@@ -74,6 +77,7 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """Commit DeepSpeed checkpoints into a store, check them out bit-exact, tailor them by layer."""
+    _quiet_but_ours()
 
 
 @app.command()
@@ -153,7 +157,7 @@ def commit(
             **params,
         )
     if as_json:
-        typer.echo(json.dumps(asdict(result)))
+        typer.echo(json.dumps(_asdict(result)))
     elif not quiet and result.part:
         typer.echo(
             f"committed a part of step {result.step}: {result.files} files, {human(result.raw_bytes)} raw, "
@@ -177,7 +181,7 @@ def commit(
 def _report_written(result: Any, as_json: bool, quiet: bool, line: str) -> None:
     """What a command that wrote a directory prints: its result as JSON, or one line unless quiet."""
     if as_json:
-        typer.echo(json.dumps({**asdict(result), "out": str(result.out)}))
+        typer.echo(json.dumps({**_asdict(result), "out": str(result.out)}))
     elif not quiet:
         typer.echo(line)
 
@@ -192,7 +196,7 @@ def _finalize(
     with _open(store, run) as st:
         done = st.finalize(int(match.group(1)), tag=tag, force=force, lock_timeout=lock_timeout, on_wait=_say)
     if as_json:
-        typer.echo(json.dumps(asdict(done)))
+        typer.echo(json.dumps(_asdict(done)))
     elif not quiet:
         typer.echo(
             f"finalized step {done.step} from {done.parts} parts: {done.files} files, {done.atoms} atoms, "
@@ -303,7 +307,9 @@ def export(
 
 
 def _when(ts: float) -> str:
-    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    import datetime  # only where a time is printed: start-up imports what --help prints (tests/test_startup.py)
+
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
 @app.command()
@@ -316,7 +322,7 @@ def log(run: str | None = typer.Option(None, "--run", help="Only this run's step
     base = next((r.base for r in runs if r.name == run), None)
     several = len(runs) > 1
     if as_json:
-        typer.echo(json.dumps([asdict(s) for s in steps], indent=2))
+        typer.echo(json.dumps([_asdict(s) for s in steps], indent=2))
         return
     if base is not None:
         typer.echo(f"run {run} branched from run {base.run} step {base.step} (id={base.id})")
@@ -353,7 +359,7 @@ def show(
     with _open(store, run) as st:
         detail = st.show(selector)
     if as_json:
-        typer.echo(json.dumps(asdict(detail), indent=2))
+        typer.echo(json.dumps(_asdict(detail), indent=2))
         return
     s = detail.summary
     typer.echo(
@@ -386,7 +392,7 @@ def merge(
     with _open(store, run) as st:
         result = st.merge(spec, tag=tag)
     if as_json:
-        typer.echo(json.dumps(asdict(result)))
+        typer.echo(json.dumps(_asdict(result)))
         return
     ms = result.seconds * 1000
     if isinstance(result, tailorstore.AverageResult):
@@ -421,7 +427,7 @@ def diff(
     with _open(store, run) as st:
         step_a, step_b, rows = st.diff(a, b)
     if as_json:
-        typer.echo(json.dumps({"a": step_a, "b": step_b, "layers": [asdict(r) for r in rows]}))
+        typer.echo(json.dumps({"a": step_a, "b": step_b, "layers": [_asdict(r) for r in rows]}))
         return
 
     def fmt(v: float | None) -> str:
@@ -539,7 +545,7 @@ def gc(
             show_plan=show_plan,
         )
     if as_json:
-        typer.echo(json.dumps({**asdict(plan), "dry_run": dry_run}))
+        typer.echo(json.dumps({**_asdict(plan), "dry_run": dry_run}))
     elif not dry_run:
         typer.echo("done")
 
@@ -550,7 +556,7 @@ def usage(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
     with _open(store) as st:
         u = st.usage()
     if as_json:
-        typer.echo(json.dumps(asdict(u), indent=2))
+        typer.echo(json.dumps(_asdict(u), indent=2))
         return
     typer.echo(
         f"{u.manifests} manifest(s) stand for {human(u.raw_bytes)} of checkpoints; the store holds "
@@ -579,7 +585,7 @@ def verify(
     with _open(store, run) as st:
         report = st.verify(selector, deep=deep)
     if as_json:
-        typer.echo(json.dumps(asdict(report)))
+        typer.echo(json.dumps(_asdict(report)))
     else:
         for problem in report.problems:
             typer.echo(f"problem: {problem}", err=True)
@@ -607,7 +613,7 @@ def run_list(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
         typer.echo(
             json.dumps(
                 [
-                    {**asdict(r), "base": None if r.base is None else {"run": r.base.run, "step": r.base.step}}
+                    {**_asdict(r), "base": None if r.base is None else {"run": r.base.run, "step": r.base.step}}
                     for r in runs
                 ]
             )
@@ -686,7 +692,6 @@ def main() -> None:
     it gets one line too, with 2 for input and 3 for the store's index. Only other exceptions
     are bugs and keep their traceback (exit 1).
     """
-    _quiet_but_ours()
     signal.signal(signal.SIGINT, _interrupted)  # typer turns KeyboardInterrupt into a silent exit 130
     try:
         app()
@@ -713,7 +718,9 @@ def main() -> None:
 def _quiet_but_ours() -> None:
     """This process's logging: other libraries say nothing (DeepSpeed warns about a missing GPU when it
     is imported), and tailorstore's own warnings (a key in the store it ignores, a save it moved) are
-    one line each on stderr."""
+    one line each on stderr. Set up when a command runs (the root callback), not for --help."""
+    import logging
+
     logging.getLogger().addHandler(logging.NullHandler())  # nothing reaches logging's last-resort printer
     logging.getLogger("DeepSpeed").disabled = True
     ours = logging.getLogger("tailorstore")

@@ -33,8 +33,6 @@ from tailorstore.background import CommitQueue
 from tailorstore.core.errors import Call, StoreError
 from tailorstore.core.progress import Progress
 from tailorstore.curate.runs import qualify
-from tailorstore.formats.safetensors_writer import DEFAULT_SHARD_SIZE
-from tailorstore.ingest.commit_options import CommitRequest
 from tailorstore.store.manifest_objects import check_run_name, write_retention
 from tailorstore.store.records import MAIN_RUN
 from tailorstore.store.repo import RebuildResult, Repository
@@ -44,7 +42,7 @@ if TYPE_CHECKING:
     from tailorstore.curate.gc import GcPlan, Retention
     from tailorstore.curate.merge import MergeResult
     from tailorstore.curate.runs import RunInfo
-    from tailorstore.ingest.commit_options import CommitOptions, CommitResult
+    from tailorstore.ingest.commit_options import CommitOptions, CommitRequest, CommitResult
     from tailorstore.ingest.finalize import FinalizeResult
     from tailorstore.report.diff import DiffResult
     from tailorstore.report.inspect import StepDetail, StepSummary
@@ -138,6 +136,8 @@ class Store:
         :meth:`finalize` records the step once every host's part is in. ``part_label`` begins the
         part's key, so that :meth:`finalize` can take one save's parts alone.
         """
+        from tailorstore.ingest.commit_options import CommitRequest  # loaded on use: start-up (tests/test_startup.py)
+
         wanted = CommitRequest.of(request, options)
         if part and wanted.delete_after_commit:
             raise StoreError("delete_after_commit waits for the manifest, which a part does not write; finalize first.")
@@ -205,6 +205,8 @@ class Store:
         done: a commit refuses an input that changes under it.
         """
         source = Path(path)
+        from tailorstore.ingest.commit_options import CommitRequest
+
         wanted = CommitRequest.of(request, options)
         commit_options = self._options(wanted)
         return self.background(
@@ -308,7 +310,7 @@ class Store:
         out: str | os.PathLike,
         *,
         dtype: str = "bf16",
-        max_shard_size: str = DEFAULT_SHARD_SIZE,
+        max_shard_size: str = "5GB",  # safetensors_writer.DEFAULT_SHARD_SIZE, as transformers saves
         config: str | os.PathLike | None = None,
         progress: Progress | None = None,
         warn: Callable[[str], None] | None = None,

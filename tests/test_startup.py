@@ -43,3 +43,13 @@ def test_listing_showing_and_tagging_load_no_numpy(small_store: Path, tmp_path: 
     store = copy_tree(small_store, tmp_path / "store")
     for args in (["log"], ["show", "latest"], ["tag", "latest", "warm"], ["log", "--json"], ["untag", "warm"]):
         assert loaded(args, store) == (0, []), args
+
+
+def test_the_api_default_shard_size_is_the_writers() -> None:
+    """api.py spells the default out so that opening a store loads no safetensors writer."""
+    import inspect
+
+    from tailorstore import Store
+    from tailorstore.formats.safetensors_writer import DEFAULT_SHARD_SIZE
+
+    assert inspect.signature(Store.export).parameters["max_shard_size"].default == DEFAULT_SHARD_SIZE

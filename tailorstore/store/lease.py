@@ -31,7 +31,6 @@ import math
 import os
 import random
 import re
-import secrets
 import socket
 import threading
 import time
@@ -261,7 +260,7 @@ def lease_lock(
         raise StoreError(f"lock timeout {timeout!r} is not allowed: give a number of seconds, 0 or more.")
     ttl = lease_ttl()
     safe_host = "".join(c if c.isalnum() or c in "._-" else "_" for c in socket.gethostname())[:64] or "host"
-    handle = LeaseHandle(backend, f"{LOCK_PREFIX}{safe_host}-{os.getpid()}-{secrets.token_hex(4)}.json", exclusive, ttl)
+    handle = LeaseHandle(backend, f"{LOCK_PREFIX}{safe_host}-{os.getpid()}-{os.urandom(4).hex()}.json", exclusive, ttl)
     deadline = time.monotonic() + timeout
     told = False
     while True:

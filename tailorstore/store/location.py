@@ -10,7 +10,6 @@ manifest objects in the store.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -54,6 +53,8 @@ def cache_dir(location: str, endpoint: str) -> Path:
     The same ``s3://bucket/prefix`` on two servers is two stores, so the endpoint is part of
     the name; the store's id, checked at every open (repo.py), catches the rest (a store
     deleted and created again at the same place)."""
+    import hashlib  # only a remote store has a cache folder to name
+
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", location.split("://", 1)[1])[:80]
     digest = hashlib.sha256(f"{endpoint}\n{location}".encode()).hexdigest()[:12]
     return cache_root() / f"{readable}-{digest}"

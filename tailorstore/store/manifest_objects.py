@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
-import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -110,7 +110,7 @@ def new_key(backend: Backend, index: Index, manifest: int, *, replacing: bool = 
     assert record is not None
     run = record.run
     if record.origin != COMMIT:
-        return f"{MANIFEST_PREFIX}{run}/merge-{secrets.token_hex(8)}.json.zst"
+        return f"{MANIFEST_PREFIX}{run}/merge-{os.urandom(8).hex()}.json.zst"
     versions = [
         int(m.group(3))
         for key in backend.list(f"{MANIFEST_PREFIX}{run}/")

@@ -12,8 +12,8 @@ waits safely for its finalize (``tailor gc --drop-parts`` drops abandoned ones).
 from __future__ import annotations
 
 import json
+import os
 import re
-import secrets
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -80,7 +80,7 @@ def new_key(step: int, run: str, label: str = "") -> str:
     if label and not LABEL.fullmatch(label):
         raise StoreError(f"part label {label[:130]!r}: use 1 to 120 letters, digits, '.', '_' or '-'")
     first = label or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40] or "host"
-    return check_key(f"{step_prefix(step, run)}{first}-{secrets.token_hex(6)}.json.zst")
+    return check_key(f"{step_prefix(step, run)}{first}-{os.urandom(6).hex()}.json.zst")
 
 
 def labelled(key: str, label: str | None) -> bool:

@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import errno
 import os
-import secrets
 import stat
 import threading
 from collections.abc import Iterable, Iterator
@@ -74,7 +73,7 @@ class PosixBackend:
         return self.root / check_key(key)
 
     def _write_temp(self, key: str, chunks: Chunks, size_hint: int, *, sync: bool) -> Path:
-        tmp = self.tmp_dir / f"{key.rsplit('/', 1)[-1]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        tmp = self.tmp_dir / f"{key.rsplit('/', 1)[-1]}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
         try:
             out = SequentialWriter(tmp, direct=size_hint >= _DIRECT_FROM)
         except FileNotFoundError:

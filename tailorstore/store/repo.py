@@ -18,7 +18,6 @@ import io
 import json
 import os
 import re
-import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -166,7 +165,7 @@ class Repository:
                 (root / sub).mkdir(parents=True, exist_ok=True)
         elif next(iter(where.backend.list("")), None) is not None:
             raise StoreError(f"{where.text}: this prefix already holds objects; choose an empty prefix for the store.")
-        marker = {"format_version": FORMAT_VERSION, "created_at": time.time(), "store_id": secrets.token_hex(16)}
+        marker = {"format_version": FORMAT_VERSION, "created_at": time.time(), "store_id": os.urandom(16).hex()}
         where.backend.put(MARKER, json.dumps(marker).encode(), create_only=True)
         if where.remote:
             where.index_path.parent.mkdir(parents=True, exist_ok=True)
