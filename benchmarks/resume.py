@@ -8,6 +8,9 @@
 * ``store-s3``: the same from a store on a local S3 server (moto, 127.0.0.1);
 * ``download-then-load``: the raw save's files fetched from that server, then ``raw``.
 
+With ``--cold`` the page cache is dropped before each resume, as when a job restarts on a node
+that did not write the save (the download's own files are then cold too).
+
 Each way's time is the training's own (``resume_seconds``), the download's added for the last;
 median of ``--repeats``. The losses after the resume must be the same every way.
 """
@@ -28,7 +31,7 @@ from tailorstore import Store
 from testbed.local_s3 import BUCKET, local_s3
 from testbed.runs import train_tiny
 
-from .suite import SIZES
+from .suite import SIZES, drop_caches
 
 
 def model_options(size_name: str) -> dict[str, object]:
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("tag")
     parser.add_argument("--size", default="medium", choices=sorted(SIZES))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cold", action="store_true", help="drop the page cache before each resume (root)")
     args = parser.parse_args()
     step = int(args.tag.removeprefix("global_step"))
     options = model_options(args.size)
@@ -89,6 +93,8 @@ def main() -> None:
                 else:
                     how = {"tailor_engine": True, "commit_to": local if way == "store" else remote,
                            "resume_from": run / "nothing-on-disk"}  # fmt: skip
+                if args.cold and not drop_caches():
+                    raise SystemExit("--cold needs to write /proc/sys/vm/drop_caches (root)")
                 seconds, found = resume(run, step, args.tag, **how, **options)
                 results.setdefault(way, []).append(seconds + extra)
                 losses.setdefault(way, found)
