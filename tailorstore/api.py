@@ -240,13 +240,15 @@ class Store:
         progress: Progress | None = None,
         warn: Callable[[str], None] | None = None,
         threads: int | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> CheckoutResult | ReshardResult | UniversalResult:
         """Write the checkpoint ``ref`` names into the new directory ``out``, every byte hash-checked:
         as it was saved; for ``world_size`` ranks (and ``zero_stage`` 1 or 2) as DeepSpeed would have
         saved it there; or, ``format="universal"``, as DeepSpeed's universal checkpoint. As the
         ``checkout`` command does with ``--world-size``, ``--zero-stage`` and ``--format``. ``threads``
         sets the decoding threads of a native checkout (default: ``$TAILOR_THREADS``, else two a
-        usable core)."""
+        usable core). ``ranks`` writes only the files those data-parallel ranks load (one node's
+        share of a DeepSpeed step)."""
         if format not in ("native", "universal"):
             raise StoreError(Call(format=format), ": choose native or universal.")
         if format == "universal":
@@ -254,7 +256,9 @@ class Store:
                 raise StoreError("a universal checkpoint loads at any world size and stage; give neither with it.")
             return self.checkout_universal(ref, out, progress=progress)
         if world_size is not None or zero_stage is not None:
-            return self.checkout_resharded(ref, out, world_size=world_size, zero_stage=zero_stage, progress=progress)
+            return self.checkout_resharded(
+                ref, out, world_size=world_size, zero_stage=zero_stage, ranks=ranks, progress=progress
+            )
         from tailorstore.restore.checkout import checkout_step
 
         return checkout_step(
@@ -265,6 +269,7 @@ class Store:
             progress=progress,
             warn=warn,
             threads=threads,
+            ranks=ranks,
         )
 
     def checkout_resharded(

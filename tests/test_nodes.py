@@ -65,6 +65,15 @@ def test_two_nodes_stage_locally_commit_parts_and_resume_on_one(
     for node in nodes:
         assert not [p for p in Path(node["TAILOR_STAGING"]).rglob("*") if p.is_file()], "staging is emptied"
 
+    # the job restarts on both nodes: each node writes only its rank's share of step 3, and the
+    # resume is exact (the same world size)
+    again = train_tiny(
+        tmp_path / "both", losses_out=tmp_path / "both.json", nproc=1, node_env=nodes, steps=STEP + 2, save_every=0,
+        commit_to=location, tailor_engine=True, resume_from=tmp_path / "both", resume_tag=f"global_step{STEP}",
+        **reference.options,
+    )  # fmt: skip
+    assert again == {s: reference.losses[s] for s in (STEP + 1, STEP + 2)}
+
     # the job restarts on one node of one rank: it resumes from the store at world size 1
     resumed = train_tiny(
         tmp_path / "again", losses_out=tmp_path / "again.json", nproc=1, node_env=nodes[:1], steps=STEP + 2,

@@ -111,7 +111,7 @@ def materialize(store: Store, found: Found, out: Path, world_size: int, zero_sta
     if needs_reshard(found, world_size, zero_stage):
         stage = zero_stage if zero_stage != found.zero_stage else None
         return store.checkout_resharded(found.ref, out, world_size=world_size, zero_stage=stage, ranks=ranks).tag
-    store.checkout(found.ref, out)
+    store.checkout(found.ref, out, ranks=ranks)  # this node's share: its ranks' files and the shared ones
     folders = [p.name for p in out.iterdir() if p.is_dir()]
     if len(folders) != 1:
         raise StoreError(f"the checked-out step in {out} holds {len(folders)} tag folders, not one")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from tailorstore.access import placement
 from tailorstore.access.atom_reader import blob_of, stream_blob
@@ -22,6 +22,7 @@ from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.curate.thinning import refuse_thinned
+from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import RAW, SAFETENSORS, TORCH
 from tailorstore.formats.layout import DEEPSPEED_TAG
 from tailorstore.formats.torch_pickle import untrusted
@@ -54,6 +55,7 @@ def checkout_step(
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
     threads: int | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> CheckoutResult:
     began = time.perf_counter()
     progress = progress or Silent()
@@ -63,6 +65,8 @@ def checkout_step(
     refuse_thinned(facts, "a checkout")
     out = Path(out)
     files = store.catalogue.files(manifest)
+    if ranks is not None:  # one node's share: the files its data-parallel ranks load
+        files = [f for f in files if loaded_by(PurePosixPath(f.path).name, set(ranks))]
     inherited = inherited_layers(store, manifest)
     if inherited and warn:
         names = ", ".join(f"{layer} (from step {src})" for layer, src in sorted(inherited.items()))
@@ -83,6 +87,14 @@ def checkout_step(
     finally:
         progress.close()
     return CheckoutResult(step, manifest, out, len(files), written, inherited, time.perf_counter() - began)
+
+
+def loaded_by(name: str, ranks: set[int]) -> bool:
+    """Whether DeepSpeed's ranks ``ranks`` load the file ``name``: their own optimizer files (and
+    ZeRO 3's per-rank model states), the shared model states, and every file of no rank."""
+    if is_optim_states(name) or (is_model_states(name) and "zero_pp_rank_" in name):
+        return file_rank(name) in ranks
+    return True
 
 
 def placed_rows(rows: list[FileRecord]) -> list[FileRecord]:
