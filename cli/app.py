@@ -693,6 +693,11 @@ def main() -> None:
     are bugs and keep their traceback (exit 1).
     """
     signal.signal(signal.SIGINT, _interrupted)  # typer turns KeyboardInterrupt into a silent exit 130
+    # numpy's OpenBLAS starts a thread a core that spins in sched_yield after each use, and the
+    # command never multiplies a matrix: one thread took a commit of an 813 MB save from 0.47-0.78
+    # to 0.30 system seconds (docs/benchmarks.md). A value the user set is kept. (The library
+    # itself changes no environment variable: a training process has its own reasons.)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         app()
     except TailorError as exc:
