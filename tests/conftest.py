@@ -71,6 +71,7 @@ CONFIGS: dict[str, dict[str, object]] = {
     },
     "zero2-bf16-1rank": {"stage": 2, "dtype": "bf16", "nproc": 1},
     "zero2-bf16-4ranks": {"stage": 2, "dtype": "bf16", "nproc": 4},  # the 2 x 2 nodes test's reference
+    "zero2-bf16-9steps": {"stage": 2, "dtype": "bf16", "steps": 9},  # saves at 3, 6 and 9: the killed node's
     # ZeRO-1 in fp32: DeepSpeedZeroOptimizer without partitioned gradients
     "zero1-fp32": {"stage": 1, "dtype": "fp32"},
     # lm_head shares the embedding's weight (DeepSpeed's shared_params)

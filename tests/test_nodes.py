@@ -90,33 +90,36 @@ def test_a_node_killed_mid_save_leaves_the_earlier_steps_and_the_job_resumes_on_
     s3_server: LocalS3,
     tmp_path: Path,
 ) -> None:
-    """Node 1 is SIGKILLed at its second save, just before its part is published: no manifest of
-    step 6 is recorded and step 3 is kept (finalized by the dying job, or from its complete parts
-    by the restarted one); the job restarted on one node resumes at step 3 with DeepSpeed's own
-    losses there; gc's drop_parts collects what the dead save left."""
-    reference = runs.get("zero2-bf16")
+    """Node 1 is SIGKILLed at its third save (step 9), just before its part is published: no
+    manifest of step 9 is recorded, and step 3 is whole. (By then rank 0 has passed its save of
+    step 6, which waits for the commit of step 3 to end, so step 3 is in the store whatever the
+    timing; step 6 may or may not be.) The job restarted on one node resumes at step 3 with
+    DeepSpeed's own losses there; gc's drop_parts collects what the dead save left."""
+    reference = runs.get("zero2-bf16-9steps")
     location = s3_server.new_location()
     Store.init(location).close()
     nodes = node_folders(tmp_path, 2)
-    nodes[1]["TAILOR_FAILPOINTS"] = "before-part-publish=kill@2"
+    nodes[1]["TAILOR_FAILPOINTS"] = "before-part-publish=kill@3"
     with pytest.raises(TrainingFailed, match="rank 1 exited with code -9"):
         train_tiny(
-            tmp_path / "save", losses_out=tmp_path / "losses.json", nproc=1, node_env=nodes, steps=6, save_every=3,
+            tmp_path / "save", losses_out=tmp_path / "losses.json", nproc=1, node_env=nodes, steps=9, save_every=3,
             commit_to=location, tailor_engine=True, timeout=300, **reference.options,
         )  # fmt: skip
     with Store.open(location) as store:
-        assert 6 not in [s.step for s in store.log()], "the dead save recorded nothing"
-        assert len(store.parts(6)) <= 1, "at most node 0's part of the dead save"
+        steps = [s.step for s in store.log()]
+        assert 3 in steps and 9 not in steps, steps
+        assert len(store.parts(9)) <= 1, "at most node 0's part of the dead save"
     resumed = train_tiny(
         tmp_path / "again", losses_out=tmp_path / "again.json", nproc=1, node_env=nodes[:1], steps=STEP + 2,
-        save_every=0, commit_to=location, tailor_engine=True, resume_from=tmp_path / "again", **reference.options,
+        save_every=0, commit_to=location, tailor_engine=True, resume_from=tmp_path / "again",
+        resume_tag=f"global_step{STEP}", **reference.options,
     )  # fmt: skip
     expected, _ = universal_path.loaded(reference, 1, 2)
     assert resumed == expected
     with Store.open(location) as store:
-        assert [s.step for s in store.log()] == [3]
+        assert 9 not in [s.step for s in store.log()]
         store.gc(drop_parts=True)
-        assert store.parts(6) == [] and store.parts(3) == []
+        assert store.parts(9) == [] and store.parts(6) == [] and store.parts(3) == []
         assert store.verify(deep=True).ok
         store.checkout(3, tmp_path / "out")
     theirs = as_of_step(reference.save_dir, 3, tmp_path / "theirs")
