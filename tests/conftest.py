@@ -70,12 +70,16 @@ CONFIGS: dict[str, dict[str, object]] = {
         "param_groups": "per-layer",
     },
     "zero2-bf16-1rank": {"stage": 2, "dtype": "bf16", "nproc": 1},
-    "zero2-bf16-4ranks": {"stage": 2, "dtype": "bf16", "nproc": 4},  # the 2 x 2 nodes test's reference
-    "zero2-bf16-9steps": {"stage": 2, "dtype": "bf16", "steps": 9},  # saves at 3, 6 and 9: the killed node's
     # ZeRO-1 in fp32: DeepSpeedZeroOptimizer without partitioned gradients
     "zero1-fp32": {"stage": 1, "dtype": "fp32"},
     # lm_head shares the embedding's weight (DeepSpeed's shared_params)
     "zero3-bf16-tied": {"stage": 3, "dtype": "bf16", "tie_embeddings": True},
+}
+
+# References of the many-node tests (tests/test_nodes.py) only: not every run of CONFIGS' shape.
+NODE_CONFIGS: dict[str, dict[str, object]] = {
+    "zero2-bf16-4ranks": {"stage": 2, "dtype": "bf16", "nproc": 4},  # the 2 x 2 nodes test's reference
+    "zero2-bf16-9steps": {"stage": 2, "dtype": "bf16", "steps": 9},  # saves at 3, 6 and 9: the killed node's
 }
 
 # Longer runs with 6 blocks for layer-wise tailoring: 18 steps, a save every 3 (6 saves).
@@ -126,7 +130,7 @@ class Runs:
     def get(self, name: str) -> Run:
         if name not in self._cache:
             tailoring = name in TAILOR_CONFIGS
-            options = dict({**CONFIGS, **TAILOR_CONFIGS, **HEALTH_CONFIGS}[name])
+            options = dict({**CONFIGS, **TAILOR_CONFIGS, **HEALTH_CONFIGS, **NODE_CONFIGS}[name])
             nproc = int(options.pop("nproc", 2))  # type: ignore[arg-type]
             steps = int(options.pop("steps", TAILOR_STEPS if tailoring else 6))  # type: ignore[arg-type]
             every = int(options.pop("save_every", TAILOR_EVERY if tailoring else 3))  # type: ignore[arg-type]
