@@ -42,7 +42,7 @@ import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,7 @@ from tailorstore.integrations.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.snapshot import Snapshots
 
 log = logging.getLogger("tailorstore")
+T = TypeVar("T")
 ENGINE_NAME = "TailorCheckpointEngine"
 
 
@@ -370,15 +371,66 @@ class TailorCheckpointEngine(CheckpointEngine):
     ) -> Future[CommitResult] | CommitResult:
         """Commit ``folder`` (the staged twin, or ``real`` itself when staging failed) in the background,
         once the ranks in ``written`` have written their files of it."""
-        assert self.store is not None
         options: dict[str, Any] = {"policy": self.policy, **self.policy_params}
         options["step"] = step
+        return self._staged_job(
+            folder, real, written or [], lambda store, source: self.rewind.commit(
+                store, source, delete_after_commit=True, **options
+            )
+        )  # fmt: skip
+
+    def _submit_part(
+        self, folder: Path, real: Path, step: int | None, mine: list[str], label: str, written: list[int]
+    ) -> None:
+        """A node's leader: commit what this node's ranks staged as one part of the step; global
+        rank 0 then waits for every node's part and finalizes (in the background by default)."""
+        if self.policy != "full" or self.policy_params:  # the leaders decide the plan together
+            self._submit_planned_part(folder, real, step, label, written)
+            return
+        root = _rank() == 0
+        count = len(self._parts)
+
+        def work(store: Store, source: Path) -> CommitResult:
+            missing = sorted(n for n in mine if not (source / n).is_file())
+            if missing:
+                raise StoreError(f"this node does not see the files {missing[:3]} its own ranks staged in {source}")
+            result = store.commit(source, part=True, part_label=f"{label}-n{_rank()}", step=step)
+            shutil.rmtree(source, ignore_errors=True)  # the part is durable: its blobs hold the node's files now
+            if root:
+                nodes.await_parts(store, result.step, label, count)
+                store.finalize(result.step, label=label)
+            return result
+
+        self._staged_job(folder, real, written, work)
+
+    def _submit_planned_part(self, folder: Path, real: Path, step: int | None, label: str, written: list[int]) -> None:
+        """A node's leader, under a policy: a rank-parallel commit among the nodes' leaders over
+        their own group, in the background (every leader's commits run in save order), each
+        leader surveying and writing its node's files; the manifest is what one process would
+        record of the whole save (ingest/rank_plan.py)."""
+        node = set(resume.node_ranks(_rank()))
+
+        def work(store: Store, source: Path) -> RankParallelResult:
+            result = commit_rank_parallel(
+                store, source, step=step, group=self._leaders_group, policy=self.policy, label=label,
+                owns=lambda rel: owner_of(rel) in node, **self.policy_params,
+            )  # fmt: skip
+            shutil.rmtree(source, ignore_errors=True)  # the step is recorded: its blobs hold the node's files
+            return result
+
+        self._staged_job(folder, real, written, work)
+
+    def _staged_job(self, folder: Path, real: Path, written: list[int], work: Callable[[Store, Path], T]) -> Any:
+        """Run ``work(store, source)`` in the background (or now): ``source`` is the staged twin
+        once the ranks in ``written`` have written their files, or ``real`` where staging failed.
+        A failure moves the staged files where DeepSpeed would have written them; either way the
+        staged save's record goes."""
+        assert self.store is not None
         staged_twin = folder != real
 
-        def job(store: Store) -> CommitResult:
+        def job(store: Store) -> T:
             try:
-                source = _written_source(folder, real, written or [])  # the staged twin, or real if staging failed
-                return self.rewind.commit(store, source, delete_after_commit=True, **options)
+                return work(store, _written_source(folder, real, written))
             except BaseException:
                 if staged_twin:  # a save written directly is where DeepSpeed would have put it already
                     _rescue(folder, real)
@@ -390,77 +442,6 @@ class TailorCheckpointEngine(CheckpointEngine):
         if self.asynchronous:
             return self.store.background(str(real), job)
         return job(self.store)
-
-    def _submit_part(
-        self, folder: Path, real: Path, step: int | None, mine: list[str], label: str, written: list[int]
-    ) -> None:
-        """A node's leader: commit what this node's ranks staged as one part of the step; global
-        rank 0 then waits for every node's part and finalizes (in the background by default)."""
-        assert self.store is not None
-        staged_twin = folder != real
-        if self.policy != "full" or self.policy_params:  # the leaders decide the plan together
-            self._submit_planned_part(folder, real, step, label, written)
-            return
-        root = _rank() == 0
-        count = len(self._parts)
-
-        def job(store: Store) -> CommitResult:
-            try:
-                source = _written_source(folder, real, written)  # the staged twin, or real if staging failed
-                missing = sorted(n for n in mine if not (source / n).is_file())
-                if missing:
-                    raise StoreError(f"this node does not see the files {missing[:3]} its own ranks staged in {source}")
-                result = store.commit(source, part=True, part_label=f"{label}-n{_rank()}", step=step)
-                if staged_twin or source == real:  # the part is durable: its blobs hold the node's files now
-                    shutil.rmtree(source, ignore_errors=True)
-                if root:
-                    nodes.await_parts(store, result.step, label, count)
-                    store.finalize(result.step, label=label)
-                return result
-            except BaseException:
-                if staged_twin:  # the node's files go where DeepSpeed would have written them
-                    _rescue(folder, real)
-                raise
-            finally:
-                if staged_twin:
-                    staged.finish(folder.parent)
-
-        if self.asynchronous:
-            self.store.background(str(real), job)
-        else:
-            job(self.store)
-
-    def _submit_planned_part(self, folder: Path, real: Path, step: int | None, label: str, written: list[int]) -> None:
-        """A node's leader, under a policy: a rank-parallel commit among the nodes' leaders over
-        their own group, in the background (every leader's commits run in save order), each
-        leader surveying and writing its node's files; the manifest is what one process would
-        record of the whole save (ingest/rank_plan.py)."""
-        assert self.store is not None
-        staged_twin = folder != real
-        node = set(resume.node_ranks(_rank()))
-
-        def job(store: Store) -> RankParallelResult:
-            try:
-                source = _written_source(folder, real, written)  # the staged twin, or real if staging failed
-                result = commit_rank_parallel(
-                    store, source, step=step, group=self._leaders_group, policy=self.policy, label=label,
-                    owns=lambda rel: owner_of(rel) in node, **self.policy_params,
-                )  # fmt: skip
-                if staged_twin or source == real:  # the step is recorded: its blobs hold the node's files
-                    shutil.rmtree(source, ignore_errors=True)
-                return result
-            except BaseException:
-                if staged_twin:
-                    _rescue(folder, real)
-                raise
-            finally:
-                if staged_twin:
-                    staged.finish(folder.parent)
-
-        if self.asynchronous:
-            self.store.background(str(real), job)
-        else:
-            job(self.store)
 
     # -- resuming ----------------------------------------------------------------------
     def load_checkpoint(self, original: Callable[..., Any], load_dir: str, tag: str | None = None, **kw: Any) -> Any:
