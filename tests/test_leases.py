@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import tailor
 
-from tailorstore.core.errors import LockTimeoutError
+from tailorstore.core.errors import LeaseLostError, LockTimeoutError
 from tailorstore.store.backend import Backend
 from tailorstore.store.lease import LOCK_PREFIX, lease_lock
 from tailorstore.store.location import resolve
@@ -78,6 +78,44 @@ def test_try_exclusive_only_when_alone(backend: Backend) -> None:
         with pytest.raises(LockTimeoutError):
             with lease_lock(backend, exclusive=False, timeout=0.3):
                 pass
+
+
+def test_gc_fence_lets_takers_back_off_and_stops_for_a_holder(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared taker's object stands beside gc's lease between its put and its look; the fence
+    must not take it for a holder (CI saw a gc stop so), but must stop for one that stays."""
+    monkeypatch.setenv("TAILOR_LOCK_TTL", "12")  # settle = 1 s
+    stop = threading.Event()
+    tries = 0
+
+    def keep_trying() -> None:
+        nonlocal tries
+        while not stop.is_set():
+            tries += 1
+            with pytest.raises(LockTimeoutError):
+                with lease_lock(backend, exclusive=False, timeout=0):
+                    pass
+
+    with lease_lock(backend, exclusive=True, timeout=1) as gc_lease:
+        taker = threading.Thread(target=keep_trying)
+        taker.start()
+        try:
+            checks = 0
+            deadline = time.monotonic() + 20
+            while (checks < 40 or tries < 20) and time.monotonic() < deadline:
+                gc_lease.check_alone("gc")
+                checks += 1
+        finally:
+            stop.set()
+            taker.join()
+        assert tries >= 20
+        holder = plant(backend, "far-3", exclusive=False, host="far-away", pid=3, expires=time.time() + 60)
+        started = time.monotonic()
+        with pytest.raises(LeaseLostError, match="shared lock of pid 3 on far-away took the store lock"):
+            gc_lease.check_alone("gc")
+        assert 1.0 <= time.monotonic() - started < 5
+        backend.delete(holder)
 
 
 def test_exclusive_leases_exclude_each_other_under_contention(backend: Backend) -> None:

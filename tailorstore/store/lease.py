@@ -20,7 +20,8 @@ checks before each step that publishes or deletes (:meth:`LeaseHandle.check`): t
 has not failed, the lease it last wrote still runs for at least ``margin`` (a third of the
 lease time), and its object still exists. The renewer never brings a lease back: one that
 lapsed, or whose object is gone, is lost for good. gc also checks, just before deleting, that
-no other live lease appeared (:meth:`LeaseHandle.check_alone`). docs/FORMAT.md, section 8,
+no other live lease appeared (:meth:`LeaseHandle.check_alone`), giving a taker that is backing
+off a few seconds to delete its object. docs/FORMAT.md, section 8,
 states the timing this relies on.
 """
 
@@ -47,6 +48,7 @@ LOCK_PREFIX = "locks/"
 DEFAULT_TTL = 120.0
 MAX_TTL = 86400.0  # a day: a lease that needs longer is a lease that never goes stale
 MAX_PID = (1 << 31) - 1
+SETTLE_SECONDS = 10.0  # a taker that saw our lease deletes its own within one listing
 _LOCK_KEY = re.compile(r"locks/[A-Za-z0-9._-]+\.json")
 
 
@@ -147,6 +149,7 @@ class LeaseHandle:
         self.backend, self.key, self.exclusive, self.ttl = backend, key, exclusive, ttl
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.margin = ttl / 3  # what must be left of the lease to publish or delete
+        self.settle = min(ttl / 12, SETTLE_SECONDS)  # how long a taker backing off may take to go
         self.valid_until = 0.0  # the expiry of the lease object this process last wrote
         self.lost: str | None = None  # why the lease is no longer ours, once it is not
         self.renew_error: BaseException | None = None
@@ -203,9 +206,19 @@ class LeaseHandle:
             )
 
     def check_alone(self, what: str) -> None:
-        """:meth:`check`, and that no other live lease appeared (for gc, before it deletes)."""
+        """:meth:`check`, and that no other live lease appeared (for gc, before it deletes).
+
+        A taker puts its lease object first and looks second, so for a moment a lease can stand
+        beside ours that is only on its way out: it will see ours and delete itself. Such a lease
+        is given ``settle`` seconds to go; one still there after that is a real holder (ours was
+        taken from us), and gc stops."""
         self.check(what)
+        deadline = time.monotonic() + self.settle
         blockers = self.others()
+        while blockers and time.monotonic() < deadline:
+            time.sleep(random.uniform(0.05, 0.25))
+            self.check(what)
+            blockers = self.others()
         if blockers:
             self.lost = f"{blockers[0].describe()} took the store lock"
             raise LeaseLostError(
