@@ -209,16 +209,24 @@ class LeaseHandle:
         """:meth:`check`, and that no other live lease appeared (for gc, before it deletes).
 
         A taker puts its lease object first and looks second, so for a moment a lease can stand
-        beside ours that is only on its way out: it will see ours and delete itself. Such a lease
-        is given ``settle`` seconds to go; one still there after that is a real holder (ours was
-        taken from us), and gc stops."""
+        beside ours that is only on its way out: it will see ours and delete itself. Each lease is
+        given ``settle`` seconds from when it was first seen to go (takers keep coming, so each
+        has its own clock); one still there after that is a real holder (ours was taken from us),
+        and gc stops. Past three settle times of looking, any lease still there stops it too."""
         self.check(what)
-        deadline = time.monotonic() + self.settle
-        blockers = self.others()
-        while blockers and time.monotonic() < deadline:
+        started = time.monotonic()
+        first_seen: dict[str, float] = {}
+        while True:
+            blockers = self.others()
+            now = time.monotonic()
+            for lease in blockers:
+                first_seen.setdefault(lease.key, now)
+            held = [b for b in blockers if now - first_seen[b.key] >= self.settle]
+            if held or not blockers or now - started >= 3 * self.settle:
+                blockers = held or blockers
+                break
             time.sleep(random.uniform(0.05, 0.25))
             self.check(what)
-            blockers = self.others()
         if blockers:
             self.lost = f"{blockers[0].describe()} took the store lock"
             raise LeaseLostError(
