@@ -25,11 +25,12 @@ import numpy as np
 
 from tailorstore.access.atom_reader import blob_of, decode_atom_into, decode_stored_atom, stream_atom
 from tailorstore.core.atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
-from tailorstore.core.errors import Call, CorruptStoreError, StoreError
+from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, StoreError, UnsafePickleError
 from tailorstore.core.rounding import widened
 from tailorstore.core.tensor_ref import DTYPES, numel_of
+from tailorstore.formats import dcp
 from tailorstore.formats import deepspeed as ds
-from tailorstore.formats.kinds import TORCH
+from tailorstore.formats.kinds import DCP, RAW, TORCH
 from tailorstore.formats.skeleton import fill_tensors, slots_of, split_tensors
 from tailorstore.formats.torch_pickle import load_pickle_tree
 from tailorstore.formats.torch_save_writer import TensorOut
@@ -144,9 +145,12 @@ def tiling(pieces: list[AtomRecord], numel: int) -> tuple[AtomRecord, ...] | Non
 
 
 def model_view(store: Repository, manifest: int) -> ModelView:
-    """Every tensor of the model's state dict at ``manifest``, in DeepSpeed's parameter order."""
+    """Every tensor of the model's state dict at ``manifest``, in DeepSpeed's parameter order
+    (for a DCP step, in the order its ``.metadata`` lists them)."""
     facts = store.manifest(manifest)
     files = store.catalogue.files(manifest)
+    if any(f.kind == DCP for f in files) and not any(f.kind == TORCH for f in files):
+        return _dcp_view(store, manifest, facts.step, files)
     states = model_states_file(files, facts.step)
     where = f"step {facts.step}, file {states.path}"
     tree = skeleton_tree(store, states, where)
@@ -194,6 +198,39 @@ def model_view(store: Repository, manifest: int) -> ModelView:
         [str(k) for k in module],
         states,
     )
+
+
+def _dcp_view(store: Repository, manifest: int, step: int, files: list[FileRecord]) -> ModelView:
+    """A DCP step as a model: each model parameter's full shape from its folder's ``.metadata``
+    (kept whole, and read again as hostile input), tiled by its chunks' atoms."""
+    by_param: dict[tuple[str, str], list[AtomRecord]] = defaultdict(list)
+    for atom in store.catalogue.atoms(manifest):
+        if atom.kind in _VIEWED:
+            by_param[(atom.param, atom.kind)].append(atom)
+    tensors: list[ModelTensor] = []
+    folders = sorted({str(PurePosixPath(f.path).parent) for f in files if f.kind == DCP})
+    for folder in folders:
+        prefix = "" if folder == "." else f"{folder}/"
+        row = next((f for f in files if f.path == f"{prefix}{dcp.METADATA}" and f.kind == RAW), None)
+        where = f"step {step}, file {prefix}{dcp.METADATA}"
+        if row is None:
+            raise CorruptStoreError(f"step {step}: the DCP folder {folder} has no .metadata; run ", Call("verify"))
+        sizes = {PurePosixPath(f.path).name: f.raw_size for f in files if f.kind == DCP and f.path.startswith(prefix)}
+        try:
+            meta = dcp.read_metadata(store.read_blob(row.blob, where), where, sizes)
+        except (BadCheckpointError, UnsafePickleError) as exc:
+            raise CorruptStoreError(f"{exc} (read from the store); run ", Call("verify"), ".") from None
+        for fqn, info in meta.tensors.items():
+            param, kind, is_model = dcp.name_and_kind(fqn, meta.paths.get(fqn), info.dtype)
+            if is_model and kind in (MASTER, WEIGHT):
+                tensors.append(_tensor(param, info.size, by_param, (kind,), where))
+    if not tensors:
+        raise StoreError(f"step {step} holds no model parameters in its DCP folders (keys model.<name>)")
+    stored = {a.blob for t in tensors for a in t.atoms if a.derived is None}
+    rows = {digest: blob_of(store, digest, f"step {step}") for digest in stored}
+    facts = store.manifest(manifest)
+    names = [t.name for t in tensors]
+    return ModelView(manifest, step, tensors, {}, rows, facts.zero_stage, facts.world_size, dict(by_param), {}, names)
 
 
 def _tensor(

@@ -34,7 +34,8 @@ from tailorstore.core.paths import safe_join
 from tailorstore.core.rounding import ROUND_FROM_MASTER, round_into
 from tailorstore.core.thread_buffers import thread_buffer
 from tailorstore.core.threads import decode_threads
-from tailorstore.formats.kinds import TORCH
+from tailorstore.formats.dcp_items import item_windows
+from tailorstore.formats.kinds import DCP, TORCH
 from tailorstore.formats.torch_zip import gaps, mend_crcs, record_offsets
 from tailorstore.store import codec
 from tailorstore.store.direct_io import PlacedWriter
@@ -244,6 +245,10 @@ class PlacedFiles:
             target = self.targets[row.path]
             if self.mend and target.kind == TORCH:
                 mend_crcs(target.out.fd, target.where)
+            elif self.mend and target.kind == DCP:  # each tensor item is a zip of its own
+                skeleton = self.store.read_blob(row.blob, f"{target.where} (skeleton)")
+                for base, length in item_windows(skeleton, target.size, target.where):
+                    mend_crcs(target.out.fd, target.where, base=base, length=length)
             elif row.path in self.edited:
                 mend_crcs(target.out.fd, target.where, self.edited[row.path])
             if os.fstat(target.out.fd).st_size != target.size:

@@ -6,3 +6,4 @@ importing torch, which the readers need."""
 RAW = "raw"  # kept whole, as one blob
 TORCH = "torch"  # a torch.save zip: skeleton pickle plus tensor records
 SAFETENSORS = "safetensors"  # a JSON header plus tensor bytes
+DCP = "dcp"  # a DCP .distcp file: torch.save zips back to back, each tensor item an atom

@@ -5,7 +5,14 @@ Three shapes are accepted, as users meet them:
 * a DeepSpeed save directory (``latest`` plus ``global_stepN/``): the tag that ``latest``
   names is committed, with the top-level files beside it;
 * one DeepSpeed tag folder (``global_stepN/`` with ``*_model_states.pt``);
-* a Hugging Face Trainer ``checkpoint-N/`` folder, with or without DeepSpeed inside.
+* a Hugging Face Trainer ``checkpoint-N/`` folder, with or without DeepSpeed inside (or FSDP's
+  DCP folders, ``pytorch_model_fsdp_0/`` and ``optimizer_0/``);
+* a PyTorch distributed checkpoint (DCP) folder, ``.metadata`` plus ``__R_K.distcp`` files, as
+  ``dcp.save`` writes it for FSDP2 and torchtitan (``step-N/``): committed like a DeepSpeed tag
+  folder, so a checkout writes ``step-N/`` back;
+* a plain folder of weights or training-state files (``model.safetensors`` shards, ``ckpt.pt``),
+  or one such file: every ``torch.save`` file the torch-free reader takes and every safetensors
+  file is cut into atoms, the rest kept whole.
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ log = logging.getLogger("tailorstore")
 DEEPSPEED = "deepspeed"
 DEEPSPEED_TAG = "deepspeed-tag"
 HF_TRAINER = "hf-trainer"
+DCP_FOLDER = "dcp"
+PLAIN_FOLDER = "plain"  # weights or training-state files, no framework's layout (model.safetensors, ckpt.pt)
+PLAIN_FILE = "plain-file"  # one such file, committed by its own path
+PLAIN_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+DCP_METADATA = ".metadata"  # formats/dcp.py reads it; named here so that detecting imports no reader
 TAG_PLACEHOLDER = "{tag}"
 
 
@@ -46,7 +58,7 @@ class CheckpointLayout:
 
 
 def _step_from_name(name: str) -> int | None:
-    match = re.search(r"(?:global_step|checkpoint-)(\d+)$", name)
+    match = re.search(r"(?:global_step|checkpoint-|step-|step_|step|ckpt-|ckpt_|iter_)(\d+)$", name)
     return int(match.group(1)) if match else None
 
 
@@ -141,9 +153,20 @@ def detect(path: Path, *, part: bool = False) -> CheckpointLayout:
     return layout
 
 
+def is_dcp_folder(path: Path) -> bool:
+    """``dcp.save``'s output: a ``.metadata`` file and ``.distcp`` files beside it."""
+    return (path / DCP_METADATA).is_file() and any(p.suffix == ".distcp" and p.is_file() for p in path.iterdir())
+
+
 def _detect(path: Path, part: bool = False) -> CheckpointLayout:
+    if path.is_file() and not path.is_symlink() and path.suffix in PLAIN_SUFFIXES:
+        # one torch.save or safetensors file; named "{tag}" in the index, so every step's file matches
+        return CheckpointLayout(path.parent, PLAIN_FILE, _step_from_name(path.stem), path.name, [path.name])
     if not path.is_dir():
-        raise BadCheckpointError(f"{path}: not a directory. Pass the folder DeepSpeed or the HF Trainer saved.")
+        raise BadCheckpointError(
+            f"{path}: not a directory, nor a .pt, .pth, .bin, .ckpt or .safetensors file. Pass the folder "
+            "DeepSpeed, the HF Trainer or dcp.save saved."
+        )
     if (path / "trainer_state.json").is_file():
         return _hf_layout(path, part)
     if (path / "latest").is_file():
@@ -157,14 +180,26 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
         files = _top_files(path) + _tag_files(tag_dir, f"{tag}/", part)
         return CheckpointLayout(path, DEEPSPEED, _step_from_name(tag), tag, files)
     names = [p.name for p in path.iterdir() if p.is_file()]
+    if is_dcp_folder(path):
+        tag = path.name
+        for p in path.iterdir():
+            if p.is_dir():
+                log.warning("tailorstore: %s is a folder inside a DCP checkpoint; it is not committed", p)
+        return CheckpointLayout(
+            path.parent, DCP_FOLDER, _step_from_name(tag), tag, [f"{tag}/{n}" for n in sorted(names)]
+        )
     if any(is_model_states(n) for n in names) or (part and any(is_optim_states(n) for n in names)):
         tag = path.name
         return CheckpointLayout(
             path.parent, DEEPSPEED_TAG, _step_from_name(tag), tag, _tag_files(path, f"{tag}/", part)
         )
+    if any(Path(n).suffix in PLAIN_SUFFIXES for n in names):
+        tag = path.name
+        return CheckpointLayout(path.parent, PLAIN_FOLDER, _step_from_name(tag), tag, _walk(path.parent, path))
     raise BadCheckpointError(
         f"{path}: not a checkpoint. Expected a DeepSpeed save directory (with 'latest'), a DeepSpeed tag "
-        "folder (with *_model_states.pt), or an HF Trainer checkpoint-N folder (with trainer_state.json)."
+        "folder (with *_model_states.pt), an HF Trainer checkpoint-N folder (with trainer_state.json), or a DCP "
+        "folder (with .metadata and *.distcp files)."
     )
 
 

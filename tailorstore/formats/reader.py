@@ -12,6 +12,8 @@ only when a commit stores them (see ``source``). Each file becomes one of three 
   slots, saved with ``torch.save``. Either way the container is every byte of the file
   outside the tensors (see ``torch_zip``);
 * ``safetensors``: the header bytes as skeleton and container, one atom per tensor;
+* ``dcp``: a DCP ``.distcp`` file, cut with its folder's ``.metadata`` (``formats/dcp``): one
+  atom per tensor item, the rest of the file its container;
 * ``raw``: any other file, kept whole as one blob (configs, RNG states, scripts, the
   pickled TrainingArguments, which we never unpickle).
 """
@@ -24,9 +26,10 @@ from pathlib import Path, PurePosixPath
 
 from tailorstore.core import atoms as A
 from tailorstore.core.atoms import TensorEntry
-from tailorstore.core.errors import UnsafePickleError
+from tailorstore.core.errors import BadCheckpointError, UnsafePickleError
+from tailorstore.formats import dcp, plain_torch
 from tailorstore.formats import deepspeed as ds
-from tailorstore.formats.kinds import RAW, SAFETENSORS, TORCH
+from tailorstore.formats.kinds import DCP, RAW, SAFETENSORS, TORCH
 from tailorstore.formats.layout import CheckpointLayout
 from tailorstore.formats.safetensors_file import read_safetensors
 from tailorstore.formats.skeleton import split_tensors
@@ -36,6 +39,10 @@ from tailorstore.formats.torch_zip import gaps
 
 # Generic torch files that hold model or optimizer tensors worth cutting into atoms.
 _TORCH_NAMES = ("optimizer.pt", "pytorch_model.bin")
+# Other names torch.save files go by: cut into atoms when the torch-free reader takes them and
+# they hold tensors, else kept whole (``training_args.bin`` pickles a class we never load).
+_MAYBE_TORCH = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+MAYBE_TORCH = "torch?"
 
 
 @dataclass
@@ -94,10 +101,14 @@ def classify(rel: str) -> str:
     name = PurePosixPath(rel).name
     if ds.is_model_states(name) or ds.is_optim_states(name) or name in _TORCH_NAMES:
         return TORCH
+    if name.endswith(_MAYBE_TORCH):
+        return MAYBE_TORCH
     if name.startswith("pytorch_model-") and name.endswith(".bin"):
         return TORCH
     if name.endswith(".safetensors"):
         return SAFETENSORS
+    if dcp.is_distcp(name):
+        return DCP
     return RAW
 
 
@@ -129,15 +140,25 @@ def read_checkpoint(
     either the model-states file comes first, or ``infos`` holds what an earlier pass found.
     """
     infos = {} if infos is None else infos  # by the model-states file's folder
+    dcp_metas: dict[str, dcp.DcpMetadata] = {}  # by folder
     for rel in layout.files if files is None else files:
         source = layout.root / rel
         name = PurePosixPath(rel).name
         kind = classify(rel)
-        rank = ds.file_rank(name) if kind == TORCH else None
+        rank = ds.file_rank(name) if kind == TORCH else dcp.file_rank(name) if kind == DCP else None
         with InputFile(source) as src:
             out = ReadFile(rel, layout.file_key(rel), kind, rank, src.size, src.mode, source, identity=src.identity)
-            if kind == TORCH:
+            if kind == MAYBE_TORCH:
+                out.kind = TORCH if _read_plain(out, src) else RAW
+            elif kind == TORCH:
                 _read_torch(out, src, trust_pickles, infos)
+            elif kind == DCP:
+                folder = source.parent
+                if str(folder) not in dcp_metas:
+                    dcp_metas[str(folder)] = _dcp_metadata(folder)
+                meta = dcp_metas[str(folder)]
+                out.skeleton, out.entries = dcp.read_distcp(src, rel, meta, str(source))
+                out.located, out.meta = True, {"world_size": meta.world_size}
             elif kind == SAFETENSORS:
                 parsed = read_safetensors(src, str(source))
                 if parsed is None:
@@ -147,6 +168,42 @@ def read_checkpoint(
                     out.located = True
             src.check()
         yield out
+
+
+def _read_plain(out: ReadFile, src: InputFile) -> bool:
+    """A file that may be a plain torch.save: cut into atoms when the torch-free reader takes it
+    and it holds tensors; False (keep it whole) for anything else, which is then never unpickled."""
+    try:
+        parsed = read_torch_zip(src, str(out.source))
+    except (UnsafePickleError, BadCheckpointError):
+        return False
+    if parsed is None:
+        return False
+    obj, pickle_record = parsed
+    _, entries = split_tensors(obj, where=str(out.source), file_size=out.size)
+    if not any(e.tensor.numel() for e in entries):
+        return False
+    for entry in entries:
+        entry.file_offset = entry.tensor.file_offset if entry.tensor.numel() else None
+    if not plain_torch.segment_plain(obj, entries):
+        for entry in entries:
+            ds.generic(entry, 0)
+    out.skeleton, out.located, out.entries = pickle_record, True, entries
+    return True
+
+
+def _dcp_metadata(folder: Path) -> dcp.DcpMetadata:
+    """A DCP folder's ``.metadata``, checked against the sizes of its ``.distcp`` files."""
+    path = folder / dcp.METADATA
+    if not path.is_file():
+        raise BadCheckpointError(f"{folder}: .distcp files without the .metadata that says what they hold")
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir() if dcp.is_distcp(p.name) and p.is_file()}
+    with InputFile(path) as src:
+        if src.size > dcp.MAX_METADATA:
+            raise BadCheckpointError(f"{path}: {src.size} bytes, more than DCP metadata ever needs")
+        data = bytes(src.read(0, src.size))
+        src.check()
+    return dcp.read_metadata(data, str(path), sizes)
 
 
 def _read_torch(out: ReadFile, src: InputFile, trust_pickles: bool, infos: dict[str, ds.ModelInfo]) -> None:
@@ -180,7 +237,7 @@ def _read_torch(out: ReadFile, src: InputFile, trust_pickles: bool, infos: dict[
     elif ds.is_optim_states(name):
         info = infos.get(folder, ds.ModelInfo())
         ds.segment_optim_states(obj, entries, out.rank or 0, info, where)
-    else:
+    elif not plain_torch.segment_plain(obj, entries):
         for entry in entries:
             ds.generic(entry, 0)
     out.entries = entries

@@ -91,6 +91,18 @@ class InputFile:
         proc = f"/proc/self/fd/{self.fd}"
         return proc if os.path.exists(proc) else str(self.path)
 
+    def zip_records(self) -> dict[str, tuple[int, int]]:
+        """The file's zip records (name -> offset, size), read through this descriptor."""
+        from tailorstore.formats.torch_zip import record_offsets
+
+        return record_offsets(self.fd)
+
+    def window(self, base: int, length: int) -> InputWindow:
+        """``length`` bytes from ``base`` on, read as a file of their own (one item of a DCP file)."""
+        if base < 0 or length < 0 or base + length > self.size:
+            raise BadCheckpointError(f"{self.path}: a range of {length} bytes at {base} lies outside the file")
+        return InputWindow(self, base, length)
+
     def read(self, offset: int, length: int) -> memoryview:
         """``length`` bytes at ``offset``, copied into private memory."""
         view = private_copy_buffer(length) if length else memoryview(b"")
@@ -156,6 +168,27 @@ class InputFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class InputWindow:
+    """A range of an :class:`InputFile`, read as a file of its own: offsets count from its start."""
+
+    def __init__(self, parent: InputFile, base: int, length: int) -> None:
+        self.parent, self.base, self.length = parent, base, length
+
+    @property
+    def size(self) -> int:
+        return self.length
+
+    def zip_records(self) -> dict[str, tuple[int, int]]:
+        from tailorstore.formats.torch_zip import record_offsets
+
+        return record_offsets(self.parent.fd, self.base, self.length)
+
+    def read(self, offset: int, length: int) -> memoryview:
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise BadCheckpointError(f"{self.parent.path}: a read past the end of the item at byte {self.base}")
+        return self.parent.read(self.base + offset, length)
 
 
 def check_unchanged(path: Path, expected: Identity) -> None:

@@ -32,8 +32,7 @@ from typing import Any
 
 from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, UnsafePickleError
 from tailorstore.core.tensor_ref import DTYPES, TensorRef, contiguous_strides, numel_of
-from tailorstore.formats.source import InputFile
-from tailorstore.formats.torch_zip import record_offsets
+from tailorstore.formats.source import InputFile, InputWindow
 
 # DeepSpeed's own classes seen in DeepSpeed 0.14 to 0.19 checkpoints; kept as Opaque objects.
 DEEPSPEED_GLOBALS = (
@@ -231,12 +230,12 @@ class _Unpickler(pickle.Unpickler):
         return _Storage(key, storage_type.dtype, numel, record[0])
 
 
-def read_torch_zip(src: InputFile, where: str) -> tuple[Any, bytes] | None:
+def read_torch_zip(src: InputFile | InputWindow, where: str) -> tuple[Any, bytes] | None:
     """(the object tree, with a TensorRef holding its file offset for every tensor, and the bytes of
     its pickle), or None when the file needs torch (the caller falls back). Raises
     UnsafePickleError for a global outside the allowlist, BadCheckpointError for a damaged file."""
     try:
-        records = record_offsets(src.by_descriptor)
+        records = src.zip_records()
     except (zipfile.BadZipFile, OSError, ValueError):
         return None  # not a zip torch.save wrote: torch's loader says what it is
     pickles = [name for name in records if name.endswith("/data.pkl") and name.count("/") == 1]

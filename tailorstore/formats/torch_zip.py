@@ -12,11 +12,13 @@ the zip's CRC-32 fields then describe the old bytes, so :func:`mend_crcs` recomp
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 from tailorstore.core.atoms import TensorEntry
 from tailorstore.core.errors import BadCheckpointError
@@ -28,26 +30,75 @@ _DESCRIPTOR_SIG = 0x08074B50
 _CRC_BLOCK = 8 << 20
 
 
-def _data_offset(f: object, info: zipfile.ZipInfo, where: str) -> int:
+class Window(io.RawIOBase):
+    """``length`` bytes of an open file from ``base`` on, as a file of their own: a DCP ``.distcp``
+    file is torch.save zips back to back, and ``zipfile`` reads one of them through this."""
+
+    def __init__(self, fd: int, base: int = 0, length: int | None = None) -> None:
+        super().__init__()
+        self.fd, self.base = fd, base
+        self.length = os.fstat(fd).st_size - base if length is None else length
+        self.at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def tell(self) -> int:
+        return self.at
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        start = {os.SEEK_SET: 0, os.SEEK_CUR: self.at, os.SEEK_END: self.length}[whence]
+        self.at = max(0, start + offset)
+        return self.at
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = max(0, min(len(view), self.length - self.at))
+        data = os.pread(self.fd, want, self.base + self.at) if want else b""
+        view[: len(data)] = data
+        self.at += len(data)
+        return len(data)
+
+    def pread(self, size: int, offset: int) -> bytes:
+        """Bytes at ``offset`` within the window, never past its end."""
+        size = max(0, min(size, self.length - offset))
+        return os.pread(self.fd, size, self.base + offset) if size else b""
+
+
+def _data_offset(f: Window, info: zipfile.ZipInfo, where: str) -> int:
     """The offset of a record's bytes: after its local header, whose name and extra lengths
     may differ from the central directory's (torch pads the extra field to align data)."""
-    header = os.pread(f.fileno(), _LOCAL.size, info.header_offset)  # type: ignore[attr-defined]
+    header = f.pread(_LOCAL.size, info.header_offset)
     if len(header) != _LOCAL.size or _LOCAL.unpack(header)[0] != _LOCAL_SIG:
         raise BadCheckpointError(f"{where}: zip record {info.filename} has no local header; the file is damaged")
     fields = _LOCAL.unpack(header)
     return info.header_offset + _LOCAL.size + fields[9] + fields[10]
 
 
-def record_offsets(path: Path | int) -> dict[str, tuple[int, int]]:
+def record_offsets(path: Path | int, base: int = 0, length: int | None = None) -> dict[str, tuple[int, int]]:
     """Record name -> (offset of its bytes, size), for every record of a stored torch zip (a path,
-    or a file descriptor open for reading)."""
+    or a file descriptor open for reading); with ``base`` and ``length``, of the zip that fills
+    that range of the file, offsets counted from ``base``."""
     out: dict[str, tuple[int, int]] = {}
-    opened = open(path, "rb", closefd=not isinstance(path, int))
-    with opened as f, zipfile.ZipFile(f) as z:
-        for info in z.infolist():
-            if info.compress_type != zipfile.ZIP_STORED:
-                return {}  # not written by torch.save; no container
-            out[info.filename] = (_data_offset(f, info, str(path)), info.file_size)
+    fd = path if isinstance(path, int) else os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        with Window(fd, base, length) as f, zipfile.ZipFile(f) as z:
+            for info in z.infolist():
+                if info.compress_type != zipfile.ZIP_STORED:
+                    return {}  # not written by torch.save; no container
+                offset = _data_offset(f, info, str(path))
+                if offset + info.file_size > f.length:
+                    raise zipfile.BadZipFile(f"record {info.filename} reaches past the end of the zip")
+                out[info.filename] = (offset, info.file_size)
+    finally:
+        if not isinstance(path, int):
+            os.close(fd)
     return out
 
 
@@ -96,15 +147,16 @@ def gaps(size: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def mend_crcs(fd: int, path: str, records: set[str] | None = None) -> None:
+def mend_crcs(fd: int, path: str, records: set[str] | None = None, base: int = 0, length: int | None = None) -> None:
     """Recompute each record's CRC-32 (every record's, or those ``records`` names) from the bytes
     now in the file and write it where zip keeps it: the central directory, and the data
-    descriptor (torch sets flag bit 3) or else the local header."""
-    with open(fd, "rb", closefd=False) as f, zipfile.ZipFile(f) as z:
+    descriptor (torch sets flag bit 3) or else the local header. ``base`` and ``length`` name
+    the zip that fills that range of the file (one item of a DCP ``.distcp`` file)."""
+    with Window(fd, base, length) as f, zipfile.ZipFile(f) as z:
         infos = z.infolist()
         central = z.start_dir  # type: ignore[attr-defined]
         for info in infos:
-            head = os.pread(fd, 46, central)
+            head = f.pread(46, central)
             if len(head) != 46 or struct.unpack_from("<I", head)[0] != _CENTRAL_SIG:
                 raise BadCheckpointError(f"{path}: the zip central directory does not parse")
             entry = central
@@ -115,12 +167,12 @@ def mend_crcs(fd: int, path: str, records: set[str] | None = None) -> None:
             data = _data_offset(f, info, path)
             crc = 0
             for at in range(data, data + info.file_size, _CRC_BLOCK):
-                crc = zlib.crc32(os.pread(fd, min(_CRC_BLOCK, data + info.file_size - at), at), crc)
+                crc = zlib.crc32(f.pread(min(_CRC_BLOCK, data + info.file_size - at), at), crc)
             packed = struct.pack("<I", crc)
             if info.flag_bits & 0x08:
                 after = data + info.compress_size
-                sig = os.pread(fd, 4, after)
-                os.pwrite(fd, packed, after + (4 if struct.unpack("<I", sig)[0] == _DESCRIPTOR_SIG else 0))
+                sig = f.pread(4, after)
+                os.pwrite(fd, packed, base + after + (4 if struct.unpack("<I", sig)[0] == _DESCRIPTOR_SIG else 0))
             else:
-                os.pwrite(fd, packed, info.header_offset + 14)
-            os.pwrite(fd, packed, entry + 16)
+                os.pwrite(fd, packed, base + info.header_offset + 14)
+            os.pwrite(fd, packed, base + entry + 16)

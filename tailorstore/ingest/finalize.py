@@ -20,7 +20,9 @@ from tailorstore.access import structure
 from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, StepExistsError, StoreError
 from tailorstore.core.policies import PolicySpec
 from tailorstore.curate.refs import check_tag
+from tailorstore.formats import dcp
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
+from tailorstore.formats.kinds import DCP
 from tailorstore.formats.layout import DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
 from tailorstore.store.backend import blob_key
 from tailorstore.store.catalogue import CatalogueEdit
@@ -47,12 +49,13 @@ class FinalizeResult:
 
 
 def missing_pieces(layout: str, files: list[FileRecord], world_size: int | None, zero_stage: int | None) -> list[str]:
-    """Pure: what a DeepSpeed step lacks for its saved world size, in words (empty when complete).
-
-    An HF Trainer checkpoint without DeepSpeed files has no ranks to check."""
+    """Pure: what a DeepSpeed or DCP step lacks for its saved world size, in words (empty when
+    complete). An HF Trainer checkpoint without DeepSpeed or DCP files has no ranks to check."""
     names = [f.path.rsplit("/", 1)[-1] for f in files]
     model = [n for n in names if is_model_states(n)]
     optim_ranks = {file_rank(n) for n in names if is_optim_states(n)}
+    if any(f.kind == DCP for f in files):
+        return _missing_dcp(files, world_size)
     if layout == HF_TRAINER and not model and not optim_ranks:
         return []
     if not model:
@@ -69,6 +72,26 @@ def missing_pieces(layout: str, files: list[FileRecord], world_size: int | None,
         lost = sorted(set(range(world_size)) - model_ranks)
         if lost:
             missing.append(f"the model states of rank(s) {lost}")
+    return missing
+
+
+def _missing_dcp(files: list[FileRecord], world_size: int | None) -> list[str]:
+    """What a DCP step lacks: each folder's ``.metadata`` (rank 0 writes it), and a ``.distcp`` file
+    of every rank below the world size its metadata gave (each rank writes one)."""
+    missing: list[str] = []
+    by_folder: dict[str, list[str]] = {}
+    for f in files:
+        folder, _, name = f.path.rpartition("/")
+        by_folder.setdefault(folder, []).append(name)
+    for folder, names in sorted(by_folder.items()):
+        if not any(dcp.is_distcp(n) for n in names):
+            continue
+        if dcp.METADATA not in names:
+            missing.append(f"{folder or '.'}/{dcp.METADATA} (which rank 0 writes)")
+        ranks = {dcp.file_rank(n) for n in names if dcp.is_distcp(n)}
+        lost = sorted(set(range(world_size or 0)) - ranks)
+        if lost:
+            missing.append(f"the .distcp files of rank(s) {lost} in {folder or '.'}")
     return missing
 
 

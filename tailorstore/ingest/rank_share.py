@@ -1,8 +1,8 @@
 """One rank's share of a rank-parallel commit: survey first, then write, then one manifest.
 
 Under ``torch.distributed`` every rank sees the whole save (a shared or node-local folder)
-but commits only its own files: ``zero_pp_rank_R_*`` and ``rng_state_R.pth`` are rank R's,
-everything else is global rank 0's. Doing that naively would differ from a single-process
+but commits only its own files: ``zero_pp_rank_R_*``, ``rng_state_R.pth`` and DCP's
+``__R_K.distcp`` are rank R's, everything else is global rank 0's. Doing that naively would differ from a single-process
 commit twice over:
 
 - a bf16 weight (in rank 0's model states) is derived only if its whole FP32 master rounds
@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from tailorstore.core import atoms as A
 from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import rounded
+from tailorstore.formats import dcp
 from tailorstore.formats.deepspeed import file_rank, is_model_states
 from tailorstore.formats.layout import CheckpointLayout
 from tailorstore.formats.reader import ReadFile, write_order
@@ -44,10 +45,13 @@ WeightKey = tuple[str, str]  # (file path in the checkpoint, parameter)
 
 
 def owner_of(rel: str) -> int:
-    """The global rank that commits a file of the save: its DeepSpeed rank, else 0."""
+    """The global rank that commits a file of the save: its DeepSpeed rank, or the rank that
+    wrote a DCP ``__R_K.distcp`` file, else 0."""
     name = PurePosixPath(rel).name
     if "zero_pp_rank_" in name:
         return file_rank(name)
+    if dcp.is_distcp(name):
+        return dcp.file_rank(name)
     if name.startswith("rng_state_"):
         return _rng_rank(name)
     return 0

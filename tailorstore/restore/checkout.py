@@ -23,7 +23,7 @@ from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.curate.thinning import refuse_thinned
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
-from tailorstore.formats.kinds import RAW, SAFETENSORS, TORCH
+from tailorstore.formats.kinds import DCP, RAW, SAFETENSORS, TORCH
 from tailorstore.formats.layout import DEEPSPEED_TAG
 from tailorstore.formats.torch_pickle import untrusted
 from tailorstore.store.records import FileRecord, ManifestRecord
@@ -100,7 +100,7 @@ def loaded_by(name: str, ranks: set[int]) -> bool:
 def placed_rows(rows: list[FileRecord]) -> list[FileRecord]:
     """The files written in place from a container and atoms (:mod:`placement`); the rest are
     whole-file blobs, or files committed without a container (by tailorstore 0.1)."""
-    return [row for row in rows if row.container is not None and row.kind in (TORCH, SAFETENSORS)]
+    return [row for row in rows if row.container is not None and row.kind in (TORCH, SAFETENSORS, DCP)]
 
 
 def write_step_files(

@@ -1,0 +1,287 @@
+"""PyTorch distributed checkpoints (DCP) from real FSDP2 runs: a tiny Llama, each block
+``fully_shard``ed, AdamW, 2 ranks on gloo, ``dcp.save`` every 3 steps (testbed/train_fsdp.py).
+
+Commit, checkout byte for byte, ``dcp.load`` at 1 rank of a checkout made at 2, an exact
+resume, a parity series whose composite loads and resumes, and hostile ``.metadata`` files
+refused through the real CLI with one line."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import tailor
+
+from tailorstore import Store
+from tailorstore.core.layers import layer_of
+from testbed.compare import same_tree
+from testbed.runs import torchrun
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY, LAYERS = 6, 3, 4
+
+
+@dataclass
+class FsdpRun:
+    out: Path  # step-3/ and step-6/ below it
+    losses: list[float]
+    weights: Path  # the final full weights (safetensors), gathered by FSDP itself
+
+
+def train(out: Path, *extra: str, nproc: int = 2) -> dict:
+    losses = out / "losses.json"
+    args = ["--output-dir", str(out), "--steps", str(STEPS), "--save-every", str(EVERY), "--layers", str(LAYERS)]
+    torchrun("testbed.train_fsdp", [*args, "--losses-out", str(losses), *extra], nproc=nproc, log=out / "log.txt")
+    return json.loads(losses.read_text())
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> FsdpRun:
+    out = tmp_path_factory.mktemp("fsdp")
+    weights = out / "final.safetensors"
+    done = train(out, "--final-weights", str(weights))
+    assert done["first"] == 1 and len(done["losses"]) == STEPS
+    return FsdpRun(out, done["losses"], weights)
+
+
+def full_model_state(folder: Path) -> dict:
+    """``dcp.load`` of a folder into a plain (unsharded) model, in this one process: DCP
+    reshards the 2 ranks' chunks to world size 1 itself."""
+    import torch.distributed.checkpoint as dcp
+
+    from testbed.train_fsdp import build_model
+
+    state = {"model": build_model(LAYERS).state_dict()}
+    dcp.load(state, checkpoint_id=str(folder))
+    return state["model"]
+
+
+def test_commit_and_checkout_are_byte_identical_and_layer_wise(fsdp_run: FsdpRun, tmp_path: Path) -> None:
+    store = Store.init(tmp_path / "store")
+    first = store.commit(fsdp_run.out / "step-3")
+    second = store.commit(fsdp_run.out / "step-6")
+    assert (first.step, second.step) == (3, 6)
+    detail = store.show("step=6")
+    layers = {x.layer for x in detail.layers}
+    assert {f"block.{i}" for i in range(LAYERS)} | {"embedding", "final_norm", "lm_head"} <= layers
+    for ref, step in (("step=3", 3), ("step=6", 6)):
+        out = tmp_path / f"out{step}"
+        store.checkout(ref, out)
+        assert same_tree(out / f"step-{step}", fsdp_run.out / f"step-{step}")
+    # compressed and deduplicated like any other step: the store holds less than the two saves
+    raw = sum(p.stat().st_size for s in ("step-3", "step-6") for p in (fsdp_run.out / s).iterdir())
+    assert store.usage().stored_bytes < raw
+    store.close()
+
+
+def test_dcp_load_at_one_rank_from_a_checkout_made_at_two(fsdp_run: FsdpRun, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    with Store.init(tmp_path / "store") as store:
+        store.commit(fsdp_run.out / "step-6")
+        store.checkout("latest", tmp_path / "out")
+    loaded = full_model_state(tmp_path / "out" / "step-6")
+    final = load_file(str(fsdp_run.weights))
+    assert loaded.keys() == final.keys()
+    for name, tensor in final.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_resume_from_a_checkout_gives_the_same_losses(fsdp_run: FsdpRun, tmp_path: Path) -> None:
+    with Store.init(tmp_path / "store") as store:
+        store.commit(fsdp_run.out / "step-3")
+        store.checkout("step=3", tmp_path / "out")
+    resumed = train(tmp_path / "resumed", "--resume-from", str(tmp_path / "out" / "step-3"))
+    assert resumed["first"] == EVERY + 1
+    assert resumed["losses"] == fsdp_run.losses[EVERY:]  # bit for bit: floats through JSON are exact
+
+
+def test_a_parity_composite_loads_and_resumes(fsdp_run: FsdpRun, tmp_path: Path) -> None:
+    """Step 6 stores the odd blocks and inherits the even ones from step 3: the checkout of
+    step 6 is a composite. DCP loads it (its zips' CRCs mended), each layer from its own step."""
+    import torch
+
+    with Store.init(tmp_path / "store") as store:
+        store.commit(fsdp_run.out / "step-3")
+        store.commit(fsdp_run.out / "step-6", policy="parity")
+        inherited = {x.layer for x in store.show("step=6").layers if x.source_step == 3}
+        blocks = {f"block.{i}" for i in range(LAYERS)}
+        assert inherited & blocks and blocks - inherited
+        store.checkout("step=6", tmp_path / "out")
+    composite = full_model_state(tmp_path / "out" / "step-6")
+    at3 = full_model_state(fsdp_run.out / "step-3")
+    at6 = full_model_state(fsdp_run.out / "step-6")
+    for name, tensor in composite.items():
+        source = at3 if layer_of(name) in inherited else at6
+        assert torch.equal(tensor, source[name]), name
+    more = train(tmp_path / "more", "--resume-from", str(tmp_path / "out" / "step-6"), "--steps", str(STEPS + 2))
+    assert more["first"] == STEPS + 1 and len(more["losses"]) == 2
+    assert all(math.isfinite(loss) for loss in more["losses"])
+
+
+# -- hostile .metadata, through the real CLI ----------------------------------------------------------------
+
+
+def one_line(done, code: int, *words: str) -> None:
+    assert done.returncode == code, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    for word in words:
+        assert word in done.stderr, (word, done.stderr)
+
+
+def hostile_copy(fsdp_run: FsdpRun, tmp_path: Path, edit) -> Path:
+    """step-3 copied, its .metadata loaded with torch, changed by ``edit`` and pickled again."""
+    folder = tmp_path / "step-3"
+    shutil.copytree(fsdp_run.out / "step-3", folder)
+    with open(folder / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # our own test fixture: trusted
+    edit(meta)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+    return folder
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/tailor-dcp-pwned",))
+
+
+def _first_tensor_item(meta):
+    return next(k for k in meta.storage_data if k.offset is not None)
+
+
+def _past_the_end(meta) -> None:
+    meta.storage_data[_first_tensor_item(meta)].offset = 10**12
+
+
+def _overlapping(meta) -> None:
+    keys = sorted(
+        (k for k in meta.storage_data if meta.storage_data[k].relative_path == "__0_0.distcp"),
+        key=lambda k: meta.storage_data[k].offset,
+    )
+    meta.storage_data[keys[1]].offset = meta.storage_data[keys[0]].offset + 1
+
+
+def _overflowing(meta) -> None:
+    import torch
+
+    fqn = _first_tensor_item(meta).fqn
+    meta.state_dict_metadata[fqn].size = torch.Size([2**40, 2**40])
+
+
+def _other_globals(meta) -> None:
+    meta.planner_data = _Evil()
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (_other_globals, ["posix.system", "not one of DCP's metadata classes"]),
+        (_past_the_end, ["lies outside __"]),
+        (_overlapping, ["overlap in __0_0.distcp"]),
+        (_overflowing, ["2^48"]),
+    ],
+    ids=["other-globals", "offset-past-the-end", "overlapping-items", "overflowing-size"],
+)
+def test_hostile_metadata_is_refused_with_one_line(fsdp_run: FsdpRun, tmp_path: Path, edit, words) -> None:
+    folder = hostile_copy(fsdp_run, tmp_path, edit)
+    store = tmp_path / "store"
+    assert tailor("init", str(store)).returncode == 0
+    done = tailor("commit", str(folder), store=store)
+    one_line(done, 2, ".metadata", *words)
+    assert not Path("/tmp/tailor-dcp-pwned").exists()
+    assert len(tailor("log", store=store).stdout.strip().splitlines()) == 1  # the header alone: nothing committed
+
+
+def test_an_sma_merge_loads_and_resumes(fsdp_run: FsdpRun, tmp_path: Path) -> None:
+    import torch
+
+    spec = tmp_path / "sma.yaml"
+    spec.write_text("method: sma\nsteps: [3, 6]\n")
+    with Store.init(tmp_path / "store") as store:
+        store.commit(fsdp_run.out / "step-3")
+        store.commit(fsdp_run.out / "step-6")
+        store.merge(spec, tag="sma")
+        store.checkout("tag=sma", tmp_path / "out")
+    (folder,) = [p for p in (tmp_path / "out").iterdir() if p.is_dir()]
+    merged = full_model_state(folder)
+    at3, at6 = full_model_state(fsdp_run.out / "step-3"), full_model_state(fsdp_run.out / "step-6")
+    changed = 0
+    for name, tensor in merged.items():
+        want = ((at3[name].double() + at6[name].double()) / 2).float()
+        assert torch.equal(tensor, want), name
+        changed += not torch.equal(tensor, at6[name])
+    assert changed > 0
+    more = train(tmp_path / "more", "--resume-from", str(folder), "--steps", str(STEPS + 2))
+    assert more["first"] == STEPS + 1 and len(more["losses"]) == 2
+
+
+def test_export_equals_dcp_own_consolidation(fsdp_run: FsdpRun, tmp_path: Path) -> None:
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import LlamaForCausalLM
+
+    from testbed.train_fsdp import build_model
+
+    config_dir = tmp_path / "config"
+    build_model(LAYERS).config.save_pretrained(config_dir)
+    with Store.init(tmp_path / "store") as store:
+        store.commit(fsdp_run.out / "step-6")
+        store.export("latest", tmp_path / "hf", dtype="fp32", config=config_dir / "config.json")
+    dcp_to_torch_save(str(fsdp_run.out / "step-6"), str(tmp_path / "own.pt"))
+    own = torch.load(tmp_path / "own.pt", weights_only=True)
+    own = own["model"] if "model" in own else {k.removeprefix("model."): v for k, v in own.items()}
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    exported = model.state_dict()
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, own[name]), name
+
+
+def test_an_hf_fsdp_checkpoint_written_by_accelerate_is_exact(tmp_path: Path) -> None:
+    """The HF Trainer's FSDP folder layout, written by Accelerate's own save functions (the
+    Trainer with FSDP needs an accelerator device, which this CPU machine does not give it):
+    ``checkpoint-N/`` with the DCP folders ``pytorch_model_fsdp_0/`` and ``optimizer_0/``."""
+    out = tmp_path / "run"
+    train(out, "--accelerate-layout")
+    checkpoint = out / "checkpoint-6"
+    assert (checkpoint / "pytorch_model_fsdp_0" / ".metadata").is_file()
+    assert (checkpoint / "optimizer_0" / ".metadata").is_file()
+    with Store.init(tmp_path / "store") as store:
+        assert store.commit(checkpoint).step == 6
+        layers = {x.layer for x in store.show("latest").layers}
+        assert {f"block.{i}" for i in range(LAYERS)} <= layers
+        kinds = {a.kind for a in store.repo.catalogue.atoms(store.show("latest").summary.manifest)}
+        assert {"master", "exp_avg", "exp_avg_sq"} <= kinds
+        store.checkout("latest", tmp_path / "out")
+    written = tmp_path / "out" / "checkpoint-6" if (tmp_path / "out" / "checkpoint-6").is_dir() else tmp_path / "out"
+    assert same_tree(written, checkpoint)
+
+
+def test_a_rank_parallel_commit_equals_a_single_process_one(fsdp_run: FsdpRun, tmp_path: Path) -> None:
+    """Each rank writes its own ``__R_0.distcp`` file's blobs as a part, rank 0 the rest and the
+    manifest: every manifest equals a single-process commit's, parity policy included."""
+    from conftest import manifest_rows
+
+    saves = [fsdp_run.out / "step-3", fsdp_run.out / "step-6"]
+    with Store.init(tmp_path / "single") as single:
+        for save in saves:
+            single.commit(save, policy="parity")
+        expected = {step: manifest_rows(single, step) for step in (3, 6)}
+    Store.init(tmp_path / "parallel").close()
+    out = tmp_path / "out.json"
+    torchrun("testbed.rank_commit", [str(tmp_path / "parallel"), str(out), *map(str, saves), "--policy", "parity"])
+    with Store.open(tmp_path / "parallel") as parallel:
+        for step in (3, 6):
+            assert manifest_rows(parallel, step) == expected[step], step
+        assert parallel.verify(deep=True).ok
+    first_save = json.loads(Path(f"{out}.rank0").read_text())[0]
+    assert all(part and part["new_blobs"] > 0 for part in first_save["parts"]), "each rank wrote its own file's blobs"
