@@ -31,6 +31,12 @@ app = typer.Typer(
     help="A content-addressed, layer-wise store for DeepSpeed training checkpoints.",
 )
 
+KeepBestOpt = typer.Option(
+    None,
+    "--keep-best",
+    help="METRIC:min|max:K keeps each run's K best steps by a metric recorded at commit (eval_loss:min:3); "
+    "a step without it is never among the best, and of equal values the later step ranks first.",
+)
 StoreOpt = typer.Option(
     None, "--store", envvar=STORE_ENV, help=f"The store: a directory or s3://bucket/prefix (or ${STORE_ENV})."
 )
@@ -115,6 +121,9 @@ def commit(
     ),
     part: bool = typer.Option(False, "--part", help="Commit only this host's files, as one part of the step."),
     run: str = typer.Option("main", "--run", help="The run this step belongs to; steps are numbered per run."),
+    metric: list[str] = typer.Option(
+        [], "--metric", help="NAME=VALUE recorded with the step (repeatable): eval_loss=2.31. gc --keep-best reads it."
+    ),
     finalize: str | None = typer.Option(
         None, "--finalize", help="step=N: record the step whose parts every host has committed."
     ),
@@ -128,7 +137,7 @@ def commit(
     if finalize is not None:
         if ckpt_dir is not None or part:
             raise TailorError("--finalize takes no directory and no --part: run it once every host committed its part.")
-        _finalize(finalize, tag, force, run, store, quiet, as_json, lock_timeout)
+        _finalize(finalize, tag, force, run, store, quiet, as_json, lock_timeout, _metrics(metric))
         return
     if ckpt_dir is None:
         raise TailorError("name the checkpoint directory to commit (or pass --finalize step=N).")
@@ -154,6 +163,7 @@ def commit(
             part=part,
             progress=for_terminal(quiet or as_json),
             on_wait=_say,
+            metrics=_metrics(metric),
             **params,
         )
     if as_json:
@@ -186,15 +196,24 @@ def _report_written(result: Any, as_json: bool, quiet: bool, line: str) -> None:
         typer.echo(line)
 
 
+def _metrics(assignments: list[str]) -> dict[str, float] | None:
+    """``--metric NAME=VALUE`` options as a mapping (the library checks names and values again)."""
+    from tailorstore.core.metrics import parse_assignment
+
+    return dict(parse_assignment(a) for a in assignments) or None
+
+
 def _finalize(
     selector: str, tag: str | None, force: bool, run: str | None, store: str | None, quiet: bool, as_json: bool,
-    lock_timeout: float,
+    lock_timeout: float, metrics: dict[str, float] | None = None,
 ) -> None:  # fmt: skip
     match = re.fullmatch(r"(?:step=)?(\d+)", selector.strip())
     if match is None:
         raise TailorError(f"{selector!r} names no step to finalize: write step=N.")
     with _open(store, run) as st:
-        done = st.finalize(int(match.group(1)), tag=tag, force=force, lock_timeout=lock_timeout, on_wait=_say)
+        done = st.finalize(
+            int(match.group(1)), tag=tag, force=force, lock_timeout=lock_timeout, on_wait=_say, metrics=metrics
+        )
     if as_json:
         typer.echo(json.dumps(_asdict(done)))
     elif not quiet:
@@ -334,8 +353,13 @@ def log(run: str | None = typer.Option(None, "--run", help="Only this run's step
         typer.echo(
             f"{'id=' + s.id:13}  {f'{s.run:10}  ' if several else ''}{s.step:>8}  {_when(s.created_at)}  "
             f"{(s.tag or '-'):12}  {human(s.raw_bytes):>10}  {human(s.new_bytes):>10}  {kind}"
-            f"{'  pinned' if s.pinned else ''}"
+            f"{'  pinned' if s.pinned else ''}{_metric_text(s.metrics)}"
         )
+
+
+def _metric_text(metrics: dict[str, float | None]) -> str:
+    """``  eval_loss=2.31 accuracy=0.5`` (a NaN recorded as nan), or nothing."""
+    return "".join(f"  {k}={'nan' if v is None else f'{v:.6g}'}" for k, v in sorted(metrics.items()))
 
 
 def _what(exact: bool, policy: dict[str, Any]) -> str:
@@ -368,6 +392,8 @@ def show(
         f"{f'thinned to {s.tier} (exports and averages; does not resume), ' if s.tier else ''}"
         f"committed {_when(s.created_at)}, {human(s.raw_bytes)} raw, policy {s.policy.get('name')}"
     )
+    if s.metrics:
+        typer.echo("metrics:" + _metric_text(s.metrics))
     typer.echo(f"{'layer':14}  {'source':>7}  {'raw':>10}  {'stored':>10}  {'derived':>10}  kinds")
     for layer in detail.layers:
         typer.echo(
@@ -509,8 +535,9 @@ def remove(
 def gc(
     keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the K newest committed steps."),
     keep_every: int | None = typer.Option(None, "--keep-every", help="Keep steps whose number is a multiple of N."),
+    keep_best: str | None = KeepBestOpt,
     run: str | None = typer.Option(
-        None, "--run", help="Apply --keep-last/--keep-every to this run only (default: to each run on its own)."
+        None, "--run", help="Apply the rules to this run only (default: to each run on its own)."
     ),
     thin: str | None = typer.Option(
         None,
@@ -536,6 +563,7 @@ def gc(
         plan = st.gc(
             keep_last=keep_last,
             keep_every=keep_every,
+            keep_best=keep_best,
             thin=thin,
             run=run,
             dry_run=dry_run,
@@ -644,6 +672,7 @@ def run_create(
 def run_retention(
     keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the K newest committed steps whole."),
     keep_every: int | None = typer.Option(None, "--keep-every", help="Keep steps whose number is a multiple of N."),
+    keep_best: str | None = KeepBestOpt,
     thin: str | None = typer.Option(None, "--thin", help="Thin the other steps to 'weights' or 'master'."),
     clear: bool = typer.Option(False, "--clear", help="Carry no retention: `tailor gc` then drops nothing here."),
     run: str = typer.Option("main", "--run", help="The run that carries it."),
@@ -653,8 +682,8 @@ def run_retention(
     with _open(store, run) as st:
         if clear:
             rules = st.set_retention()
-        elif keep_last is not None or keep_every is not None or thin is not None:
-            rules = st.set_retention(keep_last=keep_last, keep_every=keep_every, thin=thin)
+        elif keep_last is not None or keep_every is not None or thin is not None or keep_best is not None:
+            rules = st.set_retention(keep_last=keep_last, keep_every=keep_every, thin=thin, keep_best=keep_best)
         else:
             rules = st.retention()
     if rules is None:
@@ -663,6 +692,9 @@ def run_retention(
     parts = [
         f"keep the last {rules.keep_last}" if rules.keep_last else "",
         f"every {rules.keep_every}th step" if rules.keep_every else "",
+        f"the {rules.keep_best.count} best by {rules.keep_best.metric} ({rules.keep_best.mode})"
+        if rules.keep_best
+        else "",
     ]
     rest = f"thin the rest to {rules.thin}" if rules.thin else "drop the rest"
     typer.echo(f"run {run}: {' and '.join(p for p in parts if p)} whole, {rest} (applied by `tailor gc`)")

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tailorstore.background import CommitQueue
 from tailorstore.core.errors import Call, StoreError
+from tailorstore.core.metrics import encode as encode_metrics
 from tailorstore.core.progress import Progress
 from tailorstore.curate.runs import qualify
 from tailorstore.store.manifest_objects import check_run_name, write_retention
@@ -124,11 +125,13 @@ class Store:
         on_wait: Callable[[str], None] | None = None,
         **options: Any,
     ) -> CommitResult:
-        """Commit a DeepSpeed save, a ``global_stepN`` folder or an HF ``checkpoint-N`` folder.
+        """Commit a DeepSpeed save, a ``global_stepN`` folder, an HF ``checkpoint-N`` folder, a DCP
+        folder (``dcp.save``), or a plain torch.save or safetensors file or folder.
 
         What to do is a :class:`CommitRequest` (or its fields as keywords: ``step``, ``tag``,
         ``policy``, ``force``, ``level``, ``trust_pickles``, ``lock_timeout``,
-        ``delete_after_commit``, ``run``). ``policy`` (full, parity, filter, adaptive, budget, or a
+        ``delete_after_commit``, ``run``, ``metrics``: ``{"eval_loss": 2.31}``, recorded with the
+        step). ``policy`` (full, parity, filter, adaptive, budget, or a
         typed one, ``Budget(fraction=0.2)``) chooses the layers stored; the rest are inherited
         from earlier steps. With ``delete_after_commit``, the committed files are deleted once the
         manifest is durable and every blob it names has been found with its recorded size. With
@@ -159,6 +162,7 @@ class Store:
             policy=request.spec(),
             part=part,
             run=check_run_name(request.run) if request.run is not None else self.run,
+            metrics=encode_metrics(request.metrics),
         )
 
     def finalize(
@@ -170,6 +174,7 @@ class Store:
         lock_timeout: float = 600.0,
         on_wait: Callable[[str], None] | None = None,
         label: str | None = None,
+        metrics: Mapping[str, float] | None = None,
     ) -> FinalizeResult:
         """Record step ``step`` from the parts every host committed (with ``label``, only the parts
         committed with that ``part_label``); refused, naming the missing ranks, while a part is
@@ -185,6 +190,7 @@ class Store:
             lock_timeout=lock_timeout,
             on_wait=on_wait,
             label=label,
+            metrics=encode_metrics(metrics),
         )
 
     def parts(self, step: int, *, label: str | None = None) -> list[str]:
@@ -356,13 +362,19 @@ class Store:
         return create_run(self.repo, name, base_selector, from_run=self.run, lock_timeout=lock_timeout)
 
     def set_retention(
-        self, *, keep_last: int | None = None, keep_every: int | None = None, thin: str | None = None
+        self,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        thin: str | None = None,
+        keep_best: str | None = None,
     ) -> Retention | None:
         """The retention this handle's run carries: ``gc()`` without rules applies it (``keep_last=3,
-        thin="weights"`` keeps three steps whole and thins the rest). All None clears it."""
+        keep_best="eval_loss:min:3", thin="weights"`` keeps the last three and the three best whole
+        and thins the rest). All None clears it."""
         from tailorstore.curate.gc import Retention
 
-        rules = Retention(keep_last=keep_last, keep_every=keep_every, thin=thin, run=self.run)
+        rules = Retention(keep_last=keep_last, keep_every=keep_every, thin=thin, run=self.run, keep_best=keep_best)
         write_retention(self.repo.backend, self.run, rules.as_doc() if rules.drops_manifests else None)
         return rules if rules.drops_manifests else None
 
@@ -410,6 +422,7 @@ class Store:
         keep_last: int | None = None,
         keep_every: int | None = None,
         thin: str | None = None,
+        keep_best: str | None = None,
         run: str | None = None,
         dry_run: bool = False,
         drop_parts: bool = False,
@@ -421,12 +434,14 @@ class Store:
         names one, as the ``gc`` command does (tags, pins and run bases stay); then every blob no kept
         manifest uses. Without rules, each run's own retention (:meth:`set_retention`) applies. With
         ``thin="weights"`` (or ``"master"``) the commits outside the retention are thinned to that tier
-        instead of dropped: they keep their weights (or FP32 masters) for export and averaging."""
+        instead of dropped: they keep their weights (or FP32 masters) for export and averaging.
+        ``keep_best="eval_loss:min:3"`` also keeps each run's three steps with the lowest recorded
+        ``eval_loss`` (``metrics=`` at commit); a step without it is never among the best."""
         from tailorstore.curate.gc import Retention, gc
 
         return gc(
             self.repo,
-            Retention(keep_last=keep_last, keep_every=keep_every, run=run, thin=thin),
+            Retention(keep_last=keep_last, keep_every=keep_every, run=run, thin=thin, keep_best=keep_best),
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,

@@ -147,7 +147,7 @@ def layer_group_name(param_name: str) -> str:
 
 def param_groups(model: nn.Module, recipe: str, lr: float) -> list[dict]:
     """Build optimizer param groups in the shapes real recipes use."""
-    named = list(model.named_parameters())
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen ones: no optimizer state
     if recipe == "one":
         return [{"params": [p for _, p in named], "weight_decay": 0.01}]
     if recipe == "two":
@@ -295,6 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-snapshot", action="store_true", help="the engine serializes each file inside the save")
     p.add_argument("--engine-policy", default="full", help="the policy TailorCheckpointEngine commits with")
+    p.add_argument("--record-loss-metric", action="store_true", help="attach records rank 0's loss as train_loss")
+    p.add_argument("--freeze-bottom", action="store_true", help="freeze the embedding and the lower half of the blocks")
     p.add_argument("--on-existing", default="branch", help="what the engine does with a save of a step the store holds")
     p.add_argument("--fast-writer", action="store_true", help="save with DeepSpeed's FastCheckpointEngine")
     p.add_argument("--timings-out", default=None, help="JSON: each save's stall and the training loop's seconds")
@@ -340,7 +342,13 @@ def main(argv: list[str] | None = None) -> None:
         tie=args.tie_embeddings,
         fp32_compute=args.fp32_compute,
     )
-    optimizer = torch.optim.AdamW(param_groups(model, args.param_groups, args.lr), lr=args.lr)
+    if args.freeze_bottom:  # the embedding and the lower half of the blocks stop training
+        frozen = [model.model.embed_tokens, *model.model.layers[: args.layers // 2]]
+        for module in frozen:
+            module.requires_grad_(False)
+    optimizer = torch.optim.AdamW(
+        [g for g in param_groups(model, args.param_groups, args.lr) if g["params"]], lr=args.lr
+    )
     warmup = 4
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.5 + 0.5 * math.cos(min(s, 1000) / 1000 * math.pi))
@@ -355,8 +363,9 @@ def main(argv: list[str] | None = None) -> None:
     tailor = None
     if args.tailor_engine:
         tailor = attach(
-            engine, store, policy=args.engine_policy, on_existing=args.on_existing, snapshot=not args.no_snapshot
-        )
+            engine, store, policy=args.engine_policy, on_existing=args.on_existing, snapshot=not args.no_snapshot,
+            metrics=(lambda step: {"train_loss": losses[step]}) if args.record_loss_metric else None,
+        )  # fmt: skip
 
     start_step = 0
     resume_began = time.perf_counter()  # time to resume: load_checkpoint called to the first step done

@@ -71,6 +71,9 @@ def test_commit_and_checkout_are_byte_identical_and_layer_wise(fsdp_run: FsdpRun
     detail = store.show("step=6")
     layers = {x.layer for x in detail.layers}
     assert {f"block.{i}" for i in range(LAYERS)} | {"embedding", "final_norm", "lm_head"} <= layers
+    changes = {d.layer: d.master for d in store.diff("step=3", "step=6").layers}
+    assert all(changes[f"block.{i}"] and changes[f"block.{i}"] > 0 for i in range(LAYERS)), changes
+    assert {"masters", "moments"} <= set(store.usage().kinds), store.usage().kinds
     for ref, step in (("step=3", 3), ("step=6", 6)):
         out = tmp_path / f"out{step}"
         store.checkout(ref, out)
@@ -247,9 +250,11 @@ def test_export_equals_dcp_own_consolidation(fsdp_run: FsdpRun, tmp_path: Path) 
 
 
 def test_an_hf_fsdp_checkpoint_written_by_accelerate_is_exact(tmp_path: Path) -> None:
-    """The HF Trainer's FSDP folder layout, written by Accelerate's own save functions (the
-    Trainer with FSDP needs an accelerator device, which this CPU machine does not give it):
-    ``checkpoint-N/`` with the DCP folders ``pytorch_model_fsdp_0/`` and ``optimizer_0/``."""
+    """The HF Trainer's FSDP folder layout, written by Accelerate's own save functions:
+    ``checkpoint-N/`` with the DCP folders ``pytorch_model_fsdp_0/`` and ``optimizer_0/``. The
+    Trainer itself does not run FSDP on this CPU machine: given ``fsdp`` and ``use_cpu``
+    (transformers 5.23, accelerate 1.15), Accelerate picks MULTI_CPU and wraps the model in DDP,
+    and the checkpoint holds model.safetensors and optimizer.pt (tried here, 2 ranks)."""
     out = tmp_path / "run"
     train(out, "--accelerate-layout")
     checkpoint = out / "checkpoint-6"
@@ -285,3 +290,34 @@ def test_a_rank_parallel_commit_equals_a_single_process_one(fsdp_run: FsdpRun, t
         assert parallel.verify(deep=True).ok
     first_save = json.loads(Path(f"{out}.rank0").read_text())[0]
     assert all(part and part["new_blobs"] > 0 for part in first_save["parts"]), "each rank wrote its own file's blobs"
+
+
+def test_retention_thins_an_old_dcp_step_to_its_weights(fsdp_run: FsdpRun, tmp_path: Path) -> None:
+    """gc keeps the last step whole and thins step 3: its Adam moments go, its FP32 parameters
+    (the model's only copy) stay; it exports as before and no longer checks out; verify passes."""
+    from safetensors.torch import load_file
+
+    config_dir = tmp_path / "config"
+    from testbed.train_fsdp import build_model
+
+    build_model(LAYERS).config.save_pretrained(config_dir)
+    with Store.init(tmp_path / "store") as store:
+        store.commit(fsdp_run.out / "step-3")
+        store.commit(fsdp_run.out / "step-6")
+        store.export("step=3", tmp_path / "before", dtype="fp32", config=config_dir / "config.json")
+        whole = store.usage().stored_bytes
+        store.gc(keep_last=1, thin="weights")
+        kinds = {a.kind for a in store.repo.catalogue.atoms(store.show("step=3").summary.manifest)}
+        assert "master" in kinds and not kinds & {"exp_avg", "exp_avg_sq"}
+        assert store.usage().stored_bytes < whole
+        store.export("step=3", tmp_path / "after", dtype="fp32", config=config_dir / "config.json")
+        with pytest.raises(Exception, match="thinned"):
+            store.checkout("step=3", tmp_path / "out")
+        assert store.verify(deep=True).ok
+        store.checkout("step=6", tmp_path / "out6")
+    assert same_tree(tmp_path / "out6" / "step-6", fsdp_run.out / "step-6")
+    before, after = (
+        load_file(tmp_path / "before" / "model.safetensors"),
+        load_file(tmp_path / "after" / "model.safetensors"),
+    )
+    assert before.keys() == after.keys() and all(before[k].equal(after[k]) for k in before)

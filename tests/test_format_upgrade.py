@@ -34,11 +34,13 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
 
     with Repository.open(root) as store:  # upgrades
         version = index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]
-        assert int(version) == FORMAT_VERSION == 5
+        assert int(version) == FORMAT_VERSION == 6
         runs = {r[0] for r in index_db(store).execute("SELECT run FROM manifests")}
         assert runs == {"main"}, "format 4: every earlier step is main's"
         tiers = {r[0] for r in index_db(store).execute("SELECT tier FROM manifests")}
         assert tiers == {None}, "format 5: every earlier step is whole"
+        metrics = {r[0] for r in index_db(store).execute("SELECT metrics FROM manifests")}
+        assert metrics == {None}, "format 6: no earlier step recorded metrics"
         keys = [r[0] for r in index_db(store).execute("SELECT object_key FROM manifests")]
         assert keys and all(key and (root / key).is_file() for key in keys), "the upgrade wrote every manifest object"
         assert index_db(store).execute("SELECT count(*) FROM files WHERE container IS NOT NULL").fetchone()[0] == 0
@@ -54,7 +56,7 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
         assert not differences(load_torch_file(original)[0], load_torch_file(restored)[0]), original.name
     assert (out / "latest").read_text() == "global_step3"
     with Repository.open(root) as store:  # a second open finds nothing to do
-        assert int(index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 5
+        assert int(index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 6
         assert store.refresh() == (0, 0)
 
     # the upgraded store's index is now a cache: lose it, rebuild it from the objects, check out again

@@ -65,7 +65,9 @@ def test_tailor_checkpoint_engine_saves_into_the_store_and_resumes_from_it_bit_e
     Store.init(tmp_path / "store").close()
     save = tmp_path / "save"
     options = {"commit_to": tmp_path / "store", "tailor_engine": True, **reference.options}
-    losses = train_tiny(save, losses_out=tmp_path / "losses.json", steps=6, save_every=3, **options)
+    losses = train_tiny(
+        save, losses_out=tmp_path / "losses.json", steps=6, save_every=3, record_loss_metric=True, **options
+    )
     assert losses == reference.losses, "saving through the engine must not change training"
     assert sorted(p.name for p in save.iterdir()) == ["latest", "zero_to_fp32.py", "zero_to_torch.py"], (
         "only DeepSpeed's pointer and scripts land in save_dir; the checkpoint went to the store"
@@ -73,6 +75,10 @@ def test_tailor_checkpoint_engine_saves_into_the_store_and_resumes_from_it_bit_e
     assert not list(staging.rglob("*")), "the staged saves were deleted once committed"
     with Store.open(tmp_path / "store") as store:
         assert [s.step for s in store.log()] == [3, 6]
+        # attach(metrics=...) recorded each saved step's own loss with it
+        assert {s.step: s.metrics for s in store.log()} == {
+            step: {"train_loss": float.fromhex(losses[step])} for step in (3, 6)
+        }
         assert store.verify(deep=True).ok
         store.checkout(6, tmp_path / "out")
     assert same_tree(tmp_path / "out" / "global_step6", reference.save_dir / "global_step6"), (
@@ -345,6 +351,10 @@ def test_a_staging_folder_that_fails_costs_no_save(
     )
     with Store.open(tmp_path / "store") as store:
         assert [s.step for s in store.log()] == [3, 6]
+        # attach(metrics=...) recorded each saved step's own loss with it
+        assert {s.step: s.metrics for s in store.log()} == {
+            step: {"train_loss": float.fromhex(losses[step])} for step in (3, 6)
+        }
         assert store.verify(deep=True).ok
         store.checkout(6, tmp_path / "out")
     assert same_tree(tmp_path / "out" / "global_step6", reference.save_dir / "global_step6")

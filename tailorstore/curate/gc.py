@@ -29,6 +29,8 @@ from typing import Any
 
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.failpoints import failpoint
+from tailorstore.core.metrics import checked as checked_metrics
+from tailorstore.core.metrics import decode as decode_metrics
 from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
 from tailorstore.store import codec, manifest_objects
 from tailorstore.store.backend import blob_key
@@ -43,13 +45,53 @@ REPACK_AT = 0.25  # repack a pack once this share of its bytes is dead
 
 
 @dataclass(frozen=True)
+class KeepBest:
+    """Keep the ``count`` best committed steps of each run by ``metric`` (``min``: lowest first)."""
+
+    metric: str
+    mode: str
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> KeepBest:
+        """``eval_loss:min:3`` (or ``accuracy:max:2``)."""
+        parts = str(text).split(":")
+        try:
+            metric, mode, count = parts
+            best = cls(metric.strip(), mode.strip(), int(count))
+        except ValueError:
+            raise StoreError(f"keep-best {str(text)[:60]!r} is not METRIC:min|max:COUNT (eval_loss:min:3)") from None
+        checked_metrics({best.metric: 0.0})  # the metric's name follows the rules of a recorded one
+        if best.mode not in ("min", "max") or not 1 <= best.count < 1 << 31:
+            raise StoreError(f"keep-best {text!r}: the mode is min or max, the count a whole number of 1 or more")
+        return best
+
+    def text(self) -> str:
+        return f"{self.metric}:{self.mode}:{self.count}"
+
+    def best(self, commits: list[ManifestRecord]) -> set[int]:
+        """Pure, the documented rule: only steps that recorded a finite value of the metric rank
+        (a missing metric, NaN or infinity never does); among equal values the later step ranks
+        first; the first ``count`` are kept."""
+        ranked = []
+        for m in commits:
+            value = decode_metrics(m.metrics).get(self.metric) if m.metrics else None
+            if value is not None:
+                ranked.append((value if self.mode == "min" else -value, -m.step, m.id))
+        return {manifest for *_, manifest in sorted(ranked)[: self.count]}
+
+
+@dataclass(frozen=True)
 class Retention:
     keep_last: int | None = None  # the K newest committed steps
     keep_every: int | None = None  # committed steps whose number is a multiple of N
     run: str | None = None  # apply the rules to this run only (None: to every run, each on its own)
     thin: str | None = None  # thin the commits the rules do not keep to this tier, instead of dropping them
+    keep_best: KeepBest | None = None  # the best steps by a recorded metric ("eval_loss:min:3")
 
     def __post_init__(self) -> None:
+        if isinstance(self.keep_best, str):
+            object.__setattr__(self, "keep_best", KeepBest.parse(self.keep_best))
         for name, value in (("keep_last", self.keep_last), ("keep_every", self.keep_every)):
             if value is not None and (type(value) is not int or not 1 <= value < 1 << 63):
                 raise StoreError(Call(**{name: value}), " is not allowed: give a whole number of 1 or more.")
@@ -60,23 +102,37 @@ class Retention:
                     Call(thin="TIER"),
                     " thins the steps the rules do not keep: give ",
                     Call(keep_last="N"),
-                    " or ",
+                    ", ",
                     Call(keep_every="N"),
+                    " or ",
+                    Call(keep_best="METRIC:min:N"),
                     " too.",
                 )
 
     @property
     def drops_manifests(self) -> bool:
-        return self.keep_last is not None or self.keep_every is not None
+        return self.keep_last is not None or self.keep_every is not None or self.keep_best is not None
 
     def as_doc(self) -> dict[str, Any]:
         """The rules as a run carries them (``refs/retention/RUN``)."""
-        return {"keep_last": self.keep_last, "keep_every": self.keep_every, "thin": self.thin}
+        doc: dict[str, Any] = {"keep_last": self.keep_last, "keep_every": self.keep_every, "thin": self.thin}
+        if self.keep_best is not None:
+            doc["keep_best"] = self.keep_best.text()
+        return doc
 
     @classmethod
     def from_doc(cls, run: str, doc: dict[str, Any]) -> Retention:
         try:
-            return cls(keep_last=doc.get("keep_last"), keep_every=doc.get("keep_every"), thin=doc.get("thin"), run=run)
+            best = doc.get("keep_best")
+            if best is not None and not isinstance(best, str):
+                raise TypeError("keep_best is not METRIC:min|max:COUNT")
+            return cls(
+                keep_last=doc.get("keep_last"),
+                keep_every=doc.get("keep_every"),
+                thin=doc.get("thin"),
+                run=run,
+                keep_best=KeepBest.parse(best) if best is not None else None,
+            )
         except (StoreError, TypeError) as exc:
             raise CorruptStoreError(f"the retention run {run!r} carries is damaged ({exc}); set it again") from None
 
@@ -171,6 +227,8 @@ def kept_manifests(manifests: list[ManifestRecord], rules: Retention, bases: fro
             keep |= {m.id for m in commits[-rules.keep_last :]}
         if rules.keep_every:
             keep |= {m.id for m in commits if m.step % rules.keep_every == 0}
+        if rules.keep_best:
+            keep |= rules.keep_best.best(commits)
     return keep
 
 

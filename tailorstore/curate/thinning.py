@@ -15,6 +15,10 @@ dropped:
   FP32 master instead, the only copy of its values. Optimizer-states files whose atoms all go
   are dropped from the manifest.
 
+A DCP ``.distcp`` file or a plain ``torch.save`` training state holds parameters and optimizer
+state side by side: at either tier its moment atoms go (exp_avg, exp_avg_sq, momentum) and its
+parameters stay, an FP32 parameter (FSDP keeps them so) as the master it is.
+
 A thinned manifest is recorded again with its tier (a new object version, as ``--force``
 writes one), and the old object is deleted after the index commits. It exports and averages; it
 does not check out, since what it would write could not resume training.
@@ -26,11 +30,12 @@ from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
 from tailorstore.access.atom_reader import decode_atom
-from tailorstore.core.atoms import MASTER, WEIGHT
+from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError, ThinnedStepError
 from tailorstore.core.progress import Silent
 from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.formats import deepspeed as ds
+from tailorstore.formats.kinds import DCP, TORCH
 from tailorstore.store import manifest_objects
 from tailorstore.store.failed_writes import cleaned_up_on_failure
 from tailorstore.store.lease import LeaseHandle
@@ -38,6 +43,9 @@ from tailorstore.store.lock import LockHandle
 from tailorstore.store.records import THIN_MASTER, TIERS, AtomRecord, FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 from tailorstore.store.writer import BlobWriter
+
+# optimizer state beside the parameters in one file (DCP, plain saves): what every tier drops
+MOMENT_KINDS = (EXP_AVG, EXP_AVG_SQ, "momentum_buffer", "max_exp_avg_sq", "sum", "square_avg")
 
 
 def check_tier(tier: str) -> str:
@@ -87,9 +95,21 @@ def _optimizer_paths(files: list[FileRecord]) -> set[str]:
     return {f.path for f in files if ds.is_optim_states(PurePosixPath(f.path).name)}
 
 
+def _mixed_paths(files: list[FileRecord]) -> set[str]:
+    """Files that hold a model's parameters and its optimizer's state side by side: DCP's
+    ``.distcp`` files and plain ``torch.save`` training states (not DeepSpeed's own files)."""
+
+    def plain(name: str) -> bool:
+        return not (ds.is_model_states(name) or ds.is_optim_states(name))
+
+    return {f.path for f in files if f.kind == DCP or (f.kind == TORCH and plain(PurePosixPath(f.path).name))}
+
+
 def thinned_contents(files: list[FileRecord], atoms: list[AtomRecord], tier: str) -> ThinnedContents:
     """Pure: the rows a manifest keeps at ``tier`` (the module docstring says which and why)."""
     optimizer = _optimizer_paths(files)
+    mixed = _mixed_paths(files)
+    atoms = [a for a in atoms if not (a.path in mixed and a.kind in MOMENT_KINDS)]  # moments go at every tier
     if tier == THIN_MASTER:
         kept = [a for a in atoms if a.path not in optimizer or a.kind == MASTER]
         materialize: list[AtomRecord] = []

@@ -331,6 +331,7 @@ def commit_checkpoint(
                     run=run,
                     tag=tag,
                     pinned=pinned,
+                    metrics=options.metrics,
                 )
             )
             index.insert_files(manifest, plan.files)

@@ -30,6 +30,7 @@ class CommitRequest:
     delete_after_commit: bool = False  # delete the committed files once every blob is checked
     run: str | None = None  # commit to this run (default: the store handle's)
     threads: int | None = None  # compressing threads (default: $TAILOR_THREADS, else from the usable cores)
+    metrics: dict[str, float] | None = None  # recorded with the step (eval_loss=2.31): gc can keep the best
 
     @classmethod
     def of(cls, request: CommitRequest | None, keywords: dict[str, Any]) -> CommitRequest:
@@ -72,6 +73,7 @@ class CommitOptions:
     part_label: str = ""  # the part's key begins with it: finalize can take one save's parts only
     plan: PartPlan | None = None  # a part of a rank-parallel commit under a policy: what to store
     run: str = MAIN_RUN  # steps are numbered per run (runs.py)
+    metrics: str | None = None  # JSON, checked (core/metrics.py): recorded with the manifest
 
 
 @dataclass

@@ -170,9 +170,11 @@ def finalize_step(
     lock_timeout: float = 600.0,
     on_wait: Callable[[str], None] | None = None,
     label: str | None = None,
+    metrics: str | None = None,
 ) -> FinalizeResult:
     """Record ``step`` from its parts (with ``label``, only the parts published with it: one
-    save's, while a dead node's part of an earlier try of the same step waits for gc)."""
+    save's, while a dead node's part of an earlier try of the same step waits for gc), with
+    ``metrics`` (JSON, checked by the caller) if given."""
     began = time.perf_counter()
     check_step(step)
     check_run_name(run)
@@ -238,6 +240,7 @@ def finalize_step(
                     source="; ".join(sorted(p.source for p in parts)),
                     run=run,
                     tag=tag,
+                    metrics=metrics,
                 )
             )
             index.insert_files(manifest, files)

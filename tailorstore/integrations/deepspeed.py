@@ -39,7 +39,7 @@ import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,6 +51,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from tailorstore.api import Store
 from tailorstore.core.environment import STAGING_ENV
 from tailorstore.core.errors import Call, StoreError
+from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.formats.deepspeed import is_model_states, read_latest
 from tailorstore.formats.safe_load import load_torch_file
@@ -125,9 +126,12 @@ class TailorCheckpointEngine(CheckpointEngine):
         on_existing: str = "branch",
         shape: Callable[[], tuple[int, int]] | None = None,
         snapshot: bool = True,
+        metrics: Callable[[int | None], Mapping[str, float] | None] | None = None,
         **policy_params: float,
     ) -> None:
         super().__init__(None)
+        self._metrics_of = metrics  # called on global rank 0 with the step of each save it commits
+        self._pending_metrics: dict[str, float] | None = None  # set_metrics: for the next save only
         self.rewind = Rewind(on_existing)  # a save of a step the store holds: a rewind (rewind.py)
         self.name = ENGINE_NAME
         if _rank() == 0 and store is None:
@@ -283,6 +287,19 @@ class TailorCheckpointEngine(CheckpointEngine):
         if name is not None:
             self._staged_names.append(name)
 
+    def set_metrics(self, metrics: Mapping[str, float]) -> None:
+        """Metrics recorded with the next save's step (``{"eval_loss": 2.31}``), on global rank 0;
+        ``gc --keep-best`` reads them. Checked now, so a bad name fails here, not in the background."""
+        self._pending_metrics = dict(checked_metrics(metrics)) or None  # type: ignore[arg-type]
+
+    def _metrics_for(self, step: int | None) -> dict[str, float] | None:
+        """This save's metrics: those set for it, else what the ``metrics`` callable returns."""
+        found, self._pending_metrics = self._pending_metrics, None
+        if found is None and self._metrics_of is not None:
+            given = self._metrics_of(step)
+            found = dict(checked_metrics(given)) if given else None  # type: ignore[arg-type]
+        return found or None
+
     def load(self, path: str, map_location: Any = None) -> Any:
         """Files come from a checkout of the store; loaded with the allowlist, never running unknown code."""
         return load_torch_file(path, mmap=False)[0]
@@ -309,16 +326,17 @@ class TailorCheckpointEngine(CheckpointEngine):
         step = step_of_tag(info.tag)
         if step is None and self._global_steps is not None:
             step = self._global_steps()
+        metrics = self._metrics_for(step) if _rank() == 0 else None
         if self._parts and nodes.each_node_apart(folder, every, self.group):
             if resume.is_leader():
                 label = nodes.save_label(self._root.name, self._saves, len(self._parts))
                 mine = [r for r in resume.node_ranks(_rank()) if r in written]
-                self._submit_part(folder, real, step, nodes.node_names(every), label, mine)
+                self._submit_part(folder, real, step, nodes.node_names(every), label, mine, metrics)
             return True
         if _rank() != 0:
             return True
         if written:  # the files are still being written: the commit job waits for them, then looks
-            self._submit(folder, real, step, written)
+            self._submit(folder, real, step, written, metrics)
             return True
         missing = sorted(n for n in names if not (folder / n).is_file())
         if missing and direct:
@@ -337,7 +355,7 @@ class TailorCheckpointEngine(CheckpointEngine):
                 "ranks do not share a staging folder (several nodes?). Pass staging= a folder every node "
                 "sees, or save with tailorstore.integrations.deepspeed.save_checkpoint."
             )
-        self._submit(folder, real, step)
+        self._submit(folder, real, step, metrics=metrics)
         return True
 
     def _gathered_names(self) -> tuple[list[list[str]], bool, list[int]]:
@@ -367,11 +385,16 @@ class TailorCheckpointEngine(CheckpointEngine):
         return True
 
     def _submit(
-        self, folder: Path, real: Path, step: int | None, written: list[int] | None = None
+        self,
+        folder: Path,
+        real: Path,
+        step: int | None,
+        written: list[int] | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> Future[CommitResult] | CommitResult:
         """Commit ``folder`` (the staged twin, or ``real`` itself when staging failed) in the background,
         once the ranks in ``written`` have written their files of it."""
-        options: dict[str, Any] = {"policy": self.policy, **self.policy_params}
+        options: dict[str, Any] = {"policy": self.policy, **self.policy_params, "metrics": metrics}
         options["step"] = step
         return self._staged_job(
             folder, real, written or [], lambda store, source: self.rewind.commit(
@@ -380,12 +403,19 @@ class TailorCheckpointEngine(CheckpointEngine):
         )  # fmt: skip
 
     def _submit_part(
-        self, folder: Path, real: Path, step: int | None, mine: list[str], label: str, written: list[int]
+        self,
+        folder: Path,
+        real: Path,
+        step: int | None,
+        mine: list[str],
+        label: str,
+        written: list[int],
+        metrics: dict[str, float] | None = None,
     ) -> None:
         """A node's leader: commit what this node's ranks staged as one part of the step; global
         rank 0 then waits for every node's part and finalizes (in the background by default)."""
         if self.policy != "full" or self.policy_params:  # the leaders decide the plan together
-            self._submit_planned_part(folder, real, step, label, written)
+            self._submit_planned_part(folder, real, step, label, written, metrics)
             return
         root = _rank() == 0
         count = len(self._parts)
@@ -398,12 +428,20 @@ class TailorCheckpointEngine(CheckpointEngine):
             shutil.rmtree(source, ignore_errors=True)  # the part is durable: its blobs hold the node's files now
             if root:
                 nodes.await_parts(store, result.step, label, count)
-                store.finalize(result.step, label=label)
+                store.finalize(result.step, label=label, metrics=metrics)
             return result
 
         self._staged_job(folder, real, written, work)
 
-    def _submit_planned_part(self, folder: Path, real: Path, step: int | None, label: str, written: list[int]) -> None:
+    def _submit_planned_part(
+        self,
+        folder: Path,
+        real: Path,
+        step: int | None,
+        label: str,
+        written: list[int],
+        metrics: dict[str, float] | None = None,
+    ) -> None:
         """A node's leader, under a policy: a rank-parallel commit among the nodes' leaders over
         their own group, in the background (every leader's commits run in save order), each
         leader surveying and writing its node's files; the manifest is what one process would
@@ -413,7 +451,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         def work(store: Store, source: Path) -> RankParallelResult:
             result = commit_rank_parallel(
                 store, source, step=step, group=self._leaders_group, policy=self.policy, label=label,
-                owns=lambda rel: owner_of(rel) in node, **self.policy_params,
+                owns=lambda rel: owner_of(rel) in node, metrics=metrics, **self.policy_params,
             )  # fmt: skip
             shutil.rmtree(source, ignore_errors=True)  # the step is recorded: its blobs hold the node's files
             return result
@@ -545,6 +583,7 @@ def attach(
     staging: str | os.PathLike | None = None,
     on_existing: str = "branch",
     snapshot: bool = True,
+    metrics: Callable[[int | None], Mapping[str, float] | None] | None = None,
     **policy_params: float,
 ) -> TailorCheckpointEngine:
     """Install a :class:`TailorCheckpointEngine` on a DeepSpeed engine, on every rank (collective).
@@ -554,7 +593,9 @@ def attach(
     a save of a step the store already holds does, after training went back to an earlier step:
     ``"branch"`` (a new run from the resumed step, with a warning), ``"replace"`` or ``"error"``.
     ``snapshot`` (default) makes ``save_checkpoint`` block only for a copy of the tensors into
-    reused memory; the files are written in the background (:mod:`.snapshot`).
+    reused memory; the files are written in the background (:mod:`.snapshot`). ``metrics(step)``
+    (on global rank 0) gives the metrics recorded with each saved step, e.g. the last evaluation's
+    ``{"eval_loss": ...}``; or call ``tailor.set_metrics({...})`` before a save.
     """
     tailor = TailorCheckpointEngine(
         store,
@@ -565,6 +606,7 @@ def attach(
         on_existing=on_existing,
         shape=lambda: _shape_of(engine),
         snapshot=snapshot,
+        metrics=metrics,
         **policy_params,
     )
     engine.checkpoint_engine = tailor

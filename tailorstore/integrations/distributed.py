@@ -19,7 +19,7 @@ deletes the parts already published; a failed finalize keeps them, for a later
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -65,6 +65,7 @@ def commit_rank_parallel(
     policy: str | Policy = "full",
     label: str = "",
     owns: Callable[[str], bool] | None = None,
+    metrics: Mapping[str, float] | None = None,
     **policy_params: float,
 ) -> RankParallelResult:
     """Commit the save at ``path`` (a folder every rank can read) from all ranks of ``group``.
@@ -74,7 +75,8 @@ def commit_rank_parallel(
     decided once for every rank, from all ranks' surveys (ingest/rank_plan.py): the manifest is
     the one a single-process commit of the save with that policy records. ``label`` marks the
     parts (and the finalize takes only them); ``owns`` says which files each member commits
-    (default: DeepSpeed's rank R's files are group rank R's)."""
+    (default: DeepSpeed's rank R's files are group rank R's). ``metrics`` (rank 0's) are recorded
+    with the step."""
     if not (dist.is_available() and dist.is_initialized()):
         raise StoreError("commit_rank_parallel needs torch.distributed initialized; use Store.commit in one process.")
     rank = dist.get_rank(group)
@@ -109,7 +111,9 @@ def commit_rank_parallel(
     outcome: list[Any] = [None]
     if rank == 0:
         try:
-            outcome[0] = store.finalize(share.step, tag=tag, lock_timeout=lock_timeout, label=label or None)
+            outcome[0] = store.finalize(
+                share.step, tag=tag, lock_timeout=lock_timeout, label=label or None, metrics=metrics
+            )
         except Exception as exc:  # handed to every rank below
             outcome[0] = f"rank 0 failed finalizing step {share.step}: {exc}"
     dist.broadcast_object_list(outcome, src=_global(0, group), group=group)

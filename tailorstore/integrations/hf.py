@@ -41,6 +41,20 @@ from tailorstore.integrations.distributed import RankParallelResult, commit_rank
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 
 
+def evaluation_metrics(state: TrainerState) -> dict[str, float]:
+    """The Trainer's evaluation metrics at this step (``eval_loss``, ...): from the log entries of
+    an evaluation at ``state.global_step`` (the Trainer evaluates before it saves at a step where
+    both fall). Metrics of an earlier evaluation are not this step's, and are left out."""
+    found: dict[str, float] = {}
+    for entry in state.log_history or []:
+        if not isinstance(entry, dict) or entry.get("step") != state.global_step:
+            continue
+        for key, value in entry.items():
+            if isinstance(key, str) and key.startswith("eval_") and isinstance(value, int | float):
+                found[key] = float(value)
+    return found
+
+
 class TailorCallback(TrainerCallback):
     def __init__(
         self,
@@ -90,18 +104,19 @@ class TailorCallback(TrainerCallback):
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        metrics = evaluation_metrics(state)
         if self.rank_parallel():
             store = self._open()
             step = state.global_step
             if self.asynchronous:
-                store.background(str(folder), lambda handle: self._commit_parallel(handle, folder, step))
+                store.background(str(folder), lambda handle: self._commit_parallel(handle, folder, step, metrics))
             else:
-                self._commit_parallel(store, folder, step)
+                self._commit_parallel(store, folder, step, metrics)
             return
         if not state.is_world_process_zero:
             return
         store = self._open()
-        options: dict[str, Any] = {"policy": self.policy, **self.policy_params}
+        options: dict[str, Any] = {"policy": self.policy, **self.policy_params, "metrics": metrics or None}
         step = state.global_step
 
         def job(handle: Store) -> Any:
@@ -113,7 +128,9 @@ class TailorCallback(TrainerCallback):
         else:
             job(store)
 
-    def _commit_parallel(self, store: Store, folder: Path, step: int) -> RankParallelResult:
+    def _commit_parallel(
+        self, store: Store, folder: Path, step: int, metrics: dict[str, float] | None = None
+    ) -> RankParallelResult:
         """Every rank's share, rank 0's manifest; rank 0 deletes the folder once its blobs are checked.
         Rank 0 decides the run first (a rewind may branch one) and every rank commits to it."""
         decision: list[Any] = [None]
@@ -129,8 +146,9 @@ class TailorCallback(TrainerCallback):
         if decision[0] != store.run:
             store = Store(store.repo, run=decision[0])  # a handle on the same open store, in that run
         result = commit_rank_parallel(
-            store, folder, step=step, group=self._group, policy=self.policy, **self.policy_params
-        )
+            store, folder, step=step, group=self._group, policy=self.policy, metrics=metrics or None,
+            **self.policy_params,
+        )  # fmt: skip
         if self.delete_after_commit and dist.get_rank() == 0:
             delete_once_durable(store.repo, result.finalized.manifest, folder)
         return result

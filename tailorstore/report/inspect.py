@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from tailorstore.core.layers import sort_key
+from tailorstore.core.metrics import decode as decode_metrics
 from tailorstore.store.records import ManifestRecord
 from tailorstore.store.repo import Repository
 
@@ -31,6 +32,7 @@ class StepSummary:
     tier: str | None = None  # thinned by gc to this tier (weights, master): exports and averages, no resume
     world_size: int | None = None  # the data-parallel ranks that saved it (a DeepSpeed save)
     zero_stage: int | None = None  # its ZeRO stage (a DeepSpeed save)
+    metrics: dict[str, float | None] = field(default_factory=dict)  # recorded with the step (None: NaN)
 
 
 @dataclass
@@ -70,6 +72,7 @@ def summary(r: ManifestRecord) -> StepSummary:
         id=r.name,
         world_size=r.world_size,
         zero_stage=r.zero_stage,
+        metrics=decode_metrics(r.metrics),
     )
 
 

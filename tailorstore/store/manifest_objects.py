@@ -34,6 +34,7 @@ from typing import Any
 
 import zstandard
 
+from tailorstore.core import metrics
 from tailorstore.core.errors import Call, CorruptStoreError, StepExistsError, StoreError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.store._index import Index
@@ -210,7 +211,12 @@ def _typed_document(doc: dict[str, Any], key: str) -> ManifestDocument:
     if not isinstance(m, dict):
         raise RecordError("it holds no manifest row")
     m = {**m, "run": m.get("run", run_of_key(key)), "tier": m.get("tier")}  # version 1 objects have neither
+    m["metrics"] = m.get("metrics")  # objects written before metrics have none
     manifest = record(ManifestRecord, {c: m[c] for c in MANIFEST_DOC_FIELDS if c in m})
+    try:
+        metrics.decode(manifest.metrics)
+    except metrics.MetricError as exc:
+        raise RecordError(f"metrics: {exc}") from None
     if not 0 <= manifest.step < 1 << 63:  # what the index (SQLite) and every selector can hold
         raise RecordError(f"step {manifest.step}")
     for name in ("raw_bytes", "new_bytes", "world_size", "zero_stage"):

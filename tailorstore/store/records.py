@@ -51,6 +51,7 @@ class ManifestRecord:
     id: int = 0
     run: str = MAIN_RUN  # steps are numbered per run
     tier: str | None = None  # None: whole; THIN_MASTER or THIN_WEIGHTS once gc thinned it
+    metrics: str | None = None  # JSON object of the step's metrics (core/metrics.py), or None
 
     @property
     def name(self) -> str:
@@ -112,7 +113,7 @@ class IndexCounts(NamedTuple):
 # The columns a manifest object carries; tag, pin and id are not part of it (refs and the index hold them).
 MANIFEST_DOC_FIELDS = (
     "step", "origin", "created_at", "layout", "ds_tag", "zero_stage", "world_size", "policy", "exact",
-    "raw_bytes", "new_bytes", "source", "run", "tier",
+    "raw_bytes", "new_bytes", "source", "run", "tier", "metrics",
 )  # fmt: skip
 
 

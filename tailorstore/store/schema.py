@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 
 # Upgrades from an older format: each runs in one transaction with the version bump.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -38,6 +38,8 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     # 4 -> 5: retention tiers. Every manifest so far is whole (NULL).
     4: ("ALTER TABLE manifests ADD COLUMN tier TEXT",),
+    # 5 -> 6: metrics recorded with a step. Every manifest so far has none (NULL).
+    5: ("ALTER TABLE manifests ADD COLUMN metrics TEXT",),
 }
 
 _SCHEMA_TEXT = """
@@ -77,7 +79,8 @@ CREATE TABLE manifests (
     source      TEXT NOT NULL,      -- the directory committed, or the merge spec file
     object_key  TEXT,               -- the manifest's object in the backend (manifests/...)
     run         TEXT NOT NULL DEFAULT 'main',  -- the run whose step this is
-    tier        TEXT                -- NULL: whole; master | weights: thinned by gc to that tier
+    tier        TEXT,               -- NULL: whole; master | weights: thinned by gc to that tier
+    metrics     TEXT                -- NULL, or a JSON object of the step's metrics (name -> number or null)
 );
 CREATE UNIQUE INDEX manifests_commit_step ON manifests(run, step) WHERE origin = 'commit';
 CREATE UNIQUE INDEX manifests_object_key ON manifests(object_key);
