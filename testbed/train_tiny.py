@@ -297,6 +297,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-policy", default="full", help="the policy TailorCheckpointEngine commits with")
     p.add_argument("--record-loss-metric", action="store_true", help="attach records rank 0's loss as train_loss")
     p.add_argument("--freeze-bottom", action="store_true", help="freeze the embedding and the lower half of the blocks")
+    p.add_argument("--eval-at-save", action="store_true", help="held-out loss (--eval-batches) before each save")
+    p.add_argument("--evals-out", default=None, help="JSON: the held-out loss at each save (rank 0)")
     p.add_argument("--on-existing", default="branch", help="what the engine does with a save of a step the store holds")
     p.add_argument("--fast-writer", action="store_true", help="save with DeepSpeed's FastCheckpointEngine")
     p.add_argument("--timings-out", default=None, help="JSON: each save's stall and the training loop's seconds")
@@ -384,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.save_checkpoint(args.save_dir, client_state={"my_step": 0})
 
     losses: dict[int, float] = {}
+    evals: dict[int, float] = {}  # held-out loss at each save (--eval-at-save)
     stalls: list[float] = []  # how long each save blocked training (rank 0)
     loop_began = time.perf_counter()
     for step in range(start_step + 1, args.steps + 1):
@@ -395,6 +398,10 @@ def main(argv: list[str] | None = None) -> None:
         if step == start_step + 1:
             resume_seconds = time.perf_counter() - resume_began
         if args.save_every and step % args.save_every == 0:
+            if args.eval_at_save:  # evaluated before the save (as the HF Trainer does), recorded with it
+                evals[step] = held_out_loss(engine, args)
+                if tailor is not None and rank == 0:
+                    tailor.set_metrics({"eval_loss": evals[step]})
             save_began = time.perf_counter()
             if tailor is not None:  # the engine saves into the store itself
                 engine.save_checkpoint(args.save_dir, client_state={"my_step": step})
@@ -433,6 +440,8 @@ def main(argv: list[str] | None = None) -> None:
         held_out = held_out_loss(engine, args)
         if rank == 0 and args.eval_out:
             Path(args.eval_out).write_text(json.dumps({"held_out_loss": held_out, "batches": args.eval_batches}))
+    if rank == 0 and args.evals_out:
+        Path(args.evals_out).write_text(json.dumps(evals))
     if rank == 0 and args.losses_out:
         # float.hex keeps every bit, so equality checks are exact.
         Path(args.losses_out).write_text(json.dumps({str(k): v.hex() for k, v in losses.items()}))

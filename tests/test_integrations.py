@@ -351,10 +351,6 @@ def test_a_staging_folder_that_fails_costs_no_save(
     )
     with Store.open(tmp_path / "store") as store:
         assert [s.step for s in store.log()] == [3, 6]
-        # attach(metrics=...) recorded each saved step's own loss with it
-        assert {s.step: s.metrics for s in store.log()} == {
-            step: {"train_loss": float.fromhex(losses[step])} for step in (3, 6)
-        }
         assert store.verify(deep=True).ok
         store.checkout(6, tmp_path / "out")
     assert same_tree(tmp_path / "out" / "global_step6", reference.save_dir / "global_step6")
