@@ -105,7 +105,7 @@ def main() -> None:
         stored = dir_bytes(store)
         out = work / f"out{r}"
         shutil.rmtree(out, ignore_errors=True)
-        wall, cpu = tailor("checkout", "latest", str(out), store=store)
+        wall, cpu = tailor("checkout", "latest", "--out", str(out), store=store)
         rows["checkout"].append(wall)
         rows["checkout_cpu"].append(cpu)
         shutil.rmtree(out)
@@ -114,8 +114,8 @@ def main() -> None:
         shutil.rmtree(work / f"copy-{r}")
         hf = work / f"hf{r}"
         shutil.rmtree(hf, ignore_errors=True)
-        wall, cpu = tailor("export", "latest", str(hf), "--dtype", "bf16", "--config", str(config / "config.json"),
-                           store=store)  # fmt: skip
+        wall, cpu = tailor("export", "latest", "--out", str(hf), "--dtype", "bf16", "--config",
+                           str(config / "config.json"), store=store)  # fmt: skip
         rows["export"].append(wall)
         rows["export_cpu"].append(cpu)
         own = work / f"own{r}"

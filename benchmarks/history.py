@@ -29,13 +29,15 @@ FROZEN = {"embedding"}  # and the lower half of the blocks, added below
 
 
 def run(work: Path, name: str, steps: int, every: int, eval_batches: int, **extra: object) -> tuple[Path, dict]:
+    """Train and commit through attach once (a later call reuses the store), with the held-out
+    loss recorded at each save; returns the store and those losses."""
     store = work / f"store-{name}"
     if not store.exists():
         Store.init(store).close()
         train_tiny(
             work / f"save-{name}", losses_out=work / f"losses-{name}.json", steps=steps, save_every=every,
             commit_to=store, tailor_engine=True, eval_batches=eval_batches, eval_at_save=True,
-            evals_out=work / f"evals-{name}.json", timeout=4 * 3600, **MODEL, **extra,
+            evals_out=work / f"evals-{name}.json", timeout=4 * 3600, **{**MODEL, **extra},
         )  # fmt: skip
     evals = {int(k): v for k, v in json.loads((work / f"evals-{name}.json").read_text()).items()}
     return store, evals
@@ -47,12 +49,13 @@ def main() -> None:
     p.add_argument("--every", type=int, default=6)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--work", default=".bench/history")
+    p.add_argument("--lr", type=float, default=None, help="the keep-best run's learning rate (default: the headline's)")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    result: dict = {"model": MODEL, "steps": args.steps, "every": args.every}
+    result: dict = {"model": MODEL, "steps": args.steps, "every": args.every, "keep_best_lr": args.lr or MODEL["lr"]}
 
-    store_path, evals = run(work, "plain", args.steps, args.every, args.eval_batches)
+    store_path, evals = run(work, "plain", args.steps, args.every, args.eval_batches, lr=args.lr or MODEL["lr"])
     with Store.open(store_path) as store:
         steps = store.log()
         raw = sum(s.raw_bytes for s in steps)

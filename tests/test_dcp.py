@@ -337,3 +337,25 @@ def test_a_dcp_step_of_another_model_needs_a_run_of_its_own(fsdp_run: FsdpRun, r
         store.commit(fsdp_run.out / "step-6", run="fsdp")
         assert {(s.run, s.step) for s in store.log()} == {("main", 3), ("fsdp", 6)}
         assert store.verify(deep=True).ok
+
+
+def test_a_bf16_weight_that_is_its_fp32_master_rounded_is_derived(tmp_path: Path) -> None:
+    """A DCP save that holds both (bf16 parameters, and an optimizer that keeps an FP32 ``master``
+    of each, as mixed-precision optimizers do): the weight is stored as a derivation of its
+    master, not as bytes of its own, and checks out byte for byte."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    masters = {f"layers.{i}.w": torch.randn(64, 32) for i in range(3)}
+    state = {
+        "model": {name: m.to(torch.bfloat16) for name, m in masters.items()},
+        "optim": {"state": {name: {"master": m, "exp_avg": torch.zeros_like(m)} for name, m in masters.items()}},
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path / "step-1"))
+    with Store.init(tmp_path / "store") as store:
+        result = store.commit(tmp_path / "step-1")
+        assert result.derived_bytes == sum(m.numel() * 2 for m in masters.values())
+        store.checkout("latest", tmp_path / "out")
+        assert store.verify(deep=True).ok
+    assert same_tree(tmp_path / "out" / "step-1", tmp_path / "step-1")
