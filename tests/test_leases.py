@@ -1,5 +1,6 @@
 """Store locks as leases in the backend, on POSIX and on S3: shared with shared, exclusive
-alone, stale leases removed, renewal, and mutual exclusion under contention."""
+alone, stale leases removed, renewal, and mutual exclusion under contention. The two tests that
+wait for lease times run on S3 in the slow tier only, to keep the fast tier under a minute."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def test_stale_leases_are_removed_with_a_message(backend: Backend) -> None:
             pass
 
 
+@pytest.mark.parametrize("backend", ["posix", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
 def test_a_held_lease_is_renewed(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TAILOR_LOCK_TTL", "0.6")
     with lease_lock(backend, exclusive=True, timeout=1) as handle:
@@ -80,6 +82,7 @@ def test_try_exclusive_only_when_alone(backend: Backend) -> None:
                 pass
 
 
+@pytest.mark.parametrize("backend", ["posix", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
 def test_gc_fence_lets_takers_back_off_and_stops_for_a_holder(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
