@@ -74,6 +74,8 @@ def test_commit_and_checkout_are_byte_identical_and_layer_wise(fsdp_run: FsdpRun
     changes = {d.layer: d.master for d in store.diff("step=3", "step=6").layers}
     assert all(changes[f"block.{i}"] and changes[f"block.{i}"] > 0 for i in range(LAYERS)), changes
     assert {"masters", "moments"} <= set(store.usage().kinds), store.usage().kinds
+    png = store.plot(tmp_path / "changes.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for ref, step in (("step=3", 3), ("step=6", 6)):
         out = tmp_path / f"out{step}"
         store.checkout(ref, out)

@@ -6,6 +6,7 @@ size, straight from the store."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -131,7 +132,8 @@ def test_two_nodes_of_two_ranks_each_stage_locally_and_resume_at_three(
 ) -> None:
     """2 nodes x 2 ranks, each node with its own staging and cache: the steps are what one
     process commits of DeepSpeed's own save of the same training at 4 ranks, and the job
-    restarted at 3 ranks on one node resumes as DeepSpeed's universal path does."""
+    restarted at 3 ranks on one node, or at 2 ranks on both nodes, resumes as DeepSpeed's
+    universal path does."""
     reference = runs.get("zero2-bf16-4ranks")
     location = s3_server.new_location()
     Store.init(location).close()
@@ -157,6 +159,55 @@ def test_two_nodes_of_two_ranks_each_stage_locally_and_resume_at_three(
     )  # fmt: skip
     expected, _ = universal_path.loaded(reference, 3, 2)
     assert resumed == expected
+    # restarted on both nodes at one rank each: a new world size across nodes, each node's leader
+    # writing only its own rank's share of the resharded step into its own staging
+    with Store.open(location) as store:
+        store.checkout_resharded(f"step={STEP}", tmp_path / "whole2", world_size=2)
+    whole = {p.name: p.stat().st_size for p in (tmp_path / "whole2").rglob("*") if p.is_file()}
+    shares = [
+        sum(size for name, size in whole.items() if "optim_states" not in name or f"zero_pp_rank_{rank}_" in name)
+        for rank in (0, 1)
+    ]  # each node's rank's optimizer file, and the files every rank loads (model states, latest)
+    with StagingPeaks([Path(node["TAILOR_STAGING"]) for node in nodes]) as peaks:
+        across = train_tiny(
+            tmp_path / "across", losses_out=tmp_path / "across.json", nproc=1, node_env=nodes, steps=STEP + 2,
+            save_every=0, commit_to=location, tailor_engine=True, resume_from=tmp_path / "across",
+            resume_tag=f"global_step{STEP}", **reference.options,
+        )  # fmt: skip
+    expected, _ = universal_path.loaded(reference, 2, 2)
+    assert across == expected
+    assert not [p for node in nodes for p in Path(node["TAILOR_STAGING"]).rglob("*") if p.is_file()]
+    print(f"peak staging per node {peaks.peaks}, the nodes' shares {shares}, the whole step {sum(whole.values())}")
+    for peak, share in zip(peaks.peaks, shares, strict=True):
+        assert max(whole.values()) <= peak <= share, (peaks.peaks, shares)  # a node stages its share, no more
+
+
+class StagingPeaks:
+    """The largest number of bytes each folder held while the block ran (sampled every 5 ms)."""
+
+    def __init__(self, folders: list[Path]) -> None:
+        self.folders, self.peaks = folders, [0] * len(folders)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.005):
+            for i, folder in enumerate(self.folders):
+                total = 0
+                for p in folder.rglob("*"):
+                    try:
+                        total += p.stat().st_size if p.is_file() else 0
+                    except FileNotFoundError:
+                        pass
+                self.peaks[i] = max(self.peaks[i], total)
+
+    def __enter__(self) -> StagingPeaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @pytest.mark.parametrize("policy", ["parity", "budget"])
