@@ -485,3 +485,25 @@ def test_the_hf_trainer_resumes_at_another_world_size_from_a_resharded_checkout(
     assert ours.keys() == reference.keys()
     assert all(torch.equal(ours[k], reference[k]) for k in ours)
     assert not all(torch.equal(ours[k], load_file(hf_run.final_weights)[k]) for k in ours), "training went on"
+
+
+def test_a_zero3_node_writes_only_its_own_ranks_share(runs: Runs, tmp_path: Path) -> None:
+    """ZeRO-3 keeps a model-states file per rank too: a node's share (``ranks=``) is its ranks'
+    optimizer and model-states files, at the saved world size and resharded, each byte-identical
+    to the same file of the whole checkout, and nothing of another rank's."""
+    run = runs.get("zero3-bf16")
+    tag = f"global_step{STEP}"
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(run.save_dir, STEP, tmp_path / "at"))
+        store.checkout(STEP, tmp_path / "whole2")
+        store.checkout(STEP, tmp_path / "node2", ranks=[1])
+        store.checkout_resharded(STEP, tmp_path / "whole3", world_size=3)
+        store.checkout_resharded(STEP, tmp_path / "node3", world_size=3, ranks=[2])
+    for whole, node, rank in (("whole2", "node2", 1), ("whole3", "node3", 2)):
+        mine = sorted(p.name for p in (tmp_path / node / tag).iterdir())
+        assert mine == [
+            f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+            f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+        ], mine
+        for name in mine:
+            assert (tmp_path / node / tag / name).read_bytes() == (tmp_path / whole / tag / name).read_bytes()
