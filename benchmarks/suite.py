@@ -29,6 +29,7 @@ from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
 from tailorstore.store import codec
 from tailorstore.store.repo import Repository
+from testbed.folders import dir_bytes
 from testbed.local_s3 import CuttableLink, local_s3
 from testbed.runs import train_tiny
 
@@ -111,18 +112,6 @@ def drop_caches() -> bool:
     except OSError:
         return False
     return True
-
-
-def dir_bytes(path: Path) -> int:
-    """Bytes of the files under ``path``; a file deleted while it is walked (a gc or a commit
-    running beside the walk) counts as gone."""
-    total = 0
-    for p in path.rglob("*"):
-        try:
-            total += p.stat().st_size if p.is_file() else 0
-        except FileNotFoundError:
-            pass
-    return total
 
 
 def largest_file(path: Path) -> int:

@@ -15,6 +15,7 @@ from test_reshard import STEP, DeepSpeedPath
 
 from tailorstore import Store
 from testbed.compare import same_tree
+from testbed.folders import dir_bytes
 from testbed.local_s3 import LocalS3
 from testbed.runs import TrainingFailed, train_tiny
 
@@ -193,13 +194,7 @@ class StagingPeaks:
     def _watch(self) -> None:
         while not self._stop.wait(0.005):
             for i, folder in enumerate(self.folders):
-                total = 0
-                for p in folder.rglob("*"):
-                    try:
-                        total += p.stat().st_size if p.is_file() else 0
-                    except FileNotFoundError:
-                        pass
-                self.peaks[i] = max(self.peaks[i], total)
+                self.peaks[i] = max(self.peaks[i], dir_bytes(folder))
 
     def __enter__(self) -> StagingPeaks:
         self._thread.start()

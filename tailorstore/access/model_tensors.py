@@ -34,7 +34,7 @@ from tailorstore.formats.kinds import DCP, RAW, TORCH
 from tailorstore.formats.skeleton import fill_tensors, slots_of, split_tensors
 from tailorstore.formats.torch_pickle import load_pickle_tree
 from tailorstore.formats.torch_save_writer import TensorOut
-from tailorstore.store.records import AtomRecord, BlobRecord, FileRecord
+from tailorstore.store.records import AtomRecord, BlobRecord, FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
 
@@ -150,7 +150,7 @@ def model_view(store: Repository, manifest: int) -> ModelView:
     facts = store.manifest(manifest)
     files = store.catalogue.files(manifest)
     if any(f.kind == DCP for f in files) and not any(f.kind == TORCH for f in files):
-        return _dcp_view(store, manifest, facts.step, files)
+        return _dcp_view(store, facts, files)
     states = model_states_file(files, facts.step)
     where = f"step {facts.step}, file {states.path}"
     tree = skeleton_tree(store, states, where)
@@ -164,11 +164,7 @@ def model_view(store: Repository, manifest: int) -> ModelView:
     if not shapes:  # ZeRO 0 records no param_shapes: the module's own tensors are full size
         shapes = {str(k): tuple(v.shape) for k, v in module.items() if k not in buffer_names and hasattr(v, "shape")}
 
-    by_param: dict[tuple[str, str], list[AtomRecord]] = defaultdict(list)
-    for atom in store.catalogue.atoms(manifest):
-        if atom.kind in _VIEWED:
-            by_param[(atom.param, atom.kind)].append(atom)
-
+    by_param = _pieces(store, manifest)
     tensors: list[ModelTensor] = []
     for name in buffer_names:
         ref = module.get(name)
@@ -200,13 +196,20 @@ def model_view(store: Repository, manifest: int) -> ModelView:
     )
 
 
-def _dcp_view(store: Repository, manifest: int, step: int, files: list[FileRecord]) -> ModelView:
-    """A DCP step as a model: each model parameter's full shape from its folder's ``.metadata``
-    (kept whole, and read again as hostile input), tiled by its chunks' atoms."""
+def _pieces(store: Repository, manifest: int) -> dict[tuple[str, str], list[AtomRecord]]:
+    """The manifest's atoms of the kinds a model view reads, by (parameter, kind)."""
     by_param: dict[tuple[str, str], list[AtomRecord]] = defaultdict(list)
     for atom in store.catalogue.atoms(manifest):
         if atom.kind in _VIEWED:
             by_param[(atom.param, atom.kind)].append(atom)
+    return by_param
+
+
+def _dcp_view(store: Repository, facts: ManifestRecord, files: list[FileRecord]) -> ModelView:
+    """A DCP step as a model: each model parameter's full shape from its folder's ``.metadata``
+    (kept whole, and read again as hostile input), tiled by its chunks' atoms."""
+    step = facts.step
+    by_param = _pieces(store, facts.id)
     tensors: list[ModelTensor] = []
     folders = sorted({str(PurePosixPath(f.path).parent) for f in files if f.kind == DCP})
     for folder in folders:
@@ -215,7 +218,11 @@ def _dcp_view(store: Repository, manifest: int, step: int, files: list[FileRecor
         where = f"step {step}, file {prefix}{dcp.METADATA}"
         if row is None:
             raise CorruptStoreError(f"step {step}: the DCP folder {folder} has no .metadata; run ", Call("verify"))
-        sizes = {PurePosixPath(f.path).name: f.raw_size for f in files if f.kind == DCP and f.path.startswith(prefix)}
+        sizes = {
+            PurePosixPath(f.path).name: f.raw_size
+            for f in files
+            if f.kind == DCP and str(PurePosixPath(f.path).parent) == folder
+        }
         try:
             meta = dcp.read_metadata(store.read_blob(row.blob, where), where, sizes)
         except (BadCheckpointError, UnsafePickleError) as exc:
@@ -228,9 +235,8 @@ def _dcp_view(store: Repository, manifest: int, step: int, files: list[FileRecor
         raise StoreError(f"step {step} holds no model parameters in its DCP folders (keys model.<name>)")
     stored = {a.blob for t in tensors for a in t.atoms if a.derived is None}
     rows = {digest: blob_of(store, digest, f"step {step}") for digest in stored}
-    facts = store.manifest(manifest)
     names = [t.name for t in tensors]
-    return ModelView(manifest, step, tensors, {}, rows, facts.zero_stage, facts.world_size, dict(by_param), {}, names)
+    return ModelView(facts.id, step, tensors, {}, rows, facts.zero_stage, facts.world_size, dict(by_param), {}, names)
 
 
 def _tensor(

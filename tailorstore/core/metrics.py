@@ -79,5 +79,5 @@ def parse_assignment(text: str) -> tuple[str, float]:
     name, sep, value = text.partition("=")
     if not sep:
         raise MetricError(f"{text[:60]!r} is not NAME=VALUE (eval_loss=2.31)")
-    parsed = checked({name.strip(): value.strip()})
-    return name.strip(), parsed[name.strip()]  # type: ignore[return-value]
+    name = name.strip()
+    return name, checked({name: value.strip()})[name]  # type: ignore[return-value]

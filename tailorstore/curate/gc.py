@@ -75,7 +75,7 @@ class KeepBest:
         first; the first ``count`` are kept."""
         ranked = []
         for m in commits:
-            value = decode_metrics(m.metrics).get(self.metric) if m.metrics else None
+            value = decode_metrics(m.metrics).get(self.metric)
             if value is not None:
                 ranked.append((value if self.mode == "min" else -value, -m.step, m.id))
         return {manifest for *_, manifest in sorted(ranked)[: self.count]}

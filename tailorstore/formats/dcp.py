@@ -361,10 +361,7 @@ def read_distcp(src: InputFile, rel: str, meta: DcpMetadata, where: str) -> tupl
 def _chunk_tensor(src: InputFile, item: Item, tensor: TensorInfo, where: str) -> TensorRef:
     assert item.chunk is not None
     what = f"{where}: the item {item.fqn} (bytes {item.offset}..{item.offset + item.length})"
-    try:
-        parsed = read_torch_zip(src.window(item.offset, item.length), what)
-    except UnsafePickleError:
-        raise
+    parsed = read_torch_zip(src.window(item.offset, item.length), what)
     if parsed is None:
         raise BadCheckpointError(f"{what} is not a torch.save record of one tensor; the file is damaged")
     ref = parsed[0]

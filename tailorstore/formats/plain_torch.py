@@ -58,12 +58,15 @@ def segment_plain(obj: Any, entries: list[A.TensorEntry]) -> bool:
     prefix = _model_prefix(obj, entries)
     if prefix is None:
         return False
-    model = [e for e in entries if e.path.startswith(prefix) and (prefix or "/" not in e.path)]
-    model_names = [e.path[len(prefix) :] for e in model if e.tensor.is_floating_point()]
+
+    def in_model(entry: A.TensorEntry) -> bool:
+        return entry.path.startswith(prefix) and (bool(prefix) or "/" not in entry.path)
+
+    model_names = [e.path[len(prefix) :] for e in entries if in_model(e) and e.tensor.is_floating_point()]
     optimizer_key = next((k for k in OPTIMIZER_KEYS if isinstance(obj.get(k), dict)), None)
     names = _index_names(obj, optimizer_key, model_names)
     for entry in entries:
-        if entry in model:
+        if in_model(entry):
             name = entry.path[len(prefix) :]
             kind = A.MASTER if A.dtype_name(entry.tensor.dtype) == "float32" else A.WEIGHT
             whole(entry, name, kind if entry.tensor.is_floating_point() else A.BUFFER, 0)

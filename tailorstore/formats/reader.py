@@ -180,16 +180,28 @@ def _read_plain(out: ReadFile, src: InputFile) -> bool:
     if parsed is None:
         return False
     obj, pickle_record = parsed
-    _, entries = split_tensors(obj, where=str(out.source), file_size=out.size)
+    entries = _located_entries(obj, str(out.source), out.size)
     if not any(e.tensor.numel() for e in entries):
         return False
-    for entry in entries:
+    _segment_plain_or_generic(obj, entries)
+    out.skeleton, out.located, out.entries = pickle_record, True, entries
+    return True
+
+
+def _located_entries(obj: object, where: str, size: int) -> list[TensorEntry]:
+    """The tensors of a tree the torch-free reader loaded, each at its offset in the file."""
+    _, entries = split_tensors(obj, where=where, file_size=size)
+    for entry in entries:  # an empty tensor has no bytes, so no offset (as the torch fallback says)
         entry.file_offset = entry.tensor.file_offset if entry.tensor.numel() else None
+    return entries
+
+
+def _segment_plain_or_generic(obj: object, entries: list[TensorEntry]) -> None:
+    """A torch file that is not DeepSpeed's: named by parameter where it is a model or training
+    state (``plain_torch``), else one atom per tensor named by its path."""
     if not plain_torch.segment_plain(obj, entries):
         for entry in entries:
             ds.generic(entry, 0)
-    out.skeleton, out.located, out.entries = pickle_record, True, entries
-    return True
 
 
 def _dcp_metadata(folder: Path) -> dcp.DcpMetadata:
@@ -219,9 +231,7 @@ def _read_torch(out: ReadFile, src: InputFile, trust_pickles: bool, infos: dict[
             raise
     if parsed is not None:
         obj, pickle_record = parsed
-        _, entries = split_tensors(obj, where=where, file_size=out.size)
-        for entry in entries:  # an empty tensor has no bytes, so no offset (as the torch fallback says)
-            entry.file_offset = entry.tensor.file_offset if entry.tensor.numel() else None
+        entries = _located_entries(obj, where, out.size)
         out.skeleton, out.located = pickle_record, True
     else:
         # Importing torch costs about two seconds; only a file the torch-free reader cannot take pays it.
@@ -237,7 +247,6 @@ def _read_torch(out: ReadFile, src: InputFile, trust_pickles: bool, infos: dict[
     elif ds.is_optim_states(name):
         info = infos.get(folder, ds.ModelInfo())
         ds.segment_optim_states(obj, entries, out.rank or 0, info, where)
-    elif not plain_torch.segment_plain(obj, entries):
-        for entry in entries:
-            ds.generic(entry, 0)
+    else:
+        _segment_plain_or_generic(obj, entries)
     out.entries = entries

@@ -26,6 +26,7 @@ import xxhash
 
 from tailorstore.core.errors import BadCheckpointError, InputChangedError
 from tailorstore.core.reused_memory import private_copy_buffer
+from tailorstore.formats.torch_zip import record_offsets
 
 CHUNK = 4 << 20  # bytes per read when a file is streamed
 
@@ -93,8 +94,6 @@ class InputFile:
 
     def zip_records(self) -> dict[str, tuple[int, int]]:
         """The file's zip records (name -> offset, size), read through this descriptor."""
-        from tailorstore.formats.torch_zip import record_offsets
-
         return record_offsets(self.fd)
 
     def window(self, base: int, length: int) -> InputWindow:
@@ -181,8 +180,6 @@ class InputWindow:
         return self.length
 
     def zip_records(self) -> dict[str, tuple[int, int]]:
-        from tailorstore.formats.torch_zip import record_offsets
-
         return record_offsets(self.parent.fd, self.base, self.length)
 
     def read(self, offset: int, length: int) -> memoryview:
