@@ -31,6 +31,14 @@ app = typer.Typer(
     help="A content-addressed, layer-wise store for DeepSpeed training checkpoints.",
 )
 
+ArchiveLevelsOpt = typer.Option(
+    None,
+    "--archive-levels",
+    help="With --thin archive: grid steps from 0 to each group's largest weight (default 127: within 1/254 of it).",
+)
+KeyframeEveryOpt = typer.Option(
+    None, "--keyframe-every", help="With --thin archive: a full keyframe at least every N archived steps (default 8)."
+)
 KeepBestOpt = typer.Option(
     None,
     "--keep-best",
@@ -543,8 +551,11 @@ def gc(
         None,
         "--thin",
         help="Thin the steps the rules do not keep instead of dropping them: 'weights' keeps the model's weights, "
-        "'master' the FP32 master. Thinned steps export and average; they do not resume.",
+        "'master' the FP32 master, 'archive' the weights quantized against the previous archived step (lossy, "
+        "about 1/254 of each group's largest weight). Thinned steps export and average; they do not resume.",
     ),
+    archive_levels: int | None = ArchiveLevelsOpt,
+    keyframe_every: int | None = KeyframeEveryOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and change nothing."),
     drop_parts: bool = typer.Option(
         False, "--drop-parts", help="Also drop parts no finalize has taken (abandoned multi-host commits)."
@@ -565,6 +576,8 @@ def gc(
             keep_every=keep_every,
             keep_best=keep_best,
             thin=thin,
+            archive_levels=archive_levels,
+            keyframe_every=keyframe_every,
             run=run,
             dry_run=dry_run,
             drop_parts=drop_parts,
@@ -673,7 +686,9 @@ def run_retention(
     keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the K newest committed steps whole."),
     keep_every: int | None = typer.Option(None, "--keep-every", help="Keep steps whose number is a multiple of N."),
     keep_best: str | None = KeepBestOpt,
-    thin: str | None = typer.Option(None, "--thin", help="Thin the other steps to 'weights' or 'master'."),
+    thin: str | None = typer.Option(None, "--thin", help="Thin the other steps to 'weights', 'master' or 'archive'."),
+    archive_levels: int | None = ArchiveLevelsOpt,
+    keyframe_every: int | None = KeyframeEveryOpt,
     clear: bool = typer.Option(False, "--clear", help="Carry no retention: `tailor gc` then drops nothing here."),
     run: str = typer.Option("main", "--run", help="The run that carries it."),
     store: str | None = StoreOpt,
@@ -683,7 +698,14 @@ def run_retention(
         if clear:
             rules = st.set_retention()
         elif keep_last is not None or keep_every is not None or thin is not None or keep_best is not None:
-            rules = st.set_retention(keep_last=keep_last, keep_every=keep_every, thin=thin, keep_best=keep_best)
+            rules = st.set_retention(
+                keep_last=keep_last,
+                keep_every=keep_every,
+                thin=thin,
+                keep_best=keep_best,
+                archive_levels=archive_levels,
+                keyframe_every=keyframe_every,
+            )
         else:
             rules = st.retention()
     if rules is None:
@@ -697,6 +719,8 @@ def run_retention(
         else "",
     ]
     rest = f"thin the rest to {rules.thin}" if rules.thin else "drop the rest"
+    if rules.grid is not None:
+        rest += f" ({rules.grid.levels} levels, a keyframe every {rules.grid.keyframe_every})"
     typer.echo(f"run {run}: {' and '.join(p for p in parts if p)} whole, {rest} (applied by `tailor gc`)")
 
 

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from tailorstore.curate.gc import GcPlan, Retention
     from tailorstore.curate.merge import MergeResult
     from tailorstore.curate.runs import RunInfo
+    from tailorstore.curate.thinning import ArchiveGrid
     from tailorstore.ingest.commit_options import CommitOptions, CommitRequest, CommitResult
     from tailorstore.ingest.finalize import FinalizeResult
     from tailorstore.report.diff import DiffResult
@@ -368,13 +369,19 @@ class Store:
         keep_every: int | None = None,
         thin: str | None = None,
         keep_best: str | None = None,
+        archive_levels: int | None = None,
+        keyframe_every: int | None = None,
     ) -> Retention | None:
         """The retention this handle's run carries: ``gc()`` without rules applies it (``keep_last=3,
         keep_best="eval_loss:min:3", thin="weights"`` keeps the last three and the three best whole
-        and thins the rest). All None clears it."""
+        and thins the rest). All None clears it. ``archive_levels`` and ``keyframe_every`` are as
+        for :meth:`gc`."""
         from tailorstore.curate.gc import Retention
 
-        rules = Retention(keep_last=keep_last, keep_every=keep_every, thin=thin, run=self.run, keep_best=keep_best)
+        grid = _archive_grid(archive_levels, keyframe_every)
+        rules = Retention(
+            keep_last=keep_last, keep_every=keep_every, thin=thin, run=self.run, keep_best=keep_best, grid=grid
+        )
         write_retention(self.repo.backend, self.run, rules.as_doc() if rules.drops_manifests else None)
         return rules if rules.drops_manifests else None
 
@@ -423,6 +430,8 @@ class Store:
         keep_every: int | None = None,
         thin: str | None = None,
         keep_best: str | None = None,
+        archive_levels: int | None = None,
+        keyframe_every: int | None = None,
         run: str | None = None,
         dry_run: bool = False,
         drop_parts: bool = False,
@@ -436,12 +445,16 @@ class Store:
         ``thin="weights"`` (or ``"master"``) the commits outside the retention are thinned to that tier
         instead of dropped: they keep their weights (or FP32 masters) for export and averaging.
         ``keep_best="eval_loss:min:3"`` also keeps each run's three steps with the lowest recorded
-        ``eval_loss`` (``metrics=`` at commit); a step without it is never among the best."""
+        ``eval_loss`` (``metrics=`` at commit); a step without it is never among the best.
+        ``thin="archive"`` keeps the weights quantized against the previous archived step:
+        ``archive_levels`` grid steps up to each group's largest magnitude (default 127, so each value
+        is within 1/254 of it) and a keyframe at least every ``keyframe_every`` steps (default 8)."""
         from tailorstore.curate.gc import Retention, gc
 
+        grid = _archive_grid(archive_levels, keyframe_every)
         return gc(
             self.repo,
-            Retention(keep_last=keep_last, keep_every=keep_every, run=run, thin=thin, keep_best=keep_best),
+            Retention(keep_last=keep_last, keep_every=keep_every, run=run, thin=thin, keep_best=keep_best, grid=grid),
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,
@@ -511,3 +524,15 @@ def _commit(
 
 
 __all__ = ["Ref", "Store", "selector"]
+
+
+def _archive_grid(levels: int | None, keyframe_every: int | None) -> ArchiveGrid | None:
+    """The archive tier's grid from the options given (None when neither is)."""
+    from tailorstore.curate.thinning import KEYFRAME_EVERY, ArchiveGrid
+    from tailorstore.store.archive_codec import DEFAULT_LEVELS
+
+    if levels is None and keyframe_every is None:
+        return None
+    return ArchiveGrid(
+        DEFAULT_LEVELS if levels is None else levels, KEYFRAME_EVERY if keyframe_every is None else keyframe_every
+    )

@@ -183,6 +183,38 @@ def test_two_nodes_of_two_ranks_each_stage_locally_and_resume_at_three(
         assert max(whole.values()) <= peak <= share, (peaks.peaks, shares)  # a node stages its share, no more
 
 
+def test_a_zero3_save_resumes_across_two_nodes_at_a_new_world_size(
+    runs: Runs, universal_path: DeepSpeedPath, s3_server: LocalS3, tmp_path: Path
+) -> None:
+    """ZeRO 3, saved at 2 ranks on one node, restarted on 2 nodes x 2 ranks (world size 4): each
+    node's leader writes only its ranks' share of the step resharded to 4 into its own staging,
+    and the losses equal DeepSpeed's universal path at 4 ranks."""
+    reference = runs.get("zero3-bf16")
+    location = s3_server.new_location()
+    with Store.init(location) as store:
+        store.commit(as_of_step(reference.save_dir, STEP, tmp_path / "at"))
+        store.checkout_resharded(f"step={STEP}", tmp_path / "whole4", world_size=4)
+    whole = {p.name: p.stat().st_size for p in (tmp_path / "whole4").rglob("*") if p.is_file()}
+    nodes = node_folders(tmp_path, 2)
+    with StagingPeaks([Path(node["TAILOR_STAGING"]) for node in nodes]) as peaks:
+        resumed = train_tiny(
+            tmp_path / "again", losses_out=tmp_path / "again.json", nproc=2, node_env=nodes, steps=STEP + 2,
+            save_every=0, commit_to=location, tailor_engine=True, resume_from=tmp_path / "again",
+            resume_tag=f"global_step{STEP}", **reference.options,
+        )  # fmt: skip
+    expected, _ = universal_path.loaded(reference, 4, 3)
+    assert resumed == expected
+    assert not [p for node in nodes for p in Path(node["TAILOR_STAGING"]).rglob("*") if p.is_file()]
+    for node, peak in enumerate(peaks.peaks):  # ZeRO 3: one model-states and one optimizer file a rank
+        ranks = (2 * node, 2 * node + 1)
+        share = sum(
+            size
+            for name, size in whole.items()
+            if not name.startswith(("zero_pp", "bf16_zero_pp")) or any(f"zero_pp_rank_{r}_" in name for r in ranks)
+        )
+        assert max(whole.values()) <= peak <= share, (node, peaks.peaks, share)
+
+
 class StagingPeaks:
     """The largest number of bytes each folder held while the block ran (sampled every 5 ms)."""
 

@@ -51,7 +51,7 @@ from tailorstore.curate.merge_spec import AUX_KEYS, MergeSpecError, layer_range,
 from tailorstore.store.catalogue import CatalogueEdit
 from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.publish import record_manifest
-from tailorstore.store.records import THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
+from tailorstore.store.records import THIN_ARCHIVE, THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
 from tailorstore.store.repo import MAX_STEP, Repository
 from tailorstore.store.writer import BlobWriter
 
@@ -298,7 +298,8 @@ def _write_averages(
         if atom.layer in layers and (atom.kind in spec.kinds or atom.kind == WEIGHT):
             by_param[atom.param].append(atom)
     sources = [store.catalogue.atoms_by_key(m) for m in manifests]
-    weights = [_weights_by_param(store, m) if store.manifest(m).tier == THIN_WEIGHTS else {} for m in manifests]
+    by_weights = (THIN_WEIGHTS, THIN_ARCHIVE)  # tiers whose weights stand in for their masters
+    weights = [_weights_by_param(store, m) if store.manifest(m).tier in by_weights else {} for m in manifests]
     averager = _Averager(store, manifests, spec, sources, weights, writer)
     out: dict[AtomKey, AtomRecord] = {}
     for param in sorted(by_param):
@@ -309,7 +310,7 @@ def _write_averages(
 
 
 def _weights_by_param(store: Repository, manifest: int) -> dict[str, list[AtomRecord]]:
-    """A step thinned to weights: its weight atoms by parameter (they stand in for its masters)."""
+    """A step thinned to weights (or archived): its weight atoms by parameter (they stand in for its masters)."""
     out: dict[str, list[AtomRecord]] = defaultdict(list)
     for atom in store.catalogue.atoms(manifest, kind=WEIGHT):
         out[atom.param].append(atom)

@@ -31,14 +31,14 @@ from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.metrics import decode as decode_metrics
-from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
-from tailorstore.store import codec, manifest_objects
+from tailorstore.curate.thinning import ArchiveGrid, check_tier, contents_of, thin, thinner
+from tailorstore.store import archive_codec, codec, manifest_objects
 from tailorstore.store.backend import blob_key
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.packs import PackWriter, pack_key
 from tailorstore.store.parts import read_parts
-from tailorstore.store.records import COMMIT, TIERS, ManifestRecord
+from tailorstore.store.records import COMMIT, THIN_ARCHIVE, TIERS, ManifestRecord
 from tailorstore.store.repo import Repository
 
 REPACK_AT = 0.25  # repack a pack once this share of its bytes is dead
@@ -88,10 +88,15 @@ class Retention:
     run: str | None = None  # apply the rules to this run only (None: to every run, each on its own)
     thin: str | None = None  # thin the commits the rules do not keep to this tier, instead of dropping them
     keep_best: KeepBest | None = None  # the best steps by a recorded metric ("eval_loss:min:3")
+    grid: ArchiveGrid | None = None  # how coarse --thin archive is (None: the default grid)
 
     def __post_init__(self) -> None:
         if isinstance(self.keep_best, str):
             object.__setattr__(self, "keep_best", KeepBest.parse(self.keep_best))
+        if self.grid is not None and self.thin != THIN_ARCHIVE:
+            raise StoreError(
+                Call(archive_levels="N"), " and ", Call(keyframe_every="N"), " go with ", Call(thin="archive"), "."
+            )
         for name, value in (("keep_last", self.keep_last), ("keep_every", self.keep_every)):
             if value is not None and (type(value) is not int or not 1 <= value < 1 << 63):
                 raise StoreError(Call(**{name: value}), " is not allowed: give a whole number of 1 or more.")
@@ -118,6 +123,8 @@ class Retention:
         doc: dict[str, Any] = {"keep_last": self.keep_last, "keep_every": self.keep_every, "thin": self.thin}
         if self.keep_best is not None:
             doc["keep_best"] = self.keep_best.text()
+        if self.grid is not None:
+            doc["archive_levels"], doc["keyframe_every"] = self.grid.levels, self.grid.keyframe_every
         return doc
 
     @classmethod
@@ -126,12 +133,16 @@ class Retention:
             best = doc.get("keep_best")
             if best is not None and not isinstance(best, str):
                 raise TypeError("keep_best is not METRIC:min|max:COUNT")
+            grid = None
+            if "archive_levels" in doc or "keyframe_every" in doc:
+                grid = ArchiveGrid(doc.get("archive_levels"), doc.get("keyframe_every"))  # type: ignore[arg-type]
             return cls(
                 keep_last=doc.get("keep_last"),
                 keep_every=doc.get("keep_every"),
                 thin=doc.get("thin"),
                 run=run,
                 keep_best=KeepBest.parse(best) if best is not None else None,
+                grid=grid,
             )
         except (StoreError, TypeError) as exc:
             raise CorruptStoreError(f"the retention run {run!r} carries is damaged ({exc}); set it again") from None
@@ -165,6 +176,7 @@ class GcPlan:
     drop_parts: list[str] = field(default_factory=list)  # part objects to delete (finalized, or asked to)
     superseded: list[str] = field(default_factory=list)  # older versions of a step's manifest object
     thin: list[tuple[int, int, str]] = field(default_factory=list)  # (manifest, step, tier) to thin
+    grids: dict[int, ArchiveGrid] = field(default_factory=dict)  # the grid of each manifest to archive
     # stored bytes of the dead blobs, by what frees them: "drop" (a dropped manifest used them), or the tier
     # thinning to which drops them (only thinned manifests used them); orphans and packs are on top
     freed_by_tier: dict[str, int] = field(default_factory=dict)
@@ -241,6 +253,7 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     base_ids = frozenset(m.id for m in manifests if m.object_key in bases)
     keep = {m.id for m in manifests}
     tiers: dict[int, str] = {}
+    grids: dict[int, ArchiveGrid] = {}
     for one in [rules] if isinstance(rules, Retention) else rules:
         kept = kept_manifests(manifests, one, base_ids)
         for m in manifests:
@@ -249,6 +262,8 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
             if one.thin and m.origin == COMMIT:  # thinned, not dropped (or left, if thin enough already)
                 if thinner(one.thin, m.tier):
                     tiers[m.id] = one.thin
+                    if one.grid is not None:
+                        grids[m.id] = one.grid
             else:
                 keep.discard(m.id)
     to_thin = [m for m in manifests if m.id in tiers]
@@ -257,6 +272,7 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
         drop=[(m.id, m.step) for m in manifests if m.id not in keep and m.id not in tiers],
         keep=[(m.id, m.step) for m in manifests if m.id in keep],
         thin=[(m.id, m.step, tiers[m.id]) for m in to_thin],
+        grids=grids,
     )
     held: set[str] = set()
     for part in read_parts(store.backend):
@@ -330,7 +346,9 @@ def gc(
         fence = _fence(lock)
         for tier in TIERS:  # first: the blobs it materializes must exist before their masters go
             targets = [r for m in plan.thin_to(tier) if (r := store.catalogue.manifest(m)) is not None]
-            written += thin(store, targets, tier, lock)
+            written += thin(store, targets, tier, lock, grids=plan.grids)
+        if plan.thin_to(THIN_ARCHIVE):  # which blobs die is known only once the archived weights exist
+            plan = _replanned(store, plan, effective_rules(store, rules), drop_parts)
         fence()
         store.backend.delete_many([*plan.drop_parts, *plan.superseded])  # before anything they name
         with store.transaction() as index:
@@ -362,6 +380,21 @@ def gc(
     return plan
 
 
+def _replanned(store: Repository, before: GcPlan, rules: Retention | list[Retention], drop_parts: bool) -> GcPlan:
+    """The plan again, after archiving, under the same exclusive lock: the same steps drop (the
+    archived ones are now thin enough to keep), and the dead blobs are those nothing uses now, so
+    an archived blob that happens to equal one the first plan took for dead is never deleted."""
+    after = plan_gc(store, rules, drop_parts=drop_parts)
+    if [m for m, _ in after.drop] != [m for m, _ in before.drop]:
+        raise StoreError(
+            "gc's plan changed while it archived steps under its own lock; the archived steps are "
+            "recorded, nothing was deleted: run gc again"
+        )
+    after.thin, after.freed_by_tier = before.thin, before.freed_by_tier
+    after.thin_weight_bytes = before.thin_weight_bytes
+    return after
+
+
 def _fence(lock: LockHandle | LeaseHandle) -> Callable[[], None]:
     def check() -> None:
         failpoint("gc-before-delete")
@@ -382,7 +415,13 @@ def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> i
         for blob in store.catalogue.blobs_in_pack(name):
             data = store.backend.get(blob.key(), blob.pack_offset or 0, blob.stored_size)
             raw = bytearray(blob.raw_size)  # decoded and hash-checked: a damaged blob is never carried over
-            codec.decode_into(blob.codec, io.BytesIO(data), memoryview(raw), f"repacking pack {name}: {blob.hash}")
+            if archive_codec.is_archive(blob.codec):  # rebuilt on its chain, which still stands
+                try:
+                    store.read_blob_into(blob, memoryview(raw), f"repacking pack {name}")
+                except CorruptStoreError:
+                    raw = bytearray()
+            else:
+                codec.decode_into(blob.codec, io.BytesIO(data), memoryview(raw), f"repacking pack {name}: {blob.hash}")
             if codec.content_hash(raw) != blob.hash:
                 raise CorruptStoreError(
                     f"pack {name}: blob {blob.hash} does not match its hash; gc stopped before deleting anything "

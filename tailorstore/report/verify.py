@@ -21,7 +21,7 @@ from tailorstore.core.atoms import MASTER
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.paths import check_relative
 from tailorstore.core.threads import decode_threads
-from tailorstore.store import codec
+from tailorstore.store import archive_codec, codec
 from tailorstore.store.records import AtomRecord, BlobRecord
 from tailorstore.store.repo import Repository
 
@@ -130,6 +130,9 @@ def _check_blob(store: Repository, row: BlobRecord, size: int | None, place: str
         return None, 0
     buf = bytearray(row.raw_size)
     try:
+        if archive_codec.is_archive(row.codec):  # its chain is read and checked link by link
+            store.read_blob_into(row, memoryview(buf), f"blob {row.hash}")
+            return None, row.raw_size
         with store.open_row(row, place) as f:
             codec.decode_into(row.codec, f, memoryview(buf), f"blob {row.hash}")
     except CorruptStoreError as exc:

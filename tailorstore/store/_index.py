@@ -488,9 +488,12 @@ class Index:
         return [
             _blob(r)
             for r in self.conn.execute(
-                "SELECT * FROM blobs WHERE hash IN (SELECT blob FROM files WHERE manifest=?1"
-                " UNION SELECT container FROM files WHERE manifest=?1"
-                " UNION SELECT blob FROM atoms WHERE manifest=?1 AND derived IS NULL) ORDER BY hash",
+                "SELECT * FROM blobs WHERE hash IN ("
+                + _with_bases(
+                    "SELECT blob FROM files WHERE manifest=?1 UNION SELECT container FROM files WHERE manifest=?1"
+                    " UNION SELECT blob FROM atoms WHERE manifest=?1 AND derived IS NULL"
+                )
+                + ") ORDER BY hash",
                 (manifest,),
             )
         ]
@@ -500,8 +503,10 @@ class Index:
         return {
             r[0]
             for r in self.conn.execute(
-                "SELECT blob FROM files WHERE manifest=?1 UNION SELECT container FROM files WHERE manifest=?1"
-                " AND container IS NOT NULL UNION SELECT blob FROM atoms WHERE manifest=?1 AND derived IS NULL",
+                _with_bases(
+                    "SELECT blob FROM files WHERE manifest=?1 UNION SELECT container FROM files WHERE manifest=?1"
+                    " AND container IS NOT NULL UNION SELECT blob FROM atoms WHERE manifest=?1 AND derived IS NULL"
+                ),
                 (manifest,),
             )
         }
@@ -528,10 +533,13 @@ class Index:
             _blob(r)
             for r in self.conn.execute(
                 "SELECT * FROM blobs WHERE hash NOT IN ("
-                " SELECT blob FROM files WHERE manifest IN (SELECT id FROM keep_set)"
-                " UNION SELECT container FROM files WHERE container IS NOT NULL"
-                " AND manifest IN (SELECT id FROM keep_set)"
-                " UNION SELECT blob FROM atoms WHERE derived IS NULL AND manifest IN (SELECT id FROM keep_set))"
+                + _with_bases(
+                    "SELECT blob FROM files WHERE manifest IN (SELECT id FROM keep_set)"
+                    " UNION SELECT container FROM files WHERE container IS NOT NULL"
+                    " AND manifest IN (SELECT id FROM keep_set)"
+                    " UNION SELECT blob FROM atoms WHERE derived IS NULL AND manifest IN (SELECT id FROM keep_set)"
+                )
+                + ")"
             )
         ]
 
@@ -553,6 +561,14 @@ class Index:
             manifests,
         ):
             out.append(BlobUse(r["blob"], f"step {r['step']}, layer {r['layer']}, file {r['path']}"))
+        for r in self.conn.execute(  # the chains archived atoms are built on (archive_codec.py)
+            f"SELECT DISTINCT m.step, a.layer, a.path, a.blob, j.value AS base FROM atoms a"
+            f" JOIN manifests m ON m.id=a.manifest JOIN blobs b ON b.hash=a.blob, {_CHAIN}"
+            f" WHERE a.manifest IN ({marks}) AND a.derived IS NULL AND {_ARCHIVED}",
+            manifests,
+        ):
+            where = f"step {r['step']}, layer {r['layer']}, file {r['path']}"
+            out.append(BlobUse(r["base"], f"{where} (the archive chain of blob {r['blob']})"))
         return out
 
     def upsert_blobs(self, blobs: Iterable[BlobRecord]) -> None:
@@ -679,6 +695,19 @@ class Index:
                 " GROUP BY lone.manifest"
             )
         }
+
+
+_CHAIN = "json_each(CASE WHEN json_valid(b.codec) THEN b.codec ELSE '{}' END, '$.bases') j"
+_ARCHIVED = "b.codec LIKE '%\"archive-delta\"%'"  # json_each reads only valid JSON (a hostile row reads as {})
+
+
+def _with_bases(hashes: str) -> str:
+    """A query of the hashes ``hashes`` selects and of every blob their archived blobs are built
+    on. An archived blob's descriptor lists its whole chain (``bases``), so one level suffices."""
+    return (
+        f"WITH direct(h) AS ({hashes}) SELECT h FROM direct UNION SELECT j.value FROM blobs b"
+        f" JOIN direct ON b.hash = direct.h, {_CHAIN} WHERE {_ARCHIVED}"
+    )
 
 
 def damaged(path: Path, exc: BaseException) -> CorruptStoreError:

@@ -25,7 +25,8 @@ MERGE = "merge"
 MAIN_RUN = "main"  # the run a store starts with, and every command's default
 THIN_MASTER = "master"  # retention tiers (gc --thin): the FP32 master only
 THIN_WEIGHTS = "weights"  # the model's own weights only
-TIERS = (THIN_MASTER, THIN_WEIGHTS)  # thinner last
+THIN_ARCHIVE = "archive"  # the model's weights, quantized against the previous archived step (archive_codec.py)
+TIERS = (THIN_MASTER, THIN_WEIGHTS, THIN_ARCHIVE)  # thinner last
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ class ManifestRecord:
     object_key: str | None = None
     id: int = 0
     run: str = MAIN_RUN  # steps are numbered per run
-    tier: str | None = None  # None: whole; THIN_MASTER or THIN_WEIGHTS once gc thinned it
+    tier: str | None = None  # None: whole; one of TIERS once gc thinned it
     metrics: str | None = None  # JSON object of the step's metrics (core/metrics.py), or None
 
     @property

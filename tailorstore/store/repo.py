@@ -26,7 +26,7 @@ from typing import BinaryIO, NamedTuple
 
 from tailorstore.core.environment import STORE_ENV
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError, UnknownStepError
-from tailorstore.store import codec, manifest_objects
+from tailorstore.store import archive_codec, codec, manifest_objects
 from tailorstore.store._index import Index
 from tailorstore.store.backend import Backend, blob_names
 from tailorstore.store.catalogue import Catalogue, CatalogueEdit
@@ -378,10 +378,58 @@ class Repository:
 
     def read_blob_into(self, row: BlobRecord, dest: memoryview, where: str) -> None:
         """Decode a blob into ``dest`` and check its hash; never leaves unchecked bytes behind."""
+        if archive_codec.is_archive(row.codec):
+            self._read_archived_into(row, dest, where)
+            return
         with self.open_row(row, where) as f:
             codec.decode_into(row.codec, f, dest, f"{where}: blob {row.hash}")
         if codec.content_hash(dest) != row.hash:
             raise damaged_blob(where, row.hash)
+
+    def _read_archived_into(self, row: BlobRecord, dest: memoryview, where: str) -> None:
+        """An archived blob (store/archive_codec.py): its chain decoded from the keyframe on, each
+        link hash-checked, with two buffers of the blob's size whatever the chain's length.
+
+        Every base's own descriptor must name exactly the bases before it, so a chain read from a
+        hostile index can neither loop nor grow past ``MAX_CHAIN``."""
+        spec = archive_codec.parse(row.codec, row.raw_size, f"{where}: blob {row.hash}")
+        links: list[tuple[BlobRecord, archive_codec.ArchiveSpec | None]] = []
+        for i, digest in enumerate(spec.bases):
+            base = self.blob(digest)
+            if base is None or base.raw_size != row.raw_size:
+                raise CorruptStoreError(
+                    f"{where}: archived blob {row.hash} is built on blob {digest}, which the index does not hold "
+                    "at that size; the store is damaged. To see every step it affects: ",
+                    Call("verify"),
+                    ".",
+                )
+            base_spec = None
+            if archive_codec.is_archive(base.codec):
+                base_spec = archive_codec.parse(base.codec, base.raw_size, f"{where}: blob {digest}")
+                if base_spec.bases != spec.bases[:i]:
+                    raise CorruptStoreError(f"{where}: archived blob {row.hash} names a chain its bases disagree with")
+            elif i:
+                raise CorruptStoreError(f"{where}: archived blob {row.hash} names a whole blob inside its chain")
+            links.append((base, base_spec))
+        links.append((row, spec))
+        previous: memoryview | None = None
+        spare = memoryview(bytearray(row.raw_size)) if links[:-1] else None
+        for i, (link, link_spec) in enumerate(links):
+            out = dest if (len(links) - 1 - i) % 2 == 0 else spare
+            assert out is not None
+            place = f"{where}: blob {link.hash}" + (f" (in the chain of {row.hash})" if link is not row else "")
+            if link_spec is None:
+                with self.open_row(link, place) as f:
+                    codec.decode_into(link.codec, f, out, place)
+            else:
+                with self.open_row(link, place) as f:
+                    payload = f.read(link.stored_size + 1)
+                if len(payload) != link.stored_size:
+                    raise CorruptStoreError(f"{place}: {len(payload)} stored bytes, the index says {link.stored_size}")
+                archive_codec.decode_into(link_spec, payload, previous, out, place)
+            if codec.content_hash(out) != link.hash:
+                raise damaged_blob(place, link.hash)
+            previous = out
 
     def read_blob(self, digest: str, where: str) -> bytes:
         row = self.blob(digest)

@@ -116,6 +116,28 @@ class BlobWriter:
         future.set_result(BlobRecord(digest, length, encoded.size, encoded.descriptor, created_at=time.time()))
         return digest
 
+    def add_encoded(self, raw: bytearray, stored: bytes, descriptor: str) -> str:
+        """Name ``raw`` and, if new, store ``stored``, bytes another codec already made from it (the
+        archive codec, whose encoding needs a base blob). On this thread: archiving is gc's, not a
+        commit's, work."""
+        if self._failure is not None:
+            raise self._failure
+        digest = codec.content_hash(raw)
+        if self._known_blob(digest, len(raw)):
+            return digest
+        future: Future[BlobRecord] = Future()
+        self._pending[digest] = future
+        try:
+            if len(raw) < PACK_BELOW:
+                self._guard(digest, lambda: self.packs.add(digest, stored, len(raw), descriptor))
+            else:
+                self._put(digest, codec.Encoded(descriptor, [stored]), len(raw))
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        future.set_result(BlobRecord(digest, len(raw), len(stored), descriptor, created_at=time.time()))
+        return digest
+
     def _known_blob(self, digest: str, size: int) -> bool:
         if digest in self._pending or digest in self._known or digest in self.elsewhere:
             self.reused_bytes += size

@@ -1,0 +1,209 @@
+"""The archive codec: a weight stored lossily, as a quantized residual against an earlier blob.
+
+Steps kept only for evaluation and averaging do not need their weights bit for bit. The
+archive tier (curate/thinning.py) stores each large float weight as integer codes on a
+per-group grid, against the weight of the previous archived step of the same run as it reads
+back (its *reconstruction*, never its exact value), so error does not accumulate along a chain:
+every archived weight is within half a grid step of its exact value, however long its chain.
+
+A blob is still named by the xxh3-128 of its raw bytes. Here the raw bytes are the
+*reconstruction* in the weight's own dtype, which the reader rebuilds and hash-checks as it
+does every blob; the codec descriptor names the chain of blobs it is built on (``bases``, the
+keyframe first), so the index knows what an archived blob needs without decoding it, and gc
+keeps that chain alive (store/_index.py).
+
+Encoding, per group of ``GROUP`` consecutive elements ``x`` (as FP32) over the base ``b`` (the
+previous blob's elements as FP32, or zeros for a keyframe):
+
+- ``scale = max|x| / levels`` (FP32); a group of zeros gets scale 0;
+- ``code = rint((x - b) / scale)``, stored as int8 when every code fits, else int16;
+- reconstruction ``y = b + code * scale`` (FP32, multiply then add), a scale-0 group giving +0.0,
+  then rounded to the weight's dtype (round to nearest even).
+
+So ``|x - y| <= scale / 2`` before the final rounding (checked when written), plus half a unit
+in the last place of the dtype. FORMAT.md section 2.1 specifies the payload byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import zstandard
+
+from tailorstore.core.errors import CorruptStoreError
+
+ARCHIVE = "archive-delta"
+VERSION = 1
+GROUP = 256  # elements per scale
+DEFAULT_LEVELS = 127  # codes of a keyframe span [-127, 127]: int8-grade weights
+MAX_CHAIN = 64  # bases one blob may name (a reader refuses more: hostile input)
+PAYLOAD_LEVEL = 9  # zstd level of the payload: gc writes archives rarely, and residuals compress well
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_HEX = frozenset("0123456789abcdef")
+
+
+def _np() -> Any:
+    import numpy
+
+    return numpy
+
+
+@dataclass(frozen=True)
+class ArchiveSpec:
+    """A parsed, checked descriptor of the archive codec."""
+
+    dtype: str
+    group: int
+    width: int  # bytes per code: 1 (int8) or 2 (int16)
+    levels: int
+    bases: tuple[str, ...]  # keyframe first; empty for a keyframe
+
+    def descriptor(self) -> str:
+        fields = {"id": ARCHIVE, "v": VERSION, "dtype": self.dtype, "group": self.group, "width": self.width}
+        fields |= {"levels": self.levels, "bases": list(self.bases)}
+        return json.dumps(fields, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Archived:
+    """One encoded weight: its reconstruction (the blob's raw bytes) and what is stored."""
+
+    raw: bytearray
+    payload: bytes
+    spec: ArchiveSpec
+
+
+def is_archive(descriptor: str) -> bool:
+    return f'"{ARCHIVE}"' in descriptor
+
+
+def parse(descriptor: str, raw_size: int, where: str) -> ArchiveSpec:
+    """Check an archive descriptor read from the index (hostile: another host or anyone with
+    bucket access may have written it)."""
+    try:
+        d = json.loads(descriptor)
+    except ValueError:
+        d = None
+    if not isinstance(d, dict) or d.get("id") != ARCHIVE or d.get("v") != VERSION:
+        raise CorruptStoreError(f"{where}: codec {descriptor[:200]} is not known to this tailorstore version")
+    dtype, group, width, levels, bases = (d.get(k) for k in ("dtype", "group", "width", "levels", "bases"))
+    ok = (
+        dtype in ITEMSIZE
+        and type(group) is int
+        and 1 <= group <= 1 << 20
+        and width in (1, 2)
+        and type(levels) is int
+        and 1 <= levels <= 32767
+        and isinstance(bases, list)
+        and len(bases) <= MAX_CHAIN
+        and all(isinstance(h, str) and len(h) == 32 and set(h) <= _HEX for h in bases)
+        and raw_size % ITEMSIZE[dtype] == 0
+    )
+    if not ok:
+        raise CorruptStoreError(f"{where}: archive codec {descriptor[:200]} is malformed; the store is damaged")
+    return ArchiveSpec(dtype, group, width, levels, tuple(bases))
+
+
+def _as_f32(data: memoryview | bytes | bytearray, dtype: str) -> Any:
+    np = _np()
+    if dtype == "float32":
+        return np.frombuffer(data, dtype="<f4").astype(np.float32)
+    if dtype == "float16":
+        return np.frombuffer(data, dtype="<f2").astype(np.float32)
+    return (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)  # bfloat16
+
+
+def _store_as(values: Any, dtype: str, out: memoryview) -> None:
+    """``values`` (FP32) into ``out`` in ``dtype``: as they are, or rounded to nearest even."""
+    from tailorstore.core.rounding import round_into  # numpy: imported only where a weight is archived or read
+
+    if dtype == "float32":
+        out[:] = memoryview(values.astype("<f4")).cast("B")
+    else:
+        round_into(memoryview(values).cast("B"), dtype, out)
+
+
+def reconstruct(codes: Any, scales: Any, base: Any | None, group: int) -> Any:
+    """The FP32 reconstruction: ``base + codes * scale`` per group, multiply then add; a group of
+    scale 0 is +0.0. Writer and reader both call this, so they agree bit for bit."""
+    np = _np()
+    n = codes.size
+    padded = np.zeros(scales.size * group, dtype=np.float32)
+    padded[:n] = codes
+    grid = padded.reshape(scales.size, group)
+    grid *= scales[:, None]
+    if base is not None:
+        padded[:n] += base
+    grid[scales == 0] = 0.0
+    return padded[:n]
+
+
+def _payload_sizes(spec: ArchiveSpec, raw_size: int) -> tuple[int, int]:
+    n = raw_size // ITEMSIZE[spec.dtype]
+    groups = -(-n // spec.group)
+    return n, groups
+
+
+def encode(
+    exact: memoryview, dtype: str, base: memoryview | None, bases: tuple[str, ...], levels: int = DEFAULT_LEVELS
+) -> Archived | None:
+    """Quantize ``exact`` (a ``dtype`` weight's bytes) against ``base`` (the reconstruction it
+    builds on, ``bases[-1]``'s bytes) or as a keyframe (``base`` None). None when it cannot be
+    archived within its bound: a value that is not finite, or codes wider than int16."""
+    np = _np()
+    x = _as_f32(exact, dtype)
+    if x.size == 0 or not np.isfinite(x).all():
+        return None
+    b = _as_f32(base, dtype) if base is not None else None
+    if b is not None and (b.size != x.size or not np.isfinite(b).all()):
+        return None
+    n = x.size
+    groups = -(-n // GROUP)
+    padded = np.zeros(groups * GROUP, dtype=np.float32)
+    np.abs(x, out=padded[:n])
+    scales = (padded.reshape(groups, GROUP).max(axis=1) / np.float32(levels)).astype(np.float32)
+    residual = np.zeros(groups * GROUP, dtype=np.float32)
+    residual[:n] = x if b is None else x - b
+    safe = np.where(scales == 0, np.float32(1), scales)
+    with np.errstate(over="ignore", invalid="ignore"):
+        steps = residual.reshape(groups, GROUP) / safe[:, None]
+    steps[scales == 0] = 0
+    codes = np.rint(steps).reshape(-1)[:n]
+    widest = float(np.abs(codes).max())
+    if not np.isfinite(widest) or widest > 32767:
+        return None
+    width = 1 if widest <= 127 else 2
+    codes = codes.astype(np.int8 if width == 1 else np.int16)
+    y = reconstruct(codes, scales, b, GROUP)
+    bound = np.repeat(scales * np.float32(0.5 * (1 + 2**-10)), GROUP)[:n]
+    if not (np.isfinite(y).all() and (np.abs(x - y) <= bound).all()):
+        return None  # the bound is an invariant of every archived blob, checked here once
+    raw = bytearray(n * ITEMSIZE[dtype])
+    _store_as(y, dtype, memoryview(raw))
+    spec = ArchiveSpec(dtype, GROUP, width, levels, bases)
+    body = scales.astype("<f4").tobytes() + codes.astype("<i1" if width == 1 else "<i2").tobytes()
+    return Archived(raw, zstandard.ZstdCompressor(level=PAYLOAD_LEVEL).compress(body), spec)
+
+
+def decode_into(spec: ArchiveSpec, payload: bytes, base: memoryview | None, dest: memoryview, where: str) -> None:
+    """Rebuild an archived blob's raw bytes into ``dest`` from its payload and its base's raw bytes
+    (None for a keyframe); the caller checks the hash."""
+    np = _np()
+    if (base is None) != (not spec.bases):
+        raise CorruptStoreError(f"{where}: the archived blob's base is missing")
+    n, groups = _payload_sizes(spec, len(dest))
+    want = 4 * groups + spec.width * n
+    try:
+        body = zstandard.ZstdDecompressor().decompress(payload, max_output_size=want + 1)
+    except zstandard.ZstdError as exc:
+        raise CorruptStoreError(f"{where}: the archived payload does not decode ({exc}); the blob is damaged") from None
+    if len(body) != want:
+        raise CorruptStoreError(f"{where}: the archived payload holds {len(body)} bytes, not {want}; damaged")
+    scales = np.frombuffer(body, dtype="<f4", count=groups).astype(np.float32)
+    codes = np.frombuffer(body, dtype="<i1" if spec.width == 1 else "<i2", offset=4 * groups)
+    if not np.isfinite(scales).all() or (scales < 0).any():
+        raise CorruptStoreError(f"{where}: the archived payload's scales are not finite; the blob is damaged")
+    b = _as_f32(base, spec.dtype) if base is not None else None
+    _store_as(reconstruct(codes, scales, b, spec.group), spec.dtype, dest)

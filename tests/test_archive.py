@@ -1,0 +1,264 @@
+"""The archive tier (`tailor gc --thin archive`): weights quantized against the previous archived
+step, on a real 10-save DeepSpeed run, and the codec's bound and hostile descriptors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import Runs, commit_saves, index_db, store_state, tailor
+from safetensors.torch import load_file
+
+import tailorstore
+from tailorstore.core.errors import CorruptStoreError
+from tailorstore.curate.thinning import ARCHIVE_FROM, KEYFRAME_EVERY
+from tailorstore.store import archive_codec
+from tailorstore.store.repo import Repository
+
+STEPS = list(range(1, 11))  # the ten-saves run: a save at every step
+
+
+def exported(store: Path, step: int, out: Path) -> dict[str, torch.Tensor]:
+    with tailorstore.Store.open(store) as api:
+        api.export(f"step={step}", out, dtype="bf16")
+    return load_file(out / "model.safetensors")
+
+
+def bound(exact: torch.Tensor) -> torch.Tensor:
+    """The documented bound, per element: half a grid step of its group (1/254 of the group's
+    largest magnitude, and a hair for FP32 arithmetic), plus half a bf16 unit of the value."""
+    x = exact.float().flatten()
+    pad = (-x.numel()) % archive_codec.GROUP
+    groups = torch.nn.functional.pad(x.abs(), (0, pad)).view(-1, archive_codec.GROUP).amax(dim=1)
+    half_step = (groups / archive_codec.DEFAULT_LEVELS * 0.5 * (1 + 2**-10)).repeat_interleave(archive_codec.GROUP)
+    return half_step[: x.numel()] + x.abs() * 2**-8 + 1e-30
+
+
+def archived_blobs(store: Repository, step: int) -> list[archive_codec.ArchiveSpec]:
+    rows = index_db(store).execute(
+        "SELECT b.codec, b.raw_size FROM atoms a JOIN manifests m ON m.id=a.manifest JOIN blobs b ON b.hash=a.blob"
+        " WHERE m.step=? AND b.codec LIKE '%archive-delta%'",
+        (step,),
+    )
+    return [archive_codec.parse(r[0], r[1], "test") for r in rows]
+
+
+@pytest.mark.slow
+def test_an_archive_chain_of_ten_steps(runs: Runs, tmp_path: Path) -> None:
+    repo, _ = commit_saves(runs, "ten-saves", tmp_path, STEPS)
+    root = repo.root
+    exact = {s: exported(root, s, tmp_path / f"exact{s}") for s in STEPS}
+    before = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+    proc = tailor("gc", "--keep-last", "1", "--thin", "archive", store=root)
+    assert proc.returncode == 0, proc.stderr
+    assert "thin 9 manifest(s) (steps 1, 2, 3, 4, 5, 6, 7, 8, 9) to archive" in proc.stdout
+    after = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    assert after < before / 2, (before, after)
+    store = Repository.open(root)
+    chains = {s: archived_blobs(store, s) for s in STEPS}
+    assert chains[10] == [], "the kept step stays whole"
+    assert all(chains[s] for s in STEPS[:-1]), "every thinned step holds archived weights"
+    assert all(not spec.bases for spec in chains[1]), "the first archived step is a keyframe"
+    lengths = [len(spec.bases) for s in STEPS[:-1] for spec in chains[s]]
+    assert max(lengths) >= 3, "later steps are residuals on a chain"
+    assert max(lengths) < KEYFRAME_EVERY, "a chain never grows past the keyframe interval"
+
+    worst = 0.0
+    for s in STEPS:  # each step's export within the bound of its exact weights
+        got = exported(root, s, tmp_path / f"arch{s}")
+        assert got.keys() == exact[s].keys()
+        for name, x in exact[s].items():
+            y = got[name]
+            if s == 10 or x.numel() < ARCHIVE_FROM:
+                assert torch.equal(x, y), (s, name)  # whole, or too small to archive: exact
+                continue
+            err = (x.float() - y.float()).abs().flatten()
+            assert (err <= bound(x)).all(), (s, name, float(err.max()))
+            worst = max(worst, float(err.max() / x.float().abs().max()))
+    assert 0 < worst <= 1 / 254 + 2**-8, worst
+
+    with tailorstore.Store.open(root) as api:
+        assert api.verify(deep=True).ok
+    # gc drops the odd steps; the even ones' chains run through them and must stay
+    kept = {s: exported(root, s, tmp_path / f"kept{s}") for s in (2, 4, 6, 8)}
+    proc = tailor("gc", "--keep-last", "1", "--keep-every", "2", store=root)
+    assert proc.returncode == 0, proc.stderr
+    assert [m.step for m in Repository.open(root).catalogue.manifests()] == [2, 4, 6, 8, 10]
+    with tailorstore.Store.open(root) as api:
+        report = api.verify(deep=True)
+        assert report.ok, report.problems
+    for s, tensors in kept.items():
+        again = exported(root, s, tmp_path / f"again{s}")
+        assert all(torch.equal(tensors[n], again[n]) for n in tensors), s
+
+    # checkout of an archived step is refused, and writes nothing
+    out = tmp_path / "refused"
+    proc = tailor("checkout", "step=6", "--out", str(out), store=root)
+    assert proc.returncode == 2 and "thinned to archive" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
+
+    # a damaged keyframe: verify names it, and a step built on it refuses to export (exit 3)
+    store = Repository.open(root)
+    spec = max(archived_blobs(store, 8), key=lambda x: len(x.bases))
+    keyframe = store.blob(spec.bases[0])
+    assert keyframe is not None
+    target = root / keyframe.key()
+    data = bytearray(target.read_bytes())
+    at = (keyframe.pack_offset or 0) + keyframe.stored_size // 2
+    data[at] ^= 0xFF
+    target.chmod(0o644)
+    target.write_bytes(bytes(data))
+    state = store_state(root)
+    proc = tailor("verify", "--deep", store=root)
+    assert proc.returncode == 3 and keyframe.hash in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    proc = tailor("export", "step=8", "--out", str(tmp_path / "damaged"), store=root)
+    assert proc.returncode == 3, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and keyframe.hash in errors[0] and "damaged" in errors[0], proc.stderr
+    assert not (tmp_path / "damaged" / "model.safetensors").exists()
+    assert store_state(root) == state
+
+
+# -- the codec alone ---------------------------------------------------------------------------
+
+
+def test_a_long_chain_does_not_accumulate_error() -> None:
+    """Each link is quantized against the previous link's reconstruction, so every step of a
+    40-link chain of drifting weights is within its own bound of its exact values."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(10_000).astype(np.float32) * 0.02
+    base: bytearray | None = None
+    bases: tuple[str, ...] = ()
+    sizes = []
+    for _ in range(40):
+        x = x + rng.standard_normal(x.size).astype(np.float32) * 1e-4  # a training step's drift
+        out = archive_codec.encode(memoryview(x.tobytes()), "float32", base and memoryview(base), bases)
+        assert out is not None
+        got = np.frombuffer(out.raw, dtype=np.float32)
+        groups = np.abs(np.pad(x, (0, (-x.size) % 256))).reshape(-1, 256).max(axis=1)
+        limit = np.repeat(groups / 127 * 0.5 * (1 + 2**-10), 256)[: x.size]
+        assert (np.abs(got - x) <= limit).all()
+        back = bytearray(len(out.raw))
+        archive_codec.decode_into(out.spec, out.payload, base and memoryview(base), memoryview(back), "test")
+        assert back == out.raw, "the reader rebuilds exactly what the writer named"
+        sizes.append(len(out.payload))
+        base, bases = out.raw, (*bases, "0" * 32)
+    assert max(sizes[1:]) < sizes[0] / 2, "residuals are smaller than the keyframe"
+
+
+def test_values_that_cannot_be_archived_are_refused() -> None:
+    nan = np.array([1.0, float("nan")] * 2048, dtype=np.float32)
+    assert archive_codec.encode(memoryview(nan.tobytes()), "float32", None, ()) is None
+    zeros = np.zeros(4096, dtype=np.float32)
+    out = archive_codec.encode(memoryview(zeros.tobytes()), "float32", None, ())
+    assert out is not None and bytes(out.raw) == zeros.tobytes()  # a group of zeros is exact
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"bases": ["x" * 32]},
+        {"bases": ["0" * 32] * 65},
+        {"width": 3},
+        {"dtype": "int8"},
+        {"group": 0},
+        {"v": 2},
+        {"levels": "127"},
+    ],
+)
+def test_hostile_archive_descriptors_are_a_damaged_store(fields: dict) -> None:
+    good = {"id": "archive-delta", "v": 1, "dtype": "bfloat16", "group": 256, "width": 1, "levels": 127, "bases": []}
+    archive_codec.parse(json.dumps(good), 8192, "test")
+    with pytest.raises(CorruptStoreError):
+        archive_codec.parse(json.dumps(good | fields), 8192, "test")
+
+
+def test_a_damaged_payload_is_a_damaged_store() -> None:
+    x = np.linspace(-1, 1, 4096, dtype=np.float32)
+    out = archive_codec.encode(memoryview(x.tobytes()), "float32", None, ())
+    assert out is not None
+    dest = memoryview(bytearray(len(out.raw)))
+    with pytest.raises(CorruptStoreError):
+        archive_codec.decode_into(out.spec, out.payload[:-3], None, dest, "test")
+    with pytest.raises(CorruptStoreError):  # a keyframe given a base, or a residual without one
+        archive_codec.decode_into(out.spec, out.payload, memoryview(out.raw), dest, "test")
+
+
+def _chain_store(tmp_path: Path) -> tuple[Repository, list[str], np.ndarray]:
+    """A real store holding a keyframe and two residuals on it (big enough to be loose blobs)."""
+    from tailorstore.store.writer import BlobWriter
+
+    store = Repository.init(tmp_path / "store")
+    writer = BlobWriter(store)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(300_000).astype(np.float32)
+    names: list[str] = []
+    base: bytearray | None = None
+    for _ in range(3):
+        x = x + rng.standard_normal(x.size).astype(np.float32) * 1e-3
+        out = archive_codec.encode(memoryview(x.tobytes()), "float32", base and memoryview(base), tuple(names))
+        assert out is not None
+        names.append(writer.add_encoded(out.raw, out.payload, out.spec.descriptor()))
+        base = out.raw
+    blobs = writer.finish()
+    with store.transaction() as index:
+        index.add_packs(writer.new_packs())
+        index.upsert_blobs(blobs)
+    return store, names, x
+
+
+def test_a_chain_reads_back_and_a_hostile_chain_is_refused(tmp_path: Path) -> None:
+    store, names, x = _chain_store(tmp_path)
+    row = store.blob(names[-1])
+    assert row is not None and json.loads(row.codec)["bases"] == names[:-1]
+    got = np.frombuffer(store.read_blob(names[-1], "test"), dtype=np.float32)
+    assert np.abs(got - x).max() <= np.abs(x).max() / 254 * 1.01
+
+    db = index_db(store)
+    keyframe = json.loads(store.blob(names[0]).codec)  # type: ignore[union-attr]
+    for hostile in (
+        {**keyframe, "bases": [names[2]]},  # a loop: the keyframe built on its own descendant
+        {**keyframe, "bases": [names[1], names[0]]},
+    ):
+        db.execute("UPDATE blobs SET codec=? WHERE hash=?", (json.dumps(hostile), names[0]))
+        with pytest.raises(CorruptStoreError, match="chain"):
+            Repository.open(store.root).read_blob(names[2], "test")
+    db.execute("UPDATE blobs SET codec=? WHERE hash=?", (json.dumps(keyframe), names[0]))
+    db.execute("DELETE FROM blobs WHERE hash=?", (names[1],))
+    with pytest.raises(CorruptStoreError, match="does not hold"):
+        Repository.open(store.root).read_blob(names[2], "test")
+
+
+def test_a_malformed_archive_descriptor_does_not_break_the_index_queries(tmp_path: Path) -> None:
+    store, names, _ = _chain_store(tmp_path)
+    index_db(store).execute("UPDATE blobs SET codec=? WHERE hash=?", ('{"id": "archive-delta", "bases": [', names[2]))
+    store = Repository.open(store.root)
+    assert {b.hash for b in store.catalogue.blobs_unused_by([])} == set(names)  # no manifest keeps any
+    with pytest.raises(CorruptStoreError):
+        store.read_blob(names[2], "test")
+
+
+def test_the_archive_grid_is_checked_and_carried_by_a_run(tmp_path: Path) -> None:
+    from tailorstore.core.errors import StoreError
+    from tailorstore.curate.gc import Retention
+    from tailorstore.curate.thinning import ArchiveGrid
+
+    with pytest.raises(StoreError, match="archive"):
+        Retention(keep_last=3, thin="weights", grid=ArchiveGrid(31, 16))  # a grid without the archive tier
+    for levels, every in ((0, 8), (127, 0), (127, 65), (True, 8)):
+        with pytest.raises(StoreError):
+            ArchiveGrid(levels, every)
+    root = tmp_path / "store"
+    tailorstore.Store.init(root).close()
+    proc = tailor("run", "retention", "--keep-last", "3", "--thin", "archive", "--archive-levels", "31",
+                  "--keyframe-every", "16", store=root)  # fmt: skip
+    assert proc.returncode == 0 and "31 levels, a keyframe every 16" in proc.stdout, proc.stdout + proc.stderr
+    with tailorstore.Store.open(root) as api:
+        rules = api.retention()
+    assert rules is not None and rules.grid == ArchiveGrid(31, 16)
+    proc = tailor("gc", "--keep-last", "3", "--thin", "archive", "--archive-levels", "0", store=root)
+    assert proc.returncode == 2 and "--archive-levels" in proc.stderr and len(proc.stderr.splitlines()) == 1
