@@ -5,14 +5,16 @@
 (moto, 127.0.0.1), and for each N: N ``tailor commit --part`` processes at once, each with its
 own index cache, holding the model states and its own rank's optimizer file, then one
 ``Store.finalize`` in this process. Reported: the parts' wall time, the finalize's wall time and
-its S3 requests (counted from the server's request log while it runs), median of --repeats.
+its S3 requests (counted by a relay in front of the server while it runs), median of --repeats.
+With ``--latency-ms 20`` the relay holds every request back that long, as a real endpoint's
+first-byte latency does (a local server has none), so that what the finalize does in parallel
+shows as it would against S3.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shutil
 import statistics
@@ -23,20 +25,9 @@ import time
 from pathlib import Path
 
 from tailorstore import Store
-from testbed.local_s3 import local_s3
+from testbed.local_s3 import CuttableLink, local_s3
 
 SAVE = Path(__file__).resolve().parent.parent / "tests" / "data" / "format1" / "checkpoint"
-
-
-class Requests(logging.Handler):
-    """Counts the requests the local S3 server logs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += 1
 
 
 def shares(work: Path, hosts: int) -> list[Path]:
@@ -55,9 +46,9 @@ def shares(work: Path, hosts: int) -> list[Path]:
     return out
 
 
-def one(server_location: str, folders: list[Path], work: Path) -> dict:
+def one(server_location: str, folders: list[Path], work: Path, link: CuttableLink) -> dict:
     Store.init(server_location).close()
-    env = dict(os.environ, TAILOR_STORE=server_location)
+    env = dict(os.environ, TAILOR_STORE=server_location, AWS_ENDPOINT_URL=link.endpoint)
     began = time.perf_counter()
     procs = [
         subprocess.Popen(
@@ -70,20 +61,18 @@ def one(server_location: str, folders: list[Path], work: Path) -> dict:
     parts_wall = time.perf_counter() - began
     if any(codes):
         raise SystemExit(f"a part's commit failed: {codes}")
-    counter = Requests()
-    werkzeug = logging.getLogger("werkzeug")
-    werkzeug.addHandler(counter)
-    werkzeug.setLevel(logging.INFO)
+    direct = os.environ["AWS_ENDPOINT_URL"]
+    os.environ["AWS_ENDPOINT_URL"] = link.endpoint  # this process's finalize goes through the relay too
     try:
         with Store.open(server_location) as store:
-            counter.count = 0
+            link.reset_counts()
             began = time.perf_counter()
             store.finalize(3)
             finalize_wall = time.perf_counter() - began
-            requests = counter.count
+            requests = sum(link.requests.values())
             assert [s.step for s in store.log()] == [3] and store.parts(3) == []
     finally:
-        werkzeug.removeHandler(counter)
+        os.environ["AWS_ENDPOINT_URL"] = direct
     return {"parts_wall": parts_wall, "finalize_wall": finalize_wall, "finalize_requests": requests}
 
 
@@ -91,17 +80,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--hosts", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="hold each S3 request back this long")
     args = parser.parse_args()
     rows = []
     with local_s3() as server:
+        link = CuttableLink(server.port, delay=args.latency_ms / 1000)
         for hosts in args.hosts:
             work = Path(tempfile.mkdtemp(prefix="tailor-hosts-"))
             try:
                 folders = shares(work, hosts)
-                found = [one(server.new_location(), folders, work / f"r{i}") for i in range(args.repeats)]
+                found = [one(server.new_location(), folders, work / f"r{i}", link) for i in range(args.repeats)]
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-            rows.append({"hosts": hosts} | {k: statistics.median(r[k] for r in found) for k in found[0]})
+            medians = {k: statistics.median(r[k] for r in found) for k in found[0]}
+            rows.append({"hosts": hosts, "latency_ms": args.latency_ms} | medians)
             print(json.dumps(rows[-1]), flush=True)
     print(json.dumps(rows, indent=1))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zstandard
 from conftest import Runs, commit_saves, index_db, store_state, tailor
 from safetensors.torch import load_file
 
@@ -59,7 +60,12 @@ def test_an_archive_chain_of_ten_steps(runs: Runs, tmp_path: Path) -> None:
     after = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     assert after < before / 2, (before, after)
     store = Repository.open(root)
+    record = store.manifest(store.resolve("step=5"))
+    doc = json.loads(zstandard.ZstdDecompressor().decompress((root / str(record.object_key)).read_bytes()))
+    assert doc["tailorstore_manifest"] == 4 and doc["manifest"]["tier"] == "archive"  # older readers refuse it
+    listed = {row[0] for row in doc["blobs"]["rows"]}
     chains = {s: archived_blobs(store, s) for s in STEPS}
+    assert {h for spec in chains[5] for h in spec.bases} <= listed, "the object lists its chains' links"
     assert chains[10] == [], "the kept step stays whole"
     assert all(chains[s] for s in STEPS[:-1]), "every thinned step holds archived weights"
     assert all(not spec.bases for spec in chains[1]), "the first archived step is a keyframe"

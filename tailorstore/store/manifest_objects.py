@@ -50,6 +50,7 @@ from tailorstore.store.records import (
     FILE_COLUMNS,
     MAIN_RUN,
     MANIFEST_DOC_FIELDS,
+    THIN_ARCHIVE,
     AtomRecord,
     BlobRecord,
     FileRecord,
@@ -72,7 +73,10 @@ RUN_PREFIX = "refs/runs/"
 RETENTION_PREFIX = "refs/retention/"
 DOC_VERSION = 2  # 2 adds the manifest's run; version 1 objects are all of run 'main'
 THINNED_DOC_VERSION = 3  # a thinned manifest: a reader that does not know tiers must not check it out
-READABLE_DOC_VERSIONS = (1, 2, 3)
+# an archived manifest: a reader that does not know archive chains must refuse it, or its gc would
+# take the chains' links for dead (FORMAT.md 7.2.1)
+ARCHIVED_DOC_VERSION = 4
+READABLE_DOC_VERSIONS = (1, 2, 3, 4)
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 _COMMIT_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/step-(\d{20})-v(\d+)\.json\.zst")
 _TAG_KEY = re.compile(r"refs/tags/(?:[A-Za-z0-9._-]|=[0-9A-F]{2})+")  # what tag_key writes
@@ -137,6 +141,12 @@ def run_of_key(key: str) -> str:
     return key[len(MANIFEST_PREFIX) :].split("/", 1)[0]
 
 
+def _doc_version(tier: str | None) -> int:
+    if tier is None:
+        return DOC_VERSION
+    return ARCHIVED_DOC_VERSION if tier == THIN_ARCHIVE else THINNED_DOC_VERSION
+
+
 def document(index: Index, manifest: int) -> dict[str, Any]:
     """Everything the index holds about one manifest, as a self-contained JSON document."""
     record = index.manifest(manifest)
@@ -146,7 +156,7 @@ def document(index: Index, manifest: int) -> dict[str, Any]:
     source_keys = index.object_keys({x.source for x in layers if x.source != manifest})
     layer_rows = to_table(layers, _LAYER_COLUMNS)["rows"]
     return {
-        "tailorstore_manifest": DOC_VERSION if record.tier is None else THINNED_DOC_VERSION,
+        "tailorstore_manifest": _doc_version(record.tier),
         "manifest": dict(zip(MANIFEST_DOC_FIELDS, to_table([record], MANIFEST_DOC_FIELDS)["rows"][0], strict=True)),
         "files": to_table(index.files(manifest), FILE_COLUMNS),
         "atoms": to_table(index.atoms(manifest), ATOM_COLUMNS),
