@@ -34,10 +34,10 @@ app = typer.Typer(
 ArchiveLevelsOpt = typer.Option(
     None,
     "--archive-levels",
-    help="With --thin archive: grid steps from 0 to each group's largest weight (default 127: within 1/254 of it).",
+    help="With --thin archive: grid steps from 0 to each group's largest weight (default 31: within 1/62 of it).",
 )
 KeyframeEveryOpt = typer.Option(
-    None, "--keyframe-every", help="With --thin archive: a full keyframe at least every N archived steps (default 8)."
+    None, "--keyframe-every", help="With --thin archive: a full keyframe at least every N archived steps (default 16)."
 )
 KeepBestOpt = typer.Option(
     None,
@@ -552,7 +552,7 @@ def gc(
         "--thin",
         help="Thin the steps the rules do not keep instead of dropping them: 'weights' keeps the model's weights, "
         "'master' the FP32 master, 'archive' the weights quantized against the previous archived step (lossy, "
-        "about 1/254 of each group's largest weight). Thinned steps export and average; they do not resume.",
+        "within 1/62 of each group's largest weight by default). Thinned steps export and average; they do not resume.",
     ),
     archive_levels: int | None = ArchiveLevelsOpt,
     keyframe_every: int | None = KeyframeEveryOpt,

@@ -447,8 +447,8 @@ class Store:
         ``keep_best="eval_loss:min:3"`` also keeps each run's three steps with the lowest recorded
         ``eval_loss`` (``metrics=`` at commit); a step without it is never among the best.
         ``thin="archive"`` keeps the weights quantized against the previous archived step:
-        ``archive_levels`` grid steps up to each group's largest magnitude (default 127, so each value
-        is within 1/254 of it) and a keyframe at least every ``keyframe_every`` steps (default 8)."""
+        ``archive_levels`` grid steps up to each group's largest magnitude (default 31, so each value
+        is within 1/62 of it) and a keyframe at least every ``keyframe_every`` steps (default 16)."""
         from tailorstore.curate.gc import Retention, gc
 
         grid = _archive_grid(archive_levels, keyframe_every)

@@ -37,7 +37,7 @@ from tailorstore.core.errors import CorruptStoreError
 ARCHIVE = "archive-delta"
 VERSION = 1
 GROUP = 256  # elements per scale
-DEFAULT_LEVELS = 127  # codes of a keyframe span [-127, 127]: int8-grade weights
+DEFAULT_LEVELS = 31  # a keyframe's codes span [-31, 31]: each value within 1/62 of its group's largest
 MAX_CHAIN = 64  # bases one blob may name (a reader refuses more: hostile input)
 PAYLOAD_LEVEL = 9  # zstd level of the payload: gc writes archives rarely, and residuals compress well
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
