@@ -14,9 +14,13 @@ dropped:
   master goes. A parameter the model files hold no weight of (ZeRO 3 saves keep none) keeps its
   FP32 master instead, the only copy of its values. Optimizer-states files whose atoms all go
   are dropped from the manifest.
+- ``archive`` keeps what ``weights`` keeps, but stores each weight of ``ARCHIVE_FROM`` elements
+  or more lossily (store/archive_codec.py): quantized against the same weight of the previous
+  archived step of the run, as that step reads back. A step is about 50x smaller than raw at
+  the default grid (docs/benchmarks.md); it exports and averages within the grid's bound.
 
 A DCP ``.distcp`` file or a plain ``torch.save`` training state holds parameters and optimizer
-state side by side: at either tier its moment atoms go (exp_avg, exp_avg_sq, momentum) and its
+state side by side: at every tier its moment atoms go (exp_avg, exp_avg_sq, momentum) and its
 parameters stay, an FP32 parameter (FSDP keeps them so) as the master it is.
 
 A thinned manifest is recorded again with its tier (a new object version, as ``--force``
@@ -213,7 +217,8 @@ def thinned_contents(files: list[FileRecord], atoms: list[AtomRecord], tier: str
     else:  # weights
         weighted = {a.param for a in atoms if a.kind == WEIGHT and a.numel and a.path not in optimizer}
         kept = [a for a in atoms if a.path not in optimizer or (a.kind == MASTER and a.param not in weighted)]
-        materialize = [a for a in kept if a.derived is not None]
+        # derived weights the tier keeps exactly become blobs; archived ones are rebuilt, then archived
+        materialize = [a for a in kept if a.derived is not None and not (tier == THIN_ARCHIVE and archivable(a))]
     still = {a.path for a in kept}
     return ThinnedContents([f for f in files if f.path not in optimizer or f.path in still], kept, materialize)
 
@@ -252,8 +257,6 @@ def _thin(
         for record in targets:
             contents = contents_of(store, record.id, tier)
             for atom in contents.materialize:
-                if tier == THIN_ARCHIVE and archivable(atom):
-                    continue  # rebuilt from its master, then archived, below
                 data = decode_atom(store, record.id, atom, f"thinning step {record.step}")
                 if writer.add(data, itemsize=DTYPES[atom.dtype].itemsize, is_float=True) != atom.blob:
                     raise CorruptStoreError(f"step {record.step}: the rebuilt weight of {atom.param} changed its name")
