@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 import zstandard
 from conftest import Runs, commit_saves, index_db, store_state, tailor
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from safetensors.torch import load_file
 
 import tailorstore
@@ -50,7 +52,7 @@ def archived_blobs(store: Repository, step: int) -> list[archive_codec.ArchiveSp
 
 @pytest.mark.slow
 def test_an_archive_chain_of_ten_steps(runs: Runs, tmp_path: Path) -> None:
-    repo, _ = commit_saves(runs, "ten-saves", tmp_path, STEPS)
+    repo, save_dir = commit_saves(runs, "ten-saves", tmp_path, STEPS)
     root = repo.root
     exact = {s: exported(root, s, tmp_path / f"exact{s}") for s in STEPS}
     before = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
@@ -101,6 +103,18 @@ def test_an_archive_chain_of_ten_steps(runs: Runs, tmp_path: Path) -> None:
     for s, tensors in kept.items():
         again = exported(root, s, tmp_path / f"again{s}")
         assert all(torch.equal(tensors[n], again[n]) for n in tensors), s
+
+    # an average over archived steps takes their weights as they read back, widened exactly
+    spec = tmp_path / "avg.yaml"
+    spec.write_text(yaml.safe_dump({"method": "sma", "steps": [6, 8, 10]}))
+    with tailorstore.Store.open(root) as api:
+        api.merge(spec, tag="avg")
+        api.checkout("tag=avg", tmp_path / "avg")
+    got = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "avg"))
+    last = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), tag="global_step10")
+    for name, value in got.items():
+        expected = (kept[6][name].double() + kept[8][name].double() + last[name].double()) / 3
+        assert torch.allclose(value.double(), expected, rtol=1e-6, atol=1e-9), name
 
     # checkout of an archived step is refused, and writes nothing
     out = tmp_path / "refused"
