@@ -91,6 +91,8 @@ TAILOR_STEPS, TAILOR_EVERY = 18, 3
 # Ten saves, one per step, for retention and crash tests.
 HEALTH_CONFIGS: dict[str, dict[str, object]] = {
     "ten-saves": {"stage": 2, "dtype": "bf16", "steps": 10, "save_every": 1},
+    # weights of more than 1 MiB each (loose blobs, not packed): the archive tier's S3 test
+    "five-saves-wide": {"stage": 2, "dtype": "bf16", "steps": 5, "save_every": 1, "dim": 768},
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 import zstandard
-from conftest import Runs, commit_saves, index_db, store_state, tailor
+from conftest import Runs, as_of_step, commit_saves, index_db, store_state, tailor
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from safetensors.torch import load_file
 
@@ -20,11 +20,12 @@ from tailorstore.core.errors import CorruptStoreError
 from tailorstore.curate.thinning import ARCHIVE_FROM, KEYFRAME_EVERY
 from tailorstore.store import archive_codec
 from tailorstore.store.repo import Repository
+from testbed.local_s3 import LocalS3
 
 STEPS = list(range(1, 11))  # the ten-saves run: a save at every step
 
 
-def exported(store: Path, step: int, out: Path) -> dict[str, torch.Tensor]:
+def exported(store: Path | str, step: int, out: Path) -> dict[str, torch.Tensor]:
     with tailorstore.Store.open(store) as api:
         api.export(f"step={step}", out, dtype="bf16")
     return load_file(out / "model.safetensors")
@@ -283,3 +284,27 @@ def test_the_archive_grid_is_checked_and_carried_by_a_run(tmp_path: Path) -> Non
     assert rules is not None and rules.grid == ArchiveGrid(31, 16)
     proc = tailor("gc", "--keep-last", "3", "--thin", "archive", "--archive-levels", "0", store=root)
     assert proc.returncode == 2 and "--archive-levels" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_an_archive_on_s3_reads_back_after_an_index_rebuild(runs: Runs, s3_server: LocalS3, tmp_path: Path) -> None:
+    """On S3 the archived chains live in the manifest objects' blob rows: once the steps that first
+    stored a chain's links are dropped, a host whose index is rebuilt from the objects still
+    exports the same bytes as the POSIX store archived the same way."""
+    save_dir = runs.get("five-saves-wide").save_dir  # its weights are loose blobs, listed by no pack
+    local = tmp_path / "posix"
+    location = s3_server.new_location()
+    steps = {step: as_of_step(save_dir, step, tmp_path / f"at{step}") for step in range(1, 6)}
+    for where in (local, location):
+        with tailorstore.Store.init(where) as api:
+            for folder in steps.values():
+                api.commit(folder)
+            api.gc(keep_last=1, thin="archive")
+            api.gc(keep_last=1, keep_every=2)  # steps 1 and 3 go: step 4's chain runs through their blobs
+    expected = exported(local, 4, tmp_path / "posix-export")
+    tailorstore.Store.rebuild_index(location)
+    got = exported(location, 4, tmp_path / "s3-export")
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
+    with tailorstore.Store.open(location) as api:
+        assert api.verify(deep=True).ok
+        assert [(s.step, s.tier) for s in api.log()] == [(2, "archive"), (4, "archive"), (5, None)]
