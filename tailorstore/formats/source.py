@@ -17,9 +17,7 @@ such a commit from recording a step that restores wrong data:
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +26,6 @@ import xxhash
 
 from tailorstore.core.errors import BadCheckpointError, InputChangedError
 from tailorstore.core.reused_memory import private_copy_buffer
-from tailorstore.core.threads import usable_cores
 from tailorstore.formats.torch_zip import record_offsets
 
 CHUNK = 4 << 20  # bytes per read when a file is streamed
@@ -62,29 +59,6 @@ def changed(path: Path | str, why: str) -> InputChangedError:
         f"{path}: changed while it was being committed ({why}). The commit was not recorded and the store is "
         "as it was; commit again once the save has finished and nothing else writes to the checkpoint."
     )
-
-
-SPLIT_READS_FROM = 16 << 20  # a piece this large is read by two threads (InputFile._fill)
-_helper: ThreadPoolExecutor | None = None
-_helper_lock = threading.Lock()
-
-
-def _read_helper() -> ThreadPoolExecutor:
-    """The one thread that reads the second half of large pieces."""
-    global _helper
-    with _helper_lock:
-        if _helper is None:
-            _helper = ThreadPoolExecutor(1, thread_name_prefix="tailor-read")
-        return _helper
-
-
-def _forget_helper() -> None:
-    """A forked child has none of the parent's threads: work handed to that pool would never run."""
-    global _helper, _helper_lock
-    _helper, _helper_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_helper)
 
 
 class InputFile:
@@ -135,23 +109,6 @@ class InputFile:
         return view
 
     def _fill(self, view: memoryview, offset: int) -> None:
-        """Copy ``view``'s length of the file at ``offset`` into it. A large piece is copied by two
-        threads at once, each half into its own part of the same private buffer: the kernel's copy
-        out of the page cache is most of a commit's CPU (docs/benchmarks.md, "Where a commit's CPU
-        goes"), and ``preadv`` releases the GIL."""
-        if len(view) < SPLIT_READS_FROM or usable_cores() < 2:
-            self._fill_range(view, offset)
-            return
-        half = (len(view) // 2) & ~4095
-        other = _read_helper().submit(self._fill_range, view[half:], offset + half)
-        try:
-            self._fill_range(view[:half], offset)
-        except BaseException:
-            wait([other])  # never leave a thread writing into a buffer the caller may reuse
-            raise
-        other.result()
-
-    def _fill_range(self, view: memoryview, offset: int) -> None:
         done = 0
         while done < len(view):
             n = os.preadv(self.fd, [view[done:]], offset + done)
