@@ -90,6 +90,11 @@ def test_an_archive_chain_of_ten_steps(runs: Runs, tmp_path: Path) -> None:
             assert (err <= bound(x)).all(), (s, name, float(err.max()))
             worst = max(worst, float(err.max() / x.float().abs().max()))
     assert 0 < worst <= 1 / (2 * archive_codec.DEFAULT_LEVELS) + 2**-8, worst
+    with tailorstore.Store.open(root) as api:  # fp32 export: the same weights, widened exactly
+        api.export("step=5", tmp_path / "fp32", dtype="fp32")
+    wide = load_file(tmp_path / "fp32" / "model.safetensors")
+    narrow = exported(root, 5, tmp_path / "bf16-again")
+    assert all(wide[n].dtype == torch.float32 and torch.equal(wide[n], narrow[n].float()) for n in narrow)
 
     with tailorstore.Store.open(root) as api:
         assert api.verify(deep=True).ok
