@@ -39,11 +39,11 @@ from tailorstore.store.records import MAIN_RUN
 from tailorstore.store.repo import RebuildResult, Repository
 
 if TYPE_CHECKING:
+    from tailorstore.curate.archiving import ArchiveGrid
     from tailorstore.curate.averaging import AverageResult
     from tailorstore.curate.gc import GcPlan, Retention
     from tailorstore.curate.merge import MergeResult
     from tailorstore.curate.runs import RunInfo
-    from tailorstore.curate.thinning import ArchiveGrid
     from tailorstore.ingest.commit_options import CommitOptions, CommitRequest, CommitResult
     from tailorstore.ingest.finalize import FinalizeResult
     from tailorstore.report.diff import DiffResult
@@ -528,7 +528,7 @@ __all__ = ["Ref", "Store", "selector"]
 
 def _archive_grid(levels: int | None, keyframe_every: int | None) -> ArchiveGrid | None:
     """The archive tier's grid from the options given (None when neither is)."""
-    from tailorstore.curate.thinning import KEYFRAME_EVERY, ArchiveGrid
+    from tailorstore.curate.archiving import KEYFRAME_EVERY, ArchiveGrid
     from tailorstore.store.archive_codec import DEFAULT_LEVELS
 
     if levels is None and keyframe_every is None:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import tailorstore
 from tailorstore.core.errors import CorruptStoreError
-from tailorstore.curate.thinning import ARCHIVE_FROM, KEYFRAME_EVERY
+from tailorstore.curate.archiving import ARCHIVE_FROM, KEYFRAME_EVERY
 from tailorstore.store import archive_codec
 from tailorstore.store.repo import Repository
 from testbed.local_s3 import LocalS3
@@ -271,8 +271,8 @@ def test_a_malformed_archive_descriptor_does_not_break_the_index_queries(tmp_pat
 
 def test_the_archive_grid_is_checked_and_carried_by_a_run(tmp_path: Path) -> None:
     from tailorstore.core.errors import StoreError
+    from tailorstore.curate.archiving import ArchiveGrid
     from tailorstore.curate.gc import Retention
-    from tailorstore.curate.thinning import ArchiveGrid
 
     with pytest.raises(StoreError, match="archive"):
         Retention(keep_last=3, thin="weights", grid=ArchiveGrid(31, 16))  # a grid without the archive tier

@@ -31,7 +31,8 @@ from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.metrics import decode as decode_metrics
-from tailorstore.curate.thinning import ArchiveGrid, check_tier, contents_of, thin, thinner
+from tailorstore.curate.archiving import ArchiveGrid
+from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
 from tailorstore.store import archive_codec, codec, manifest_objects
 from tailorstore.store.backend import blob_key
 from tailorstore.store.lease import LeaseHandle

@@ -14,8 +14,8 @@ dropped:
   master goes. A parameter the model files hold no weight of (ZeRO 3 saves keep none) keeps its
   FP32 master instead, the only copy of its values. Optimizer-states files whose atoms all go
   are dropped from the manifest.
-- ``archive`` keeps what ``weights`` keeps, but stores each weight of ``ARCHIVE_FROM`` elements
-  or more lossily (store/archive_codec.py): quantized against the same weight of the previous
+- ``archive`` keeps what ``weights`` keeps, but stores each weight of 4096 elements
+  or more lossily (archiving.py, store/archive_codec.py): quantized against the same weight of the previous
   archived step of the run, as that step reads back. A step is about 50x smaller than raw at
   the default grid (docs/benchmarks.md); it exports and averages within the grid's bound.
 
@@ -38,9 +38,10 @@ from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError, ThinnedStepError
 from tailorstore.core.progress import Silent
 from tailorstore.core.tensor_ref import DTYPES
+from tailorstore.curate.archiving import ArchiveGrid, archivable, archived
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import DCP, TORCH
-from tailorstore.store import archive_codec, manifest_objects
+from tailorstore.store import manifest_objects
 from tailorstore.store.failed_writes import cleaned_up_on_failure
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
@@ -48,39 +49,12 @@ from tailorstore.store.records import (
     THIN_ARCHIVE,
     THIN_MASTER,
     TIERS,
-    AtomKey,
     AtomRecord,
-    BlobRecord,
     FileRecord,
     ManifestRecord,
 )
 from tailorstore.store.repo import Repository
 from tailorstore.store.writer import BlobWriter
-
-ARCHIVE_FROM = 4096  # elements: smaller weights are kept exact at the archive tier
-KEYFRAME_EVERY = 16  # an archived weight's chain holds at most this many blobs before a new keyframe
-
-
-@dataclass(frozen=True)
-class ArchiveGrid:
-    """How coarse the archive tier is: ``levels`` grid steps from 0 to a group's largest magnitude
-    (each value within 1/(2 levels) of it), and a keyframe at least every ``keyframe_every`` links.
-    The defaults (31 levels, a keyframe every 16) kept every archived step of the headline's 70-save
-    series within 0.1% of its exact held-out loss at 20x (docs/benchmarks.md); 127 levels is
-    int8-grade. Fewer levels and longer chains store less."""
-
-    levels: int = archive_codec.DEFAULT_LEVELS
-    keyframe_every: int = KEYFRAME_EVERY
-
-    def __post_init__(self) -> None:
-        if type(self.levels) is not int or not 1 <= self.levels <= 32767:
-            raise StoreError(Call(archive_levels=self.levels), " is not allowed: give a whole number from 1 to 32767.")
-        if type(self.keyframe_every) is not int or not 1 <= self.keyframe_every <= archive_codec.MAX_CHAIN:
-            raise StoreError(
-                Call(keyframe_every=self.keyframe_every),
-                f" is not allowed: give a whole number from 1 to {archive_codec.MAX_CHAIN}.",
-            )
-
 
 # optimizer state beside the parameters in one file (DCP, plain saves): what every tier drops
 MOMENT_KINDS = (EXP_AVG, EXP_AVG_SQ, "momentum_buffer", "max_exp_avg_sq", "sum", "square_avg")
@@ -123,69 +97,6 @@ class ThinnedContents:
         """What the thinned manifest still needs: its files' blobs and every atom stored after thinning."""
         atoms = {a.blob for a in self.stored_atoms() if a.derived is None}
         return atoms | {f.blob for f in self.files} | {f.container for f in self.files if f.container}
-
-
-def archivable(atom: AtomRecord) -> bool:
-    """A weight (or the FP32 master that stands in for one) large enough for the archive codec to
-    pay; smaller tensors (norms, biases) stay exact."""
-    return atom.kind in (WEIGHT, MASTER) and atom.dtype in archive_codec.ITEMSIZE and atom.numel >= ARCHIVE_FROM
-
-
-def _previous_archived(store: Repository, record: ManifestRecord) -> dict[AtomKey, AtomRecord]:
-    """The atoms of the latest archived step of ``record``'s run before it: what it is quantized against."""
-    earlier = [
-        m
-        for m in store.catalogue.manifests(record.run)
-        if m.tier == THIN_ARCHIVE and m.step < record.step and m.origin == record.origin
-    ]
-    if not earlier:
-        return {}
-    return store.catalogue.atoms_by_key(max(earlier, key=lambda m: m.step).id)
-
-
-def archived(
-    store: Repository, record: ManifestRecord, contents: ThinnedContents, writer: BlobWriter, grid: ArchiveGrid
-) -> ThinnedContents:
-    """``contents`` with every archivable weight stored by the archive codec: a quantized residual
-    against the same atom of the previous archived step (its chain under ``grid.keyframe_every`` long),
-    or a keyframe when there is none, the chain is full, or the residual would not be smaller."""
-    previous = _previous_archived(store, record)
-    atoms = []
-    for original, atom in zip(contents.atoms, contents.stored_atoms(), strict=True):
-        if not archivable(atom):
-            atoms.append(atom)
-            continue
-        where = f"archiving step {record.step}, {atom.param} ({atom.kind})"
-        exact = decode_atom(store, record.id, original, where)  # a derived weight: rebuilt from its master
-        choice = archive_codec.encode(exact, atom.dtype, None, (), grid.levels)
-        base_atom = previous.get(atom.key())
-        base = store.blob(base_atom.blob) if base_atom is not None else None
-        if (
-            base is not None
-            and base_atom is not None
-            and base_atom.dtype == atom.dtype
-            and base.raw_size == atom.nbytes
-        ):
-            chain = _chain(base)
-            if len(chain) < grid.keyframe_every:
-                base_bytes = memoryview(bytearray(base.raw_size))
-                store.read_blob_into(base, base_bytes, f"{where}: its base")
-                delta = archive_codec.encode(exact, atom.dtype, base_bytes, chain, grid.levels)
-                if delta is not None and (choice is None or len(delta.payload) < len(choice.payload)):
-                    choice = delta
-        if choice is None:  # not finite, or beyond the codes' range: kept exact
-            atoms.append(atom)
-            continue
-        digest = writer.add_encoded(choice.raw, choice.payload, choice.spec.descriptor())
-        atoms.append(replace(atom, blob=digest, derived=None))
-    return ThinnedContents(contents.files, atoms, [])
-
-
-def _chain(base: BlobRecord) -> tuple[str, ...]:
-    """The bases of a blob built on ``base``: ``base``'s own chain, then ``base``."""
-    if archive_codec.is_archive(base.codec):
-        return (*archive_codec.parse(base.codec, base.raw_size, f"blob {base.hash}").bases, base.hash)
-    return (base.hash,)
 
 
 def _where(atom: AtomRecord) -> tuple[str, int, int]:
@@ -261,7 +172,8 @@ def _thin(
                 if writer.add(data, itemsize=DTYPES[atom.dtype].itemsize, is_float=True) != atom.blob:
                     raise CorruptStoreError(f"step {record.step}: the rebuilt weight of {atom.param} changed its name")
             if tier == THIN_ARCHIVE:
-                contents = archived(store, record, contents, writer, grid)
+                pairs = list(zip(contents.atoms, contents.stored_atoms(), strict=True))
+                contents = ThinnedContents(contents.files, archived(store, record, pairs, writer, grid), [])
             plans[record.id] = contents
         new_blobs = writer.finish()
     replaced: list[str | None] = []
