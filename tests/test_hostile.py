@@ -814,3 +814,28 @@ def test_a_closed_store_says_so() -> None:
         store.close()
         with pytest.raises(StoreError, match="this store is closed"):
             store.log()
+
+
+def _zstd_bomb(declared: int) -> bytes:
+    """A zstd frame of 16 bytes whose header declares ``declared`` bytes of content (zstandard
+    allocates what a frame declares, whatever ``max_output_size`` says)."""
+    return bytes.fromhex("28b52ffd") + bytes([0xE0]) + struct.pack("<Q", declared) + bytes.fromhex("010000")
+
+
+def test_objects_that_declare_a_terabyte_are_damage_not_an_allocation(small_store: Path, tmp_path: Path) -> None:
+    """A manifest object or a pack trailer read from the store is a zstd frame another host (or
+    anyone with bucket access) wrote: one that declares 1 TiB of content is refused in one line as
+    damage before anything is allocated (it was a MemoryError traceback)."""
+    store = copy_tree(small_store, tmp_path / "store")
+    (obj,) = (store / "manifests" / "main").iterdir()
+    kept = obj.read_bytes()
+    obj.chmod(0o644)
+    obj.write_bytes(_zstd_bomb(1 << 40))
+    one_line(tailor("index", "rebuild", store=store), 3, "is damaged", "declares 1099511627776 bytes")
+    obj.write_bytes(kept)
+    trailer = _zstd_bomb(1 << 40)
+    name = "cd" * 16
+    pack = store / "packs" / name[:2] / name
+    pack.parent.mkdir(parents=True, exist_ok=True)
+    pack.write_bytes(b"\0" * 4096 + trailer + struct.pack("<Q8s", len(trailer), b"TLRPACK1"))
+    one_line(tailor("gc", store=store), 3, f"pack {name}: its trailer is damaged", "declares 1099511627776 bytes")

@@ -33,6 +33,7 @@ from typing import Any
 import zstandard
 
 from tailorstore.core.errors import CorruptStoreError
+from tailorstore.store.codec import decompress_bounded
 
 ARCHIVE = "archive-delta"
 VERSION = 1
@@ -93,6 +94,7 @@ def parse(descriptor: str, raw_size: int, where: str) -> ArchiveSpec:
         dtype in ITEMSIZE
         and type(group) is int
         and 1 <= group <= 1 << 20
+        and type(width) is int
         and width in (1, 2)
         and type(levels) is int
         and 1 <= levels <= 32767
@@ -196,7 +198,7 @@ def decode_into(spec: ArchiveSpec, payload: bytes, base: memoryview | None, dest
     n, groups = _payload_sizes(spec, len(dest))
     want = 4 * groups + spec.width * n
     try:
-        body = zstandard.ZstdDecompressor().decompress(payload, max_output_size=want + 1)
+        body = decompress_bounded(payload, want)
     except zstandard.ZstdError as exc:
         raise CorruptStoreError(f"{where}: the archived payload does not decode ({exc}); the blob is damaged") from None
     if len(body) != want:

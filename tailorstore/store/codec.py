@@ -82,6 +82,16 @@ def content_hash(data: BytesLike) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def decompress_bounded(data: BytesLike, limit: int) -> bytes:
+    """One zstd frame, refused before anything is allocated when it declares more than ``limit``
+    bytes: zstandard allocates the size a frame declares whatever ``max_output_size`` says, so a
+    hostile frame of a few bytes could ask for a terabyte. Raises ``zstandard.ZstdError``."""
+    declared = zstandard.frame_content_size(data)
+    if declared > limit:
+        raise zstandard.ZstdError(f"the frame declares {declared} bytes, more than the {limit} it may hold")
+    return zstandard.ZstdDecompressor().decompress(data, max_output_size=limit)
+
+
 @dataclass
 class Encoded:
     """A blob's descriptor and its stored bytes, produced lazily chunk by chunk."""
@@ -353,7 +363,7 @@ def _bytegroup_chunk(source: BinaryIO, space: Space, left: int, where: str) -> m
             plane = np.frombuffer(stored, dtype=np.uint8)
         elif mode == _PLANE_ZSTD:
             try:
-                plane = np.frombuffer(zstandard.ZstdDecompressor().decompress(stored), dtype=np.uint8)
+                plane = np.frombuffer(decompress_bounded(stored, m), dtype=np.uint8)
             except zstandard.ZstdError as exc:
                 raise CorruptStoreError(f"{where}: a plane does not decode ({exc}); the blob is damaged") from None
             if len(plane) != m:

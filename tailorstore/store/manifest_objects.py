@@ -40,6 +40,7 @@ from tailorstore.core.failpoints import failpoint
 from tailorstore.store._index import Index
 from tailorstore.store.backend import Backend, ObjectExistsError, check_key
 from tailorstore.store.catalogue import Catalogue
+from tailorstore.store.codec import decompress_bounded
 from tailorstore.store.lock import Fence
 from tailorstore.store.pack_sync import packs_agree, reconcile_packs
 from tailorstore.store.packs import pack_names
@@ -189,7 +190,7 @@ class ManifestDocument:
 
 def decode(data: bytes, key: str) -> ManifestDocument:
     try:
-        doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31))
+        doc = json.loads(decompress_bounded(data, 1 << 31))
     except (zstandard.ZstdError, ValueError, RecursionError) as exc:
         raise CorruptStoreError(f"manifest object {key} is damaged ({exc}); restore it from a backup") from None
     if not isinstance(doc, dict) or doc.get("tailorstore_manifest") not in READABLE_DOC_VERSIONS:

@@ -30,6 +30,7 @@ import zstandard
 
 from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.store.backend import HASH_NAME, PACK_PREFIX, Backend, Batch, pack_key, pack_name
+from tailorstore.store.codec import decompress_bounded
 
 PACK_BELOW = 1 << 20  # blobs of a smaller raw size go into packs
 PACK_TARGET = 16 << 20  # a pack is sealed once it holds this many bytes
@@ -79,9 +80,7 @@ def read_trailer(backend: Backend, name: str) -> tuple[int, list[PackEntry]]:
             f"pack {name} has no valid trailer; it is damaged. Run ", Call("verify", deep=True), "."
         )
     try:
-        raw = zstandard.ZstdDecompressor().decompress(
-            backend.get(key, size - _FOOT.size - length, length), max_output_size=1 << 30
-        )
+        raw = decompress_bounded(backend.get(key, size - _FOOT.size - length, length), 1 << 30)
         rows = json.loads(raw)["blobs"]
         entries = [PackEntry(h, o, s, r, c) for h, o, s, r, c in rows]
         body = size - _FOOT.size - length

@@ -22,6 +22,7 @@ import zstandard
 
 from tailorstore.core.errors import CorruptStoreError, StoreError
 from tailorstore.store.backend import Backend, check_key
+from tailorstore.store.codec import decompress_bounded
 from tailorstore.store.records import (
     ATOM_COLUMNS,
     DOC_BLOB_COLUMNS,
@@ -114,7 +115,7 @@ _TABLES = (("files", FileRecord), ("atoms", AtomRecord), ("blobs", BlobRecord))
 
 def decode(data: bytes, key: str) -> Part:
     try:
-        doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 31))
+        doc = json.loads(decompress_bounded(data, 1 << 31))
         version = doc.get("tailorstore_part") if isinstance(doc, dict) else None
         if version not in (DOC_VERSION, PLANNED_VERSION) or (version == PLANNED_VERSION) != ("plan" in doc):
             raise ValueError("not a part this tailorstore reads")
