@@ -313,3 +313,23 @@ def test_an_archive_on_s3_reads_back_after_an_index_rebuild(runs: Runs, s3_serve
     with tailorstore.Store.open(location) as api:
         assert api.verify(deep=True).ok
         assert [(s.step, s.tier) for s in api.log()] == [(2, "archive"), (4, "archive"), (5, None)]
+
+
+def test_a_weight_larger_than_a_run_is_worked_through_in_runs() -> None:
+    """Over CHUNK_ELEMENTS (and not a whole number of groups), a keyframe and a residual are within
+    their bound everywhere and read back as written: the runs join without a seam."""
+    n = archive_codec.CHUNK_ELEMENTS + 1000
+    rng = np.random.default_rng(2)
+    x0 = rng.standard_normal(n).astype(np.float32)
+    x1 = x0 + rng.standard_normal(n).astype(np.float32) * 1e-3
+    key = archive_codec.encode(memoryview(x0.tobytes()), "float32", None, ())
+    assert key is not None
+    step = archive_codec.encode(memoryview(x1.tobytes()), "float32", memoryview(key.raw), ("0" * 32,))
+    assert step is not None and step.spec.bases == ("0" * 32,)
+    for out, x, base in ((key, x0, None), (step, x1, memoryview(key.raw))):
+        groups = np.abs(np.pad(x, (0, (-n) % 256))).reshape(-1, 256).max(axis=1)
+        limit = np.repeat(groups / archive_codec.DEFAULT_LEVELS * 0.5 * (1 + 2**-10), 256)[:n]
+        assert (np.abs(np.frombuffer(out.raw, dtype=np.float32) - x) <= limit).all()
+        back = bytearray(len(out.raw))
+        archive_codec.decode_into(out.spec, out.payload, base, memoryview(back), "test")
+        assert back == out.raw

@@ -40,6 +40,7 @@ VERSION = 1
 GROUP = 256  # elements per scale
 DEFAULT_LEVELS = 31  # a keyframe's codes span [-31, 31]: each value within 1/62 of its group's largest
 MAX_CHAIN = 64  # bases one blob may name (a reader refuses more: hostile input)
+CHUNK_ELEMENTS = 1 << 22  # elements worked through at once: a few 16 MiB FP32 temporaries
 PAYLOAD_LEVEL = 9  # zstd level of the payload: gc writes archives rarely, and residuals compress well
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _HEX = frozenset("0123456789abcdef")
@@ -148,45 +149,72 @@ def _payload_sizes(spec: ArchiveSpec, raw_size: int) -> tuple[int, int]:
     return n, groups
 
 
-def encode(
-    exact: memoryview, dtype: str, base: memoryview | None, bases: tuple[str, ...], levels: int = DEFAULT_LEVELS
-) -> Archived | None:
-    """Quantize ``exact`` (a ``dtype`` weight's bytes) against ``base`` (the reconstruction it
-    builds on, ``bases[-1]``'s bytes) or as a keyframe (``base`` None). None when it cannot be
-    archived within its bound: a value that is not finite, or codes wider than int16."""
+def _chunks(n: int, group: int) -> range:
+    """Starts of the element runs a weight is worked through, whole groups each: memory stays at a
+    few runs of FP32 temporaries whatever the tensor's size."""
+    return range(0, n, max(1, CHUNK_ELEMENTS // group) * group)
+
+
+def _quantized_run(x: Any, b: Any | None, levels: int) -> tuple[Any, Any] | None:
+    """One run's scales and int16 codes, or None beyond what int16 codes hold."""
     np = _np()
-    x = _as_f32(exact, dtype)
-    if x.size == 0 or not np.isfinite(x).all():
-        return None
-    b = _as_f32(base, dtype) if base is not None else None
-    if b is not None and (b.size != x.size or not np.isfinite(b).all()):
-        return None
     n = x.size
     groups = -(-n // GROUP)
     padded = np.zeros(groups * GROUP, dtype=np.float32)
     np.abs(x, out=padded[:n])
     scales = (padded.reshape(groups, GROUP).max(axis=1) / np.float32(levels)).astype(np.float32)
-    residual = np.zeros(groups * GROUP, dtype=np.float32)
-    residual[:n] = x if b is None else x - b
+    padded[:n] = x if b is None else x - b
     safe = np.where(scales == 0, np.float32(1), scales)
     with np.errstate(over="ignore", invalid="ignore"):
-        steps = residual.reshape(groups, GROUP) / safe[:, None]
+        steps = padded.reshape(groups, GROUP) / safe[:, None]
     steps[scales == 0] = 0
     codes = np.rint(steps).reshape(-1)[:n]
     widest = float(np.abs(codes).max())
     if not np.isfinite(widest) or widest > 32767:
         return None
-    width = 1 if widest <= 127 else 2
-    codes = codes.astype(np.int8 if width == 1 else np.int16)
-    y = reconstruct(codes, scales, b, GROUP)
-    bound = np.repeat(scales * np.float32(0.5 * (1 + 2**-10)), GROUP)[:n]
-    if not (np.isfinite(y).all() and (np.abs(x - y) <= bound).all()):
-        return None  # the bound is an invariant of every archived blob, checked here once
-    raw = bytearray(n * ITEMSIZE[dtype])
-    _store_as(y, dtype, memoryview(raw))
-    spec = ArchiveSpec(dtype, GROUP, width, levels, bases)
-    body = scales.astype("<f4").tobytes() + codes.astype("<i1" if width == 1 else "<i2").tobytes()
-    return Archived(raw, zstandard.ZstdCompressor(level=PAYLOAD_LEVEL).compress(body), spec)
+    return scales, codes.astype(np.int16)  # integers, as a reader has them: rint's -0.0 would stay -0.0
+
+
+def encode(
+    exact: memoryview, dtype: str, base: memoryview | None, bases: tuple[str, ...], levels: int = DEFAULT_LEVELS
+) -> Archived | None:
+    """Quantize ``exact`` (a ``dtype`` weight's bytes) against ``base`` (the reconstruction it
+    builds on, ``bases[-1]``'s bytes) or as a keyframe (``base`` None). None when it cannot be
+    archived within its bound: a value that is not finite, or codes wider than int16.
+
+    Worked through in runs of whole groups (each element's arithmetic is its own, so runs give
+    the very bytes one pass would): besides the weight, its base and its reconstruction, memory
+    holds its int16 codes and a run's temporaries."""
+    np = _np()
+    size = ITEMSIZE[dtype]
+    n = len(exact) // size
+    if n == 0 or (base is not None and len(base) != len(exact)):
+        return None
+    scales = np.empty(-(-n // GROUP), dtype=np.float32)
+    codes = np.empty(n, dtype=np.int16)
+    raw = bytearray(n * size)
+    for lo in _chunks(n, GROUP):
+        hi = min(n, lo + CHUNK_ELEMENTS // GROUP * GROUP)
+        x = _as_f32(exact[lo * size : hi * size], dtype)
+        b = _as_f32(base[lo * size : hi * size], dtype) if base is not None else None
+        if not np.isfinite(x).all() or (b is not None and not np.isfinite(b).all()):
+            return None
+        run = _quantized_run(x, b, levels)
+        if run is None:
+            return None
+        run_scales, run_codes = run
+        y = reconstruct(run_codes, run_scales, b, GROUP)
+        bound = np.repeat(run_scales * np.float32(0.5 * (1 + 2**-10)), GROUP)[: x.size]
+        if not (np.isfinite(y).all() and (np.abs(x - y) <= bound).all()):
+            return None  # the bound is an invariant of every archived blob, checked here once
+        scales[lo // GROUP : lo // GROUP + run_scales.size] = run_scales
+        codes[lo:hi] = run_codes
+        _store_as(y, dtype, memoryview(raw)[lo * size : hi * size])
+    width = 1 if int(np.abs(codes).max()) <= 127 else 2
+    stored = codes.astype("<i1") if width == 1 else codes.astype("<i2", copy=False)
+    frame = zstandard.ZstdCompressor(level=PAYLOAD_LEVEL).compressobj()
+    payload = frame.compress(scales.astype("<f4", copy=False).tobytes()) + frame.compress(memoryview(stored).cast("B"))
+    return Archived(raw, payload + frame.flush(), ArchiveSpec(dtype, GROUP, width, levels, bases))
 
 
 def decode_into(spec: ArchiveSpec, payload: bytes, base: memoryview | None, dest: memoryview, where: str) -> None:
@@ -207,5 +235,11 @@ def decode_into(spec: ArchiveSpec, payload: bytes, base: memoryview | None, dest
     codes = np.frombuffer(body, dtype="<i1" if spec.width == 1 else "<i2", offset=4 * groups)
     if not np.isfinite(scales).all() or (scales < 0).any():
         raise CorruptStoreError(f"{where}: the archived payload's scales are not finite; the blob is damaged")
-    b = _as_f32(base, spec.dtype) if base is not None else None
-    _store_as(reconstruct(codes, scales, b, spec.group), spec.dtype, dest)
+    size = ITEMSIZE[spec.dtype]
+    step = max(1, CHUNK_ELEMENTS // spec.group) * spec.group
+    for lo in _chunks(n, spec.group):
+        hi = min(n, lo + step)
+        b = _as_f32(base[lo * size : hi * size], spec.dtype) if base is not None else None
+        first = lo // spec.group
+        run_scales = scales[first : first + -(-(hi - lo) // spec.group)]
+        _store_as(reconstruct(codes[lo:hi], run_scales, b, spec.group), spec.dtype, dest[lo * size : hi * size])
