@@ -333,3 +333,52 @@ def test_a_weight_larger_than_a_run_is_worked_through_in_runs() -> None:
         back = bytearray(len(out.raw))
         archive_codec.decode_into(out.spec, out.payload, base, memoryview(back), "test")
         assert back == out.raw
+
+
+def _poison(tag_dir: Path) -> None:
+    """A diverged training's save: the first element of the embedding NaN, in rank 0's FP32 master
+    and, rounded as DeepSpeed rounds it, in the bf16 weight (so the weight is still derived)."""
+    optim = tag_dir / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = torch.load(optim, weights_only=False)
+    with torch.no_grad():  # DeepSpeed saves the partition as a leaf that requires grad
+        state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] = float("nan")
+    torch.save(state, optim)
+    model = tag_dir / "mp_rank_00_model_states.pt"
+    states = torch.load(model, weights_only=False)
+    with torch.no_grad():
+        states["module"]["model.embed_tokens.weight"].view(torch.int16)[0, 0] = -1  # 0xFFFF: NaN as copy_ rounds it
+    torch.save(states, model)
+
+
+@pytest.mark.slow
+def test_a_derived_weight_that_cannot_be_archived_is_kept_exact(runs: Runs, tmp_path: Path) -> None:
+    """A weight holding a NaN is not archived; derived from its master, which the tier drops, it is
+    stored as it is, so the step still exports it bit for bit (it failed to rebuild before)."""
+    save_dir = runs.get("ten-saves").save_dir
+    root = tmp_path / "store"
+    first = as_of_step(save_dir, 1, tmp_path / "at1")
+    _poison(first / "global_step1")
+    with tailorstore.Store.init(root) as api:
+        api.commit(first)
+        api.commit(as_of_step(save_dir, 2, tmp_path / "at2"))
+    store = Repository.open(root)
+    name = "model.embed_tokens.weight"
+    derived = index_db(store).execute(
+        "SELECT a.derived FROM atoms a JOIN manifests m ON m.id=a.manifest WHERE m.step=1 AND a.param=? AND a.kind=?",
+        (name, "weight"),
+    )
+    assert [r[0] for r in derived] == ["round-from-master"], "the poisoned weight is derived, as the test needs"
+    before = exported(root, 1, tmp_path / "before")
+    with tailorstore.Store.open(root) as api:
+        api.gc(keep_last=1, thin="archive")
+        assert api.verify(deep=True).ok
+    codecs = index_db(Repository.open(root)).execute(
+        "SELECT a.derived, b.codec FROM atoms a JOIN manifests m ON m.id=a.manifest JOIN blobs b ON b.hash=a.blob"
+        " WHERE m.step=1 AND a.param=? AND a.kind=?",
+        (name, "weight"),
+    )
+    assert [(d, "archive-delta" in c) for d, c in codecs] == [(None, False)], "stored exact, not archived"
+    after = exported(root, 1, tmp_path / "after")
+    assert torch.isnan(after[name][0, 0].float())
+    assert torch.equal(after[name].view(torch.int16), before[name].view(torch.int16))
+    assert any("archive-delta" in r[0] for r in index_db(Repository.open(root)).execute("SELECT codec FROM blobs"))
