@@ -164,11 +164,8 @@ def test_two_nodes_of_two_ranks_each_stage_locally_and_resume_at_three(
     # writing only its own rank's share of the resharded step into its own staging
     with Store.open(location) as store:
         store.checkout_resharded(f"step={STEP}", tmp_path / "whole2", world_size=2)
-    whole = {p.name: p.stat().st_size for p in (tmp_path / "whole2").rglob("*") if p.is_file()}
-    shares = [
-        sum(size for name, size in whole.items() if "optim_states" not in name or f"zero_pp_rank_{rank}_" in name)
-        for rank in (0, 1)
-    ]  # each node's rank's optimizer file, and the files every rank loads (model states, latest)
+    whole = file_sizes(tmp_path / "whole2")
+    shares = [node_share(whole, [rank]) for rank in (0, 1)]
     with StagingPeaks([Path(node["TAILOR_STAGING"]) for node in nodes]) as peaks:
         across = train_tiny(
             tmp_path / "across", losses_out=tmp_path / "across.json", nproc=1, node_env=nodes, steps=STEP + 2,
@@ -194,7 +191,7 @@ def test_a_zero3_save_resumes_across_two_nodes_at_a_new_world_size(
     with Store.init(location) as store:
         store.commit(as_of_step(reference.save_dir, STEP, tmp_path / "at"))
         store.checkout_resharded(f"step={STEP}", tmp_path / "whole4", world_size=4)
-    whole = {p.name: p.stat().st_size for p in (tmp_path / "whole4").rglob("*") if p.is_file()}
+    whole = file_sizes(tmp_path / "whole4")
     nodes = node_folders(tmp_path, 2)
     with StagingPeaks([Path(node["TAILOR_STAGING"]) for node in nodes]) as peaks:
         resumed = train_tiny(
@@ -206,13 +203,24 @@ def test_a_zero3_save_resumes_across_two_nodes_at_a_new_world_size(
     assert resumed == expected
     assert not [p for node in nodes for p in Path(node["TAILOR_STAGING"]).rglob("*") if p.is_file()]
     for node, peak in enumerate(peaks.peaks):  # ZeRO 3: one model-states and one optimizer file a rank
-        ranks = (2 * node, 2 * node + 1)
-        share = sum(
-            size
-            for name, size in whole.items()
-            if not name.startswith(("zero_pp", "bf16_zero_pp")) or any(f"zero_pp_rank_{r}_" in name for r in ranks)
-        )
+        share = node_share(whole, [2 * node, 2 * node + 1])
         assert max(whole.values()) <= peak <= share, (node, peaks.peaks, share)
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    """Sizes of the files of a checked-out step, by name."""
+    return {p.name: p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
+def node_share(sizes: dict[str, int], ranks: list[int]) -> int:
+    """Bytes a node with ``ranks`` loads of a step: the files of those ranks (``*zero_pp_rank_R_*``:
+    optimizer files, and ZeRO 3's model states) and every file no one rank owns (ZeRO 1/2's model
+    states, ``latest``)."""
+    return sum(
+        size
+        for name, size in sizes.items()
+        if "zero_pp_rank_" not in name or any(f"zero_pp_rank_{r}_" in name for r in ranks)
+    )
 
 
 class StagingPeaks:

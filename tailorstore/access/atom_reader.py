@@ -15,7 +15,7 @@ from tailorstore.core.atoms import MASTER
 from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.rounding import ROUND_FROM_MASTER, rounded_chunks
 from tailorstore.core.thread_buffers import thread_buffer
-from tailorstore.store import archive_codec, codec
+from tailorstore.store import codec
 from tailorstore.store.records import AtomRecord, BlobRecord
 from tailorstore.store.repo import Repository, damaged_blob
 
@@ -53,20 +53,14 @@ def stream_blob(store: Repository, row: BlobRecord, lo: int, hi: int, where: str
     """
     if not 0 <= lo <= hi <= row.raw_size:
         raise CorruptStoreError(f"{where}: bytes [{lo}, {hi}) lie outside blob {row.hash} of {row.raw_size} bytes")
-    if archive_codec.is_archive(row.codec):  # rebuilt whole on its chain (archive tier): one blob of memory
-        whole = memoryview(bytearray(row.raw_size))
-        store.read_blob_into(row, whole, where)
-        yield whole[lo:hi]
-        return
     hasher = xxhash.xxh3_128()
     pos = 0
-    with store.open_row(row, where) as f:
-        for piece in codec.decode_pieces(row.codec, f, row.raw_size, _chunk_space, f"{where}: blob {row.hash}"):
-            hasher.update(piece)
-            a, b = max(lo - pos, 0), min(hi - pos, len(piece))
-            if a < b:
-                yield piece[a:b]
-            pos += len(piece)
+    for piece in store.decoded_pieces(row, row.raw_size, _chunk_space, where):
+        hasher.update(piece)
+        a, b = max(lo - pos, 0), min(hi - pos, len(piece))
+        if a < b:
+            yield piece[a:b]
+        pos += len(piece)
     if hasher.hexdigest() != row.hash:
         raise damaged_blob(where, row.hash)
 

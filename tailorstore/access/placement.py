@@ -21,7 +21,6 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from tailorstore.core.threads import decode_threads
 from tailorstore.formats.dcp_items import item_windows
 from tailorstore.formats.kinds import DCP, TORCH
 from tailorstore.formats.torch_zip import gaps, mend_crcs, record_offsets
-from tailorstore.store import archive_codec, codec
+from tailorstore.store import codec
 from tailorstore.store.direct_io import PlacedWriter
 from tailorstore.store.posix import start_writeback
 from tailorstore.store.records import COMMIT, AtomRecord, BlobRecord, FileRecord, ManifestRecord
@@ -352,19 +351,6 @@ def _place_atoms(
             raise
 
 
-@contextmanager
-def _pieces_of(store: Repository, blob: BlobRecord, atom: AtomRecord, where: str) -> Iterator[Iterable[memoryview]]:
-    """A blob's decoded pieces: streamed chunk by chunk, or an archived blob rebuilt whole on its
-    chain (a composite may take a layer from an archived step; store/archive_codec.py)."""
-    if archive_codec.is_archive(blob.codec):
-        whole = memoryview(bytearray(blob.raw_size))
-        store.read_blob_into(blob, whole, where)
-        yield [whole]
-        return
-    with store.open_row(blob, where) as f:
-        yield codec.decode_pieces(blob.codec, f, atom.nbytes, _scratch, f"{where}: blob {atom.blob}")
-
-
 def _place(store: Repository, target: _Target, atom: AtomRecord, blob: BlobRecord, weights: list[_Weight]) -> None:
     where = f"{target.where}, layer {atom.layer}, {atom.param} ({atom.kind})"
     hasher = xxhash.xxh3_128()
@@ -372,13 +358,12 @@ def _place(store: Repository, target: _Target, atom: AtomRecord, blob: BlobRecor
     done = 0
     if atom.dtype != "float32":
         weights = []
-    with _pieces_of(store, blob, atom, where) as pieces:
-        for piece in pieces:
-            hasher.update(piece)
-            target.out.pwrite(piece, pos)
-            _feed(weights, atom.start + done // 4, piece)
-            pos += len(piece)
-            done += len(piece)
+    for piece in store.decoded_pieces(blob, atom.nbytes, _scratch, where):
+        hasher.update(piece)
+        target.out.pwrite(piece, pos)
+        _feed(weights, atom.start + done // 4, piece)
+        pos += len(piece)
+        done += len(piece)
     if hasher.hexdigest() != atom.blob:
         raise damaged_blob(where, atom.blob)
     for weight in weights:

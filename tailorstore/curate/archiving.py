@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from tailorstore.access.atom_reader import decode_atom
 from tailorstore.core.atoms import MASTER, WEIGHT
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
+from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.core.threads import compute_threads
 from tailorstore.store import archive_codec
 from tailorstore.store.records import THIN_ARCHIVE, AtomKey, AtomRecord, BlobRecord, ManifestRecord
@@ -58,6 +59,13 @@ def archivable(atom: AtomRecord) -> bool:
     return atom.kind in (WEIGHT, MASTER) and atom.dtype in archive_codec.ITEMSIZE and atom.numel >= ARCHIVE_FROM
 
 
+def store_rebuilt(writer: BlobWriter, data: memoryview, atom: AtomRecord, step: int) -> None:
+    """Write a derived weight, rebuilt from its master, as a blob of its own before the master goes;
+    its name must not change."""
+    if writer.add(data, itemsize=DTYPES[atom.dtype].itemsize, is_float=True) != atom.blob:
+        raise CorruptStoreError(f"step {step}: the rebuilt weight of {atom.param} changed its name")
+
+
 def _previous_archived(store: Repository, record: ManifestRecord) -> dict[AtomKey, AtomRecord]:
     """The atoms of the latest archived step of ``record``'s run before it: what it is quantized against."""
     earlier = [
@@ -75,6 +83,22 @@ def _chain(base: BlobRecord) -> tuple[str, ...]:
     if archive_codec.is_archive(base.codec):
         return (*archive_codec.parse(base.codec, base.raw_size, f"blob {base.hash}").bases, base.hash)
     return (base.hash,)
+
+
+def _base(
+    store: Repository, base_atom: AtomRecord | None, atom: AtomRecord, grid: ArchiveGrid, where: str
+) -> tuple[memoryview | None, tuple[str, ...]]:
+    """What ``atom`` is quantized against: the previous archived step's same atom as it reads back,
+    and the chain that makes, or (None, ()) for a keyframe: no such atom, another dtype or size,
+    or a chain already at the grid's keyframe interval."""
+    if base_atom is None or base_atom.dtype != atom.dtype:
+        return None, ()
+    base = store.blob(base_atom.blob)
+    if base is None or base.raw_size != atom.nbytes or len(chain := _chain(base)) >= grid.keyframe_every:
+        return None, ()
+    base_bytes = memoryview(bytearray(base.raw_size))
+    store.read_blob_into(base, base_bytes, f"{where}: its base")
+    return base_bytes, chain
 
 
 def _smaller(
@@ -114,8 +138,7 @@ def archived(
             digest = writer.add_encoded(choice.raw, choice.payload, choice.spec.descriptor())
             out[index] = replace(atom, blob=digest, derived=None)
         elif atom.derived is not None:  # kept exact (not finite, or beyond int16): its master goes, so it is stored
-            if writer.add(exact, itemsize=archive_codec.ITEMSIZE[atom.dtype], is_float=True) != atom.blob:
-                raise CorruptStoreError(f"step {record.step}: the rebuilt weight of {atom.param} changed its name")
+            store_rebuilt(writer, exact, atom, record.step)
             out[index] = replace(atom, derived=None)
 
     with ThreadPoolExecutor(compute_threads(), thread_name_prefix="tailor-archive") as pool:
@@ -125,15 +148,7 @@ def archived(
                     continue
                 where = f"archiving step {record.step}, {atom.param} ({atom.kind})"
                 exact = decode_atom(store, record.id, original, where)  # a derived weight: rebuilt from its master
-                base_bytes: memoryview | None = None
-                chain: tuple[str, ...] = ()
-                base_atom = previous.get(atom.key())
-                base = store.blob(base_atom.blob) if base_atom is not None else None
-                if base is not None and base_atom is not None and base_atom.dtype == atom.dtype:
-                    chain = _chain(base) if base.raw_size == atom.nbytes else ()
-                    if chain and len(chain) < grid.keyframe_every:
-                        base_bytes = memoryview(bytearray(base.raw_size))
-                        store.read_blob_into(base, base_bytes, f"{where}: its base")
+                base_bytes, chain = _base(store, previous.get(atom.key()), atom, grid, where)
                 while pending and queued + atom.nbytes > IN_FLIGHT_BYTES:
                     settle_oldest()
                 future = pool.submit(_smaller, exact, atom.dtype, base_bytes, chain, grid.levels)

@@ -35,10 +35,9 @@ from pathlib import PurePosixPath
 
 from tailorstore.access.atom_reader import decode_atom
 from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
-from tailorstore.core.errors import Call, CorruptStoreError, StoreError, ThinnedStepError
+from tailorstore.core.errors import Call, StoreError, ThinnedStepError
 from tailorstore.core.progress import Silent
-from tailorstore.core.tensor_ref import DTYPES
-from tailorstore.curate.archiving import ArchiveGrid, archivable, archived
+from tailorstore.curate.archiving import ArchiveGrid, archivable, archived, store_rebuilt
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import DCP, TORCH
 from tailorstore.store import manifest_objects
@@ -154,11 +153,15 @@ def thin(
     if tier == THIN_ARCHIVE:
         ordered = sorted(targets, key=lambda r: r.step)
         return sum(_thin(store, [r], tier, lock, (grids or {}).get(r.id, ArchiveGrid())) for r in ordered)
-    return _thin(store, targets, tier, lock, ArchiveGrid())
+    return _thin(store, targets, tier, lock, None)
 
 
 def _thin(
-    store: Repository, targets: list[ManifestRecord], tier: str, lock: LockHandle | LeaseHandle, grid: ArchiveGrid
+    store: Repository,
+    targets: list[ManifestRecord],
+    tier: str,
+    lock: LockHandle | LeaseHandle,
+    grid: ArchiveGrid | None,  # the archive tier's; None for the others
 ) -> int:
     if not targets:
         return 0
@@ -169,9 +172,8 @@ def _thin(
             contents = contents_of(store, record.id, tier)
             for atom in contents.materialize:
                 data = decode_atom(store, record.id, atom, f"thinning step {record.step}")
-                if writer.add(data, itemsize=DTYPES[atom.dtype].itemsize, is_float=True) != atom.blob:
-                    raise CorruptStoreError(f"step {record.step}: the rebuilt weight of {atom.param} changed its name")
-            if tier == THIN_ARCHIVE:
+                store_rebuilt(writer, data, atom, record.step)
+            if grid is not None:
                 pairs = list(zip(contents.atoms, contents.stored_atoms(), strict=True))
                 contents = ThinnedContents(contents.files, archived(store, record, pairs, writer, grid), [])
             plans[record.id] = contents

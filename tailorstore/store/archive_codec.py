@@ -27,6 +27,7 @@ in the last place of the dtype. FORMAT.md section 2.1 specifies the payload byte
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,10 +150,12 @@ def _payload_sizes(spec: ArchiveSpec, raw_size: int) -> tuple[int, int]:
     return n, groups
 
 
-def _chunks(n: int, group: int) -> range:
-    """Starts of the element runs a weight is worked through, whole groups each: memory stays at a
-    few runs of FP32 temporaries whatever the tensor's size."""
-    return range(0, n, max(1, CHUNK_ELEMENTS // group) * group)
+def _runs(n: int, group: int) -> Iterator[tuple[int, int]]:
+    """The element runs ``[lo, hi)`` a weight is worked through, whole groups each: memory stays
+    at a few runs of FP32 temporaries whatever the tensor's size."""
+    step = max(1, CHUNK_ELEMENTS // group) * group
+    for lo in range(0, n, step):
+        yield lo, min(n, lo + step)
 
 
 def _quantized_run(x: Any, b: Any | None, levels: int) -> tuple[Any, Any] | None:
@@ -193,8 +196,7 @@ def encode(
     scales = np.empty(-(-n // GROUP), dtype=np.float32)
     codes = np.empty(n, dtype=np.int16)
     raw = bytearray(n * size)
-    for lo in _chunks(n, GROUP):
-        hi = min(n, lo + CHUNK_ELEMENTS // GROUP * GROUP)
+    for lo, hi in _runs(n, GROUP):
         x = _as_f32(exact[lo * size : hi * size], dtype)
         b = _as_f32(base[lo * size : hi * size], dtype) if base is not None else None
         if not np.isfinite(x).all() or (b is not None and not np.isfinite(b).all()):
@@ -236,9 +238,7 @@ def decode_into(spec: ArchiveSpec, payload: bytes, base: memoryview | None, dest
     if not np.isfinite(scales).all() or (scales < 0).any():
         raise CorruptStoreError(f"{where}: the archived payload's scales are not finite; the blob is damaged")
     size = ITEMSIZE[spec.dtype]
-    step = max(1, CHUNK_ELEMENTS // spec.group) * spec.group
-    for lo in _chunks(n, spec.group):
-        hi = min(n, lo + step)
+    for lo, hi in _runs(n, spec.group):
         b = _as_f32(base[lo * size : hi * size], spec.dtype) if base is not None else None
         first = lo // spec.group
         run_scales = scales[first : first + -(-(hi - lo) // spec.group)]

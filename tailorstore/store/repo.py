@@ -376,6 +376,20 @@ class Repository:
         except FileNotFoundError:
             raise missing from None
 
+    def decoded_pieces(self, row: BlobRecord, raw_size: int, space: codec.Space, where: str) -> Iterator[memoryview]:
+        """A blob's ``raw_size`` raw bytes in pieces, each at most a codec chunk, decoded into
+        ``space(n)``; the caller hashes them. An archived blob needs its chain, so it comes whole,
+        rebuilt and already hash-checked (archive_codec.py): one piece of the blob's size."""
+        if archive_codec.is_archive(row.codec):
+            if raw_size != row.raw_size:
+                raise CorruptStoreError(f"{where}: blob {row.hash} holds {row.raw_size} bytes, not {raw_size}")
+            whole = memoryview(bytearray(row.raw_size))
+            self._read_archived_into(row, whole, where)
+            yield whole
+            return
+        with self.open_row(row, where) as f:
+            yield from codec.decode_pieces(row.codec, f, raw_size, space, f"{where}: blob {row.hash}")
+
     def read_blob_into(self, row: BlobRecord, dest: memoryview, where: str) -> None:
         """Decode a blob into ``dest`` and check its hash; never leaves unchecked bytes behind."""
         if archive_codec.is_archive(row.codec):

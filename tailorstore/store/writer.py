@@ -128,14 +128,10 @@ class BlobWriter:
         future: Future[BlobRecord] = Future()
         self._pending[digest] = future
         try:
-            if len(raw) < PACK_BELOW:
-                self._guard(digest, lambda: self.packs.add(digest, stored, len(raw), descriptor))
-            else:
-                self._put(digest, codec.Encoded(descriptor, [stored]), len(raw))
+            future.set_result(self._place(digest, len(raw), codec.Encoded(descriptor, [stored])))
         except BaseException as exc:
             future.set_exception(exc)
             raise
-        future.set_result(BlobRecord(digest, len(raw), len(stored), descriptor, created_at=time.time()))
         return digest
 
     def _known_blob(self, digest: str, size: int) -> bool:
@@ -170,13 +166,19 @@ class BlobWriter:
     def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool) -> BlobRecord:
         if self._failure is not None:
             raise self._failure
-        encoded = codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level)
-        if len(data) < PACK_BELOW:
+        return self._place(
+            digest, len(data), codec.encode(data, itemsize=itemsize, is_float=is_float, level=self.level)
+        )
+
+    def _place(self, digest: str, raw_size: int, encoded: codec.Encoded) -> BlobRecord:
+        """Write an encoded blob: into a pack when it is small, else as an object of its own,
+        encoded chunk by chunk as it is written."""
+        if raw_size < PACK_BELOW:
             stored = b"".join(bytes(c) for c in encoded)
-            self._guard(digest, lambda: self.packs.add(digest, stored, len(data), encoded.descriptor))
-            return BlobRecord(digest, len(data), len(stored), encoded.descriptor, created_at=time.time())
-        self._put(digest, encoded, len(data))  # compresses chunk by chunk as it writes
-        return BlobRecord(digest, len(data), encoded.size, encoded.descriptor, created_at=time.time())
+            self._guard(digest, lambda: self.packs.add(digest, stored, raw_size, encoded.descriptor))
+            return BlobRecord(digest, raw_size, len(stored), encoded.descriptor, created_at=time.time())
+        self._put(digest, encoded, raw_size)
+        return BlobRecord(digest, raw_size, encoded.size, encoded.descriptor, created_at=time.time())
 
     def _put(self, digest: str, encoded: codec.Encoded, raw_size: int) -> None:
         self._guard(digest, lambda: self.batch.put(blob_key(digest), encoded, raw_size))
