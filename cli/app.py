@@ -697,7 +697,7 @@ def run_retention(
     with _open(store, run) as st:
         if clear:
             rules = st.set_retention()
-        elif keep_last is not None or keep_every is not None or thin is not None or keep_best is not None:
+        elif any(o is not None for o in (keep_last, keep_every, thin, keep_best, archive_levels, keyframe_every)):
             rules = st.set_retention(
                 keep_last=keep_last,
                 keep_every=keep_every,

@@ -287,6 +287,8 @@ def test_the_archive_grid_is_checked_and_carried_by_a_run(tmp_path: Path) -> Non
     with tailorstore.Store.open(root) as api:
         rules = api.retention()
     assert rules is not None and rules.grid == ArchiveGrid(31, 16)
+    proc = tailor("run", "retention", "--archive-levels", "15", store=root)  # alone: refused, never ignored
+    assert proc.returncode == 2 and "--thin archive" in proc.stderr, proc.stdout + proc.stderr
     proc = tailor("gc", "--keep-last", "3", "--thin", "archive", "--archive-levels", "0", store=root)
     assert proc.returncode == 2 and "--archive-levels" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
