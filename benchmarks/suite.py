@@ -30,7 +30,6 @@ from tailorstore.formats.reader import read_checkpoint
 from tailorstore.store import codec
 from tailorstore.store.repo import Repository
 from testbed.folders import dir_bytes
-from testbed.local_s3 import CuttableLink, local_s3
 from testbed.runs import train_tiny
 
 
@@ -580,6 +579,8 @@ def measure_s3(save: Path, steps: list[int], work: Path, repeats: int, latency: 
     first-byte latency): `tailor commit` against uploading the same files with obstore,
     `tailor checkout` against downloading them. Every figure is a whole process; the server is
     the same for both."""
+    from testbed.local_s3 import CuttableLink, local_s3  # boto3 and moto: here only (a GPU node has neither)
+
     rows: dict[str, list[list[float]]] = defaultdict(lambda: [[] for _ in steps])
     whole: dict[str, list[float]] = defaultdict(list)  # operations on the whole store, once per repeat
     with local_s3() as server:

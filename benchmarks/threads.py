@@ -37,9 +37,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("save", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--counts", default=None, help="comma-separated (default: 1, 2, the cores, one more)")
     args = parser.parse_args()
     raw = sum(p.stat().st_size for p in args.save.rglob("*") if p.is_file())
-    counts = sorted({1, 2, usable_cores(), usable_cores() + 1})
+    if args.counts:
+        counts = sorted({int(c) for c in args.counts.split(",")})
+    else:
+        counts = sorted({1, 2, usable_cores(), usable_cores() + 1})
     rows = []
     for threads in counts:
         commits, checkouts = [], []

@@ -51,6 +51,40 @@ def test_the_written_file_is_what_torch_save_writes(tmp_path: Path) -> None:
     snapshot.await_written(tmp_path, [0], timeout=5)
 
 
+_marked: set[int] = set()  # live storages whose location the stand-in tagger below builds afresh
+
+
+def _fresh_cpu_tag(storage: object) -> str | None:
+    return "".join(["c", "pu"]) if getattr(storage, "_cdata", None) in _marked else None
+
+
+_stand_in_registered: list[bool] = []
+
+
+def test_location_tags_keep_their_identity(tmp_path: Path) -> None:
+    """torch's CUDA tagger builds "cuda:0" afresh for every tensor, and the pickler back-references
+    a string only when it is the same object; so a snapshot that gave every view of one storage the
+    same tag object wrote a shorter file than torch.save of the live GPU state (seen on an H200).
+    A tagger that builds "cpu" afresh for the live storages stands in for CUDA's here."""
+    if not _stand_in_registered:  # after ours (0), before torch's CPU tagger (10); inert unless marked
+        torch.serialization.register_package(5, _fresh_cpu_tag, lambda obj, location: None)
+        _stand_in_registered.append(True)
+    flat = torch.arange(64, dtype=torch.float32)
+    live = {"w": flat[:16].view(4, 4), "b": flat[16:20], "t": flat[20:36].view(4, 4).t(), "own": torch.ones(3)}
+    _marked.update({flat.untyped_storage()._cdata, live["own"].untyped_storage()._cdata})
+    try:
+        (tmp_path / "direct").mkdir()
+        torch.save(live, tmp_path / "direct" / "file.pt")
+        shots = snapshot.Snapshots(pinned=False)
+        shots.begin(1)
+        tree, _ = shots.copy(live, "file.pt")
+        shots.write(tree, tmp_path / "staged" / "file.pt", tmp_path / "real.pt")
+        shots.drain()
+    finally:
+        _marked.clear()
+    assert (tmp_path / "staged" / "file.pt").read_bytes() == (tmp_path / "direct" / "file.pt").read_bytes()
+
+
 def test_buffers_alternate_between_two_saves(tmp_path: Path) -> None:
     shots = snapshot.Snapshots(pinned=False)
     ptrs = []

@@ -10,6 +10,15 @@ bytes are those ``torch.save`` of the original would write: tensors keep their s
 offsets, strides, dtypes, ``requires_grad`` and Parameter type, and a storage copied from a GPU
 is written with its GPU's location tag (a serialization tagger of our own, consulted first).
 
+The tag must match in identity as well as in text. ``torch.save`` writes a storage's location
+once per tensor that views it, and the pickler writes a string it has seen before as a short
+back-reference only when it is the same object. torch's CUDA tagger builds ``"cuda:0"`` afresh
+each call, its CPU tagger returns one constant ``"cpu"``. DeepSpeed's module weights are views
+of one flat buffer, so on a GPU the first version of this file, which returned one stored string,
+wrote a model-states file 1,024 bytes shorter than ``torch.save`` of the live state (the device
+check, docs/benchmarks.md). So each copy records whether torch's tagger gives a new object each
+time, and our tagger does the same.
+
 Memory is bounded at two snapshots: buffers alternate between two generations, and a save waits
 for the serialization of the save before last before it reuses that generation's buffers.
 
@@ -26,6 +35,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,16 +48,25 @@ from tailorstore.core.errors import StoreError
 
 log = logging.getLogger("tailorstore")
 WRITTEN, FAILED = ".written-", ".failed-"
-_locations: dict[int, str] = {}  # data_ptr of a snapshot storage -> the location tag of the storage it copies
+# a snapshot buffer's storage (its _cdata, unique while the buffer lives) -> the location tag of the
+# storage it copies, and whether torch's tagger makes that tag afresh on every call
+_locations: dict[int, tuple[str, bool]] = {}
 _registered = threading.Lock()
 _is_registered = False
 
 
 def _tag(storage: Any) -> str | None:
-    try:
-        return _locations.get(storage.data_ptr()) if storage.device.type == "cpu" else None
-    except (AttributeError, RuntimeError):
+    found = _locations.get(getattr(storage, "_cdata", None))  # type: ignore[arg-type]
+    if found is None:
         return None
+    tag, fresh = found
+    return "".join([tag[:1], tag[1:]]) if fresh else tag  # a new object with the same text, as torch's would be
+
+
+def _record_location(buffer: torch.Tensor, source: Any) -> None:
+    """Remember how ``torch.save`` tags ``source``, for when it writes ``buffer`` (its copy)."""
+    first, second = torch.serialization.location_tag(source), torch.serialization.location_tag(source)
+    _locations[buffer.untyped_storage()._cdata] = (first, first is not second)
 
 
 def _register_tagger() -> None:
@@ -56,6 +75,12 @@ def _register_tagger() -> None:
         if not _is_registered:
             torch.serialization.register_package(0, _tag, lambda storage, location: None)
             _is_registered = True
+
+
+def _forget(generations: list[dict[tuple[str, int], torch.Tensor]]) -> None:
+    for buffers in generations:
+        for buf in buffers.values():
+            _locations.pop(buf.untyped_storage()._cdata, None)
 
 
 class StagingFailed(StoreError):
@@ -93,6 +118,7 @@ class Snapshots:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tailor-serialize")
         self._generation = 0
         _register_tagger()
+        weakref.finalize(self, _forget, self._buffers)  # a freed buffer's storage id may be reused
 
     # -- one save ------------------------------------------------------------------------
     def begin(self, save_number: int) -> None:
@@ -121,15 +147,12 @@ class Snapshots:
             buf = buffers.get(slot)
             if buf is None or buf.numel() != nbytes:
                 if buf is not None:
-                    _locations.pop(buf.untyped_storage().data_ptr(), None)
+                    _locations.pop(buf.untyped_storage()._cdata, None)
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned and nbytes > 0)
                 buffers[slot] = buf
             source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
             buf.copy_(source, non_blocking=source.is_cuda)
-            if storage.device.type != "cpu":
-                _locations[buf.untyped_storage().data_ptr()] = torch.serialization.location_tag(storage)
-            else:
-                _locations.pop(buf.untyped_storage().data_ptr(), None)
+            _record_location(buf, storage)
             copies[key] = buf
             return buf
 

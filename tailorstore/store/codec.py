@@ -45,6 +45,7 @@ import zstandard
 
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.thread_buffers import thread_buffer
+from tailorstore.core.threads import usable_cores
 
 
 class _NumpyOnUse:
@@ -203,10 +204,16 @@ def _split(rows: np.ndarray, planes: np.ndarray) -> np.ndarray:
     shift and a narrowing copy, both contiguous, replace a copy with a stride of the element size.
     The words go through ``_SPLIT_BYTES`` at a time, every plane of a slice before the
     next slice, so the shifted scratch stays in the L2 cache and the words are read from memory
-    once: 3.0 GB/s against 2.2 for whole-chunk passes (8 MiB of FP32, measured on this machine kind)."""
+    once: 3.0 GB/s against 2.2 for whole-chunk passes (8 MiB of FP32, measured on this machine kind).
+
+    Above four usable cores each plane is one strided copy instead. The slices cost about 60
+    numpy calls a 4 MiB chunk, each taking and dropping the GIL, and on a 16-core node the
+    pool's threads queued for it: the split alone peaked at 6.9 GB/s on 4 threads and fell to
+    3.4 GB/s on 16, while one strided copy a plane grew to 17 GB/s (docs/benchmarks.md). The
+    planes are the same bytes either way."""
     itemsize = rows.shape[1]
     words_ok = sys.byteorder == "little" and rows.ctypes.data % itemsize == 0
-    if not words_ok:
+    if not words_ok or _MANY_CORES:
         for k in range(itemsize):
             np.copyto(planes[k], rows[:, k])
         return planes
@@ -226,6 +233,7 @@ def _split(rows: np.ndarray, planes: np.ndarray) -> np.ndarray:
 
 #: Bytes of words split per slice: the slice and its shifted scratch fit the 1 MiB L2 of a core.
 _SPLIT_BYTES = 512 << 10
+_MANY_CORES = usable_cores() > 4
 
 
 def _shrinks(compressor: zstandard.ZstdCompressor, plane: np.ndarray) -> bool:
