@@ -142,9 +142,14 @@ def test_bytes_that_change_between_naming_and_compressing_are_refused(tmp_path: 
                 pass
 
 
-def test_rewritten_over_and_over_never_poisons_the_store(setting, runs: Runs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", ["", "9"], ids=["default-threads", "helpers"])
+def test_rewritten_over_and_over_never_poisons_the_store(
+    setting, runs: Runs, tmp_path: Path, threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The review's worst case: repeated rewrites left blobs whose bytes did not match their names,
-    and later honest commits reused them. Now the commit is refused and every blob stays true."""
+    and later honest commits reused them. Now the commit is refused and every blob stays true,
+    also when helper threads prepare the pieces ahead of the loop (9 threads: pieces_ahead.py)."""
+    monkeypatch.setenv("TAILOR_THREADS", threads)
     store, at6, foreign = setting
     target = at6 / "global_step6" / OPTIM.format(1)
     versions = [(foreign / OPTIM.format(1)).read_bytes(), target.read_bytes()]

@@ -19,8 +19,16 @@ from tailorstore.store import codec
 from tailorstore.store import writer as writer_module
 from tailorstore.store.repo import Repository
 
+# "9": nine compressing threads, so two helpers prepare (read, name, round) the pieces ahead of
+# the commit's loop (ingest/pieces_ahead.py), as on a many-core node
+THREADS = pytest.mark.parametrize("threads", ["", "9"], ids=["default-threads", "helpers"])
 
-def test_bf16_weights_are_derived_and_rebuilt_bit_exact(runs: Runs, store: Repository, tmp_path: Path) -> None:
+
+@THREADS
+def test_bf16_weights_are_derived_and_rebuilt_bit_exact(
+    runs: Runs, store: Repository, tmp_path: Path, threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TAILOR_THREADS", threads)
     run = runs.get("zero2-bf16")
     result = commit_checkpoint(store, as_of_step(run.save_dir, 6, tmp_path / "at6"))
     weights = (
@@ -42,10 +50,12 @@ def test_bf16_weights_are_derived_and_rebuilt_bit_exact(runs: Runs, store: Repos
     assert_same_checkpoint(as_of_step(run.save_dir, 6, tmp_path / "ref"), out)
 
 
+@THREADS
 def test_split_masters_rebuild_weights_in_order_or_by_reading_back(
-    runs: Runs, store: Repository, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    runs: Runs, store: Repository, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: str
 ) -> None:
     """Weights whose masters are split across two ranks' files; then the read-back check; then a bad hash."""
+    monkeypatch.setenv("TAILOR_THREADS", threads)
     run = runs.get("zero2-bf16-odd-two-groups")
     commit_checkpoint(store, as_of_step(run.save_dir, 6, tmp_path / "at6"))
     split = (

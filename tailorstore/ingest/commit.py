@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -38,6 +39,7 @@ from tailorstore.formats.reader import ReadFile, read_checkpoint, write_order
 from tailorstore.formats.source import CHUNK, InputFile, check_unchanged
 from tailorstore.ingest.commit_options import CommitOptions, CommitResult, PartPlan
 from tailorstore.ingest.derive import RoundedMasters, is_derivable_weight
+from tailorstore.ingest.pieces_ahead import PiecesAhead, Prepared, prepare, read_helpers
 from tailorstore.store import manifest_objects, parts
 from tailorstore.store.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
@@ -391,7 +393,7 @@ def _write_checked(
     """Write the blobs, then take the last look at every input (a change after a file's pass
     is refused too), then make the blobs durable."""
     rounded = RoundedMasters(scan.weights if options.derive_weights else {}, checked_weights)
-    plan = write_files(layout, scan, stored, sources, writer, rounded, progress)
+    plan = write_files(layout, scan, stored, sources, writer, rounded, progress, readers=read_helpers(writer.threads))
     for f in scan.files:
         assert f.identity is not None
         check_unchanged(f.source, f.identity)
@@ -480,15 +482,15 @@ def commit_part(
 class PieceWriter(Protocol):
     """Names pieces by their xxh3-128 and, for a real commit, writes the new ones (BlobWriter)."""
 
-    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False) -> str: ...
+    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False, digest: str | None = None) -> str: ...
     def add_stream(self, src: InputFile, offset: int, length: int) -> str: ...
-    def hash_only(self, data: memoryview) -> str: ...
 
 
 class MasterPieces(Protocol):
     """Sees each FP32 master piece as it is written; decides which weights are derived (derive.py)."""
 
-    def add_piece(self, seg: A.Segment, dtype: str, piece: memoryview) -> None: ...
+    def rounding_of(self, seg: A.Segment, dtype: str) -> tuple[str, bool] | None: ...
+    def add_piece(self, seg: A.Segment, dtype: str, piece: Prepared) -> None: ...
     def may_derive(self, path: str, param: str) -> bool: ...
     def derivable(self, path: str, seg: A.Segment, weight_hash: str) -> bool: ...
 
@@ -510,13 +512,15 @@ def write_files(
     rounded: MasterPieces,
     progress: Progress,
     release: bool = True,
+    readers: int = 0,
 ) -> _Plan:
     """The second pass: one file at a time, masters before weights, each file released when done.
 
     ``writer`` names (and writes) every blob; ``rounded`` sees every FP32 master piece and says
     which weights are derived. A rank-parallel commit's survey passes a writer that only
     names and a ``rounded`` that only compares (rank_share.py), and keeps the files' entries
-    (``release=False``) for the write that follows."""
+    (``release=False``) for the write that follows. ``readers`` helper threads prepare each
+    file's pieces ahead of the loop (pieces_ahead.py)."""
     plan = _Plan()
     progress.start("commit", sum(f.size for f in scan.files))
     by_path = {f.path: f for f in scan.files}
@@ -532,8 +536,10 @@ def write_files(
                 # Masters first, so that a weight in the same file (ZeRO 0) finds its rounded master.
                 segments = [(e, s) for e in f.entries for s in e.segments]
                 segments.sort(key=lambda es: es[1].kind != A.MASTER)
-                for entry, seg in segments:
-                    plan.atoms.append(_atom(f, src, entry, seg, stored, sources, writer, rounded, plan))
+                jobs = [_job(f, src, e, s, rounded) for e, s in segments if s.layer in stored]
+                with PiecesAhead(jobs, readers if f.located else 0) as pieces:
+                    for entry, seg in segments:
+                        plan.atoms.append(_atom(f, pieces.take, entry, seg, stored, sources, writer, rounded, plan))
             src.check()
         plan.files.append(FileRecord(f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, f.trusted, container))
         if release:
@@ -549,9 +555,22 @@ def _add_raw(writer: BlobWriter, src: InputFile) -> str:
     return writer.add_stream(src, 0, src.size)
 
 
+def _job(
+    f: ReadFile, src: InputFile, entry: A.TensorEntry, seg: A.Segment, rounded: MasterPieces
+) -> tuple[Callable[[], Prepared], int]:
+    """How to prepare one stored piece (read, name, and round where a weight may derive from it),
+    and the bytes that holds."""
+    nbytes = seg.numel * entry.tensor.element_size()
+    rounding = rounded.rounding_of(seg, entry.dtype_name) if seg.kind == A.MASTER else None
+    if rounding is None:
+        return partial(prepare, partial(f.piece, src, entry, seg)), nbytes
+    round_to, whole = rounding
+    return partial(prepare, partial(f.piece, src, entry, seg), round_to, whole), nbytes + nbytes // 2
+
+
 def _atom(
     f: ReadFile,
-    src: InputFile,
+    take_piece: Callable[[], Prepared],
     entry: A.TensorEntry,
     seg: A.Segment,
     stored: frozenset[str],
@@ -566,15 +585,16 @@ def _atom(
     plan.layer_bytes[seg.layer] = plan.layer_bytes.get(seg.layer, 0) + nbytes
     derived: str | None = None
     if seg.layer in stored:
-        piece = f.piece(src, entry, seg)  # private memory: hashed and compressed from this one copy
+        prepared = take_piece()  # private memory: hashed and compressed from this one copy
+        piece = prepared.data
         if seg.kind == A.MASTER:
-            rounded.add_piece(seg, entry.dtype_name, piece)
-        weight_hash = writer.hash_only(piece) if rounded.may_derive(f.path, seg.param) else None
+            rounded.add_piece(seg, entry.dtype_name, prepared)
+        weight_hash = prepared.digest if rounded.may_derive(f.path, seg.param) else None
         if weight_hash is not None and rounded.derivable(f.path, seg, weight_hash):
             blob, derived = weight_hash, ROUND_FROM_MASTER
             plan.derived_bytes += nbytes
         else:
-            blob = writer.add(piece, itemsize=size, is_float=entry.tensor.is_floating_point())
+            blob = writer.add(piece, itemsize=size, is_float=entry.tensor.is_floating_point(), digest=prepared.digest)
     else:
         source = sources[seg.layer]
         old = source.atoms.get((f.file_key, seg.param, seg.kind, seg.rank, seg.start, seg.numel))

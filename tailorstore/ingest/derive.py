@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from tailorstore.core import atoms as A
 from tailorstore.core.rounding import ROUNDED_DTYPES, rounded
+from tailorstore.ingest.pieces_ahead import Prepared
 from tailorstore.store.codec import content_hash
 
 
@@ -37,12 +38,25 @@ class RoundedMasters:
         # (file, param): weights whose masters other ranks hold and compared range by range, all equal
         self.checked = checked
 
-    def add_piece(self, seg: A.Segment, dtype: str, piece: memoryview) -> None:
-        """A master piece as read from its file (private memory): rounded and held until its parameter is whole."""
+    def rounding_of(self, seg: A.Segment, dtype: str) -> tuple[str, bool] | None:
+        """For a master piece this needs rounded: the weight's dtype, and whether the piece is the
+        whole parameter (then its rounded bytes' name is the weight's). None for any other piece."""
         if dtype != "float32" or seg.kind != A.MASTER or seg.param not in self.weights or seg.param in self.hashes:
+            return None
+        weight_dtype, numel = self.weights[seg.param]
+        return weight_dtype, seg.start == 0 and seg.numel == numel
+
+    def add_piece(self, seg: A.Segment, dtype: str, piece: Prepared) -> None:
+        """A master piece as read from its file, rounded (pieces_ahead.py): held until its parameter is whole."""
+        if self.rounding_of(seg, dtype) is None:
+            return
+        if piece.rounded_digest is not None:  # the whole parameter in one piece, named already
+            self.hashes[seg.param] = piece.rounded_digest
             return
         weight_dtype, _ = self.weights[seg.param]
-        self._pending.setdefault(seg.param, {})[seg.start] = rounded(piece, weight_dtype)
+        self._pending.setdefault(seg.param, {})[seg.start] = (
+            piece.rounded if piece.rounded is not None else rounded(piece.data, weight_dtype)
+        )
         self._complete(seg.param)
 
     def _complete(self, param: str) -> None:

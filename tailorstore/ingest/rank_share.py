@@ -38,6 +38,7 @@ from tailorstore.formats.source import InputFile
 from tailorstore.ingest.commit import Scan, commit_part, detect_input, scan_checkpoint, step_of, write_files
 from tailorstore.ingest.commit_options import CommitOptions, CommitResult
 from tailorstore.ingest.derive import is_derivable_weight
+from tailorstore.ingest.pieces_ahead import Prepared
 from tailorstore.store.codec import content_hash
 from tailorstore.store.repo import Repository
 
@@ -133,14 +134,11 @@ class _Namer:
             self.new.add(digest)
         return digest
 
-    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False) -> str:
-        return self._note(content_hash(data))
+    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False, digest: str | None = None) -> str:
+        return self._note(digest or content_hash(data))
 
     def add_stream(self, src: InputFile, offset: int, length: int) -> str:
         return self._note(src.hash(offset, length))
-
-    def hash_only(self, data: memoryview) -> str:
-        return content_hash(data)
 
 
 class _WeightRanges:
@@ -167,7 +165,11 @@ class _WeightRanges:
         for src in self._sources:
             src.close()
 
-    def add_piece(self, seg: A.Segment, dtype: str, piece: memoryview) -> None:
+    def rounding_of(self, seg: A.Segment, dtype: str) -> tuple[str, bool] | None:
+        return None  # each range is rounded against its weight in add_piece
+
+    def add_piece(self, seg: A.Segment, dtype: str, prepared: Prepared) -> None:
+        piece = prepared.data
         if dtype != "float32" or seg.kind != A.MASTER or not seg.numel:
             return
         for f, src, entry, weight in self._where.get(seg.param, []):

@@ -84,12 +84,13 @@ class BlobWriter:
         self._failure: StoreError | None = None  # the first failed write; later blobs are not attempted
         self.reused_bytes = 0
 
-    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False) -> str:
+    def add(self, data: memoryview, *, itemsize: int = 1, is_float: bool = False, digest: str | None = None) -> str:
         """Name ``data`` and write it if new. ``data`` must be private memory that nothing changes:
-        it is hashed here and compressed later, on a worker thread."""
+        it is hashed here (unless ``digest``, its xxh3-128 from the same memory, is given) and
+        compressed later, on a worker thread."""
         if self._failure is not None:
             raise self._failure
-        digest = codec.content_hash(data)
+        digest = digest or codec.content_hash(data)
         if self._known_blob(digest, len(data)):
             return digest
         self._reserve(len(data))
