@@ -14,6 +14,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -410,3 +411,17 @@ def manifest_rows(store: Store, step: int) -> dict:
         "policy": json.loads(record.policy),
         "exact": record.exact,
     }
+
+
+@pytest.fixture
+def thread_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads started while the test runs, in order (clear it between phases)."""
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def recording(self: threading.Thread) -> None:
+        started.append(self.name)
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", recording)
+    return started

@@ -98,15 +98,8 @@ def test_a_master_is_rounded_and_a_whole_one_named() -> None:
     assert prepare(lambda: data, "bfloat16", False).rounded_digest is None
 
 
-def test_a_commit_with_helpers_stores_what_one_without_stores(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    started: list[str] = []
-    start = threading.Thread.start
-
-    def recording(self: threading.Thread) -> None:
-        started.append(self.name)
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", recording)
+def test_a_commit_with_helpers_stores_what_one_without_stores(tmp_path: Path, thread_starts: list[str]) -> None:
+    started = thread_starts
     found = {}
     for threads in (1, 9):  # 9 compressing threads: two helpers
         started.clear()

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -53,17 +52,8 @@ def test_the_override_sets_the_pools_and_bad_values_are_refused(monkeypatch: pyt
         decode_threads(0)
 
 
-def test_a_commit_and_a_checkout_run_the_threads_they_are_given(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    started: list[str] = []
-    start = threading.Thread.start
-
-    def recording(self: threading.Thread) -> None:
-        started.append(self.name)
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", recording)
+def test_a_commit_and_a_checkout_run_the_threads_they_are_given(tmp_path: Path, thread_starts: list[str]) -> None:
+    started = thread_starts
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(CHECKPOINT, threads=1)
         blob_threads = {n for n in started if n.startswith("tailor-blob")}
