@@ -6,6 +6,7 @@ the snapshot does not know how to copy is refused (the engine then saves at once
 from __future__ import annotations
 
 import argparse
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -119,3 +120,46 @@ def test_a_file_staging_cannot_take_goes_where_deepspeed_writes_it(tmp_path: Pat
     assert torch.equal(torch.load(tmp_path / "real" / "f.pt")["x"], torch.ones(3))
     with pytest.raises(Exception, match="could not write its files"):
         snapshot.await_written(tmp_path / "markers", [0], timeout=5)
+
+
+def save_once(shots: snapshot.Snapshots, number: int, state: dict, folder: Path) -> dict:
+    shots.begin(number)
+    tree, _ = shots.copy(state, "f.pt")
+    shots.write(tree, folder / f"staged{number}" / "f.pt", folder / f"real{number}.pt")
+    shots.finish(folder / f"markers{number}", 0)
+    return tree
+
+
+def test_the_second_save_reuses_buffers_made_ready_after_the_first(tmp_path: Path) -> None:
+    """Fresh memory blocked a second save for as long as the first: the writer now readies the
+    second generation, with the first save's sizes, once the first save's files are written."""
+    shots = snapshot.Snapshots(pinned=False)
+    first = {"flat": torch.arange(300_000, dtype=torch.float32), "w": torch.ones(7, 3)}
+    save_once(shots, 1, first, tmp_path)
+    assert shots._prefault is not None
+    shots._prefault.result(timeout=30)
+    ready = {b.untyped_storage().data_ptr() for b in shots._buffers[0].values()}
+    assert len(ready) == 2
+    second = {"flat": torch.arange(300_000, dtype=torch.float32) * 2, "w": torch.zeros(7, 3)}
+    tree = save_once(shots, 2, second, tmp_path)
+    assert {t.untyped_storage().data_ptr() for t in tree.values()} == ready, "save 2 copied into the ready buffers"
+    shots.drain()
+    (tmp_path / "direct").mkdir()
+    torch.save(second, tmp_path / "direct" / "f.pt")
+    assert (tmp_path / "staged2" / "f.pt").read_bytes() == (tmp_path / "direct" / "f.pt").read_bytes()
+
+
+def test_a_second_save_before_the_writer_gets_there_allocates_as_before(tmp_path: Path) -> None:
+    shots = snapshot.Snapshots(pinned=False)
+    hold = threading.Event()
+    shots._writer.submit(hold.wait, 30)  # the writer is busy: the first save's files queue behind this
+    save_once(shots, 1, {"x": torch.ones(1000)}, tmp_path)
+    prefault = shots._prefault
+    assert prefault is not None
+    shots.begin(2)  # does not wait for the busy writer
+    assert prefault.cancelled()
+    tree, _ = shots.copy({"x": torch.zeros(1000)}, "f.pt")
+    hold.set()
+    shots.write(tree, tmp_path / "staged2" / "f.pt", tmp_path / "real2.pt")
+    shots.drain()
+    assert torch.equal(torch.load(tmp_path / "staged2" / "f.pt")["x"], torch.zeros(1000))
