@@ -88,7 +88,7 @@ def _register_tagger() -> None:
 
 def _forget(generations: list[Buffers]) -> None:
     for buffers in generations:
-        for buf in buffers.values():
+        for buf in list(buffers.values()):  # the writer thread may still be filling one
             _locations.pop(buf.untyped_storage()._cdata, None)
 
 
