@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import Runs, as_of_step, manifest_rows
+from conftest import Run, Runs, as_of_step, manifest_rows
 from test_reshard import STEP, DeepSpeedPath
 
 from tailorstore import Store
@@ -166,18 +166,12 @@ def test_two_nodes_of_two_ranks_each_stage_locally_and_resume_at_three(
         store.checkout_resharded(f"step={STEP}", tmp_path / "whole2", world_size=2)
     whole = file_sizes(tmp_path / "whole2")
     shares = [node_share(whole, [rank]) for rank in (0, 1)]
-    with StagingPeaks([Path(node["TAILOR_STAGING"]) for node in nodes]) as peaks:
-        across = train_tiny(
-            tmp_path / "across", losses_out=tmp_path / "across.json", nproc=1, node_env=nodes, steps=STEP + 2,
-            save_every=0, commit_to=location, tailor_engine=True, resume_from=tmp_path / "across",
-            resume_tag=f"global_step{STEP}", **reference.options,
-        )  # fmt: skip
+    across, peaks = resumed_on_nodes(reference, location, tmp_path / "across", 1, nodes)
     expected, _ = universal_path.loaded(reference, 2, 2)
     assert across == expected
-    assert not [p for node in nodes for p in Path(node["TAILOR_STAGING"]).rglob("*") if p.is_file()]
-    print(f"peak staging per node {peaks.peaks}, the nodes' shares {shares}, the whole step {sum(whole.values())}")
-    for peak, share in zip(peaks.peaks, shares, strict=True):
-        assert max(whole.values()) <= peak <= share, (peaks.peaks, shares)  # a node stages its share, no more
+    print(f"peak staging per node {peaks}, the nodes' shares {shares}, the whole step {sum(whole.values())}")
+    for peak, share in zip(peaks, shares, strict=True):
+        assert max(whole.values()) <= peak <= share, (peaks, shares)  # a node stages its share, no more
 
 
 def test_a_zero3_save_resumes_across_two_nodes_at_a_new_world_size(
@@ -193,18 +187,27 @@ def test_a_zero3_save_resumes_across_two_nodes_at_a_new_world_size(
         store.checkout_resharded(f"step={STEP}", tmp_path / "whole4", world_size=4)
     whole = file_sizes(tmp_path / "whole4")
     nodes = node_folders(tmp_path, 2)
-    with StagingPeaks([Path(node["TAILOR_STAGING"]) for node in nodes]) as peaks:
-        resumed = train_tiny(
-            tmp_path / "again", losses_out=tmp_path / "again.json", nproc=2, node_env=nodes, steps=STEP + 2,
-            save_every=0, commit_to=location, tailor_engine=True, resume_from=tmp_path / "again",
-            resume_tag=f"global_step{STEP}", **reference.options,
-        )  # fmt: skip
+    resumed, peaks = resumed_on_nodes(reference, location, tmp_path / "again", 2, nodes)
     expected, _ = universal_path.loaded(reference, 4, 3)
     assert resumed == expected
-    assert not [p for node in nodes for p in Path(node["TAILOR_STAGING"]).rglob("*") if p.is_file()]
-    for node, peak in enumerate(peaks.peaks):  # ZeRO 3: one model-states and one optimizer file a rank
+    for node, peak in enumerate(peaks):  # ZeRO 3: one model-states and one optimizer file a rank
         share = node_share(whole, [2 * node, 2 * node + 1])
-        assert max(whole.values()) <= peak <= share, (node, peaks.peaks, share)
+        assert max(whole.values()) <= peak <= share, (node, peaks, share)
+
+
+def resumed_on_nodes(
+    reference: Run, location: str, out: Path, nproc: int, nodes: list[dict[str, str]]
+) -> tuple[dict, list[int]]:
+    """Training resumed from the store's step STEP on ``nodes`` of ``nproc`` ranks each, through
+    ``attach``: its losses and each node's peak staging; every node's staging is left empty."""
+    with StagingPeaks([Path(node["TAILOR_STAGING"]) for node in nodes]) as peaks:
+        losses = train_tiny(
+            out, losses_out=out.with_suffix(".json"), nproc=nproc, node_env=nodes, steps=STEP + 2, save_every=0,
+            commit_to=location, tailor_engine=True, resume_from=out, resume_tag=f"global_step{STEP}",
+            **reference.options,
+        )  # fmt: skip
+    assert not [p for node in nodes for p in Path(node["TAILOR_STAGING"]).rglob("*") if p.is_file()]
+    return losses, peaks.peaks
 
 
 def file_sizes(folder: Path) -> dict[str, int]:

@@ -561,11 +561,11 @@ def _job(
     """How to prepare one stored piece (read, name, and round where a weight may derive from it),
     and the bytes that holds."""
     nbytes = seg.numel * entry.tensor.element_size()
+    read = partial(f.piece, src, entry, seg)
     rounding = rounded.rounding_of(seg, entry.dtype_name) if seg.kind == A.MASTER else None
     if rounding is None:
-        return partial(prepare, partial(f.piece, src, entry, seg)), nbytes
-    round_to, whole = rounding
-    return partial(prepare, partial(f.piece, src, entry, seg), round_to, whole), nbytes + nbytes // 2
+        return partial(prepare, read), nbytes
+    return partial(prepare, read, *rounding), nbytes + nbytes // 2  # the rounded copy: half the bytes
 
 
 def _atom(

@@ -14,7 +14,7 @@ Commit and checkout round with the same numpy code (rounding.py).
 from __future__ import annotations
 
 from tailorstore.core import atoms as A
-from tailorstore.core.rounding import ROUNDED_DTYPES, rounded
+from tailorstore.core.rounding import ROUNDED_DTYPES
 from tailorstore.ingest.pieces_ahead import Prepared
 from tailorstore.store.codec import content_hash
 
@@ -47,16 +47,14 @@ class RoundedMasters:
         return weight_dtype, seg.start == 0 and seg.numel == numel
 
     def add_piece(self, seg: A.Segment, dtype: str, piece: Prepared) -> None:
-        """A master piece as read from its file, rounded (pieces_ahead.py): held until its parameter is whole."""
-        if self.rounding_of(seg, dtype) is None:
+        """A master piece as read from its file, rounded when :meth:`rounding_of` asked for it
+        (pieces_ahead.py): held until its parameter is whole."""
+        if piece.rounded is None or seg.param in self.hashes:
             return
         if piece.rounded_digest is not None:  # the whole parameter in one piece, named already
             self.hashes[seg.param] = piece.rounded_digest
             return
-        weight_dtype, _ = self.weights[seg.param]
-        self._pending.setdefault(seg.param, {})[seg.start] = (
-            piece.rounded if piece.rounded is not None else rounded(piece.data, weight_dtype)
-        )
+        self._pending.setdefault(seg.param, {})[seg.start] = piece.rounded
         self._complete(seg.param)
 
     def _complete(self, param: str) -> None:
