@@ -31,8 +31,8 @@ class CountingBackend:
 def a_pack(backend: Backend, sizes: list[int]) -> tuple[list[BlobRecord], dict[str, bytes]]:
     """A sealed pack of random blobs of ``sizes``, put on ``backend``; its rows and bytes."""
     blobs = [(os.urandom(16).hex(), os.urandom(n)) for n in sizes]
-    name, body, placed = seal([(digest, data, len(data), "raw") for digest, data in blobs])
-    backend.put(pack_key(name), body)
+    name, chunks, placed = seal([(digest, data, len(data), "raw") for digest, data in blobs])
+    backend.put(pack_key(name), chunks)
     rows = [BlobRecord(e.hash, e.raw_size, e.stored_size, e.codec, name, e.offset) for e in placed]
     return rows, dict(blobs)
 

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import xxhash
 from conftest import Runs, as_of_step, assert_only_live, index_db, object_count, tailor
 from test_hosts import wait_stopped
 from test_roundtrip import assert_same_checkpoint
@@ -41,6 +42,8 @@ def test_small_blobs_share_pack_objects(runs: Runs, tmp_path: Path) -> None:
     assert disk_usage(store.root) < 1.1 * stored + 64 * 4096, "no block rounding per blob"
     for name, size in index_db(store).execute("SELECT name, size FROM packs"):
         assert read_trailer(store.backend, name)[0] == size  # self-describing
+        body = store.backend.get(pack_key(name))
+        assert len(body) == size and xxhash.xxh3_128_hexdigest(body) == name, "named by the hash of its bytes"
     out = tmp_path / "out"
     checkout_step(store, "step=6", out)
     assert_same_checkpoint(as_of_step(save, 6, tmp_path / "ref"), out)

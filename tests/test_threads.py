@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,31 @@ def test_a_commit_and_a_checkout_run_the_threads_they_are_given(tmp_path: Path, 
         checkout_threads = {n for n in started if n.startswith("tailor-checkout")}
     assert len(blob_threads) == 1, blob_threads
     assert len(checkout_threads) == 1, checkout_threads
+
+
+def test_the_commit_queue_holds_one_piece_beyond_its_threads(tmp_path: Path) -> None:
+    """Every queued piece is private memory, fresh pages in a new process: the loop, which reads
+    faster than the threads compress, waits once the threads are busy and one piece waits."""
+    from tailorstore.store.repo import Repository
+    from tailorstore.store.writer import BlobWriter
+
+    writer = BlobWriter(Repository.init(tmp_path / "store"), threads=2)
+    gate = threading.Event()
+    compress = writer._write
+    writer._write = lambda *args: gate.wait(30) and compress(*args)  # type: ignore[method-assign]
+    added: list[str] = []
+
+    def feed() -> None:
+        for _ in range(6):
+            added.append(writer.add(memoryview(os.urandom(256 << 10))))
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    deadline = time.monotonic() + 10
+    while len(added) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert len(added) == 3, "two pieces compressing and one waiting; the fourth waits for room"
+    gate.set()
+    feeder.join(30)
+    assert len(writer.finish()) == 6

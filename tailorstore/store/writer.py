@@ -37,6 +37,13 @@ from tailorstore.store.repo import Repository
 # whose pages the kernel must zero on first touch; at 256 MB queued a 58M-model commit spent
 # 0.75-0.96 s of system time, at 128 MB 0.42-0.51 s, with a lower peak RSS (measured 2026-11-25).
 IN_FLIGHT_BYTES = SLAB_BYTES
+# Pieces queued or being compressed at once, beyond the compression threads: one, read and
+# waiting for the next free thread. The loop reads faster than the threads compress, so a queue
+# bounded by bytes alone always filled all 128 MB, and in a fresh process (a `tailor commit`)
+# every byte of it was a fresh page to zero: with at most threads + 1 pieces, the 23M-model
+# commit's system time went from 0.30 to 0.23 s and its peak RSS from 202 to 145 MB, at the
+# same wall time (docs/benchmarks.md, "Cost per byte").
+SPARE_PIECES = 1
 
 
 def disk_full(location: str) -> StoreError:
@@ -78,6 +85,8 @@ class BlobWriter:
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="tailor-blob")
         self._budget = in_flight
         self._queued = 0
+        self._slots = self.threads + SPARE_PIECES
+        self._count = 0
         self._room = threading.Condition()
         self._pending: dict[str, Future[BlobRecord]] = {}
         self._known: set[str] = set()
@@ -155,13 +164,19 @@ class BlobWriter:
         return size is not None and (row.pack_offset or 0) + row.stored_size <= size
 
     def _reserve(self, n: int) -> None:
+        """Wait until the queue has room for ``n`` bytes and one more piece; a piece larger than
+        the budget goes alone."""
         with self._room:
-            self._room.wait_for(lambda: self._queued == 0 or self._queued + n <= self._budget)
+            self._room.wait_for(
+                lambda: self._queued == 0 or (self._queued + n <= self._budget and self._count < self._slots)
+            )
             self._queued += n
+            self._count += 1
 
     def _release(self, n: int) -> None:
         with self._room:
             self._queued -= n
+            self._count -= 1
             self._room.notify_all()
 
     def _write(self, digest: str, data: memoryview, itemsize: int, is_float: bool) -> BlobRecord:
