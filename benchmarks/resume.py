@@ -33,6 +33,8 @@ from testbed.runs import train_tiny
 
 from .suite import SIZES, drop_caches
 
+WAYS = ("raw", "store", "store-s3", "download-then-load")
+
 
 def model_options(size_name: str) -> dict[str, object]:
     size = SIZES[size_name]
@@ -58,7 +60,11 @@ def main() -> None:
     parser.add_argument("--size", default="medium", choices=sorted(SIZES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="drop the page cache before each resume (root)")
+    parser.add_argument("--ways", default=",".join(WAYS), help="which ways, comma-separated (default: all four)")
     args = parser.parse_args()
+    ways = [w for w in args.ways.split(",") if w]
+    if not ways or set(ways) - set(WAYS) or "raw" not in ways:
+        raise SystemExit(f"--ways: give raw and any of {', '.join(WAYS)}")
     step = int(args.tag.removeprefix("global_step"))
     options = model_options(args.size)
     raw_bytes = sum(p.stat().st_size for p in (args.save / args.tag).rglob("*") if p.is_file())
@@ -76,7 +82,7 @@ def main() -> None:
         for path in files:
             client.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(args.save)}")
         for repeat in range(args.repeats):
-            for way in ("raw", "store", "store-s3", "download-then-load"):
+            for way in ways:
                 run = work / f"{way}-{repeat}"
                 run.mkdir()
                 extra = 0.0

@@ -430,3 +430,69 @@ def test_hf_trainer_callback_commits_rank_parallel_under_a_policy(hf_run: HFRun,
                 rows["files"] = [f for f in rows["files"] if f[0] != "training_args.bin"]
             assert found == expected[step], step
         assert store.verify(deep=True).ok
+
+
+def mapped_file(tensor: torch.Tensor) -> str:
+    """What /proc/self/maps names the mapping holding ``tensor``'s bytes: a file's path, ``[heap]``,
+    or '' for anonymous memory."""
+    address = tensor.untyped_storage().data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        low, high = (int(x, 16) for x in span.split("-"))
+        if low <= address < high:
+            return rest[4].strip() if len(rest) == 5 else ""
+    return ""
+
+
+def test_a_resume_maps_the_files_it_staged_and_reads_any_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume's files lie in the engine's own staging (tmpfs): mapping them spares a copy of every
+    byte into fresh memory. A folder that load_checkpoint loads as it is may be cut short by
+    someone else, so it is read, as DeepSpeed reads it."""
+    monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
+    with Store.init(tmp_path / "store") as store:
+        engine = TailorCheckpointEngine(store)
+        staged_file = engine._root / "restore-000000" / "global_step2" / "mp_rank_00_model_states.pt"
+        elsewhere = tmp_path / "save" / "global_step2" / "mp_rank_00_model_states.pt"
+        for path in (staged_file, elsewhere):
+            path.parent.mkdir(parents=True)
+            torch.save({"w": torch.arange(4096, dtype=torch.float32)}, path)
+        mapped = engine.load(str(staged_file))["w"]
+        read = engine.load(str(elsewhere))["w"]
+        assert mapped_file(mapped) == str(staged_file.resolve())
+        assert not mapped_file(read).startswith("/"), "read into memory of its own"
+        assert torch.equal(mapped, read)
+        mapped += 1  # the mapping is private: training's changes never reach the file
+        assert torch.equal(load_torch_file(staged_file, mmap=False)[0]["w"], read)
+        engine.flush()
+
+
+def test_load_checkpoint_without_attach_loads_what_it_staged_through_the_allowlist(tmp_path: Path) -> None:
+    """DeepSpeed's own checkpoint engine unpickles with weights_only=False; the files a resume stages
+    come from the store, which anyone with write access to its bucket can fill."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from test_bad_input import Evil
+
+    from tailorstore.core.errors import UnsafePickleError
+    from tailorstore.integrations.deepspeed import staged_loads
+
+    engine = SimpleNamespace(checkpoint_engine=TorchCheckpointEngine())
+    root = tmp_path / "tailor-restore-1"
+    hostile, plain, elsewhere = root / "step" / "evil.pt", root / "step" / "plain.pt", tmp_path / "own.pt"
+    marker = tmp_path / "pwned"
+    plain.parent.mkdir(parents=True)
+    torch.save({"evil": Evil(marker)}, hostile)
+    for path in (plain, elsewhere):
+        torch.save({"w": torch.arange(4096, dtype=torch.float32)}, path)
+    with staged_loads(engine, root):
+        with pytest.raises(UnsafePickleError):
+            engine.checkpoint_engine.load(str(hostile), map_location="cpu")
+        assert not marker.exists(), "the pickle's code ran"
+        staged_w = engine.checkpoint_engine.load(str(plain), map_location="cpu")["w"]
+        own_w = engine.checkpoint_engine.load(str(elsewhere), map_location="cpu")["w"]
+    assert mapped_file(staged_w) == str(plain.resolve()), "the staged file is mapped, not copied"
+    assert not mapped_file(own_w).startswith("/"), "any other file is DeepSpeed's own load"
+    assert "load" not in vars(engine.checkpoint_engine), "the engine's own load is back"
+    engine.checkpoint_engine.load(str(hostile), map_location="cpu")  # DeepSpeed's own, after: it runs the code
+    assert marker.exists()
