@@ -13,7 +13,7 @@ from conftest import manifest_rows
 
 import tailorstore
 from tailorstore.core.rounding import ROUND_FROM_MASTER
-from tailorstore.ingest.pieces_ahead import PiecesAhead, prepare, read_helpers
+from tailorstore.ingest.pieces_ahead import ROUND_SLICE, PiecesAhead, prepare, read_helpers
 from tailorstore.store.codec import content_hash
 
 CHECKPOINT = Path(__file__).parent / "data" / "format1" / "checkpoint"
@@ -86,16 +86,20 @@ def test_leaving_early_drops_the_pieces_not_started() -> None:
     assert len(reads.started) <= 10, "the helpers stopped with the loop, not at the end of the file"
 
 
-def test_a_master_is_rounded_and_a_whole_one_named() -> None:
+def test_a_whole_master_is_named_rounded_and_a_part_of_one_kept_rounded() -> None:
+    """A whole parameter's master needs only the name of its rounded bytes: rounded and hashed a
+    slice at a time, with no copy kept. A part is held rounded until its parameter is whole."""
     import torch
 
-    master = torch.randn(1000)
+    master = torch.randn(300_001)  # three slices and a bit: the name runs over slice boundaries
+    assert master.numel() * 4 > 2 * ROUND_SLICE
     data = memoryview(master.numpy()).cast("B")
-    piece = prepare(lambda: data, "bfloat16", True)
     expected = bytes(memoryview(master.to(torch.bfloat16).view(torch.int16).numpy()).cast("B"))
-    assert piece.rounded is not None and bytes(piece.rounded) == expected
-    assert piece.rounded_digest == content_hash(expected) and piece.digest == content_hash(data)
-    assert prepare(lambda: data, "bfloat16", False).rounded_digest is None
+    whole = prepare(lambda: data, "bfloat16", True)
+    assert whole.rounded is None and whole.rounded_digest == content_hash(expected)
+    assert whole.digest == content_hash(data)
+    part = prepare(lambda: data, "bfloat16", False)
+    assert part.rounded is not None and bytes(part.rounded) == expected and part.rounded_digest is None
 
 
 def test_a_commit_with_helpers_stores_what_one_without_stores(tmp_path: Path, thread_starts: list[str]) -> None:

@@ -49,10 +49,12 @@ class RoundedMasters:
     def add_piece(self, seg: A.Segment, dtype: str, piece: Prepared) -> None:
         """A master piece as read from its file, rounded when :meth:`rounding_of` asked for it
         (pieces_ahead.py): held until its parameter is whole."""
-        if piece.rounded is None or seg.param in self.hashes:
+        if seg.param in self.hashes:
             return
         if piece.rounded_digest is not None:  # the whole parameter in one piece, named already
             self.hashes[seg.param] = piece.rounded_digest
+            return
+        if piece.rounded is None:
             return
         self._pending.setdefault(seg.param, {})[seg.start] = piece.rounded
         self._complete(seg.param)
