@@ -70,11 +70,13 @@ def one_size(name: str, work: Path, saves: int) -> dict:
     staging.mkdir(exist_ok=True)
     os.environ["TAILOR_STAGING"] = str(staging)
     Store.init(work / "engine-store").close()
-    with Sampler([], [staging]) as sampler:
-        train_tiny(work / "engine", losses_out=work / "engine.json", steps=steps, save_every=every,
-                   commit_to=work / "engine-store", tailor_engine=True, timings_out=work / "et.json", timeout=3600,
-                   **options)  # fmt: skip
-    shutil.rmtree(staging, ignore_errors=True)
+    try:  # a run killed (out of memory) must not leave its staging in memory for the next size
+        with Sampler([], [staging]) as sampler:
+            train_tiny(work / "engine", losses_out=work / "engine.json", steps=steps, save_every=every,
+                       commit_to=work / "engine-store", tailor_engine=True, timings_out=work / "et.json",
+                       timeout=3600, **options)  # fmt: skip
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     engine = json.loads((work / "et.json").read_text())
     plain_timings = json.loads((work / "pt.json").read_text())
     # time to resume from the last save: DeepSpeed's own from disk, and the store's through attach

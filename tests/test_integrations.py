@@ -444,25 +444,32 @@ def mapped_file(tensor: torch.Tensor) -> str:
     return ""
 
 
-def test_a_resume_maps_the_files_it_staged_and_reads_any_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A resume's files lie in the engine's own staging (tmpfs): mapping them spares a copy of every
-    byte into fresh memory. A folder that load_checkpoint loads as it is may be cut short by
-    someone else, so it is read, as DeepSpeed reads it."""
+def test_a_resume_maps_the_model_states_it_staged_and_reads_any_other_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume's files lie in the engine's own staging (tmpfs): mapping its model states spares a
+    copy of every byte into fresh memory. Optimizer states are read: the optimizer keeps the loaded
+    moments and training writes them, page by page copy-on-write if they were mapped. A folder
+    that load_checkpoint loads as it is may be cut short by someone else, so it is read too."""
     monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
     with Store.init(tmp_path / "store") as store:
         engine = TailorCheckpointEngine(store)
-        staged_file = engine._root / "restore-000000" / "global_step2" / "mp_rank_00_model_states.pt"
+        tag = engine._root / "restore-000000" / "global_step2"
+        model_states = tag / "mp_rank_00_model_states.pt"
+        optim_states = tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
         elsewhere = tmp_path / "save" / "global_step2" / "mp_rank_00_model_states.pt"
-        for path in (staged_file, elsewhere):
-            path.parent.mkdir(parents=True)
+        for path in (model_states, optim_states, elsewhere):
+            path.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"w": torch.arange(4096, dtype=torch.float32)}, path)
-        mapped = engine.load(str(staged_file))["w"]
+        mapped = engine.load(str(model_states))["w"]
+        moments = engine.load(str(optim_states))["w"]
         read = engine.load(str(elsewhere))["w"]
-        assert mapped_file(mapped) == str(staged_file.resolve())
+        assert mapped_file(mapped) == str(model_states.resolve())
+        assert not mapped_file(moments).startswith("/"), "optimizer states are read into memory of their own"
         assert not mapped_file(read).startswith("/"), "read into memory of its own"
-        assert torch.equal(mapped, read)
+        assert torch.equal(mapped, read) and torch.equal(moments, read)
         mapped += 1  # the mapping is private: training's changes never reach the file
-        assert torch.equal(load_torch_file(staged_file, mmap=False)[0]["w"], read)
+        assert torch.equal(load_torch_file(model_states, mmap=False)[0]["w"], read)
         engine.flush()
 
 
@@ -479,7 +486,9 @@ def test_load_checkpoint_without_attach_loads_what_it_staged_through_the_allowli
 
     engine = SimpleNamespace(checkpoint_engine=TorchCheckpointEngine())
     root = tmp_path / "tailor-restore-1"
-    hostile, plain, elsewhere = root / "step" / "evil.pt", root / "step" / "plain.pt", tmp_path / "own.pt"
+    folder = root / "step" / "global_step2"
+    hostile, plain = folder / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", folder / "mp_rank_00_model_states.pt"
+    elsewhere = tmp_path / "mp_rank_00_model_states.pt"
     marker = tmp_path / "pwned"
     plain.parent.mkdir(parents=True)
     torch.save({"evil": Evil(marker)}, hostile)
@@ -491,7 +500,7 @@ def test_load_checkpoint_without_attach_loads_what_it_staged_through_the_allowli
         assert not marker.exists(), "the pickle's code ran"
         staged_w = engine.checkpoint_engine.load(str(plain), map_location="cpu")["w"]
         own_w = engine.checkpoint_engine.load(str(elsewhere), map_location="cpu")["w"]
-    assert mapped_file(staged_w) == str(plain.resolve()), "the staged file is mapped, not copied"
+    assert mapped_file(staged_w) == str(plain.resolve()), "the staged model states are mapped, not copied"
     assert not mapped_file(own_w).startswith("/"), "any other file is DeepSpeed's own load"
     assert "load" not in vars(engine.checkpoint_engine), "the engine's own load is back"
     engine.checkpoint_engine.load(str(hostile), map_location="cpu")  # DeepSpeed's own, after: it runs the code

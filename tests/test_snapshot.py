@@ -149,6 +149,26 @@ def test_the_second_save_reuses_buffers_made_ready_after_the_first(tmp_path: Pat
     assert (tmp_path / "staged2" / "f.pt").read_bytes() == (tmp_path / "direct" / "f.pt").read_bytes()
 
 
+@pytest.mark.parametrize("spare", [True, False])
+def test_the_second_generation_is_readied_only_while_the_node_can_spare_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spare: bool
+) -> None:
+    """Buffers taken ahead of a save that may never come must not run the node out of memory:
+    every rank of the node takes its own, and they are taken only while as much again stays free."""
+    first = {"flat": torch.arange(300_000, dtype=torch.float32)}
+    need = 4 * 300_000 * 4  # this rank's bytes, times the node's 4 ranks
+    monkeypatch.setattr(snapshot, "available_memory", lambda: 2 * need if spare else 2 * need - 1)
+    shots = snapshot.Snapshots(pinned=False, ranks_on_node=4)
+    save_once(shots, 1, first, tmp_path)
+    assert shots._prefault is not None
+    shots._prefault.result(timeout=30)
+    assert bool(shots._buffers[0]) == spare
+    tree = save_once(shots, 2, {"flat": first["flat"] * 3}, tmp_path)  # either way, save 2 is whole
+    shots.drain()
+    assert torch.equal(torch.load(tmp_path / "staged2" / "f.pt")["flat"], first["flat"] * 3)
+    assert torch.equal(tree["flat"], first["flat"] * 3)
+
+
 def test_a_second_save_before_the_writer_gets_there_allocates_as_before(tmp_path: Path) -> None:
     shots = snapshot.Snapshots(pinned=False)
     hold = threading.Event()

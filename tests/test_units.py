@@ -119,6 +119,8 @@ def _plane_modes(payload: bytes) -> list[list[int]]:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
 def test_byte_planes_split_by_shifts_round_trip_aligned_or_not(dtype: str) -> None:
+    """Planes are split by shifts, a slice at a time; input not aligned to a word takes the
+    byte-strided copies. Decoding writes into output aligned to a word or not."""
     import torch
 
     tensor = (torch.randn(1_500_000) * 1e-2).to(getattr(torch, dtype))
@@ -128,9 +130,10 @@ def test_byte_planes_split_by_shifts_round_trip_aligned_or_not(dtype: str) -> No
     for view in (memoryview(data), memoryview(bytearray(b"x" + data))[1:]):  # the second is not word-aligned
         encoded = codec.encode(view, itemsize=itemsize, is_float=True)
         payload = b"".join(bytes(c) for c in encoded)
-        out = bytearray(len(data))
-        codec.decode_into(encoded.descriptor, io.BytesIO(payload), memoryview(out), "test")
-        assert out == data
+        for skew in (0, 1):  # the output word-aligned, then not
+            out = memoryview(bytearray(skew + len(data)))[skew:]
+            codec.decode_into(encoded.descriptor, io.BytesIO(payload), out, "test")
+            assert out == data
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
@@ -266,3 +269,13 @@ def test_the_headline_trainings_options_keep_deepspeeds_bf16_layout(tmp_path) ->
             for seg in entry.segments:
                 dtypes.setdefault(seg.kind, set()).add(entry.dtype_name)
     assert dtypes[A.WEIGHT] == {"bfloat16"} and dtypes[A.MASTER] == {"float32"}
+
+
+def test_available_memory_is_read_from_the_kernel() -> None:
+    """What the snapshot's readied buffers are weighed against (core/memory.py)."""
+    from tailorstore.core.memory import available_memory
+
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    found = available_memory()
+    assert found is not None and 0 < found <= total

@@ -57,3 +57,45 @@ def drop_mapped_pages(view: memoryview) -> None:
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+def available_memory() -> int | None:
+    """Bytes this process could still allocate before the kernel reclaims or kills: the system's
+    MemAvailable, or less where a cgroup v2 limit (a container) leaves less. None where neither
+    can be read (not Linux)."""
+    found = _meminfo_available()
+    room = _cgroup_room()
+    if found is None:
+        return room
+    return found if room is None else min(found, room)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).splitlines():
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2), or None without a limit."""
+    try:
+        with open("/proc/self/cgroup", "rb") as f:
+            lines = f.read(1 << 16).decode("ascii", "replace").splitlines()
+        path = next((line[3:] for line in lines if line.startswith("0::")), None)
+        if path is None or ".." in path.split("/"):
+            return None
+        folder = "/sys/fs/cgroup" + path.rstrip("/")
+        with open(f"{folder}/memory.max", "rb") as f:
+            limit = f.read(64).strip()
+        if limit == b"max":
+            return None
+        with open(f"{folder}/memory.current", "rb") as f:
+            current = int(f.read(64).strip())
+        return max(0, int(limit) - current)
+    except (OSError, ValueError):
+        return None

@@ -172,7 +172,9 @@ class TailorCheckpointEngine(CheckpointEngine):
         self._last_bytes = 0  # this rank's bytes in its last save: the room the next one needs
         self._save_bytes = 0  # this rank's bytes of the save under way
         # save() copies the tensors into reused memory and writes the file in the background (snapshot.py)
-        self._snapshots = Snapshots(on_staging_failed=self._warn_staging) if snapshot else None
+        self._snapshots = (
+            Snapshots(on_staging_failed=self._warn_staging, ranks_on_node=resume.ranks_on_node()) if snapshot else None
+        )
         self._snapshotted = False  # this save's files are being written in the background
 
     # -- what DeepSpeed calls while saving ----------------------------------------------
@@ -305,14 +307,8 @@ class TailorCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         """Files come from a checkout of the store; loaded with the allowlist, never running unknown code.
 
-        A file this engine wrote into its own staging for a resume is mapped, not read: its pages
-        are already in memory (tmpfs), so a read would copy every byte into fresh pages, which
-        cost the 58M resume a third of its time over DeepSpeed's raw load (docs/benchmarks.md).
-        The mapping is private, so what training changes stays its own; deleting the folder
-        afterwards unlinks the file and its pages live as long as a tensor maps them. Any other
-        file (a folder on disk that ``load_checkpoint`` loads as it is) is read, as DeepSpeed's
-        own engine reads it: a file that someone else may cut short is never mapped."""
-        return load_torch_file(path, mmap=self._restoring(path))[0]
+        A model-states file this engine staged for a resume is mapped, not read (:func:`mapped`)."""
+        return load_torch_file(path, mmap=self._restoring(path) and mapped(path))[0]
 
     def _restoring(self, path: str) -> bool:
         """Whether ``path`` lies in a restore folder of this engine's staging."""
@@ -644,6 +640,21 @@ def _shape_of(engine: Any) -> tuple[int, int]:
     return int(engine.dp_world_size), int(engine.zero_optimization_stage())
 
 
+def mapped(path: str | os.PathLike) -> bool:
+    """Whether a file staged for a resume is mapped rather than read: its model states, not its
+    optimizer states.
+
+    Staged files lie in tmpfs, so a read copies every byte into fresh memory, and a private
+    mapping spares that copy: DeepSpeed copies the module's weights out of the loaded state into
+    its own parameters. It keeps the optimizer's moments as they were loaded, though (torch's
+    ``Optimizer.load_state_dict`` keeps a tensor that needs no cast), and training then writes
+    them in place. A mapped moment is then copied page by page on first write, which cost the
+    374M resume 6 s more than reading it (docs/benchmarks.md, "Time to resume"). Other files are
+    read, as DeepSpeed's own engine reads them; a file that someone else may cut short is never
+    mapped at all."""
+    return is_model_states(Path(path).name)
+
+
 def _below(path: str | os.PathLike, root: Path) -> Path | None:
     """``path`` relative to ``root`` when it lies below it, else None (links resolved)."""
     try:
@@ -660,9 +671,8 @@ def staged_loads(engine: Any, root: Path) -> Iterator[None]:
 
     DeepSpeed's own engine loads with ``weights_only=False``, which runs whatever code a pickle
     names, and these files come from the store: anyone who can write to its bucket can put a
-    step there. Mapped, as :meth:`TailorCheckpointEngine.load` maps its own resume's files, their
-    bytes are not copied again. Other files go to the engine's own ``load``, which is put back
-    afterwards."""
+    step there. Model-states files are mapped (:func:`mapped`). Other files go to the engine's own
+    ``load``, which is put back afterwards."""
     checkpoint_engine = getattr(engine, "checkpoint_engine", None)
     if checkpoint_engine is None or isinstance(checkpoint_engine, TailorCheckpointEngine):
         yield
@@ -672,7 +682,7 @@ def staged_loads(engine: Any, root: Path) -> Iterator[None]:
 
     def load(path: str, map_location: Any = None) -> Any:
         if _below(path, root) is not None:
-            return load_torch_file(path, mmap=True)[0]
+            return load_torch_file(path, mmap=mapped(path))[0]
         return original(path, map_location=map_location)
 
     checkpoint_engine.load = load

@@ -80,6 +80,11 @@ def _local() -> tuple[int, int]:
     return local, size
 
 
+def ranks_on_node() -> int:
+    """How many ranks this node runs (LOCAL_WORLD_SIZE, read as hostile input)."""
+    return _local()[1]
+
+
 def node_ranks(rank: int) -> list[int]:
     """The global ranks of this rank's node."""
     local, size = _local()

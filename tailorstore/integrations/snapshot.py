@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from tailorstore.core.errors import StoreError
+from tailorstore.core.memory import available_memory
 
 log = logging.getLogger("tailorstore")
 WRITTEN, FAILED = ".written-", ".failed-"
@@ -118,9 +119,13 @@ class Snapshots:
     """Two generations of reused buffers and one writer thread, per engine."""
 
     def __init__(
-        self, pinned: bool | None = None, on_staging_failed: Callable[[BaseException, Path], None] | None = None
+        self,
+        pinned: bool | None = None,
+        on_staging_failed: Callable[[BaseException, Path], None] | None = None,
+        ranks_on_node: int = 1,
     ) -> None:
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        self.ranks_on_node = max(1, ranks_on_node)  # each readies its own second generation at once
         self.on_staging_failed = on_staging_failed or (lambda why, real: None)
         self._buffers: list[Buffers] = [{}, {}]
         self._pending: list[list[Future[None]]] = [[], []]
@@ -215,7 +220,7 @@ class Snapshots:
         self._pending[self._generation].append(self._writer.submit(_mark, futures, save_folder, rank))
         mine, other = self._buffers[self._generation], self._buffers[1 - self._generation]
         if mine and not other:  # the first save: ready the second generation after its files
-            self._prefault = self._writer.submit(_prefault, dict(mine), other, self.pinned)
+            self._prefault = self._writer.submit(_prefault, dict(mine), other, self.pinned, self.ranks_on_node)
 
     def drain(self) -> None:
         """Wait for every file in flight (before moving staged files, and before exit)."""
@@ -245,8 +250,21 @@ def _write(
         raise StoreError(f"staging {staged} failed ({exc}); the file was written to {real}") from None
 
 
-def _prefault(model: Buffers, target: Buffers, pinned: bool) -> None:
-    """Buffers of ``model``'s slots and sizes into ``target``, every page touched."""
+def _prefault(model: Buffers, target: Buffers, pinned: bool, ranks_on_node: int) -> None:
+    """Buffers of ``model``'s slots and sizes into ``target``, every page touched, when the node
+    can spare them.
+
+    They are taken ahead of a second save that may never come, so they must not be what runs the
+    node out of memory: every rank of the node readies its own at about the same moment, and
+    they are readied only while at least as much again stays available (MemAvailable, or a
+    container's limit). At 374M parameters on this 24 GiB machine, readying them unconditionally
+    had the kernel kill a rank that trained and saved once without them. A second save then
+    allocates its buffers as it copies, as before."""
+    needed = sum(buf.numel() for buf in model.values()) * ranks_on_node
+    available = available_memory()
+    if available is None or available < 2 * needed:
+        log.debug("the second snapshot generation is not readied: %s bytes available, %d needed", available, needed)
+        return
     for slot, buf in model.items():
         nbytes = buf.numel()
         fresh = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and nbytes > 0)
