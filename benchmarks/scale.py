@@ -83,9 +83,12 @@ def one_size(name: str, work: Path, saves: int) -> dict:
     resume_raw = train_tiny(work / "r1", losses_out=work / "r1.json", steps=steps + 1, save_every=0,
                             resume_from=plain, resume_tag=tag, timings_out=work / "r1t.json", timeout=3600,
                             **options)  # fmt: skip
-    resume_store = train_tiny(work / "r2", losses_out=work / "r2.json", steps=steps + 1, save_every=0,
-                              commit_to=work / "store", tailor_engine=True, resume_from=work / "nothing",
-                              resume_tag=tag, timings_out=work / "r2t.json", timeout=3600, **options)  # fmt: skip
+    try:  # the resume stages in the same folder ($TAILOR_STAGING)
+        resume_store = train_tiny(work / "r2", losses_out=work / "r2.json", steps=steps + 1, save_every=0,
+                                  commit_to=work / "store", tailor_engine=True, resume_from=work / "nothing",
+                                  resume_tag=tag, timings_out=work / "r2t.json", timeout=3600, **options)  # fmt: skip
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return {
         "size": name,
         "params": params_of(SIZES[name]),
