@@ -308,7 +308,9 @@ class TailorCheckpointEngine(CheckpointEngine):
         """Files come from a checkout of the store; loaded with the allowlist, never running unknown code.
 
         A model-states file this engine staged for a resume is mapped, not read (:func:`mapped`)."""
-        return load_torch_file(path, mmap=self._restoring(path) and mapped(path))[0]
+        if self._restoring(path):
+            return load_staged(path)
+        return load_torch_file(path, mmap=False)[0]
 
     def _restoring(self, path: str) -> bool:
         """Whether ``path`` lies in a restore folder of this engine's staging."""
@@ -655,6 +657,11 @@ def mapped(path: str | os.PathLike) -> bool:
     return is_model_states(Path(path).name)
 
 
+def load_staged(path: str | os.PathLike) -> Any:
+    """A file staged for a resume, loaded through the allowlist; mapped where :func:`mapped` says."""
+    return load_torch_file(path, mmap=mapped(path))[0]
+
+
 def _below(path: str | os.PathLike, root: Path) -> Path | None:
     """``path`` relative to ``root`` when it lies below it, else None (links resolved)."""
     try:
@@ -682,7 +689,7 @@ def staged_loads(engine: Any, root: Path) -> Iterator[None]:
 
     def load(path: str, map_location: Any = None) -> Any:
         if _below(path, root) is not None:
-            return load_torch_file(path, mmap=mapped(path))[0]
+            return load_staged(path)
         return original(path, map_location=map_location)
 
     checkpoint_engine.load = load
