@@ -470,6 +470,8 @@ def test_a_resume_maps_the_model_states_it_staged_and_reads_any_other_file(
         assert torch.equal(mapped, read) and torch.equal(moments, read)
         mapped += 1  # the mapping is private: training's changes never reach the file
         assert torch.equal(load_torch_file(model_states, mmap=False)[0]["w"], read)
+        model_states.chmod(0o666)  # a mode the store recorded: anyone could cut the file short
+        assert not mapped_file(engine.load(str(model_states))["w"]).startswith("/"), "read, never mapped"
         engine.flush()
 
 

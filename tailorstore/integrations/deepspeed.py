@@ -658,8 +658,20 @@ def mapped(path: str | os.PathLike) -> bool:
 
 
 def load_staged(path: str | os.PathLike) -> Any:
-    """A file staged for a resume, loaded through the allowlist; mapped where :func:`mapped` says."""
-    return load_torch_file(path, mmap=mapped(path))[0]
+    """A file staged for a resume, loaded through the allowlist; mapped where :func:`mapped` says
+    and only while nobody else can cut it short (:func:`_only_ours`)."""
+    return load_torch_file(path, mmap=mapped(path) and _only_ours(path))[0]
+
+
+def _only_ours(path: str | os.PathLike) -> bool:
+    """Whether only this user can write ``path`` or replace it in its folder. A mapped file that
+    someone cuts short kills the process with SIGBUS, and a checkout applies the modes the store
+    records, which a stranger with write access to the store may have set (0o666)."""
+    try:
+        file, folder = os.stat(path), os.stat(Path(path).parent)
+    except OSError:
+        return False
+    return file.st_uid == os.getuid() and not (file.st_mode | folder.st_mode) & 0o022
 
 
 def _below(path: str | os.PathLike, root: Path) -> Path | None:
