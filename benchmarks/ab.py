@@ -26,7 +26,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-RUN = "import sys; from tailorstore.cli.app import run; sys.argv = ['tailor', *sys.argv[1:]]; run()"
+# The tree's own command line: an editable install maps ``tailorstore.cli`` to the installed tree's
+# ``cli/`` folder whatever the working directory, so the tree's ``cli`` package is put in its place.
+RUN = (
+    "import sys, tailorstore, cli; sys.modules['tailorstore.cli'] = tailorstore.cli = cli; "
+    "from cli.app import run; sys.argv = ['tailor', *sys.argv[1:]]; run()"
+)
 FIELDS = ("wall", "user", "system", "faults", "rss")
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
 import threading
 
 import numpy as np
+import pytest
 
+from tailorstore.core import memory
 from tailorstore.core.reused_memory import Slab
 
 MB = 1 << 20
@@ -79,3 +83,19 @@ def test_threads_taking_and_dropping_pieces_never_see_each_others_bytes() -> Non
     gc.collect()
     assert errors == []
     assert slab.free_bytes() == 8 * MB
+
+
+def test_tuning_the_allocator_starts_no_other_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every command that opens a store tunes glibc first; finding libc by name ran `ldconfig -p`
+    in a child process each time (ctypes.util.find_library)."""
+
+    def no_programs(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a program was started: {args[:1]}")
+
+    memory._libc.cache_clear()
+    monkeypatch.setattr(subprocess, "Popen", no_programs)
+    monkeypatch.setattr(os, "posix_spawn", no_programs)
+    try:
+        assert memory.reuse_freed_memory()
+    finally:
+        memory._libc.cache_clear()

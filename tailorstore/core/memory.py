@@ -12,7 +12,6 @@ should not change its host process's allocator.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 _M_TRIM_THRESHOLD = -1
@@ -56,7 +55,9 @@ def drop_mapped_pages(view: memoryview) -> None:
 
 @functools.cache
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    """The C library this process already runs on (``dlopen(NULL)``, as store/posix.py does).
+    ``ctypes.util.find_library`` would fork and run ``ldconfig -p`` in every command."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def available_memory() -> int | None:

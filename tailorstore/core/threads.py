@@ -3,15 +3,18 @@
 Three kinds of pool, each sized from ``usable_cores()`` (the affinity mask, which is what a
 job scheduler or ``taskset`` gives a process, not the machine's core count):
 
-* **compute** (a commit's compressing and hashing writers): one a core, plus one that keeps
-  the cores busy while a thread waits on a write;
+* **compute** (a commit's compressing and hashing writers): one a core. A commit's writes go to
+  the page cache and only its last step waits on the disk, so a thread more than the cores only
+  shared them: on 2 cores, 3 threads cost a whole-process commit 0.69 CPU-seconds against 0.62
+  for 2, at the same wall, with 38 MB more peak RSS (docs/benchmarks.md, "One compressing
+  thread a core");
 * **decode** (a checkout's, a reshard's and a deep verify's decoders): two a core, since half
   of them wait on the disk or the network at any time;
 * **sync** (fsyncs of a checkout's files): eight a core, at most 64: they only wait.
 
 ``$TAILOR_THREADS`` (or a ``threads=`` argument of the API) sets the compute and decode pools.
 Rank-parallel commits divide a node's cores among its ranks (``share``), so that eight ranks on
-a 64-core node do not start 65 threads each.
+a 64-core node do not start 64 threads each.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def compute_threads(threads: int | None = None, *, share: int = 1) -> int:
     chosen = configured(threads)
     if chosen is not None:
         return chosen
-    return max(1, usable_cores() // max(1, share)) + 1
+    return max(1, usable_cores() // max(1, share))
 
 
 def decode_threads(threads: int | None = None, *, share: int = 1) -> int:

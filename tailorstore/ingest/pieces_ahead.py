@@ -10,7 +10,7 @@ node"). Here helpers prepare the pieces in parallel, in the loop's order and at 
 bytes ahead; the loop then only decides, looks blobs up in the index (bound to its thread) and
 queues them. A blob is still named and compressed from the same single copy.
 
-With no helpers (fewer than five compressing threads, so fewer than four cores) each piece is
+With no helpers (fewer than four compressing threads, so fewer than four cores) each piece is
 prepared on the loop's thread when taken, as before: there the preparation already overlaps the
 compression of earlier pieces, and helpers only compete for the same cores.
 """
@@ -70,8 +70,8 @@ def rounded_name(master: memoryview, dtype: str) -> str:
 
 
 def read_helpers(threads: int) -> int:
-    """Helpers for a commit whose compressing pool has ``threads`` threads (one a core, plus one)."""
-    return 0 if threads < 5 else min(MAX_HELPERS, threads // 4)
+    """Helpers for a commit whose compressing pool has ``threads`` threads (one a core)."""
+    return 0 if threads < 4 else min(MAX_HELPERS, threads // 4)
 
 
 Job = Callable[[], Prepared]
