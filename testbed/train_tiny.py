@@ -237,6 +237,25 @@ def copy_floor(nbytes: int, cuda: bool) -> dict:
     return {"copy_floor_seconds": min(times[1:]), "copy_floor_bytes": nbytes}
 
 
+def copy_floor_together(nbytes: int, cuda: bool) -> float:
+    """The same copy on every rank at once, as every rank snapshots its share of a save at the same
+    moment (collective: all ranks call it): rank 0's best of 3 after a warm-up. On a machine whose
+    ranks share the memory bus and cores, this is the floor the save itself runs against."""
+    source = torch.ones(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    target = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    times = []
+    for _ in range(4):
+        torch.distributed.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        target.copy_(source, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return min(times[1:])
+
+
 def ds_config(args: argparse.Namespace) -> dict:
     config: dict = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -429,8 +448,14 @@ def main(argv: list[str] | None = None) -> None:
             for s in done.log():
                 print(f"[tailor] committed step {s.step}: {s.raw_bytes} raw, {s.new_bytes} newly stored", flush=True)
     torch.distributed.barrier()
+    loop_seconds = time.perf_counter() - loop_began
+    together = None
+    if args.save_every and args.timings_out:  # every rank, at once
+        together = copy_floor_together(saved_bytes(engine.module), args.cuda)
     if rank == 0 and args.timings_out:
-        timings = {"stalls": stalls, "loop_seconds": time.perf_counter() - loop_began}
+        timings = {"stalls": stalls, "loop_seconds": loop_seconds}
+        if together is not None:
+            timings["copy_floor_together_seconds"] = together
         if args.resume_from or args.load_from_store:
             timings["resume_seconds"] = resume_seconds
         if args.save_every:  # the floor of a stall: rank 0's bytes of a save copied into mapped memory

@@ -183,3 +183,21 @@ def test_a_second_save_before_the_writer_gets_there_allocates_as_before(tmp_path
     shots.write(tree, tmp_path / "staged2" / "f.pt", tmp_path / "real2.pt")
     shots.drain()
     assert torch.equal(torch.load(tmp_path / "staged2" / "f.pt")["x"], torch.zeros(1000))
+
+
+def test_a_saves_files_are_written_only_once_its_last_file_is_copied(tmp_path: Path) -> None:
+    """Writing the first file while the next one was still being copied took a core from the copy:
+    the copies are what blocks training, the writes are not."""
+    shots = snapshot.Snapshots(pinned=False)
+    shots.begin(1)
+    first, _ = shots.copy({"w": torch.ones(1000)}, "model.pt")
+    shots.write(first, tmp_path / "staged" / "model.pt", tmp_path / "real" / "model.pt")
+    shots._writer.submit(lambda: None).result()  # everything handed to the writer so far is done
+    assert not (tmp_path / "staged" / "model.pt").exists(), "written while the save was still copying"
+    second, _ = shots.copy({"m": torch.zeros(1000)}, "optim.pt")
+    shots.write(second, tmp_path / "staged" / "optim.pt", tmp_path / "real" / "optim.pt")
+    shots.finish(tmp_path / "markers", 0)
+    shots.drain()
+    assert torch.equal(torch.load(tmp_path / "staged" / "model.pt")["w"], torch.ones(1000))
+    assert torch.equal(torch.load(tmp_path / "staged" / "optim.pt")["m"], torch.zeros(1000))
+    assert (tmp_path / "markers" / f"{snapshot.WRITTEN}0").exists()
