@@ -118,8 +118,7 @@ def plot(store: Repository, out: Path, run: str = MAIN_RUN) -> Path:
         dtype=float,
     )
     fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(m.columns) + 3), max(3.0, 0.35 * len(m.layers) + 1.8)))
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("lightgrey")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")  # a copy: the registered map stays
     image = ax.imshow(data, aspect="auto", cmap=cmap, origin="lower")
     for y, flags in enumerate(m.inherited):
         for x, gone in enumerate(flags):
