@@ -88,7 +88,7 @@ def run_way(way: str, work: Path, size_name: str, steps: int, every: int, fp32_c
     save, store = root / "save", root / "store"
     staging = Path("/dev/shm") / f"tailor-stall-{os.getpid()}"  # memory, as the engine's default
     args = ["--save-dir", str(save), "--steps", str(steps), "--save-every", str(every)]
-    args += ["--timings-out", str(root / "timings.json"), "--losses-out", str(root / "losses.json")]
+    args += ["--timings-out", str(root / "timings.json"), "--losses-out", str(root / "losses.json"), "--floor-together"]
     args += ["--stage", "2", "--dtype", "bf16", "--seq", "64", "--micro-batch", "2", "--lr", "1e-3"]
     args += ["--dim", str(size.dim), "--layers", str(size.layers), "--hidden", str(size.hidden)]
     args += ["--vocab", str(size.vocab), "--heads", str(size.heads)]

@@ -321,6 +321,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--on-existing", default="branch", help="what the engine does with a save of a step the store holds")
     p.add_argument("--fast-writer", action="store_true", help="save with DeepSpeed's FastCheckpointEngine")
     p.add_argument("--timings-out", default=None, help="JSON: each save's stall and the training loop's seconds")
+    p.add_argument(
+        "--floor-together",
+        action="store_true",
+        help="with --timings-out: also time the stall's floor on every rank at once (two more copies of "
+        "each rank's share of a save in memory for a moment: off in the scale runs, which fill memory)",
+    )
     p.add_argument("--data", choices=sorted(DATA), default="ramp", help="ramp (tests) or chain (text-like)")
     p.add_argument("--fp32-compute", action="store_true", help="bf16 parameters, fp32 arithmetic (fast on CPU)")
     p.add_argument("--eval-batches", type=int, default=0, help="held-out batches to evaluate after training")
@@ -450,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.distributed.barrier()
     loop_seconds = time.perf_counter() - loop_began
     together = None
-    if args.save_every and args.timings_out:  # every rank, at once
+    if args.save_every and args.timings_out and args.floor_together:  # every rank, at once
         together = copy_floor_together(saved_bytes(engine.module), args.cuda)
     if rank == 0 and args.timings_out:
         timings = {"stalls": stalls, "loop_seconds": loop_seconds}
