@@ -219,33 +219,18 @@ def saved_bytes(model: nn.Module) -> int:
     return n * 2 + n * 12 // torch.distributed.get_world_size()  # bf16 weights; this rank's fp32 master, two moments
 
 
-def copy_floor(nbytes: int, cuda: bool) -> dict:
+def copy_floor(nbytes: int, cuda: bool, *, together: bool = False) -> float:
     """Seconds to copy ``nbytes`` into host memory that is already mapped (pinned, from the GPU,
     with --cuda; else from memory to memory), the best of 3 after a warm-up: the least a snapshot
-    of the save can block for."""
+    of the save can block for. ``together``: every rank copies at once, as every rank snapshots
+    its share of a save at the same moment (collective: all ranks call it); on a machine whose
+    ranks share the memory bus and cores, that is the floor the save itself runs against."""
     source = torch.ones(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
     target = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)  # zeros: every page touched
     times = []
     for _ in range(4):
-        if cuda:
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        target.copy_(source, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - began)
-    return {"copy_floor_seconds": min(times[1:]), "copy_floor_bytes": nbytes}
-
-
-def copy_floor_together(nbytes: int, cuda: bool) -> float:
-    """The same copy on every rank at once, as every rank snapshots its share of a save at the same
-    moment (collective: all ranks call it): rank 0's best of 3 after a warm-up. On a machine whose
-    ranks share the memory bus and cores, this is the floor the save itself runs against."""
-    source = torch.ones(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
-    target = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    times = []
-    for _ in range(4):
-        torch.distributed.barrier()
+        if together:
+            torch.distributed.barrier()
         if cuda:
             torch.cuda.synchronize()
         began = time.perf_counter()
@@ -457,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
     loop_seconds = time.perf_counter() - loop_began
     together = None
     if args.save_every and args.timings_out and args.floor_together:  # every rank, at once
-        together = copy_floor_together(saved_bytes(engine.module), args.cuda)
+        together = copy_floor(saved_bytes(engine.module), args.cuda, together=True)
     if rank == 0 and args.timings_out:
         timings = {"stalls": stalls, "loop_seconds": loop_seconds}
         if together is not None:
@@ -465,7 +450,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.resume_from or args.load_from_store:
             timings["resume_seconds"] = resume_seconds
         if args.save_every:  # the floor of a stall: rank 0's bytes of a save copied into mapped memory
-            timings |= copy_floor(saved_bytes(engine.module), args.cuda)
+            nbytes = saved_bytes(engine.module)
+            timings |= {"copy_floor_seconds": copy_floor(nbytes, args.cuda), "copy_floor_bytes": nbytes}
         Path(args.timings_out).write_text(json.dumps(timings))
     if args.eval_batches:
         held_out = held_out_loss(engine, args)
