@@ -91,7 +91,28 @@ _MemoryFormat = _record("_MEM_FORMAT_ENCODING")
 _PathValue = _record("PathValue")
 
 _META = "torch.distributed.checkpoint.metadata."
-_ALLOWED: dict[str, Any] = {
+
+
+def _allowed() -> dict[str, Any]:
+    """A new allowlist for one load (docs/FORMAT.md section 8, I5). The classes are shared: a class's
+    ``__setstate__`` takes an instance, so ``BUILD`` on the class itself fails. The dtypes and the
+    two functions are made anew, since slot state can set a function's ``__defaults__``."""
+    return {**_CLASSES, **_values()}
+
+
+def _values() -> dict[str, Any]:
+    def size(dims: Any = ()) -> tuple:
+        return tuple(dims)
+
+    def layout(name: Any = "") -> str:
+        return str(name)
+
+    values: dict[str, Any] = {"torch.Size": size, "torch.serialization._get_layout": layout}
+    values.update({f"torch.{dtype}": DTypeName(dtype) for dtype in DTYPES})
+    return values
+
+
+_CLASSES: dict[str, Any] = {
     _META + "Metadata": _Metadata,
     _META + "MetadataIndex": _MetadataIndex,
     _META + "TensorStorageMetadata": _TensorStorage,
@@ -101,23 +122,21 @@ _ALLOWED: dict[str, Any] = {
     _META + "StorageMeta": _StorageMeta,
     _META + "_MEM_FORMAT_ENCODING": _MemoryFormat,
     "torch.distributed.checkpoint.filesystem._StorageInfo": _StorageInfo,
-    "torch.Size": lambda dims=(): tuple(dims),
-    "torch.serialization._get_layout": lambda name="": str(name),
     "pathlib.PosixPath": _PathValue,
     "pathlib.WindowsPath": _PathValue,
     "pathlib.PurePosixPath": _PathValue,
     "collections.OrderedDict": dict,
 }
-_ALLOWED.update({f"torch.{dtype}": DTypeName(dtype) for dtype in DTYPES})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, where: str) -> None:
         super().__init__(io.BytesIO(data))
         self.where = where
+        self.allowed = _allowed()
 
     def find_class(self, module: str, name: str) -> Any:
-        found = _ALLOWED.get(f"{module}.{name}")
+        found = self.allowed.get(f"{module}.{name}")
         if found is None:
             raise UnsafePickleError(
                 f"{self.where}: the DCP metadata needs {module}.{name}, which is not one of DCP's metadata "

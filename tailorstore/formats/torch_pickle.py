@@ -97,8 +97,17 @@ def opaque_class(name: str) -> type[Opaque]:
     return type(name.rsplit(".", 1)[-1], (Opaque,), {"name": name, "__module__": __name__})
 
 
+class _Unbuildable:
+    """An allowlisted value a pickle may name but never change: ``BUILD`` on it (``GLOBAL
+    torch.FloatStorage`` then ``BUILD {"dtype": "int32"}``) is refused. torch.save never builds
+    state on a storage type or a dtype; a pickle that does is damaged or hostile."""
+
+    def __setstate__(self, state: Any) -> None:
+        raise BadCheckpointError(f"the pickle changes {self!r}, which torch.save never does")
+
+
 @dataclass(frozen=True)
-class _StorageType:
+class _StorageType(_Unbuildable):
     dtype: str
 
 
@@ -111,7 +120,7 @@ class _Storage:
 
 
 @dataclass(frozen=True)
-class DTypeName:
+class DTypeName(_Unbuildable):
     """``torch.bfloat16`` and the like, as objects in a tree (optimizer configs hold a few)."""
 
     name: str
@@ -162,18 +171,21 @@ def _bytearray(source: Any = b"", *args: Any) -> bytearray:
 
 
 def _allowed() -> dict[str, Any]:
+    """A new allowlist, for one load only (docs/FORMAT.md section 8, I5): every object a pickle can
+    reach through it (the storage types, the dtypes, the functions and the classes) is made for that
+    load, so nothing one file's pickle does to them (``BUILD``, slot state) reaches a later read."""
     allowed: dict[str, Any] = {
         "collections.OrderedDict": OrderedDict,
-        "collections.Counter": Counter,
+        "collections.Counter": _fresh(Counter),  # a Python class: slot state could set its attributes
         "builtins.set": set,
         "builtins.frozenset": frozenset,
-        "builtins.bytearray": _bytearray,
+        "builtins.bytearray": _fresh(_bytearray),
         "builtins.complex": complex,
         "_codecs.encode": codecs.encode,  # how protocol 2 pickles bytes
-        "torch.Size": lambda dims=(): tuple(int(d) for d in dims),
-        "torch._utils._rebuild_parameter": _rebuild_parameter,
-        "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+        "torch.Size": _size_maker(),
+        "torch._utils._rebuild_parameter": _fresh(_rebuild_parameter),
+        "torch._utils._rebuild_parameter_with_state": _fresh(_rebuild_parameter),
+        "torch._tensor._rebuild_from_type_v2": _fresh(_rebuild_from_type_v2),
         "torch.device": opaque_class("torch.device"),
     }
     allowed.update({f"torch.{kind}": _StorageType(dtype) for kind, dtype in _STORAGES.items()})
@@ -182,7 +194,20 @@ def _allowed() -> dict[str, Any]:
     return allowed
 
 
-ALLOWED = _allowed()
+def _size_maker() -> Callable[..., tuple[int, ...]]:
+    def size(dims: Any = ()) -> tuple[int, ...]:
+        return tuple(int(d) for d in dims)
+
+    return size
+
+
+def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A function of this load's own: a pickle's slot state can set a function's ``__defaults__``."""
+
+    def call(*args: Any) -> Any:
+        return fn(*args)
+
+    return call
 
 
 class _Unpickler(pickle.Unpickler):
@@ -190,6 +215,7 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         self.records, self.prefix, self.where = records, prefix, where
         self.refs: list[_Located] = []
+        self.allowed = _allowed()
 
     def _rebuild_tensor(self, *args: Any) -> _Located:
         ref = _rebuild_tensor_v2(*args)
@@ -204,7 +230,7 @@ class _Unpickler(pickle.Unpickler):
             module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return self._rebuild_tensor
-        found = ALLOWED.get(f"{module}.{name}")
+        found = self.allowed.get(f"{module}.{name}")
         if found is None and module == "torch":
             raise NotPlainTorchSave(f"torch.{name}")  # a dtype or storage we do not cut: torch's loader decides
         if found is None:
