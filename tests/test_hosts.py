@@ -320,3 +320,65 @@ def test_access_denied_is_named_as_such(tmp_path: Path) -> None:
     with moto_process(INITIAL_NO_AUTH_ACTION_COUNT="0") as strict:  # moto then checks every request's keys
         env = host_env(tmp_path / "host", **strict.environ(), TAILOR_S3_RETRY_SECONDS="0")
         one_line(run(env, "log", "--store", "s3://bucket/x"), 2, "access denied", "AWS_ACCESS_KEY_ID")
+
+
+def _steps(env: dict[str, str], location: str) -> dict[int, dict]:
+    done = run(env, "log", "--json", "--store", location)
+    assert done.returncode == 0, done.stderr
+    return {s["step"]: s for s in json.loads(done.stdout)}
+
+
+def _racing_commits(envs: list[dict[str, str]], saves: tuple[Path, Path], location: str, *args: str) -> Path:
+    """Both hosts commit at once (each sleeps just before it publishes, so both pass their local
+    checks): one wins, one is refused with exit 2; returns the winner's save."""
+    procs = [start(env, "commit", str(save), *args, "--store", location) for env, save in zip(envs, saves, strict=True)]
+    done = [(p, *p.communicate(timeout=300)) for p in procs]
+    assert sorted(p.returncode for p, _, _ in done) == [0, 2], [(p.returncode, err) for p, _, err in done]
+    return next(save for (p, _, _), save in zip(done, saves, strict=True) if p.returncode == 0)
+
+
+def test_two_hosts_replacing_a_tagged_pinned_step_keep_its_tag_and_pin(
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Attack finding 4: the loser of two ``commit --force`` of one tagged, pinned step took back
+    refs that named the key both had chosen, deleting the winner's pin and tag, and the next gc
+    dropped the step. A loser now writes no ref at all."""
+    envs = [
+        host_env(tmp_path / f"host-{h}", TAILOR_FAILPOINTS="before-publish=sleep:0.5", TAILOR_LOCK_TTL="120")
+        for h in "ab"
+    ]
+    plain = host_env(tmp_path / "host-c")
+    at3, at6 = saves
+    assert run(plain, "init", s3_location).returncode == 0
+    assert run(plain, "commit", str(at3), "--step", "5", "--tag", "keep", "--store", s3_location).returncode == 0
+    assert run(plain, "pin", "step=5", "--store", s3_location).returncode == 0
+    assert run(plain, "commit", str(at6), "--step", "9", "--store", s3_location).returncode == 0
+    for round_ in range(3):
+        winner = _racing_commits(envs, saves, s3_location, "--step", "5", "--force")
+        seen = _steps(host_env(tmp_path / f"fresh-{round_}"), s3_location)
+        assert seen[5]["tag"] == "keep" and seen[5]["pinned"], seen[5]
+    # the next gc keeps the step its pin and tag protect, and it checks out as the last winner's save
+    fresh = host_env(tmp_path / "fresh-gc")
+    collected = run(fresh, "gc", "--keep-last", "1", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    assert sorted(_steps(fresh, s3_location)) == [5, 9]
+    out = tmp_path / "out"
+    assert run(fresh, "checkout", "tag=keep", "--out", str(out), "--store", s3_location).returncode == 0
+    tag_dir = next(winner.glob("global_step*")).name
+    name = "mp_rank_00_model_states.pt"
+    assert (out / tag_dir / name).read_bytes() == (winner / tag_dir / name).read_bytes()
+
+
+def test_two_hosts_committing_a_new_step_with_one_tag_leave_it_tagged(
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The same without --force: a new step committed by two hosts with the same ``--tag``."""
+    envs = [
+        host_env(tmp_path / f"host-{h}", TAILOR_FAILPOINTS="before-publish=sleep:0.5", TAILOR_LOCK_TTL="120")
+        for h in "ab"
+    ]
+    assert run(envs[0], "init", s3_location).returncode == 0
+    for round_, step in enumerate((7, 8)):
+        _racing_commits(envs, saves, s3_location, "--step", str(step), "--tag", f"best{step}")
+        seen = _steps(host_env(tmp_path / f"fresh-{round_}"), s3_location)
+        assert seen[step]["tag"] == f"best{step}", seen[step]

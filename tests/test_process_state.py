@@ -10,6 +10,7 @@ import pickle
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 
 from tailorstore import BadCheckpointError
@@ -73,6 +74,7 @@ def test_a_pickle_that_rebuilds_a_storage_type_changes_no_later_read(tmp_path: P
         assert _dtypes(good) == ["float32", "float32"], hostile
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_dcp_metadata_that_rebuilds_a_dtype_changes_no_later_read(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 

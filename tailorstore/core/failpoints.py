@@ -8,21 +8,77 @@ the moment that matters, in a real process, so the code names those moments::
     TAILOR_FAILPOINTS="before-publish=sleep:0.5,gc-before-delete=stop"
     TAILOR_FAILPOINTS="before-part-publish=kill@2"          # SIGKILL at the second time it is reached
 
+Every request a backend makes is a failpoint too, named ``OPERATION/KIND``: the operation this
+thread runs (:func:`operation`: ``commit``, ``gc``, ``finalize``, ``tag``...; ``any`` outside one)
+and the request's kind (``put``, ``put-create``, ``get``, ``head``, ``list``, ``delete``,
+``delete-many``). A pattern may put ``*`` for either half, and ``@N`` counts the requests that
+pattern matched::
+
+    TAILOR_FAILPOINTS="gc/delete-many=stop@2"               # stop gc before its second DeleteObjects
+    TAILOR_FAILPOINTS="commit/put-create=kill"              # kill a commit at its manifest's put
+
+:func:`requests_made` counts every request by name, reached or not, for a test or a simulation
+to see what an operation sent.
+
 Like etcd's gofail. Unknown names and malformed entries are ignored (the variable is input
 from outside, read once, at most 1,000 characters); a sleep is at most 600 seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextvars import ContextVar
 from functools import cache
 
 from tailorstore.core.environment import FAILPOINTS_ENV
 
-POINTS = ("before-publish", "before-part-publish", "gc-before-delete", "gc-repack-written", "before-lease-renewal")
+POINTS = (
+    "before-publish",
+    "after-publish",
+    "before-part-publish",
+    "gc-before-delete",
+    "gc-repack-written",
+    "before-lease-renewal",
+)
+REQUEST_KINDS = ("put", "put-create", "get", "head", "list", "delete", "delete-many")
+_REQUEST = re.compile(r"(\*|[a-z][a-z-]{0,30})/(\*|[a-z][a-z-]{0,30})")
 _reached: dict[str, int] = {}
+_requests: Counter[str] = Counter()
+_operation: ContextVar[str] = ContextVar("tailor_operation", default="any")
+
+
+@contextlib.contextmanager
+def operation(name: str) -> Iterator[None]:
+    """Name the operation this thread runs, for the requests it makes meanwhile."""
+    token = _operation.set(name)
+    try:
+        yield
+    finally:
+        _operation.reset(token)
+
+
+def requests_made() -> dict[str, int]:
+    """Requests this process sent, by ``OPERATION/KIND``."""
+    return dict(_requests)
+
+
+def request(kind: str) -> None:
+    """Called by a backend before each request it sends (``kind``: one of :data:`REQUEST_KINDS`)."""
+    name = f"{_operation.get()}/{kind}"
+    _requests[name] += 1
+    actions = _actions()
+    if not actions:
+        return
+    op = name.split("/", 1)[0]
+    for pattern in (name, f"*/{kind}", f"{op}/*", "*/*"):
+        if pattern in actions:
+            failpoint(pattern)
 
 
 @cache
@@ -31,7 +87,8 @@ def _actions() -> dict[str, str]:
     out = {}
     for entry in text.split(","):
         name, _, action = entry.strip().partition("=")
-        if name in POINTS and (action.partition("@")[0] in ("stop", "kill") or action.startswith("sleep:")):
+        known = name in POINTS or _REQUEST.fullmatch(name)
+        if known and (action.partition("@")[0] in ("stop", "kill") or action.startswith("sleep:")):
             out[name] = action
     return out
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
-from tailorstore.core.failpoints import failpoint
+from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.metrics import decode as decode_metrics
 from tailorstore.curate.archiving import ArchiveGrid
@@ -334,6 +334,22 @@ def gc(
     on_wait: Callable[[str], None] | None = None,
     show_plan: Callable[[GcPlan], None] | None = None,
 ) -> GcPlan:
+    with operation("gc"):
+        return _gc(store, rules, dry_run, drop_parts, lock_timeout, on_wait, show_plan)
+
+
+def _gc(
+    store: Repository,
+    rules: Retention,
+    dry_run: bool,
+    drop_parts: bool,
+    lock_timeout: float,
+    on_wait: Callable[[str], None] | None,
+    show_plan: Callable[[GcPlan], None] | None,
+) -> GcPlan:
+    """gc's call order (docs/FORMAT.md section 8): lock exclusive and sync; plan; thin; delete parts
+    and superseded objects; one transaction dropping manifests and rows; repack; delete blob and
+    pack objects; temp files. Every deletion request is fenced on its own (``delete_many``)."""
     written = 0
     with store.lock(exclusive=True, timeout=lock_timeout, on_wait=on_wait) as lock:
         store.refresh(lock)  # what other hosts recorded before this lock was taken
@@ -351,12 +367,13 @@ def gc(
         if plan.thin_to(THIN_ARCHIVE):  # which blobs die is known only once the archived weights exist
             plan = _replanned(store, plan, effective_rules(store, rules), drop_parts)
         fence()
-        store.backend.delete_many([*plan.drop_parts, *plan.superseded])  # before anything they name
+        manifest_objects.carry_refs(store.backend, store.catalogue, plan.superseded)  # before their objects go
+        store.backend.delete_many([*plan.drop_parts, *plan.superseded], fence=fence)  # before anything they name
         with store.transaction() as index:
             fence()
             # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
             dropped = [m for m, _ in plan.drop]
-            manifest_objects.unpublish(store.backend, index.object_keys(dropped).values())
+            manifest_objects.unpublish(store.backend, index.object_keys(dropped).values(), fence=fence)
             index.delete_manifests(dropped)
             index.delete_blobs(plan.dead_blobs)
             index.delete_packs(plan.dead_packs)
@@ -373,8 +390,7 @@ def gc(
         for name in [*plan.dead_packs, *plan.repack, *plan.orphan_packs]:
             if name not in named_packs:
                 batch.delete(pack_key(name))
-        fence()
-        batch.publish()
+        batch.publish(fence)  # the fence before each request: a stall between two must not delete a reused pack
         fence()
         store.backend.clear_leftovers(plan.temp_files)
         plan.freed_bytes -= written

@@ -190,8 +190,11 @@ def _thin(
                 index.set_tier(record.id, tier)
                 replaced.append(record.object_key)
                 published.append(manifest_objects.publish(store.backend, index, record.id, fence=lock, replacing=True))
+                manifest_objects.write_refs(store.backend, index, [record.id])  # after the object (publish says why)
     except BaseException:
         manifest_objects.unpublish(store.backend, published)  # the old versions still stand
+        if published:  # with their refs, which a withdrawn version may have taken
+            manifest_objects.write_refs(store.backend, store.catalogue, [r.id for r in targets])
         raise
     manifest_objects.unpublish(store.backend, replaced)  # after the index names the new versions
     return sum(b.stored_size for b in new_blobs)

@@ -354,11 +354,16 @@ def commit_checkpoint(
             )
             return manifest
 
+        def took_refs_of() -> list[int]:
+            """After a rollback: the manifests whose refs a withdrawn publish had moved to its key."""
+            holder = store.catalogue.tagged(tag) if tag else None
+            return [m.id for m in (replaced, holder) if m is not None]
+
         try:
-            manifest = record_manifest(store, rows, fence=lock, replacing=options.force).manifest  # the commit point
+            manifest = record_manifest(
+                store, rows, fence=lock, replacing=options.force, restore_refs=took_refs_of
+            ).manifest  # the commit point
         except BaseException:
-            if replaced is not None:  # its tag object may name the new key by now
-                manifest_objects.write_refs(store.backend, store.catalogue, [replaced.id])
             if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind
                 remove_unindexed(store, writer)
             raise

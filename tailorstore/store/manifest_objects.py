@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -248,48 +248,48 @@ def _typed_document(doc: dict[str, Any], key: str) -> ManifestDocument:
 
 
 def publish(backend: Backend, index: Index, manifest: int, *, fence: Fence | None, replacing: bool = False) -> str:
-    """Write the manifest's object, create-only, from inside the transaction that records it.
+    """Write the manifest's object, create-only, from inside the transaction that records it; the
+    caller writes its refs (:func:`write_refs`) only after this returns.
 
-    Its tag and pin objects go first: they name a key that does not exist yet, which readers
-    ignore, so a crash before the manifest object leaves nothing that counts. ``fence`` (the
+    Refs come after the object, never before (attack finding 4): two hosts that publish one step
+    choose the same key, so a loser that had written refs first and took them back would delete
+    the winner's tag and pin, which name that same key. Now a loser has written nothing to take
+    back, and gets :class:`StepExistsError`. A crash between the object and its refs leaves a
+    step whose older version's refs still count for it (:func:`current_of`). ``fence`` (the
     store lock the caller holds) is checked just before the object is written: a process that
-    stalled past its lease publishes nothing (store/lease.py). Two hosts that publish one step
-    at once cannot both win: the loser's create-only write fails, its refs are taken back, and
-    it gets :class:`StepExistsError`.
+    stalled past its lease publishes nothing (store/lease.py).
     """
     key = new_key(backend, index, manifest, replacing=replacing)
     index.set_object_key(manifest, key)
-    written = write_refs(backend, index, [manifest])
     failpoint("before-publish")
     if fence is not None:
         fence.check("recording the manifest")
     try:
         backend.put(key, encode(document(index, manifest)), create_only=True)
     except ObjectExistsError:
-        _take_back_refs(backend, key, written)
         record = index.manifest(manifest)
         assert record is not None
         raise _step_exists(record) from None
     return key
 
 
-def _take_back_refs(backend: Backend, key: str, written: list[str]) -> None:
-    """Delete the ref objects a publish that lost its race wrote, unless they name another key by now."""
-    for ref in written:
-        try:
-            if ref.startswith(TAG_PREFIX) and backend.get(ref) != key.encode():
-                continue
-        except FileNotFoundError:
-            continue
-        backend.delete(ref)
+def carry_refs(backend: Backend, index: Catalogue, superseded: list[str]) -> None:
+    """Before gc deletes superseded versions: their steps' refs, written for the current versions
+    (which the index has from :func:`current_of`), so a pin or tag left on an old version outlives it."""
+    if not superseded:
+        return
+    current = current_of(k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k))
+    heirs = {current[k] for k in superseded if k in current}
+    ids = [m.id for m in index.manifests() if m.object_key in heirs]
+    write_refs(backend, index, ids)
 
 
-def unpublish(backend: Backend, keys: Iterable[str | None]) -> None:
+def unpublish(backend: Backend, keys: Iterable[str | None], *, fence: Callable[[], None] | None = None) -> None:
     """Delete manifest objects (and their pins) that are no longer wanted, in as few requests as
     the backend allows (a gc may drop hundreds). Should the request fail half-way, a pin left
     without its manifest pins nothing (pins are read only for manifests that exist), and a
     manifest left without its pin is one the next gc finds unkept again."""
-    backend.delete_many([k for key in keys if key for k in (key, pin_key(key))])
+    backend.delete_many([k for key in keys if key for k in (key, pin_key(key))], fence=fence)
 
 
 def write_refs(backend: Backend, index: Catalogue, manifests: Iterable[int]) -> list[str]:
@@ -334,21 +334,33 @@ def _order(keys: list[str], docs: dict[str, ManifestDocument]) -> list[str]:
     return sorted(keys, key=lambda k: (docs[k].manifest.created_at, k))
 
 
-def _current_versions(keys: Iterable[str]) -> set[str]:
-    """Of several versions of one step (a --force interrupted before it deleted the old one), the highest."""
+def current_of(keys: Iterable[str]) -> dict[str, str]:
+    """Every manifest key listed -> the key readers take for its step: the highest version of a
+    commit's step (older ones are left by a --force or a thinning interrupted before it deleted
+    them), a merge's own key. A tag or pin object that names an older version counts for the
+    current one, so a replacement that crashed before it wrote its refs keeps the step's tag
+    and pin (docs/FORMAT.md 8, I2)."""
     best: dict[tuple[str, int], tuple[int, str]] = {}
-    out = set()
+    slots: dict[str, tuple[str, int]] = {}
+    out: dict[str, str] = {}
     for key in keys:
         match = _COMMIT_KEY.fullmatch(key)
         if match is None:
             if _MERGE_KEY.fullmatch(key):
-                out.add(key)
+                out[key] = key
             continue
         slot = (match.group(1), int(match.group(2)))
+        slots[key] = slot
         version = int(match.group(3))
         if slot not in best or best[slot][0] < version:
             best[slot] = (version, key)
-    return out | {key for _, key in best.values()}
+    out.update({key: best[slot][1] for key, slot in slots.items()})
+    return out
+
+
+def _current_versions(keys: Iterable[str]) -> set[str]:
+    """Of several versions of one step, the highest (see :func:`current_of`)."""
+    return set(current_of(keys).values())
 
 
 def superseded(backend: Backend) -> list[str]:
@@ -382,15 +394,16 @@ class _Listing:
     @classmethod
     def take(cls, backend: Backend, index: Index) -> _Listing:
         packs = set(pack_names(backend))
-        present = _current_versions(k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k))
+        current = current_of(k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k))
+        present = set(current.values())
         records = index.manifests()
         known_runs = index.created_runs()
         return cls(
             packs=packs,
             present=present,
             indexed={r.object_key: r.id for r in records if r.object_key is not None},
-            tags=_listed_tags(backend),
-            pins=set(backend.list(PIN_PREFIX)),
+            tags=_current_refs(_listed_tags(backend), current),
+            pins={pin_key(current.get(key, key)) for key in _pinned_keys(backend, current)},
             listed_runs=_listed_runs(backend, known_runs),
             known_runs=known_runs,
             indexed_refs={r.id: (r.tag, r.pinned) for r in records if r.object_key in present},
@@ -503,6 +516,23 @@ def _listed_runs(backend: Backend, known: dict[str, RunRecord]) -> dict[str, Run
         except (ValueError, KeyError, TypeError, StoreError) as exc:
             raise CorruptStoreError(f"run object {key} is damaged ({exc}); restore it from a backup") from None
     return out
+
+
+def _current_refs(tags: dict[str, str], current: dict[str, str]) -> dict[str, str]:
+    """Tags by the current version of the step each names; a tag that names the current version
+    itself wins over one left on an older version."""
+    out: dict[str, str] = {}
+    for key, tag in sorted(tags.items(), key=lambda kv: current.get(kv[0]) == kv[0]):
+        out[current.get(key, key)] = tag
+    return out
+
+
+def _pinned_keys(backend: Backend, current: dict[str, str]) -> list[str]:
+    """The manifest keys a pin object names (a pin names its manifest by the key's last segment)."""
+    by_name: dict[str, list[str]] = {}
+    for key in current:
+        by_name.setdefault(key.rsplit("/", 1)[-1], []).append(key)
+    return [key for pin in backend.list(PIN_PREFIX) for key in by_name.get(pin[len(PIN_PREFIX) :], [])]
 
 
 def _listed_tags(backend: Backend) -> dict[str, str]:

@@ -16,11 +16,12 @@ import errno
 import os
 import stat
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from tailorstore.core.errors import CorruptStoreError
+from tailorstore.core.failpoints import request
 from tailorstore.store.backend import BytesLike, Chunks, ObjectExistsError, as_chunks, check_key
 from tailorstore.store.direct_io import DirectReader, SequentialWriter
 
@@ -119,6 +120,7 @@ class PosixBackend:
                 raise ObjectExistsError(f"{self.location}: {key} already exists") from None
 
     def put(self, key: str, data: BytesLike | Chunks, *, create_only: bool = False) -> None:
+        request("put-create" if create_only else "put")
         chunks = as_chunks(data)
         size = sum(len(c) for c in chunks) if isinstance(chunks, list) else 0
         tmp = self._write_temp(key, chunks, size, sync=True)
@@ -126,11 +128,13 @@ class PosixBackend:
         fsync_path(self.path(key).parent)
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
+        request("get")
         with open(self._object(key), "rb") as f:
             f.seek(start)
             return f.read() if length is None else f.read(length)
 
     def reader(self, key: str, start: int = 0, length: int | None = None) -> BinaryIO:
+        request("get")
         return DirectReader(self._object(key), start, length)  # type: ignore[return-value]
 
     def _object(self, key: str) -> Path:
@@ -143,9 +147,11 @@ class PosixBackend:
         return path
 
     def exists(self, key: str) -> bool:
+        request("head")
         return self.path(key).is_file()
 
     def size(self, key: str) -> int:
+        request("head")
         return self.path(key).stat().st_size
 
     def list(self, prefix: str) -> Iterator[str]:
@@ -161,6 +167,7 @@ class PosixBackend:
                 continue
 
     def _walk(self, prefix: str) -> Iterator[tuple[Path, str]]:
+        request("list")
         base = self.root / prefix.rstrip("/") if prefix else self.root
         if not base.is_dir():
             return
@@ -174,10 +181,14 @@ class PosixBackend:
                 yield Path(dirpath) / name, name if rel_dir == "." else f"{rel_dir}/{name}"
 
     def delete(self, key: str) -> None:
+        request("delete")
         self.path(key).unlink(missing_ok=True)
 
-    def delete_many(self, keys: Iterable[str]) -> None:
+    def delete_many(self, keys: Iterable[str], *, fence: Callable[[], None] | None = None) -> None:
+        """One unlink a key. ``fence`` as on S3 (store/s3.py); under ``flock`` it holds throughout."""
         for key in keys:
+            if fence is not None:
+                fence()
             self.delete(key)
 
     def batch(self) -> PosixBatch:
@@ -225,18 +236,19 @@ class PosixBatch:
         check_key(key)
         self._deleted.append(key)
 
-    def publish(self) -> None:
-        """Durable temp files, then renames into place, then durable renames and deletions."""
+    def publish(self, fence: Callable[[], None] | None = None) -> None:
+        """Durable temp files, then renames into place, then durable renames and deletions
+        (``fence`` before each deletion, as ``delete_many``)."""
         if not self._staged and not self._deleted:
             return
         root = self.backend.root
         if self._staged:
             syncfs(root)
         for key, tmp in self._staged.items():
+            request("put")
             self.backend._place(tmp, key, create_only=False)
         self._staged.clear()
-        for key in self._deleted:
-            self.backend.delete(key)
+        self.backend.delete_many(self._deleted, fence=fence)
         self._deleted.clear()
         syncfs(root)
 

@@ -215,6 +215,7 @@ class Repository:
         for manifest in self._index.unpublished():  # oldest first: a layer's source has its object before its heirs
             with self._index.transaction() as index:
                 manifest_objects.publish(self.backend, index, manifest, fence=None, replacing=True)
+                manifest_objects.write_refs(self.backend, index, [manifest])
         return manifest_objects.sync(self.backend, self._index, locked=held is not None)
 
     @classmethod

@@ -22,6 +22,7 @@ from obstore.exceptions import AlreadyExistsError, BaseError
 from obstore.store import from_url
 
 from tailorstore.core.environment import RETRY_ENV, TIMEOUT_ENV
+from tailorstore.core.failpoints import request
 from tailorstore.store.backend import (
     READ_CHUNK,
     BackendError,
@@ -86,7 +87,10 @@ class S3Backend:
                 "and the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
             ) from None
 
-    def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
+    def _call(self, what: str, key: str, fn: Callable[[], T], kind: str) -> T:
+        """Every request goes through here: one failpoint a request (``kind``, core/failpoints.py),
+        and one way its failures are named."""
+        request(kind)
         try:
             return fn()
         except FileNotFoundError as exc:
@@ -132,22 +136,32 @@ class S3Backend:
         mode = "create" if create_only else "overwrite"
         if size <= _SINGLE_PUT:
             whole = head[0] if len(head) == 1 else b"".join(head)
-            self._call("writing", key, lambda: obstore.put(self._store, key, whole, mode=mode, use_multipart=False))
+            self._call(
+                "writing",
+                key,
+                lambda: obstore.put(self._store, key, whole, mode=mode, use_multipart=False),
+                "put-create" if create_only else "put",
+            )
             return
         rest = (bytes(c) if isinstance(c, memoryview) else c for c in chunks)
         payload = itertools.chain(head, rest)
-        self._call("writing", key, lambda: obstore.put(self._store, key, payload, mode=mode, chunk_size=_PART))
+        self._call(
+            "writing",
+            key,
+            lambda: obstore.put(self._store, key, payload, mode=mode, chunk_size=_PART),
+            "put-create" if create_only else "put",
+        )
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         check_key(key)
         if length is None:
             if start == 0:
-                return self._call("reading", key, lambda: bytes(obstore.get(self._store, key).bytes()))
+                return self._call("reading", key, lambda: bytes(obstore.get(self._store, key).bytes()), "get")
             length = self.size(key) - start
         if length <= 0:
             return b""
         return self._call(
-            "reading", key, lambda: bytes(obstore.get_range(self._store, key, start=start, length=length))
+            "reading", key, lambda: bytes(obstore.get_range(self._store, key, start=start, length=length)), "get"
         )
 
     def reader(self, key: str, start: int = 0, length: int | None = None) -> BinaryIO:
@@ -161,7 +175,7 @@ class S3Backend:
             options = None
         else:
             options = {"range": (start, end) if end is not None else {"offset": start}}
-        result = self._call("reading", key, lambda: obstore.get(self._store, key, options=options))
+        result = self._call("reading", key, lambda: obstore.get(self._store, key, options=options), "get")
         chunks = iter(result.stream(min_chunk_size=READ_CHUNK))
         return int(result.meta["size"]), int(result.range[1]), chunks
 
@@ -174,7 +188,7 @@ class S3Backend:
 
     def size(self, key: str) -> int:
         check_key(key)
-        return int(self._call("reading", key, lambda: obstore.head(self._store, key))["size"])
+        return int(self._call("reading", key, lambda: obstore.head(self._store, key), "head")["size"])
 
     def list(self, prefix: str) -> Iterator[str]:
         for key, _ in self.sizes(prefix):
@@ -191,19 +205,28 @@ class S3Backend:
                 for meta in batch
             ]
 
-        yield from sorted(self._call("listing", prefix or "/", pages))
+        yield from sorted(self._call("listing", prefix or "/", pages, "list"))
 
     def delete(self, key: str) -> None:
         check_key(key)
-        self._call("deleting", key, lambda: obstore.delete(self._store, key))
+        self._call("deleting", key, lambda: obstore.delete(self._store, key), "delete")
 
-    def delete_many(self, keys: Iterable[str]) -> None:
+    def delete_many(self, keys: Iterable[str], *, fence: Callable[[], None] | None = None) -> None:
         """S3's DeleteObjects: up to 1,000 keys a request, where a DELETE each is a round trip each
-        (a gc that drops a hundred steps deletes thousands of blobs)."""
+        (a gc that drops a hundred steps deletes thousands of blobs). ``fence`` is called before
+        each request: a gc that stalled after its first request and lost its lease meanwhile must
+        send no second one (attack finding 1)."""
         wanted = [check_key(k) for k in keys]
         for start in range(0, len(wanted), _DELETE_MOST):
             some = wanted[start : start + _DELETE_MOST]
-            self._call("deleting", f"{some[0]} and {len(some) - 1} more", lambda s=some: obstore.delete(self._store, s))
+            if fence is not None:
+                fence()
+            self._call(
+                "deleting",
+                f"{some[0]} and {len(some) - 1} more",
+                lambda s=some: obstore.delete(self._store, s),
+                "delete-many",
+            )
 
     def batch(self) -> S3Batch:
         return S3Batch(self)
@@ -323,8 +346,8 @@ class S3Batch:
         check_key(key)
         self._deleted.append(key)
 
-    def publish(self) -> None:
-        self.backend.delete_many(self._deleted)
+    def publish(self, fence: Callable[[], None] | None = None) -> None:
+        self.backend.delete_many(self._deleted, fence=fence)
         self._deleted.clear()
 
     def discard(self) -> None:
