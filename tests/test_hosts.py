@@ -382,3 +382,44 @@ def test_two_hosts_committing_a_new_step_with_one_tag_leave_it_tagged(
         _racing_commits(envs, saves, s3_location, "--step", str(step), "--tag", f"best{step}")
         seen = _steps(host_env(tmp_path / f"fresh-{round_}"), s3_location)
         assert seen[step]["tag"] == f"best{step}", seen[step]
+
+
+def test_a_gc_stalled_between_two_delete_requests_deletes_no_pack_a_commit_reused(
+    s3_server: LocalS3, s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Attack finding 1: gc checked its lease once, then sent one DeleteObjects per 1,000 keys. Stalled
+    after the first, its lease lapsed, another host's commit reused a pack gc had planned to delete,
+    and gc's next request deleted it. Each request is now fenced: gc stops, and the step checks out."""
+    at3, at6 = saves
+    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
+    assert run(a, "init", s3_location).returncode == 0
+    for save in (at3, at6):
+        assert run(a, "commit", str(save), "--store", s3_location).returncode == 0
+    assert run(b, "log", "--store", s3_location).returncode == 0  # host b's index knows step 3's packs
+    assert run(a, "rm", "step=3", "--store", s3_location).returncode == 0
+    # 1,000 orphan blob objects, which gc deletes before the packs: step 3's packs fall in its second request
+    client = boto3.client("s3", **s3_server._client_args())
+    prefix = s3_location.split(f"s3://{BUCKET}/", 1)[1]
+    for i in range(1000):
+        name = f"{i:032x}"
+        client.put_object(Bucket=BUCKET, Key=f"{prefix}/blobs/{name[:2]}/{name}", Body=b"orphan")
+
+    stalled = start({**a, "TAILOR_FAILPOINTS": "gc/delete-many=stop@2"}, "gc", "--store", s3_location)
+    wait_stopped(stalled)
+    packs_before = {k for k in s3_server.keys(s3_location) if k.startswith("packs/")}
+    # host b commits step 3's save again as step 30 once a's lease is stale, naming the packs gc planned to delete
+    again = run(b, "commit", str(at3), "--step", "30", "--lock-timeout", "60", "--store", s3_location)
+    assert again.returncode == 0, again.stderr
+    assert "removed a stale exclusive lock" in again.stderr
+
+    resumed = resume(stalled)
+    one_line(resumed, 4, "gc stopped before", "lease")
+    assert packs_before <= {k for k in s3_server.keys(s3_location) if k.startswith("packs/")}
+    fresh = host_env(tmp_path / "host-c")
+    assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-c") == [6, 30]
+    checked = run(fresh, "verify", "--deep", "--store", s3_location)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    out = tmp_path / "out"
+    assert run(fresh, "checkout", "step=30", "--out", str(out), "--store", s3_location).returncode == 0
+    for path in (at3 / "global_step3").iterdir():
+        assert (out / "global_step3" / path.name).read_bytes() == path.read_bytes(), path.name

@@ -180,16 +180,16 @@ class PosixBackend:
             for name in sorted(filenames):
                 yield Path(dirpath) / name, name if rel_dir == "." else f"{rel_dir}/{name}"
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, fence: Callable[[], None] | None = None) -> None:
         request("delete")
+        if fence is not None:
+            fence()
         self.path(key).unlink(missing_ok=True)
 
     def delete_many(self, keys: Iterable[str], *, fence: Callable[[], None] | None = None) -> None:
         """One unlink a key. ``fence`` as on S3 (store/s3.py); under ``flock`` it holds throughout."""
         for key in keys:
-            if fence is not None:
-                fence()
-            self.delete(key)
+            self.delete(key, fence)
 
     def batch(self) -> PosixBatch:
         return PosixBatch(self)

@@ -87,10 +87,13 @@ class S3Backend:
                 "and the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
             ) from None
 
-    def _call(self, what: str, key: str, fn: Callable[[], T], kind: str) -> T:
+    def _call(self, what: str, key: str, fn: Callable[[], T], kind: str, fence: Callable[[], None] | None = None) -> T:
         """Every request goes through here: one failpoint a request (``kind``, core/failpoints.py),
+        then the caller's ``fence`` (so a stall anywhere before the request is one the fence sees),
         and one way its failures are named."""
         request(kind)
+        if fence is not None:
+            fence()
         try:
             return fn()
         except FileNotFoundError as exc:
@@ -219,13 +222,12 @@ class S3Backend:
         wanted = [check_key(k) for k in keys]
         for start in range(0, len(wanted), _DELETE_MOST):
             some = wanted[start : start + _DELETE_MOST]
-            if fence is not None:
-                fence()
             self._call(
                 "deleting",
                 f"{some[0]} and {len(some) - 1} more",
                 lambda s=some: obstore.delete(self._store, s),
                 "delete-many",
+                fence,
             )
 
     def batch(self) -> S3Batch:
