@@ -496,34 +496,38 @@ def tag_cmd(
     name: str = typer.Argument(..., help="The tag; gc never drops a tagged step."),
     force: bool = typer.Option(False, "--force", help="Move the tag if another step has it."),
     store: str | None = StoreOpt,
+    lock_timeout: float = LockOpt,
 ) -> None:
     """Name a step. Tagged steps are kept by every gc."""
     with _open(store) as st:
-        st.tag(selector, name, force=force)
+        st.tag(selector, name, force=force, lock_timeout=lock_timeout)
     typer.echo(f"tagged {selector} as {name}")
 
 
 @app.command()
-def untag(name: str = typer.Argument(..., help="The tag to remove."), store: str | None = StoreOpt) -> None:
+def untag(name: str = typer.Argument(..., help="The tag to remove."), store: str | None = StoreOpt,
+          lock_timeout: float = LockOpt) -> None:  # fmt: skip
     """Remove a tag. The manifest stays; gc may drop it unless it is pinned."""
     with _open(store) as st:
-        st.untag(name)
+        st.untag(name, lock_timeout=lock_timeout)
     typer.echo(f"removed tag {name} (the manifest stays)")
 
 
 @app.command()
-def pin(selector: str = typer.Argument(..., help=SELECTOR_HELP), store: str | None = StoreOpt) -> None:
+def pin(selector: str = typer.Argument(..., help=SELECTOR_HELP), store: str | None = StoreOpt,
+        lock_timeout: float = LockOpt) -> None:  # fmt: skip
     """Protect a step from gc."""
     with _open(store) as st:
-        st.pin(selector, True)
+        st.pin(selector, True, lock_timeout=lock_timeout)
     typer.echo(f"pinned {selector}")
 
 
 @app.command()
-def unpin(selector: str = typer.Argument(..., help=SELECTOR_HELP), store: str | None = StoreOpt) -> None:
+def unpin(selector: str = typer.Argument(..., help=SELECTOR_HELP), store: str | None = StoreOpt,
+          lock_timeout: float = LockOpt) -> None:  # fmt: skip
     """Let gc drop a step again."""
     with _open(store) as st:
-        st.pin(selector, False)
+        st.pin(selector, False, lock_timeout=lock_timeout)
     typer.echo(f"unpinned {selector}")
 
 
@@ -532,10 +536,11 @@ def remove(
     selector: str = typer.Argument(..., help=SELECTOR_HELP),
     force: bool = typer.Option(False, "--force", help="Also drop a tagged or pinned step."),
     store: str | None = StoreOpt,
+    lock_timeout: float = LockOpt,
 ) -> None:
     """Drop one manifest. Its blobs are freed by the next gc, unless another manifest uses them."""
     with _open(store) as st:
-        st.remove(selector, force=force)
+        st.remove(selector, force=force, lock_timeout=lock_timeout)
     typer.echo(f"removed {selector}; run `tailor gc` to free its blobs")
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tailorstore.background import CommitQueue
-from tailorstore.core.errors import Call, StoreError
+from tailorstore.core.errors import LOCK_TIMEOUT, Call, StoreError
 from tailorstore.core.metrics import encode as encode_metrics
 from tailorstore.core.progress import Progress
 from tailorstore.curate.runs import qualify
@@ -470,30 +470,30 @@ class Store:
 
         return merge(self.repo, Path(spec), tag, self.run)
 
-    def tag(self, ref: Ref, name: str, *, force: bool = False) -> StepSummary:
-        """Name the step ``ref`` names; returns it as ``log`` lists it."""
+    def tag(self, ref: Ref, name: str, *, force: bool = False, lock_timeout: float = LOCK_TIMEOUT) -> StepSummary:
+        """Name the step ``ref`` names; returns it as ``log`` lists it. Waits for a running gc."""
         from tailorstore.curate.refs import tag
 
-        return self._summary(tag(self.repo, self._selector(ref), name, force=force))
+        return self._summary(tag(self.repo, self._selector(ref), name, force=force, lock_timeout=lock_timeout))
 
-    def untag(self, name: str) -> StepSummary:
+    def untag(self, name: str, *, lock_timeout: float = LOCK_TIMEOUT) -> StepSummary:
         """Remove a tag; returns the step it named (which stays, droppable by gc unless pinned)."""
         from tailorstore.curate.refs import untag
 
-        return self._summary(untag(self.repo, name))
+        return self._summary(untag(self.repo, name, lock_timeout=lock_timeout))
 
-    def pin(self, ref: Ref, pinned: bool = True) -> StepSummary:
-        """Keep the step through every gc (``pinned=False``: no longer); returns it."""
+    def pin(self, ref: Ref, pinned: bool = True, *, lock_timeout: float = LOCK_TIMEOUT) -> StepSummary:
+        """Keep the step through every gc (``pinned=False``: no longer); returns it. Waits for a running gc."""
         from tailorstore.curate.refs import pin
 
-        return self._summary(pin(self.repo, self._selector(ref), pinned))
+        return self._summary(pin(self.repo, self._selector(ref), pinned, lock_timeout=lock_timeout))
 
-    def remove(self, ref: Ref, *, force: bool = False) -> StepSummary:
+    def remove(self, ref: Ref, *, force: bool = False, lock_timeout: float = LOCK_TIMEOUT) -> StepSummary:
         """Drop one manifest (its blobs go at the next gc); returns it as it was."""
         from tailorstore.curate.refs import remove
 
         gone = self._summary(self.repo.resolve(self._selector(ref)))
-        remove(self.repo, self._selector(ref), force=force)
+        remove(self.repo, self._selector(ref), force=force, lock_timeout=lock_timeout)
         return gone
 
     def _summary(self, manifest: int) -> StepSummary:

@@ -425,3 +425,10 @@ def thread_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(threading.Thread, "start", recording)
     return started
+
+
+@pytest.fixture
+def saves(runs: Runs, tmp_path: Path) -> tuple[Path, Path]:
+    """The zero2-bf16 run's save as of step 3 and as of step 6, each a folder of its own."""
+    save = runs.get("zero2-bf16").save_dir
+    return as_of_step(save, 3, tmp_path / "at3"), as_of_step(save, 6, tmp_path / "at6")

@@ -20,8 +20,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
-import pytest
-from conftest import Runs, as_of_step
 from test_hostile import one_line
 
 from tailorstore.store.location import resolve
@@ -75,12 +73,6 @@ def steps_seen_by_a_new_host(location: str, cache: Path) -> list[int]:
     done = run(host_env(cache), "log", "--json", "--store", location)
     assert done.returncode == 0, done.stderr
     return sorted(s["step"] for s in json.loads(done.stdout))
-
-
-@pytest.fixture
-def saves(runs: Runs, tmp_path: Path) -> tuple[Path, Path]:
-    save = runs.get("zero2-bf16").save_dir
-    return as_of_step(save, 3, tmp_path / "at3"), as_of_step(save, 6, tmp_path / "at6")
 
 
 def test_a_commit_stalled_past_its_lease_while_gc_ran_publishes_nothing(

@@ -113,6 +113,9 @@ class UnsafePathError(TailorError):
     """A recorded path would lead outside the output directory."""
 
 
+LOCK_TIMEOUT = 600.0  # seconds an operation waits for the store lock unless told otherwise
+
+
 class LockTimeoutError(TailorError):
     """Another tailorstore process held the store lock for too long."""
 

@@ -4,12 +4,24 @@ Tags and pins are what retention never drops. ``rm`` drops one manifest at once;
 it alone used stay until ``tailor gc``, like git's unreachable objects. The tag and pin
 objects in the backend are the truth (every host reads them); each change writes them
 first and the index second, so an interrupted change is undone at the next open.
+
+Call order of each change (docs/FORMAT.md section 8, I2): take the store lock shared (gc takes
+it exclusive from its plan to its last deletion, so no change lands between them: attack
+finding 6, a pin set while gc had planned to drop the step); bring the index up to date under
+it; resolve the step; check the fence (a holder that stalled past its lease writes nothing);
+write the ref objects; update the index; release.
 """
 
 from __future__ import annotations
 
-from tailorstore.core.errors import Call, StepExistsError, StoreError
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from tailorstore.core.errors import LOCK_TIMEOUT, Call, StepExistsError, StoreError
+from tailorstore.core.failpoints import operation
 from tailorstore.store import manifest_objects
+from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.lock import LockHandle
 from tailorstore.store.repo import Repository
 
 TAG_BYTES = 72  # escaped (=XX a byte outside [A-Za-z0-9._-]), with a temp file's suffix: under 255 bytes
@@ -33,59 +45,101 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def tag(store: Repository, selector: str, name: str, *, force: bool = False) -> int:
+@contextmanager
+def _changing_refs(
+    store: Repository, what: str, lock_timeout: float, on_wait: Callable[[str], None] | None
+) -> Iterator[LockHandle | LeaseHandle]:
+    """The store lock, shared, with the index brought up to date under it (the module's call order)."""
+    with operation(what), store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
+        store.refresh(lock)
+        yield lock
+
+
+def tag(
+    store: Repository,
+    selector: str,
+    name: str,
+    *,
+    force: bool = False,
+    lock_timeout: float = LOCK_TIMEOUT,
+    on_wait: Callable[[str], None] | None = None,
+) -> int:
     check_tag(name)
-    manifest = store.resolve(selector)
-    with store.transaction() as index:
-        holder = index.tagged(name)
-        if holder and holder.id != manifest and not force:
-            raise StepExistsError(
-                f"tag {name!r} already names another manifest; pass ", Call(force=True), " to move it"
-            )
-        old = store.manifest(manifest).tag
-        index.set_tag(manifest, name)  # takes the tag from any other holder
-        if old and old != name:
-            manifest_objects.drop_tag(store.backend, old)
-        manifest_objects.write_refs(store.backend, index, [manifest])
+    with _changing_refs(store, "tag", lock_timeout, on_wait) as lock:
+        manifest = store.resolve(selector)
+        with store.transaction() as index:
+            holder = index.tagged(name)
+            if holder and holder.id != manifest and not force:
+                raise StepExistsError(
+                    f"tag {name!r} already names another manifest; pass ", Call(force=True), " to move it"
+                )
+            old = store.manifest(manifest).tag
+            index.set_tag(manifest, name)  # takes the tag from any other holder
+            lock.check("tagging")
+            if old and old != name:
+                manifest_objects.drop_tag(store.backend, old)
+            manifest_objects.write_refs(store.backend, index, [manifest])
     return manifest
 
 
-def untag(store: Repository, name: str) -> int:
+def untag(
+    store: Repository, name: str, *, lock_timeout: float = LOCK_TIMEOUT, on_wait: Callable[[str], None] | None = None
+) -> int:
     """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
-    holder = store.catalogue.tagged(name)
-    if holder is None:
-        raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
-    with store.transaction() as index:
-        manifest_objects.drop_tag(store.backend, name)
-        index.set_tag(holder.id, None)
+    with _changing_refs(store, "untag", lock_timeout, on_wait) as lock:
+        holder = store.catalogue.tagged(name)
+        if holder is None:
+            raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
+        with store.transaction() as index:
+            lock.check("untagging")
+            manifest_objects.drop_tag(store.backend, name)
+            index.set_tag(holder.id, None)
     return holder.id
 
 
-def pin(store: Repository, selector: str, pinned: bool = True) -> int:
-    manifest = store.resolve(selector)
-    with store.transaction() as index:
-        index.set_pinned(manifest, pinned)
-        manifest_objects.write_refs(store.backend, index, [manifest])
+def pin(
+    store: Repository,
+    selector: str,
+    pinned: bool = True,
+    *,
+    lock_timeout: float = LOCK_TIMEOUT,
+    on_wait: Callable[[str], None] | None = None,
+) -> int:
+    with _changing_refs(store, "pin" if pinned else "unpin", lock_timeout, on_wait) as lock:
+        manifest = store.resolve(selector)
+        with store.transaction() as index:
+            index.set_pinned(manifest, pinned)
+            lock.check("pinning")
+            manifest_objects.write_refs(store.backend, index, [manifest])
     return manifest
 
 
-def remove(store: Repository, selector: str, *, force: bool = False) -> int:
-    manifest = store.resolve(selector)
-    record = store.manifest(manifest)
-    if (record.pinned or record.tag) and not force:
-        what = "pinned" if record.pinned else f"tagged {record.tag!r}"
-        undo = Call("unpin", f"step={record.step}") if record.pinned else Call("untag", str(record.tag))
-        raise StoreError(f"step {record.step} is {what}; ", undo, " first, or pass ", Call(force=True))
-    heirs = [r.name for r in store.catalogue.created_runs().values() if r.base and r.base == record.object_key]
-    if heirs and not force:
-        raise StoreError(
-            f"step {record.step} is the base of run(s) {', '.join(heirs)}; pass ",
-            Call(force=True),
-            " to remove it anyway",
-        )
-    with store.transaction() as index:
-        if record.tag:  # the objects (manifest, tag, pin) go before the index rows
-            manifest_objects.drop_tag(store.backend, record.tag)
-        manifest_objects.unpublish(store.backend, [record.object_key])
-        index.delete_manifests([manifest])
+def remove(
+    store: Repository,
+    selector: str,
+    *,
+    force: bool = False,
+    lock_timeout: float = LOCK_TIMEOUT,
+    on_wait: Callable[[str], None] | None = None,
+) -> int:
+    with _changing_refs(store, "rm", lock_timeout, on_wait) as lock:
+        manifest = store.resolve(selector)
+        record = store.manifest(manifest)
+        if (record.pinned or record.tag) and not force:
+            what = "pinned" if record.pinned else f"tagged {record.tag!r}"
+            undo = Call("unpin", f"step={record.step}") if record.pinned else Call("untag", str(record.tag))
+            raise StoreError(f"step {record.step} is {what}; ", undo, " first, or pass ", Call(force=True))
+        heirs = [r.name for r in store.catalogue.created_runs().values() if r.base and r.base == record.object_key]
+        if heirs and not force:
+            raise StoreError(
+                f"step {record.step} is the base of run(s) {', '.join(heirs)}; pass ",
+                Call(force=True),
+                " to remove it anyway",
+            )
+        with store.transaction() as index:
+            lock.check("removing a step")
+            if record.tag:  # the objects (manifest, tag, pin) go before the index rows
+                manifest_objects.drop_tag(store.backend, record.tag)
+            manifest_objects.unpublish(store.backend, [record.object_key])
+            index.delete_manifests([manifest])
     return manifest
