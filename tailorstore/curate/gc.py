@@ -23,6 +23,8 @@ later repack), so gc does not rewrite gigabytes to free a few kilobytes.
 from __future__ import annotations
 
 import io
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,13 +38,15 @@ from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
 from tailorstore.store import archive_codec, codec, manifest_objects
 from tailorstore.store.backend import blob_key
 from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.listing import Holdings
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.packs import PackWriter, pack_key
+from tailorstore.store.packs import PackEntry, PackWriter, pack_key, read_trailer
 from tailorstore.store.parts import read_parts
-from tailorstore.store.records import COMMIT, THIN_ARCHIVE, TIERS, ManifestRecord
+from tailorstore.store.records import COMMIT, THIN_ARCHIVE, TIERS, BlobRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
 REPACK_AT = 0.25  # repack a pack once this share of its bytes is dead
+log = logging.getLogger("tailorstore")
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,7 @@ class GcPlan:
     orphan_packs: list[str] = field(default_factory=list)  # pack objects the index does not know
     drop_parts: list[str] = field(default_factory=list)  # part objects to delete (finalized, or asked to)
     superseded: list[str] = field(default_factory=list)  # older versions of a step's manifest object
+    misplaced: dict[str, tuple[str, PackEntry]] = field(default_factory=dict)  # blob -> the pack its trailer names
     thin: list[tuple[int, int, str]] = field(default_factory=list)  # (manifest, step, tier) to thin
     grids: dict[int, ArchiveGrid] = field(default_factory=dict)  # the grid of each manifest to archive
     # stored bytes of the dead blobs, by what frees them: "drop" (a dropped manifest used them), or the tier
@@ -298,17 +303,22 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     plan.dead_loose = [b.hash for b in dead if b.pack is None]
     dead_set = set(plan.dead_blobs)
     plan.freed_bytes = sum(b.stored_size for b in dead if b.pack is None)
+    holdings = store.holdings()  # sizes from the listing: no request per orphan on an object store
+    candidates: dict[str, tuple[list[str], int]] = {}  # pack -> (the list it goes to, the bytes it frees)
     for name, size in store.catalogue.packs().items():
         inside = store.catalogue.blobs_in_pack(name)
         live = sum(b.stored_size for b in inside if b.hash not in dead_set)
         if not any(b.hash not in dead_set for b in inside):
-            plan.dead_packs.append(name)
-            plan.freed_bytes += size
+            candidates[name] = (plan.dead_packs, size)
         elif size - live >= REPACK_AT * size:
-            plan.repack.append(name)
-            plan.freed_bytes += size - live
+            candidates[name] = (plan.repack, size - live)
+    plan.misplaced, unreadable = misplaced_blobs(store, sorted(candidates), dead_set, held, holdings)
+    keep_packs = unreadable | {pack for pack, _ in plan.misplaced.values()}
+    for name, (goes_to, freed) in candidates.items():
+        if name not in keep_packs:
+            goes_to.append(name)
+            plan.freed_bytes += freed
     indexed = store.catalogue.blob_hashes(loose_only=True)
-    holdings = store.holdings()  # sizes from the listing: no request per orphan on an object store
     for name, size in holdings.blobs.items():
         if name not in indexed and name not in held:
             plan.orphan_files.append(name)
@@ -322,6 +332,53 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     plan.temp_files = store.backend.leftovers()
     plan.freed_bytes += store.backend.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too
     return plan
+
+
+def misplaced_blobs(
+    store: Repository, packs: list[str], dead: set[str], held: set[str], holdings: Holdings
+) -> tuple[dict[str, tuple[str, PackEntry]], set[str]]:
+    """Before gc deletes or repacks ``packs``, what their trailers say (attack finding 3): a live
+    blob there (not ``dead``, and indexed or ``held`` by a pending part) whose row names no place
+    that stands (a listed loose object, or another listed pack whose own trailer holds it) was
+    placed wrongly, by a manifest object that lied about where it was. Such a blob is placed
+    again in the pack that holds it, and the pack stays. Returns {blob: (pack, entry)} and the
+    packs whose trailer could not be read, which stay too (``verify`` names them)."""
+    trailers: dict[str, set[str]] = {}
+    misplaced: dict[str, tuple[str, PackEntry]] = {}
+    unreadable: set[str] = set()
+
+    def holds(pack: str, digest: str) -> bool:
+        if pack not in trailers:
+            try:
+                trailers[pack] = {e.hash for e in read_trailer(store.backend, pack)[1]}
+            except (FileNotFoundError, CorruptStoreError):
+                trailers[pack] = set()
+        return digest in trailers[pack]
+
+    for name in packs:
+        try:
+            entries = read_trailer(store.backend, name)[1]
+        except FileNotFoundError:
+            continue  # gone already: nothing to delete
+        except CorruptStoreError as exc:
+            log.warning("tailorstore: gc keeps pack %s: %s", name, exc)
+            unreadable.add(name)
+            continue
+        trailers[name] = {e.hash for e in entries}
+        for e in entries:
+            if e.hash in dead or e.hash in misplaced:
+                continue
+            row = store.blob(e.hash)
+            if row is None and e.hash not in held:
+                continue  # nothing names it: garbage
+            if row is not None and (
+                row.pack == name
+                or (row.pack is None and e.hash in holdings.blobs)
+                or (row.pack is not None and row.pack in holdings.packs and holds(row.pack, e.hash))
+            ):
+                continue
+            misplaced[e.hash] = (name, e)
+    return misplaced, unreadable
 
 
 def gc(
@@ -371,6 +428,10 @@ def _gc(
         store.backend.delete_many([*plan.drop_parts, *plan.superseded], fence=fence)  # before anything they name
         with store.transaction() as index:
             fence()
+            index.upsert_blobs(  # where the packs' trailers say they are (misplaced_blobs)
+                BlobRecord(h, e.raw_size, e.stored_size, e.codec, pack, e.offset, time.time())
+                for h, (pack, e) in plan.misplaced.items()
+            )
             # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
             dropped = [m for m, _ in plan.drop]
             manifest_objects.unpublish(store.backend, index.object_keys(dropped).values(), fence=fence)

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.store._index import Index
-from tailorstore.store.backend import Backend, pack_key
+from tailorstore.store.backend import Backend, blob_key, pack_key
 from tailorstore.store.packs import PackEntry, read_trailer
 from tailorstore.store.records import BlobRecord
 
@@ -50,14 +50,20 @@ def packs_agree(index: Index, listed: set[str], *, locked: bool) -> bool:
     return named <= listed and (known == listed if locked else named <= known)
 
 
-def _unplaced(index: Index, digest: str, listed: set[str]) -> bool:
+def _unplaced(backend: Backend, index: Index, digest: str, listed: set[str]) -> bool:
     """Whether a pack's trailer may say where this blob is: only when the index has no place for
     it that still stands. A trailer is input from whoever could write the bucket, and a pack's
     name is the hash of its bytes only if someone reads them all, so a pack planted under any name
     with a trailer naming another pack's blobs must not move their rows (gc would then delete the
-    real pack as empty). A blob kept loose, or in a listed pack, stays where it is."""
+    real pack as empty). A blob in a listed pack, or whose loose object exists, stays where it is.
+    A row that says loose where no loose object is came from a manifest object that lied (attack
+    finding 3: imported first, its rows kept the real pack from placing them); the trailer wins."""
     row = index.blob(digest)
-    return row is None or (row.pack is not None and row.pack not in listed)
+    if row is None:
+        return True
+    if row.pack is None:  # one HEAD, only for a blob a new pack holds and a row calls loose: never, in use
+        return not backend.exists(blob_key(digest))
+    return row.pack not in listed
 
 
 def reconcile_packs(
@@ -103,7 +109,7 @@ def reconcile_packs(
                 fetched.update(zip(new, pool.map(fetch, new), strict=True))
         for name in new:
             if (read := trailer(name)) is not None:
-                place(name, read[0], [e for e in read[1] if _unplaced(index, e.hash, listed)])
+                place(name, read[0], [e for e in read[1] if _unplaced(backend, index, e.hash, listed)])
     lost = {b.hash for b in index.blobs_packed_outside(listed)}
     for name in sorted(listed):
         if not lost:

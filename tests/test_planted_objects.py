@@ -1,0 +1,65 @@
+"""Where a blob lives comes from the packs' trailers, never from a manifest object (attack
+finding 3). A copy of a step's manifest planted under another step, with every ``blobs`` row set
+to ``pack: null``, was imported first by an index rebuild or a new host's first open; its rows
+kept the real pack from placing them, and a plain ``tailor gc`` deleted the real pack as empty:
+the step was lost on every host, even after the impostor was removed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import zstandard
+from test_hosts import host_env, run
+
+from tailorstore.store.backend import Backend
+from tailorstore.store.location import resolve
+
+
+def _plant_impostor(backend: Backend, real_key: str, step: int) -> str:
+    doc = json.loads(zstandard.ZstdDecompressor().decompress(backend.get(real_key), max_output_size=1 << 30))
+    doc["manifest"]["step"] = step
+    doc["manifest"]["created_at"] = doc["manifest"]["created_at"] - 3600  # imported before the real one
+    columns = doc["blobs"]["columns"]
+    for row in doc["blobs"]["rows"]:
+        row[columns.index("pack")] = None
+        row[columns.index("pack_offset")] = None
+    key = real_key.rsplit("/", 1)[0] + f"/step-{step:020d}-v1.json.zst"
+    backend.put(key, zstandard.ZstdCompressor().compress(json.dumps(doc).encode()), create_only=True)
+    return key
+
+
+@pytest.mark.parametrize("where", ["posix", "s3"])
+def test_a_planted_manifest_that_calls_packed_blobs_loose_loses_no_pack(
+    where: str, request: pytest.FixtureRequest, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    location = request.getfixturevalue("s3_location") if where == "s3" else str(tmp_path / "store")
+    at3, _ = saves
+    a = host_env(tmp_path / "host-a")
+    assert run(a, "init", location).returncode == 0
+    assert run(a, "commit", str(at3), "--store", location).returncode == 0
+    backend = resolve(location).backend
+    real = next(k for k in backend.list("manifests/") if "step-00000000000000000003" in k)
+    impostor = _plant_impostor(backend, real, 99)
+    assert list(backend.list("packs/"))  # step 3's small tensors are in packs
+
+    # a new host's first open (S3) or an index rebuild imports the impostor first; then a plain gc
+    b = host_env(tmp_path / "host-b")
+    assert run(b, "index", "rebuild", "--store", location).returncode == 0
+    # the packs' trailers placed the blobs at once: the impostor's rows moved nothing
+    placed = run(b, "verify", "--deep", "--store", location)
+    assert placed.returncode == 0, placed.stdout + placed.stderr
+    collected = run(b, "gc", "--store", location)
+    assert collected.returncode == 0, collected.stderr
+    # the impostor removed, the real step still checks out byte for byte, on a host that never saw it
+    backend.delete(impostor)
+    c = host_env(tmp_path / "host-c")
+    assert run(c, "index", "rebuild", "--store", location).returncode == 0
+    checked = run(c, "verify", "--deep", "--store", location)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    out = tmp_path / "out"
+    done = run(c, "checkout", "step=3", "--out", str(out), "--store", location)
+    assert done.returncode == 0, done.stderr
+    for path in (at3 / "global_step3").iterdir():
+        assert (out / "global_step3" / path.name).read_bytes() == path.read_bytes(), path.name
