@@ -163,3 +163,47 @@ def test_missing_pieces_names_what_a_world_size_needs() -> None:
     z3_optim = [record(f"global_step3/zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for r in (0, 1)]
     assert missing_pieces(DEEPSPEED, [z3[0], *z3_optim], 2, 3) == ["the model states of rank(s) [1]"]
     assert missing_pieces(HF_TRAINER, [record("model.safetensors")], None, None) == []
+
+
+ZERO3_RANK0 = ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+
+def test_parts_of_two_tries_of_a_step_are_never_mixed(runs: Runs, tmp_path: Path) -> None:
+    """Attack finding 7 (I4): a job that crashed mid-save saved the same step again after a restart.
+    Finalize compared only each shared file's skeleton, the same for both tries, and took the first
+    part's tensors: ZeRO-2 host A's part of try 1 with host B's of try 2 gave a mixed step, and two
+    conflicting ZeRO-3 rank-0 parts were accepted. Both are refused now, naming the file."""
+    first, second = split_by_host(runs.get("zero2-bf16").save_dir, 3, tmp_path / "try1")
+    _, second = split_by_host(runs.get("zero2-bf16-try2").save_dir, 3, tmp_path / "try2")
+    with Store.init(tmp_path / "store") as store:
+        store.commit(first, part=True)
+        store.commit(second, part=True)
+        with pytest.raises(BadCheckpointError, match=r"mp_rank_00_model_states\.pt differs between parts"):
+            store.finalize(3)
+        assert store.log() == []
+
+    # ZeRO-3: host A holds every rank's files of try 1, a stale part holds rank 0's of try 2
+    zero3 = as_of_step(runs.get("zero3-bf16").save_dir, 3, tmp_path / "z3")
+    stale = tmp_path / "z3-stale" / "global_step3"
+    stale.mkdir(parents=True)
+    again = runs.get("zero3-bf16-try2").save_dir / "global_step3"
+    for name in ZERO3_RANK0:
+        shutil.copy2(again / name, stale / name)
+    with Store.init(tmp_path / "store3") as store:
+        store.commit(zero3, part=True)
+        store.commit(stale, part=True)
+        with pytest.raises(BadCheckpointError, match="differs between parts"):
+            store.finalize(3)
+        assert store.log() == []
+
+
+def test_parts_of_one_try_still_finalize_when_they_share_the_model_states(runs: Runs, tmp_path: Path) -> None:
+    """The same check lets one save's parts through: both hold the model states (node-local storage),
+    one derives weights the other stores, and the step checks out as the save."""
+    a, b = split_by_host(runs.get("zero2-bf16").save_dir, 3, tmp_path)
+    with Store.init(tmp_path / "store") as store:
+        store.commit(a, part=True)
+        store.commit(b, part=True)
+        store.finalize(3)
+        store.checkout("step=3", tmp_path / "out")
+    assert same_tree(tmp_path / "out", tmp_path / "full")

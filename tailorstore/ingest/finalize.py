@@ -95,16 +95,33 @@ def _missing_dcp(files: list[FileRecord], world_size: int | None) -> list[str]:
     return missing
 
 
+def _content(part: Part, path: str) -> list[tuple]:
+    """What a file of a part holds, tensor by tensor: each atom's place and bytes (by hash), without
+    whether it was derived (a part that holds every master piece of a parameter derives its weight,
+    another stores it; the bytes, and so the hash, are the same)."""
+    return sorted(
+        (a.slot, a.offset, a.numel, a.dtype, a.shape, a.param, a.kind, a.rank, a.start, a.blob)
+        for a in part.atoms
+        if a.path == path
+    )
+
+
 def _merged_files(parts: list[Part]) -> tuple[list[FileRecord], list[AtomRecord]]:
-    """Files and atoms of all parts; a file two parts both hold (``latest``, scripts) must be the same."""
+    """Files and atoms of all parts. A file two parts both hold (``latest``, scripts, the model
+    states every part with optimizer states holds) must be the same in both, tensor by tensor: its
+    skeleton alone (``files.blob``) is the same for two tries of one step with other values, so
+    comparing only that mixed two tries of a save into one step (attack finding 7, I4)."""
     files: dict[str, tuple[FileRecord, Part]] = {}
     for part in parts:
         for f in part.files:
             seen = files.get(f.path)
-            if seen is not None and (seen[0].blob, seen[0].raw_size) != (f.blob, f.raw_size):
+            if seen is not None and (
+                (seen[0].blob, seen[0].raw_size) != (f.blob, f.raw_size)
+                or _content(seen[1], f.path) != _content(part, f.path)
+            ):
                 raise BadCheckpointError(
                     f"step {part.step}: {f.path} differs between parts {seen[1].source} and {part.source}; the "
-                    "hosts did not save the same step. Drop the parts with ",
+                    "parts are not of one save (a stale part of an earlier try of the step?). Drop the parts with ",
                     Call("gc", drop_parts=True),
                     " and commit again.",
                 )
