@@ -79,6 +79,17 @@ class Store:
         self.location = repo.location
         self.run = check_run_name(run)  # commits go to this run; step=N and latest are read in it
         self._queue: CommitQueue[Any] = CommitQueue(max_in_flight)
+        self._id: tuple[str | None] | None = None
+
+    @property
+    def id(self) -> str | None:
+        """The random id ``init`` gave this store, the same on every host (None for a store made
+        before ids): what tells two stores at one place apart. Read once per handle."""
+        if self._id is None:
+            from tailorstore.store.repo import store_id
+
+            self._id = (store_id(self.repo.backend),)
+        return self._id[0]
 
     # -- lifecycle ---------------------------------------------------------------------
     @classmethod

@@ -310,6 +310,53 @@ def test_resuming_from_an_earlier_step_branches_and_says_so(
         )  # fmt: skip
 
 
+def test_a_restart_after_a_rewind_goes_on_in_the_branch_not_the_abandoned_run(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack finding 5: train to step 9, go back to step 3 (saves 6 and 9 go to ``main-from-3``, and
+    ``latest`` names ``global_step9``), then restart the same job. It resumed ``main:step=9``, the
+    timeline the user had abandoned, and committed step 12 into ``main``. The job's head
+    (integrations/head.py) names the run it last committed to."""
+    reference = runs.get("zero2-bf16")
+    monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
+    Store.init(tmp_path / "store").close()
+    save = tmp_path / "save"
+    options = {"commit_to": tmp_path / "store", "tailor_engine": True, **reference.options}
+    train_tiny(save, losses_out=tmp_path / "first.json", steps=9, save_every=3, **options)
+    train_tiny(save, losses_out=tmp_path / "again.json", resume_from=save, resume_tag="global_step3", steps=9,
+               save_every=3, **options)  # fmt: skip
+    assert (save / "latest").read_text().strip() == "global_step9"
+    restarted = train_tiny(save, losses_out=tmp_path / "restart.json", resume_from=save, steps=12, save_every=3,
+                           **options)  # fmt: skip
+    assert sorted(restarted) == [10, 11, 12]
+    with Store.open(tmp_path / "store") as store:
+        assert [s.step for s in store.log(run="main")] == [3, 6, 9], "nothing more went into the abandoned run"
+        assert [s.step for s in store.log(run="main-from-3")] == [6, 9, 12]
+
+
+def test_a_restart_after_a_replacing_rewind_never_resumes_a_step_of_the_old_timeline(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``replace`` variant: after going back to step 3 and saving step 6 again (it replaced the
+    first step 6), the job was killed while committing step 9 again, so ``latest`` names
+    ``global_step9`` while the store's step 9 is the old timeline's. The restart resumes from
+    the new step 6, the last step this training committed, and says why."""
+    reference = runs.get("zero2-bf16")
+    monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
+    Store.init(tmp_path / "store").close()
+    save = tmp_path / "save"
+    options = {"commit_to": tmp_path / "store", "tailor_engine": True, "on_existing": "replace", **reference.options}
+    train_tiny(save, losses_out=tmp_path / "first.json", steps=9, save_every=3, **options)
+    train_tiny(save, losses_out=tmp_path / "again.json", resume_from=save, resume_tag="global_step3", steps=6,
+               save_every=3, **options)  # fmt: skip
+    (save / "latest").write_text("global_step9")  # DeepSpeed's pointer moved on; the commit of step 9 never came
+    restarted = train_tiny(save, losses_out=tmp_path / "restart.json", resume_from=save, steps=9, save_every=0,
+                           **options)  # fmt: skip
+    assert sorted(restarted) == [7, 8, 9], "resumed from the new step 6, not the old step 9"
+    log = (tmp_path / "restart.log").read_text()
+    assert "which this training never committed" in log, log
+
+
 def test_resuming_from_a_composite_through_attach_warns_which_layers(
     runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -61,6 +61,7 @@ from tailorstore.ingest.rank_share import owner_of
 from tailorstore.integrations import nodes, resume, snapshot
 from tailorstore.integrations import staging as staged
 from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
+from tailorstore.integrations.head import Head, read_head, write_head
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.snapshot import Snapshots
 
@@ -481,7 +482,10 @@ class TailorCheckpointEngine(CheckpointEngine):
 
         def job(store: Store) -> T:
             try:
-                return work(store, _written_source(folder, real, written))
+                result = work(store, _written_source(folder, real, written))
+                if _rank() == 0:
+                    self._move_head(store, real.parent, getattr(result, "step", None))
+                return result
             except BaseException:
                 if staged_twin:  # a save written directly is where DeepSpeed would have put it already
                     _rescue(folder, real)
@@ -499,6 +503,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         """``engine.load_checkpoint`` through the store: a folder on disk is loaded as it is; otherwise
         the step is written into each node's staging folder for the world size and ZeRO stage
         training runs at now (:mod:`.resume`), every rank loads it, and it is deleted."""
+        from_latest = tag is None
         if tag is None and (Path(load_dir) / "latest").is_file():
             tag = read_latest(Path(load_dir))
         if tag and any(is_model_states(p.name) for p in (Path(load_dir) / tag).glob("*")):
@@ -507,7 +512,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         world_size, zero_stage = self._shape() if self._shape else (1, 0)
         found, loaded = resume.restore_and_load(
             self.store,
-            lambda store: self._find(store, tag),
+            lambda store: self._find(store, tag, Path(load_dir), from_latest),
             lambda folder, restored_tag: original(folder, restored_tag, **kw),
             self._root / f"{RESTORE_PREFIX}{self._saves:06d}",
             world_size,
@@ -517,14 +522,44 @@ class TailorCheckpointEngine(CheckpointEngine):
         self.rewind.resumed_step = found.step  # a save of a step after it that the store holds branches here
         return loaded
 
-    def _find(self, store: Store, tag: str | None) -> resume.Found:
-        """Rank 0: the step ``tag`` names in this engine's run (the latest without one)."""
+    def _move_head(self, store: Store, save_dir: Path, step: int | None) -> None:
+        """Global rank 0, once a step is committed: the job's head (head.py) names it."""
+        if step is None or not save_dir.is_dir():
+            return
+        run = self.rewind.run or store.run
+        try:
+            created = store.show(f"{run}:step={step}").summary.created_at
+        except StoreError:
+            return  # finalized under another run, or already gone: nothing to name
+        write_head(save_dir, Head(store.id, run, step, created))
+
+    def _find(self, store: Store, tag: str | None, load_dir: Path, from_latest: bool) -> resume.Found:
+        """Rank 0: the step ``tag`` names in this engine's run (the latest without one). Without a
+        run of its own yet, the engine takes the run its head names (head.py): a restart after a
+        rewind goes on in the run the rewind branched, not in the one the user abandoned."""
         store.flush()  # the step asked for may still be committing
         step = step_of_tag(tag) if tag else None
         if tag and step is None:
             raise StoreError(f"the DeepSpeed tag {tag!r} names no step; load 'global_stepN' or leave tag=None")
+        head = read_head(load_dir) if self.rewind.run is None else None
+        if head is not None and not head.matches(store.id):
+            head = None  # written for another store
+        if head is not None:
+            self.rewind.run = head.run
         run = self.rewind.run or store.run
         found = resume.find(store, f"{run}:step={step}" if step is not None else f"{run}:latest")
+        if head is not None and from_latest and found.step != head.step and found.created_at < head.created_at:
+            log.warning(
+                "tailorstore: %s names step %d, which this training never committed (it stopped first); the "
+                "step %d in run %r is older than the last one it committed, from a timeline it went back from, "
+                "so it resumes from step %d, the last step it committed",
+                load_dir / "latest",
+                found.step,
+                found.step,
+                run,
+                head.step,
+            )
+            found = resume.find(store, f"{run}:step={head.step}")
         warn_if_composite(found.step, found.inherited)
         return found
 

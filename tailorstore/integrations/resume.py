@@ -47,6 +47,7 @@ class Found:
     world_size: int | None
     zero_stage: int | None
     inherited: dict[str, int]  # a composite's layers from earlier steps (layer -> step)
+    created_at: float = 0.0  # when the manifest was recorded (integrations/head.py compares it)
 
 
 def collective_timeout() -> float:
@@ -108,7 +109,7 @@ def find(store: Store, ref: str) -> Found:
     detail = store.show(ref)
     head = detail.summary
     inherited = {x.layer: x.source_step for x in detail.layers if x.source_step != head.step}
-    return Found(f"id={head.id}", head.step, head.world_size, head.zero_stage, inherited)
+    return Found(f"id={head.id}", head.step, head.world_size, head.zero_stage, inherited, head.created_at)
 
 
 def materialize(store: Store, found: Found, out: Path, world_size: int, zero_stage: int, ranks: list[int]) -> str:
