@@ -26,8 +26,15 @@ class MetricError(StoreError):
     """A metric that cannot be recorded or read: a bad name, a value that is not a number."""
 
 
-def checked(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
-    """Metrics as they are recorded: names checked, values floats, NaN and infinities None."""
+_NOT_A_NUMBER = ("inf", "infinity", "nan")  # what a recorded non-finite value may be written as
+
+
+def checked(metrics: Mapping[str, Any] | None, *, strict: bool = True) -> dict[str, float | None]:
+    """Metrics as they are recorded: names checked, values floats, NaN and infinities None.
+
+    ``strict`` (recording): a number beyond a float's range (``10**400``, ``1e400``) is refused,
+    not stored as null without a word. Reading (``strict=False``) takes such a value as null: a
+    manifest object from a stranger holding one must not stop every command of the store."""
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping) or len(metrics) > MAX_METRICS:
@@ -38,19 +45,27 @@ def checked(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
             raise MetricError(
                 f"metric name {str(name)[:40]!r} is not allowed: use 1-100 letters, digits or ._-/: (eval_loss)"
             )
-        if value is None:
-            out[name] = None
-            continue
-        if isinstance(value, bool):
-            raise MetricError(f"metric {name}={value} is a boolean, not a number")
-        if not isinstance(value, int | float):
-            try:
-                value = float(value)  # a numpy scalar, or a string the command line passed
-            except (TypeError, ValueError):
-                raise MetricError(f"metric {name}={str(value)[:40]!r} is not a number") from None
-        value = float(value)
-        out[name] = value if math.isfinite(value) else None
+        out[name] = None if value is None else _number(name, value, strict)
     return out
+
+
+def _number(name: str, value: Any, strict: bool) -> float | None:
+    if isinstance(value, bool):
+        raise MetricError(f"metric {name}={value} is a boolean, not a number")
+    try:
+        number = float(value)  # an int, a numpy scalar, or a string the command line passed
+    except OverflowError:
+        number = math.inf
+    except (TypeError, ValueError):
+        raise MetricError(f"metric {name}={str(value)[:40]!r} is not a number") from None
+    if math.isfinite(number):
+        return number
+    written_so = isinstance(value, float) or (
+        isinstance(value, str) and value.strip().lower().lstrip("+-") in _NOT_A_NUMBER
+    )
+    if strict and not written_so:
+        raise MetricError(f"metric {name}={str(value)[:40]!r} is beyond the range of a number tailorstore records")
+    return None
 
 
 def encode(metrics: Mapping[str, Any] | None) -> str | None:
@@ -71,7 +86,7 @@ def decode(text: str | None) -> dict[str, float | None]:
         raise MetricError(f"the recorded metrics are not JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise MetricError("the recorded metrics are not a JSON object")
-    return checked(doc)
+    return checked(doc, strict=False)
 
 
 def parse_assignment(text: str) -> tuple[str, float]:

@@ -60,7 +60,7 @@ class KeepBest:
     @classmethod
     def parse(cls, text: str) -> KeepBest:
         """``eval_loss:min:3`` (or ``accuracy:max:2``)."""
-        parts = str(text).split(":")
+        parts = str(text).rsplit(":", 2)  # a metric's name may hold ':' itself (eval:loss:min:3)
         try:
             metric, mode, count = parts
             best = cls(metric.strip(), mode.strip(), int(count))

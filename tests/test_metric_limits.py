@@ -1,0 +1,57 @@
+"""Metrics beyond a float's range (attack findings medium 1 and low 1): refused when recorded, read
+as null from a manifest object a stranger wrote, never an OverflowError traceback; and a metric
+name holding ':' can be named by keep-best."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import zstandard
+from conftest import tailor
+
+from tailorstore import Store
+from tailorstore.core.metrics import MetricError
+from tailorstore.curate.gc import KeepBest
+from tailorstore.store.location import resolve
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    save = tmp_path / "save"
+    save.mkdir()
+    torch.save({"w": torch.ones(4)}, save / "ckpt.pt")
+    return save
+
+
+@pytest.mark.parametrize("value", [10**400, "1" + "0" * 400, "1e400"])
+def test_a_metric_beyond_a_float_is_refused_when_recorded(value: object, tiny: Path, tmp_path: Path) -> None:
+    with Store.init(tmp_path / "store") as store:
+        with pytest.raises(MetricError, match="beyond the range"):
+            store.commit(tiny, step=1, metrics={"eval_loss": value})
+        assert store.log() == []
+    done = tailor("commit", str(tiny), "--step", "1", "--metric", f"eval_loss={value}", store=tmp_path / "store")
+    assert done.returncode == 2 and "beyond the range" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_manifest_with_a_400_digit_metric_reads_as_null(tiny: Path, tmp_path: Path) -> None:
+    location = tmp_path / "store"
+    with Store.init(location) as store:
+        store.commit(tiny, step=1, metrics={"eval_loss": 1.5})
+    backend = resolve(str(location)).backend
+    key = next(k for k in backend.list("manifests/"))
+    doc = json.loads(zstandard.ZstdDecompressor().decompress(backend.get(key), max_output_size=1 << 20))
+    doc["manifest"]["metrics"] = '{"eval_loss": ' + "9" * 400 + "}"
+    backend.put(key, zstandard.ZstdCompressor().compress(json.dumps(doc).encode()))
+    for args in (("index", "rebuild"), ("log", "--json"), ("gc", "--keep-best", "eval_loss:min:1", "--dry-run"),
+                 ("checkout", "step=1", "--out", str(tmp_path / "out"))):  # fmt: skip
+        done = tailor(*args, store=location)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done.stderr)
+    assert json.loads(tailor("log", "--json", store=location).stdout)[0]["metrics"] == {"eval_loss": None}
+    assert (tmp_path / "out" / "ckpt.pt").read_bytes() == (tiny / "ckpt.pt").read_bytes()
+
+
+def test_keep_best_names_a_metric_with_a_colon() -> None:
+    assert KeepBest.parse("eval:loss:min:3") == KeepBest("eval:loss", "min", 3)
