@@ -50,7 +50,7 @@ def test_a_manifest_with_a_400_digit_metric_reads_as_null(tiny: Path, tmp_path: 
         done = tailor(*args, store=location)
         assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done.stderr)
     assert json.loads(tailor("log", "--json", store=location).stdout)[0]["metrics"] == {"eval_loss": None}
-    assert (tmp_path / "out" / "ckpt.pt").read_bytes() == (tiny / "ckpt.pt").read_bytes()
+    assert (tmp_path / "out" / "save" / "ckpt.pt").read_bytes() == (tiny / "ckpt.pt").read_bytes()
 
 
 def test_keep_best_names_a_metric_with_a_colon() -> None:
