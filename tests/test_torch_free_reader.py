@@ -124,3 +124,38 @@ def test_tree_objects_views_and_what_falls_back_to_torch(tmp_path: Path) -> None
         torch.save({"t": obj}, path)
         with InputFile(path) as src:
             assert read_torch_zip(src, str(path)) is None, name
+
+
+MEMO_BOMB = b"\x80\x02K\x01r\x00\x00\x00\x10."  # LONG_BINPUT into memo slot 2**28: ten bytes
+
+
+def test_a_pickle_naming_a_far_memo_slot_is_refused_without_allocating(tmp_path: Path) -> None:
+    """Attack finding medium 2: the C unpickler grows its memo to the slot a pickle names, so ten
+    bytes made it zero-fill 4.2 GB, as a ``.pt``'s data.pkl or as DCP ``.metadata``. Refused first,
+    in a process whose peak memory stays small."""
+    victim = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(victim, "w", compression=zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", MEMO_BOMB)
+    probe = (
+        "import resource, sys\n"
+        "from pathlib import Path\n"
+        "from tailorstore import BadCheckpointError\n"
+        "from tailorstore.formats.source import InputFile\n"
+        "from tailorstore.formats.torch_pickle import read_torch_zip\n"
+        "from tailorstore.formats.dcp import read_metadata\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "said = []\n"
+        "try:\n"
+        f"    with InputFile(Path({str(victim)!r})) as src: read_torch_zip(src, 'bomb.pt')\n"
+        "except BadCheckpointError as exc: said.append(str(exc))\n"
+        "try:\n"
+        f"    read_metadata({MEMO_BOMB!r}, '.metadata', {{}})\n"
+        "except BadCheckpointError as exc: said.append(str(exc))\n"
+        "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+        "print(grew); print(len(said)); print(*said, sep='\\n')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    grew_kib, refused, *said = out.stdout.splitlines()
+    assert int(grew_kib) < 200_000, f"the reader grew by {int(grew_kib) // 1024} MiB"
+    assert refused == "2" and all("memo slot 268435456" in line for line in said), said

@@ -33,7 +33,7 @@ from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.tensor_ref import DTYPES, TensorRef
 from tailorstore.formats.dcp_items import skeleton_bytes
 from tailorstore.formats.source import InputFile
-from tailorstore.formats.torch_pickle import DTypeName, read_torch_zip
+from tailorstore.formats.torch_pickle import DTypeName, check_memo, read_torch_zip
 
 METADATA = ".metadata"
 SUFFIX = ".distcp"
@@ -131,6 +131,7 @@ _CLASSES: dict[str, Any] = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, where: str) -> None:
+        check_memo(data, where)  # a memo slot past the pickle's length: 4.2 GB zero-filled from ten bytes
         super().__init__(io.BytesIO(data))
         self.where = where
         self.allowed = _allowed()

@@ -210,8 +210,29 @@ def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
+
+
+def check_memo(data: bytes, where: str) -> None:
+    """Refuse a pickle that stores into a memo slot past its own length, before the C unpickler
+    sees it: it grows its memo to the slot named, so ten bytes (``LONG_BINPUT`` of 2**28) had it
+    zero-fill 4.2 GB. A real pickle puts at most one memo entry per opcode, so a slot number
+    beyond its length is never one a pickler wrote. Read op by op (about 0.3 us a byte); a pickle
+    this cannot read that way is left for the unpickler to refuse."""
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in _PUTS and isinstance(arg, int) and not 0 <= arg <= len(data):
+                raise BadCheckpointError(
+                    f"{where}: the pickle stores into memo slot {arg} of a {len(data)}-byte pickle, which no "
+                    "pickler writes; the file is damaged or hostile, and was not loaded."
+                )
+    except ValueError:
+        return
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, records: dict[str, tuple[int, int]] | None, prefix: str, where: str) -> None:
+        check_memo(data, where)
         super().__init__(io.BytesIO(data))
         self.records, self.prefix, self.where = records, prefix, where
         self.refs: list[_Located] = []
@@ -272,7 +293,7 @@ def read_torch_zip(src: InputFile | InputWindow, where: str) -> tuple[Any, bytes
     if order is not None and bytes(src.read(*order)) != b"little":
         return None
     data = bytes(src.read(*records[pickles[0]]))
-    unpickler = _Unpickler(data, records, prefix, where)
+    unpickler = _Unpickler(data, records, prefix, where)  # raises BadCheckpointError naming the file
     try:
         tree = unpickler.load()
     except UnsafePickleError:
