@@ -159,3 +159,33 @@ def test_a_pickle_naming_a_far_memo_slot_is_refused_without_allocating(tmp_path:
     grew_kib, refused, *said = out.stdout.splitlines()
     assert int(grew_kib) < 200_000, f"the reader grew by {int(grew_kib) // 1024} MiB"
     assert refused == "2" and all("memo slot 268435456" in line for line in said), said
+
+
+@pytest.mark.parametrize("dims", [(-2, -2), (-1, 4)])
+def test_a_tensor_of_negative_size_is_refused(dims: tuple[int, int], tmp_path: Path) -> None:
+    """Attack finding medium 6: the torch-free reader took (-2, -2) as four elements (committed with
+    exit 0) and gave a numpy traceback for (-1, 4). A torch.save file patched to say so is refused."""
+    import torch
+
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(2, 4)}, good)
+    with zipfile.ZipFile(good) as z:
+        records = {n: z.read(n) for n in z.namelist()}
+    pkl = next(n for n in records if n.endswith("/data.pkl"))
+    negative = b"".join(b"J" + d.to_bytes(4, "little", signed=True) for d in dims) + b"\x86"
+    assert records[pkl].count(b"K\x02K\x04\x86") == 1
+    records[pkl] = records[pkl].replace(b"K\x02K\x04\x86", negative)
+    victim = tmp_path / "negative.pt"
+    with zipfile.ZipFile(victim, "w", compression=zipfile.ZIP_STORED) as z:
+        for name, data in records.items():
+            z.writestr(name, data)
+    with InputFile(victim) as src, pytest.raises(BadCheckpointError, match="negative size"):
+        read_torch_zip(src, str(victim))
+    save = tmp_path / "save"
+    save.mkdir()
+    victim.rename(save / "ckpt.pt")
+    with Store.init(tmp_path / "store") as store:  # a plain file it refuses is kept whole, never cut
+        store.commit(save, step=1)
+        assert store.repo.catalogue.atoms(store.repo.resolve("latest")) == []
+        store.checkout("latest", tmp_path / "out")
+    assert (tmp_path / "out" / "save" / "ckpt.pt").read_bytes() == (save / "ckpt.pt").read_bytes()

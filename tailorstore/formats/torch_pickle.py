@@ -145,6 +145,8 @@ def _rebuild_tensor_v2(
     if not isinstance(storage, _Storage) or not isinstance(storage_offset, int):
         raise NotPlainTorchSave("a tensor without a storage record")
     shape = tuple(int(d) for d in size)
+    if any(d < 0 for d in shape):  # (-2, -2) has four elements by product, and numpy refuses (-1, 4)
+        raise BadCheckpointError(f"a tensor of shape {list(shape)[:8]}, a negative size torch never saves")
     if numel_of(shape) > 1 and tuple(int(s) for s in stride) != contiguous_strides(shape):
         raise NotPlainTorchSave("a non-contiguous tensor")
     ref = _Located(storage.dtype, shape)
