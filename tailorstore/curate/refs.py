@@ -50,6 +50,7 @@ def _changing_refs(
     store: Repository, what: str, lock_timeout: float, on_wait: Callable[[str], None] | None
 ) -> Iterator[LockHandle | LeaseHandle]:
     """The store lock, shared, with the index brought up to date under it (the module's call order)."""
+    store.refuse_writes()
     with operation(what), store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
         store.refresh(lock)
         yield lock

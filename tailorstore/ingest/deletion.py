@@ -15,10 +15,11 @@ from pathlib import Path, PurePosixPath
 
 from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.paths import safe_join
-from tailorstore.formats.layout import DEEPSPEED, DEEPSPEED_TAG
+from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, PLAIN_FILE, PLAIN_FOLDER
 from tailorstore.store.repo import Repository
 
 logger = logging.getLogger("tailorstore")
+_UNDER_PARENT = (DEEPSPEED_TAG, DCP_FOLDER, PLAIN_FILE, PLAIN_FOLDER)  # layouts rooted at the folder's parent
 
 
 def delete_once_durable(repo: Repository, manifest: int, path: Path) -> None:
@@ -47,10 +48,29 @@ def delete_committed(repo: Repository, manifest: int, path: Path) -> None:
     For a DeepSpeed save directory only the step's tag folder goes: ``latest`` and the
     scripts beside it belong to the save directory, and training may already have
     pointed ``latest`` at a newer step.
+
+    This runs after the step is durable, so it is clean-up: a file that cannot be deleted (a
+    staging folder remounted read-only, EROFS) is one warning, never a failed commit. Reported as
+    a failure, it stopped training with the step committed (attack finding medium 5).
     """
+    try:
+        _delete_committed(repo, manifest, path)
+    except OSError as exc:
+        logger.warning(
+            "tailorstore: step %d is committed, but its files in %s could not all be deleted (%s); delete them by hand",
+            repo.manifest(manifest).step,
+            path,
+            exc,
+        )
+
+
+def _delete_committed(repo: Repository, manifest: int, path: Path) -> None:
     row = repo.manifest(manifest)
     path = path.resolve()
-    root = path.parent if row.layout == DEEPSPEED_TAG else path  # what the recorded paths are relative to
+    # what the recorded paths are relative to: the folder's parent for every layout that names the
+    # folder itself in its paths (a plain folder's files were recorded as "save/ckpt.pt", so they were
+    # looked for in save/save/ and nothing was deleted)
+    root = path.parent if row.layout in _UNDER_PARENT else path
     files = [f.path for f in repo.catalogue.files(manifest)]
     if row.layout == DEEPSPEED:
         files = [f for f in files if PurePosixPath(f).parts[0] == row.ds_tag]

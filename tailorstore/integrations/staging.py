@@ -67,8 +67,14 @@ def record_target(save: Path, real: Path) -> None:
 
 
 def finish(save: Path) -> None:
-    """A staged save was committed (or rescued): drop its record and its folder if empty."""
-    (save / TARGET).unlink(missing_ok=True)
+    """A staged save was committed (or rescued): drop its record and its folder if empty. Clean-up,
+    so it never fails: where staging is no folder (``TAILOR_STAGING`` naming a file) or was
+    remounted read-only, the save itself is already where it belongs (attack findings medium 5, 7)."""
+    try:
+        (save / TARGET).unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("tailorstore: could not remove the staging record in %s (%s)", save, exc)
+        return
     try:
         save.rmdir()
     except OSError:

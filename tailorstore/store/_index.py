@@ -199,14 +199,18 @@ class Index:
         """Fold the WAL into the main file (before the file is renamed into place)."""
         self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
-    @contextmanager
-    def transaction(self) -> Iterator[Index]:
-        """One write transaction; IMMEDIATE so two writers queue instead of failing midway."""
+    def refuse_writes(self) -> None:
+        """Raise, naming why, when this store cannot be changed from here."""
         if self.read_only:
             raise StoreError(
                 f"{self.path.parent}: the store is read-only here (its files or their file system), and this "
                 "changes it; run it where the store is writable."
             )
+
+    @contextmanager
+    def transaction(self) -> Iterator[Index]:
+        """One write transaction; IMMEDIATE so two writers queue instead of failing midway."""
+        self.refuse_writes()
         try:
             self.conn.execute("BEGIN IMMEDIATE")
         except sqlite3.DatabaseError as exc:

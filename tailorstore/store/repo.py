@@ -196,6 +196,10 @@ class Repository:
     def read_only(self) -> bool:
         return self._index.read_only
 
+    def refuse_writes(self) -> None:
+        """Raise, naming why, when this store cannot be changed from here (before taking its lock)."""
+        self._index.refuse_writes()
+
     def local_folders(self) -> list[Path]:
         """The folders of this host that hold the store's files, resolved: its directory (a local
         store) and its index's folder (for a remote store, this host's cache). Nothing we write may

@@ -1,0 +1,79 @@
+"""Clean-up after a durable commit is a warning, never a failure (attack findings medium 5 and 7):
+a staging folder remounted read-only, and ``TAILOR_STAGING`` naming a regular file."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Runs
+
+from tailorstore import Store
+from testbed.runs import train_tiny
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path) -> Iterator[Path]:
+    where.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_commit_whose_save_cannot_be_deleted_is_committed_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with tmpfs(tmp_path / "staging") as staging:
+        save = staging / "save"
+        save.mkdir()
+        torch.save({"w": torch.ones(16)}, save / "ckpt.pt")
+        subprocess.run(["mount", "-o", "remount,ro", str(staging)], check=True)
+        with Store.init(tmp_path / "store") as store, caplog.at_level(logging.WARNING, logger="tailorstore"):
+            result = store.commit(save, step=1, delete_after_commit=True)  # no exception: the step is durable
+            assert [s.step for s in store.log()] == [result.step] == [1]
+            assert store.verify(deep=True).ok
+        assert "is committed, but its files" in caplog.text and "delete them by hand" in caplog.text
+        assert (save / "ckpt.pt").is_file()
+
+
+def test_staging_that_is_a_file_falls_back_to_the_save_dir(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TAILOR_STAGING`` naming a regular file: the first save raised NotADirectoryError inside the
+    fallback itself, and training died. Each save now goes where DeepSpeed writes it and is committed."""
+    reference = runs.get("zero2-bf16")
+    not_a_folder = tmp_path / "staging-file"
+    not_a_folder.write_text("not a folder")
+    monkeypatch.setenv("TAILOR_STAGING", str(not_a_folder))
+    Store.init(tmp_path / "store").close()
+    options = {"commit_to": tmp_path / "store", "tailor_engine": True, **reference.options}
+    losses = train_tiny(tmp_path / "save", losses_out=tmp_path / "losses.json", steps=6, save_every=3, **options)
+    assert losses == reference.losses
+    with Store.open(tmp_path / "store") as store:
+        assert [s.step for s in store.log()] == [3, 6]
+        assert store.verify(deep=True).ok
+    assert not_a_folder.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("shape", ["folder", "file"])
+def test_delete_after_commit_deletes_a_plain_save(shape: str, tmp_path: Path) -> None:
+    """A plain folder's files are recorded under the folder's name (save/ckpt.pt), and were looked
+    for under save/save/: delete_after_commit deleted nothing, and the disk filled."""
+    save = tmp_path / "save"
+    save.mkdir()
+    torch.save({"w": torch.ones(16)}, save / "ckpt.pt")
+    target = save if shape == "folder" else save / "ckpt.pt"
+    with Store.init(tmp_path / "store") as store:
+        store.commit(target, step=1, delete_after_commit=True)
+        assert not (save / "ckpt.pt").exists()
+        store.checkout("latest", tmp_path / "out")
+    assert torch.load(next((tmp_path / "out").rglob("ckpt.pt")))["w"].sum() == 16
