@@ -492,6 +492,7 @@ def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> i
     for name in packs:
         for blob in store.catalogue.blobs_in_pack(name):
             data = store.backend.get(blob.key(), blob.pack_offset or 0, blob.stored_size)
+            codec.check_raw_size(blob.raw_size, blob.stored_size, f"repacking pack {name}: blob {blob.hash}")
             raw = bytearray(blob.raw_size)  # decoded and hash-checked: a damaged blob is never carried over
             if archive_codec.is_archive(blob.codec):  # rebuilt on its chain, which still stands
                 try:

@@ -128,6 +128,10 @@ def _check_blob(store: Repository, row: BlobRecord, size: int | None, place: str
         return f"blob {row.hash}: {truncated} (used by {place})", 0
     if not deep:
         return None, 0
+    try:
+        codec.check_raw_size(row.raw_size, row.stored_size, f"blob {row.hash}")
+    except CorruptStoreError as exc:
+        return f"{exc} (used by {place})", 0
     buf = bytearray(row.raw_size)
     try:
         if archive_codec.is_archive(row.codec):  # its chain is read and checked link by link

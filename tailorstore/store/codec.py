@@ -83,6 +83,24 @@ def content_hash(data: BytesLike) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+# zstd reaches about 32,768:1 at best (a block of zeros: measured 32,692:1 on 256 MiB), and the archive
+# codec stores at least one byte of code for four raw bytes before zstd; so no real blob's raw size is
+# more than this many times its stored size, plus a little for tiny blobs.
+MOST_EXPANSION = 1 << 17
+_SLACK = 1 << 20
+
+
+def check_raw_size(raw_size: int, stored_size: int, where: str) -> None:
+    """Before memory is allocated for a blob's raw bytes, as its index row gives them (a row a
+    stranger's manifest object or pack trailer may have written): a 9-byte object claiming 2 GiB
+    cost ``verify --deep`` 2.1 GB, and 2**40 a MemoryError traceback (attack finding medium 3)."""
+    if not 0 <= raw_size <= stored_size * MOST_EXPANSION + _SLACK:
+        raise CorruptStoreError(
+            f"{where}: claims {raw_size} raw bytes from {stored_size} stored, more than any codec gives; the "
+            "store's record of it is damaged"
+        )
+
+
 def decompress_bounded(data: BytesLike, limit: int) -> bytes:
     """One zstd frame, refused before anything is allocated when it declares more than ``limit``
     bytes: zstandard allocates the size a frame declares whatever ``max_output_size`` says, so a

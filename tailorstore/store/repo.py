@@ -432,6 +432,7 @@ class Repository:
             links.append((base, base_spec))
         links.append((row, spec))
         previous: memoryview | None = None
+        codec.check_raw_size(row.raw_size, row.stored_size, f"{where}: blob {row.hash}")
         spare = memoryview(bytearray(row.raw_size)) if links[:-1] else None
         for i, (link, link_spec) in enumerate(links):
             out = dest if (len(links) - 1 - i) % 2 == 0 else spare
@@ -454,6 +455,7 @@ class Repository:
         row = self.blob(digest)
         if row is None:
             raise CorruptStoreError(f"{where}: blob {digest} has no row in the index")
+        codec.check_raw_size(row.raw_size, row.stored_size, f"{where}: blob {digest}")
         buf = bytearray(row.raw_size)
         self.read_blob_into(row, memoryview(buf), where)
         return bytes(buf)
