@@ -63,3 +63,27 @@ def test_a_planted_manifest_that_calls_packed_blobs_loose_loses_no_pack(
     assert done.returncode == 0, done.stderr
     for path in (at3 / "global_step3").iterdir():
         assert (out / "global_step3" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_a_manifest_that_claims_zero3_for_a_zero2_step_is_named_damaged(
+    saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Attack finding medium 4: ``checkout --world-size 1`` of such a step gave a
+    ``KeyError: 'optimizer_state_dict'`` traceback; it is one line now, exit 3."""
+    location = str(tmp_path / "store")
+    at3, _ = saves
+    a = host_env(tmp_path / "host-a")
+    assert run(a, "init", location).returncode == 0
+    assert run(a, "commit", str(at3), "--store", location).returncode == 0
+    backend = resolve(location).backend
+    key = next(iter(backend.list("manifests/")))
+    doc = json.loads(zstandard.ZstdDecompressor().decompress(backend.get(key), max_output_size=1 << 30))
+    assert doc["manifest"]["zero_stage"] == 2
+    doc["manifest"]["zero_stage"] = 3
+    backend.put(key, zstandard.ZstdCompressor().compress(json.dumps(doc).encode()))
+    assert run(a, "index", "rebuild", "--store", location).returncode == 0
+    done = run(a, "checkout", "step=3", "--world-size", "1", "--out", str(tmp_path / "out"), "--store", location)
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "says ZeRO-3" in done.stderr
+    assert not (tmp_path / "out").exists()

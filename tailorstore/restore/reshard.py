@@ -46,11 +46,12 @@ from tailorstore.access.model_tensors import (
 from tailorstore.access.output_dir import staged, tree_bytes, write_torch_file
 from tailorstore.access.placement import PlacedFiles
 from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.curate.thinning import refuse_thinned
 from tailorstore.formats import deepspeed as ds
+from tailorstore.formats.layout import DCP_FOLDER
 from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_class, with_int_field
 from tailorstore.formats.torch_save_writer import Parts, TensorOut
 from tailorstore.formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
@@ -152,6 +153,13 @@ def plan_reshard(view: ModelView, optimizer: FileRecord, tree: Any, world: int, 
     osd = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
     if not isinstance(osd, dict):
         raise StoreError(f"step {view.step}: {optimizer.path} has no optimizer_state_dict")
+    if source == 3 and not isinstance(osd.get("optimizer_state_dict"), dict):  # a manifest that lies about the stage
+        raise CorruptStoreError(
+            f"step {view.step}: its manifest says ZeRO-3, but {optimizer.path} holds no ZeRO-3 optimizer state; "
+            "the manifest is damaged. Run ",
+            Call("verify"),
+            ".",
+        )
     if source != 3 and ("base_optimizer_state" not in osd or "zero_stage" not in osd):
         raise StoreError(
             f"step {view.step}: {optimizer.path} is not in DeepSpeedZeroOptimizer's layout (a BF16_Optimizer save, "
@@ -415,7 +423,15 @@ def checkout_resharded(
         world_size = facts.world_size or 1
     view = model_view(store, manifest)
     files = store.catalogue.files(manifest)
-    assert view.states_file is not None
+    if view.states_file is None:
+        raise StoreError(
+            f"step {facts.step} holds no DeepSpeed model states to reshard"
+            + (
+                ": a DCP checkpoint reshards when dcp.load reads it, at any world size; check it out as it is"
+                if facts.layout == DCP_FOLDER
+                else ""
+            )
+        )
     where = f"step {facts.step}"
     target = check_target(view, world_size, zero_stage)
     optimizer = rank0_optimizer_file(files, str(PurePosixPath(view.states_file.path).parent))
