@@ -77,3 +77,17 @@ def test_delete_after_commit_deletes_a_plain_save(shape: str, tmp_path: Path) ->
         assert not (save / "ckpt.pt").exists()
         store.checkout("latest", tmp_path / "out")
     assert torch.load(next((tmp_path / "out").rglob("ckpt.pt")))["w"].sum() == 16
+
+
+def test_a_named_pipe_in_a_save_is_left_out_saying_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Attack finding low 4: a FIFO in a checkpoint folder was skipped without a word, exit 0."""
+    import os
+
+    save = tmp_path / "save"
+    save.mkdir()
+    torch.save({"w": torch.ones(4)}, save / "ckpt.pt")
+    os.mkfifo(save / "pipe")
+    with Store.init(tmp_path / "store") as store, caplog.at_level(logging.WARNING, logger="tailorstore"):
+        store.commit(save, step=1)
+        assert [f.path for f in store.repo.catalogue.files(store.repo.resolve("latest"))] == ["save/ckpt.pt"]
+    assert "pipe is a named pipe, not a file; it is not committed" in caplog.text
