@@ -91,3 +91,23 @@ def test_a_named_pipe_in_a_save_is_left_out_saying_so(tmp_path: Path, caplog: py
         store.commit(save, step=1)
         assert [f.path for f in store.repo.catalogue.files(store.repo.resolve("latest"))] == ["save/ckpt.pt"]
     assert "pipe is a named pipe, not a file; it is not committed" in caplog.text
+
+
+def test_a_dead_runs_save_folder_of_markers_only_is_cleaned_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Attack finding low 2: a killed run's staging folder holding only ``.written-*`` markers (its
+    save committed, its markers not yet cleared) warned at every start and was never cleaned."""
+    from tailorstore.integrations import staging as staged
+
+    engine = tmp_path / "staging" / f"{staged.PREFIX}999999-abcd"
+    save = engine / "save-000003"
+    save.mkdir(parents=True)
+    (save / f"{staged.WRITTEN}0").write_text("")
+    (save / f"{staged.WRITTEN}1").write_text("")
+    (save / staged.TARGET).write_text(str(tmp_path / "out" / "global_step3"))
+    with caplog.at_level(logging.WARNING, logger="tailorstore"):
+        assert staged.recover(tmp_path / "staging") == []
+        assert not engine.exists()
+        staged.recover(tmp_path / "staging")
+    assert "it stays" not in caplog.text and "not ours" not in caplog.text, caplog.text

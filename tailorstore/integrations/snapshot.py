@@ -54,9 +54,9 @@ import torch
 
 from tailorstore.core.errors import StoreError
 from tailorstore.core.memory import available_memory
+from tailorstore.integrations.staging import FAILED, WRITTEN
 
 log = logging.getLogger("tailorstore")
-WRITTEN, FAILED = ".written-", ".failed-"
 # a snapshot buffer's storage (its _cdata, unique while the buffer lives) -> the location tag of the
 # storage it copies, and whether torch's tagger makes that tag afresh on every call
 _locations: dict[int, tuple[str, bool]] = {}

@@ -28,6 +28,7 @@ from tailorstore.core.errors import BadCheckpointError, TailorError
 from tailorstore.formats.small_text import NAME_LIMIT, read_small_text
 
 log = logging.getLogger("tailorstore")
+WRITTEN, FAILED = ".written-", ".failed-"  # the snapshot's markers in a save's folder (snapshot.py)
 
 PREFIX = "tailor-staging-"
 TARGET = "target"  # in save-N/, beside the staged tag folder: the absolute path DeepSpeed would have written
@@ -136,6 +137,25 @@ def recover(staging: Path) -> list[Path]:
     return rescued
 
 
+def _only_markers(entry: Path) -> bool:
+    """Whether a dead run's save folder holds only its record and the snapshot's markers, all of
+    them files of this user (attack finding low 2: such a folder warned at every start, forever)."""
+    for p in entry.iterdir():
+        try:
+            mine = _ours(os.lstat(p))
+        except OSError:
+            return False
+        if not mine or not (p.name == TARGET or p.name.startswith((WRITTEN, FAILED))):
+            return False
+    return True
+
+
+def _remove_markers(entry: Path) -> None:
+    for p in entry.iterdir():
+        p.unlink(missing_ok=True)
+    entry.rmdir()
+
+
 def _recover_one(root: Path) -> list[Path]:
     rescued: list[Path] = []
     for entry in sorted(root.iterdir()):
@@ -148,6 +168,9 @@ def _recover_one(root: Path) -> list[Path]:
             target_ok = _ours(os.lstat(target))
         except OSError:
             target_ok = False
+        if entry.name.startswith("save-") and _real_dir(entry) and not tags and _only_markers(entry):
+            _remove_markers(entry)  # committed, then killed before its markers went: nothing to move
+            continue
         if not entry.name.startswith("save-") or not target_ok or len(tags) != 1:
             log.warning("tailorstore: %s was left by a run that is gone; it is not ours to move, so it stays", entry)
             continue
