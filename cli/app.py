@@ -531,6 +531,21 @@ def unpin(selector: str = typer.Argument(..., help=SELECTOR_HELP), store: str | 
     typer.echo(f"unpinned {selector}")
 
 
+@app.command()
+def metric(
+    selector: str = typer.Argument(..., help=SELECTOR_HELP),
+    assignments: list[str] = typer.Argument(..., help="NAME=VALUE, one or more (eval_loss=2.31)."),
+    store: str | None = StoreOpt,
+    lock_timeout: float = LockOpt,
+) -> None:
+    """Record metrics with a committed step (an evaluation that ended after the save); a name it has
+    already takes the new value. gc --keep-best ranks steps by them."""
+    given = _metrics(assignments) or {}
+    with _open(store) as st:
+        st.add_metrics(selector, given, lock_timeout=lock_timeout)
+    typer.echo(f"recorded {', '.join(f'{k}={v}' for k, v in given.items())} with {selector}")
+
+
 @app.command("remove")
 def remove(
     selector: str = typer.Argument(..., help=SELECTOR_HELP),

@@ -507,6 +507,13 @@ class Store:
         remove(self.repo, self._selector(ref), force=force, lock_timeout=lock_timeout)
         return gone
 
+    def add_metrics(self, ref: Ref, metrics: Mapping[str, float], *, lock_timeout: float = LOCK_TIMEOUT) -> StepSummary:
+        """Record metrics with a step after its commit (an evaluation that ended later); a name it
+        has already takes the new value. Returns the step as ``log`` lists it."""
+        from tailorstore.curate.metrics import add_metrics
+
+        return self._summary(add_metrics(self.repo, self._selector(ref), metrics, lock_timeout=lock_timeout))
+
     def _summary(self, manifest: int) -> StepSummary:
         from tailorstore.report.inspect import summary
 

@@ -55,3 +55,33 @@ def test_a_manifest_with_a_400_digit_metric_reads_as_null(tiny: Path, tmp_path: 
 
 def test_keep_best_names_a_metric_with_a_colon() -> None:
     assert KeepBest.parse("eval:loss:min:3") == KeepBest("eval:loss", "min", 3)
+
+
+def test_a_metric_added_after_the_commit_is_seen_by_every_host_and_keep_best(tiny: Path, tmp_path: Path) -> None:
+    """``tailor metric step=N name=value``: the step gets its next version with the metric, keeps its
+    tag and pin, and gc --keep-best ranks it; a bad value is refused and changes nothing."""
+    location = tmp_path / "store"
+    with Store.init(location) as store:
+        store.commit(tiny, step=1, tag="first")
+        store.pin("step=1")
+        store.commit(tiny, step=2, metrics={"eval_loss": 3.0})
+        store.commit(tiny, step=3)
+    done = tailor("metric", "step=1", "eval_loss=1.5", "acc=0.9", store=location)
+    assert done.returncode == 0, done.stderr
+    refused = tailor("metric", "step=3", "eval_loss=" + "9" * 400, store=location)
+    assert refused.returncode == 2 and "beyond the range" in refused.stderr
+    backend = resolve(str(location)).backend
+    assert sorted(k.rsplit("/", 1)[-1] for k in backend.list("manifests/")) == [
+        "step-00000000000000000001-v2.json.zst",  # the older version is gone
+        "step-00000000000000000002-v1.json.zst",
+        "step-00000000000000000003-v1.json.zst",
+    ]
+    assert tailor("index", "rebuild", store=location).returncode == 0  # a host that never saw it
+    steps = {s["step"]: s for s in json.loads(tailor("log", "--json", store=location).stdout)}
+    assert steps[1]["metrics"] == {"acc": 0.9, "eval_loss": 1.5}
+    assert steps[1]["tag"] == "first" and steps[1]["pinned"]
+    with Store.open(location) as store:
+        store.pin("step=1", False)
+        store.untag("first")
+    assert tailor("gc", "--keep-best", "eval_loss:min:1", store=location).returncode == 0
+    assert [s["step"] for s in json.loads(tailor("log", "--json", store=location).stdout)] == [1]

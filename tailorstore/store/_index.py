@@ -355,6 +355,9 @@ class Index:
     def set_tier(self, manifest: int, tier: str | None) -> None:
         self.conn.execute("UPDATE manifests SET tier=? WHERE id=?", (tier, manifest))
 
+    def set_metrics(self, manifest: int, metrics: str | None) -> None:
+        self.conn.execute("UPDATE manifests SET metrics=? WHERE id=?", (metrics, manifest))
+
     def replace_contents(self, manifest: int, files: list[FileRecord], atoms: list[AtomRecord]) -> None:
         """A manifest's file and atom rows, all replaced (thinning keeps a subset of them)."""
         self.conn.execute("DELETE FROM atoms WHERE manifest=?", (manifest,))

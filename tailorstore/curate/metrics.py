@@ -1,0 +1,52 @@
+"""Adding metrics to a step after its commit (``tailor metric step=N eval_loss=2.31``).
+
+An evaluation often ends after the save it scored was committed. A manifest object never changes,
+so the step gets its next version, with the metrics merged in (a name given again takes the new
+value), through the one publisher (store/publish.py), as a thinning does.
+
+Call order: take the store lock shared (no gc between the plan and the change); bring the index
+up to date; resolve the step; in one transaction set the metrics and publish the next version
+create-only (the commit point; a host that changed the step meanwhile makes this one lose and
+change nothing), then its refs; after ``COMMIT``, delete the older version (left behind by a crash,
+it is superseded, and gc deletes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tailorstore.core.errors import LOCK_TIMEOUT, StoreError
+from tailorstore.core.failpoints import operation
+from tailorstore.core.metrics import checked, decode, encode
+from tailorstore.store import manifest_objects
+from tailorstore.store.catalogue import CatalogueEdit
+from tailorstore.store.publish import record_manifest
+from tailorstore.store.records import COMMIT
+from tailorstore.store.repo import Repository
+
+
+def add_metrics(
+    store: Repository, selector: str, metrics: Mapping[str, Any], *, lock_timeout: float = LOCK_TIMEOUT
+) -> int:
+    """Merge ``metrics`` into the step ``selector`` names; returns its manifest."""
+    given = checked(metrics)  # refused before anything is locked or written
+    if not given:
+        raise StoreError("give at least one metric, as NAME=VALUE (eval_loss=2.31)")
+    store.refuse_writes()
+    with operation("metric"), store.lock(exclusive=False, timeout=lock_timeout) as lock:
+        store.refresh(lock)
+        manifest = store.resolve(selector)
+        record = store.manifest(manifest)
+        if record.origin != COMMIT:
+            raise StoreError(f"{selector} is a merge; metrics are recorded with committed steps only")
+        text = encode({**decode(record.metrics), **given})
+        older = record.object_key
+
+        def rows(index: CatalogueEdit) -> int:
+            index.set_metrics(manifest, text)
+            return manifest
+
+        record_manifest(store, rows, fence=lock, replacing=True, restore_refs=lambda: [manifest])
+        manifest_objects.unpublish(store.backend, [older])
+    return manifest
