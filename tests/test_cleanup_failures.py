@@ -4,6 +4,7 @@ a staging folder remounted read-only, and ``TAILOR_STAGING`` naming a regular fi
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import subprocess
 from collections.abc import Iterator
@@ -111,3 +112,23 @@ def test_a_dead_runs_save_folder_of_markers_only_is_cleaned_once(
         assert not engine.exists()
         staged.recover(tmp_path / "staging")
     assert "it stays" not in caplog.text and "not ours" not in caplog.text, caplog.text
+
+
+def test_a_working_folder_of_several_checkpoints_is_not_one_step(tmp_path: Path) -> None:
+    """Attack finding low 6: ``commit --step N`` of a training's working folder (its final weights
+    beside its checkpoint folders) committed every checkpoint's files as one step."""
+    from tailorstore import BadCheckpointError
+
+    work = tmp_path / "out"
+    for n in (1, 2):
+        ckpt = work / f"checkpoint-{n}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": n}))
+        torch.save({"w": torch.ones(4) * n}, ckpt / "pytorch_model.bin")
+    torch.save({"w": torch.ones(4)}, work / "pytorch_model.bin")
+    with Store.init(tmp_path / "store") as store:
+        with pytest.raises(BadCheckpointError, match=r"holds 2 checkpoint folder\(s\) of its own \(checkpoint-1"):
+            store.commit(work, step=9)
+        assert store.log() == []
+        store.commit(work / "checkpoint-2")  # each one on its own
+        assert [s.step for s in store.log()] == [2]

@@ -85,3 +85,14 @@ def test_a_metric_added_after_the_commit_is_seen_by_every_host_and_keep_best(tin
         store.untag("first")
     assert tailor("gc", "--keep-best", "eval_loss:min:1", store=location).returncode == 0
     assert [s["step"] for s in json.loads(tailor("log", "--json", store=location).stdout)] == [1]
+
+
+def test_a_merge_carries_no_metric_of_its_base(tmp_path: Path) -> None:
+    """Attack finding low 6: a merge showed its base step's metrics, which scored the base, not it."""
+    from tailorstore.curate.merge_spec import merge_record
+    from tailorstore.store.records import COMMIT, ManifestRecord
+
+    base = ManifestRecord(step=6, origin=COMMIT, created_at=1.0, layout="deepspeed", ds_tag="global_step6",
+                          zero_stage=2, world_size=2, policy="{}", exact=True, raw_bytes=1, new_bytes=1,
+                          source="x", metrics='{"eval_loss": 1.5}')  # fmt: skip
+    assert merge_record(base, "mix", {"name": "merge"}, tmp_path / "spec.yaml").metrics is None

@@ -81,10 +81,12 @@ def merge_record(
     base: ManifestRecord, tag: str, policy: dict[str, Any], spec_path: Path, new_blobs: Iterable[BlobRecord] = ()
 ) -> ManifestRecord:
     """The manifest row of a merge (composite or average): the base's facts under ``tag``, its own
-    policy, source and new bytes, no pin and no object yet."""
+    policy, source and new bytes, no pin, no object yet, and no metrics: the base's evaluation
+    scored the base, never this merge (a merge showed them as its own: attack finding low 6)."""
     return replace(
         base,
         origin=MERGE,
+        metrics=None,
         tag=tag,
         created_at=time.time(),
         policy=json.dumps(policy),

@@ -169,6 +169,30 @@ def detect(path: Path, *, part: bool = False) -> CheckpointLayout:
     return layout
 
 
+def _is_checkpoint(folder: Path) -> bool:
+    """Whether a folder is a checkpoint of its own (an HF checkpoint-N, a DeepSpeed save or tag folder,
+    a DCP step): what a plain folder of weights never holds."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    if (folder / "trainer_state.json").is_file() or (folder / "latest").is_file() or is_dcp_folder(folder):
+        return True
+    return any(is_model_states(p.name) for p in folder.iterdir() if p.is_file())
+
+
+def _refuse_checkpoints_inside(path: Path) -> None:
+    """A training's working folder (its final weights beside checkpoint-1, checkpoint-2...) is no
+    plain checkpoint: committed as one, its checkpoints' files became one step (attack finding low 6,
+    37 files of several checkpoints swallowed)."""
+    inside = sorted(p.name for p in path.iterdir() if _is_checkpoint(p))
+    if inside:
+        shown = ", ".join(inside[:4]) + (f" and {len(inside) - 4} more" if len(inside) > 4 else "")
+        raise BadCheckpointError(
+            f"{path}: holds {len(inside)} checkpoint folder(s) of its own ({shown}); commit each of them (",
+            Call("commit", str(path / inside[-1])),
+            "), not the folder that holds them.",
+        )
+
+
 def is_dcp_folder(path: Path) -> bool:
     """``dcp.save``'s output: a ``.metadata`` file and ``.distcp`` files beside it."""
     return (path / DCP_METADATA).is_file() and any(p.suffix == ".distcp" and p.is_file() for p in path.iterdir())
@@ -210,6 +234,7 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
             path.parent, DEEPSPEED_TAG, _step_from_name(tag), tag, _tag_files(path, f"{tag}/", part)
         )
     if any(Path(n).suffix in PLAIN_SUFFIXES for n in names):
+        _refuse_checkpoints_inside(path)
         tag = path.name
         return CheckpointLayout(path.parent, PLAIN_FOLDER, _step_from_name(tag), tag, _walk(path.parent, path))
     raise BadCheckpointError(
