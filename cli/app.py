@@ -620,8 +620,10 @@ def usage(store: str | None = StoreOpt, as_json: bool = JsonOpt) -> None:
         typer.echo(json.dumps(_asdict(u), indent=2))
         return
     typer.echo(
-        f"{u.manifests} manifest(s) stand for {human(u.raw_bytes)} of checkpoints; the store holds "
-        f"{human(u.stored_bytes)} ({human(u.index_bytes)} of it index): {u.ratio:.2f}x smaller"
+        f"{u.manifests} manifest(s) stand for {human(u.raw_bytes)} of checkpoints"
+        + (f" (saved as {human(u.saved_bytes)} before thinning)" if u.saved_bytes != u.raw_bytes else "")
+        + f"; the store holds {human(u.stored_bytes)} ({human(u.index_bytes)} of it index): {u.ratio:.2f}x "
+        "smaller than the saves"
     )
     typer.echo(f"{'kind':12}  {'raw':>10}  {'stored':>10}  {'derived':>10}")
     for name, k in sorted(u.kinds.items()):

@@ -33,6 +33,7 @@ import tailorstore
 from tailorstore.core import atoms as A
 from tailorstore.core.policies import PolicySpec
 from tailorstore.curate.thinning import thinned_contents
+from tailorstore.report.usage import usage
 from tailorstore.report.verify import verify
 from tailorstore.store.records import AtomRecord, FileRecord
 from tailorstore.store.repo import Repository
@@ -121,11 +122,15 @@ def test_thin_to_weights_keeps_every_step_exportable_and_the_last_resumable(runs
     assert plan["freed_by_tier"]["weights"] > 0 and plan["thin_weight_bytes"] > 0
     assert store_state(store.root) == state, "a dry run changes nothing"
 
+    saved = usage(store).raw_bytes
     proc = tailor("gc", "--keep-last", "2", "--thin", "weights", store=store.root)
     assert proc.returncode == 0, proc.stderr
     assert "thin 4 manifest(s) (steps 3, 6, 9, 12) to weights" in proc.stdout
     store = Repository.open(store.root)
     assert_only_live(store)
+    after = usage(store)  # the ratio is against the saves, not against what thinning kept of them
+    assert after.saved_bytes == saved > after.raw_bytes
+    assert after.ratio == pytest.approx(saved / after.stored_bytes)
     for step in (3, 6, 9, 12):  # exactly the tier's atoms: the weights, stored now, nothing of the optimizer
         assert kinds_of(store, step) == {A.WEIGHT}
         assert (

@@ -38,8 +38,9 @@ class Usage:
     manifests: int
     stored_bytes: int  # blobs as stored, plus the index
     index_bytes: int
-    raw_bytes: int  # the checkpoints the manifests check out to
-    ratio: float
+    raw_bytes: int  # the checkpoints the manifests check out to (a thinned step: what it keeps)
+    ratio: float  # saved_bytes / stored_bytes: how much smaller the store is than the saves it holds
+    saved_bytes: int = 0  # the saves as training wrote them, thinned steps too (what they were committed as)
     kinds: dict[str, KindUsage] = field(default_factory=dict)  # weights, masters, moments, other state, files
     atom_kinds: dict[str, KindUsage] = field(default_factory=dict)  # the same, by each atom kind alone
     steps: list[StepUsage] = field(default_factory=list)
@@ -55,8 +56,9 @@ def usage(store: Repository) -> Usage:
     # was committed as (which counted its dropped optimizer states as "files", many times too much).
     raw_of = {m.id: m.raw_bytes if m.tier is None else sum(f.raw_size for f in index.files(m.id)) for m in manifests}
     raw_total = sum(raw_of.values())
+    saved = sum(m.raw_bytes for m in manifests)  # the ratio is against the saves, not what thinning kept of them
     stored = blob_bytes + index_bytes
-    out = Usage(len(manifests), stored, index_bytes, raw_total, raw_total / stored if stored else 0.0)
+    out = Usage(len(manifests), stored, index_bytes, raw_total, saved / stored if stored else 0.0, saved)
     for kind, raw, derived, stored_bytes in index.kind_totals():
         out.atom_kinds[kind] = KindUsage(raw, stored_bytes, derived)
         group = out.kinds.setdefault(_KIND_GROUPS.get(kind, "other state"), KindUsage())
