@@ -33,7 +33,7 @@ from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.metrics import decode as decode_metrics
-from tailorstore.curate.archiving import ArchiveGrid
+from tailorstore.curate.archiving import ArchiveGrid, archivable
 from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
 from tailorstore.store import archive_codec, codec, manifest_objects
 from tailorstore.store.backend import blob_key
@@ -187,6 +187,8 @@ class GcPlan:
     # thinning to which drops them (only thinned manifests used them); orphans and packs are on top
     freed_by_tier: dict[str, int] = field(default_factory=dict)
     thin_weight_bytes: int = 0  # raw bytes of derived weights that become blobs (compressed when written)
+    archive_weight_bytes: int = 0  # raw bytes of weights the archive tier writes again, quantized against a base
+    written_bytes: int | None = None  # once gc ran: what it wrote (thinning, archiving, repacking)
     pending_parts: int = 0  # parts kept for a finalize; their blobs are live
     freed_bytes: int = 0  # planned; after gc ran, what it freed
 
@@ -210,13 +212,21 @@ class GcPlan:
         )
         if self.thin_weight_bytes:
             thin += f"write {self.thin_weight_bytes} raw bytes of weights, "
+        if self.archive_weight_bytes:
+            thin += f"archive {self.archive_weight_bytes} raw bytes of weights (written quantized, smaller), "
+        if self.written_bytes is not None:  # what it did: net of what it wrote
+            freeing = f"freeing {self.freed_bytes} bytes net ({self.written_bytes} written)"
+        elif self.thin or self.repack:
+            freeing = f"freeing {self.freed_bytes} bytes, less what it writes"
+        else:
+            freeing = f"freeing {self.freed_bytes} bytes"
         dropped = f" ({self.freed_by_tier['drop']} bytes)" if self.thin and self.drop else ""
         return (
             f"{thin}drop {len(self.drop)} manifest(s){_steps([s for _, s in self.drop])}{dropped}, "
             f"keep {len(self.keep)}; "
             "delete "
             f"{len(self.dead_blobs)} unreferenced blob(s), {len(self.orphan_files)} orphan blob file(s) and "
-            f"{len(self.temp_files)} temp file(s){packs}{parts}, freeing {self.freed_bytes} bytes"
+            f"{len(self.temp_files)} temp file(s){packs}{parts}, {freeing}"
         )
 
     def thin_to(self, tier: str) -> list[int]:
@@ -299,6 +309,9 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
         for tier, used in by_tier.items():
             plan.freed_by_tier[tier] = sum(b.stored_size for b in dead if b.hash in used and b.hash not in by_drop)
         plan.thin_weight_bytes = sum(a.nbytes for c in thinned.values() for a in c.materialize)
+        plan.archive_weight_bytes = sum(
+            a.nbytes for m in plan.thin_to(THIN_ARCHIVE) for a in thinned[m].atoms if archivable(a)
+        )  # the dry run said only the norms' bytes, then wrote megabytes of archived weights
     plan.dead_blobs = [b.hash for b in dead]
     plan.dead_loose = [b.hash for b in dead if b.pack is None]
     dead_set = set(plan.dead_blobs)
@@ -455,6 +468,7 @@ def _gc(
         fence()
         store.backend.clear_leftovers(plan.temp_files)
         plan.freed_bytes -= written
+        plan.written_bytes = written
     return plan
 
 
@@ -470,6 +484,7 @@ def _replanned(store: Repository, before: GcPlan, rules: Retention | list[Retent
         )
     after.thin, after.freed_by_tier = before.thin, before.freed_by_tier
     after.thin_weight_bytes = before.thin_weight_bytes
+    after.archive_weight_bytes = before.archive_weight_bytes
     return after
 
 
