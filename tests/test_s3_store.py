@@ -145,9 +145,11 @@ def test_missing_or_altered_objects_are_found_and_never_checked_out(
         assert not out.exists()
         return "\n".join(report.problems)
 
-    assert altered.hash in refused(tmp_path / "out1"), "the altered blob is named"
+    held = f"in pack {altered.pack} at byte {altered.pack_offset}" if altered.pack else f"the object {altered.key()}"
+    assert f"blob {altered.hash} ({held}" in refused(tmp_path / "out1"), "the altered blob is named, and where it is"
     client.delete_object(Bucket=BUCKET, Key=key)  # now the object holding it is gone altogether
-    assert f"blob {altered.hash}: file missing" in refused(tmp_path / "out2")
+    missing = refused(tmp_path / "out2")
+    assert f"blob {altered.hash} ({held}" in missing and "file missing" in missing
     client.put_object(Bucket=BUCKET, Key=key, Body=original)
     with Repository.open(s3_location) as store:
         assert verify(store, deep=True).ok

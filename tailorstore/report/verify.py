@@ -22,6 +22,7 @@ from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.paths import check_relative
 from tailorstore.core.threads import decode_threads
 from tailorstore.store import archive_codec, codec
+from tailorstore.store.backend import blob_key
 from tailorstore.store.records import AtomRecord, BlobRecord
 from tailorstore.store.repo import Repository
 
@@ -118,11 +119,18 @@ def _checkers(threads: int) -> Iterator[ThreadPoolExecutor]:
         pool.shutdown(wait=True)
 
 
+def _held_at(row: BlobRecord) -> str:
+    """Where a blob's bytes are, for the one who repairs it: its pack and offset, or its own object."""
+    if row.pack is not None:
+        return f"in pack {row.pack} at byte {row.pack_offset or 0}, {row.stored_size} bytes"
+    return f"the object {blob_key(row.hash)}"
+
+
 def _check_blob(store: Repository, row: BlobRecord, size: int | None, place: str, deep: bool) -> tuple[str | None, int]:
     """(the problem found or None, bytes re-hashed) for one blob; ``size``: how many of its stored
     bytes its object holds, None when it is missing. Run on several threads: touches no report."""
     if size is None:
-        return f"blob {row.hash}: file missing (used by {place})", 0
+        return f"blob {row.hash} ({_held_at(row)}): file missing (used by {place})", 0
     if size != row.stored_size:
         truncated = f"file has {size} bytes, the index says {row.stored_size}; truncated"
         return f"blob {row.hash}: {truncated} (used by {place})", 0
@@ -142,7 +150,8 @@ def _check_blob(store: Repository, row: BlobRecord, size: int | None, place: str
     except CorruptStoreError as exc:
         return f"{exc} (used by {place})", 0
     if codec.content_hash(buf) != row.hash:
-        return f"blob {row.hash}: content does not match its hash; damaged (used by {place})", row.raw_size
+        damaged = f"blob {row.hash} ({_held_at(row)}): content does not match its hash; damaged (used by {place})"
+        return damaged, row.raw_size
     return None, row.raw_size
 
 
