@@ -329,6 +329,8 @@ def test_a_restart_after_a_rewind_goes_on_in_the_branch_not_the_abandoned_run(
     restarted = train_tiny(save, losses_out=tmp_path / "restart.json", resume_from=save, steps=12, save_every=3,
                            **options)  # fmt: skip
     assert sorted(restarted) == [10, 11, 12]
+    log = (tmp_path / "restart.log").read_text()
+    assert "step 9 is in run(s) 'main' too; resuming run 'main-from-3'" in log, log
     with Store.open(tmp_path / "store") as store:
         assert [s.step for s in store.log(run="main")] == [3, 6, 9], "nothing more went into the abandoned run"
         assert [s.step for s in store.log(run="main-from-3")] == [6, 9, 12]

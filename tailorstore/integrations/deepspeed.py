@@ -64,6 +64,7 @@ from tailorstore.integrations.distributed import RankParallelResult, commit_rank
 from tailorstore.integrations.head import Head, read_head, write_head
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.snapshot import Snapshots
+from tailorstore.store.records import COMMIT
 
 log = logging.getLogger("tailorstore")
 T = TypeVar("T")
@@ -560,6 +561,7 @@ class TailorCheckpointEngine(CheckpointEngine):
                 head.step,
             )
             found = resume.find(store, f"{run}:step={head.step}")
+        _warn_if_in_several_runs(store, run, found.step)
         warn_if_composite(found.step, found.inherited)
         return found
 
@@ -575,6 +577,23 @@ class TailorCheckpointEngine(CheckpointEngine):
 
     def cleanup(self) -> None:
         self.flush()
+
+
+def _warn_if_in_several_runs(store: Store, run: str, step: int) -> None:
+    """One line when the step a resume loads is in other runs too (a rewind branched after it): the
+    tag ``global_stepN`` names a step in each, and the user should know which one training takes."""
+    others = [
+        r.name
+        for r in store.runs()
+        if r.name != run and r.steps and any(s.step == step for s in store.log(run=r.name) if s.origin == COMMIT)
+    ]
+    if others:
+        log.warning(
+            "tailorstore: step %d is in run(s) %s too; resuming run %r's (the run this training commits to)",
+            step,
+            ", ".join(map(repr, others)),
+            run,
+        )
 
 
 def _written_source(folder: Path, real: Path, ranks: list[int]) -> Path:
