@@ -4,6 +4,7 @@ from the store is bit-exact."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -403,6 +404,31 @@ def test_a_staging_folder_that_fails_costs_no_save(
         assert store.verify(deep=True).ok
         store.checkout(6, tmp_path / "out")
     assert same_tree(tmp_path / "out" / "global_step6", reference.save_dir / "global_step6")
+
+
+def test_a_save_a_killed_run_left_in_staging_is_committed_at_the_next_start(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed before its commit left a whole staged save in staging. The next engine moved it
+    where DeepSpeed writes and left it for the user to find and commit; now global rank 0 commits it
+    (asked for by the first-contact trial), and the step checks out as the save."""
+    reference = runs.get("zero2-bf16")
+    staging = tmp_path / "staging"
+    dead = staging / f"{staged.PREFIX}999999-dead" / "save-000001"
+    shutil.copytree(reference.save_dir / "global_step3", dead / "global_step3")
+    save = tmp_path / "save"
+    (dead / staged.TARGET).write_text(str(save / "global_step3"))
+    monkeypatch.setenv("TAILOR_STAGING", str(staging))
+    Store.init(tmp_path / "store").close()
+    options = {"commit_to": tmp_path / "store", "tailor_engine": True, **reference.options}
+    train_tiny(save, losses_out=tmp_path / "losses.json", steps=1, save_every=0, **options)
+    log = (tmp_path / "losses.log").read_text()
+    assert "committed step 3 of run 'main' from the save a run that is gone left in staging" in log, log
+    with Store.open(tmp_path / "store") as store:
+        assert [s.step for s in store.log()] == [3]
+        store.checkout("step=3", tmp_path / "out")
+    assert same_tree(tmp_path / "out" / "global_step3", reference.save_dir / "global_step3")
+    assert not (save / "global_step3").exists(), "deleted once durable, as a commit from training is"
 
 
 def test_recovery_moves_only_regular_files_it_staged_never_through_a_link(tmp_path: Path) -> None:

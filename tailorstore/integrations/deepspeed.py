@@ -51,7 +51,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from tailorstore.api import Store
 from tailorstore.core.environment import STAGING_ENV
-from tailorstore.core.errors import Call, StoreError
+from tailorstore.core.errors import Call, StepExistsError, StoreError, TailorError
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.formats.deepspeed import is_model_states, read_latest
@@ -160,10 +160,13 @@ class TailorCheckpointEngine(CheckpointEngine):
         # One folder per engine, the same on every rank: rank 0 commits what all ranks staged.
         token = _from_rank0(f"{staged.PREFIX}{os.getpid()}-{secrets.token_hex(4)}", self.group)
         self.staging = Path(staging) if staging is not None else default_staging()
-        staged.recover(self.staging)  # what a killed run left in memory goes where DeepSpeed would have put it
+        rescued = staged.recover(self.staging)  # a killed run's staged saves go where DeepSpeed would have put them
         # No rank creates its folder before every rank of the node has recovered: a recovery
         # takes a folder nobody holds yet for a dead run's, between its creation and its lock.
-        _barrier(self.group)
+        # (The gather is that barrier.)
+        every_rescued = resume.gathered([str(p) for p in rescued], self.group)
+        if _rank() == 0 and store is not None:
+            _commit_recovered(store, sorted({Path(p) for one in every_rescued for p in one}))
         self._root = self.staging / token
         self._lock: int | None = None  # our shared lock on _root while it exists: a later engine leaves it be
         self._saves = 0
@@ -577,6 +580,34 @@ class TailorCheckpointEngine(CheckpointEngine):
 
     def cleanup(self) -> None:
         self.flush()
+
+
+def _commit_recovered(store: Store, saves: list[Path]) -> None:
+    """Global rank 0 at start: commit each save a killed run left in staging (moved where DeepSpeed
+    writes it) whose step the store lacks, in the run the job's head names, and delete it once
+    durable. It was left for the user to find and commit by hand. A save cut short fails its
+    commit and stays where it is, with one line that says so."""
+    for real in saves:
+        step = step_of_tag(real.name)
+        if step is None or not real.is_dir():
+            continue  # another node's folder, not seen here: its own log said where it went
+        head = read_head(real.parent)
+        run = head.run if head is not None and head.matches(store.id) else store.run
+        try:
+            result = store.commit(real, step=step, run=run, delete_after_commit=True)
+        except StepExistsError:
+            log.warning("tailorstore: step %d, left in staging by a run that is gone, was committed before", step)
+            continue
+        except TailorError as exc:
+            log.warning("tailorstore: %s, left in staging by a run that is gone, was not committed: %s", real, exc)
+            continue
+        write_head(real.parent, Head(store.id, run, step, store.show(f"{run}:step={step}").summary.created_at))
+        log.warning(
+            "tailorstore: committed step %d of run %r from the save a run that is gone left in staging (%d files)",
+            result.step,
+            run,
+            result.files,
+        )
 
 
 def _warn_if_in_several_runs(store: Store, run: str, step: int) -> None:
