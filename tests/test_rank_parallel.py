@@ -60,6 +60,10 @@ def test_ownership_and_derivation_rules() -> None:
     a = Survey(0, [], {"x", "y"}, {("m", "w"): [(0, 4, True)], ("m", "v"): [(0, 2, True)]}, {("m", "w"): 10})
     b = Survey(1, [], {"y", "z"}, {("m", "w"): [(4, 6, True)], ("m", "v"): [(2, 2, False)]}, {("m", "v"): 4})
     assert writers([b, a]) == {0: frozenset(), 1: frozenset({"y"})}
+    # under a plan: rank 0 holds y only in a layer the plan inherits, so rank 1 writes it itself
+    a.new_layers, b.new_layers = {"x": {"L1"}, "y": {"L2"}}, {"y": {"L2", "L1"}, "z": {""}}
+    assert writers([a, b], frozenset({"L1"})) == {0: frozenset(), 1: frozenset()}
+    assert writers([a, b], frozenset({"L2"})) == {0: frozenset(), 1: frozenset({"y"})}
     assert checked_weights([a, b]) == frozenset({("m", "w")}), "v has a range that differs"
     gap = Survey(1, [], set(), {("m", "w"): [(5, 5, True)]}, {})
     assert checked_weights([a, gap]) == frozenset(), "a range no rank covered is not derived"
@@ -86,6 +90,7 @@ def test_every_policy_commits_rank_parallel_what_one_process_commits(
         for save in saves:
             single.commit(save, policy=policy, **params)
         expected = {step: manifest_rows(single, step) for step in (3, 6)}
+        new_bytes = {s.step: s.new_bytes for s in single.log()}
     Store.init(tmp_path / "parallel").close()
     args = [str(tmp_path / "parallel"), str(tmp_path / "out.json"), *map(str, saves), "--policy", policy]
     args += [f"--param={k}={v}" for k, v in params.items()]
@@ -93,6 +98,8 @@ def test_every_policy_commits_rank_parallel_what_one_process_commits(
     with Store.open(tmp_path / "parallel") as parallel:
         for step in (3, 6):
             assert manifest_rows(parallel, step) == expected[step], step
+        # a blob both ranks hold (the optimizer's step) is written and counted once (attack finding low 5)
+        assert {s.step: s.new_bytes for s in parallel.log()} == new_bytes
         assert not expected[6]["exact"] or policy == "adaptive", "the second step inherits something"
         assert parallel.verify(deep=True).ok
         parallel.checkout(6, tmp_path / "parallel-out")

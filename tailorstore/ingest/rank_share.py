@@ -73,6 +73,9 @@ class Survey:
     ranges: dict[WeightKey, list[tuple[int, int, bool]]] = field(default_factory=dict)  # (start, numel, equal)
     weights: dict[WeightKey, int] = field(default_factory=dict)  # low-precision weights seen, by elements
     layer_bytes: dict[str, int] = field(default_factory=dict)  # raw bytes of each layer in its own files
+    # which layer each new blob is a piece of ("" for a file's skeleton, container or whole bytes):
+    # under a policy only the stored layers' blobs are written, so only they are shared out
+    new_layers: dict[str, set[str]] = field(default_factory=dict)  # blob -> layers
 
 
 @dataclass
@@ -109,7 +112,14 @@ def survey(
                 found.layer_bytes[seg.layer] = found.layer_bytes.get(seg.layer, 0) + nbytes
     namer = _Namer(store, found.new_hashes)
     with _WeightRanges(weight_files, found) as checker:
-        write_files(mine, own_scan, own_scan.layers, {}, namer, checker, Silent(), release=False)
+        named = write_files(mine, own_scan, own_scan.layers, {}, namer, checker, Silent(), release=False)
+    for atom in named.atoms:
+        if atom.blob in found.new_hashes:
+            found.new_layers.setdefault(atom.blob, set()).add(atom.layer)
+    for record in named.files:
+        for digest in (record.blob, record.container):
+            if digest in found.new_hashes:
+                found.new_layers.setdefault(digest, set()).add("")
     return Share(mine, own_scan, step, write_order(layout)), found
 
 
@@ -186,14 +196,24 @@ class _WeightRanges:
         return False
 
 
-def writers(surveys: Sequence[Survey]) -> dict[int, frozenset[str]]:
-    """Pure: for each rank, the new blobs a lower rank writes (so it does not write them again)."""
+def writers(surveys: Sequence[Survey], stored: frozenset[str] | None = None) -> dict[int, frozenset[str]]:
+    """Pure: for each rank, the new blobs a lower rank writes (so it does not write them again).
+    With ``stored`` (a policy's plan), a rank writes only its new blobs of those layers and of its
+    files' own bytes, so only those count as taken: a blob both ranks hold (the optimizer's
+    ``step``) is written once, and one a lower rank holds only in a layer it inherits is not
+    taken for written (attack finding low 5)."""
     taken: set[str] = set()
     out: dict[int, frozenset[str]] = {}
     for s in sorted(surveys, key=lambda s: s.rank):
-        out[s.rank] = frozenset(s.new_hashes & taken)
-        taken |= s.new_hashes
+        writes = s.new_hashes if stored is None else {h for h in s.new_hashes if _written(s, h, stored)}
+        out[s.rank] = frozenset(writes & taken)
+        taken |= writes
     return out
+
+
+def _written(survey: Survey, digest: str, stored: frozenset[str]) -> bool:
+    layers = survey.new_layers.get(digest)
+    return layers is None or any(layer == "" or layer in stored for layer in layers)
 
 
 def checked_weights(surveys: Sequence[Survey]) -> frozenset[WeightKey]:

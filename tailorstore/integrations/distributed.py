@@ -99,8 +99,8 @@ def commit_rank_parallel(
     elsewhere, derived = writers(surveys)[rank], checked_weights(surveys)
     if spec.name != "full":
         options.plan = _planned(store, share, surveys, spec, group, lock_timeout)
-        # a blob another rank would have written may be one of a layer it now inherits: write your own
-        elsewhere = frozenset()
+        # a blob a lower rank would have written counts only where it falls in a layer the plan stores
+        elsewhere = writers(surveys, options.plan.stored)[rank]
     written = _together(
         lambda: write_share(store.repo, share, options, elsewhere, derived),
         group,
