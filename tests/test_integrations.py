@@ -20,6 +20,7 @@ from tailorstore import BackgroundCommitError, Store
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.integrations import staging as staged
 from tailorstore.integrations.deepspeed import TailorCheckpointEngine
+from tailorstore.integrations.head import HEAD_FILE, read_head
 from testbed.compare import differences, same_tree
 from testbed.runs import TrainingFailed, train_hf, train_tiny
 
@@ -70,9 +71,12 @@ def test_tailor_checkpoint_engine_saves_into_the_store_and_resumes_from_it_bit_e
         save, losses_out=tmp_path / "losses.json", steps=6, save_every=3, record_loss_metric=True, **options
     )
     assert losses == reference.losses, "saving through the engine must not change training"
-    assert sorted(p.name for p in save.iterdir()) == ["latest", "zero_to_fp32.py", "zero_to_torch.py"], (
-        "only DeepSpeed's pointer and scripts land in save_dir; the checkpoint went to the store"
+    assert sorted(p.name for p in save.iterdir()) == ["latest", HEAD_FILE, "zero_to_fp32.py", "zero_to_torch.py"], (
+        "only DeepSpeed's pointer and scripts, and the job's head beside them, land in save_dir; the checkpoint "
+        "went to the store"
     )
+    head = read_head(save)
+    assert head is not None and (head.run, head.step) == ("main", 6), head
     assert not list(staging.rglob("*")), "the staged saves were deleted once committed"
     with Store.open(tmp_path / "store") as store:
         assert [s.step for s in store.log()] == [3, 6]
@@ -95,7 +99,7 @@ def test_tailor_checkpoint_engine_saves_into_the_store_and_resumes_from_it_bit_e
         **options,
     )
     assert resumed == {s: reference.losses[s] for s in (4, 5, 6)}
-    assert sorted(p.name for p in save.iterdir()) == ["latest", "zero_to_fp32.py", "zero_to_torch.py"]
+    assert sorted(p.name for p in save.iterdir()) == ["latest", HEAD_FILE, "zero_to_fp32.py", "zero_to_torch.py"]
     assert not list(staging.rglob("*")), "the checkout made for resuming was deleted"
 
 
@@ -140,6 +144,7 @@ from pathlib import Path
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from tailorstore import Store
 from tailorstore.integrations.deepspeed import TailorCheckpointEngine
+from tailorstore.integrations.head import HEAD_FILE, read_head
 from tailorstore.formats.safe_load import load_torch_file
 
 reference, save_dir, store = Path(sys.argv[1]), Path(sys.argv[2]), Store.open(sys.argv[3])
@@ -396,7 +401,7 @@ def test_a_staging_folder_that_fails_costs_no_save(
     assert losses == reference.losses
     log = (tmp_path / "losses.log").read_text()
     assert log.count(f"staging in {staging} failed") == 2 and "TAILOR_STAGING" in log, log  # once per rank
-    assert sorted(p.name for p in save.iterdir()) == ["latest", "zero_to_fp32.py", "zero_to_torch.py"], (
+    assert sorted(p.name for p in save.iterdir()) == ["latest", HEAD_FILE, "zero_to_fp32.py", "zero_to_torch.py"], (
         "each save was committed from save_dir, then deleted there"
     )
     with Store.open(tmp_path / "store") as store:
