@@ -132,3 +132,16 @@ def test_a_working_folder_of_several_checkpoints_is_not_one_step(tmp_path: Path)
         assert store.log() == []
         store.commit(work / "checkpoint-2")  # each one on its own
         assert [s.step for s in store.log()] == [2]
+
+
+def test_an_error_names_the_folder_committed_not_its_parent(tmp_path: Path) -> None:
+    """Attack finding low 6: a commit error named the parent folder instead of the one given."""
+    from tailorstore import BadCheckpointError
+
+    save = tmp_path / "weights"
+    save.mkdir()
+    torch.save({"w": torch.ones(4)}, save / "model.pt")
+    with Store.init(tmp_path / "store") as store:
+        with pytest.raises(BadCheckpointError, match=rf"^{save}: cannot tell which step") as raised:
+            store.commit(save)
+        assert not str(raised.value).startswith(f"{tmp_path}:")

@@ -51,6 +51,14 @@ class CheckpointLayout:
     ds_tag: str | None
     files: list[str] = field(default_factory=list)  # relative posix paths, in commit order
 
+    @property
+    def committed(self) -> Path:
+        """The folder (or file) the commit was given, which errors name: the root itself, or for a
+        layout rooted at its parent the one its paths are under (an error named the parent folder)."""
+        if self.kind in (DEEPSPEED_TAG, DCP_FOLDER, PLAIN_FOLDER, PLAIN_FILE) and self.ds_tag:
+            return self.root / self.ds_tag
+        return self.root
+
     def file_key(self, rel: str) -> str:
         """The path with the tag folder replaced, so that the same file of two steps matches."""
         if self.ds_tag and (rel == self.ds_tag or rel.startswith(self.ds_tag + "/")):

@@ -101,7 +101,9 @@ def step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFi
     for f in files:
         if isinstance(f.meta.get("global_steps"), int):
             return check_step(f.meta["global_steps"])
-    raise BadCheckpointError(f"{layout.root}: cannot tell which step this checkpoint is; pass ", Call(step="N"), ".")
+    raise BadCheckpointError(
+        f"{layout.committed}: cannot tell which step this checkpoint is; pass ", Call(step="N"), "."
+    )
 
 
 def _refuse_existing(index: Catalogue, step: int, tag: str | None, run: str) -> None:
