@@ -5,6 +5,7 @@ wait for lease times run on S3 in the slow tier only, to keep the fast tier unde
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -19,9 +20,13 @@ from tailorstore.store.location import resolve
 from tailorstore.store.repo import Repository
 
 
-def plant(backend: Backend, name: str, *, exclusive: bool, host: str, pid: int, expires: float) -> str:
+def plant(
+    backend: Backend, name: str, *, exclusive: bool, host: str, pid: int, expires: float, created: float | None = None
+) -> str:
+    """A lease object as its holder writes it: ``created`` and ``expires`` by the holder's clock."""
     key = f"{LOCK_PREFIX}{name}.json"
-    body = {"exclusive": exclusive, "host": host, "pid": pid, "created": time.time(), "expires": expires}
+    created = time.time() if created is None else created
+    body = {"exclusive": exclusive, "host": host, "pid": pid, "created": created, "expires": expires}
     backend.put(key, json.dumps(body).encode())
     return key
 
@@ -43,7 +48,9 @@ def test_shared_leases_coexist_and_exclusive_waits_for_them(backend: Backend) ->
 
 
 def test_stale_leases_are_removed_with_a_message(backend: Backend) -> None:
-    expired = plant(backend, "far-1", exclusive=True, host="far-away", pid=1, expires=time.time() - 1)
+    # a holder that stopped renewing: its object, written more than its lease time ago (by the server's clock)
+    expired = plant(backend, "far-1", exclusive=True, host="far-away", pid=1, expires=time.time() + 0.2)
+    time.sleep(1.3)  # past its 0.2 s lease, and past S3's whole-second Last-Modified
     live = plant(backend, "far-2", exclusive=False, host="far-away", pid=2, expires=time.time() + 60)
     gone_pid = 2**22 + 7  # above pid_max: no such process
     here = socket.gethostname()
@@ -57,6 +64,26 @@ def test_stale_leases_are_removed_with_a_message(backend: Backend) -> None:
     with pytest.raises(LockTimeoutError, match="far-away"):  # a live lease of another host is respected
         with lease_lock(backend, exclusive=True, timeout=0.3):
             pass
+
+
+def test_a_live_lease_of_a_host_whose_clock_is_behind_is_respected_and_named(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Attack finding low 3: a healthy host whose clock ran 10 minutes behind wrote leases whose
+    ``expires`` had passed by everyone else's clock: gc removed its live lease as stale, and it was
+    told that it had stalled. Leases are timed by the server's clock now, and the host is named."""
+    import logging
+
+    behind = time.time() - 600
+    live = plant(backend, "slow-clock", exclusive=False, host="slow-clock-host", pid=7, created=behind,
+                 expires=behind + 120)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="tailorstore"):
+        with pytest.raises(LockTimeoutError, match="slow-clock-host"):
+            with lease_lock(backend, exclusive=True, timeout=0.3):
+                pass
+    assert live in set(backend.list(LOCK_PREFIX)), "its live lease was not removed"
+    # (S3 gives Last-Modified in whole seconds)
+    assert re.search(r"the clock of host 'slow-clock-host' is (599|600) s behind the store's server", caplog.text)
 
 
 @pytest.mark.parametrize("backend", ["posix", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)

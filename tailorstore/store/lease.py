@@ -28,6 +28,7 @@ states the timing this relies on.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -44,11 +45,13 @@ from tailorstore.core.errors import LeaseLostError, LockTimeoutError, StoreError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.store.backend import Backend
 
+log = logging.getLogger("tailorstore")
 LOCK_PREFIX = "locks/"
 DEFAULT_TTL = 120.0
 MAX_TTL = 86400.0  # a day: a lease that needs longer is a lease that never goes stale
 MAX_PID = (1 << 31) - 1
 SETTLE_SECONDS = 10.0  # a taker that saw our lease deletes its own within one listing
+SKEW_TOLD = 10.0  # seconds a host's clock may be off the server's before it is named (S3 times are whole seconds)
 _LOCK_KEY = re.compile(r"locks/[A-Za-z0-9._-]+\.json")
 
 
@@ -59,6 +62,12 @@ class Lease:
     host: str
     pid: int
     expires: float
+    created: float = 0.0  # the holder's clock when it wrote the object
+    stamp: float | None = None  # the object's Last-Modified: the server's clock when it was written
+
+    @property
+    def ttl(self) -> float:
+        return self.expires - self.created
 
     def describe(self) -> str:
         kind = "exclusive" if self.exclusive else "shared"
@@ -81,13 +90,14 @@ def _unreadable(key: str) -> Lease:
     return Lease(key, True, "?", -1, 0.0)
 
 
-def _read(backend: Backend, key: str) -> Lease | None:
+def _read(backend: Backend, key: str, stamp: float | None = None) -> Lease | None:
     """A lease object as a stranger may have written it: a field of the wrong type or out of
     range (a pid no process can have, an expiry beyond any lease time) makes it unreadable,
     and an unreadable lease counts as expired, so whoever meets it removes it."""
     try:
         doc = json.loads(backend.get(key))
         exclusive, host, pid, expires = doc["exclusive"], doc["host"], doc["pid"], doc["expires"]
+        created = doc["created"]
     except FileNotFoundError:
         return None  # released while we listed
     except (ValueError, KeyError, TypeError, RecursionError):
@@ -99,12 +109,14 @@ def _read(backend: Backend, key: str) -> Lease | None:
         and isinstance(pid, int)
         and 0 < pid <= MAX_PID
         and isinstance(expires, int | float)
+        and isinstance(created, int | float)
         and math.isfinite(expires)
-        and expires <= time.time() + MAX_TTL
+        and math.isfinite(created)
+        and 0 < expires - created <= MAX_TTL
     )
     if not readable:
         return _unreadable(key)
-    return Lease(key, exclusive, host, pid, float(expires))
+    return Lease(key, exclusive, host, pid, float(expires), float(created), stamp)
 
 
 def _alive_here(lease: Lease) -> bool:
@@ -119,8 +131,16 @@ def _alive_here(lease: Lease) -> bool:
     return True
 
 
-def _stale(lease: Lease, now: float) -> bool:
-    return lease.expires < now or not _alive_here(lease)
+def _stale(lease: Lease, server_now: float) -> bool:
+    """Timed by the server's clock, never by the holder's: a lease object is rewritten every TTL/3,
+    so one the server last wrote more than its TTL ago is stale. Judged by the ``expires`` its
+    holder wrote, a healthy host whose clock ran 10 minutes behind lost its lease to every other
+    host (attack finding low 3)."""
+    if not _alive_here(lease):
+        return True
+    if lease.stamp is None:  # a backend that gives no times: the holder's own word
+        return lease.expires < time.time()
+    return server_now - lease.stamp > lease.ttl
 
 
 class _Renewer(threading.Thread):
@@ -151,6 +171,9 @@ class LeaseHandle:
         self.margin = ttl / 3  # what must be left of the lease to publish or delete
         self.settle = min(ttl / 12, SETTLE_SECONDS)  # how long a taker backing off may take to go
         self.valid_until = 0.0  # the expiry of the lease object this process last wrote
+        self.written = (0.0, 0.0)  # this host's clock just before and after it last wrote its object
+        self.skew: float | None = None  # the server's clock less this host's, from its own object's time
+        self._told: set[str] = set()  # hosts whose clock this process has warned about
         self.lost: str | None = None  # why the lease is no longer ours, once it is not
         self.renew_error: BaseException | None = None
 
@@ -170,6 +193,7 @@ class LeaseHandle:
         started = time.time()
         self.backend.put(self.key, self.body(started), create_only=create_only)
         self.valid_until = started + self.ttl
+        self.written = (started, time.time())
 
     def renew(self) -> None:
         """One renewal. A lease that lapsed, or whose object another host removed as stale, is
@@ -235,15 +259,24 @@ class LeaseHandle:
             )
 
     def others(self, on_stale: Callable[[str], None] | None = None) -> list[Lease]:
-        """Live leases of other holders that conflict with ours; stale ones are removed."""
+        """Live leases of other holders that conflict with ours; stale ones are removed. Each is
+        timed by the server's clock (its object's Last-Modified), this host's offset from it
+        measured on its own lease object, and a host whose clock is far off is named once."""
         found = []
-        for other_key in self.backend.list(LOCK_PREFIX):
+        listed = dict(self.backend.stamps(LOCK_PREFIX))
+        if self.key in listed and self.written[0]:
+            self.skew = listed[self.key] - (self.written[0] + self.written[1]) / 2
+            self._tell_skew(self.host, self.skew, "this host")
+        server_now = time.time() + (self.skew or 0.0)
+        for other_key, stamp in listed.items():
             if other_key == self.key or not _LOCK_KEY.fullmatch(other_key):
                 continue  # a key no lease has (put there by hand) is no lock
-            other = _read(self.backend, other_key)
+            other = _read(self.backend, other_key, stamp)
             if other is None:
                 continue
-            if _stale(other, time.time()):
+            if other.created:
+                self._tell_skew(other.host, stamp - other.created, f"host {other.host!r}")
+            if _stale(other, server_now):
                 self.backend.delete(other_key)
                 if on_stale:
                     on_stale(f"removed a stale {other.describe()} ({other_key})")
@@ -251,6 +284,19 @@ class LeaseHandle:
             if self.exclusive or other.exclusive:
                 found.append(other)
         return found
+
+    def _tell_skew(self, host: str, skew: float, whose: str) -> None:
+        """One warning per host whose clock is off the server's by more than leases allow for."""
+        if abs(skew) <= max(self.margin, SKEW_TOLD) or host in self._told:
+            return
+        self._told.add(host)
+        log.warning(
+            "tailorstore: the clock of %s is %.0f s %s the store's server (measured on its lease object); leases "
+            "are timed by the server's clock, but fencing needs the hosts' clocks close: set up NTP there",
+            whose,
+            abs(skew),
+            "behind" if skew > 0 else "ahead of",
+        )
 
     def try_exclusive(self) -> bool:
         """Write our lease as exclusive, then look: anyone who listed before sees us on their

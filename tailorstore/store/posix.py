@@ -166,6 +166,14 @@ class PosixBackend:
             except FileNotFoundError:  # deleted since the walk saw it (gc): not there any more
                 continue
 
+    def stamps(self, prefix: str) -> Iterator[tuple[str, float]]:
+        """Every key under ``prefix`` with its modification time (the file system's clock)."""
+        for path, key in self._walk(prefix):
+            try:
+                yield key, path.stat().st_mtime
+            except FileNotFoundError:
+                continue
+
     def _walk(self, prefix: str) -> Iterator[tuple[Path, str]]:
         request("list")
         base = self.root / prefix.rstrip("/") if prefix else self.root

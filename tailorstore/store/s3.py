@@ -210,6 +210,19 @@ class S3Backend:
 
         yield from sorted(self._call("listing", prefix or "/", pages, "list"))
 
+    def stamps(self, prefix: str) -> Iterator[tuple[str, float]]:
+        """Every key under ``prefix`` with its Last-Modified, as the server's clock gave it (leases
+        are timed by it: hosts' clocks may disagree, the server's is one)."""
+
+        def pages() -> list[tuple[str, float]]:
+            return [
+                (meta["path"], meta["last_modified"].timestamp())
+                for batch in obstore.list(self._store, prefix=prefix or None)
+                for meta in batch
+            ]
+
+        yield from sorted(self._call("listing", prefix or "/", pages, "list"))
+
     def delete(self, key: str) -> None:
         check_key(key)
         self._call("deleting", key, lambda: obstore.delete(self._store, key), "delete")
