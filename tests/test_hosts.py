@@ -75,6 +75,18 @@ def steps_seen_by_a_new_host(location: str, cache: Path) -> list[int]:
     return sorted(s["step"] for s in json.loads(done.stdout))
 
 
+def step3_removed(location: str, saves: tuple[Path, Path], tmp_path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Hosts a and b of a store holding steps 3 and 6, step 3 then removed by a: its blobs are
+    garbage, and host b's index still knows where they are (it listed the store before)."""
+    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
+    assert run(a, "init", location).returncode == 0
+    for save in saves:
+        assert run(a, "commit", str(save), "--store", location).returncode == 0
+    assert run(b, "log", "--store", location).returncode == 0
+    assert run(a, "rm", "step=3", "--store", location).returncode == 0
+    return a, b
+
+
 def test_a_commit_stalled_past_its_lease_while_gc_ran_publishes_nothing(
     s3_location: str, saves: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -105,13 +117,8 @@ def test_a_commit_stalled_past_its_lease_while_gc_ran_publishes_nothing(
 def test_a_gc_stalled_past_its_lease_while_a_commit_ran_deletes_nothing(
     s3_location: str, saves: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    at3, at6 = saves
-    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
-    assert run(a, "init", s3_location).returncode == 0
-    for save in (at3, at6):
-        assert run(a, "commit", str(save), "--store", s3_location).returncode == 0
-    assert run(b, "log", "--store", s3_location).returncode == 0  # host b's index knows step 3's blobs
-    assert run(a, "rm", "step=3", "--store", s3_location).returncode == 0
+    at3, _ = saves
+    a, b = step3_removed(s3_location, saves, tmp_path)
 
     # host a's gc plans to delete step 3's blobs, then stalls before its first deletion
     stalled = start({**a, "TAILOR_FAILPOINTS": "gc-before-delete=stop"}, "gc", "--store", s3_location)
@@ -382,13 +389,8 @@ def test_a_gc_stalled_between_two_delete_requests_deletes_no_pack_a_commit_reuse
     """Attack finding 1: gc checked its lease once, then sent one DeleteObjects per 1,000 keys. Stalled
     after the first, its lease lapsed, another host's commit reused a pack gc had planned to delete,
     and gc's next request deleted it. Each request is now fenced: gc stops, and the step checks out."""
-    at3, at6 = saves
-    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
-    assert run(a, "init", s3_location).returncode == 0
-    for save in (at3, at6):
-        assert run(a, "commit", str(save), "--store", s3_location).returncode == 0
-    assert run(b, "log", "--store", s3_location).returncode == 0  # host b's index knows step 3's packs
-    assert run(a, "rm", "step=3", "--store", s3_location).returncode == 0
+    at3, _ = saves
+    a, b = step3_removed(s3_location, saves, tmp_path)
     # 1,000 orphan blob objects, which gc deletes before the packs: step 3's packs fall in its second request
     client = boto3.client("s3", **s3_server._client_args())
     prefix = s3_location.split(f"s3://{BUCKET}/", 1)[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HFRun, Runs, manifest_rows
+from conftest import HFRun, Run, Runs, manifest_rows
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from safetensors.torch import load_file
 from test_hostile import mounted
@@ -23,6 +23,17 @@ from tailorstore.integrations.deepspeed import TailorCheckpointEngine
 from tailorstore.integrations.head import HEAD_FILE, read_head
 from testbed.compare import differences, same_tree
 from testbed.runs import TrainingFailed, train_hf, train_tiny
+
+
+def attached_run(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **extra: object
+) -> tuple[Run, Path, dict[str, object]]:
+    """The zero2-bf16 reference run, an empty store and staging under ``tmp_path``, the save folder,
+    and train_tiny's options to save through the store (``extra``: more of them)."""
+    reference = runs.get("zero2-bf16")
+    monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
+    Store.init(tmp_path / "store").close()
+    return reference, tmp_path / "save", {"commit_to": tmp_path / "store", **extra, **reference.options}
 
 
 def test_deepspeed_save_helper_commits_in_the_background_and_resume_is_bit_exact(runs: Runs, tmp_path: Path) -> None:
@@ -186,8 +197,9 @@ def test_a_killed_runs_staged_save_is_written_where_deepspeed_would_by_the_next_
     runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run killed between saving and committing left its staged save in memory (/dev/shm) for
-    good, the only copy of it. The next engine to start moves it to save_dir/tag and frees the
-    staging folder, but leaves a live run's staged save alone (its lock says it is live)."""
+    good, the only copy of it. The next engine to start moves it to save_dir/tag, frees the
+    staging folder and commits it (then deletes it once durable), but leaves a live run's staged
+    save alone (its lock says it is live)."""
     save_dir = tmp_path / "save"
     reference, staging, proc = stage_and_wait(runs, tmp_path, save_dir, monkeypatch)
     try:
@@ -201,8 +213,12 @@ def test_a_killed_runs_staged_save_is_written_where_deepspeed_would_by_the_next_
             TailorCheckpointEngine(store)
     finally:
         proc.kill()
-    real = save_dir / "global_step3"
-    assert sorted(p.name for p in real.iterdir()) == staged, "the staged save was written where DeepSpeed would"
+    assert not (save_dir / "global_step3").exists(), "written where DeepSpeed would, committed, deleted once durable"
+    with Store.open(tmp_path / "store") as store:
+        assert [s.step for s in store.log()] == [3]
+        store.checkout("step=3", tmp_path / "out")
+    real = tmp_path / "out" / "global_step3"
+    assert sorted(p.name for p in real.iterdir()) == staged, "the store holds the staged save"
     for f in sorted(reference.iterdir()):
         assert differences(load_torch_file(real / f.name, mmap=False)[0], load_torch_file(f, mmap=False)[0]) == []
     assert not list(staging.iterdir()), "the dead run's staging folder was freed"
@@ -223,8 +239,10 @@ def test_a_killed_runs_staged_save_that_cannot_be_moved_stays_and_training_start
         TailorCheckpointEngine(store)  # does not raise
         assert sorted(p.name for p in staging.rglob("*.pt")) == staged
         (tmp_path / "blocked").unlink()
-        TailorCheckpointEngine(store)
-    assert sorted(p.name for p in (save_dir / "global_step3").iterdir()) == staged
+        TailorCheckpointEngine(store)  # moves it, and commits it
+        assert [s.step for s in store.log()] == [3]
+        store.checkout("step=3", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out" / "global_step3").iterdir()) == staged
     assert not list(staging.iterdir())
 
 
@@ -286,11 +304,7 @@ def test_resuming_from_an_earlier_step_branches_and_says_so(
     step 6 stays as it was; with on_existing='error' the save fails as a plain commit would.
     Through ``attach`` (the save staged, resumed from the store) and ``save_checkpoint`` (the save
     on disk, resumed from there)."""
-    reference = runs.get("zero2-bf16")
-    monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
-    Store.init(tmp_path / "store").close()
-    save = tmp_path / "save"
-    options = {"commit_to": tmp_path / "store", "tailor_engine": engine, **reference.options}
+    reference, save, options = attached_run(runs, tmp_path, monkeypatch, tailor_engine=engine)
     train_tiny(save, losses_out=tmp_path / "first.json", steps=6, save_every=3, **options)
     with Store.open(tmp_path / "store") as store:
         first = {s.step: s.id for s in store.log()}
@@ -323,11 +337,7 @@ def test_a_restart_after_a_rewind_goes_on_in_the_branch_not_the_abandoned_run(
     ``latest`` names ``global_step9``), then restart the same job. It resumed ``main:step=9``, the
     timeline the user had abandoned, and committed step 12 into ``main``. The job's head
     (integrations/head.py) names the run it last committed to."""
-    reference = runs.get("zero2-bf16")
-    monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
-    Store.init(tmp_path / "store").close()
-    save = tmp_path / "save"
-    options = {"commit_to": tmp_path / "store", "tailor_engine": True, **reference.options}
+    _, save, options = attached_run(runs, tmp_path, monkeypatch, tailor_engine=True)
     train_tiny(save, losses_out=tmp_path / "first.json", steps=9, save_every=3, **options)
     train_tiny(save, losses_out=tmp_path / "again.json", resume_from=save, resume_tag="global_step3", steps=9,
                save_every=3, **options)  # fmt: skip
@@ -349,11 +359,7 @@ def test_a_restart_after_a_replacing_rewind_never_resumes_a_step_of_the_old_time
     first step 6), the job was killed while committing step 9 again, so ``latest`` names
     ``global_step9`` while the store's step 9 is the old timeline's. The restart resumes from
     the new step 6, the last step this training committed, and says why."""
-    reference = runs.get("zero2-bf16")
-    monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
-    Store.init(tmp_path / "store").close()
-    save = tmp_path / "save"
-    options = {"commit_to": tmp_path / "store", "tailor_engine": True, "on_existing": "replace", **reference.options}
+    _, save, options = attached_run(runs, tmp_path, monkeypatch, tailor_engine=True, on_existing="replace")
     train_tiny(save, losses_out=tmp_path / "first.json", steps=9, save_every=3, **options)
     train_tiny(save, losses_out=tmp_path / "again.json", resume_from=save, resume_tag="global_step3", steps=6,
                save_every=3, **options)  # fmt: skip
@@ -368,11 +374,7 @@ def test_a_restart_after_a_replacing_rewind_never_resumes_a_step_of_the_old_time
 def test_resuming_from_a_composite_through_attach_warns_which_layers(
     runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference = runs.get("zero2-bf16")
-    monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
-    Store.init(tmp_path / "store").close()
-    save = tmp_path / "save"
-    options = {"commit_to": tmp_path / "store", "tailor_engine": True, **reference.options}
+    _, save, options = attached_run(runs, tmp_path, monkeypatch, tailor_engine=True)
     train_tiny(save, losses_out=tmp_path / "first.json", steps=6, save_every=3, engine_policy="parity", **options)
     train_tiny(save, losses_out=tmp_path / "exact.json", resume_from=save, resume_tag="global_step3", steps=4,
                save_every=0, **options)  # fmt: skip
