@@ -51,6 +51,7 @@ DEFAULT_TTL = 120.0
 MAX_TTL = 86400.0  # a day: a lease that needs longer is a lease that never goes stale
 MAX_PID = (1 << 31) - 1
 SETTLE_SECONDS = 10.0  # a taker that saw our lease deletes its own within one listing
+STAMP_RESOLUTION = 1.0  # seconds: how coarse a backend's object times may be (S3's Last-Modified)
 SKEW_TOLD = 10.0  # seconds a host's clock may be off the server's before it is named (S3 times are whole seconds)
 _LOCK_KEY = re.compile(r"locks/[A-Za-z0-9._-]+\.json")
 
@@ -140,7 +141,8 @@ def _stale(lease: Lease, server_now: float) -> bool:
         return True
     if lease.stamp is None:  # a backend that gives no times: the holder's own word
         return lease.expires < time.time()
-    return server_now - lease.stamp > lease.ttl
+    # S3 gives Last-Modified in whole seconds: a lease renewed a moment ago may read as a second older
+    return server_now - lease.stamp > lease.ttl + STAMP_RESOLUTION
 
 
 class _Renewer(threading.Thread):

@@ -99,7 +99,25 @@ def tag_of_key(key: str) -> str:
 
 
 def pin_key(object_key: str) -> str:
-    return PIN_PREFIX + object_key.rsplit("/", 1)[-1]
+    """``refs/pins/<name>`` for run main's manifests (as pins always were, so older readers see them),
+    ``refs/pins/<run>/<name>`` for another run's. A pin named by the key's last segment alone was
+    shared by every run's step of that number: committing step 8 in a branch deleted main's pin of
+    step 8 (section 8, I2)."""
+    run, name = run_of_key(object_key), object_key.rsplit("/", 1)[-1]
+    return PIN_PREFIX + name if run == MAIN_RUN else check_key(f"{PIN_PREFIX}{run}/{name}")
+
+
+def _pinned_by(pin: str, by_name: dict[str, list[str]]) -> list[str]:
+    """The manifest keys a pin object pins (the reading rule of FORMAT.md 3.3): a run's own form pins
+    that run's manifest; the plain form pins main's manifest of that name, or, where main has none,
+    the other runs' (a branch's pin written before pins named their run)."""
+    rest = pin[len(PIN_PREFIX) :]
+    if "/" in rest:
+        run, _, name = rest.partition("/")
+        return [k for k in by_name.get(name, []) if run_of_key(k) == run]
+    keys = by_name.get(rest, [])
+    mains = [k for k in keys if run_of_key(k) == MAIN_RUN]
+    return mains or keys
 
 
 def is_manifest_key(key: str) -> bool:
@@ -307,8 +325,27 @@ def write_refs(backend: Backend, index: Catalogue, manifests: Iterable[int]) -> 
             backend.put(pin_key(record.object_key), b"")
             written.append(pin_key(record.object_key))
         else:
-            backend.delete(pin_key(record.object_key))
+            _unpin(backend, index, record.object_key)
     return written
+
+
+def _unpin(backend: Backend, index: Catalogue, key: str) -> None:
+    """Delete the pin of ``key``. A plain-form pin may also be what pins another run's manifest of
+    the same name (one written before pins named their run): those the index holds pinned get a
+    pin of their own first."""
+    pin = pin_key(key)
+    name = key.rsplit("/", 1)[-1]
+    if run_of_key(key) != MAIN_RUN:
+        backend.delete(pin)
+        plain = PIN_PREFIX + name
+        holders = _by_name(m.object_key for m in index.manifests() if m.object_key)
+        if key not in _pinned_by(plain, holders) or not backend.exists(plain):
+            return
+        pin = plain  # main has no manifest of that name: the plain pin was this branch's
+    for other in index.manifests():
+        if other.pinned and other.object_key and other.object_key != key and other.object_key.endswith("/" + name):
+            backend.put(pin_key(other.object_key), b"")
+    backend.delete(pin)
 
 
 def drop_tag(backend: Backend, tag: str) -> None:
@@ -528,11 +565,15 @@ def _current_refs(tags: dict[str, str], current: dict[str, str]) -> dict[str, st
 
 
 def _pinned_keys(backend: Backend, current: dict[str, str]) -> list[str]:
-    """The manifest keys a pin object names (a pin names its manifest by the key's last segment)."""
+    """The manifest keys the pin objects pin (:func:`_pinned_by`)."""
+    return [key for pin in backend.list(PIN_PREFIX) for key in _pinned_by(pin, _by_name(current))]
+
+
+def _by_name(keys: Iterable[str]) -> dict[str, list[str]]:
     by_name: dict[str, list[str]] = {}
-    for key in current:
+    for key in keys:
         by_name.setdefault(key.rsplit("/", 1)[-1], []).append(key)
-    return [key for pin in backend.list(PIN_PREFIX) for key in by_name.get(pin[len(PIN_PREFIX) :], [])]
+    return by_name
 
 
 def _listed_tags(backend: Backend) -> dict[str, str]:
