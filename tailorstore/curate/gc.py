@@ -26,6 +26,7 @@ import io
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from tailorstore.store.backend import blob_key
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.listing import Holdings
 from tailorstore.store.lock import LockHandle
+from tailorstore.store.pack_sync import TRAILER_READERS
 from tailorstore.store.packs import PackEntry, PackWriter, pack_key, read_trailer
 from tailorstore.store.parts import read_parts
 from tailorstore.store.records import COMMIT, THIN_ARCHIVE, TIERS, BlobRecord, ManifestRecord
@@ -368,13 +370,19 @@ def misplaced_blobs(
                 trailers[pack] = set()
         return digest in trailers[pack]
 
-    for name in packs:
+    def fetch(name: str) -> list[PackEntry] | BaseException:
         try:
-            entries = read_trailer(store.backend, name)[1]
-        except FileNotFoundError:
+            return read_trailer(store.backend, name)[1]
+        except (FileNotFoundError, CorruptStoreError) as exc:
+            return exc
+
+    with ThreadPoolExecutor(max(1, min(TRAILER_READERS, len(packs))), thread_name_prefix="tailor-gc") as pool:
+        fetched = list(pool.map(fetch, packs))  # a round trip each on S3: read at once
+    for name, entries in zip(packs, fetched, strict=True):
+        if isinstance(entries, FileNotFoundError):
             continue  # gone already: nothing to delete
-        except CorruptStoreError as exc:
-            log.warning("tailorstore: gc keeps pack %s: %s", name, exc)
+        if isinstance(entries, BaseException):
+            log.warning("tailorstore: gc keeps pack %s: %s", name, entries)
             unreadable.add(name)
             continue
         trailers[name] = {e.hash for e in entries}

@@ -528,14 +528,8 @@ class TailorCheckpointEngine(CheckpointEngine):
 
     def _move_head(self, store: Store, save_dir: Path, step: int | None) -> None:
         """Global rank 0, once a step is committed: the job's head (head.py) names it."""
-        if step is None or not save_dir.is_dir():
-            return
-        run = self.rewind.run or store.run
-        try:
-            created = store.show(f"{run}:step={step}").summary.created_at
-        except StoreError:
-            return  # finalized under another run, or already gone: nothing to name
-        write_head(save_dir, Head(store.id, run, step, created))
+        if step is not None:
+            _name_in_head(store, save_dir, self.rewind.run or store.run, step)
 
     def _find(self, store: Store, tag: str | None, load_dir: Path, from_latest: bool) -> resume.Found:
         """Rank 0: the step ``tag`` names in this engine's run (the latest without one). Without a
@@ -582,6 +576,17 @@ class TailorCheckpointEngine(CheckpointEngine):
         self.flush()
 
 
+def _name_in_head(store: Store, save_dir: Path, run: str, step: int) -> None:
+    """Make the job's head in ``save_dir`` name ``run``'s step ``step`` as the store records it."""
+    if not save_dir.is_dir():
+        return
+    try:
+        created = store.show(f"{run}:step={step}").summary.created_at
+    except StoreError:
+        return  # finalized under another run, or already gone: nothing to name
+    write_head(save_dir, Head(store.id, run, step, created))
+
+
 def _commit_recovered(store: Store, saves: list[Path]) -> None:
     """Global rank 0 at start: commit each save a killed run left in staging (moved where DeepSpeed
     writes it) whose step the store lacks, in the run the job's head names, and delete it once
@@ -601,7 +606,7 @@ def _commit_recovered(store: Store, saves: list[Path]) -> None:
         except TailorError as exc:
             log.warning("tailorstore: %s, left in staging by a run that is gone, was not committed: %s", real, exc)
             continue
-        write_head(real.parent, Head(store.id, run, step, store.show(f"{run}:step={step}").summary.created_at))
+        _name_in_head(store, real.parent, run, step)
         log.warning(
             "tailorstore: committed step %d of run %r from the save a run that is gone left in staging (%d files)",
             result.step,

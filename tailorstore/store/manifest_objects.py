@@ -566,7 +566,8 @@ def _current_refs(tags: dict[str, str], current: dict[str, str]) -> dict[str, st
 
 def _pinned_keys(backend: Backend, current: dict[str, str]) -> list[str]:
     """The manifest keys the pin objects pin (:func:`_pinned_by`)."""
-    return [key for pin in backend.list(PIN_PREFIX) for key in _pinned_by(pin, _by_name(current))]
+    by_name = _by_name(current)
+    return [key for pin in backend.list(PIN_PREFIX) for key in _pinned_by(pin, by_name)]
 
 
 def _by_name(keys: Iterable[str]) -> dict[str, list[str]]:
