@@ -190,3 +190,23 @@ def test_gc_on_s3_waits_for_a_commit_of_another_host(s3_location: str) -> None:
     assert proc.returncode == 4, proc.stderr
     assert "shared lock of pid 4242 on trainer-7" in proc.stderr and "Traceback" not in proc.stderr
     assert tailor("log", "--store", s3_location).returncode == 0  # readers take no lock
+
+
+@pytest.mark.parametrize("backend", ["posix"], indirect=True)  # file times are exact; S3's are whole seconds
+def test_a_renewed_lease_measures_no_skew_of_its_own_host(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The offset from the server's clock is measured on the write the listed time belongs to, a
+    renewal's too: measured against the first write, a healthy host would be told its clock is off."""
+    import logging
+
+    from tailorstore.store import lease as lease_module
+
+    monkeypatch.setattr(lease_module, "SKEW_TOLD", 0.3)
+    monkeypatch.setenv("TAILOR_LOCK_TTL", "0.9")
+    with caplog.at_level(logging.WARNING, logger="tailorstore"):
+        with lease_lock(backend, exclusive=False, timeout=1) as handle:
+            time.sleep(1.0)  # three renewals
+            handle.others()
+            assert handle.skew is not None and abs(handle.skew) < 0.2, handle.skew
+    assert "the clock of this host" not in caplog.text

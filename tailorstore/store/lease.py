@@ -173,7 +173,9 @@ class LeaseHandle:
         self.margin = ttl / 3  # what must be left of the lease to publish or delete
         self.settle = min(ttl / 12, SETTLE_SECONDS)  # how long a taker backing off may take to go
         self.valid_until = 0.0  # the expiry of the lease object this process last wrote
-        self.written = (0.0, 0.0)  # this host's clock just before and after it last wrote its object
+        # this host's clock just before and after each of its last two writes of its object (a renewal on
+        # the renewer's thread may fall between a listing and its reading)
+        self.written: tuple[tuple[float, float], ...] = ()
         self.skew: float | None = None  # the server's clock less this host's, from its own object's time
         self._told: set[str] = set()  # hosts whose clock this process has warned about
         self.lost: str | None = None  # why the lease is no longer ours, once it is not
@@ -195,7 +197,10 @@ class LeaseHandle:
         started = time.time()
         self.backend.put(self.key, self.body(started), create_only=create_only)
         self.valid_until = started + self.ttl
-        self.written = (started, time.time())
+        self._wrote(started)
+
+    def _wrote(self, started: float) -> None:
+        self.written = (*self.written[-1:], (started, time.time()))
 
     def renew(self) -> None:
         """One renewal. A lease that lapsed, or whose object another host removed as stale, is
@@ -211,6 +216,7 @@ class LeaseHandle:
             return
         self.backend.put(self.key, self.body(started))
         self.valid_until = started + self.ttl
+        self._wrote(started)
 
     def check(self, what: str) -> None:
         """Fencing, before ``what`` publishes or deletes: raise :class:`LeaseLostError` unless the
@@ -266,8 +272,8 @@ class LeaseHandle:
         measured on its own lease object, and a host whose clock is far off is named once."""
         found = []
         listed = dict(self.backend.stamps(LOCK_PREFIX))
-        if self.key in listed and self.written[0]:
-            self.skew = listed[self.key] - (self.written[0] + self.written[1]) / 2
+        if self.key in listed and self.written:  # the write the listed time is nearest to is the one it saw
+            self.skew = min((listed[self.key] - (a + b) / 2 for a, b in self.written), key=abs)
             self._tell_skew(self.host, self.skew, "this host")
         server_now = time.time() + (self.skew or 0.0)
         for other_key, stamp in listed.items():
