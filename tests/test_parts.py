@@ -207,3 +207,15 @@ def test_parts_of_one_try_still_finalize_when_they_share_the_model_states(runs: 
         store.finalize(3)
         store.checkout("step=3", tmp_path / "out")
     assert same_tree(tmp_path / "out", tmp_path / "full")
+
+
+def test_one_hosts_share_committed_as_a_whole_step_is_refused(runs: Runs, tmp_path: Path) -> None:
+    """A whole commit must hold the whole save: host A's share (rank 0's optimizer states of a
+    2-rank save) was recorded as if it were the step. It is refused, naming the missing rank, and
+    commits as a part."""
+    host_a, _ = split_by_host(runs.get("zero2-bf16").save_dir, 3, tmp_path)
+    with Store.init(tmp_path / "store") as store:
+        with pytest.raises(BadCheckpointError, match=r"incomplete: it lacks the optimizer states of rank\(s\) \[1\]"):
+            store.commit(host_a)
+        assert store.log() == []
+        store.commit(host_a, part=True)

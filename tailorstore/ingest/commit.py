@@ -34,11 +34,12 @@ from tailorstore.core.rounding import ROUND_FROM_MASTER
 from tailorstore.curate.refs import check_tag
 from tailorstore.formats.deepspeed import ModelInfo
 from tailorstore.formats.kinds import RAW
-from tailorstore.formats.layout import CheckpointLayout, detect
+from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER, CheckpointLayout, detect
 from tailorstore.formats.reader import ReadFile, read_checkpoint, write_order
 from tailorstore.formats.source import CHUNK, InputFile, check_unchanged
 from tailorstore.ingest.commit_options import CommitOptions, CommitResult, PartPlan
 from tailorstore.ingest.derive import RoundedMasters, is_derivable_weight
+from tailorstore.ingest.finalize import missing_pieces
 from tailorstore.ingest.pieces_ahead import PiecesAhead, Prepared, prepare, read_helpers
 from tailorstore.store import manifest_objects, parts
 from tailorstore.store.catalogue import Catalogue, CatalogueEdit
@@ -270,6 +271,8 @@ def commit_checkpoint(
     files = scan.files
     step = step_of(options, layout, files)
     layers = scan.layers
+    if not options.part:
+        refuse_incomplete(layout, files)
 
     with store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock:
         # What other hosts recorded or dropped before this lock was taken: inheritance must not
@@ -405,6 +408,24 @@ def _write_checked(
         assert f.identity is not None
         check_unchanged(f.source, f.identity)
     return plan, writer.finish()
+
+
+def refuse_incomplete(layout: CheckpointLayout, files: list[ReadFile]) -> None:
+    """A whole commit must hold the whole save, as finalize requires of its parts together: every
+    rank's optimizer states for the world size the model states name (and for ZeRO-3 every rank's
+    model states). One node's share of a save, committed as the step (a killed job's staged save,
+    recovered on one node), was recorded as if it were whole, and resumed from nowhere."""
+    if layout.kind not in (DEEPSPEED, DEEPSPEED_TAG, DCP_FOLDER, HF_TRAINER):
+        return
+    facts = _facts(files)
+    missing = missing_pieces(layout.kind, files, facts.get("world_size"), facts.get("zero_stage"))  # type: ignore[arg-type]
+    if missing:
+        raise BadCheckpointError(
+            f"{layout.committed}: this save is incomplete: it lacks {'; '.join(missing)}. Commit a save that "
+            "finished on every rank, or each host's share of it with ",
+            Call("commit", "DIR", part=True),
+            " and then finalize.",
+        )
 
 
 def _facts(files: list[ReadFile]) -> dict[str, int]:
