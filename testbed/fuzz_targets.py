@@ -1,0 +1,137 @@
+"""Every reader of bytes from outside, as a fuzz target (issue 48): input files (torch zips and their
+pickles, DCP metadata, safetensors headers) and store objects another host or anyone with bucket
+access may have written (manifests, parts, leases, pack trailers, archive descriptors, metrics, the
+store's marker), and the files a user or a job leaves beside them (merge specs, a job's head).
+
+A target takes the bytes and a scratch folder, and reads them as tailorstore would. The rule
+(``benchmarks/fuzz.py`` checks it): every input gives a result or one of tailorstore's errors
+(``TailorError``), within the memory and time caps, and leaves no process-wide state changed (the
+seed reads back as it did). Nothing here imports torch: the readers do not need it, and a process
+without it fits a 512 MiB address-space cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tailorstore.formats.dcp import read_metadata
+from tailorstore.formats.safetensors_file import read_safetensors
+from tailorstore.formats.source import InputFile
+from tailorstore.formats.torch_pickle import load_pickle_tree, read_torch_zip
+from tailorstore.store import archive_codec, manifest_objects, packs, parts
+from tailorstore.store.location import resolve
+
+Target = Callable[[bytes, Path], Any]
+
+
+def _file(data: bytes, work: Path, name: str) -> Path:
+    path = work / name
+    path.write_bytes(data)
+    return path
+
+
+def torch_zip(data: bytes, work: Path) -> Any:
+    with InputFile(_file(data, work, "fuzz.pt")) as src:
+        found = read_torch_zip(src, "fuzz.pt")
+    return None if found is None else repr(found[0])[:2000]
+
+
+def pickle_tree(data: bytes, work: Path) -> Any:
+    return repr(load_pickle_tree(data, "data.pkl"))[:2000]
+
+
+def dcp_metadata(data: bytes, work: Path) -> Any:
+    meta = read_metadata(data, ".metadata", {"__0_0.distcp": 1 << 20, "__1_0.distcp": 1 << 20})
+    return sorted(meta.tensors)
+
+
+def safetensors_file(data: bytes, work: Path) -> Any:
+    with InputFile(_file(data, work, "model.safetensors")) as src:
+        found = read_safetensors(src, "model.safetensors")
+    return None if found is None else [(e.path, e.tensor.shape) for e in found[1]]
+
+
+def manifest_object(data: bytes, work: Path) -> Any:
+    doc = manifest_objects.decode(data, "manifests/main/step-00000000000000000001-v1.json.zst")
+    return (doc.manifest.step, len(doc.files), len(doc.atoms), len(doc.blobs))
+
+
+def part_object(data: bytes, work: Path) -> Any:
+    part = parts.decode(data, "parts/main/step-00000000000000000001/host-0123456789abcdef.json.zst")
+    return (part.step, len(part.files), len(part.atoms))
+
+
+def _backend(work: Path) -> Any:
+    return resolve(str(work / "store")).backend
+
+
+def lease_object(data: bytes, work: Path) -> Any:
+    from tailorstore.store.lease import _read
+
+    backend = _backend(work)
+    backend.put("locks/fuzz.json", data)
+    return _read(backend, "locks/fuzz.json", 0.0)
+
+
+def pack_trailer(data: bytes, work: Path) -> Any:
+    backend = _backend(work)
+    name = "ab" * 16
+    backend.put(packs.pack_key(name), data)
+    return packs.read_trailer(backend, name)
+
+
+def archive_descriptor(data: bytes, work: Path) -> Any:
+    return archive_codec.parse(data.decode(errors="replace"), 1 << 20, "blob")
+
+
+def merge_spec(data: bytes, work: Path) -> Any:
+    from tailorstore.curate.averaging import is_averaging, parse_average
+    from tailorstore.curate.merge import parse_spec
+    from tailorstore.curate.merge_spec import MergeSpecError, load_spec
+
+    spec = load_spec(_file(data, work, "spec.yaml"))
+    if is_averaging(spec):
+        return parse_average(spec, "spec.yaml")
+    if not isinstance(spec, dict):
+        raise MergeSpecError("not a mapping")
+    return parse_spec(spec, list(range(6)), "spec.yaml")
+
+
+def metrics_text(data: bytes, work: Path) -> Any:
+    from tailorstore.core.metrics import decode
+
+    return decode(data.decode(errors="replace"))
+
+
+def store_marker(data: bytes, work: Path) -> Any:
+    from tailorstore.store.repo import MARKER, store_id
+
+    backend = _backend(work)
+    backend.put(MARKER, data)
+    return store_id(backend)
+
+
+def job_head(data: bytes, work: Path) -> Any:
+    from tailorstore.integrations.head import HEAD_FILE, read_head
+
+    _file(data, work, HEAD_FILE)
+    return read_head(work)
+
+
+TARGETS: dict[str, Target] = {
+    "torch-zip": torch_zip,
+    "pickle": pickle_tree,
+    "dcp-metadata": dcp_metadata,
+    "safetensors": safetensors_file,
+    "manifest": manifest_object,
+    "part": part_object,
+    "lease": lease_object,
+    "pack-trailer": pack_trailer,
+    "archive-descriptor": archive_descriptor,
+    "merge-spec": merge_spec,
+    "metrics": metrics_text,
+    "store-marker": store_marker,
+    "head": job_head,
+}

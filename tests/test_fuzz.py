@@ -1,0 +1,35 @@
+"""The fuzz targets' CI tier (issue 48): every reader of outside bytes (testbed/fuzz_targets.py),
+fed real seeds mutated and raw bytes by Hypothesis, under a 512 MiB address-space cap and a time
+cap, must give a result or one of tailorstore's errors and change no process-wide state. The
+benchmark command runs them longer (docs/benchmarks.md); every input it ever found to break the
+rule is kept in tests/data/fuzz/ and replayed here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "data" / "fuzz"
+
+
+def fuzz(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "benchmarks.fuzz", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_every_input_the_fuzzer_found_reads_within_the_rule() -> None:
+    """A manifest and a part object whose zstd frame declares no size: zstandard preallocated the
+    whole 2 GiB bound for them (MemoryError under the cap; 2 GB without it)."""
+    found = sorted(DATA.glob("*.bin"))
+    assert found
+    done = fuzz("--replay", *map(str, found))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_every_reader_takes_200_fuzzed_inputs_within_the_rule(tmp_path: Path) -> None:
+    done = fuzz("--examples", "200", "--crashes", str(tmp_path / "crashes"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("200 inputs") == 13, done.stdout
