@@ -15,7 +15,7 @@ import pytest
 from conftest import HFRun, Runs
 
 import tailorstore.formats.reader as reader
-from tailorstore import BadCheckpointError, Store, UnsafePickleError
+from tailorstore import BadCheckpointError, CorruptStoreError, Store, UnsafePickleError
 from tailorstore.formats.layout import detect
 from tailorstore.formats.source import InputFile
 from tailorstore.formats.torch_pickle import read_torch_zip
@@ -189,3 +189,13 @@ def test_a_tensor_of_negative_size_is_refused(dims: tuple[int, int], tmp_path: P
         assert store.repo.catalogue.atoms(store.repo.resolve("latest")) == []
         store.checkout("latest", tmp_path / "out")
     assert (tmp_path / "out" / "save" / "ckpt.pt").read_bytes() == (save / "ckpt.pt").read_bytes()
+
+
+def test_a_pickle_with_out_of_band_buffers_is_refused_before_it_loads() -> None:
+    """Protocol 5's READONLY_BUFFER over a bytearray, which torch.save never writes: the C
+    unpickler left "deallocated bytearray object has exported buffers" behind a failed load (found
+    by benchmarks.fuzz). Refused before it loads."""
+    from tailorstore.formats.torch_pickle import load_pickle_tree
+
+    with pytest.raises(CorruptStoreError, match="out-of-band buffers"):
+        load_pickle_tree(b"\x80\x05\x96\x03\x00\x00\x00\x00\x00\x00\x00abc\x98.", "data.pkl")

@@ -213,16 +213,25 @@ def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
+# protocol 5's buffers: the C unpickler's READONLY_BUFFER over a bytearray left "deallocated bytearray
+# object has exported buffers" when a load failed after it (found by benchmarks.fuzz)
+_BUFFERS = ("NEXT_BUFFER", "READONLY_BUFFER")
 
 
 def check_memo(data: bytes, where: str) -> None:
-    """Refuse a pickle that stores into a memo slot past its own length, before the C unpickler
-    sees it: it grows its memo to the slot named, so ten bytes (``LONG_BINPUT`` of 2**28) had it
-    zero-fill 4.2 GB. A real pickle puts at most one memo entry per opcode, so a slot number
-    beyond its length is never one a pickler wrote. Read op by op (about 0.3 us a byte); a pickle
-    this cannot read that way is left for the unpickler to refuse."""
+    """Refuse a pickle that stores into a memo slot past its own length, or uses protocol 5's
+    out-of-band buffers, before the C unpickler sees it. It grows its memo to the slot named, so
+    ten bytes (``LONG_BINPUT`` of 2**28) had it zero-fill 4.2 GB. A real pickle puts at most one
+    memo entry per opcode, so a slot number beyond its length is never one a pickler wrote. Read
+    op by op (about 0.3 us a byte); a pickle this cannot read that way is left for the unpickler
+    to refuse."""
     try:
         for op, arg, _ in pickletools.genops(data):
+            if op.name in _BUFFERS:
+                raise BadCheckpointError(
+                    f"{where}: the pickle uses out-of-band buffers (protocol 5), which torch.save never writes; "
+                    "it was not loaded."
+                )
             if op.name in _PUTS and isinstance(arg, int) and not 0 <= arg <= len(data):
                 raise BadCheckpointError(
                     f"{where}: the pickle stores into memo slot {arg} of a {len(data)}-byte pickle, which no "
