@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tailorstore.store.manifest_objects import RUN_NAME
+from tailorstore.core.run_names import RUN_NAME
 
 log = logging.getLogger("tailorstore")
 

@@ -128,7 +128,7 @@ def check_target(view: ModelView, world: int, stage: int | None) -> int:
     if source not in (1, 2, 3):
         raise StoreError(
             f"step {view.step} is a ZeRO-{source} save: ZeRO 0 keeps whole tensors, not partitions, and loads at any "
-            "world size as it is; check it out without --world-size."
+            "world size as it is; check it out as it is, with no new world size."
         )
     target = source if stage is None else stage
     if target not in (1, 2, 3):

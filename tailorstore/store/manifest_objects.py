@@ -37,6 +37,7 @@ import zstandard
 from tailorstore.core import metrics
 from tailorstore.core.errors import Call, CorruptStoreError, StepExistsError, StoreError
 from tailorstore.core.failpoints import failpoint
+from tailorstore.core.run_names import RUN_NAME
 from tailorstore.store._index import Index
 from tailorstore.store.backend import Backend, ObjectExistsError, check_key
 from tailorstore.store.catalogue import Catalogue
@@ -78,7 +79,6 @@ THINNED_DOC_VERSION = 3  # a thinned manifest: a reader that does not know tiers
 # take the chains' links for dead (FORMAT.md 7.2.1)
 ARCHIVED_DOC_VERSION = 4
 READABLE_DOC_VERSIONS = (1, 2, 3, 4)
-RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 _COMMIT_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/step-(\d{20})-v(\d+)\.json\.zst")
 _TAG_KEY = re.compile(r"refs/tags/(?:[A-Za-z0-9._-]|=[0-9A-F]{2})+")  # what tag_key writes
 _MERGE_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/merge-[0-9a-f]+\.json\.zst")
