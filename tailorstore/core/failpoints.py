@@ -70,12 +70,12 @@ def requests_made() -> dict[str, int]:
 
 def request(kind: str) -> None:
     """Called by a backend before each request it sends (``kind``: one of :data:`REQUEST_KINDS`)."""
-    name = f"{_operation.get()}/{kind}"
+    op = _operation.get()
+    name = f"{op}/{kind}"
     _requests[name] += 1
     actions = _actions()
     if not actions:
         return
-    op = name.split("/", 1)[0]
     for pattern in (name, f"*/{kind}", f"{op}/*", "*/*"):
         if pattern in actions:
             failpoint(pattern)

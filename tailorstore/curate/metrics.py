@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tailorstore.core.errors import LOCK_TIMEOUT, StoreError
-from tailorstore.core.failpoints import operation
 from tailorstore.core.metrics import checked, decode, encode
+from tailorstore.curate.refs import changing_a_step
 from tailorstore.store import manifest_objects
 from tailorstore.store.catalogue import CatalogueEdit
 from tailorstore.store.publish import record_manifest
@@ -33,9 +33,7 @@ def add_metrics(
     given = checked(metrics)  # refused before anything is locked or written
     if not given:
         raise StoreError("give at least one metric, as NAME=VALUE (eval_loss=2.31)")
-    store.refuse_writes()
-    with operation("metric"), store.lock(exclusive=False, timeout=lock_timeout) as lock:
-        store.refresh(lock)
+    with changing_a_step(store, "metric", lock_timeout) as lock:
         manifest = store.resolve(selector)
         record = store.manifest(manifest)
         if record.origin != COMMIT:

@@ -46,10 +46,11 @@ def check_tag(tag: str) -> str:
 
 
 @contextmanager
-def _changing_refs(
-    store: Repository, what: str, lock_timeout: float, on_wait: Callable[[str], None] | None
+def changing_a_step(
+    store: Repository, what: str, lock_timeout: float, on_wait: Callable[[str], None] | None = None
 ) -> Iterator[LockHandle | LeaseHandle]:
-    """The store lock, shared, with the index brought up to date under it (the module's call order)."""
+    """The store lock, shared, with the index brought up to date under it: how a change of one
+    step's refs or record begins (the module's call order; curate/metrics.py too)."""
     store.refuse_writes()
     with operation(what), store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
         store.refresh(lock)
@@ -66,7 +67,7 @@ def tag(
     on_wait: Callable[[str], None] | None = None,
 ) -> int:
     check_tag(name)
-    with _changing_refs(store, "tag", lock_timeout, on_wait) as lock:
+    with changing_a_step(store, "tag", lock_timeout, on_wait) as lock:
         manifest = store.resolve(selector)
         with store.transaction() as index:
             holder = index.tagged(name)
@@ -87,7 +88,7 @@ def untag(
     store: Repository, name: str, *, lock_timeout: float = LOCK_TIMEOUT, on_wait: Callable[[str], None] | None = None
 ) -> int:
     """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
-    with _changing_refs(store, "untag", lock_timeout, on_wait) as lock:
+    with changing_a_step(store, "untag", lock_timeout, on_wait) as lock:
         holder = store.catalogue.tagged(name)
         if holder is None:
             raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
@@ -106,7 +107,7 @@ def pin(
     lock_timeout: float = LOCK_TIMEOUT,
     on_wait: Callable[[str], None] | None = None,
 ) -> int:
-    with _changing_refs(store, "pin" if pinned else "unpin", lock_timeout, on_wait) as lock:
+    with changing_a_step(store, "pin" if pinned else "unpin", lock_timeout, on_wait) as lock:
         manifest = store.resolve(selector)
         with store.transaction() as index:
             index.set_pinned(manifest, pinned)
@@ -123,7 +124,7 @@ def remove(
     lock_timeout: float = LOCK_TIMEOUT,
     on_wait: Callable[[str], None] | None = None,
 ) -> int:
-    with _changing_refs(store, "rm", lock_timeout, on_wait) as lock:
+    with changing_a_step(store, "rm", lock_timeout, on_wait) as lock:
         manifest = store.resolve(selector)
         record = store.manifest(manifest)
         if (record.pinned or record.tag) and not force:
