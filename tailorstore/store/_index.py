@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tailorstore.core.errors import Call, CorruptStoreError, FormatVersionError, StoreError, TailorError
+from tailorstore.core.errors import Call, CorruptStoreError, FormatVersionError, LockTimeoutError, StoreError, TailorError
 from tailorstore.store.records import (
     ATOM_COLUMNS,
     COMMIT,
@@ -206,6 +206,11 @@ class Index:
                 f"{self.path.parent}: the store is read-only here (its files or their file system), and this "
                 "changes it; run it where the store is writable."
             )
+
+    def wait_for_writers(self, seconds: float) -> None:
+        """How long a write waits while another process holds the index's write lock."""
+        if not self.conn.in_transaction:
+            self.conn.execute(f"PRAGMA busy_timeout={int(max(0.0, min(seconds, 86_400.0)) * 1000)}")
 
     @contextmanager
     def transaction(self) -> Iterator[Index]:
@@ -773,6 +778,14 @@ def index_failed(path: Path, exc: sqlite3.DatabaseError) -> TailorError:
     """What SQLite raised, as this library's error: the operation was not carried out, and why
     (a full disk, a read-only file, a damaged index, a constraint the rows broke)."""
     text = str(exc)
+    if "database is locked" in text or "database table is locked" in text:
+        return LockTimeoutError(
+            f"{path}: another process held the store's index for longer than the lock timeout (a tailor process "
+            "that is stalled or slow in its write); the operation was not carried out. Run it again once that "
+            "process has ended, or give it longer with ",
+            Call(lock_timeout="SECONDS"),
+            ".",
+        )
     if "disk is full" in text or "disk I/O error" in text:  # the index is where the store was, but cannot grow
         return CorruptStoreError(
             f"{path}: the store's index could not be written ({text}); the operation was not carried out. "

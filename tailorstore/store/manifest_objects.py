@@ -81,6 +81,10 @@ ARCHIVED_DOC_VERSION = 4
 READABLE_DOC_VERSIONS = (1, 2, 3, 4)
 _COMMIT_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/step-(\d{20})-v(\d+)\.json\.zst")
 _TAG_KEY = re.compile(r"refs/tags/(?:[A-Za-z0-9._-]|=[0-9A-F]{2})+")  # what tag_key writes
+# A removed commit manifest leaves this empty object behind, so that its version is never taken again
+# (a cache that still holds the removed manifest's rows under that key would take a new manifest
+# under the same key for the old one, and gc would delete the new one's blobs as unreferenced).
+_REMOVED_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/step-(\d{20})-v(\d+)\.removed")
 _MERGE_KEY = re.compile(r"manifests/([A-Za-z0-9._-]+)/merge-[0-9a-f]+\.json\.zst")
 # Columns of the tables inside a manifest object, in their order there (docs/FORMAT.md 3.1).
 _LAYER_COLUMNS = ("layer", "source_step", "raw_bytes", "stored", "change")
@@ -135,14 +139,17 @@ def new_key(backend: Backend, index: Index, manifest: int, *, replacing: bool = 
     run = record.run
     if record.origin != COMMIT:
         return f"{MANIFEST_PREFIX}{run}/merge-{os.urandom(8).hex()}.json.zst"
-    versions = [
-        int(m.group(3))
-        for key in backend.list(f"{MANIFEST_PREFIX}{run}/")
-        if (m := _COMMIT_KEY.fullmatch(key)) and int(m.group(2)) == record.step
-    ]
+    listed = list(backend.list(f"{MANIFEST_PREFIX}{run}/"))
+    versions = [int(m.group(3)) for key in listed if (m := _COMMIT_KEY.fullmatch(key)) and int(m.group(2)) == record.step]
     if versions and not replacing:
         raise _step_exists(record)
-    return f"{MANIFEST_PREFIX}{run}/step-{record.step:020d}-v{max(versions, default=0) + 1}.json.zst"
+    removed = [int(m.group(3)) for key in listed if (m := _REMOVED_KEY.fullmatch(key)) and int(m.group(2)) == record.step]
+    return f"{MANIFEST_PREFIX}{run}/step-{record.step:020d}-v{max(versions + removed, default=0) + 1}.json.zst"
+
+
+def removed_marker(key: str) -> str | None:
+    """The object that reserves a removed commit manifest's version (none for a merge: its key is random)."""
+    return key.removesuffix(".json.zst") + ".removed" if _COMMIT_KEY.fullmatch(key) else None
 
 
 def _step_exists(record: ManifestRecord) -> StepExistsError:
@@ -306,7 +313,14 @@ def unpublish(backend: Backend, keys: Iterable[str | None], *, fence: Callable[[
     """Delete manifest objects (and their pins) that are no longer wanted, in as few requests as
     the backend allows (a gc may drop hundreds). Should the request fail half-way, a pin left
     without its manifest pins nothing (pins are read only for manifests that exist), and a
-    manifest left without its pin is one the next gc finds unkept again."""
+    manifest left without its pin is one the next gc finds unkept again. Each commit manifest's
+    version is reserved first (:func:`removed_marker`), so no later manifest takes its key."""
+    keys = [k for k in keys if k]
+    for key in keys:
+        if (marker := removed_marker(key)) is not None:
+            if fence is not None:
+                fence()
+            backend.put(marker, b"")
     backend.delete_many([k for key in keys if key for k in (key, pin_key(key))], fence=fence)
 
 

@@ -272,7 +272,11 @@ class Repository:
         self, *, exclusive: bool, timeout: float, on_wait: Callable[[str], None] | None = None
     ) -> Iterator[LockHandle | LeaseHandle]:
         """Shared for commits, exclusive for gc: ``flock`` on a local store, leases in the
-        backend on a remote one (they hold across hosts; store/lease.py)."""
+        backend on a remote one (they hold across hosts; store/lease.py). While it is held, the
+        index waits for another process's write transaction as long as the lock would have waited:
+        a process stalled inside its transaction (a local store's index is shared) is met with the
+        same timeout and exit code as one stalled holding the lock, not 60 s and a damaged store."""
+        self._index.wait_for_writers(timeout)
         if self.where.remote:
             with lease_lock(
                 self.backend, exclusive=exclusive, timeout=timeout, on_wait=on_wait, on_stale=on_wait

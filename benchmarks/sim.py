@@ -1,0 +1,163 @@
+"""The multi-host simulation's long run (testbed/simulation.py).
+
+``python -m benchmarks.sim [--schedules 5000] [--backend posix|s3|both] [--seed S] [--jobs J]
+[--code TREE] [--verbose] [--keep DIR]``
+
+Runs seeds ``S .. S+N-1`` on each backend, ``--jobs`` schedules at a time (each on its own store with
+its own three hosts), and prints every seed that broke an invariant with the command that replays it.
+``--code`` runs the hosts on another tree of tailorstore (a worktree of an older commit), the
+simulation and its checks staying this tree's. The inputs are two real 2-rank ZeRO-2 DeepSpeed
+trainings (another seed for the second try), made once under ``.bench/sim/runs``.
+The exit status is 1 when any seed broke an invariant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from testbed.simulation import (
+    HostServer,
+    Inputs,
+    Outcome,
+    describe,
+    host_environment,
+    prepare_inputs,
+    run_schedule,
+)
+
+ROOT = Path(".bench/sim")
+
+
+def training_inputs(root: Path = ROOT) -> Inputs:
+    from testbed.runs import train_tiny
+
+    saves = {}
+    for name, seed in (("a", 1234), ("b", 4321)):
+        save = root / "runs" / name / "save"
+        if not (save / "global_step6").is_dir():
+            train_tiny(save, losses_out=save.parent / "losses.json", nproc=2, steps=6, save_every=3, stage=2, dtype="bf16", seed=seed)
+        saves[name] = save
+    return prepare_inputs(saves["a"], saves["b"], root / "inputs")
+
+
+def probe_ref_lock_timeout(server: HostServer, env: dict[str, str], scratch: Path) -> bool:
+    """Whether this tree's ``tailor pin`` takes ``--lock-timeout`` (older trees' ref verbs took no lock)."""
+    out = scratch / "probe-pin"
+    ident = server.spawn(["pin", "--help"], dict(env, TAILOR_FAILPOINTS=""), out, None)
+    server.wait(ident)
+    return "--lock-timeout" in out.read_text()
+
+
+def simulate(
+    seeds: list[int], backend: str, inputs: Inputs, *, jobs: int = 3, code: str | None = None,
+    keep: Path | None = None, report: Callable[[Outcome], None] | None = None,
+) -> list[Outcome]:
+    """Run each seed on ``backend`` with ``jobs`` schedules at a time; every outcome, in seed order."""
+    s3 = None
+    extra: dict[str, str] = {}
+    if backend == "s3":
+        import logging
+
+        from testbed.local_s3 import LocalS3
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
+
+        s3 = LocalS3().start()
+        extra = s3.environ()
+    env = host_environment(extra, code)
+    scratch = Path(os.environ.get("TMPDIR", "/tmp"))
+    outcomes: dict[int, Outcome] = {}
+    todo = list(seeds)
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def location(work: Path) -> str:
+        return s3.new_location() if s3 is not None else str(work / "store")
+
+    def worker() -> None:
+        server = HostServer(env)
+        try:
+            ref_lock = probe_ref_lock_timeout(server, env, Path(scratch))
+            while True:
+                with lock:
+                    if not todo or failures:
+                        return
+                    seed = todo.pop(0)
+                outcome = run_schedule(seed, backend, inputs, server, env, location, ref_lock, keep)
+                with lock:
+                    outcomes[seed] = outcome
+                    if report is not None:
+                        report(outcome)
+        except BaseException as exc:  # noqa: BLE001 - surfaced after the threads end
+            with lock:
+                failures.append(exc)
+        finally:
+            server.close()
+
+    threads = [threading.Thread(target=worker, name=f"sim-{i}") for i in range(max(1, jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if s3 is not None:
+        s3.stop()
+    if failures:
+        raise failures[0]
+    return [outcomes[s] for s in seeds]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sim", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedules", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--backend", choices=("posix", "s3", "both"), default="both")
+    parser.add_argument("--jobs", type=int, default=3)
+    parser.add_argument("--code", help="run the hosts on this tree of tailorstore (an older commit's worktree)")
+    parser.add_argument("--verbose", action="store_true", help="print every schedule's journal")
+    parser.add_argument("--keep", type=Path, help="keep each schedule's stores and outputs under this folder")
+    args = parser.parse_args(argv)
+    inputs = training_inputs()
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    backends = ("posix", "s3") if args.backend == "both" else (args.backend,)
+    code = str(Path(args.code).resolve()) if args.code else None
+    broken = 0
+    for backend in backends:
+        began, cpu = time.monotonic(), time.process_time()
+        done = [0]
+
+        def report(outcome: Outcome) -> None:
+            done[0] += 1
+            if outcome.problems or args.verbose:
+                print(describe(outcome), flush=True)
+            if outcome.problems:
+                print(f"  replay: {outcome.replay(args.code)}", flush=True)
+            elif done[0] % 100 == 0:
+                print(f"{backend}: {done[0]} schedules, {time.monotonic() - began:.0f} s", flush=True)
+
+        seeds = list(range(args.seed, args.seed + args.schedules))
+        outcomes = simulate(seeds, backend, inputs, jobs=args.jobs, code=code, keep=args.keep, report=report)
+        bad = [o for o in outcomes if o.problems]
+        broken += len(bad)
+        ops = sum(len(o.journal) for o in outcomes)
+        faults = sum(1 for o in outcomes for d in o.journal if d.op.get("fault"))
+        outcomes_by = {k: sum(1 for o in outcomes for d in o.journal if d.outcome == k) for k in ("ok", "failed", "unknown")}
+        print(
+            f"{backend}: {len(outcomes)} schedules, {ops} operations ({faults} with a fault; {outcomes_by}), "
+            f"{len(bad)} broke an invariant{': seeds ' + ' '.join(str(o.seed) for o in bad) if bad else ''}; "
+            f"{time.monotonic() - began:.0f} s wall, {time.process_time() - cpu:.1f} CPU-s in this process"
+        )
+        slowest = sorted(outcomes, key=lambda o: -o.seconds)[:3]
+        print(f"{backend}: slowest seeds " + ", ".join(f"{o.seed} ({o.seconds:.1f} s)" for o in slowest))
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,466 @@
+"""A seeded multi-host simulation: three hosts on one store, stalled and killed before any request.
+
+After FoundationDB's and TigerBeetle's simulation testing, with real parts: every host operation is
+a real ``tailor`` command in its own process with its own cache (testbed/sim_host.py forks them),
+the store is a real directory or a real S3 server (moto), and the inputs are real DeepSpeed saves.
+
+One **schedule** (a seed) is a list of operations by hosts ``a``, ``b`` and ``c``:
+
+- commits of the same and of different steps (``--force``, ``--tag``, ``--metric``, a branch's run);
+- tag, untag, pin, unpin and rm;
+- gc with retention, keep-best, thinning and ``--drop-parts``;
+- parts of step 3 from two tries of the save, and finalize;
+- a branch (``run create``), which later commits go to.
+
+Any operation may carry a **fault**: the host stops (SIGSTOP) or dies (SIGKILL) at its n-th request
+of some kind. A stopped host stays stopped while the next one to three operations run, sometimes
+for longer than its lease (so others find its lease stale and go on), then resumes. Operations run
+one at a time otherwise, so a seed replays the same interleaving (up to lease timing).
+
+After the schedule a fresh host (a new cache) checks the invariants of docs/FORMAT.md section 8.1
+against the journal of what each operation reported (testbed/sim_model.py): ``verify --deep``, a
+byte comparison of every step with the inputs that could be its last, tags and pins. A failing
+seed prints the command that replays it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from testbed.sim_model import Done, Key, Seen, check
+
+HOSTS = ("a", "b", "c")
+WHOLE = ("A3", "A6", "B3", "B6")  # saves committed whole: run A or its second try B, as of step 3 or 6
+PARTS = ("A3p0", "A3p1", "B3p0", "B3p1")  # step 3 split by host, of both tries
+STEPS = (6, 9)  # steps whole saves are committed as; step 3 is only ever made from parts
+TAGS = ("t1", "t2")
+TTL = 2.0  # seconds: lease time of every host on S3, so that a stall of a few seconds outlives it
+LONG_HOLD = TTL + 2.5  # a stall that outlives a lease (stale after TTL + 1 s, in whole seconds)
+OP_LIMIT = 120.0  # an operation that takes longer is a hang: a finding of its own
+OPTIM = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+
+
+@dataclass
+class Inputs:
+    """The saves a schedule commits, each a folder, and what each checks out as (file digests)."""
+
+    root: Path
+    folders: dict[str, Path] = field(default_factory=dict)
+    digests: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def contents(self) -> dict[str, set[str]]:
+        """Input name -> the names of whole saves a step made from it may check out as."""
+        out = {name: {name} for name in WHOLE}
+        out["parts"] = {"A3", "B3"}  # a finalize takes one try's parts, whole
+        return out
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _as_of_step(save: Path, step: int, dst: Path) -> Path:
+    shutil.copytree(save, dst)
+    for tag in dst.glob("global_step*"):
+        if tag.name != f"global_step{step}":
+            shutil.rmtree(tag)
+    (dst / "latest").write_text(f"global_step{step}")
+    for path in dst.rglob("*"):
+        if path.is_file():
+            path.chmod(0o444)
+    return dst
+
+
+def prepare_inputs(save_a: Path, save_b: Path, root: Path) -> Inputs:
+    """Folders of two tries (``A`` and ``B``: the same training with another seed) of a 2-rank ZeRO-2
+    save: each as of steps 3 and 6, and step 3 split as two hosts hold it (host 0: rank 0's files;
+    host 1: rank 1's optimizer states and the model states, as node-local storage writes them)."""
+    inputs = Inputs(root)
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    for name, save in (("A", save_a), ("B", save_b)):
+        for step in (3, 6):
+            inputs.folders[f"{name}{step}"] = _as_of_step(save, step, root / f"{name}{step}")
+        whole = inputs.folders[f"{name}3"] / "global_step3"
+        host0 = root / f"{name}3p0"
+        shutil.copytree(inputs.folders[f"{name}3"], host0)
+        (host0 / "global_step3" / OPTIM.format(1)).chmod(0o644)
+        (host0 / "global_step3" / OPTIM.format(1)).unlink()
+        host1 = root / f"{name}3p1" / "global_step3"
+        host1.mkdir(parents=True)
+        for file in (OPTIM.format(1), "mp_rank_00_model_states.pt"):
+            shutil.copy2(whole / file, host1 / file)
+        inputs.folders[f"{name}3p0"], inputs.folders[f"{name}3p1"] = host0, host1
+    for name in WHOLE:
+        inputs.digests[name] = tree_digest(inputs.folders[name])
+    return inputs
+
+
+# ---- schedules -------------------------------------------------------------------------------------
+
+
+def _fault(rng: random.Random, backend: str) -> dict[str, Any] | None:
+    if rng.random() > 0.45:
+        return None
+    action = "stop" if rng.random() < 0.75 else "kill"
+    fault: dict[str, Any] = {"action": action, "hold": LONG_HOLD if backend == "s3" and rng.random() < 0.5 else 0.0}
+    fault["after"] = rng.randint(1, 3)  # operations that run while it is stopped
+    if backend == "posix" and rng.random() < 0.25:  # a named point, which older trees know too
+        fault.update(where="point", point=rng.choice(("before-publish", "gc-before-delete", "before-part-publish")))
+        return fault
+    kind = rng.choice(("*", "*", "*", "put", "put-create", "get", "list", "delete", "delete-many", "head"))
+    fault.update(where="client" if backend == "s3" else "library", kind=kind)
+    fault["nth"] = rng.randint(1, 25) if kind == "*" else rng.randint(1, 8) if kind in ("put", "get") else rng.randint(1, 2)
+    return fault
+
+
+def _key(rng: random.Random, branch: bool = True) -> list[Any]:
+    run = "br" if branch and rng.random() < 0.2 else "main"
+    return [run, rng.choice((3, *STEPS)) if run == "main" else rng.choice(STEPS)]
+
+
+def make_schedule(seed: int, backend: str) -> list[dict[str, Any]]:
+    """The operations of one seed: the same list on every run of it."""
+    rng = random.Random(f"{backend}:{seed}")
+    ops: list[dict[str, Any]] = []
+    for n in range(rng.randint(6, 10)):
+        host = rng.choice(HOSTS)
+        roll = rng.random()
+        op: dict[str, Any]
+        if roll < 0.30:
+            run, step = _key(rng)
+            op = {"op": "commit", "save": rng.choice(WHOLE), "key": [run, step if step != 3 else 6]}
+            op["force"] = rng.random() < 0.3
+            op["tag"] = rng.choice(TAGS) if rng.random() < 0.2 else None
+            op["metric"] = round(rng.uniform(1, 3), 3) if rng.random() < 0.5 else None
+        elif roll < 0.38:
+            op = {"op": "part", "part": rng.choice(PARTS)}
+        elif roll < 0.44:
+            op = {"op": "finalize", "key": ["main", 3], "save": "parts"}
+        elif roll < 0.52:
+            op = {"op": "tag", "tag": rng.choice(TAGS), "key": _key(rng), "force": rng.random() < 0.5}
+        elif roll < 0.55:
+            op = {"op": "untag", "tag": rng.choice(TAGS)}
+        elif roll < 0.63:
+            op = {"op": "pin", "key": _key(rng)}
+        elif roll < 0.66:
+            op = {"op": "unpin", "key": _key(rng)}
+        elif roll < 0.72:
+            op = {"op": "rm", "key": _key(rng), "force": rng.random() < 0.3}
+        elif roll < 0.96:
+            rules = rng.choice(
+                (
+                    [],
+                    [],
+                    ["--keep-last", "1"],
+                    ["--keep-last", "2"],
+                    ["--keep-every", "6"],
+                    ["--keep-best", "loss:min:1"],
+                    ["--keep-last", "1", "--thin", "weights"],
+                    ["--drop-parts"],
+                )
+            )
+            op = {"op": "gc", "args": rules, "drops": any(r.startswith("--keep") for r in rules) and "--thin" not in rules}
+            op["thins"] = "--thin" in rules
+        else:
+            op = {"op": "branch", "from": rng.choice(STEPS)}
+        op.update(n=n, host=host, fault=_fault(rng, backend))
+        ops.append(op)
+    return ops
+
+
+# ---- running ---------------------------------------------------------------------------------------
+
+
+class HostServer:
+    """One fork server (testbed/sim_host.py) and the commands it runs."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("sim_host.py"))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
+        self.events: dict[int, list[dict[str, Any]]] = {}
+        self.next_id = 0
+        assert json.loads(self._line()).get("ready")
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the simulation's host server died")
+        return line
+
+    def _send(self, order: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(order) + "\n")
+        self.proc.stdin.flush()
+
+    def spawn(self, args: list[str], env: dict[str, str], out: Path, fault: dict[str, Any] | None) -> int:
+        self.next_id += 1
+        self._send({"spawn": self.next_id, "args": args, "env": env, "out": str(out), "fault": fault})
+        return self.next_id
+
+    def wait(self, ident: int, limit: float = OP_LIMIT) -> dict[str, Any]:
+        """The next event of command ``ident`` (stopped, or ended with its rc), skipping its pid."""
+        deadline = time.monotonic() + limit
+        while True:
+            queue = self.events.setdefault(ident, [])
+            while queue:
+                event = queue.pop(0)
+                if "pid" not in event:
+                    return event
+            if time.monotonic() > deadline:
+                self._send({"kill": ident})
+                return {"id": ident, "rc": None, "hang": True}
+            import select
+
+            assert self.proc.stdout is not None
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if ready:
+                event = json.loads(self._line())
+                self.events.setdefault(event["id"], []).append(event)
+
+    def cont(self, ident: int) -> None:
+        self._send({"cont": ident})
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+@dataclass
+class Outcome:
+    seed: int
+    backend: str
+    problems: list[str]
+    journal: list[Done]
+    seconds: float
+
+    def replay(self, code: str | None = None) -> str:
+        where = f" --code {code}" if code else ""
+        return f"python -m benchmarks.sim --backend {self.backend} --seed {self.seed} --schedules 1{where} --verbose"
+
+
+class Schedule:
+    """Runs one seed's operations on a fresh store and checks what a fresh host sees."""
+
+    def __init__(
+        self, seed: int, backend: str, inputs: Inputs, server: HostServer, base_env: dict[str, str],
+        location: str, work: Path, ref_lock_timeout: bool,
+    ) -> None:
+        self.seed, self.backend, self.inputs, self.server = seed, backend, inputs, server
+        self.location, self.work = location, work
+        self.base_env = base_env
+        self.ref_lock_timeout = ref_lock_timeout
+        self.clock = 0
+        self.journal: list[Done] = []
+        self.stalled: dict[str, tuple[int, dict[str, Any], int, float, int]] = {}  # host -> (id, op, start, since, left)
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def _env(self, host: str, fault: dict[str, Any] | None) -> dict[str, str]:
+        env = dict(self.base_env, TAILOR_CACHE=str(self.work / f"cache-{host}"), TAILOR_STORE=self.location)
+        env["TAILOR_FAILPOINTS"] = ""
+        if fault and fault["where"] == "library":
+            env["TAILOR_FAILPOINTS"] = f"*/{fault['kind']}={fault['action']}@{fault['nth']}"
+        elif fault and fault["where"] == "point":
+            env["TAILOR_FAILPOINTS"] = f"{fault['point']}={fault['action']}@1"
+        return env
+
+    def _lock(self) -> list[str]:
+        return ["--lock-timeout", "10" if self.backend == "s3" else "1"]
+
+    def args(self, op: dict[str, Any]) -> list[str]:
+        kind = op["op"]
+        key = op.get("key")
+        at = f"{key[0]}:step={key[1]}" if key else ""
+        ref_lock = self._lock() if self.ref_lock_timeout else []
+        if kind == "commit":
+            args = ["commit", str(self.inputs.folders[op["save"]]), "--step", str(key[1]), "--run", key[0]]
+            args += ["--force"] * op["force"] + (["--tag", op["tag"]] if op["tag"] else [])
+            args += ["--metric", f"loss={op['metric']}"] if op["metric"] is not None else []
+            return args + self._lock()
+        if kind == "part":
+            return ["commit", str(self.inputs.folders[op["part"]]), "--part", *self._lock()]
+        if kind == "finalize":
+            return ["finalize", "step=3", *self._lock()]
+        if kind == "tag":
+            return ["tag", at, op["tag"], *(["--force"] * op["force"]), *ref_lock]
+        if kind == "untag":
+            return ["untag", op["tag"], *ref_lock]
+        if kind in ("pin", "unpin"):
+            return [kind, at, *ref_lock]
+        if kind == "rm":
+            return ["remove", at, *(["--force"] * op["force"]), *ref_lock]
+        if kind == "gc":
+            return ["gc", *op["args"], *self._lock()]
+        if kind == "branch":
+            return ["run", "create", "br", "--from", f"main:step={op['from']}", *self._lock()]
+        raise ValueError(kind)
+
+    def _finish(self, ident: int, op: dict[str, Any], start: int) -> None:
+        event = self.server.wait(ident)
+        if event.get("stopped"):  # stopped a second time (a renewal thread met the fault too): go on
+            self.server.cont(ident)
+            event = self.server.wait(ident)
+        rc = event.get("rc")
+        out = self.work / f"op-{op['n']}"
+        said = ""
+        for path in (out, out.with_name(out.name + ".err")):
+            if path.exists():
+                said += path.read_text(errors="replace")[-2000:]
+        if event.get("hang"):
+            outcome = "hang"
+        elif rc is not None and rc < 0:
+            outcome = "unknown"
+        else:
+            outcome = "ok" if rc == 0 else "failed"
+        self.journal.append(Done(op, start, self._tick(), outcome, rc, said.strip()))
+
+    def _resume(self, host: str) -> None:
+        ident, op, start, since, _ = self.stalled.pop(host)
+        wait = op["fault"]["hold"] - (time.monotonic() - since)
+        if wait > 0:
+            time.sleep(wait)
+        self.server.cont(ident)
+        self._finish(ident, op, start)
+
+    def _age_stalls(self) -> None:
+        for host in list(self.stalled):
+            ident, op, start, since, left = self.stalled[host]
+            if left <= 1:
+                self._resume(host)
+            else:
+                self.stalled[host] = (ident, op, start, since, left - 1)
+
+    def run(self, ops: list[dict[str, Any]]) -> None:
+        for op in ops:
+            host = op["host"]
+            if host in self.stalled:
+                self._resume(host)
+            start = self._tick()
+            ident = self.server.spawn(self.args(op), self._env(host, op["fault"]), self.work / f"op-{op['n']}", op["fault"])
+            event = self.server.wait(ident)
+            if event.get("stopped"):
+                self.stalled[host] = (ident, op, start, time.monotonic(), op["fault"]["after"])
+                continue
+            self.server.events.setdefault(ident, []).insert(0, event)
+            self._finish(ident, op, start)
+            self._age_stalls()
+        for host in list(self.stalled):
+            self._resume(host)
+
+    def command(self, args: list[str], name: str, cache: str = "fresh") -> tuple[int, str, str]:
+        env = dict(self.base_env, TAILOR_CACHE=str(self.work / f"cache-{cache}"), TAILOR_STORE=self.location)
+        env["TAILOR_FAILPOINTS"] = ""
+        out = self.work / name
+        ident = self.server.spawn(args, env, out, None)
+        event = self.server.wait(ident)
+        err = out.with_name(out.name + ".err")
+        return (
+            -1 if event.get("hang") else int(event["rc"]),
+            out.read_text(errors="replace") if out.exists() else "",
+            err.read_text(errors="replace") if err.exists() else "",
+        )
+
+    def look(self) -> Seen:
+        """What a fresh host sees: every step, each checked out and compared with the inputs."""
+        seen = Seen()
+        rc, out, err = self.command(["log", "--json"], "check-log")
+        if rc != 0:
+            seen.verify_rc, seen.verify_said = rc, f"log failed: {err.strip()[-500:]}"
+            return seen
+        for entry in json.loads(out):
+            seen.steps[(entry["run"], int(entry["step"]))] = entry
+        rc, out, err = self.command(["verify", "--deep"], "check-verify")
+        seen.verify_rc, seen.verify_said = rc, (out + err).strip()[-800:]
+        by_digest = {json.dumps(d, sort_keys=True): name for name, d in self.inputs.digests.items()}
+        for (run, step), entry in seen.steps.items():
+            if entry.get("tier") is not None:
+                continue
+            target = self.work / f"checkout-{run}-{step}"
+            rc, out, err = self.command(["checkout", f"{run}:step={step}", "--out", str(target)], f"check-{run}-{step}")
+            if rc != 0:
+                entry["checkout_said"] = err.strip()[-500:]
+                continue
+            entry["content"] = by_digest.get(json.dumps(tree_digest(target), sort_keys=True), "something else")
+            shutil.rmtree(target)
+        return seen
+
+
+def run_schedule(
+    seed: int, backend: str, inputs: Inputs, server: HostServer, base_env: dict[str, str], new_location: Callable[[Path], str],
+    ref_lock_timeout: bool, keep: Path | None = None,
+) -> Outcome:
+    began = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix=f"sim-{backend}-{seed}-", dir=keep))
+    try:
+        location = new_location(work)
+        schedule = Schedule(seed, backend, inputs, server, base_env, location, work, ref_lock_timeout)
+        rc, _, err = schedule.command(["init", location], "init", cache="a")
+        if rc != 0:
+            raise RuntimeError(f"init failed: {err}")
+        ops = make_schedule(seed, backend)
+        schedule.run(ops)
+        problems = [f"hang: operation {d.op['n']} ({d.kind}) ran past {OP_LIMIT:.0f} s" for d in schedule.journal if d.outcome == "hang"]
+        problems += [
+            f"operation {d.op['n']} ({d.kind}) ended with a traceback: {d.said[-300:]}"
+            for d in schedule.journal
+            if "Traceback" in d.said
+        ]
+        keys: set[Key] = {(str(d.op["key"][0]), int(d.op["key"][1])) for d in schedule.journal if d.kind in ("commit", "finalize")}
+        problems += check(schedule.journal, schedule.look(), keys, inputs.contents())
+        return Outcome(seed, backend, problems, schedule.journal, time.monotonic() - began)
+    finally:
+        if keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def describe(outcome: Outcome) -> str:
+    lines = [f"seed {outcome.seed} ({outcome.backend}):"]
+    for d in outcome.journal:
+        fault = d.op.get("fault")
+        what = {k: v for k, v in d.op.items() if k not in ("n", "host", "fault")}
+        lines.append(
+            f"  [{d.start:>2}-{d.end:>2}] #{d.op['n']} host {d.op['host']}: {json.dumps(what)}"
+            + (f" fault {json.dumps(fault)}" if fault else "")
+            + f" -> {d.outcome} ({d.rc}) {d.said.splitlines()[-1][:160] if d.said else ''}"
+        )
+    lines += [f"  PROBLEM {p}" for p in outcome.problems]
+    return "\n".join(lines)
+
+
+def host_environment(extra: dict[str, str] | None = None, code: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra or {})
+    env.update(TAILOR_LOCK_TTL=str(TTL), DS_ACCELERATOR="cpu", TAILOR_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env.pop("TAILOR_STORE", None)
+    if code:
+        env["PYTHONPATH"] = code + os.pathsep + env.get("PYTHONPATH", "")
+    return env
