@@ -56,7 +56,7 @@ def probe_ref_lock_timeout(server: HostServer, env: dict[str, str], scratch: Pat
 
 def simulate(
     seeds: list[int], backend: str, inputs: Inputs, *, jobs: int = 3, code: str | None = None,
-    keep: Path | None = None, report: Callable[[Outcome], None] | None = None,
+    keep: Path | None = None, report: Callable[[Outcome], None] | None = None, slip: bool = False,
 ) -> list[Outcome]:
     """Run each seed on ``backend`` with ``jobs`` schedules at a time; every outcome, in seed order."""
     s3 = None
@@ -89,7 +89,7 @@ def simulate(
                     if not todo or failures:
                         return
                     seed = todo.pop(0)
-                outcome = run_schedule(seed, backend, inputs, server, env, location, ref_lock, keep)
+                outcome = run_schedule(seed, backend, inputs, server, env, location, ref_lock, keep, slip)
                 with lock:
                     outcomes[seed] = outcome
                     if report is not None:
@@ -120,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--code", help="run the hosts on this tree of tailorstore (an older commit's worktree)")
     parser.add_argument("--verbose", action="store_true", help="print every schedule's journal")
+    parser.add_argument(
+        "--slip",
+        action="store_true",
+        help="on S3, stop hosts at the client's request, after the library's own checks of it (fences): "
+        "the timing gap docs/FORMAT.md section 8.1 names",
+    )
     parser.add_argument("--keep", type=Path, help="keep each schedule's stores and outputs under this folder")
     args = parser.parse_args(argv)
     inputs = training_inputs()
@@ -137,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             if outcome.problems or args.verbose:
                 print(describe(outcome), flush=True)
             if outcome.problems:
-                print(f"  replay: {outcome.replay(args.code)}", flush=True)
+                print(f"  replay: {outcome.replay(args.code, args.slip)}", flush=True)
             elif done[0] % 100 == 0:
                 print(f"{backend}: {done[0]} schedules, {time.monotonic() - began:.0f} s", flush=True)
 
         seeds = list(range(args.seed, args.seed + args.schedules))
-        outcomes = simulate(seeds, backend, inputs, jobs=args.jobs, code=code, keep=args.keep, report=report)
+        outcomes = simulate(seeds, backend, inputs, jobs=args.jobs, code=code, keep=args.keep, report=report, slip=args.slip)
         bad = [o for o in outcomes if o.problems]
         broken += len(bad)
         ops = sum(len(o.journal) for o in outcomes)

@@ -115,7 +115,25 @@ def _say(message: dict[str, Any]) -> None:
     os.write(1, (json.dumps(message) + "\n").encode())
 
 
+def _older_cli() -> None:
+    """With ``TAILOR_SIM_CLI`` (an older tree's ``cli/``): make it ``tailorstore.cli``, which the
+    editable install otherwise maps to this tree's folder whatever ``PYTHONPATH`` says."""
+    folder = os.environ.get("TAILOR_SIM_CLI")
+    if not folder:
+        return
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "tailorstore.cli", os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tailorstore.cli"] = module
+    spec.loader.exec_module(module)
+
+
 def serve() -> None:
+    _older_cli()
     for name in WARM_MODULES:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)

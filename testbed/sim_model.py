@@ -199,7 +199,7 @@ def _check_tags(journal: list[Done], seen: Seen) -> list[str]:
         events = moves + maybes
         last = _could_be_last(
             events,
-            definite=lambda e: e.outcome == "ok" and e.kind in ("tag", "untag", "commit"),
+            definite=lambda e, name=name: e.outcome == "ok" and e.kind in ("tag", "untag", "commit") and e.op.get("tag") == name,
             tried=lambda e: e.tried or e.kind == "rm",
         )
         could: set[Key | None] = {d.key if d.kind != "untag" and d.op.get("tag") == name else None for d in last}

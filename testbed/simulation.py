@@ -126,7 +126,7 @@ def _fault(rng: random.Random, backend: str) -> dict[str, Any] | None:
         fault.update(where="point", point=rng.choice(("before-publish", "gc-before-delete", "before-part-publish")))
         return fault
     kind = rng.choice(("*", "*", "*", "put", "put-create", "get", "list", "delete", "delete-many", "head"))
-    fault.update(where="client" if backend == "s3" else "library", kind=kind)
+    fault.update(where="request", kind=kind)
     fault["nth"] = rng.randint(1, 25) if kind == "*" else rng.randint(1, 8) if kind in ("put", "get") else rng.randint(1, 2)
     return fault
 
@@ -260,8 +260,8 @@ class Outcome:
     journal: list[Done]
     seconds: float
 
-    def replay(self, code: str | None = None) -> str:
-        where = f" --code {code}" if code else ""
+    def replay(self, code: str | None = None, slip: bool = False) -> str:
+        where = (f" --code {code}" if code else "") + (" --slip" if slip else "")
         return f"python -m benchmarks.sim --backend {self.backend} --seed {self.seed} --schedules 1{where} --verbose"
 
 
@@ -270,8 +270,9 @@ class Schedule:
 
     def __init__(
         self, seed: int, backend: str, inputs: Inputs, server: HostServer, base_env: dict[str, str],
-        location: str, work: Path, ref_lock_timeout: bool,
+        location: str, work: Path, ref_lock_timeout: bool, slip: bool = False,
     ) -> None:
+        self.slip = slip
         self.seed, self.backend, self.inputs, self.server = seed, backend, inputs, server
         self.location, self.work = location, work
         self.base_env = base_env
@@ -283,6 +284,13 @@ class Schedule:
     def _tick(self) -> int:
         self.clock += 1
         return self.clock
+
+    def _fault(self, fault: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Where a request fault acts: at the library's failpoint (before its own checks of that
+        request, such as a fence), or, with ``slip``, at the S3 client's call after them."""
+        if fault and fault["where"] == "request":
+            return dict(fault, where="client" if self.slip and self.backend == "s3" else "library")
+        return fault
 
     def _env(self, host: str, fault: dict[str, Any] | None) -> dict[str, str]:
         env = dict(self.base_env, TAILOR_CACHE=str(self.work / f"cache-{host}"), TAILOR_STORE=self.location)
@@ -365,7 +373,8 @@ class Schedule:
             if host in self.stalled:
                 self._resume(host)
             start = self._tick()
-            ident = self.server.spawn(self.args(op), self._env(host, op["fault"]), self.work / f"op-{op['n']}", op["fault"])
+            fault = self._fault(op["fault"])
+            ident = self.server.spawn(self.args(op), self._env(host, fault), self.work / f"op-{op['n']}", fault)
             event = self.server.wait(ident)
             if event.get("stopped"):
                 self.stalled[host] = (ident, op, start, time.monotonic(), op["fault"]["after"])
@@ -416,13 +425,13 @@ class Schedule:
 
 def run_schedule(
     seed: int, backend: str, inputs: Inputs, server: HostServer, base_env: dict[str, str], new_location: Callable[[Path], str],
-    ref_lock_timeout: bool, keep: Path | None = None,
+    ref_lock_timeout: bool, keep: Path | None = None, slip: bool = False,
 ) -> Outcome:
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=f"sim-{backend}-{seed}-", dir=keep))
     try:
         location = new_location(work)
-        schedule = Schedule(seed, backend, inputs, server, base_env, location, work, ref_lock_timeout)
+        schedule = Schedule(seed, backend, inputs, server, base_env, location, work, ref_lock_timeout, slip)
         rc, _, err = schedule.command(["init", location], "init", cache="a")
         if rc != 0:
             raise RuntimeError(f"init failed: {err}")
@@ -463,4 +472,5 @@ def host_environment(extra: dict[str, str] | None = None, code: str | None = Non
     env.pop("TAILOR_STORE", None)
     if code:
         env["PYTHONPATH"] = code + os.pathsep + env.get("PYTHONPATH", "")
+        env["TAILOR_SIM_CLI"] = str(Path(code) / "cli")
     return env

@@ -417,3 +417,27 @@ def test_a_gc_stalled_between_two_delete_requests_deletes_no_pack_a_commit_reuse
     assert run(fresh, "checkout", "step=30", "--out", str(out), "--store", s3_location).returncode == 0
     for path in (at3 / "global_step3").iterdir():
         assert (out / "global_step3" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_a_step_removed_and_committed_again_is_a_new_manifest_to_every_cache(
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Found by the simulation (seed 14 on S3): host b committed step 6, host a removed it and committed
+    another save as step 6 under the same key (version 1 again). b's cache, which had never seen the
+    step gone, took the new object for its own old one, and b's gc deleted the new step's blobs as
+    unreferenced. A removed version is reserved now: the new commit is version 2."""
+    at3, at6 = saves
+    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
+    assert run(a, "init", s3_location).returncode == 0
+    assert run(b, "commit", str(at6), "--step", "6", "--store", s3_location).returncode == 0
+    assert run(a, "rm", "step=6", "--store", s3_location).returncode == 0
+    assert run(a, "commit", str(at3), "--step", "6", "--store", s3_location).returncode == 0
+    collected = run(b, "gc", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    fresh = host_env(tmp_path / "host-c")
+    checked = run(fresh, "verify", "--deep", "--store", s3_location)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    out = tmp_path / "out"
+    assert run(fresh, "checkout", "step=6", "--out", str(out), "--store", s3_location).returncode == 0
+    for path in (at3 / "global_step3").iterdir():
+        assert (out / "global_step3" / path.name).read_bytes() == path.read_bytes(), path.name

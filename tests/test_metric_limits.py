@@ -72,7 +72,8 @@ def test_a_metric_added_after_the_commit_is_seen_by_every_host_and_keep_best(tin
     assert refused.returncode == 2 and "beyond the range" in refused.stderr
     backend = resolve(str(location)).backend
     assert sorted(k.rsplit("/", 1)[-1] for k in backend.list("manifests/")) == [
-        "step-00000000000000000001-v2.json.zst",  # the older version is gone
+        "step-00000000000000000001-v1.removed",  # the older version is gone, its version reserved
+        "step-00000000000000000001-v2.json.zst",
         "step-00000000000000000002-v1.json.zst",
         "step-00000000000000000003-v1.json.zst",
     ]

@@ -33,7 +33,7 @@ def set_trap(store: Path, armed: bool) -> None:
 
 
 def manifest_objects(store: Path) -> list[str]:
-    return sorted(str(p.relative_to(store)) for p in (store / "manifests").rglob("*") if p.is_file())
+    return sorted(str(p.relative_to(store)) for p in (store / "manifests").rglob("*.json.zst") if p.is_file())
 
 
 @pytest.mark.parametrize("operation", ["commit", "finalize", "merge", "average"])

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from tailorstore.core.environment import STORE_ENV
-from tailorstore.core.errors import Call, CorruptStoreError, StoreError, UnknownStepError
+from tailorstore.core.errors import Call, CorruptStoreError, LockTimeoutError, StoreError, UnknownStepError
 from tailorstore.store import archive_codec, codec, manifest_objects
 from tailorstore.store._index import Index
 from tailorstore.store.backend import Backend, blob_names
@@ -138,6 +138,10 @@ def _location(location: Path | str | None) -> Path | str:
     return location
 
 
+OPEN_REFRESH_WAIT = 2.0  # seconds opening a store waits for another process's index write, before reading as is
+INDEX_WAIT = 60.0  # seconds a write of the index waits for another process's, outside the store lock
+
+
 class Repository:
     def __init__(self, where: Location, index: Index) -> None:
         self.where = where
@@ -186,7 +190,15 @@ class Repository:
         try:
             if where.remote:
                 _check_cache(where, store._index)
-            store.refresh()
+            store._index.wait_for_writers(OPEN_REFRESH_WAIT)
+            try:
+                store.refresh()
+            except LockTimeoutError:
+                # another process is inside its index transaction (stalled, or slow): read what the
+                # index holds, as WAL lets readers; an operation that changes the store refreshes
+                # again under the store lock, where it waits as long as its lock timeout says
+                pass
+            store._index.wait_for_writers(INDEX_WAIT)
         except BaseException:
             store.close()
             raise
