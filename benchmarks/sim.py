@@ -3,7 +3,8 @@
 ``python -m benchmarks.sim [--schedules 5000] [--backend posix|s3|both] [--seed S] [--jobs J]
 [--code TREE] [--verbose] [--keep DIR]``
 
-Runs seeds ``S .. S+N-1`` on each backend, ``--jobs`` schedules at a time (each on its own store with
+Runs ``N`` schedules, seeds from ``S``: with ``--backend both`` four fifths of them on POSIX and one
+fifth on S3 (as CI's 200 and 50), ``--jobs`` schedules at a time (each on its own store with
 its own three hosts), and prints every seed that broke an invariant with the command that replays it.
 ``--code`` runs the hosts on another tree of tailorstore (a worktree of an older commit), the
 simulation and its checks staying this tree's. The inputs are two real 2-rank ZeRO-2 DeepSpeed
@@ -32,6 +33,7 @@ from testbed.simulation import (
 )
 
 ROOT = Path(".bench/sim")
+SHARE = {"posix": 4, "s3": 1}  # fifths of --schedules each backend runs with --backend both, as CI splits them
 
 
 def training_inputs(root: Path = ROOT) -> Inputs:
@@ -41,7 +43,16 @@ def training_inputs(root: Path = ROOT) -> Inputs:
     for name, seed in (("a", 1234), ("b", 4321)):
         save = root / "runs" / name / "save"
         if not (save / "global_step6").is_dir():
-            train_tiny(save, losses_out=save.parent / "losses.json", nproc=2, steps=6, save_every=3, stage=2, dtype="bf16", seed=seed)
+            train_tiny(
+                save,
+                losses_out=save.parent / "losses.json",
+                nproc=2,
+                steps=6,
+                save_every=3,
+                stage=2,
+                dtype="bf16",
+                seed=seed,
+            )
         saves[name] = save
     return prepare_inputs(saves["a"], saves["b"], root / "inputs")
 
@@ -55,8 +66,15 @@ def probe_ref_lock_timeout(server: HostServer, env: dict[str, str], scratch: Pat
 
 
 def simulate(
-    seeds: list[int], backend: str, inputs: Inputs, *, jobs: int = 3, code: str | None = None,
-    keep: Path | None = None, report: Callable[[Outcome], None] | None = None, slip: bool = False,
+    seeds: list[int],
+    backend: str,
+    inputs: Inputs,
+    *,
+    jobs: int = 3,
+    code: str | None = None,
+    keep: Path | None = None,
+    report: Callable[[Outcome], None] | None = None,
+    slip: bool = False,
 ) -> list[Outcome]:
     """Run each seed on ``backend`` with ``jobs`` schedules at a time; every outcome, in seed order."""
     s3 = None
@@ -94,7 +112,7 @@ def simulate(
                     outcomes[seed] = outcome
                     if report is not None:
                         report(outcome)
-        except BaseException as exc:  # noqa: BLE001 - surfaced after the threads end
+        except BaseException as exc:
             with lock:
                 failures.append(exc)
         finally:
@@ -138,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         began, cpu = time.monotonic(), time.process_time()
         done = [0]
 
-        def report(outcome: Outcome) -> None:
+        def report(outcome: Outcome, done: list[int] = done, backend: str = backend, began: float = began) -> None:
             done[0] += 1
             if outcome.problems or args.verbose:
                 print(describe(outcome), flush=True)
@@ -147,18 +165,25 @@ def main(argv: list[str] | None = None) -> int:
             elif done[0] % 100 == 0:
                 print(f"{backend}: {done[0]} schedules, {time.monotonic() - began:.0f} s", flush=True)
 
-        seeds = list(range(args.seed, args.seed + args.schedules))
-        outcomes = simulate(seeds, backend, inputs, jobs=args.jobs, code=code, keep=args.keep, report=report, slip=args.slip)
+        count = args.schedules if args.backend != "both" else SHARE[backend] * args.schedules // 5
+        seeds = list(range(args.seed, args.seed + count))
+        outcomes = simulate(
+            seeds, backend, inputs, jobs=args.jobs, code=code, keep=args.keep, report=report, slip=args.slip
+        )
         bad = [o for o in outcomes if o.problems]
         broken += len(bad)
         ops = sum(len(o.journal) for o in outcomes)
         faults = sum(1 for o in outcomes for d in o.journal if d.op.get("fault"))
-        outcomes_by = {k: sum(1 for o in outcomes for d in o.journal if d.outcome == k) for k in ("ok", "failed", "unknown")}
+        outcomes_by = {
+            k: sum(1 for o in outcomes for d in o.journal if d.outcome == k) for k in ("ok", "failed", "unknown")
+        }
         print(
             f"{backend}: {len(outcomes)} schedules, {ops} operations ({faults} with a fault; {outcomes_by}), "
             f"{len(bad)} broke an invariant{': seeds ' + ' '.join(str(o.seed) for o in bad) if bad else ''}; "
             f"{time.monotonic() - began:.0f} s wall, {time.process_time() - cpu:.1f} CPU-s in this process"
         )
+        checking = sum(o.checking for o in outcomes)
+        print(f"{backend}: {sum(o.seconds for o in outcomes):.0f} s in schedules, {checking:.0f} s of them checking")
         slowest = sorted(outcomes, key=lambda o: -o.seconds)[:3]
         print(f"{backend}: slowest seeds " + ", ".join(f"{o.seed} ({o.seconds:.1f} s)" for o in slowest))
     return 1 if broken else 0
@@ -166,4 +191,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

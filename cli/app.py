@@ -28,7 +28,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain help: loading rich's renderer took 0.1 s of every `tailor --help`
-    help="A content-addressed, layer-wise store for DeepSpeed training checkpoints.",
+    help="A content-addressed, layer-wise store for LLM training checkpoints (DeepSpeed, FSDP/DCP, Hugging Face).",
 )
 
 ArchiveLevelsOpt = typer.Option(
@@ -90,7 +90,7 @@ def _version(value: bool) -> None:
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
-    """Commit DeepSpeed checkpoints into a store, check them out bit-exact, tailor them by layer."""
+    """Commit training checkpoints (DeepSpeed, DCP, HF) into a store, check them out bit-exact, tailor them by layer."""
     _quiet_but_ours()
 
 
@@ -103,7 +103,10 @@ def init(path: str = typer.Argument(..., help="Directory for the new store, or s
 
 @app.command()
 def commit(
-    ckpt_dir: Path | None = typer.Argument(None, help="DeepSpeed save dir, global_stepN/ folder, or HF checkpoint-N/."),
+    ckpt_dir: Path | None = typer.Argument(
+        None,
+        help="A DeepSpeed save dir or global_stepN/, a DCP folder, an HF checkpoint-N/, or torch/safetensors files.",
+    ),
     step: int | None = typer.Option(None, "--step", help="Step number (default: read from the layout)."),
     tag: str | None = typer.Option(None, "--tag", help="A name for this step."),
     force: bool = typer.Option(False, "--force", help="Replace a step that is already in the store."),

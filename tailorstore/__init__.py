@@ -1,4 +1,4 @@
-"""tailorstore: a content-addressed, layer-wise store for DeepSpeed training checkpoints.
+"""tailorstore: a content-addressed, layer-wise store for LLM training checkpoints (DeepSpeed, FSDP/DCP, HF).
 
 ``tailorstore.Store`` is the public API (docs/API.md). It is loaded on first use, not by
 ``import tailorstore``: the ``tailor`` command imports this package for its version, and

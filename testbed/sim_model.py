@@ -100,8 +100,7 @@ def surely_protected(journal: list[Done], key: Key, during: Done) -> bool:
             and e.end > d.start
             and e.start < during.end
             and (
-                (e.kind in ("tag", "untag", "commit") and e.op.get("tag") == name)
-                or (e.kind == "rm" and e.key == key)
+                (e.kind in ("tag", "untag", "commit") and e.op.get("tag") == name) or (e.kind == "rm" and e.key == key)
             )
         ]
         if not movers:
@@ -168,7 +167,9 @@ def _check_step(journal: list[Done], seen: Seen, key: Key, contents: dict[str, s
     if content is None:
         problems.append(f"I1: {at} exists but does not check out: {entry.get('checkout_said', '')}")
     elif content not in allowed:
-        problems.append(f"I4/I1: {at} checks out as {content}, not as any input that could be its last: {sorted(allowed)}")
+        problems.append(
+            f"I4/I1: {at} checks out as {content}, not as any input that could be its last: {sorted(allowed)}"
+        )
     pins = [d for d in journal if d.kind in ("pin", "unpin", "rm") and d.key == key]
     pins += [c for c in made if not c.op.get("force")]  # a new step starts unpinned; --force keeps the pin
     last_pins = _could_be_last(pins, tried=lambda e: e.tried or e.kind == "rm")  # a failed rm may have got part way
@@ -189,17 +190,23 @@ def _check_tags(journal: list[Done], seen: Seen) -> list[str]:
         maybes = [d for d in journal if d.kind == "rm" and d.key in setters]
         # a step holds one tag: another name set on a step this one may be on replaces it
         maybes += [
-            d for d in journal
+            d
+            for d in journal
             if d.kind in ("tag", "commit") and d.op.get("tag") not in (None, name) and d.key in setters
         ]
         maybes += [
-            d for d in journal if d.kind == "gc" and d.op.get("drops") and any(
-                not surely_protected(journal, k, d) for k in setters if k is not None)
+            d
+            for d in journal
+            if d.kind == "gc"
+            and d.op.get("drops")
+            and any(not surely_protected(journal, k, d) for k in setters if k is not None)
         ]
         events = moves + maybes
         last = _could_be_last(
             events,
-            definite=lambda e, name=name: e.outcome == "ok" and e.kind in ("tag", "untag", "commit") and e.op.get("tag") == name,
+            definite=lambda e, name=name: (
+                e.outcome == "ok" and e.kind in ("tag", "untag", "commit") and e.op.get("tag") == name
+            ),
             tried=lambda e: e.tried or e.kind == "rm",
         )
         could: set[Key | None] = {d.key if d.kind != "untag" and d.op.get("tag") == name else None for d in last}

@@ -2,6 +2,12 @@
 
 Each training configuration runs at most once per test session and its output is
 treated as read-only ("pristine"); tests copy what they modify.
+
+The tiers: a test that uses a training fixture (``runs`` or ``hf_run``, directly or through another
+fixture such as ``saves``) is marked ``slow`` by :func:`pytest_collection_modifyitems`, so
+``pytest -m "not slow"`` is the fast tier (pure rules, codecs, I/O, the CLI on checked-in data; under
+a minute) and the whole suite runs every training once (the README's test command, what CI runs).
+Nothing else marks a test slow.
 """
 
 from __future__ import annotations

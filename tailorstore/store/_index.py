@@ -26,7 +26,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tailorstore.core.errors import Call, CorruptStoreError, FormatVersionError, LockTimeoutError, StoreError, TailorError
+from tailorstore.core.errors import (
+    Call,
+    CorruptStoreError,
+    FormatVersionError,
+    LockTimeoutError,
+    StoreError,
+    TailorError,
+)
 from tailorstore.store.records import (
     ATOM_COLUMNS,
     COMMIT,

@@ -140,10 +140,10 @@ def new_key(backend: Backend, index: Index, manifest: int, *, replacing: bool = 
     if record.origin != COMMIT:
         return f"{MANIFEST_PREFIX}{run}/merge-{os.urandom(8).hex()}.json.zst"
     listed = list(backend.list(f"{MANIFEST_PREFIX}{run}/"))
-    versions = [int(m.group(3)) for key in listed if (m := _COMMIT_KEY.fullmatch(key)) and int(m.group(2)) == record.step]
+    versions = [int(m.group(3)) for k in listed if (m := _COMMIT_KEY.fullmatch(k)) and int(m.group(2)) == record.step]
     if versions and not replacing:
         raise _step_exists(record)
-    removed = [int(m.group(3)) for key in listed if (m := _REMOVED_KEY.fullmatch(key)) and int(m.group(2)) == record.step]
+    removed = [int(m.group(3)) for k in listed if (m := _REMOVED_KEY.fullmatch(k)) and int(m.group(2)) == record.step]
     return f"{MANIFEST_PREFIX}{run}/step-{record.step:020d}-v{max(versions + removed, default=0) + 1}.json.zst"
 
 

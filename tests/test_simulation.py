@@ -1,0 +1,112 @@
+"""The multi-host simulation (testbed/simulation.py): seeded schedules of three hosts on one store,
+stalled and killed before any request, each checked by a fresh host against what every operation
+reported. The slow tier runs 200 schedules on POSIX and 50 on a real S3 server (moto), plus the seeds
+that found bugs: on the code before their fixes they break an invariant, and here they must hold.
+``python -m benchmarks.sim`` runs the long soak."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import Runs
+
+from benchmarks.sim import simulate
+from testbed.sim_model import Done, Seen, check
+from testbed.simulation import Inputs, Outcome, describe, prepare_inputs
+
+# Seeds that broke an invariant on an older tree (what they found, and where), replayed on every run.
+REGRESSION_SEEDS: list[tuple[str, int, str]] = []
+
+
+@pytest.fixture(scope="module")
+def inputs(runs: Runs, tmp_path_factory: pytest.TempPathFactory) -> Inputs:
+    return prepare_inputs(
+        runs.get("zero2-bf16").save_dir,
+        runs.get("zero2-bf16-try2").save_dir,
+        tmp_path_factory.mktemp("sim") / "inputs",
+    )
+
+
+def _held(outcomes: list[Outcome]) -> None:
+    broken = [o for o in outcomes if o.problems]
+    assert not broken, "\n\n".join(f"{describe(o)}\n  replay: {o.replay()}" for o in broken)
+
+
+def test_200_schedules_on_posix_hold_every_invariant(inputs: Inputs) -> None:
+    outcomes = simulate(list(range(200)), "posix", inputs, jobs=3)
+    _held(outcomes)
+    faults = [d for o in outcomes for d in o.journal if d.op.get("fault")]
+    assert len(faults) > 300 and any(d.outcome == "unknown" for d in faults)  # the faults did land
+
+
+def test_50_schedules_on_s3_hold_every_invariant(inputs: Inputs) -> None:
+    outcomes = simulate(list(range(50)), "s3", inputs, jobs=3)
+    _held(outcomes)
+
+
+@pytest.mark.parametrize(
+    ("backend", "seed", "found"), REGRESSION_SEEDS, ids=[f"{b}-{s}" for b, s, _ in REGRESSION_SEEDS]
+)
+def test_the_seeds_that_found_bugs_hold_now(inputs: Inputs, backend: str, seed: int, found: str) -> None:
+    _held(simulate([seed], backend, inputs, jobs=1))
+
+
+# ---- the checker itself: it must see a broken store as broken -------------------------------------
+
+
+def _done(n: int, op: dict, start: int, end: int, outcome: str = "ok") -> Done:
+    return Done(dict(op, n=n), start, end, outcome)
+
+
+CONTENTS = {"A3": {"A3"}, "A6": {"A6"}, "B3": {"B3"}, "B6": {"B6"}, "parts": {"A3", "B3"}}
+COMMIT_A6 = {"op": "commit", "save": "A6", "key": ["main", 6], "force": False, "tag": None}
+
+
+def _step(content: str | None, **entry: object) -> dict:
+    return {"content": content, "tier": None, "tag": None, "pinned": False, **entry}
+
+
+def test_the_checker_names_a_reported_commit_that_is_gone_or_wrong() -> None:
+    journal = [_done(0, COMMIT_A6, 1, 2)]
+    assert check(journal, Seen(steps={("main", 6): _step("A6")}), [("main", 6)], CONTENTS) == []
+    gone = check(journal, Seen(), [("main", 6)], CONTENTS)
+    assert len(gone) == 1 and gone[0].startswith("I1:")
+    wrong = check(journal, Seen(steps={("main", 6): _step("B6")}), [("main", 6)], CONTENTS)
+    assert len(wrong) == 1 and "I4/I1" in wrong[0]
+    # an rm that may have come after it (it overlapped) allows the step to be gone
+    rm = _done(1, {"op": "rm", "key": ["main", 6]}, 0, 3, "unknown")
+    assert check([*journal, rm], Seen(), [("main", 6)], CONTENTS) == []
+
+
+def test_the_checker_names_what_only_failed_operations_made() -> None:
+    journal = [_done(0, COMMIT_A6, 1, 2, "failed")]
+    problems = check(journal, Seen(steps={("main", 6): _step("A6")}), [("main", 6)], CONTENTS)
+    assert len(problems) == 1 and problems[0].startswith("I3:")
+
+
+def test_the_checker_names_a_finalize_that_mixed_two_tries() -> None:
+    journal = [_done(0, {"op": "finalize", "key": ["main", 3], "save": "parts"}, 1, 2)]
+    assert check(journal, Seen(steps={("main", 3): _step("B3")}), [("main", 3)], CONTENTS) == []
+    mixed = check(journal, Seen(steps={("main", 3): _step("something else")}), [("main", 3)], CONTENTS)
+    assert len(mixed) == 1 and "I4" in mixed[0]
+
+
+def test_the_checker_names_a_lost_tag_and_pin_and_a_gc_that_dropped_a_pinned_step() -> None:
+    tagged = [_done(0, dict(COMMIT_A6, tag="t1"), 1, 2), _done(1, {"op": "pin", "key": ["main", 6]}, 3, 4)]
+    fine = Seen(steps={("main", 6): _step("A6", tag="t1", pinned=True)})
+    assert check(tagged, fine, [("main", 6)], CONTENTS) == []
+    lost = check(tagged, Seen(steps={("main", 6): _step("A6")}), [("main", 6)], CONTENTS)
+    assert sorted(p.split(":")[0] for p in lost) == ["I2/I3", "I2/I3"]  # the tag and the pin
+    gc = _done(2, {"op": "gc", "args": ["--keep-last", "1"], "drops": True, "thins": False}, 5, 6)
+    dropped = check([*tagged, gc], Seen(), [("main", 6)], CONTENTS)
+    assert any(p.startswith("I1:") for p in dropped), dropped
+    # an unpin that may have come first lets gc drop it, and the tag then goes with the step
+    unpin = _done(3, {"op": "unpin", "key": ["main", 6]}, 4, 7, "unknown")
+    untag = _done(4, {"op": "untag", "tag": "t1"}, 4, 7, "unknown")
+    assert check([*tagged, unpin, untag, gc], Seen(), [("main", 6)], CONTENTS) == []
+
+
+def test_the_checker_takes_a_failed_verify_as_a_broken_store(tmp_path: Path) -> None:
+    seen = Seen(verify_rc=3, verify_said="blob ... is missing")
+    assert check([], seen, [], CONTENTS) == ["I1/I6: a fresh host's verify --deep failed (exit 3): blob ... is missing"]
