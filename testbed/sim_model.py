@@ -173,7 +173,9 @@ def _check_step(journal: list[Done], seen: Seen, key: Key, contents: dict[str, s
     pins = [d for d in journal if d.kind in ("pin", "unpin", "rm") and d.key == key]
     pins += [c for c in made if not c.op.get("force")]  # a new step starts unpinned; --force keeps the pin
     last_pins = _could_be_last(pins, tried=lambda e: e.tried or e.kind == "rm")  # a failed rm may have got part way
-    could = {d.kind == "pin" for d in last_pins} or {False}
+    could = {d.kind == "pin" for d in last_pins}
+    if not any(d.outcome == "ok" for d in pins):
+        could.add(False)  # what was tried may never have taken effect
     if bool(entry.get("pinned")) not in could:
         problems.append(f"I2/I3: {at} is {'pinned' if entry.get('pinned') else 'not pinned'}, which no order allows")
     return problems

@@ -44,7 +44,12 @@ from testbed.sim_model import Done, Key, Seen, check
 HOSTS = ("a", "b", "c")
 WHOLE = ("A3", "A6", "B3", "B6")  # saves committed whole: run A or its second try B, as of step 3 or 6
 PARTS = ("A3p0", "A3p1", "B3p0", "B3p1")  # step 3 split by host, of both tries
-STEPS = (6, 9)  # steps whole saves are committed as; step 3 is only ever made from parts
+STEPS = (6, 9)  # steps whole saves are committed as in run main; step 3 is only ever made from parts
+# The branch "br" starts at main's step 6 (or nowhere, when that is missing) and its steps come after
+# it: a selector br:step=N for N at or before the base names main's step (a branch reads its base's
+# history), which the checker would have to resolve as the code does.
+BRANCH_BASE = 6
+BRANCH_STEPS = (9, 12)
 TAGS = ("t1", "t2")
 TTL = 2.0  # seconds: lease time of every host on S3, so that a stall of a few seconds outlives it
 LONG_HOLD = TTL + 2.5  # a stall that outlives a lease (stale after TTL + 1 s, in whole seconds)
@@ -138,59 +143,82 @@ def _fault(rng: random.Random, backend: str) -> dict[str, Any] | None:
 
 def _key(rng: random.Random, branch: bool = True) -> list[Any]:
     run = "br" if branch and rng.random() < 0.2 else "main"
-    return [run, rng.choice((3, *STEPS)) if run == "main" else rng.choice(STEPS)]
+    return [run, rng.choice((3, *STEPS)) if run == "main" else rng.choice(BRANCH_STEPS)]
+
+
+# Each schedule draws a theme, as FoundationDB draws workloads: weights of each operation, so that
+# the interleavings that matter come up often (a replacement racing refs; refs racing a planned gc;
+# parts of two tries), while "mixed" keeps everything possible.
+THEMES: dict[str, dict[str, float]] = {
+    "mixed": {
+        "commit": 28,
+        "part": 10,
+        "finalize": 7,
+        "tag": 7,
+        "untag": 3,
+        "pin": 8,
+        "unpin": 3,
+        "rm": 5,
+        "gc": 25,
+        "branch": 4,
+    },
+    "replace": {"commit": 45, "tag": 10, "untag": 2, "pin": 15, "unpin": 2, "rm": 4, "gc": 20, "branch": 2},
+    "refs-vs-gc": {"commit": 25, "tag": 14, "untag": 4, "pin": 20, "unpin": 5, "rm": 2, "gc": 30},
+    "parts": {"commit": 15, "part": 35, "finalize": 20, "tag": 4, "pin": 6, "rm": 2, "gc": 18},
+}
+GC_RULES = (
+    [],
+    [],
+    ["--keep-last", "1"],
+    ["--keep-last", "2"],
+    ["--keep-every", "6"],
+    ["--keep-best", "loss:min:1"],
+    ["--keep-last", "1", "--thin", "weights"],
+    ["--drop-parts"],
+)
+
+
+def _operation(rng: random.Random, kind: str, theme: str) -> dict[str, Any]:
+    if kind == "commit":
+        run, step = _key(rng)
+        replacing = 0.6 if theme == "replace" else 0.3
+        return {
+            "op": "commit",
+            "save": rng.choice(WHOLE),
+            "key": [run, step if step != 3 else 9],
+            "force": rng.random() < replacing,
+            "tag": rng.choice(TAGS) if rng.random() < (0.4 if theme == "replace" else 0.2) else None,
+            "metric": round(rng.uniform(1, 3), 3) if rng.random() < 0.5 else None,
+        }
+    if kind == "part":
+        return {"op": "part", "part": rng.choice(PARTS)}
+    if kind == "finalize":
+        return {"op": "finalize", "key": ["main", 3], "save": "parts"}
+    if kind == "tag":
+        return {"op": "tag", "tag": rng.choice(TAGS), "key": _key(rng), "force": rng.random() < 0.5}
+    if kind == "untag":
+        return {"op": "untag", "tag": rng.choice(TAGS)}
+    if kind in ("pin", "unpin"):
+        return {"op": kind, "key": _key(rng)}
+    if kind == "rm":
+        return {"op": "rm", "key": _key(rng), "force": rng.random() < 0.3}
+    if kind == "gc":
+        rules = rng.choice(GC_RULES[2:6] if theme == "refs-vs-gc" else GC_RULES)
+        drops = any(r.startswith("--keep") for r in rules) and "--thin" not in rules
+        return {"op": "gc", "args": rules, "drops": drops, "thins": "--thin" in rules}
+    return {"op": "branch", "from": BRANCH_BASE}
 
 
 def make_schedule(seed: int, backend: str) -> list[dict[str, Any]]:
     """The operations of one seed: the same list on every run of it."""
     rng = random.Random(f"{backend}:{seed}")
+    theme = rng.choice(sorted(THEMES))
+    kinds, weights = zip(*THEMES[theme].items(), strict=True)
     ops: list[dict[str, Any]] = []
     for n in range(rng.randint(6, 10)):
         host = rng.choice(HOSTS)
-        roll = rng.random()
-        op: dict[str, Any]
-        if roll < 0.28:
-            run, step = _key(rng)
-            op = {"op": "commit", "save": rng.choice(WHOLE), "key": [run, step if step != 3 else 6]}
-            op["force"] = rng.random() < 0.3
-            op["tag"] = rng.choice(TAGS) if rng.random() < 0.2 else None
-            op["metric"] = round(rng.uniform(1, 3), 3) if rng.random() < 0.5 else None
-        elif roll < 0.38:
-            op = {"op": "part", "part": rng.choice(PARTS)}
-        elif roll < 0.45:
-            op = {"op": "finalize", "key": ["main", 3], "save": "parts"}
-        elif roll < 0.52:
-            op = {"op": "tag", "tag": rng.choice(TAGS), "key": _key(rng), "force": rng.random() < 0.5}
-        elif roll < 0.55:
-            op = {"op": "untag", "tag": rng.choice(TAGS)}
-        elif roll < 0.63:
-            op = {"op": "pin", "key": _key(rng)}
-        elif roll < 0.66:
-            op = {"op": "unpin", "key": _key(rng)}
-        elif roll < 0.71:
-            op = {"op": "rm", "key": _key(rng), "force": rng.random() < 0.3}
-        elif roll < 0.96:
-            rules = rng.choice(
-                (
-                    [],
-                    [],
-                    ["--keep-last", "1"],
-                    ["--keep-last", "2"],
-                    ["--keep-every", "6"],
-                    ["--keep-best", "loss:min:1"],
-                    ["--keep-last", "1", "--thin", "weights"],
-                    ["--drop-parts"],
-                )
-            )
-            op = {
-                "op": "gc",
-                "args": rules,
-                "drops": any(r.startswith("--keep") for r in rules) and "--thin" not in rules,
-            }
-            op["thins"] = "--thin" in rules
-        else:
-            op = {"op": "branch", "from": rng.choice(STEPS)}
-        op.update(n=n, host=host, fault=_fault(rng, backend))
+        op = _operation(rng, rng.choices(kinds, weights)[0], theme)
+        op.update(n=n, host=host, theme=theme, fault=_fault(rng, backend))
         ops.append(op)
     return ops
 
@@ -486,10 +514,11 @@ def run_schedule(
 
 
 def describe(outcome: Outcome) -> str:
-    lines = [f"seed {outcome.seed} ({outcome.backend}):"]
+    theme = outcome.journal[0].op.get("theme") if outcome.journal else None
+    lines = [f"seed {outcome.seed} ({outcome.backend}, {theme}):"]
     for d in outcome.journal:
         fault = d.op.get("fault")
-        what = {k: v for k, v in d.op.items() if k not in ("n", "host", "fault")}
+        what = {k: v for k, v in d.op.items() if k not in ("n", "host", "fault", "theme")}
         lines.append(
             f"  [{d.start:>2}-{d.end:>2}] #{d.op['n']} host {d.op['host']}: {json.dumps(what)}"
             + (f" fault {json.dumps(fault)}" if fault else "")

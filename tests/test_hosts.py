@@ -441,3 +441,26 @@ def test_a_step_removed_and_committed_again_is_a_new_manifest_to_every_cache(
     assert run(fresh, "checkout", "step=6", "--out", str(out), "--store", s3_location).returncode == 0
     for path in (at3 / "global_step3").iterdir():
         assert (out / "global_step3" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_a_commit_stalled_at_its_manifest_request_past_its_lease_publishes_nothing(
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Found by the simulation (a 'parts' schedule on S3): the commit checked its fence, then its
+    request's failpoint stopped it, then it sent the put. The fence is now checked inside the put,
+    after the failpoint, as gc's deletions do: a commit stopped before its manifest's request (its
+    second create-only put; the first is its lease) while gc ran publishes nothing."""
+    at3, at6 = saves
+    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
+    assert run(b, "init", s3_location).returncode == 0
+    assert run(b, "commit", str(at3), "--store", s3_location).returncode == 0
+    stalled = start({**a, "TAILOR_FAILPOINTS": "*/put-create=stop@2"}, "commit", str(at6), "--store", s3_location)
+    wait_stopped(stalled)
+    collected = run(b, "gc", "--lock-timeout", "60", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    assert "removed a stale shared lock" in collected.stderr
+    resumed = resume(stalled)
+    one_line(resumed, 4, "stopped before publishing", "lease")
+    assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-c") == [3]
+    checked = run(host_env(tmp_path / "host-c"), "verify", "--deep", "--store", s3_location)
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -44,6 +44,7 @@ from tailorstore.access.atom_reader import decode_atom, decode_atom_into
 from tailorstore.access.model_tensors import tiling
 from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
 from tailorstore.core.errors import Call, CorruptStoreError, StepExistsError
+from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import AUX_GROUPS, STATE, block_index, sort_key
 from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
@@ -222,7 +223,7 @@ def average(store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, 
     """Write the averaged atoms as new blobs and record them as a merge manifest under ``tag``."""
     began = time.perf_counter()
     parsed = parse_average(spec, str(spec_path))
-    with store.lock(exclusive=False, timeout=LOCK_TIMEOUT) as lock:
+    with operation("average"), store.lock(exclusive=False, timeout=LOCK_TIMEOUT) as lock:
         store.refresh(lock)  # another host's gc may have dropped a step since the store was opened
         manifests = [store.resolve(f"step={s}", run) for s in parsed.steps]
         base = store.resolve(parsed.base, run) if parsed.base else manifests[-1]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tailorstore.core.errors import StepExistsError
+from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import STATE, block_index, sort_key
 from tailorstore.curate.averaging import LOCK_TIMEOUT, AverageResult, average, is_averaging
 from tailorstore.curate.merge_spec import AUX_KEYS, MergeSpecError, layer_range, load_spec, merge_record, ref_of
@@ -92,7 +93,7 @@ def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> 
     if is_averaging(spec):
         return average(store, spec, Path(spec_path), tag, run)
     # Shared, as a commit: a gc must not delete the blobs the merge names before its manifest is recorded.
-    with store.lock(exclusive=False, timeout=LOCK_TIMEOUT) as lock:
+    with operation("merge"), store.lock(exclusive=False, timeout=LOCK_TIMEOUT) as lock:
         store.refresh(lock)
         base = store.resolve(ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"), run)
         base_record = store.manifest(base)

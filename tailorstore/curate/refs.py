@@ -78,9 +78,10 @@ def tag(
             old = store.manifest(manifest).tag
             index.set_tag(manifest, name)  # takes the tag from any other holder
             lock.check("tagging")
+            fence = lambda: lock.check("tagging")  # noqa: E731 - again just before each request
             if old and old != name:
-                manifest_objects.drop_tag(store.backend, old)
-            manifest_objects.write_refs(store.backend, index, [manifest])
+                manifest_objects.drop_tag(store.backend, old, fence=fence)
+            manifest_objects.write_refs(store.backend, index, [manifest], fence=fence)
     return manifest
 
 
@@ -94,7 +95,7 @@ def untag(
             raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
         with store.transaction() as index:
             lock.check("untagging")
-            manifest_objects.drop_tag(store.backend, name)
+            manifest_objects.drop_tag(store.backend, name, fence=lambda: lock.check("untagging"))
             index.set_tag(holder.id, None)
     return holder.id
 
@@ -112,7 +113,7 @@ def pin(
         with store.transaction() as index:
             index.set_pinned(manifest, pinned)
             lock.check("pinning")
-            manifest_objects.write_refs(store.backend, index, [manifest])
+            manifest_objects.write_refs(store.backend, index, [manifest], fence=lambda: lock.check("pinning"))
     return manifest
 
 
@@ -140,8 +141,9 @@ def remove(
             )
         with store.transaction() as index:
             lock.check("removing a step")
+            fence = lambda: lock.check("removing a step")  # noqa: E731 - again just before each request
             if record.tag:  # the objects (manifest, tag, pin) go before the index rows
-                manifest_objects.drop_tag(store.backend, record.tag)
-            manifest_objects.unpublish(store.backend, [record.object_key])
+                manifest_objects.drop_tag(store.backend, record.tag, fence=fence)
+            manifest_objects.unpublish(store.backend, [record.object_key], fence=fence)
             index.delete_manifests([manifest])
     return manifest

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from tailorstore.core.errors import Call, StepExistsError, UnknownStepError
+from tailorstore.core.failpoints import operation
 from tailorstore.store import manifest_objects
 from tailorstore.store.records import MAIN_RUN, ManifestRecord, RunRecord
 from tailorstore.store.repo import Repository
@@ -82,7 +83,7 @@ def create_run(
     and keeps its base.
     """
     manifest_objects.check_run_name(name)
-    with store.lock(exclusive=False, timeout=lock_timeout) as lock:
+    with operation("run-create"), store.lock(exclusive=False, timeout=lock_timeout) as lock:
         store.refresh(lock)
         if name == MAIN_RUN or any(r.name == name for r in store.catalogue.runs()):
             raise StepExistsError(f"run {name!r} already exists; ", Call("runs"), " shows the runs.")

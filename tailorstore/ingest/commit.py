@@ -26,7 +26,7 @@ from tailorstore.access import structure
 from tailorstore.access.changes import ChangeTerms, LayerChange, change_terms, masters_by_layer, stored_pieces
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import BadCheckpointError, Call, StepExistsError, StoreError
-from tailorstore.core.failpoints import failpoint
+from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.layers import STATE, sort_key
 from tailorstore.core.policies import CommitFacts, decide, needs_changes
 from tailorstore.core.progress import Progress, Silent
@@ -274,7 +274,10 @@ def commit_checkpoint(
     if not options.part:
         refuse_incomplete(layout, files)
 
-    with store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock:
+    with (
+        operation("part" if options.part else "commit"),
+        store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock,
+    ):
         # What other hosts recorded or dropped before this lock was taken: inheritance must not
         # name a manifest (and blobs) another host's gc removed since this store was opened.
         store.refresh(lock)
@@ -491,7 +494,7 @@ def commit_part(
         )
         lock.check("committing a part")
         failpoint("before-part-publish")
-        key = parts.publish(store.backend, part)
+        key = parts.publish(store.backend, part, fence=lambda: lock.check("committing a part"))
     return CommitResult(
         step=step,
         manifest=0,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from tailorstore.access import structure
 from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, StepExistsError, StoreError
+from tailorstore.core.failpoints import operation
 from tailorstore.core.policies import PolicySpec
 from tailorstore.curate.refs import check_tag
 from tailorstore.formats import dcp
@@ -197,7 +198,7 @@ def finalize_step(
     check_run_name(run)
     if tag:
         check_tag(tag)
-    with store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
+    with operation("finalize"), store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
         store.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
         parts = read_parts(store.backend, step, run, label)
         if not parts:

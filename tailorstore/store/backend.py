@@ -9,7 +9,7 @@ object store (S3 API) can promise:
 - ``get`` of a byte range, and ``reader`` that streams a range in bounded chunks;
 - ``exists``, ``size``, ``list`` under a prefix (``sizes``: with each object's size, which
   an object store's listing carries for free), ``delete`` (``delete_many``: as few requests
-  as the backend allows, with a ``fence`` checked before each one).
+  as the backend allows, with a ``fence`` checked before each one; ``put`` takes one too).
 
 Every request passes ``core.failpoints.request`` first, named by its kind, so a test or the
 multi-host simulation can stall or kill a host before any request.
@@ -115,7 +115,9 @@ class Batch(Protocol):
 class Backend(Protocol):
     location: str  # how a user names this store: a directory, or s3://bucket/prefix
 
-    def put(self, key: str, data: BytesLike | Chunks, *, create_only: bool = False) -> None: ...
+    def put(
+        self, key: str, data: BytesLike | Chunks, *, create_only: bool = False, fence: Callable[[], None] | None = None
+    ) -> None: ...
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes: ...
     def reader(self, key: str, start: int = 0, length: int | None = None) -> BinaryIO: ...
     def exists(self, key: str) -> bool: ...

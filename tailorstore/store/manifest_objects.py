@@ -287,10 +287,11 @@ def publish(backend: Backend, index: Index, manifest: int, *, fence: Fence | Non
     key = new_key(backend, index, manifest, replacing=replacing)
     index.set_object_key(manifest, key)
     failpoint("before-publish")
-    if fence is not None:
-        fence.check("recording the manifest")
+    check = (lambda: fence.check("recording the manifest")) if fence is not None else None
     try:
-        backend.put(key, encode(document(index, manifest)), create_only=True)
+        # the fence is checked inside the put, after the request's failpoint: a stall before the
+        # request is one the fence sees (the same rule as gc's deletions)
+        backend.put(key, encode(document(index, manifest)), create_only=True, fence=check)
     except ObjectExistsError:
         record = index.manifest(manifest)
         assert record is not None
@@ -318,25 +319,26 @@ def unpublish(backend: Backend, keys: Iterable[str | None], *, fence: Callable[[
     keys = [k for k in keys if k]
     for key in keys:
         if (marker := removed_marker(key)) is not None:
-            if fence is not None:
-                fence()
-            backend.put(marker, b"")
+            backend.put(marker, b"", fence=fence)
     backend.delete_many([k for key in keys if key for k in (key, pin_key(key))], fence=fence)
 
 
-def write_refs(backend: Backend, index: Catalogue, manifests: Iterable[int]) -> list[str]:
+def write_refs(
+    backend: Backend, index: Catalogue, manifests: Iterable[int], *, fence: Callable[[], None] | None = None
+) -> list[str]:
     """Make the tag and pin objects of these manifests say what the index says; returns the
-    keys of the ref objects it wrote."""
+    keys of the ref objects it wrote. ``fence`` is checked just before each put (after its
+    request's failpoint), as before gc's deletions."""
     written = []
     for m in manifests:
         record = index.manifest(m)
         if record is None or record.object_key is None:
             continue
         if record.tag:
-            backend.put(tag_key(record.tag), record.object_key.encode())
+            backend.put(tag_key(record.tag), record.object_key.encode(), fence=fence)
             written.append(tag_key(record.tag))
         if record.pinned:
-            backend.put(pin_key(record.object_key), b"")
+            backend.put(pin_key(record.object_key), b"", fence=fence)
             written.append(pin_key(record.object_key))
         else:
             _unpin(backend, index, record.object_key)
@@ -362,8 +364,8 @@ def _unpin(backend: Backend, index: Catalogue, key: str) -> None:
     backend.delete(pin)
 
 
-def drop_tag(backend: Backend, tag: str) -> None:
-    backend.delete(tag_key(tag))
+def drop_tag(backend: Backend, tag: str, *, fence: Callable[[], None] | None = None) -> None:
+    backend.delete_many([tag_key(tag)], fence=fence)
 
 
 def import_document(index: Index, key: str, doc: ManifestDocument, ids: dict[str, int]) -> int:

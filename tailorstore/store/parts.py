@@ -15,6 +15,7 @@ import json
 import os
 import re
 import socket
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -190,8 +191,9 @@ def read_parts(backend: Backend, step: int | None = None, run: str = MAIN_RUN, l
     return [p for p in found if p is not None]
 
 
-def publish(backend: Backend, part: Part) -> str:
-    """Write the part, create-only; its blobs must be durable already."""
+def publish(backend: Backend, part: Part, *, fence: Callable[[], None] | None = None) -> str:
+    """Write the part, create-only; its blobs must be durable already. ``fence`` is checked just
+    before the put, after its request's failpoint."""
     part.key = new_key(part.step, part.run, part.label)
-    backend.put(part.key, encode(part), create_only=True)
+    backend.put(part.key, encode(part), create_only=True, fence=fence)
     return part.key

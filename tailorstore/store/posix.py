@@ -119,11 +119,19 @@ class PosixBackend:
                 tmp.unlink(missing_ok=True)
                 raise ObjectExistsError(f"{self.location}: {key} already exists") from None
 
-    def put(self, key: str, data: BytesLike | Chunks, *, create_only: bool = False) -> None:
+    def put(
+        self, key: str, data: BytesLike | Chunks, *, create_only: bool = False, fence: Callable[[], None] | None = None
+    ) -> None:
         request("put-create" if create_only else "put")
         chunks = as_chunks(data)
         size = sum(len(c) for c in chunks) if isinstance(chunks, list) else 0
         tmp = self._write_temp(key, chunks, size, sync=True)
+        if fence is not None:
+            try:
+                fence()  # after the failpoint and the temp file: just before the object appears
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
         self._place(tmp, key, create_only=create_only)
         fsync_path(self.path(key).parent)
 

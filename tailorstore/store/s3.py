@@ -124,9 +124,12 @@ class S3Backend:
             "it). Create the bucket first, or check AWS_ENDPOINT_URL."
         )
 
-    def put(self, key: str, data: BytesLike | Chunks, *, create_only: bool = False) -> None:
+    def put(
+        self, key: str, data: BytesLike | Chunks, *, create_only: bool = False, fence: Callable[[], None] | None = None
+    ) -> None:
         """One PUT for an object up to ``_SINGLE_PUT`` bytes (most blobs, packs, manifests), a
-        multipart upload above: each upload part is a request, and the server joins them."""
+        multipart upload above: each upload part is a request, and the server joins them.
+        ``fence`` is checked after the request's failpoint, just before it is sent."""
         check_key(key)
         chunks = iter(as_chunks(data))
         head: list[bytes] = []
@@ -144,6 +147,7 @@ class S3Backend:
                 key,
                 lambda: obstore.put(self._store, key, whole, mode=mode, use_multipart=False),
                 "put-create" if create_only else "put",
+                fence,
             )
             return
         rest = (bytes(c) if isinstance(c, memoryview) else c for c in chunks)
@@ -153,6 +157,7 @@ class S3Backend:
             key,
             lambda: obstore.put(self._store, key, payload, mode=mode, chunk_size=_PART),
             "put-create" if create_only else "put",
+            fence,
         )
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
