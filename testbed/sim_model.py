@@ -82,12 +82,15 @@ def _touches(d: Done, key: Key) -> bool:
 
 
 def surely_protected(journal: list[Done], key: Key, during: Done) -> bool:
-    """The step is surely tagged or pinned for the whole of ``during`` (a gc), so gc must keep it."""
+    """A pin or tag of the step was reported set, and nothing that may undo it came after it before
+    ``during`` (a gc) ended: gc must not have removed the step. This holds whenever the setting ran,
+    before, during or after the gc: had the gc removed the step first, the setting would have found
+    no step and failed (a step that came back was committed again, and that commit is checked)."""
     pinned = _surely_set(journal, during, "pin", lambda d: d.kind in ("unpin", "rm") and _touches(d, key), key)
     if pinned:
         return True
     for d in journal:
-        if d.outcome != "ok" or d.end >= during.start:
+        if d.outcome != "ok":
             continue
         name = d.op.get("tag")
         if d.kind not in ("tag", "commit") or name is None or d.key != key:
@@ -100,7 +103,11 @@ def surely_protected(journal: list[Done], key: Key, during: Done) -> bool:
             and e.end > d.start
             and e.start < during.end
             and (
-                (e.kind in ("tag", "untag", "commit") and e.op.get("tag") == name) or (e.kind == "rm" and e.key == key)
+                (e.kind in ("tag", "untag", "commit") and e.op.get("tag") == name)
+                or (
+                    e.kind in ("tag", "commit") and e.op.get("tag") not in (None, name) and e.key == key
+                )  # a step has one tag
+                or (e.kind == "rm" and e.key == key)
             )
         ]
         if not movers:
@@ -110,7 +117,7 @@ def surely_protected(journal: list[Done], key: Key, during: Done) -> bool:
 
 def _surely_set(journal: list[Done], during: Done, kind: str, undoes: Any, key: Key) -> bool:
     for d in journal:
-        if d.kind == kind and d.key == key and d.outcome == "ok" and d.end < during.start:
+        if d.kind == kind and d.key == key and d.outcome == "ok":
             if not any(e.tried and undoes(e) and e.end > d.start and e.start < during.end for e in journal):
                 return True
     return False

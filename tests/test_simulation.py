@@ -110,3 +110,30 @@ def test_the_checker_names_a_lost_tag_and_pin_and_a_gc_that_dropped_a_pinned_ste
 def test_the_checker_takes_a_failed_verify_as_a_broken_store(tmp_path: Path) -> None:
     seen = Seen(verify_rc=3, verify_said="blob ... is missing")
     assert check([], seen, [], CONTENTS) == ["I1/I6: a fresh host's verify --deep failed (exit 3): blob ... is missing"]
+
+
+def test_the_checker_knows_a_step_holds_one_tag() -> None:
+    """A second tag set on a step replaces the first, so the first no longer protects it from gc
+    (found as a false alarm of the checker on an older tree's run: seed 372)."""
+    journal = [
+        _done(0, dict(COMMIT_A6, tag="t2"), 1, 2),
+        _done(1, dict(COMMIT_A6, tag="t1", force=True), 3, 4),
+        _done(2, {"op": "untag", "tag": "t1"}, 5, 6),
+        _done(3, {"op": "gc", "args": ["--keep-best", "loss:min:1"], "drops": True, "thins": False}, 7, 8),
+    ]
+    assert check(journal, Seen(), [("main", 6)], CONTENTS) == []
+    kept = Seen(steps={("main", 6): _step("A6")})
+    assert check(journal, kept, [("main", 6)], CONTENTS) == []
+
+
+def test_the_checker_names_a_step_pinned_while_gc_ran_and_dropped_by_it() -> None:
+    """Attack finding 6's shape: the pin is reported while gc runs; had gc dropped the step first,
+    the pin would have failed, so the step must still be there."""
+    journal = [
+        _done(0, COMMIT_A6, 1, 2),
+        _done(1, {"op": "gc", "args": ["--keep-last", "1"], "drops": True, "thins": False}, 3, 6),
+        _done(2, {"op": "pin", "key": ["main", 6]}, 4, 5),
+    ]
+    problems = check(journal, Seen(), [("main", 6)], CONTENTS)
+    assert problems and problems[0].startswith("I1:"), problems
+    assert check(journal, Seen(steps={("main", 6): _step("A6", pinned=True)}), [("main", 6)], CONTENTS) == []
