@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tailorstore.core.errors import Call, Category
 
-EXIT_CODES = {Category.BAD_INPUT: 2, Category.DAMAGED_STORE: 3, Category.LOCK: 4}
+EXIT_CODES = {Category.BAD_INPUT: 2, Category.DAMAGED_STORE: 3, Category.LOCK: 4, Category.BACKEND: 5}
 
 # An operation of the API -> the command words that do it (the same word where it is the same).
 COMMANDS = {

@@ -33,20 +33,19 @@ from tailorstore.core.progress import Progress, for_terminal
 
 if TYPE_CHECKING:
     from tailorstore.api import Store
-    from tailorstore.background import BackgroundCommitError
+    from tailorstore.core.errors import BackendError, BackgroundCommitError
     from tailorstore.core.memory import reuse_freed_memory
     from tailorstore.curate.averaging import AverageResult
     from tailorstore.curate.merge import MergeResult
-    from tailorstore.store.backend import BackendError
     from tailorstore.store.records import MAIN_RUN
     from tailorstore.store.schema import FORMAT_VERSION
 
 # Loaded on first use (the module docstring says why): name -> module. Every result a Store
 # method returns is here, and its request and policy types.
 _LOADED_ON_USE = {
-    "BackgroundCommitError": ".background",
+    "BackgroundCommitError": ".core.errors",
     "reuse_freed_memory": ".core.memory",
-    "BackendError": ".store.backend",
+    "BackendError": ".core.errors",
     "MAIN_RUN": ".store.records",
     "FORMAT_VERSION": ".store.schema",  # sqlite3: not for --help and --version
     "Store": ".api",
@@ -72,7 +71,7 @@ _LOADED_ON_USE = {
     "MergeResult": ".curate.merge",
     "RebuildResult": ".store.repo",
     "PolicySpec": ".core.policies",
-    "PolicyError": ".core.policies",
+    "PolicyError": ".core.errors",
     "Full": ".core.policies",
     "Parity": ".core.policies",
     "Filter": ".core.policies",

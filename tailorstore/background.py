@@ -18,14 +18,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-from tailorstore.core.errors import TailorError
+from tailorstore.core.errors import BackgroundCommitError, TailorError
 
 log = logging.getLogger("tailorstore")
 T = TypeVar("T")
-
-
-class BackgroundCommitError(TailorError):
-    """A commit that ran in the background failed; its cause is chained."""
 
 
 class CommitQueue(Generic[T]):

@@ -87,9 +87,10 @@ def archive_descriptor(data: bytes, work: Path) -> Any:
 
 
 def merge_spec(data: bytes, work: Path) -> Any:
+    from tailorstore.core.errors import MergeSpecError
     from tailorstore.curate.averaging import is_averaging, parse_average
     from tailorstore.curate.merge import parse_spec
-    from tailorstore.curate.merge_spec import MergeSpecError, load_spec
+    from tailorstore.curate.merge_spec import load_spec
 
     spec = load_spec(_file(data, work, "spec.yaml"))
     if is_averaging(spec):

@@ -14,9 +14,9 @@ from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, commit_saves,
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from tailorstore.core import atoms as A
+from tailorstore.core.errors import MergeSpecError
 from tailorstore.core.layers import layer_of
 from tailorstore.curate.averaging import chosen_layers, coefficients, parse_average
-from tailorstore.curate.merge_spec import MergeSpecError
 from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
 from tailorstore.formats.tensors import dtype_from_name

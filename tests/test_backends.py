@@ -8,11 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import ObjectExistsError, StoreError
 from tailorstore.store.backend import (
     READ_CHUNK,
     Backend,
-    ObjectExistsError,
     blob_key,
     blob_names,
     check_key,

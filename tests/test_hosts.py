@@ -311,14 +311,14 @@ def test_a_missing_bucket_is_named_as_such(s3_server: LocalS3, tmp_path: Path) -
     "check the server is reachable"."""
     env = host_env(tmp_path / "host")
     for args in (("log", "--store", "s3://no-such-bucket/x"), ("init", "s3://no-such-bucket/x")):
-        one_line(run(env, *args), 2, "the bucket 'no-such-bucket' does not exist", "Create the bucket first")
+        one_line(run(env, *args), 5, "the bucket 'no-such-bucket' does not exist", "Create the bucket first")
 
 
 def test_access_denied_is_named_as_such(tmp_path: Path) -> None:
     """A 403 got the advice to check that the server is reachable."""
     with moto_process(INITIAL_NO_AUTH_ACTION_COUNT="0") as strict:  # moto then checks every request's keys
         env = host_env(tmp_path / "host", **strict.environ(), TAILOR_S3_RETRY_SECONDS="0")
-        one_line(run(env, "log", "--store", "s3://bucket/x"), 2, "access denied", "AWS_ACCESS_KEY_ID")
+        one_line(run(env, "log", "--store", "s3://bucket/x"), 5, "access denied", "AWS_ACCESS_KEY_ID")
 
 
 def _steps(env: dict[str, str], location: str) -> dict[int, dict]:
@@ -464,3 +464,22 @@ def test_a_commit_stalled_at_its_manifest_request_past_its_lease_publishes_nothi
     assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-c") == [3]
     checked = run(host_env(tmp_path / "host-c"), "verify", "--deep", "--store", s3_location)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_an_unreachable_server_is_its_own_exit_code(tmp_path: Path) -> None:
+    """Issue 49: an unreachable server exited 2, like a typo in a step's name; a script that retries
+    on a server's failure could not tell them apart. It is exit 5 now (a backend's failure)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    env = host_env(
+        tmp_path / "host",
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="x",
+        AWS_SECRET_ACCESS_KEY="x",
+        AWS_REGION="us-east-1",
+        TAILOR_S3_RETRY_SECONDS="0",
+    )
+    one_line(run(env, "log", "--store", "s3://bucket/x"), 5, "Check that the server is reachable")
+    typo = run(env, "log", "--store", "s3://bucket/../x")
+    one_line(typo, 2, "s3://bucket/prefix")

@@ -13,7 +13,7 @@ import zstandard
 from conftest import tailor
 
 from tailorstore import Store
-from tailorstore.core.metrics import MetricError
+from tailorstore.core.errors import MetricError
 from tailorstore.curate.gc import KeepBest
 from tailorstore.store.location import resolve
 

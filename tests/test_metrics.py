@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import tailor
 
-from tailorstore.core.metrics import MetricError, checked, decode, encode, parse_assignment
+from tailorstore.core.errors import MetricError
+from tailorstore.core.metrics import checked, decode, encode, parse_assignment
 from tailorstore.curate.gc import KeepBest, Retention, kept_manifests
 from tailorstore.store.records import COMMIT, ManifestRecord
 

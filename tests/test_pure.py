@@ -17,15 +17,23 @@ import torch
 
 from tailorstore.access import structure
 from tailorstore.core import atoms as A
-from tailorstore.core.errors import BadCheckpointError, CorruptStoreError, StoreError, UnknownStepError
-from tailorstore.core.policies import PARAMETERS, POLICIES, CommitFacts, PolicyError, PolicySpec, decide, policy_spec
+from tailorstore.core.errors import (
+    BackendError,
+    BadCheckpointError,
+    CorruptStoreError,
+    MergeSpecError,
+    PolicyError,
+    StoreError,
+    UnknownStepError,
+)
+from tailorstore.core.policies import PARAMETERS, POLICIES, CommitFacts, PolicySpec, decide, policy_spec
 from tailorstore.curate.gc import Retention, kept_manifests
-from tailorstore.curate.merge import MergeSpecError, parse_spec
+from tailorstore.curate.merge import parse_spec
 from tailorstore.formats.layout import check_files
 from tailorstore.formats.safetensors_file import parse_header
 from tailorstore.formats.skeleton import split_tensors
 from tailorstore.formats.source import Identity
-from tailorstore.store.backend import BackendError, check_name
+from tailorstore.store.backend import check_name
 from tailorstore.store.records import LayerRecord, ManifestRecord, RecordError, from_table, record
 from tailorstore.store.repo import Repository, check_step
 from tailorstore.store.s3 import S3Backend
@@ -447,9 +455,11 @@ def test_no_message_below_the_command_line_names_a_command() -> None:
 
 @pytest.mark.parametrize("location", ["s3://", "s3:///p", "s3://b/p1/../p2", "s3://b/./p", "s3://b/p1//p2"])
 def test_an_s3_location_with_odd_prefix_parts_is_refused_before_any_request(location: str) -> None:
-    """S3 keeps '..' and empty parts literally: s3://b/p1/../p2 was a third store, not p2."""
-    with pytest.raises(BackendError, match="s3://bucket/prefix"):
+    """S3 keeps '..' and empty parts literally: s3://b/p1/../p2 was a third store, not p2. A name is
+    the user's input (exit 2), not a server's failure (BackendError, exit 5)."""
+    with pytest.raises(StoreError, match="s3://bucket/prefix") as refused:
         S3Backend(location)
+    assert not isinstance(refused.value, BackendError)
 
 
 @pytest.mark.parametrize(

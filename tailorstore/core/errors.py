@@ -23,6 +23,7 @@ class Category(Enum):
     BAD_INPUT = "bad input"  # the input or the request: change it and try again
     DAMAGED_STORE = "damaged store"  # the store does not hold what it promised: verify, repair
     LOCK = "lock"  # another process holds the store, or this one lost its hold on it
+    BACKEND = "backend"  # the store's server or disk failed or refused (unreachable, denied): check it, retry
 
 
 class Call:
@@ -101,6 +102,41 @@ class ThinnedStepError(StoreError):
 
 class FormatVersionError(StoreError):
     """The store was written by a format version this program does not read."""
+
+
+class ObjectExistsError(StoreError):
+    """A create-only put found an object under that key already."""
+
+
+class BackendError(StoreError):
+    """The backend failed (unreachable server, refused credentials, a missing bucket, I/O error):
+    its own category, not bad input, so a script can tell a typo from a server to retry."""
+
+    category = Category.BACKEND
+
+
+class MergeSpecError(TailorError):
+    """The merge spec is malformed or names what the store does not hold."""
+
+
+class MetricError(StoreError):
+    """A metric that cannot be recorded or read: a bad name, a value that is not a number."""
+
+
+class PolicyError(TailorError):
+    """A policy name or parameter is wrong."""
+
+
+class RankParallelCommitError(StoreError):
+    """A rank-parallel commit failed on one rank or more; nothing was recorded."""
+
+
+class StagingFailed(StoreError):
+    """A rank could not write a file into staging and wrote it where DeepSpeed writes it."""
+
+
+class BackgroundCommitError(TailorError):
+    """A commit that ran in the background failed; its cause is chained."""
 
 
 class CorruptStoreError(TailorError):

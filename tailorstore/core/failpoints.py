@@ -9,7 +9,8 @@ the moment that matters, in a real process, so the code names those moments::
     TAILOR_FAILPOINTS="before-part-publish=kill@2"          # SIGKILL at the second time it is reached
 
 Every request a backend makes is a failpoint too, named ``OPERATION/KIND``: the operation this
-thread runs (:func:`operation`: ``commit``, ``gc``, ``finalize``, ``tag``...; ``any`` outside one)
+thread runs (:func:`operation`: ``commit``, ``part``, ``finalize``, ``gc``, ``merge``, ``average``, ``run-create``,
+``tag``, ``untag``, ``pin``, ``unpin``, ``rm``, ``metric``; ``any`` outside one)
 and the request's kind (``put``, ``put-create``, ``get``, ``head``, ``list``, ``delete``,
 ``delete-many``). A pattern may put ``*`` for either half, and ``@N`` counts the requests that
 pattern matched::

@@ -15,15 +15,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import MetricError
 
 MAX_METRICS = 64
 MAX_TEXT = 16384
 _NAME = re.compile(r"[A-Za-z0-9._/:-]{1,100}")
-
-
-class MetricError(StoreError):
-    """A metric that cannot be recorded or read: a bad name, a value that is not a number."""
 
 
 _NOT_A_NUMBER = ("inf", "infinity", "nan")  # what a recorded non-finite value may be written as

@@ -15,12 +15,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from tailorstore.core.errors import Call, TailorError
+from tailorstore.core.errors import Call, PolicyError
 from tailorstore.core.layers import STATE, block_index, sort_key
-
-
-class PolicyError(TailorError):
-    """A policy name or parameter is wrong."""
 
 
 @dataclass(frozen=True)

@@ -43,12 +43,12 @@ import numpy as np
 from tailorstore.access.atom_reader import decode_atom, decode_atom_into
 from tailorstore.access.model_tensors import tiling
 from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
-from tailorstore.core.errors import Call, CorruptStoreError, StepExistsError
+from tailorstore.core.errors import Call, CorruptStoreError, MergeSpecError, StepExistsError
 from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import AUX_GROUPS, STATE, block_index, sort_key
 from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
-from tailorstore.curate.merge_spec import AUX_KEYS, MergeSpecError, layer_range, merge_record, ref_of
+from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, merge_record, ref_of
 from tailorstore.store.catalogue import CatalogueEdit
 from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.publish import record_manifest

@@ -24,11 +24,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tailorstore.core.errors import StepExistsError
+from tailorstore.core.errors import MergeSpecError, StepExistsError
 from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import STATE, block_index, sort_key
 from tailorstore.curate.averaging import LOCK_TIMEOUT, AverageResult, average, is_averaging
-from tailorstore.curate.merge_spec import AUX_KEYS, MergeSpecError, layer_range, load_spec, merge_record, ref_of
+from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, load_spec, merge_record, ref_of
 from tailorstore.curate.refs import check_tag
 from tailorstore.store.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.publish import record_manifest

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from tailorstore.core.errors import TailorError
+from tailorstore.core.errors import MergeSpecError
 from tailorstore.core.layers import EMBEDDING, FINAL_NORM, LM_HEAD, block_label
 from tailorstore.core.run_names import RUN_NAME
 from tailorstore.formats.small_text import read_small_text
@@ -29,10 +29,6 @@ AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
 # A spec is a few dozen lines. PyYAML takes about 3 s and 160 MB to parse each MiB, so the
 # general 64 MiB bound for small text files would let one spec run for minutes in gigabytes.
 SPEC_LIMIT = 1 << 20
-
-
-class MergeSpecError(TailorError):
-    """The merge spec is malformed or names what the store does not hold."""
 
 
 def load_spec(path: Path) -> Any:

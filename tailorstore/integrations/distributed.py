@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from tailorstore.api import Store
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import RankParallelCommitError, StoreError
 from tailorstore.core.policies import Policy, PolicySpec, needs_changes, policy_spec
 from tailorstore.core.threads import compute_threads
 from tailorstore.ingest import rank_plan
@@ -37,10 +37,6 @@ from tailorstore.ingest.rank_share import Share, Survey, checked_weights, survey
 from tailorstore.integrations.resume import node_ranks
 
 T = TypeVar("T")
-
-
-class RankParallelCommitError(StoreError):
-    """A rank-parallel commit failed on one rank or more; nothing was recorded."""
 
 
 @dataclass

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import StagingFailed, StoreError
 from tailorstore.core.memory import available_memory
 from tailorstore.integrations.staging import FAILED, WRITTEN
 
@@ -91,10 +91,6 @@ def _forget(generations: list[Buffers]) -> None:
     for buffers in generations:
         for buf in list(buffers.values()):  # the writer thread may still be filling one
             _locations.pop(buf.untyped_storage()._cdata, None)
-
-
-class StagingFailed(StoreError):
-    """A rank could not write a file into staging and wrote it where DeepSpeed writes it."""
 
 
 class Unsupported(Exception):

@@ -37,14 +37,6 @@ BLOB_PREFIX = "blobs/"
 READ_CHUNK = 8 << 20  # bytes a streaming reader holds at a time
 
 
-class ObjectExistsError(StoreError):
-    """A create-only put found an object under that key already."""
-
-
-class BackendError(StoreError):
-    """The backend failed (unreachable server, refused credentials, I/O error)."""
-
-
 def check_name(name: str) -> str:
     """A blob name is 32 lowercase hex digits, checked before it becomes a key: an index row
     such as ``../../tmp/x`` must never let gc delete, or checkout read, an object outside the store."""

@@ -35,11 +35,11 @@ from typing import Any
 import zstandard
 
 from tailorstore.core import metrics
-from tailorstore.core.errors import Call, CorruptStoreError, StepExistsError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, ObjectExistsError, StepExistsError, StoreError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.core.run_names import RUN_NAME
 from tailorstore.store._index import Index
-from tailorstore.store.backend import Backend, ObjectExistsError, check_key
+from tailorstore.store.backend import Backend, check_key
 from tailorstore.store.catalogue import Catalogue
 from tailorstore.store.codec import decompress_bounded
 from tailorstore.store.lock import Fence

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from tailorstore.core.errors import CorruptStoreError
+from tailorstore.core.errors import CorruptStoreError, ObjectExistsError
 from tailorstore.core.failpoints import request
-from tailorstore.store.backend import BytesLike, Chunks, ObjectExistsError, as_chunks, check_key
+from tailorstore.store.backend import BytesLike, Chunks, as_chunks, check_key
 from tailorstore.store.direct_io import DirectReader, SequentialWriter
 
 _SYNC_FILE_RANGE_WRITE = 2

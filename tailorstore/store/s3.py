@@ -22,16 +22,9 @@ from obstore.exceptions import AlreadyExistsError, BaseError
 from obstore.store import from_url
 
 from tailorstore.core.environment import RETRY_ENV, TIMEOUT_ENV
+from tailorstore.core.errors import BackendError, ObjectExistsError, StoreError
 from tailorstore.core.failpoints import request
-from tailorstore.store.backend import (
-    READ_CHUNK,
-    BackendError,
-    BytesLike,
-    Chunks,
-    ObjectExistsError,
-    as_chunks,
-    check_key,
-)
+from tailorstore.store.backend import READ_CHUNK, BytesLike, Chunks, as_chunks, check_key
 
 T = TypeVar("T")
 _PART = 8 << 20  # bytes per multipart chunk
@@ -48,7 +41,7 @@ def _seconds(name: str, default: float, most: float, *, zero: bool = True) -> fl
         seconds = -1.0
     if not 0 <= seconds <= most or (seconds == 0 and not zero):
         least = "from 0" if zero else "more than 0 and at most"
-        raise BackendError(f"{name}={text!r} is not allowed: give seconds {least} {most:g}.")
+        raise StoreError(f"{name}={text!r} is not allowed: give seconds {least} {most:g}.")
     return seconds
 
 
@@ -67,12 +60,12 @@ def _first_line(exc: BaseException) -> str:
 class S3Backend:
     def __init__(self, location: str) -> None:
         if not location.startswith("s3://") or len(location) <= 5:
-            raise BackendError(f"{location!r}: an S3 store is named s3://bucket/prefix")
+            raise StoreError(f"{location!r}: an S3 store is named s3://bucket/prefix")
         self.location = location.rstrip("/")
         bucket, _, prefix = self.location[len("s3://") :].partition("/")
         if not bucket or (prefix and any(part in ("", ".", "..") for part in prefix.split("/"))):
             # S3 keeps such keys literally: s3://b/p1/../p2 would be a third store, not p2
-            raise BackendError(
+            raise StoreError(
                 f"{location!r}: an S3 store is named s3://bucket/prefix, with no empty, '.' or '..' parts in the prefix"
             )
         endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
@@ -82,7 +75,7 @@ class S3Backend:
         try:
             self._store = from_url(self.location, client_options=options, retry_config=_retry_config())
         except (BaseError, ValueError) as exc:
-            raise BackendError(
+            raise StoreError(
                 f"{location}: cannot open the bucket ({_first_line(exc)}); check AWS_ENDPOINT_URL, AWS_REGION "
                 "and the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
             ) from None

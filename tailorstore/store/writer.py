@@ -22,11 +22,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
 
-from tailorstore.core.errors import Call, InputChangedError, StoreError
+from tailorstore.core.errors import BackendError, Call, InputChangedError, StoreError
 from tailorstore.core.reused_memory import SLAB_BYTES
 from tailorstore.core.threads import compute_threads
 from tailorstore.store import codec
-from tailorstore.store.backend import BackendError, BytesLike, blob_key
+from tailorstore.store.backend import BytesLike, blob_key
 from tailorstore.store.packs import PACK_BELOW, PackWriter
 from tailorstore.store.posix import is_out_of_space
 from tailorstore.store.records import BlobRecord
