@@ -530,7 +530,7 @@ def unpin(selector: str = typer.Argument(..., help=SELECTOR_HELP), store: str | 
           lock_timeout: float = LockOpt) -> None:  # fmt: skip
     """Let gc drop a step again."""
     with _open(store) as st:
-        st.pin(selector, False, lock_timeout=lock_timeout)
+        st.unpin(selector, lock_timeout=lock_timeout)
     typer.echo(f"unpinned {selector}")
 
 

@@ -499,6 +499,10 @@ class Store:
 
         return self._summary(pin(self.repo, self._selector(ref), pinned, lock_timeout=lock_timeout))
 
+    def unpin(self, ref: Ref, *, lock_timeout: float = LOCK_TIMEOUT) -> StepSummary:
+        """Let gc drop the step again (the command line's ``unpin``; ``pin(ref, False)`` does the same)."""
+        return self.pin(ref, False, lock_timeout=lock_timeout)
+
     def remove(self, ref: Ref, *, force: bool = False, lock_timeout: float = LOCK_TIMEOUT) -> StepSummary:
         """Drop one manifest (its blobs go at the next gc); returns it as it was."""
         from tailorstore.curate.refs import remove

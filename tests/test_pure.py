@@ -500,3 +500,26 @@ def test_stored_skeletons_name_tensor_slot_as_they_always_did() -> None:
     data = pickle.dumps(A.TensorSlot(0, "float32", (1,)), protocol=2)
     assert b"tailorstore.atoms" in data and b"tailorstore.core" not in data
     assert pickle.loads(data) == A.TensorSlot(0, "float32", (1,))
+
+
+def test_every_call_an_error_names_is_a_method_of_store_and_a_command() -> None:
+    """Issue 49: errors name operations as ``Call("unpin", ...)``, which the API shows as a method
+    of ``Store`` and the command line as a command; ``unpin`` was no method of ``Store``."""
+    import ast
+
+    from tailorstore import Store
+    from tailorstore.cli.app import app
+    from tailorstore.cli.naming import COMMANDS
+
+    commands = {c.name or (c.callback.__name__ if c.callback else "") for c in app.registered_commands}
+    commands |= {f"{g.name} {c.name}" for g in app.registered_groups for c in g.typer_instance.registered_commands}
+    named = set()
+    for path in Path("tailorstore").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Call" and node.args:
+                first = node.args[0]
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    named.add(first.value)
+    assert named, "no Call found: the scan is broken"
+    assert {n for n in named if not callable(getattr(Store, n, None))} == set()
+    assert {n for n in named if COMMANDS.get(n, n) not in commands} == set()
