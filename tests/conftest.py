@@ -254,6 +254,16 @@ def store(tmp_path: Path) -> Repository:
     st.close()
 
 
+def one_line(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
+    """The command failed as every user-facing failure must: exit ``code``, one line on stderr naming
+    each of ``words``, no traceback."""
+    assert done.returncode == code, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    for word in words:
+        assert word in done.stderr, (word, done.stderr)
+
+
 def tailor(*args: str, store: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """The `tailor` command as a user runs it, in a subprocess (start-up, exit code and stderr included)."""
     env = dict(os.environ)

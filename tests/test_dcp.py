@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import tailor
+from conftest import one_line, tailor
 
 from tailorstore import Store
 from tailorstore.core.layers import layer_of
@@ -133,14 +133,6 @@ def test_a_parity_composite_loads_and_resumes(fsdp_run: FsdpRun, tmp_path: Path)
 
 
 # -- hostile .metadata, through the real CLI ----------------------------------------------------------------
-
-
-def one_line(done, code: int, *words: str) -> None:
-    assert done.returncode == code, (done.returncode, done.stderr)
-    assert "Traceback" not in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    for word in words:
-        assert word in done.stderr, (word, done.stderr)
 
 
 def hostile_copy(fsdp_run: FsdpRun, tmp_path: Path, edit) -> Path:

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import Runs, as_of_step, assert_only_live, blob_object, index_db, store_state
+from conftest import Runs, as_of_step, assert_only_live, blob_object, index_db, store_state, tailor
 from test_roundtrip import assert_same_checkpoint
 from test_tailoring import assert_layers_from_sources
 
@@ -22,11 +22,6 @@ from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.repo import Repository
-
-
-def tailor(store: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, TAILOR_STORE=str(store))
-    return subprocess.run(["tailor", *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def test_gc_with_retention_tags_and_a_composite(runs: Runs, tmp_path: Path) -> None:
@@ -45,14 +40,14 @@ def test_gc_with_retention_tags_and_a_composite(runs: Runs, tmp_path: Path) -> N
     assert 7 in sources8.values(), "step 8 must inherit from step 7, which gc is going to drop"
 
     before = store_state(store.root)
-    dry = tailor(store.root, "gc", "--keep-last", "3", "--keep-every", "4", "--dry-run", "--json")
+    dry = tailor("gc", "--keep-last", "3", "--keep-every", "4", "--dry-run", "--json", store=store.root)
     assert dry.returncode == 0, dry.stderr
     planned = json.loads(dry.stdout)
     assert sorted(s for _, s in planned["drop"]) == [1, 3, 5, 6, 7]
     assert planned["freed_bytes"] > 0 and planned["dead_blobs"]
     assert store_state(store.root) == before, "--dry-run changed the store"
 
-    text = tailor(store.root, "gc", "--keep-last", "3", "--keep-every", "4")
+    text = tailor("gc", "--keep-last", "3", "--keep-every", "4", store=store.root)
     assert text.returncode == 0 and text.stdout.startswith("plan: drop 5 manifest(s) (steps 1, 3, 5, 6, 7)")
     kept = [r[0] for r in index_db(store).execute("SELECT step FROM manifests ORDER BY step")]
     assert kept == [2, 4, 8, 9, 10]
@@ -79,9 +74,9 @@ def test_rm_pin_and_tag_protect(runs: Runs, tmp_path: Path) -> None:
         remove(store, "step=1")
     gc(store, Retention(keep_last=1))
     assert [r[0] for r in index_db(store).execute("SELECT step FROM manifests ORDER BY step")] == [1, 2, 3]
-    assert tailor(store.root, "unpin", "step=1").returncode == 0
-    assert tailor(store.root, "rm", "step=1").returncode == 0
-    proc = tailor(store.root, "gc")
+    assert tailor("unpin", "step=1", store=store.root).returncode == 0
+    assert tailor("rm", "step=1", store=store.root).returncode == 0
+    proc = tailor("gc", store=store.root)
     assert proc.returncode == 0 and "drop 0 manifest(s)" in proc.stdout
     assert_only_live(store)
 
@@ -123,13 +118,13 @@ def test_damaged_blob_is_found_and_named(first_two_saves: Repository, fault: str
         file.write_bytes(data[: start + size // 2])
     else:
         file.unlink()
-    shallow = tailor(store.root, "verify")
-    deep = tailor(store.root, "verify", "--deep")
+    shallow = tailor("verify", store=store.root)
+    deep = tailor("verify", "--deep", store=store.root)
     assert deep.returncode == 3
     assert digest in deep.stderr and "step 2" in deep.stderr and path in deep.stderr and ", layer " in deep.stderr
     assert (shallow.returncode == 0) == (fault == "flip"), "a size check finds truncation and deletion"
-    assert tailor(store.root, "verify", "step=1", "--deep").returncode == 0, "step 1 does not use that blob"
-    proc = tailor(store.root, "checkout", "step=2", "--out", str(tmp_path / "out"))
+    assert tailor("verify", "step=1", "--deep", store=store.root).returncode == 0, "step 1 does not use that blob"
+    proc = tailor("checkout", "step=2", "--out", str(tmp_path / "out"), store=store.root)
     assert proc.returncode == 3 and "step 2" in proc.stderr
     # a flipped byte damages that blob only; a cut or deleted pack takes its neighbours with it
     assert digest in proc.stderr or fault != "flip"
@@ -144,7 +139,7 @@ def test_newer_format_is_refused_and_unversioned_is_not_a_store(first_two_saves:
     conn.commit()
     with pytest.raises(FormatVersionError, match=r"format version 99.*Upgrade tailorstore"):
         Repository.open(root)
-    proc = tailor(root, "log")
+    proc = tailor("log", store=root)
     assert proc.returncode == 2 and "Upgrade tailorstore" in proc.stderr
     conn.execute("DELETE FROM meta WHERE key='format_version'")
     conn.commit()
@@ -180,7 +175,7 @@ def test_disk_full_during_commit_leaves_store_as_it_was(
 def test_lock_timeout_is_clear_and_waiting_is_visible(first_two_saves: Repository, runs: Runs, tmp_path: Path) -> None:
     at3 = as_of_step(runs.get("ten-saves").save_dir, 3, tmp_path / "at3")
     with first_two_saves.lock(exclusive=True, timeout=1):
-        proc = tailor(first_two_saves.root, "commit", str(at3), "--lock-timeout", "1")
+        proc = tailor("commit", str(at3), "--lock-timeout", "1", store=first_two_saves.root)
         with pytest.raises(LockTimeoutError):
             gc(first_two_saves, Retention(), lock_timeout=0.2)
     assert proc.returncode == 4
@@ -208,10 +203,10 @@ def test_concurrent_commits_gc_and_readers(runs: Runs, tmp_path: Path) -> None:
         ["tailor", "gc", "--keep-last", "10"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     # Readers while commits run: log, show and a checkout of a finished step.
-    log = tailor(store.root, "log", "--json")
+    log = tailor("log", "--json", store=store.root)
     assert log.returncode == 0 and 1 in [s["step"] for s in json.loads(log.stdout)]
-    assert tailor(store.root, "show", "step=1").returncode == 0
-    assert tailor(store.root, "checkout", "step=1", "--out", str(tmp_path / "read1")).returncode == 0
+    assert tailor("show", "step=1", store=store.root).returncode == 0
+    assert tailor("checkout", "step=1", "--out", str(tmp_path / "read1"), store=store.root).returncode == 0
     procs.append(
         subprocess.Popen(
             ["tailor", "commit", str(dirs[4]), "--quiet"],

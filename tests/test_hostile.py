@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
-from conftest import HFRun, Runs, as_of_step, blob_object, copy_tree, index_db, store_state, tailor
+from conftest import HFRun, Runs, as_of_step, blob_object, copy_tree, index_db, one_line, store_state, tailor
 
 from tailorstore import Store
 from tailorstore.core.atoms import TensorSlot
@@ -35,14 +35,6 @@ from tailorstore.report.diff import change_matrix
 from tailorstore.store.repo import Repository
 
 MODEL = "mp_rank_00_model_states.pt"
-
-
-def one_line(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
-    assert done.returncode == code, (done.returncode, done.stderr)
-    assert "Traceback" not in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    for word in words:
-        assert word in done.stderr, (word, done.stderr)
 
 
 @pytest.fixture

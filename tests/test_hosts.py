@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
-from test_hostile import one_line
+from conftest import one_line
 
 from tailorstore.store.location import resolve
 from testbed.local_s3 import BUCKET, LocalS3

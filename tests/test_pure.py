@@ -507,9 +507,10 @@ def test_every_call_an_error_names_is_a_method_of_store_and_a_command() -> None:
     of ``Store`` and the command line as a command; ``unpin`` was no method of ``Store``."""
     import ast
 
-    from tailorstore import Store
     from tailorstore.cli.app import app
     from tailorstore.cli.naming import COMMANDS
+
+    from tailorstore import Store
 
     commands = {c.name or (c.callback.__name__ if c.callback else "") for c in app.registered_commands}
     commands |= {f"{g.name} {c.name}" for g in app.registered_groups for c in g.typer_instance.registered_commands}

@@ -49,7 +49,7 @@ def differences(old: Structure, new: Structure, limit: int = 3) -> list[str]:
 def refuse_other_model(index: Catalogue, new: Structure, run: str, base: ManifestRecord | None = None) -> None:
     """Refuse a commit whose model differs from the run's newest committed step (or, for a run
     with no commits yet, from the step it branched from): another model belongs in a run of its own."""
-    newest = index.newest_commit(run) or base
+    newest = index.last_recorded_commit(run) or base
     if newest is None or not new:
         return
     old = of_manifest(index, newest.id)

@@ -289,14 +289,14 @@ class Index:
         row = self.conn.execute("SELECT * FROM manifests WHERE object_key=?", (key,)).fetchone()
         return _manifest(row) if row else None
 
-    def latest_commit(self, run: str) -> ManifestRecord | None:
+    def highest_step_commit(self, run: str) -> ManifestRecord | None:
         """The run's commit of the highest step."""
         row = self.conn.execute(
             "SELECT * FROM manifests WHERE origin=? AND run=? ORDER BY step DESC LIMIT 1", (COMMIT, run)
         ).fetchone()
         return _manifest(row) if row else None
 
-    def newest_commit(self, run: str) -> ManifestRecord | None:
+    def last_recorded_commit(self, run: str) -> ManifestRecord | None:
         """The run's commit recorded last, whatever its step."""
         row = self.conn.execute(
             "SELECT * FROM manifests WHERE origin=? AND run=? ORDER BY id DESC LIMIT 1", (COMMIT, run)

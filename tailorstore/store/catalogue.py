@@ -105,7 +105,7 @@ class Catalogue(Protocol):
         """Per atom kind over all manifests: raw bytes, derived bytes, stored bytes of its blobs."""
         ...
 
-    def latest_commit(self, run: str) -> ManifestRecord | None:
+    def highest_step_commit(self, run: str) -> ManifestRecord | None:
         """The run's commit of the highest step."""
         ...
 
@@ -138,7 +138,7 @@ class Catalogue(Protocol):
 
     def manifests_at(self, step: int, run: str) -> list[ManifestRecord]: ...
 
-    def newest_commit(self, run: str) -> ManifestRecord | None:
+    def last_recorded_commit(self, run: str) -> ManifestRecord | None:
         """The run's commit recorded last, whatever its step."""
         ...
 

@@ -494,7 +494,7 @@ class Repository:
             run, text = prefixed.group(1), prefixed.group(2)
         where = "" if run == MAIN_RUN else f" of run {run!r}"
         if text == "latest":
-            latest = self._index.latest_commit(run) or self.run_base(run)
+            latest = self._index.highest_step_commit(run) or self.run_base(run)
             if latest is None:
                 raise UnknownStepError(f"run {run!r} holds no steps yet; commit one with ", Call("commit", "DIR"), ".")
             return latest.id
