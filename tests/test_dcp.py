@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import one_line, tailor
+from conftest import Runs, as_of_step, one_line, tailor
 
 from tailorstore import Store
 from tailorstore.core.layers import layer_of
@@ -353,3 +353,18 @@ def test_a_bf16_weight_that_is_its_fp32_master_rounded_is_derived(tmp_path: Path
         store.checkout("latest", tmp_path / "out")
         assert store.verify(deep=True).ok
     assert same_tree(tmp_path / "out" / "step-1", tmp_path / "step-1")
+
+
+def test_a_dcp_step_is_refused_into_a_deepspeed_run_unless_forced(
+    fsdp_run: FsdpRun, runs: Runs, tmp_path: Path
+) -> None:
+    """Issue 50, DCP seam 2: a DCP step of the same shapes was accepted into a DeepSpeed run and became
+    its `latest`; the run's next resume through `attach` then failed with a bare AssertionError."""
+    store = tmp_path / "store"
+    assert tailor("init", str(store)).returncode == 0
+    save = as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "at3")
+    assert tailor("commit", str(save), store=store).returncode == 0
+    refused = tailor("commit", str(fsdp_run.out / "step-6"), store=store)
+    one_line(refused, 2, "DCP", "DeepSpeed save", "--run NAME")
+    assert tailor("commit", str(fsdp_run.out / "step-6"), "--run", "fsdp", store=store).returncode == 0
+    assert tailor("commit", str(fsdp_run.out / "step-6"), "--step", "7", "--force", store=store).returncode == 0

@@ -46,11 +46,38 @@ def differences(old: Structure, new: Structure, limit: int = 3) -> list[str]:
     return out[:limit] + ([f"and {len(out) - limit} more"] if len(out) > limit else [])
 
 
-def refuse_other_model(index: Catalogue, new: Structure, run: str, base: ManifestRecord | None = None) -> None:
+# Layouts by the framework that resumes from them: a run's steps are one framework's saves.
+FRAMEWORKS = {
+    "deepspeed": "a DeepSpeed save",
+    "deepspeed-tag": "a DeepSpeed save",
+    "hf-trainer": "an HF Trainer checkpoint",
+    "dcp": "a DCP (torch.distributed.checkpoint) folder",
+    "plain": "a folder of plain weight files",
+    "plain-file": "a plain weight file",
+}
+
+
+def refuse_other_model(
+    index: Catalogue, new: Structure, run: str, base: ManifestRecord | None = None, layout: str | None = None
+) -> None:
     """Refuse a commit whose model differs from the run's newest committed step (or, for a run
-    with no commits yet, from the step it branched from): another model belongs in a run of its own."""
+    with no commits yet, from the step it branched from): another model belongs in a run of its own.
+    So does another framework's save of the same model (``layout``): a DCP step that became a
+    DeepSpeed run's newest step was what that run's next resume read, and failed on."""
     newest = index.last_recorded_commit(run) or base
-    if newest is None or not new:
+    if newest is None:
+        return
+    before, now = FRAMEWORKS.get(newest.layout, newest.layout), FRAMEWORKS.get(layout or "", layout)
+    if layout is not None and now != before:
+        raise StoreError(
+            f"this checkpoint is {now}, and step {newest.step} of run {newest.run!r} is {before}: a run's steps "
+            "are what its training resumes from. Commit it to a run of its own with ",
+            Call(run="NAME"),
+            ", or pass ",
+            Call(force=True),
+            " to commit it here anyway.",
+        )
+    if not new:
         return
     old = of_manifest(index, newest.id)
     diff = differences(old, new)

@@ -286,7 +286,7 @@ def commit_checkpoint(
         run = options.run
         base = store.run_base(run)
         if not options.force:
-            structure.refuse_other_model(store.catalogue, scan.structure, run, base)
+            structure.refuse_other_model(store.catalogue, scan.structure, run, base, layout.kind)
             _refuse_existing(store.catalogue, step, tag, run)
         sources = inheritance(store, step, layers, run, base)
         commits_before = store.catalogue.commits_before(step, run) + (base is not None)
