@@ -318,15 +318,14 @@ def test_retention_thins_an_old_dcp_step_to_its_weights(fsdp_run: FsdpRun, tmp_p
 
 
 def test_a_dcp_step_of_another_model_needs_a_run_of_its_own(fsdp_run: FsdpRun, runs, tmp_path: Path) -> None:
-    """One store, two frameworks: a DCP step joins a run only where its parameters agree with the
-    run's newest step; a DeepSpeed run of another model refuses it, and a run of its own takes it,
-    sharing the store's blobs."""
+    """One store, two frameworks: a DeepSpeed run refuses a DCP step (another framework's save, here
+    of another model too), and a run of its own takes it, sharing the store's blobs."""
     from tailorstore.core.errors import StoreError
 
     deepspeed_save = runs.get("zero2-bf16").save_dir / "global_step3"
     with Store.init(tmp_path / "store") as store:
         store.commit(deepspeed_save)
-        with pytest.raises(StoreError, match="different model"):
+        with pytest.raises(StoreError, match="is a DCP"):
             store.commit(fsdp_run.out / "step-6")
         store.commit(fsdp_run.out / "step-6", run="fsdp")
         assert {(s.run, s.step) for s in store.log()} == {("main", 3), ("fsdp", 6)}
