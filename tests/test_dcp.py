@@ -367,3 +367,48 @@ def test_a_dcp_step_is_refused_into_a_deepspeed_run_unless_forced(
     one_line(refused, 2, "DCP", "DeepSpeed save", "--run NAME")
     assert tailor("commit", str(fsdp_run.out / "step-6"), "--run", "fsdp", store=store).returncode == 0
     assert tailor("commit", str(fsdp_run.out / "step-6"), "--step", "7", "--force", store=store).returncode == 0
+
+
+def test_the_dcp_tutorials_stateful_recipe_is_read_as_model_and_optimizer(tmp_path: Path) -> None:
+    """Issue 50, DCP seam 1: ``dcp.save({"app": AppState(model, optim)})``, the recipe of PyTorch's DCP
+    tutorial, labelled every atom ``master`` (``app`` was read as the model's own prefix): export then
+    wrote the Adam moments as weights, and ``gc --thin weights`` kept them. The ``Stateful``'s name is
+    looked through now, and the export holds exactly the model's parameters."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    class AppState(Stateful):
+        def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+            self.model, self.optimizer = model, optimizer
+
+        def state_dict(self) -> dict:
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            return {"model": model_state, "optim": optimizer_state}
+
+        def load_state_dict(self, state: dict) -> None:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 16)).sum().backward()
+    optimizer.step()
+    dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=str(tmp_path / "step-1"))
+
+    params = dict(model.named_parameters())
+    with Store.init(tmp_path / "store") as store:
+        store.commit(tmp_path / "step-1")
+        shown = store.show("latest")
+        store.export("latest", tmp_path / "hf", dtype="fp32")
+        store.checkout("latest", tmp_path / "out")
+    assert same_tree(tmp_path / "out" / "step-1", tmp_path / "step-1")
+    kinds = {k for layer in shown.layers for k in layer.kinds}
+    assert {"master", "exp_avg", "exp_avg_sq"} <= kinds, kinds
+    with safe_open(str(next((tmp_path / "hf").glob("*.safetensors"))), "pt") as f:
+        names = set(f.keys())
+        assert names == set(params), sorted(names)
+        for name, p in params.items():
+            assert torch.equal(f.get_tensor(name), p.detach()), name

@@ -524,3 +524,25 @@ def test_every_call_an_error_names_is_a_method_of_store_and_a_command() -> None:
     assert named, "no Call found: the scan is broken"
     assert {n for n in named if not callable(getattr(Store, n, None))} == set()
     assert {n for n in named if COMMANDS.get(n, n) not in commands} == set()
+
+
+@pytest.mark.parametrize(
+    ("names", "refused"),
+    [
+        (["layers.0.weight", "model.embed_tokens.weight", "lm_head.weight"], False),
+        (["layers.0.weight", "optim.state.layers.0.weight.exp_avg"], True),
+        (["app.optim.state.0.exp_avg_sq"], True),
+        (["layers.0.weight.exp_avg"], True),
+        (["optimizer.param_groups.0.lr"], True),
+        (["model.optimal.weight", "state_proj.weight"], False),
+    ],
+)
+def test_an_export_refuses_names_of_optimizer_state(names: list[str], refused: bool) -> None:
+    """Issue 50, DCP seam 1: an export that would write Adam's moments as weights stops, naming one."""
+    from tailorstore.restore.export import refuse_optimizer_names
+
+    if refused:
+        with pytest.raises(BadCheckpointError, match="named as optimizer state"):
+            refuse_optimizer_names(6, names)
+    else:
+        refuse_optimizer_names(6, names)

@@ -42,7 +42,7 @@ MAX_NUMEL = 1 << 48
 MAX_DIMS = 64
 _FILE = re.compile(r"__(\d{1,6})_(\d{1,6})\.distcp")
 _OPTIMIZER_TOPS = ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state")
-_MODEL_TOPS = ("model", "module", "models", "app")
+_MODEL_TOPS = ("model", "module", "models")
 _OPTIMIZER_KINDS = {A.EXP_AVG, A.EXP_AVG_SQ, A.STEP, "momentum_buffer", "max_exp_avg_sq", "sum", "square_avg"}
 
 
@@ -326,8 +326,14 @@ def name_and_kind(fqn: str, keys: tuple[str, ...] | None, dtype: str) -> tuple[s
     parameters and computes in bf16 through its mixed-precision policy), else a weight.
     ``optim.state.<param>.<kind>`` is optimizer state (torchtitan's flattened
     ``state.<param>.<kind>`` too). Anything else (a step counter, a scheduler) is kept under
-    its own name as state, never inherited."""
+    its own name as state, never inherited. One leading key that wraps these (a ``Stateful``'s
+    name) is looked through."""
     keys = keys or tuple(fqn.split("."))
+    tops = (*_MODEL_TOPS, *_OPTIMIZER_TOPS, "state")
+    if len(keys) >= 3 and keys[0] not in tops and keys[1] in tops:
+        # a Stateful wrapper, as the DCP tutorial saves it: dcp.save({"app": AppState(model, optim)})
+        # flattens to app.model.<param> and app.optim.state.<param>.<kind>; read what it wraps
+        return name_and_kind(fqn, keys[1:], dtype)
     top = keys[0]
     if top in _OPTIMIZER_TOPS and len(keys) >= 4 and keys[1] == "state":
         return ".".join(keys[2:-1]) if len(keys) > 4 else keys[2], keys[-1], True

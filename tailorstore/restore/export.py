@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -93,8 +94,28 @@ def export_dtype(name: str) -> str:
         raise StoreError(f"dtype {name!r}: choose one of {', '.join(EXPORT_DTYPES)}.") from None
 
 
+# Names that only optimizer state has (torch.optim's state_dict, flattened by DCP): an export that
+# would write one has misread the step, and says so rather than write moments as weights.
+_OPTIMIZER_NAME = re.compile(
+    r"(^|\.)(optim|optimizer|optim_state|optimizer_state)\.(state|param_groups)\.|\.(exp_avg|exp_avg_sq)$"
+)
+
+
+def refuse_optimizer_names(step: int, names: list[str]) -> None:
+    """Pure: an export holds only the model's parameters and buffers; a name of optimizer state means
+    the step's layout was misread (issue 50: the DCP tutorial's ``Stateful`` wrapper once was)."""
+    strays = [n for n in names if _OPTIMIZER_NAME.search(n)]
+    if strays:
+        raise BadCheckpointError(
+            f"step {step}: {len(strays)} tensor(s) to export are named as optimizer state ({strays[0]!r}"
+            f"{', ...' if len(strays) > 1 else ''}); an export holds only the model's weights. The step's "
+            "layout was read wrongly; please report it with the save's layout."
+        )
+
+
 def output_specs(view: ModelView, dtype: str) -> list[TensorSpec]:
     """What each tensor becomes: floating ones in ``dtype``, others (integer buffers) as they are."""
+    refuse_optimizer_names(view.step, [t.name for t in view.tensors])
     return [TensorSpec(t.name, dtype if t.floating else t.dtype, t.shape) for t in view.tensors]
 
 
