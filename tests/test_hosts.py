@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
+import pytest
 from conftest import one_line
 
 from tailorstore.store.location import resolve
@@ -75,6 +76,17 @@ def steps_seen_by_a_new_host(location: str, cache: Path) -> list[int]:
     return sorted(s["step"] for s in json.loads(done.stdout))
 
 
+def checks_out_as(location: str, selector: str, save: Path, tmp_path: Path) -> None:
+    """A new host finds the store whole (verify --deep) and the step byte for byte as ``save``."""
+    fresh = host_env(tmp_path / "host-fresh")
+    checked = run(fresh, "verify", "--deep", "--store", location)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    out = tmp_path / "out"
+    assert run(fresh, "checkout", selector, "--out", str(out), "--store", location).returncode == 0
+    for path in (save / "global_step3").iterdir():
+        assert (out / "global_step3" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
 def step3_removed(location: str, saves: tuple[Path, Path], tmp_path: Path) -> tuple[dict[str, str], dict[str, str]]:
     """Hosts a and b of a store holding steps 3 and 6, step 3 then removed by a: its blobs are
     garbage, and host b's index still knows where they are (it listed the store before)."""
@@ -87,16 +99,22 @@ def step3_removed(location: str, saves: tuple[Path, Path], tmp_path: Path) -> tu
     return a, b
 
 
+@pytest.mark.parametrize("stop", ["before-publish=stop", "*/put-create=stop@2"], ids=["named-point", "at-the-request"])
 def test_a_commit_stalled_past_its_lease_while_gc_ran_publishes_nothing(
-    s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path, stop: str
 ) -> None:
+    """Stopped at the named point before publishing, or at its manifest's request (its second
+    create-only put; the first is its lease). The second was found by the simulation (a 'parts'
+    schedule on S3): the fence was checked before the request's failpoint, so a commit stopped there
+    past its lease published a step whose blobs gc had deleted. It is checked inside the put now,
+    after the failpoint, as gc's deletions do."""
     at3, at6 = saves
     a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
     assert run(b, "init", s3_location).returncode == 0
     assert run(b, "commit", str(at3), "--store", s3_location).returncode == 0
 
     # host a writes step 6's blobs, then stalls just before recording its manifest
-    stalled = start({**a, "TAILOR_FAILPOINTS": "before-publish=stop"}, "commit", str(at6), "--store", s3_location)
+    stalled = start({**a, "TAILOR_FAILPOINTS": stop}, "commit", str(at6), "--store", s3_location)
     wait_stopped(stalled)
     # host b's gc waits for a's lease, finds it stale once the lease time has passed, and deletes a's
     # blobs as orphans (no manifest names them)
@@ -110,7 +128,7 @@ def test_a_commit_stalled_past_its_lease_while_gc_ran_publishes_nothing(
     assert "committed" not in resumed.stdout
     # nothing of step 6 is visible anywhere, and what is visible is whole
     assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-c") == [3]
-    checked = run(host_env(tmp_path / "host-c"), "verify", "--store", s3_location)
+    checked = run(host_env(tmp_path / "host-c"), "verify", "--deep", "--store", s3_location)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
@@ -409,20 +427,14 @@ def test_a_gc_stalled_between_two_delete_requests_deletes_no_pack_a_commit_reuse
     resumed = resume(stalled)
     one_line(resumed, 4, "gc stopped before", "lease")
     assert packs_before <= {k for k in s3_server.keys(s3_location) if k.startswith("packs/")}
-    fresh = host_env(tmp_path / "host-c")
     assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-c") == [6, 30]
-    checked = run(fresh, "verify", "--deep", "--store", s3_location)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    out = tmp_path / "out"
-    assert run(fresh, "checkout", "step=30", "--out", str(out), "--store", s3_location).returncode == 0
-    for path in (at3 / "global_step3").iterdir():
-        assert (out / "global_step3" / path.name).read_bytes() == path.read_bytes(), path.name
+    checks_out_as(s3_location, "step=30", at3, tmp_path)
 
 
 def test_a_step_removed_and_committed_again_is_a_new_manifest_to_every_cache(
     s3_location: str, saves: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Found by the simulation (seed 14 on S3): host b committed step 6, host a removed it and committed
+    """Found by the simulation on S3: host b committed step 6, host a removed it and committed
     another save as step 6 under the same key (version 1 again). b's cache, which had never seen the
     step gone, took the new object for its own old one, and b's gc deleted the new step's blobs as
     unreferenced. A removed version is reserved now: the new commit is version 2."""
@@ -434,36 +446,7 @@ def test_a_step_removed_and_committed_again_is_a_new_manifest_to_every_cache(
     assert run(a, "commit", str(at3), "--step", "6", "--store", s3_location).returncode == 0
     collected = run(b, "gc", "--store", s3_location)
     assert collected.returncode == 0, collected.stderr
-    fresh = host_env(tmp_path / "host-c")
-    checked = run(fresh, "verify", "--deep", "--store", s3_location)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    out = tmp_path / "out"
-    assert run(fresh, "checkout", "step=6", "--out", str(out), "--store", s3_location).returncode == 0
-    for path in (at3 / "global_step3").iterdir():
-        assert (out / "global_step3" / path.name).read_bytes() == path.read_bytes(), path.name
-
-
-def test_a_commit_stalled_at_its_manifest_request_past_its_lease_publishes_nothing(
-    s3_location: str, saves: tuple[Path, Path], tmp_path: Path
-) -> None:
-    """Found by the simulation (a 'parts' schedule on S3): the commit checked its fence, then its
-    request's failpoint stopped it, then it sent the put. The fence is now checked inside the put,
-    after the failpoint, as gc's deletions do: a commit stopped before its manifest's request (its
-    second create-only put; the first is its lease) while gc ran publishes nothing."""
-    at3, at6 = saves
-    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
-    assert run(b, "init", s3_location).returncode == 0
-    assert run(b, "commit", str(at3), "--store", s3_location).returncode == 0
-    stalled = start({**a, "TAILOR_FAILPOINTS": "*/put-create=stop@2"}, "commit", str(at6), "--store", s3_location)
-    wait_stopped(stalled)
-    collected = run(b, "gc", "--lock-timeout", "60", "--store", s3_location)
-    assert collected.returncode == 0, collected.stderr
-    assert "removed a stale shared lock" in collected.stderr
-    resumed = resume(stalled)
-    one_line(resumed, 4, "stopped before publishing", "lease")
-    assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-c") == [3]
-    checked = run(host_env(tmp_path / "host-c"), "verify", "--deep", "--store", s3_location)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
+    checks_out_as(s3_location, "step=6", at3, tmp_path)
 
 
 def test_an_unreachable_server_is_its_own_exit_code(tmp_path: Path) -> None:
