@@ -81,16 +81,20 @@ def _touches(d: Done, key: Key) -> bool:
     return d.key == key
 
 
-def surely_protected(journal: list[Done], key: Key, during: Done) -> bool:
+def surely_protected(journal: list[Done], key: Key, during: Done, *, before: bool = False) -> bool:
     """A pin or tag of the step was reported set, and nothing that may undo it came after it before
     ``during`` (a gc) ended: gc must not have removed the step. This holds whenever the setting ran,
     before, during or after the gc: had the gc removed the step first, the setting would have found
-    no step and failed (a step that came back was committed again, and that commit is checked)."""
-    pinned = _surely_set(journal, during, "pin", lambda d: d.kind in ("unpin", "rm") and _touches(d, key), key)
+    no step and failed (a step that came back was committed again, and that commit is checked).
+    ``before``: the setting must have ended before the gc began. That is what keeps a step from
+    thinning, which leaves the step there to be pinned or tagged after."""
+    pinned = _surely_set(
+        journal, during, "pin", lambda d: d.kind in ("unpin", "rm") and _touches(d, key), key, before=before
+    )
     if pinned:
         return True
     for d in journal:
-        if d.outcome != "ok":
+        if d.outcome != "ok" or (before and d.end >= during.start):
             continue
         name = d.op.get("tag")
         if d.kind not in ("tag", "commit") or name is None or d.key != key:
@@ -115,9 +119,9 @@ def surely_protected(journal: list[Done], key: Key, during: Done) -> bool:
     return False
 
 
-def _surely_set(journal: list[Done], during: Done, kind: str, undoes: Any, key: Key) -> bool:
+def _surely_set(journal: list[Done], during: Done, kind: str, undoes: Any, key: Key, *, before: bool) -> bool:
     for d in journal:
-        if d.kind == kind and d.key == key and d.outcome == "ok":
+        if d.kind == kind and d.key == key and d.outcome == "ok" and not (before and d.end >= during.start):
             if not any(e.tried and undoes(e) and e.end > d.start and e.start < during.end for e in journal):
                 return True
     return False
@@ -132,7 +136,11 @@ def removers(journal: list[Done], key: Key) -> list[Done]:
 
 
 def thinners(journal: list[Done], key: Key) -> list[Done]:
-    return [d for d in journal if d.kind == "gc" and d.op.get("thins") and not surely_protected(journal, key, d)]
+    return [
+        d
+        for d in journal
+        if d.kind == "gc" and d.op.get("thins") and not surely_protected(journal, key, d, before=True)
+    ]
 
 
 def check(journal: list[Done], seen: Seen, keys: Iterable[Key], contents: dict[str, set[str]]) -> list[str]:
