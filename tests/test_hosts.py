@@ -466,3 +466,31 @@ def test_an_unreachable_server_is_its_own_exit_code(tmp_path: Path) -> None:
     one_line(run(env, "log", "--store", "s3://bucket/x"), 5, "Check that the server is reachable")
     typo = run(env, "log", "--store", "s3://bucket/../x")
     one_line(typo, 2, "s3://bucket/prefix")
+
+
+def test_a_failed_commit_takes_back_no_blob_another_hosts_commit_named(
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Found by the simulation's soak (seed 321 on S3): host b wrote its pack and stopped before its
+    manifest's put; host a committed the same save as the same step, naming the blobs of b's pack
+    (its sync took the pack's trailer); b resumed, lost the create-only put, and, alone on the store,
+    deleted the blobs its own index recorded nowhere: a's reported step lost them. b now brings its
+    index up to date under the exclusive lock before it takes anything back."""
+    _, at6 = saves
+    a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
+    assert run(a, "init", s3_location).returncode == 0
+    stalled = start(
+        {**b, "TAILOR_FAILPOINTS": "*/put-create=stop@2"}, "commit", str(at6), "--step", "9", "--store", s3_location
+    )
+    wait_stopped(stalled)
+    won = run(a, "commit", str(at6), "--step", "9", "--store", s3_location)
+    assert won.returncode == 0, won.stderr
+    lost = resume(stalled)
+    one_line(lost, 2, "already in the store")
+    fresh = host_env(tmp_path / "host-fresh")
+    checked = run(fresh, "verify", "--deep", "--store", s3_location)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    out = tmp_path / "out"
+    assert run(fresh, "checkout", "step=9", "--out", str(out), "--store", s3_location).returncode == 0
+    for path in (at6 / "global_step6").iterdir():
+        assert (out / "global_step6" / path.name).read_bytes() == path.read_bytes(), path.name

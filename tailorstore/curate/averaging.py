@@ -257,7 +257,7 @@ def average(store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, 
             new = record_manifest(store, rows, fence=lock).manifest
         except BaseException:
             if lock.try_exclusive():
-                remove_unindexed(store, writer)
+                remove_unindexed(store, writer, lock)
             raise
     return AverageResult(
         id=store.manifest(new).name,

@@ -373,7 +373,7 @@ def commit_checkpoint(
             ).manifest  # the commit point
         except BaseException:
             if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind
-                remove_unindexed(store, writer)
+                remove_unindexed(store, writer, lock)
             raise
         if replaced is not None:
             manifest_objects.unpublish(store.backend, [replaced.object_key])

@@ -32,16 +32,27 @@ def cleaned_up_on_failure(
     except BaseException:
         writer.abort()
         if lock.try_exclusive():
-            remove_unindexed(store, writer)
+            remove_unindexed(store, writer, lock)
         raise
     finally:
         progress.close()
 
 
-def remove_unindexed(store: Repository, writer: BlobWriter) -> None:
+def remove_unindexed(store: Repository, writer: BlobWriter, lock: LockHandle | LeaseHandle | None = None) -> None:
     """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes
-    (a part of another host may hold the same blob without this index knowing)."""
+    (a part of another host may hold the same blob without this index knowing).
+
+    The index is brought up to date first, under the lock now held exclusive: another host's commit
+    that ran while this one was stalled may have found this commit's pack (listed, not yet
+    recorded) and named its blobs. Deleting by this host's older view deleted that step's blobs
+    (found by the simulation's soak, seed 321 on S3)."""
+    if lock is not None:
+        try:
+            store.refresh(lock)
+        except Exception:
+            return
     held = {h for part in parts.read_parts(store.backend) for h in part.blob_hashes()}
     loose = [blob_key(d) for d in writer.written() if store.blob(d) is None and d not in held]
     packed = [pack_key(name) for name in writer.written_packs() if not store.catalogue.has_pack(name)]
-    store.backend.delete_many([*loose, *packed])
+    fence = (lambda: lock.check("taking back a failed commit's blobs")) if lock is not None else None
+    store.backend.delete_many([*loose, *packed], fence=fence)
