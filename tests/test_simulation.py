@@ -29,6 +29,10 @@ REGRESSION_SEEDS: list[tuple[str, int, str]] = [
     ("s3", 8, "attack finding 7 on S3"),
     ("posix", 181, "a branch's step 9 showed pinned: a pin of main's step 9 was one object with the branch's"),
     ("posix", 110, "gc dropped a pinned branch step, its pin taken for main's step of the same number"),
+    # found by this tree's soak before their fixes (`--code` on a worktree of that commit)
+    ("s3", 321, "a failed commit took back a pack another host's reported commit had named"),
+    ("s3", 269, "a commit deleted the pin another host had set meanwhile on its new step"),
+    ("s3", 399, "a tag reported failed stayed: the tag object went up before the pin's fenced put failed"),
 ]
 
 

@@ -341,8 +341,41 @@ def write_refs(
             backend.put(pin_key(record.object_key), b"", fence=fence)
             written.append(pin_key(record.object_key))
         else:
-            _unpin(backend, index, record.object_key)
+            # An unpinned record deletes no pin: the index may not know that another host pinned
+            # the manifest since (ref changes hold the lock shared, side by side). A commit that did
+            # so deleted that host's reported pin (the soak, seed 269 on S3); only `unpin` deletes
+            # one, and a new main manifest takes the plain key over from a branch's legacy pin.
+            _hand_over_plain_pin(backend, index, record.object_key)
     return written
+
+
+def _hand_over_plain_pin(backend: Backend, index: Catalogue, key: str) -> None:
+    """A main manifest whose name another run's pinned manifest has, pinned under the plain key by
+    a writer before pins named their run: that run gets its own form, and the plain key is main's."""
+    if run_of_key(key) != MAIN_RUN:
+        return
+    name = key.rsplit("/", 1)[-1]
+    others = [m for m in index.manifests() if m.pinned and m.object_key and m.object_key != key]
+    if any(m.object_key.endswith("/" + name) for m in others if m.object_key) and backend.exists(PIN_PREFIX + name):
+        _unpin(backend, index, key)
+
+
+def put_tag(backend: Backend, index: Catalogue, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
+    """The manifest's tag object, as the index says (one request)."""
+    record = index.manifest(manifest)
+    if record is not None and record.object_key is not None and record.tag:
+        backend.put(tag_key(record.tag), record.object_key.encode(), fence=fence)
+
+
+def write_pin(backend: Backend, index: Catalogue, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
+    """The manifest's pin object, put or deleted as the index says; nothing else of its refs."""
+    record = index.manifest(manifest)
+    if record is None or record.object_key is None:
+        return
+    if record.pinned:
+        backend.put(pin_key(record.object_key), b"", fence=fence)
+    else:
+        _unpin(backend, index, record.object_key)
 
 
 def _unpin(backend: Backend, index: Catalogue, key: str) -> None:
