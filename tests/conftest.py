@@ -286,7 +286,7 @@ def store_state(root: Path) -> tuple[list[str], list[str]]:
         str(p.relative_to(root))
         for sub in ("blobs", "packs", "manifests", "refs")
         for p in (root / sub).rglob("*")
-        if p.is_file()
+        if p.is_file() and not p.name.endswith(".removed")  # a version's reservation, which no reader shows
     )
     temps = sorted(str(p.relative_to(root)) for p in (root / "tmp").rglob("*"))
     return dump, objects + temps

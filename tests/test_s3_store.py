@@ -62,7 +62,7 @@ def test_every_command_works_on_an_s3_store(s3_server: LocalS3, s3_location: str
     assert "smaller" in ok("du")
 
     objects = s3_server.objects(s3_location)
-    manifests = sorted(k for k in objects if k.startswith("manifests/"))
+    manifests = sorted(k for k in objects if k.startswith("manifests/") and k.endswith(".json.zst"))
     assert len(manifests) == 2 and any("step-00000000000000000006-v1" in k for k in manifests)
     assert objects["refs/tags/mixed"].decode() in manifests
     assert sum(k.startswith(("blobs/", "packs/")) for k in objects) >= 2
@@ -333,7 +333,7 @@ def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
         time.sleep(0.01)  # the first new blob is up: the upload is under way
     link.cut()
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 2, stderr
+    assert proc.returncode == 5, stderr  # a backend's failure (issue 49), not bad input
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert s3_location in stderr and "reachable" in stderr
 

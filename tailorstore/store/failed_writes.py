@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tailorstore.core.progress import Progress
-from tailorstore.store import parts
+from tailorstore.store import manifest_objects, parts
 from tailorstore.store.backend import blob_key
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
@@ -42,13 +42,17 @@ def remove_unindexed(store: Repository, writer: BlobWriter, lock: LockHandle | L
     """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes
     (a part of another host may hold the same blob without this index knowing).
 
-    The index is brought up to date first, under the lock now held exclusive: another host's commit
-    that ran while this one was stalled may have found this commit's pack (listed, not yet
-    recorded) and named its blobs. Deleting by this host's older view deleted that step's blobs
-    (found by the simulation's soak, seed 321 on S3)."""
+    Nothing is deleted while the backend holds a manifest this index has not imported: another
+    host's commit that ran while this one was stalled may have found this commit's pack (listed,
+    not yet recorded) and named its blobs. Deleting by this host's older view deleted that step's
+    blobs (found by the simulation's soak, seed 321 on S3); gc, which syncs first, takes them if
+    they are orphans. (Listing, not syncing: the failure being handled may be a full disk under the
+    index, which a sync would meet again.)"""
     if lock is not None:
         try:
-            store.refresh(lock)
+            known = {m.object_key for m in store.catalogue.manifests()}
+            if set(manifest_objects.current_of(manifest_objects.listed_manifest_keys(store.backend)).values()) - known:
+                return
         except Exception:
             return
     held = {h for part in parts.read_parts(store.backend) for h in part.blob_hashes()}

@@ -124,6 +124,11 @@ def _pinned_by(pin: str, by_name: dict[str, list[str]]) -> list[str]:
     return mains or keys
 
 
+def listed_manifest_keys(backend: Backend) -> list[str]:
+    """Every manifest object the backend lists (versions and merges; not the removal markers)."""
+    return [k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k)]
+
+
 def is_manifest_key(key: str) -> bool:
     return bool(_COMMIT_KEY.fullmatch(key) or _MERGE_KEY.fullmatch(key))
 
