@@ -119,7 +119,9 @@ class Index:
                 check_same_thread=False,
             )
         else:
-            conn = sqlite3.connect(path, isolation_level=None, timeout=60.0, check_same_thread=False)
+            # the first statements wait little for another process's lock (a stalled one may hold the
+            # index); what opens the store sets a longer wait once it is open (store/repo.py)
+            conn = sqlite3.connect(path, isolation_level=None, timeout=2.0, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")
