@@ -15,8 +15,8 @@ The exit status is 1 when any seed broke an invariant.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -57,12 +57,13 @@ def training_inputs(root: Path = ROOT) -> Inputs:
     return prepare_inputs(saves["a"], saves["b"], root / "inputs")
 
 
-def probe_ref_lock_timeout(server: HostServer, env: dict[str, str], scratch: Path) -> bool:
+def probe_ref_lock_timeout(server: HostServer, env: dict[str, str]) -> bool:
     """Whether this tree's ``tailor pin`` takes ``--lock-timeout`` (older trees' ref verbs took no lock)."""
-    out = scratch / "probe-pin"
-    ident = server.spawn(["pin", "--help"], dict(env, TAILOR_FAILPOINTS=""), out, None)
-    server.wait(ident)
-    return "--lock-timeout" in out.read_text()
+    with tempfile.TemporaryDirectory(prefix="sim-probe-") as scratch:  # one each: workers probe at once
+        out = Path(scratch) / "pin-help"
+        ident = server.spawn(["pin", "--help"], dict(env, TAILOR_FAILPOINTS=""), out, None)
+        server.wait(ident)
+        return "--lock-timeout" in out.read_text()
 
 
 def simulate(
@@ -89,7 +90,6 @@ def simulate(
         s3 = LocalS3().start()
         extra = s3.environ()
     env = host_environment(extra, code)
-    scratch = Path(os.environ.get("TMPDIR", "/tmp"))
     outcomes: dict[int, Outcome] = {}
     todo = list(seeds)
     lock = threading.Lock()
@@ -101,7 +101,7 @@ def simulate(
     def worker() -> None:
         server = HostServer(env)
         try:
-            ref_lock = probe_ref_lock_timeout(server, env, Path(scratch))
+            ref_lock = probe_ref_lock_timeout(server, env)
             while True:
                 with lock:
                     if not todo or failures:

@@ -77,10 +77,6 @@ def creations(journal: Iterable[Done], key: Key) -> list[Done]:
     return [d for d in journal if d.kind in ("commit", "finalize") and d.key == key]
 
 
-def _touches(d: Done, key: Key) -> bool:
-    return d.key == key
-
-
 def surely_protected(journal: list[Done], key: Key, during: Done, *, before: bool = False) -> bool:
     """A pin or tag of the step was reported set, and nothing that may undo it came after it before
     ``during`` (a gc) ended: gc must not have removed the step. This holds whenever the setting ran,
@@ -89,7 +85,7 @@ def surely_protected(journal: list[Done], key: Key, during: Done, *, before: boo
     ``before``: the setting must have ended before the gc began. That is what keeps a step from
     thinning, which leaves the step there to be pinned or tagged after."""
     pinned = _surely_set(
-        journal, during, "pin", lambda d: d.kind in ("unpin", "rm") and _touches(d, key), key, before=before
+        journal, during, "pin", lambda d: d.kind in ("unpin", "rm") and d.key == key, key, before=before
     )
     if pinned:
         return True

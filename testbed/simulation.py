@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import random
+import select
 import shutil
 import subprocess
 import sys
@@ -271,8 +272,6 @@ class HostServer:
             if time.monotonic() > deadline:
                 self._send({"kill": ident})
                 return {"id": ident, "rc": None, "hang": True}
-            import select
-
             assert self.proc.stdout is not None
             ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
             if ready:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import Call, StoreError
+from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER, PLAIN_FILE, PLAIN_FOLDER
 from tailorstore.store.catalogue import Catalogue
 from tailorstore.store.records import AtomRecord, ManifestRecord
 
@@ -48,12 +49,12 @@ def differences(old: Structure, new: Structure, limit: int = 3) -> list[str]:
 
 # Layouts by the framework that resumes from them: a run's steps are one framework's saves.
 FRAMEWORKS = {
-    "deepspeed": "a DeepSpeed save",
-    "deepspeed-tag": "a DeepSpeed save",
-    "hf-trainer": "an HF Trainer checkpoint",
-    "dcp": "a DCP (torch.distributed.checkpoint) folder",
-    "plain": "a folder of plain weight files",
-    "plain-file": "a plain weight file",
+    DEEPSPEED: "a DeepSpeed save",
+    DEEPSPEED_TAG: "a DeepSpeed save",
+    HF_TRAINER: "an HF Trainer checkpoint",
+    DCP_FOLDER: "a DCP (torch.distributed.checkpoint) folder",
+    PLAIN_FOLDER: "a folder of plain weight files",
+    PLAIN_FILE: "a plain weight file",
 }
 
 
@@ -67,8 +68,9 @@ def refuse_other_model(
     newest = index.last_recorded_commit(run) or base
     if newest is None:
         return
-    before, now = FRAMEWORKS.get(newest.layout, newest.layout), FRAMEWORKS.get(layout or "", layout)
-    if layout is not None and now != before:
+    before = FRAMEWORKS.get(newest.layout, newest.layout)
+    now = FRAMEWORKS.get(layout, layout) if layout is not None else before
+    if now != before:
         raise StoreError(
             f"this checkpoint is {now}, and step {newest.step} of run {newest.run!r} is {before}: a run's steps "
             "are what its training resumes from. Commit it to a run of its own with ",

@@ -41,8 +41,9 @@ MAX_METADATA = 1 << 30  # a 1 TB model's metadata is tens of MB
 MAX_NUMEL = 1 << 48
 MAX_DIMS = 64
 _FILE = re.compile(r"__(\d{1,6})_(\d{1,6})\.distcp")
-_OPTIMIZER_TOPS = ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state")
+OPTIMIZER_TOPS = ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state")
 _MODEL_TOPS = ("model", "module", "models")
+_TOPS = (*_MODEL_TOPS, *OPTIMIZER_TOPS, "state")  # what a Stateful's name wraps
 _OPTIMIZER_KINDS = {A.EXP_AVG, A.EXP_AVG_SQ, A.STEP, "momentum_buffer", "max_exp_avg_sq", "sum", "square_avg"}
 
 
@@ -329,13 +330,12 @@ def name_and_kind(fqn: str, keys: tuple[str, ...] | None, dtype: str) -> tuple[s
     its own name as state, never inherited. One leading key that wraps these (a ``Stateful``'s
     name) is looked through."""
     keys = keys or tuple(fqn.split("."))
-    tops = (*_MODEL_TOPS, *_OPTIMIZER_TOPS, "state")
-    if len(keys) >= 3 and keys[0] not in tops and keys[1] in tops:
+    if len(keys) >= 3 and keys[0] not in _TOPS and keys[1] in _TOPS:
         # a Stateful wrapper, as the DCP tutorial saves it: dcp.save({"app": AppState(model, optim)})
         # flattens to app.model.<param> and app.optim.state.<param>.<kind>; read what it wraps
         return name_and_kind(fqn, keys[1:], dtype)
     top = keys[0]
-    if top in _OPTIMIZER_TOPS and len(keys) >= 4 and keys[1] == "state":
+    if top in OPTIMIZER_TOPS and len(keys) >= 4 and keys[1] == "state":
         return ".".join(keys[2:-1]) if len(keys) > 4 else keys[2], keys[-1], True
     if top == "state" and len(keys) >= 3 and keys[-1] in _OPTIMIZER_KINDS:
         return ".".join(keys[1:-1]), keys[-1], True

@@ -38,6 +38,7 @@ from tailorstore.access.read_ahead import ReadAhead
 from tailorstore.core.errors import BadCheckpointError, StoreError
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.rounding import rounded_chunks
+from tailorstore.formats import dcp
 from tailorstore.formats.kinds import RAW
 from tailorstore.formats.safetensors_writer import (
     DEFAULT_SHARD_SIZE,
@@ -96,9 +97,7 @@ def export_dtype(name: str) -> str:
 
 # Names that only optimizer state has (torch.optim's state_dict, flattened by DCP): an export that
 # would write one has misread the step, and says so rather than write moments as weights.
-_OPTIMIZER_NAME = re.compile(
-    r"(^|\.)(optim|optimizer|optim_state|optimizer_state)\.(state|param_groups)\.|\.(exp_avg|exp_avg_sq)$"
-)
+_OPTIMIZER_NAME = re.compile(rf"(^|\.)({'|'.join(dcp.OPTIMIZER_TOPS)})\.(state|param_groups)\.|\.(exp_avg|exp_avg_sq)$")
 
 
 def refuse_optimizer_names(step: int, names: list[str]) -> None:

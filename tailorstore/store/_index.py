@@ -100,6 +100,9 @@ def _blob(row: sqlite3.Row) -> BlobRecord:
     return BlobRecord(*(row[c] for c in _BLOB_COLUMNS))
 
 
+OPENING_WAIT = 2.0  # seconds a new connection waits for another process's write lock
+
+
 class Index:
     """One open index. Reads return records; writes happen inside :meth:`transaction`."""
 
@@ -119,9 +122,9 @@ class Index:
                 check_same_thread=False,
             )
         else:
-            # the first statements wait little for another process's lock (a stalled one may hold the
-            # index); what opens the store sets a longer wait once it is open (store/repo.py)
-            conn = sqlite3.connect(path, isolation_level=None, timeout=2.0, check_same_thread=False)
+            # the first statements (and the refresh of an opening store) wait little for another
+            # process's lock, as a stalled one may hold the index; once open, the store waits longer
+            conn = sqlite3.connect(path, isolation_level=None, timeout=OPENING_WAIT, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")

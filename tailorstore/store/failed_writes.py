@@ -38,7 +38,7 @@ def cleaned_up_on_failure(
         progress.close()
 
 
-def remove_unindexed(store: Repository, writer: BlobWriter, lock: LockHandle | LeaseHandle | None = None) -> None:
+def remove_unindexed(store: Repository, writer: BlobWriter, lock: LockHandle | LeaseHandle) -> None:
     """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes
     (a part of another host may hold the same blob without this index knowing).
 
@@ -48,15 +48,14 @@ def remove_unindexed(store: Repository, writer: BlobWriter, lock: LockHandle | L
     blobs (found by the simulation's soak, seed 321 on S3); gc, which syncs first, takes them if
     they are orphans. (Listing, not syncing: the failure being handled may be a full disk under the
     index, which a sync would meet again.)"""
-    if lock is not None:
-        try:
-            known = {m.object_key for m in store.catalogue.manifests()}
-            if set(manifest_objects.current_of(manifest_objects.listed_manifest_keys(store.backend)).values()) - known:
-                return
-        except Exception:
-            return
+    try:
+        known = {m.object_key for m in store.catalogue.manifests()}
+        listed = manifest_objects.current_of(manifest_objects.listed_manifest_keys(store.backend))
+    except Exception:
+        return
+    if set(listed.values()) - known:
+        return
     held = {h for part in parts.read_parts(store.backend) for h in part.blob_hashes()}
     loose = [blob_key(d) for d in writer.written() if store.blob(d) is None and d not in held]
     packed = [pack_key(name) for name in writer.written_packs() if not store.catalogue.has_pack(name)]
-    fence = (lambda: lock.check("taking back a failed commit's blobs")) if lock is not None else None
-    store.backend.delete_many([*loose, *packed], fence=fence)
+    store.backend.delete_many([*loose, *packed], fence=lambda: lock.check("taking back a failed commit's blobs"))

@@ -321,11 +321,11 @@ def unpublish(backend: Backend, keys: Iterable[str | None], *, fence: Callable[[
     without its manifest pins nothing (pins are read only for manifests that exist), and a
     manifest left without its pin is one the next gc finds unkept again. Each commit manifest's
     version is reserved first (:func:`removed_marker`), so no later manifest takes its key."""
-    keys = [k for k in keys if k]
-    for key in keys:
+    wanted = [k for k in keys if k]
+    for key in wanted:
         if (marker := removed_marker(key)) is not None:
             backend.put(marker, b"", fence=fence)
-    backend.delete_many([k for key in keys if key for k in (key, pin_key(key))], fence=fence)
+    backend.delete_many([k for key in wanted for k in (key, pin_key(key))], fence=fence)
 
 
 def write_refs(
@@ -333,43 +333,31 @@ def write_refs(
 ) -> list[str]:
     """Make the tag and pin objects of these manifests say what the index says; returns the
     keys of the ref objects it wrote. ``fence`` is checked just before each put (after its
-    request's failpoint), as before gc's deletions."""
+    request's failpoint), as before gc's deletions.
+
+    An unpinned record deletes no pin: the index may not know that another host pinned the
+    manifest since (ref changes hold the lock shared, side by side). A commit that did so deleted
+    that host's reported pin (the soak, seed 269 on S3); only `unpin` deletes one, and a new main
+    manifest takes the plain key over from a branch's legacy pin."""
     written = []
     for m in manifests:
         record = index.manifest(m)
         if record is None or record.object_key is None:
             continue
         if record.tag:
-            backend.put(tag_key(record.tag), record.object_key.encode(), fence=fence)
-            written.append(tag_key(record.tag))
+            written.append(_put_tag(backend, record, fence))
         if record.pinned:
-            backend.put(pin_key(record.object_key), b"", fence=fence)
-            written.append(pin_key(record.object_key))
+            written.append(_put_pin(backend, record, fence))
         else:
-            # An unpinned record deletes no pin: the index may not know that another host pinned
-            # the manifest since (ref changes hold the lock shared, side by side). A commit that did
-            # so deleted that host's reported pin (the soak, seed 269 on S3); only `unpin` deletes
-            # one, and a new main manifest takes the plain key over from a branch's legacy pin.
             _hand_over_plain_pin(backend, index, record.object_key)
     return written
-
-
-def _hand_over_plain_pin(backend: Backend, index: Catalogue, key: str) -> None:
-    """A main manifest whose name another run's pinned manifest has, pinned under the plain key by
-    a writer before pins named their run: that run gets its own form, and the plain key is main's."""
-    if run_of_key(key) != MAIN_RUN:
-        return
-    name = key.rsplit("/", 1)[-1]
-    others = [m for m in index.manifests() if m.pinned and m.object_key and m.object_key != key]
-    if any(m.object_key.endswith("/" + name) for m in others if m.object_key) and backend.exists(PIN_PREFIX + name):
-        _unpin(backend, index, key)
 
 
 def put_tag(backend: Backend, index: Catalogue, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
     """The manifest's tag object, as the index says (one request)."""
     record = index.manifest(manifest)
     if record is not None and record.object_key is not None and record.tag:
-        backend.put(tag_key(record.tag), record.object_key.encode(), fence=fence)
+        _put_tag(backend, record, fence)
 
 
 def write_pin(backend: Backend, index: Catalogue, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
@@ -378,9 +366,32 @@ def write_pin(backend: Backend, index: Catalogue, manifest: int, *, fence: Calla
     if record is None or record.object_key is None:
         return
     if record.pinned:
-        backend.put(pin_key(record.object_key), b"", fence=fence)
+        _put_pin(backend, record, fence)
     else:
         _unpin(backend, index, record.object_key)
+
+
+def _put_tag(backend: Backend, record: ManifestRecord, fence: Callable[[], None] | None) -> str:
+    key = tag_key(str(record.tag))
+    backend.put(key, str(record.object_key).encode(), fence=fence)
+    return key
+
+
+def _put_pin(backend: Backend, record: ManifestRecord, fence: Callable[[], None] | None) -> str:
+    key = pin_key(str(record.object_key))
+    backend.put(key, b"", fence=fence)
+    return key
+
+
+def _hand_over_plain_pin(backend: Backend, index: Catalogue, key: str) -> None:
+    """A main manifest whose name another run's pinned manifest has, pinned under the plain key by
+    a writer before pins named their run: that run gets its own form, and the plain key is main's."""
+    if run_of_key(key) != MAIN_RUN:
+        return
+    name = key.rsplit("/", 1)[-1]
+    namesakes = (m for m in index.manifests() if m.pinned and m.object_key not in (None, key))
+    if any(str(m.object_key).endswith("/" + name) for m in namesakes) and backend.exists(PIN_PREFIX + name):
+        _unpin(backend, index, key)
 
 
 def _unpin(backend: Backend, index: Catalogue, key: str) -> None:

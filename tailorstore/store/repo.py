@@ -138,7 +138,6 @@ def _location(location: Path | str | None) -> Path | str:
     return location
 
 
-OPEN_REFRESH_WAIT = 2.0  # seconds opening a store waits for another process's index write, before reading as is
 INDEX_WAIT = 60.0  # seconds a write of the index waits for another process's, outside the store lock
 
 
@@ -190,8 +189,7 @@ class Repository:
         try:
             if where.remote:
                 _check_cache(where, store._index)
-            store._index.wait_for_writers(OPEN_REFRESH_WAIT)
-            try:
+            try:  # within the connection's first, short wait (store/_index.py)
                 store.refresh()
             except LockTimeoutError:
                 # another process is inside its index transaction (stalled, or slow): read what the
