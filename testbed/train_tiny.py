@@ -298,6 +298,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="attach TailorCheckpointEngine: saves go into --commit-to, and --resume-from loads from it",
     )
     p.add_argument("--no-snapshot", action="store_true", help="the engine serializes each file inside the save")
+    p.add_argument(
+        "--gpu-buffers",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the snapshot copies through buffers in GPU memory (auto: where the GPU has room)",
+    )
     p.add_argument("--engine-policy", default="full", help="the policy TailorCheckpointEngine commits with")
     p.add_argument("--record-loss-metric", action="store_true", help="attach records rank 0's loss as train_loss")
     p.add_argument("--freeze-bottom", action="store_true", help="freeze the embedding and the lower half of the blocks")
@@ -376,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tailor_engine:
         tailor = attach(
             engine, store, policy=args.engine_policy, on_existing=args.on_existing, snapshot=not args.no_snapshot,
+            gpu_buffers={"auto": None, "on": True, "off": False}[args.gpu_buffers],
             metrics=(lambda step: {"train_loss": losses[step]}) if args.record_loss_metric else None,
         )  # fmt: skip
 
@@ -398,6 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     losses: dict[int, float] = {}
     evals: dict[int, float] = {}  # held-out loss at each save (--eval-at-save)
     stalls: list[float] = []  # how long each save blocked training (rank 0)
+    step_ends: dict[int, float] = {}  # when each step's loss was on the host (tokens/s around a save)
     loop_began = time.perf_counter()
     for step in range(start_step + 1, args.steps + 1):
         tokens = DATA[args.data](step, rank, args.micro_batch, args.seq, args.vocab).to(engine.device)
@@ -405,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.backward(loss)
         engine.step()
         losses[step] = loss.item()
+        step_ends[step] = time.perf_counter() - loop_began
         if step == start_step + 1:
             resume_seconds = time.perf_counter() - resume_began
         if args.save_every and step % args.save_every == 0:
@@ -444,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.save_every and args.timings_out and args.floor_together:  # every rank, at once
         together = copy_floor(saved_bytes(engine.module), args.cuda, together=True)
     if rank == 0 and args.timings_out:
-        timings = {"stalls": stalls, "loop_seconds": loop_seconds}
+        timings = {"stalls": stalls, "loop_seconds": loop_seconds, "step_ends": step_ends}
         if together is not None:
             timings["copy_floor_together_seconds"] = together
         if args.resume_from or args.load_from_store:

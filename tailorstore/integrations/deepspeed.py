@@ -130,6 +130,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         on_existing: str = "branch",
         shape: Callable[[], tuple[int, int]] | None = None,
         snapshot: bool = True,
+        gpu_buffers: bool | None = None,
         metrics: Callable[[int | None], Mapping[str, float] | None] | None = None,
         **policy_params: float,
     ) -> None:
@@ -178,7 +179,11 @@ class TailorCheckpointEngine(CheckpointEngine):
         self._save_bytes = 0  # this rank's bytes of the save under way
         # save() copies the tensors into reused memory and writes the file in the background (snapshot.py)
         self._snapshots = (
-            Snapshots(on_staging_failed=self._warn_staging, ranks_on_node=resume.ranks_on_node()) if snapshot else None
+            Snapshots(
+                on_staging_failed=self._warn_staging, ranks_on_node=resume.ranks_on_node(), device_buffers=gpu_buffers
+            )
+            if snapshot
+            else None
         )
         self._snapshotted = False  # this save's files are being written in the background
 
@@ -295,6 +300,13 @@ class TailorCheckpointEngine(CheckpointEngine):
         torch.save(state_dict, path)  # DeepSpeed's own behaviour, and this save's when staging failed
         if name is not None:
             self._staged_names.append(name)
+
+    def before_change(self) -> None:
+        """The saved tensors are about to change (an optimizer step): on a GPU, the training stream
+        waits for the last save's copies (:mod:`.side_copy`); the host does not wait. :func:`attach`
+        calls it before each optimizer step; call it before changing them any other way."""
+        if self._snapshots is not None:
+            self._snapshots.guard()
 
     def set_metrics(self, metrics: Mapping[str, float]) -> None:
         """Metrics recorded with the next save's step (``{"eval_loss": 2.31}``), on global rank 0;
@@ -686,6 +698,7 @@ def attach(
     staging: str | os.PathLike | None = None,
     on_existing: str = "branch",
     snapshot: bool = True,
+    gpu_buffers: bool | None = None,
     metrics: Callable[[int | None], Mapping[str, float] | None] | None = None,
     **policy_params: float,
 ) -> TailorCheckpointEngine:
@@ -696,7 +709,11 @@ def attach(
     a save of a step the store already holds does, after training went back to an earlier step:
     ``"branch"`` (a new run from the resumed step, with a warning), ``"replace"`` or ``"error"``.
     ``snapshot`` (default) makes ``save_checkpoint`` block only for a copy of the tensors into
-    reused memory; the files are written in the background (:mod:`.snapshot`). ``metrics(step)``
+    reused memory; the files are written in the background (:mod:`.snapshot`). On a GPU the copy
+    runs beside the next step, and its optimizer step waits (on the GPU) only for the copy into
+    ``gpu_buffers``: buffers in GPU memory kept from save to save, used where the GPU has room
+    (None), always (True) or never (False: the step waits for the copy to host memory).
+    ``metrics(step)``
     (on global rank 0) gives the metrics recorded with each saved step, e.g. the last evaluation's
     ``{"eval_loss": ...}``; or call ``tailor.set_metrics({...})`` before a save.
     """
@@ -709,10 +726,13 @@ def attach(
         on_existing=on_existing,
         shape=lambda: _shape_of(engine),
         snapshot=snapshot,
+        gpu_buffers=gpu_buffers,
         metrics=metrics,
         **policy_params,
     )
     engine.checkpoint_engine = tailor
+    if snapshot:
+        _guard_changes(engine, tailor)
     if tailor._parts and resume.is_leader():
         # Each node's part needs the model states to cut its optimizer states by parameter: every
         # node's leader writes them, as DeepSpeed's use_node_local_storage makes it do. The copies
@@ -725,6 +745,50 @@ def attach(
 
     engine.load_checkpoint = load_checkpoint
     return tailor
+
+
+def _guard_changes(engine: Any, tailor: TailorCheckpointEngine) -> None:
+    """A snapshot's copies out of GPU memory run beside the next step, so whatever changes the
+    saved tensors first waits for them: each torch optimizer under the engine's (ZeRO wraps one)
+    before its step, or else ``engine.step``; and the module's forward where it has persistent
+    buffers, which a forward may update in place (running statistics)."""
+
+    def wait(*_: Any, **__: Any) -> None:
+        tailor.before_change()
+
+    optimizers = _torch_optimizers(getattr(engine, "optimizer", None))
+    for optimizer in optimizers:
+        optimizer.register_step_pre_hook(wait)
+    if not optimizers:
+        step = engine.step
+
+        def guarded_step(*args: Any, **kw: Any) -> Any:
+            tailor.before_change()
+            return step(*args, **kw)
+
+        engine.step = guarded_step
+    module = getattr(engine, "module", None)
+    if isinstance(module, torch.nn.Module) and _has_persistent_buffers(module):
+        module.register_forward_pre_hook(wait)
+
+
+def _torch_optimizers(optimizer: Any, depth: int = 4) -> list[torch.optim.Optimizer]:
+    """The torch optimizers in a chain of wrappers (``engine.optimizer.optimizer``...)."""
+    found: list[torch.optim.Optimizer] = []
+    while optimizer is not None and depth > 0:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            found.append(optimizer)
+        optimizer, depth = getattr(optimizer, "optimizer", None), depth - 1
+    return found
+
+
+def _has_persistent_buffers(module: torch.nn.Module) -> bool:
+    return any(
+        name not in sub._non_persistent_buffers_set
+        for sub in module.modules()
+        for name, b in sub._buffers.items()
+        if b is not None
+    )
 
 
 def _shape_of(engine: Any) -> tuple[int, int]:

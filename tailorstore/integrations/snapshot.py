@@ -54,6 +54,7 @@ import torch
 
 from tailorstore.core.errors import StagingFailed, StoreError
 from tailorstore.core.memory import available_memory
+from tailorstore.integrations.side_copy import SideCopies
 from tailorstore.integrations.staging import FAILED, WRITTEN
 
 log = logging.getLogger("tailorstore")
@@ -119,6 +120,7 @@ class Snapshots:
         pinned: bool | None = None,
         on_staging_failed: Callable[[BaseException, Path], None] | None = None,
         ranks_on_node: int = 1,
+        device_buffers: bool | None = None,
     ) -> None:
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self.ranks_on_node = max(1, ranks_on_node)  # each readies its own second generation at once
@@ -130,6 +132,9 @@ class Snapshots:
         self._prefault: Future[None] | None = None  # the second generation, made ready after the first save
         # this save's files, copied and waiting for its last copy before they are written (see write)
         self._held: list[tuple[Any, Path, Path, Any]] = []
+        self._side: SideCopies | None = None  # copies out of GPU memory, off the training stream
+        self._device_buffers = device_buffers
+        self._landed: Any = None  # the event that says this file's copies out of the GPU have landed
         _register_tagger()
         weakref.finalize(self, _forget, self._buffers)  # a freed buffer's storage id may be reused
 
@@ -144,6 +149,8 @@ class Snapshots:
         for future in self._pending[self._generation]:
             future.exception()  # its outcome went into its marker; here only its end matters
         self._pending[self._generation] = []
+        if self._side is not None:
+            self._side.begin_save()
 
     def copy(self, state_dict: Any, name: str) -> tuple[Any, int]:
         """``state_dict`` with every tensor backed by a copy in this generation's buffers; the
@@ -168,7 +175,10 @@ class Snapshots:
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned and nbytes > 0)
                 buffers[slot] = buf
             source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            buf.copy_(source, non_blocking=source.is_cuda)
+            if source.is_cuda and self.pinned:
+                self._side_for(source.device).copy(slot, buf, source)
+            else:
+                buf.copy_(source)
             _record_location(buf, storage)
             copies[key] = buf
             return buf
@@ -200,8 +210,29 @@ class Snapshots:
                 raise Unsupported(f"a tensor inside a {type(item).__name__}")
             return item
 
-        tree = walk(state_dict)
+        try:
+            tree = walk(state_dict)
+        except Unsupported:
+            if self._side is not None and self._side.in_file:
+                self._side.end_file()  # what was queued lands, unread: the file is written from the live state
+            raise
+        if self._side is not None and self._side.in_file:
+            self._landed = self._side.end_file()
         return tree, sum(b.numel() for b in copies.values())
+
+    def _side_for(self, device: torch.device) -> SideCopies:
+        if self._side is None:
+            self._side = SideCopies(device, self._device_buffers)
+        elif self._side.device != device:
+            raise Unsupported(f"tensors on {self._side.device} and on {device} in one engine's save")
+        self._side.begin_file()
+        return self._side
+
+    def guard(self) -> None:
+        """Before the saved tensors change (the optimizer step): the training stream waits, on the
+        GPU, for the last save's capture (:mod:`.side_copy`). Without a GPU there is nothing to wait for."""
+        if self._side is not None:
+            self._side.guard()
 
     def write(self, tree: Any, staged: Path, real: Path) -> None:
         """Write ``tree`` to ``staged`` in the background (or, failing that, to ``real``), once this
@@ -211,10 +242,7 @@ class Snapshots:
         file: on 2 cores, rank 0's 348 MB optimizer file took 0.108 s to copy while its model
         states were being written, against 0.053 s on rank 1, which has no other file
         (docs/benchmarks.md, "Training stall"). The copies are the stall; the writes are not."""
-        event = None
-        if self.pinned and torch.cuda.is_available():
-            event = torch.cuda.Event()
-            event.record()
+        event, self._landed = self._landed, None  # None: the copies were made on the host, already done
         self._held.append((tree, staged, real, event))
 
     def _release(self) -> None:
