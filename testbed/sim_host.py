@@ -158,7 +158,8 @@ def serve() -> None:
                     children[pid], pids[order["spawn"]] = order["spawn"], pid
                     _say({"id": order["spawn"], "pid": pid})
                 elif "cont" in order and order["cont"] in pids:
-                    os.kill(pids[order["cont"]], signal.SIGCONT)
+                    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile: its rc is on its way
+                        os.kill(pids[order["cont"]], signal.SIGCONT)
                 elif "kill" in order and order["kill"] in pids:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pids[order["kill"]], signal.SIGKILL)
