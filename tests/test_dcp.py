@@ -412,3 +412,61 @@ def test_the_dcp_tutorials_stateful_recipe_is_read_as_model_and_optimizer(tmp_pa
         assert names == set(params), sorted(names)
         for name, p in params.items():
             assert torch.equal(f.get_tensor(name), p.detach()), name
+
+
+def test_a_tied_embedding_is_exported_once_as_save_pretrained_writes_it(tmp_path: Path) -> None:
+    """Issue 50, DCP seam 4: DCP writes a tied tensor under each of its names, and the export wrote
+    both (21 tensors where save_pretrained writes 20). The output embedding that is its input
+    embedding, piece for piece, is written once now and reported tied; from_pretrained ties it back."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.arange(16).view(2, 8), labels=torch.arange(16).view(2, 8)).loss.backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    assert "lm_head.weight" in model_state  # DCP holds it under both names
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp_path / "step-1"))
+    model.save_pretrained(tmp_path / "own")  # what Hugging Face writes of the same model
+    with safe_open(str(tmp_path / "own" / "model.safetensors"), "pt") as f:
+        own_names = set(f.keys())
+    config.save_pretrained(tmp_path / "config")
+
+    with Store.init(tmp_path / "store") as store:
+        store.commit(tmp_path / "step-1")
+        result = store.export("latest", tmp_path / "hf", dtype="fp32", config=tmp_path / "config" / "config.json")
+    assert result.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == own_names and result.tensors == len(own_names)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_equal_tensors_that_are_not_embeddings_are_both_exported() -> None:
+    """The tie rule is narrow: two norms still at ones are equal blob for blob, yet not tied."""
+    from tailorstore.access.model_tensors import ModelTensor, tied_embeddings
+    from tailorstore.store.records import AtomRecord
+
+    def tensor(name: str, blob: str) -> ModelTensor:
+        atom = AtomRecord("f", 0, 0, 4, "float32", "[4]", name, "master", 0, 0, 16, "x", blob, None, 0)
+        return ModelTensor(name, (4,), "float32", (atom,), "master")
+
+    tensors = [
+        tensor("model.norm.weight", "a"),
+        tensor("model.layers.0.input_layernorm.weight", "a"),
+        tensor("model.embed_tokens.weight", "b"),
+        tensor("lm_head.weight", "b"),
+        tensor("output.weight", "c"),  # an untied head: other pieces
+    ]
+    assert tied_embeddings(tensors) == {"lm_head.weight": "model.embed_tokens.weight"}

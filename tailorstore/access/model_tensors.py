@@ -14,6 +14,7 @@ the module's own weight (ZeRO 0 in fp32, frozen parameters), widened exactly to 
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -233,10 +234,40 @@ def _dcp_view(store: Repository, facts: ManifestRecord, files: list[FileRecord])
                 tensors.append(_tensor(param, info.size, by_param, (kind,), where))
     if not tensors:
         raise StoreError(f"step {step} holds no model parameters in its DCP folders (keys model.<name>)")
+    names = [t.name for t in tensors]
+    aliases = tied_embeddings(tensors)
+    tensors = [t for t in tensors if t.name not in aliases]
     stored = {a.blob for t in tensors for a in t.atoms if a.derived is None}
     rows = {digest: blob_of(store, digest, f"step {step}") for digest in stored}
-    names = [t.name for t in tensors]
-    return ModelView(facts.id, step, tensors, {}, rows, facts.zero_stage, facts.world_size, dict(by_param), {}, names)
+    return ModelView(
+        facts.id, step, tensors, aliases, rows, facts.zero_stage, facts.world_size, dict(by_param), {}, names
+    )
+
+
+# The names Hugging Face ties when a config says tie_word_embeddings: the output projection to the
+# input embedding. save_pretrained writes the input embedding once and from_pretrained ties it back.
+_OUTPUT_EMBEDDING = re.compile(r"(^|\.)(lm_head|output|embed_out)\.weight$")
+_INPUT_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|tok_embeddings|wte|word_embeddings|embed_in)\.weight$")
+
+
+def tied_embeddings(tensors: list[ModelTensor]) -> dict[str, str]:
+    """Pure: output embeddings that are their input embedding (alias -> the name kept).
+
+    DCP writes a tied tensor once under each name, so a DCP step cannot say what shares storage,
+    as DeepSpeed's ``shared_params`` does. A tie is taken where an output embedding's pieces are
+    the input embedding's, blob for blob: two separately trained (or separately initialised)
+    matrices never are. Equal tensors of other names (two norms still at ones) are both kept."""
+    inputs = {_pieces_key(t): t.name for t in tensors if _INPUT_EMBEDDING.search(t.name)}
+    aliases = {}
+    for tensor in tensors:
+        kept = inputs.get(_pieces_key(tensor)) if _OUTPUT_EMBEDDING.search(tensor.name) else None
+        if kept is not None:
+            aliases[tensor.name] = kept
+    return aliases
+
+
+def _pieces_key(tensor: ModelTensor) -> tuple:
+    return (tensor.shape, tensor.dtype, tuple((a.start, a.numel, a.blob) for a in tensor.atoms))
 
 
 def _tensor(
