@@ -79,7 +79,7 @@ def test_commit_and_checkout_are_byte_identical_and_layer_wise(fsdp_run: FsdpRun
     for ref, step in (("step=3", 3), ("step=6", 6)):
         out = tmp_path / f"out{step}"
         store.checkout(ref, out)
-        assert same_tree(out / f"step-{step}", fsdp_run.out / f"step-{step}")
+        assert same_tree(out, fsdp_run.out / f"step-{step}")  # the DCP folder is out itself
     # compressed and deduplicated like any other step: the store holds less than the two saves
     raw = sum(p.stat().st_size for s in ("step-3", "step-6") for p in (fsdp_run.out / s).iterdir())
     assert store.usage().stored_bytes < raw
@@ -93,7 +93,7 @@ def test_dcp_load_at_one_rank_from_a_checkout_made_at_two(fsdp_run: FsdpRun, tmp
     with Store.init(tmp_path / "store") as store:
         store.commit(fsdp_run.out / "step-6")
         store.checkout("latest", tmp_path / "out")
-    loaded = full_model_state(tmp_path / "out" / "step-6")
+    loaded = full_model_state(tmp_path / "out")
     final = load_file(str(fsdp_run.weights))
     assert loaded.keys() == final.keys()
     for name, tensor in final.items():
@@ -104,7 +104,7 @@ def test_resume_from_a_checkout_gives_the_same_losses(fsdp_run: FsdpRun, tmp_pat
     with Store.init(tmp_path / "store") as store:
         store.commit(fsdp_run.out / "step-3")
         store.checkout("step=3", tmp_path / "out")
-    resumed = train(tmp_path / "resumed", "--resume-from", str(tmp_path / "out" / "step-3"))
+    resumed = train(tmp_path / "resumed", "--resume-from", str(tmp_path / "out"))
     assert resumed["first"] == EVERY + 1
     assert resumed["losses"] == fsdp_run.losses[EVERY:]  # bit for bit: floats through JSON are exact
 
@@ -121,13 +121,13 @@ def test_a_parity_composite_loads_and_resumes(fsdp_run: FsdpRun, tmp_path: Path)
         blocks = {f"block.{i}" for i in range(LAYERS)}
         assert inherited & blocks and blocks - inherited
         store.checkout("step=6", tmp_path / "out")
-    composite = full_model_state(tmp_path / "out" / "step-6")
+    composite = full_model_state(tmp_path / "out")
     at3 = full_model_state(fsdp_run.out / "step-3")
     at6 = full_model_state(fsdp_run.out / "step-6")
     for name, tensor in composite.items():
         source = at3 if layer_of(name) in inherited else at6
         assert torch.equal(tensor, source[name]), name
-    more = train(tmp_path / "more", "--resume-from", str(tmp_path / "out" / "step-6"), "--steps", str(STEPS + 2))
+    more = train(tmp_path / "more", "--resume-from", str(tmp_path / "out"), "--steps", str(STEPS + 2))
     assert more["first"] == STEPS + 1 and len(more["losses"]) == 2
     assert all(math.isfinite(loss) for loss in more["losses"])
 
@@ -209,7 +209,7 @@ def test_an_sma_merge_loads_and_resumes(fsdp_run: FsdpRun, tmp_path: Path) -> No
         store.commit(fsdp_run.out / "step-6")
         store.merge(spec, tag="sma")
         store.checkout("tag=sma", tmp_path / "out")
-    (folder,) = [p for p in (tmp_path / "out").iterdir() if p.is_dir()]
+    folder = tmp_path / "out"  # dcp.load reads the checkout itself
     merged = full_model_state(folder)
     at3, at6 = full_model_state(fsdp_run.out / "step-3"), full_model_state(fsdp_run.out / "step-6")
     changed = 0
@@ -309,7 +309,7 @@ def test_retention_thins_an_old_dcp_step_to_its_weights(fsdp_run: FsdpRun, tmp_p
             store.checkout("step=3", tmp_path / "out")
         assert store.verify(deep=True).ok
         store.checkout("step=6", tmp_path / "out6")
-    assert same_tree(tmp_path / "out6" / "step-6", fsdp_run.out / "step-6")
+    assert same_tree(tmp_path / "out6", fsdp_run.out / "step-6")
     before, after = (
         load_file(tmp_path / "before" / "model.safetensors"),
         load_file(tmp_path / "after" / "model.safetensors"),
@@ -351,7 +351,7 @@ def test_a_bf16_weight_that_is_its_fp32_master_rounded_is_derived(tmp_path: Path
         assert result.derived_bytes == sum(m.numel() * 2 for m in masters.values())
         store.checkout("latest", tmp_path / "out")
         assert store.verify(deep=True).ok
-    assert same_tree(tmp_path / "out" / "step-1", tmp_path / "step-1")
+    assert same_tree(tmp_path / "out", tmp_path / "step-1")
 
 
 def test_a_dcp_step_is_refused_into_a_deepspeed_run_unless_forced(
@@ -404,7 +404,7 @@ def test_the_dcp_tutorials_stateful_recipe_is_read_as_model_and_optimizer(tmp_pa
         shown = store.show("latest")
         store.export("latest", tmp_path / "hf", dtype="fp32")
         store.checkout("latest", tmp_path / "out")
-    assert same_tree(tmp_path / "out" / "step-1", tmp_path / "step-1")
+    assert same_tree(tmp_path / "out", tmp_path / "step-1")
     kinds = {k for layer in shown.layers for k in layer.kinds}
     assert {"master", "exp_avg", "exp_avg_sq"} <= kinds, kinds
     with safe_open(str(next((tmp_path / "hf").glob("*.safetensors"))), "pt") as f:

@@ -9,7 +9,7 @@ Three shapes are accepted, as users meet them:
   DCP folders, ``pytorch_model_fsdp_0/`` and ``optimizer_0/``);
 * a PyTorch distributed checkpoint (DCP) folder, ``.metadata`` plus ``__R_K.distcp`` files, as
   ``dcp.save`` writes it for FSDP2 and torchtitan (``step-N/``): committed like a DeepSpeed tag
-  folder, so a checkout writes ``step-N/`` back;
+  folder (a checkout writes its files as the output folder itself, which ``dcp.load`` reads);
 * a plain folder of weights or training-state files (``model.safetensors`` shards, ``ckpt.pt``),
   or one such file: every ``torch.save`` file the torch-free reader takes and every safetensors
   file is cut into atoms, the rest kept whole.

@@ -24,7 +24,7 @@ from tailorstore.core.progress import Progress, Silent
 from tailorstore.curate.thinning import refuse_thinned
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import DCP, RAW, SAFETENSORS, TORCH
-from tailorstore.formats.layout import DEEPSPEED_TAG
+from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED_TAG
 from tailorstore.formats.torch_pickle import untrusted
 from tailorstore.store.records import FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
@@ -84,9 +84,27 @@ def checkout_step(
             if facts.layout == DEEPSPEED_TAG and facts.ds_tag and not any(r.path == "latest" for r in files):
                 # A tag folder was committed; `engine.load_checkpoint(out)` needs `latest` to find it.
                 (tmp / "latest").write_text(facts.ds_tag)
+            if dcp_folder_itself(facts, files):
+                lift(tmp, str(facts.ds_tag))
     finally:
         progress.close()
     return CheckoutResult(step, manifest, out, len(files), written, inherited, time.perf_counter() - began)
+
+
+def dcp_folder_itself(facts: ManifestRecord, files: list[FileRecord]) -> bool:
+    """Pure: whether a checkout writes the step as ``out`` itself: a DCP folder committed by itself
+    (``step-6/``), which ``dcp.load(..., checkpoint_id=out)`` then reads. A DeepSpeed tag folder
+    keeps its name below ``out``, since ``engine.load_checkpoint(out)`` looks for it there."""
+    tag = facts.ds_tag
+    return facts.layout == DCP_FOLDER and bool(tag) and all(f.path.startswith(f"{tag}/") for f in files)
+
+
+def lift(root: Path, folder: str) -> None:
+    """Move the contents of ``root/folder`` up into ``root`` (a new folder of ours, not yet in place)."""
+    inner = root / folder
+    for child in list(inner.iterdir()):
+        child.rename(root / child.name)
+    inner.rmdir()
 
 
 def loaded_by(name: str, ranks: set[int]) -> bool:
