@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from tailorstore.report.usage import Usage
     from tailorstore.report.verify import VerifyReport
     from tailorstore.restore.checkout import CheckoutResult
+    from tailorstore.restore.dcp_read import DcpStep
     from tailorstore.restore.export import ExportResult
     from tailorstore.restore.reshard import ReshardResult
     from tailorstore.restore.universal import UniversalResult
@@ -405,10 +406,23 @@ class Store:
     def _selector(self, ref: Ref) -> str:
         return qualify(selector(ref), self.run)
 
+    def step(self, ref: Ref) -> StepSummary:
+        """The step ``ref`` names now, as :meth:`log` lists it; its ``id`` names the same manifest on
+        every host, whatever is committed after (``f"id={summary.id}"``)."""
+        return self._summary(self.repo.resolve(self._selector(ref)))
+
     def show(self, ref: Ref) -> StepDetail:
         from tailorstore.report.inspect import show
 
         return show(self.repo, self._selector(ref))
+
+    def open_dcp(self, ref: Ref, *, folder: str | None = None) -> DcpStep:
+        """A step's DCP folder (its only one, or ``folder``) to read item by item, every tensor
+        hash-checked: what :class:`tailorstore.integrations.dcp_storage.TailorStorageReader` hands
+        ``dcp.load``. Nothing is written anywhere."""
+        from tailorstore.restore.dcp_read import open_dcp_step
+
+        return open_dcp_step(self.repo, self.repo.resolve(self._selector(ref)), folder)
 
     def diff(self, a: Ref, b: Ref) -> DiffResult:
         from tailorstore.report.diff import diff

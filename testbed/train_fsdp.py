@@ -79,6 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=64, help="model width (benchmarks make it larger)")
     p.add_argument("--vocab", type=int, default=128)
     p.add_argument("--resume-from", default=None, help="a DCP folder (step-N) to load before training")
+    p.add_argument(
+        "--resume-from-store",
+        nargs=2,
+        metavar=("STORE", "REF"),
+        default=None,
+        help="load the step REF of STORE straight from the store (TailorStorageReader), every rank",
+    )
     p.add_argument("--losses-out", default=None)
     p.add_argument("--final-weights", default=None, help="rank 0 saves the full weights here (safetensors)")
     p.add_argument(
@@ -109,10 +116,18 @@ def main(argv: list[str] | None = None) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     out = Path(args.output_dir)
     first = 1
-    if args.resume_from:
+    if args.resume_from or args.resume_from_store:
         msd, osd = get_state_dict(model, optim)
         state = {"model": msd, "optim": osd, "train": {"step": 0}}
-        dcp.load(state, checkpoint_id=args.resume_from)
+        if args.resume_from_store:
+            from tailorstore import Store
+            from tailorstore.integrations.dcp_storage import TailorStorageReader
+
+            location, ref = args.resume_from_store
+            with Store.open(location) as store:
+                dcp.load(state, storage_reader=TailorStorageReader(store, ref))
+        else:
+            dcp.load(state, checkpoint_id=args.resume_from)
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         first = int(state["train"]["step"]) + 1
     losses: list[float] = []

@@ -109,6 +109,24 @@ def test_resume_from_a_checkout_gives_the_same_losses(fsdp_run: FsdpRun, tmp_pat
     assert resumed["losses"] == fsdp_run.losses[EVERY:]  # bit for bit: floats through JSON are exact
 
 
+def test_resume_through_the_storage_reader_at_two_ranks_and_at_one(fsdp_run: FsdpRun, tmp_path: Path) -> None:
+    """Issue 50: ``dcp.load`` with TailorStorageReader, nothing checked out: at the save's world size
+    the losses are the uninterrupted run's; at one rank (DCP reshards the two ranks' chunks) they
+    are those of DCP's own load of the raw folder at one rank, bit for bit."""
+    with Store.init(tmp_path / "store") as store:
+        store.commit(fsdp_run.out / "step-3")
+    from_store = ("--resume-from-store", str(tmp_path / "store"), "step=3")
+    at_two = train(tmp_path / "two", *from_store)
+    assert at_two["first"] == EVERY + 1 and at_two["losses"] == fsdp_run.losses[EVERY:]
+    at_one = train(tmp_path / "one", *from_store, nproc=1)
+    raw_at_one = train(tmp_path / "raw-one", "--resume-from", str(fsdp_run.out / "step-3"), nproc=1)
+    assert at_one["first"] == EVERY + 1 and at_one["losses"] == raw_at_one["losses"]
+    # no DCP folder of step 3 was written anywhere: each run's own save of step 6 is all there is
+    assert sorted(str(p.parent.relative_to(tmp_path)) for p in tmp_path.rglob(".metadata")) == [
+        "one/step-6", "raw-one/step-6", "two/step-6"
+    ]  # fmt: skip
+
+
 def test_a_parity_composite_loads_and_resumes(fsdp_run: FsdpRun, tmp_path: Path) -> None:
     """Step 6 stores the odd blocks and inherits the even ones from step 3: the checkout of
     step 6 is a composite. DCP loads it (its zips' CRCs mended), each layer from its own step."""

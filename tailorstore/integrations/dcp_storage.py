@@ -1,0 +1,152 @@
+"""tailorstore as PyTorch DCP's storage layer, loading: ``dcp.load(state, storage_reader=...)``
+reads a stored step's items straight from the store, every tensor hash-checked, no file written.
+
+    reader = TailorStorageReader(store, "latest")       # or a step, "tag=best", "id=..."
+    dcp.load(state, storage_reader=reader)
+
+DCP's load planner asks each rank for exactly the chunks it needs (``ReadItem``), at any world
+size, so the reader reshards as ``FileSystemReader`` does. A tensor item whose whole chunk lands
+in contiguous CPU memory is decoded into that memory directly; any other is decoded once into a
+scratch buffer and copied (a chunk split between ranks, a GPU destination).
+
+Call order (DCP's, ``torch/distributed/checkpoint/state_dict_loader.py``), on every rank:
+``reset``; ``read_metadata``, collective here: rank 0 names the step and every rank reads that
+one, so a commit meanwhile cannot give ranks different steps; ``set_up_storage_reader``;
+``prepare_local_plan``; ``prepare_global_plan`` on the coordinator; ``read_data``.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from tailorstore.api import Ref, Store
+from tailorstore.core.errors import StoreError
+from tailorstore.formats import dcp as dcp_format
+from tailorstore.restore.dcp_read import DcpStep
+
+
+class TailorStorageReader(StorageReader):
+    """A ``StorageReader`` over one stored step (``ref``, resolved once, by rank 0)."""
+
+    def __init__(self, store: Store, ref: Ref = "latest", *, folder: str | None = None) -> None:
+        super().__init__()
+        self.store, self.ref, self.folder = store, ref, folder
+        self._step: DcpStep | None = None
+
+    # -- DCP's calls ------------------------------------------------------------------------------------
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self._step = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # a reader is built over a store and a step, never found from a path
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        stable_id = self.store.step(self.ref).id if _rank() == 0 else None
+        if _distributed():
+            box = [stable_id]
+            dist.broadcast_object_list(box, src=0)
+            stable_id = box[0]
+        if not isinstance(stable_id, str):
+            raise StoreError(f"{self.ref!r}: rank 0 found no step to load")
+        self._step = self.store.open_dcp(f"id={stable_id}", folder=self.folder)
+        return torch_metadata(self._step.metadata)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        step = self._step
+        if step is None:
+            raise StoreError("read_data before read_metadata: DCP's load calls them in that order")
+        for request in plan.items:
+            offsets = request.storage_index.offset
+            item = step.item(request.storage_index.fqn, tuple(offsets) if offsets is not None else None)
+            if request.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(request, io.BytesIO(step.object_bytes(item)))
+            else:
+                _read_tensor(step, item, request, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _read_tensor(step: DcpStep, item: dcp_format.Item, request: ReadItem, planner: LoadPlanner) -> None:
+    assert item.chunk is not None
+    dtype = _torch_dtype(step.metadata.tensors[item.fqn].dtype)
+    target = planner.resolve_tensor(request).detach()
+    whole = tuple(request.lengths) == item.chunk.sizes and not any(request.storage_offsets)
+    if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+        step.tensor_into(item, _bytes_of(target))  # straight into the memory the state dict keeps
+    else:
+        chunk = torch.empty(item.chunk.sizes, dtype=dtype)
+        step.tensor_into(item, _bytes_of(chunk))
+        for dim, (start, length) in enumerate(zip(request.storage_offsets, request.lengths, strict=True)):
+            chunk = chunk.narrow(dim, start, length)
+        if target.size() != chunk.size():
+            raise StoreError(f"{item.fqn}: DCP asked for {list(target.size())} elements of a {list(chunk.size())} read")
+        target.copy_(chunk)
+    planner.commit_tensor(request, target)
+
+
+def torch_metadata(meta: dcp_format.DcpMetadata) -> Metadata:
+    """DCP's own ``Metadata``, built from what our restricted reader checked (the stored pickle is
+    never handed to DCP's unpickler)."""
+    described: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for fqn, info in meta.tensors.items():
+        chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in info.chunks]
+        described[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=_torch_dtype(info.dtype)), torch.Size(info.size), chunks
+        )
+    for fqn in meta.objects:
+        described[fqn] = BytesStorageMetadata()
+    storage = {}
+    for items in meta.items.values():
+        for item in items:
+            offset = torch.Size(item.chunk.offsets) if item.chunk is not None else None
+            storage[MetadataIndex(item.fqn, offset)] = _StorageInfo(item.file, item.offset, item.length)
+    return Metadata(described, planner_data=dict(meta.paths), storage_data=storage)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):
+        raise StoreError(f"{name} is not a torch dtype")
+    return found
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, for decoding into."""
+    if tensor.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0

@@ -1,0 +1,155 @@
+"""One DCP folder of a stored step, read item by item from the store: what a DCP ``StorageReader``
+needs, with no file written (``integrations/dcp_storage.py`` wraps it for ``dcp.load``).
+
+A ``.distcp`` file was stored as its container (the bytes between tensor data: zip records,
+pickles, the pickled objects of ``BYTE_IO`` items) and one atom per tensor item, placed at its
+``file_offset``. So a tensor item is its atom, decoded (hash-checked) straight into the memory
+the caller gives, and an object item is a range of the container, whose own hash is checked when
+it is read. ``.metadata`` is read again as hostile input (formats/dcp.py), as every reader of the
+store does.
+
+Call order: :func:`open_dcp_step` (on each rank; it resolves nothing itself: the caller gives
+the manifest), then any number of :meth:`DcpStep.tensor_into` and :meth:`DcpStep.object_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+
+from tailorstore.access.atom_reader import decode_atom_into
+from tailorstore.core.errors import BadCheckpointError, CorruptStoreError, StoreError, UnsafePickleError
+from tailorstore.formats import dcp
+from tailorstore.formats.kinds import DCP, RAW
+from tailorstore.formats.torch_zip import gaps
+from tailorstore.store.records import AtomRecord, FileRecord
+from tailorstore.store.repo import Repository
+
+
+@dataclass
+class DcpStep:
+    """A stored DCP folder: its checked metadata, and each item's place in the store."""
+
+    store: Repository
+    manifest: int
+    step: int
+    folder: str  # the folder's path in the step ("step-6", or "" at the top)
+    metadata: dcp.DcpMetadata
+    files: dict[str, FileRecord]  # .distcp file name -> its row
+    # (file, item offset) -> the item's pieces in file order (one, as commits cut DCP items today)
+    _atoms: dict[tuple[str, int], list[AtomRecord]] = field(default_factory=dict)
+    _containers: dict[str, bytes] = field(default_factory=dict)  # file -> its container, once read
+    _items: dict[tuple[str, tuple[int, ...] | None], dcp.Item] = field(default_factory=dict)
+
+    def item(self, fqn: str, chunk_offsets: tuple[int, ...] | None) -> dcp.Item:
+        """The stored item of ``fqn`` (a tensor's chunk at ``chunk_offsets``, or an object)."""
+        if not self._items:
+            for items in self.metadata.items.values():
+                for one in items:
+                    self._items[(one.fqn, one.chunk.offsets if one.chunk is not None else None)] = one
+        found = self._items.get((fqn, chunk_offsets))
+        if found is None:
+            raise StoreError(f"step {self.step}: no item of {fqn} at {chunk_offsets} in its DCP folder")
+        return found
+
+    def tensor_into(self, item: dcp.Item, dest: memoryview) -> None:
+        """Decode a tensor item's elements into ``dest`` (its exact size), hash-checked."""
+        if item.chunk is None:
+            raise StoreError(f"step {self.step}: {item.fqn} is an object, not a tensor")
+        if len(dest) == 0:
+            return
+        pieces = self._atoms.get((item.file, item.offset), [])
+        where = f"step {self.step}, {self._path(item.file)}, item {item.fqn}"
+        if not pieces:
+            raise CorruptStoreError(f"{where}: the store holds no piece of it; run tailor verify")
+        first = pieces[0].file_offset or 0
+        at = 0
+        for atom in pieces:
+            if (atom.file_offset or 0) - first != at or at + atom.nbytes > len(dest):
+                raise CorruptStoreError(f"{where}: its pieces do not tile its {len(dest)} bytes; run tailor verify")
+            decode_atom_into(self.store, self.manifest, atom, dest[at : at + atom.nbytes], where)
+            at += atom.nbytes
+        if at != len(dest):
+            raise CorruptStoreError(f"{where}: its pieces hold {at} bytes, not {len(dest)}; run tailor verify")
+
+    def object_bytes(self, item: dcp.Item) -> bytes:
+        """An object item's pickled bytes (a ``BYTE_IO`` item), from its file's container."""
+        if item.chunk is not None:
+            raise StoreError(f"step {self.step}: {item.fqn} is a tensor, not an object")
+        container = self._container(item.file)
+        atoms = [
+            (a.file_offset or 0, a.nbytes) for (name, _), got in self._atoms.items() if name == item.file for a in got
+        ]
+        out = bytearray()
+        at = 0  # where each run of the file begins in the container
+        for offset, length in gaps(self.files[item.file].raw_size, atoms):
+            lo, hi = max(offset, item.offset), min(offset + length, item.offset + item.length)
+            if lo < hi:
+                out += container[at + lo - offset : at + hi - offset]
+            at += length
+        if len(out) != item.length:
+            raise CorruptStoreError(f"step {self.step}: the object {item.fqn} overlaps a tensor's bytes in its file")
+        return bytes(out)
+
+    def _container(self, name: str) -> bytes:
+        if name not in self._containers:
+            row = self.files[name]
+            if row.container is None:
+                raise CorruptStoreError(f"step {self.step}: {self._path(name)} was stored without a container")
+            self._containers[name] = self.store.read_blob(row.container, f"step {self.step}, {self._path(name)}")
+        return self._containers[name]
+
+    def _path(self, name: str) -> str:
+        return f"{self.folder}/{name}" if self.folder else name
+
+
+def dcp_folders(store: Repository, manifest: int) -> list[str]:
+    """The DCP folders of a step (``""`` for one at its top)."""
+    folders = {str(PurePosixPath(f.path).parent) for f in store.catalogue.files(manifest) if f.kind == DCP}
+    return sorted("" if f == "." else f for f in folders)
+
+
+def open_dcp_step(store: Repository, manifest: int, folder: str | None = None) -> DcpStep:
+    """The step's DCP folder ``folder`` (or its only one), ready to read item by item."""
+    facts = store.manifest(manifest)
+    folders = dcp_folders(store, manifest)
+    if not folders:
+        raise StoreError(f"step {facts.step} holds no DCP folder; dcp.load reads only steps saved with dcp.save")
+    if folder is None:
+        if len(folders) > 1:
+            raise StoreError(f"step {facts.step} holds DCP folders {folders}; name the one to load (folder=...)")
+        folder = folders[0]
+    folder = folder.strip("/")
+    if folder not in folders:
+        raise StoreError(f"step {facts.step} has no DCP folder {folder!r}; it has {folders}")
+    prefix = f"{folder}/" if folder else ""
+    rows = store.catalogue.files(manifest)
+    inside = {r.path[len(prefix) :]: r for r in rows if r.path.startswith(prefix) and "/" not in r.path[len(prefix) :]}
+    meta_row = inside.get(dcp.METADATA)
+    where = f"step {facts.step}, file {prefix}{dcp.METADATA}"
+    if meta_row is None or meta_row.kind != RAW:
+        raise CorruptStoreError(f"{where}: not in the store; run tailor verify")
+    files = {name: row for name, row in inside.items() if row.kind == DCP}
+    try:
+        meta = dcp.read_metadata(
+            store.read_blob(meta_row.blob, where), where, {n: r.raw_size for n, r in files.items()}
+        )
+    except (BadCheckpointError, UnsafePickleError) as exc:
+        raise CorruptStoreError(f"{exc} (read from the store); run tailor verify") from None
+    step = DcpStep(store, manifest, facts.step, folder, meta, files)
+    tensor_items = {(i.file, i.offset) for items in meta.items.values() for i in items if i.chunk is not None}
+    by_file: dict[str, list[AtomRecord]] = {}
+    for atom in store.catalogue.atoms(manifest):
+        if atom.path.startswith(prefix) and atom.path[len(prefix) :] in files:
+            by_file.setdefault(atom.path[len(prefix) :], []).append(atom)
+    for name, atoms in by_file.items():
+        items = sorted((i for i in meta.items.get(name, []) if i.chunk is not None), key=lambda i: i.offset)
+        for atom in atoms:
+            at = atom.file_offset or 0
+            owner = next((i for i in items if i.offset <= at < i.offset + i.length), None)
+            if owner is None or (name, owner.offset) not in tensor_items:
+                raise CorruptStoreError(f"step {facts.step}, {prefix}{name}: a piece lies in no tensor item")
+            step._atoms.setdefault((name, owner.offset), []).append(atom)
+    for pieces in step._atoms.values():
+        pieces.sort(key=lambda a: a.file_offset or 0)
+    return step
