@@ -7,7 +7,8 @@ reads a stored step's items straight from the store, every tensor hash-checked, 
 DCP's load planner asks each rank for exactly the chunks it needs (``ReadItem``), at any world
 size, so the reader reshards as ``FileSystemReader`` does. A tensor item whose whole chunk lands
 in contiguous CPU memory is decoded into that memory directly; any other is decoded once into a
-scratch buffer and copied (a chunk split between ranks, a GPU destination).
+scratch buffer and copied (a chunk split between ranks, a GPU destination). Items decode on a pool
+of threads (``threads``, default two a usable core, as a checkout), at most twice as many in flight.
 
 Call order (DCP's, ``torch/distributed/checkpoint/state_dict_loader.py``), on every rank:
 ``reset``; ``read_metadata``, collective here: rank 0 names the step and every rank reads that
@@ -18,6 +19,9 @@ one, so a commit meanwhile cannot give ranks different steps; ``set_up_storage_r
 from __future__ import annotations
 
 import io
+from collections import deque
+from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -37,6 +41,7 @@ from torch.futures import Future
 
 from tailorstore.api import Ref, Store
 from tailorstore.core.errors import StoreError
+from tailorstore.core.threads import decode_threads
 from tailorstore.formats import dcp as dcp_format
 from tailorstore.restore.dcp_read import DcpStep
 
@@ -44,9 +49,12 @@ from tailorstore.restore.dcp_read import DcpStep
 class TailorStorageReader(StorageReader):
     """A ``StorageReader`` over one stored step (``ref``, resolved once, by rank 0)."""
 
-    def __init__(self, store: Store, ref: Ref = "latest", *, folder: str | None = None) -> None:
+    def __init__(
+        self, store: Store, ref: Ref = "latest", *, folder: str | None = None, threads: int | None = None
+    ) -> None:
         super().__init__()
         self.store, self.ref, self.folder = store, ref, folder
+        self.threads = decode_threads(threads)
         self._step: DcpStep | None = None
 
     # -- DCP's calls ------------------------------------------------------------------------------------
@@ -81,34 +89,68 @@ class TailorStorageReader(StorageReader):
         step = self._step
         if step is None:
             raise StoreError("read_data before read_metadata: DCP's load calls them in that order")
-        for request in plan.items:
-            offsets = request.storage_index.offset
-            item = step.item(request.storage_index.fqn, tuple(offsets) if offsets is not None else None)
-            if request.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(request, io.BytesIO(step.object_bytes(item)))
-            else:
-                _read_tensor(step, item, request, planner)
+        with step.reading(), ThreadPoolExecutor(self.threads, thread_name_prefix="tailor-dcp-read") as pool:
+            window: deque[tuple[ReadItem, torch.Tensor, Any]] = deque()  # decodes in flight, in plan order
+            for request in plan.items:
+                offsets = request.storage_index.offset
+                item = step.item(request.storage_index.fqn, tuple(offsets) if offsets is not None else None)
+                if request.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(request, io.BytesIO(step.object_bytes(item)))
+                    continue
+                target, into, rest = _plan_tensor(step, item, request, planner)
+                if step.any_thread(item):
+                    window.append((request, target, pool.submit(_decode, step, item, into, rest)))
+                else:
+                    window.append((request, target, _done(_decode(step, item, into, rest))))
+                while len(window) > 2 * self.threads:  # scratch buffers held at once stay bounded
+                    _land(planner, *window.popleft())
+            while window:
+                _land(planner, *window.popleft())
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
 
-def _read_tensor(step: DcpStep, item: dcp_format.Item, request: ReadItem, planner: LoadPlanner) -> None:
+def _plan_tensor(
+    step: DcpStep, item: dcp_format.Item, request: ReadItem, planner: LoadPlanner
+) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int], ...] | None]:
+    """(the destination, the tensor to decode into, and the part of it to copy into the
+    destination, or None where the destination itself is decoded into)."""
     assert item.chunk is not None
     dtype = _torch_dtype(step.metadata.tensors[item.fqn].dtype)
     target = planner.resolve_tensor(request).detach()
     whole = tuple(request.lengths) == item.chunk.sizes and not any(request.storage_offsets)
     if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
-        step.tensor_into(item, _bytes_of(target))  # straight into the memory the state dict keeps
-    else:
-        chunk = torch.empty(item.chunk.sizes, dtype=dtype)
-        step.tensor_into(item, _bytes_of(chunk))
-        for dim, (start, length) in enumerate(zip(request.storage_offsets, request.lengths, strict=True)):
-            chunk = chunk.narrow(dim, start, length)
-        if target.size() != chunk.size():
-            raise StoreError(f"{item.fqn}: DCP asked for {list(target.size())} elements of a {list(chunk.size())} read")
+        return target, target, None  # straight into the memory the state dict keeps
+    part = tuple(zip(request.storage_offsets, request.lengths, strict=True))
+    if tuple(target.size()) != tuple(request.lengths):
+        raise StoreError(f"{item.fqn}: DCP asked for {list(request.lengths)} elements into {list(target.size())}")
+    return target, torch.empty(item.chunk.sizes, dtype=dtype), part
+
+
+def _decode(
+    step: DcpStep, item: dcp_format.Item, into: torch.Tensor, part: tuple[tuple[int, int], ...] | None
+) -> torch.Tensor | None:
+    """Decode the item into ``into``; the part to copy into the destination (None: done)."""
+    step.tensor_into(item, _bytes_of(into))
+    if part is None:
+        return None
+    for dim, (start, length) in enumerate(part):
+        into = into.narrow(dim, start, length)
+    return into
+
+
+def _land(planner: LoadPlanner, request: ReadItem, target: torch.Tensor, decoding: Any) -> None:
+    chunk = decoding.result()
+    if chunk is not None:
         target.copy_(chunk)
     planner.commit_tensor(request, target)
+
+
+def _done(value: Any) -> Any:
+    finished: ConcurrentFuture[Any] = ConcurrentFuture()
+    finished.set_result(value)
+    return finished
 
 
 def torch_metadata(meta: dcp_format.DcpMetadata) -> Metadata:

@@ -14,15 +14,16 @@ the manifest), then any number of :meth:`DcpStep.tensor_into` and :meth:`DcpStep
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-from tailorstore.access.atom_reader import decode_atom_into
+from tailorstore.access.atom_reader import blob_of, decode_atom_into, decode_stored_atom
 from tailorstore.core.errors import BadCheckpointError, CorruptStoreError, StoreError, UnsafePickleError
 from tailorstore.formats import dcp
 from tailorstore.formats.kinds import DCP, RAW
 from tailorstore.formats.torch_zip import gaps
-from tailorstore.store.records import AtomRecord, FileRecord
+from tailorstore.store.records import AtomRecord, BlobRecord, FileRecord
 from tailorstore.store.repo import Repository
 
 
@@ -40,6 +41,7 @@ class DcpStep:
     _atoms: dict[tuple[str, int], list[AtomRecord]] = field(default_factory=dict)
     _containers: dict[str, bytes] = field(default_factory=dict)  # file -> its container, once read
     _items: dict[tuple[str, tuple[int, ...] | None], dcp.Item] = field(default_factory=dict)
+    _rows: dict[str, BlobRecord] = field(default_factory=dict)  # every stored piece's blob row, looked up once
 
     def item(self, fqn: str, chunk_offsets: tuple[int, ...] | None) -> dcp.Item:
         """The stored item of ``fqn`` (a tensor's chunk at ``chunk_offsets``, or an object)."""
@@ -52,8 +54,19 @@ class DcpStep:
             raise StoreError(f"step {self.step}: no item of {fqn} at {chunk_offsets} in its DCP folder")
         return found
 
+    def any_thread(self, item: dcp.Item) -> bool:
+        """Whether :meth:`tensor_into` of ``item`` may run on another thread than the index's: its
+        pieces are stored, not rebuilt from a master (which needs the index)."""
+        return all(a.derived is None for a in self._atoms.get((item.file, item.offset), []))
+
+    def reading(self) -> AbstractContextManager[None]:
+        """The block in which items are read: on an object store, their packs are read a span at
+        a time (:meth:`Repository.reading`)."""
+        return self.store.reading(self._rows.values())
+
     def tensor_into(self, item: dcp.Item, dest: memoryview) -> None:
-        """Decode a tensor item's elements into ``dest`` (its exact size), hash-checked."""
+        """Decode a tensor item's elements into ``dest`` (its exact size), hash-checked; on any
+        thread where :meth:`any_thread` says so."""
         if item.chunk is None:
             raise StoreError(f"step {self.step}: {item.fqn} is an object, not a tensor")
         if len(dest) == 0:
@@ -67,7 +80,11 @@ class DcpStep:
         for atom in pieces:
             if (atom.file_offset or 0) - first != at or at + atom.nbytes > len(dest):
                 raise CorruptStoreError(f"{where}: its pieces do not tile its {len(dest)} bytes; run tailor verify")
-            decode_atom_into(self.store, self.manifest, atom, dest[at : at + atom.nbytes], where)
+            row = self._rows.get(atom.blob) if atom.derived is None else None
+            if row is not None:
+                decode_stored_atom(self.store, row, dest[at : at + atom.nbytes], where)  # no SQL: any thread
+            else:
+                decode_atom_into(self.store, self.manifest, atom, dest[at : at + atom.nbytes], where)
             at += atom.nbytes
         if at != len(dest):
             raise CorruptStoreError(f"{where}: its pieces hold {at} bytes, not {len(dest)}; run tailor verify")
@@ -152,4 +169,7 @@ def open_dcp_step(store: Repository, manifest: int, folder: str | None = None) -
             step._atoms.setdefault((name, owner.offset), []).append(atom)
     for pieces in step._atoms.values():
         pieces.sort(key=lambda a: a.file_offset or 0)
+        for atom in pieces:
+            if atom.derived is None and atom.blob not in step._rows:
+                step._rows[atom.blob] = blob_of(store, atom.blob, f"step {facts.step}, {atom.path}")
     return step
