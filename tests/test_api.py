@@ -77,10 +77,7 @@ def test_a_failure_is_reported_at_the_next_save(runs: Runs, tmp_path: Path) -> N
     damaged = as_of_step(save, 3, tmp_path / "damaged")
     (damaged / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"not a checkpoint")
     store = Store.init(tmp_path / "store")
-    store.commit_async(damaged)
-    deadline = time.monotonic() + 60
-    while store._queue.in_flight() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert isinstance(store.commit_async(damaged).exception(timeout=60), BadCheckpointError)  # it ended
     with pytest.raises(BackgroundCommitError):
         store.commit_async(as_of_step(save, 6, tmp_path / "at6"))
     store.close()  # nothing else failed
@@ -102,12 +99,14 @@ def test_the_bound_on_commits_in_flight_waits_and_says_so(
     caplog.set_level(logging.WARNING, logger="tailorstore")
     gate = threading.Event()
     with Store.init(tmp_path / "store", max_in_flight=1) as store:
-        blocker = store._queue.submit("a slow commit", gate.wait)  # holds the one slot
+        blocker = store.background("a slow commit", lambda _store: gate.wait())  # holds the one slot
         waited = threading.Thread(target=lambda: store.commit_async(saves[0]))
         waited.start()
-        time.sleep(0.5)
-        assert waited.is_alive(), "the second commit waits for the slot"
+        deadline = time.monotonic() + 30  # the warning is logged just before the wait for the slot
+        while "1 commit(s) already in flight; waiting" not in caplog.text and time.monotonic() < deadline:
+            waited.join(0.01)
         assert "1 commit(s) already in flight; waiting" in caplog.text
+        assert waited.is_alive(), "the second commit waits for the slot"
         gate.set()
         waited.join(timeout=60)
         blocker.result(timeout=5)
