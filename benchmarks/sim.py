@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from testbed.simulation import (
+    TARGETED,
     HostServer,
     Inputs,
     Outcome,
@@ -76,6 +77,7 @@ def simulate(
     keep: Path | None = None,
     report: Callable[[Outcome], None] | None = None,
     slip: bool = False,
+    theme: str | None = None,
 ) -> list[Outcome]:
     """Run each seed on ``backend`` with ``jobs`` schedules at a time; every outcome, in seed order."""
     s3 = None
@@ -107,7 +109,7 @@ def simulate(
                     if not todo or failures:
                         return
                     seed = todo.pop(0)
-                outcome = run_schedule(seed, backend, inputs, server, env, location, ref_lock, keep, slip)
+                outcome = run_schedule(seed, backend, inputs, server, env, location, ref_lock, keep, slip, theme)
                 with lock:
                     outcomes[seed] = outcome
                     if report is not None:
@@ -145,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         "the timing gap docs/FORMAT.md section 8.1 names",
     )
     parser.add_argument("--keep", type=Path, help="keep each schedule's stores and outputs under this folder")
+    parser.add_argument(
+        "--theme", choices=TARGETED, help="a targeted theme for every schedule (never drawn): pins-vs-gc"
+    )
     args = parser.parse_args(argv)
     inputs = training_inputs()
     if args.keep:
@@ -168,7 +173,15 @@ def main(argv: list[str] | None = None) -> int:
         count = args.schedules if args.backend != "both" else SHARE[backend] * args.schedules // 5
         seeds = list(range(args.seed, args.seed + count))
         outcomes = simulate(
-            seeds, backend, inputs, jobs=args.jobs, code=code, keep=args.keep, report=report, slip=args.slip
+            seeds,
+            backend,
+            inputs,
+            jobs=args.jobs,
+            code=code,
+            keep=args.keep,
+            report=report,
+            slip=args.slip,
+            theme=args.theme,
         )
         bad = [o for o in outcomes if o.problems]
         broken += len(bad)

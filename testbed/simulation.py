@@ -210,9 +210,53 @@ def _operation(rng: random.Random, kind: str, theme: str) -> dict[str, Any]:
     return {"op": "branch", "from": BRANCH_BASE}
 
 
-def make_schedule(seed: int, backend: str) -> list[dict[str, Any]]:
-    """The operations of one seed: the same list on every run of it."""
+# Themes a run names (``--theme``), never drawn: each aims at one interleaving, so adding one leaves
+# the drawn seeds' schedules (and the regression seeds) as they were.
+TARGETED = ("pins-vs-gc",)
+
+
+def _pins_vs_gc(rng: random.Random, backend: str) -> list[dict[str, Any]]:
+    """Attack finding 6's interleaving: a gc that drops steps is stopped between its plan and its
+    deletions, and meanwhile other hosts pin or tag the steps it drops; then anything."""
+    ops: list[dict[str, Any]] = []
+    for step in (6, 9):
+        save = rng.choice(WHOLE)
+        ops.append({"op": "commit", "save": save, "key": ["main", step], "force": False, "tag": None, "metric": None})
+    fault: dict[str, Any] = {"action": "stop", "after": rng.randint(1, 3)}
+    fault["hold"] = LONG_HOLD if backend == "s3" and rng.random() < 0.7 else 0.0
+    if backend == "posix" and rng.random() < 0.5:
+        fault.update(where="point", point="gc-before-delete")
+    else:
+        fault.update(where="request", kind=rng.choice(("delete-many", "delete-many", "delete", "put-create", "get")))
+        fault["nth"] = rng.randint(1, 2)
+    rules = rng.choice((["--keep-last", "1"], ["--keep-last", "1"], ["--keep-every", "9"]))
+    ops.append({"op": "gc", "args": rules, "drops": True, "thins": False, "fault": fault, "host": "a"})
+    for _ in range(fault["after"]):
+        if rng.random() < 0.7:
+            ops.append({"op": "pin", "key": ["main", 6], "host": rng.choice(("b", "c"))})
+        else:
+            tag = rng.choice(TAGS)
+            ops.append({"op": "tag", "tag": tag, "key": ["main", 6], "force": True, "host": rng.choice(("b", "c"))})
+    kinds, weights = zip(*THEMES["refs-vs-gc"].items(), strict=True)
+    for _ in range(rng.randint(1, 3)):
+        op = _operation(rng, rng.choices(kinds, weights)[0], "refs-vs-gc")
+        op.update(host=rng.choice(HOSTS), fault=_fault(rng, backend))
+        ops.append(op)
+    for n, op in enumerate(ops):
+        op.setdefault("host", rng.choice(HOSTS))
+        op.setdefault("fault", None)
+        op.update(n=n, theme="pins-vs-gc")
+    return ops
+
+
+def make_schedule(seed: int, backend: str, theme: str | None = None) -> list[dict[str, Any]]:
+    """The operations of one seed (of a drawn theme, or of the targeted ``theme``): the same list
+    on every run of it."""
     rng = random.Random(f"{backend}:{seed}")
+    if theme == "pins-vs-gc":
+        return _pins_vs_gc(rng, backend)
+    if theme is not None:
+        raise ValueError(f"unknown targeted theme {theme!r}: {TARGETED}")
     theme = rng.choice(sorted(THEMES))
     kinds, weights = zip(*THEMES[theme].items(), strict=True)
     ops: list[dict[str, Any]] = []
@@ -298,7 +342,9 @@ class Outcome:
     checking: float = 0.0  # of which the fresh host's checks
 
     def replay(self, code: str | None = None, slip: bool = False) -> str:
+        theme = self.journal[0].op.get("theme") if self.journal else None
         where = (f" --code {code}" if code else "") + (" --slip" if slip else "")
+        where += f" --theme {theme}" if theme in TARGETED else ""
         return f"python -m benchmarks.sim --backend {self.backend} --seed {self.seed} --schedules 1{where} --verbose"
 
 
@@ -480,6 +526,7 @@ def run_schedule(
     ref_lock_timeout: bool,
     keep: Path | None = None,
     slip: bool = False,
+    theme: str | None = None,
 ) -> Outcome:
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=f"sim-{backend}-{seed}-", dir=keep))
@@ -489,7 +536,7 @@ def run_schedule(
         rc, _, err = schedule.command(["init", location], "init", cache="a")
         if rc != 0:
             raise RuntimeError(f"init failed: {err}")
-        ops = make_schedule(seed, backend)
+        ops = make_schedule(seed, backend, theme)
         schedule.run(ops)
         checking = time.monotonic()
         problems = [

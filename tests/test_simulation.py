@@ -34,6 +34,14 @@ REGRESSION_SEEDS: list[tuple[str, int, str]] = [
     ("s3", 269, "a commit deleted the pin another host had set meanwhile on its new step"),
     ("s3", 399, "a tag reported failed stayed: the tag object went up before the pin's fenced put failed"),
 ]
+# Seeds of a targeted theme (``--theme``): (backend, seed, what it found on 92aa450, the theme).
+THEMED_SEEDS: list[tuple[str, int, str, str]] = [
+    ("posix", 8, "attack finding 6: a pin and a tag set while gc was stopped at gc-before-delete; that gc "
+     "dropped their step", "pins-vs-gc"),
+    ("posix", 11, "attack finding 6, with a tag set twice", "pins-vs-gc"),
+    ("s3", 53, "finding 6's interleaving on S3, the gc stopped at its DeleteObjects (before its fence here)",
+     "pins-vs-gc"),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +75,17 @@ def test_50_schedules_on_s3_hold_every_invariant(inputs: Inputs) -> None:
 )
 def test_the_seeds_that_found_bugs_hold_now(inputs: Inputs, backend: str, seed: int, found: str) -> None:
     _held(simulate([seed], backend, inputs, jobs=1))
+
+
+@pytest.mark.parametrize(
+    ("backend", "seed", "found", "theme"), THEMED_SEEDS, ids=[f"{t}-{b}-{s}" for b, s, _, t in THEMED_SEEDS]
+)
+def test_the_targeted_seeds_that_found_bugs_hold_now(
+    inputs: Inputs, backend: str, seed: int, found: str, theme: str
+) -> None:
+    outcome = simulate([seed], backend, inputs, jobs=1, theme=theme)
+    assert outcome[0].journal[0].op["theme"] == theme
+    _held(outcome)
 
 
 # ---- the checker itself: it must see a broken store as broken -------------------------------------
