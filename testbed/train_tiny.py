@@ -219,6 +219,12 @@ def saved_bytes(model: nn.Module) -> int:
     return n * 2 + n * 12 // torch.distributed.get_world_size()  # bf16 weights; this rank's fp32 master, two moments
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (not the peak, which ``getrusage`` gives)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def copy_floor(nbytes: int, cuda: bool, *, together: bool = False) -> float:
     """Seconds to copy ``nbytes`` into host memory that is already mapped (pinned, from the GPU,
     with --cuda; else from memory to memory), the best of 3 after a warm-up: the least a snapshot
@@ -312,6 +318,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--on-existing", default="branch", help="what the engine does with a save of a step the store holds")
     p.add_argument("--fast-writer", action="store_true", help="save with DeepSpeed's FastCheckpointEngine")
     p.add_argument("--timings-out", default=None, help="JSON: each save's stall and the training loop's seconds")
+    p.add_argument("--rss-out", default=None, help="JSON: rank 0's resident memory after each save, in bytes")
     p.add_argument(
         "--floor-together",
         action="store_true",
@@ -406,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     evals: dict[int, float] = {}  # held-out loss at each save (--eval-at-save)
     stalls: list[float] = []  # how long each save blocked training (rank 0)
     step_ends: dict[int, float] = {}  # when each step's loss was on the host (tokens/s around a save)
+    rss: list[int] = []  # rank 0's resident bytes after each save (--rss-out)
     loop_began = time.perf_counter()
     for step in range(start_step + 1, args.steps + 1):
         tokens = DATA[args.data](step, rank, args.micro_batch, args.seq, args.vocab).to(engine.device)
@@ -437,6 +445,8 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 engine.save_checkpoint(args.save_dir, client_state={"my_step": step})
             stalls.append(time.perf_counter() - save_began)
+            if args.rss_out:
+                rss.append(resident_bytes())
 
     if tailor is not None:
         tailor.flush()  # rank 0: waits for the last commit and raises any failure
@@ -468,6 +478,8 @@ def main(argv: list[str] | None = None) -> None:
             Path(args.eval_out).write_text(json.dumps({"held_out_loss": held_out, "batches": args.eval_batches}))
     if rank == 0 and args.evals_out:
         Path(args.evals_out).write_text(json.dumps(evals))
+    if rank == 0 and args.rss_out:
+        Path(args.rss_out).write_text(json.dumps(rss))
     if rank == 0 and args.losses_out:
         # float.hex keeps every bit, so equality checks are exact.
         Path(args.losses_out).write_text(json.dumps({str(k): v.hex() for k, v in losses.items()}))
