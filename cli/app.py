@@ -21,7 +21,7 @@ import typer
 from tailorstore.cli.naming import EXIT_CODES, as_command
 
 import tailorstore
-from tailorstore import STORE_ENV, TailorError, __version__, for_terminal
+from tailorstore import LOCK_TIMEOUT, STORE_ENV, TailorError, __version__, for_terminal
 
 app = typer.Typer(
     add_completion=False,
@@ -51,7 +51,7 @@ StoreOpt = typer.Option(
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary line.")
 JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON.")
 TrustOpt = typer.Option(False, "--trust-pickles", help="Load pickles with globals outside the allowlist (unsafe).")
-LockOpt = typer.Option(600.0, "--lock-timeout", help="Seconds to wait for the store lock.")
+LockOpt = typer.Option(LOCK_TIMEOUT, "--lock-timeout", help="Seconds to wait for the store lock.")
 RunOpt = typer.Option(None, "--run", help="The run whose steps step=N and latest name (default: main).")
 SELECTOR_HELP = "step=N, RUN:step=N, tag=NAME, id=HEX (as `tailor log` prints it) or latest."
 
@@ -424,10 +424,11 @@ def merge(
     run: str = typer.Option("main", "--run", help="The run whose steps the spec's {step: N} name."),
     store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
+    lock_timeout: float = LockOpt,
 ) -> None:
     """Compose a checkpoint from layers of different steps (no blob written), or average several steps' masters."""
     with _open(store, run) as st:
-        result = st.merge(spec, tag=tag)
+        result = st.merge(spec, tag=tag, lock_timeout=lock_timeout)
     if as_json:
         typer.echo(json.dumps(_asdict(result)))
         return

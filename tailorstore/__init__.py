@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from tailorstore.core.environment import STORE_ENV
 from tailorstore.core.errors import (
+    LOCK_TIMEOUT,
     BadCheckpointError,
     Call,
     Category,
@@ -53,6 +54,7 @@ _LOADED_ON_USE = {
     "CommitResult": ".ingest.commit_options",
     "FinalizeResult": ".ingest.finalize",
     "CheckoutResult": ".restore.checkout",
+    "DcpStep": ".restore.dcp_read",
     "ReshardResult": ".restore.reshard",
     "UniversalResult": ".restore.universal",
     "ExportResult": ".restore.export",
@@ -82,6 +84,7 @@ _LOADED_ON_USE = {
 __version__ = "0.3.0"
 __all__ = [
     "FORMAT_VERSION",
+    "LOCK_TIMEOUT",
     "MAIN_RUN",
     "STORE_ENV",
     "Adaptive",
@@ -97,6 +100,7 @@ __all__ = [
     "CommitRequest",
     "CommitResult",
     "CorruptStoreError",
+    "DcpStep",
     "DiffResult",
     "ExportResult",
     "Filter",

@@ -184,7 +184,7 @@ class Store:
         *,
         tag: str | None = None,
         force: bool = False,
-        lock_timeout: float = 600.0,
+        lock_timeout: float = LOCK_TIMEOUT,
         on_wait: Callable[[str], None] | None = None,
         label: str | None = None,
         metrics: Mapping[str, float] | None = None,
@@ -367,7 +367,7 @@ class Store:
 
         return list_runs(self.repo)
 
-    def create_run(self, name: str, *, base: Ref | None = None, lock_timeout: float = 600.0) -> RunInfo:
+    def create_run(self, name: str, *, base: Ref | None = None, lock_timeout: float = LOCK_TIMEOUT) -> RunInfo:
         """Start run ``name``, branched from the step ``base`` names (read in this handle's run), or empty."""
         from tailorstore.curate.runs import create_run
 
@@ -460,7 +460,7 @@ class Store:
         run: str | None = None,
         dry_run: bool = False,
         drop_parts: bool = False,
-        lock_timeout: float = 600.0,
+        lock_timeout: float = LOCK_TIMEOUT,
         on_wait: Callable[[str], None] | None = None,
         show_plan: Callable[[GcPlan], None] | None = None,
     ) -> GcPlan:
@@ -487,13 +487,15 @@ class Store:
             show_plan=show_plan,
         )
 
-    def merge(self, spec: str | os.PathLike, *, tag: str) -> MergeResult | AverageResult:
+    def merge(
+        self, spec: str | os.PathLike, *, tag: str, lock_timeout: float = LOCK_TIMEOUT
+    ) -> MergeResult | AverageResult:
         """Compose a checkpoint from the layer slices a YAML spec names, or (a spec with
         ``method: sma | ema | wma``) average the FP32 masters of several steps; it is recorded
         under ``tag``. An average writes new blobs; a composite writes none."""
         from tailorstore.curate.merge import merge
 
-        return merge(self.repo, Path(spec), tag, self.run)
+        return merge(self.repo, Path(spec), tag, self.run, lock_timeout=lock_timeout)
 
     def tag(self, ref: Ref, name: str, *, force: bool = False, lock_timeout: float = LOCK_TIMEOUT) -> StepSummary:
         """Name the step ``ref`` names; returns it as ``log`` lists it. Waits for a running gc."""

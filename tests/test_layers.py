@@ -153,3 +153,31 @@ def test_operations_ask_only_what_the_catalogue_declares() -> None:
             if (on_catalogue or on_handle) and node.attr not in allowed:
                 wrong.append(f"{path}:{node.lineno}: .{node.attr} is not declared")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_lock_timeout_defaults_to_the_one_constant() -> None:
+    """Issue 49: one convention per concern. Every function and method of the library and the CLI
+    that takes ``lock_timeout`` waits ``LOCK_TIMEOUT`` unless told otherwise (merge and averaging
+    once hard-coded 60 s, and the 600 s default was written out in nine places)."""
+    import ast
+
+    from tailorstore import LOCK_TIMEOUT
+
+    found, wrong = 0, []
+    for path in [*Path("tailorstore").rglob("*.py"), *Path("cli").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            args = node.args
+            named = [*args.posonlyargs, *args.args]
+            pairs = list(zip(named[len(named) - len(args.defaults) :], args.defaults, strict=True))
+            pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None]
+            for arg, default in pairs:
+                if arg.arg != "lock_timeout":
+                    continue
+                found += 1
+                text = ast.unparse(default)
+                if text not in ("LOCK_TIMEOUT", "LockOpt"):
+                    wrong.append(f"{path}:{node.lineno} {node.name}(lock_timeout={text})")
+    assert found > 20 and not wrong, wrong
+    assert LOCK_TIMEOUT == 600.0

@@ -43,7 +43,7 @@ import numpy as np
 from tailorstore.access.atom_reader import decode_atom, decode_atom_into
 from tailorstore.access.model_tensors import tiling
 from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
-from tailorstore.core.errors import Call, CorruptStoreError, MergeSpecError, StepExistsError
+from tailorstore.core.errors import LOCK_TIMEOUT, Call, CorruptStoreError, MergeSpecError, StepExistsError
 from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import AUX_GROUPS, STATE, block_index, sort_key
 from tailorstore.core.progress import Silent
@@ -59,7 +59,6 @@ from tailorstore.store.writer import BlobWriter
 METHODS = ("sma", "ema", "wma")
 AVERAGED_KINDS = (MASTER, EXP_AVG, EXP_AVG_SQ)
 _KEYS = {"method", "steps", "alpha", "weights", "base", "layers", "kinds"}
-LOCK_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -219,11 +218,13 @@ def chosen_layers(entries: tuple[Any, ...] | None, model_layers: Iterable[str], 
     return out
 
 
-def average(store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, run: str) -> AverageResult:
+def average(
+    store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, run: str, *, lock_timeout: float = LOCK_TIMEOUT
+) -> AverageResult:
     """Write the averaged atoms as new blobs and record them as a merge manifest under ``tag``."""
     began = time.perf_counter()
     parsed = parse_average(spec, str(spec_path))
-    with operation("average"), store.lock(exclusive=False, timeout=LOCK_TIMEOUT) as lock:
+    with operation("average"), store.lock(exclusive=False, timeout=lock_timeout) as lock:
         store.refresh(lock)  # another host's gc may have dropped a step since the store was opened
         manifests = [store.resolve(f"step={s}", run) for s in parsed.steps]
         base = store.resolve(parsed.base, run) if parsed.base else manifests[-1]

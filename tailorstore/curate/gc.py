@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailorstore.core.errors import Call, CorruptStoreError, StoreError
+from tailorstore.core.errors import LOCK_TIMEOUT, Call, CorruptStoreError, StoreError
 from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.metrics import decode as decode_metrics
@@ -408,7 +408,7 @@ def gc(
     *,
     dry_run: bool = False,
     drop_parts: bool = False,
-    lock_timeout: float = 600.0,
+    lock_timeout: float = LOCK_TIMEOUT,
     on_wait: Callable[[str], None] | None = None,
     show_plan: Callable[[GcPlan], None] | None = None,
 ) -> GcPlan:

@@ -24,10 +24,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tailorstore.core.errors import MergeSpecError, StepExistsError
+from tailorstore.core.errors import LOCK_TIMEOUT, MergeSpecError, StepExistsError
 from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import STATE, block_index, sort_key
-from tailorstore.curate.averaging import LOCK_TIMEOUT, AverageResult, average, is_averaging
+from tailorstore.curate.averaging import AverageResult, average, is_averaging
 from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, load_spec, merge_record, ref_of
 from tailorstore.curate.refs import check_tag
 from tailorstore.store.catalogue import Catalogue, CatalogueEdit
@@ -83,7 +83,9 @@ def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[str, dict[str
     return base, chosen
 
 
-def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> MergeResult | AverageResult:
+def merge(
+    store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN, *, lock_timeout: float = LOCK_TIMEOUT
+) -> MergeResult | AverageResult:
     """Record a composite of layers from several steps, or (a spec with ``method``) an average
     of steps; ``step=N`` references in the spec are read in ``run`` (or the run they name,
     ``RUN:step=N``), and the merge belongs to its base's run."""
@@ -91,9 +93,9 @@ def merge(store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN) -> 
     check_tag(tag)
     spec = load_spec(spec_path)
     if is_averaging(spec):
-        return average(store, spec, Path(spec_path), tag, run)
+        return average(store, spec, Path(spec_path), tag, run, lock_timeout=lock_timeout)
     # Shared, as a commit: a gc must not delete the blobs the merge names before its manifest is recorded.
-    with operation("merge"), store.lock(exclusive=False, timeout=LOCK_TIMEOUT) as lock:
+    with operation("merge"), store.lock(exclusive=False, timeout=lock_timeout) as lock:
         store.refresh(lock)
         base = store.resolve(ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"), run)
         base_record = store.manifest(base)

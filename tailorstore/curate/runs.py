@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from tailorstore.core.errors import Call, StepExistsError, UnknownStepError
+from tailorstore.core.errors import LOCK_TIMEOUT, Call, StepExistsError, UnknownStepError
 from tailorstore.core.failpoints import operation
 from tailorstore.store import manifest_objects
 from tailorstore.store.records import MAIN_RUN, ManifestRecord, RunRecord
@@ -74,7 +74,12 @@ def list_runs(store: Repository) -> list[RunInfo]:
 
 
 def create_run(
-    store: Repository, name: str, base_selector: str | None, *, from_run: str = MAIN_RUN, lock_timeout: float = 60.0
+    store: Repository,
+    name: str,
+    base_selector: str | None,
+    *,
+    from_run: str = MAIN_RUN,
+    lock_timeout: float = LOCK_TIMEOUT,
 ) -> RunInfo:
     """Create run ``name``, branched from the manifest ``base_selector`` names (in ``from_run``
     unless it says ``RUN:``), or empty when no base is given.

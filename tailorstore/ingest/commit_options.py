@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tailorstore.core.errors import LOCK_TIMEOUT
 from tailorstore.core.policies import Policy, PolicySpec, policy_spec
 from tailorstore.store.records import MAIN_RUN
 
@@ -26,7 +27,7 @@ class CommitRequest:
     force: bool = False  # replace the step if the store holds it
     level: int = 1  # zstd level, 1 to 22
     trust_pickles: bool = False  # load pickles outside the allowlist
-    lock_timeout: float = 600.0
+    lock_timeout: float = LOCK_TIMEOUT
     delete_after_commit: bool = False  # delete the committed files once every blob is checked
     run: str | None = None  # commit to this run (default: the store handle's)
     threads: int | None = None  # compressing threads (default: $TAILOR_THREADS, else from the usable cores)
@@ -66,7 +67,7 @@ class CommitOptions:
     trust_pickles: bool = False
     level: int = 1
     threads: int | None = None  # the blob writers: default from the usable cores (core/threads.py)
-    lock_timeout: float = 600.0
+    lock_timeout: float = LOCK_TIMEOUT
     policy: PolicySpec = field(default_factory=PolicySpec)
     derive_weights: bool = True
     part: bool = False  # commit only these files, as one part of a step several hosts write (finalize.py)

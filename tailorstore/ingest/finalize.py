@@ -17,7 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tailorstore.access import structure
-from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, StepExistsError, StoreError
+from tailorstore.core.errors import (
+    LOCK_TIMEOUT,
+    BadCheckpointError,
+    Call,
+    CorruptStoreError,
+    StepExistsError,
+    StoreError,
+)
 from tailorstore.core.failpoints import operation
 from tailorstore.core.policies import PolicySpec
 from tailorstore.curate.refs import check_tag
@@ -185,7 +192,7 @@ def finalize_step(
     tag: str | None = None,
     force: bool = False,
     run: str = MAIN_RUN,
-    lock_timeout: float = 600.0,
+    lock_timeout: float = LOCK_TIMEOUT,
     on_wait: Callable[[str], None] | None = None,
     label: str | None = None,
     metrics: str | None = None,

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from tailorstore.api import Store
-from tailorstore.core.errors import RankParallelCommitError, StoreError
+from tailorstore.core.errors import LOCK_TIMEOUT, RankParallelCommitError, StoreError
 from tailorstore.core.policies import Policy, PolicySpec, needs_changes, policy_spec
 from tailorstore.core.threads import compute_threads
 from tailorstore.ingest import rank_plan
@@ -55,7 +55,7 @@ def commit_rank_parallel(
     tag: str | None = None,
     level: int = 1,
     trust_pickles: bool = False,
-    lock_timeout: float = 600.0,
+    lock_timeout: float = LOCK_TIMEOUT,
     group: Any = None,
     threads: int | None = None,
     policy: str | Policy = "full",
