@@ -106,3 +106,11 @@ def test_a_step_without_a_dcp_folder_is_refused(tmp_path: Path) -> None:
             dcp.load({"w": torch.zeros(3)}, storage_reader=TailorStorageReader(store, 1))
         with pytest.raises(StoreError, match="holds no DCP folder"):
             store.open_dcp(1)
+
+
+def test_a_step_the_store_does_not_hold_is_one_error(two_steps) -> None:
+    """Rank 0 resolves the ref and hands every rank its answer, a failure too (no rank waits for a
+    step id that never comes)."""
+    store, _, _ = two_steps
+    with pytest.raises(CheckpointException, match="step 99 is not in the store"):
+        dcp.load(_state(9, 0), storage_reader=TailorStorageReader(store, 99))

@@ -66,14 +66,19 @@ class TailorStorageReader(StorageReader):
         return False  # a reader is built over a store and a step, never found from a path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        stable_id = self.store.step(self.ref).id if _rank() == 0 else None
+        found: tuple[str, str] | None = None  # ("ok", the step's stable id) or ("failed", why), from rank 0
+        if _rank() == 0:
+            try:
+                found = ("ok", self.store.step(self.ref).id)
+            except Exception as exc:  # every rank raises it below, none waits for rank 0 in vain
+                found = ("failed", str(exc))
         if _distributed():
-            box = [stable_id]
+            box = [found]
             dist.broadcast_object_list(box, src=0)
-            stable_id = box[0]
-        if not isinstance(stable_id, str):
-            raise StoreError(f"{self.ref!r}: rank 0 found no step to load")
-        self._step = self.store.open_dcp(f"id={stable_id}", folder=self.folder)
+            found = box[0]
+        if not isinstance(found, tuple) or found[0] != "ok":
+            raise StoreError(f"{self.ref!r}: {found[1] if found else 'rank 0 found no step to load'}")
+        self._step = self.store.open_dcp(f"id={found[1]}", folder=self.folder)
         return torch_metadata(self._step.metadata)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
