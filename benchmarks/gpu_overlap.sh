@@ -26,7 +26,7 @@ has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 (nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; python3 -c "import torch; print(torch.__version__)") | tee "$OUT/machine.txt"
 if has test; then
   echo "== tests/test_side_copy.py"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_side_copy.py 2>&1 | tail -4
+  timeout 120 python3 -m pytest -q --noconftest -p no:cacheprovider tests/test_side_copy.py 2>&1 | tail -4
 fi
 M=${MODEL:-"--cuda --dim 1024 --layers 24 --heads 16 --hidden 2816 --vocab 32000 --seq 512 --micro-batch 8 --stage 2 --dtype bf16"}
 for way in nosave gpubuf direct gpubuf4; do
