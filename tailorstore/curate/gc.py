@@ -30,7 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailorstore.core.errors import LOCK_TIMEOUT, Call, CorruptStoreError, StoreError
+from tailorstore.core.errors import (
+    LOCK_TIMEOUT,
+    Call,
+    CorruptStoreError,
+    LeaseLostError,
+    LockTimeoutError,
+    StoreError,
+)
 from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.metrics import decode as decode_metrics
@@ -455,7 +462,13 @@ def _gc(
             )
             # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
             dropped = [m for m, _ in plan.drop]
-            manifest_objects.unpublish(store.backend, index.object_keys(dropped).values(), fence=fence)
+            keys = [k for k in index.object_keys(dropped).values() if k]
+            mine = _mark_then_check(store, keys, fence)
+            try:
+                manifest_objects.unpublish(store.backend, keys, fence=fence)
+            except LeaseLostError:  # its fence stopped it before the deleting request went out
+                manifest_objects.take_back_marks(store.backend, keys, mine)
+                raise
             index.delete_manifests(dropped)
             index.delete_blobs(plan.dead_blobs)
             index.delete_packs(plan.dead_packs)
@@ -478,6 +491,22 @@ def _gc(
         plan.freed_bytes -= written
         plan.written_bytes = written
     return plan
+
+
+def _mark_then_check(store: Repository, keys: list[str], fence: Callable[[], None]) -> list[str]:
+    """Before dropping manifests: mark each, then read their refs (FORMAT 8.1). A pin or tag written
+    before a marker is found here; one written after it finds the marker and backs off. So a ref
+    reported set never names a step this gc drops, however long either host stalls after its
+    checks. Found one: this gc takes back its own markers and stops, having dropped nothing."""
+    taken, mine = manifest_objects.mark_unless_claimed(store.backend, keys, fence=fence)
+    if taken:
+        raise LockTimeoutError(
+            f"gc stopped: {len(taken)} step(s) it would drop were pinned or tagged meanwhile "
+            f"({taken[0]}); it dropped nothing. Run ",
+            Call("gc"),
+            " again.",
+        )
+    return mine
 
 
 def _replanned(store: Repository, before: GcPlan, rules: Retention | list[Retention], drop_parts: bool) -> GcPlan:

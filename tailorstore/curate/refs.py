@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from tailorstore.core.errors import LOCK_TIMEOUT, Call, StepExistsError, StoreError
+from tailorstore.core.errors import LOCK_TIMEOUT, Call, LeaseLostError, LockTimeoutError, StepExistsError, StoreError
 from tailorstore.core.failpoints import operation
 from tailorstore.store import manifest_objects
 from tailorstore.store.lease import LeaseHandle
@@ -81,10 +81,38 @@ def tag(
             fence = lambda: lock.check("tagging")  # noqa: E731 - again just before each request
             # the one object this changes first (a failure before it leaves nothing), then the tag
             # this step gives up (a step holds one tag); never the step's other refs again
+            before = _object_or_none(store, manifest_objects.tag_key(name))
             manifest_objects.put_tag(store.backend, index, manifest, fence=fence)
+            _back_off_if_dropping(store, manifest, lambda: _restore(store, manifest_objects.tag_key(name), before))
             if old and old != name:
                 manifest_objects.drop_tag(store.backend, old, fence=fence)
     return manifest
+
+
+def _object_or_none(store: Repository, key: str) -> bytes | None:
+    try:
+        return store.backend.get(key)
+    except FileNotFoundError:
+        return None
+
+
+def _restore(store: Repository, key: str, before: bytes | None) -> None:
+    if before is None:
+        store.backend.delete(key)
+    else:
+        store.backend.put(key, before)
+
+
+def _back_off_if_dropping(store: Repository, manifest: int, undo: Callable[[], None]) -> None:
+    """After a ref's object is written: if a gc has marked the step to drop, undo the write and fail
+    (FORMAT 8.1: each side writes, then reads the other's, so one of them always backs off)."""
+    key = store.manifest(manifest).object_key
+    if key and manifest_objects.being_dropped(store.backend, key):
+        undo()
+        raise LockTimeoutError(
+            f"step {store.manifest(manifest).step} is being dropped by a gc; nothing was changed. "
+            "If the gc stops without dropping it, run this again."
+        )
 
 
 def untag(
@@ -117,7 +145,11 @@ def pin(
             lock.check("pinning")
             # only the pin object: rewriting the step's tag too made a failure after the first put
             # a change reported failed that stayed (the soak, seed 399 for a tag)
+            key = store.manifest(manifest).object_key
+            had = pinned and key is not None and store.backend.exists(manifest_objects.pin_key(key))
             manifest_objects.write_pin(store.backend, index, manifest, fence=lambda: lock.check("pinning"))
+            if pinned and not had and key is not None:  # a new pin object: unless a gc marked the step first
+                _back_off_if_dropping(store, manifest, lambda: store.backend.delete(manifest_objects.pin_key(key)))
     return manifest
 
 
@@ -146,8 +178,19 @@ def remove(
         with store.transaction() as index:
             lock.check("removing a step")
             fence = lambda: lock.check("removing a step")  # noqa: E731 - again just before each request
-            if record.tag:  # the objects (manifest, tag, pin) go before the index rows
-                manifest_objects.drop_tag(store.backend, record.tag, fence=fence)
-            manifest_objects.unpublish(store.backend, [record.object_key], fence=fence)
+            mine: list[str] = []
+            if not force and record.object_key:  # a pin or tag set meanwhile by another host wins
+                taken, mine = manifest_objects.mark_unless_claimed(store.backend, [record.object_key], fence=fence)
+                if taken:
+                    raise LockTimeoutError(
+                        f"step {record.step} was pinned or tagged meanwhile; nothing was removed. See ", Call("log")
+                    )
+            try:
+                if record.tag:  # the objects (manifest, tag, pin) go before the index rows
+                    manifest_objects.drop_tag(store.backend, record.tag, fence=fence)
+                manifest_objects.unpublish(store.backend, [record.object_key], fence=fence)
+            except LeaseLostError:  # stopped by its fence before deleting the manifest
+                manifest_objects.take_back_marks(store.backend, [str(record.object_key)], mine)
+                raise
             index.delete_manifests([manifest])
     return manifest

@@ -24,6 +24,7 @@ manifests another host's gc dropped, tags and pins); :func:`rebuild` recreates i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -313,6 +314,76 @@ def carry_refs(backend: Backend, index: Catalogue, superseded: list[str]) -> Non
     heirs = {current[k] for k in superseded if k in current}
     ids = [m.id for m in index.manifests() if m.object_key in heirs]
     write_refs(backend, index, ids)
+
+
+# -- gc's drops against ref changes: each side writes, then reads the other's (FORMAT 8.1) ------------
+
+
+def drop_marker(key: str) -> str:
+    """The object that says a manifest is being dropped (for a commit manifest, the same object
+    that reserves its version once it is gone: :func:`removed_marker`)."""
+    return key.removesuffix(".json.zst") + ".removed"
+
+
+def mark_dropping(backend: Backend, keys: Iterable[str], *, fence: Callable[[], None] | None = None) -> list[str]:
+    """gc, before it deletes anything of these manifests: their drop markers, each put create-only;
+    the markers this call created (one already there was another gc's, and stays)."""
+    created = []
+    for key in keys:
+        try:
+            backend.put(drop_marker(key), b"", create_only=True, fence=fence)
+            created.append(drop_marker(key))
+        except ObjectExistsError:
+            continue
+    return created
+
+
+def claimed(backend: Backend, keys: Iterable[str]) -> list[str]:
+    """gc, after :func:`mark_dropping`: those of ``keys`` that a pin or a tag names now. A ref
+    written before the marker is seen here; one written after sees the marker and backs off."""
+    wanted = set(keys)
+    found = {key for key in wanted if backend.exists(pin_key(key))}
+    for tag in backend.list(TAG_PREFIX):
+        if not _TAG_KEY.fullmatch(tag):
+            continue  # not an object tailorstore writes (listing the tags warns of it)
+        try:
+            target = backend.get(tag).decode(errors="replace")
+        except FileNotFoundError:
+            continue  # untagged meanwhile
+        if target in wanted:
+            found.add(target)
+    return sorted(found)
+
+
+def mark_unless_claimed(
+    backend: Backend, keys: list[str], *, fence: Callable[[], None] | None = None
+) -> tuple[list[str], list[str]]:
+    """Mark these manifests as dropping, then read their refs: (the ones a ref names, after taking
+    back the markers this call made so that nothing changed; the markers this call made)."""
+    mine = mark_dropping(backend, keys, fence=fence)
+    taken = claimed(backend, keys)
+    if taken:
+        backend.delete_many(mine)
+        return taken, []
+    return [], mine
+
+
+def take_back_marks(backend: Backend, keys: Iterable[str], mine: list[str]) -> None:
+    """A drop that stopped before its deleting request went out (its fence failed): take back the
+    markers it made of manifests still there, so that the steps can be pinned again. Best effort: a
+    marker left behind only makes pins of its step fail until a gc finishes the drop."""
+    for key in keys:
+        marker = drop_marker(key)
+        if marker in mine:
+            with contextlib.suppress(Exception):
+                if backend.exists(key):
+                    backend.delete(marker)
+
+
+def being_dropped(backend: Backend, key: str) -> bool:
+    """A ref change, after writing its object: whether a gc has marked the manifest (it then undoes
+    its write and fails, so that no ref it reports set names a step a gc goes on to drop)."""
+    return backend.exists(drop_marker(key))
 
 
 def unpublish(backend: Backend, keys: Iterable[str | None], *, fence: Callable[[], None] | None = None) -> None:
