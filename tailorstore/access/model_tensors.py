@@ -25,13 +25,14 @@ from typing import Any
 import numpy as np
 
 from tailorstore.access.atom_reader import blob_of, decode_atom_into, decode_stored_atom, stream_atom
+from tailorstore.access.dcp_folders import dcp_folders, folder_metadata
 from tailorstore.core.atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
-from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, StoreError, UnsafePickleError
+from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.rounding import widened
 from tailorstore.core.tensor_ref import DTYPES, numel_of
 from tailorstore.formats import dcp
 from tailorstore.formats import deepspeed as ds
-from tailorstore.formats.kinds import DCP, RAW, TORCH
+from tailorstore.formats.kinds import DCP, TORCH
 from tailorstore.formats.skeleton import fill_tensors, slots_of, split_tensors
 from tailorstore.formats.torch_pickle import load_pickle_tree
 from tailorstore.formats.torch_save_writer import TensorOut
@@ -212,22 +213,9 @@ def _dcp_view(store: Repository, facts: ManifestRecord, files: list[FileRecord])
     step = facts.step
     by_param = _pieces(store, facts.id)
     tensors: list[ModelTensor] = []
-    folders = sorted({str(PurePosixPath(f.path).parent) for f in files if f.kind == DCP})
-    for folder in folders:
-        prefix = "" if folder == "." else f"{folder}/"
-        row = next((f for f in files if f.path == f"{prefix}{dcp.METADATA}" and f.kind == RAW), None)
-        where = f"step {step}, file {prefix}{dcp.METADATA}"
-        if row is None:
-            raise CorruptStoreError(f"step {step}: the DCP folder {folder} has no .metadata; run ", Call("verify"))
-        sizes = {
-            PurePosixPath(f.path).name: f.raw_size
-            for f in files
-            if f.kind == DCP and str(PurePosixPath(f.path).parent) == folder
-        }
-        try:
-            meta = dcp.read_metadata(store.read_blob(row.blob, where), where, sizes)
-        except (BadCheckpointError, UnsafePickleError) as exc:
-            raise CorruptStoreError(f"{exc} (read from the store); run ", Call("verify"), ".") from None
+    for folder in dcp_folders(files):
+        meta, _ = folder_metadata(store, step, files, folder)
+        where = f"step {step}, file {folder + '/' if folder else ''}{dcp.METADATA}"
         for fqn, info in meta.tensors.items():
             param, kind, is_model = dcp.name_and_kind(fqn, meta.paths.get(fqn), info.dtype)
             if is_model and kind in (MASTER, WEIGHT):

@@ -465,7 +465,7 @@ def _gc(
             keys = [k for k in index.object_keys(dropped).values() if k]
             mine = _mark_then_check(store, keys, fence)
             try:
-                manifest_objects.unpublish(store.backend, keys, fence=fence)
+                manifest_objects.unpublish(store.backend, keys, fence=fence, marked=True)
             except LeaseLostError:  # its fence stopped it before the deleting request went out
                 manifest_objects.take_back_marks(store.backend, keys, mine)
                 raise

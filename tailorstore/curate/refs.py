@@ -106,11 +106,11 @@ def _restore(store: Repository, key: str, before: bytes | None) -> None:
 def _back_off_if_dropping(store: Repository, manifest: int, undo: Callable[[], None]) -> None:
     """After a ref's object is written: if a gc has marked the step to drop, undo the write and fail
     (FORMAT 8.1: each side writes, then reads the other's, so one of them always backs off)."""
-    key = store.manifest(manifest).object_key
-    if key and manifest_objects.being_dropped(store.backend, key):
+    record = store.manifest(manifest)
+    if record.object_key and manifest_objects.being_dropped(store.backend, record.object_key):
         undo()
         raise LockTimeoutError(
-            f"step {store.manifest(manifest).step} is being dropped by a gc; nothing was changed. "
+            f"step {record.step} is being dropped by a gc; nothing was changed. "
             "If the gc stops without dropping it, run this again."
         )
 
@@ -179,7 +179,8 @@ def remove(
             lock.check("removing a step")
             fence = lambda: lock.check("removing a step")  # noqa: E731 - again just before each request
             mine: list[str] = []
-            if not force and record.object_key:  # a pin or tag set meanwhile by another host wins
+            marking = not force and bool(record.object_key)
+            if marking:  # a pin or tag set meanwhile by another host wins
                 taken, mine = manifest_objects.mark_unless_claimed(store.backend, [record.object_key], fence=fence)
                 if taken:
                     raise LockTimeoutError(
@@ -188,7 +189,7 @@ def remove(
             try:
                 if record.tag:  # the objects (manifest, tag, pin) go before the index rows
                     manifest_objects.drop_tag(store.backend, record.tag, fence=fence)
-                manifest_objects.unpublish(store.backend, [record.object_key], fence=fence)
+                manifest_objects.unpublish(store.backend, [record.object_key], fence=fence, marked=marking)
             except LeaseLostError:  # stopped by its fence before deleting the manifest
                 manifest_objects.take_back_marks(store.backend, [str(record.object_key)], mine)
                 raise

@@ -43,6 +43,8 @@ from tailorstore.api import Ref, Store
 from tailorstore.core.errors import StoreError
 from tailorstore.core.threads import decode_threads
 from tailorstore.formats import dcp as dcp_format
+from tailorstore.formats.tensors import dtype_from_name
+from tailorstore.integrations.distributed import from_rank0
 from tailorstore.restore.dcp_read import DcpStep
 
 
@@ -66,19 +68,12 @@ class TailorStorageReader(StorageReader):
         return False  # a reader is built over a store and a step, never found from a path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        found: tuple[str, str] | None = None  # ("ok", the step's stable id) or ("failed", why), from rank 0
-        if _rank() == 0:
-            try:
-                found = ("ok", self.store.step(self.ref).id)
-            except Exception as exc:  # every rank raises it below, none waits for rank 0 in vain
-                found = ("failed", str(exc))
-        if _distributed():
-            box = [found]
-            dist.broadcast_object_list(box, src=0)
-            found = box[0]
-        if not isinstance(found, tuple) or found[0] != "ok":
-            raise StoreError(f"{self.ref!r}: {found[1] if found else 'rank 0 found no step to load'}")
-        self._step = self.store.open_dcp(f"id={found[1]}", folder=self.folder)
+        def resolve() -> str:
+            return self.store.step(self.ref).id
+
+        # rank 0 names the step, and every rank gets its answer or its failure (none waits in vain)
+        stable_id = from_rank0(resolve, None, f"resolving {self.ref!r}") if _distributed() else resolve()
+        self._step = self.store.open_dcp(f"id={stable_id}", folder=self.folder)
         return torch_metadata(self._step.metadata)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -122,7 +117,7 @@ def _plan_tensor(
     """(the destination, the tensor to decode into, and the part of it to copy into the
     destination, or None where the destination itself is decoded into)."""
     assert item.chunk is not None
-    dtype = _torch_dtype(step.metadata.tensors[item.fqn].dtype)
+    dtype = dtype_from_name(step.metadata.tensors[item.fqn].dtype)
     target = planner.resolve_tensor(request).detach()
     whole = tuple(request.lengths) == item.chunk.sizes and not any(request.storage_offsets)
     if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
@@ -165,7 +160,7 @@ def torch_metadata(meta: dcp_format.DcpMetadata) -> Metadata:
     for fqn, info in meta.tensors.items():
         chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in info.chunks]
         described[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=_torch_dtype(info.dtype)), torch.Size(info.size), chunks
+            TensorProperties(dtype=dtype_from_name(info.dtype)), torch.Size(info.size), chunks
         )
     for fqn in meta.objects:
         described[fqn] = BytesStorageMetadata()
@@ -177,13 +172,6 @@ def torch_metadata(meta: dcp_format.DcpMetadata) -> Metadata:
     return Metadata(described, planner_data=dict(meta.paths), storage_data=storage)
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    found = getattr(torch, name, None)
-    if not isinstance(found, torch.dtype):
-        raise StoreError(f"{name} is not a torch dtype")
-    return found
-
-
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable, for decoding into."""
     if tensor.numel() == 0:
@@ -193,7 +181,3 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0

@@ -130,20 +130,20 @@ def _planned(
             store.repo.refresh(lock)
             return rank_plan.find_sources(store.repo, share.step, layers, store.run, spec)
 
-    found: rank_plan.Sources = _from_rank0(sources, group, "finding the step's sources")
+    found: rank_plan.Sources = from_rank0(sources, group, "finding the step's sources")
     terms: dict[str, Any] = {}
     if needs_changes(spec):
         mine = _together(lambda: rank_plan.own_terms(store.repo, share, found), group, "measuring its layers' change")
         for part in _gathered(mine, group):
             terms.update(part)
-    return _from_rank0(
+    return from_rank0(
         lambda: rank_plan.decide_plan(store.repo, spec, surveys, found, terms, rank_plan.step_order(share, surveys)),
         group,
         "deciding the plan",
     )
 
 
-def _from_rank0(work: Callable[[], T], group: Any, doing: str) -> T:
+def from_rank0(work: Callable[[], T], group: Any, doing: str) -> T:
     """``work`` on rank 0, its value (or its failure) on every rank."""
     box: list[Any] = [None]
     if dist.get_rank(group) == 0:

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 
 from tailorstore.access.atom_reader import blob_of, decode_atom_into, decode_stored_atom
-from tailorstore.core.errors import BadCheckpointError, CorruptStoreError, StoreError, UnsafePickleError
+from tailorstore.access.dcp_folders import dcp_folders, folder_metadata
+from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.formats import dcp
-from tailorstore.formats.kinds import DCP, RAW
 from tailorstore.formats.torch_zip import gaps
 from tailorstore.store.records import AtomRecord, BlobRecord, FileRecord
 from tailorstore.store.repo import Repository
@@ -74,12 +73,12 @@ class DcpStep:
         pieces = self._atoms.get((item.file, item.offset), [])
         where = f"step {self.step}, {self._path(item.file)}, item {item.fqn}"
         if not pieces:
-            raise CorruptStoreError(f"{where}: the store holds no piece of it; run tailor verify")
+            raise CorruptStoreError(f"{where}: the store holds no piece of it; run ", Call("verify"))
         first = pieces[0].file_offset or 0
         at = 0
         for atom in pieces:
             if (atom.file_offset or 0) - first != at or at + atom.nbytes > len(dest):
-                raise CorruptStoreError(f"{where}: its pieces do not tile its {len(dest)} bytes; run tailor verify")
+                raise CorruptStoreError(f"{where}: its pieces do not tile its {len(dest)} bytes; run ", Call("verify"))
             row = self._rows.get(atom.blob) if atom.derived is None else None
             if row is not None:
                 decode_stored_atom(self.store, row, dest[at : at + atom.nbytes], where)  # no SQL: any thread
@@ -87,7 +86,7 @@ class DcpStep:
                 decode_atom_into(self.store, self.manifest, atom, dest[at : at + atom.nbytes], where)
             at += atom.nbytes
         if at != len(dest):
-            raise CorruptStoreError(f"{where}: its pieces hold {at} bytes, not {len(dest)}; run tailor verify")
+            raise CorruptStoreError(f"{where}: its pieces hold {at} bytes, not {len(dest)}; run ", Call("verify"))
 
     def object_bytes(self, item: dcp.Item) -> bytes:
         """An object item's pickled bytes (a ``BYTE_IO`` item), from its file's container."""
@@ -120,16 +119,11 @@ class DcpStep:
         return f"{self.folder}/{name}" if self.folder else name
 
 
-def dcp_folders(store: Repository, manifest: int) -> list[str]:
-    """The DCP folders of a step (``""`` for one at its top)."""
-    folders = {str(PurePosixPath(f.path).parent) for f in store.catalogue.files(manifest) if f.kind == DCP}
-    return sorted("" if f == "." else f for f in folders)
-
-
 def open_dcp_step(store: Repository, manifest: int, folder: str | None = None) -> DcpStep:
     """The step's DCP folder ``folder`` (or its only one), ready to read item by item."""
     facts = store.manifest(manifest)
-    folders = dcp_folders(store, manifest)
+    rows = store.catalogue.files(manifest)
+    folders = dcp_folders(rows)
     if not folders:
         raise StoreError(f"step {facts.step} holds no DCP folder; dcp.load reads only steps saved with dcp.save")
     if folder is None:
@@ -140,21 +134,8 @@ def open_dcp_step(store: Repository, manifest: int, folder: str | None = None) -
     if folder not in folders:
         raise StoreError(f"step {facts.step} has no DCP folder {folder!r}; it has {folders}")
     prefix = f"{folder}/" if folder else ""
-    rows = store.catalogue.files(manifest)
-    inside = {r.path[len(prefix) :]: r for r in rows if r.path.startswith(prefix) and "/" not in r.path[len(prefix) :]}
-    meta_row = inside.get(dcp.METADATA)
-    where = f"step {facts.step}, file {prefix}{dcp.METADATA}"
-    if meta_row is None or meta_row.kind != RAW:
-        raise CorruptStoreError(f"{where}: not in the store; run tailor verify")
-    files = {name: row for name, row in inside.items() if row.kind == DCP}
-    try:
-        meta = dcp.read_metadata(
-            store.read_blob(meta_row.blob, where), where, {n: r.raw_size for n, r in files.items()}
-        )
-    except (BadCheckpointError, UnsafePickleError) as exc:
-        raise CorruptStoreError(f"{exc} (read from the store); run tailor verify") from None
+    meta, files = folder_metadata(store, facts.step, rows, folder)
     step = DcpStep(store, manifest, facts.step, folder, meta, files)
-    tensor_items = {(i.file, i.offset) for items in meta.items.values() for i in items if i.chunk is not None}
     by_file: dict[str, list[AtomRecord]] = {}
     for atom in store.catalogue.atoms(manifest):
         if atom.path.startswith(prefix) and atom.path[len(prefix) :] in files:
@@ -164,7 +145,7 @@ def open_dcp_step(store: Repository, manifest: int, folder: str | None = None) -
         for atom in atoms:
             at = atom.file_offset or 0
             owner = next((i for i in items if i.offset <= at < i.offset + i.length), None)
-            if owner is None or (name, owner.offset) not in tensor_items:
+            if owner is None:
                 raise CorruptStoreError(f"step {facts.step}, {prefix}{name}: a piece lies in no tensor item")
             step._atoms.setdefault((name, owner.offset), []).append(atom)
     for pieces in step._atoms.values():

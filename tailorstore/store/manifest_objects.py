@@ -343,15 +343,7 @@ def claimed(backend: Backend, keys: Iterable[str]) -> list[str]:
     written before the marker is seen here; one written after sees the marker and backs off."""
     wanted = set(keys)
     found = {key for key in wanted if backend.exists(pin_key(key))}
-    for tag in backend.list(TAG_PREFIX):
-        if not _TAG_KEY.fullmatch(tag):
-            continue  # not an object tailorstore writes (listing the tags warns of it)
-        try:
-            target = backend.get(tag).decode(errors="replace")
-        except FileNotFoundError:
-            continue  # untagged meanwhile
-        if target in wanted:
-            found.add(target)
+    found.update(wanted & _listed_tags(backend, warn=False).keys())
     return sorted(found)
 
 
@@ -386,7 +378,9 @@ def being_dropped(backend: Backend, key: str) -> bool:
     return backend.exists(drop_marker(key))
 
 
-def unpublish(backend: Backend, keys: Iterable[str | None], *, fence: Callable[[], None] | None = None) -> None:
+def unpublish(
+    backend: Backend, keys: Iterable[str | None], *, fence: Callable[[], None] | None = None, marked: bool = False
+) -> None:
     """Delete manifest objects (and their pins) that are no longer wanted, in as few requests as
     the backend allows (a gc may drop hundreds). Should the request fail half-way, a pin left
     without its manifest pins nothing (pins are read only for manifests that exist), and a
@@ -394,7 +388,7 @@ def unpublish(backend: Backend, keys: Iterable[str | None], *, fence: Callable[[
     version is reserved first (:func:`removed_marker`), so no later manifest takes its key."""
     wanted = [k for k in keys if k]
     for key in wanted:
-        if (marker := removed_marker(key)) is not None:
+        if not marked and (marker := removed_marker(key)) is not None:  # ``marked``: mark_unless_claimed put it
             backend.put(marker, b"", fence=fence)
     backend.delete_many([k for key in wanted for k in (key, pin_key(key))], fence=fence)
 
@@ -713,14 +707,15 @@ def _by_name(keys: Iterable[str]) -> dict[str, list[str]]:
     return by_name
 
 
-def _listed_tags(backend: Backend) -> dict[str, str]:
+def _listed_tags(backend: Backend, *, warn: bool = True) -> dict[str, str]:
     """Manifest object key -> tag, from the tag objects. Bytes that are not UTF-8 name no key, and are
     ignored as any tag naming a key that does not exist is (docs/FORMAT.md 3.3), not a decode error
     that stopped every command of the store."""
     out: dict[str, str] = {}
     for key in backend.list(TAG_PREFIX):
         if not _TAG_KEY.fullmatch(key):
-            _odd_key(key, "tag")
+            if warn:
+                _odd_key(key, "tag")
             continue
         try:
             out[backend.get(key).decode(errors="replace")] = tag_of_key(key)
