@@ -584,6 +584,11 @@ def gc(
     drop_parts: bool = typer.Option(
         False, "--drop-parts", help="Also drop parts no finalize has taken (abandoned multi-host commits)."
     ),
+    clear_notices: bool = typer.Option(
+        False,
+        "--clear-notices",
+        help="Delete the deletion notices of gc runs that died (S3); only when no other gc can be running.",
+    ),
     store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
     lock_timeout: float = LockOpt,
@@ -608,6 +613,7 @@ def gc(
             lock_timeout=lock_timeout,
             on_wait=_say,
             show_plan=show_plan,
+            clear_notices=clear_notices,
         )
     if as_json:
         typer.echo(json.dumps({**_asdict(plan), "dry_run": dry_run}))

@@ -463,6 +463,7 @@ class Store:
         lock_timeout: float = LOCK_TIMEOUT,
         on_wait: Callable[[str], None] | None = None,
         show_plan: Callable[[GcPlan], None] | None = None,
+        clear_notices: bool = False,
     ) -> GcPlan:
         """Drop the manifests outside the retention, in every run (each counted on its own) unless ``run``
         names one, as the ``gc`` command does (tags, pins and run bases stay); then every blob no kept
@@ -473,7 +474,9 @@ class Store:
         ``eval_loss`` (``metrics=`` at commit); a step without it is never among the best.
         ``thin="archive"`` keeps the weights quantized against the previous archived step:
         ``archive_levels`` grid steps up to each group's largest magnitude (default 31, so each value
-        is within 1/62 of it) and a keyframe at least every ``keyframe_every`` steps (default 16)."""
+        is within 1/62 of it) and a keyframe at least every ``keyframe_every`` steps (default 16).
+        ``clear_notices`` deletes the notices that gc runs which died left on a leased store (each blocks
+        the publications that need the blobs it names); give it only when no other gc can be running."""
         from tailorstore.curate.gc import Retention, gc
 
         grid = _archive_grid(archive_levels, keyframe_every)
@@ -485,6 +488,7 @@ class Store:
             lock_timeout=lock_timeout,
             on_wait=on_wait,
             show_plan=show_plan,
+            clear_notices=clear_notices,
         )
 
     def merge(

@@ -43,7 +43,7 @@ from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.metrics import decode as decode_metrics
 from tailorstore.curate.archiving import ArchiveGrid, archivable
 from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
-from tailorstore.store import archive_codec, codec, manifest_objects
+from tailorstore.store import archive_codec, codec, gc_notices, manifest_objects
 from tailorstore.store.backend import blob_key
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.listing import Holdings
@@ -188,6 +188,7 @@ class GcPlan:
     repack: list[str] = field(default_factory=list)  # packs whose live blobs move to new packs
     orphan_packs: list[str] = field(default_factory=list)  # pack objects the index does not know
     drop_parts: list[str] = field(default_factory=list)  # part objects to delete (finalized, or asked to)
+    seen_parts: list[str] = field(default_factory=list)  # every part object the plan read
     superseded: list[str] = field(default_factory=list)  # older versions of a step's manifest object
     misplaced: dict[str, tuple[str, PackEntry]] = field(default_factory=dict)  # blob -> the pack its trailer names
     thin: list[tuple[int, int, str]] = field(default_factory=list)  # (manifest, step, tier) to thin
@@ -301,6 +302,7 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     )
     held: set[str] = set()
     for part in read_parts(store.backend):
+        plan.seen_parts.append(part.key)
         if drop_parts or store.catalogue.commit_at(part.step, part.run) is not None:
             plan.drop_parts.append(part.key)
         else:
@@ -418,9 +420,10 @@ def gc(
     lock_timeout: float = LOCK_TIMEOUT,
     on_wait: Callable[[str], None] | None = None,
     show_plan: Callable[[GcPlan], None] | None = None,
+    clear_notices: bool = False,
 ) -> GcPlan:
     with operation("gc"):
-        return _gc(store, rules, dry_run, drop_parts, lock_timeout, on_wait, show_plan)
+        return _gc(store, rules, dry_run, drop_parts, lock_timeout, on_wait, show_plan, clear_notices)
 
 
 def _gc(
@@ -431,13 +434,18 @@ def _gc(
     lock_timeout: float,
     on_wait: Callable[[str], None] | None,
     show_plan: Callable[[GcPlan], None] | None,
+    clear_notices: bool,
 ) -> GcPlan:
     """gc's call order (docs/FORMAT.md section 8): lock exclusive and sync; plan; thin; delete parts
     and superseded objects; one transaction dropping manifests and rows; repack; delete blob and
     pack objects; temp files. Every deletion request is fenced on its own (``delete_many``)."""
     written = 0
     with store.lock(exclusive=True, timeout=lock_timeout, on_wait=on_wait) as lock:
+        by_time = lock.by_time  # a lease: its deletions announce themselves first (gc_notices)
+        listed = gc_notices.publications(store.backend) if by_time and not dry_run else set()
         store.refresh(lock)  # what other hosts recorded before this lock was taken
+        if clear_notices and not dry_run:
+            _clear_notices(store, lock)
         plan = plan_gc(store, effective_rules(store, rules), drop_parts=drop_parts)
         if show_plan:
             show_plan(plan)
@@ -478,15 +486,26 @@ def _gc(
         # point rows at it), and the row must win over the plan.
         named_packs = store.catalogue.packs_named_by_blobs()
         loose = store.catalogue.blob_hashes(loose_only=True)
+        blobs = [n for n in [*plan.dead_loose, *plan.orphan_files] if n not in loose]
+        packs = [n for n in [*plan.dead_packs, *plan.repack, *plan.orphan_packs] if n not in named_packs]
+        notice = None
+        if by_time and (blobs or packs):
+            known = listed | {m.object_key for m in store.catalogue.manifests() if m.object_key} | set(plan.seen_parts)
+            notice = _announce_then_check(store, plan, packs, known, fence)
         batch = store.backend.batch()
-        for name in [*plan.dead_loose, *plan.orphan_files]:
-            if name not in loose:
-                batch.delete(blob_key(name))
-        for name in [*plan.dead_packs, *plan.repack, *plan.orphan_packs]:
-            if name not in named_packs:
-                batch.delete(pack_key(name))
-        batch.publish(fence)  # the fence before each request: a stall between two must not delete a reused pack
-        fence()
+        for name in blobs:
+            batch.delete(blob_key(name))
+        for name in packs:
+            batch.delete(pack_key(name))
+        try:
+            batch.publish(fence)  # the fence before each request: a stall between two must not delete a reused pack
+            fence()
+        except LeaseLostError:  # stopped before a request went out: what it sent is done, nothing more goes
+            if notice is not None:
+                gc_notices.withdraw(store.backend, notice)
+            raise
+        if notice is not None:
+            gc_notices.withdraw(store.backend, notice)  # its deletions are done: only now
         store.backend.clear_leftovers(plan.temp_files)
         plan.freed_bytes -= written
         plan.written_bytes = written
@@ -507,6 +526,42 @@ def _mark_then_check(store: Repository, keys: list[str], fence: Callable[[], Non
             " again.",
         )
     return mine
+
+
+def _announce_then_check(
+    store: Repository, plan: GcPlan, packs: list[str], known: set[str], fence: Callable[[], None]
+) -> gc_notices.Notice:
+    """Before deleting blob and pack objects on a leased store: announce them, then read what was
+    published since gc listed (gc_notices, FORMAT 8.1). A publication put before the notice is seen
+    here; one put after it reads the notice and takes itself back. Found one that needs them: gc
+    withdraws its notice and stops, having deleted no blob."""
+    gone = set(plan.dead_blobs) | set(plan.orphan_files)
+    emptied = set(packs) - set(plan.repack)  # a repacked pack's live blobs stand in their new packs
+    notice = gc_notices.announce(store.backend, gone, emptied, fence=fence)
+    try:
+        found = gc_notices.published_since(store.backend, known, notice)
+    except BaseException:
+        gc_notices.withdraw(store.backend, notice)
+        raise
+    if found is not None:
+        gc_notices.withdraw(store.backend, notice)
+        raise LockTimeoutError(
+            f"gc stopped before deleting blobs: {found} was published meanwhile and needs some of them; "
+            "the dropped steps are gone, their blobs wait for the next gc. Run ",
+            Call("gc"),
+            " again.",
+        )
+    return notice
+
+
+def _clear_notices(store: Repository, lock: LockHandle | LeaseHandle) -> None:
+    """Delete the notices that gcs which died left behind (the user says none of them still runs):
+    until then, publications that need the blobs they name fail."""
+    keys = gc_notices.notice_keys(store.backend)
+    if keys:
+        lock.check_alone("gc")
+        store.backend.delete_many(keys)
+        log.warning("tailorstore: gc cleared %d notice(s) left by gc runs that did not finish", len(keys))
 
 
 def _replanned(store: Repository, before: GcPlan, rules: Retention | list[Retention], drop_parts: bool) -> GcPlan:

@@ -44,6 +44,7 @@ from tailorstore.ingest.pieces_ahead import PiecesAhead, Prepared, prepare, read
 from tailorstore.store import manifest_objects, parts
 from tailorstore.store.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
+from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifest_objects import check_run_name
@@ -495,6 +496,12 @@ def commit_part(
         lock.check("committing a part")
         failpoint("before-part-publish")
         key = parts.publish(store.backend, part, fence=lambda: lock.check("committing a part"))
+        if lock.by_time:  # its blobs against gc's notices, after the put (store/gc_notices.py)
+            try:
+                check_publication(store.backend, part.blobs, "committing a part", store.size_lookup(part.blobs))
+            except BaseException:
+                store.backend.delete_many([key])  # taken back: a part a finalize must never count
+                raise
     return CommitResult(
         step=step,
         manifest=0,

@@ -167,6 +167,8 @@ class _Renewer(threading.Thread):
 class LeaseHandle:
     """A held lease; ``try_exclusive`` turns a shared one exclusive if nobody else holds any."""
 
+    by_time = True  # held only while renewed: a stall can outlast it (lock.Fence)
+
     def __init__(self, backend: Backend, key: str, exclusive: bool, ttl: float) -> None:
         self.backend, self.key, self.exclusive, self.ttl = backend, key, exclusive, ttl
         self.host, self.pid = socket.gethostname(), os.getpid()

@@ -20,12 +20,18 @@ from tailorstore.core.errors import Call, CorruptStoreError, LockTimeoutError, S
 
 
 class Fence(Protocol):
-    """What a publishing or deleting step asks of the lock it runs under (lease.py, fencing)."""
+    """What a publishing or deleting step asks of the lock it runs under (lease.py, fencing).
+    ``by_time``: the lock holds only while its holder keeps renewing it (a lease), so a stall can
+    outlast it, and publishing and deleting follow gc_notices' write-then-read rule."""
+
+    by_time: bool
 
     def check(self, what: str) -> None: ...
 
 
 class LockHandle:
+    by_time = False  # the kernel holds a flock for as long as the process lives
+
     def __init__(self, fd: int) -> None:
         self._fd = fd
 

@@ -8,14 +8,17 @@ came back at the next open). Here, once:
 2. still inside it, the manifest object is published create-only, after the lease is checked
    (store/lease.py, fencing): this put is the commit point. A host that loses the put to
    another has written nothing, and changes nothing (I3; attack finding 4);
-3. only then its tag and pin objects are written (a crash before them: the step's older
+3. on a store locked by leases, the blobs the manifest needs are checked against gc's notices and
+   are still there (``gc_notices.check_publication``): a gc that deletes them meanwhile either
+   sees this object or is seen here, whatever either host's stalls (FORMAT 8.1);
+4. only then its tag and pin objects are written (a crash before them: the step's older
    version's refs still count for it, ``manifest_objects.current_of``);
-4. ``COMMIT``. Should anything fail after the put (a ref's write, a full disk under SQLite,
+5. ``COMMIT``. Should anything fail after the put (a ref's write, a full disk under SQLite,
    a damaged index), the object is deleted again, so nothing the caller reports as failed
    reappears when the next open syncs manifest objects into an index (docs/FORMAT.md,
    section 8), and ``restore_refs`` puts back the refs this publish moved, from the index as
    it stands after the rollback;
-5. a full disk at any of these steps is said as such (``writer.disk_full``).
+6. a full disk at any of these steps is said as such (``writer.disk_full``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from tailorstore.core.failpoints import failpoint
 from tailorstore.store import manifest_objects
 from tailorstore.store.catalogue import CatalogueEdit
+from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.lock import Fence
 from tailorstore.store.posix import is_out_of_space
 from tailorstore.store.repo import Repository
@@ -57,6 +61,9 @@ def record_manifest(
             manifest = rows(index)
             published = manifest_objects.publish(store.backend, index, manifest, fence=fence, replacing=replacing)
             failpoint("after-publish")
+            if fence is not None and fence.by_time:
+                needs = index.referenced_blobs(manifest)
+                check_publication(store.backend, needs, "recording the manifest", store.size_lookup(needs))
             manifest_objects.write_refs(store.backend, index, [manifest])
     except OSError as exc:
         _take_back(store, published, restore_refs)
