@@ -45,6 +45,12 @@ THEMED_SEEDS: list[tuple[str, int, str, str, bool]] = [
     ("s3", 53, "a pin reported set, then the stalled gc's DeleteObjects dropped its step", "pins-vs-gc", True),
     ("s3", 51, "a tag reported set, lost to the stalled gc's drop", "pins-vs-gc", True),
 ]  # fmt: skip
+# Drawn seeds stopped after the fence (``--slip``), which broke the tree before gc's notices
+# (5233063^): a publication that reuses blobs against a gc deleting them (store/gc_notices.py).
+SLIP_SEEDS: list[tuple[str, int, str]] = [
+    ("s3", 26, "a --force commit's manifest put sent past its lease, after a gc had repacked the pack it reused"),
+    ("s3", 83, "a gc's DeleteObjects sent past its lease, after a commit had reused the blobs it deleted"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +97,11 @@ def test_the_targeted_seeds_that_found_bugs_hold_now(
     outcome = simulate([seed], backend, inputs, jobs=1, theme=theme, slip=slip)
     assert outcome[0].journal[0].op["theme"] == theme
     _held(outcome)
+
+
+@pytest.mark.parametrize(("backend", "seed", "found"), SLIP_SEEDS, ids=[f"{b}-{s}-slip" for b, s, _ in SLIP_SEEDS])
+def test_the_drawn_slip_seeds_that_found_bugs_hold_now(inputs: Inputs, backend: str, seed: int, found: str) -> None:
+    _held(simulate([seed], backend, inputs, jobs=1, slip=True))
 
 
 # ---- the checker itself: it must see a broken store as broken -------------------------------------

@@ -239,6 +239,13 @@ class GcPlan:
             f"{len(self.temp_files)} temp file(s){packs}{parts}, {freeing}"
         )
 
+    def doomed(self) -> tuple[set[str], set[str]]:
+        """The blobs this plan leaves nowhere (dead rows, orphan objects) and the packs it deletes
+        (a repacked pack too: a publication that names a blob there by an older row is stopped,
+        and runs again after its sync finds the blob's new pack)."""
+        blobs = set(self.dead_blobs) | set(self.orphan_files)
+        return blobs, set(self.dead_packs) | set(self.repack) | set(self.orphan_packs)
+
     def thin_to(self, tier: str) -> list[int]:
         """The manifests this plan thins to ``tier``."""
         return [m for m, _, t in self.thin if t == tier]
@@ -535,9 +542,8 @@ def _announce_then_check(
     published since gc listed (gc_notices, FORMAT 8.1). A publication put before the notice is seen
     here; one put after it reads the notice and takes itself back. Found one that needs them: gc
     withdraws its notice and stops, having deleted no blob."""
-    gone = set(plan.dead_blobs) | set(plan.orphan_files)
-    emptied = set(packs) - set(plan.repack)  # a repacked pack's live blobs stand in their new packs
-    notice = gc_notices.announce(store.backend, gone, emptied, fence=fence)
+    gone, _ = plan.doomed()
+    notice = gc_notices.announce(store.backend, gone, packs, fence=fence)
     try:
         found = gc_notices.published_since(store.backend, known, notice)
     except BaseException:

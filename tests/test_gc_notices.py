@@ -1,0 +1,113 @@
+"""I1 and I6 on a leased store (docs/FORMAT.md section 8.1): gc's deletions against a publication that
+reuses blobs, each side writing first and reading the other's second (store/gc_notices.py). The
+simulation's ``--slip`` seeds 26 and 83 broke this: a host stalled past its lease after its fence,
+and a gc deleted a pack a commit had just reused (or the commit published after the gc's deletes).
+Played here request by request, through the real CLI and real S3 objects, in each order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_hosts import host_env, run, steps_seen_by_a_new_host
+
+from tailorstore import Store
+from tailorstore.core.errors import LeaseLostError
+from tailorstore.curate.gc import Retention, plan_gc
+from tailorstore.store import gc_notices
+
+
+def _dead_after_rm(location: str) -> tuple[set[str], set[str], set[str]]:
+    """What a gc planning now would delete (step 3 removed), and what it listed before its sync."""
+    with Store.open(location) as store:
+        known = gc_notices.publications(store.repo.backend)
+        blobs, packs = plan_gc(store.repo, [Retention()]).doomed()
+    assert blobs and packs, "step 3's own blobs are dead once it is removed, and their packs emptied or repacked"
+    return blobs, packs, known
+
+
+def test_a_publication_and_a_gc_notice_each_see_the_other(
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    location = s3_location
+    at3, at6 = saves
+    a = host_env(tmp_path / "host-a")
+    monkeypatch.setenv("TAILOR_CACHE", a["TAILOR_CACHE"])  # the gc played here is host a's
+    assert run(a, "init", location).returncode == 0
+    for save in (at3, at6):
+        assert run(a, "commit", str(save), "--store", location).returncode == 0
+    assert run(a, "rm", "step=3", "--store", location).returncode == 0
+
+    # 1. the publication first: the gc's read after its notice finds it, and gc must stop
+    dead, packs, known = _dead_after_rm(location)
+    assert run(a, "commit", str(at3), "--store", location).returncode == 0  # reuses the dead blobs' objects
+    with Store.open(location) as store:
+        backend = store.repo.backend
+        notice = gc_notices.announce(backend, dead, packs)
+        found = gc_notices.published_since(backend, known, notice)
+        new_key = store.repo.manifest(store.repo.resolve("step=3")).object_key
+        gc_notices.withdraw(backend, notice)
+    assert found == new_key
+    assert steps_seen_by_a_new_host(location, tmp_path / "host-b") == [3, 6]
+
+    # 2. the notice first: the publication's read after its put finds it, and it takes itself back
+    assert run(a, "rm", "step=3", "--store", location).returncode == 0
+    dead, packs, _ = _dead_after_rm(location)
+    with Store.open(location) as store:
+        notice = gc_notices.announce(store.repo.backend, dead, packs)  # a gc that died after its notice
+    committed = run(a, "commit", str(at3), "--store", location)
+    assert committed.returncode == 4 and "was taken back: a gc running meanwhile" in committed.stderr, committed.stderr
+    assert len(committed.stderr.strip().splitlines()) == 1 and "Traceback" not in committed.stderr
+    assert steps_seen_by_a_new_host(location, tmp_path / "host-c") == [6]  # nothing of it is visible
+
+    # the notice blocks only what needs its blobs, until a user clears it
+    assert run(a, "commit", str(at3), "--store", location).returncode == 4
+    cleared = run(a, "gc", "--clear-notices", "--store", location)
+    assert cleared.returncode == 0 and "cleared 1 notice" in cleared.stderr, cleared.stderr
+    with Store.open(location) as store:
+        assert gc_notices.notice_keys(store.repo.backend) == []
+        assert not store.repo.backend.exists(notice.key)
+    assert run(a, "commit", str(at3), "--store", location).returncode == 0
+    assert run(a, "verify", "--deep", "--store", location).returncode == 0
+    assert steps_seen_by_a_new_host(location, tmp_path / "host-d") == [3, 6]
+
+
+def test_a_publication_after_a_whole_gc_finds_its_objects_gone(
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The notice is withdrawn once gc's deletes are done, so a publication whose read of ``gc/``
+    comes after a whole gc (which listed before its put) must see the deletions themselves."""
+    at3, _ = saves
+    with Store.init(s3_location) as store:
+        store.commit(at3)
+        repo = store.repo
+        needs = repo.catalogue.referenced_blobs(repo.resolve("step=3"))
+        gc_notices.check_publication(repo.backend, needs, "checking", repo.size_lookup(needs))  # all there
+        packed = next(b for b in needs if b.pack is not None)
+        repo.backend.delete(packed.key())  # what the gc deleted between the put and the read
+        with pytest.raises(LeaseLostError, match=f"blob {packed.hash}, which it needs, was deleted"):
+            gc_notices.check_publication(repo.backend, needs, "checking", repo.size_lookup(needs))
+
+
+def test_a_gc_on_s3_leaves_no_notice_and_a_local_store_writes_none(
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    at3, at6 = saves
+    for location in (s3_location, str(tmp_path / "store")):
+        with Store.init(location) as store:
+            store.commit(at3)
+            store.commit(at6)
+            store.remove("step=3")
+            listed: list[str] = []
+            real_put = store.repo.backend.put
+
+            def put(key: str, data: object, **kwargs: object) -> None:
+                listed.append(key)
+                real_put(key, data, **kwargs)  # type: ignore[arg-type]
+
+            store.repo.backend.put = put  # type: ignore[method-assign]
+            plan = store.gc()
+            assert plan.dead_blobs
+            assert gc_notices.notice_keys(store.repo.backend) == []
+            wrote_notice = any(k.startswith(gc_notices.NOTICE_PREFIX) for k in listed)
+            assert wrote_notice == location.startswith("s3://"), listed
