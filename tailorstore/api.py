@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from tailorstore.restore.checkout import CheckoutResult
     from tailorstore.restore.dcp_read import DcpStep
     from tailorstore.restore.export import ExportResult
+    from tailorstore.restore.file_objects import StepObjects
     from tailorstore.restore.reshard import ReshardResult
     from tailorstore.restore.universal import UniversalResult
 
@@ -435,10 +436,22 @@ class Store:
 
         return plot(self.repo, Path(out), self.run)
 
+    def step_objects(self, ref: Ref, *, world_size: int | None = None, zero_stage: int | None = None) -> StepObjects:
+        """The torch files of a DeepSpeed step's tag folder as the objects ``torch.load`` would
+        return, built in memory from the store on demand (``StepObjects.load(name)``), each tensor
+        decoded once and hash-checked; at ``world_size`` ranks under ZeRO ``zero_stage`` when they
+        differ from the save's (resharded). Nothing is written: what a resume loads straight from
+        the store."""
+        from tailorstore.restore.file_objects import step_objects
+
+        return step_objects(self.repo, self._selector(ref), world_size=world_size, zero_stage=zero_stage)
+
     def usage(self) -> Usage:
+        from tailorstore.curate.gc import Retention, effective_rules, plan_gc
         from tailorstore.report.usage import usage
 
-        return usage(self.repo)
+        frees = plan_gc(self.repo, effective_rules(self.repo, Retention())).freed_bytes  # what a plain gc would free
+        return usage(self.repo, gc_frees=frees)
 
     def verify(
         self, ref: Ref | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None

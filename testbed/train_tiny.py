@@ -296,6 +296,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tie-embeddings", action="store_true", help="lm_head shares the embedding's weight")
     p.add_argument("--cuda", action="store_true", help="train on this rank's GPU (nccl) instead of the CPU")
     p.add_argument("--load-from-store", default=None, help="a ref of --commit-to to resume from, without attach")
+    p.add_argument(
+        "--staged-resume", action="store_true", help="resume through staged files, not straight from the store"
+    )
     p.add_argument("--commit-to", default=None, help="a tailorstore: rank 0 commits after every save")
     p.add_argument("--delete-after-commit", action="store_true", help="remove each tag folder once committed")
     p.add_argument(
@@ -391,12 +394,13 @@ def main(argv: list[str] | None = None) -> None:
             engine, store, policy=args.engine_policy, on_existing=args.on_existing, snapshot=not args.no_snapshot,
             gpu_buffers={"auto": None, "on": True, "off": False}[args.gpu_buffers],
             metrics=(lambda step: {"train_loss": losses[step]}) if args.record_loss_metric else None,
+            staged_resume=args.staged_resume,
         )  # fmt: skip
 
     start_step = 0
     resume_began = time.perf_counter()  # time to resume: load_checkpoint called to the first step done
     if args.load_from_store:  # no attach: resume straight from the store at this world size
-        _, client_state = load_checkpoint(engine, store, args.load_from_store)
+        _, client_state = load_checkpoint(engine, store, args.load_from_store, staged=args.staged_resume)
         start_step = int(client_state["my_step"])
     elif args.resume_from:
         load_path, client_state = engine.load_checkpoint(args.resume_from, tag=args.resume_tag)

@@ -4,7 +4,7 @@ point down (DEVELOPERS.md; docs/ARCHITECTURE.md draws it).
     core  <-  formats, store  <-  access  <-  ingest, restore, curate, report  <-  api  <-  integrations  <-  cli
 
 formats and store know nothing of each other (a store never reads an input format); the verb
-packages may use curate's names (refs, thinning, gc), and nothing else sideways. The test
+packages never import each other (the pure rules they share are in core; the api composes them). The test
 reads every import statement, at module level and inside functions, so a lazy import that
 points up is caught as well.
 """
@@ -28,7 +28,7 @@ RANK = {
     "integrations": 5,
     "cli": 6,
 }
-SIDEWAYS = {("ingest", "curate"), ("restore", "curate"), ("report", "curate")}
+SIDEWAYS: set[tuple[str, str]] = set()  # none: the rules the verbs share live in core (core/step_rules.py)
 
 
 def layer_of_module(module: str) -> str | None:
@@ -181,3 +181,30 @@ def test_every_lock_timeout_defaults_to_the_one_constant() -> None:
                     wrong.append(f"{path}:{node.lineno} {node.name}(lock_timeout={text})")
     assert found > 20 and not wrong, wrong
     assert LOCK_TIMEOUT == 600.0
+
+
+def test_the_integrations_share_one_set_of_rank_helpers() -> None:
+    """Issue 49: the rank lookup, the broadcast and the reading of LOCAL_WORLD_SIZE were each defined
+    two or three times, with different caps and failure semantics. integrations/ranks.py holds them;
+    no other integration module defines its own or reads the environment for them."""
+    found = []
+    for path in sorted((ROOT / "tailorstore" / "integrations").glob("*.py")):
+        if path.name == "ranks.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") in (
+                "rank", "distributed", "is_distributed", "from_rank0_value", "barrier", "gathered", "local_world_size",
+                "local", "node_ranks", "is_leader", "broadcast", "tailor_group", "collective_timeout",
+            ):  # fmt: skip
+                found.append(f"{path.name}:{node.lineno}: defines {node.name}")
+            if isinstance(node, ast.Constant) and node.value in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+                found.append(f"{path.name}:{node.lineno}: reads {node.value}")
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("is_initialized", "is_available")
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "dist"
+            ):
+                found.append(f"{path.name}:{node.lineno}: asks torch.distributed {node.attr}")
+    assert not found, "\n".join(found)

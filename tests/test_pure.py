@@ -448,7 +448,8 @@ def test_no_message_below_the_command_line_names_a_command() -> None:
                 text = node.value
             else:
                 continue
-            if "`tailor " in text or re.search(r"`--[a-z]|`(\{\}|[a-z_]+)=", text):
+            # a flag anywhere ("(--format universal)", "without --world-size"), not only in backticks
+            if "`tailor " in text or re.search(r"(^|[\s(`'\"])--[a-z]|`(\{\}|[a-z_]+)=", text):
                 found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {text[:80]!r}")
     assert not found, "\n".join(found)
 

@@ -13,6 +13,20 @@ A blob is live when any kept manifest references it, through a file row or a non
 atom row. Composites reference their inherited blobs directly, so a blob first stored at a
 dropped step lives on as long as a kept composite uses it.
 
+Call order (docs/FORMAT.md section 8, gc; one process, under the exclusive lock):
+
+1. take the lock exclusive; on a remote store, list the manifest and part objects; sync the index;
+2. plan (:func:`plan_gc`): the manifests to drop or thin, the dead blobs, the packs to delete or
+   repack, the orphans; show the plan (a dry run stops here);
+3. thin and archive what the rules thin, and plan again when it archived;
+4. carry the refs of superseded versions over, delete the dropped parts and superseded objects;
+5. in one index transaction: put each dropped manifest's drop marker and read their refs (a ref
+   found: take the markers back, drop nothing, stop), then delete the manifest objects and rows;
+6. repack: write the live blobs into new packs, point the index at them;
+7. on a remote store, put the notice of the blobs and packs it deletes and read what was published
+   since step 1 (``store/gc_notices.py``; one that needs them stops gc);
+8. delete the blob and pack objects, each request fenced; then the temp files; then the notice.
+
 Packs: a pack none of whose blobs lives is deleted. A pack whose dead bytes reach
 ``REPACK_AT`` of its size is repacked: its live blobs are read, hash-checked, written into
 new packs, the index is pointed at them, and only then is the old pack deleted. A pack with

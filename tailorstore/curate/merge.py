@@ -27,9 +27,9 @@ from typing import Any
 from tailorstore.core.errors import LOCK_TIMEOUT, MergeSpecError, StepExistsError
 from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import STATE, block_index, sort_key
+from tailorstore.core.step_rules import check_tag
 from tailorstore.curate.averaging import AverageResult, average, is_averaging
 from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, load_spec, merge_record, ref_of
-from tailorstore.curate.refs import check_tag
 from tailorstore.store.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.publish import record_manifest
 from tailorstore.store.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord

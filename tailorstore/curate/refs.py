@@ -19,30 +19,11 @@ from contextlib import contextmanager
 
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, LeaseLostError, LockTimeoutError, StepExistsError, StoreError
 from tailorstore.core.failpoints import operation
+from tailorstore.core.step_rules import check_tag
 from tailorstore.store import manifest_objects
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.repo import Repository
-
-TAG_BYTES = 72  # escaped (=XX a byte outside [A-Za-z0-9._-]), with a temp file's suffix: under 255 bytes
-
-
-def check_tag(tag: str) -> str:
-    """A tag names an object key (``refs/tags/<tag>``) and a line of ``tailor log``: no separators,
-    no control characters, not a path's ``.`` or ``..``, and not a number (``step=N`` is one)."""
-    if (
-        not tag
-        or tag.isdigit()
-        or tag in (".", "..")
-        or tag != tag.strip()
-        or any(c in "=/\\" or ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) < 0xE000 for c in tag)
-        or len(tag.encode()) > TAG_BYTES  # after the surrogates (undecodable bytes of argv) are out
-    ):
-        raise StoreError(
-            f"tag {tag!r} is not allowed: use up to {TAG_BYTES} bytes of letters, digits, '-', '_' or '.' "
-            "(not only digits, not . or ..)."
-        )
-    return tag
 
 
 @contextmanager

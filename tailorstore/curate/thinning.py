@@ -35,7 +35,7 @@ from pathlib import PurePosixPath
 
 from tailorstore.access.atom_reader import decode_atom
 from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
-from tailorstore.core.errors import Call, StoreError, ThinnedStepError
+from tailorstore.core.errors import Call, StoreError
 from tailorstore.core.progress import Silent
 from tailorstore.curate.archiving import ArchiveGrid, archivable, archived, store_rebuilt
 from tailorstore.formats import deepspeed as ds
@@ -68,17 +68,6 @@ def check_tier(tier: str) -> str:
 def thinner(tier: str, than: str | None) -> bool:
     """Whether ``tier`` keeps less than ``than`` (None: a whole manifest)."""
     return TIERS.index(tier) > (-1 if than is None else TIERS.index(than))
-
-
-def refuse_thinned(record: ManifestRecord, what: str) -> None:
-    """Checkout of a thinned step would write a checkpoint that cannot resume: say so, write nothing."""
-    if record.tier is not None:
-        raise ThinnedStepError(
-            f"step {record.step} was thinned to {record.tier} by gc: it holds no optimizer state, "
-            f"so {what} cannot resume training from it. ",
-            Call("export", f"step={record.step}", out="DIR"),
-            " writes its weights as safetensors; an averaging merge reads it too.",
-        )
 
 
 @dataclass(frozen=True)

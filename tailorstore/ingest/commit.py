@@ -1,14 +1,23 @@
 """Committing: turn one checkpoint directory into blobs plus one manifest.
 
-The order of work is what makes a failed or killed commit harmless:
+Call order (docs/FORMAT.md section 8, Commit), and who makes each call:
 
-1. read and check every input file (bad input is refused before anything is written);
-2. decide which layers to store (the policy) and which to inherit from earlier steps;
-3. write the blobs that the store does not have yet, each durable on its own;
-4. record the manifest (manifest row, files, atoms, layers) in one SQLite transaction.
+1. ``commit`` (any process, or each rank through ``integrations/distributed.py``): read and check
+   every input file, each through one descriptor, its identity recorded; bad input is refused
+   before anything is written;
+2. take the store lock shared (a lease on a remote store) and bring the index up to date under it;
+3. decide which layers to store (the policy) and which to inherit from earlier steps;
+4. write the blobs the store does not have yet into one batch, made durable together, then check
+   that no input changed under the commit;
+5. record: one index transaction and the manifest object's create-only put, through
+   ``store/publish.record_manifest`` (the commit point; on a leased store, gc's notices are read
+   after it, ``store/gc_notices.py``); or, for a part (``part=True``), the part object's
+   create-only put, read against gc's notices the same way, and the index left unchanged
+   (``ingest/finalize.py`` records the step once every part is in);
+6. release the lock; then (``delete_after_commit``) check that every blob is there and delete the
+   save, as clean-up that never fails the commit.
 
-Until step 4 commits, no reader can see the step; blobs written before a crash are
-orphans that ``tailor gc`` removes.
+Until step 5, no reader can see the step; blobs written before a crash are orphans that gc removes.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from tailorstore.core.layers import STATE, sort_key
 from tailorstore.core.policies import CommitFacts, decide, needs_changes
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.rounding import ROUND_FROM_MASTER
-from tailorstore.curate.refs import check_tag
+from tailorstore.core.step_rules import check_tag
 from tailorstore.formats.deepspeed import ModelInfo
 from tailorstore.formats.kinds import RAW
 from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER, CheckpointLayout, detect

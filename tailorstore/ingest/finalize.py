@@ -1,11 +1,22 @@
 """Finalizing a step: turn the parts several hosts committed into one manifest.
 
-Each host commits only its own ranks' files as a part (``tailor commit DIR --part``). Once
-every host is done, one of them (global rank 0 under torch.distributed) finalizes: it reads
-every part of the step, checks that together they hold every file the saved world size
-needs, and records one manifest exactly as a single-host commit would, then deletes the
-parts. A step with a missing part is refused, naming the missing ranks, and nothing is
-recorded; the parts stay for a later finalize.
+Each host commits only its own ranks' files as a part (``commit(DIR, part=True)``). Once every
+host is done, one of them (global rank 0 under torch.distributed) finalizes. A step with a missing
+part is refused, naming the missing ranks, and nothing is recorded; the parts stay for a later
+finalize.
+
+Call order (docs/FORMAT.md section 8, Parts and Finalize):
+
+1. every host: ``commit(..., part=True)`` writes its blobs, then puts its part object create-only
+   (the part's commit point); the index is not changed;
+2. one host, once all parts are in: ``finalize(step)`` takes the lock shared, brings the index up
+   to date, lists and reads the step's parts (with a label, only that save's);
+3. checks that they form one save (one tag, layout, world size and stage; a path two parts hold
+   is the same file atom by atom) and that together they hold every file the world size needs;
+4. checks that every blob they name exists;
+5. records one manifest through ``store/publish.record_manifest``, as a single-host commit would
+   (under a plan the parts carry, with its policy and inherited layers);
+6. deletes the parts, after the index transaction commits.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from tailorstore.core.errors import (
 )
 from tailorstore.core.failpoints import operation
 from tailorstore.core.policies import PolicySpec
-from tailorstore.curate.refs import check_tag
+from tailorstore.core.step_rules import check_tag
 from tailorstore.formats import dcp
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import DCP

@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -45,6 +44,7 @@ from tailorstore.core.threads import decode_threads
 from tailorstore.formats import dcp as dcp_format
 from tailorstore.formats.tensors import dtype_from_name
 from tailorstore.integrations.distributed import from_rank0
+from tailorstore.integrations.ranks import is_distributed
 from tailorstore.restore.dcp_read import DcpStep
 
 
@@ -72,7 +72,7 @@ class TailorStorageReader(StorageReader):
             return self.store.step(self.ref).id
 
         # rank 0 names the step, and every rank gets its answer or its failure (none waits in vain)
-        stable_id = from_rank0(resolve, None, f"resolving {self.ref!r}") if _distributed() else resolve()
+        stable_id = from_rank0(resolve, None, f"resolving {self.ref!r}") if is_distributed() else resolve()
         self._step = self.store.open_dcp(f"id={stable_id}", folder=self.folder)
         return torch_metadata(self._step.metadata)
 
@@ -177,7 +177,3 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(bytearray())
     return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()

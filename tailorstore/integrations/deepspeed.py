@@ -58,40 +58,19 @@ from tailorstore.formats.deepspeed import is_model_states, read_latest
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.ingest.commit import CommitResult
 from tailorstore.ingest.rank_share import owner_of
-from tailorstore.integrations import nodes, resume, snapshot
+from tailorstore.integrations import nodes, ranks, resume, serving, snapshot
 from tailorstore.integrations import staging as staged
 from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
 from tailorstore.integrations.head import Head, read_head, write_head
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.snapshot import Snapshots
+from tailorstore.restore.file_objects import StepObjects
 from tailorstore.store.records import COMMIT
 
 log = logging.getLogger("tailorstore")
 T = TypeVar("T")
 ENGINE_NAME = "TailorCheckpointEngine"
 RESTORE_PREFIX = "restore-"  # the engine's folders for the files of a resume, inside its staging
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _barrier(group: Any = None) -> None:
-    if _distributed():
-        dist.barrier(group)
-
-
-def _from_rank0(value: Any, group: Any = None) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if not _distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 def default_staging() -> Path:
@@ -132,25 +111,29 @@ class TailorCheckpointEngine(CheckpointEngine):
         snapshot: bool = True,
         gpu_buffers: bool | None = None,
         metrics: Callable[[int | None], Mapping[str, float] | None] | None = None,
+        staged_resume: bool = False,
         **policy_params: float,
     ) -> None:
         super().__init__(None)
+        # a resume loads each rank's files straight from the store (serving.py); ``staged_resume``
+        # checks the step out into staging files first, as before (DeepSpeed then reads them)
+        self._staged_resume = staged_resume
         self._metrics_of = metrics  # called on global rank 0 with the step of each save it commits
         self._pending_metrics: dict[str, float] | None = None  # set_metrics: for the next save only
         self.rewind = Rewind(on_existing)  # a save of a step the store holds: a rewind (rewind.py)
         self.name = ENGINE_NAME
-        if _rank() == 0 and store is None:
+        if ranks.rank() == 0 and store is None:
             raise StoreError("TailorCheckpointEngine: global rank 0 commits, so it needs the store.")
         # global rank 0 commits; each node's local rank 0 may hold one to resume from (resume.py)
-        self.store = store if _rank() == 0 or resume.is_leader() else None
-        self.group = resume.tailor_group()  # our collectives never interleave with training's, and time out
+        self.store = store if ranks.rank() == 0 or ranks.is_leader() else None
+        self.group = ranks.tailor_group()  # our collectives never interleave with training's, and time out
         self._shape = shape
         # Several nodes, each leader with a store: each node commits its own ranks' files as a part
         # and global rank 0 finalizes the step, so no folder but the store is shared (nodes.py).
         self._parts = nodes.parts_possible(store, self.group)  # the leader ranks, or empty
         # the leaders' own group: their background commits decide a policy together over it
         self._leaders_group = nodes.leaders_group(self._parts)
-        if self._parts and _rank() == 0:
+        if self._parts and ranks.rank() == 0:
             assert store is not None
             nodes.finish_pending(store)  # a killed job's saves whose every part is in
         policy_spec(policy, policy_params)  # a misspelt parameter fails here, not at the first save
@@ -159,14 +142,14 @@ class TailorCheckpointEngine(CheckpointEngine):
         self.asynchronous = asynchronous
         self._global_steps = global_steps
         # One folder per engine, the same on every rank: rank 0 commits what all ranks staged.
-        token = _from_rank0(f"{staged.PREFIX}{os.getpid()}-{secrets.token_hex(4)}", self.group)
+        token = ranks.broadcast(f"{staged.PREFIX}{os.getpid()}-{secrets.token_hex(4)}", self.group)
         self.staging = Path(staging) if staging is not None else default_staging()
         rescued = staged.recover(self.staging)  # a killed run's staged saves go where DeepSpeed would have put them
         # No rank creates its folder before every rank of the node has recovered: a recovery
         # takes a folder nobody holds yet for a dead run's, between its creation and its lock.
         # (The gather is that barrier.)
-        every_rescued = resume.gathered([str(p) for p in rescued], self.group)
-        if _rank() == 0 and store is not None:
+        every_rescued = ranks.gathered([str(p) for p in rescued], self.group)
+        if ranks.rank() == 0 and store is not None:
             _commit_recovered(store, sorted({Path(p) for one in every_rescued for p in one}))
         self._root = self.staging / token
         self._lock: int | None = None  # our shared lock on _root while it exists: a later engine leaves it be
@@ -180,7 +163,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         # save() copies the tensors into reused memory and writes the file in the background (snapshot.py)
         self._snapshots = (
             Snapshots(
-                on_staging_failed=self._warn_staging, ranks_on_node=resume.ranks_on_node(), device_buffers=gpu_buffers
+                on_staging_failed=self._warn_staging, ranks_on_node=ranks.ranks_on_node(), device_buffers=gpu_buffers
             )
             if snapshot
             else None
@@ -209,7 +192,7 @@ class TailorCheckpointEngine(CheckpointEngine):
             self._go_direct(exc)
 
     def _check_room(self) -> None:
-        need = self._last_bytes * max(1, _local_world_size())  # every rank of this node stages into one folder
+        need = self._last_bytes * max(1, ranks.ranks_on_node())  # every rank of this node stages into one folder
         free = shutil.disk_usage(self.staging).free
         if need and free < need:
             raise OSError(errno.ENOSPC, f"{free:,} bytes free, and the last save of this node's ranks took {need:,}")
@@ -324,7 +307,8 @@ class TailorCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         """Files come from a checkout of the store; loaded with the allowlist, never running unknown code.
 
-        A model-states file this engine staged for a resume is mapped, not read (:func:`mapped`)."""
+        A model-states file this engine staged for a resume is mapped, not read (:func:`mapped`);
+        a resume served from the store hands over its objects instead (:mod:`.serving`)."""
         if self._restoring(path):
             return load_staged(path)
         return load_torch_file(path, mmap=False)[0]
@@ -340,12 +324,12 @@ class TailorCheckpointEngine(CheckpointEngine):
             return True
         real, twin = self._save
         if self._snapshotted and self._snapshots is not None and not self._direct:
-            self._snapshots.finish(twin.parent, _rank())  # the marker the committer waits for
+            self._snapshots.finish(twin.parent, ranks.rank())  # the marker the committer waits for
         every, direct, snapshotted = self._gathered_names()
         names = sorted({n for one in every for n in one})
         if direct:  # some rank's staging failed: the whole save is committed from where DeepSpeed writes it
             self._go_direct("another rank's staging failed")
-            _barrier(self.group)  # every rank has moved what it had staged
+            ranks.barrier(self.group)  # every rank has moved what it had staged
         self._save = None
         folder = real if direct else twin
         self._last_bytes = self._save_bytes
@@ -356,14 +340,14 @@ class TailorCheckpointEngine(CheckpointEngine):
         step = step_of_tag(info.tag)
         if step is None and self._global_steps is not None:
             step = self._global_steps()
-        metrics = self._metrics_for(step) if _rank() == 0 else None
+        metrics = self._metrics_for(step) if ranks.rank() == 0 else None
         if self._parts and nodes.each_node_apart(folder, every, self.group):
-            if resume.is_leader():
+            if ranks.is_leader():
                 label = nodes.save_label(self._root.name, self._saves, len(self._parts))
-                mine = [r for r in resume.node_ranks(_rank()) if r in written]
+                mine = [r for r in ranks.node_ranks(ranks.rank()) if r in written]
                 self._submit_part(folder, real, step, nodes.node_names(every), label, mine, metrics)
             return True
-        if _rank() != 0:
+        if ranks.rank() != 0:
             return True
         if written:  # the files are still being written: the commit job waits for them, then looks
             self._submit(folder, real, step, written, metrics)
@@ -393,7 +377,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         directly, and the ranks whose files are written in the background (a snapshot), after a
         barrier: every other file is complete once it passes."""
         mine = (list(self._staged_names), self._direct, self._snapshotted)
-        if not _distributed():
+        if not ranks.is_distributed():
             return [mine[0]], mine[1], [0] if mine[2] else []
         every: list[tuple[list[str], bool, bool] | None] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(every, mine, group=self.group)
@@ -447,14 +431,14 @@ class TailorCheckpointEngine(CheckpointEngine):
         if self.policy != "full" or self.policy_params:  # the leaders decide the plan together
             self._submit_planned_part(folder, real, step, label, written, metrics)
             return
-        root = _rank() == 0
+        root = ranks.rank() == 0
         count = len(self._parts)
 
         def work(store: Store, source: Path) -> CommitResult:
             missing = sorted(n for n in mine if not (source / n).is_file())
             if missing:
                 raise StoreError(f"this node does not see the files {missing[:3]} its own ranks staged in {source}")
-            result = store.commit(source, part=True, part_label=f"{label}-n{_rank()}", step=step)
+            result = store.commit(source, part=True, part_label=f"{label}-n{ranks.rank()}", step=step)
             shutil.rmtree(source, ignore_errors=True)  # the part is durable: its blobs hold the node's files now
             if root:
                 nodes.await_parts(store, result.step, label, count)
@@ -476,7 +460,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         their own group, in the background (every leader's commits run in save order), each
         leader surveying and writing its node's files; the manifest is what one process would
         record of the whole save (ingest/rank_plan.py)."""
-        node = set(resume.node_ranks(_rank()))
+        node = set(ranks.node_ranks(ranks.rank()))
 
         def work(store: Store, source: Path) -> RankParallelResult:
             result = commit_rank_parallel(
@@ -499,7 +483,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         def job(store: Store) -> T:
             try:
                 result = work(store, _written_source(folder, real, written))
-                if _rank() == 0:
+                if ranks.rank() == 0:
                     self._move_head(store, real.parent, getattr(result, "step", None))
                 return result
             except BaseException:
@@ -526,6 +510,18 @@ class TailorCheckpointEngine(CheckpointEngine):
             return original(load_dir, tag, **kw)
         self._hold()
         world_size, zero_stage = self._shape() if self._shape else (1, 0)
+        engine = getattr(original, "__self__", None)
+        if not self._staged_resume and engine is not None and serving.servable(engine):
+            found, loaded = resume.load_in_memory(
+                self.store,
+                lambda store: self._find(store, tag, Path(load_dir), from_latest),
+                lambda objects, built: self._load_served(engine, original, objects, built, kw),
+                world_size,
+                zero_stage,
+                self.group,
+            )
+            self.rewind.resumed_step = found.step
+            return loaded
         found, loaded = resume.restore_and_load(
             self.store,
             lambda store: self._find(store, tag, Path(load_dir), from_latest),
@@ -537,6 +533,14 @@ class TailorCheckpointEngine(CheckpointEngine):
         )
         self.rewind.resumed_step = found.step  # a save of a step after it that the store holds branches here
         return loaded
+
+    def _load_served(
+        self, engine: Any, original: Callable[..., Any], objects: StepObjects, built: dict[str, Any], kw: dict
+    ) -> Any:
+        """DeepSpeed's own ``load_checkpoint`` over the step's objects (:mod:`.serving`); no file is written."""
+        root = self._root / f"{RESTORE_PREFIX}{self._saves:06d}"  # a name only: the folder is never made
+        with serving.served(engine, root, objects, built):
+            return original(str(root), objects.tag, **kw)
 
     def _move_head(self, store: Store, save_dir: Path, step: int | None) -> None:
         """Global rank 0, once a step is committed: the job's head (head.py) names it."""
@@ -644,14 +648,14 @@ def _warn_if_in_several_runs(store: Store, run: str, step: int) -> None:
         )
 
 
-def _written_source(folder: Path, real: Path, ranks: list[int]) -> Path:
-    """The committer: wait for the ranks still writing their files of the save staged at ``folder``;
+def _written_source(folder: Path, real: Path, writing: list[int]) -> Path:
+    """The committer: wait for the ranks still writing (``writing``) their files of the save staged at ``folder``;
     where a rank could not write into staging (it wrote where DeepSpeed writes), the staged files
     join it there and the save is committed from ``real``, as when staging fails at once."""
-    if not ranks:
+    if not writing:
         return folder
     try:
-        snapshot.await_written(folder.parent, ranks, resume.collective_timeout())
+        snapshot.await_written(folder.parent, writing, ranks.collective_timeout())
         return folder
     except snapshot.StagingFailed:
         if folder != real and folder.is_dir():
@@ -666,13 +670,6 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def _local_world_size() -> int:
-    try:
-        return max(1, min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")[:6]), 4096))
-    except ValueError:
-        return 1
 
 
 def _rescue(twin: Path, real: Path) -> None:
@@ -700,6 +697,7 @@ def attach(
     snapshot: bool = True,
     gpu_buffers: bool | None = None,
     metrics: Callable[[int | None], Mapping[str, float] | None] | None = None,
+    staged_resume: bool = False,
     **policy_params: float,
 ) -> TailorCheckpointEngine:
     """Install a :class:`TailorCheckpointEngine` on a DeepSpeed engine, on every rank (collective).
@@ -716,6 +714,8 @@ def attach(
     ``metrics(step)``
     (on global rank 0) gives the metrics recorded with each saved step, e.g. the last evaluation's
     ``{"eval_loss": ...}``; or call ``tailor.set_metrics({...})`` before a save.
+    ``engine.load_checkpoint`` then loads each rank's files straight from the store, built in memory
+    (nothing staged); ``staged_resume=True`` checks the step out into staging files first instead.
     """
     tailor = TailorCheckpointEngine(
         store,
@@ -728,12 +728,13 @@ def attach(
         snapshot=snapshot,
         gpu_buffers=gpu_buffers,
         metrics=metrics,
+        staged_resume=staged_resume,
         **policy_params,
     )
     engine.checkpoint_engine = tailor
     if snapshot:
         _guard_changes(engine, tailor)
-    if tailor._parts and resume.is_leader():
+    if tailor._parts and ranks.is_leader():
         # Each node's part needs the model states to cut its optimizer states by parameter: every
         # node's leader writes them, as DeepSpeed's use_node_local_storage makes it do. The copies
         # are the same bytes, which finalize checks.
@@ -874,19 +875,22 @@ def load_checkpoint(
     ref: str = "latest",
     *,
     staging: str | os.PathLike | None = None,
+    staged: bool = False,
     **load_kwargs: Any,
 ) -> tuple[Any, Any]:
     """Resume ``engine`` from the step ``ref`` names, at the world size and ZeRO stage it runs at now
     (collective: every rank calls it). Without :func:`attach`, and with no conversion step.
 
-    Each node's local rank 0 passes a store handle (on a single node, global rank 0's is enough);
-    the others may pass None. Each node writes only its own ranks' share of the step into its
-    staging folder (``staging``, else ``$TAILOR_STAGING`` or ``/dev/shm``), every rank loads it
-    through DeepSpeed's own ``load_checkpoint`` (``load_kwargs`` go to it; the staged files through
-    the allowlist, :func:`staged_loads`), and it is deleted.
+    Global rank 0 passes a store handle; a rank without one opens the store rank 0 names. Each rank
+    builds the files it loads straight from the store, in memory, and DeepSpeed's own
+    ``load_checkpoint`` (``load_kwargs`` go to it) loads them (:mod:`.serving`): nothing is staged.
+    With ``staged`` (or an engine this cannot serve: a universal load, NVMe offload, model or pipeline
+    parallelism), each node's local rank 0 (which then needs a handle) writes its ranks' share into
+    its staging folder (``staging``, else ``$TAILOR_STAGING`` or ``/dev/shm``), every rank loads it
+    through the allowlist (:func:`staged_loads`), and it is deleted.
     Returns what ``engine.load_checkpoint`` returns: (load path, client state)."""
-    group = resume.tailor_group()
-    token = resume.gathered(secrets.token_hex(6), group)[0]
+    group = ranks.tailor_group()
+    token = ranks.gathered(secrets.token_hex(6), group)[0]
     root = (Path(staging) if staging is not None else default_staging()) / f"tailor-restore-{token}"
     world_size, zero_stage = _shape_of(engine)
 
@@ -896,6 +900,14 @@ def load_checkpoint(
         warn_if_composite(found.step, found.inherited)
         return found
 
+    if not staged and serving.servable(engine):
+
+        def load_objects(objects: StepObjects, built: dict[str, Any]) -> Any:
+            with serving.served(engine, root, objects, built):  # ``root`` is a name only: never made
+                return engine.load_checkpoint(str(root), objects.tag, **load_kwargs)
+
+        return resume.load_in_memory(store, pick, load_objects, world_size, zero_stage, group)[1]
+
     def load(folder: str, tag: str) -> Any:
         with staged_loads(engine, root):
             return engine.load_checkpoint(folder, tag, **load_kwargs)
@@ -903,7 +915,7 @@ def load_checkpoint(
     try:
         _, loaded = resume.restore_and_load(store, pick, load, root / "step", world_size, zero_stage, group)
     finally:
-        if resume.is_leader():
+        if ranks.is_leader():
             shutil.rmtree(root, ignore_errors=True)
     return loaded
 
@@ -933,7 +945,7 @@ def save_checkpoint(
         rewind = Rewind(on_existing, run=rewind.run if rewind else None)
         engine._tailor_rewind = rewind
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state or {})
-    if _rank() != 0:
+    if ranks.rank() != 0:
         return None
     if store is None:
         raise TypeError("save_checkpoint: global rank 0 needs the store to commit to")

@@ -34,7 +34,8 @@ from tailorstore.ingest import rank_plan
 from tailorstore.ingest.commit_options import CommitOptions, CommitResult, PartPlan
 from tailorstore.ingest.finalize import FinalizeResult
 from tailorstore.ingest.rank_share import Share, Survey, checked_weights, survey, write_share, writers
-from tailorstore.integrations.resume import node_ranks
+from tailorstore.integrations.ranks import gathered, is_distributed, node_ranks
+from tailorstore.integrations.ranks import rank as global_rank
 
 T = TypeVar("T")
 
@@ -73,11 +74,11 @@ def commit_rank_parallel(
     parts (and the finalize takes only them); ``owns`` says which files each member commits
     (default: DeepSpeed's rank R's files are group rank R's). ``metrics`` (rank 0's) are recorded
     with the step."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         raise StoreError("commit_rank_parallel needs torch.distributed initialized; use Store.commit in one process.")
     rank = dist.get_rank(group)
     dist.barrier(group)  # every rank has finished writing its files before any rank reads the folder
-    ranks_here = len(node_ranks(dist.get_rank()))
+    ranks_here = len(node_ranks(global_rank()))
     options = CommitOptions(
         step=step,
         trust_pickles=trust_pickles,
@@ -89,9 +90,9 @@ def commit_rank_parallel(
     )
     spec = policy_spec(policy, policy_params)
     if label:
-        options.part_label = f"{label}-n{dist.get_rank()}"
+        options.part_label = f"{label}-n{global_rank()}"
     share, mine = _together(lambda: survey(store.repo, Path(path), options, rank, owns), group, "surveying its files")
-    surveys: list[Survey] = _gathered(mine, group)
+    surveys: list[Survey] = gathered(mine, group)
     elsewhere, derived = writers(surveys)[rank], checked_weights(surveys)
     if spec.name != "full":
         options.plan = _planned(store, share, surveys, spec, group, lock_timeout)
@@ -103,7 +104,7 @@ def commit_rank_parallel(
         "writing its files",
         undo=lambda result: result is not None and result.part and store.repo.backend.delete(result.part),
     )
-    parts: list[CommitResult | None] = _gathered(written, group)
+    parts: list[CommitResult | None] = gathered(written, group)
     outcome: list[Any] = [None]
     if rank == 0:
         try:
@@ -134,7 +135,7 @@ def _planned(
     terms: dict[str, Any] = {}
     if needs_changes(spec):
         mine = _together(lambda: rank_plan.own_terms(store.repo, share, found), group, "measuring its layers' change")
-        for part in _gathered(mine, group):
+        for part in gathered(mine, group):
             terms.update(part)
     return from_rank0(
         lambda: rank_plan.decide_plan(store.repo, spec, surveys, found, terms, rank_plan.step_order(share, surveys)),
@@ -175,12 +176,6 @@ def _together(work: Callable[[], T], group: Any, doing: str, undo: Callable[[T],
             undo(value)
         raise RankParallelCommitError("the rank-parallel commit failed: " + "; ".join(failed))
     return value  # type: ignore[return-value]
-
-
-def _gathered(item: T, group: Any) -> list[T]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, item, group=group)
-    return out
 
 
 def _global(rank: int, group: Any) -> int:

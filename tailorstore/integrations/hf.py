@@ -38,6 +38,7 @@ from tailorstore.core.errors import StoreError
 from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.ingest.deletion import delete_once_durable
 from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
+from tailorstore.integrations.ranks import is_distributed, rank
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 
 
@@ -82,7 +83,7 @@ class TailorCallback(TrainerCallback):
 
     def rank_parallel(self) -> bool:
         """Whether every rank commits its own files (a distributed run, under any policy)."""
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return is_distributed() and dist.get_world_size() > 1
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         if self.rank_parallel() and self.asynchronous and self._group is None:
@@ -134,7 +135,7 @@ class TailorCallback(TrainerCallback):
         """Every rank's share, rank 0's manifest; rank 0 deletes the folder once its blobs are checked.
         Rank 0 decides the run first (a rewind may branch one) and every rank commits to it."""
         decision: list[Any] = [None]
-        if dist.get_rank() == 0:
+        if rank() == 0:
             try:
                 decision[0] = self.rewind.run_for(store, step)
             except Exception as exc:  # every rank must hear it, or the others wait in the commit
@@ -149,7 +150,7 @@ class TailorCallback(TrainerCallback):
             store, folder, step=step, group=self._group, policy=self.policy, metrics=metrics or None,
             **self.policy_params,
         )  # fmt: skip
-        if self.delete_after_commit and dist.get_rank() == 0:
+        if self.delete_after_commit and rank() == 0:
             delete_once_durable(store.repo, result.finalized.manifest, folder)
         return result
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from tailorstore.api import Store
 from tailorstore.core.errors import Call, StoreError, TailorError
-from tailorstore.integrations import resume
+from tailorstore.integrations import ranks
 from tailorstore.store.parts import part_keys
 
 log = logging.getLogger("tailorstore")
@@ -34,15 +34,11 @@ POLL_SECONDS = 0.5
 _SAVE_PART = re.compile(r"(?P<label>[A-Za-z0-9._-]+\.s\d+\.of(?P<count>\d{1,5}))-n\d+-[0-9a-f]+\.json\.zst")
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def parts_possible(store: Store | None, group: Any) -> list[int]:
     """Collective: the nodes' leader ranks when the job spans several nodes and every leader
     holds a store handle (each node then commits a part); else empty (one committer)."""
-    rank = _rank()
-    seen = resume.gathered((rank, resume.is_leader(), store is not None, len(resume.node_ranks(rank))), group)
+    rank = ranks.rank()
+    seen = ranks.gathered((rank, ranks.is_leader(), store is not None, len(ranks.node_ranks(rank))), group)
     leaders = [r for r, lead, _, _ in seen if lead]
     single = len(leaders) == 1 and all(size == len(seen) for *_, size in seen)
     if single or not all(has for _, lead, has, _ in seen if lead):
@@ -55,23 +51,23 @@ def leaders_group(leaders: list[int]) -> Any:
     None on one node."""
     if not leaders:
         return None
-    return dist.new_group(ranks=leaders, backend="gloo", timeout=timedelta(seconds=resume.collective_timeout()))
+    return dist.new_group(ranks=leaders, backend="gloo", timeout=timedelta(seconds=ranks.collective_timeout()))
 
 
 def node_names(every: list[list[str]]) -> list[str]:
     """The files this node's ranks staged (``every``: each global rank's names)."""
-    return sorted({n for r in resume.node_ranks(_rank()) if r < len(every) for n in every[r]})
+    return sorted({n for r in ranks.node_ranks(ranks.rank()) if r < len(every) for n in every[r]})
 
 
 def each_node_apart(folder: Path, every: list[list[str]], group: Any) -> bool:
     """Collective: True when no leader sees another node's files in its folder (node-local
     staging). A folder every node shares (a shared staging= or save_dir) is committed whole by
     global rank 0 instead, as on one node."""
-    here = set(resume.node_ranks(_rank()))
+    here = set(ranks.node_ranks(ranks.rank()))
     own = {n for r, names in enumerate(every) if r in here for n in names}
     foreign = {n for r, names in enumerate(every) if r not in here for n in names} - own  # model states: both
-    sees = resume.is_leader() and any((folder / n).exists() for n in foreign)
-    return not any(resume.gathered(sees, group))
+    sees = ranks.is_leader() and any((folder / n).exists() for n in foreign)
+    return not any(ranks.gathered(sees, group))
 
 
 def save_label(engine: str, save: int, count: int) -> str:
@@ -111,7 +107,7 @@ def finish_pending(store: Store) -> list[int]:
 
 def await_parts(store: Store, step: int, label: str, count: int, timeout: float | None = None) -> None:
     """Global rank 0: wait until ``count`` parts labelled ``label`` are in the store."""
-    limit = resume.collective_timeout() if timeout is None else timeout
+    limit = ranks.collective_timeout() if timeout is None else timeout
     deadline = time.monotonic() + limit
     while True:
         found = store.parts(step, label=label)

@@ -13,29 +13,26 @@ A node's peak staging is therefore its ranks' optimizer files plus the model-sta
 its share of the step, not the whole step. Ranks are taken to be numbered node by node, as
 ``torchrun`` numbers them (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``).
 
-Every collective runs on a gloo group of its own (:func:`tailor_group`) with a timeout
-(``$TAILOR_COLLECTIVE_TIMEOUT`` seconds, default 1800): a node that dies mid-restore turns into
-an error on the others, not a hang, and nothing here interleaves with training's collectives.
+Every collective runs on a gloo group of its own (``ranks.tailor_group``) with a timeout: a node
+that dies mid-restore turns into an error on the others, not a hang.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from tailorstore.api import Store
-from tailorstore.core.environment import COLLECTIVE_TIMEOUT_ENV
 from tailorstore.core.errors import StoreError
-
-DEFAULT_COLLECTIVE_TIMEOUT = 1800.0
+from tailorstore.integrations.ranks import gathered, is_distributed, is_leader, node_ranks
+from tailorstore.integrations.ranks import rank as global_rank
+from tailorstore.restore.checkout import loaded_by
+from tailorstore.restore.file_objects import StepObjects
 
 
 @dataclass(frozen=True)
@@ -48,53 +45,6 @@ class Found:
     zero_stage: int | None
     inherited: dict[str, int]  # a composite's layers from earlier steps (layer -> step)
     created_at: float = 0.0  # when the manifest was recorded (integrations/head.py compares it)
-
-
-def collective_timeout() -> float:
-    """Seconds any one collective of ours may wait for the other ranks (read as hostile input)."""
-    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV, str(DEFAULT_COLLECTIVE_TIMEOUT))[:100]
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not 1.0 <= seconds <= 7 * 86400.0:  # NaN and inf included
-        raise StoreError(f"{COLLECTIVE_TIMEOUT_ENV}={text!r} is not allowed: give seconds, from 1 to 604800.")
-    return seconds
-
-
-def tailor_group() -> Any:
-    """A gloo process group of our own (collective: every rank calls it, in the same order)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=collective_timeout()))
-
-
-def _local() -> tuple[int, int]:
-    """(LOCAL_RANK, LOCAL_WORLD_SIZE), read as hostile input: numbers in range, else one rank a node."""
-    try:
-        local = int(os.environ.get("LOCAL_RANK", "0")[:6])
-        size = int(os.environ.get("LOCAL_WORLD_SIZE", "1")[:6])
-    except ValueError:
-        return 0, 1
-    if not (0 <= local < size <= 65536):
-        return 0, 1
-    return local, size
-
-
-def ranks_on_node() -> int:
-    """How many ranks this node runs (LOCAL_WORLD_SIZE, read as hostile input)."""
-    return _local()[1]
-
-
-def node_ranks(rank: int) -> list[int]:
-    """The global ranks of this rank's node."""
-    local, size = _local()
-    first = rank - local
-    return list(range(first, first + size))
-
-
-def is_leader() -> bool:
-    return _local()[0] == 0
 
 
 def needs_reshard(found: Found, world_size: int, zero_stage: int) -> bool:
@@ -124,14 +74,6 @@ def materialize(store: Store, found: Found, out: Path, world_size: int, zero_sta
     return folders[0]
 
 
-def gathered(value: Any, group: Any) -> list[Any]:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
 def restore_and_load(
     store: Store | None,
     pick: Callable[[Store], Found],
@@ -145,8 +87,8 @@ def restore_and_load(
     (this node's staging), load on every rank (``load(folder, tag)``), and clean up.
 
     Every node's leader needs a store handle; on one node, global rank 0's is enough."""
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
+    distributed = is_distributed()
+    rank = global_rank()
     leader = is_leader()
     # who can write for whom: every node leader with a store, or rank 0 alone for a single node
     seen = gathered((rank, leader, store is not None, len(node_ranks(rank))), group)
@@ -158,19 +100,8 @@ def restore_and_load(
             f"resuming from the store on {len(leaders)} nodes needs a store handle on each node's local rank 0; "
             f"ranks {missing} have none"
         )
-    found: Found | None = None
+    found, _ = resolved(store, pick, group)
     error: str | None = None
-    if rank == 0:
-        try:
-            if store is None:
-                raise StoreError("global rank 0 needs the store to resume from")
-            found = pick(store)
-        except Exception as exc:  # every rank must hear it
-            error = f"resuming from {store.location if store else 'the store'} failed: {exc}"
-    found, error = gathered((found, error), group)[0]
-    if error:
-        raise StoreError(error)
-    assert found is not None
     tag: str | None = None
     if leader:
         try:
@@ -194,3 +125,66 @@ def restore_and_load(
             dist.barrier(group)
         if leader:
             shutil.rmtree(out, ignore_errors=True)
+
+
+def resolved(store: Store | None, pick: Callable[[Store], Found], group: Any) -> tuple[Found, str | None]:
+    """Collective: the step rank 0 resolves (``pick``), and the store's location, on every rank."""
+    found: Found | None = None
+    error: str | None = None
+    location = store.location if store is not None else None
+    if global_rank() == 0:
+        try:
+            if store is None:
+                raise StoreError("global rank 0 needs the store to resume from")
+            found = pick(store)
+        except Exception as exc:  # every rank must hear it
+            error = f"resuming from {location or 'the store'} failed: {exc}"
+    found, error, location = gathered((found, error, location), group)[0]
+    if error:
+        raise StoreError(error)
+    assert found is not None
+    return found, location
+
+
+def load_in_memory(
+    store: Store | None,
+    pick: Callable[[Store], Found],
+    load: Callable[[StepObjects, dict[str, Any]], Any],
+    world_size: int,
+    zero_stage: int,
+    group: Any,
+) -> tuple[Found, Any]:
+    """Collective: resolve on rank 0, then every rank builds the files it loads straight from the
+    store (``restore/file_objects.py``), at the world size and stage training runs at now, and
+    ``load(objects, built)`` loads them; nothing is staged. A rank without a store handle opens the
+    store rank 0 names (readers take no lock). Every rank builds its own files before any loads, and
+    a failure on one is raised on all, so no rank waits in DeepSpeed's collectives for one that
+    failed."""
+    found, location = resolved(store, pick, group)
+    rank = global_rank()
+    objects: StepObjects | None = None
+    built: dict[str, Any] = {}
+    error: str | None = None
+    opened: Store | None = None
+    try:
+        own = store
+        if own is None:
+            own = opened = Store.open(location) if location else None
+        if own is None:
+            raise StoreError("no store to resume from")
+        stage = zero_stage if zero_stage != found.zero_stage else None
+        objects = own.step_objects(found.ref, world_size=world_size, zero_stage=stage)
+        for name in objects.names:
+            if loaded_by(name, {rank}):
+                built[name] = objects.load(name)
+    except Exception as exc:
+        error = f"resuming step {found.step} from {location or 'the store'} failed on rank {rank}: {exc}"
+    failures = [e for e in gathered(error, group) if e]
+    try:
+        if failures:
+            raise StoreError(failures[0])
+        assert objects is not None
+        return found, load(objects, built)
+    finally:
+        if opened is not None:
+            opened.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tailorstore.core import atoms as A
-from tailorstore.curate.gc import Retention, effective_rules, plan_gc
 from tailorstore.store.repo import Repository
 
 _KIND_GROUPS = {A.WEIGHT: "weights", A.MASTER: "masters", A.EXP_AVG: "moments", A.EXP_AVG_SQ: "moments"}
@@ -47,7 +46,9 @@ class Usage:
     gc_frees: int = 0
 
 
-def usage(store: Repository) -> Usage:
+def usage(store: Repository, *, gc_frees: int = 0) -> Usage:
+    """Where the bytes go. ``gc_frees``: what a gc with each run's own retention would free, which
+    the caller learns from curate's plan (report does not import curate)."""
     index = store.catalogue
     blob_bytes = index.blob_object_bytes()  # loose blob objects, and whole packs (trailers and dead bytes too)
     index_bytes = sum(p.stat().st_size for p in store.where.index_path.parent.glob("index.sqlite*") if p.is_file())
@@ -70,5 +71,5 @@ def usage(store: Repository) -> Usage:
     other_files.raw_bytes = max(0, out.raw_bytes - sum(k.raw_bytes for name, k in out.kinds.items() if name != "files"))
     alone = index.bytes_alone()
     out.steps = [StepUsage(m.id, m.step, m.tag, raw_of[m.id], alone.get(m.id, 0), m.name) for m in manifests]
-    out.gc_frees = plan_gc(store, effective_rules(store, Retention())).freed_bytes
+    out.gc_frees = gc_frees
     return out

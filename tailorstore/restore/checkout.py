@@ -21,7 +21,7 @@ from tailorstore.access.output_dir import staged
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
-from tailorstore.curate.thinning import refuse_thinned
+from tailorstore.core.step_rules import refuse_thinned
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import DCP, RAW, SAFETENSORS, TORCH
 from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED_TAG
@@ -62,7 +62,7 @@ def checkout_step(
     manifest = store.resolve(selector)
     facts = store.manifest(manifest)
     step = facts.step
-    refuse_thinned(facts, "a checkout")
+    refuse_thinned(facts.step, facts.tier, "a checkout")
     out = Path(out)
     files = store.catalogue.files(manifest)
     if ranks is not None:  # one node's share: the files its data-parallel ranks load

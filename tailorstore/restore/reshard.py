@@ -49,7 +49,7 @@ from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
-from tailorstore.curate.thinning import refuse_thinned
+from tailorstore.core.step_rules import refuse_thinned
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.layout import DCP_FOLDER
 from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_class, with_int_field
@@ -137,7 +137,9 @@ def check_target(view: ModelView, world: int, stage: int | None) -> int:
         raise StoreError(
             f"ZeRO-{source} to ZeRO-{target}: DeepSpeed's ZeRO-3 files differ in structure from ZeRO 1/2 (no module "
             "weights in the model states, per-parameter partitions); change between stages 1 and 2 only. A "
-            "universal checkpoint (--format universal) loads under any stage."
+            "universal checkpoint (",
+            Call("checkout", format="universal"),
+            ") loads under any stage.",
         )
     return target
 
@@ -400,25 +402,38 @@ def _is_zero_file(row: FileRecord) -> bool:
     return ds.is_model_states(name) or ds.is_optim_states(name)
 
 
-def checkout_resharded(
-    store: Repository,
-    selector: str,
-    out: Path,
-    *,
-    world_size: int | None,
-    zero_stage: int | None = None,
-    ranks: Sequence[int] | None = None,
-    progress: Progress | None = None,
-) -> ReshardResult:
-    """Write the step ``selector`` names at ``out`` as DeepSpeed would have saved it on ``world_size``
-    ranks (default: the save's own) under ZeRO ``zero_stage`` (default: the save's own).
+@dataclass
+class _Setup:
+    """What a resharded step is made from, decided before any byte is read or written."""
 
-    ``ranks`` writes only the ZeRO files those data-parallel ranks load (with every other file of
-    the step): what one node of a job needs, so that each node materializes its own share."""
-    began = time.perf_counter()
+    store: Repository
+    manifest: int
+    facts: ManifestRecord
+    files: list[FileRecord]
+    view: ModelView
+    plan: ReshardPlan
+    saved_tree: Any  # the source optimizer file's tree (tensors read lazily: only the step counters are read)
+
+    def states_tree(self) -> Any:
+        """The model-states file's tree for the new world size (its tensors streamed when written)."""
+        where = f"step {self.facts.step}, file {self.plan.states.path}"
+        tree = committed_tree(self.store, self.manifest, self.plan.states, where)
+        tree[DP_WORLD_SIZE] = self.plan.world
+        return tree
+
+    def optimizer_tree(self, states: _States, rank: int) -> Any:
+        """Rank ``rank``'s optimizer-states file's tree at the new world size."""
+        rebuild = _rank_zero3 if self.plan.stage == 3 else _rank_zero12
+        return {
+            **self.saved_tree,
+            "optimizer_state_dict": rebuild(self.saved_tree["optimizer_state_dict"], states, self.plan, rank),
+        }
+
+
+def _setup(store: Repository, selector: str, world_size: int | None, zero_stage: int | None) -> _Setup:
     manifest = store.resolve(selector)
     facts = store.manifest(manifest)
-    refuse_thinned(facts, "a resharded checkpoint")
+    refuse_thinned(facts.step, facts.tier, "a resharded checkpoint")
     if world_size is None:
         world_size = facts.world_size or 1
     view = model_view(store, manifest)
@@ -440,9 +455,46 @@ def checkout_resharded(
     # the source optimizer file's tree (tensors read lazily: only the step counters are ever read)
     saved_tree = committed_tree(store, manifest, optimizer, f"{where}, file {optimizer.path}")
     plan = plan_reshard(view, optimizer, saved_tree, world_size, target)
+    return _Setup(store, manifest, facts, files, view, plan, saved_tree)
+
+
+def resharded_trees(
+    store: Repository, selector: str, *, world_size: int, zero_stage: int | None = None
+) -> tuple[str, dict[str, Callable[[], Any]]]:
+    """The ZeRO files of the step ``selector`` names as DeepSpeed would have saved them on
+    ``world_size`` ranks, as object trees built on demand instead of files (the tag, and each file's
+    path below the tag folder with the function that builds its tree): what a resume loads straight
+    from the store. Only files of DeepSpeed's tag folder; the trees stream their tensors from the
+    atoms, hash-checked, when they are loaded (``restore/file_objects.py``)."""
+    setup = _setup(store, selector, world_size, zero_stage)
+    plan = setup.plan
+    states = _States(store, setup.view)
+    trees: dict[str, Callable[[], Any]] = {name: setup.states_tree for name in plan.states_names()}
+    for rank in range(plan.world):
+        trees[plan.optimizer_name(rank)] = partial(setup.optimizer_tree, states, rank)
+    return plan.tag, trees
+
+
+def checkout_resharded(
+    store: Repository,
+    selector: str,
+    out: Path,
+    *,
+    world_size: int | None,
+    zero_stage: int | None = None,
+    ranks: Sequence[int] | None = None,
+    progress: Progress | None = None,
+) -> ReshardResult:
+    """Write the step ``selector`` names at ``out`` as DeepSpeed would have saved it on ``world_size``
+    ranks (default: the save's own) under ZeRO ``zero_stage`` (default: the save's own).
+
+    ``ranks`` writes only the ZeRO files those data-parallel ranks load (with every other file of
+    the step): what one node of a job needs, so that each node materializes its own share."""
+    began = time.perf_counter()
+    setup = _setup(store, selector, world_size, zero_stage)
+    manifest, facts, files, view, plan = setup.manifest, setup.facts, setup.files, setup.view, setup.plan
     chosen = _chosen_ranks(ranks, plan.world)
-    states_tree = committed_tree(store, manifest, plan.states, f"{where}, file {plan.states.path}")
-    states_tree[DP_WORLD_SIZE] = plan.world
+    states_tree = setup.states_tree()
     in_tag = [f for f in files if str(PurePosixPath(f.path).parent) == plan.folder]
     extras = [f for f in in_tag if not _is_zero_file(f)]  # anything else DeepSpeed's tag folder held
     others = [f for f in files if str(PurePosixPath(f.path).parent) != plan.folder]
@@ -461,13 +513,9 @@ def checkout_resharded(
                 write_step_files(store, facts, [f for f in others if f not in written_in_place], tmp)
                 write_step_files(store, facts, extras, root)
                 states = _States(store, view, in_place)
-                rebuild = _rank_zero3 if plan.stage == 3 else _rank_zero12
 
                 def optimizer_file(rank: int) -> None:
-                    rebuilt = rebuild(saved_tree["optimizer_state_dict"], states, plan, rank)
-                    write_torch_file(
-                        tag_dir / plan.optimizer_name(rank), {**saved_tree, "optimizer_state_dict": rebuilt}
-                    )
+                    write_torch_file(tag_dir / plan.optimizer_name(rank), setup.optimizer_tree(states, rank))
 
                 def states_files() -> None:
                     if in_place is not None:

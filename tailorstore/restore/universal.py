@@ -45,7 +45,7 @@ from tailorstore.core.atoms import MASTER, STEP
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
-from tailorstore.curate.thinning import refuse_thinned
+from tailorstore.core.step_rules import refuse_thinned
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import TORCH
 from tailorstore.formats.torch_save_writer import TensorOut
@@ -218,7 +218,7 @@ def checkout_universal(
     began = time.perf_counter()
     manifest = store.resolve(selector)
     facts = store.manifest(manifest)
-    refuse_thinned(facts, "a universal checkpoint")
+    refuse_thinned(facts.step, facts.tier, "a universal checkpoint")
     view = model_view(store, manifest)
     _check_stage(view)
     files = store.catalogue.files(manifest)

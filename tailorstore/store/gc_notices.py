@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import zstandard
 
-from tailorstore.core.errors import CorruptStoreError, LeaseLostError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, LeaseLostError, StoreError
 from tailorstore.store import manifest_objects, parts
 from tailorstore.store.backend import HASH_NAME, Backend
 from tailorstore.store.codec import decompress_bounded
@@ -135,7 +135,9 @@ def read_notice(backend: Backend, key: str) -> Notice | None:
         return Notice(key, names["blobs"], names["packs"])
     except (zstandard.ZstdError, ValueError, UnicodeDecodeError) as exc:
         raise CorruptStoreError(
-            f"gc notice {key} is damaged ({exc}); once no gc is running, delete it (gc --clear-notices)"
+            f"gc notice {key} is damaged ({exc}); once no gc is running, delete it with ",
+            Call("gc", clear_notices=True),
+            ".",
         ) from None
 
 

@@ -98,7 +98,7 @@ CREATE TABLE files (
     blob      TEXT NOT NULL REFERENCES blobs(hash),  -- content / skeleton / header
     raw_size  INTEGER NOT NULL,     -- size of the file as committed
     mode      INTEGER NOT NULL,
-    trusted   INTEGER NOT NULL DEFAULT 0,  -- skeleton needs --trust-pickles to load
+    trusted   INTEGER NOT NULL DEFAULT 0,  -- the skeleton loads only when pickles are trusted
     container TEXT REFERENCES blobs(hash),  -- the file's bytes outside its atoms; NULL: re-pickle the skeleton
     PRIMARY KEY (manifest, path)
 );
