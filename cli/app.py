@@ -653,10 +653,11 @@ def verify(
     run: str | None = RunOpt,
     store: str | None = StoreOpt,
     as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
 ) -> None:
     """Check that every manifest's blobs exist and every index row is consistent."""
     with _open(store, run) as st:
-        report = st.verify(selector, deep=deep)
+        report = st.verify(selector, deep=deep, progress=for_terminal(quiet or as_json))
     if as_json:
         typer.echo(json.dumps(_asdict(report)))
     else:

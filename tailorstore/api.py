@@ -453,9 +453,7 @@ class Store:
         frees = plan_gc(self.repo, effective_rules(self.repo, Retention())).freed_bytes  # what a plain gc would free
         return usage(self.repo, gc_frees=frees)
 
-    def verify(
-        self, ref: Ref | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None
-    ) -> VerifyReport:
+    def verify(self, ref: Ref | None = None, *, deep: bool = False, progress: Progress | None = None) -> VerifyReport:
         from tailorstore.report.verify import verify
 
         return verify(self.repo, None if ref is None else self._selector(ref), deep=deep, progress=progress)

@@ -183,3 +183,31 @@ def test_a_typed_policy_and_one_request_for_commit_and_commit_async(tmp_path: Pa
         assert store.remove(3).step == 3 and [s.step for s in store.log()] == [1, 2]
         changed = store.diff(1, 2)
         assert isinstance(changed, tailorstore.DiffResult) and (changed.step_a, changed.step_b) == (1, 2)
+
+
+def test_verify_reports_progress_as_every_long_operation_does(small_store: Path) -> None:
+    """Issue 49: one progress convention. verify took a bare callable where checkout, commit and
+    export take a ``Progress``; now it starts once, advances by each blob's raw bytes, and closes."""
+    from tailorstore.core.progress import Progress
+
+    class Recorded(Progress):
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, object]] = []
+
+        def start(self, description: str, total: int) -> None:
+            self.calls.append(("start", total))
+
+        def advance(self, amount: int) -> None:
+            self.calls.append(("advance", amount))
+
+        def close(self) -> None:
+            self.calls.append(("close", None))
+
+    seen = Recorded()
+    with Store.open(small_store) as store:
+        report = store.verify(deep=True, progress=seen)
+    assert report.ok and report.blobs_checked > 1
+    kinds = [kind for kind, _ in seen.calls]
+    assert kinds[0] == "start" and kinds[-1] == "close" and kinds.count("advance") == report.blobs_checked
+    total = seen.calls[0][1]
+    assert total == sum(amount for kind, amount in seen.calls if kind == "advance") > 0

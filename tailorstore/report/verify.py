@@ -11,7 +11,7 @@ next ``tailor gc`` removes them.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,6 +20,7 @@ from tailorstore.access.atom_reader import stream_rebuilt
 from tailorstore.core.atoms import MASTER
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.paths import check_relative
+from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.threads import decode_threads
 from tailorstore.store import archive_codec, codec
 from tailorstore.store.backend import blob_key
@@ -53,8 +54,18 @@ def _place(where: list[str]) -> str:
 
 
 def verify(
-    store: Repository, selector: str | None = None, *, deep: bool = False, progress: Callable[[int], None] | None = None
+    store: Repository, selector: str | None = None, *, deep: bool = False, progress: Progress | None = None
 ) -> VerifyReport:
+    """Check every manifest's blobs (``deep``: decoded and re-hashed) and the index's rows. ``progress``
+    (the convention of every long operation, core/progress.py) advances by each blob's raw bytes."""
+    progress = progress or Silent()
+    try:
+        return _verify(store, selector, deep, progress)
+    finally:
+        progress.close()
+
+
+def _verify(store: Repository, selector: str | None, deep: bool, progress: Progress) -> VerifyReport:
     report = VerifyReport()
     report.problems.extend(store.catalogue.integrity_problems())
     if selector is None:
@@ -72,6 +83,9 @@ def verify(
     held = store.holdings()  # every object's size from a listing, not a request per blob
     # in pack order, so that on an object store a deep check reads each pack a span at a time
     found = sorted((r for r in rows.values() if r is not None), key=lambda r: (r.pack or "", r.pack_offset or 0))
+    progress.start(
+        f"verifying {len(found)} blob(s)" + (", re-hashing them" if deep else ""), sum(r.raw_size for r in found)
+    )
     with store.reading(found if deep else ()), _checkers(decode_threads() if deep else 1) as pool:
         checks = pool.map(lambda r: _check_blob(store, r, held.stored_bytes(r), _place(users[r.hash]), deep), found)
         for row, (problem, rehashed) in zip(found, checks, strict=True):
@@ -79,8 +93,7 @@ def verify(
             report.bytes_rehashed += rehashed
             if problem:
                 report.problems.append(problem)
-            if progress:
-                progress(row.raw_size)
+            progress.advance(row.raw_size)
     if deep:
         rebuilt: set[tuple] = set()
         jobs = [job for manifest in ids for job in _derived_jobs(store, manifest, rebuilt)]
