@@ -269,20 +269,25 @@ def checkout(
     """Write a step back in its native layout, checking every blob's hash."""
     if layout == "universal" and (world_size is not None or zero_stage is not None):
         raise tailorstore.StoreError("--format universal loads at any world size and stage; drop --world-size.")
-    if layout != "native" or world_size is not None or zero_stage is not None:
+    if layout == "universal":
         with _open(store, run) as st:
-            done = st.checkout(
-                selector, out, world_size=world_size, zero_stage=zero_stage, format=layout,
-                progress=for_terminal(quiet or as_json),
-            )  # fmt: skip
-        if layout == "universal":
-            said = f"wrote step {done.step} as a universal checkpoint into {done.out}: {done.params} parameters, "  # type: ignore[union-attr]
-        else:
-            said = (
-                f"checked out step {done.step} for {done.world_size} ranks (ZeRO-{done.zero_stage}) into {done.out}: "  # type: ignore[union-attr]
+            universal = st.checkout_universal(selector, out, progress=for_terminal(quiet or as_json))
+        said = (
+            f"wrote step {universal.step} as a universal checkpoint into {universal.out}: "
+            f"{universal.params} parameters, {universal.files} files, {human(universal.bytes_written)}"
+        )
+        _report_written(universal, as_json, quiet, said)
+        return
+    if world_size is not None or zero_stage is not None:
+        with _open(store, run) as st:
+            done = st.checkout_resharded(
+                selector, out, world_size=world_size, zero_stage=zero_stage, progress=for_terminal(quiet or as_json)
             )
+        said = f"checked out step {done.step} for {done.world_size} ranks (ZeRO-{done.zero_stage}) into {done.out}: "
         _report_written(done, as_json, quiet, f"{said}{done.files} files, {human(done.bytes_written)}")
         return
+    if layout != "native":
+        raise tailorstore.StoreError(f"--format {layout!r}: give native or universal.")
     with _open(store, run) as st:
         result = st.checkout(
             selector,

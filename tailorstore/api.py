@@ -261,7 +261,7 @@ class Store:
         warn: Callable[[str], None] | None = None,
         threads: int | None = None,
         ranks: Sequence[int] | None = None,
-    ) -> CheckoutResult | ReshardResult | UniversalResult:
+    ) -> CheckoutResult:
         """Write the checkpoint ``ref`` names into the new directory ``out``, every byte hash-checked:
         as it was saved; for ``world_size`` ranks (and ``zero_stage`` 1 or 2) as DeepSpeed would have
         saved it there; or, ``format="universal"``, as DeepSpeed's universal checkpoint. As the

@@ -55,7 +55,7 @@ from tailorstore.formats.layout import DCP_FOLDER
 from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_class, with_int_field
 from tailorstore.formats.torch_save_writer import Parts, TensorOut
 from tailorstore.formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
-from tailorstore.restore.checkout import placed_rows, write_step_files
+from tailorstore.restore.checkout import CheckoutResult, placed_rows, write_step_files
 from tailorstore.store.records import FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
@@ -67,16 +67,12 @@ _FRAGMENT_ADDRESS = opaque_class(DEEPSPEED_GLOBALS[3])
 
 
 @dataclass
-class ReshardResult:
-    step: int
-    manifest: int
-    out: Path
-    tag: str
-    world_size: int
-    zero_stage: int
-    files: int
-    bytes_written: int
-    seconds: float = 0.0
+class ReshardResult(CheckoutResult):
+    """A checkout for another world size or ZeRO stage: what it wrote, and for which."""
+
+    tag: str = ""
+    world_size: int = 0
+    zero_stage: int = 0
 
 
 @dataclass(frozen=True)
@@ -534,4 +530,7 @@ def checkout_resharded(
     finally:
         progress.close()
     seconds = time.perf_counter() - began
-    return ReshardResult(facts.step, manifest, Path(out), plan.tag, plan.world, plan.stage, count, written, seconds)
+    return ReshardResult(
+        facts.step, manifest, Path(out), count, written, seconds=seconds, tag=plan.tag, world_size=plan.world,
+        zero_stage=plan.stage,
+    )  # fmt: skip

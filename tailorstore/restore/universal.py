@@ -49,7 +49,7 @@ from tailorstore.core.step_rules import refuse_thinned
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import TORCH
 from tailorstore.formats.torch_save_writer import TensorOut
-from tailorstore.restore.checkout import placed_rows, write_step_files
+from tailorstore.restore.checkout import CheckoutResult, placed_rows, write_step_files
 from tailorstore.store.records import FileRecord
 from tailorstore.store.repo import Repository
 
@@ -61,15 +61,11 @@ _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of
 
 
 @dataclass
-class UniversalResult:
-    step: int
-    manifest: int
-    out: Path
-    tag: str
-    params: int
-    files: int
-    bytes_written: int
-    seconds: float = 0.0
+class UniversalResult(CheckoutResult):
+    """A checkout as DeepSpeed's universal checkpoint: what it wrote, and how many parameters."""
+
+    tag: str = ""
+    params: int = 0
 
 
 def _optimizer_file(files: list[FileRecord], folder: str, step: int) -> FileRecord:
@@ -270,4 +266,6 @@ def checkout_universal(
     finally:
         progress.close()
     seconds = time.perf_counter() - began
-    return UniversalResult(facts.step, manifest, Path(out), tag, len(trainable), count, written, seconds)
+    return UniversalResult(
+        facts.step, manifest, Path(out), count, written, seconds=seconds, tag=tag, params=len(trainable)
+    )
