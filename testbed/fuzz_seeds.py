@@ -27,6 +27,7 @@ def make(out: Path) -> None:
     from safetensors.torch import save as save_safetensors
 
     from tailorstore import Store
+    from tailorstore.store import gc_notices
     from tailorstore.store.location import resolve
 
     state = {
@@ -62,6 +63,8 @@ def make(out: Path) -> None:
     _put(out, "part", backend.get(next(iter(backend.list("parts/")))))
     _put(out, "pack-trailer", backend.get(next(iter(backend.list("packs/")))))
     _put(out, "store-marker", backend.get("tailorstore.json"))
+    notice = gc_notices.announce(backend, ["cd" * 16], ["ef" * 16])  # as a gc puts it before its deletes
+    _put(out, "gc-notice", backend.get(notice.key))
     now = time.time()
     lease = {"exclusive": False, "host": "h", "pid": 7, "created": now, "expires": now + 120}
     _put(out, "lease", json.dumps(lease).encode())

@@ -75,6 +75,16 @@ def lease_object(data: bytes, work: Path) -> Any:
     return _read(backend, "locks/fuzz.json", 0.0)
 
 
+def gc_notice(data: bytes, work: Path) -> Any:
+    from tailorstore.store import gc_notices
+
+    backend = _backend(work)
+    key = f"{gc_notices.NOTICE_PREFIX}fuzz.json.zst"
+    backend.put(key, data)
+    notice = gc_notices.read_notice(backend, key)
+    return None if notice is None else (len(notice.blobs), len(notice.packs))
+
+
 def pack_trailer(data: bytes, work: Path) -> Any:
     backend = _backend(work)
     name = "ab" * 16
@@ -130,6 +140,7 @@ TARGETS: dict[str, Target] = {
     "part": part_object,
     "lease": lease_object,
     "pack-trailer": pack_trailer,
+    "gc-notice": gc_notice,
     "archive-descriptor": archive_descriptor,
     "merge-spec": merge_spec,
     "metrics": metrics_text,
