@@ -208,3 +208,24 @@ def test_the_integrations_share_one_set_of_rank_helpers() -> None:
             ):
                 found.append(f"{path.name}:{node.lineno}: asks torch.distributed {node.attr}")
     assert not found, "\n".join(found)
+
+
+def test_the_integrations_take_their_options_by_name() -> None:
+    """Issue 49: TailorCallback took its policy by position, where attach and the DeepSpeed helpers
+    take every option by name. Each entry point's options (after the engine or store, the folder and
+    the ref) are keyword-only, so an option cannot be passed in the wrong place."""
+    import inspect
+
+    from tailorstore.integrations import deepspeed, distributed, hf
+
+    positional = {"self", "engine", "store", "save_dir", "tag", "ref", "path"}
+    entry_points = [
+        hf.TailorCallback.__init__, deepspeed.attach, deepspeed.load_checkpoint, deepspeed.save_checkpoint,
+        distributed.commit_rank_parallel,
+    ]  # fmt: skip
+    found = []
+    for function in entry_points:
+        for name, parameter in inspect.signature(function).parameters.items():
+            if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and name not in positional:
+                found.append(f"{function.__qualname__}({name})")
+    assert not found, found

@@ -60,6 +60,7 @@ class TailorCallback(TrainerCallback):
     def __init__(
         self,
         store: Store | str | os.PathLike,
+        *,
         policy: str | Policy = "full",
         delete_after_commit: bool = False,
         asynchronous: bool = True,
