@@ -4,7 +4,9 @@
 (2 ranks, ZeRO-2 bf16, the stall benchmark's model) from the save ``SAVE_DIR/TAG`` four ways:
 
 * ``raw``: DeepSpeed loads its own save from local disk (page cache warm);
-* ``store``: through ``attach`` from a local store holding the step (checkout included);
+* ``store``: through ``attach`` from a local store holding the step: each rank builds the files it
+  loads straight from the store, in memory (nothing staged; since 2026-11-27);
+* ``store-staged``: the same with ``staged_resume=True``: the step checked out into staging first;
 * ``store-s3``: the same from a store on a local S3 server (moto, 127.0.0.1);
 * ``download-then-load``: the raw save's files fetched from that server, then ``raw``.
 
@@ -33,7 +35,7 @@ from testbed.runs import train_tiny
 
 from .suite import SIZES, drop_caches
 
-WAYS = ("raw", "store", "store-s3", "download-then-load")
+WAYS = ("raw", "store", "store-staged", "store-s3", "download-then-load")
 
 
 def model_options(size_name: str) -> dict[str, object]:
@@ -60,8 +62,13 @@ def main() -> None:
     parser.add_argument("--size", default="medium", choices=sorted(SIZES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="drop the page cache before each resume (root)")
-    parser.add_argument("--ways", default=",".join(WAYS), help="which ways, comma-separated (default: all four)")
+    parser.add_argument("--ways", default=",".join(WAYS), help="which ways, comma-separated (default: all)")
+    parser.add_argument("--make", action="store_true", help="first train the model 12 steps and save it at SAVE")
     args = parser.parse_args()
+    if args.make:
+        train_tiny(
+            args.save, losses_out=args.save.parent / "made.json", steps=12, save_every=12, **model_options(args.size)
+        )
     ways = [w for w in args.ways.split(",") if w]
     if not ways or set(ways) - set(WAYS) or "raw" not in ways:
         raise SystemExit(f"--ways: give raw and any of {', '.join(WAYS)}")
@@ -97,8 +104,8 @@ def main() -> None:
                     extra = time.perf_counter() - began
                     how = {"resume_from": run / "fetched"}
                 else:
-                    how = {"tailor_engine": True, "commit_to": local if way == "store" else remote,
-                           "resume_from": run / "nothing-on-disk"}  # fmt: skip
+                    how = {"tailor_engine": True, "commit_to": remote if way == "store-s3" else local,
+                           "resume_from": run / "nothing-on-disk", "staged_resume": way == "store-staged"}  # fmt: skip
                 if args.cold and not drop_caches():
                     raise SystemExit("--cold needs to write /proc/sys/vm/drop_caches (root)")
                 seconds, found = resume(run, step, args.tag, **how, **options)
