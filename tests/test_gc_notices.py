@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import boto3
 import pytest
+from conftest import one_line
 from test_hosts import host_env, run, steps_seen_by_a_new_host
 
 from tailorstore import Store
@@ -16,6 +18,7 @@ from tailorstore.core.errors import LeaseLostError
 from tailorstore.core.failpoints import requests_made
 from tailorstore.curate.gc import Retention, plan_gc
 from tailorstore.store import gc_notices
+from testbed.local_s3 import BUCKET, LocalS3
 
 
 def _dead_after_rm(location: str) -> tuple[set[str], set[str], set[str]]:
@@ -105,3 +108,27 @@ def test_a_gc_on_s3_leaves_no_notice_and_a_local_store_writes_none(
             assert plan.dead_blobs or plan.orphan_files or plan.dead_packs or plan.repack
             assert gc_notices.notice_keys(store.repo.backend) == []
             assert notices == (2 if location.startswith("s3://") else 0), (location, notices)
+
+
+def test_a_strangers_objects_under_gc_are_read_as_hostile(
+    s3_server: LocalS3, s3_location: str, saves: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Anyone with access to the bucket can put objects under ``gc/``. One whose key is not a
+    notice's is ignored; a notice that cannot be read stops a commit with one line (exit 3) and
+    changes nothing, until a gc run told to clears it."""
+    at3, _ = saves
+    a = host_env(tmp_path / "host-a")
+    assert run(a, "init", s3_location).returncode == 0
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    prefix = s3_location.removeprefix(f"s3://{BUCKET}/")
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/gc/x/1-ODD.json.zst", Body=b"\x28\xb5\x2f\xfd not a frame")
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/gc/readme.txt", Body=b"hello")
+    assert run(a, "commit", str(at3), "--store", s3_location).returncode == 0  # neither is a notice
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/gc/1-0123456789abcdef.json.zst", Body=b"\x28\xb5\x2f\xfd junk")
+    assert run(a, "rm", "step=3", "--store", s3_location).returncode == 0
+    committed = run(a, "commit", str(at3), "--store", s3_location)
+    one_line(committed, 3, "gc notice gc/1-0123456789abcdef.json.zst is damaged")
+    assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-b") == []
+    assert run(a, "gc", "--clear-notices", "--store", s3_location).returncode == 0
+    assert run(a, "commit", str(at3), "--store", s3_location).returncode == 0
+    assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-c") == [3]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from tailorstore.store.records import BlobRecord
 
 NOTICE_PREFIX = "gc/"
 NOTICE_VERSION = 1
+_NOTICE_KEY = re.compile(r"gc/[0-9]{1,10}-[0-9a-f]{16}\.json\.zst")
 NOTICE_LIMIT = 1 << 28  # bytes a notice may decode to: 8 million names
 
 
@@ -113,7 +115,9 @@ def published_since(backend: Backend, known: set[str], notice: Notice) -> str | 
 
 
 def notice_keys(backend: Backend) -> list[str]:
-    return sorted(k for k in backend.list(NOTICE_PREFIX) if k.endswith(".json.zst"))
+    """The notices listed now. Only keys of the form a gc writes count: anything else under ``gc/``
+    (a stranger's object, a key no request may name) is ignored, never a reason to fail."""
+    return sorted(k for k in backend.list(NOTICE_PREFIX) if _NOTICE_KEY.fullmatch(k))
 
 
 def read_notice(backend: Backend, key: str) -> Notice | None:
