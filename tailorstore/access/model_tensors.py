@@ -358,10 +358,32 @@ def committed_tree(store: Repository, manifest: int, row: FileRecord, where: str
     for atom in store.catalogue.atoms(manifest, path=row.path):
         by_slot[atom.slot].append(atom)
     tensors = {
-        s.slot: TensorOut(s.dtype, tuple(s.shape), partial(_slot_chunks, store, manifest, s, by_slot[s.slot], where))
+        s.slot: TensorOut(
+            s.dtype,
+            tuple(s.shape),
+            partial(_slot_chunks, store, manifest, s, by_slot[s.slot], where),
+            fill=partial(_slot_fill, store, manifest, s, by_slot[s.slot], where),
+        )
         for s in slots
     }
     return fill_tensors(skeleton, tensors)
+
+
+def _slot_fill(
+    store: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str, dest: memoryview
+) -> None:
+    """A tensor slot's bytes decoded straight into ``dest`` (each atom hash-checked; a failed check
+    raises, and the caller drops ``dest``)."""
+    numel = numel_of(tuple(slot.shape))
+    size = len(dest) // numel if numel else 0
+    cursor = 0
+    for atom in sorted(atoms, key=lambda a: a.offset):
+        if atom.offset != cursor or atom.nbytes != atom.numel * size:
+            raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} leave a gap at element {cursor}")
+        decode_atom_into(store, manifest, atom, dest[cursor * size : (cursor + atom.numel) * size], where)
+        cursor += atom.numel
+    if cursor != numel:
+        raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} cover {cursor} of {numel} elements")
 
 
 def _slot_chunks(

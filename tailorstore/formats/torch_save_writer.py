@@ -78,6 +78,9 @@ class TensorOut:
     shape: tuple[int, ...]
     data: Bytes | Callable[[], Bytes | Iterable[Bytes]]
     any_thread: bool = False
+    # for a loader that keeps the bytes (restore/file_objects.py): write them straight into a buffer
+    # of ``nbytes``, checked, with no chunk in between; None: the loader copies ``chunks``
+    fill: Callable[[memoryview], None] | None = None
 
     @property
     def nbytes(self) -> int:

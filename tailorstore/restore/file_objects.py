@@ -60,6 +60,9 @@ def _filled(tensor: TensorOut, where: str) -> torch.UntypedStorage:
     """A new storage holding ``tensor``'s bytes (each chunk hash-checked by the stream it comes from)."""
     buffer = torch.empty(tensor.nbytes, dtype=torch.uint8)
     view = memoryview(buffer.numpy()).cast("B")
+    if tensor.fill is not None:  # decoded straight into the storage the object keeps
+        tensor.fill(view)
+        return buffer.untyped_storage()
     cursor = 0
     for chunk in tensor.chunks():
         size = chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
