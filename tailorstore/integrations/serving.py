@@ -13,7 +13,8 @@ read then reaches the checkpoint engine's ``load``, which hands over the object 
 
 Call order: ``served(engine, root, objects, built)`` around the call of DeepSpeed's own
 ``load_checkpoint(root, objects.tag)``; it undoes its three changes (the glob, the loader, the checkpoint
-engine's ``load``) when the call returns or fails.
+engine's ``load``) when the call returns or fails. The loader is DeepSpeed's class attribute, so the
+change is process-wide while the call runs: a process loads one checkpoint at a time.
 """
 
 from __future__ import annotations
