@@ -89,3 +89,36 @@ def test_a_damaged_blob_is_an_error_never_a_tensor(runs: Runs, tmp_path: Path) -
         path.write_bytes(bytes(data))
         with pytest.raises(CorruptStoreError):
             objects.load(name)
+
+
+def test_serving_a_resume_leaves_deepspeed_as_it_was_even_when_the_load_fails(runs: Runs, tmp_path: Path) -> None:
+    """integrations/serving.py changes DeepSpeed's loader, the engine's glob and its checkpoint
+    engine's load only while its block runs; a load that fails inside it leaves none of them."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.state_dict_factory import SDLoaderFactory
+
+    from tailorstore.integrations import serving
+
+    own_loader = SDLoaderFactory.__dict__["get_sd_loader"]
+    with Store.init(tmp_path / "store") as store:
+        store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
+        objects = store.step_objects(f"step={STEP}")
+        engine = SimpleNamespace(
+            checkpoint_engine=TorchCheckpointEngine(),
+            _get_ckpt_name=lambda path, tag, mp_placeholder=None: (
+                f"{path}/{tag}/mp_rank_{mp_placeholder}_model_states.pt"
+            ),
+        )
+        root = tmp_path / "never-made"
+        with pytest.raises(RuntimeError, match="DeepSpeed failed"), serving.served(engine, root, objects, {}):
+            names = engine._get_all_ckpt_names(str(root), objects.tag)
+            assert names == [str(root / objects.tag / "mp_rank_00_model_states.pt")]
+            loader = SDLoaderFactory.get_sd_loader(names, engine.checkpoint_engine)
+            path, state, _ = loader.load(1, 0)
+            assert path == names[0] and "module" in state  # built from the store, no file read
+            raise RuntimeError("DeepSpeed failed")
+    assert SDLoaderFactory.__dict__["get_sd_loader"] is own_loader
+    assert "_get_all_ckpt_names" not in vars(engine) and "load" not in vars(engine.checkpoint_engine)
+    assert not root.exists()
