@@ -172,8 +172,9 @@ def test_a_zero3_save_resumes_across_two_nodes_at_a_new_world_size(
     runs: Runs, universal_path: DeepSpeedPath, s3_server: LocalS3, tmp_path: Path
 ) -> None:
     """ZeRO 3, saved at 2 ranks on one node, restarted on 2 nodes x 2 ranks (world size 4): each
-    node's leader writes only its ranks' share of the step resharded to 4 into its own staging,
-    and the losses equal DeepSpeed's universal path at 4 ranks."""
+    rank builds its files of the step resharded to 4 from the store, nothing staged; and with
+    ``staged_resume``, each node's leader writes only its ranks' share into its own staging. Both
+    ways the losses equal DeepSpeed's universal path at 4 ranks."""
     reference = runs.get("zero3-bf16")
     location = s3_server.new_location()
     with Store.init(location) as store:
@@ -184,13 +185,16 @@ def test_a_zero3_save_resumes_across_two_nodes_at_a_new_world_size(
     resumed, peaks = resumed_on_nodes(reference, location, tmp_path / "again", 2, nodes)
     expected, _ = universal_path.loaded(reference, 4, 3)
     assert resumed == expected
+    assert peaks == [0, 0], f"a node staged {peaks} bytes"
+    resumed, peaks = resumed_on_nodes(reference, location, tmp_path / "staged", 2, nodes, staged_resume=True)
+    assert resumed == expected
     for node, peak in enumerate(peaks):  # ZeRO 3: one model-states and one optimizer file a rank
         share = node_share(whole, [2 * node, 2 * node + 1])
         assert max(whole.values()) <= peak <= share, (node, peaks, share)
 
 
 def resumed_on_nodes(
-    reference: Run, location: str, out: Path, nproc: int, nodes: list[dict[str, str]]
+    reference: Run, location: str, out: Path, nproc: int, nodes: list[dict[str, str]], staged_resume: bool = False
 ) -> tuple[dict, list[int]]:
     """Training resumed from the store's step STEP on ``nodes`` of ``nproc`` ranks each, through
     ``attach``: its losses and each node's peak staging; every node's staging is left empty."""
@@ -198,7 +202,7 @@ def resumed_on_nodes(
         losses = train_tiny(
             out, losses_out=out.with_suffix(".json"), nproc=nproc, node_env=nodes, steps=STEP + 2, save_every=0,
             commit_to=location, tailor_engine=True, resume_from=out, resume_tag=f"global_step{STEP}",
-            **reference.options,
+            staged_resume=staged_resume, **reference.options,
         )  # fmt: skip
     assert not [p for node in nodes for p in Path(node["TAILOR_STAGING"]).rglob("*") if p.is_file()]
     return losses, peaks.peaks
