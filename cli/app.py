@@ -286,12 +286,11 @@ def checkout(
         said = f"checked out step {done.step} for {done.world_size} ranks (ZeRO-{done.zero_stage}) into {done.out}: "
         _report_written(done, as_json, quiet, f"{said}{done.files} files, {human(done.bytes_written)}")
         return
-    if layout != "native":
-        raise tailorstore.StoreError(f"--format {layout!r}: give native or universal.")
     with _open(store, run) as st:
         result = st.checkout(
             selector,
             out,
+            format=layout,  # an unknown one is refused there
             trust_pickles=trust_pickles,
             progress=for_terminal(quiet or as_json),
             warn=lambda m: _say(f"warning: {m}"),
