@@ -71,7 +71,7 @@ _LOADED_ON_USE = {
     "RunInfo": ".curate.runs",
     "BaseStep": ".curate.runs",
     "AverageResult": ".curate.averaging",
-    "MergeResult": ".curate.merge",
+    "MergeResult": ".curate.merge_result",
     "RebuildResult": ".store.repo",
     "PolicySpec": ".core.policies",
     "PolicyError": ".core.errors",

@@ -40,7 +40,6 @@ from tailorstore.store.repo import RebuildResult, Repository
 
 if TYPE_CHECKING:
     from tailorstore.curate.archiving import ArchiveGrid
-    from tailorstore.curate.averaging import AverageResult
     from tailorstore.curate.gc import GcPlan, Retention
     from tailorstore.curate.merge import MergeResult
     from tailorstore.curate.runs import RunInfo
@@ -502,9 +501,7 @@ class Store:
             clear_notices=clear_notices,
         )
 
-    def merge(
-        self, spec: str | os.PathLike, *, tag: str, lock_timeout: float = LOCK_TIMEOUT
-    ) -> MergeResult | AverageResult:
+    def merge(self, spec: str | os.PathLike, *, tag: str, lock_timeout: float = LOCK_TIMEOUT) -> MergeResult:
         """Compose a checkpoint from the layer slices a YAML spec names, or (a spec with
         ``method: sma | ema | wma``) average the FP32 masters of several steps; it is recorded
         under ``tag``. An average writes new blobs; a composite writes none."""

@@ -48,6 +48,7 @@ from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import AUX_GROUPS, STATE, block_index, sort_key
 from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
+from tailorstore.curate.merge_result import MergeResult
 from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, merge_record, ref_of
 from tailorstore.store.catalogue import CatalogueEdit
 from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
@@ -71,19 +72,16 @@ class AverageSpec:
     kinds: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class AverageResult:
-    manifest: int
-    tag: str
-    step: int  # the base's step, which the result resumes at
+@dataclass(frozen=True, kw_only=True)
+class AverageResult(MergeResult):
+    """A merge that averaged: what it averaged and what it wrote."""
+
     method: str
     coefficients: dict[int, float]  # step -> its coefficient in the sum
     layers: list[str]  # the layers averaged
     kinds: list[str]
     new_blobs: int
     new_bytes: int
-    seconds: float
-    id: str = "-"  # the manifest's name on every host
 
 
 # Far more steps than any average wants (each is a checkpoint read in full); the bound keeps a

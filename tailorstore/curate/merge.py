@@ -20,7 +20,7 @@ cost grows with the number of parameters and ranks, not with their bytes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,8 @@ from tailorstore.core.errors import LOCK_TIMEOUT, MergeSpecError, StepExistsErro
 from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import STATE, block_index, sort_key
 from tailorstore.core.step_rules import check_tag
-from tailorstore.curate.averaging import AverageResult, average, is_averaging
+from tailorstore.curate.averaging import average, is_averaging
+from tailorstore.curate.merge_result import MergeResult
 from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, load_spec, merge_record, ref_of
 from tailorstore.store.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.publish import record_manifest
@@ -36,17 +37,6 @@ from tailorstore.store.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord
 from tailorstore.store.repo import Repository
 
 __all__ = ["MergeResult", "MergeSpecError", "merge", "parse_spec"]
-
-
-@dataclass(frozen=True)
-class MergeResult:
-    manifest: int
-    tag: str
-    step: int
-    sources: dict[str, int]  # layer -> the step whose blobs it uses (as `tailor show` prints)
-    named: dict[str, str]  # layer -> the source the spec named, for the layers the spec names
-    seconds: float
-    id: str = "-"  # the manifest's name on every host
 
 
 def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[str, dict[str, str]]:
@@ -85,7 +75,7 @@ def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[str, dict[str
 
 def merge(
     store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN, *, lock_timeout: float = LOCK_TIMEOUT
-) -> MergeResult | AverageResult:
+) -> MergeResult:
     """Record a composite of layers from several steps, or (a spec with ``method``) an average
     of steps; ``step=N`` references in the spec are read in ``run`` (or the run they name,
     ``RUN:step=N``), and the merge belongs to its base's run."""
