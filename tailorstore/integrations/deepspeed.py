@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from tailorstore.api import Store
@@ -376,13 +375,9 @@ class TailorCheckpointEngine(CheckpointEngine):
         """Each rank's file names of this save (by global rank), whether any rank wrote its share
         directly, and the ranks whose files are written in the background (a snapshot), after a
         barrier: every other file is complete once it passes."""
-        mine = (list(self._staged_names), self._direct, self._snapshotted)
-        if not ranks.is_distributed():
-            return [mine[0]], mine[1], [0] if mine[2] else []
-        every: list[tuple[list[str], bool, bool] | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(every, mine, group=self.group)
-        names = [one[0] if one else [] for one in every]
-        return names, any(one[1] for one in every if one), [r for r, one in enumerate(every) if one and one[2]]
+        every = ranks.gathered((list(self._staged_names), self._direct, self._snapshotted), self.group)
+        names = [one[0] for one in every]
+        return names, any(one[1] for one in every), [r for r, one in enumerate(every) if one[2]]
 
     def _snapshot_into(self, state_dict: Any, twin: Path, real: Path) -> bool:
         """Copy the file's tensors and write it in the background; False where it must be written now."""
@@ -511,26 +506,29 @@ class TailorCheckpointEngine(CheckpointEngine):
         self._hold()
         world_size, zero_stage = self._shape() if self._shape else (1, 0)
         engine = getattr(original, "__self__", None)
+
+        def pick(store: Store) -> resume.Found:
+            return self._find(store, tag, Path(load_dir), from_latest)
+
         if not self._staged_resume and engine is not None and serving.servable(engine):
             found, loaded = resume.load_in_memory(
                 self.store,
-                lambda store: self._find(store, tag, Path(load_dir), from_latest),
+                pick,
                 lambda objects, built: self._load_served(engine, original, objects, built, kw),
                 world_size,
                 zero_stage,
                 self.group,
             )
-            self.rewind.resumed_step = found.step
-            return loaded
-        found, loaded = resume.restore_and_load(
-            self.store,
-            lambda store: self._find(store, tag, Path(load_dir), from_latest),
-            lambda folder, restored_tag: original(folder, restored_tag, **kw),
-            self._root / f"{RESTORE_PREFIX}{self._saves:06d}",
-            world_size,
-            zero_stage,
-            self.group,
-        )
+        else:
+            found, loaded = resume.restore_and_load(
+                self.store,
+                pick,
+                lambda folder, restored_tag: original(folder, restored_tag, **kw),
+                self._root / f"{RESTORE_PREFIX}{self._saves:06d}",
+                world_size,
+                zero_stage,
+                self.group,
+            )
         self.rewind.resumed_step = found.step  # a save of a step after it that the store holds branches here
         return loaded
 

@@ -167,11 +167,7 @@ def load_in_memory(
     error: str | None = None
     opened: Store | None = None
     try:
-        own = store
-        if own is None:
-            own = opened = Store.open(location) if location else None
-        if own is None:
-            raise StoreError("no store to resume from")
+        own = store if store is not None else (opened := Store.open(str(location)))  # rank 0 resolved it there
         stage = zero_stage if zero_stage != found.zero_stage else None
         objects = own.step_objects(found.ref, world_size=world_size, zero_stage=stage)
         for name in objects.names:
