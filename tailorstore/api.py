@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from tailorstore.curate.gc import GcPlan, Retention
     from tailorstore.curate.merge import MergeResult
     from tailorstore.curate.runs import RunInfo
-    from tailorstore.ingest.commit_options import CommitOptions, CommitRequest, CommitResult
+    from tailorstore.formats.memory_folder import MemoryFolder
+    from tailorstore.ingest.commit_options import CommitOptions, CommitRequest, CommitResult, PartPlan
     from tailorstore.ingest.finalize import FinalizeResult
     from tailorstore.report.diff import DiffResult
     from tailorstore.report.inspect import StepDetail, StepSummary
@@ -160,6 +161,46 @@ class Store:
         commit_options = self._options(wanted, part)
         commit_options.part_label = part_label
         return _commit(self.repo, Path(path), commit_options, wanted.delete_after_commit, progress, on_wait)
+
+    def plan_parts(
+        self, step: int, layer_bytes: Mapping[str, int], request: CommitRequest | None = None, **options: Any
+    ) -> PartPlan:
+        """One decision for every part of step ``step`` when its hosts write from memory (the DCP
+        writer): which layers the request's policy stores, given every layer's size in bytes, and
+        where each other layer comes from. Made once, under the shared lock, and handed to every
+        part (:meth:`commit_memory`)."""
+        from tailorstore.ingest.commit_options import CommitRequest
+        from tailorstore.ingest.rank_plan import plan_from_sizes
+        from tailorstore.store.repo import check_step
+
+        wanted = CommitRequest.of(request, options)
+        run = check_run_name(wanted.run) if wanted.run is not None else self.run
+        check_step(step)
+        return plan_from_sizes(self.repo, wanted.spec(), step, dict(layer_bytes), run, wanted.lock_timeout)
+
+    def commit_memory(
+        self,
+        folder: MemoryFolder,
+        request: CommitRequest | None = None,
+        *,
+        part_label: str = "",
+        plan: PartPlan | None = None,
+        **options: Any,
+    ) -> CommitResult:
+        """Commit files held in memory (:class:`tailorstore.formats.memory_folder.MemoryFolder`) as
+        one part of step ``folder.step``, under ``plan`` (:meth:`plan_parts`); :meth:`finalize`
+        records the step once every part is in. What the DCP writer does on each rank."""
+        from tailorstore.core.policies import PolicySpec
+        from tailorstore.ingest.commit import commit_layout
+        from tailorstore.ingest.commit_options import CommitRequest
+
+        wanted = CommitRequest.of(request, options)
+        commit_options = self._options(wanted, part=True)
+        commit_options.step, commit_options.part_label, commit_options.plan = folder.step, part_label, plan
+        commit_options.tag = None  # the step's tag is finalize's to set
+        if plan is not None:  # the policy is the plan's; a part itself names none
+            commit_options.policy = PolicySpec()
+        return commit_layout(self.repo, folder.layout(), f"{folder.tag} (in memory)", commit_options)
 
     def _options(self, request: CommitRequest, part: bool = False) -> CommitOptions:
         from tailorstore.ingest.commit_options import CommitOptions

@@ -70,6 +70,49 @@ def save_as_accelerate(
         (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
 
 
+class Saver:
+    """``dcp.save`` of each step, to a folder or through TailorStorageWriter, sync or async (an
+    async save waits for the one before it, as torchtitan does)."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.args, self.out, self.pending = args, out, None
+        self.store, self.group = None, None
+        if args.async_save:  # as torchtitan does: the save's collectives on a group of their own
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo")
+        if args.save_to_store:
+            from tailorstore import Store
+
+            self.store = Store.open(args.save_to_store)
+
+    def writer(self, step: int):
+        if self.store is None:
+            return None
+        from tailorstore.integrations.dcp_writer import TailorStorageWriter
+
+        return TailorStorageWriter(self.store, step=step, policy=self.args.store_policy)
+
+    def __call__(self, state: dict, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        writer = self.writer(step)
+        where = {"storage_writer": writer} if writer is not None else {"checkpoint_id": str(self.out / f"step-{step}")}
+        if self.args.async_save is None:
+            dcp.save(state, **where)
+            return
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        self.wait()
+        kind = AsyncCheckpointerType.PROCESS if self.args.async_save == "process" else AsyncCheckpointerType.THREAD
+        self.pending = dcp.async_save(state, async_checkpointer_type=kind, process_group=self.group, **where)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--output-dir", required=True)
@@ -85,6 +128,27 @@ def main(argv: list[str] | None = None) -> None:
         metavar=("STORE", "REF"),
         default=None,
         help="load the step REF of STORE straight from the store (TailorStorageReader), every rank",
+    )
+    p.add_argument(
+        "--save-to-store",
+        default=None,
+        metavar="STORE",
+        help="save each step straight into STORE through TailorStorageWriter (no DCP folder written)",
+    )
+    p.add_argument("--store-policy", default="full", help="the layer policy of --save-to-store")
+    p.add_argument(
+        "--async-save",
+        choices=("thread", "process"),
+        default=None,
+        help="save with dcp.async_save and this checkpointer type (each save waits for the one before)",
+    )
+    p.add_argument(
+        "--kill-in-save",
+        nargs=2,
+        type=int,
+        default=None,
+        metavar=("RANK", "NTH"),
+        help="rank RANK is killed just before it publishes its part of its NTH save (--save-to-store)",
     )
     p.add_argument("--losses-out", default=None)
     p.add_argument("--final-weights", default=None, help="rank 0 saves the full weights here (safetensors)")
@@ -109,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.kill_in_save and rank == args.kill_in_save[0]:  # read once, when the first failpoint is reached
+        os.environ["TAILOR_FAILPOINTS"] = f"before-part-publish=kill@{args.kill_in_save[1]}"
+    save = Saver(args, Path(args.output_dir))
     model = build_model(args.layers, args.hidden, args.vocab)
     for block in model.model.layers:
         fully_shard(block)
@@ -144,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
             save_as_accelerate(model, optim, out / f"checkpoint-{step}", step, rank)
         elif step % args.save_every == 0:
             msd, osd = get_state_dict(model, optim)
-            dcp.save({"model": msd, "optim": osd, "train": {"step": step}}, checkpoint_id=str(out / f"step-{step}"))
+            save({"model": msd, "optim": osd, "train": {"step": step}}, step)
+    save.wait()
     if args.final_weights:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:

@@ -24,6 +24,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tailorstore.core.errors import BadCheckpointError, Call, UnsafePathError
 from tailorstore.core.paths import check_relative
@@ -50,6 +51,14 @@ class CheckpointLayout:
     step: int | None
     ds_tag: str | None
     files: list[str] = field(default_factory=list)  # relative posix paths, in commit order
+    # files held in memory, not under ``root`` (the DCP writer's): relative path -> a path that
+    # opens the very memory file (``/proc/self/fd/N``), and the DCP metadata that cuts them
+    memory: dict[str, Path] = field(default_factory=dict)
+    dcp_metadata: Any = None  # formats/dcp.DcpMetadata, built from the save plan (no .metadata file read)
+
+    def source(self, rel: str) -> Path:
+        """Where a file of the layout is read from."""
+        return self.memory.get(rel) or self.root / rel
 
     @property
     def committed(self) -> Path:
@@ -66,7 +75,8 @@ class CheckpointLayout:
         return rel
 
 
-def _step_from_name(name: str) -> int | None:
+def step_from_name(name: str) -> int | None:
+    """The step a folder's name carries (``global_step12``, ``checkpoint-12``, ``step-12``), or None."""
     match = re.search(r"(?:global_step|checkpoint-|step-|step_|step|ckpt-|ckpt_|iter_)(\d+)$", name)
     return int(match.group(1)) if match else None
 
@@ -209,7 +219,7 @@ def is_dcp_folder(path: Path) -> bool:
 def _detect(path: Path, part: bool = False) -> CheckpointLayout:
     if path.is_file() and not path.is_symlink() and path.suffix in PLAIN_SUFFIXES:
         # one torch.save or safetensors file; named "{tag}" in the index, so every step's file matches
-        return CheckpointLayout(path.parent, PLAIN_FILE, _step_from_name(path.stem), path.name, [path.name])
+        return CheckpointLayout(path.parent, PLAIN_FILE, step_from_name(path.stem), path.name, [path.name])
     if not path.is_dir():
         raise BadCheckpointError(
             f"{path}: not a directory, nor a .pt, .pth, .bin, .ckpt or .safetensors file. Pass the folder "
@@ -226,7 +236,7 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
                 "Point at the tag folder itself, or fix 'latest'."
             )
         files = _top_files(path) + _tag_files(tag_dir, f"{tag}/", part)
-        return CheckpointLayout(path, DEEPSPEED, _step_from_name(tag), tag, files)
+        return CheckpointLayout(path, DEEPSPEED, step_from_name(tag), tag, files)
     names = [p.name for p in path.iterdir() if p.is_file()]
     if is_dcp_folder(path):
         tag = path.name
@@ -234,17 +244,17 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
             if p.is_dir():
                 log.warning("tailorstore: %s is a folder inside a DCP checkpoint; it is not committed", p)
         return CheckpointLayout(
-            path.parent, DCP_FOLDER, _step_from_name(tag), tag, [f"{tag}/{n}" for n in sorted(names)]
+            path.parent, DCP_FOLDER, step_from_name(tag), tag, [f"{tag}/{n}" for n in sorted(names)]
         )
     if any(is_model_states(n) for n in names) or (part and any(is_optim_states(n) for n in names)):
         tag = path.name
         return CheckpointLayout(
-            path.parent, DEEPSPEED_TAG, _step_from_name(tag), tag, _tag_files(path, f"{tag}/", part)
+            path.parent, DEEPSPEED_TAG, step_from_name(tag), tag, _tag_files(path, f"{tag}/", part)
         )
     if any(Path(n).suffix in PLAIN_SUFFIXES for n in names):
         _refuse_checkpoints_inside(path)
         tag = path.name
-        return CheckpointLayout(path.parent, PLAIN_FOLDER, _step_from_name(tag), tag, _walk(path.parent, path))
+        return CheckpointLayout(path.parent, PLAIN_FOLDER, step_from_name(tag), tag, _walk(path.parent, path))
     raise BadCheckpointError(
         f"{path}: not a checkpoint. Expected a DeepSpeed save directory (with 'latest'), a DeepSpeed tag "
         "folder (with *_model_states.pt), an HF Trainer checkpoint-N folder (with trainer_state.json), or a DCP "
@@ -253,7 +263,7 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
 
 
 def _hf_layout(path: Path, part: bool = False) -> CheckpointLayout:
-    step = _step_from_name(path.name)
+    step = step_from_name(path.name)
     if step is None:
         try:
             state = read_small_text(path / "trainer_state.json", "an HF Trainer's trainer_state.json")

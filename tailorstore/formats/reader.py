@@ -142,7 +142,7 @@ def read_checkpoint(
     infos = {} if infos is None else infos  # by the model-states file's folder
     dcp_metas: dict[str, dcp.DcpMetadata] = {}  # by folder
     for rel in layout.files if files is None else files:
-        source = layout.root / rel
+        source = layout.source(rel)
         name = PurePosixPath(rel).name
         kind = classify(rel)
         rank = ds.file_rank(name) if kind == TORCH else dcp.file_rank(name) if kind == DCP else None
@@ -154,9 +154,12 @@ def read_checkpoint(
                 _read_torch(out, src, trust_pickles, infos)
             elif kind == DCP:
                 folder = source.parent
-                if str(folder) not in dcp_metas:
-                    dcp_metas[str(folder)] = _dcp_metadata(folder)
-                meta = dcp_metas[str(folder)]
+                if layout.dcp_metadata is not None:  # the DCP writer's: from the save plan
+                    meta = layout.dcp_metadata
+                else:
+                    if str(folder) not in dcp_metas:
+                        dcp_metas[str(folder)] = _dcp_metadata(folder)
+                    meta = dcp_metas[str(folder)]
                 out.skeleton, out.entries = dcp.read_distcp(src, rel, meta, str(source))
                 out.located, out.meta = True, {"world_size": meta.world_size}
             elif kind == SAFETENSORS:

@@ -272,11 +272,25 @@ def commit_checkpoint(
     on_wait: Callable[[str], None] | None = None,
 ) -> CommitResult:
     options = options or CommitOptions()
+    check_options(options)
+    layout = detect_input(store, Path(ckpt_dir), part=options.part)
+    return commit_layout(store, layout, str(Path(ckpt_dir).resolve()), options, progress, on_wait)
+
+
+def commit_layout(
+    store: Repository,
+    layout: CheckpointLayout,
+    source: str,
+    options: CommitOptions,
+    progress: Progress | None = None,
+    on_wait: Callable[[str], None] | None = None,
+) -> CommitResult:
+    """Commit the files of ``layout`` (a folder on disk, or a memory folder the DCP writer filled);
+    ``source`` is what the step records it came from."""
     progress = progress or Silent()
     began = time.perf_counter()
     check_options(options)
     tag = options.tag or None
-    layout = detect_input(store, Path(ckpt_dir), part=options.part)
     scan = scan_checkpoint(layout, options.trust_pickles)
     files = scan.files
     step = step_of(options, layout, files)
@@ -292,7 +306,7 @@ def commit_checkpoint(
         # name a manifest (and blobs) another host's gc removed since this store was opened.
         store.refresh(lock)
         if options.part:
-            return commit_part(store, Path(ckpt_dir), layout, scan, step, options, lock, progress, began)
+            return commit_part(store, source, layout, scan, step, options, lock, progress, began)
         run = options.run
         base = store.run_base(run)
         if not options.force:
@@ -347,7 +361,7 @@ def commit_checkpoint(
                     exact=stored >= layers,
                     raw_bytes=raw_bytes,
                     new_bytes=new_bytes,
-                    source=str(Path(ckpt_dir).resolve()),
+                    source=source,
                     run=run,
                     tag=tag,
                     pinned=pinned,
@@ -451,7 +465,7 @@ def _facts(files: list[ReadFile]) -> dict[str, int]:
 
 def commit_part(
     store: Repository,
-    ckpt_dir: Path,
+    source: str,
     layout: CheckpointLayout,
     scan: Scan,
     step: int,
@@ -492,7 +506,7 @@ def commit_part(
             layout=layout.kind,
             ds_tag=layout.ds_tag,
             facts=_facts(scan.files),
-            source=f"{socket.gethostname()}:{ckpt_dir.resolve()}",
+            source=f"{socket.gethostname()}:{source}",
             created_at=time.time(),
             raw_bytes=sum(f.size for f in scan.files),
             new_bytes=sum(b.stored_size for b in new_blobs),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from tailorstore.access.changes import ChangeTerms
+from tailorstore.core.errors import StoreError
 from tailorstore.core.policies import CommitFacts, PolicySpec, decide, needs_changes
 from tailorstore.formats.deepspeed import is_model_states
 from tailorstore.formats.reader import write_order
@@ -111,3 +112,24 @@ def decide_plan(
     stored = decide(spec, facts)
     inherited = {layer: found for layer, found in sources.inherited.items() if layer in layers - stored}
     return PartPlan(spec.as_json(), frozenset(stored), inherited, changes)
+
+
+def plan_from_sizes(
+    store: Repository, spec: PolicySpec, step: int, layer_bytes: dict[str, int], run: str, lock_timeout: float
+) -> PartPlan:
+    """One host, for a step whose parts are written from memory (the DCP writer): the plan from
+    the layers' sizes alone, under the shared lock. A policy that measures how far the masters
+    moved (adaptive, budget) needs their bytes on one host, so it is refused here."""
+    if needs_changes(spec):
+        raise StoreError(
+            f"the {spec.name} policy measures how far each layer moved, which needs the whole step in one place; "
+            "save through the DCP writer with the full, parity or filter policy, or commit a DCP folder."
+        )
+    layers = frozenset(layer_bytes)
+    with store.lock(exclusive=False, timeout=lock_timeout) as lock:
+        store.refresh(lock)
+        found = find_sources(store, step, layers, run, spec)
+    facts = CommitFacts(layers, found.commits_before, frozenset(found.inherited), None, dict(layer_bytes), found.ages)
+    stored = frozenset(decide(spec, facts))
+    inherited = {layer: where for layer, where in found.inherited.items() if layer in layers - stored}
+    return PartPlan(spec.as_json(), stored, inherited, {})

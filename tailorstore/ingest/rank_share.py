@@ -253,7 +253,7 @@ def write_share(
         store.refresh(lock)
         return commit_part(
             store,
-            Path(share.layout.root),
+            str(Path(share.layout.root).resolve()),
             share.layout,
             share.scan,
             share.step,

@@ -1,0 +1,80 @@
+""":class:`TailorStorageWriter` in one process (DCP without a process group), a real store, real
+``dcp.save``: the step it names, what it refuses before anything is written, and a failure at the
+step's commit point records nothing. Two ranks of FSDP2 are in tests/test_dcp_writer.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from test_dcp_storage import _equal, _state
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tailorstore import Store
+from tailorstore.integrations.dcp_storage import TailorStorageReader
+from tailorstore.integrations.dcp_writer import TailorStorageWriter
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with Store.init(tmp_path / "store") as opened:
+        yield opened
+
+
+def test_a_save_checks_out_as_filesystemwriter_writes_it_and_loads_back(store: Store, tmp_path: Path) -> None:
+    state = _state(1, 3)
+    dcp.save(state, storage_writer=TailorStorageWriter(store, step=3))
+    dcp.save(state, checkpoint_id=str(tmp_path / "raw"))
+    assert [(s.step, s.world_size) for s in store.log()] == [(3, 1)]
+    store.checkout("step=3", tmp_path / "out")
+    assert (tmp_path / "out" / "__0_0.distcp").read_bytes() == (tmp_path / "raw" / "__0_0.distcp").read_bytes()
+    for load in ({"storage_reader": TailorStorageReader(store, "step=3")}, {"checkpoint_id": str(tmp_path / "out")}):
+        loaded = _state(9, 0)
+        dcp.load(loaded, **load)
+        assert _equal(loaded, state)
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("store", "raw", "out")]
+
+
+@pytest.mark.parametrize(("checkpoint_id", "step"), [(7, 7), ("/runs/a/step-12", 12), (Path("ckpt/global_step5"), 5)])
+def test_the_step_comes_from_checkpoint_id(store: Store, checkpoint_id: object, step: int) -> None:
+    dcp.save(_state(1, step), storage_writer=TailorStorageWriter(store), checkpoint_id=checkpoint_id)
+    assert [s.step for s in store.log()] == [step]
+
+
+def _refused(store: Store, writer: TailorStorageWriter, *words: str, checkpoint_id: object = None) -> None:
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save(_state(1, 3), storage_writer=writer, checkpoint_id=checkpoint_id)
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+
+
+def test_a_save_without_a_step_or_under_a_measuring_policy_writes_nothing(store: Store) -> None:
+    _refused(store, TailorStorageWriter(store), "needs the step")
+    _refused(store, TailorStorageWriter(store, checkpoint_id=None), "needs the step")
+    _refused(store, TailorStorageWriter(store), "names no step", checkpoint_id="/runs/latest")
+    _refused(store, TailorStorageWriter(store, step=3, policy="adaptive"), "adaptive", "full, parity or filter")
+    assert store.log() == [] and store.parts(3) == []
+    used = store.usage()
+    assert used.stored_bytes == used.index_bytes  # no blob was written
+
+
+def test_a_save_of_a_step_the_store_holds_is_refused_and_the_step_kept(store: Store, tmp_path: Path) -> None:
+    dcp.save(_state(1, 3), storage_writer=TailorStorageWriter(store, step=3))
+    _refused(store, TailorStorageWriter(store, step=3), "already in the store")
+    loaded = _state(9, 0)
+    dcp.load(loaded, storage_reader=TailorStorageReader(store, "step=3"))
+    assert _equal(loaded, _state(1, 3))
+
+
+def test_a_failure_at_the_commit_point_records_no_step(store: Store) -> None:
+    """Finalize refuses a tag another step holds: every part was written, no step is recorded,
+    and gc collects the parts."""
+    dcp.save(_state(1, 3), storage_writer=TailorStorageWriter(store, step=3, tag="best"))
+    _refused(store, TailorStorageWriter(store, step=6, tag="best"), "tag 'best' already names")
+    assert [(s.step, s.tag) for s in store.log()] == [(3, "best")]
+    assert len(store.parts(6)) == 2  # the rank's file, and .metadata
+    store.gc(drop_parts=True)
+    assert store.parts(6) == [] and store.verify(deep=True).ok
