@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from testbed.memory import resident_bytes
+
 
 def batch(step: int, rank: int, world: int, vocab: int, seq: int = 16, rows: int = 2) -> torch.Tensor:
     """The token rows rank ``rank`` trains on at ``step``: the same for a given (step, rank, world)."""
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         help="rank RANK is killed just before it publishes its part of its NTH save (--save-to-store)",
     )
     p.add_argument("--losses-out", default=None)
+    p.add_argument("--rss-out", default=None, help="JSON: rank 0's resident memory after each save, in bytes")
     p.add_argument("--final-weights", default=None, help="rank 0 saves the full weights here (safetensors)")
     p.add_argument(
         "--accelerate-layout",
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         first = int(state["train"]["step"]) + 1
     losses: list[float] = []
+    rss: list[int] = []  # rank 0's resident bytes after each save (--rss-out)
     for step in range(first, args.steps + 1):
         ids = batch(step, rank, world, args.vocab)
         loss = model(input_ids=ids, labels=ids).loss
@@ -212,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         elif step % args.save_every == 0:
             msd, osd = get_state_dict(model, optim)
             save({"model": msd, "optim": osd, "train": {"step": step}}, step)
+            if args.rss_out:
+                rss.append(resident_bytes())
     save.wait()
     if args.final_weights:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -219,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in full.items()}, args.final_weights)
+    if rank == 0 and args.rss_out:
+        Path(args.rss_out).write_text(json.dumps(rss))
     if rank == 0 and args.losses_out:
         Path(args.losses_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.losses_out).write_text(json.dumps({"first": first, "losses": losses}))

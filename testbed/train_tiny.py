@@ -28,6 +28,7 @@ from torch import nn
 
 from tailorstore.api import Store
 from tailorstore.integrations.deepspeed import attach, load_checkpoint, save_checkpoint
+from testbed.memory import resident_bytes
 from testbed.teardown import exit_without_teardown
 
 
@@ -217,12 +218,6 @@ def saved_bytes(model: nn.Module) -> int:
     """Rank 0's tensor bytes of one ZeRO 1/2 bf16 save: what a snapshot of its state must copy."""
     n = sum(p.numel() for p in model.parameters())
     return n * 2 + n * 12 // torch.distributed.get_world_size()  # bf16 weights; this rank's fp32 master, two moments
-
-
-def resident_bytes() -> int:
-    """This process's resident memory now (not the peak, which ``getrusage`` gives)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def copy_floor(nbytes: int, cuda: bool, *, together: bool = False) -> float:
