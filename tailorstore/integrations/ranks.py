@@ -13,15 +13,14 @@ into an error on the others, not a hang, and nothing interleaves with training's
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from tailorstore.core.env_seconds import seconds_from_env
 from tailorstore.core.environment import COLLECTIVE_TIMEOUT_ENV
-from tailorstore.core.errors import StoreError
 
 DEFAULT_COLLECTIVE_TIMEOUT = 1800.0
 MOST_LOCAL_RANKS = 65536  # LOCAL_WORLD_SIZE above this is taken for a damaged environment
@@ -62,14 +61,7 @@ def gathered(value: Any, group: Any) -> list[Any]:
 
 def collective_timeout() -> float:
     """Seconds any one collective of ours may wait for the other ranks (read as hostile input)."""
-    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV, str(DEFAULT_COLLECTIVE_TIMEOUT))[:100]
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not 1.0 <= seconds <= 7 * 86400.0:  # NaN and inf included
-        raise StoreError(f"{COLLECTIVE_TIMEOUT_ENV}={text!r} is not allowed: give seconds, from 1 to 604800.")
-    return seconds
+    return seconds_from_env(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, least=1.0, most=7 * 86400.0)
 
 
 def tailor_group() -> Any:

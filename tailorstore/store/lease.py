@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tailorstore.core.env_seconds import seconds_from_env
 from tailorstore.core.environment import TTL_ENV
 from tailorstore.core.errors import LeaseLostError, LockTimeoutError, StoreError
 from tailorstore.core.failpoints import failpoint
@@ -76,14 +77,7 @@ class Lease:
 
 
 def lease_ttl() -> float:
-    text = os.environ.get(TTL_ENV, str(DEFAULT_TTL))[:100]
-    try:
-        ttl = float(text)
-    except ValueError:
-        ttl = math.nan
-    if not 0 < ttl <= MAX_TTL:  # NaN and inf included: neither would ever go stale
-        raise StoreError(f"{TTL_ENV}={text!r} is not allowed: give seconds, more than 0 and at most {MAX_TTL:g}.")
-    return ttl
+    return seconds_from_env(TTL_ENV, DEFAULT_TTL, most=MAX_TTL, zero=False)  # 0 would never go stale
 
 
 def _unreadable(key: str) -> Lease:

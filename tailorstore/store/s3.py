@@ -21,6 +21,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError
 from obstore.store import from_url
 
+from tailorstore.core.env_seconds import seconds_from_env
 from tailorstore.core.environment import RETRY_ENV, TIMEOUT_ENV
 from tailorstore.core.errors import BackendError, ObjectExistsError, StoreError
 from tailorstore.core.failpoints import request
@@ -33,23 +34,11 @@ _DELETE_MOST = 1000  # keys in one DeleteObjects request (S3's limit)
 _SINGLE_PUT = 64 << 20  # objects up to this size go up in one PUT, held in memory once
 
 
-def _seconds(name: str, default: float, most: float, *, zero: bool = True) -> float:
-    text = os.environ.get(name, str(default))[:100]
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds <= most or (seconds == 0 and not zero):
-        least = "from 0" if zero else "more than 0 and at most"
-        raise StoreError(f"{name}={text!r} is not allowed: give seconds {least} {most:g}.")
-    return seconds
-
-
 def _retry_config() -> dict:
     """How long failing requests are retried before the command fails (``TAILOR_S3_RETRY_SECONDS``,
     default 180 as in obstore); with ``TAILOR_S3_TIMEOUT_SECONDS`` (one request, default 30) a job
     that must fail fast on a dead endpoint can say so."""
-    seconds = _seconds(RETRY_ENV, 180, 3600)
+    seconds = seconds_from_env(RETRY_ENV, 180, most=3600)
     return {"retry_timeout": timedelta(seconds=seconds), "max_retries": 10 if seconds else 0}
 
 
@@ -71,7 +60,8 @@ class S3Backend:
         endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
         self.endpoint = endpoint  # which server: the same bucket and prefix on another is another store
         options: dict = {"allow_http": True} if endpoint.startswith("http://") else {}
-        options["timeout"] = f"{_seconds(TIMEOUT_ENV, 30, 3600, zero=False):g}s"  # 0 would fail every request
+        one_request = seconds_from_env(TIMEOUT_ENV, 30, most=3600, zero=False)  # 0 would fail every request
+        options["timeout"] = f"{one_request:g}s"
         try:
             self._store = from_url(self.location, client_options=options, retry_config=_retry_config())
         except (BaseError, ValueError) as exc:
