@@ -78,3 +78,31 @@ def test_a_failure_at_the_commit_point_records_no_step(store: Store) -> None:
     assert len(store.parts(6)) == 2  # the rank's file, and .metadata
     store.gc(drop_parts=True)
     assert store.parts(6) == [] and store.verify(deep=True).ok
+
+
+def test_a_dtype_the_store_does_not_keep_is_refused_before_anything_is_written(store: Store) -> None:
+    import torch
+
+    state = {"model": {"w": torch.randn(4, 4, dtype=torch.complex64), "b": torch.zeros(4)}}
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save(state, storage_writer=TailorStorageWriter(store, step=3))
+    assert "model.w is a complex64 tensor, which tailorstore does not store" in str(caught.value)
+    assert store.log() == [] and store.parts(3) == []
+
+
+def test_odd_but_valid_states_load_back_equal(store: Store, tmp_path: Path) -> None:
+    """An empty tensor, a 0-dim one, a transposed view (saved contiguous, the same values), and a
+    state of objects only."""
+    import torch
+
+    states = {
+        1: {"model": {"w": torch.empty(0, 4), "b": torch.tensor(3.0), "t": torch.randn(8, 8).t()}},
+        2: {"train": {"step": 2, "note": "objects only"}},
+    }
+    for step, state in states.items():
+        dcp.save(state, storage_writer=TailorStorageWriter(store, step=step))
+        loaded = {k: {n: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for n, v in d.items()}
+                  for k, d in state.items()}  # fmt: skip
+        dcp.load(loaded, storage_reader=TailorStorageReader(store, f"step={step}"))
+        assert _equal(loaded, state), step
+    assert store.verify(deep=True).ok

@@ -60,6 +60,10 @@ class CheckpointLayout:
         """Where a file of the layout is read from."""
         return self.memory.get(rel) or self.root / rel
 
+    def where(self, rel: str) -> str:
+        """What errors call a file of the layout."""
+        return f"{rel} (in memory)" if rel in self.memory else str(self.root / rel)
+
     @property
     def committed(self) -> Path:
         """The folder (or file) the commit was given, which errors name: the root itself, or for a

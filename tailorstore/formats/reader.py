@@ -160,7 +160,7 @@ def read_checkpoint(
                     if str(folder) not in dcp_metas:
                         dcp_metas[str(folder)] = _dcp_metadata(folder)
                     meta = dcp_metas[str(folder)]
-                out.skeleton, out.entries = dcp.read_distcp(src, rel, meta, str(source))
+                out.skeleton, out.entries = dcp.read_distcp(src, rel, meta, layout.where(rel))
                 out.located, out.meta = True, {"world_size": meta.world_size}
             elif kind == SAFETENSORS:
                 parsed = read_safetensors(src, str(source))

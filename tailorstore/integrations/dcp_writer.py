@@ -56,6 +56,7 @@ from torch.futures import Future
 from tailorstore.api import Store
 from tailorstore.core.errors import StoreError
 from tailorstore.core.layers import STATE, layer_of
+from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.formats import dcp as dcp_format
 from tailorstore.formats.layout import step_from_name
 from tailorstore.formats.memory_folder import MemoryFile, MemoryFolder
@@ -215,6 +216,11 @@ def layer_sizes(plans: list[SavePlan]) -> dict[str, int]:
                 continue
             fqn = item.index.fqn
             dtype = _dtype_name(item.tensor_data.properties.dtype)
+            if dtype not in DTYPES:  # refused before any rank writes anything
+                raise StoreError(
+                    f"{fqn} is a {dtype} tensor, which tailorstore does not store (it stores "
+                    f"{', '.join(DTYPES)}); convert it, or save it apart from the checkpoint."
+                )
             keys = tuple(str(k) for k in paths[fqn]) if fqn in paths else None
             param, _, is_model = dcp_format.name_and_kind(fqn, keys, dtype)
             layer = layer_of(param) if is_model else STATE
@@ -225,7 +231,9 @@ def layer_sizes(plans: list[SavePlan]) -> dict[str, int]:
 
 def serialize(into: MemoryFile, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
     """The items as ``FileSystemWriter`` writes one rank's file: bytes items first, then each
-    tensor on the CPU, cloned where its storage holds more than it, through ``torch.save``."""
+    tensor on the CPU, cloned where its storage holds more than it, through ``torch.save``. A
+    tensor that is not contiguous is saved contiguous (the same values; ``FileSystemWriter`` would
+    save its strides, which a commit of the folder refuses)."""
     results = []
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
         i for i in items if i.type != WriteItemType.BYTE_IO
@@ -240,6 +248,8 @@ def serialize(into: MemoryFile, name: str, items: list[WriteItem], planner: Save
                 stream.write(data.getbuffer())
             else:
                 tensor = data.detach().cpu()
+                if not tensor.is_contiguous():  # a transposed view: its values in row order, as DCP loads them
+                    tensor = tensor.contiguous()
                 if tensor.untyped_storage().size() != tensor.nbytes:
                     tensor = tensor.clone()
                 torch.save(tensor, stream)
