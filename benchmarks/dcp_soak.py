@@ -79,6 +79,7 @@ def soak(work: Path, saves: int) -> dict:
         "rss_ratio": round(late / early, 4),
         "rss_first_mb": round(rss[0] / 2**20, 1),
         "rss_max_mb": round(max(rss) / 2**20, 1),
+        "rss_by_tenth_mb": [round(statistics.mean(rss[i : i + tenth]) / 2**20, 1) for i in range(0, len(rss), tenth)],
         "soak_seconds": round(soak_seconds, 1),
     }
 

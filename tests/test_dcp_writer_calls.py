@@ -106,3 +106,15 @@ def test_odd_but_valid_states_load_back_equal(store: Store, tmp_path: Path) -> N
         dcp.load(loaded, storage_reader=TailorStorageReader(store, f"step={step}"))
         assert _equal(loaded, state), step
     assert store.verify(deep=True).ok
+
+
+def test_a_name_too_long_for_the_metadata_reader_is_refused_before_anything_is_written(store: Store) -> None:
+    """A 5,000-character key was saved and recorded, and then the step's own .metadata did not
+    read back (every load and checkout failed with exit 3): refused now, nothing written."""
+    import torch
+
+    state = {"model": {"x" * 5000: torch.zeros(3), "b": torch.zeros(3)}}
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save(state, storage_writer=TailorStorageWriter(store, step=3))
+    assert "a name of 5006 characters" in str(caught.value)
+    assert store.log() == [] and store.parts(3) == []

@@ -40,6 +40,7 @@ SUFFIX = ".distcp"
 MAX_METADATA = 1 << 30  # a 1 TB model's metadata is tens of MB
 MAX_NUMEL = 1 << 48
 MAX_DIMS = 64
+MAX_NAME = 4096  # characters of an entry's name
 _FILE = re.compile(r"__(\d{1,6})_(\d{1,6})\.distcp")
 OPTIMIZER_TOPS = ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state")
 _MODEL_TOPS = ("model", "module", "models")
@@ -225,8 +226,8 @@ def read_metadata(data: bytes, where: str, file_sizes: dict[str, int]) -> DcpMet
         raise _bad(where, "its state_dict_metadata or storage_data is missing (a save without FileSystemWriter?)")
     meta = DcpMetadata()
     for fqn, desc in described.items():
-        if not isinstance(fqn, str) or len(fqn) > 4096:
-            raise _bad(where, "an entry's name is not a string of at most 4096 characters")
+        if not isinstance(fqn, str) or len(fqn) > MAX_NAME:
+            raise _bad(where, f"an entry's name is not a string of at most {MAX_NAME} characters")
         if isinstance(desc, _BytesStorage):
             meta.objects.add(fqn)
         elif isinstance(desc, _TensorStorage):

@@ -189,10 +189,16 @@ class TailorStorageWriter(StorageWriter):
             metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
         metadata.storage_meta = self.storage_meta()
+        data = pickle.dumps(metadata)
+        # read back by the reader every checkout and load uses: a step is recorded only if it reads
+        sizes: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+        dcp_format.read_metadata(data, f"step {orders.step}'s {dcp_format.METADATA}", sizes)
         folder = MemoryFolder(tag=f"step-{orders.step}", step=orders.step)
         try:
             with folder.add(dcp_format.METADATA).writer() as stream:
-                pickle.dump(metadata, stream)
+                stream.write(data)
             self.store.commit_memory(folder, self.request, part_label=orders.label, plan=orders.plan)
         finally:
             folder.close()
@@ -207,14 +213,21 @@ class TailorStorageWriter(StorageWriter):
 
 def layer_sizes(plans: list[SavePlan]) -> dict[str, int]:
     """Every layer's bytes over every rank's tensor items, named as the commit of the saved folder
-    names them (``formats/dcp.name_and_kind``)."""
+    names them (``formats/dcp.name_and_kind``). An item the store cannot keep or read back (a
+    dtype it does not store, a name too long for its metadata reader) is refused here, by the
+    coordinator, before any rank writes anything."""
     sizes: dict[str, int] = {}
     for plan in plans:
         paths = plan.planner_data if isinstance(plan.planner_data, dict) else {}
         for item in plan.items:
+            fqn = item.index.fqn
+            if len(fqn) > dcp_format.MAX_NAME:  # the step's .metadata would not read back
+                raise StoreError(
+                    f"{fqn[:80]}...: a name of {len(fqn)} characters; tailorstore reads DCP names of at most "
+                    f"{dcp_format.MAX_NAME}, so the step would not load. Shorten the state dict's keys."
+                )
             if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
                 continue
-            fqn = item.index.fqn
             dtype = _dtype_name(item.tensor_data.properties.dtype)
             if dtype not in DTYPES:  # refused before any rank writes anything
                 raise StoreError(
