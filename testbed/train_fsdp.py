@@ -145,12 +145,11 @@ def main(argv: list[str] | None = None) -> None:
         help="save with dcp.async_save and this checkpointer type (each save waits for the one before)",
     )
     p.add_argument(
-        "--kill-in-save",
+        "--rank-failpoints",
         nargs=2,
-        type=int,
         default=None,
-        metavar=("RANK", "NTH"),
-        help="rank RANK is killed just before it publishes its part of its NTH save (--save-to-store)",
+        metavar=("RANK", "SPEC"),
+        help="TAILOR_FAILPOINTS=SPEC for rank RANK alone (before-part-publish=kill@2: killed at its second part)",
     )
     p.add_argument("--losses-out", default=None)
     p.add_argument("--rss-out", default=None, help="JSON: rank 0's resident memory after each save, in bytes")
@@ -176,8 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.kill_in_save and rank == args.kill_in_save[0]:  # read once, when the first failpoint is reached
-        os.environ["TAILOR_FAILPOINTS"] = f"before-part-publish=kill@{args.kill_in_save[1]}"
+    if args.rank_failpoints and rank == int(args.rank_failpoints[0]):  # read once, at the first failpoint reached
+        os.environ["TAILOR_FAILPOINTS"] = args.rank_failpoints[1]
     save = Saver(args, Path(args.output_dir))
     model = build_model(args.layers, args.hidden, args.vocab)
     for block in model.model.layers:

@@ -121,9 +121,9 @@ def test_a_rank_killed_in_an_async_save_records_no_step(raw_run, tmp_path: Path)
             str(tmp_path / "store"),
             "--async-save",
             "thread",
-            "--kill-in-save",
+            "--rank-failpoints",
             "1",
-            "2",
+            "before-part-publish=kill@2",
         )
     with Store.open(tmp_path / "store") as store:
         assert [s.step for s in store.log()] == [3]

@@ -380,3 +380,27 @@ def test_a_host_reading_after_another_hosts_repack_finds_the_moved_blobs(
         checkout_step(b, "step=3", out)
         assert verify(b, deep=True).ok
     assert same_tree(out / "global_step3", save / "global_step3")
+
+
+def test_the_ranks_of_a_node_opening_one_fresh_cache_at_once_all_open_the_store(
+    s3_server: LocalS3, s3_location: str, tmp_path: Path
+) -> None:
+    """Every rank of a node opens the store (the DCP writer and reader do) with the node's one
+    cache: the index used to be created in place, so a rank read the file another was filling
+    ("no such table: meta", exit 3) or created its tables twice (a bare sqlite3 traceback); 5 of 24
+    processes failed that way. Six processes, four rounds, each round a fresh cache."""
+    Store.init(s3_location).close()
+    for round_ in range(4):
+        cache = tmp_path / f"cache-{round_}"
+        start = time.time() + 1.5  # every process past its imports, then all at once
+        code = (
+            f"import time; time.sleep(max(0.0, {start} - time.time())); "
+            f"from tailorstore import Store; Store.open({s3_location!r}).close()"
+        )
+        env = {**os.environ, "TAILOR_CACHE": str(cache)}
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True) for _ in range(6)
+        ]
+        failed = [err for p in procs for _, err in [p.communicate()] if p.returncode]
+        assert failed == [], failed
+        assert sorted(p.name for p in next(cache.iterdir()).iterdir()) == ["index.sqlite"]  # nothing left beside it

@@ -29,6 +29,20 @@ def reuse_freed_memory() -> bool:
         return False
 
 
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``); nothing else changes.
+
+    A save inside training frees what it allocated, but glibc keeps freed heap memory for reuse
+    in the arena of the thread that freed it, and an async save runs in a new thread each time:
+    through the DCP writer, rank 0's resident memory grew by about 55 kB a save, 1,000 saves
+    long, where the same saves made in one thread stayed flat (docs/benchmarks.md). Trimming
+    after each save returns those pages; it does not change how the allocator behaves."""
+    try:
+        _libc().malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 _MADV_DONTNEED = 4
 _PAGE = 4096
 

@@ -56,6 +56,7 @@ from torch.futures import Future
 from tailorstore.api import Store
 from tailorstore.core.errors import StoreError
 from tailorstore.core.layers import STATE, layer_of
+from tailorstore.core.memory import release_free_memory
 from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.formats import dcp as dcp_format
 from tailorstore.formats.layout import step_from_name
@@ -177,6 +178,7 @@ class TailorStorageWriter(StorageWriter):
             self.store.commit_memory(folder, self.request, part_label=orders.label, plan=orders.plan)
         finally:
             folder.close()
+            release_free_memory()  # what the save freed, in a thread that may never run again
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done

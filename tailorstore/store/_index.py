@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -149,6 +150,27 @@ class Index:
             raise
         conn.execute("COMMIT")
         return cls(conn, path)
+
+    @classmethod
+    def create_if_absent(cls, path: Path) -> None:
+        """An empty index at ``path`` unless one is there, safe beside other processes doing the
+        same (every rank of a node opening a remote store with one fresh cache): built under a
+        name of its own, then linked into place, which fails where another process's index came
+        first. Creating it in place let one process read the file another was still filling
+        ("no such table: meta") or create its tables twice."""
+        tmp = path.with_name(f"{path.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            cls.create(tmp).close()  # the last connection's close folds its WAL into the file
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass  # another process's index is the one
+            except OSError:  # a file system without hard links: rename, unless one came first
+                if not path.exists():
+                    os.replace(tmp, path)
+        finally:
+            for leftover in path.parent.glob(f"{tmp.name}*"):
+                leftover.unlink(missing_ok=True)
 
     @classmethod
     def open(cls, path: Path) -> Index:

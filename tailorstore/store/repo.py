@@ -184,7 +184,7 @@ class Repository:
                 next(iter(where.backend.list("")), None)  # a bucket that is not there says so, not "no store"
                 raise StoreError(f"{where.text}: no tailorstore here. Create one: ", Call("init", where.text), ".")
             where.index_path.parent.mkdir(parents=True, exist_ok=True)
-            Index.create(where.index_path).close()
+            Index.create_if_absent(where.index_path)  # the node's other ranks may be creating it too
         store = cls(where, Index.open(where.index_path))
         try:
             if where.remote:
