@@ -252,9 +252,7 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
         )
     if any(is_model_states(n) for n in names) or (part and any(is_optim_states(n) for n in names)):
         tag = path.name
-        return CheckpointLayout(
-            path.parent, DEEPSPEED_TAG, step_from_name(tag), tag, _tag_files(path, f"{tag}/", part)
-        )
+        return CheckpointLayout(path.parent, DEEPSPEED_TAG, step_from_name(tag), tag, _tag_files(path, f"{tag}/", part))
     if any(Path(n).suffix in PLAIN_SUFFIXES for n in names):
         _refuse_checkpoints_inside(path)
         tag = path.name
