@@ -51,6 +51,8 @@ _LOADED_ON_USE = {
     "FORMAT_VERSION": ".store.schema",  # sqlite3: not for --help and --version
     "Store": ".api",
     "CommitRequest": ".ingest.commit_options",
+    "PartPlan": ".ingest.commit_options",
+    "MemoryFolder": ".formats.memory_folder",
     "CommitResult": ".ingest.commit_options",
     "FinalizeResult": ".ingest.finalize",
     "CheckoutResult": ".restore.checkout",
@@ -99,6 +101,8 @@ __all__ = [
     "Category",
     "CheckoutResult",
     "CommitRequest",
+    "MemoryFolder",
+    "PartPlan",
     "CommitResult",
     "CorruptStoreError",
     "DcpStep",

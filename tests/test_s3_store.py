@@ -382,6 +382,7 @@ def test_a_host_reading_after_another_hosts_repack_finds_the_moved_blobs(
     assert same_tree(out / "global_step3", save / "global_step3")
 
 
+@pytest.mark.slow
 def test_the_ranks_of_a_node_opening_one_fresh_cache_at_once_all_open_the_store(
     s3_server: LocalS3, s3_location: str, tmp_path: Path
 ) -> None:
