@@ -133,3 +133,28 @@ def test_a_rank_killed_in_an_async_save_records_no_step(raw_run, tmp_path: Path)
         store.checkout("step=3", tmp_path / "out")
     raw, _ = raw_run
     assert (tmp_path / "out" / "__1_0.distcp").read_bytes() == (raw / "step-3" / "__1_0.distcp").read_bytes()
+
+
+def test_a_coordinator_killed_at_the_commit_point_records_nothing_and_the_restart_saves_whole(
+    raw_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator is killed at the step's commit point (its finalize's publish) in the second
+    save; the job restarts from step 3 straight from the store and saves step 6 again. Step 6 is
+    the new save's alone (the dead save's parts, of another label, are never taken)."""
+    raw, _ = raw_run
+    Store.init(tmp_path / "store").close()
+    monkeypatch.setenv("TAILOR_FAILPOINTS", "before-publish=kill@2")  # only the coordinator publishes a step
+    with pytest.raises(TrainingFailed, match="rank 0 exited with code -9"):
+        train(tmp_path / "first", "--save-to-store", str(tmp_path / "store"))
+    monkeypatch.delenv("TAILOR_FAILPOINTS")
+    with Store.open(tmp_path / "store") as store:
+        assert [s.step for s in store.log()] == [3] and len(store.parts(6)) == 3  # two ranks' and .metadata
+    from_store = ("--resume-from-store", str(tmp_path / "store"), "step=3")
+    train(tmp_path / "again", "--save-to-store", str(tmp_path / "store"), *from_store)
+    with Store.open(tmp_path / "store") as store:
+        assert [s.step for s in store.log()] == [3, 6] and len(store.parts(6)) == 3  # the dead save's
+        store.checkout("step=6", tmp_path / "out")
+        store.gc(drop_parts=True)
+        assert store.parts(6) == [] and store.verify(deep=True).ok
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        assert (tmp_path / "out" / name).read_bytes() == (raw / "step-6" / name).read_bytes()
