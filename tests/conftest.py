@@ -269,9 +269,22 @@ def tailor(*args: str, store: Path | None = None, timeout: float = 300) -> subpr
     env = dict(os.environ)
     if store is not None:
         env["TAILOR_STORE"] = str(store)
-    return subprocess.run(
-        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+CLI = [sys.executable, "-m", "tailorstore.cli.app"]  # the `tailor` command, as these tests start it
+
+
+def tailor_process(
+    *args: str,
+    env: dict[str, str] | None = None,
+    stdout: int | None = subprocess.PIPE,
+    stderr: int | None = subprocess.PIPE,
+    text: bool = True,
+) -> subprocess.Popen:
+    """`tailor ARGS` started as a process of its own, returning at once (a host of a shared store that
+    a test stops, kills or races against another); :func:`tailor` when the test waits for it."""
+    return subprocess.Popen([*CLI, *args], env=env, stdout=stdout, stderr=stderr, text=text)
 
 
 def store_state(root: Path) -> tuple[list[str], list[str]]:

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import Runs, as_of_step, assert_only_live, index_db, kill_after, object_count
+from conftest import Runs, as_of_step, assert_only_live, index_db, kill_after, object_count, tailor_process
 from test_roundtrip import assert_same_checkpoint
 
 from tailorstore.curate.gc import Retention, gc
@@ -29,13 +29,9 @@ SEED = 20261122
 
 
 def start(store: Path, *args: str) -> subprocess.Popen[bytes]:
+    quiet = ("--quiet",) if args[0] != "gc" else ()
     env = dict(os.environ, TAILOR_STORE=str(store))
-    return subprocess.Popen(
-        ["tailor", *args, "--quiet"] if args[0] != "gc" else ["tailor", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    return tailor_process(*args, *quiet, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=False)
 
 
 def timed(store: Path, *args: str) -> float:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from conftest import one_line
+from conftest import CLI, one_line, tailor_process
 
 from tailorstore.store.location import resolve
 from testbed.local_s3 import BUCKET, LocalS3
@@ -36,19 +36,11 @@ def host_env(cache: Path, **extra: str) -> dict[str, str]:
 
 
 def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tailorstore.cli.app", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return tailor_process(*args, env=env)
 
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tailorstore.cli.app", *args], env=env, capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=300)
 
 
 def wait_stopped(proc: subprocess.Popen[str], limit: float = 120) -> None:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Runs, as_of_step
+from conftest import CLI, Runs, as_of_step
 
 from tailorstore import Store
 from tailorstore.core.errors import BadCheckpointError
@@ -34,9 +34,7 @@ OPTIM = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 def host(cache: Path, *args: str, store: str) -> subprocess.CompletedProcess[str]:
     """`tailor` as run on one host: its own cache directory, the shared store."""
     env = {**os.environ, "TAILOR_CACHE": str(cache), "TAILOR_STORE": store}
-    return subprocess.run(
-        [sys.executable, "-m", "tailorstore.cli.app", *args], capture_output=True, text=True, env=env, timeout=300
-    )
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 def split_by_host(save: Path, step: int, root: Path) -> tuple[Path, Path]:

@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import KillClock, Runs, as_of_step
+from conftest import KillClock, Runs, as_of_step, tailor_process
 
 from tailorstore.curate.gc import Retention, gc
 from tailorstore.curate.refs import remove
@@ -32,9 +31,7 @@ MAX_ATTEMPTS = 6  # more only while no kill has landed: each miss narrows the sp
 def start(location: str, cache: Path, *args: str) -> subprocess.Popen[bytes]:
     """`tailor ARGS` as a host with its own cache directory."""
     env = {**os.environ, "TAILOR_STORE": location, "TAILOR_CACHE": str(cache)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tailorstore.cli.app", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    return tailor_process(*args, env=env, stdout=subprocess.DEVNULL, text=False)
 
 
 def finished(proc: subprocess.Popen[bytes]) -> None:
