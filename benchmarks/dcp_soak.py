@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.save_soak import memory_figures
 from tailorstore import Store
 from testbed.runs import torchrun
 
@@ -64,9 +64,6 @@ def soak(work: Path, saves: int) -> dict:
             plain = sorted((work / "plain" / f"step-{step}").glob("*.distcp"))
             compared[step] = bool(plain) and all((out / f.name).read_bytes() == f.read_bytes() for f in plain)
         verified = st.verify(deep=True).ok
-    rss = json.loads((work / "rss.json").read_text())
-    tenth = max(1, len(rss) // 10)
-    early, late = statistics.mean(rss[tenth : 2 * tenth]), statistics.mean(rss[-tenth:])
     return {
         "saves": saves,
         "steps_in_store": len(steps),
@@ -74,12 +71,7 @@ def soak(work: Path, saves: int) -> dict:
         "verified": verified,
         "losses_equal": json.loads((work / "tailor-losses.json").read_text())
         == json.loads((work / "plain-losses.json").read_text()),
-        "rss_second_tenth_mb": round(early / 2**20, 1),
-        "rss_last_tenth_mb": round(late / 2**20, 1),
-        "rss_ratio": round(late / early, 4),
-        "rss_first_mb": round(rss[0] / 2**20, 1),
-        "rss_max_mb": round(max(rss) / 2**20, 1),
-        "rss_by_tenth_mb": [round(statistics.mean(rss[i : i + tenth]) / 2**20, 1) for i in range(0, len(rss), tenth)],
+        **memory_figures(json.loads((work / "rss.json").read_text())),
         "soak_seconds": round(soak_seconds, 1),
     }
 

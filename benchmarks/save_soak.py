@@ -36,6 +36,21 @@ MODEL = [
 ]  # fmt: skip
 
 
+def memory_figures(rss: list[int]) -> dict:
+    """A soak's resident memory (bytes after each save): the mean of the last tenth of the saves
+    against the second tenth, the first and the largest, and the mean of each tenth."""
+    tenth = max(1, len(rss) // 10)
+    early, late = statistics.mean(rss[tenth : 2 * tenth]), statistics.mean(rss[-tenth:])
+    return {
+        "rss_second_tenth_mb": round(early / 2**20, 1),
+        "rss_last_tenth_mb": round(late / 2**20, 1),
+        "rss_ratio": round(late / early, 4),
+        "rss_first_mb": round(rss[0] / 2**20, 1),
+        "rss_max_mb": round(max(rss) / 2**20, 1),
+        "rss_by_tenth_mb": [round(statistics.mean(rss[i : i + tenth]) / 2**20, 1) for i in range(0, len(rss), tenth)],
+    }
+
+
 def soak(work: Path, saves: int) -> dict:
     """Run the soak in ``work``; its figures, and whether each check held."""
     every = max(1, saves // 10)
@@ -65,20 +80,12 @@ def soak(work: Path, saves: int) -> dict:
             out = work / f"out-{step}"
             st.checkout(step, out)
             compared[step] = same_tree(out / f"global_step{step}", work / "plain" / f"global_step{step}")
-    rss = json.loads((work / "rss.json").read_text())
-    tenth = max(1, len(rss) // 10)
-    early, late = statistics.mean(rss[tenth : 2 * tenth]), statistics.mean(rss[-tenth:])
     return {
         "saves": saves,
         "steps_in_store": len(steps),
         "byte_exact": compared,
         "losses_equal": (work / "tailor-losses.json").read_text() == (work / "plain-losses.json").read_text(),
-        "rss_second_tenth_mb": round(early / 2**20, 1),
-        "rss_last_tenth_mb": round(late / 2**20, 1),
-        "rss_ratio": round(late / early, 4),
-        "rss_first_mb": round(rss[0] / 2**20, 1),
-        "rss_max_mb": round(max(rss) / 2**20, 1),
-        "rss_by_tenth_mb": [round(statistics.mean(rss[i : i + tenth]) / 2**20, 1) for i in range(0, len(rss), tenth)],
+        **memory_figures(json.loads((work / "rss.json").read_text())),
         "soak_seconds": round(soak_seconds, 1),
     }
 

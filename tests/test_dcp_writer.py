@@ -7,25 +7,16 @@ policy; a rank killed in the middle of a save records no step."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from conftest import manifest_rows
+from test_dcp import EVERY, full_model_state, train
 
 from tailorstore import Store
-from testbed.runs import TrainingFailed, torchrun
+from testbed.runs import TrainingFailed
 
 pytestmark = pytest.mark.slow
-
-STEPS, EVERY, LAYERS = 6, 3, 4
-
-
-def train(out: Path, *extra: str, nproc: int = 2) -> dict:
-    losses = out / "losses.json"
-    args = ["--output-dir", str(out), "--steps", str(STEPS), "--save-every", str(EVERY), "--layers", str(LAYERS)]
-    torchrun("testbed.train_fsdp", [*args, "--losses-out", str(losses), *extra], nproc=nproc, log=out / "log.txt")
-    return json.loads(losses.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +35,6 @@ def test_a_save_through_the_writer_is_the_raw_save_committed(raw_run, tmp_path: 
     """Same losses; no file written; each step checks out as the very .distcp files dcp.save wrote,
     with a .metadata that DCP's own FileSystemReader loads at another world size."""
     import torch
-
-    from tests.test_dcp import full_model_state
 
     raw, losses = raw_run
     Store.init(tmp_path / "store").close()

@@ -66,8 +66,8 @@ class MemoryFolder:
     dcp_metadata: Any = None  # formats/dcp.DcpMetadata
 
     def add(self, name: str) -> MemoryFile:
-        made = self.files[name] = MemoryFile(name)
-        return made
+        self.files[name] = MemoryFile(name)
+        return self.files[name]
 
     def layout(self) -> CheckpointLayout:
         rel = {name: f"{self.tag}/{name}" for name in sorted(self.files)}

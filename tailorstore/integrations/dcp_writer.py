@@ -47,13 +47,14 @@ from pathlib import PurePosixPath
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tailorstore.api import Store
+from tailorstore.core.atoms import dtype_name
 from tailorstore.core.errors import StoreError
 from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.memory import release_free_memory
@@ -62,12 +63,6 @@ from tailorstore.formats import dcp as dcp_format
 from tailorstore.formats.layout import step_from_name
 from tailorstore.formats.memory_folder import MemoryFile, MemoryFolder
 from tailorstore.ingest.commit_options import CommitRequest, PartPlan
-from tailorstore.integrations import ranks
-
-try:  # the version FileSystemWriter stamps on its metadata
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-except ImportError:  # pragma: no cover - an older torch
-    CURRENT_DCP_VERSION = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +101,6 @@ class TailorStorageWriter(StorageWriter):
         self._where = (store.location, store.run)
         self._pid = os.getpid()
         self.step = step
-        self.rank, self.is_coordinator = 0, True
         self._save: str = ""
         self._orders: RankOrders | None = None
         self._unnamed = ""  # why checkpoint_id named no step
@@ -143,9 +137,7 @@ class TailorStorageWriter(StorageWriter):
         return False  # a writer is built over a store, never found from a path
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-        given = kwargs.get("rank")
-        self.rank = given if isinstance(given, int) else ranks.rank()
+        pass  # each rank learns its rank and orders from its plan (prepare_global_plan)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None, save_id=self._save)
@@ -187,8 +179,7 @@ class TailorStorageWriter(StorageWriter):
         orders = self._orders
         if orders is None:
             raise StoreError("finish without a save plan: DCP's save calls prepare_global_plan first")
-        if CURRENT_DCP_VERSION is not None:
-            metadata.version = CURRENT_DCP_VERSION
+        metadata.version = CURRENT_DCP_VERSION  # as FileSystemWriter stamps it
         metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
         metadata.storage_meta = self.storage_meta()
         data = pickle.dumps(metadata)
@@ -230,7 +221,7 @@ def layer_sizes(plans: list[SavePlan]) -> dict[str, int]:
                 )
             if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
                 continue
-            dtype = _dtype_name(item.tensor_data.properties.dtype)
+            dtype = dtype_name(item.tensor_data.properties.dtype)
             if dtype not in DTYPES:  # refused before any rank writes anything
                 raise StoreError(
                     f"{fqn} is a {dtype} tensor, which tailorstore does not store (it stores "
@@ -293,13 +284,9 @@ def rank_metadata(plan: SavePlan, results: list[WriteResult], orders: RankOrders
         data = item.tensor_data
         chunk = dcp_format.Chunk(tuple(data.chunk.offsets), tuple(data.chunk.sizes))
         tensor = meta.tensors.setdefault(
-            fqn, dcp_format.TensorInfo(_dtype_name(data.properties.dtype), tuple(data.size), [])
+            fqn, dcp_format.TensorInfo(dtype_name(data.properties.dtype), tuple(data.size), [])
         )
         tensor.chunks.append(chunk)
         meta.items[orders.file_name].append(dcp_format.Item(fqn, info.relative_path, info.offset, info.length, chunk))
     meta.items[orders.file_name].sort(key=lambda i: i.offset)
     return meta
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
