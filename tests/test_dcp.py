@@ -193,6 +193,27 @@ def _overflowing(meta) -> None:
     meta.state_dict_metadata[fqn].size = torch.Size([2**40, 2**40])
 
 
+def _larger_than_its_chunks(meta) -> None:
+    import torch
+
+    fqn = _first_tensor_item(meta).fqn
+    meta.state_dict_metadata[fqn].size = torch.Size([n * 2 for n in meta.state_dict_metadata[fqn].size])
+
+
+def _chunks_overlapping(meta) -> None:
+    """Two ranks' rows of one tensor moved to overlap by a row: their sizes still add up to the tensor's."""
+    import dataclasses
+
+    import torch
+
+    fqn, desc = next((f, d) for f, d in meta.state_dict_metadata.items() if len(getattr(d, "chunks", [])) == 2)
+    second = max(desc.chunks, key=lambda c: c.offsets[0])
+    moved = torch.Size([second.offsets[0] - 1, *second.offsets[1:]])
+    key = next(k for k in meta.storage_data if k.fqn == fqn and k.offset == second.offsets)
+    meta.storage_data[dataclasses.replace(key, offset=moved)] = meta.storage_data.pop(key)
+    desc.chunks[desc.chunks.index(second)] = dataclasses.replace(second, offsets=moved)
+
+
 def _other_globals(meta) -> None:
     meta.planner_data = _Evil()
 
@@ -204,8 +225,17 @@ def _other_globals(meta) -> None:
         (_past_the_end, ["lies outside __"]),
         (_overlapping, ["overlap in __0_0.distcp"]),
         (_overflowing, ["2^48"]),
+        (_larger_than_its_chunks, ["do not cover its size", "exactly once"]),
+        (_chunks_overlapping, ["two chunks of", "overlap at"]),
     ],
-    ids=["other-globals", "offset-past-the-end", "overlapping-items", "overflowing-size"],
+    ids=[
+        "other-globals",
+        "offset-past-the-end",
+        "overlapping-items",
+        "overflowing-size",
+        "size-beyond-its-chunks",
+        "overlapping-chunks",
+    ],
 )
 def test_hostile_metadata_is_refused_with_one_line(fsdp_run: FsdpRun, tmp_path: Path, edit, words) -> None:
     folder = hostile_copy(fsdp_run, tmp_path, edit)
