@@ -76,10 +76,6 @@ def _asdict(record: Any) -> dict:
     return asdict(record)
 
 
-def _say(message: str) -> None:
-    typer.echo(message, err=True)
-
-
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"tailorstore {__version__} (store format {tailorstore.FORMAT_VERSION})")
@@ -173,7 +169,6 @@ def commit(
             lock_timeout=lock_timeout,
             part=part,
             progress=for_terminal(quiet or as_json),
-            on_wait=_say,
             metrics=_metrics(metric),
             **params,
         )
@@ -222,8 +217,9 @@ def _finalize(
     if match is None:
         raise TailorError(f"{selector!r} names no step to finalize: write step=N.")
     with _open(store, run) as st:
+        waits = for_terminal(quiet=True)  # no bar: only what it waits for
         done = st.finalize(
-            int(match.group(1)), tag=tag, force=force, lock_timeout=lock_timeout, on_wait=_say, metrics=metrics
+            int(match.group(1)), tag=tag, force=force, lock_timeout=lock_timeout, metrics=metrics, progress=waits
         )
     if as_json:
         typer.echo(json.dumps(_asdict(done)))
@@ -293,7 +289,6 @@ def checkout(
             format=layout,  # an unknown one is refused there
             trust_pickles=trust_pickles,
             progress=for_terminal(quiet or as_json),
-            warn=lambda m: _say(f"warning: {m}"),
         )
     _report_written(
         result,
@@ -328,7 +323,6 @@ def export(
             max_shard_size=max_shard_size,
             config=config,
             progress=for_terminal(quiet or as_json),
-            warn=lambda m: _say(f"warning: {m}"),
         )
     _report_written(
         result,
@@ -615,7 +609,7 @@ def gc(
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,
-            on_wait=_say,
+            progress=for_terminal(quiet=True),  # no bar: only what it waits for
             show_plan=show_plan,
             clear_notices=clear_notices,
         )

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from tailorstore.background import CommitQueue
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, StoreError
 from tailorstore.core.metrics import encode as encode_metrics
-from tailorstore.core.progress import Progress
+from tailorstore.core.progress import Progress, Silent
 from tailorstore.curate.runs import qualify
 from tailorstore.store.manifest_objects import check_run_name, write_retention
 from tailorstore.store.records import MAIN_RUN
@@ -136,7 +136,6 @@ class Store:
         part: bool = False,
         part_label: str = "",
         progress: Progress | None = None,
-        on_wait: Callable[[str], None] | None = None,
         **options: Any,
     ) -> CommitResult:
         """Commit a DeepSpeed save, a ``global_stepN`` folder, an HF ``checkpoint-N`` folder, a DCP
@@ -160,7 +159,7 @@ class Store:
             raise StoreError("delete_after_commit waits for the manifest, which a part does not write; finalize first.")
         commit_options = self._options(wanted, part)
         commit_options.part_label = part_label
-        return _commit(self.repo, Path(path), commit_options, wanted.delete_after_commit, progress, on_wait)
+        return _commit(self.repo, Path(path), commit_options, wanted.delete_after_commit, progress)
 
     def plan_parts(
         self, step: int, layer_bytes: Mapping[str, int], request: CommitRequest | None = None, **options: Any
@@ -226,9 +225,9 @@ class Store:
         tag: str | None = None,
         force: bool = False,
         lock_timeout: float = LOCK_TIMEOUT,
-        on_wait: Callable[[str], None] | None = None,
         label: str | None = None,
         metrics: Mapping[str, float] | None = None,
+        progress: Progress | None = None,
     ) -> FinalizeResult:
         """Record step ``step`` from the parts every host committed (with ``label``, only the parts
         committed with that ``part_label``); refused, naming the missing ranks, while a part is
@@ -242,7 +241,7 @@ class Store:
             force=force,
             run=self.run,
             lock_timeout=lock_timeout,
-            on_wait=on_wait,
+            on_wait=(progress or Silent()).note,
             label=label,
             metrics=encode_metrics(metrics),
         )
@@ -271,7 +270,7 @@ class Store:
         commit_options = self._options(wanted)
         return self.background(
             str(source),
-            lambda store: _commit(store.repo, source, commit_options, wanted.delete_after_commit, None, None),
+            lambda store: _commit(store.repo, source, commit_options, wanted.delete_after_commit, None),
         )
 
     def background(self, what: str, job: Callable[[Store], Any]) -> Future[Any]:
@@ -298,7 +297,6 @@ class Store:
         format: str = "native",
         trust_pickles: bool = False,
         progress: Progress | None = None,
-        warn: Callable[[str], None] | None = None,
         threads: int | None = None,
         ranks: Sequence[int] | None = None,
     ) -> CheckoutResult:
@@ -327,7 +325,7 @@ class Store:
             Path(out),
             trust_pickles=trust_pickles,
             progress=progress,
-            warn=warn,
+            warn=(progress or Silent()).warn,
             threads=threads,
             ranks=ranks,
         )
@@ -378,7 +376,6 @@ class Store:
         max_shard_size: str = "5GB",  # safetensors_writer.DEFAULT_SHARD_SIZE, as transformers saves
         config: str | os.PathLike | None = None,
         progress: Progress | None = None,
-        warn: Callable[[str], None] | None = None,
     ) -> ExportResult:
         """Write ``ref`` as a Hugging Face model folder at ``out``: ``model.safetensors`` (sharded above
         ``max_shard_size``) from the FP32 masters in ``dtype`` (bf16, fp16 or fp32), with the step's
@@ -393,7 +390,7 @@ class Store:
             max_shard_size=max_shard_size,
             config=None if config is None else Path(config),
             progress=progress,
-            warn=warn,
+            warn=(progress or Silent()).warn,
         )
 
     def log(self, *, run: str | None = None) -> list[StepSummary]:
@@ -512,7 +509,7 @@ class Store:
         dry_run: bool = False,
         drop_parts: bool = False,
         lock_timeout: float = LOCK_TIMEOUT,
-        on_wait: Callable[[str], None] | None = None,
+        progress: Progress | None = None,
         show_plan: Callable[[GcPlan], None] | None = None,
         clear_notices: bool = False,
     ) -> GcPlan:
@@ -537,7 +534,7 @@ class Store:
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,
-            on_wait=on_wait,
+            on_wait=(progress or Silent()).note,
             show_plan=show_plan,
             clear_notices=clear_notices,
         )
@@ -599,14 +596,13 @@ def _commit(
     options: CommitOptions,
     delete_after_commit: bool,
     progress: Progress | None,
-    on_wait: Callable[[str], None] | None,
 ) -> CommitResult:
     # The commit machinery (readers, planner, codec pools) costs about 0.3 s to import, and torch
     # too for a file that needs its loader. Importing it on the first commit, not with this module,
     # keeps that off `tailor log`, `show`, `gc` and `verify`.
     from tailorstore.ingest.commit import commit_checkpoint
 
-    result = commit_checkpoint(repo, path, options, progress=progress, on_wait=on_wait)
+    result = commit_checkpoint(repo, path, options, progress=progress, on_wait=(progress or Silent()).note)
     if delete_after_commit:
         from tailorstore.ingest.deletion import delete_once_durable
 

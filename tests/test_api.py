@@ -211,3 +211,33 @@ def test_verify_reports_progress_as_every_long_operation_does(small_store: Path)
     assert kinds[0] == "start" and kinds[-1] == "close" and kinds.count("advance") == report.blobs_checked
     total = seen.calls[0][1]
     assert total == sum(amount for kind, amount in seen.calls if kind == "advance") > 0
+
+
+def test_waits_and_warnings_reach_the_one_progress_a_verb_takes(small_store: Path, tmp_path: Path) -> None:
+    """Issue 49: one convention for what a verb reports while it runs. gc took ``on_wait=``, checkout
+    ``warn=`` and the others a ``Progress``; now each takes its ``progress``, whose ``note`` hears the
+    wait for a lock another handle holds, and no public method takes a callback per concern."""
+    import inspect
+
+    from tailorstore.core.progress import Silent
+
+    class Recorded(Silent):
+        def __init__(self) -> None:
+            self.notes: list[str] = []
+
+        def note(self, message: str) -> None:
+            self.notes.append(message)
+
+    store_copy = copy_tree(small_store, tmp_path / "store")
+    seen = Recorded()
+    with Store.open(store_copy) as holder, Store.open(store_copy) as other:
+        with holder.repo.lock(exclusive=True, timeout=5), pytest.raises(tailorstore.LockTimeoutError):
+            other.gc(keep_last=1, lock_timeout=0.3, progress=seen)
+    assert seen.notes and "waiting for the exclusive store lock" in seen.notes[0]
+    callbacks = [
+        f"Store.{name}({parameter})"
+        for name, method in inspect.getmembers(Store, inspect.isfunction)
+        for parameter in inspect.signature(method).parameters
+        if parameter in ("warn", "on_wait", "on_progress")
+    ]
+    assert not callbacks, callbacks

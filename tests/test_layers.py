@@ -234,3 +234,42 @@ def test_the_integrations_take_their_options_by_name() -> None:
             if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and name not in positional:
                 found.append(f"{function.__qualname__}({name})")
     assert not found, found
+
+
+def _alternatives(annotation: str) -> list[str]:
+    """The types a return annotation joins with ``|`` at its top level, None left out."""
+    depth, current, found = 0, "", []
+    for char in annotation:
+        depth += 1 if char in "[(" else -1 if char in "])" else 0
+        if char == "|" and depth == 0:
+            found.append(current.strip())
+            current = ""
+        else:
+            current += char
+    found.append(current.strip())
+    return [kind for kind in found if kind != "None"]
+
+
+def test_every_public_method_returns_one_type() -> None:
+    """Issue 49: ``save_checkpoint`` returned a future, a result or None, and ``checkout`` one of three
+    results, so each caller needed cases (the CLI a ``type: ignore``). A method of ``Store`` and an
+    integration's entry point returns one type (or None where there may be nothing: a lookup)."""
+    import inspect
+
+    from tailorstore.api import Store
+    from tailorstore.integrations import dcp_storage, dcp_writer, deepspeed, distributed, hf
+
+    public = [function for name, function in inspect.getmembers(Store, inspect.isfunction) if not name.startswith("_")]
+    entry_points = [
+        deepspeed.attach, deepspeed.load_checkpoint, deepspeed.save_checkpoint, distributed.commit_rank_parallel,
+        *(f for _, f in inspect.getmembers(hf.TailorCallback, inspect.isfunction)),
+        *(f for _, f in inspect.getmembers(dcp_storage.TailorStorageReader, inspect.isfunction)),
+        *(f for _, f in inspect.getmembers(dcp_writer.TailorStorageWriter, inspect.isfunction)),
+    ]  # fmt: skip
+    assert len(public) > 30
+    found = []
+    for function in [*public, *entry_points]:
+        annotation = inspect.signature(function).return_annotation
+        if isinstance(annotation, str) and len(_alternatives(annotation)) > 1:
+            found.append(f"{function.__qualname__} -> {annotation}")
+    assert not found, found

@@ -930,13 +930,15 @@ def save_checkpoint(
     client_state: dict | None = None,
     on_existing: str = "branch",
     **policy_params: float,
-) -> Future[CommitResult] | CommitResult | None:
+) -> Future[CommitResult | None]:
     """``engine.save_checkpoint(save_dir, tag)`` on every rank, then rank 0 commits the step.
 
     The plain "save, then commit" path: the save lands on disk first. ``store`` is needed on
-    rank 0 only (other ranks may pass None). Returns rank 0's future (or result, when not
-    asynchronous); other ranks get None. ``on_existing`` is as for :func:`attach`; a branch, once
-    made, is kept on the engine for its later saves.
+    rank 0 only (other ranks may pass None). Returns one type on every rank and in both modes, a
+    future, so that calling code needs no case of its own: on rank 0 its result is the commit's
+    (already done when not ``asynchronous``, whose errors are raised here, at once); on other ranks
+    it is done and holds None. ``on_existing`` is as for :func:`attach`; a branch, once made, is
+    kept on the engine for its later saves.
     """
     rewind: Rewind | None = getattr(engine, "_tailor_rewind", None)
     if rewind is None or rewind.on_existing != on_existing:
@@ -944,7 +946,7 @@ def save_checkpoint(
         engine._tailor_rewind = rewind
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state or {})
     if ranks.rank() != 0:
-        return None
+        return _done(None)
     if store is None:
         raise TypeError("save_checkpoint: global rank 0 needs the store to commit to")
     folder = os.path.join(str(save_dir), tag or f"global_step{engine.global_steps}")
@@ -956,4 +958,11 @@ def save_checkpoint(
 
     if asynchronous:
         return store.background(folder, job)
-    return job(store)
+    return _done(job(store))
+
+
+def _done(value: T) -> Future[T]:
+    """A future that already holds ``value``: the return of a call that had nothing to wait for."""
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
