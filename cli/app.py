@@ -15,13 +15,16 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from tailorstore.cli.naming import EXIT_CODES, as_command
 
 import tailorstore
 from tailorstore import LOCK_TIMEOUT, STORE_ENV, TailorError, __version__, for_terminal
+
+if TYPE_CHECKING:
+    from tailorstore import GcPlan
 
 app = typer.Typer(
     add_completion=False,
@@ -593,9 +596,9 @@ def gc(
 ) -> None:
     """Drop (or --thin) steps outside the retention rules, then delete every blob no kept manifest uses."""
 
-    def show_plan(plan: object) -> None:
+    def show_plan(plan: GcPlan) -> None:
         if not as_json:
-            typer.echo(("plan (dry run): " if dry_run else "plan: ") + plan.summary())  # type: ignore[attr-defined]
+            typer.echo(("plan (dry run): " if dry_run else "plan: ") + plan.summary())
 
     with _open(store, run) as st:
         plan = st.gc(

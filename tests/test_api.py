@@ -160,6 +160,22 @@ def test_every_result_of_the_api_is_a_named_type_it_exports() -> None:
     assert not missing, missing
 
 
+def test_every_method_that_writes_a_folder_returns_a_folder_result() -> None:
+    """Issue 49: a common base for the results that write a folder. Each Store method that takes an
+    ``out`` folder returns a ``FolderResult`` (step, manifest, out, bytes written, seconds)."""
+    import inspect
+
+    import tailorstore
+
+    writers = {
+        name: getattr(tailorstore, inspect.signature(method).return_annotation)
+        for name, method in inspect.getmembers(tailorstore.Store, inspect.isfunction)
+        if "out" in inspect.signature(method).parameters and name != "plot"  # plot writes one image file
+    }
+    assert set(writers) >= {"checkout", "checkout_resharded", "checkout_universal", "export"}
+    assert all(issubclass(kind, tailorstore.FolderResult) for kind in writers.values()), writers
+
+
 def test_a_typed_policy_and_one_request_for_commit_and_commit_async(tmp_path: Path) -> None:
     """``policy=Budget(...)`` is the same policy as ``policy="budget", fraction=...``, and one
     CommitRequest serves commit and commit_async alike."""

@@ -273,3 +273,22 @@ def test_every_public_method_returns_one_type() -> None:
         if isinstance(annotation, str) and len(_alternatives(annotation)) > 1:
             found.append(f"{function.__qualname__} -> {annotation}")
     assert not found, found
+
+
+def test_an_option_has_one_default_in_the_api_and_every_integration() -> None:
+    """Issue 49: ``delete_after_commit`` defaulted to True in DeepSpeed's ``save_checkpoint`` alone.
+    Each option the API and the integrations share has one default, the API's: here, to delete
+    nothing unless asked."""
+    import dataclasses
+    import inspect
+
+    from tailorstore.ingest.commit_options import CommitRequest
+    from tailorstore.integrations import deepspeed, hf
+
+    api = {f.name: f.default for f in dataclasses.fields(CommitRequest) if f.default is not dataclasses.MISSING}
+    found = []
+    for function in (deepspeed.save_checkpoint, deepspeed.attach, hf.TailorCallback.__init__):
+        for name, parameter in inspect.signature(function).parameters.items():
+            if name in api and parameter.default is not inspect.Parameter.empty and parameter.default != api[name]:
+                found.append(f"{function.__qualname__}({name}={parameter.default!r}), the API's is {api[name]!r}")
+    assert not found, found

@@ -924,7 +924,7 @@ def save_checkpoint(
     store: Store | None,
     tag: str | None = None,
     *,
-    delete_after_commit: bool = True,
+    delete_after_commit: bool = False,
     asynchronous: bool = True,
     policy: str | Policy = "full",
     client_state: dict | None = None,

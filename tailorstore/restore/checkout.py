@@ -26,19 +26,15 @@ from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_s
 from tailorstore.formats.kinds import DCP, RAW, SAFETENSORS, TORCH
 from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED_TAG
 from tailorstore.formats.torch_pickle import untrusted
+from tailorstore.restore.folder_result import FolderResult
 from tailorstore.store.records import FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
 
 @dataclass
-class CheckoutResult:
-    step: int
-    manifest: int
-    out: Path
+class CheckoutResult(FolderResult):
     files: int
-    bytes_written: int
     inherited: dict[str, int] = field(default_factory=dict)  # layer -> source step, for composites
-    seconds: float = 0.0  # the library call, without the process's start-up
 
 
 def inherited_layers(store: Repository, manifest: int) -> dict[str, int]:
@@ -88,7 +84,7 @@ def checkout_step(
                 lift(tmp, str(facts.ds_tag))
     finally:
         progress.close()
-    return CheckoutResult(step, manifest, out, len(files), written, inherited, time.perf_counter() - began)
+    return CheckoutResult(step, manifest, out, written, len(files), inherited, seconds=time.perf_counter() - began)
 
 
 def dcp_folder_itself(facts: ManifestRecord, files: list[FileRecord]) -> bool:

@@ -52,6 +52,7 @@ from tailorstore.formats.safetensors_writer import (
 )
 from tailorstore.formats.small_text import read_small_text
 from tailorstore.restore.checkout import write_step_files
+from tailorstore.restore.folder_result import FolderResult
 from tailorstore.store.direct_io import SequentialWriter
 from tailorstore.store.repo import Repository
 
@@ -75,17 +76,12 @@ MODEL_FILES = (
 
 
 @dataclass
-class ExportResult:
-    step: int
-    manifest: int
-    out: Path
+class ExportResult(FolderResult):
     dtype: str
     tensors: int
     shards: list[str]
-    bytes_written: int
     copied: list[str] = field(default_factory=list)  # config and tokenizer files
     tied: dict[str, str] = field(default_factory=dict)  # written once: alias -> name written
-    seconds: float = 0.0
 
 
 def export_dtype(name: str) -> str:
@@ -221,11 +217,11 @@ def export_step(
         view.step,
         manifest,
         out,
+        written,
         dtype,
         len(specs),
         names,
-        written,
         copied,
         dict(view.aliases),
-        time.perf_counter() - began,
+        seconds=time.perf_counter() - began,
     )

@@ -531,6 +531,6 @@ def checkout_resharded(
         progress.close()
     seconds = time.perf_counter() - began
     return ReshardResult(
-        facts.step, manifest, Path(out), count, written, seconds=seconds, tag=plan.tag, world_size=plan.world,
+        facts.step, manifest, Path(out), written, count, seconds=seconds, tag=plan.tag, world_size=plan.world,
         zero_stage=plan.stage,
     )  # fmt: skip

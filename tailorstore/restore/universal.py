@@ -267,5 +267,5 @@ def checkout_universal(
         progress.close()
     seconds = time.perf_counter() - began
     return UniversalResult(
-        facts.step, manifest, Path(out), count, written, seconds=seconds, tag=tag, params=len(trainable)
+        facts.step, manifest, Path(out), written, count, seconds=seconds, tag=tag, params=len(trainable)
     )
