@@ -193,7 +193,7 @@ def test_the_integrations_share_one_set_of_rank_helpers() -> None:
     two or three times, with different caps and failure semantics. integrations/ranks.py holds them;
     no other integration module defines its own or reads the environment for them."""
     found = []
-    for path in sorted((ROOT / "tailorstore" / "integrations").glob("*.py")):
+    for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
         if path.name == "ranks.py":
             continue
         tree = ast.parse(path.read_text())

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tailorstore.integrations import snapshot
-from tailorstore.integrations.deepspeed import _guard_changes, _has_persistent_buffers, _torch_optimizers
+from tailorstore.integrations.deepspeed.attaching import _guard_changes, _has_persistent_buffers, _torch_optimizers
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

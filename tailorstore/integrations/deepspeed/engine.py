@@ -1,49 +1,33 @@
-"""DeepSpeed: a checkpoint engine that saves into the store, and a save-then-commit helper.
+"""``TailorCheckpointEngine``: DeepSpeed's checkpoint engine, saving into the store.
 
-The engine (every rank attaches it; ``attach`` is collective)::
+``engine.save_checkpoint`` hands each file to the engine, which serializes it into a staging
+folder in memory (``/dev/shm``, or ``$TAILOR_STAGING``), never into ``save_dir``. Once every rank
+has saved, global rank 0 commits the staged step through the same container path as ``tailor
+commit`` (one process, so every policy works) and deletes the staged copy once the manifest is
+durable and its blobs are checked. DeepSpeed still writes its small ``latest`` pointer and
+recovery scripts into ``save_dir`` itself.
 
-    from tailorstore.integrations.deepspeed import attach
+Call order, as DeepSpeed makes it on every rank: ``create(info)`` once a save begins;
+``makedirs`` and ``save(state_dict, path)`` for each file; ``commit(info)`` once the rank's
+files are written (global rank 0 then submits the step's commit); ``load(path)`` for each file
+of a resume, inside :meth:`TailorCheckpointEngine.load_checkpoint`; ``flush`` before exit.
 
-    store = tailorstore.Store.open("ckpt-store")        # needed on global rank 0 only
-    tailor = attach(engine, store)                       # after deepspeed.initialize
-    for step in ...:
-        ...
-        engine.save_checkpoint("saves")                  # into the store, in the background
-    engine.load_checkpoint("saves")                      # resumes from the store
-    tailor.flush()                                       # before exit: the last commit's errors
-
-``engine.save_checkpoint`` hands each file to :class:`TailorCheckpointEngine`, which
-serializes it into a staging folder in memory (``/dev/shm``, or ``$TAILOR_STAGING``), never
-into ``save_dir``. Once every rank has saved, global rank 0 commits the staged step through
-the same container path as ``tailor commit`` (one process, so every policy works) and
-deletes the staged copy once the manifest is durable and its blobs are checked. DeepSpeed
-still writes its small ``latest`` pointer and recovery scripts into ``save_dir`` itself.
-
-Memory: a save waits in the staging folder while it is committed, so up to two raw saves
-of this node's ranks sit in memory (the one being committed, the next being saved). On
-several nodes, global rank 0 must see every rank's staged files: pass ``staging=`` a folder
-all nodes share, or use :func:`save_checkpoint` (save to disk, then commit).
-
-If a background commit fails, its staged files are moved to where DeepSpeed would have
-written them (``save_dir/tag``), so nothing is lost, and the error is raised at the next
-save or at :meth:`TailorCheckpointEngine.flush`. What a killed run left staged is moved there
-by the next engine to start (:mod:`.staging`).
+If a background commit fails, its staged files are moved to where DeepSpeed would have written
+them (``save_dir/tag``), so nothing is lost, and the error is raised at the next save or at
+:meth:`TailorCheckpointEngine.flush`. What a killed run left staged is moved there by the next
+engine to start (:mod:`..staging`).
 """
 
 from __future__ import annotations
 
 import errno
-import logging
 import os
-import re
 import secrets
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
@@ -59,34 +43,14 @@ from tailorstore.ingest.commit import CommitResult
 from tailorstore.ingest.rank_share import owner_of
 from tailorstore.integrations import nodes, ranks, resume, serving, snapshot
 from tailorstore.integrations import staging as staged
+from tailorstore.integrations.deepspeed.helpers import ENGINE_NAME, RESTORE_PREFIX, T, default_staging, log, step_of_tag
+from tailorstore.integrations.deepspeed.staged_reads import below, load_staged
 from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
 from tailorstore.integrations.head import Head, read_head, write_head
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.snapshot import Snapshots
 from tailorstore.restore.file_objects import StepObjects
 from tailorstore.store.records import COMMIT
-
-log = logging.getLogger("tailorstore")
-T = TypeVar("T")
-ENGINE_NAME = "TailorCheckpointEngine"
-RESTORE_PREFIX = "restore-"  # the engine's folders for the files of a resume, inside its staging
-
-
-def default_staging() -> Path:
-    """Memory-backed staging: ``$TAILOR_STAGING``, else ``/dev/shm`` where it exists, else the temp dir."""
-    configured = os.environ.get(STAGING_ENV)
-    if configured:
-        return Path(configured)
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm
-    return Path(tempfile.gettempdir())
-
-
-def step_of_tag(tag: str) -> int | None:
-    """``global_step120`` -> 120: DeepSpeed's default tag names the step."""
-    match = re.fullmatch(r"global_step(\d+)", tag)
-    return int(match.group(1)) if match else None
 
 
 class TailorCheckpointEngine(CheckpointEngine):
@@ -285,7 +249,7 @@ class TailorCheckpointEngine(CheckpointEngine):
 
     def before_change(self) -> None:
         """The saved tensors are about to change (an optimizer step): on a GPU, the training stream
-        waits for the last save's copies (:mod:`.side_copy`); the host does not wait. :func:`attach`
+        waits for the last save's copies (:mod:`..side_copy`); the host does not wait. :func:`attach`
         calls it before each optimizer step; call it before changing them any other way."""
         if self._snapshots is not None:
             self._snapshots.guard()
@@ -307,14 +271,14 @@ class TailorCheckpointEngine(CheckpointEngine):
         """Files come from a checkout of the store; loaded with the allowlist, never running unknown code.
 
         A model-states file this engine staged for a resume is mapped, not read (:func:`mapped`);
-        a resume served from the store hands over its objects instead (:mod:`.serving`)."""
+        a resume served from the store hands over its objects instead (:mod:`..serving`)."""
         if self._restoring(path):
             return load_staged(path)
         return load_torch_file(path, mmap=False)[0]
 
     def _restoring(self, path: str) -> bool:
         """Whether ``path`` lies in a restore folder of this engine's staging."""
-        inside = _below(path, self._root)
+        inside = below(path, self._root)
         return bool(inside and inside.parts[0].startswith(RESTORE_PREFIX))
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
@@ -497,7 +461,7 @@ class TailorCheckpointEngine(CheckpointEngine):
     def load_checkpoint(self, original: Callable[..., Any], load_dir: str, tag: str | None = None, **kw: Any) -> Any:
         """``engine.load_checkpoint`` through the store: a folder on disk is loaded as it is; otherwise
         the step is written into each node's staging folder for the world size and ZeRO stage
-        training runs at now (:mod:`.resume`), every rank loads it, and it is deleted."""
+        training runs at now (:mod:`..resume`), every rank loads it, and it is deleted."""
         from_latest = tag is None
         if tag is None and (Path(load_dir) / "latest").is_file():
             tag = read_latest(Path(load_dir))
@@ -535,7 +499,7 @@ class TailorCheckpointEngine(CheckpointEngine):
     def _load_served(
         self, engine: Any, original: Callable[..., Any], objects: StepObjects, built: dict[str, Any], kw: dict
     ) -> Any:
-        """DeepSpeed's own ``load_checkpoint`` over the step's objects (:mod:`.serving`); no file is written."""
+        """DeepSpeed's own ``load_checkpoint`` over the step's objects (:mod:`..serving`); no file is written."""
         root = self._root / f"{RESTORE_PREFIX}{self._saves:06d}"  # a name only: the folder is never made
         with serving.served(engine, root, objects, built):
             return original(str(root), objects.tag, **kw)
@@ -682,287 +646,3 @@ def _remove_empty(folder: Path) -> None:
         folder.rmdir()
     except OSError:
         pass
-
-
-def attach(
-    engine: Any,
-    store: Store | None,
-    *,
-    policy: str | Policy = "full",
-    asynchronous: bool = True,
-    staging: str | os.PathLike | None = None,
-    on_existing: str = "branch",
-    snapshot: bool = True,
-    gpu_buffers: bool | None = None,
-    metrics: Callable[[int | None], Mapping[str, float] | None] | None = None,
-    staged_resume: bool = False,
-    **policy_params: float,
-) -> TailorCheckpointEngine:
-    """Install a :class:`TailorCheckpointEngine` on a DeepSpeed engine, on every rank (collective).
-
-    ``engine.save_checkpoint`` then saves into the store and ``engine.load_checkpoint`` resumes
-    from it (a tag folder that exists on disk is still loaded from disk). ``on_existing`` says what
-    a save of a step the store already holds does, after training went back to an earlier step:
-    ``"branch"`` (a new run from the resumed step, with a warning), ``"replace"`` or ``"error"``.
-    ``snapshot`` (default) makes ``save_checkpoint`` block only for a copy of the tensors into
-    reused memory; the files are written in the background (:mod:`.snapshot`). On a GPU the copy
-    runs beside the next step, and its optimizer step waits (on the GPU) only for the copy into
-    ``gpu_buffers``: buffers in GPU memory kept from save to save, used where the GPU has room
-    (None), always (True) or never (False: the step waits for the copy to host memory).
-    ``metrics(step)``
-    (on global rank 0) gives the metrics recorded with each saved step, e.g. the last evaluation's
-    ``{"eval_loss": ...}``; or call ``tailor.set_metrics({...})`` before a save.
-    ``engine.load_checkpoint`` then loads each rank's files straight from the store, built in memory
-    (nothing staged); ``staged_resume=True`` checks the step out into staging files first instead.
-    """
-    tailor = TailorCheckpointEngine(
-        store,
-        policy=policy,
-        asynchronous=asynchronous,
-        staging=staging,
-        global_steps=lambda: int(engine.global_steps),
-        on_existing=on_existing,
-        shape=lambda: _shape_of(engine),
-        snapshot=snapshot,
-        gpu_buffers=gpu_buffers,
-        metrics=metrics,
-        staged_resume=staged_resume,
-        **policy_params,
-    )
-    engine.checkpoint_engine = tailor
-    if snapshot:
-        _guard_changes(engine, tailor)
-    if tailor._parts and ranks.is_leader():
-        # Each node's part needs the model states to cut its optimizer states by parameter: every
-        # node's leader writes them, as DeepSpeed's use_node_local_storage makes it do. The copies
-        # are the same bytes, which finalize checks.
-        engine.save_non_zero_checkpoint = True
-    original = engine.load_checkpoint
-
-    def load_checkpoint(load_dir: str, tag: str | None = None, **kw: Any) -> Any:
-        return tailor.load_checkpoint(original, load_dir, tag, **kw)
-
-    engine.load_checkpoint = load_checkpoint
-    return tailor
-
-
-def _guard_changes(engine: Any, tailor: TailorCheckpointEngine) -> None:
-    """A snapshot's copies out of GPU memory run beside the next step, so whatever changes the
-    saved tensors first waits for them: each torch optimizer under the engine's (ZeRO wraps one)
-    before its step, or else ``engine.step``; and the module's forward where it has persistent
-    buffers, which a forward may update in place (running statistics)."""
-
-    def wait(*_: Any, **__: Any) -> None:
-        tailor.before_change()
-
-    optimizers = _torch_optimizers(getattr(engine, "optimizer", None))
-    for optimizer in optimizers:
-        optimizer.register_step_pre_hook(wait)
-    if not optimizers:
-        step = engine.step
-
-        def guarded_step(*args: Any, **kw: Any) -> Any:
-            tailor.before_change()
-            return step(*args, **kw)
-
-        engine.step = guarded_step
-    module = getattr(engine, "module", None)
-    if isinstance(module, torch.nn.Module) and _has_persistent_buffers(module):
-        module.register_forward_pre_hook(wait)
-
-
-def _torch_optimizers(optimizer: Any, depth: int = 4) -> list[torch.optim.Optimizer]:
-    """The torch optimizers in a chain of wrappers (``engine.optimizer.optimizer``...)."""
-    found: list[torch.optim.Optimizer] = []
-    while optimizer is not None and depth > 0:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            found.append(optimizer)
-        optimizer, depth = getattr(optimizer, "optimizer", None), depth - 1
-    return found
-
-
-def _has_persistent_buffers(module: torch.nn.Module) -> bool:
-    return any(
-        name not in sub._non_persistent_buffers_set
-        for sub in module.modules()
-        for name, b in sub._buffers.items()
-        if b is not None
-    )
-
-
-def _shape_of(engine: Any) -> tuple[int, int]:
-    """(data-parallel world size, ZeRO stage) that ``engine`` trains at now."""
-    return int(engine.dp_world_size), int(engine.zero_optimization_stage())
-
-
-def mapped(path: str | os.PathLike) -> bool:
-    """Whether a file staged for a resume is mapped rather than read: its model states, not its
-    optimizer states.
-
-    Staged files lie in tmpfs, so a read copies every byte into fresh memory, and a private
-    mapping spares that copy: DeepSpeed copies the module's weights out of the loaded state into
-    its own parameters. It keeps the optimizer's moments as they were loaded, though (torch's
-    ``Optimizer.load_state_dict`` keeps a tensor that needs no cast), and training then writes
-    them in place. A mapped moment is then copied page by page on first write, which cost the
-    374M resume 6 s more than reading it (docs/benchmarks.md, "Time to resume"). Other files are
-    read, as DeepSpeed's own engine reads them; a file that someone else may cut short is never
-    mapped at all."""
-    return is_model_states(Path(path).name)
-
-
-def load_staged(path: str | os.PathLike) -> Any:
-    """A file staged for a resume, loaded through the allowlist; mapped where :func:`mapped` says
-    and only while nobody else can cut it short (:func:`_only_ours`)."""
-    return load_torch_file(path, mmap=mapped(path) and _only_ours(path))[0]
-
-
-def _only_ours(path: str | os.PathLike) -> bool:
-    """Whether only this user can write ``path`` or replace it in its folder. A mapped file that
-    someone cuts short kills the process with SIGBUS, and a checkout applies the modes the store
-    records, which a stranger with write access to the store may have set (0o666)."""
-    try:
-        file, folder = os.stat(path), os.stat(Path(path).parent)
-    except OSError:
-        return False
-    return file.st_uid == os.getuid() and not (file.st_mode | folder.st_mode) & 0o022
-
-
-def _below(path: str | os.PathLike, root: Path) -> Path | None:
-    """``path`` relative to ``root`` when it lies below it, else None (links resolved)."""
-    try:
-        inside = Path(path).resolve().relative_to(root.resolve())
-    except ValueError:
-        return None
-    return inside if inside.parts else None
-
-
-@contextmanager
-def staged_loads(engine: Any, root: Path) -> Iterator[None]:
-    """While DeepSpeed loads a resume that :func:`load_checkpoint` staged under ``root``, its
-    checkpoint engine loads those files through the allowlist, mapped.
-
-    DeepSpeed's own engine loads with ``weights_only=False``, which runs whatever code a pickle
-    names, and these files come from the store: anyone who can write to its bucket can put a
-    step there. Model-states files are mapped (:func:`mapped`). Other files go to the engine's own
-    ``load``, which is put back afterwards."""
-    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
-    if checkpoint_engine is None or isinstance(checkpoint_engine, TailorCheckpointEngine):
-        yield
-        return
-    own = "load" in vars(checkpoint_engine)
-    original = checkpoint_engine.load
-
-    def load(path: str, map_location: Any = None) -> Any:
-        if _below(path, root) is not None:
-            return load_staged(path)
-        return original(path, map_location=map_location)
-
-    checkpoint_engine.load = load
-    try:
-        yield
-    finally:
-        if own:
-            checkpoint_engine.load = original
-        else:
-            del checkpoint_engine.load
-
-
-def load_checkpoint(
-    engine: Any,
-    store: Store | None,
-    ref: str = "latest",
-    *,
-    staging: str | os.PathLike | None = None,
-    staged: bool = False,
-    **load_kwargs: Any,
-) -> tuple[Any, Any]:
-    """Resume ``engine`` from the step ``ref`` names, at the world size and ZeRO stage it runs at now
-    (collective: every rank calls it). Without :func:`attach`, and with no conversion step.
-
-    Global rank 0 passes a store handle; a rank without one opens the store rank 0 names. Each rank
-    builds the files it loads straight from the store, in memory, and DeepSpeed's own
-    ``load_checkpoint`` (``load_kwargs`` go to it) loads them (:mod:`.serving`): nothing is staged.
-    With ``staged`` (or an engine this cannot serve: a universal load, NVMe offload, model or pipeline
-    parallelism), each node's local rank 0 (which then needs a handle) writes its ranks' share into
-    its staging folder (``staging``, else ``$TAILOR_STAGING`` or ``/dev/shm``), every rank loads it
-    through the allowlist (:func:`staged_loads`), and it is deleted.
-    Returns what ``engine.load_checkpoint`` returns: (load path, client state)."""
-    group = ranks.tailor_group()
-    token = ranks.gathered(secrets.token_hex(6), group)[0]
-    root = (Path(staging) if staging is not None else default_staging()) / f"tailor-restore-{token}"
-    world_size, zero_stage = _shape_of(engine)
-
-    def pick(handle: Store) -> resume.Found:
-        handle.flush()
-        found = resume.find(handle, ref)
-        warn_if_composite(found.step, found.inherited)
-        return found
-
-    if not staged and serving.servable(engine):
-
-        def load_objects(objects: StepObjects, built: dict[str, Any]) -> Any:
-            with serving.served(engine, root, objects, built):  # ``root`` is a name only: never made
-                return engine.load_checkpoint(str(root), objects.tag, **load_kwargs)
-
-        return resume.load_in_memory(store, pick, load_objects, world_size, zero_stage, group)[1]
-
-    def load(folder: str, tag: str) -> Any:
-        with staged_loads(engine, root):
-            return engine.load_checkpoint(folder, tag, **load_kwargs)
-
-    try:
-        _, loaded = resume.restore_and_load(store, pick, load, root / "step", world_size, zero_stage, group)
-    finally:
-        if ranks.is_leader():
-            shutil.rmtree(root, ignore_errors=True)
-    return loaded
-
-
-def save_checkpoint(
-    engine: Any,
-    save_dir: str | os.PathLike,
-    store: Store | None,
-    tag: str | None = None,
-    *,
-    delete_after_commit: bool = False,
-    asynchronous: bool = True,
-    policy: str | Policy = "full",
-    client_state: dict | None = None,
-    on_existing: str = "branch",
-    **policy_params: float,
-) -> Future[CommitResult | None]:
-    """``engine.save_checkpoint(save_dir, tag)`` on every rank, then rank 0 commits the step.
-
-    The plain "save, then commit" path: the save lands on disk first. ``store`` is needed on
-    rank 0 only (other ranks may pass None). Returns one type on every rank and in both modes, a
-    future, so that calling code needs no case of its own: on rank 0 its result is the commit's
-    (already done when not ``asynchronous``, whose errors are raised here, at once); on other ranks
-    it is done and holds None. ``on_existing`` is as for :func:`attach`; a branch, once made, is
-    kept on the engine for its later saves.
-    """
-    rewind: Rewind | None = getattr(engine, "_tailor_rewind", None)
-    if rewind is None or rewind.on_existing != on_existing:
-        rewind = Rewind(on_existing, run=rewind.run if rewind else None)
-        engine._tailor_rewind = rewind
-    engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state or {})
-    if ranks.rank() != 0:
-        return _done(None)
-    if store is None:
-        raise TypeError("save_checkpoint: global rank 0 needs the store to commit to")
-    folder = os.path.join(str(save_dir), tag or f"global_step{engine.global_steps}")
-    options: dict[str, Any] = {"policy": policy, **policy_params}
-    step = int(engine.global_steps)
-
-    def job(handle: Store) -> CommitResult:
-        return rewind.commit(handle, folder, step=step, delete_after_commit=delete_after_commit, **options)
-
-    if asynchronous:
-        return store.background(folder, job)
-    return _done(job(store))
-
-
-def _done(value: T) -> Future[T]:
-    """A future that already holds ``value``: the return of a call that had nothing to wait for."""
-    future: Future[T] = Future()
-    future.set_result(value)
-    return future
