@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from tailorstore.formats.memory_folder import MemoryFolder
     from tailorstore.ingest.commit_options import CommitOptions, CommitRequest, CommitResult, PartPlan
     from tailorstore.ingest.finalize import FinalizeResult
+    from tailorstore.ingest.rank_parallel import Collective, RankParallelResult
     from tailorstore.report.diff import DiffResult
     from tailorstore.report.inspect import StepDetail, StepSummary
     from tailorstore.report.usage import Usage
@@ -218,6 +219,42 @@ class Store:
             metrics=encode_metrics(request.metrics),
         )
 
+    def commit_together(
+        self,
+        path: str | os.PathLike,
+        group: Collective,
+        request: CommitRequest | None = None,
+        *,
+        label: str = "",
+        part_label: str = "",
+        owns: Callable[[str], bool] | None = None,
+        **options: Any,
+    ) -> RankParallelResult:
+        """Commit the save at ``path`` with every member of ``group`` (each calls this, with a handle on
+        the same store): each writes its own files' blobs as a part, and member 0 records the step
+        from the parts (``ingest/rank_parallel.py``: the call order). The request is as for
+        :meth:`commit`; ``owns`` says which files a member commits (default: DeepSpeed's rank R's
+        files are member R's), ``part_label`` marks this member's part and ``label`` the parts the
+        finalize takes. ``integrations.distributed.commit_rank_parallel`` is this over torch.distributed."""
+        from dataclasses import replace
+
+        from tailorstore.ingest.commit_options import CommitRequest
+        from tailorstore.ingest.rank_parallel import commit_together
+
+        wanted = CommitRequest.of(request, options)
+        if wanted.delete_after_commit:
+            raise StoreError("delete_after_commit waits for the manifest, which the parts do not write.")
+        parts = self._options(replace(wanted, tag=None, metrics=None, policy="full", policy_params={}), part=True)
+        parts.part_label = part_label
+
+        def finalize(step: int) -> FinalizeResult:
+            return self.finalize(
+                step, tag=wanted.tag, force=wanted.force, lock_timeout=wanted.lock_timeout, label=label or None,
+                metrics=wanted.metrics,
+            )  # fmt: skip
+
+        return commit_together(self.repo, Path(path), parts, wanted.spec(), group, finalize, owns)
+
     def finalize(
         self,
         step: int,
@@ -246,12 +283,29 @@ class Store:
             metrics=encode_metrics(metrics),
         )
 
-    def parts(self, step: int, *, label: str | None = None) -> list[str]:
-        """The keys of the parts of ``step`` (this handle's run) waiting for :meth:`finalize`
-        (with ``label``, those committed with it)."""
+    def parts(self, step: int | None, *, label: str | None = None) -> list[str]:
+        """The keys of the parts of ``step`` (None: of every step; this handle's run) waiting for
+        :meth:`finalize` (with ``label``, those committed with it)."""
         from tailorstore.store.parts import part_keys
 
         return part_keys(self.repo.backend, step, self.run, label)
+
+    def in_run(self, run: str) -> Store:
+        """A handle on this same open store whose commits and ``step=N`` go to ``run``."""
+        return self if run == self.run else Store(self.repo, run=check_run_name(run))
+
+    def holds(self, step: int, *, run: str | None = None) -> bool:
+        """Whether the store records ``step`` in ``run`` (default: this handle's), as of now: what
+        other hosts published is read first."""
+        self.repo.refresh()
+        return self.repo.catalogue.commit_at(step, run or self.run) is not None
+
+    def delete_once_durable(self, manifest: int, path: str | os.PathLike) -> None:
+        """``delete_after_commit`` for a step recorded elsewhere (a rank-parallel finalize): every blob
+        of ``manifest`` is checked present, then the committed files at ``path`` are deleted."""
+        from tailorstore.ingest.deletion import delete_once_durable
+
+        delete_once_durable(self.repo, manifest, Path(path))
 
     def commit_async(
         self, path: str | os.PathLike, request: CommitRequest | None = None, **options: Any

@@ -292,3 +292,16 @@ def test_an_option_has_one_default_in_the_api_and_every_integration() -> None:
             if name in api and parameter.default is not inspect.Parameter.empty and parameter.default != api[name]:
                 found.append(f"{function.__qualname__}({name}={parameter.default!r}), the API's is {api[name]!r}")
     assert not found, found
+
+
+def test_no_integration_reaches_through_the_store_handle() -> None:
+    """Issue 49: the integrations used ``store.repo`` for locks, refresh, part keys and the
+    rank-parallel plan. They now call ``Store`` methods only (``commit_together``, ``holds``,
+    ``in_run``, ``parts``, ``delete_once_durable``); the protocol of a rank-parallel commit lives
+    in ``ingest/rank_parallel.py``, and ``integrations/distributed.py`` is its torch.distributed glue."""
+    found = []
+    for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "repo":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .repo")
+    assert not found, "\n".join(found)

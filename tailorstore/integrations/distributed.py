@@ -7,45 +7,34 @@
     engine.save_checkpoint("saves", tag=f"global_step{step}")          # collective
     commit_rank_parallel(store, f"saves/global_step{step}")            # collective too
 
-Every rank calls it with a store handle on the same store. Each surveys its share, the
-surveys are gathered, each writes its share as a part, and global rank 0 finalizes the
-step into one manifest (rank_share.py says why it equals a single-process commit). Every
-rank returns rank 0's result and every rank's part. A failure on any rank fails the commit on every rank, with
-every rank's error in the message, and no manifest is written. A failure while writing
-deletes the parts already published; a failed finalize keeps them, for a later
-``Store.finalize`` (or ``gc(drop_parts=True)``).
+Every rank calls it with a store handle on the same store. The protocol (survey, gather, plan,
+write a part each, finalize on rank 0) is ``Store.commit_together``'s (``ingest/rank_parallel.py``
+writes its call order); this module is its glue to ``torch.distributed``: :class:`TorchGroup`, the
+collectives it needs, each of which fails on every rank when the work failed on any, naming every
+failure. No manifest is written then; a failure while writing deletes the parts already
+published; a failed finalize keeps them, for a later ``Store.finalize`` (or
+``gc(drop_parts=True)``). Every rank returns rank 0's result and every rank's part.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from tailorstore.api import Store
 from tailorstore.core.errors import LOCK_TIMEOUT, RankParallelCommitError, StoreError
-from tailorstore.core.policies import Policy, PolicySpec, needs_changes, policy_spec
+from tailorstore.core.policies import Policy
 from tailorstore.core.threads import compute_threads
-from tailorstore.ingest import rank_plan
-from tailorstore.ingest.commit_options import CommitOptions, CommitResult, PartPlan
-from tailorstore.ingest.finalize import FinalizeResult
-from tailorstore.ingest.rank_share import Share, Survey, checked_weights, survey, write_share, writers
+from tailorstore.ingest.rank_parallel import RankParallelResult
 from tailorstore.integrations.ranks import gathered, is_distributed, node_ranks
 from tailorstore.integrations.ranks import rank as global_rank
 
 T = TypeVar("T")
 
-
-@dataclass
-class RankParallelResult:
-    """The step as rank 0 finalized it, and what each rank's part wrote (None: a rank with no files)."""
-
-    finalized: FinalizeResult
-    parts: list[CommitResult | None] = field(default_factory=list)  # by rank
+__all__ = ["RankParallelResult", "TorchGroup", "commit_rank_parallel", "from_rank0"]
 
 
 def commit_rank_parallel(
@@ -76,72 +65,57 @@ def commit_rank_parallel(
     with the step."""
     if not is_distributed():
         raise StoreError("commit_rank_parallel needs torch.distributed initialized; use Store.commit in one process.")
-    rank = dist.get_rank(group)
     dist.barrier(group)  # every rank has finished writing its files before any rank reads the folder
-    ranks_here = len(node_ranks(global_rank()))
-    options = CommitOptions(
+    return store.commit_together(
+        path,
+        TorchGroup(group),
         step=step,
-        trust_pickles=trust_pickles,
+        tag=tag,
         level=level,
+        trust_pickles=trust_pickles,
         lock_timeout=lock_timeout,
-        part=True,
-        run=store.run,
-        threads=compute_threads(threads, share=ranks_here),
+        threads=compute_threads(threads, share=len(node_ranks(global_rank()))),
+        policy=policy,
+        metrics=metrics,
+        label=label,
+        part_label=f"{label}-n{global_rank()}" if label else "",
+        owns=owns,
+        **policy_params,
     )
-    spec = policy_spec(policy, policy_params)
-    if label:
-        options.part_label = f"{label}-n{global_rank()}"
-    share, mine = _together(lambda: survey(store.repo, Path(path), options, rank, owns), group, "surveying its files")
-    surveys: list[Survey] = gathered(mine, group)
-    elsewhere, derived = writers(surveys)[rank], checked_weights(surveys)
-    if spec.name != "full":
-        options.plan = _planned(store, share, surveys, spec, group, lock_timeout)
-        # a blob a lower rank would have written counts only where it falls in a layer the plan stores
-        elsewhere = writers(surveys, options.plan.stored)[rank]
-    written = _together(
-        lambda: write_share(store.repo, share, options, elsewhere, derived),
-        group,
-        "writing its files",
-        undo=lambda result: result is not None and result.part and store.repo.backend.delete(result.part),
-    )
-    parts: list[CommitResult | None] = gathered(written, group)
-    outcome: list[Any] = [None]
-    if rank == 0:
+
+
+class TorchGroup:
+    """``ingest.rank_parallel.Collective`` over a torch.distributed group (None: the default one)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    @property
+    def member(self) -> int:
+        return dist.get_rank(self.group)
+
+    def together(self, work: Callable[[], T], doing: str, undo: Callable[[T], object] | None = None) -> T:
+        """Run ``work`` on every rank; if it failed on any, raise on all, naming every failure."""
+        value: T | None = None
+        error: str | None = None
         try:
-            outcome[0] = store.finalize(
-                share.step, tag=tag, lock_timeout=lock_timeout, label=label or None, metrics=metrics
-            )
-        except Exception as exc:  # handed to every rank below
-            outcome[0] = f"rank 0 failed finalizing step {share.step}: {exc}"
-    dist.broadcast_object_list(outcome, src=_global(0, group), group=group)
-    if not isinstance(outcome[0], FinalizeResult):
-        raise RankParallelCommitError(f"the rank-parallel commit of {path} failed: {outcome[0]}")
-    return RankParallelResult(outcome[0], parts)
+            value = work()
+        except Exception as exc:
+            error = f"rank {self.member} failed {doing}: {exc}"
+        errors: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [e for e in errors if e]
+        if failed:
+            if value is not None and undo is not None:
+                undo(value)
+            raise RankParallelCommitError("the rank-parallel commit failed: " + "; ".join(failed))
+        return value  # type: ignore[return-value]
 
+    def gather(self, value: T) -> list[T]:
+        return gathered(value, self.group)
 
-def _planned(
-    store: Store, share: Share, surveys: list[Survey], spec: PolicySpec, group: Any, lock_timeout: float
-) -> PartPlan:
-    """Every rank: the one plan of this commit (rank 0 finds the sources and decides; every
-    rank measures its own files' share of the changes the policy needs)."""
-    layers, _ = rank_plan.layers_and_sizes(surveys)
-
-    def sources() -> rank_plan.Sources:
-        with store.repo.lock(exclusive=False, timeout=lock_timeout) as lock:
-            store.repo.refresh(lock)
-            return rank_plan.find_sources(store.repo, share.step, layers, store.run, spec)
-
-    found: rank_plan.Sources = from_rank0(sources, group, "finding the step's sources")
-    terms: dict[str, Any] = {}
-    if needs_changes(spec):
-        mine = _together(lambda: rank_plan.own_terms(store.repo, share, found), group, "measuring its layers' change")
-        for part in gathered(mine, group):
-            terms.update(part)
-    return from_rank0(
-        lambda: rank_plan.decide_plan(store.repo, spec, surveys, found, terms, rank_plan.step_order(share, surveys)),
-        group,
-        "deciding the plan",
-    )
+    def from_member0(self, work: Callable[[], T], doing: str) -> T:
+        return from_rank0(work, self.group, doing)
 
 
 def from_rank0(work: Callable[[], T], group: Any, doing: str) -> T:
@@ -157,25 +131,6 @@ def from_rank0(work: Callable[[], T], group: Any, doing: str) -> T:
     if status != "ok":
         raise RankParallelCommitError(value)
     return value
-
-
-def _together(work: Callable[[], T], group: Any, doing: str, undo: Callable[[T], object] | None = None) -> T:
-    """Run ``work`` on every rank; if it failed on any, raise on all, naming every failure."""
-    rank = dist.get_rank(group)
-    value: T | None = None
-    error: str | None = None
-    try:
-        value = work()
-    except Exception as exc:
-        error = f"rank {rank} failed {doing}: {exc}"
-    errors: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    failed = [e for e in errors if e]
-    if failed:
-        if value is not None and undo is not None:
-            undo(value)
-        raise RankParallelCommitError("the rank-parallel commit failed: " + "; ".join(failed))
-    return value  # type: ignore[return-value]
 
 
 def _global(rank: int, group: Any) -> int:

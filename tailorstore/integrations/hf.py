@@ -36,7 +36,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from tailorstore.api import Store
 from tailorstore.core.errors import StoreError
 from tailorstore.core.policies import Policy, policy_spec
-from tailorstore.ingest.deletion import delete_once_durable
 from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
 from tailorstore.integrations.ranks import is_distributed, rank
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
@@ -146,13 +145,13 @@ class TailorCallback(TrainerCallback):
             raise decision[0]
         self.rewind.run = decision[0]
         if decision[0] != store.run:
-            store = Store(store.repo, run=decision[0])  # a handle on the same open store, in that run
+            store = store.in_run(decision[0])
         result = commit_rank_parallel(
             store, folder, step=step, group=self._group, policy=self.policy, metrics=metrics or None,
             **self.policy_params,
         )  # fmt: skip
         if self.delete_after_commit and rank() == 0:
-            delete_once_durable(store.repo, result.finalized.manifest, folder)
+            store.delete_once_durable(result.finalized.manifest, folder)
         return result
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from tailorstore.api import Store
 from tailorstore.core.errors import Call, StoreError, TailorError
 from tailorstore.integrations import ranks
-from tailorstore.store.parts import part_keys
 
 log = logging.getLogger("tailorstore")
 
@@ -81,7 +80,7 @@ def finish_pending(store: Store) -> list[int]:
     A save with a part missing is left for gc's drop_parts. Returns the steps recorded."""
     groups: dict[tuple[int, str], list[str]] = {}
     wanted: dict[str, int] = {}
-    for key in part_keys(store.repo.backend, None, store.run):
+    for key in store.parts(None):
         step_text, name = key.rsplit("/", 2)[-2:]
         if not key.startswith(f"parts/{store.run}/"):
             continue

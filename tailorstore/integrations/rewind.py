@@ -69,8 +69,7 @@ class Rewind:
         in one transaction, so until the new one is recorded the step is gone; its save is still
         on disk)."""
         run = self.run or store.run
-        store.repo.refresh()
-        if store.repo.catalogue.commit_at(step, run) is None:
+        if not store.holds(step, run=run):
             return run
         if self.on_existing == "error":
             raise StepExistsError(f"step {step} is already in run {run!r}; on_existing='error' refuses a second save")
