@@ -172,7 +172,7 @@ def render(
             "| path | throughput |",
             "|---|---|",
             f"| write + fsync (page cache) | {io['buffered']:.2f} GB/s |",
-            f"| O_DIRECT (`tailorstore.store.direct_io.SequentialWriter`) + fsync | {io['direct']:.2f} GB/s |",
+            f"| O_DIRECT (`tailorstore.store.backends.direct_io.SequentialWriter`) + fsync | {io['direct']:.2f} GB/s |",
         ]
         if "direct_read" in io:
             lines += [

@@ -359,7 +359,7 @@ def io_paths(work: Path, size: int = 512 << 20, repeats: int = 3) -> dict:
     import mmap as mmap_module
     import threading
 
-    from tailorstore.store.direct_io import BLOCK, DirectReader, SequentialWriter
+    from tailorstore.store.backends.direct_io import BLOCK, DirectReader, SequentialWriter
 
     work.mkdir(parents=True, exist_ok=True)
     block = mmap_module.mmap(-1, BLOCK)

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from tailorstore.core.memory import reuse_freed_memory
     from tailorstore.curate.averaging import AverageResult
     from tailorstore.curate.merge import MergeResult
-    from tailorstore.store.records import MAIN_RUN
-    from tailorstore.store.schema import FORMAT_VERSION
+    from tailorstore.store.index.records import MAIN_RUN
+    from tailorstore.store.index.schema import FORMAT_VERSION
 
 # Loaded on first use (the module docstring says why): name -> module. Every result a Store
 # method returns is here, and its request and policy types.
@@ -47,14 +47,16 @@ _LOADED_ON_USE = {
     "BackgroundCommitError": ".core.errors",
     "reuse_freed_memory": ".core.memory",
     "BackendError": ".core.errors",
-    "MAIN_RUN": ".store.records",
-    "FORMAT_VERSION": ".store.schema",  # sqlite3: not for --help and --version
+    "MAIN_RUN": ".store.index.records",
+    "FORMAT_VERSION": ".store.index.schema",  # sqlite3: not for --help and --version
     "Store": ".api",
     "CommitRequest": ".ingest.commit_options",
     "PartPlan": ".ingest.commit_options",
     "MemoryFolder": ".formats.memory_folder",
     "CommitResult": ".ingest.commit_options",
     "FinalizeResult": ".ingest.finalize",
+    "RankParallelResult": ".ingest.rank_parallel",
+    "Collective": ".ingest.rank_parallel",
     "FolderResult": ".restore.folder_result",
     "CheckoutResult": ".restore.checkout",
     "DcpStep": ".restore.dcp_read",
@@ -101,6 +103,7 @@ __all__ = [
     "Call",
     "Category",
     "CheckoutResult",
+    "Collective",
     "CommitRequest",
     "CommitResult",
     "CorruptStoreError",
@@ -126,6 +129,7 @@ __all__ = [
     "PolicyError",
     "PolicySpec",
     "Progress",
+    "RankParallelResult",
     "RebuildResult",
     "ReshardResult",
     "Retention",

@@ -34,8 +34,8 @@ from tailorstore.core.errors import LOCK_TIMEOUT, Call, StoreError
 from tailorstore.core.metrics import encode as encode_metrics
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.curate.runs import qualify
+from tailorstore.store.index.records import MAIN_RUN
 from tailorstore.store.manifest_objects import check_run_name, write_retention
-from tailorstore.store.records import MAIN_RUN
 from tailorstore.store.repo import RebuildResult, Repository
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ def make(out: Path) -> None:
 
     from tailorstore import Store
     from tailorstore.store import gc_notices
-    from tailorstore.store.location import resolve
+    from tailorstore.store.backends.location import resolve
 
     state = {
         "module": {"w": torch.ones(4, 3, dtype=torch.bfloat16), "b": torch.zeros(3)},

@@ -20,8 +20,9 @@ from tailorstore.formats.dcp import read_metadata
 from tailorstore.formats.safetensors_file import read_safetensors
 from tailorstore.formats.source import InputFile
 from tailorstore.formats.torch_pickle import load_pickle_tree, read_torch_zip
-from tailorstore.store import archive_codec, manifest_objects, packs, parts
-from tailorstore.store.location import resolve
+from tailorstore.store import archive_codec, manifest_objects, parts
+from tailorstore.store.backends.location import resolve
+from tailorstore.store.packs import pack as packs
 
 Target = Callable[[bytes, Path], Any]
 

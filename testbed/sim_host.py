@@ -41,7 +41,8 @@ WARM_MODULES = (
     "tailorstore.curate.thinning",
     "tailorstore.restore.checkout",
     "tailorstore.report.verify",
-    "tailorstore.store.s3",
+    "tailorstore.store.backends.s3",
+    "tailorstore.store.s3",  # the name an older tree (before store/ had sub-packages) gives it
     "obstore",
 )
 

@@ -34,9 +34,9 @@ from tailorstore.access import atom_reader
 from tailorstore.core.policies import PolicySpec
 from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.ingest.commit_options import CommitOptions
-from tailorstore.store.backend import Backend, blob_names
-from tailorstore.store.location import resolve
-from tailorstore.store.packs import pack_names
+from tailorstore.store.backends.base import Backend, blob_names
+from tailorstore.store.backends.location import resolve
+from tailorstore.store.packs.pack import pack_names
 from tailorstore.store.repo import Repository
 from testbed.local_s3 import LocalS3, local_s3
 from testbed.runs import TrainingFailed, train_hf, train_tiny

@@ -225,7 +225,7 @@ def test_a_damaged_payload_is_a_damaged_store() -> None:
 
 def _chain_store(tmp_path: Path) -> tuple[Repository, list[str], np.ndarray]:
     """A real store holding a keyframe and two residuals on it (big enough to be loose blobs)."""
-    from tailorstore.store.writer import BlobWriter
+    from tailorstore.store.packs.writer import BlobWriter
 
     store = Repository.init(tmp_path / "store")
     writer = BlobWriter(store)

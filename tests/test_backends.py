@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tailorstore.core.errors import ObjectExistsError, StoreError
-from tailorstore.store.backend import (
+from tailorstore.store.backends.base import (
     READ_CHUNK,
     Backend,
     blob_key,

@@ -12,7 +12,7 @@ import torch
 from conftest import Runs, as_of_step
 
 import tailorstore
-from tailorstore.store.schema import FORMAT_VERSION
+from tailorstore.store.index.schema import FORMAT_VERSION
 
 
 def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

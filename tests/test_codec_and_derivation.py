@@ -16,7 +16,7 @@ from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
 from tailorstore.report.inspect import show
 from tailorstore.restore.checkout import checkout_step
 from tailorstore.store import codec
-from tailorstore.store import writer as writer_module
+from tailorstore.store.packs import writer as writer_module
 from tailorstore.store.repo import Repository
 
 # "9": nine compressing threads, so two helpers prepare (read, name, round) the pieces ahead of

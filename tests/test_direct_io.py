@@ -14,7 +14,14 @@ from typing import Any
 
 import pytest
 
-from tailorstore.store.direct_io import ALIGN, BLOCK, DirectReader, PlacedWriter, RewritableWriter, SequentialWriter
+from tailorstore.store.backends.direct_io import (
+    ALIGN,
+    BLOCK,
+    DirectReader,
+    PlacedWriter,
+    RewritableWriter,
+    SequentialWriter,
+)
 
 MODES = [("direct", True), ("buffered", False)]
 
@@ -118,7 +125,7 @@ def test_a_rewritable_writer_refused_direct_midway_keeps_every_overwrite(
     goes on through the page cache (on e3d4e2b the write that met the refusal went on filling a
     staging buffer it had just dropped: TypeError), and an overwrite made to a kept page before the
     refusal and one made after it both land, in the order they were made."""
-    from tailorstore.store import direct_io
+    from tailorstore.store.backends import direct_io
 
     real_write_all = direct_io._write_all
     flushes = 0
@@ -243,7 +250,7 @@ def test_a_write_abandoned_by_an_error_raises_that_error_and_frees_the_buffer(
     """Leaving the block on an error closes the file without writing its tail: the caller discards
     it, and the error raised is the one that stopped the write, whatever writing the tail would say."""
     force(mode, monkeypatch)
-    from tailorstore.store import direct_io
+    from tailorstore.store.backends import direct_io
 
     with pytest.raises(KeyError, match="stopped"), RewritableWriter(tmp_path / "file") as out:
         out.write(b"x" * (BLOCK + 5))
@@ -262,7 +269,7 @@ def test_a_durable_put_is_synced_after_its_last_byte(
     """``PosixBackend.put`` (index parts, manifests: objects the store trusts once renamed into
     place) fsyncs after the file's last byte and its size are written, never before its tail."""
     force(mode, monkeypatch)
-    from tailorstore.store.location import resolve
+    from tailorstore.store.backends.location import resolve
 
     backend = resolve(tmp_path / "store").backend
     data = random.Random(9).randbytes(BLOCK + (1 << 20) + 12345)  # direct, with a partial last page

@@ -17,8 +17,8 @@ from conftest import index_db
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
+from tailorstore.store.index.schema import FORMAT_VERSION
 from tailorstore.store.repo import Repository
-from tailorstore.store.schema import FORMAT_VERSION
 from testbed.compare import differences
 
 DATA = Path(__file__).parent / "data" / "format1"

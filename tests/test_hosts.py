@@ -23,7 +23,7 @@ import boto3
 import pytest
 from conftest import CLI, one_line, tailor_process
 
-from tailorstore.store.location import resolve
+from tailorstore.store.backends.location import resolve
 from testbed.local_s3 import BUCKET, LocalS3
 
 TTL = "3"  # seconds: a stall of a few seconds outlives the lease

@@ -107,7 +107,7 @@ def test_the_index_is_private_to_the_store() -> None:
         text = (ROOT / path).read_text()
         for line, module in imports(path):
             sql = module == "sqlite3" and path.parts[0] != "benchmarks"  # build_thousand fabricates a fixture
-            if module.startswith("tailorstore.store._index") or sql:
+            if module.startswith("tailorstore.store.index._index") or sql:
                 wrong.append(f"{path}:{line}: imports {module}")
         tree = ast.parse(text)
         called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}  # list.index(x) is no index
@@ -122,8 +122,8 @@ def test_the_index_is_private_to_the_store() -> None:
 def test_operations_ask_only_what_the_catalogue_declares() -> None:
     """Every method called on ``<x>.catalogue`` or on a transaction's handle is one the
     protocols declare, and the index implements every one of them."""
-    from tailorstore.store._index import Index
-    from tailorstore.store.catalogue import Catalogue, CatalogueEdit
+    from tailorstore.store.index._index import Index
+    from tailorstore.store.index.catalogue import Catalogue, CatalogueEdit
 
     declared_reads = {n for n in dir(Catalogue) if not n.startswith("_")}
     declared = {n for n in dir(CatalogueEdit) if not n.startswith("_")}
@@ -305,3 +305,14 @@ def test_no_integration_reaches_through_the_store_handle() -> None:
             if isinstance(node, ast.Attribute) and node.attr == "repo":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .repo")
     assert not found, "\n".join(found)
+
+
+def test_the_store_keeps_its_concerns_in_sub_packages() -> None:
+    """Issue 49: store/ held 23 modules of four concerns side by side. The backends, the index and
+    the packs are sub-packages; what stays on store/'s own level is the repository and publication
+    (manifest objects, parts, publish, leases, locks, gc notices) and the codecs."""
+    store = ROOT / "tailorstore" / "store"
+    assert {p.name for p in store.iterdir() if p.is_dir() and p.name != "__pycache__"} == {"backends", "index", "packs"}
+    assert (store / "backends" / "base.py").is_file() and (store / "index" / "_index.py").is_file()
+    top = sorted(p.stem for p in store.glob("*.py") if p.stem != "__init__")
+    assert len(top) <= 10, top

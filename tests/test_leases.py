@@ -15,10 +15,10 @@ import pytest
 from conftest import tailor
 
 from tailorstore.core.errors import LeaseLostError, LockTimeoutError
-from tailorstore.store.backend import Backend
+from tailorstore.store.backends.base import Backend
+from tailorstore.store.backends.location import resolve
+from tailorstore.store.backends.posix import PosixBackend
 from tailorstore.store.lease import LOCK_PREFIX, lease_lock
-from tailorstore.store.location import resolve
-from tailorstore.store.posix import PosixBackend
 from tailorstore.store.repo import Repository
 
 

@@ -1,4 +1,4 @@
-"""Planned reads of packed blobs (store/pack_spans.py): neighbours merged into spans, each
+"""Planned reads of packed blobs (store/packs/pack_spans.py): neighbours merged into spans, each
 span fetched once however many threads want it, memory held under a budget, and any
 trouble left to the blob's own read. Real packs (sealed by packs.py) on a real directory."""
 
@@ -8,11 +8,12 @@ import os
 import threading
 from pathlib import Path
 
-from tailorstore.store.backend import Backend, pack_key
-from tailorstore.store.location import resolve
-from tailorstore.store.pack_spans import GAP, SPAN_MOST, PackSpans, plan_spans
-from tailorstore.store.packs import seal
-from tailorstore.store.records import BlobRecord
+from tailorstore.store.packs.pack_spans import GAP, SPAN_MOST, PackSpans, plan_spans
+
+from tailorstore.store.backends.base import Backend, pack_key
+from tailorstore.store.backends.location import resolve
+from tailorstore.store.index.records import BlobRecord
+from tailorstore.store.packs.pack import seal
 
 
 class CountingBackend:

@@ -19,10 +19,10 @@ from tailorstore.curate.refs import remove
 from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
-from tailorstore.store._index import Index
-from tailorstore.store.backend import pack_key
+from tailorstore.store.backends.base import pack_key
+from tailorstore.store.index._index import Index
 from tailorstore.store.manifest_objects import MANIFEST_PREFIX, is_manifest_key, sync
-from tailorstore.store.packs import PACK_BELOW, pack_names, read_trailer
+from tailorstore.store.packs.pack import PACK_BELOW, pack_names, read_trailer
 from tailorstore.store.repo import Repository
 
 

@@ -21,8 +21,8 @@ from tailorstore.curate.gc import Retention, gc
 from tailorstore.formats.layout import DEEPSPEED, HF_TRAINER
 from tailorstore.ingest.finalize import missing_pieces
 from tailorstore.report.verify import verify
+from tailorstore.store.index.records import FileRecord
 from tailorstore.store.parts import part_keys
-from tailorstore.store.records import FileRecord
 from tailorstore.store.repo import Repository
 from testbed.compare import same_tree
 from testbed.local_s3 import LocalS3

@@ -62,7 +62,7 @@ def test_unpinning_or_removing_one_runs_step_leaves_the_others_pin(store_with_a_
 def test_a_branch_pin_written_before_pins_named_their_run_still_counts(tmp_path: Path) -> None:
     """An older writer pinned a branch's step 6 under the plain key; main has no step 6, so that pin
     is the branch's. When main then commits its own step 6, the branch's step keeps its pin."""
-    from tailorstore.store.location import resolve
+    from tailorstore.store.backends.location import resolve
 
     location = tmp_path / "store"
     save = tmp_path / "save"

@@ -13,8 +13,8 @@ import pytest
 import zstandard
 from test_hosts import host_env, run
 
-from tailorstore.store.backend import Backend
-from tailorstore.store.location import resolve
+from tailorstore.store.backends.base import Backend
+from tailorstore.store.backends.location import resolve
 
 
 def _plant_impostor(backend: Backend, real_key: str, step: int) -> str:

@@ -16,8 +16,8 @@ import zstandard
 
 from tailorstore import Store
 from tailorstore.store.archive_codec import ARCHIVE, VERSION
-from tailorstore.store.backend import blob_key
-from tailorstore.store.location import resolve
+from tailorstore.store.backends.base import blob_key
+from tailorstore.store.backends.location import resolve
 
 FAKE = "ab" * 16
 

@@ -33,10 +33,10 @@ from tailorstore.formats.layout import check_files
 from tailorstore.formats.safetensors_file import parse_header
 from tailorstore.formats.skeleton import split_tensors
 from tailorstore.formats.source import Identity
-from tailorstore.store.backend import check_name
-from tailorstore.store.records import LayerRecord, ManifestRecord, RecordError, from_table, record
+from tailorstore.store.backends.base import check_name
+from tailorstore.store.backends.s3 import S3Backend
+from tailorstore.store.index.records import LayerRecord, ManifestRecord, RecordError, from_table, record
 from tailorstore.store.repo import Repository, check_step
-from tailorstore.store.s3 import S3Backend
 
 BLOCKS = [f"block.{i}" for i in range(6)]
 LAYERS = frozenset([*BLOCKS, "embedding", "final_norm", "lm_head", "state"])

@@ -35,7 +35,7 @@ from tailorstore.core.policies import PolicySpec
 from tailorstore.curate.thinning import thinned_contents
 from tailorstore.report.usage import usage
 from tailorstore.report.verify import verify
-from tailorstore.store.records import AtomRecord, FileRecord
+from tailorstore.store.index.records import AtomRecord, FileRecord
 from tailorstore.store.repo import Repository
 from testbed.compare import same_tree, tensors_identical
 

@@ -69,8 +69,9 @@ def test_a_commit_and_a_checkout_run_the_threads_they_are_given(tmp_path: Path, 
 def test_the_commit_queue_holds_one_piece_beyond_its_threads(tmp_path: Path) -> None:
     """Every queued piece is private memory, fresh pages in a new process: the loop, which reads
     faster than the threads compress, waits once the threads are busy and one piece waits."""
+    from tailorstore.store.packs.writer import BlobWriter
+
     from tailorstore.store.repo import Repository
-    from tailorstore.store.writer import BlobWriter
 
     writer = BlobWriter(Repository.init(tmp_path / "store"), threads=2)
     gate = threading.Event()

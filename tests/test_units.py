@@ -291,7 +291,12 @@ def test_available_memory_is_read_from_the_kernel() -> None:
             "1",
             ["0.5", "nan", "inf", "604801", "x"],
         ),
-        ("TAILOR_S3_RETRY_SECONDS", "tailorstore.store.s3:_retry_config", "0", ["-1", "nan", "inf", "3601", "soon"]),
+        (
+            "TAILOR_S3_RETRY_SECONDS",
+            "tailorstore.store.backends.s3:_retry_config",
+            "0",
+            ["-1", "nan", "inf", "3601", "soon"],
+        ),
     ],
 )
 def test_every_seconds_variable_is_read_alike(monkeypatch, name: str, read: str, good: str, bad: list[str]) -> None:

@@ -8,7 +8,7 @@ from pathlib import PurePosixPath
 from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, UnsafePickleError
 from tailorstore.formats import dcp
 from tailorstore.formats.kinds import DCP, RAW
-from tailorstore.store.records import FileRecord
+from tailorstore.store.index.records import FileRecord
 from tailorstore.store.repo import Repository
 
 

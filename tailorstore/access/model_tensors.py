@@ -36,7 +36,7 @@ from tailorstore.formats.kinds import DCP, TORCH
 from tailorstore.formats.skeleton import fill_tensors, slots_of, split_tensors
 from tailorstore.formats.torch_pickle import load_pickle_tree
 from tailorstore.formats.torch_save_writer import TensorOut
-from tailorstore.store.records import AtomRecord, BlobRecord, FileRecord, ManifestRecord
+from tailorstore.store.index.records import AtomRecord, BlobRecord, FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
 

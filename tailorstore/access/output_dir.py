@@ -26,8 +26,8 @@ from tailorstore.core.dir_locks import hold_dir, removed, take_abandoned
 from tailorstore.core.errors import StoreError
 from tailorstore.core.threads import sync_threads
 from tailorstore.formats.torch_save_writer import Parts, TensorOut, dumps, write_pickled_to
-from tailorstore.store.direct_io import RewritableWriter
-from tailorstore.store.posix import fsync_path
+from tailorstore.store.backends.direct_io import RewritableWriter
+from tailorstore.store.backends.posix import fsync_path
 from tailorstore.store.repo import Repository
 
 PARTIAL = ".tailor-partial-"  # .NAME.tailor-partial-<random>: where NAME is written before it is renamed

@@ -5,7 +5,7 @@ bytes at their recorded offsets. So checkout needs no unpickling, no torch.save 
 tensor in memory: each atom's blob is read around the page cache, decoded chunk by chunk
 into a reused per-thread buffer, hashed as it streams, and written into place, on four
 threads (decoders and I/O release the GIL; two compute while two wait on the disk). Writes go around the page cache too
-(``store/direct_io.py``), so memory stays at a few chunk buffers whatever the file size
+(``store/backends/direct_io.py``), so memory stays at a few chunk buffers whatever the file size
 and the final fsync has almost nothing left to flush.
 
 Derived weights are rebuilt as their FP32 master streams by: each decoded master chunk is
@@ -38,9 +38,9 @@ from tailorstore.formats.dcp_items import item_windows
 from tailorstore.formats.kinds import DCP, TORCH
 from tailorstore.formats.torch_zip import gaps, mend_crcs, record_offsets
 from tailorstore.store import codec
-from tailorstore.store.direct_io import PlacedWriter
-from tailorstore.store.posix import start_writeback
-from tailorstore.store.records import COMMIT, AtomRecord, BlobRecord, FileRecord, ManifestRecord
+from tailorstore.store.backends.direct_io import PlacedWriter
+from tailorstore.store.backends.posix import start_writeback
+from tailorstore.store.index.records import COMMIT, AtomRecord, BlobRecord, FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository, damaged_blob
 
 

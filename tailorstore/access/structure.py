@@ -11,8 +11,8 @@ from __future__ import annotations
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import Call, StoreError
 from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER, PLAIN_FILE, PLAIN_FOLDER
-from tailorstore.store.catalogue import Catalogue
-from tailorstore.store.records import AtomRecord, ManifestRecord
+from tailorstore.store.index.catalogue import Catalogue
+from tailorstore.store.index.records import AtomRecord, ManifestRecord
 
 Structure = dict[str, int]  # parameter -> elements
 

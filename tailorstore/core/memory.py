@@ -69,7 +69,7 @@ def drop_mapped_pages(view: memoryview) -> None:
 
 @functools.cache
 def _libc() -> ctypes.CDLL:
-    """The C library this process already runs on (``dlopen(NULL)``, as store/posix.py does).
+    """The C library this process already runs on (``dlopen(NULL)``, as store/backends/posix.py does).
     ``ctypes.util.find_library`` would fork and run ``ldconfig -p`` in every command."""
     return ctypes.CDLL(None, use_errno=True)
 

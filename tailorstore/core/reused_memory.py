@@ -24,7 +24,7 @@ from collections import deque
 
 import numpy as np
 
-SLAB_BYTES = 128 << 20  # the writer queues at most this much (store/writer.py)
+SLAB_BYTES = 128 << 20  # the writer queues at most this much (store/packs/writer.py)
 _ALIGN = 64  # every piece starts on a cache line, so word views of it are aligned
 _SMALLEST = 64 << 10  # smaller pieces come from the allocator's own free lists cheaply
 

@@ -23,9 +23,9 @@ from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.core.threads import compute_threads
 from tailorstore.store import archive_codec
-from tailorstore.store.records import THIN_ARCHIVE, AtomKey, AtomRecord, BlobRecord, ManifestRecord
+from tailorstore.store.index.records import THIN_ARCHIVE, AtomKey, AtomRecord, BlobRecord, ManifestRecord
+from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.repo import Repository
-from tailorstore.store.writer import BlobWriter
 
 ARCHIVE_FROM = 4096  # elements: smaller weights are kept exact at the archive tier
 KEYFRAME_EVERY = 16  # an archived weight's chain holds at most this many blobs before a new keyframe

@@ -50,12 +50,12 @@ from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
 from tailorstore.curate.merge_result import MergeResult
 from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, merge_record, ref_of
-from tailorstore.store.catalogue import CatalogueEdit
-from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
+from tailorstore.store.index.catalogue import CatalogueEdit
+from tailorstore.store.index.records import THIN_ARCHIVE, THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
+from tailorstore.store.packs.failed_writes import cleaned_up_on_failure, remove_unindexed
+from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.publish import record_manifest
-from tailorstore.store.records import THIN_ARCHIVE, THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
 from tailorstore.store.repo import MAX_STEP, Repository
-from tailorstore.store.writer import BlobWriter
 
 METHODS = ("sma", "ema", "wma")
 AVERAGED_KINDS = (MASTER, EXP_AVG, EXP_AVG_SQ)

@@ -58,14 +58,14 @@ from tailorstore.core.metrics import decode as decode_metrics
 from tailorstore.curate.archiving import ArchiveGrid, archivable
 from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
 from tailorstore.store import archive_codec, codec, gc_notices, manifest_objects
-from tailorstore.store.backend import blob_key
+from tailorstore.store.backends.base import blob_key
+from tailorstore.store.backends.listing import Holdings
+from tailorstore.store.index.records import COMMIT, THIN_ARCHIVE, TIERS, BlobRecord, ManifestRecord
 from tailorstore.store.lease import LeaseHandle
-from tailorstore.store.listing import Holdings
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.pack_sync import TRAILER_READERS
-from tailorstore.store.packs import PackEntry, PackWriter, pack_key, read_trailer
+from tailorstore.store.packs.pack import PackEntry, PackWriter, pack_key, read_trailer
+from tailorstore.store.packs.pack_sync import TRAILER_READERS
 from tailorstore.store.parts import read_parts
-from tailorstore.store.records import COMMIT, THIN_ARCHIVE, TIERS, BlobRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
 REPACK_AT = 0.25  # repack a pack once this share of its bytes is dead

@@ -31,9 +31,9 @@ from tailorstore.core.step_rules import check_tag
 from tailorstore.curate.averaging import average, is_averaging
 from tailorstore.curate.merge_result import MergeResult
 from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, load_spec, merge_record, ref_of
-from tailorstore.store.catalogue import Catalogue, CatalogueEdit
+from tailorstore.store.index.catalogue import Catalogue, CatalogueEdit
+from tailorstore.store.index.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord
 from tailorstore.store.publish import record_manifest
-from tailorstore.store.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord
 from tailorstore.store.repo import Repository
 
 __all__ = ["MergeResult", "MergeSpecError", "merge", "parse_spec"]

@@ -20,9 +20,9 @@ from tailorstore.core.errors import LOCK_TIMEOUT, StoreError
 from tailorstore.core.metrics import checked, decode, encode
 from tailorstore.curate.refs import changing_a_step
 from tailorstore.store import manifest_objects
-from tailorstore.store.catalogue import CatalogueEdit
+from tailorstore.store.index.catalogue import CatalogueEdit
+from tailorstore.store.index.records import COMMIT
 from tailorstore.store.publish import record_manifest
-from tailorstore.store.records import COMMIT
 from tailorstore.store.repo import Repository
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, StepExistsError, UnknownStepError
 from tailorstore.core.failpoints import operation
 from tailorstore.store import manifest_objects
-from tailorstore.store.records import MAIN_RUN, ManifestRecord, RunRecord
+from tailorstore.store.index.records import MAIN_RUN, ManifestRecord, RunRecord
 from tailorstore.store.repo import Repository
 
 

@@ -41,10 +41,7 @@ from tailorstore.curate.archiving import ArchiveGrid, archivable, archived, stor
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import DCP, TORCH
 from tailorstore.store import manifest_objects
-from tailorstore.store.failed_writes import cleaned_up_on_failure
-from tailorstore.store.lease import LeaseHandle
-from tailorstore.store.lock import LockHandle
-from tailorstore.store.records import (
+from tailorstore.store.index.records import (
     THIN_ARCHIVE,
     THIN_MASTER,
     TIERS,
@@ -52,8 +49,11 @@ from tailorstore.store.records import (
     FileRecord,
     ManifestRecord,
 )
+from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.lock import LockHandle
+from tailorstore.store.packs.failed_writes import cleaned_up_on_failure
+from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.repo import Repository
-from tailorstore.store.writer import BlobWriter
 
 # optimizer state beside the parameters in one file (DCP, plain saves): what every tier drops
 MOMENT_KINDS = (EXP_AVG, EXP_AVG_SQ, "momentum_buffer", "max_exp_avg_sq", "sum", "square_avg")

@@ -51,15 +51,9 @@ from tailorstore.ingest.derive import RoundedMasters, is_derivable_weight
 from tailorstore.ingest.finalize import missing_pieces
 from tailorstore.ingest.pieces_ahead import PiecesAhead, Prepared, prepare, read_helpers
 from tailorstore.store import manifest_objects, parts
-from tailorstore.store.catalogue import Catalogue, CatalogueEdit
-from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.gc_notices import check_publication
-from tailorstore.store.lease import LeaseHandle
-from tailorstore.store.lock import LockHandle
-from tailorstore.store.manifest_objects import check_run_name
-from tailorstore.store.parts import Part
-from tailorstore.store.publish import record_manifest
-from tailorstore.store.records import (
+from tailorstore.store.index.catalogue import Catalogue, CatalogueEdit
+from tailorstore.store.index.records import (
     COMMIT,
     MAIN_RUN,
     AtomKey,
@@ -70,8 +64,14 @@ from tailorstore.store.records import (
     ManifestRecord,
     StoredLayer,
 )
+from tailorstore.store.lease import LeaseHandle
+from tailorstore.store.lock import LockHandle
+from tailorstore.store.manifest_objects import check_run_name
+from tailorstore.store.packs.failed_writes import cleaned_up_on_failure, remove_unindexed
+from tailorstore.store.packs.writer import BlobWriter
+from tailorstore.store.parts import Part
+from tailorstore.store.publish import record_manifest
 from tailorstore.store.repo import Repository, check_step
-from tailorstore.store.writer import BlobWriter
 
 
 @dataclass

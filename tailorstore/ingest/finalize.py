@@ -43,12 +43,12 @@ from tailorstore.formats import dcp
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import DCP
 from tailorstore.formats.layout import DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
-from tailorstore.store.backend import blob_key
-from tailorstore.store.catalogue import CatalogueEdit
+from tailorstore.store.backends.base import blob_key
+from tailorstore.store.index.catalogue import CatalogueEdit
+from tailorstore.store.index.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from tailorstore.store.manifest_objects import check_run_name
 from tailorstore.store.parts import Part, read_parts
 from tailorstore.store.publish import record_manifest
-from tailorstore.store.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from tailorstore.store.repo import Repository, check_step
 
 CHECKERS = 16  # blob objects asked after at once: each a round trip, not a core

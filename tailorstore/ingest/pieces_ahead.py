@@ -27,7 +27,7 @@ import xxhash
 from tailorstore.core.rounding import rounded, rounded_chunks
 from tailorstore.store.codec import content_hash
 
-AHEAD_BYTES = 64 << 20  # prepared, not yet taken; the writer's own queue (store/writer.py) comes on top
+AHEAD_BYTES = 64 << 20  # prepared, not yet taken; the writer's own queue (store/packs/writer.py) comes on top
 MAX_HELPERS = 4
 
 

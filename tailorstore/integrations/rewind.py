@@ -24,7 +24,7 @@ from typing import Any
 from tailorstore.api import Store
 from tailorstore.core.errors import StepExistsError, StoreError
 from tailorstore.ingest.commit_options import CommitResult
-from tailorstore.store.records import COMMIT
+from tailorstore.store.index.records import COMMIT
 
 log = logging.getLogger("tailorstore")
 

@@ -18,7 +18,7 @@ from tailorstore.access.output_dir import partial_prefix, refuse_inside_store
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import StoreError
 from tailorstore.core.layers import STATE, sort_key
-from tailorstore.store.records import COMMIT, MAIN_RUN
+from tailorstore.store.index.records import COMMIT, MAIN_RUN
 from tailorstore.store.repo import Repository
 
 

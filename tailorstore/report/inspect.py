@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from tailorstore.core.layers import sort_key
 from tailorstore.core.metrics import decode as decode_metrics
-from tailorstore.store.records import ManifestRecord
+from tailorstore.store.index.records import ManifestRecord
 from tailorstore.store.repo import Repository
 
 

@@ -23,8 +23,8 @@ from tailorstore.core.paths import check_relative
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.threads import decode_threads
 from tailorstore.store import archive_codec, codec
-from tailorstore.store.backend import blob_key
-from tailorstore.store.records import AtomRecord, BlobRecord
+from tailorstore.store.backends.base import blob_key
+from tailorstore.store.index.records import AtomRecord, BlobRecord
 from tailorstore.store.repo import Repository
 
 

@@ -27,7 +27,7 @@ from tailorstore.formats.kinds import DCP, RAW, SAFETENSORS, TORCH
 from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED_TAG
 from tailorstore.formats.torch_pickle import untrusted
 from tailorstore.restore.folder_result import FolderResult
-from tailorstore.store.records import FileRecord, ManifestRecord
+from tailorstore.store.index.records import FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
 

@@ -22,7 +22,7 @@ from tailorstore.access.dcp_folders import dcp_folders, folder_metadata
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.formats import dcp
 from tailorstore.formats.torch_zip import gaps
-from tailorstore.store.records import AtomRecord, BlobRecord, FileRecord
+from tailorstore.store.index.records import AtomRecord, BlobRecord, FileRecord
 from tailorstore.store.repo import Repository
 
 

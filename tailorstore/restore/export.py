@@ -53,7 +53,7 @@ from tailorstore.formats.safetensors_writer import (
 from tailorstore.formats.small_text import read_small_text
 from tailorstore.restore.checkout import write_step_files
 from tailorstore.restore.folder_result import FolderResult
-from tailorstore.store.direct_io import SequentialWriter
+from tailorstore.store.backends.direct_io import SequentialWriter
 from tailorstore.store.repo import Repository
 
 EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

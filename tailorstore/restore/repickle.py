@@ -21,7 +21,7 @@ from tailorstore.formats.safe_load import load_skeleton
 from tailorstore.formats.safetensors_file import tensor_layout
 from tailorstore.formats.skeleton import fill_tensors, slots_of
 from tailorstore.formats.tensors import byte_view, dtype_from_name
-from tailorstore.store.records import AtomRecord, FileRecord
+from tailorstore.store.index.records import AtomRecord, FileRecord
 from tailorstore.store.repo import Repository
 
 

@@ -56,7 +56,7 @@ from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_c
 from tailorstore.formats.torch_save_writer import Parts, TensorOut
 from tailorstore.formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
 from tailorstore.restore.checkout import CheckoutResult, placed_rows, write_step_files
-from tailorstore.store.records import FileRecord, ManifestRecord
+from tailorstore.store.index.records import FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
 MAX_WORLD_SIZE = 65536

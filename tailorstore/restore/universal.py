@@ -50,7 +50,7 @@ from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import TORCH
 from tailorstore.formats.torch_save_writer import TensorOut
 from tailorstore.restore.checkout import CheckoutResult, placed_rows, write_step_files
-from tailorstore.store.records import FileRecord
+from tailorstore.store.index.records import FileRecord
 from tailorstore.store.repo import Repository
 
 UNIVERSAL = "universal"

@@ -10,7 +10,7 @@ A blob is still named by the xxh3-128 of its raw bytes. Here the raw bytes are t
 *reconstruction* in the weight's own dtype, which the reader rebuilds and hash-checks as it
 does every blob; the codec descriptor names the chain of blobs it is built on (``bases``, the
 keyframe first), so the index knows what an archived blob needs without decoding it, and gc
-keeps that chain alive (store/_index.py).
+keeps that chain alive (store/index/_index.py).
 
 Encoding, per group of ``GROUP`` consecutive elements ``x`` (as FP32) over the base ``b`` (the
 previous blob's elements as FP32, or zeros for a keyframe):

@@ -46,9 +46,9 @@ import zstandard
 
 from tailorstore.core.errors import Call, CorruptStoreError, LeaseLostError, StoreError
 from tailorstore.store import manifest_objects, parts
-from tailorstore.store.backend import HASH_NAME, Backend
+from tailorstore.store.backends.base import HASH_NAME, Backend
 from tailorstore.store.codec import decompress_bounded
-from tailorstore.store.records import BlobRecord
+from tailorstore.store.index.records import BlobRecord
 
 NOTICE_PREFIX = "gc/"
 NOTICE_VERSION = 1

@@ -44,7 +44,7 @@ from tailorstore.core.env_seconds import seconds_from_env
 from tailorstore.core.environment import TTL_ENV
 from tailorstore.core.errors import LeaseLostError, LockTimeoutError, StoreError
 from tailorstore.core.failpoints import failpoint
-from tailorstore.store.backend import Backend
+from tailorstore.store.backends.base import Backend
 
 log = logging.getLogger("tailorstore")
 LOCK_PREFIX = "locks/"

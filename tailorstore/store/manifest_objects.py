@@ -39,14 +39,11 @@ from tailorstore.core import metrics
 from tailorstore.core.errors import Call, CorruptStoreError, ObjectExistsError, StepExistsError, StoreError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.core.run_names import RUN_NAME
-from tailorstore.store._index import Index
-from tailorstore.store.backend import Backend, check_key
-from tailorstore.store.catalogue import Catalogue
+from tailorstore.store.backends.base import Backend, check_key
 from tailorstore.store.codec import decompress_bounded
-from tailorstore.store.lock import Fence
-from tailorstore.store.pack_sync import packs_agree, reconcile_packs
-from tailorstore.store.packs import pack_names
-from tailorstore.store.records import (
+from tailorstore.store.index._index import Index
+from tailorstore.store.index.catalogue import Catalogue
+from tailorstore.store.index.records import (
     ATOM_COLUMNS,
     COMMIT,
     DOC_BLOB_COLUMNS,
@@ -66,6 +63,9 @@ from tailorstore.store.records import (
     record,
     to_table,
 )
+from tailorstore.store.lock import Fence
+from tailorstore.store.packs.pack import pack_names
+from tailorstore.store.packs.pack_sync import packs_agree, reconcile_packs
 
 log = logging.getLogger("tailorstore")
 
@@ -605,7 +605,7 @@ class _Listing:
 def sync(backend: Backend, index: Index, *, locked: bool, rebuilding: bool = False) -> tuple[int, int]:
     """Import the manifests the backend holds and the index lacks, drop those it no longer holds,
     take tags, pins and runs from the backend, and place blobs as the packs say (fully only when
-    ``locked``: the caller holds the store lock; store/pack_sync.py says why). Returns (imported,
+    ``locked``: the caller holds the store lock; store/packs/pack_sync.py says why). Returns (imported,
     dropped). ``rebuilding`` (a new index, built alone) passes over a pack whose trailer is damaged,
     with a warning, rather than building nothing: ``verify`` then names the blobs it held.
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import zstandard
 
 from tailorstore.core.errors import CorruptStoreError, StoreError
-from tailorstore.store.backend import Backend, check_key
+from tailorstore.store.backends.base import Backend, check_key
 from tailorstore.store.codec import decompress_bounded
-from tailorstore.store.records import (
+from tailorstore.store.index.records import (
     ATOM_COLUMNS,
     DOC_BLOB_COLUMNS,
     FILE_COLUMNS,

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 from tailorstore.core.failpoints import failpoint
 from tailorstore.store import manifest_objects
-from tailorstore.store.catalogue import CatalogueEdit
+from tailorstore.store.backends.posix import is_out_of_space
 from tailorstore.store.gc_notices import check_publication
+from tailorstore.store.index.catalogue import CatalogueEdit
 from tailorstore.store.lock import Fence
-from tailorstore.store.posix import is_out_of_space
+from tailorstore.store.packs.writer import disk_full
 from tailorstore.store.repo import Repository
-from tailorstore.store.writer import disk_full
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A store: its backend, its SQLite index and its lock, opened together.
 
 A store lives at a location: a directory, or ``s3://bucket/prefix``. Every byte of it goes
-through the location's :class:`~tailorstore.store.backend.Backend`. Keys (docs/FORMAT.md
+through the location's :class:`~tailorstore.store.backends.base.Backend`. Keys (docs/FORMAT.md
 has the full specification)::
 
     tailorstore.json     what this is: format version and creation time (create-only)
@@ -27,17 +27,17 @@ from typing import BinaryIO, NamedTuple
 from tailorstore.core.environment import STORE_ENV
 from tailorstore.core.errors import Call, CorruptStoreError, LockTimeoutError, StoreError, UnknownStepError
 from tailorstore.store import archive_codec, codec, manifest_objects
-from tailorstore.store._index import Index
-from tailorstore.store.backend import Backend, blob_names
-from tailorstore.store.catalogue import Catalogue, CatalogueEdit
+from tailorstore.store.backends.base import Backend, blob_names
+from tailorstore.store.backends.listing import LIST_PAGE, Holdings, stored_part
+from tailorstore.store.backends.location import Location, resolve
+from tailorstore.store.index._index import Index
+from tailorstore.store.index.catalogue import Catalogue, CatalogueEdit
+from tailorstore.store.index.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
+from tailorstore.store.index.schema import FORMAT_VERSION
 from tailorstore.store.lease import LeaseHandle, lease_lock
-from tailorstore.store.listing import LIST_PAGE, Holdings, stored_part
-from tailorstore.store.location import Location, resolve
 from tailorstore.store.lock import LockHandle, store_lock
-from tailorstore.store.pack_spans import PackSpans
-from tailorstore.store.packs import pack_names, read_trailer
-from tailorstore.store.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
-from tailorstore.store.schema import FORMAT_VERSION
+from tailorstore.store.packs.pack import pack_names, read_trailer
+from tailorstore.store.packs.pack_spans import PackSpans
 
 MARKER = "tailorstore.json"
 MAX_STEP = (1 << 63) - 1  # SQLite's INTEGER
@@ -189,7 +189,7 @@ class Repository:
         try:
             if where.remote:
                 _check_cache(where, store._index)
-            try:  # within the connection's first, short wait (store/_index.py)
+            try:  # within the connection's first, short wait (store/index/_index.py)
                 store.refresh()
             except LockTimeoutError:
                 # another process is inside its index transaction (stalled, or slow): read what the
@@ -222,7 +222,7 @@ class Repository:
         what their gc removed. Returns (imported, dropped).
 
         ``held`` is the store lock the caller holds. Only then are pack rows reconciled in full
-        (store/pack_sync.py): without it a gc may be mid-repack, and what the packs' listing says
+        (store/packs/pack_sync.py): without it a gc may be mid-repack, and what the packs' listing says
         would be half of the truth."""
         if self.read_only:
             return 0, 0

@@ -50,7 +50,7 @@ from tailorstore.integrations.head import Head, read_head, write_head
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.snapshot import Snapshots
 from tailorstore.restore.file_objects import StepObjects
-from tailorstore.store.records import COMMIT
+from tailorstore.store.index.records import COMMIT
 
 
 class TailorCheckpointEngine(CheckpointEngine):

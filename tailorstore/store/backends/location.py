@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tailorstore.core.environment import CACHE_ENV
 from tailorstore.core.errors import StoreError
-from tailorstore.store.backend import Backend
-from tailorstore.store.posix import PosixBackend
+from tailorstore.store.backends.base import Backend
+from tailorstore.store.backends.posix import PosixBackend
 
 INDEX_NAME = "index.sqlite"
 
@@ -65,7 +65,7 @@ def resolve(text: str | os.PathLike) -> Location:
     if re.match(r"s3:(?!//)", text, re.IGNORECASE) or re.match(r"S3://", text):
         raise StoreError(f"{text!r} looks like an S3 location with a typo: write s3://bucket/prefix.")
     if is_remote(text):
-        from tailorstore.store.s3 import S3Backend  # obstore loads only for a store on S3
+        from tailorstore.store.backends.s3 import S3Backend  # obstore loads only for a store on S3
 
         backend = S3Backend(text)
         folder = cache_dir(backend.location, backend.endpoint)

@@ -18,7 +18,7 @@ import xxhash
 
 from tailorstore.core.errors import UnsafePathError
 from tailorstore.core.paths import check_relative
-from tailorstore.store.backend import HASH_NAME, blob_key, pack_key
+from tailorstore.store.backends.base import HASH_NAME, blob_key, pack_key
 
 COMMIT = "commit"
 MERGE = "merge"

@@ -35,7 +35,7 @@ from tailorstore.core.errors import (
     StoreError,
     TailorError,
 )
-from tailorstore.store.records import (
+from tailorstore.store.index.records import (
     ATOM_COLUMNS,
     COMMIT,
     FILE_COLUMNS,
@@ -55,7 +55,7 @@ from tailorstore.store.records import (
     StoredLayer,
     values,
 )
-from tailorstore.store.schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
+from tailorstore.store.index.schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
 
 INDEX_NAME = "index.sqlite"
 

@@ -26,10 +26,10 @@ from tailorstore.core.errors import BackendError, Call, InputChangedError, Store
 from tailorstore.core.reused_memory import SLAB_BYTES
 from tailorstore.core.threads import compute_threads
 from tailorstore.store import codec
-from tailorstore.store.backend import BytesLike, blob_key
-from tailorstore.store.packs import PACK_BELOW, PackWriter
-from tailorstore.store.posix import is_out_of_space
-from tailorstore.store.records import BlobRecord
+from tailorstore.store.backends.base import BytesLike, blob_key
+from tailorstore.store.backends.posix import is_out_of_space
+from tailorstore.store.index.records import BlobRecord
+from tailorstore.store.packs.pack import PACK_BELOW, PackWriter
 from tailorstore.store.repo import Repository
 
 # Raw bytes queued for compression at once: what the slab of reused piece memory holds

@@ -25,8 +25,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tailorstore.store.backend import Backend, pack_key
-from tailorstore.store.records import BlobRecord
+from tailorstore.store.backends.base import Backend, pack_key
+from tailorstore.store.index.records import BlobRecord
 
 GAP = 256 << 10  # unwanted bytes a span may carry between two wanted blobs
 SPAN_MOST = 16 << 20  # largest span (about one pack)

@@ -13,12 +13,12 @@ from contextlib import contextmanager
 
 from tailorstore.core.progress import Progress
 from tailorstore.store import manifest_objects, parts
-from tailorstore.store.backend import blob_key
+from tailorstore.store.backends.base import blob_key
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.packs import pack_key
+from tailorstore.store.packs.pack import pack_key
+from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.repo import Repository
-from tailorstore.store.writer import BlobWriter
 
 
 @contextmanager

@@ -25,7 +25,7 @@ from tailorstore.core.env_seconds import seconds_from_env
 from tailorstore.core.environment import RETRY_ENV, TIMEOUT_ENV
 from tailorstore.core.errors import BackendError, ObjectExistsError, StoreError
 from tailorstore.core.failpoints import request
-from tailorstore.store.backend import READ_CHUNK, BytesLike, Chunks, as_chunks, check_key
+from tailorstore.store.backends.base import READ_CHUNK, BytesLike, Chunks, as_chunks, check_key
 
 T = TypeVar("T")
 _PART = 8 << 20  # bytes per multipart chunk

@@ -22,8 +22,8 @@ from typing import BinaryIO
 
 from tailorstore.core.errors import CorruptStoreError, ObjectExistsError
 from tailorstore.core.failpoints import request
-from tailorstore.store.backend import BytesLike, Chunks, as_chunks, check_key
-from tailorstore.store.direct_io import DirectReader, SequentialWriter
+from tailorstore.store.backends.base import BytesLike, Chunks, as_chunks, check_key
+from tailorstore.store.backends.direct_io import DirectReader, SequentialWriter
 
 _SYNC_FILE_RANGE_WRITE = 2
 _DIRECT_FROM = 1 << 20  # objects of at least this size are written with O_DIRECT
@@ -203,7 +203,7 @@ class PosixBackend:
         self.path(key).unlink(missing_ok=True)
 
     def delete_many(self, keys: Iterable[str], *, fence: Callable[[], None] | None = None) -> None:
-        """One unlink a key. ``fence`` as on S3 (store/s3.py); under ``flock`` it holds throughout."""
+        """One unlink a key. ``fence`` as on S3 (store/backends/s3.py); under ``flock`` it holds throughout."""
         for key in keys:
             self.delete(key, fence)
 

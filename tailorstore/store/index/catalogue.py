@@ -1,10 +1,10 @@
 """What operations may ask of the store's index, and what they may change in it.
 
-The index (``store/_index.py``) is SQLite with some seventy methods; it is private to ``store/``.
+The index (``store/index/_index.py``) is SQLite with some seventy methods; it is private to ``store/``.
 Everything above ``store/`` sees it only through these two protocols: :class:`Catalogue`, the
 queries, reached as ``Repository.catalogue``; and :class:`CatalogueEdit`, the changes, reached
 only inside ``Repository.transaction()``, so that no row changes outside a transaction. Every
-query returns records from ``store/records.py``, never tuples or SQLite rows, and SQLite's errors
+query returns records from ``store/index/records.py``, never tuples or SQLite rows, and SQLite's errors
 arrive as this library's own (``index_failed``). tests/test_layers.py checks that nothing outside
 ``store/`` imports the index or calls a method these protocols do not name.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-from tailorstore.store.records import (
+from tailorstore.store.index.records import (
     AtomKey,
     AtomRecord,
     BlobRecord,

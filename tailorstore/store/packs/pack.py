@@ -29,7 +29,7 @@ import xxhash
 import zstandard
 
 from tailorstore.core.errors import Call, CorruptStoreError
-from tailorstore.store.backend import HASH_NAME, PACK_PREFIX, Backend, Batch, pack_key, pack_name
+from tailorstore.store.backends.base import HASH_NAME, PACK_PREFIX, Backend, Batch, pack_key, pack_name
 from tailorstore.store.codec import decompress_bounded
 
 PACK_BELOW = 1 << 20  # blobs of a smaller raw size go into packs

@@ -1,0 +1,2 @@
+"""Where a store's bytes live: the backend interface (base.py), POSIX and S3, the location a user types,
+reads and writes around the page cache, and one listing of what a backend holds."""
