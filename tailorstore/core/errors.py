@@ -145,6 +145,17 @@ class CorruptStoreError(TailorError):
     category = Category.DAMAGED_STORE
 
 
+class BlobMissingError(CorruptStoreError):
+    """A blob a manifest names is not in the backend."""
+
+
+class StepChangedError(TailorError):
+    """The step being read was removed or replaced by another process meanwhile: a race, not damage;
+    reading again reads what the store holds now."""
+
+    category = Category.LOCK
+
+
 class UnsafePathError(TailorError):
     """A recorded path would lead outside the output directory."""
 

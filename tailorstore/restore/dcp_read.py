@@ -61,7 +61,7 @@ class DcpStep:
     def reading(self) -> AbstractContextManager[None]:
         """The block in which items are read: on an object store, their packs are read a span at
         a time (:meth:`Repository.reading`)."""
-        return self.store.reading(self._rows.values())
+        return self.store.reading_manifest(self.manifest, self._rows.values())
 
     def tensor_into(self, item: dcp.Item, dest: memoryview) -> None:
         """Decode a tensor item's elements into ``dest`` (its exact size), hash-checked; on any

@@ -188,7 +188,7 @@ def export_step(
             progress.start(f"export step {view.step}", sum(s.nbytes for s in specs))
             order = [by_name[s.name] for shard in shards for s in shard]
             ahead = read_ahead(store, view, order, target_dtype)  # looks up every row first: the plan
-            with store.reading(view.rows.values()), ahead:
+            with store.reading_manifest(view.manifest, view.rows.values()), ahead:
                 i = 0
                 for shard, name in zip(shards, names, strict=True):
                     with SequentialWriter(tmp / name, 0o644) as f:  # around the page cache (direct_io)

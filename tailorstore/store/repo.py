@@ -25,7 +25,16 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from tailorstore.core.environment import STORE_ENV
-from tailorstore.core.errors import Call, CorruptStoreError, LockTimeoutError, StoreError, UnknownStepError
+from tailorstore.core.errors import (
+    BlobMissingError,
+    Call,
+    CorruptStoreError,
+    LockTimeoutError,
+    StepChangedError,
+    StoreError,
+    TailorError,
+    UnknownStepError,
+)
 from tailorstore.store import archive_codec, codec, manifest_objects
 from tailorstore.store.backends.base import Backend, blob_names
 from tailorstore.store.backends.listing import LIST_PAGE, Holdings, stored_part
@@ -372,14 +381,38 @@ class Repository:
         finally:
             self.spans = None
 
-    def reading_manifest(self, manifest: int) -> AbstractContextManager[None]:
-        """:meth:`reading` of every blob a manifest needs (asked of the index only when it helps)."""
-        return self.reading(self._index.referenced_blobs(manifest) if self.where.remote else ())
+    @contextmanager
+    def reading_manifest(self, manifest: int, rows: Iterable[BlobRecord] | None = None) -> Iterator[None]:
+        """:meth:`reading` of the blobs a manifest needs (``rows``, else all of them, asked of the index
+        only when it helps). A blob found missing meanwhile is told apart from damage: when the
+        manifest itself is gone after a fresh look (another process removed or replaced the step
+        while this one read it), the error says so (:class:`StepChangedError`, exit 4: run it again)."""
+        if rows is None:
+            rows = self._index.referenced_blobs(manifest) if self.where.remote else ()
+        record = self._index.manifest(manifest)
+        try:
+            with self.reading(rows):
+                yield
+        except BlobMissingError:
+            if self._still_recorded(manifest):
+                raise
+            raise StepChangedError(
+                f"step {record.step if record else '?'} was removed or replaced by another process while it "
+                "was read, so this read stopped and kept nothing of it; run it again to read what the store "
+                "holds now."
+            ) from None
+
+    def _still_recorded(self, manifest: int) -> bool:
+        try:
+            self.refresh()
+        except (OSError, TailorError):
+            return True  # cannot tell: report the missing blob as it is
+        return self._index.manifest(manifest) is not None
 
     def open_row(self, row: BlobRecord, where: str) -> BinaryIO:
         """A reader of exactly the blob's stored bytes, loose or inside its pack."""
         key = row.key()
-        missing = CorruptStoreError(
+        missing = BlobMissingError(
             f"{where}: blob {row.hash} is missing from {self.location}/{key}; it was deleted behind the "
             "store's back. To see every step it affects: ",
             Call("verify"),
