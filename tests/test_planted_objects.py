@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from conftest import copy_tree, one_line, tailor
 from test_hosts import host_env, run
 
 from tailorstore.store.backends.base import Backend
@@ -87,3 +88,21 @@ def test_a_manifest_that_claims_zero3_for_a_zero2_step_is_named_damaged(
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "says ZeRO-3" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_manifest_object_copied_under_another_steps_name_is_refused(small_store: Path, tmp_path: Path) -> None:
+    """A fifth-round attack (medium): two manifest objects swapped in the bucket, or one copied under
+    another step's name, were imported as the step the name says with the content of the other (a
+    tag then checked out the other step's bytes with exit 0; a copy broke the index with a UNIQUE
+    constraint and the advice to rebuild it). A host that imports an object whose name and content
+    disagree now refuses it, naming it, with one line and exit 3; removing the copy heals the store."""
+    store = copy_tree(small_store, tmp_path / "store")
+    backend = resolve(str(store)).backend
+    real = next(k for k in backend.list("manifests/") if k.endswith("-v1.json.zst"))
+    copy = real.rsplit("/", 1)[0] + f"/step-{99:020d}-v1.json.zst"
+    backend.put(copy, backend.get(real), create_only=True)
+    rebuilt = tailor("index", "rebuild", store=store)
+    one_line(rebuilt, 3, copy, "where its name says step 99", "behind the store's back")
+    backend.delete(copy)
+    assert tailor("index", "rebuild", store=store).returncode == 0
+    assert tailor("verify", "--deep", store=store).returncode == 0

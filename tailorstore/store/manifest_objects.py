@@ -227,13 +227,34 @@ def decode(data: bytes, key: str) -> ManifestDocument:
     if not isinstance(doc, dict) or doc.get("tailorstore_manifest") not in READABLE_DOC_VERSIONS:
         raise CorruptStoreError(f"manifest object {key} is not a manifest this tailorstore reads; upgrade tailorstore")
     try:
-        return _typed_document(doc, key)
+        typed = _typed_document(doc, key)
     except RecordError as exc:
         raise CorruptStoreError(
             f"manifest object {key} is damaged ({exc}); restore it from a backup, or delete it "
             "(its step is then gone) and run ",
             Call("rebuild_index"),
         ) from None
+    _check_named(typed, key)
+    return typed
+
+
+def _check_named(doc: ManifestDocument, key: str) -> None:
+    """A manifest object's name and its content say the same run and step. The name is what every
+    host lists and orders by (versions, refs); an object copied or renamed under another name (by
+    anyone with access to the bucket) would otherwise be recorded as a step it is not."""
+    commit, merge = _COMMIT_KEY.search(key), _MERGE_KEY.search(key)
+    named = commit or merge
+    if named is None:
+        return
+    run, step = named.group(1), int(commit.group(2)) if commit else None
+    if doc.manifest.run != run or (step is not None and doc.manifest.step != step):
+        says = f"step {step} of run {run!r}" if step is not None else f"a merge of run {run!r}"
+        raise CorruptStoreError(
+            f"manifest object {key} holds step {doc.manifest.step} of run {doc.manifest.run!r}, where its name "
+            f"says {says}: it was copied or changed behind the store's back. Restore it from a backup, or "
+            "delete it (its step is then gone) and run ",
+            Call("rebuild_index"),
+        )
 
 
 @dataclass(frozen=True)
