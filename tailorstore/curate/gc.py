@@ -465,6 +465,13 @@ def _gc(
         by_time = lock.by_time  # a lease: its deletions announce themselves first (gc_notices)
         listed = gc_notices.publications(store.backend) if by_time and not dry_run else set()
         store.refresh(lock)  # what other hosts recorded before this lock was taken
+        if damaged := manifest_objects.damaged_tags(store.backend):
+            raise CorruptStoreError(
+                f"the tag object(s) {', '.join(sorted(damaged)[:5])} name no manifest object, so gc cannot tell "
+                "which step each keeps, and deletes nothing; set each again (",
+                Call("tag", "STEP", damaged[0], force=True),
+                "; untag it afterwards if it should go), then run gc again.",
+            )
         if clear_notices and not dry_run:
             _clear_notices(store, lock)
         plan = plan_gc(store, effective_rules(store, rules), drop_parts=drop_parts)

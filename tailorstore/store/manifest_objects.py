@@ -739,10 +739,42 @@ def _listed_tags(backend: Backend, *, warn: bool = True) -> dict[str, str]:
                 _odd_key(key, "tag")
             continue
         try:
-            out[backend.get(key).decode(errors="replace")] = tag_of_key(key)
+            target = backend.get(key).decode(errors="replace")
         except FileNotFoundError:  # untagged while we listed
             continue
+        if warn and not _names_a_manifest(target) and key not in _WARNED:
+            _WARNED.add(key)
+            log.warning(
+                "tailorstore: tag object %s is damaged: it names no manifest object, so its tag keeps no step "
+                "(gc refuses to run until it is set again or removed)",
+                key[:200],
+            )
+        out[target] = tag_of_key(key)
     return out
+
+
+_WARNED: set[str] = set()  # each damaged tag object is named once a process
+
+
+def _names_a_manifest(target: str) -> bool:
+    return bool(_COMMIT_KEY.fullmatch(target) or _MERGE_KEY.fullmatch(target))
+
+
+def damaged_tags(backend: Backend) -> list[str]:
+    """The tags whose objects name no manifest object at all (not a step since removed: bytes that
+    are no key). gc refuses to run while there is one: it cannot tell which step that tag keeps
+    (docs/FORMAT.md 8.1, I2)."""
+    found = []
+    for key in backend.list(TAG_PREFIX):
+        if not _TAG_KEY.fullmatch(key):
+            continue
+        try:
+            target = backend.get(key, 0, 4096)  # a key is short; a huge object is damaged whatever it ends with
+        except FileNotFoundError:
+            continue
+        if not _names_a_manifest(target.decode(errors="replace")):
+            found.append(tag_of_key(key))
+    return found
 
 
 def write_retention(backend: Backend, run: str, rules: dict[str, Any] | None) -> None:
