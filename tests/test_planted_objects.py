@@ -109,10 +109,11 @@ def test_a_manifest_object_copied_under_another_steps_name_is_refused(small_stor
 
 
 def test_gc_deletes_nothing_while_a_tag_object_names_no_manifest(small_store: Path, tmp_path: Path) -> None:
-    """A fifth-round attack (high: I2): a tag object whose bytes name no manifest object (damaged, or
-    written by anyone with access to the bucket) was dropped without a word at the next sync, so the
-    step it kept was dropped by the next ``gc --keep-last 1`` with exit 0. Now each command warns of
-    it once, and gc refuses (exit 3, one error line, nothing deleted) until the tag is set again."""
+    """A fifth-round attack (medium: whoever can overwrite a tag object can also point it at another
+    step, which unprotects the first as quietly): a tag object whose bytes name no manifest object
+    (damaged, or written by hand) was dropped without a word at the next sync, so the step it kept
+    was dropped by the next ``gc --keep-last 1`` with exit 0. Now each command warns of it once, and
+    gc refuses (exit 3, one error line, nothing deleted) until the tag is set again."""
     store = copy_tree(small_store, tmp_path / "store")
     first = tailor("log", store=store).stdout.strip().splitlines()[1].split()[1]
     checkpoint = Path(__file__).parent / "data" / "format1" / "checkpoint"
