@@ -360,12 +360,6 @@ class Repository:
         size = self.object_size(row.key())
         return None if size is None else stored_part(row, size)
 
-    def open_blob(self, digest: str, where: str) -> BinaryIO:
-        row = self.blob(digest)
-        if row is None:
-            raise CorruptStoreError(f"{where}: blob {digest} has no row in the index; run ", Call("verify"), ".")
-        return self.open_row(row, where)
-
     @contextmanager
     def reading(self, rows: Iterable[BlobRecord]) -> Iterator[None]:
         """Say which blobs the operation in this block will read. On an object store their packs
