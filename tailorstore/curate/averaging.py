@@ -241,15 +241,15 @@ def average(
             new_blobs = writer.finish()
         record = merge_record(base_record, tag, {"name": "average", "spec": spec}, spec_path, new_blobs)
 
-        def rows(index: CatalogueEdit) -> int:
-            if index.tagged(tag):
+        def rows(edit: CatalogueEdit) -> int:
+            if edit.tagged(tag):
                 raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
-            index.add_packs(writer.new_packs())
-            index.upsert_blobs(new_blobs)
-            new = index.insert_manifest(record)
-            index.insert_files(new, index.files(base))
-            index.insert_atoms(new, [replaced.get(a.key(), a) for a in index.atoms(base)])
-            index.insert_layers(new, _layers(index.layers(base), layers, new, base_record.step))
+            edit.add_packs(writer.new_packs())
+            edit.upsert_blobs(new_blobs)
+            new = edit.insert_manifest(record)
+            edit.insert_files(new, edit.files(base))
+            edit.insert_atoms(new, [replaced.get(a.key(), a) for a in edit.atoms(base)])
+            edit.insert_layers(new, _layers(edit.layers(base), layers, new, base_record.step))
             return new
 
         try:

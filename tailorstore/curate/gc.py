@@ -490,24 +490,24 @@ def _gc(
         fence()
         manifest_objects.carry_refs(store.backend, store.catalogue, plan.superseded)  # before their objects go
         store.backend.delete_many([*plan.drop_parts, *plan.superseded], fence=fence)  # before anything they name
-        with store.transaction() as index:
+        with store.transaction() as edit:
             fence()
-            index.upsert_blobs(  # where the packs' trailers say they are (misplaced_blobs)
+            edit.upsert_blobs(  # where the packs' trailers say they are (misplaced_blobs)
                 BlobRecord(h, e.raw_size, e.stored_size, e.codec, pack, e.offset, time.time())
                 for h, (pack, e) in plan.misplaced.items()
             )
             # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
             dropped = [m for m, _ in plan.drop]
-            keys = [k for k in index.object_keys(dropped).values() if k]
+            keys = [k for k in edit.object_keys(dropped).values() if k]
             mine = _mark_then_check(store, keys, fence)
             try:
                 manifest_objects.unpublish(store.backend, keys, fence=fence, marked=True)
             except LeaseLostError:  # its fence stopped it before the deleting request went out
                 manifest_objects.take_back_marks(store.backend, keys, mine)
                 raise
-            index.delete_manifests(dropped)
-            index.delete_blobs(plan.dead_blobs)
-            index.delete_packs(plan.dead_packs)
+            edit.delete_manifests(dropped)
+            edit.delete_blobs(plan.dead_blobs)
+            edit.delete_packs(plan.dead_packs)
         written += _repack(store, plan.repack, fence)
         # Never delete an object an index row names now: a repack names its pack by its bytes, so it
         # can write again a pack the plan took for dead (one a killed gc had written before it could
@@ -647,9 +647,9 @@ def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> i
     writer.flush()
     batch.publish()
     failpoint("gc-repack-written")
-    with store.transaction() as index:
+    with store.transaction() as edit:
         fence()
-        index.add_packs(writer.sealed)
-        index.move_blobs({h: writer.placed[h] for h in moved})
-        index.delete_packs(packs)
+        edit.add_packs(writer.sealed)
+        edit.move_blobs({h: writer.placed[h] for h in moved})
+        edit.delete_packs(packs)
     return sum(size for _, size in writer.sealed)

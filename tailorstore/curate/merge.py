@@ -105,14 +105,14 @@ def merge(
         record = merge_record(base_record, tag, {"name": "merge", "spec": spec}, spec_path)
         composed: list[LayerRecord] = []
 
-        def rows(index: CatalogueEdit) -> int:
-            if index.tagged(tag):
+        def rows(edit: CatalogueEdit) -> int:
+            if edit.tagged(tag):
                 raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
-            new = index.insert_manifest(record)
-            index.insert_files(new, index.files(base))
-            index.insert_atoms(new, _composed_atoms(index, base, sources))
-            composed[:] = _composed_layers(index, base, sources)
-            index.insert_layers(new, composed)
+            new = edit.insert_manifest(record)
+            edit.insert_files(new, edit.files(base))
+            edit.insert_atoms(new, _composed_atoms(edit, base, sources))
+            composed[:] = _composed_layers(edit, base, sources)
+            edit.insert_layers(new, composed)
             return new
 
         new = record_manifest(store, rows, fence=lock).manifest

@@ -41,8 +41,8 @@ def add_metrics(
         text = encode({**decode(record.metrics), **given})
         older = record.object_key
 
-        def rows(index: CatalogueEdit) -> int:
-            index.set_metrics(manifest, text)
+        def rows(edit: CatalogueEdit) -> int:
+            edit.set_metrics(manifest, text)
             return manifest
 
         record_manifest(store, rows, fence=lock, replacing=True, restore_refs=lambda: [manifest])

@@ -50,20 +50,20 @@ def tag(
     check_tag(name)
     with changing_a_step(store, "tag", lock_timeout, on_wait) as lock:
         manifest = store.resolve(selector)
-        with store.transaction() as index:
-            holder = index.tagged(name)
+        with store.transaction() as edit:
+            holder = edit.tagged(name)
             if holder and holder.id != manifest and not force:
                 raise StepExistsError(
                     f"tag {name!r} already names another manifest; pass ", Call(force=True), " to move it"
                 )
             old = store.manifest(manifest).tag
-            index.set_tag(manifest, name)  # takes the tag from any other holder
+            edit.set_tag(manifest, name)  # takes the tag from any other holder
             lock.check("tagging")
             fence = lambda: lock.check("tagging")  # noqa: E731 - again just before each request
             # the one object this changes first (a failure before it leaves nothing), then the tag
             # this step gives up (a step holds one tag); never the step's other refs again
             before = _object_or_none(store, manifest_objects.tag_key(name))
-            manifest_objects.put_tag(store.backend, index, manifest, fence=fence)
+            manifest_objects.put_tag(store.backend, edit, manifest, fence=fence)
             _back_off_if_dropping(store, manifest, lambda: _restore(store, manifest_objects.tag_key(name), before))
             if old and old != name:
                 manifest_objects.drop_tag(store.backend, old, fence=fence)
@@ -104,10 +104,10 @@ def untag(
         holder = store.catalogue.tagged(name)
         if holder is None:
             raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
-        with store.transaction() as index:
+        with store.transaction() as edit:
             lock.check("untagging")
             manifest_objects.drop_tag(store.backend, name, fence=lambda: lock.check("untagging"))
-            index.set_tag(holder.id, None)
+            edit.set_tag(holder.id, None)
     return holder.id
 
 
@@ -121,14 +121,14 @@ def pin(
 ) -> int:
     with changing_a_step(store, "pin" if pinned else "unpin", lock_timeout, on_wait) as lock:
         manifest = store.resolve(selector)
-        with store.transaction() as index:
-            index.set_pinned(manifest, pinned)
+        with store.transaction() as edit:
+            edit.set_pinned(manifest, pinned)
             lock.check("pinning")
             # only the pin object: rewriting the step's tag too made a failure after the first put
             # a change reported failed that stayed (the soak, seed 399 for a tag)
             key = store.manifest(manifest).object_key
             had = pinned and key is not None and store.backend.exists(manifest_objects.pin_key(key))
-            manifest_objects.write_pin(store.backend, index, manifest, fence=lambda: lock.check("pinning"))
+            manifest_objects.write_pin(store.backend, edit, manifest, fence=lambda: lock.check("pinning"))
             if pinned and not had and key is not None:  # a new pin object: unless a gc marked the step first
                 _back_off_if_dropping(store, manifest, lambda: store.backend.delete(manifest_objects.pin_key(key)))
     return manifest
@@ -156,7 +156,7 @@ def remove(
                 Call(force=True),
                 " to remove it anyway",
             )
-        with store.transaction() as index:
+        with store.transaction() as edit:
             lock.check("removing a step")
             fence = lambda: lock.check("removing a step")  # noqa: E731 - again just before each request
             mine: list[str] = []
@@ -174,5 +174,5 @@ def remove(
             except LeaseLostError:  # stopped by its fence before deleting the manifest
                 manifest_objects.take_back_marks(store.backend, [str(record.object_key)], mine)
                 raise
-            index.delete_manifests([manifest])
+            edit.delete_manifests([manifest])
     return manifest

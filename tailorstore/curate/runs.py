@@ -98,7 +98,7 @@ def create_run(
             if base.object_key is None:
                 raise UnknownStepError(f"step {base.step} has no manifest object yet; run ", Call("verify"), " first.")
         record = RunRecord(name, time.time(), base.object_key if base else None)
-        with store.transaction() as index:
+        with store.transaction() as edit:
             manifest_objects.create_run(store.backend, record)  # the object first: it is the truth
-            index.set_runs([*index.created_runs().values(), record])
+            edit.set_runs([*edit.created_runs().values(), record])
     return RunInfo(name, record.created_at, BaseStep.of(base), 0, None)

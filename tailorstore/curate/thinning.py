@@ -170,16 +170,16 @@ def _thin(
     replaced: list[str | None] = []
     published: list[str] = []
     try:
-        with store.transaction() as index:
-            index.add_packs(writer.new_packs())
-            index.upsert_blobs(new_blobs)
+        with store.transaction() as edit:
+            edit.add_packs(writer.new_packs())
+            edit.upsert_blobs(new_blobs)
             for record in targets:
                 contents = plans[record.id]
-                index.replace_contents(record.id, contents.files, contents.stored_atoms())
-                index.set_tier(record.id, tier)
+                edit.replace_contents(record.id, contents.files, contents.stored_atoms())
+                edit.set_tier(record.id, tier)
                 replaced.append(record.object_key)
-                published.append(manifest_objects.publish(store.backend, index, record.id, fence=lock, replacing=True))
-                manifest_objects.write_refs(store.backend, index, [record.id])  # after the object (publish says why)
+                published.append(manifest_objects.publish(store.backend, edit, record.id, fence=lock, replacing=True))
+                manifest_objects.write_refs(store.backend, edit, [record.id])  # after the object (publish says why)
     except BaseException:
         manifest_objects.unpublish(store.backend, published)  # the old versions still stand
         if published:  # with their refs, which a withdrawn version may have taken

@@ -334,21 +334,21 @@ def commit_layout(
         new_bytes = sum(b.stored_size for b in new_blobs)
         replaced: ManifestRecord | None = None
 
-        def rows(index: CatalogueEdit) -> int:
+        def rows(edit: CatalogueEdit) -> int:
             nonlocal replaced, tag
             pinned = False
             if options.force:  # the replaced step keeps its tag and pin, unless a new tag is given
-                replaced = index.commit_at(step, run)
+                replaced = edit.commit_at(step, run)
                 if replaced is not None:
                     tag = tag or replaced.tag
                     pinned = replaced.pinned
-                index.delete_commit_at(step, run)
-                if tag and (holder := index.tagged(tag)) is not None:
-                    index.set_tag(holder.id, None)
-            _refuse_existing(index, step, tag, run)
-            index.add_packs(writer.new_packs())
-            index.upsert_blobs(new_blobs)  # a repaired blob (rewritten because its object was missing) moves
-            manifest = index.insert_manifest(
+                edit.delete_commit_at(step, run)
+                if tag and (holder := edit.tagged(tag)) is not None:
+                    edit.set_tag(holder.id, None)
+            _refuse_existing(edit, step, tag, run)
+            edit.add_packs(writer.new_packs())
+            edit.upsert_blobs(new_blobs)  # a repaired blob (rewritten because its object was missing) moves
+            manifest = edit.insert_manifest(
                 ManifestRecord(
                     step=step,
                     origin=COMMIT,
@@ -368,9 +368,9 @@ def commit_layout(
                     metrics=options.metrics,
                 )
             )
-            index.insert_files(manifest, plan.files)
-            index.insert_atoms(manifest, plan.atoms)
-            index.insert_layers(
+            edit.insert_files(manifest, plan.files)
+            edit.insert_atoms(manifest, plan.atoms)
+            edit.insert_layers(
                 manifest,
                 [
                     LayerRecord(

@@ -256,11 +256,11 @@ def finalize_step(
         raw_bytes = sum(f.raw_size for f in files)
         new_bytes = sum(p.new_bytes for p in parts)
 
-        def rows(index: CatalogueEdit) -> int:
-            if tag and index.tagged(tag) is not None:
+        def rows(edit: CatalogueEdit) -> int:
+            if tag and edit.tagged(tag) is not None:
                 raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag.")
-            index.add_blobs(b for p in parts for b in p.blobs)  # a packed blob keeps the row its pack gave
-            manifest = index.insert_manifest(
+            edit.add_blobs(b for p in parts for b in p.blobs)  # a packed blob keeps the row its pack gave
+            manifest = edit.insert_manifest(
                 ManifestRecord(
                     step=step,
                     origin=COMMIT,
@@ -279,10 +279,10 @@ def finalize_step(
                     metrics=metrics,
                 )
             )
-            index.insert_files(manifest, files)
-            index.insert_atoms(manifest, atoms)
+            edit.insert_files(manifest, files)
+            edit.insert_atoms(manifest, atoms)
             changes = plan["changes"] if plan else {}
-            index.insert_layers(
+            edit.insert_layers(
                 manifest,
                 [
                     LayerRecord(
