@@ -8,12 +8,11 @@ import os
 import threading
 from pathlib import Path
 
-from tailorstore.store.packs.pack_spans import GAP, SPAN_MOST, PackSpans, plan_spans
-
 from tailorstore.store.backends.base import Backend, pack_key
 from tailorstore.store.backends.location import resolve
 from tailorstore.store.index.records import BlobRecord
 from tailorstore.store.packs.pack import seal
+from tailorstore.store.packs.pack_spans import GAP, SPAN_MOST, PackSpans, plan_spans
 
 
 class CountingBackend:

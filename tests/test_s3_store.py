@@ -14,7 +14,6 @@ from pathlib import Path
 import boto3
 import pytest
 from conftest import Runs, as_of_step, index_db, tailor
-from tailorstore.store.packs.pack_spans import plan_spans
 
 from tailorstore.access.model_tensors import model_view
 from tailorstore.api import Store
@@ -26,6 +25,7 @@ from tailorstore.ingest.deletion import check_blobs_present
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
 from tailorstore.restore.export import export_step
+from tailorstore.store.packs.pack_spans import plan_spans
 from tailorstore.store.repo import Repository
 from testbed.compare import same_tree
 from testbed.local_s3 import BUCKET, CuttableLink, LocalS3

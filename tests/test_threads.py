@@ -70,7 +70,6 @@ def test_the_commit_queue_holds_one_piece_beyond_its_threads(tmp_path: Path) -> 
     """Every queued piece is private memory, fresh pages in a new process: the loop, which reads
     faster than the threads compress, waits once the threads are busy and one piece waits."""
     from tailorstore.store.packs.writer import BlobWriter
-
     from tailorstore.store.repo import Repository
 
     writer = BlobWriter(Repository.init(tmp_path / "store"), threads=2)
