@@ -50,4 +50,3 @@ def test_a_blob_missing_from_a_step_still_recorded_is_damage(small_store: Path, 
         (store / folder).mkdir()
     done = tailor("checkout", _step(store), "--out", str(tmp_path / "out"), store=store)
     one_line(done, 3, "is missing from", "verify")
-
