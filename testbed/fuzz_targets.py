@@ -55,12 +55,14 @@ def safetensors_file(data: bytes, work: Path) -> Any:
 
 
 def manifest_object(data: bytes, work: Path) -> Any:
-    doc = manifest_objects.decode(data, "manifests/main/step-00000000000000000001-v1.json.zst")
+    # a key without a step: the seeds are real objects of several steps, and the check of a key's step
+    # against the content (one comparison) would stop every seed before the rows it is here to fuzz
+    doc = manifest_objects.decode(data, "manifests/main/fuzz.json.zst")
     return (doc.manifest.step, len(doc.files), len(doc.atoms), len(doc.blobs))
 
 
 def part_object(data: bytes, work: Path) -> Any:
-    part = parts.decode(data, "parts/main/step-00000000000000000001/host-0123456789abcdef.json.zst")
+    part = parts.decode(data, "parts/main/fuzz.json.zst")  # no step in the key: as manifest_object says
     return (part.step, len(part.files), len(part.atoms))
 
 

@@ -129,3 +129,21 @@ def test_gc_deletes_nothing_while_a_tag_object_names_no_manifest(small_store: Pa
     assert tailor("tag", first, "keep", "--force", store=store).returncode == 0
     assert tailor("gc", "--keep-last", "1", store=store).returncode == 0
     assert [row.split()[1] for row in tailor("log", store=store).stdout.strip().splitlines()[1:]] == [first, "99"]
+
+
+def test_a_part_object_copied_under_another_steps_name_is_refused(tmp_path: Path) -> None:
+    """The same attack on parts (medium): a part of step 3 copied under step 99's folder was
+    finalized as step 99 with step 3's content, exit 0. A part whose content names another step
+    than its key is damage, named, and nothing is recorded."""
+    store = tmp_path / "store"
+    assert tailor("init", str(store)).returncode == 0
+    folder = Path(__file__).parent / "data" / "format1" / "checkpoint" / "global_step3"
+    assert tailor("commit", str(folder), "--part", store=store).returncode == 0
+    (part,) = (store / "parts" / "main").rglob("*.json.zst")
+    copy = store / "parts" / "main" / f"step-{99:020d}" / part.name
+    copy.parent.mkdir()
+    copy.write_bytes(part.read_bytes())
+    one_line(tailor("finalize", "step=99", store=store), 3, "holds step 3 where its name says step 99")
+    assert tailor("log", store=store).stdout.strip().splitlines()[1:] == []
+    copy.unlink()
+    assert tailor("finalize", "step=3", store=store).returncode == 0

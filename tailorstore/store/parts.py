@@ -122,6 +122,12 @@ def decode(data: bytes, key: str) -> Part:
             raise ValueError("not a part this tailorstore reads")
         files, atoms, blobs = (from_table(doc[n], c) for n, c in _TABLES)
         check_rows(files, atoms, blobs)
+        named = _PART_KEY.search(key)
+        if named is not None and int(named.group(2)) != int(doc["step"]):
+            raise ValueError(
+                f"it holds step {int(doc['step'])} where its name says step {int(named.group(2))}: it was copied "
+                "or changed behind the store's back"
+            )
         return Part(
             step=int(doc["step"]),
             layout=doc["layout"],
