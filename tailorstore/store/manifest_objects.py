@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -239,20 +239,16 @@ def decode(data: bytes, key: str) -> ManifestDocument:
 
 
 def _check_named(doc: ManifestDocument, key: str) -> None:
-    """A manifest object's name and its content say the same run and step. The name is what every
-    host lists and orders by (versions, refs); an object copied or renamed under another name (by
-    anyone with access to the bucket) would otherwise be recorded as a step it is not."""
-    commit, merge = _COMMIT_KEY.search(key), _MERGE_KEY.search(key)
-    named = commit or merge
-    if named is None:
-        return
-    run, step = named.group(1), int(commit.group(2)) if commit else None
-    if doc.manifest.run != run or (step is not None and doc.manifest.step != step):
-        says = f"step {step} of run {run!r}" if step is not None else f"a merge of run {run!r}"
+    """A commit's manifest object holds the step its name says (its run is checked with the rows). The
+    name is what every host lists and orders by (versions, refs); an object copied or renamed under
+    another step's name (by anyone with access to the bucket) would otherwise be recorded as a step
+    it is not."""
+    named = _COMMIT_KEY.search(key)
+    if named is not None and doc.manifest.step != int(named.group(2)):
         raise CorruptStoreError(
             f"manifest object {key} holds step {doc.manifest.step} of run {doc.manifest.run!r}, where its name "
-            f"says {says}: it was copied or changed behind the store's back. Restore it from a backup, or "
-            "delete it (its step is then gone) and run ",
+            f"says step {int(named.group(2))} of run {named.group(1)!r}: it was copied or changed behind the "
+            "store's back. Restore it from a backup, or delete it (its step is then gone) and run ",
             Call("rebuild_index"),
         )
 
@@ -733,15 +729,7 @@ def _listed_tags(backend: Backend, *, warn: bool = True) -> dict[str, str]:
     ignored as any tag naming a key that does not exist is (docs/FORMAT.md 3.3), not a decode error
     that stopped every command of the store."""
     out: dict[str, str] = {}
-    for key in backend.list(TAG_PREFIX):
-        if not _TAG_KEY.fullmatch(key):
-            if warn:
-                _odd_key(key, "tag")
-            continue
-        try:
-            target = backend.get(key).decode(errors="replace")
-        except FileNotFoundError:  # untagged while we listed
-            continue
+    for key, target in _tag_targets(backend, warn=warn):
         if warn and not _names_a_manifest(target) and key not in _WARNED:
             _WARNED.add(key)
             log.warning(
@@ -751,6 +739,19 @@ def _listed_tags(backend: Backend, *, warn: bool = True) -> dict[str, str]:
             )
         out[target] = tag_of_key(key)
     return out
+
+
+def _tag_targets(backend: Backend, *, warn: bool) -> Iterator[tuple[str, str]]:
+    """(tag object key, what its bytes say) for every tag object of a key tailorstore writes."""
+    for key in backend.list(TAG_PREFIX):
+        if not _TAG_KEY.fullmatch(key):
+            if warn:
+                _odd_key(key, "tag")
+            continue
+        try:  # a key is short: a huge object is damaged whatever it ends with
+            yield key, backend.get(key, 0, 4096).decode(errors="replace")
+        except FileNotFoundError:  # untagged while we listed
+            continue
 
 
 _WARNED: set[str] = set()  # each damaged tag object is named once a process
@@ -764,17 +765,7 @@ def damaged_tags(backend: Backend) -> list[str]:
     """The tags whose objects name no manifest object at all (not a step since removed: bytes that
     are no key). gc refuses to run while there is one: it cannot tell which step that tag keeps
     (docs/FORMAT.md 8.1, I2)."""
-    found = []
-    for key in backend.list(TAG_PREFIX):
-        if not _TAG_KEY.fullmatch(key):
-            continue
-        try:
-            target = backend.get(key, 0, 4096)  # a key is short; a huge object is damaged whatever it ends with
-        except FileNotFoundError:
-            continue
-        if not _names_a_manifest(target.decode(errors="replace")):
-            found.append(tag_of_key(key))
-    return found
+    return [tag_of_key(key) for key, target in _tag_targets(backend, warn=False) if not _names_a_manifest(target)]
 
 
 def write_retention(backend: Backend, run: str, rules: dict[str, Any] | None) -> None:
