@@ -404,4 +404,7 @@ def test_the_ranks_of_a_node_opening_one_fresh_cache_at_once_all_open_the_store(
         ]
         failed = [err for p in procs for _, err in [p.communicate()] if p.returncode]
         assert failed == [], failed
-        assert sorted(p.name for p in next(cache.iterdir()).iterdir()) == ["index.sqlite"]  # nothing left beside it
+        # Nothing of the build is left beside it. SQLite's own -wal and -shm may stay: when two
+        # last connections close at once, neither can fold the log in, and the next open does.
+        names = {p.name for p in next(cache.iterdir()).iterdir()} - {"index.sqlite-wal", "index.sqlite-shm"}
+        assert names == {"index.sqlite"}
