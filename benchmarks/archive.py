@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 
 from benchmarks.headline import MODEL
 from tailorstore import Store
+from tailorstore.access.contents import Contents
 from tailorstore.store import archive_codec
 from testbed.runs import train_tiny
 from testbed.train_tiny import DATA, HELD_OUT, TinyLlama
@@ -117,7 +118,7 @@ def main() -> None:
             len(archive_codec.parse(b.codec, b.raw_size, "bench").bases)
             for s in store.log()
             if s.tier == "archive"
-            for a in store.repo.catalogue.atoms(s.manifest)
+            for a in store.repo.view(Contents).atoms(s.manifest)
             if (b := store.repo.blob(a.blob)) is not None and archive_codec.is_archive(b.codec)
         ]
     diffs = {s: abs(got[s] - exact[s]) / exact[s] for s in archived}

@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from tailorstore.access.contents import Contents
 from tailorstore.store.repo import Repository
 from testbed.runs import train_tiny
 
@@ -244,8 +245,8 @@ def floor_inputs(work: Path, store: Path, step: int, env: dict[str, str], out_by
     repo = Repository.open(store)
     try:
         manifest = repo.resolve(f"step={step}")
-        blobs = {b.hash: b.stored_size for b in repo.catalogue.referenced_blobs(manifest)}
-        masters = {a.blob for a in repo.catalogue.atoms(manifest, kind="master")}
+        blobs = {b.hash: b.stored_size for b in repo.view(Contents).referenced_blobs(manifest)}
+        masters = {a.blob for a in repo.view(Contents).atoms(manifest, kind="master")}
     finally:
         repo.close()
     read = {"export": sum(blobs[h] for h in masters), "universal": sum(blobs.values())}

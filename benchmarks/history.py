@@ -23,6 +23,7 @@ from pathlib import Path
 
 from benchmarks.headline import MODEL
 from tailorstore import Store
+from tailorstore.access.contents import Contents
 from testbed.runs import train_tiny
 
 FROZEN = {"embedding"}  # and the lower half of the blocks, added below
@@ -84,7 +85,7 @@ def main() -> None:
         first = store.show(f"step={steps[0].step}")
         frozen_stored = sum(x.stored_bytes for x in first.layers if x.layer in frozen_layers)
         blobs_by_step = [
-            {a.blob for a in store.repo.catalogue.atoms(s.manifest) if a.layer in frozen_layers} for s in steps
+            {a.blob for a in store.repo.view(Contents).atoms(s.manifest) if a.layer in frozen_layers} for s in steps
         ]
     result["frozen"] = {
         "saves": len(steps), "raw_series_bytes": raw_frozen, "store_bytes": stored_frozen,

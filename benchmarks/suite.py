@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import tailorstore
+from tailorstore.access.contents import Contents
 from tailorstore.curate.merge import merge
 from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
@@ -561,7 +562,9 @@ def merge_scaling(work: Path, repeats: int = 5) -> list[dict]:
         with tailorstore.Store.open(base / "store") as api:
             steps = api.log()
             raw = sum(s.raw_bytes for s in steps) // len(steps)
-            rows = len(api.repo.catalogue.atoms(api.repo.resolve(f"step={steps[0].step}")))  # the rows a merge copies
+            rows = len(
+                api.repo.view(Contents).atoms(api.repo.resolve(f"step={steps[0].step}"))
+            )  # the rows a merge copies
         out.append(
             {
                 "model": name,

@@ -27,16 +27,23 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tailorstore.background import CommitQueue
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, StoreError
 from tailorstore.core.metrics import encode as encode_metrics
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.curate.runs import qualify
-from tailorstore.store.index.records import MAIN_RUN
+from tailorstore.store.index.records import MAIN_RUN, ManifestRecord
 from tailorstore.store.manifest_objects import check_run_name, write_retention
 from tailorstore.store.repo import RebuildResult, Repository
+
+
+class StepLookup(Protocol):
+    """The index as the handle asks whether a step is held."""
+
+    def commit_at(self, step: int, run: str) -> ManifestRecord | None: ...
+
 
 if TYPE_CHECKING:
     from tailorstore.curate.archiving import ArchiveGrid
@@ -298,7 +305,7 @@ class Store:
         """Whether the store records ``step`` in ``run`` (default: this handle's), as of now: what
         other hosts published is read first."""
         self.repo.refresh()
-        return self.repo.catalogue.commit_at(step, run or self.run) is not None
+        return self.repo.view(StepLookup).commit_at(step, run or self.run) is not None
 
     def delete_once_durable(self, manifest: int, path: str | os.PathLike) -> None:
         """``delete_after_commit`` for a step recorded elsewhere (a rank-parallel finalize): every blob

@@ -36,6 +36,7 @@ from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.ingest.commit_options import CommitOptions
 from tailorstore.store.backends.base import Backend, blob_names
 from tailorstore.store.backends.location import resolve
+from tailorstore.store.index.catalogue import Catalogue
 from tailorstore.store.packs.pack import pack_names
 from tailorstore.store.repo import Repository
 from testbed.local_s3 import LocalS3, local_s3
@@ -383,8 +384,8 @@ def commit_and_reset_reads(store: Store, checkpoint: Path, reads: dict[str, int]
     fixture) so that it counts what comes next only: (the step's master blobs, the paths of its
     files holding derived weights)."""
     store.commit(checkpoint)
-    masters = {a.blob for a in store.repo.catalogue.atoms(1, kind="master")}
-    derived = {a.path for a in store.repo.catalogue.atoms(1) if a.derived is not None}
+    masters = {a.blob for a in store.repo.view(Catalogue).atoms(1, kind="master")}
+    derived = {a.path for a in store.repo.view(Catalogue).atoms(1) if a.derived is not None}
     reads.clear()
     return masters, derived
 
@@ -434,7 +435,7 @@ def manifest_rows(store: Store, step: int) -> dict:
     repo = store.repo
     manifest = repo.resolve(f"step={step}")
     record = repo.manifest(manifest)
-    index = repo.catalogue
+    index = repo.view(Catalogue)
     layers = sorted((x.layer, x.source_step, x.raw_bytes, x.stored, x.change) for x in index.layers(manifest))
     return {
         "files": sorted(astuple(f) for f in index.files(manifest)),

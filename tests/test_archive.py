@@ -19,6 +19,7 @@ import tailorstore
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.curate.archiving import ARCHIVE_FROM, KEYFRAME_EVERY
 from tailorstore.store import archive_codec
+from tailorstore.store.index.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.repo import Repository
 from testbed.local_s3 import LocalS3
 
@@ -110,7 +111,7 @@ def test_an_archive_chain_of_ten_steps(runs: Runs, tmp_path: Path) -> None:
     kept = {s: exported(root, s, tmp_path / f"kept{s}") for s in (2, 4, 6, 8)}
     proc = tailor("gc", "--keep-last", "1", "--keep-every", "2", store=root)
     assert proc.returncode == 0, proc.stderr
-    assert [m.step for m in Repository.open(root).catalogue.manifests()] == [2, 4, 6, 8, 10]
+    assert [m.step for m in Repository.open(root).view(Catalogue).manifests()] == [2, 4, 6, 8, 10]
     with tailorstore.Store.open(root) as api:
         report = api.verify(deep=True)
         assert report.ok, report.problems
@@ -240,7 +241,7 @@ def _chain_store(tmp_path: Path) -> tuple[Repository, list[str], np.ndarray]:
         names.append(writer.add_encoded(out.raw, out.payload, out.spec.descriptor()))
         base = out.raw
     blobs = writer.finish()
-    with store.transaction() as index:
+    with store.transaction(CatalogueEdit) as index:
         index.add_packs(writer.new_packs())
         index.upsert_blobs(blobs)
     return store, names, x
@@ -272,7 +273,7 @@ def test_a_malformed_archive_descriptor_does_not_break_the_index_queries(tmp_pat
     store, names, _ = _chain_store(tmp_path)
     index_db(store).execute("UPDATE blobs SET codec=? WHERE hash=?", ('{"id": "archive-delta", "bases": [', names[2]))
     store = Repository.open(store.root)
-    assert {b.hash for b in store.catalogue.blobs_unused_by([])} == set(names)  # no manifest keeps any
+    assert {b.hash for b in store.view(Catalogue).blobs_unused_by([])} == set(names)  # no manifest keeps any
     with pytest.raises(CorruptStoreError):
         store.read_blob(names[2], "test")
 

@@ -15,6 +15,7 @@ import torch
 from conftest import Runs
 
 from tailorstore import Store
+from tailorstore.store.index.catalogue import Catalogue
 from testbed.runs import train_tiny
 
 
@@ -90,7 +91,7 @@ def test_a_named_pipe_in_a_save_is_left_out_saying_so(tmp_path: Path, caplog: py
     os.mkfifo(save / "pipe")
     with Store.init(tmp_path / "store") as store, caplog.at_level(logging.WARNING, logger="tailorstore"):
         store.commit(save, step=1)
-        assert [f.path for f in store.repo.catalogue.files(store.repo.resolve("latest"))] == ["save/ckpt.pt"]
+        assert [f.path for f in store.repo.view(Catalogue).files(store.repo.resolve("latest"))] == ["save/ckpt.pt"]
     assert "pipe is a named pipe, not a file; it is not committed" in caplog.text
 
 

@@ -20,6 +20,7 @@ from conftest import Runs, as_of_step, one_line, tailor
 
 from tailorstore import Store
 from tailorstore.core.layers import layer_of
+from tailorstore.store.index.catalogue import Catalogue
 from testbed.compare import same_tree
 from testbed.runs import torchrun
 
@@ -306,7 +307,7 @@ def test_an_hf_fsdp_checkpoint_written_by_accelerate_is_exact(tmp_path: Path) ->
         assert store.commit(checkpoint).step == 6
         layers = {x.layer for x in store.show("latest").layers}
         assert {f"block.{i}" for i in range(LAYERS)} <= layers
-        kinds = {a.kind for a in store.repo.catalogue.atoms(store.show("latest").summary.manifest)}
+        kinds = {a.kind for a in store.repo.view(Catalogue).atoms(store.show("latest").summary.manifest)}
         assert {"master", "exp_avg", "exp_avg_sq"} <= kinds
         store.checkout("latest", tmp_path / "out")
     written = tmp_path / "out" / "checkpoint-6" if (tmp_path / "out" / "checkpoint-6").is_dir() else tmp_path / "out"
@@ -349,7 +350,7 @@ def test_retention_thins_an_old_dcp_step_to_its_weights(fsdp_run: FsdpRun, tmp_p
         store.export("step=3", tmp_path / "before", dtype="fp32", config=config_dir / "config.json")
         whole = store.usage().stored_bytes
         store.gc(keep_last=1, thin="weights")
-        kinds = {a.kind for a in store.repo.catalogue.atoms(store.show("step=3").summary.manifest)}
+        kinds = {a.kind for a in store.repo.view(Catalogue).atoms(store.show("step=3").summary.manifest)}
         assert "master" in kinds and not kinds & {"exp_avg", "exp_avg_sq"}
         assert store.usage().stored_bytes < whole
         store.export("step=3", tmp_path / "after", dtype="fp32", config=config_dir / "config.json")

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from tailorstore import Store
 from tailorstore.core.errors import CorruptStoreError, StoreError
 from tailorstore.integrations.dcp_storage import TailorStorageReader
+from tailorstore.store.index.catalogue import Catalogue
 
 
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -86,7 +87,7 @@ def test_a_destination_that_is_not_contiguous_memory_gets_the_same_values(two_st
 
 def test_a_damaged_blob_fails_the_load(two_steps) -> None:
     store, _, _ = two_steps
-    atom = max(store.repo.catalogue.atoms(store.repo.resolve("latest")), key=lambda a: a.nbytes)
+    atom = max(store.repo.view(Catalogue).atoms(store.repo.resolve("latest")), key=lambda a: a.nbytes)
     file, start, size = blob_object(store.repo, atom.blob)
     file.chmod(0o644)
     data = bytearray(file.read_bytes())

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import tailorstore
 from tailorstore.formats.safetensors_writer import TensorSpec, parse_size, plan_shards
+from tailorstore.store.index.catalogue import Catalogue
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -186,7 +187,7 @@ def test_refusals_write_nothing(runs: Runs, tmp_path: Path) -> None:
 
     # a damaged blob: exit 3, and no folder that looks complete
     with tailorstore.Store.open(store) as st:
-        master = max(st.repo.catalogue.atoms(1, kind="master"), key=lambda a: a.nbytes)
+        master = max(st.repo.view(Catalogue).atoms(1, kind="master"), key=lambda a: a.nbytes)
         file, start, size = blob_object(st.repo, master.blob)
     file.chmod(0o644)
     data = bytearray(file.read_bytes())

@@ -14,6 +14,7 @@ from conftest import Runs, as_of_step, blob_object
 
 from tailorstore import Store
 from tailorstore.core.errors import CorruptStoreError
+from tailorstore.store.index.catalogue import Catalogue
 
 STEP = 6
 
@@ -79,7 +80,7 @@ def test_a_damaged_blob_is_an_error_never_a_tensor(runs: Runs, tmp_path: Path) -
         name = next(n for n in objects.names if "optim_states" in n)
         manifest = store.repo.resolve(f"step={STEP}")
         atom = max(
-            (a for a in store.repo.catalogue.atoms(manifest) if a.path.endswith(name) and a.derived is None),
+            (a for a in store.repo.view(Catalogue).atoms(manifest) if a.path.endswith(name) and a.derived is None),
             key=lambda a: a.nbytes,
         )
         path, start, size = blob_object(store.repo, atom.blob)

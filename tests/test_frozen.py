@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tailorstore import Store
+from tailorstore.store.index.catalogue import Catalogue
 from testbed.runs import train_tiny
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,7 @@ def test_frozen_layers_are_written_once(tmp_path: Path) -> None:
         blobs: dict[int, dict[str, set[str]]] = {}
         for result in results:
             by_layer: dict[str, set[str]] = {}
-            for atom in store.repo.catalogue.atoms(result.manifest):
+            for atom in store.repo.view(Catalogue).atoms(result.manifest):
                 by_layer.setdefault(atom.layer, set()).add(atom.blob)
             blobs[result.step] = by_layer
         raw = sum(r.raw_bytes for r in results)

@@ -18,6 +18,7 @@ from tailorstore.core.errors import LeaseLostError
 from tailorstore.core.failpoints import requests_made
 from tailorstore.curate.gc import Retention, plan_gc
 from tailorstore.store import gc_notices
+from tailorstore.store.index.catalogue import Catalogue
 from testbed.local_s3 import BUCKET, LocalS3
 
 
@@ -85,7 +86,7 @@ def test_a_publication_after_a_whole_gc_finds_its_objects_gone(
     with Store.init(s3_location) as store:
         store.commit(at3)
         repo = store.repo
-        needs = repo.catalogue.referenced_blobs(repo.resolve("step=3"))
+        needs = repo.view(Catalogue).referenced_blobs(repo.resolve("step=3"))
         gc_notices.check_publication(repo.backend, needs, "checking", repo.size_lookup(needs))  # all there
         packed = next(b for b in needs if b.pack is not None)
         repo.backend.delete(packed.key())  # what the gc deleted between the put and the read

@@ -32,6 +32,7 @@ from tailorstore.core.atoms import TensorSlot
 from tailorstore.core.errors import StoreError
 from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.report.diff import change_matrix
+from tailorstore.store.index.catalogue import Catalogue
 from tailorstore.store.repo import Repository
 
 MODEL = "mp_rank_00_model_states.pt"
@@ -171,7 +172,7 @@ def test_a_directory_in_an_objects_place_is_a_damaged_store(two_steps, tmp_path:
     """A directory where a blob or pack should be opens (a directory does) and failed at its
     first read: 'Is a directory', naming nothing, exit 2. It is a missing object: exit 3, named."""
     store, _ = two_steps
-    master = max(store.catalogue.atoms(2, kind="master"), key=lambda a: a.nbytes)
+    master = max(store.view(Catalogue).atoms(2, kind="master"), key=lambda a: a.nbytes)
     file, _, _ = blob_object(store, master.blob)
     file.parent.chmod(0o755)
     file.unlink()

@@ -107,57 +107,159 @@ def test_the_index_is_private_to_the_store() -> None:
         text = (ROOT / path).read_text()
         for line, module in imports(path):
             sql = module == "sqlite3" and path.parts[0] != "benchmarks"  # build_thousand fabricates a fixture
-            if module.startswith("tailorstore.store.index._index") or sql:
+            if module.startswith(("tailorstore.store.index._index", "tailorstore.store.index.catalogue")) or sql:
                 wrong.append(f"{path}:{line}: imports {module}")
         tree = ast.parse(text)
         called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}  # list.index(x) is no index
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in ("index", "_index", "conn") and id(node) not in called:
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("index", "_index", "conn", "catalogue")
+                and id(node) not in called
+            ):
                 if str(path) in DCP_ITEMS and isinstance(node.value, ast.Name) and node.value.id in ("item", "result"):
                     continue  # DCP's WriteItem.index and WriteResult.index: its MetadataIndex, not ours
                 wrong.append(f"{path}:{node.lineno}: .{node.attr}")
     assert not wrong, "\n".join(wrong)
 
 
-def test_operations_ask_only_what_the_catalogue_declares() -> None:
-    """Every method called on ``<x>.catalogue`` or on a transaction's handle is one the
-    protocols declare, and the index implements every one of them."""
-    from tailorstore.store.index._index import Index
-    from tailorstore.store.index.catalogue import Catalogue, CatalogueEdit
+def _module_name(path: Path) -> str:
+    return ".".join(path.with_suffix("").parts)
 
-    declared_reads = {n for n in dir(Catalogue) if not n.startswith("_")}
+
+def _role_named(module: object, node: ast.expr) -> type | None:
+    """The class an expression in ``module`` names (``Contents``, ``structure.ModelShape``)."""
+    if isinstance(node, ast.Name):
+        found = getattr(module, node.id, None)
+    elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        found = getattr(getattr(module, node.value.id, None), node.attr, None)
+    else:
+        return None
+    return found if isinstance(found, type) else None
+
+
+class _RoleUse(ast.NodeVisitor):
+    """Which names each function binds to a role view, and every attribute asked of one. A name is
+    bound by ``x = <h>.view(Role)``, ``with <h>.transaction(Role) as x`` or a parameter annotated
+    with a role; ``<h>.view(Role).method`` asks directly. Nested functions see their parents'."""
+
+    def __init__(self, module: object, roles: set[type]) -> None:
+        self.module, self.roles = module, roles
+        self.scopes: list[dict[str, type]] = [{}]
+        self.asked: list[tuple[int, type, str]] = []
+        self.calls: list[tuple[int, str, list[ast.expr]]] = []
+
+    def _role_of_call(self, node: ast.expr) -> type | None:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("view", "transaction") and len(node.args) == 1:
+                role = _role_named(self.module, node.args[0])
+                return role if role in self.roles else None
+        return None
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        bound = dict(self.scopes[-1])
+        for arg in [*node.args.args, *node.args.kwonlyargs]:
+            role = _role_named(self.module, arg.annotation) if arg.annotation is not None else None
+            if role in self.roles:
+                bound[arg.arg] = role
+            else:
+                bound.pop(arg.arg, None)
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Assign) and len(inner.targets) == 1 and isinstance(inner.targets[0], ast.Name):
+                if (role := self._role_of_call(inner.value)) is not None:
+                    bound[inner.targets[0].id] = role
+            elif isinstance(inner, ast.With):
+                for item in inner.items:
+                    if isinstance(item.optional_vars, ast.Name) and (role := self._role_of_call(item.context_expr)):
+                        bound[item.optional_vars.id] = role
+        self.scopes.append(bound)
+        self.generic_visit(node)
+        self.scopes.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if isinstance(node.func, ast.Attribute) and node.func.attr in ("view", "transaction"):
+            self.calls.append((node.lineno, node.func.attr, node.args))
+        self.generic_visit(node)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in self.scopes[-1]:
+            self.asked.append((node.lineno, self.scopes[-1][owner.id], node.attr))
+        elif (role := self._role_of_call(owner)) is not None:
+            self.asked.append((node.lineno, role, node.attr))
+        self.generic_visit(node)
+
+
+def _roles_in(module: object) -> set[type]:
+    from tailorstore.store.index.catalogue import CatalogueEdit
+    from tailorstore.store.index.roles import members
+
     declared = {n for n in dir(CatalogueEdit) if not n.startswith("_")}
-    assert declared_reads < declared
-    assert all(callable(getattr(Index, n, None)) or isinstance(getattr(Index, n, None), property) for n in declared)
-    wrong = []
+    found = set()
+    for value in vars(module).values():
+        if isinstance(value, type) and getattr(value, "_is_protocol", False) and members(value) <= declared:
+            found.add(value)
+        elif type(value).__name__ == "module" and value.__name__.startswith("tailorstore."):
+            found |= {v for v in vars(value).values() if isinstance(v, type) and getattr(v, "_is_protocol", False)}
+    return {r for r in found if members(r) and members(r) <= declared}
+
+
+def test_each_operation_sees_the_index_only_through_its_small_role() -> None:
+    """Issue 49: each operation declares the protocol of index methods it uses (at most eight),
+    asks the repository for that view, and calls nothing else on it. No role names what only
+    the publisher does (insert a manifest's rows, set its tier or metrics)."""
+    import importlib
+
+    from tailorstore.store.index.roles import MOST_METHODS, PUBLISHING, members
+
+    wrong, used = [], set()
     for path in _outside_store():
-        tree = ast.parse((ROOT / path).read_text())
-        handles = {  # names bound by ``with <x>.transaction() as NAME`` and ``def rows(NAME: CatalogueEdit)``
-            item.optional_vars.id
-            for node in ast.walk(tree)
-            if isinstance(node, ast.With)
-            for item in node.items
-            if isinstance(item.optional_vars, ast.Name)
-            and isinstance(item.context_expr, ast.Call)
-            and isinstance(item.context_expr.func, ast.Attribute)
-            and item.context_expr.func.attr == "transaction"
-        } | {
-            a.arg
-            for node in ast.walk(tree)
-            if isinstance(node, ast.FunctionDef)
-            for a in node.args.args
-            if isinstance(a.annotation, ast.Name) and a.annotation.id in ("Catalogue", "CatalogueEdit")
-        }
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.Attribute):
-                continue
-            owner = node.value
-            on_catalogue = isinstance(owner, ast.Attribute) and owner.attr == "catalogue"
-            on_handle = isinstance(owner, ast.Name) and owner.id in handles
-            allowed = declared_reads if on_catalogue else declared
-            if (on_catalogue or on_handle) and node.attr not in allowed:
-                wrong.append(f"{path}:{node.lineno}: .{node.attr} is not declared")
+        module = importlib.import_module(_module_name(path))
+        roles = _roles_in(module)
+        visitor = _RoleUse(module, roles)
+        visitor.visit(ast.parse((ROOT / path).read_text()))
+        for line, what, args in visitor.calls:  # a tensor's .view(dtype) names no class: not ours
+            named = _role_named(module, args[0]) if len(args) == 1 else None
+            protocol = getattr(named, "_is_protocol", False)  # numpy's .view(np.uint32) names a class too
+            if (what == "transaction" and named not in roles) or (protocol and named not in roles):
+                wrong.append(f"{path}:{line}: .{what}() names no role of the index")
+        for line, role, name in visitor.asked:
+            used.add(role)
+            if name not in members(role):
+                wrong.append(f"{path}:{line}: .{name} is not in {role.__name__}")
+    for role in used:
+        if len(members(role)) > MOST_METHODS:
+            wrong.append(f"{role.__module__}.{role.__name__} names {len(members(role))} methods")
+        if members(role) & PUBLISHING:
+            wrong.append(f"{role.__module__}.{role.__name__} names {sorted(members(role) & PUBLISHING)}")
     assert not wrong, "\n".join(wrong)
+    assert len(used) >= 15, sorted(r.__name__ for r in used)  # the roles are found, not skipped
+
+
+def test_a_role_view_answers_only_its_own_methods(tmp_path: Path) -> None:
+    """At run time, not just in this file: a role view is not the index, and refuses the rest."""
+    import pytest
+
+    from tailorstore.access.contents import Contents
+    from tailorstore.curate.gc import GcDrop
+    from tailorstore.store.repo import Repository
+
+    Repository.init(str(tmp_path / "store")).close()
+    repo = Repository.open(str(tmp_path / "store"))
+    try:
+        contents = repo.view(Contents)
+        assert contents.files(1) == []
+        for name in ("insert_manifest", "delete_blobs", "manifests", "conn", "transaction"):
+            with pytest.raises(AttributeError, match="Contents offers no"):
+                getattr(contents, name)
+        with repo.transaction(GcDrop) as edit:
+            edit.delete_blobs([])
+            with pytest.raises(AttributeError, match="GcDrop offers no"):
+                edit.insert_manifest  # noqa: B018
+    finally:
+        repo.close()
 
 
 def test_every_lock_timeout_defaults_to_the_one_constant() -> None:

@@ -21,6 +21,7 @@ from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.backends.base import pack_key
 from tailorstore.store.index._index import Index
+from tailorstore.store.index.catalogue import Catalogue
 from tailorstore.store.manifest_objects import MANIFEST_PREFIX, is_manifest_key, sync
 from tailorstore.store.packs.pack import PACK_BELOW, pack_names, read_trailer
 from tailorstore.store.repo import Repository
@@ -190,7 +191,10 @@ def test_rows_naming_a_gone_pack_are_placed_again_before_gc_plans(runs: Runs, tm
     the trailer of the pack that holds the blobs, so gc never takes that pack for empty."""
     store, save, before, plan = _repacked_store(runs, tmp_path)
     moved = [
-        b.hash for name in store.catalogue.packs() if name not in before for b in store.catalogue.blobs_in_pack(name)
+        b.hash
+        for name in store.view(Catalogue).packs()
+        if name not in before
+        for b in store.view(Catalogue).blobs_in_pack(name)
     ]
     assert moved, "the repack moved live blobs into a new pack"
     # the damage: the moved blobs point back at the old pack
@@ -233,7 +237,7 @@ def test_a_store_opened_while_gc_thins_a_step_keeps_that_step(runs: Runs, tmp_pa
     assert sorted(m.step for m in index.manifests()) == [3, 6]
     index.close()
     with Repository.open(root) as store:
-        assert {m.step: m.tier for m in store.catalogue.manifests()} == {3: "weights", 6: None}
+        assert {m.step: m.tier for m in store.view(Catalogue).manifests()} == {3: "weights", 6: None}
         gc(store, Retention())
         problems = verify(store, deep=True)
         assert problems.ok, problems.problems[:3]

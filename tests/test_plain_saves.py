@@ -14,6 +14,7 @@ import torch
 
 from tailorstore import Store
 from tailorstore.core.layers import layer_of
+from tailorstore.store.index.catalogue import Catalogue
 from testbed.compare import same_tree
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ def train_steps(model, optim, first: int, last: int) -> None:
 
 def atoms_by_kind(store: Store, ref: str) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
-    for atom in store.repo.catalogue.atoms(store.show(ref).summary.manifest):
+    for atom in store.repo.view(Catalogue).atoms(store.show(ref).summary.manifest):
         out.setdefault(atom.kind, set()).add(atom.param)
     return out
 

@@ -17,6 +17,7 @@ from tailorstore import BadCheckpointError
 from tailorstore.formats.dcp import read_metadata
 from tailorstore.formats.source import InputFile
 from tailorstore.formats.torch_pickle import read_torch_zip
+from tailorstore.store.index.catalogue import Catalogue
 
 
 def _zip(path: Path, data_pkl: bytes) -> Path:
@@ -116,6 +117,6 @@ def test_a_hostile_file_in_a_save_does_not_change_the_masters_of_a_later_commit(
         except BadCheckpointError:
             pass  # refused is fine; recording the next commit's masters as int32 is not
         store.commit(save, step=2)
-        atoms = store.repo.catalogue.atoms(store.repo.resolve("step=2"))
+        atoms = store.repo.view(Catalogue).atoms(store.repo.resolve("step=2"))
         assert {a.dtype for a in atoms} == {"float32"}, atoms
     pickle.loads(pickle.dumps(io.BytesIO))  # the test process's own pickle machinery still works

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import copy_tree, tailor
 
+from tailorstore.store.index.catalogue import Catalogue
+
 CHECKPOINT = Path(__file__).parent / "data" / "format1" / "checkpoint"
 TRAP = (
     "CREATE TABLE trap (manifest INTEGER REFERENCES manifests(id) DEFERRABLE INITIALLY DEFERRED)",
@@ -67,3 +69,44 @@ def test_a_failed_index_commit_after_the_publish_leaves_nothing_behind(
     assert done.returncode == 0, done.stderr
     assert len(manifest_objects(store)) == len(before) + 1
     assert tailor("verify", store=store).returncode == 0
+
+
+def test_rows_read_from_a_step_replaced_meanwhile_are_refused_whole(small_store: Path, tmp_path: Path) -> None:
+    """record_manifest takes a manifest's rows as a value, built before its transaction opens, so
+    it checks that the manifests they were read from are still the versions read: a merge built
+    from step 6 while another process replaced step 6 (``--force``) would record layers and atoms
+    of a manifest that is gone. It is refused as the race it is (exit 4, run it again), and nothing
+    is recorded or published; the same rows record once nothing changed under them."""
+    from dataclasses import replace
+
+    from tailorstore import Store
+    from tailorstore.core.errors import StepChangedError
+    from tailorstore.curate.merge_spec import merge_record
+    from tailorstore.store.index.records import MERGE
+    from tailorstore.store.publish import ManifestRows, record_manifest
+
+    store = copy_tree(small_store, tmp_path / "store")
+    assert tailor("commit", str(CHECKPOINT), "--step", "6", store=store).returncode == 0
+
+    def rows_from_step_6(handle: Store) -> ManifestRows:
+        repo = handle.repo
+        base = repo.manifest(repo.resolve("step=6"))
+        files, atoms, layers = (
+            repo.view(Catalogue).files(base.id),
+            repo.view(Catalogue).atoms(base.id),
+            repo.view(Catalogue).layers(base.id),
+        )
+        record = merge_record(base, "copy", {"name": "merge", "spec": {}}, tmp_path / "spec.yaml")
+        layers = [replace(x, stored=False, change=None) for x in layers]
+        return ManifestRows(record, files, atoms, layers, derived_from=[base])
+
+    with Store.open(store) as handle:
+        rows = rows_from_step_6(handle)
+        assert tailor("commit", str(CHECKPOINT), "--step", "6", "--force", store=store).returncode == 0
+        before = manifest_objects(store)
+        with pytest.raises(StepChangedError, match="step 6 was removed or replaced"):
+            record_manifest(handle.repo, rows, fence=None)
+        assert manifest_objects(store) == before
+        assert handle.repo.view(Catalogue).tagged("copy") is None
+        [merged] = record_manifest(handle.repo, rows_from_step_6(handle), fence=None)
+        assert handle.repo.manifest(merged).origin == MERGE and handle.repo.view(Catalogue).tagged("copy").id == merged

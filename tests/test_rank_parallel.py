@@ -14,13 +14,14 @@ from conftest import Runs, as_of_step, manifest_rows
 
 from tailorstore import Store
 from tailorstore.ingest.rank_share import Survey, checked_weights, owner_of, writers
+from tailorstore.store.index.catalogue import Catalogue
 from testbed.compare import same_tree
 from testbed.runs import torchrun
 
 
 def _rows(store: Store) -> tuple[list, list, set[str]]:
     (manifest,) = [m.manifest for m in store.log()]
-    index = store.repo.catalogue
+    index = store.repo.view(Catalogue)
     files = sorted(astuple(f) for f in index.files(manifest))
     atoms = sorted(astuple(a) for a in index.atoms(manifest))
     return files, atoms, index.blob_hashes()

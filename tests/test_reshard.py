@@ -26,6 +26,7 @@ import tailorstore
 from tailorstore.access import atom_reader
 from tailorstore.access.model_tensors import model_view, read_float32, read_raw
 from tailorstore.restore import reshard
+from tailorstore.store.index.catalogue import Catalogue
 from testbed.runs import train_hf, train_tiny
 
 STEP = 3
@@ -243,7 +244,7 @@ def test_a_damaged_blob_stops_a_streamed_checkout_with_nothing_published(runs: R
     store = tmp_path / "store"
     with tailorstore.Store.init(store) as st:
         st.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
-        atom = max(st.repo.catalogue.atoms(1, kind=kind), key=lambda a: a.nbytes)
+        atom = max(st.repo.view(Catalogue).atoms(1, kind=kind), key=lambda a: a.nbytes)
         assert json.loads(st.repo.blob(atom.blob).codec)["id"] == "bytegroup-zstd"
         file, start, size = blob_object(st.repo, atom.blob)
     file.chmod(0o644)
@@ -305,7 +306,7 @@ def test_one_partition_is_decoded_by_both_read_ahead_helpers(
     monkeypatch.setattr(atom_reader, "stream_blob", watched)
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
-        masters = {a.blob for a in store.repo.catalogue.atoms(1, kind="master")}
+        masters = {a.blob for a in store.repo.view(Catalogue).atoms(1, kind="master")}
         store.checkout_resharded(STEP, tmp_path / "ours", world_size=1)
     helpers = set().union(*(decoders[h] for h in masters if h in decoders))
     assert masters <= set(decoders) and len(helpers) == 2, decoders
@@ -390,7 +391,7 @@ def test_a_save_before_the_first_step_reshards_and_resumes(tmp_path: Path) -> No
     store = tmp_path / "store"
     with tailorstore.Store.init(store) as st:
         st.commit(as_of_step(save, 0, tmp_path / "at0"))
-        assert not st.repo.catalogue.atoms(1, kind="exp_avg"), "a save before the first step holds no moments"
+        assert not st.repo.view(Catalogue).atoms(1, kind="exp_avg"), "a save before the first step holds no moments"
     proc = tailor("checkout", "step=0", "--world-size", "1", "--out", str(tmp_path / "ours"), store=store)
     assert proc.returncode == 0, proc.stderr
     # the universal layout of it: fp32.pt per parameter and no moments, as DeepSpeed's converter writes it

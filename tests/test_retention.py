@@ -35,6 +35,7 @@ from tailorstore.core.policies import PolicySpec
 from tailorstore.curate.thinning import thinned_contents
 from tailorstore.report.usage import usage
 from tailorstore.report.verify import verify
+from tailorstore.store.index.catalogue import Catalogue
 from tailorstore.store.index.records import AtomRecord, FileRecord
 from tailorstore.store.repo import Repository
 from testbed.compare import same_tree, tensors_identical
@@ -361,7 +362,7 @@ def test_background_commits_beside_a_thinning_gc_lose_nothing(runs: Runs, tmp_pa
     assert len(collected) >= 3 and opened >= 10, "gc and readers ran beside the commits"
     assert tailor("gc", store=root).returncode == 0
     with Repository.open(root) as repo:
-        tiers = {m.step: m.tier for m in repo.catalogue.manifests()}
+        tiers = {m.step: m.tier for m in repo.view(Catalogue).manifests()}
         assert len(tiers) == 10 * rounds and list(tiers.values()).count(None) == 2
         report = verify(repo, deep=True)
         assert report.ok, report.problems[:3]

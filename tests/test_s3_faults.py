@@ -19,6 +19,7 @@ from tailorstore.curate.refs import remove
 from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
+from tailorstore.store.index.catalogue import Catalogue
 from tailorstore.store.repo import Repository
 from testbed.compare import same_tree
 from testbed.local_s3 import LocalS3
@@ -49,7 +50,7 @@ def fresh_host(location: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def assert_intact(store: Repository, save: Path, steps: list[int], work: Path) -> None:
     report = verify(store, deep=True)
     assert report.ok, report.problems
-    held = sorted(m.step for m in store.catalogue.manifests())
+    held = sorted(m.step for m in store.view(Catalogue).manifests())
     assert set(steps) <= set(held), (steps, held)
     for step in steps:
         out = work / f"out-{step}-{time.monotonic_ns()}"
@@ -60,8 +61,8 @@ def assert_intact(store: Repository, save: Path, steps: list[int], work: Path) -
 def only_live_objects(store: Repository) -> None:
     """After a gc: every blob the backend holds is referenced, and every referenced one is held."""
     referenced = set()
-    for m in store.catalogue.manifests():
-        referenced |= store.catalogue.referenced_hashes(m.id)
+    for m in store.view(Catalogue).manifests():
+        referenced |= store.view(Catalogue).referenced_hashes(m.id)
     assert store.held_blobs() == referenced
 
 
@@ -92,7 +93,7 @@ def test_kill_commit_and_gc_on_s3(
         landed += clock.kill(proc, began)
         with fresh_host(s3_location, tmp_path, monkeypatch) as store:
             assert_intact(store, save, [3], tmp_path)
-            if any(m.step == 6 for m in store.catalogue.manifests()):  # the kill came after the commit point
+            if any(m.step == 6 for m in store.view(Catalogue).manifests()):  # the kill came after the commit point
                 assert_intact(store, save, [3, 6], tmp_path)
                 remove(store, "step=6")
             gc(store, Retention())  # the dead committer's lease is stale: its pid is gone
@@ -111,13 +112,13 @@ def test_kill_commit_and_gc_on_s3(
         if i >= KILLS and landed:
             break
         with fresh_host(s3_location, tmp_path, monkeypatch) as store:
-            if not any(m.step == 3 for m in store.catalogue.manifests()):
+            if not any(m.step == 3 for m in store.view(Catalogue).manifests()):
                 commit_checkpoint(store, at3)  # garbage for the next gc
         began = time.perf_counter()
         proc = start(s3_location, tmp_path / f"collector-{i}", "gc", "--keep-last", "1")
         landed += clock.kill(proc, began)
         with fresh_host(s3_location, tmp_path, monkeypatch) as store:
-            steps = sorted(m.step for m in store.catalogue.manifests())
+            steps = sorted(m.step for m in store.view(Catalogue).manifests())
             assert steps in ([3, 6], [6]), steps
             assert_intact(store, save, steps, tmp_path)
     assert landed >= 1, "no kill landed while a gc ran"
@@ -149,7 +150,7 @@ def test_two_hosts_commit_while_a_third_collects(
         for proc in hosts:
             finished(proc)
         with fresh_host(s3_location, tmp_path, monkeypatch) as store:
-            held = sorted((m.run, m.step) for m in store.catalogue.manifests())
+            held = sorted((m.run, m.step) for m in store.view(Catalogue).manifests())
             assert held == [("main", 3), ("other", 6)], held
             report = verify(store, deep=True)
             assert report.ok, report.problems

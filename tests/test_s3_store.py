@@ -25,6 +25,7 @@ from tailorstore.ingest.deletion import check_blobs_present
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
 from tailorstore.restore.export import export_step
+from tailorstore.store.index.catalogue import Catalogue
 from tailorstore.store.packs.pack_spans import plan_spans
 from tailorstore.store.repo import Repository
 from testbed.compare import same_tree
@@ -168,7 +169,7 @@ def test_reading_from_s3_costs_one_request_per_loose_blob_and_per_span_of_a_pack
     Repository.init(s3_location).close()
     with Repository.open(s3_location) as store:
         manifest = commit_checkpoint(store, at6).manifest
-        needed = store.catalogue.referenced_blobs(manifest)
+        needed = store.view(Catalogue).referenced_blobs(manifest)
         view = model_view(store, manifest)  # what export reads: masters, buffers, frozen weights
         exported_rows = [store.blob(a.blob) for t in view.tensors for a in t.atoms if a.derived is None]
     loose = [r for r in needed if r.pack is None]
@@ -260,7 +261,7 @@ def test_gc_deletes_many_objects_in_a_few_requests(
         plan = gc(store, Retention(keep_last=1))
         asked = dict(link.requests)
         assert verify(store, deep=True).ok
-        assert [m.step for m in store.catalogue.manifests()] == [6]
+        assert [m.step for m in store.view(Catalogue).manifests()] == [6]
     assert sorted(plan.orphan_files) == orphans and plan.dead_blobs
     assert not any(k.startswith("DELETE blobs") or k.startswith("DELETE packs") for k in asked), asked
     # obstore deletes through DeleteObjects (a POST), even one key: one for the dropped manifest and
@@ -284,7 +285,7 @@ def test_delete_after_commit_checks_the_blobs_with_a_listing_not_a_head_each(
         link.reset_counts()
         result = store.commit(at6, delete_after_commit=True)
         asked = dict(link.requests)
-        loose = [r for r in store.repo.catalogue.referenced_blobs(result.manifest) if r.pack is None]
+        loose = [r for r in store.repo.view(Catalogue).referenced_blobs(result.manifest) if r.pack is None]
     assert not (at6 / "global_step6").exists() and len(loose) >= 6
     # one HEAD of its own lease, just before the manifest is recorded (fencing), and none per blob
     assert asked.get("HEAD locks") == 1 and not any(k.startswith("HEAD b") for k in asked), asked

@@ -19,6 +19,7 @@ from tailorstore import BadCheckpointError, CorruptStoreError, Store, UnsafePick
 from tailorstore.formats.layout import detect
 from tailorstore.formats.source import InputFile
 from tailorstore.formats.torch_pickle import read_torch_zip
+from tailorstore.store.index.catalogue import Catalogue
 from testbed.compare import same_tree
 
 
@@ -186,7 +187,7 @@ def test_a_tensor_of_negative_size_is_refused(dims: tuple[int, int], tmp_path: P
     victim.rename(save / "ckpt.pt")
     with Store.init(tmp_path / "store") as store:  # a plain file it refuses is kept whole, never cut
         store.commit(save, step=1)
-        assert store.repo.catalogue.atoms(store.repo.resolve("latest")) == []
+        assert store.repo.view(Catalogue).atoms(store.repo.resolve("latest")) == []
         store.checkout("latest", tmp_path / "out")
     assert (tmp_path / "out" / "save" / "ckpt.pt").read_bytes() == (save / "ckpt.pt").read_bytes()
 

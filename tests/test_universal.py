@@ -15,6 +15,7 @@ import torch
 from conftest import HFRun, Runs, as_of_step, commit_and_reset_reads, index_db, tailor
 
 import tailorstore
+from tailorstore.store.index.catalogue import Catalogue
 
 
 def ds_to_universal(tag_dir: Path, out: Path) -> Path:
@@ -104,7 +105,7 @@ def test_a_step_missing_one_of_its_adam_moments_is_refused_as_damaged(runs: Runs
     store = tmp_path / "store"
     with tailorstore.Store.init(store) as st:
         st.commit(as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "at3"))
-        param = st.repo.catalogue.atoms(1, kind="exp_avg_sq")[0].param
+        param = st.repo.view(Catalogue).atoms(1, kind="exp_avg_sq")[0].param
         index_db(st.repo).execute("DELETE FROM atoms WHERE param = ? AND kind = 'exp_avg_sq'", (param,))
     out = tmp_path / "out"
     proc = tailor("checkout", "step=3", "--format", "universal", "--out", str(out), store=store)

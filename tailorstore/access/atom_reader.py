@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import xxhash
 
+from tailorstore.access.contents import Contents
 from tailorstore.core.atoms import MASTER
 from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.rounding import ROUND_FROM_MASTER, rounded_chunks
@@ -89,7 +90,7 @@ def stream_rebuilt(store: Repository, manifest: int, atom: AtomRecord, where: st
         raise CorruptStoreError(f"{where}: unknown derivation {atom.derived!r}; upgrade tailorstore")
     if atom.start != 0:
         raise CorruptStoreError(f"{where}: the derived weight of {atom.param} does not start at its first element")
-    pieces = store.catalogue.atoms(manifest, param=atom.param, kind=MASTER, derived=False)
+    pieces = store.view(Contents).atoms(manifest, param=atom.param, kind=MASTER, derived=False)
     unique = sorted({(p.start, p.numel): p for p in pieces}.items())
     hasher = xxhash.xxh3_128()
     cursor = 0

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tailorstore.access.atom_reader import decode_atom
+from tailorstore.access.contents import Contents
 from tailorstore.core import atoms as A
 from tailorstore.core.rounding import widened
 from tailorstore.store.repo import Repository
@@ -45,7 +46,9 @@ def stored_pieces(
     ``keys`` limits the decoding to those pieces, so a caller streaming file by file holds
     only one file's worth.
     """
-    atoms = sorted(store.catalogue.atoms(manifest, layer=layer, kind=kind), key=lambda a: (a.param, a.rank, a.start))
+    atoms = sorted(
+        store.view(Contents).atoms(manifest, layer=layer, kind=kind), key=lambda a: (a.param, a.rank, a.start)
+    )
     return {
         (a.param, a.rank, a.start): widened(decode_atom(store, manifest, a, "measuring change"), a.dtype)
         for a in atoms

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from tailorstore.access.atom_reader import blob_of, decode_atom_into, decode_stored_atom, stream_atom
+from tailorstore.access.contents import Contents
 from tailorstore.access.dcp_folders import dcp_folders, folder_metadata
 from tailorstore.core.atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
@@ -150,7 +151,7 @@ def model_view(store: Repository, manifest: int) -> ModelView:
     """Every tensor of the model's state dict at ``manifest``, in DeepSpeed's parameter order
     (for a DCP step, in the order its ``.metadata`` lists them)."""
     facts = store.manifest(manifest)
-    files = store.catalogue.files(manifest)
+    files = store.view(Contents).files(manifest)
     if any(f.kind == DCP for f in files) and not any(f.kind == TORCH for f in files):
         return _dcp_view(store, facts, files)
     states = model_states_file(files, facts.step)
@@ -201,7 +202,7 @@ def model_view(store: Repository, manifest: int) -> ModelView:
 def _pieces(store: Repository, manifest: int) -> dict[tuple[str, str], list[AtomRecord]]:
     """The manifest's atoms of the kinds a model view reads, by (parameter, kind)."""
     by_param: dict[tuple[str, str], list[AtomRecord]] = defaultdict(list)
-    for atom in store.catalogue.atoms(manifest):
+    for atom in store.view(Contents).atoms(manifest):
         if atom.kind in _VIEWED:
             by_param[(atom.param, atom.kind)].append(atom)
     return by_param
@@ -355,7 +356,7 @@ def committed_tree(store: Repository, manifest: int, row: FileRecord, where: str
         skeleton, entries = split_tensors(tree, where=where, file_size=row.raw_size)
         slots = [TensorSlot(e.slot, e.tensor.dtype, tuple(e.tensor.shape)) for e in entries]
     by_slot: dict[int, list[AtomRecord]] = defaultdict(list)
-    for atom in store.catalogue.atoms(manifest, path=row.path):
+    for atom in store.view(Contents).atoms(manifest, path=row.path):
         by_slot[atom.slot].append(atom)
     tensors = {
         s.slot: TensorOut(

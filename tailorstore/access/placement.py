@@ -28,6 +28,7 @@ from typing import Any
 import xxhash
 
 from tailorstore.access.atom_reader import stream_atom
+from tailorstore.access.contents import Contents
 from tailorstore.core.atoms import MASTER
 from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.paths import safe_join
@@ -185,7 +186,7 @@ class PlacedFiles:
                     row.path, PlacedWriter(path, row.raw_size), f"step {facts.step}, file {row.path}",
                     row.raw_size, row.kind,
                 )  # fmt: skip
-            self.blobs = {b.hash: b for b in store.catalogue.referenced_blobs(facts.id)}
+            self.blobs = {b.hash: b for b in store.view(Contents).referenced_blobs(facts.id)}
             self.atoms = _atoms(store, facts.id, self.targets, self.blobs)
             for row in rows:
                 _write_container(store, row, self.targets[row.path], self.atoms[row.path])
@@ -272,7 +273,7 @@ def _atoms(
 ) -> dict[str, list[AtomRecord]]:
     """The atoms of the files being written, by file in file order, each checked to fit its place."""
     by_path: dict[str, list[AtomRecord]] = {path: [] for path in targets}
-    for a in store.catalogue.atoms(manifest):
+    for a in store.view(Contents).atoms(manifest):
         if a.path not in by_path:
             continue
         target = targets[a.path]

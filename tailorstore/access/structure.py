@@ -8,11 +8,21 @@ steps give theirs from their atom rows; a commit of another model is refused unl
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import Call, StoreError
 from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER, PLAIN_FILE, PLAIN_FOLDER
-from tailorstore.store.index.catalogue import Catalogue
 from tailorstore.store.index.records import AtomRecord, ManifestRecord
+
+
+class ModelShape(Protocol):
+    """The index as the model-shape check sees it: the run's newest commit, and a manifest's parameter sizes."""
+
+    def last_recorded_commit(self, run: str) -> ManifestRecord | None: ...
+
+    def param_sizes(self, manifest: int, kinds: tuple[str, str]) -> dict[str, int]: ...
+
 
 Structure = dict[str, int]  # parameter -> elements
 
@@ -35,7 +45,7 @@ def from_atoms(atoms: list[AtomRecord]) -> Structure:
     return out
 
 
-def of_manifest(index: Catalogue, manifest: int) -> Structure:
+def of_manifest(index: ModelShape, manifest: int) -> Structure:
     return index.param_sizes(manifest, (A.WEIGHT, A.MASTER))
 
 
@@ -59,7 +69,7 @@ FRAMEWORKS = {
 
 
 def refuse_other_model(
-    index: Catalogue, new: Structure, run: str, base: ManifestRecord | None = None, layout: str | None = None
+    index: ModelShape, new: Structure, run: str, base: ManifestRecord | None = None, layout: str | None = None
 ) -> None:
     """Refuse a commit whose model differs from the run's newest committed step (or, for a run
     with no commits yet, from the step it branched from): another model belongs in a run of its own.

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from tailorstore.access.atom_reader import decode_atom
 from tailorstore.core.atoms import MASTER, WEIGHT
@@ -26,6 +27,15 @@ from tailorstore.store import archive_codec
 from tailorstore.store.index.records import THIN_ARCHIVE, AtomKey, AtomRecord, BlobRecord, ManifestRecord
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.repo import Repository
+
+
+class ArchiveHistory(Protocol):
+    """The index as archiving finds the previous archived step of a run."""
+
+    def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
+
+    def atoms_by_key(self, manifest: int, layer: str | None = None) -> dict[AtomKey, AtomRecord]: ...
+
 
 ARCHIVE_FROM = 4096  # elements: smaller weights are kept exact at the archive tier
 KEYFRAME_EVERY = 16  # an archived weight's chain holds at most this many blobs before a new keyframe
@@ -70,12 +80,12 @@ def _previous_archived(store: Repository, record: ManifestRecord) -> dict[AtomKe
     """The atoms of the latest archived step of ``record``'s run before it: what it is quantized against."""
     earlier = [
         m
-        for m in store.catalogue.manifests(record.run)
+        for m in store.view(ArchiveHistory).manifests(record.run)
         if m.tier == THIN_ARCHIVE and m.step < record.step and m.origin == record.origin
     ]
     if not earlier:
         return {}
-    return store.catalogue.atoms_by_key(max(earlier, key=lambda m: m.step).id)
+    return store.view(ArchiveHistory).atoms_by_key(max(earlier, key=lambda m: m.step).id)
 
 
 def _chain(base: BlobRecord) -> tuple[str, ...]:

@@ -36,11 +36,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from tailorstore.access.atom_reader import decode_atom, decode_atom_into
+from tailorstore.access.contents import Contents
 from tailorstore.access.model_tensors import tiling
 from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, CorruptStoreError, MergeSpecError, StepExistsError
@@ -50,12 +51,18 @@ from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
 from tailorstore.curate.merge_result import MergeResult
 from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, merge_record, ref_of
-from tailorstore.store.index.catalogue import CatalogueEdit
-from tailorstore.store.index.records import THIN_ARCHIVE, THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord
+from tailorstore.store.index.records import THIN_ARCHIVE, THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord, ManifestRecord
 from tailorstore.store.packs.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.packs.writer import BlobWriter
-from tailorstore.store.publish import record_manifest
+from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest
 from tailorstore.store.repo import MAX_STEP, Repository
+
+
+class AveragingView(Contents, Protocol):
+    """The read path's view, and whether the tag is free before any average is written."""
+
+    def tagged(self, tag: str) -> ManifestRecord | None: ...
+
 
 METHODS = ("sma", "ema", "wma")
 AVERAGED_KINDS = (MASTER, EXP_AVG, EXP_AVG_SQ)
@@ -226,7 +233,8 @@ def average(
         store.refresh(lock)  # another host's gc may have dropped a step since the store was opened
         manifests = [store.resolve(f"step={s}", run) for s in parsed.steps]
         base = store.resolve(parsed.base, run) if parsed.base else manifests[-1]
-        if store.catalogue.tagged(tag):
+        read_from = [store.manifest(m) for m in sorted({base, *manifests})]  # as they are now
+        if store.view(AveragingView).tagged(tag):
             raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
         base_record = store.manifest(base)
         if base_record.tier is not None:
@@ -234,26 +242,24 @@ def average(
                 f"the base, step {base_record.step}, was thinned to {base_record.tier}: the average takes its "
                 "moments and files from the base, so name a whole step as base ({step: N})"
             )
-        layers = chosen_layers(parsed.layers, {x.layer for x in store.catalogue.layers(base)}, str(spec_path))
+        layers = chosen_layers(parsed.layers, {x.layer for x in store.view(AveragingView).layers(base)}, str(spec_path))
         writer = BlobWriter(store)
         with cleaned_up_on_failure(store, writer, lock, Silent()):
             replaced = _write_averages(store, base, manifests, parsed, layers, writer)
             new_blobs = writer.finish()
         record = merge_record(base_record, tag, {"name": "average", "spec": spec}, spec_path, new_blobs)
 
-        def rows(edit: CatalogueEdit) -> int:
-            if edit.tagged(tag):
-                raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
-            edit.add_packs(writer.new_packs())
-            edit.upsert_blobs(new_blobs)
-            new = edit.insert_manifest(record)
-            edit.insert_files(new, edit.files(base))
-            edit.insert_atoms(new, [replaced.get(a.key(), a) for a in edit.atoms(base)])
-            edit.insert_layers(new, _layers(edit.layers(base), layers, new, base_record.step))
-            return new
-
+        rows = ManifestRows(
+            record,
+            store.view(AveragingView).files(base),
+            [replaced.get(a.key(), a) for a in store.view(AveragingView).atoms(base)],
+            _layers(store.view(AveragingView).layers(base), layers, base_record.step),
+            blobs=new_blobs,
+            packs=writer.new_packs(),
+            derived_from=read_from,
+        )
         try:
-            new = record_manifest(store, rows, fence=lock).manifest
+            [new] = record_manifest(store, rows, fence=lock)
         except BaseException:
             if lock.try_exclusive():
                 remove_unindexed(store, writer, lock)
@@ -273,10 +279,10 @@ def average(
     )
 
 
-def _layers(base_layers: list[LayerRecord], averaged: set[str], new: int, step: int) -> list[LayerRecord]:
+def _layers(base_layers: list[LayerRecord], averaged: set[str], step: int) -> list[LayerRecord]:
     """Averaged layers are the new manifest's own; the others say where the base got them."""
     return [
-        replace(x, source=new, source_step=step, stored=True, change=None)
+        replace(x, source=THIS_MANIFEST, source_step=step, stored=True, change=None)
         if x.layer in averaged
         else replace(x, stored=False, change=None)
         for x in base_layers
@@ -294,10 +300,10 @@ def _write_averages(
     """The base's atoms that change, by key: one parameter at a time, so memory holds one
     parameter's FP32 master (for its weight) and one atom's sums, whatever the model's size."""
     by_param: dict[str, list[AtomRecord]] = defaultdict(list)
-    for atom in store.catalogue.atoms(base):
+    for atom in store.view(AveragingView).atoms(base):
         if atom.layer in layers and (atom.kind in spec.kinds or atom.kind == WEIGHT):
             by_param[atom.param].append(atom)
-    sources = [store.catalogue.atoms_by_key(m) for m in manifests]
+    sources = [store.view(AveragingView).atoms_by_key(m) for m in manifests]
     by_weights = (THIN_WEIGHTS, THIN_ARCHIVE)  # tiers whose weights stand in for their masters
     weights = [_weights_by_param(store, m) if store.manifest(m).tier in by_weights else {} for m in manifests]
     averager = _Averager(store, manifests, spec, sources, weights, writer)
@@ -312,7 +318,7 @@ def _write_averages(
 def _weights_by_param(store: Repository, manifest: int) -> dict[str, list[AtomRecord]]:
     """A step thinned to weights (or archived): its weight atoms by parameter (they stand in for its masters)."""
     out: dict[str, list[AtomRecord]] = defaultdict(list)
-    for atom in store.catalogue.atoms(manifest, kind=WEIGHT):
+    for atom in store.view(AveragingView).atoms(manifest, kind=WEIGHT):
         out[atom.param].append(atom)
     return out
 

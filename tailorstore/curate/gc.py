@@ -39,10 +39,10 @@ from __future__ import annotations
 import io
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tailorstore.core.errors import (
     LOCK_TIMEOUT,
@@ -60,13 +60,77 @@ from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
 from tailorstore.store import archive_codec, codec, gc_notices, manifest_objects
 from tailorstore.store.backends.base import blob_key
 from tailorstore.store.backends.listing import Holdings
-from tailorstore.store.index.records import COMMIT, THIN_ARCHIVE, TIERS, BlobRecord, ManifestRecord
+from tailorstore.store.index.records import COMMIT, THIN_ARCHIVE, TIERS, BlobRecord, ManifestRecord, RunRecord
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
+from tailorstore.store.manifest_objects import RefSource
 from tailorstore.store.packs.pack import PackEntry, PackWriter, pack_key, read_trailer
 from tailorstore.store.packs.pack_sync import TRAILER_READERS
 from tailorstore.store.parts import read_parts
 from tailorstore.store.repo import Repository
+
+
+class GcPlanning(Protocol):
+    """The index as gc plans: every manifest and run, which blobs the kept ones need, and the packs."""
+
+    def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
+
+    def created_runs(self) -> dict[str, RunRecord]: ...
+
+    def commit_at(self, step: int, run: str) -> ManifestRecord | None: ...
+
+    def referenced_hashes(self, manifest: int) -> set[str]: ...
+
+    def blobs_unused_by(self, keep: Iterable[int]) -> list[BlobRecord]: ...
+
+    def blob_hashes(self, *, loose_only: bool = False) -> set[str]: ...
+
+    def packs(self) -> dict[str, int]: ...
+
+    def blobs_in_pack(self, name: str) -> list[BlobRecord]: ...
+
+
+class GcSweep(RefSource, Protocol):
+    (
+        """""The index as gc reads it between its steps: the records whose refs it carries, and the
+    rows that name objects it must not delete."""
+        ""
+    )
+
+    def manifest(self, manifest: int) -> ManifestRecord | None: ...
+
+    def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
+
+    def blob_hashes(self, *, loose_only: bool = False) -> set[str]: ...
+
+    def packs_named_by_blobs(self) -> set[str]: ...
+
+
+class GcDrop(Protocol):
+    """The index as gc's one dropping transaction changes it."""
+
+    def object_keys(self, manifests: Iterable[int]) -> dict[int, str | None]: ...
+
+    def upsert_blobs(self, blobs: Iterable[BlobRecord]) -> None: ...
+
+    def delete_manifests(self, manifests: Iterable[int]) -> None: ...
+
+    def delete_blobs(self, hashes: Iterable[str]) -> None: ...
+
+    def delete_packs(self, names: Iterable[str]) -> None: ...
+
+
+class Repack(Protocol):
+    """The index as a repack moves live blobs into new packs."""
+
+    def blobs_in_pack(self, name: str) -> list[BlobRecord]: ...
+
+    def add_packs(self, packs: Iterable[tuple[str, int]]) -> None: ...
+
+    def move_blobs(self, placed: dict[str, tuple[str, int]]) -> None: ...
+
+    def delete_packs(self, names: Iterable[str]) -> None: ...
+
 
 REPACK_AT = 0.25  # repack a pack once this share of its bytes is dead
 log = logging.getLogger("tailorstore")
@@ -295,8 +359,9 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     """What gc would do under ``rules`` (one set, or several each touching its own run). Blobs a
     pending part names are live (the part waits for its finalize); a part of a step already
     recorded is dropped, and every part when ``drop_parts``."""
-    manifests = store.catalogue.manifests()
-    bases = {r.base for r in store.catalogue.created_runs().values() if r.base}
+    index = store.view(GcPlanning)
+    manifests = index.manifests()
+    bases = {r.base for r in index.created_runs().values() if r.base}
     base_ids = frozenset(m.id for m in manifests if m.object_key in bases)
     keep = {m.id for m in manifests}
     tiers: dict[int, str] = {}
@@ -324,19 +389,17 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     held: set[str] = set()
     for part in read_parts(store.backend):
         plan.seen_parts.append(part.key)
-        if drop_parts or store.catalogue.commit_at(part.step, part.run) is not None:
+        if drop_parts or index.commit_at(part.step, part.run) is not None:
             plan.drop_parts.append(part.key)
         else:
             plan.pending_parts += 1
             held |= part.blob_hashes()
     thinned = {m.id: contents_of(store, m.id, tiers[m.id]) for m in to_thin}
     still = set().union(*(c.hashes() for c in thinned.values())) if thinned else set()
-    dead = [b for b in store.catalogue.blobs_unused_by(keep) if b.hash not in held and b.hash not in still]
+    dead = [b for b in index.blobs_unused_by(keep) if b.hash not in held and b.hash not in still]
     if thinned:
-        by_drop = set().union(*(store.catalogue.referenced_hashes(m) for m, _ in plan.drop)) if plan.drop else set()
-        by_tier = {
-            tier: set().union(*(store.catalogue.referenced_hashes(m) for m in plan.thin_to(tier))) for tier in TIERS
-        }
+        by_drop = set().union(*(index.referenced_hashes(m) for m, _ in plan.drop)) if plan.drop else set()
+        by_tier = {tier: set().union(*(index.referenced_hashes(m) for m in plan.thin_to(tier))) for tier in TIERS}
         plan.freed_by_tier["drop"] = sum(b.stored_size for b in dead if b.hash in by_drop)
         for tier, used in by_tier.items():
             plan.freed_by_tier[tier] = sum(b.stored_size for b in dead if b.hash in used and b.hash not in by_drop)
@@ -350,8 +413,8 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     plan.freed_bytes = sum(b.stored_size for b in dead if b.pack is None)
     holdings = store.holdings()  # sizes from the listing: no request per orphan on an object store
     candidates: dict[str, tuple[list[str], int]] = {}  # pack -> (the list it goes to, the bytes it frees)
-    for name, size in store.catalogue.packs().items():
-        inside = store.catalogue.blobs_in_pack(name)
+    for name, size in index.packs().items():
+        inside = index.blobs_in_pack(name)
         live = sum(b.stored_size for b in inside if b.hash not in dead_set)
         if not any(b.hash not in dead_set for b in inside):
             candidates[name] = (plan.dead_packs, size)
@@ -363,12 +426,12 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
         if name not in keep_packs:
             goes_to.append(name)
             plan.freed_bytes += freed
-    indexed = store.catalogue.blob_hashes(loose_only=True)
+    indexed = index.blob_hashes(loose_only=True)
     for name, size in holdings.blobs.items():
         if name not in indexed and name not in held:
             plan.orphan_files.append(name)
             plan.freed_bytes += size
-    known = set(store.catalogue.packs())
+    known = set(index.packs())
     for name, size in holdings.packs.items():
         if name not in known:
             plan.orphan_packs.append(name)
@@ -482,15 +545,16 @@ def _gc(
         # Fencing (store/lease.py): before each step that deletes, gc must still hold its lease and be
         # alone; a gc that stalled past its lease stops there, having deleted nothing more.
         fence = _fence(lock)
+        sweep = store.view(GcSweep)
         for tier in TIERS:  # first: the blobs it materializes must exist before their masters go
-            targets = [r for m in plan.thin_to(tier) if (r := store.catalogue.manifest(m)) is not None]
+            targets = [r for m in plan.thin_to(tier) if (r := sweep.manifest(m)) is not None]
             written += thin(store, targets, tier, lock, grids=plan.grids)
         if plan.thin_to(THIN_ARCHIVE):  # which blobs die is known only once the archived weights exist
             plan = _replanned(store, plan, effective_rules(store, rules), drop_parts)
         fence()
-        manifest_objects.carry_refs(store.backend, store.catalogue, plan.superseded)  # before their objects go
+        manifest_objects.carry_refs(store.backend, sweep, plan.superseded)  # before their objects go
         store.backend.delete_many([*plan.drop_parts, *plan.superseded], fence=fence)  # before anything they name
-        with store.transaction() as edit:
+        with store.transaction(GcDrop) as edit:
             fence()
             edit.upsert_blobs(  # where the packs' trailers say they are (misplaced_blobs)
                 BlobRecord(h, e.raw_size, e.stored_size, e.codec, pack, e.offset, time.time())
@@ -512,13 +576,13 @@ def _gc(
         # Never delete an object an index row names now: a repack names its pack by its bytes, so it
         # can write again a pack the plan took for dead (one a killed gc had written before it could
         # point rows at it), and the row must win over the plan.
-        named_packs = store.catalogue.packs_named_by_blobs()
-        loose = store.catalogue.blob_hashes(loose_only=True)
+        named_packs = sweep.packs_named_by_blobs()
+        loose = sweep.blob_hashes(loose_only=True)
         blobs = [n for n in [*plan.dead_loose, *plan.orphan_files] if n not in loose]
         packs = [n for n in [*plan.dead_packs, *plan.repack, *plan.orphan_packs] if n not in named_packs]
         notice = None
         if by_time and (blobs or packs):
-            known = listed | {m.object_key for m in store.catalogue.manifests() if m.object_key} | set(plan.seen_parts)
+            known = listed | {m.object_key for m in sweep.manifests() if m.object_key} | set(plan.seen_parts)
             notice = _announce_then_check(store, plan, packs, known, fence)
         batch = store.backend.batch()
         for name in blobs:
@@ -624,7 +688,7 @@ def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> i
     writer = PackWriter(batch)
     moved = []
     for name in packs:
-        for blob in store.catalogue.blobs_in_pack(name):
+        for blob in store.view(Repack).blobs_in_pack(name):
             data = store.backend.get(blob.key(), blob.pack_offset or 0, blob.stored_size)
             codec.check_raw_size(blob.raw_size, blob.stored_size, f"repacking pack {name}: blob {blob.hash}")
             raw = bytearray(blob.raw_size)  # decoded and hash-checked: a damaged blob is never carried over
@@ -647,7 +711,7 @@ def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> i
     writer.flush()
     batch.publish()
     failpoint("gc-repack-written")
-    with store.transaction() as edit:
+    with store.transaction(Repack) as edit:
         fence()
         edit.add_packs(writer.sealed)
         edit.move_blobs({h: writer.placed[h] for h in moved})

@@ -24,16 +24,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tailorstore.core.errors import LOCK_TIMEOUT, MergeSpecError, StepExistsError
+from tailorstore.access.contents import Contents
+from tailorstore.core.errors import LOCK_TIMEOUT, MergeSpecError
 from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import STATE, block_index, sort_key
 from tailorstore.core.step_rules import check_tag
 from tailorstore.curate.averaging import average, is_averaging
 from tailorstore.curate.merge_result import MergeResult
 from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, load_spec, merge_record, ref_of
-from tailorstore.store.index.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.index.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord
-from tailorstore.store.publish import record_manifest
+from tailorstore.store.publish import ManifestRows, record_manifest
 from tailorstore.store.repo import Repository
 
 __all__ = ["MergeResult", "MergeSpecError", "merge", "parse_spec"]
@@ -89,39 +89,36 @@ def merge(
         store.refresh(lock)
         base = store.resolve(ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"), run)
         base_record = store.manifest(base)
-        layers = {x.layer for x in store.catalogue.layers(base)}
+        layers = {x.layer for x in store.view(Contents).layers(base)}
         blocks = sorted(i for name in layers if (i := block_index(name)) is not None)
         if not blocks:
             raise MergeSpecError(f"step {base_record.step} has no transformer blocks to slice")
         _, chosen = parse_spec(spec, blocks, str(spec_path))
         manifests = {ref: store.resolve(ref, run) for ref in set(chosen.values())}
-        for m in {base, *manifests.values()}:
-            if (thinned := store.manifest(m)).tier is not None:
+        read_from = [store.manifest(m) for m in sorted({base, *manifests.values()})]  # as they are now
+        for thinned in read_from:
+            if thinned.tier is not None:
                 raise MergeSpecError(
                     f"step {thinned.step} was thinned to {thinned.tier}: a composite takes every kind of state of its "
                     "layers. Average it instead (method: sma) or export it."
                 )
         sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
         record = merge_record(base_record, tag, {"name": "merge", "spec": spec}, spec_path)
-        composed: list[LayerRecord] = []
-
-        def rows(edit: CatalogueEdit) -> int:
-            if edit.tagged(tag):
-                raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
-            new = edit.insert_manifest(record)
-            edit.insert_files(new, edit.files(base))
-            edit.insert_atoms(new, _composed_atoms(edit, base, sources))
-            composed[:] = _composed_layers(edit, base, sources)
-            edit.insert_layers(new, composed)
-            return new
-
-        new = record_manifest(store, rows, fence=lock).manifest
+        composed = _composed_layers(store.view(Contents), base, sources)
+        rows = ManifestRows(
+            record,
+            store.view(Contents).files(base),
+            _composed_atoms(store.view(Contents), base, sources),
+            composed,
+            derived_from=read_from,
+        )
+        [new] = record_manifest(store, rows, fence=lock)
     ordered = dict(sorted(((x.layer, x.source_step) for x in composed), key=lambda kv: sort_key(kv[0])))
     seconds = time.perf_counter() - began
     return MergeResult(new, tag, base_record.step, ordered, chosen, seconds, store.manifest(new).name)
 
 
-def _composed_atoms(index: Catalogue, base: int, sources: dict[str, int]) -> list[AtomRecord]:
+def _composed_atoms(index: Contents, base: int, sources: dict[str, int]) -> list[AtomRecord]:
     """The base's atoms, each pointed at the blob of the same piece in its layer's source."""
     cache: dict[int, dict[AtomKey, AtomRecord]] = {}
     out = []
@@ -141,7 +138,7 @@ def _composed_atoms(index: Catalogue, base: int, sources: dict[str, int]) -> lis
     return out
 
 
-def _composed_layers(index: Catalogue, base: int, sources: dict[str, int]) -> list[LayerRecord]:
+def _composed_layers(index: Contents, base: int, sources: dict[str, int]) -> list[LayerRecord]:
     """Each layer names where its atoms really come from: the source's own source when that
     layer was inherited there too."""
     out = []

@@ -5,24 +5,23 @@ so the step gets its next version, with the metrics merged in (a name given agai
 value), through the one publisher (store/publish.py), as a thinning does.
 
 Call order: take the store lock shared (no gc between the plan and the change); bring the index
-up to date; resolve the step; in one transaction set the metrics and publish the next version
-create-only (the commit point; a host that changed the step meanwhile makes this one lose and
-change nothing), then its refs; after ``COMMIT``, delete the older version (left behind by a crash,
-it is superseded, and gc deletes it).
+up to date; resolve the step; hand the step's next record, its metrics merged, to ``record_manifest``
+as a :class:`Revision`, which publishes it create-only (the commit point; a host that changed the
+step meanwhile makes this one lose and change nothing), then its refs, and after ``COMMIT``
+deletes the older version (left behind by a crash, it is superseded, and gc deletes it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from tailorstore.core.errors import LOCK_TIMEOUT, StoreError
 from tailorstore.core.metrics import checked, decode, encode
 from tailorstore.curate.refs import changing_a_step
-from tailorstore.store import manifest_objects
-from tailorstore.store.index.catalogue import CatalogueEdit
 from tailorstore.store.index.records import COMMIT
-from tailorstore.store.publish import record_manifest
+from tailorstore.store.publish import Revision, record_manifest
 from tailorstore.store.repo import Repository
 
 
@@ -39,12 +38,5 @@ def add_metrics(
         if record.origin != COMMIT:
             raise StoreError(f"{selector} is a merge; metrics are recorded with committed steps only")
         text = encode({**decode(record.metrics), **given})
-        older = record.object_key
-
-        def rows(edit: CatalogueEdit) -> int:
-            edit.set_metrics(manifest, text)
-            return manifest
-
-        record_manifest(store, rows, fence=lock, replacing=True, restore_refs=lambda: [manifest])
-        manifest_objects.unpublish(store.backend, [older])
+        record_manifest(store, Revision(replace(record, metrics=text)), fence=lock)
     return manifest

@@ -14,16 +14,33 @@ write the ref objects; update the index; release.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, LeaseLostError, LockTimeoutError, StepExistsError, StoreError
 from tailorstore.core.failpoints import operation
 from tailorstore.core.step_rules import check_tag
 from tailorstore.store import manifest_objects
+from tailorstore.store.index.records import ManifestRecord, RunRecord
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
+from tailorstore.store.manifest_objects import RefSource
 from tailorstore.store.repo import Repository
+
+
+class RefEdits(RefSource, Protocol):
+    """The index as tags, pins and removals change it (and write the refs it then holds)."""
+
+    def tagged(self, tag: str) -> ManifestRecord | None: ...
+
+    def created_runs(self) -> dict[str, RunRecord]: ...
+
+    def set_tag(self, manifest: int, tag: str | None) -> None: ...
+
+    def set_pinned(self, manifest: int, pinned: bool) -> None: ...
+
+    def delete_manifests(self, manifests: Iterable[int]) -> None: ...
 
 
 @contextmanager
@@ -50,7 +67,7 @@ def tag(
     check_tag(name)
     with changing_a_step(store, "tag", lock_timeout, on_wait) as lock:
         manifest = store.resolve(selector)
-        with store.transaction() as edit:
+        with store.transaction(RefEdits) as edit:
             holder = edit.tagged(name)
             if holder and holder.id != manifest and not force:
                 raise StepExistsError(
@@ -101,10 +118,10 @@ def untag(
 ) -> int:
     """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
     with changing_a_step(store, "untag", lock_timeout, on_wait) as lock:
-        holder = store.catalogue.tagged(name)
+        holder = store.view(RefEdits).tagged(name)
         if holder is None:
             raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
-        with store.transaction() as edit:
+        with store.transaction(RefEdits) as edit:
             lock.check("untagging")
             manifest_objects.drop_tag(store.backend, name, fence=lambda: lock.check("untagging"))
             edit.set_tag(holder.id, None)
@@ -121,7 +138,7 @@ def pin(
 ) -> int:
     with changing_a_step(store, "pin" if pinned else "unpin", lock_timeout, on_wait) as lock:
         manifest = store.resolve(selector)
-        with store.transaction() as edit:
+        with store.transaction(RefEdits) as edit:
             edit.set_pinned(manifest, pinned)
             lock.check("pinning")
             # only the pin object: rewriting the step's tag too made a failure after the first put
@@ -149,14 +166,14 @@ def remove(
             what = "pinned" if record.pinned else f"tagged {record.tag!r}"
             undo = Call("unpin", f"step={record.step}") if record.pinned else Call("untag", str(record.tag))
             raise StoreError(f"step {record.step} is {what}; ", undo, " first, or pass ", Call(force=True))
-        heirs = [r.name for r in store.catalogue.created_runs().values() if r.base and r.base == record.object_key]
+        heirs = [r.name for r in store.view(RefEdits).created_runs().values() if r.base and r.base == record.object_key]
         if heirs and not force:
             raise StoreError(
                 f"step {record.step} is the base of run(s) {', '.join(heirs)}; pass ",
                 Call(force=True),
                 " to remove it anyway",
             )
-        with store.transaction() as edit:
+        with store.transaction(RefEdits) as edit:
             lock.check("removing a step")
             fence = lambda: lock.check("removing a step")  # noqa: E731 - again just before each request
             mine: list[str] = []

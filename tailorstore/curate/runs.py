@@ -12,13 +12,27 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, StepExistsError, UnknownStepError
 from tailorstore.core.failpoints import operation
 from tailorstore.store import manifest_objects
 from tailorstore.store.index.records import MAIN_RUN, ManifestRecord, RunRecord
 from tailorstore.store.repo import Repository
+
+
+class RunRows(Protocol):
+    """The index as runs are listed and created."""
+
+    def runs(self) -> list[RunRecord]: ...
+
+    def created_runs(self) -> dict[str, RunRecord]: ...
+
+    def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
+
+    def set_runs(self, runs: Iterable[RunRecord]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -55,12 +69,12 @@ def qualify(selector: str, run: str | None) -> str:
 
 
 def list_runs(store: Repository) -> list[RunInfo]:
-    runs = store.catalogue.runs()
+    runs = store.view(RunRows).runs()
     if not any(r.name == MAIN_RUN for r in runs):
         runs.insert(0, RunRecord(MAIN_RUN, 0.0))
     out = []
     for run in runs:
-        commits = [m for m in store.catalogue.manifests(run.name) if m.origin == "commit"]
+        commits = [m for m in store.view(RunRows).manifests(run.name) if m.origin == "commit"]
         out.append(
             RunInfo(
                 run.name,
@@ -90,7 +104,7 @@ def create_run(
     manifest_objects.check_run_name(name)
     with operation("run-create"), store.lock(exclusive=False, timeout=lock_timeout) as lock:
         store.refresh(lock)
-        if name == MAIN_RUN or any(r.name == name for r in store.catalogue.runs()):
+        if name == MAIN_RUN or any(r.name == name for r in store.view(RunRows).runs()):
             raise StepExistsError(f"run {name!r} already exists; ", Call("runs"), " shows the runs.")
         base: ManifestRecord | None = None
         if base_selector is not None:
@@ -98,7 +112,7 @@ def create_run(
             if base.object_key is None:
                 raise UnknownStepError(f"step {base.step} has no manifest object yet; run ", Call("verify"), " first.")
         record = RunRecord(name, time.time(), base.object_key if base else None)
-        with store.transaction() as edit:
+        with store.transaction(RunRows) as edit:
             manifest_objects.create_run(store.backend, record)  # the object first: it is the truth
             edit.set_runs([*edit.created_runs().values(), record])
     return RunInfo(name, record.created_at, BaseStep.of(base), 0, None)

@@ -24,7 +24,9 @@ state side by side: at every tier its moment atoms go (exp_avg, exp_avg_sq, mome
 parameters stay, an FP32 parameter (FSDP keeps them so) as the master it is.
 
 A thinned manifest is recorded again with its tier (a new object version, as ``--force``
-writes one), and the old object is deleted after the index commits. It exports and averages; it
+writes one): every target's :class:`~tailorstore.store.publish.Revision` goes to
+``record_manifest`` at once, so all of them take their next version or none does, and the old
+objects are deleted after the index commits. It exports and averages; it
 does not check out, since what it would write could not resume training.
 """
 
@@ -34,13 +36,13 @@ from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
 from tailorstore.access.atom_reader import decode_atom
+from tailorstore.access.contents import Contents
 from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
 from tailorstore.core.errors import Call, StoreError
 from tailorstore.core.progress import Silent
 from tailorstore.curate.archiving import ArchiveGrid, archivable, archived, store_rebuilt
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import DCP, TORCH
-from tailorstore.store import manifest_objects
 from tailorstore.store.index.records import (
     THIN_ARCHIVE,
     THIN_MASTER,
@@ -53,6 +55,7 @@ from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.packs.failed_writes import cleaned_up_on_failure
 from tailorstore.store.packs.writer import BlobWriter
+from tailorstore.store.publish import Revision, record_manifest
 from tailorstore.store.repo import Repository
 
 # optimizer state beside the parameters in one file (DCP, plain saves): what every tier drops
@@ -123,7 +126,7 @@ def thinned_contents(files: list[FileRecord], atoms: list[AtomRecord], tier: str
 
 
 def contents_of(store: Repository, manifest: int, tier: str) -> ThinnedContents:
-    return thinned_contents(store.catalogue.files(manifest), store.catalogue.atoms(manifest), tier)
+    return thinned_contents(store.view(Contents).files(manifest), store.view(Contents).atoms(manifest), tier)
 
 
 def thin(
@@ -167,23 +170,10 @@ def _thin(
                 contents = ThinnedContents(contents.files, archived(store, record, pairs, writer, grid), [])
             plans[record.id] = contents
         new_blobs = writer.finish()
-    replaced: list[str | None] = []
-    published: list[str] = []
-    try:
-        with store.transaction() as edit:
-            edit.add_packs(writer.new_packs())
-            edit.upsert_blobs(new_blobs)
-            for record in targets:
-                contents = plans[record.id]
-                edit.replace_contents(record.id, contents.files, contents.stored_atoms())
-                edit.set_tier(record.id, tier)
-                replaced.append(record.object_key)
-                published.append(manifest_objects.publish(store.backend, edit, record.id, fence=lock, replacing=True))
-                manifest_objects.write_refs(store.backend, edit, [record.id])  # after the object (publish says why)
-    except BaseException:
-        manifest_objects.unpublish(store.backend, published)  # the old versions still stand
-        if published:  # with their refs, which a withdrawn version may have taken
-            manifest_objects.write_refs(store.backend, store.catalogue, [r.id for r in targets])
-        raise
-    manifest_objects.unpublish(store.backend, replaced)  # after the index names the new versions
+    revisions = [
+        Revision(replace(record, tier=tier), plans[record.id].files, plans[record.id].stored_atoms())
+        for record in targets
+    ]
+    revisions[0] = replace(revisions[0], blobs=new_blobs, packs=writer.new_packs())
+    record_manifest(store, *revisions, fence=lock)  # every step's next version, or none
     return sum(b.stored_size for b in new_blobs)

@@ -50,9 +50,8 @@ from tailorstore.ingest.commit_options import CommitOptions, CommitResult, PartP
 from tailorstore.ingest.derive import RoundedMasters, is_derivable_weight
 from tailorstore.ingest.finalize import missing_pieces
 from tailorstore.ingest.pieces_ahead import PiecesAhead, Prepared, prepare, read_helpers
-from tailorstore.store import manifest_objects, parts
+from tailorstore.store import parts
 from tailorstore.store.gc_notices import check_publication
-from tailorstore.store.index.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.index.records import (
     COMMIT,
     MAIN_RUN,
@@ -70,8 +69,28 @@ from tailorstore.store.manifest_objects import check_run_name
 from tailorstore.store.packs.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.parts import Part
-from tailorstore.store.publish import record_manifest
+from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest
 from tailorstore.store.repo import Repository, check_step
+
+
+class CommitHistory(Protocol):
+    """The index as a commit plans one: the run's history to inherit layers from, and what is taken."""
+
+    def commit_at(self, step: int, run: str) -> ManifestRecord | None: ...
+
+    def commits_before(self, step: int, run: str) -> int: ...
+
+    def layer_history(self, before_step: int, run: str) -> list[StoredLayer]: ...
+
+    def layers(self, manifest: int) -> list[LayerRecord]: ...
+
+    def atoms_by_key(self, manifest: int, layer: str | None = None) -> dict[AtomKey, AtomRecord]: ...
+
+    def count_atoms(self, manifest: int, layer: str, kind: str) -> int: ...
+
+    def by_object_key(self, key: str) -> ManifestRecord | None: ...
+
+    def tagged(self, tag: str) -> ManifestRecord | None: ...
 
 
 @dataclass
@@ -117,7 +136,7 @@ def step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFi
     )
 
 
-def _refuse_existing(index: Catalogue, step: int, tag: str | None, run: str) -> None:
+def _refuse_existing(index: CommitHistory, step: int, tag: str | None, run: str) -> None:
     if index.commit_at(step, run) is not None:
         where = "the store" if run == MAIN_RUN else f"run {run!r}"
         raise StepExistsError(
@@ -139,9 +158,9 @@ def inheritance(
     """For each layer, the newest earlier committed step of the run that has it, with its atoms
     by key; then the run's base (the step it branched from), which is older than all of them."""
     found: dict[str, Inheritance] = {}
-    history = store.catalogue.layer_history(step, run)
+    history = store.view(CommitHistory).layer_history(step, run)
     if base is not None:
-        history += [StoredLayer(base.step, x) for x in store.catalogue.layers(base.id)]
+        history += [StoredLayer(base.step, x) for x in store.view(CommitHistory).layers(base.id)]
     for at_step, x in history:
         if x.layer in layers and x.layer != STATE and x.layer not in found:
             found[x.layer] = Inheritance(x.manifest, at_step, x.source, x.source_step, {})
@@ -149,7 +168,7 @@ def inheritance(
 
 
 def load_inherited_atoms(store: Repository, inherit: Inheritance, layer: str) -> None:
-    inherit.atoms.update(store.catalogue.atoms_by_key(inherit.manifest, layer))
+    inherit.atoms.update(store.view(CommitHistory).atoms_by_key(inherit.manifest, layer))
 
 
 def planned_sources(store: Repository, plan: PartPlan, layers: Iterable[str]) -> dict[str, Inheritance]:
@@ -159,7 +178,10 @@ def planned_sources(store: Repository, plan: PartPlan, layers: Iterable[str]) ->
         if layer not in plan.inherited:
             raise StoreError(f"the plan of this rank-parallel commit says nothing of layer {layer}")
         holder_key, source_key, source_step = plan.inherited[layer]
-        holder, source = store.catalogue.by_object_key(holder_key), store.catalogue.by_object_key(source_key)
+        holder, source = (
+            store.view(CommitHistory).by_object_key(holder_key),
+            store.view(CommitHistory).by_object_key(source_key),
+        )
         if holder is None or source is None:
             raise StoreError(f"layer {layer} is inherited from {holder_key}, which this store no longer holds")
         out[layer] = Inheritance(holder.id, holder.step, source.id, source_step, {})
@@ -236,13 +258,18 @@ def combine_changes(
     for terms in per_file:
         for layer, found in terms.items():
             totals.setdefault(layer, LayerChange()).add_terms(found)
-    expected = {layer: store.catalogue.count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()}
+    expected = {
+        layer: store.view(CommitHistory).count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()
+    }
     return {layer: t.value() for layer, t in totals.items() if t.pieces == expected.get(layer) and t.matched}
 
 
 def ages_of(store: Repository, sources: dict[str, Inheritance], commits_before: int, run: str) -> dict[str, int]:
     """Commits since each inheritable layer was last stored (one query per distinct source step)."""
-    before = {step: store.catalogue.commits_before(step, run) for step in {src.source_step for src in sources.values()}}
+    before = {
+        step: store.view(CommitHistory).commits_before(step, run)
+        for step in {src.source_step for src in sources.values()}
+    }
     return {layer: commits_before - before[src.source_step] for layer, src in sources.items()}
 
 
@@ -310,10 +337,11 @@ def commit_layout(
         run = options.run
         base = store.run_base(run)
         if not options.force:
-            structure.refuse_other_model(store.catalogue, scan.structure, run, base, layout.kind)
-            _refuse_existing(store.catalogue, step, tag, run)
+            structure.refuse_other_model(store.view(structure.ModelShape), scan.structure, run, base, layout.kind)
+            _refuse_existing(store.view(CommitHistory), step, tag, run)
         sources = inheritance(store, step, layers, run, base)
-        commits_before = store.catalogue.commits_before(step, run) + (base is not None)
+        read_from = {i.manifest: store.manifest(i.manifest) for i in sources.values()}  # as they are now
+        commits_before = store.view(CommitHistory).commits_before(step, run) + (base is not None)
         adaptive = needs_changes(options.policy)
         changes = _measure_changes(store, layout, scan, sources) if adaptive else {}
         ages = ages_of(store, sources, commits_before, run) if adaptive else {}
@@ -332,75 +360,49 @@ def commit_layout(
         raw_bytes = sum(f.size for f in files)
         facts = _facts(files)
         new_bytes = sum(b.stored_size for b in new_blobs)
-        replaced: ManifestRecord | None = None
-
-        def rows(edit: CatalogueEdit) -> int:
-            nonlocal replaced, tag
-            pinned = False
-            if options.force:  # the replaced step keeps its tag and pin, unless a new tag is given
-                replaced = edit.commit_at(step, run)
-                if replaced is not None:
-                    tag = tag or replaced.tag
-                    pinned = replaced.pinned
-                edit.delete_commit_at(step, run)
-                if tag and (holder := edit.tagged(tag)) is not None:
-                    edit.set_tag(holder.id, None)
-            _refuse_existing(edit, step, tag, run)
-            edit.add_packs(writer.new_packs())
-            edit.upsert_blobs(new_blobs)  # a repaired blob (rewritten because its object was missing) moves
-            manifest = edit.insert_manifest(
-                ManifestRecord(
-                    step=step,
-                    origin=COMMIT,
-                    created_at=time.time(),
-                    layout=layout.kind,
-                    ds_tag=layout.ds_tag,
-                    zero_stage=facts.get("zero_stage"),
-                    world_size=facts.get("world_size"),
-                    policy=json.dumps(options.policy.as_json()),
-                    exact=stored >= layers,
-                    raw_bytes=raw_bytes,
-                    new_bytes=new_bytes,
-                    source=source,
-                    run=run,
-                    tag=tag,
-                    pinned=pinned,
-                    metrics=options.metrics,
+        inherited = sorted({sources[layer].manifest for layer in layers - stored})
+        rows = ManifestRows(
+            ManifestRecord(
+                step=step,
+                origin=COMMIT,
+                created_at=time.time(),
+                layout=layout.kind,
+                ds_tag=layout.ds_tag,
+                zero_stage=facts.get("zero_stage"),
+                world_size=facts.get("world_size"),
+                policy=json.dumps(options.policy.as_json()),
+                exact=stored >= layers,
+                raw_bytes=raw_bytes,
+                new_bytes=new_bytes,
+                source=source,
+                run=run,
+                tag=tag,
+                metrics=options.metrics,
+            ),
+            plan.files,
+            plan.atoms,
+            [
+                LayerRecord(
+                    layer,
+                    THIS_MANIFEST if layer in stored else sources[layer].source,
+                    step if layer in stored else sources[layer].source_step,
+                    plan.layer_bytes.get(layer, 0),
+                    layer in stored,
+                    changes.get(layer),
                 )
-            )
-            edit.insert_files(manifest, plan.files)
-            edit.insert_atoms(manifest, plan.atoms)
-            edit.insert_layers(
-                manifest,
-                [
-                    LayerRecord(
-                        layer,
-                        manifest if layer in stored else sources[layer].source,
-                        step if layer in stored else sources[layer].source_step,
-                        plan.layer_bytes.get(layer, 0),
-                        layer in stored,
-                        changes.get(layer),
-                    )
-                    for layer in layers
-                ],
-            )
-            return manifest
-
-        def took_refs_of() -> list[int]:
-            """After a rollback: the manifests whose refs a withdrawn publish had moved to its key."""
-            holder = store.catalogue.tagged(tag) if tag else None
-            return [m.id for m in (replaced, holder) if m is not None]
-
+                for layer in layers
+            ],
+            blobs=new_blobs,  # a repaired blob (rewritten because its object was missing) moves
+            packs=writer.new_packs(),
+            derived_from=[read_from[m] for m in inherited],
+            replacing=options.force,  # the replaced step keeps its tag and pin, unless a new tag is given
+        )
         try:
-            manifest = record_manifest(
-                store, rows, fence=lock, replacing=options.force, restore_refs=took_refs_of
-            ).manifest  # the commit point
+            [manifest] = record_manifest(store, rows, fence=lock)  # the commit point
         except BaseException:
             if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind
                 remove_unindexed(store, writer, lock)
             raise
-        if replaced is not None:
-            manifest_objects.unpublish(store.backend, [replaced.object_key])
     return CommitResult(
         step=step,
         manifest=int(manifest),
@@ -485,7 +487,7 @@ def commit_part(
     ``elsewhere`` are written by another rank's part of the same commit. The part object is
     the commit point of a part.
     """
-    if store.catalogue.commit_at(step, options.run) is not None and not options.force:
+    if store.view(CommitHistory).commit_at(step, options.run) is not None and not options.force:
         raise StepExistsError(f"step {step} is already in the store; a part of it cannot be added any more.")
     stored, sources = scan.layers, {}
     if options.plan is not None:

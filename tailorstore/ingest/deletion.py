@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path, PurePosixPath
 
+from tailorstore.access.contents import Contents
 from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, PLAIN_FILE, PLAIN_FOLDER
@@ -30,7 +31,7 @@ def delete_once_durable(repo: Repository, manifest: int, path: Path) -> None:
 
 def check_blobs_present(repo: Repository, manifest: int) -> None:
     """Every blob the manifest names exists in the backend with its recorded size."""
-    rows = {digest: repo.blob(digest) for digest in sorted(repo.catalogue.referenced_hashes(manifest))}
+    rows = {digest: repo.blob(digest) for digest in sorted(repo.view(Contents).referenced_hashes(manifest))}
     stored_bytes = repo.size_lookup([r for r in rows.values() if r is not None])
     for digest, row in rows.items():
         if row is None or stored_bytes(row) != row.stored_size:
@@ -71,7 +72,7 @@ def _delete_committed(repo: Repository, manifest: int, path: Path) -> None:
     # folder itself in its paths (a plain folder's files were recorded as "save/ckpt.pt", so they were
     # looked for in save/save/ and nothing was deleted)
     root = path.parent if row.layout in _UNDER_PARENT else path
-    files = [f.path for f in repo.catalogue.files(manifest)]
+    files = [f.path for f in repo.view(Contents).files(manifest)]
     if row.layout == DEEPSPEED:
         files = [f for f in files if PurePosixPath(f).parts[0] == row.ds_tag]
     folders: set[Path] = set()

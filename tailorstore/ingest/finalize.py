@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tailorstore.access import structure
 from tailorstore.core.errors import (
@@ -44,12 +45,20 @@ from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_s
 from tailorstore.formats.kinds import DCP
 from tailorstore.formats.layout import DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
 from tailorstore.store.backends.base import blob_key
-from tailorstore.store.index.catalogue import CatalogueEdit
 from tailorstore.store.index.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from tailorstore.store.manifest_objects import check_run_name
 from tailorstore.store.parts import Part, read_parts
-from tailorstore.store.publish import record_manifest
+from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest
 from tailorstore.store.repo import Repository, check_step
+
+
+class FinalizeLookup(Protocol):
+    """The index as a finalize checks its parts: is the step taken, and which steps do they inherit from."""
+
+    def commit_at(self, step: int, run: str) -> ManifestRecord | None: ...
+
+    def by_object_key(self, key: str) -> ManifestRecord | None: ...
+
 
 CHECKERS = 16  # blob objects asked after at once: each a round trip, not a core
 
@@ -162,7 +171,7 @@ def _plan_sources(store: Repository, plan: dict, step: int) -> dict[str, tuple[i
     """Inherited layer -> (this index's id of its source manifest, source step)."""
     out = {}
     for layer, (_, source_key, source_step) in plan["inherited"].items():
-        source = store.catalogue.by_object_key(source_key)
+        source = store.view(FinalizeLookup).by_object_key(source_key)
         if source is None or source_step >= step:
             raise CorruptStoreError(
                 f"step {step}'s parts inherit layer {layer} from {source_key}, which is not an earlier step here"
@@ -225,7 +234,7 @@ def finalize_step(
                 Call("commit", "DIR", part=True),
                 " first.",
             )
-        if store.catalogue.commit_at(step, run) is not None:
+        if store.view(FinalizeLookup).commit_at(step, run) is not None:
             raise StepExistsError(f"step {step} is already in the store; its parts were finalized before.")
         kinds = {p.layout for p in parts}
         tags = {p.ds_tag for p in parts}
@@ -247,7 +256,9 @@ def finalize_step(
             )
         _check_blobs(store, parts)
         if not force:
-            structure.refuse_other_model(store.catalogue, structure.from_atoms(atoms), run, store.run_base(run))
+            structure.refuse_other_model(
+                store.view(structure.ModelShape), structure.from_atoms(atoms), run, store.run_base(run)
+            )
         layer_bytes: dict[str, int] = {}
         for a in atoms:
             layer_bytes[a.layer] = layer_bytes.get(a.layer, 0) + a.nbytes
@@ -256,44 +267,37 @@ def finalize_step(
         raw_bytes = sum(f.raw_size for f in files)
         new_bytes = sum(p.new_bytes for p in parts)
 
-        def rows(edit: CatalogueEdit) -> int:
-            if tag and edit.tagged(tag) is not None:
-                raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag.")
-            edit.add_blobs(b for p in parts for b in p.blobs)  # a packed blob keeps the row its pack gave
-            manifest = edit.insert_manifest(
-                ManifestRecord(
-                    step=step,
-                    origin=COMMIT,
-                    created_at=time.time(),
-                    layout=layout,
-                    ds_tag=parts[0].ds_tag,
-                    zero_stage=zero_stage,
-                    world_size=world_size,
-                    policy=json.dumps(plan["policy"] if plan else PolicySpec().as_json()),
-                    exact=not sources,
-                    raw_bytes=raw_bytes,
-                    new_bytes=new_bytes,
-                    source="; ".join(sorted(p.source for p in parts)),
-                    run=run,
-                    tag=tag,
-                    metrics=metrics,
+        changes = plan["changes"] if plan else {}
+        rows = ManifestRows(
+            ManifestRecord(
+                step=step,
+                origin=COMMIT,
+                created_at=time.time(),
+                layout=layout,
+                ds_tag=parts[0].ds_tag,
+                zero_stage=zero_stage,
+                world_size=world_size,
+                policy=json.dumps(plan["policy"] if plan else PolicySpec().as_json()),
+                exact=not sources,
+                raw_bytes=raw_bytes,
+                new_bytes=new_bytes,
+                source="; ".join(sorted(p.source for p in parts)),
+                run=run,
+                tag=tag,
+                metrics=metrics,
+            ),
+            files,
+            atoms,
+            [
+                LayerRecord(
+                    x, *(sources[x] if x in sources else (THIS_MANIFEST, step)), n, x not in sources, changes.get(x)
                 )
-            )
-            edit.insert_files(manifest, files)
-            edit.insert_atoms(manifest, atoms)
-            changes = plan["changes"] if plan else {}
-            edit.insert_layers(
-                manifest,
-                [
-                    LayerRecord(
-                        x, *(sources[x] if x in sources else (manifest, step)), n, x not in sources, changes.get(x)
-                    )
-                    for x, n in sorted(layer_bytes.items())
-                ],
-            )
-            return manifest
-
-        manifest = record_manifest(store, rows, fence=lock).manifest  # the commit point
+                for x, n in sorted(layer_bytes.items())
+            ],
+            reported_blobs=[b for p in parts for b in p.blobs],  # a packed blob keeps the row its pack gave
+            derived_from=[store.manifest(m) for m in sorted({m for m, _ in sources.values()})],
+        )
+        [manifest] = record_manifest(store, rows, fence=lock)  # the commit point
         # after the manifest is durable (a crash before leaves parts gc can drop); one request on S3
         store.backend.delete_many([part.key for part in parts])
     return FinalizeResult(

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import Protocol
 
 from tailorstore.access.changes import ChangeTerms
 from tailorstore.core.errors import StoreError
@@ -26,7 +27,16 @@ from tailorstore.formats.reader import write_order
 from tailorstore.ingest.commit import Inheritance, ages_of, combine_changes, file_change_terms, inheritance
 from tailorstore.ingest.commit_options import PartPlan
 from tailorstore.ingest.rank_share import Share, Survey
+from tailorstore.store.index.records import ManifestRecord
 from tailorstore.store.repo import Repository
+
+
+class RankPlanLookup(Protocol):
+    """The index as rank 0 plans a rank-parallel commit: the run's history, and the steps a plan names."""
+
+    def commits_before(self, step: int, run: str) -> int: ...
+
+    def by_object_key(self, key: str) -> ManifestRecord | None: ...
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ def find_sources(store: Repository, step: int, layers: frozenset[str], run: str,
     """Rank 0, under the shared lock: every layer's newest earlier version, as a commit finds it."""
     base = store.run_base(run)
     found = inheritance(store, step, layers, run, base)
-    commits_before = store.catalogue.commits_before(step, run) + (base is not None)
+    commits_before = store.view(RankPlanLookup).commits_before(step, run) + (base is not None)
     ages = ages_of(store, found, commits_before, run) if needs_changes(spec) else {}
 
     def key(manifest: int) -> str:
@@ -79,7 +89,10 @@ def resolved(store: Repository, sources: Sources) -> dict[str, Inheritance]:
     """This rank's view of the sources (its own index's ids)."""
     out: dict[str, Inheritance] = {}
     for layer, (holder_key, source_key, source_step) in sources.inherited.items():
-        holder, source = store.catalogue.by_object_key(holder_key), store.catalogue.by_object_key(source_key)
+        holder, source = (
+            store.view(RankPlanLookup).by_object_key(holder_key),
+            store.view(RankPlanLookup).by_object_key(source_key),
+        )
         if holder is None or source is None:
             raise ValueError(f"layer {layer}'s source {holder_key} is not in this host's index")
         out[layer] = Inheritance(holder.id, holder.step, source.id, source_step, {})

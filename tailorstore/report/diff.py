@@ -10,7 +10,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from tailorstore.access import structure
 from tailorstore.access.changes import relative_change, stored_pieces
@@ -18,8 +18,18 @@ from tailorstore.access.output_dir import partial_prefix, refuse_inside_store
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import StoreError
 from tailorstore.core.layers import STATE, sort_key
-from tailorstore.store.index.records import COMMIT, MAIN_RUN
+from tailorstore.store.index.records import COMMIT, MAIN_RUN, LayerRecord, ManifestRecord
 from tailorstore.store.repo import Repository
+
+
+class DiffView(Protocol):
+    """The index as diff compares steps: their layers, and the run's commits."""
+
+    def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
+
+    def layers(self, manifest: int) -> list[LayerRecord]: ...
+
+    def layer_names(self) -> set[str]: ...
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,10 @@ def diff(store: Repository, selector_a: str, selector_b: str) -> DiffResult:
     a, b = store.resolve(selector_a), store.resolve(selector_b)
     ma, mb = store.manifest(a), store.manifest(b)
     step_a, step_b = ma.step, mb.step
-    other = structure.differences(structure.of_manifest(store.catalogue, a), structure.of_manifest(store.catalogue, b))
+    other = structure.differences(
+        structure.of_manifest(store.view(structure.ModelShape), a),
+        structure.of_manifest(store.view(structure.ModelShape), b),
+    )
     if other:
         raise StoreError(
             f"cannot compare step {step_a} with step {step_b}: they hold different models ({'; '.join(other)})"
@@ -52,8 +65,8 @@ def diff(store: Repository, selector_a: str, selector_b: str) -> DiffResult:
             f"cannot compare step {step_a} with step {step_b}: they were saved at different world sizes or ZeRO "
             "stages, and diff compares piece by piece"
         )
-    layers_a = {x.layer for x in store.catalogue.layers(a)}
-    layers_b = {x.layer for x in store.catalogue.layers(b)}
+    layers_a = {x.layer for x in store.view(DiffView).layers(a)}
+    layers_b = {x.layer for x in store.view(DiffView).layers(b)}
     out = []
     for layer in sorted((layers_a & layers_b) - {STATE}, key=sort_key):
         values = []
@@ -79,11 +92,11 @@ def change_matrix(store: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
 
     An inherited layer is flagged rather than shown as 0 change, which would read as a frozen layer.
     """
-    rows = [r for r in store.catalogue.manifests(run) if r.origin == COMMIT]
+    rows = [r for r in store.view(DiffView).manifests(run) if r.origin == COMMIT]
     if len(rows) < 2:
         raise StoreError("plotting change needs at least two committed steps")
-    layers = sorted(store.catalogue.layer_names() - {STATE}, key=sort_key)
-    held = {(r.id, x.layer): x.source_step == r.step for r in rows for x in store.catalogue.layers(r.id)}
+    layers = sorted(store.view(DiffView).layer_names() - {STATE}, key=sort_key)
+    held = {(r.id, x.layer): x.source_step == r.step for r in rows for x in store.view(DiffView).layers(r.id)}
     columns = [f"step {r.step}" + (f" ({r.tag})" if r.tag else "") for r in rows[1:]]
     values: list[list[float | None]] = []
     inherited: list[list[bool]] = []

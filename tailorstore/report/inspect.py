@@ -8,11 +8,24 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tailorstore.core.layers import sort_key
 from tailorstore.core.metrics import decode as decode_metrics
-from tailorstore.store.index.records import ManifestRecord
+from tailorstore.store.index.records import LayerRecord, LayerTotals, ManifestRecord
 from tailorstore.store.repo import Repository
+
+
+class InspectView(Protocol):
+    """The index as log and show describe steps."""
+
+    def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
+
+    def layers(self, manifest: int) -> list[LayerRecord]: ...
+
+    def layer_totals(self, manifest: int) -> list[LayerTotals]: ...
+
+    def layer_stored_bytes(self, manifest: int) -> dict[str, int]: ...
 
 
 @dataclass
@@ -78,7 +91,7 @@ def summary(r: ManifestRecord) -> StepSummary:
 
 def log(store: Repository, run: str | None = None) -> list[StepSummary]:
     """Every manifest, or those of one run, by step."""
-    return [summary(r) for r in store.catalogue.manifests(run)]
+    return [summary(r) for r in store.view(InspectView).manifests(run)]
 
 
 def show(store: Repository, selector: str) -> StepDetail:
@@ -86,13 +99,13 @@ def show(store: Repository, selector: str) -> StepDetail:
     head = summary(store.manifest(manifest))
     per_layer = {
         x.layer: LayerSummary(x.layer, x.source_step, x.stored, change=x.change)
-        for x in store.catalogue.layers(manifest)
+        for x in store.view(InspectView).layers(manifest)
     }
-    for name, kinds, raw, derived in store.catalogue.layer_totals(manifest):
+    for name, kinds, raw, derived in store.view(InspectView).layer_totals(manifest):
         layer = per_layer.setdefault(name, LayerSummary(name, head.step, True))
         layer.kinds = kinds
         layer.raw_bytes, layer.derived_bytes = raw, derived
-    for name, stored in store.catalogue.layer_stored_bytes(manifest).items():
+    for name, stored in store.view(InspectView).layer_stored_bytes(manifest).items():
         per_layer[name].stored_bytes = stored
     layers = sorted(per_layer.values(), key=lambda x: sort_key(x.layer))
     return StepDetail(head, layers, sum(x.derived_bytes for x in layers))

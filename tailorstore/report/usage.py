@@ -8,9 +8,28 @@ is what `tailor gc` without retention rules would delete today.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tailorstore.core import atoms as A
+from tailorstore.store.index.records import FileRecord, KindTotals, ManifestRecord
 from tailorstore.store.repo import Repository
+
+
+class UsageView(Protocol):
+    """The index as du counts where the bytes go."""
+
+    def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
+
+    def files(self, manifest: int) -> list[FileRecord]: ...
+
+    def kind_totals(self) -> list[KindTotals]: ...
+
+    def blob_object_bytes(self) -> int: ...
+
+    def non_atom_blob_bytes(self) -> int: ...
+
+    def bytes_alone(self) -> dict[int, int]: ...
+
 
 _KIND_GROUPS = {A.WEIGHT: "weights", A.MASTER: "masters", A.EXP_AVG: "moments", A.EXP_AVG_SQ: "moments"}
 
@@ -49,7 +68,7 @@ class Usage:
 def usage(store: Repository, *, gc_frees: int = 0) -> Usage:
     """Where the bytes go. ``gc_frees``: what a gc with each run's own retention would free, which
     the caller learns from curate's plan (report does not import curate)."""
-    index = store.catalogue
+    index = store.view(UsageView)
     blob_bytes = index.blob_object_bytes()  # loose blob objects, and whole packs (trailers and dead bytes too)
     index_bytes = sum(p.stat().st_size for p in store.where.index_path.parent.glob("index.sqlite*") if p.is_file())
     manifests = index.manifests()

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tailorstore.access.atom_reader import stream_rebuilt
 from tailorstore.core.atoms import MASTER
@@ -24,8 +25,35 @@ from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.threads import decode_threads
 from tailorstore.store import archive_codec, codec
 from tailorstore.store.backends.base import blob_key
-from tailorstore.store.index.records import AtomRecord, BlobRecord
+from tailorstore.store.index.records import AtomRecord, BlobRecord, BlobUse, FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
+
+
+class VerifyView(Protocol):
+    """The index as verify checks it against the backend."""
+
+    def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
+
+    def files(self, manifest: int) -> list[FileRecord]: ...
+
+    def atoms(
+        self,
+        manifest: int,
+        *,
+        layer: str | None = None,
+        path: str | None = None,
+        param: str | None = None,
+        kind: str | None = None,
+        derived: bool | None = None,
+    ) -> list[AtomRecord]: ...
+
+    def blob_hashes(self, *, loose_only: bool = False) -> set[str]: ...
+
+    def blob_uses(self, manifests: list[int]) -> list[BlobUse]: ...
+
+    def packs(self) -> dict[str, int]: ...
+
+    def integrity_problems(self) -> list[str]: ...
 
 
 @dataclass
@@ -44,7 +72,7 @@ class VerifyReport:
 def _users(store: Repository, manifest_ids: list[int]) -> dict[str, list[str]]:
     """blob -> where it is used, as 'step S, layer L, file F' (for messages)."""
     users: dict[str, list[str]] = defaultdict(list)
-    for digest, where in store.catalogue.blob_uses(manifest_ids):
+    for digest, where in store.view(VerifyView).blob_uses(manifest_ids):
         users[digest].append(where)
     return users
 
@@ -67,9 +95,9 @@ def verify(
 
 def _verify(store: Repository, selector: str | None, deep: bool, progress: Progress) -> VerifyReport:
     report = VerifyReport()
-    report.problems.extend(store.catalogue.integrity_problems())
+    report.problems.extend(store.view(VerifyView).integrity_problems())
     if selector is None:
-        ids = [m.id for m in store.catalogue.manifests()]
+        ids = [m.id for m in store.view(VerifyView).manifests()]
     else:
         ids = [store.resolve(selector)]
     report.manifests = len(ids)
@@ -104,11 +132,11 @@ def _verify(store: Repository, selector: str | None, deep: bool, progress: Progr
                 report.bytes_rehashed += atom.nbytes
                 if problem:
                     report.problems.append(problem)
-    indexed = store.catalogue.blob_hashes()
+    indexed = store.view(VerifyView).blob_hashes()
     orphans = [n for n in held.blobs if n not in indexed]
     if orphans:
         report.notes.append(f"{len(orphans)} orphan blob file(s) no manifest uses; gc removes them")
-    known_packs = set(store.catalogue.packs())
+    known_packs = set(store.view(VerifyView).packs())
     stray = [n for n in held.packs if n not in known_packs]
     if stray:
         report.notes.append(f"{len(stray)} pack(s) the index does not know; gc removes them")
@@ -177,10 +205,10 @@ def _derived_jobs(store: Repository, manifest: int, done: set[tuple]) -> list[tu
     """
     step = store.manifest(manifest).step
     masters: dict[str, list[AtomRecord]] = defaultdict(list)
-    for a in store.catalogue.atoms(manifest, kind=MASTER):
+    for a in store.view(VerifyView).atoms(manifest, kind=MASTER):
         masters[a.param].append(a)
     jobs = []
-    for atom in sorted(store.catalogue.atoms(manifest, derived=True), key=lambda a: a.param):
+    for atom in sorted(store.view(VerifyView).atoms(manifest, derived=True), key=lambda a: a.param):
         blobs = tuple(m.blob for m in sorted(masters[atom.param], key=lambda m: m.start))
         key = (atom.blob, atom.dtype, blobs)
         if key in done:
@@ -202,13 +230,13 @@ def _rebuild(store: Repository, manifest: int, atom: AtomRecord, where: str) -> 
 
 def _check_structure(store: Repository, manifest: int, report: VerifyReport) -> None:
     step = store.manifest(manifest).step
-    for f in store.catalogue.files(manifest):
+    for f in store.view(VerifyView).files(manifest):
         try:
             check_relative(f.path)
         except Exception as exc:  # UnsafePathError; reported, not raised
             report.problems.append(f"step {step}, file {f.path!r}: {exc}")
     cursor: dict[tuple[str, int], int] = {}
-    atoms = store.catalogue.atoms(manifest)
+    atoms = store.view(VerifyView).atoms(manifest)
     for a in atoms:
         key = (a.path, a.slot)
         if cursor.get(key, 0) != a.offset:

@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 
 from tailorstore.access import placement
 from tailorstore.access.atom_reader import blob_of, stream_blob
+from tailorstore.access.contents import Contents
 from tailorstore.access.output_dir import staged
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.paths import safe_join
@@ -39,7 +40,7 @@ class CheckoutResult(FolderResult):
 
 def inherited_layers(store: Repository, manifest: int) -> dict[str, int]:
     step = store.manifest(manifest).step
-    return {x.layer: x.source_step for x in store.catalogue.layers(manifest) if x.source_step != step}
+    return {x.layer: x.source_step for x in store.view(Contents).layers(manifest) if x.source_step != step}
 
 
 def checkout_step(
@@ -60,7 +61,7 @@ def checkout_step(
     step = facts.step
     refuse_thinned(facts.step, facts.tier, "a checkout")
     out = Path(out)
-    files = store.catalogue.files(manifest)
+    files = store.view(Contents).files(manifest)
     if ranks is not None:  # one node's share: the files its data-parallel ranks load
         files = [f for f in files if loaded_by(PurePosixPath(f.path).name, set(ranks))]
     inherited = inherited_layers(store, manifest)

@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from tailorstore.access.atom_reader import blob_of, decode_atom_into, decode_stored_atom
+from tailorstore.access.contents import Contents
 from tailorstore.access.dcp_folders import dcp_folders, folder_metadata
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.formats import dcp
@@ -122,7 +123,7 @@ class DcpStep:
 def open_dcp_step(store: Repository, manifest: int, folder: str | None = None) -> DcpStep:
     """The step's DCP folder ``folder`` (or its only one), ready to read item by item."""
     facts = store.manifest(manifest)
-    rows = store.catalogue.files(manifest)
+    rows = store.view(Contents).files(manifest)
     folders = dcp_folders(rows)
     if not folders:
         raise StoreError(f"step {facts.step} holds no DCP folder; dcp.load reads only steps saved with dcp.save")
@@ -137,7 +138,7 @@ def open_dcp_step(store: Repository, manifest: int, folder: str | None = None) -
     meta, files = folder_metadata(store, facts.step, rows, folder)
     step = DcpStep(store, manifest, facts.step, folder, meta, files)
     by_file: dict[str, list[AtomRecord]] = {}
-    for atom in store.catalogue.atoms(manifest):
+    for atom in store.view(Contents).atoms(manifest):
         if atom.path.startswith(prefix) and atom.path[len(prefix) :] in files:
             by_file.setdefault(atom.path[len(prefix) :], []).append(atom)
     for name, atoms in by_file.items():

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from tailorstore.access.contents import Contents
 from tailorstore.access.model_tensors import (
     ModelTensor,
     ModelView,
@@ -175,7 +176,7 @@ def export_step(
     shards = plan_shards(specs, limit)
     names = shard_names(len(shards))
     by_name = {t.name: t for t in view.tensors}
-    copies = [f for f in store.catalogue.files(manifest) if f.kind == RAW and f.path in MODEL_FILES]
+    copies = [f for f in store.view(Contents).files(manifest) if f.kind == RAW and f.path in MODEL_FILES]
     if config is not None:
         copies = [f for f in copies if f.path != "config.json"]
     if warn and config is None and not any(f.path == "config.json" for f in copies):

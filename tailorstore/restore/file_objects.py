@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch._weights_only_unpickler as weights_only  # torch.load's own unpickler, used as torch.load uses it
 
+from tailorstore.access.contents import Contents
 from tailorstore.access.model_tensors import committed_tree
 from tailorstore.core.errors import BadCheckpointError, StoreError
 from tailorstore.core.step_rules import refuse_thinned
@@ -110,7 +111,7 @@ def step_objects(
     )
     if not facts.zero_stage or same:  # the files as saved (ZeRO 0 loads at any world size as it is)
         builders: dict[str, Callable[[], Any]] = {}
-        for row in store.catalogue.files(manifest):
+        for row in store.view(Contents).files(manifest):
             path = PurePosixPath(row.path)
             if row.kind == TORCH and path.parent.name == facts.ds_tag:
                 where = f"step {facts.step}, file {row.path}"

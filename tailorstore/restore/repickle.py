@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tailorstore.access.atom_reader import decode_atom_into
+from tailorstore.access.contents import Contents
 from tailorstore.core.errors import CorruptStoreError, LayoutError
 from tailorstore.formats.kinds import SAFETENSORS
 from tailorstore.formats.safe_load import load_skeleton
@@ -34,7 +35,7 @@ def write_file(store: Repository, manifest: int, row: FileRecord, target: Path, 
 
 def _atoms_by_slot(store: Repository, manifest: int, path: str) -> dict[int, list[AtomRecord]]:
     by_slot: dict[int, list[AtomRecord]] = defaultdict(list)
-    for atom in store.catalogue.atoms(manifest, path=path):
+    for atom in store.view(Contents).atoms(manifest, path=path):
         by_slot[atom.slot].append(atom)
     return by_slot
 

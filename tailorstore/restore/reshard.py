@@ -34,6 +34,7 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from tailorstore.access.contents import Contents
 from tailorstore.access.model_tensors import (
     ModelView,
     committed_tree,
@@ -433,7 +434,7 @@ def _setup(store: Repository, selector: str, world_size: int | None, zero_stage:
     if world_size is None:
         world_size = facts.world_size or 1
     view = model_view(store, manifest)
-    files = store.catalogue.files(manifest)
+    files = store.view(Contents).files(manifest)
     if view.states_file is None:
         raise StoreError(
             f"step {facts.step} holds no DeepSpeed model states to reshard"

@@ -26,6 +26,7 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from tailorstore.access.contents import Contents
 from tailorstore.access.model_tensors import (
     ModelTensor,
     ModelView,
@@ -217,7 +218,7 @@ def checkout_universal(
     refuse_thinned(facts.step, facts.tier, "a universal checkpoint")
     view = model_view(store, manifest)
     _check_stage(view)
-    files = store.catalogue.files(manifest)
+    files = store.view(Contents).files(manifest)
     assert view.states_file is not None
     folder = str(PurePosixPath(view.states_file.path).parent)
     tag = PurePosixPath(folder).name if folder != "." else (facts.ds_tag or f"global_step{facts.step}")

@@ -31,7 +31,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import zstandard
 
@@ -42,7 +42,6 @@ from tailorstore.core.run_names import RUN_NAME
 from tailorstore.store.backends.base import Backend, check_key
 from tailorstore.store.codec import decompress_bounded
 from tailorstore.store.index._index import Index
-from tailorstore.store.index.catalogue import Catalogue
 from tailorstore.store.index.records import (
     ATOM_COLUMNS,
     COMMIT,
@@ -66,6 +65,16 @@ from tailorstore.store.index.records import (
 from tailorstore.store.lock import Fence
 from tailorstore.store.packs.pack import pack_names
 from tailorstore.store.packs.pack_sync import packs_agree, reconcile_packs
+
+
+class RefSource(Protocol):
+    """What writing a manifest's refs reads of the index: the manifests, and each one's record.
+    Operations hand their role view (it names these two), or the index itself."""
+
+    def manifest(self, manifest: int) -> ManifestRecord | None: ...
+
+    def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
+
 
 log = logging.getLogger("tailorstore")
 
@@ -322,7 +331,7 @@ def publish(backend: Backend, index: Index, manifest: int, *, fence: Fence | Non
     return key
 
 
-def carry_refs(backend: Backend, index: Catalogue, superseded: list[str]) -> None:
+def carry_refs(backend: Backend, index: RefSource, superseded: list[str]) -> None:
     """Before gc deletes superseded versions: their steps' refs, written for the current versions
     (which the index has from :func:`current_of`), so a pin or tag left on an old version outlives it."""
     if not superseded:
@@ -411,7 +420,7 @@ def unpublish(
 
 
 def write_refs(
-    backend: Backend, index: Catalogue, manifests: Iterable[int], *, fence: Callable[[], None] | None = None
+    backend: Backend, index: RefSource, manifests: Iterable[int], *, fence: Callable[[], None] | None = None
 ) -> list[str]:
     """Make the tag and pin objects of these manifests say what the index says; returns the
     keys of the ref objects it wrote. ``fence`` is checked just before each put (after its
@@ -435,14 +444,14 @@ def write_refs(
     return written
 
 
-def put_tag(backend: Backend, index: Catalogue, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
+def put_tag(backend: Backend, index: RefSource, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
     """The manifest's tag object, as the index says (one request)."""
     record = index.manifest(manifest)
     if record is not None and record.object_key is not None and record.tag:
         _put_tag(backend, record, fence)
 
 
-def write_pin(backend: Backend, index: Catalogue, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
+def write_pin(backend: Backend, index: RefSource, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
     """The manifest's pin object, put or deleted as the index says; nothing else of its refs."""
     record = index.manifest(manifest)
     if record is None or record.object_key is None:
@@ -465,7 +474,7 @@ def _put_pin(backend: Backend, record: ManifestRecord, fence: Callable[[], None]
     return key
 
 
-def _hand_over_plain_pin(backend: Backend, index: Catalogue, key: str) -> None:
+def _hand_over_plain_pin(backend: Backend, index: RefSource, key: str) -> None:
     """A main manifest whose name another run's pinned manifest has, pinned under the plain key by
     a writer before pins named their run: that run gets its own form, and the plain key is main's."""
     if run_of_key(key) != MAIN_RUN:
@@ -476,7 +485,7 @@ def _hand_over_plain_pin(backend: Backend, index: Catalogue, key: str) -> None:
         _unpin(backend, index, key)
 
 
-def _unpin(backend: Backend, index: Catalogue, key: str) -> None:
+def _unpin(backend: Backend, index: RefSource, key: str) -> None:
     """Delete the pin of ``key``. A plain-form pin may also be what pins another run's manifest of
     the same name (one written before pins named their run): those the index holds pinned get a
     pin of their own first."""

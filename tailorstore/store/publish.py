@@ -1,85 +1,217 @@
 """Recording a manifest: the one way every operation makes a step (or a merge) visible.
 
-Commit, finalize, merge and averaging each end the same way, and used to write it four times,
-with two of the copies forgetting the last rule below (a merge or finalize reported as failed
-came back at the next open). Here, once:
+Commit, finalize, merge, averaging, metrics and thinning each end the same way, and used to write
+it six times, with two of the copies forgetting the last rule below (a merge or finalize reported
+as failed came back at the next open). Each now builds its rows as a value (:class:`ManifestRows`
+for a new manifest, :class:`Revision` for the next version of one that exists) before anything
+is locked for writing, and hands them here. Here, once:
 
-1. inside one index transaction, the caller inserts the manifest's rows;
-2. still inside it, the manifest object is published create-only, after the lease is checked
-   (store/lease.py, fencing): this put is the commit point. A host that loses the put to
-   another has written nothing, and changes nothing (I3; attack finding 4);
-3. on a store locked by leases, the blobs the manifest needs are checked against gc's notices and
+1. inside one index transaction, the manifests the rows were derived from are checked unchanged
+   (another process may have replaced or removed one since they were read: ``StepChangedError``);
+2. a new commit's step and tag are checked free, or (``replacing``) the step's current version is
+   taken over: its tag and pin pass to the new version, and a tag given moves from its holder;
+3. the rows are inserted in one order (packs, blobs, manifest, files, atoms, layers);
+4. still inside the transaction, each manifest object is published create-only, after the lease
+   is checked (store/lease.py, fencing): this put is the commit point. A host that loses the put
+   to another has written nothing, and changes nothing (I3; attack finding 4);
+5. on a store locked by leases, the blobs the manifest needs are checked against gc's notices and
    are still there (``gc_notices.check_publication``): a gc that deletes them meanwhile either
    sees this object or is seen here, whatever either host's stalls (FORMAT 8.1);
-4. only then its tag and pin objects are written (a crash before them: the step's older
+6. only then its tag and pin objects are written (a crash before them: the step's older
    version's refs still count for it, ``manifest_objects.current_of``);
-5. ``COMMIT``. Should anything fail after the put (a ref's write, a full disk under SQLite,
-   a damaged index), the object is deleted again, so nothing the caller reports as failed
+7. ``COMMIT``. Should anything fail after a put (a ref's write, a full disk under SQLite,
+   a damaged index), the objects are deleted again, so nothing the caller reports as failed
    reappears when the next open syncs manifest objects into an index (docs/FORMAT.md,
-   section 8), and ``restore_refs`` puts back the refs this publish moved, from the index as
-   it stands after the rollback;
-6. a full disk at any of these steps is said as such (``writer.disk_full``).
+   section 8), and the refs this publish moved are written again from the index as it stands
+   after the rollback;
+8. after the commit, the objects of the versions replaced are deleted (a crash before: gc drops
+   superseded versions);
+9. a full disk at any of these steps is said as such (``writer.disk_full``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
+from tailorstore.core.errors import Call, StepChangedError, StepExistsError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.store import manifest_objects
 from tailorstore.store.backends.posix import is_out_of_space
 from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.index.catalogue import CatalogueEdit
+from tailorstore.store.index.records import (
+    COMMIT,
+    MAIN_RUN,
+    AtomRecord,
+    BlobRecord,
+    FileRecord,
+    LayerRecord,
+    ManifestRecord,
+)
 from tailorstore.store.lock import Fence
 from tailorstore.store.packs.writer import disk_full
 from tailorstore.store.repo import Repository
 
+THIS_MANIFEST = 0
+"""A layer's ``source`` in :class:`ManifestRows` for the manifest being recorded (its id is not known
+until it is inserted): the layer is stored by this manifest itself."""
+
 
 @dataclass(frozen=True)
-class Recorded:
-    manifest: int  # this index's row id
-    key: str  # the manifest object's key: its name on every host
+class ManifestRows:
+    """A new manifest's rows, as a value. ``blobs`` were written by this operation, so their rows
+    win over any known one (a blob repaired or repacked moves); ``reported_blobs`` were written by
+    other hosts (a finalize's parts), so a known blob keeps its row, which its pack gave.
+    ``derived_from``: the manifests these rows were read from; each must be unchanged when they
+    are recorded. ``replacing``: the next version of a committed step that exists (``force``)."""
+
+    record: ManifestRecord
+    files: Sequence[FileRecord]
+    atoms: Sequence[AtomRecord]
+    layers: Sequence[LayerRecord]
+    blobs: Sequence[BlobRecord] = ()
+    reported_blobs: Sequence[BlobRecord] = ()
+    packs: Sequence[tuple[str, int]] = ()
+    derived_from: Sequence[ManifestRecord] = ()
+    replacing: bool = False
 
 
-def record_manifest(
-    store: Repository,
-    rows: Callable[[CatalogueEdit], int],
-    *,
-    fence: Fence | None,
-    replacing: bool = False,
-    restore_refs: Callable[[], Iterable[int]] = lambda: (),
-) -> Recorded:
-    """Insert the rows ``rows`` writes (returning the new manifest's id) and publish the manifest,
-    as one step that either happens whole or leaves the store as it was. ``replacing`` takes the
-    next version of a step that exists (``force``); otherwise an existing step is refused.
-    ``restore_refs`` names the manifests whose refs this one took over (the replaced version, the
-    tag's former holder): their refs are written again should this publish be withdrawn."""
-    published: str | None = None
+@dataclass(frozen=True)
+class Revision:
+    """The next version of a manifest that exists (thinning, metrics): its record as it is to be,
+    and its file and atom rows where they change (``None``: kept). Its layers never change. The
+    version it replaces is ``record.object_key``; if another process replaced it meanwhile, the
+    revision is refused rather than applied to what it was not read from."""
+
+    record: ManifestRecord
+    files: Sequence[FileRecord] | None = None
+    atoms: Sequence[AtomRecord] | None = None
+    blobs: Sequence[BlobRecord] = ()
+    packs: Sequence[tuple[str, int]] = ()
+
+
+@dataclass
+class _Taken:
+    """What one transaction did that a rollback or the commit must follow up."""
+
+    published: list[str] = field(default_factory=list)  # object keys this host put
+    superseded: list[str] = field(default_factory=list)  # object keys of the versions replaced
+    touched: list[tuple[int, str, str | None]] = field(default_factory=list)  # (step, run, tag) of new commits
+    revised: list[int] = field(default_factory=list)
+
+
+def record_manifest(store: Repository, *changes: ManifestRows | Revision, fence: Fence | None) -> list[int]:
+    """Record ``changes`` (one manifest, or several revised together) and publish them, as one
+    step that either happens whole or leaves the store as it was; returns their local ids, in order."""
+    taken = _Taken()
     try:
-        with store._index.transaction() as index:
-            manifest = rows(index)
-            published = manifest_objects.publish(store.backend, index, manifest, fence=fence, replacing=replacing)
+        with store._index.transaction() as edit:
+            ids = [_insert(edit, change, taken) for change in changes]
+            for manifest, change in zip(ids, changes, strict=True):
+                replacing = isinstance(change, Revision) or change.replacing
+                key = manifest_objects.publish(store.backend, edit, manifest, fence=fence, replacing=replacing)
+                taken.published.append(key)
             failpoint("after-publish")
             if fence is not None and fence.by_time:
-                needs = index.referenced_blobs(manifest)
-                check_publication(store.backend, needs, "recording the manifest", store.size_lookup(needs))
-            manifest_objects.write_refs(store.backend, index, [manifest])
+                for manifest in ids:
+                    needs = edit.referenced_blobs(manifest)
+                    check_publication(store.backend, needs, "recording the manifest", store.size_lookup(needs))
+            manifest_objects.write_refs(store.backend, edit, ids)
     except OSError as exc:
-        _take_back(store, published, restore_refs)
+        _take_back(store, taken)
         if is_out_of_space(exc):
             raise disk_full(store.location) from None
         raise
     except BaseException:
-        _take_back(store, published, restore_refs)
+        _take_back(store, taken)
         raise
-    return Recorded(manifest, published)
+    manifest_objects.unpublish(store.backend, taken.superseded)  # after the index names the new versions
+    return ids
 
 
-def _take_back(store: Repository, published: str | None, restore_refs: Callable[[], Iterable[int]]) -> None:
-    """Only an object this host published is withdrawn, and only then are refs touched: a host that
-    lost the put never wrote any (attack finding 4)."""
-    if published is None:
+def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken) -> int:
+    if isinstance(change, Revision):
+        return _revise(edit, change, taken)
+    for source in change.derived_from:
+        _check_unchanged(edit, source)
+    record = change.record
+    if change.replacing and record.origin == COMMIT and (replaced := edit.commit_at(record.step, record.run)):
+        record = replace(record, tag=record.tag or replaced.tag, pinned=replaced.pinned)
+        edit.delete_commit_at(record.step, record.run)
+        if replaced.object_key is not None:
+            taken.superseded.append(replaced.object_key)
+        if record.tag and (holder := edit.tagged(record.tag)) is not None:
+            edit.set_tag(holder.id, None)
+    _refuse_taken(edit, record)
+    taken.touched.append((record.step, record.run, record.tag))
+    edit.add_packs(change.packs)
+    edit.upsert_blobs(change.blobs)
+    edit.add_blobs(change.reported_blobs)
+    manifest = edit.insert_manifest(record)
+    edit.insert_files(manifest, change.files)
+    edit.insert_atoms(manifest, change.atoms)
+    edit.insert_layers(
+        manifest, [replace(x, source=manifest) if x.source == THIS_MANIFEST else x for x in change.layers]
+    )
+    return manifest
+
+
+def _revise(edit: CatalogueEdit, change: Revision, taken: _Taken) -> int:
+    record = change.record
+    _check_unchanged(edit, record)
+    edit.add_packs(change.packs)
+    edit.upsert_blobs(change.blobs)
+    if change.files is not None or change.atoms is not None:
+        files = list(change.files) if change.files is not None else edit.files(record.id)
+        atoms = list(change.atoms) if change.atoms is not None else edit.atoms(record.id)
+        edit.replace_contents(record.id, files, atoms)
+    edit.set_tier(record.id, record.tier)
+    edit.set_metrics(record.id, record.metrics)
+    if record.object_key is not None:
+        taken.superseded.append(record.object_key)
+    taken.revised.append(record.id)
+    return record.id
+
+
+def _check_unchanged(edit: CatalogueEdit, read: ManifestRecord) -> None:
+    """Rows derived from a manifest are recorded only while it is the version they were read from."""
+    now = edit.manifest(read.id)
+    if now is None or now.object_key != read.object_key:
+        raise StepChangedError(
+            f"step {read.step} was removed or replaced by another process while it was read; run it again"
+        )
+
+
+def _refuse_taken(edit: CatalogueEdit, record: ManifestRecord) -> None:
+    """A commit's step is taken once per run, and a tag names one manifest."""
+    if record.origin == COMMIT and edit.commit_at(record.step, record.run) is not None:
+        where = "the store" if record.run == MAIN_RUN else f"run {record.run!r}"
+        raise StepExistsError(
+            f"step {record.step} is already in {where}. Commit under another ",
+            Call(step="N"),
+            ", or pass ",
+            Call(force=True),
+            " to replace it.",
+        )
+    if record.tag and edit.tagged(record.tag) is not None:
+        if record.origin == COMMIT:
+            raise StepExistsError(
+                f"tag {record.tag!r} already names a manifest; choose another tag or pass ", Call(force=True), "."
+            )
+        raise StepExistsError(f"tag {record.tag!r} already names a manifest; choose another tag")
+
+
+def _take_back(store: Repository, taken: _Taken) -> None:
+    """Only objects this host published are withdrawn, and only then are refs touched: a host that
+    lost the put never wrote any (attack finding 4). The refs written again are those of every
+    manifest this publish may have taken them from, as the rolled-back index has them: the
+    versions revised or replaced, and the former holders of the tags given."""
+    if not taken.published:
         return
-    manifest_objects.unpublish(store.backend, [published])  # the object went up but the index refused it
-    manifest_objects.write_refs(store.backend, store.catalogue, list(restore_refs()))
+    manifest_objects.unpublish(store.backend, taken.published)  # the objects went up but the index refused them
+    catalogue = store._index
+    holders: list[int] = list(taken.revised)
+    for step, run, tag in taken.touched:
+        holders += [m.id for m in (catalogue.commit_at(step, run), catalogue.tagged(tag) if tag else None) if m]
+    manifest_objects.write_refs(store.backend, catalogue, holders)

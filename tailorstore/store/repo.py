@@ -20,7 +20,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
@@ -40,8 +40,8 @@ from tailorstore.store.backends.base import Backend, blob_names
 from tailorstore.store.backends.listing import LIST_PAGE, Holdings, stored_part
 from tailorstore.store.backends.location import Location, resolve
 from tailorstore.store.index._index import Index
-from tailorstore.store.index.catalogue import Catalogue, CatalogueEdit
 from tailorstore.store.index.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
+from tailorstore.store.index.roles import R, view_as
 from tailorstore.store.index.schema import FORMAT_VERSION
 from tailorstore.store.lease import LeaseHandle, lease_lock
 from tailorstore.store.lock import LockHandle, store_lock
@@ -305,14 +305,17 @@ class Repository:
         with store_lock(self.where.lock_path, exclusive=exclusive, timeout=timeout, on_wait=on_wait) as handle:
             yield handle
 
-    @property
-    def catalogue(self) -> Catalogue:
-        """The index's queries (the index itself is private to ``store/``)."""
-        return self._index
+    def view(self, role: type[R]) -> R:
+        """The index's queries as ``role`` (a small protocol the operation declares) names them,
+        and no others: the index itself is private to ``store/`` (store/index/roles.py)."""
+        return view_as(self._index, role)
 
-    def transaction(self) -> AbstractContextManager[CatalogueEdit]:
-        """One write transaction of the index: its changes commit together or not at all."""
-        return self._index.transaction()
+    @contextmanager
+    def transaction(self, role: type[R]) -> Iterator[R]:
+        """One write transaction of the index, seen as ``role``: its changes commit together or
+        not at all."""
+        with self._index.transaction() as edit:
+            yield view_as(edit, role)
 
     # -- blobs ---------------------------------------------------------------------------
     def blob(self, digest: str) -> BlobRecord | None:

@@ -49,7 +49,7 @@ def remove_unindexed(store: Repository, writer: BlobWriter, lock: LockHandle | L
     they are orphans. (Listing, not syncing: the failure being handled may be a full disk under the
     index, which a sync would meet again.)"""
     try:
-        known = {m.object_key for m in store.catalogue.manifests()}
+        known = {m.object_key for m in store._index.manifests()}
         listed = manifest_objects.current_of(manifest_objects.listed_manifest_keys(store.backend))
     except Exception:
         return
@@ -57,5 +57,5 @@ def remove_unindexed(store: Repository, writer: BlobWriter, lock: LockHandle | L
         return
     held = {h for part in parts.read_parts(store.backend) for h in part.blob_hashes()}
     loose = [blob_key(d) for d in writer.written() if store.blob(d) is None and d not in held]
-    packed = [pack_key(name) for name in writer.written_packs() if not store.catalogue.has_pack(name)]
+    packed = [pack_key(name) for name in writer.written_packs() if not store._index.has_pack(name)]
     store.backend.delete_many([*loose, *packed], fence=lambda: lock.check("taking back a failed commit's blobs"))
