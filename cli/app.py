@@ -10,12 +10,13 @@ of our own become a one-line message on stderr and the exit code the error class
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import typer
 from tailorstore.cli.naming import EXIT_CODES, as_command
@@ -774,8 +775,9 @@ app.command("rm", hidden=True, help="The same as `remove`.")(remove)
 app.command("du", hidden=True, help="The same as `usage`.")(usage)
 
 
-def main() -> None:
-    """Run the app; every failure a user can cause is one line on stderr and an exit code.
+def main(argv: list[str] | None = None) -> None:
+    """Run the app on ``argv`` (the process's arguments unless given); every failure a user can
+    cause is one line on stderr and an exit code (raised as ``SystemExit``).
 
     Our own errors carry their code. What the system raises (a file we cannot read, a name too
     long, a full disk under SQLite, a damaged index) is still the user's situation, not a bug:
@@ -789,7 +791,7 @@ def main() -> None:
     # itself changes no environment variable: a training process has its own reasons.)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
-        app()
+        app(args=argv)
     except TailorError as exc:
         typer.echo(f"error: {exc.render(as_command)}", err=True)
         sys.exit(EXIT_CODES[exc.category])
@@ -814,16 +816,30 @@ def _quiet_but_ours() -> None:
     """This process's logging: other libraries say nothing (DeepSpeed warns about a missing GPU when it
     is imported), and tailorstore's own warnings (a key in the store it ignores, a save it moved) are
     one line each on stderr. Set up when a command runs (the root callback), not for --help."""
-    import logging
-
-    logging.getLogger().addHandler(logging.NullHandler())  # nothing reaches logging's last-resort printer
+    root = logging.getLogger()
+    if not any(isinstance(h, logging.NullHandler) for h in root.handlers):
+        root.addHandler(logging.NullHandler())  # nothing reaches logging's last-resort printer
     logging.getLogger("DeepSpeed").disabled = True
     ours = logging.getLogger("tailorstore")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("warning: %(message)s"))
-    ours.addHandler(handler)
+    if not any(isinstance(h, _ToStderr) for h in ours.handlers):  # once, however many commands a process runs
+        handler = _ToStderr()
+        handler.setFormatter(logging.Formatter("warning: %(message)s"))
+        ours.addHandler(handler)
     ours.setLevel(logging.WARNING)
     ours.propagate = False
+
+
+class _ToStderr(logging.StreamHandler):
+    """A handler that writes to whatever ``sys.stderr`` is when a record comes, not the stream
+    of the moment it was made (a test runs many commands in one process, each with its own)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
 
 
 class Interrupted(Exception):

@@ -276,6 +276,39 @@ def tailor(*args: str, store: Path | None = None, timeout: float = 300) -> subpr
 CLI = [sys.executable, "-m", "tailorstore.cli.app"]  # the `tailor` command, as these tests start it
 
 
+def tailor_here(*args: str, store: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The `tailor` command run in this process, through typer's test runner: the same ``main``
+    (its error handling and exit codes) as :func:`tailor`, without a process's start-up. For a
+    test where a process adds nothing; :func:`tailor` stays where it does (signals, resource
+    limits, locks held by another process, ``TAILOR_FAILPOINTS``, which a process reads once).
+    This process's logging is left as it was."""
+    import logging
+
+    from click.testing import CliRunner
+    from tailorstore.cli.app import main
+
+    ours, root = logging.getLogger("tailorstore"), logging.getLogger()
+    saved = (list(ours.handlers), ours.level, ours.propagate, list(root.handlers))
+    env = {"TAILOR_STORE": str(store)} if store is not None else {}
+    code: int = 0
+    try:
+        with CliRunner().isolation(env=env) as (out, err, _):
+            try:
+                main(list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except Exception:  # a bug: what a traceback would have said, as the subprocess's stderr would
+                import traceback
+
+                sys.stderr.write(traceback.format_exc())
+                code = 1
+            stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    finally:
+        ours.handlers[:], ours.level, ours.propagate = saved[0], saved[1], saved[2]
+        root.handlers[:] = saved[3]
+    return subprocess.CompletedProcess(["tailor", *args], code, stdout, stderr)
+
+
 def tailor_process(
     *args: str,
     env: dict[str, str] | None = None,

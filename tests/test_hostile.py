@@ -25,7 +25,18 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
-from conftest import HFRun, Runs, as_of_step, blob_object, copy_tree, index_db, one_line, store_state, tailor
+from conftest import (
+    HFRun,
+    Runs,
+    as_of_step,
+    blob_object,
+    copy_tree,
+    index_db,
+    one_line,
+    store_state,
+    tailor,
+    tailor_here,
+)
 
 from tailorstore import Store
 from tailorstore.core.atoms import TensorSlot
@@ -76,14 +87,14 @@ def test_gc_never_deletes_outside_the_store(two_steps, tmp_path: Path) -> None:
         (rel, '{"id": "raw", "v": 1}'),
     )
     conn.commit()
-    one_line(tailor("gc", store=store.root), 3, "not a 32-digit hex hash")
+    one_line(tailor_here("gc", store=store.root), 3, "not a 32-digit hex hash")
     assert victim.read_text() == "must survive"
 
     conn.execute("DELETE FROM blobs WHERE hash=?", (rel,))  # a pack name that is a path
     conn.execute("INSERT INTO packs(name, size) VALUES (?, 1)", (rel,))
     conn.commit()
     conn.close()
-    proc = tailor("gc", store=store.root)  # no such pack in the backend: the open drops the stale row
+    proc = tailor_here("gc", store=store.root)  # no such pack in the backend: the open drops the stale row
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
     assert victim.read_text() == "must survive"
     with Repository.open(store.root) as again:
@@ -106,12 +117,12 @@ def test_commit_repairs_a_missing_or_cut_blob(two_steps, tmp_path: Path, damage:
         path.unlink()
     else:
         os.truncate(path, start + size // 2)
-    assert tailor("verify", store=store.root).returncode == 3
-    done = tailor("commit", str(at6), "--force", store=store.root)
+    assert tailor_here("verify", store=store.root).returncode == 3
+    done = tailor_here("commit", str(at6), "--force", store=store.root)
     assert done.returncode == 0, done.stderr
     # step 6 is whole again; blobs only step 3 kept in the same pack stay damaged, and verify says so
-    assert tailor("verify", "step=6", "--deep", store=store.root).returncode == 0
-    done = tailor("checkout", "step=6", "--out", str(tmp_path / "out"), store=store.root)
+    assert tailor_here("verify", "step=6", "--deep", store=store.root).returncode == 0
+    done = tailor_here("checkout", "step=6", "--out", str(tmp_path / "out"), store=store.root)
     assert done.returncode == 0, done.stderr
 
 
@@ -134,8 +145,8 @@ def test_verify_deep_rebuilds_derived_weights(two_steps) -> None:
         "UPDATE atoms SET blob=? WHERE blob=? AND manifest=(SELECT id FROM manifests WHERE step=6)",
         (at3["blob"], at6["blob"]),
     )
-    assert tailor("verify", store=store.root).returncode == 0  # the blobs themselves are fine
-    done = tailor("verify", "--deep", store=store.root)
+    assert tailor_here("verify", store=store.root).returncode == 0  # the blobs themselves are fine
+    done = tailor_here("verify", "--deep", store=store.root)
     assert done.returncode == 3 and "rebuilt from the master" in done.stderr, done.stderr
 
 
@@ -143,8 +154,8 @@ def test_an_input_holding_our_own_slot_type_is_refused(two_steps) -> None:
     store, at6 = two_steps
     torch.save({"state": {"x": TensorSlot(0, "float32", (1,))}}, at6 / "optimizer.pt")
     before = store_state(store.root)
-    one_line(tailor("commit", str(at6), "--step", "7", store=store.root), 2, "allowlist")
-    one_line(tailor("commit", str(at6), "--step", "7", "--trust-pickles", store=store.root), 2, "TensorSlot")
+    one_line(tailor_here("commit", str(at6), "--step", "7", store=store.root), 2, "allowlist")
+    one_line(tailor_here("commit", str(at6), "--step", "7", "--trust-pickles", store=store.root), 2, "TensorSlot")
     assert store_state(store.root) == before
 
 
@@ -165,7 +176,7 @@ def test_a_damaged_index_is_one_line_and_exit_3(two_steps, damage: str) -> None:
         conn.commit()
         conn.close()
     for command in (["log"], ["verify"], ["show", "step=3"]):
-        one_line(tailor(*command, store=store.root), 3, "index")
+        one_line(tailor_here(*command, store=store.root), 3, "index")
 
 
 def test_a_directory_in_an_objects_place_is_a_damaged_store(two_steps, tmp_path: Path) -> None:
@@ -177,9 +188,9 @@ def test_a_directory_in_an_objects_place_is_a_damaged_store(two_steps, tmp_path:
     file.parent.chmod(0o755)
     file.unlink()
     file.mkdir()
-    one_line(tailor("checkout", "step=6", "--out", str(tmp_path / "out"), store=store.root), 3, "is missing from")
+    one_line(tailor_here("checkout", "step=6", "--out", str(tmp_path / "out"), store=store.root), 3, "is missing from")
     assert not (tmp_path / "out").exists()
-    deep = tailor("verify", "--deep", store=store.root)  # one line per problem
+    deep = tailor_here("verify", "--deep", store=store.root)  # one line per problem
     assert deep.returncode == 3 and "file missing" in deep.stdout + deep.stderr and "Traceback" not in deep.stderr
 
 
@@ -194,7 +205,7 @@ def test_a_damaged_lock_or_temp_folder_is_exit_3_and_the_store_stays(two_steps, 
         shutil.rmtree(store.root / "tmp", ignore_errors=True)
         (store.root / "tmp").write_text("not a folder")
     before = store_state(store.root)
-    one_line(tailor("commit", str(at6), "--step", "8", store=store.root), 3, "move it away and retry")
+    one_line(tailor_here("commit", str(at6), "--step", "8", store=store.root), 3, "move it away and retry")
     assert store_state(store.root) == before
 
 
@@ -203,7 +214,7 @@ def test_a_missing_index_does_not_suggest_init(two_steps) -> None:
     store.close()
     for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
         (store.root / name).unlink(missing_ok=True)
-    done = tailor("verify", store=store.root)
+    done = tailor_here("verify", store=store.root)
     one_line(done, 3, "missing")
     assert "tailor init" not in done.stderr.replace("`tailor init` refuses", "")
 
@@ -214,35 +225,37 @@ def test_read_commands_work_on_a_read_only_store(two_steps, tmp_path: Path) -> N
     with mounted("--bind", str(store.root), str(tmp_path / "ro")) as ro:
         assert subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True).returncode == 0
         for command in (["log"], ["show", "step=6"], ["verify", "--deep"], ["du"]):
-            done = tailor(*command, store=ro)
+            done = tailor_here(*command, store=ro)
             assert done.returncode == 0, (command, done.stderr)
         for command in (["tag", "step=6", "x"], ["rm", "step=3"], ["pin", "step=3"]):  # they said "damaged", exit 3
-            one_line(tailor(*command, store=ro), 2, "read-only")
-        done = tailor("checkout", "step=6", "--out", str(tmp_path / "out"), store=ro)
+            one_line(tailor_here(*command, store=ro), 2, "read-only")
+        done = tailor_here("checkout", "step=6", "--out", str(tmp_path / "out"), store=ro)
         assert done.returncode == 0, done.stderr
 
 
 def test_checkout_into_the_store_is_refused(two_steps) -> None:
     store, _ = two_steps
     before = store_state(store.root)
-    one_line(tailor("checkout", "step=6", "--out", str(store.root / "blobs" / "zz"), store=store.root), 2, "inside")
+    one_line(
+        tailor_here("checkout", "step=6", "--out", str(store.root / "blobs" / "zz"), store=store.root), 2, "inside"
+    )
     assert store_state(store.root) == before
-    assert tailor("gc", "--dry-run", store=store.root).returncode == 0
+    assert tailor_here("gc", "--dry-run", store=store.root).returncode == 0
 
 
 def test_bad_numbers_are_refused(two_steps) -> None:
     store, at6 = two_steps
     before = store_state(store.root)
-    one_line(tailor("commit", str(at6), "--step", "-7", store=store.root), 2, "out of range")
-    one_line(tailor("gc", "--keep-last", "-1", store=store.root), 2, "--keep-last")
-    one_line(tailor("gc", "--keep-every", "0", store=store.root), 2, "--keep-every")
-    one_line(tailor("commit", str(at6), "--step", "9", "--level", "99", store=store.root), 2, "--level")
-    one_line(tailor("gc", "--lock-timeout", "nan", store=store.root), 2, "lock timeout")
-    one_line(tailor("show", "step=99999999999999999999999", store=store.root), 2, "out of range")
+    one_line(tailor_here("commit", str(at6), "--step", "-7", store=store.root), 2, "out of range")
+    one_line(tailor_here("gc", "--keep-last", "-1", store=store.root), 2, "--keep-last")
+    one_line(tailor_here("gc", "--keep-every", "0", store=store.root), 2, "--keep-every")
+    one_line(tailor_here("commit", str(at6), "--step", "9", "--level", "99", store=store.root), 2, "--level")
+    one_line(tailor_here("gc", "--lock-timeout", "nan", store=store.root), 2, "lock timeout")
+    one_line(tailor_here("show", "step=99999999999999999999999", store=store.root), 2, "out of range")
     # options of another policy were ignored and recorded in the manifest as if they had counted
-    one_line(tailor("commit", str(at6), "--step", "9", "--every", "3", store=store.root), 2, "not --every 3")
+    one_line(tailor_here("commit", str(at6), "--step", "9", "--every", "3", store=store.root), 2, "not --every 3")
     one_line(
-        tailor("commit", str(at6), "--step", "9", "--policy", "adaptive", "--threshold", "nan", store=store.root),
+        tailor_here("commit", str(at6), "--step", "9", "--policy", "adaptive", "--threshold", "nan", store=store.root),
         2,
         "a finite number",
     )
@@ -251,11 +264,11 @@ def test_bad_numbers_are_refused(two_steps) -> None:
 
 def test_force_keeps_the_tag_and_the_pin(two_steps) -> None:
     store, at6 = two_steps
-    assert tailor("tag", "step=6", "keep-me", store=store.root).returncode == 0
-    assert tailor("pin", "step=6", store=store.root).returncode == 0
-    done = tailor("commit", str(at6), "--force", store=store.root)
+    assert tailor_here("tag", "step=6", "keep-me", store=store.root).returncode == 0
+    assert tailor_here("pin", "step=6", store=store.root).returncode == 0
+    done = tailor_here("commit", str(at6), "--force", store=store.root)
     assert done.returncode == 0, done.stderr
-    row = json.loads(tailor("log", "--json", store=store.root).stdout)
+    row = json.loads(tailor_here("log", "--json", store=store.root).stdout)
     step6 = next(r for r in row if r["step"] == 6)
     assert step6["tag"] == "keep-me" and step6["pinned"]
 
@@ -345,20 +358,22 @@ def test_malformed_safetensors_headers(two_steps) -> None:
     for header in ({"w": {"shape": [1]}}, {"w": ["x"]}, {"w": {"dtype": "F32", "shape": "ab", "data_offsets": [0, 4]}}):
         raw = json.dumps(header).encode()
         (at6 / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 4)
-        one_line(tailor("commit", str(at6), "--step", "8", store=store.root), 2, "malformed")
+        one_line(tailor_here("commit", str(at6), "--step", "8", store=store.root), 2, "malformed")
 
 
 def test_odd_paths_and_arguments(two_steps, tmp_path: Path) -> None:
     store, at6 = two_steps
     (at6 / "proc-link").symlink_to("/proc/self/status")
-    one_line(tailor("commit", str(at6), "--step", "8", store=store.root), 2, "outside the checkpoint")
+    one_line(tailor_here("commit", str(at6), "--step", "8", store=store.root), 2, "outside the checkpoint")
     (at6 / "proc-link").unlink()
     long_out = tmp_path / ("x" * 300)
-    one_line(tailor("checkout", "step=6", "--out", str(long_out), store=store.root), 2)
+    one_line(tailor_here("checkout", "step=6", "--out", str(long_out), store=store.root), 2)
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
-    one_line(tailor("checkout", "step=6", "--out", str(tmp_path / "dangling"), store=store.root), 2, "symbolic link")
+    one_line(
+        tailor_here("checkout", "step=6", "--out", str(tmp_path / "dangling"), store=store.root), 2, "symbolic link"
+    )
     (tmp_path / "a-file").write_text("x")
-    one_line(tailor("init", str(tmp_path / "a-file")), 2, "not a directory")
+    one_line(tailor_here("init", str(tmp_path / "a-file")), 2, "not a directory")
 
 
 def test_text_files_that_are_binary_or_huge(two_steps, tmp_path: Path) -> None:
@@ -368,23 +383,25 @@ def test_text_files_that_are_binary_or_huge(two_steps, tmp_path: Path) -> None:
     store, at6 = two_steps
     before = store_state(store.root)
     (at6 / "latest").write_bytes(b"\xffglobal_step6")
-    one_line(tailor("commit", str(at6), "--step", "8", store=store.root), 2, "latest: not UTF-8 text")
+    one_line(tailor_here("commit", str(at6), "--step", "8", store=store.root), 2, "latest: not UTF-8 text")
     with open(at6 / "latest", "wb") as f:
         f.truncate((64 << 10) + 1)  # sparse
-    one_line(tailor("commit", str(at6), "--step", "8", store=store.root), 2, "latest: over 64 KiB")
+    one_line(tailor_here("commit", str(at6), "--step", "8", store=store.root), 2, "latest: over 64 KiB")
     hf = tmp_path / "final"  # no step in the name: it is read from trainer_state.json
     hf.mkdir()
     (hf / "trainer_state.json").write_bytes(b'{"global_step": 6\xfe}')
-    one_line(tailor("commit", str(hf), store=store.root), 2, "trainer_state.json: not UTF-8 text")
+    one_line(tailor_here("commit", str(hf), store=store.root), 2, "trainer_state.json: not UTF-8 text")
     spec = tmp_path / "spec.yaml"
     spec.write_bytes(b"layers:\n  - \x80\x81\n")
-    one_line(tailor("merge", str(spec), "--tag", "m", store=store.root), 2, "spec.yaml: not UTF-8 text")
+    one_line(tailor_here("merge", str(spec), "--tag", "m", store=store.root), 2, "spec.yaml: not UTF-8 text")
     # a spec of a million steps parsed for seconds per MiB, up to the 64 MiB bound of other text files
     spec.write_text("method: sma\nsteps: [" + ", ".join(map(str, range(150_000))) + "]\n")
-    one_line(tailor("merge", str(spec), "--tag", "m", store=store.root), 2, "spec.yaml: over 1 MiB")
+    one_line(tailor_here("merge", str(spec), "--tag", "m", store=store.root), 2, "spec.yaml: over 1 MiB")
     os.mkfifo(tmp_path / "spec.fifo")  # nobody writes it: reading it would wait forever
     one_line(
-        tailor("merge", str(tmp_path / "spec.fifo"), "--tag", "m", store=store.root, timeout=60), 2, "not a regular"
+        tailor("merge", str(tmp_path / "spec.fifo"), "--tag", "m", store=store.root, timeout=60),
+        2,
+        "not a regular",
     )
     assert store_state(store.root) == before
 
@@ -396,11 +413,11 @@ def test_tag_names_that_cannot_be_keys_or_lines(two_steps) -> None:
     store, _ = two_steps
     before = store_state(store.root)
     for bad in ("..", ".", "a\nb", "a\tb", os.fsdecode(b"\xff"), "x" * 73, "\u00fc" * 37):
-        one_line(tailor("tag", "step=6", "--", bad, store=store.root), 2, "is not allowed")
+        one_line(tailor_here("tag", "step=6", "--", bad, store=store.root), 2, "is not allowed")
     assert store_state(store.root) == before
     longest = "\u00fc" * 36  # 72 bytes, 216 escaped
-    assert tailor("tag", "step=6", "--", longest, store=store.root).returncode == 0
-    assert longest in tailor("log", store=store.root).stdout
+    assert tailor_here("tag", "step=6", "--", longest, store=store.root).returncode == 0
+    assert longest in tailor_here("log", store=store.root).stdout
 
 
 def test_a_store_inside_the_checkpoint_it_commits_is_refused(hf_run: HFRun, tmp_path: Path) -> None:
@@ -409,18 +426,18 @@ def test_a_store_inside_the_checkpoint_it_commits_is_refused(hf_run: HFRun, tmp_
     checkpoint = copy_tree(hf_run.output_dir / "checkpoint-6", tmp_path / "checkpoint-6")
     inside = Repository.init(checkpoint / "store")
     before = store_state(inside.root)
-    one_line(tailor("commit", str(checkpoint), store=inside.root), 2, "lies inside this checkpoint")
+    one_line(tailor_here("commit", str(checkpoint), store=inside.root), 2, "lies inside this checkpoint")
     assert store_state(inside.root) == before
     shutil.rmtree(checkpoint / "store")
     beside = Repository.init(tmp_path / "store")
-    assert tailor("commit", str(checkpoint), store=beside.root).returncode == 0
+    assert tailor_here("commit", str(checkpoint), store=beside.root).returncode == 0
 
 
 def test_checkout_onto_a_mount_point_or_a_full_disk(two_steps, tmp_path: Path) -> None:
     store, _ = two_steps
     with mounted("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "small")) as small:
-        one_line(tailor("checkout", "step=6", "--out", str(small), store=store.root), 2, "mount point")
-        one_line(tailor("checkout", "step=6", "--out", str(small / "out"), store=store.root), 2, "no space")
+        one_line(tailor_here("checkout", "step=6", "--out", str(small), store=store.root), 2, "mount point")
+        one_line(tailor_here("checkout", "step=6", "--out", str(small / "out"), store=store.root), 2, "no space")
         assert list(small.iterdir()) == []
 
 
@@ -433,20 +450,20 @@ def test_a_full_disk_under_the_index(runs: Runs, tmp_path: Path) -> None:
         def free() -> int:
             return os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
 
-        assert tailor("init", str(disk / "probe")).returncode == 0
-        assert tailor("commit", str(at3), store=disk / "probe").returncode == 0
+        assert tailor_here("init", str(disk / "probe")).returncode == 0
+        assert tailor_here("commit", str(at3), store=disk / "probe").returncode == 0
         blobs = [p for sub in ("blobs", "packs", "manifests") for p in (disk / "probe" / sub).rglob("*") if p.is_file()]
         blob_bytes = sum(-(-p.stat().st_size // 4096) * 4096 for p in blobs)
         subprocess.run(["rm", "-rf", str(disk / "probe")], check=True)
-        assert tailor("init", str(disk / "st")).returncode == 0
+        assert tailor_here("init", str(disk / "st")).returncode == 0
         before = store_state(disk / "st")
         with open(disk / "filler", "wb") as f:
             f.write(b"\0" * (free() - blob_bytes - (48 << 10)))  # room for the blobs, not for the index
-        done = tailor("commit", str(at3), store=disk / "st")
+        done = tailor_here("commit", str(at3), store=disk / "st")
         one_line(done, 3, "index")
         (disk / "filler").unlink()
         assert store_state(disk / "st") == before
-        assert tailor("verify", store=disk / "st").returncode == 0
+        assert tailor_here("verify", store=disk / "st").returncode == 0
 
 
 def test_an_unreadable_file_is_one_line(two_steps) -> None:
@@ -569,14 +586,14 @@ def test_a_damaged_manifest_object_is_named_and_nothing_of_it_is_indexed(
     (obj,) = (store / "manifests" / "main").iterdir()
     _rewritten(obj, change)
     key = f"manifests/main/{obj.name}"
-    one_line(tailor("index", "rebuild", store=store), 3, key, "is damaged", *words)
+    one_line(tailor_here("index", "rebuild", store=store), 3, key, "is damaged", *words)
     assert not list(store.glob("index.sqlite.rebuild*"))
-    assert "exact" in tailor("log", store=store).stdout  # the old index, as it was: the rebuild replaced nothing
+    assert "exact" in tailor_here("log", store=store).stdout  # the old index, as it was: the rebuild replaced nothing
     another = obj.with_name(obj.name.replace("-00000000000000000003-", "-00000000000000000004-"))
     obj.rename(another)  # as if another host had committed it: the next open imports it
-    one_line(tailor("log", store=store), 3, "is damaged", *words)
+    one_line(tailor_here("log", store=store), 3, "is damaged", *words)
     another.unlink()
-    assert tailor("log", store=store).stdout.count("exact") == 0  # step 3's object is gone, so is its row
+    assert tailor_here("log", store=store).stdout.count("exact") == 0  # step 3's object is gone, so is its row
 
 
 def test_damaged_ref_objects_of_a_store(small_store: Path, tmp_path: Path) -> None:
@@ -586,7 +603,7 @@ def test_damaged_ref_objects_of_a_store(small_store: Path, tmp_path: Path) -> No
     store = copy_tree(small_store, tmp_path / "store")
     (store / "refs" / "tags").mkdir(parents=True, exist_ok=True)
     (store / "refs" / "tags" / "odd").write_bytes(b"\xff\xfe")
-    listed = tailor("log", store=store)
+    listed = tailor_here("log", store=store)
     assert listed.returncode == 0 and "exact" in listed.stdout and "odd" not in listed.stdout, listed.stderr
     assert listed.stderr.strip() == (  # named once: gc refuses to run while it is there (test_planted_objects.py)
         "warning: tailorstore: tag object refs/tags/odd is damaged: it names no manifest object, so its tag keeps "
@@ -595,7 +612,7 @@ def test_damaged_ref_objects_of_a_store(small_store: Path, tmp_path: Path) -> No
     (store / "refs" / "tags" / "odd").unlink()
     (store / "refs" / "runs").mkdir(parents=True, exist_ok=True)
     (store / "refs" / "runs" / "ft").write_text('{"created_at": 5, "base": 17}')
-    one_line(tailor("log", store=store), 3, "run object refs/runs/ft is damaged", "RunRecord.base is 17")
+    one_line(tailor_here("log", store=store), 3, "run object refs/runs/ft is damaged", "RunRecord.base is 17")
 
 
 @pytest.mark.parametrize(
@@ -621,11 +638,11 @@ def test_a_pack_trailer_naming_what_the_pack_cannot_hold_is_damage(
     pack = store / "packs" / name[:2] / name
     pack.parent.mkdir(parents=True, exist_ok=True)
     pack.write_bytes(body + trailer + struct.pack("<Q8s", len(trailer), b"TLRPACK1"))
-    one_line(tailor("gc", store=store), 3, f"pack {name}: its trailer is damaged", *words)
+    one_line(tailor_here("gc", store=store), 3, f"pack {name}: its trailer is damaged", *words)
     # a rebuild passes over the one damaged pack, naming it, rather than building nothing
-    rebuilt = tailor("index", "rebuild", store=store)
+    rebuilt = tailor_here("index", "rebuild", store=store)
     assert rebuilt.returncode == 0 and f"pack {name}: its trailer is damaged" in rebuilt.stderr, rebuilt.stderr
-    assert "exact" in tailor("log", store=store).stdout
+    assert "exact" in tailor_here("log", store=store).stdout
 
 
 @pytest.mark.parametrize(
@@ -647,7 +664,7 @@ def test_a_step_a_checkpoint_states_out_of_range_is_refused(
     checkpoint = tmp_path / folder
     checkpoint.mkdir()
     (checkpoint / "trainer_state.json").write_text(f'{{"global_step": {global_step}}}')
-    one_line(tailor("commit", str(checkpoint), store=store), 2, *words)
+    one_line(tailor_here("commit", str(checkpoint), store=store), 2, *words)
     assert store_state(store) == before
 
 
@@ -660,7 +677,7 @@ def test_a_setuid_mode_in_the_index_is_never_applied(small_store: Path, tmp_path
     conn.commit()
     conn.close()
     out = tmp_path / "out"
-    done = tailor("checkout", "latest", "--out", str(out), store=store)
+    done = tailor_here("checkout", "latest", "--out", str(out), store=store)
     assert done.returncode == 0, done.stderr
     files = [p for p in out.rglob("*") if p.is_file()]
     assert files and all(p.stat().st_mode & 0o7000 == 0 for p in files)
@@ -684,11 +701,11 @@ def test_a_planted_pack_whose_trailer_names_another_packs_blobs_takes_nothing(
     planted.write_bytes(os.urandom(body) + data[body:])
     for command in (("commit", str(Path(__file__).parent / "data" / "format1" / "checkpoint"), "--step", "9"),
                     ("gc",), ("index", "rebuild"), ("gc",)):  # fmt: skip
-        done = tailor(*command, store=store)
+        done = tailor_here(*command, store=store)
         assert done.returncode == 0, (command, done.stderr)
     assert real.is_file() and not planted.exists()
-    assert tailor("checkout", "step=3", "--out", str(tmp_path / "out"), store=store).returncode == 0
-    assert tailor("verify", "--deep", store=store).returncode == 0
+    assert tailor_here("checkout", "step=3", "--out", str(tmp_path / "out"), store=store).returncode == 0
+    assert tailor_here("verify", "--deep", store=store).returncode == 0
 
 
 def test_odd_keys_under_refs_and_locks_are_ignored(small_store: Path, tmp_path: Path) -> None:
@@ -701,10 +718,10 @@ def test_odd_keys_under_refs_and_locks_are_ignored(small_store: Path, tmp_path: 
         (store / folder).mkdir(parents=True, exist_ok=True)
         (store / folder / name).write_text("{}")
     for command in (("log",), ("gc", "--keep-last", "1"), ("verify",), ("run", "list")):
-        done = tailor(*command, store=store)
+        done = tailor_here(*command, store=store)
         assert done.returncode == 0 and "Traceback" not in done.stderr, (command, done.stderr)
-    assert "warning: tailorstore: ignoring 'refs/tags/a b'" in tailor("log", store=store).stderr
-    assert "exact" in tailor("log", store=store).stdout
+    assert "warning: tailorstore: ignoring 'refs/tags/a b'" in tailor_here("log", store=store).stderr
+    assert "exact" in tailor_here("log", store=store).stdout
 
 
 def test_numbers_from_the_store_out_of_range(small_store: Path, tmp_path: Path) -> None:
@@ -713,7 +730,7 @@ def test_numbers_from_the_store_out_of_range(small_store: Path, tmp_path: Path) 
     store = copy_tree(small_store, tmp_path / "store")
     (store / "refs" / "retention").mkdir(parents=True, exist_ok=True)
     (store / "refs" / "retention" / "main").write_text('{"tailorstore_retention": 1, "keep_last": 1.5}')
-    one_line(tailor("gc", store=store), 3, "retention", "1.5")
+    one_line(tailor_here("gc", store=store), 3, "retention", "1.5")
     (store / "refs" / "retention" / "main").unlink()
     spec = tmp_path / "avg.yaml"
     for text, words in (
@@ -721,7 +738,7 @@ def test_numbers_from_the_store_out_of_range(small_store: Path, tmp_path: Path) 
         ("method: sma\nsteps: [1, 3]\nkinds: [[master]]\n", ["kinds is a list"]),
     ):
         spec.write_text(text)
-        one_line(tailor("merge", str(spec), "--tag", "avg", store=store), 2, *words)
+        one_line(tailor_here("merge", str(spec), "--tag", "avg", store=store), 2, *words)
 
 
 def test_a_folder_inside_a_tag_folder_is_named(small_store: Path, tmp_path: Path) -> None:
@@ -731,10 +748,10 @@ def test_a_folder_inside_a_tag_folder_is_named(small_store: Path, tmp_path: Path
     checkpoint = copy_tree(Path(__file__).parent / "data" / "format1" / "checkpoint", tmp_path / "ckpt")
     (tmp_path / "elsewhere").mkdir()
     (checkpoint / "global_step3" / "linked").symlink_to(tmp_path / "elsewhere")
-    one_line(tailor("commit", str(checkpoint), "--step", "4", store=store), 2, "linked", "symbolic link")
+    one_line(tailor_here("commit", str(checkpoint), "--step", "4", store=store), 2, "linked", "symbolic link")
     (checkpoint / "global_step3" / "linked").unlink()
     (checkpoint / "global_step3" / "extra").mkdir()
-    done = tailor("commit", str(checkpoint), "--step", "4", store=store)
+    done = tailor_here("commit", str(checkpoint), "--step", "4", store=store)
     assert done.returncode == 0 and "extra is a folder inside a DeepSpeed tag folder" in done.stderr, done.stderr
 
 
@@ -751,10 +768,12 @@ def test_environment_and_selector_typos_are_one_line(small_store: Path, tmp_path
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     one_line(done, 2, "TAILOR_S3_TIMEOUT_SECONDS='0' is not allowed")
-    one_line(tailor("log", "--store", "s3:/x"), 2, "looks like an S3 location with a typo")
+    one_line(tailor_here("log", "--store", "s3:/x"), 2, "looks like an S3 location with a typo")
     out = tmp_path / "out"
     one_line(
-        tailor("checkout", "latest", "--out", str(out), "--world-size", "5000", store=store), 2, "Choose fewer ranks"
+        tailor_here("checkout", "latest", "--out", str(out), "--world-size", "5000", store=store),
+        2,
+        "Choose fewer ranks",
     )
     assert not out.exists()
 
@@ -782,10 +801,10 @@ def test_merges_are_named_as_merges_in_diff(small_store: Path, tmp_path: Path) -
     store = copy_tree(small_store, tmp_path / "store")
     spec = tmp_path / "mix.yaml"
     spec.write_text("base: {step: 3}\nslices:\n  - sources: [{step: 3, layer_range: [0, 1]}]\n")
-    assert tailor("merge", str(spec), "--tag", "mix", store=store).returncode == 0
-    done = tailor("diff", "step=3", "tag=mix", store=store)
+    assert tailor_here("merge", str(spec), "--tag", "mix", store=store).returncode == 0
+    done = tailor_here("diff", "step=3", "tag=mix", store=store)
     assert done.returncode == 0 and "relative change from step 3 to tag=mix (on step 3)" in done.stdout, done.stdout
-    assert tailor("commit", str(Path(__file__).parent / "data" / "format1" / "checkpoint"), "--step", "6",
+    assert tailor_here("commit", str(Path(__file__).parent / "data" / "format1" / "checkpoint"), "--step", "6",
                   store=store).returncode == 0  # fmt: skip
     with Repository.open(store) as repo:  # the plot's columns: committed steps only, not the merge on step 3
         assert change_matrix(repo).columns == ["step 6"]
@@ -796,10 +815,10 @@ def test_du_after_thinning_counts_what_a_thinned_step_keeps(small_store: Path, t
     a thinned step kept: 70 times too large after thinning to weights."""
     store = copy_tree(small_store, tmp_path / "store")
     checkpoint = Path(__file__).parent / "data" / "format1" / "checkpoint"
-    assert tailor("commit", str(checkpoint), "--step", "6", store=store).returncode == 0
-    before = json.loads(tailor("du", "--json", store=store).stdout)
-    assert tailor("gc", "--keep-last", "1", "--thin", "weights", store=store).returncode == 0
-    after = json.loads(tailor("du", "--json", store=store).stdout)
+    assert tailor_here("commit", str(checkpoint), "--step", "6", store=store).returncode == 0
+    before = json.loads(tailor_here("du", "--json", store=store).stdout)
+    assert tailor_here("gc", "--keep-last", "1", "--thin", "weights", store=store).returncode == 0
+    after = json.loads(tailor_here("du", "--json", store=store).stdout)
     assert after["kinds"]["files"]["raw_bytes"] <= before["kinds"]["files"]["raw_bytes"]
     thinned = next(s for s in after["steps"] if s["step"] == 3)
     assert thinned["raw_bytes"] < next(s for s in before["steps"] if s["step"] == 3)["raw_bytes"]
@@ -829,11 +848,11 @@ def test_objects_that_declare_a_terabyte_are_damage_not_an_allocation(small_stor
     kept = obj.read_bytes()
     obj.chmod(0o644)
     obj.write_bytes(_zstd_bomb(1 << 40))
-    one_line(tailor("index", "rebuild", store=store), 3, "is damaged", "declares 1099511627776 bytes")
+    one_line(tailor_here("index", "rebuild", store=store), 3, "is damaged", "declares 1099511627776 bytes")
     obj.write_bytes(kept)
     trailer = _zstd_bomb(1 << 40)
     name = "cd" * 16
     pack = store / "packs" / name[:2] / name
     pack.parent.mkdir(parents=True, exist_ok=True)
     pack.write_bytes(b"\0" * 4096 + trailer + struct.pack("<Q8s", len(trailer), b"TLRPACK1"))
-    one_line(tailor("gc", store=store), 3, f"pack {name}: its trailer is damaged", "declares 1099511627776 bytes")
+    one_line(tailor_here("gc", store=store), 3, f"pack {name}: its trailer is damaged", "declares 1099511627776 bytes")

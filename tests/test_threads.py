@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -66,29 +65,57 @@ def test_a_commit_and_a_checkout_run_the_threads_they_are_given(tmp_path: Path, 
     assert len(checkout_threads) == 1, checkout_threads
 
 
+class _GatedBatch:
+    """The real POSIX batch, whose puts start only once the test opens the gate: the writer's
+    threads stay busy through the store's public Backend interface, not a patched method."""
+
+    def __init__(self, batch: object, gate: threading.Event, entered: threading.Semaphore) -> None:
+        self._batch, self._gate, self._entered = batch, gate, entered
+
+    def put(self, key: str, chunks: object, size_hint: int = 0) -> None:
+        self._entered.release()
+        assert self._gate.wait(30), "the test never opened the gate"
+        self._batch.put(key, chunks, size_hint)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._batch, name)
+
+
+class _GatedBackend:
+    def __init__(self, backend: object, gate: threading.Event, entered: threading.Semaphore) -> None:
+        self._backend, self._gate, self._entered = backend, gate, entered
+
+    def batch(self) -> _GatedBatch:
+        return _GatedBatch(self._backend.batch(), self._gate, self._entered)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._backend, name)
+
+
 def test_the_commit_queue_holds_one_piece_beyond_its_threads(tmp_path: Path) -> None:
     """Every queued piece is private memory, fresh pages in a new process: the loop, which reads
-    faster than the threads compress, waits once the threads are busy and one piece waits."""
+    faster than the threads write, waits once the threads are busy and one piece waits. Pieces
+    of 2 MiB are objects of their own, so each thread's write reaches the gated put."""
     from tailorstore.store.packs.writer import BlobWriter
     from tailorstore.store.repo import Repository
 
-    writer = BlobWriter(Repository.init(tmp_path / "store"), threads=2)
-    gate = threading.Event()
-    compress = writer._write
-    writer._write = lambda *args: gate.wait(30) and compress(*args)  # type: ignore[method-assign]
+    repo = Repository.init(tmp_path / "store")
+    gate, entered = threading.Event(), threading.Semaphore(0)
+    repo.backend = _GatedBackend(repo.backend, gate, entered)  # type: ignore[assignment]
+    writer = BlobWriter(repo, threads=2)
     added: list[str] = []
 
     def feed() -> None:
         for _ in range(6):
-            added.append(writer.add(memoryview(os.urandom(256 << 10))))
+            added.append(writer.add(memoryview(os.urandom(2 << 20))))
 
     feeder = threading.Thread(target=feed)
     feeder.start()
-    deadline = time.monotonic() + 10
-    while len(added) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.3)
-    assert len(added) == 3, "two pieces compressing and one waiting; the fourth waits for room"
-    gate.set()
-    feeder.join(30)
+    try:
+        assert entered.acquire(timeout=30) and entered.acquire(timeout=30), "both threads reach their put"
+        feeder.join(timeout=0.5)  # a bound for what must not happen: the fourth piece is not taken
+        assert feeder.is_alive() and len(added) == 3, "two pieces writing and one waiting; the fourth waits for room"
+    finally:
+        gate.set()
+        feeder.join(30)
     assert len(writer.finish()) == 6

@@ -1,12 +1,15 @@
-"""What operations may ask of the store's index, and what they may change in it.
+"""Every query and change of the store's index that code above the index may use.
 
 The index (``store/index/_index.py``) is SQLite with some seventy methods; it is private to ``store/``.
-Everything above ``store/`` sees it only through these two protocols: :class:`Catalogue`, the
-queries, reached as ``Repository.catalogue``; and :class:`CatalogueEdit`, the changes, reached
-only inside ``Repository.transaction()``, so that no row changes outside a transaction. Every
-query returns records from ``store/index/records.py``, never tuples or SQLite rows, and SQLite's errors
-arrive as this library's own (``index_failed``). tests/test_layers.py checks that nothing outside
-``store/`` imports the index or calls a method these protocols do not name.
+These two protocols are the whole of what may be asked of it: :class:`Catalogue`, the queries,
+and :class:`CatalogueEdit`, the changes, made only inside a transaction. No operation sees
+either whole: each declares a role, a protocol of at most eight of these methods
+(store/index/roles.py), and gets a view that answers only those (``Repository.view(Role)``,
+``Repository.transaction(Role)``). Inserting a manifest's rows is in no role: only
+``store/publish.py`` does it. Every query returns records from ``store/index/records.py``,
+never tuples or SQLite rows, and SQLite's errors arrive as this library's own
+(``index_failed``). tests/test_layers.py checks that nothing outside ``store/`` imports the index
+or this module, and that each operation calls only what its role names.
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ class Catalogue(Protocol):
 
 @runtime_checkable
 class CatalogueEdit(Catalogue, Protocol):
-    """The changes, made inside one ``Repository.transaction()``: they commit together or not at all."""
+    """The changes, made inside one ``Repository.transaction(Role)``: they commit together or not at all."""
 
     def add_blobs(self, blobs: Iterable[BlobRecord]) -> None:
         """Record blobs not known yet; a known blob keeps its row (where it is, packs decide)."""
