@@ -418,3 +418,17 @@ def test_the_store_keeps_its_concerns_in_sub_packages() -> None:
     assert (store / "backends" / "base.py").is_file() and (store / "index" / "_index.py").is_file()
     top = sorted(p.stem for p in store.glob("*.py") if p.stem != "__init__")
     assert len(top) <= 10, top
+
+
+def test_a_store_is_a_store_and_a_repository_a_repo() -> None:
+    """Issue 49: the public class is ``Store``; the internal ``Repository`` a parameter names ``repo``
+    (131 parameters were ``store: Repository``, so a reader could not tell which one a function took)."""
+    wrong = []
+    for path in sources():
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
+                    annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                    if arg.arg == "store" and "Repository" in annotation:
+                        wrong.append(f"{path}:{node.lineno}: {node.name}({arg.arg}: {annotation})")
+    assert not wrong, "\n".join(wrong)

@@ -21,22 +21,22 @@ from tailorstore.store.index.records import AtomRecord, BlobRecord
 from tailorstore.store.repo import Repository, damaged_blob
 
 
-def blob_of(store: Repository, digest: str, where: str) -> BlobRecord:
+def blob_of(repo: Repository, digest: str, where: str) -> BlobRecord:
     """The blob's row, or a damaged-store error naming where it was needed."""
-    row = store.blob(digest)
+    row = repo.blob(digest)
     if row is None:
         raise CorruptStoreError(f"{where}: blob {digest} has no row in the index; run ", Call("verify"), ".")
     return row
 
 
-def decode_stored_atom(store: Repository, row: BlobRecord, dest: memoryview, where: str) -> None:
+def decode_stored_atom(repo: Repository, row: BlobRecord, dest: memoryview, where: str) -> None:
     """Fill ``dest`` with a stored (not derived) atom's blob, its row already looked up; hash-checked.
 
     Touches no SQL, so a reader thread can run it while the caller's thread holds the index.
     """
     if row.raw_size != len(dest):
         raise CorruptStoreError(f"{where}: blob {row.hash} holds {row.raw_size} bytes, the atom needs {len(dest)}")
-    store.read_blob_into(row, dest, where)
+    repo.read_blob_into(row, dest, where)
 
 
 def _chunk_space(nbytes: int) -> memoryview:
@@ -44,7 +44,7 @@ def _chunk_space(nbytes: int) -> memoryview:
     return memoryview(thread_buffer("atom-chunk", nbytes, codec.GROUP_CHUNK))
 
 
-def stream_blob(store: Repository, row: BlobRecord, lo: int, hi: int, where: str) -> Iterator[memoryview]:
+def stream_blob(repo: Repository, row: BlobRecord, lo: int, hi: int, where: str) -> Iterator[memoryview]:
     """Bytes ``[lo, hi)`` of a stored blob, decoded chunk by chunk into one reused buffer.
 
     The whole blob is decoded and hashed even when only part of it is wanted, and the check
@@ -56,7 +56,7 @@ def stream_blob(store: Repository, row: BlobRecord, lo: int, hi: int, where: str
         raise CorruptStoreError(f"{where}: bytes [{lo}, {hi}) lie outside blob {row.hash} of {row.raw_size} bytes")
     hasher = xxhash.xxh3_128()
     pos = 0
-    for piece in store.decoded_pieces(row, row.raw_size, _chunk_space, where):
+    for piece in repo.decoded_pieces(row, row.raw_size, _chunk_space, where):
         hasher.update(piece)
         a, b = max(lo - pos, 0), min(hi - pos, len(piece))
         if a < b:
@@ -67,22 +67,22 @@ def stream_blob(store: Repository, row: BlobRecord, lo: int, hi: int, where: str
 
 
 def stream_atom(
-    store: Repository, manifest: int, atom: AtomRecord, lo: int, hi: int, where: str, row: BlobRecord | None = None
+    repo: Repository, manifest: int, atom: AtomRecord, lo: int, hi: int, where: str, row: BlobRecord | None = None
 ) -> Iterator[memoryview]:
     """Bytes ``[lo, hi)`` of one atom, checked: a stored atom's blob (:func:`stream_blob`), or a
     derived weight rounded from its master as the master streams by (:func:`stream_rebuilt`)."""
     if atom.derived is None:
-        yield from stream_blob(store, row or blob_of(store, atom.blob, where), lo, hi, where)
+        yield from stream_blob(repo, row or blob_of(repo, atom.blob, where), lo, hi, where)
         return
     pos = 0
-    for piece in stream_rebuilt(store, manifest, atom, where):
+    for piece in stream_rebuilt(repo, manifest, atom, where):
         a, b = max(lo - pos, 0), min(hi - pos, len(piece))
         if a < b:
             yield piece[a:b]
         pos += len(piece)
 
 
-def stream_rebuilt(store: Repository, manifest: int, atom: AtomRecord, where: str) -> Iterator[memoryview]:
+def stream_rebuilt(repo: Repository, manifest: int, atom: AtomRecord, where: str) -> Iterator[memoryview]:
     """A derived weight's bytes in order, each master chunk rounded as it is decoded; the
     weight's own hash is checked after the last chunk (so, as with :func:`stream_blob`, what
     is yielded goes into staged output). Memory stays at a chunk whatever the tensor's size."""
@@ -90,7 +90,7 @@ def stream_rebuilt(store: Repository, manifest: int, atom: AtomRecord, where: st
         raise CorruptStoreError(f"{where}: unknown derivation {atom.derived!r}; upgrade tailorstore")
     if atom.start != 0:
         raise CorruptStoreError(f"{where}: the derived weight of {atom.param} does not start at its first element")
-    pieces = store.view(Contents).atoms(manifest, param=atom.param, kind=MASTER, derived=False)
+    pieces = repo.view(Contents).atoms(manifest, param=atom.param, kind=MASTER, derived=False)
     unique = sorted({(p.start, p.numel): p for p in pieces}.items())
     hasher = xxhash.xxh3_128()
     cursor = 0
@@ -98,7 +98,7 @@ def stream_rebuilt(store: Repository, manifest: int, atom: AtomRecord, where: st
         if start != cursor or start + numel > atom.numel:
             break
         for rounded in rounded_chunks(
-            stream_atom(store, manifest, piece, 0, piece.nbytes, where), atom.dtype, "rebuilt"
+            stream_atom(repo, manifest, piece, 0, piece.nbytes, where), atom.dtype, "rebuilt"
         ):
             hasher.update(rounded)
             yield rounded
@@ -109,21 +109,21 @@ def stream_rebuilt(store: Repository, manifest: int, atom: AtomRecord, where: st
         raise CorruptStoreError(f"{where}: the weight rebuilt from the master of {atom.param} does not match its hash")
 
 
-def decode_atom_into(store: Repository, manifest: int, atom: AtomRecord, dest: memoryview, where: str) -> None:
+def decode_atom_into(repo: Repository, manifest: int, atom: AtomRecord, dest: memoryview, where: str) -> None:
     """Fill ``dest`` with one atom's bytes, from its blob or rebuilt from its master; hash-checked."""
     if atom.derived is None:
-        decode_stored_atom(store, blob_of(store, atom.blob, where), dest, where)
+        decode_stored_atom(repo, blob_of(repo, atom.blob, where), dest, where)
         return
     if len(dest) != 2 * atom.numel:
         raise CorruptStoreError(f"{where}: {atom.numel} {atom.dtype} elements cannot fill {len(dest)} bytes")
     pos = 0
-    for piece in stream_rebuilt(store, manifest, atom, where):
+    for piece in stream_rebuilt(repo, manifest, atom, where):
         dest[pos : pos + len(piece)] = piece
         pos += len(piece)
 
 
-def decode_atom(store: Repository, manifest: int, atom: AtomRecord, where: str) -> memoryview:
+def decode_atom(repo: Repository, manifest: int, atom: AtomRecord, where: str) -> memoryview:
     """One atom's raw bytes (``atom.nbytes`` of them), checked."""
     out = memoryview(bytearray(atom.nbytes))
-    decode_atom_into(store, manifest, atom, out, where)
+    decode_atom_into(repo, manifest, atom, out, where)
     return out

@@ -39,7 +39,7 @@ def masters_by_layer(f: ReadFile, src: InputFile, kind: str = A.MASTER) -> dict[
 
 
 def stored_pieces(
-    store: Repository, manifest: int, layer: str, kind: str = A.MASTER, keys: set[PieceKey] | None = None
+    repo: Repository, manifest: int, layer: str, kind: str = A.MASTER, keys: set[PieceKey] | None = None
 ) -> dict[PieceKey, np.ndarray]:
     """Decode a layer's pieces of one kind from the store (derived weights are rebuilt).
 
@@ -47,10 +47,10 @@ def stored_pieces(
     only one file's worth.
     """
     atoms = sorted(
-        store.view(Contents).atoms(manifest, layer=layer, kind=kind), key=lambda a: (a.param, a.rank, a.start)
+        repo.view(Contents).atoms(manifest, layer=layer, kind=kind), key=lambda a: (a.param, a.rank, a.start)
     )
     return {
-        (a.param, a.rank, a.start): widened(decode_atom(store, manifest, a, "measuring change"), a.dtype)
+        (a.param, a.rank, a.start): widened(decode_atom(repo, manifest, a, "measuring change"), a.dtype)
         for a in atoms
         if keys is None or (a.param, a.rank, a.start) in keys
     }

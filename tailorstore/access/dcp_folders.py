@@ -19,7 +19,7 @@ def dcp_folders(files: list[FileRecord]) -> list[str]:
 
 
 def folder_metadata(
-    store: Repository, step: int, files: list[FileRecord], folder: str
+    repo: Repository, step: int, files: list[FileRecord], folder: str
 ) -> tuple[dcp.DcpMetadata, dict[str, FileRecord]]:
     """The checked ``.metadata`` of one DCP folder of a step, and its ``.distcp`` rows by file name."""
     prefix = f"{folder}/" if folder else ""
@@ -33,7 +33,7 @@ def folder_metadata(
     if row is None:
         raise CorruptStoreError(f"step {step}: the DCP folder {folder or '.'} has no .metadata; run ", Call("verify"))
     try:
-        meta = dcp.read_metadata(store.read_blob(row.blob, where), where, {n: f.raw_size for n, f in distcp.items()})
+        meta = dcp.read_metadata(repo.read_blob(row.blob, where), where, {n: f.raw_size for n, f in distcp.items()})
     except (BadCheckpointError, UnsafePickleError) as exc:
         raise CorruptStoreError(f"{exc} (read from the store); run ", Call("verify"), ".") from None
     return meta, distcp

@@ -113,9 +113,9 @@ def rank0_optimizer_file(files: list[FileRecord], folder: str) -> FileRecord | N
     return None
 
 
-def skeleton_tree(store: Repository, row: FileRecord, where: str) -> Any:
+def skeleton_tree(repo: Repository, row: FileRecord, where: str) -> Any:
     """The object tree a committed torch file's skeleton describes, tensors as shapes only."""
-    data = store.read_blob(row.blob, where)
+    data = repo.read_blob(row.blob, where)
     if data[:2] != b"PK":  # the file's own data.pkl (committed without torch)
         return load_pickle_tree(data, where)
     # A skeleton torch.save wrote (a file that needed torch to commit): torch reads it back.
@@ -147,16 +147,16 @@ def tiling(pieces: list[AtomRecord], numel: int) -> tuple[AtomRecord, ...] | Non
     return tuple(chosen) if cursor == numel else None
 
 
-def model_view(store: Repository, manifest: int) -> ModelView:
+def model_view(repo: Repository, manifest: int) -> ModelView:
     """Every tensor of the model's state dict at ``manifest``, in DeepSpeed's parameter order
     (for a DCP step, in the order its ``.metadata`` lists them)."""
-    facts = store.manifest(manifest)
-    files = store.view(Contents).files(manifest)
+    facts = repo.manifest(manifest)
+    files = repo.view(Contents).files(manifest)
     if any(f.kind == DCP for f in files) and not any(f.kind == TORCH for f in files):
-        return _dcp_view(store, facts, files)
+        return _dcp_view(repo, facts, files)
     states = model_states_file(files, facts.step)
     where = f"step {facts.step}, file {states.path}"
-    tree = skeleton_tree(store, states, where)
+    tree = skeleton_tree(repo, states, where)
     if not isinstance(tree, dict):
         raise CorruptStoreError(f"{where}: the model-states pickle is not a dict")
     shapes = _shapes(tree, "param_shapes")
@@ -167,7 +167,7 @@ def model_view(store: Repository, manifest: int) -> ModelView:
     if not shapes:  # ZeRO 0 records no param_shapes: the module's own tensors are full size
         shapes = {str(k): tuple(v.shape) for k, v in module.items() if k not in buffer_names and hasattr(v, "shape")}
 
-    by_param = _pieces(store, manifest)
+    by_param = _pieces(repo, manifest)
     tensors: list[ModelTensor] = []
     for name in buffer_names:
         ref = module.get(name)
@@ -179,7 +179,7 @@ def model_view(store: Repository, manifest: int) -> ModelView:
     for name, shape in shapes.items():
         tensors.append(_tensor(name, shape, by_param, (MASTER, WEIGHT), where))
     stored = {a.blob for t in tensors for a in t.atoms if a.derived is None}
-    rows = {digest: blob_of(store, digest, where) for digest in stored}
+    rows = {digest: blob_of(repo, digest, where) for digest in stored}
     groups = {}
     raw_groups = tree.get("param_shapes") or []
     for g, group in enumerate(raw_groups if isinstance(raw_groups, list) else [raw_groups]):
@@ -199,23 +199,23 @@ def model_view(store: Repository, manifest: int) -> ModelView:
     )
 
 
-def _pieces(store: Repository, manifest: int) -> dict[tuple[str, str], list[AtomRecord]]:
+def _pieces(repo: Repository, manifest: int) -> dict[tuple[str, str], list[AtomRecord]]:
     """The manifest's atoms of the kinds a model view reads, by (parameter, kind)."""
     by_param: dict[tuple[str, str], list[AtomRecord]] = defaultdict(list)
-    for atom in store.view(Contents).atoms(manifest):
+    for atom in repo.view(Contents).atoms(manifest):
         if atom.kind in _VIEWED:
             by_param[(atom.param, atom.kind)].append(atom)
     return by_param
 
 
-def _dcp_view(store: Repository, facts: ManifestRecord, files: list[FileRecord]) -> ModelView:
+def _dcp_view(repo: Repository, facts: ManifestRecord, files: list[FileRecord]) -> ModelView:
     """A DCP step as a model: each model parameter's full shape from its folder's ``.metadata``
     (kept whole, and read again as hostile input), tiled by its chunks' atoms."""
     step = facts.step
-    by_param = _pieces(store, facts.id)
+    by_param = _pieces(repo, facts.id)
     tensors: list[ModelTensor] = []
     for folder in dcp_folders(files):
-        meta, _ = folder_metadata(store, step, files, folder)
+        meta, _ = folder_metadata(repo, step, files, folder)
         where = f"step {step}, file {folder + '/' if folder else ''}{dcp.METADATA}"
         for fqn, info in meta.tensors.items():
             param, kind, is_model = dcp.name_and_kind(fqn, meta.paths.get(fqn), info.dtype)
@@ -227,7 +227,7 @@ def _dcp_view(store: Repository, facts: ManifestRecord, files: list[FileRecord])
     aliases = tied_embeddings(tensors)
     tensors = [t for t in tensors if t.name not in aliases]
     stored = {a.blob for t in tensors for a in t.atoms if a.derived is None}
-    rows = {digest: blob_of(store, digest, f"step {step}") for digest in stored}
+    rows = {digest: blob_of(repo, digest, f"step {step}") for digest in stored}
     return ModelView(
         facts.id, step, tensors, aliases, rows, facts.zero_stage, facts.world_size, dict(by_param), {}, names
     )
@@ -283,7 +283,7 @@ def _tensor(
     raise CorruptStoreError(f"{where}: the pieces of {name} do not cover its {numel} elements; run ", Call("verify"))
 
 
-def read_raw(store: Repository, view: ModelView, tensor: ModelTensor) -> memoryview:
+def read_raw(repo: Repository, view: ModelView, tensor: ModelTensor) -> memoryview:
     """The tensor's elements in the dtype its atoms hold, hash-checked. Stored atoms are read
     with the rows looked up by :func:`model_view`, so this runs on a reader thread too; a derived
     one (rebuilt from its master, which needs the index) only on the index's own thread."""
@@ -294,31 +294,31 @@ def read_raw(store: Repository, view: ModelView, tensor: ModelTensor) -> memoryv
         dest = out[atom.start * size : (atom.start + atom.numel) * size]
         row = view.rows.get(atom.blob)
         if row is not None:
-            decode_stored_atom(store, row, dest, where)
+            decode_stored_atom(repo, row, dest, where)
         else:
-            decode_atom_into(store, view.manifest, atom, dest, where)
+            decode_atom_into(repo, view.manifest, atom, dest, where)
     return out
 
 
-def read_float32(store: Repository, view: ModelView, tensor: ModelTensor) -> np.ndarray:
+def read_float32(repo: Repository, view: ModelView, tensor: ModelTensor) -> np.ndarray:
     """A floating tensor's values as float32 (flat): the master as stored, or a weight widened exactly."""
-    raw = read_raw(store, view, tensor)
+    raw = read_raw(repo, view, tensor)
     if tensor.dtype == "float32":
         return np.frombuffer(raw, dtype=np.float32)
     return np.ascontiguousarray(widened(raw, tensor.dtype), dtype=np.float32)
 
 
-def look_up_rows(store: Repository, view: ModelView, tensor: ModelTensor) -> None:
+def look_up_rows(repo: Repository, view: ModelView, tensor: ModelTensor) -> None:
     """Add the blob rows of ``tensor``'s stored atoms to ``view.rows``, so that streaming it
     (:func:`stream_elements`) needs no SQL and can run on a writer thread."""
     where = f"step {view.step}, {tensor.name}"
     for atom in tensor.atoms:
         if atom.derived is None and atom.blob not in view.rows:
-            view.rows[atom.blob] = blob_of(store, atom.blob, where)
+            view.rows[atom.blob] = blob_of(repo, atom.blob, where)
 
 
 def stream_elements(
-    store: Repository, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
+    repo: Repository, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
 ) -> Iterator[memoryview]:
     """Elements ``[start, start + count)`` of ``tensor`` as raw bytes in its atoms' dtype, in order,
     a chunk at a time (:func:`~tailorstore.access.atom_reader.stream_atom`: every atom hash-checked whole,
@@ -333,37 +333,37 @@ def stream_elements(
         lo, hi = max(start, atom.start), min(end, atom.start + atom.numel)
         if lo < hi:
             yield from stream_atom(
-                store, view.manifest, atom, (lo - atom.start) * size, (hi - atom.start) * size, where,
+                repo, view.manifest, atom, (lo - atom.start) * size, (hi - atom.start) * size, where,
                 view.rows.get(atom.blob),
             )  # fmt: skip
 
 
 def stream_float32(
-    store: Repository, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
+    repo: Repository, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
 ) -> Iterator[memoryview]:
     """:func:`stream_elements` as float32: a master as stored, a weight widened exactly chunk by chunk."""
-    for piece in stream_elements(store, view, tensor, start, count):
+    for piece in stream_elements(repo, view, tensor, start, count):
         yield piece if tensor.dtype == "float32" else memoryview(widened(piece, tensor.dtype)).cast("B")
 
 
-def committed_tree(store: Repository, manifest: int, row: FileRecord, where: str) -> Any:
+def committed_tree(repo: Repository, manifest: int, row: FileRecord, where: str) -> Any:
     """A committed torch file's object tree, each tensor a :class:`TensorOut` whose bytes stream
     from its atoms (hash-checked) only as it is written: a file is re-pickled holding a chunk at a time."""
-    tree = skeleton_tree(store, row, where)
+    tree = skeleton_tree(repo, row, where)
     if slots_of(tree):  # a skeleton torch.save wrote already holds its slots
         skeleton, slots = tree, slots_of(tree)
     else:
         skeleton, entries = split_tensors(tree, where=where, file_size=row.raw_size)
         slots = [TensorSlot(e.slot, e.tensor.dtype, tuple(e.tensor.shape)) for e in entries]
     by_slot: dict[int, list[AtomRecord]] = defaultdict(list)
-    for atom in store.view(Contents).atoms(manifest, path=row.path):
+    for atom in repo.view(Contents).atoms(manifest, path=row.path):
         by_slot[atom.slot].append(atom)
     tensors = {
         s.slot: TensorOut(
             s.dtype,
             tuple(s.shape),
-            partial(_slot_chunks, store, manifest, s, by_slot[s.slot], where),
-            fill=partial(_slot_fill, store, manifest, s, by_slot[s.slot], where),
+            partial(_slot_chunks, repo, manifest, s, by_slot[s.slot], where),
+            fill=partial(_slot_fill, repo, manifest, s, by_slot[s.slot], where),
         )
         for s in slots
     }
@@ -371,7 +371,7 @@ def committed_tree(store: Repository, manifest: int, row: FileRecord, where: str
 
 
 def _slot_fill(
-    store: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str, dest: memoryview
+    repo: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str, dest: memoryview
 ) -> None:
     """A tensor slot's bytes decoded straight into ``dest`` (each atom hash-checked; a failed check
     raises, and the caller drops ``dest``)."""
@@ -381,14 +381,14 @@ def _slot_fill(
     for atom in sorted(atoms, key=lambda a: a.offset):
         if atom.offset != cursor or atom.nbytes != atom.numel * size:
             raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} leave a gap at element {cursor}")
-        decode_atom_into(store, manifest, atom, dest[cursor * size : (cursor + atom.numel) * size], where)
+        decode_atom_into(repo, manifest, atom, dest[cursor * size : (cursor + atom.numel) * size], where)
         cursor += atom.numel
     if cursor != numel:
         raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} cover {cursor} of {numel} elements")
 
 
 def _slot_chunks(
-    store: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str
+    repo: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str
 ) -> Iterator[memoryview]:
     """A tensor slot's bytes streamed from its atoms in file order (a chunk in memory at a time)."""
     numel = numel_of(tuple(slot.shape))
@@ -396,7 +396,7 @@ def _slot_chunks(
     for atom in sorted(atoms, key=lambda a: a.offset):
         if atom.offset != cursor:
             raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} leave a gap at element {cursor}")
-        yield from stream_atom(store, manifest, atom, 0, atom.nbytes, where)
+        yield from stream_atom(repo, manifest, atom, 0, atom.nbytes, where)
         cursor += atom.numel
     if cursor != numel:
         raise CorruptStoreError(f"{where}: the atoms of tensor slot {slot.slot} cover {cursor} of {numel} elements")

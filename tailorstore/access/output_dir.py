@@ -33,21 +33,21 @@ from tailorstore.store.repo import Repository
 PARTIAL = ".tailor-partial-"  # .NAME.tailor-partial-<random>: where NAME is written before it is renamed
 
 
-def refuse_inside_store(out: Path, store: Repository) -> None:
+def refuse_inside_store(out: Path, repo: Repository) -> None:
     """Nothing we write goes into the store's own folders (its blobs or its index cache), where
     gc and verify would take it for the store's."""
     resolved = out.resolve()
-    for root in store.local_folders():
+    for root in repo.local_folders():
         if resolved == root or root in resolved.parents:
             raise StoreError(f"{out}: lies inside the store {root}; write somewhere outside it.")
 
 
-def prepare_out(out: Path, store: Repository) -> tuple[Path, int]:
+def prepare_out(out: Path, repo: Repository) -> tuple[Path, int]:
     """The hidden sibling to write into, once ``out`` is known to be a new or empty directory outside the
     store, with the fd that holds its lock until the caller closes it."""
     if out.is_symlink():
         raise StoreError(f"{out}: is a symbolic link; name a new directory to write into, not a link.")
-    refuse_inside_store(out, store)
+    refuse_inside_store(out, repo)
     if out.exists() and not out.is_dir():
         raise StoreError(f"{out}: is a file, not a directory; name a new directory to write into.")
     if out.exists() and any(out.iterdir()):
@@ -167,10 +167,10 @@ def publish(tmp: Path, out: Path) -> None:
 
 
 @contextmanager
-def staged(out: Path, store: Repository) -> Iterator[Path]:
+def staged(out: Path, repo: Repository) -> Iterator[Path]:
     """A hidden directory to fill; on a clean exit it is fsynced and renamed to ``out``, on any
     error (or a kill signal turned into an exception) it is removed and ``out`` left as it was."""
-    tmp, lock = prepare_out(out, store)
+    tmp, lock = prepare_out(out, repo)
     try:
         yield tmp
         fsync_tree(tmp)

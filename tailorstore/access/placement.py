@@ -142,7 +142,7 @@ def _rounded(piece: memoryview, dtype: str) -> memoryview:
 
 
 def write_files(
-    store: Repository,
+    repo: Repository,
     facts: ManifestRecord,
     rows: list[FileRecord],
     root: Path,
@@ -154,7 +154,7 @@ def write_files(
     A derived weight whose masters are not among these files (they are in a file checked out
     by re-pickling) is rebuilt through the atom reader.
     """
-    with PlacedFiles(store, facts, rows, root) as files:
+    with PlacedFiles(repo, facts, rows, root) as files:
         files.place_stored(advance, threads)
         files.finish()
 
@@ -172,8 +172,8 @@ class PlacedFiles:
     index, on the caller's thread, any that nobody fed whole.
     """
 
-    def __init__(self, store: Repository, facts: ManifestRecord, rows: list[FileRecord], root: Path) -> None:
-        self.store, self.manifest, self.step, self.rows = store, facts.id, facts.step, rows
+    def __init__(self, repo: Repository, facts: ManifestRecord, rows: list[FileRecord], root: Path) -> None:
+        self.store, self.manifest, self.step, self.rows = repo, facts.id, facts.step, rows
         # atoms from other steps than the containers (a composite, a merge): mend the zip CRCs
         self.mend = not (facts.origin == COMMIT and facts.exact)
         self.targets: dict[str, _Target] = {}
@@ -186,10 +186,10 @@ class PlacedFiles:
                     row.path, PlacedWriter(path, row.raw_size), f"step {facts.step}, file {row.path}",
                     row.raw_size, row.kind,
                 )  # fmt: skip
-            self.blobs = {b.hash: b for b in store.view(Contents).referenced_blobs(facts.id)}
-            self.atoms = _atoms(store, facts.id, self.targets, self.blobs)
+            self.blobs = {b.hash: b for b in repo.view(Contents).referenced_blobs(facts.id)}
+            self.atoms = _atoms(repo, facts.id, self.targets, self.blobs)
             for row in rows:
-                _write_container(store, row, self.targets[row.path], self.atoms[row.path])
+                _write_container(repo, row, self.targets[row.path], self.atoms[row.path])
             self.weights = _derived_weights(self.atoms, self.targets)
         except BaseException:
             self.close()
@@ -269,11 +269,11 @@ class PlacedFiles:
 
 
 def _atoms(
-    store: Repository, manifest: int, targets: dict[str, _Target], blobs: dict[str, BlobRecord]
+    repo: Repository, manifest: int, targets: dict[str, _Target], blobs: dict[str, BlobRecord]
 ) -> dict[str, list[AtomRecord]]:
     """The atoms of the files being written, by file in file order, each checked to fit its place."""
     by_path: dict[str, list[AtomRecord]] = {path: [] for path in targets}
-    for a in store.view(Contents).atoms(manifest):
+    for a in repo.view(Contents).atoms(manifest):
         if a.path not in by_path:
             continue
         target = targets[a.path]
@@ -291,9 +291,9 @@ def _atoms(
     return by_path
 
 
-def _write_container(store: Repository, row: FileRecord, target: _Target, atoms: list[AtomRecord]) -> None:
+def _write_container(repo: Repository, row: FileRecord, target: _Target, atoms: list[AtomRecord]) -> None:
     assert row.container is not None
-    literal = store.read_blob(row.container, f"{target.where} (container)")
+    literal = repo.read_blob(row.container, f"{target.where} (container)")
     runs = gaps(target.size, [(a.file_offset or 0, a.nbytes) for a in atoms])
     if sum(length for _, length in runs) != len(literal):
         raise CorruptStoreError(
@@ -325,7 +325,7 @@ def _derived_weights(atoms: dict[str, list[AtomRecord]], targets: dict[str, _Tar
 
 
 def _place_atoms(
-    store: Repository,
+    repo: Repository,
     atoms: dict[str, list[AtomRecord]],
     blobs: dict[str, BlobRecord],
     targets: dict[str, _Target],
@@ -337,9 +337,7 @@ def _place_atoms(
     jobs.sort(key=lambda job: -job[1].nbytes)  # big first, so the two threads finish together
     with ThreadPoolExecutor(max_workers=decode_threads(threads), thread_name_prefix="tailor-checkout") as pool:
         futures = {
-            pool.submit(
-                _place, store, target, a, blobs[a.blob], weights.get(a.param, []) if a.kind == MASTER else []
-            ): a
+            pool.submit(_place, repo, target, a, blobs[a.blob], weights.get(a.param, []) if a.kind == MASTER else []): a
             for target, a in jobs
         }
         try:
@@ -352,14 +350,14 @@ def _place_atoms(
             raise
 
 
-def _place(store: Repository, target: _Target, atom: AtomRecord, blob: BlobRecord, weights: list[_Weight]) -> None:
+def _place(repo: Repository, target: _Target, atom: AtomRecord, blob: BlobRecord, weights: list[_Weight]) -> None:
     where = f"{target.where}, layer {atom.layer}, {atom.param} ({atom.kind})"
     hasher = xxhash.xxh3_128()
     pos = atom.file_offset or 0
     done = 0
     if atom.dtype != "float32":
         weights = []
-    for piece in store.decoded_pieces(blob, atom.nbytes, _scratch, where):
+    for piece in repo.decoded_pieces(blob, atom.nbytes, _scratch, where):
         hasher.update(piece)
         target.out.pwrite(piece, pos)
         _feed(weights, atom.start + done // 4, piece)
@@ -381,13 +379,13 @@ def _feed(weights: list[_Weight], first: int, piece: memoryview) -> None:
             weight.feed(first, rounded)
 
 
-def _check_weights(store: Repository, manifest: int, step: int, weights: dict[str, list[_Weight]]) -> None:
+def _check_weights(repo: Repository, manifest: int, step: int, weights: dict[str, list[_Weight]]) -> None:
     """Every derived weight fully rebuilt from masters, and equal to its recorded hash."""
     for param, w in ((param, w) for param, copies in weights.items() for w in copies):
         where = f"{w.target.where}, layer {w.layer}, {param} (weight, rebuilt from its FP32 master)"
         if gaps(w.numel, w.covered):  # its masters are not among these files: round them as they stream
             pos = w.offset
-            for piece in stream_atom(store, manifest, w.atom, 0, w.numel * WEIGHT_ITEMSIZE, where):
+            for piece in stream_atom(repo, manifest, w.atom, 0, w.numel * WEIGHT_ITEMSIZE, where):
                 w.target.out.pwrite(piece, pos)
                 pos += len(piece)
             continue  # stream_atom checked the weight's hash

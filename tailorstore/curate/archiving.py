@@ -76,16 +76,16 @@ def store_rebuilt(writer: BlobWriter, data: memoryview, atom: AtomRecord, step: 
         raise CorruptStoreError(f"step {step}: the rebuilt weight of {atom.param} changed its name")
 
 
-def _previous_archived(store: Repository, record: ManifestRecord) -> dict[AtomKey, AtomRecord]:
+def _previous_archived(repo: Repository, record: ManifestRecord) -> dict[AtomKey, AtomRecord]:
     """The atoms of the latest archived step of ``record``'s run before it: what it is quantized against."""
     earlier = [
         m
-        for m in store.view(ArchiveHistory).manifests(record.run)
+        for m in repo.view(ArchiveHistory).manifests(record.run)
         if m.tier == THIN_ARCHIVE and m.step < record.step and m.origin == record.origin
     ]
     if not earlier:
         return {}
-    return store.view(ArchiveHistory).atoms_by_key(max(earlier, key=lambda m: m.step).id)
+    return repo.view(ArchiveHistory).atoms_by_key(max(earlier, key=lambda m: m.step).id)
 
 
 def _chain(base: BlobRecord) -> tuple[str, ...]:
@@ -96,18 +96,18 @@ def _chain(base: BlobRecord) -> tuple[str, ...]:
 
 
 def _base(
-    store: Repository, base_atom: AtomRecord | None, atom: AtomRecord, grid: ArchiveGrid, where: str
+    repo: Repository, base_atom: AtomRecord | None, atom: AtomRecord, grid: ArchiveGrid, where: str
 ) -> tuple[memoryview | None, tuple[str, ...]]:
     """What ``atom`` is quantized against: the previous archived step's same atom as it reads back,
     and the chain that makes, or (None, ()) for a keyframe: no such atom, another dtype or size,
     or a chain already at the grid's keyframe interval."""
     if base_atom is None or base_atom.dtype != atom.dtype:
         return None, ()
-    base = store.blob(base_atom.blob)
+    base = repo.blob(base_atom.blob)
     if base is None or base.raw_size != atom.nbytes or len(chain := _chain(base)) >= grid.keyframe_every:
         return None, ()
     base_bytes = memoryview(bytearray(base.raw_size))
-    store.read_blob_into(base, base_bytes, f"{where}: its base")
+    repo.read_blob_into(base, base_bytes, f"{where}: its base")
     return base_bytes, chain
 
 
@@ -125,7 +125,7 @@ def _smaller(
 
 
 def archived(
-    store: Repository,
+    repo: Repository,
     record: ManifestRecord,
     pairs: list[tuple[AtomRecord, AtomRecord]],
     writer: BlobWriter,
@@ -134,7 +134,7 @@ def archived(
     """The atom rows of ``record`` after archiving, in order. ``pairs``: each row as the manifest
     holds it and as thinning keeps it (a derived weight is read through the first, rebuilt from
     its master). Archivable rows come back naming their archived blob."""
-    previous = _previous_archived(store, record)
+    previous = _previous_archived(repo, record)
     out: list[AtomRecord] = [atom for _, atom in pairs]
     pending: deque[tuple[int, memoryview, Future[archive_codec.Archived | None]]] = deque()
     queued = 0
@@ -157,8 +157,8 @@ def archived(
                 if not archivable(atom):
                     continue
                 where = f"archiving step {record.step}, {atom.param} ({atom.kind})"
-                exact = decode_atom(store, record.id, original, where)  # a derived weight: rebuilt from its master
-                base_bytes, chain = _base(store, previous.get(atom.key()), atom, grid, where)
+                exact = decode_atom(repo, record.id, original, where)  # a derived weight: rebuilt from its master
+                base_bytes, chain = _base(repo, previous.get(atom.key()), atom, grid, where)
                 while pending and queued + atom.nbytes > IN_FLIGHT_BYTES:
                     settle_oldest()
                 future = pool.submit(_smaller, exact, atom.dtype, base_bytes, chain, grid.levels)

@@ -224,48 +224,48 @@ def chosen_layers(entries: tuple[Any, ...] | None, model_layers: Iterable[str], 
 
 
 def average(
-    store: Repository, spec: dict[str, Any], spec_path: Path, tag: str, run: str, *, lock_timeout: float = LOCK_TIMEOUT
+    repo: Repository, spec: dict[str, Any], spec_path: Path, tag: str, run: str, *, lock_timeout: float = LOCK_TIMEOUT
 ) -> AverageResult:
     """Write the averaged atoms as new blobs and record them as a merge manifest under ``tag``."""
     began = time.perf_counter()
     parsed = parse_average(spec, str(spec_path))
-    with operation("average"), store.lock(exclusive=False, timeout=lock_timeout) as lock:
-        store.refresh(lock)  # another host's gc may have dropped a step since the store was opened
-        manifests = [store.resolve(f"step={s}", run) for s in parsed.steps]
-        base = store.resolve(parsed.base, run) if parsed.base else manifests[-1]
-        read_from = [store.manifest(m) for m in sorted({base, *manifests})]  # as they are now
-        if store.view(AveragingView).tagged(tag):
+    with operation("average"), repo.lock(exclusive=False, timeout=lock_timeout) as lock:
+        repo.refresh(lock)  # another host's gc may have dropped a step since the store was opened
+        manifests = [repo.resolve(f"step={s}", run) for s in parsed.steps]
+        base = repo.resolve(parsed.base, run) if parsed.base else manifests[-1]
+        read_from = [repo.manifest(m) for m in sorted({base, *manifests})]  # as they are now
+        if repo.view(AveragingView).tagged(tag):
             raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
-        base_record = store.manifest(base)
+        base_record = repo.manifest(base)
         if base_record.tier is not None:
             raise MergeSpecError(
                 f"the base, step {base_record.step}, was thinned to {base_record.tier}: the average takes its "
                 "moments and files from the base, so name a whole step as base ({step: N})"
             )
-        layers = chosen_layers(parsed.layers, {x.layer for x in store.view(AveragingView).layers(base)}, str(spec_path))
-        writer = BlobWriter(store)
-        with cleaned_up_on_failure(store, writer, lock, Silent()):
-            replaced = _write_averages(store, base, manifests, parsed, layers, writer)
+        layers = chosen_layers(parsed.layers, {x.layer for x in repo.view(AveragingView).layers(base)}, str(spec_path))
+        writer = BlobWriter(repo)
+        with cleaned_up_on_failure(repo, writer, lock, Silent()):
+            replaced = _write_averages(repo, base, manifests, parsed, layers, writer)
             new_blobs = writer.finish()
         record = merge_record(base_record, tag, {"name": "average", "spec": spec}, spec_path, new_blobs)
 
         rows = ManifestRows(
             record,
-            store.view(AveragingView).files(base),
-            [replaced.get(a.key(), a) for a in store.view(AveragingView).atoms(base)],
-            _layers(store.view(AveragingView).layers(base), layers, base_record.step),
+            repo.view(AveragingView).files(base),
+            [replaced.get(a.key(), a) for a in repo.view(AveragingView).atoms(base)],
+            _layers(repo.view(AveragingView).layers(base), layers, base_record.step),
             blobs=new_blobs,
             packs=writer.new_packs(),
             derived_from=read_from,
         )
         try:
-            [new] = record_manifest(store, rows, fence=lock)
+            [new] = record_manifest(repo, rows, fence=lock)
         except BaseException:
             if lock.try_exclusive():
-                remove_unindexed(store, writer, lock)
+                remove_unindexed(repo, writer, lock)
             raise
     return AverageResult(
-        id=store.manifest(new).name,
+        id=repo.manifest(new).name,
         manifest=new,
         tag=tag,
         step=base_record.step,
@@ -290,7 +290,7 @@ def _layers(base_layers: list[LayerRecord], averaged: set[str], step: int) -> li
 
 
 def _write_averages(
-    store: Repository,
+    repo: Repository,
     base: int,
     manifests: list[int],
     spec: AverageSpec,
@@ -300,13 +300,13 @@ def _write_averages(
     """The base's atoms that change, by key: one parameter at a time, so memory holds one
     parameter's FP32 master (for its weight) and one atom's sums, whatever the model's size."""
     by_param: dict[str, list[AtomRecord]] = defaultdict(list)
-    for atom in store.view(AveragingView).atoms(base):
+    for atom in repo.view(AveragingView).atoms(base):
         if atom.layer in layers and (atom.kind in spec.kinds or atom.kind == WEIGHT):
             by_param[atom.param].append(atom)
-    sources = [store.view(AveragingView).atoms_by_key(m) for m in manifests]
+    sources = [repo.view(AveragingView).atoms_by_key(m) for m in manifests]
     by_weights = (THIN_WEIGHTS, THIN_ARCHIVE)  # tiers whose weights stand in for their masters
-    weights = [_weights_by_param(store, m) if store.manifest(m).tier in by_weights else {} for m in manifests]
-    averager = _Averager(store, manifests, spec, sources, weights, writer)
+    weights = [_weights_by_param(repo, m) if repo.manifest(m).tier in by_weights else {} for m in manifests]
+    averager = _Averager(repo, manifests, spec, sources, weights, writer)
     out: dict[AtomKey, AtomRecord] = {}
     for param in sorted(by_param):
         out.update(averager.param(param, by_param[param]))
@@ -315,10 +315,10 @@ def _write_averages(
     return out
 
 
-def _weights_by_param(store: Repository, manifest: int) -> dict[str, list[AtomRecord]]:
+def _weights_by_param(repo: Repository, manifest: int) -> dict[str, list[AtomRecord]]:
     """A step thinned to weights (or archived): its weight atoms by parameter (they stand in for its masters)."""
     out: dict[str, list[AtomRecord]] = defaultdict(list)
-    for atom in store.view(AveragingView).atoms(manifest, kind=WEIGHT):
+    for atom in repo.view(AveragingView).atoms(manifest, kind=WEIGHT):
         out[atom.param].append(atom)
     return out
 
@@ -326,14 +326,14 @@ def _weights_by_param(store: Repository, manifest: int) -> dict[str, list[AtomRe
 class _Averager:
     def __init__(
         self,
-        store: Repository,
+        repo: Repository,
         manifests: list[int],
         spec: AverageSpec,
         sources: list[dict[AtomKey, AtomRecord]],
         weights: list[dict[str, list[AtomRecord]]],
         writer: BlobWriter,
     ) -> None:
-        self.store = store
+        self.store = repo
         self.manifests = manifests
         self.spec = spec
         self.sources = sources

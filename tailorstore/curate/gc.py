@@ -240,18 +240,16 @@ class Retention:
             raise CorruptStoreError(f"the retention run {run!r} carries is damaged ({exc}); set it again") from None
 
 
-def carried_rules(store: Repository) -> list[Retention]:
+def carried_rules(repo: Repository) -> list[Retention]:
     """The retention each run carries (``tailor run retention``), each touching its own run only."""
-    return [
-        Retention.from_doc(run, doc) for run, doc in sorted(manifest_objects.read_retentions(store.backend).items())
-    ]
+    return [Retention.from_doc(run, doc) for run, doc in sorted(manifest_objects.read_retentions(repo.backend).items())]
 
 
-def effective_rules(store: Repository, rules: Retention) -> list[Retention]:
+def effective_rules(repo: Repository, rules: Retention) -> list[Retention]:
     """Rules given win; without any, each run's carried retention applies (within ``rules.run`` if set)."""
     if rules.drops_manifests:
         return [rules]
-    return [r for r in carried_rules(store) if rules.run is None or r.run == rules.run]
+    return [r for r in carried_rules(repo) if rules.run is None or r.run == rules.run]
 
 
 @dataclass
@@ -355,11 +353,11 @@ def kept_manifests(manifests: list[ManifestRecord], rules: Retention, bases: fro
     return keep
 
 
-def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts: bool = False) -> GcPlan:
+def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts: bool = False) -> GcPlan:
     """What gc would do under ``rules`` (one set, or several each touching its own run). Blobs a
     pending part names are live (the part waits for its finalize); a part of a step already
     recorded is dropped, and every part when ``drop_parts``."""
-    index = store.view(GcPlanning)
+    index = repo.view(GcPlanning)
     manifests = index.manifests()
     bases = {r.base for r in index.created_runs().values() if r.base}
     base_ids = frozenset(m.id for m in manifests if m.object_key in bases)
@@ -387,14 +385,14 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
         grids=grids,
     )
     held: set[str] = set()
-    for part in read_parts(store.backend):
+    for part in read_parts(repo.backend):
         plan.seen_parts.append(part.key)
         if drop_parts or index.commit_at(part.step, part.run) is not None:
             plan.drop_parts.append(part.key)
         else:
             plan.pending_parts += 1
             held |= part.blob_hashes()
-    thinned = {m.id: contents_of(store, m.id, tiers[m.id]) for m in to_thin}
+    thinned = {m.id: contents_of(repo, m.id, tiers[m.id]) for m in to_thin}
     still = set().union(*(c.hashes() for c in thinned.values())) if thinned else set()
     dead = [b for b in index.blobs_unused_by(keep) if b.hash not in held and b.hash not in still]
     if thinned:
@@ -411,7 +409,7 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
     plan.dead_loose = [b.hash for b in dead if b.pack is None]
     dead_set = set(plan.dead_blobs)
     plan.freed_bytes = sum(b.stored_size for b in dead if b.pack is None)
-    holdings = store.holdings()  # sizes from the listing: no request per orphan on an object store
+    holdings = repo.holdings()  # sizes from the listing: no request per orphan on an object store
     candidates: dict[str, tuple[list[str], int]] = {}  # pack -> (the list it goes to, the bytes it frees)
     for name, size in index.packs().items():
         inside = index.blobs_in_pack(name)
@@ -420,7 +418,7 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
             candidates[name] = (plan.dead_packs, size)
         elif size - live >= REPACK_AT * size:
             candidates[name] = (plan.repack, size - live)
-    plan.misplaced, unreadable = misplaced_blobs(store, sorted(candidates), dead_set, held, holdings)
+    plan.misplaced, unreadable = misplaced_blobs(repo, sorted(candidates), dead_set, held, holdings)
     keep_packs = unreadable | {pack for pack, _ in plan.misplaced.values()}
     for name, (goes_to, freed) in candidates.items():
         if name not in keep_packs:
@@ -436,14 +434,14 @@ def plan_gc(store: Repository, rules: Retention | list[Retention], *, drop_parts
         if name not in known:
             plan.orphan_packs.append(name)
             plan.freed_bytes += size
-    plan.superseded = manifest_objects.superseded(store.backend)
-    plan.temp_files = store.backend.leftovers()
-    plan.freed_bytes += store.backend.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too
+    plan.superseded = manifest_objects.superseded(repo.backend)
+    plan.temp_files = repo.backend.leftovers()
+    plan.freed_bytes += repo.backend.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too
     return plan
 
 
 def misplaced_blobs(
-    store: Repository, packs: list[str], dead: set[str], held: set[str], holdings: Holdings
+    repo: Repository, packs: list[str], dead: set[str], held: set[str], holdings: Holdings
 ) -> tuple[dict[str, tuple[str, PackEntry]], set[str]]:
     """Before gc deletes or repacks ``packs``, what their trailers say (attack finding 3): a live
     blob there (not ``dead``, and indexed or ``held`` by a pending part) whose row names no place
@@ -458,14 +456,14 @@ def misplaced_blobs(
     def holds(pack: str, digest: str) -> bool:
         if pack not in trailers:
             try:
-                trailers[pack] = {e.hash for e in read_trailer(store.backend, pack)[1]}
+                trailers[pack] = {e.hash for e in read_trailer(repo.backend, pack)[1]}
             except (FileNotFoundError, CorruptStoreError):
                 trailers[pack] = set()
         return digest in trailers[pack]
 
     def fetch(name: str) -> list[PackEntry] | BaseException:
         try:
-            return read_trailer(store.backend, name)[1]
+            return read_trailer(repo.backend, name)[1]
         except (FileNotFoundError, CorruptStoreError) as exc:
             return exc
 
@@ -482,7 +480,7 @@ def misplaced_blobs(
         for e in entries:
             if e.hash in dead or e.hash in misplaced:
                 continue
-            row = store.blob(e.hash)
+            row = repo.blob(e.hash)
             if row is None and e.hash not in held:
                 continue  # nothing names it: garbage
             if row is not None and (
@@ -496,7 +494,7 @@ def misplaced_blobs(
 
 
 def gc(
-    store: Repository,
+    repo: Repository,
     rules: Retention,
     *,
     dry_run: bool = False,
@@ -507,11 +505,11 @@ def gc(
     clear_notices: bool = False,
 ) -> GcPlan:
     with operation("gc"):
-        return _gc(store, rules, dry_run, drop_parts, lock_timeout, on_wait, show_plan, clear_notices)
+        return _gc(repo, rules, dry_run, drop_parts, lock_timeout, on_wait, show_plan, clear_notices)
 
 
 def _gc(
-    store: Repository,
+    repo: Repository,
     rules: Retention,
     dry_run: bool,
     drop_parts: bool,
@@ -524,11 +522,11 @@ def _gc(
     and superseded objects; one transaction dropping manifests and rows; repack; delete blob and
     pack objects; temp files. Every deletion request is fenced on its own (``delete_many``)."""
     written = 0
-    with store.lock(exclusive=True, timeout=lock_timeout, on_wait=on_wait) as lock:
+    with repo.lock(exclusive=True, timeout=lock_timeout, on_wait=on_wait) as lock:
         by_time = lock.by_time  # a lease: its deletions announce themselves first (gc_notices)
-        listed = gc_notices.publications(store.backend) if by_time and not dry_run else set()
-        store.refresh(lock)  # what other hosts recorded before this lock was taken
-        if damaged := manifest_objects.damaged_tags(store.backend):
+        listed = gc_notices.publications(repo.backend) if by_time and not dry_run else set()
+        repo.refresh(lock)  # what other hosts recorded before this lock was taken
+        if damaged := manifest_objects.damaged_tags(repo.backend):
             raise CorruptStoreError(
                 f"the tag object(s) {', '.join(sorted(damaged)[:5])} name no manifest object, so gc cannot tell "
                 "which step each keeps, and deletes nothing; set each again (",
@@ -536,8 +534,8 @@ def _gc(
                 "; untag it afterwards if it should go), then run gc again.",
             )
         if clear_notices and not dry_run:
-            _clear_notices(store, lock)
-        plan = plan_gc(store, effective_rules(store, rules), drop_parts=drop_parts)
+            _clear_notices(repo, lock)
+        plan = plan_gc(repo, effective_rules(repo, rules), drop_parts=drop_parts)
         if show_plan:
             show_plan(plan)
         if dry_run:
@@ -545,16 +543,16 @@ def _gc(
         # Fencing (store/lease.py): before each step that deletes, gc must still hold its lease and be
         # alone; a gc that stalled past its lease stops there, having deleted nothing more.
         fence = _fence(lock)
-        sweep = store.view(GcSweep)
+        sweep = repo.view(GcSweep)
         for tier in TIERS:  # first: the blobs it materializes must exist before their masters go
             targets = [r for m in plan.thin_to(tier) if (r := sweep.manifest(m)) is not None]
-            written += thin(store, targets, tier, lock, grids=plan.grids)
+            written += thin(repo, targets, tier, lock, grids=plan.grids)
         if plan.thin_to(THIN_ARCHIVE):  # which blobs die is known only once the archived weights exist
-            plan = _replanned(store, plan, effective_rules(store, rules), drop_parts)
+            plan = _replanned(repo, plan, effective_rules(repo, rules), drop_parts)
         fence()
-        manifest_objects.carry_refs(store.backend, sweep, plan.superseded)  # before their objects go
-        store.backend.delete_many([*plan.drop_parts, *plan.superseded], fence=fence)  # before anything they name
-        with store.transaction(GcDrop) as edit:
+        manifest_objects.carry_refs(repo.backend, sweep, plan.superseded)  # before their objects go
+        repo.backend.delete_many([*plan.drop_parts, *plan.superseded], fence=fence)  # before anything they name
+        with repo.transaction(GcDrop) as edit:
             fence()
             edit.upsert_blobs(  # where the packs' trailers say they are (misplaced_blobs)
                 BlobRecord(h, e.raw_size, e.stored_size, e.codec, pack, e.offset, time.time())
@@ -563,16 +561,16 @@ def _gc(
             # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
             dropped = [m for m, _ in plan.drop]
             keys = [k for k in edit.object_keys(dropped).values() if k]
-            mine = _mark_then_check(store, keys, fence)
+            mine = _mark_then_check(repo, keys, fence)
             try:
-                manifest_objects.unpublish(store.backend, keys, fence=fence, marked=True)
+                manifest_objects.unpublish(repo.backend, keys, fence=fence, marked=True)
             except LeaseLostError:  # its fence stopped it before the deleting request went out
-                manifest_objects.take_back_marks(store.backend, keys, mine)
+                manifest_objects.take_back_marks(repo.backend, keys, mine)
                 raise
             edit.delete_manifests(dropped)
             edit.delete_blobs(plan.dead_blobs)
             edit.delete_packs(plan.dead_packs)
-        written += _repack(store, plan.repack, fence)
+        written += _repack(repo, plan.repack, fence)
         # Never delete an object an index row names now: a repack names its pack by its bytes, so it
         # can write again a pack the plan took for dead (one a killed gc had written before it could
         # point rows at it), and the row must win over the plan.
@@ -583,8 +581,8 @@ def _gc(
         notice = None
         if by_time and (blobs or packs):
             known = listed | {m.object_key for m in sweep.manifests() if m.object_key} | set(plan.seen_parts)
-            notice = _announce_then_check(store, plan, packs, known, fence)
-        batch = store.backend.batch()
+            notice = _announce_then_check(repo, plan, packs, known, fence)
+        batch = repo.backend.batch()
         for name in blobs:
             batch.delete(blob_key(name))
         for name in packs:
@@ -594,22 +592,22 @@ def _gc(
             fence()
         except LeaseLostError:  # stopped before a request went out: what it sent is done, nothing more goes
             if notice is not None:
-                gc_notices.withdraw(store.backend, notice)
+                gc_notices.withdraw(repo.backend, notice)
             raise
         if notice is not None:
-            gc_notices.withdraw(store.backend, notice)  # its deletions are done: only now
-        store.backend.clear_leftovers(plan.temp_files)
+            gc_notices.withdraw(repo.backend, notice)  # its deletions are done: only now
+        repo.backend.clear_leftovers(plan.temp_files)
         plan.freed_bytes -= written
         plan.written_bytes = written
     return plan
 
 
-def _mark_then_check(store: Repository, keys: list[str], fence: Callable[[], None]) -> list[str]:
+def _mark_then_check(repo: Repository, keys: list[str], fence: Callable[[], None]) -> list[str]:
     """Before dropping manifests: mark each, then read their refs (FORMAT 8.1). A pin or tag written
     before a marker is found here; one written after it finds the marker and backs off. So a ref
     reported set never names a step this gc drops, however long either host stalls after its
     checks. Found one: this gc takes back its own markers and stops, having dropped nothing."""
-    taken, mine = manifest_objects.mark_unless_claimed(store.backend, keys, fence=fence)
+    taken, mine = manifest_objects.mark_unless_claimed(repo.backend, keys, fence=fence)
     if taken:
         raise LockTimeoutError(
             f"gc stopped: {len(taken)} step(s) it would drop were pinned or tagged meanwhile "
@@ -621,21 +619,21 @@ def _mark_then_check(store: Repository, keys: list[str], fence: Callable[[], Non
 
 
 def _announce_then_check(
-    store: Repository, plan: GcPlan, packs: list[str], known: set[str], fence: Callable[[], None]
+    repo: Repository, plan: GcPlan, packs: list[str], known: set[str], fence: Callable[[], None]
 ) -> gc_notices.Notice:
     """Before deleting blob and pack objects on a leased store: announce them, then read what was
     published since gc listed (gc_notices, FORMAT 8.1). A publication put before the notice is seen
     here; one put after it reads the notice and takes itself back. Found one that needs them: gc
     withdraws its notice and stops, having deleted no blob."""
     gone, _ = plan.doomed()
-    notice = gc_notices.announce(store.backend, gone, packs, fence=fence)
+    notice = gc_notices.announce(repo.backend, gone, packs, fence=fence)
     try:
-        found = gc_notices.published_since(store.backend, known, notice)
+        found = gc_notices.published_since(repo.backend, known, notice)
     except BaseException:
-        gc_notices.withdraw(store.backend, notice)
+        gc_notices.withdraw(repo.backend, notice)
         raise
     if found is not None:
-        gc_notices.withdraw(store.backend, notice)
+        gc_notices.withdraw(repo.backend, notice)
         raise LockTimeoutError(
             f"gc stopped before deleting blobs: {found} was published meanwhile and needs some of them; "
             "the dropped steps are gone, their blobs wait for the next gc. Run ",
@@ -645,21 +643,21 @@ def _announce_then_check(
     return notice
 
 
-def _clear_notices(store: Repository, lock: LockHandle | LeaseHandle) -> None:
+def _clear_notices(repo: Repository, lock: LockHandle | LeaseHandle) -> None:
     """Delete the notices that gcs which died left behind (the user says none of them still runs):
     until then, publications that need the blobs they name fail."""
-    keys = gc_notices.notice_keys(store.backend)
+    keys = gc_notices.notice_keys(repo.backend)
     if keys:
         lock.check_alone("gc")
-        store.backend.delete_many(keys)
+        repo.backend.delete_many(keys)
         log.warning("tailorstore: gc cleared %d notice(s) left by gc runs that did not finish", len(keys))
 
 
-def _replanned(store: Repository, before: GcPlan, rules: Retention | list[Retention], drop_parts: bool) -> GcPlan:
+def _replanned(repo: Repository, before: GcPlan, rules: Retention | list[Retention], drop_parts: bool) -> GcPlan:
     """The plan again, after archiving, under the same exclusive lock: the same steps drop (the
     archived ones are now thin enough to keep), and the dead blobs are those nothing uses now, so
     an archived blob that happens to equal one the first plan took for dead is never deleted."""
-    after = plan_gc(store, rules, drop_parts=drop_parts)
+    after = plan_gc(repo, rules, drop_parts=drop_parts)
     if [m for m, _ in after.drop] != [m for m, _ in before.drop]:
         raise StoreError(
             "gc's plan changed while it archived steps under its own lock; the archived steps are "
@@ -679,22 +677,22 @@ def _fence(lock: LockHandle | LeaseHandle) -> Callable[[], None]:
     return check
 
 
-def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> int:
+def _repack(repo: Repository, packs: list[str], fence: Callable[[], None]) -> int:
     """Move the live blobs of ``packs`` into new packs and point the index at them; returns
     the bytes written. The old packs stay until the caller deletes them, after this commits."""
     if not packs:
         return 0
-    batch = store.backend.batch()
+    batch = repo.backend.batch()
     writer = PackWriter(batch)
     moved = []
     for name in packs:
-        for blob in store.view(Repack).blobs_in_pack(name):
-            data = store.backend.get(blob.key(), blob.pack_offset or 0, blob.stored_size)
+        for blob in repo.view(Repack).blobs_in_pack(name):
+            data = repo.backend.get(blob.key(), blob.pack_offset or 0, blob.stored_size)
             codec.check_raw_size(blob.raw_size, blob.stored_size, f"repacking pack {name}: blob {blob.hash}")
             raw = bytearray(blob.raw_size)  # decoded and hash-checked: a damaged blob is never carried over
             if archive_codec.is_archive(blob.codec):  # rebuilt on its chain, which still stands
                 try:
-                    store.read_blob_into(blob, memoryview(raw), f"repacking pack {name}")
+                    repo.read_blob_into(blob, memoryview(raw), f"repacking pack {name}")
                 except CorruptStoreError:
                     raw = bytearray()
             else:
@@ -711,7 +709,7 @@ def _repack(store: Repository, packs: list[str], fence: Callable[[], None]) -> i
     writer.flush()
     batch.publish()
     failpoint("gc-repack-written")
-    with store.transaction(Repack) as edit:
+    with repo.transaction(Repack) as edit:
         fence()
         edit.add_packs(writer.sealed)
         edit.move_blobs({h: writer.placed[h] for h in moved})

@@ -74,7 +74,7 @@ def parse_spec(spec: Any, blocks: list[int], origin: str) -> tuple[str, dict[str
 
 
 def merge(
-    store: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN, *, lock_timeout: float = LOCK_TIMEOUT
+    repo: Repository, spec_path: Path, tag: str, run: str = MAIN_RUN, *, lock_timeout: float = LOCK_TIMEOUT
 ) -> MergeResult:
     """Record a composite of layers from several steps, or (a spec with ``method``) an average
     of steps; ``step=N`` references in the spec are read in ``run`` (or the run they name,
@@ -83,19 +83,19 @@ def merge(
     check_tag(tag)
     spec = load_spec(spec_path)
     if is_averaging(spec):
-        return average(store, spec, Path(spec_path), tag, run, lock_timeout=lock_timeout)
+        return average(repo, spec, Path(spec_path), tag, run, lock_timeout=lock_timeout)
     # Shared, as a commit: a gc must not delete the blobs the merge names before its manifest is recorded.
-    with operation("merge"), store.lock(exclusive=False, timeout=lock_timeout) as lock:
-        store.refresh(lock)
-        base = store.resolve(ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"), run)
-        base_record = store.manifest(base)
-        layers = {x.layer for x in store.view(Contents).layers(base)}
+    with operation("merge"), repo.lock(exclusive=False, timeout=lock_timeout) as lock:
+        repo.refresh(lock)
+        base = repo.resolve(ref_of(spec.get("base") if isinstance(spec, dict) else None, f"{spec_path}: base"), run)
+        base_record = repo.manifest(base)
+        layers = {x.layer for x in repo.view(Contents).layers(base)}
         blocks = sorted(i for name in layers if (i := block_index(name)) is not None)
         if not blocks:
             raise MergeSpecError(f"step {base_record.step} has no transformer blocks to slice")
         _, chosen = parse_spec(spec, blocks, str(spec_path))
-        manifests = {ref: store.resolve(ref, run) for ref in set(chosen.values())}
-        read_from = [store.manifest(m) for m in sorted({base, *manifests.values()})]  # as they are now
+        manifests = {ref: repo.resolve(ref, run) for ref in set(chosen.values())}
+        read_from = [repo.manifest(m) for m in sorted({base, *manifests.values()})]  # as they are now
         for thinned in read_from:
             if thinned.tier is not None:
                 raise MergeSpecError(
@@ -104,18 +104,18 @@ def merge(
                 )
         sources = {layer: manifests[chosen[layer]] if layer in chosen else base for layer in layers}
         record = merge_record(base_record, tag, {"name": "merge", "spec": spec}, spec_path)
-        composed = _composed_layers(store.view(Contents), base, sources)
+        composed = _composed_layers(repo.view(Contents), base, sources)
         rows = ManifestRows(
             record,
-            store.view(Contents).files(base),
-            _composed_atoms(store.view(Contents), base, sources),
+            repo.view(Contents).files(base),
+            _composed_atoms(repo.view(Contents), base, sources),
             composed,
             derived_from=read_from,
         )
-        [new] = record_manifest(store, rows, fence=lock)
+        [new] = record_manifest(repo, rows, fence=lock)
     ordered = dict(sorted(((x.layer, x.source_step) for x in composed), key=lambda kv: sort_key(kv[0])))
     seconds = time.perf_counter() - began
-    return MergeResult(new, tag, base_record.step, ordered, chosen, seconds, store.manifest(new).name)
+    return MergeResult(new, tag, base_record.step, ordered, chosen, seconds, repo.manifest(new).name)
 
 
 def _composed_atoms(index: Contents, base: int, sources: dict[str, int]) -> list[AtomRecord]:

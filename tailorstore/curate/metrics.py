@@ -26,17 +26,17 @@ from tailorstore.store.repo import Repository
 
 
 def add_metrics(
-    store: Repository, selector: str, metrics: Mapping[str, Any], *, lock_timeout: float = LOCK_TIMEOUT
+    repo: Repository, selector: str, metrics: Mapping[str, Any], *, lock_timeout: float = LOCK_TIMEOUT
 ) -> int:
     """Merge ``metrics`` into the step ``selector`` names; returns its manifest."""
     given = checked(metrics)  # refused before anything is locked or written
     if not given:
         raise StoreError("give at least one metric, as NAME=VALUE (eval_loss=2.31)")
-    with changing_a_step(store, "metric", lock_timeout) as lock:
-        manifest = store.resolve(selector)
-        record = store.manifest(manifest)
+    with changing_a_step(repo, "metric", lock_timeout) as lock:
+        manifest = repo.resolve(selector)
+        record = repo.manifest(manifest)
         if record.origin != COMMIT:
             raise StoreError(f"{selector} is a merge; metrics are recorded with committed steps only")
         text = encode({**decode(record.metrics), **given})
-        record_manifest(store, Revision(replace(record, metrics=text)), fence=lock)
+        record_manifest(repo, Revision(replace(record, metrics=text)), fence=lock)
     return manifest

@@ -45,18 +45,18 @@ class RefEdits(RefSource, Protocol):
 
 @contextmanager
 def changing_a_step(
-    store: Repository, what: str, lock_timeout: float, on_wait: Callable[[str], None] | None = None
+    repo: Repository, what: str, lock_timeout: float, on_wait: Callable[[str], None] | None = None
 ) -> Iterator[LockHandle | LeaseHandle]:
     """The store lock, shared, with the index brought up to date under it: how a change of one
     step's refs or record begins (the module's call order; curate/metrics.py too)."""
-    store.refuse_writes()
-    with operation(what), store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
-        store.refresh(lock)
+    repo.refuse_writes()
+    with operation(what), repo.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
+        repo.refresh(lock)
         yield lock
 
 
 def tag(
-    store: Repository,
+    repo: Repository,
     selector: str,
     name: str,
     *,
@@ -65,47 +65,47 @@ def tag(
     on_wait: Callable[[str], None] | None = None,
 ) -> int:
     check_tag(name)
-    with changing_a_step(store, "tag", lock_timeout, on_wait) as lock:
-        manifest = store.resolve(selector)
-        with store.transaction(RefEdits) as edit:
+    with changing_a_step(repo, "tag", lock_timeout, on_wait) as lock:
+        manifest = repo.resolve(selector)
+        with repo.transaction(RefEdits) as edit:
             holder = edit.tagged(name)
             if holder and holder.id != manifest and not force:
                 raise StepExistsError(
                     f"tag {name!r} already names another manifest; pass ", Call(force=True), " to move it"
                 )
-            old = store.manifest(manifest).tag
+            old = repo.manifest(manifest).tag
             edit.set_tag(manifest, name)  # takes the tag from any other holder
             lock.check("tagging")
             fence = lambda: lock.check("tagging")  # noqa: E731 - again just before each request
             # the one object this changes first (a failure before it leaves nothing), then the tag
             # this step gives up (a step holds one tag); never the step's other refs again
-            before = _object_or_none(store, manifest_objects.tag_key(name))
-            manifest_objects.put_tag(store.backend, edit, manifest, fence=fence)
-            _back_off_if_dropping(store, manifest, lambda: _restore(store, manifest_objects.tag_key(name), before))
+            before = _object_or_none(repo, manifest_objects.tag_key(name))
+            manifest_objects.put_tag(repo.backend, edit, manifest, fence=fence)
+            _back_off_if_dropping(repo, manifest, lambda: _restore(repo, manifest_objects.tag_key(name), before))
             if old and old != name:
-                manifest_objects.drop_tag(store.backend, old, fence=fence)
+                manifest_objects.drop_tag(repo.backend, old, fence=fence)
     return manifest
 
 
-def _object_or_none(store: Repository, key: str) -> bytes | None:
+def _object_or_none(repo: Repository, key: str) -> bytes | None:
     try:
-        return store.backend.get(key)
+        return repo.backend.get(key)
     except FileNotFoundError:
         return None
 
 
-def _restore(store: Repository, key: str, before: bytes | None) -> None:
+def _restore(repo: Repository, key: str, before: bytes | None) -> None:
     if before is None:
-        store.backend.delete(key)
+        repo.backend.delete(key)
     else:
-        store.backend.put(key, before)
+        repo.backend.put(key, before)
 
 
-def _back_off_if_dropping(store: Repository, manifest: int, undo: Callable[[], None]) -> None:
+def _back_off_if_dropping(repo: Repository, manifest: int, undo: Callable[[], None]) -> None:
     """After a ref's object is written: if a gc has marked the step to drop, undo the write and fail
     (FORMAT 8.1: each side writes, then reads the other's, so one of them always backs off)."""
-    record = store.manifest(manifest)
-    if record.object_key and manifest_objects.being_dropped(store.backend, record.object_key):
+    record = repo.manifest(manifest)
+    if record.object_key and manifest_objects.being_dropped(repo.backend, record.object_key):
         undo()
         raise LockTimeoutError(
             f"step {record.step} is being dropped by a gc; nothing was changed. "
@@ -114,82 +114,82 @@ def _back_off_if_dropping(store: Repository, manifest: int, undo: Callable[[], N
 
 
 def untag(
-    store: Repository, name: str, *, lock_timeout: float = LOCK_TIMEOUT, on_wait: Callable[[str], None] | None = None
+    repo: Repository, name: str, *, lock_timeout: float = LOCK_TIMEOUT, on_wait: Callable[[str], None] | None = None
 ) -> int:
     """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
-    with changing_a_step(store, "untag", lock_timeout, on_wait) as lock:
-        holder = store.view(RefEdits).tagged(name)
+    with changing_a_step(repo, "untag", lock_timeout, on_wait) as lock:
+        holder = repo.view(RefEdits).tagged(name)
         if holder is None:
             raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
-        with store.transaction(RefEdits) as edit:
+        with repo.transaction(RefEdits) as edit:
             lock.check("untagging")
-            manifest_objects.drop_tag(store.backend, name, fence=lambda: lock.check("untagging"))
+            manifest_objects.drop_tag(repo.backend, name, fence=lambda: lock.check("untagging"))
             edit.set_tag(holder.id, None)
     return holder.id
 
 
 def pin(
-    store: Repository,
+    repo: Repository,
     selector: str,
     pinned: bool = True,
     *,
     lock_timeout: float = LOCK_TIMEOUT,
     on_wait: Callable[[str], None] | None = None,
 ) -> int:
-    with changing_a_step(store, "pin" if pinned else "unpin", lock_timeout, on_wait) as lock:
-        manifest = store.resolve(selector)
-        with store.transaction(RefEdits) as edit:
+    with changing_a_step(repo, "pin" if pinned else "unpin", lock_timeout, on_wait) as lock:
+        manifest = repo.resolve(selector)
+        with repo.transaction(RefEdits) as edit:
             edit.set_pinned(manifest, pinned)
             lock.check("pinning")
             # only the pin object: rewriting the step's tag too made a failure after the first put
             # a change reported failed that stayed (the soak, seed 399 for a tag)
-            key = store.manifest(manifest).object_key
-            had = pinned and key is not None and store.backend.exists(manifest_objects.pin_key(key))
-            manifest_objects.write_pin(store.backend, edit, manifest, fence=lambda: lock.check("pinning"))
+            key = repo.manifest(manifest).object_key
+            had = pinned and key is not None and repo.backend.exists(manifest_objects.pin_key(key))
+            manifest_objects.write_pin(repo.backend, edit, manifest, fence=lambda: lock.check("pinning"))
             if pinned and not had and key is not None:  # a new pin object: unless a gc marked the step first
-                _back_off_if_dropping(store, manifest, lambda: store.backend.delete(manifest_objects.pin_key(key)))
+                _back_off_if_dropping(repo, manifest, lambda: repo.backend.delete(manifest_objects.pin_key(key)))
     return manifest
 
 
 def remove(
-    store: Repository,
+    repo: Repository,
     selector: str,
     *,
     force: bool = False,
     lock_timeout: float = LOCK_TIMEOUT,
     on_wait: Callable[[str], None] | None = None,
 ) -> int:
-    with changing_a_step(store, "rm", lock_timeout, on_wait) as lock:
-        manifest = store.resolve(selector)
-        record = store.manifest(manifest)
+    with changing_a_step(repo, "rm", lock_timeout, on_wait) as lock:
+        manifest = repo.resolve(selector)
+        record = repo.manifest(manifest)
         if (record.pinned or record.tag) and not force:
             what = "pinned" if record.pinned else f"tagged {record.tag!r}"
             undo = Call("unpin", f"step={record.step}") if record.pinned else Call("untag", str(record.tag))
             raise StoreError(f"step {record.step} is {what}; ", undo, " first, or pass ", Call(force=True))
-        heirs = [r.name for r in store.view(RefEdits).created_runs().values() if r.base and r.base == record.object_key]
+        heirs = [r.name for r in repo.view(RefEdits).created_runs().values() if r.base and r.base == record.object_key]
         if heirs and not force:
             raise StoreError(
                 f"step {record.step} is the base of run(s) {', '.join(heirs)}; pass ",
                 Call(force=True),
                 " to remove it anyway",
             )
-        with store.transaction(RefEdits) as edit:
+        with repo.transaction(RefEdits) as edit:
             lock.check("removing a step")
             fence = lambda: lock.check("removing a step")  # noqa: E731 - again just before each request
             mine: list[str] = []
             marking = not force and bool(record.object_key)
             if marking:  # a pin or tag set meanwhile by another host wins
-                taken, mine = manifest_objects.mark_unless_claimed(store.backend, [record.object_key], fence=fence)
+                taken, mine = manifest_objects.mark_unless_claimed(repo.backend, [record.object_key], fence=fence)
                 if taken:
                     raise LockTimeoutError(
                         f"step {record.step} was pinned or tagged meanwhile; nothing was removed. See ", Call("log")
                     )
             try:
                 if record.tag:  # the objects (manifest, tag, pin) go before the index rows
-                    manifest_objects.drop_tag(store.backend, record.tag, fence=fence)
-                manifest_objects.unpublish(store.backend, [record.object_key], fence=fence, marked=marking)
+                    manifest_objects.drop_tag(repo.backend, record.tag, fence=fence)
+                manifest_objects.unpublish(repo.backend, [record.object_key], fence=fence, marked=marking)
             except LeaseLostError:  # stopped by its fence before deleting the manifest
-                manifest_objects.take_back_marks(store.backend, [str(record.object_key)], mine)
+                manifest_objects.take_back_marks(repo.backend, [str(record.object_key)], mine)
                 raise
             edit.delete_manifests([manifest])
     return manifest

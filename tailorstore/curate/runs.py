@@ -68,18 +68,18 @@ def qualify(selector: str, run: str | None) -> str:
     return f"{manifest_objects.check_run_name(run)}:{text}"
 
 
-def list_runs(store: Repository) -> list[RunInfo]:
-    runs = store.view(RunRows).runs()
+def list_runs(repo: Repository) -> list[RunInfo]:
+    runs = repo.view(RunRows).runs()
     if not any(r.name == MAIN_RUN for r in runs):
         runs.insert(0, RunRecord(MAIN_RUN, 0.0))
     out = []
     for run in runs:
-        commits = [m for m in store.view(RunRows).manifests(run.name) if m.origin == "commit"]
+        commits = [m for m in repo.view(RunRows).manifests(run.name) if m.origin == "commit"]
         out.append(
             RunInfo(
                 run.name,
                 run.created_at,
-                BaseStep.of(store.run_base(run.name)),
+                BaseStep.of(repo.run_base(run.name)),
                 len(commits),
                 max((m.step for m in commits), default=None),
             )
@@ -88,7 +88,7 @@ def list_runs(store: Repository) -> list[RunInfo]:
 
 
 def create_run(
-    store: Repository,
+    repo: Repository,
     name: str,
     base_selector: str | None,
     *,
@@ -102,17 +102,17 @@ def create_run(
     and keeps its base.
     """
     manifest_objects.check_run_name(name)
-    with operation("run-create"), store.lock(exclusive=False, timeout=lock_timeout) as lock:
-        store.refresh(lock)
-        if name == MAIN_RUN or any(r.name == name for r in store.view(RunRows).runs()):
+    with operation("run-create"), repo.lock(exclusive=False, timeout=lock_timeout) as lock:
+        repo.refresh(lock)
+        if name == MAIN_RUN or any(r.name == name for r in repo.view(RunRows).runs()):
             raise StepExistsError(f"run {name!r} already exists; ", Call("runs"), " shows the runs.")
         base: ManifestRecord | None = None
         if base_selector is not None:
-            base = store.manifest(store.resolve(base_selector, from_run))
+            base = repo.manifest(repo.resolve(base_selector, from_run))
             if base.object_key is None:
                 raise UnknownStepError(f"step {base.step} has no manifest object yet; run ", Call("verify"), " first.")
         record = RunRecord(name, time.time(), base.object_key if base else None)
-        with store.transaction(RunRows) as edit:
-            manifest_objects.create_run(store.backend, record)  # the object first: it is the truth
+        with repo.transaction(RunRows) as edit:
+            manifest_objects.create_run(repo.backend, record)  # the object first: it is the truth
             edit.set_runs([*edit.created_runs().values(), record])
     return RunInfo(name, record.created_at, BaseStep.of(base), 0, None)

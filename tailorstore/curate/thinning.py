@@ -125,12 +125,12 @@ def thinned_contents(files: list[FileRecord], atoms: list[AtomRecord], tier: str
     return ThinnedContents([f for f in files if f.path not in optimizer or f.path in still], kept, materialize)
 
 
-def contents_of(store: Repository, manifest: int, tier: str) -> ThinnedContents:
-    return thinned_contents(store.view(Contents).files(manifest), store.view(Contents).atoms(manifest), tier)
+def contents_of(repo: Repository, manifest: int, tier: str) -> ThinnedContents:
+    return thinned_contents(repo.view(Contents).files(manifest), repo.view(Contents).atoms(manifest), tier)
 
 
 def thin(
-    store: Repository,
+    repo: Repository,
     targets: list[ManifestRecord],
     tier: str,
     lock: LockHandle | LeaseHandle,
@@ -144,12 +144,12 @@ def thin(
     ``grids``: each archived manifest's grid (by id; the default grid for one not named)."""
     if tier == THIN_ARCHIVE:
         ordered = sorted(targets, key=lambda r: r.step)
-        return sum(_thin(store, [r], tier, lock, (grids or {}).get(r.id, ArchiveGrid())) for r in ordered)
-    return _thin(store, targets, tier, lock, None)
+        return sum(_thin(repo, [r], tier, lock, (grids or {}).get(r.id, ArchiveGrid())) for r in ordered)
+    return _thin(repo, targets, tier, lock, None)
 
 
 def _thin(
-    store: Repository,
+    repo: Repository,
     targets: list[ManifestRecord],
     tier: str,
     lock: LockHandle | LeaseHandle,
@@ -157,17 +157,17 @@ def _thin(
 ) -> int:
     if not targets:
         return 0
-    writer = BlobWriter(store)
+    writer = BlobWriter(repo)
     plans: dict[int, ThinnedContents] = {}
-    with cleaned_up_on_failure(store, writer, lock, Silent()):
+    with cleaned_up_on_failure(repo, writer, lock, Silent()):
         for record in targets:
-            contents = contents_of(store, record.id, tier)
+            contents = contents_of(repo, record.id, tier)
             for atom in contents.materialize:
-                data = decode_atom(store, record.id, atom, f"thinning step {record.step}")
+                data = decode_atom(repo, record.id, atom, f"thinning step {record.step}")
                 store_rebuilt(writer, data, atom, record.step)
             if grid is not None:
                 pairs = list(zip(contents.atoms, contents.stored_atoms(), strict=True))
-                contents = ThinnedContents(contents.files, archived(store, record, pairs, writer, grid), [])
+                contents = ThinnedContents(contents.files, archived(repo, record, pairs, writer, grid), [])
             plans[record.id] = contents
         new_blobs = writer.finish()
     revisions = [
@@ -175,5 +175,5 @@ def _thin(
         for record in targets
     ]
     revisions[0] = replace(revisions[0], blobs=new_blobs, packs=writer.new_packs())
-    record_manifest(store, *revisions, fence=lock)  # every step's next version, or none
+    record_manifest(repo, *revisions, fence=lock)  # every step's next version, or none
     return sum(b.stored_size for b in new_blobs)

@@ -153,25 +153,25 @@ def _refuse_existing(index: CommitHistory, step: int, tag: str | None, run: str)
 
 
 def inheritance(
-    store: Repository, step: int, layers: frozenset[str], run: str, base: ManifestRecord | None
+    repo: Repository, step: int, layers: frozenset[str], run: str, base: ManifestRecord | None
 ) -> dict[str, Inheritance]:
     """For each layer, the newest earlier committed step of the run that has it, with its atoms
     by key; then the run's base (the step it branched from), which is older than all of them."""
     found: dict[str, Inheritance] = {}
-    history = store.view(CommitHistory).layer_history(step, run)
+    history = repo.view(CommitHistory).layer_history(step, run)
     if base is not None:
-        history += [StoredLayer(base.step, x) for x in store.view(CommitHistory).layers(base.id)]
+        history += [StoredLayer(base.step, x) for x in repo.view(CommitHistory).layers(base.id)]
     for at_step, x in history:
         if x.layer in layers and x.layer != STATE and x.layer not in found:
             found[x.layer] = Inheritance(x.manifest, at_step, x.source, x.source_step, {})
     return found
 
 
-def load_inherited_atoms(store: Repository, inherit: Inheritance, layer: str) -> None:
-    inherit.atoms.update(store.view(CommitHistory).atoms_by_key(inherit.manifest, layer))
+def load_inherited_atoms(repo: Repository, inherit: Inheritance, layer: str) -> None:
+    inherit.atoms.update(repo.view(CommitHistory).atoms_by_key(inherit.manifest, layer))
 
 
-def planned_sources(store: Repository, plan: PartPlan, layers: Iterable[str]) -> dict[str, Inheritance]:
+def planned_sources(repo: Repository, plan: PartPlan, layers: Iterable[str]) -> dict[str, Inheritance]:
     """A rank's view of where the plan's inherited layers come from, their atoms loaded."""
     out: dict[str, Inheritance] = {}
     for layer in layers:
@@ -179,13 +179,13 @@ def planned_sources(store: Repository, plan: PartPlan, layers: Iterable[str]) ->
             raise StoreError(f"the plan of this rank-parallel commit says nothing of layer {layer}")
         holder_key, source_key, source_step = plan.inherited[layer]
         holder, source = (
-            store.view(CommitHistory).by_object_key(holder_key),
-            store.view(CommitHistory).by_object_key(source_key),
+            repo.view(CommitHistory).by_object_key(holder_key),
+            repo.view(CommitHistory).by_object_key(source_key),
         )
         if holder is None or source is None:
             raise StoreError(f"layer {layer} is inherited from {holder_key}, which this store no longer holds")
         out[layer] = Inheritance(holder.id, holder.step, source.id, source_step, {})
-        load_inherited_atoms(store, out[layer], layer)
+        load_inherited_atoms(repo, out[layer], layer)
     return out
 
 
@@ -230,27 +230,27 @@ def scan_checkpoint(layout: CheckpointLayout, trust_pickles: bool, files: list[s
     return scan
 
 
-def _measure_changes(store: Repository, layout: CheckpointLayout, scan: Scan, sources: dict[str, Inheritance]) -> dict:
+def _measure_changes(repo: Repository, layout: CheckpointLayout, scan: Scan, sources: dict[str, Inheritance]) -> dict:
     """Relative change of each layer's FP32 master since the version an earlier step holds, file by file."""
     by_path = {f.path: f for f in scan.files}
-    terms = {path: file_change_terms(store, by_path[path], sources) for path in write_order(layout)}
-    return combine_changes(store, [terms[path] for path in write_order(layout)], sources)
+    terms = {path: file_change_terms(repo, by_path[path], sources) for path in write_order(layout)}
+    return combine_changes(repo, [terms[path] for path in write_order(layout)], sources)
 
 
-def file_change_terms(store: Repository, f: ReadFile, sources: Mapping[str, Inheritance]) -> dict[str, ChangeTerms]:
+def file_change_terms(repo: Repository, f: ReadFile, sources: Mapping[str, Inheritance]) -> dict[str, ChangeTerms]:
     """One file's terms of each inheritable layer's change (a rank measures only its own files)."""
     out: dict[str, ChangeTerms] = {}
     with f.open() as src:
         for layer, pieces in masters_by_layer(f, src).items():
             if layer in sources:
-                before = stored_pieces(store, sources[layer].manifest, layer, keys=set(pieces))
+                before = stored_pieces(repo, sources[layer].manifest, layer, keys=set(pieces))
                 out[layer] = change_terms(pieces, before)
         src.check()
     return out
 
 
 def combine_changes(
-    store: Repository, per_file: list[dict[str, ChangeTerms]], sources: Mapping[str, Inheritance]
+    repo: Repository, per_file: list[dict[str, ChangeTerms]], sources: Mapping[str, Inheritance]
 ) -> dict[str, float]:
     """The files' terms summed in write order, as one pass over every file sums them; a layer counts
     only where every master piece of its source was matched."""
@@ -259,27 +259,27 @@ def combine_changes(
         for layer, found in terms.items():
             totals.setdefault(layer, LayerChange()).add_terms(found)
     expected = {
-        layer: store.view(CommitHistory).count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()
+        layer: repo.view(CommitHistory).count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()
     }
     return {layer: t.value() for layer, t in totals.items() if t.pieces == expected.get(layer) and t.matched}
 
 
-def ages_of(store: Repository, sources: dict[str, Inheritance], commits_before: int, run: str) -> dict[str, int]:
+def ages_of(repo: Repository, sources: dict[str, Inheritance], commits_before: int, run: str) -> dict[str, int]:
     """Commits since each inheritable layer was last stored (one query per distinct source step)."""
     before = {
-        step: store.view(CommitHistory).commits_before(step, run)
+        step: repo.view(CommitHistory).commits_before(step, run)
         for step in {src.source_step for src in sources.values()}
     }
     return {layer: commits_before - before[src.source_step] for layer, src in sources.items()}
 
 
-def detect_input(store: Repository, ckpt_dir: Path, part: bool = False) -> CheckpointLayout:
+def detect_input(repo: Repository, ckpt_dir: Path, part: bool = False) -> CheckpointLayout:
     """The checkpoint's layout, refused when a file it would commit lies inside the store: a store
     kept inside an HF Trainer's checkpoint folder had its own index (changing as the commit wrote
     it) recorded as files of the step."""
     layout = detect(Path(ckpt_dir), part=part)
     root = layout.root.resolve()
-    for inside in store.local_folders():
+    for inside in repo.local_folders():
         if inside != root and root not in inside.parents:
             continue
         rel = inside.relative_to(root).as_posix()
@@ -292,7 +292,7 @@ def detect_input(store: Repository, ckpt_dir: Path, part: bool = False) -> Check
 
 
 def commit_checkpoint(
-    store: Repository,
+    repo: Repository,
     ckpt_dir: Path,
     options: CommitOptions | None = None,
     progress: Progress | None = None,
@@ -300,12 +300,12 @@ def commit_checkpoint(
 ) -> CommitResult:
     options = options or CommitOptions()
     check_options(options)
-    layout = detect_input(store, Path(ckpt_dir), part=options.part)
-    return commit_layout(store, layout, str(Path(ckpt_dir).resolve()), options, progress, on_wait)
+    layout = detect_input(repo, Path(ckpt_dir), part=options.part)
+    return commit_layout(repo, layout, str(Path(ckpt_dir).resolve()), options, progress, on_wait)
 
 
 def commit_layout(
-    store: Repository,
+    repo: Repository,
     layout: CheckpointLayout,
     source: str,
     options: CommitOptions,
@@ -327,24 +327,24 @@ def commit_layout(
 
     with (
         operation("part" if options.part else "commit"),
-        store.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock,
+        repo.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock,
     ):
         # What other hosts recorded or dropped before this lock was taken: inheritance must not
         # name a manifest (and blobs) another host's gc removed since this store was opened.
-        store.refresh(lock)
+        repo.refresh(lock)
         if options.part:
-            return commit_part(store, source, layout, scan, step, options, lock, progress, began)
+            return commit_part(repo, source, layout, scan, step, options, lock, progress, began)
         run = options.run
-        base = store.run_base(run)
+        base = repo.run_base(run)
         if not options.force:
-            structure.refuse_other_model(store.view(structure.ModelShape), scan.structure, run, base, layout.kind)
-            _refuse_existing(store.view(CommitHistory), step, tag, run)
-        sources = inheritance(store, step, layers, run, base)
-        read_from = {i.manifest: store.manifest(i.manifest) for i in sources.values()}  # as they are now
-        commits_before = store.view(CommitHistory).commits_before(step, run) + (base is not None)
+            structure.refuse_other_model(repo.view(structure.ModelShape), scan.structure, run, base, layout.kind)
+            _refuse_existing(repo.view(CommitHistory), step, tag, run)
+        sources = inheritance(repo, step, layers, run, base)
+        read_from = {i.manifest: repo.manifest(i.manifest) for i in sources.values()}  # as they are now
+        commits_before = repo.view(CommitHistory).commits_before(step, run) + (base is not None)
         adaptive = needs_changes(options.policy)
-        changes = _measure_changes(store, layout, scan, sources) if adaptive else {}
-        ages = ages_of(store, sources, commits_before, run) if adaptive else {}
+        changes = _measure_changes(repo, layout, scan, sources) if adaptive else {}
+        ages = ages_of(repo, sources, commits_before, run) if adaptive else {}
         stored = decide(
             options.policy,
             CommitFacts(
@@ -352,9 +352,9 @@ def commit_layout(
             ),
         )
         for layer in layers - stored:
-            load_inherited_atoms(store, sources[layer], layer)
-        writer = BlobWriter(store, level=options.level, threads=options.threads)
-        with cleaned_up_on_failure(store, writer, lock, progress):
+            load_inherited_atoms(repo, sources[layer], layer)
+        writer = BlobWriter(repo, level=options.level, threads=options.threads)
+        with cleaned_up_on_failure(repo, writer, lock, progress):
             plan, new_blobs = _write_checked(layout, scan, options, stored, sources, writer, progress)
 
         raw_bytes = sum(f.size for f in files)
@@ -398,10 +398,10 @@ def commit_layout(
             replacing=options.force,  # the replaced step keeps its tag and pin, unless a new tag is given
         )
         try:
-            [manifest] = record_manifest(store, rows, fence=lock)  # the commit point
+            [manifest] = record_manifest(repo, rows, fence=lock)  # the commit point
         except BaseException:
             if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind
-                remove_unindexed(store, writer, lock)
+                remove_unindexed(repo, writer, lock)
             raise
     return CommitResult(
         step=step,
@@ -466,7 +466,7 @@ def _facts(files: list[ReadFile]) -> dict[str, int]:
 
 
 def commit_part(
-    store: Repository,
+    repo: Repository,
     source: str,
     layout: CheckpointLayout,
     scan: Scan,
@@ -487,21 +487,21 @@ def commit_part(
     ``elsewhere`` are written by another rank's part of the same commit. The part object is
     the commit point of a part.
     """
-    if store.view(CommitHistory).commit_at(step, options.run) is not None and not options.force:
+    if repo.view(CommitHistory).commit_at(step, options.run) is not None and not options.force:
         raise StepExistsError(f"step {step} is already in the store; a part of it cannot be added any more.")
     stored, sources = scan.layers, {}
     if options.plan is not None:
         stored = options.plan.stored & scan.layers
-        sources = planned_sources(store, options.plan, scan.layers - stored)
-    writer = BlobWriter(store, level=options.level, threads=options.threads, elsewhere=elsewhere)
-    with cleaned_up_on_failure(store, writer, lock, progress):
+        sources = planned_sources(repo, options.plan, scan.layers - stored)
+    writer = BlobWriter(repo, level=options.level, threads=options.threads, elsewhere=elsewhere)
+    with cleaned_up_on_failure(repo, writer, lock, progress):
         plan, new_blobs = _write_checked(
             layout, scan, options, stored, sources, writer, progress, checked_weights=checked_weights
         )
         written = {b.hash: b for b in new_blobs}
         needed = {f.blob for f in plan.files} | {f.container for f in plan.files if f.container}
         needed |= {a.blob for a in plan.atoms if a.derived is None}
-        blobs = [written.get(h) or store.blob(h) for h in sorted(needed)]
+        blobs = [written.get(h) or repo.blob(h) for h in sorted(needed)]
         part = Part(
             step=step,
             run=options.run,
@@ -520,12 +520,12 @@ def commit_part(
         )
         lock.check("committing a part")
         failpoint("before-part-publish")
-        key = parts.publish(store.backend, part, fence=lambda: lock.check("committing a part"))
+        key = parts.publish(repo.backend, part, fence=lambda: lock.check("committing a part"))
         if lock.by_time:  # its blobs against gc's notices, after the put (store/gc_notices.py)
             try:
-                check_publication(store.backend, part.blobs, "committing a part", store.size_lookup(part.blobs))
+                check_publication(repo.backend, part.blobs, "committing a part", repo.size_lookup(part.blobs))
             except BaseException:
-                store.backend.delete_many([key])  # taken back: a part a finalize must never count
+                repo.backend.delete_many([key])  # taken back: a part a finalize must never count
                 raise
     return CommitResult(
         step=step,

@@ -167,11 +167,11 @@ def _one_plan(parts: list[Part]) -> dict | None:
     return parts[0].plan
 
 
-def _plan_sources(store: Repository, plan: dict, step: int) -> dict[str, tuple[int, int]]:
+def _plan_sources(repo: Repository, plan: dict, step: int) -> dict[str, tuple[int, int]]:
     """Inherited layer -> (this index's id of its source manifest, source step)."""
     out = {}
     for layer, (_, source_key, source_step) in plan["inherited"].items():
-        source = store.view(FinalizeLookup).by_object_key(source_key)
+        source = repo.view(FinalizeLookup).by_object_key(source_key)
         if source is None or source_step >= step:
             raise CorruptStoreError(
                 f"step {step}'s parts inherit layer {layer} from {source_key}, which is not an earlier step here"
@@ -187,18 +187,18 @@ def _one_fact(parts: list[Part], name: str) -> int | None:
     return found.pop() if found else None
 
 
-def _check_blobs(store: Repository, parts: list[Part]) -> None:
+def _check_blobs(repo: Repository, parts: list[Part]) -> None:
     """Every blob a part names is in the backend (loose objects, asked :data:`CHECKERS` at a time)
     or in a pack the index knows."""
     loose = [(part, row) for part in parts for row in part.blobs if row.pack is None]
     with ThreadPoolExecutor(CHECKERS, thread_name_prefix="tailor-finalize") as pool:
-        sizes = list(pool.map(lambda item: store.object_size(blob_key(item[1].hash)), loose))
+        sizes = list(pool.map(lambda item: repo.object_size(blob_key(item[1].hash)), loose))
     missing = [item for item, size in zip(loose, sizes, strict=True) if size != item[1].stored_size]
-    missing += [(part, row) for part in parts for row in part.blobs if row.pack and store.blob(row.hash) is None]
+    missing += [(part, row) for part in parts for row in part.blobs if row.pack and repo.blob(row.hash) is None]
     if missing:
         part, row = missing[0]
         raise CorruptStoreError(
-            f"part {part.key} ({part.source}): blob {row.hash} is missing from {store.location}. "
+            f"part {part.key} ({part.source}): blob {row.hash} is missing from {repo.location}. "
             "Commit that part again with ",
             Call("commit", "DIR", part=True, force=True),
             ", then finalize.",
@@ -206,7 +206,7 @@ def _check_blobs(store: Repository, parts: list[Part]) -> None:
 
 
 def finalize_step(
-    store: Repository,
+    repo: Repository,
     step: int,
     *,
     tag: str | None = None,
@@ -225,16 +225,16 @@ def finalize_step(
     check_run_name(run)
     if tag:
         check_tag(tag)
-    with operation("finalize"), store.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
-        store.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
-        parts = read_parts(store.backend, step, run, label)
+    with operation("finalize"), repo.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
+        repo.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
+        parts = read_parts(repo.backend, step, run, label)
         if not parts:
             raise StoreError(
                 f"step {step} has no parts to finalize. Each host commits its ranks with ",
                 Call("commit", "DIR", part=True),
                 " first.",
             )
-        if store.view(FinalizeLookup).commit_at(step, run) is not None:
+        if repo.view(FinalizeLookup).commit_at(step, run) is not None:
             raise StepExistsError(f"step {step} is already in the store; its parts were finalized before.")
         kinds = {p.layout for p in parts}
         tags = {p.ds_tag for p in parts}
@@ -254,16 +254,16 @@ def finalize_step(
                 Call("commit", "DIR", part=True),
                 ", then finalize again.",
             )
-        _check_blobs(store, parts)
+        _check_blobs(repo, parts)
         if not force:
             structure.refuse_other_model(
-                store.view(structure.ModelShape), structure.from_atoms(atoms), run, store.run_base(run)
+                repo.view(structure.ModelShape), structure.from_atoms(atoms), run, repo.run_base(run)
             )
         layer_bytes: dict[str, int] = {}
         for a in atoms:
             layer_bytes[a.layer] = layer_bytes.get(a.layer, 0) + a.nbytes
         plan = _one_plan(parts)
-        sources = _plan_sources(store, plan, step) if plan else {}
+        sources = _plan_sources(repo, plan, step) if plan else {}
         raw_bytes = sum(f.raw_size for f in files)
         new_bytes = sum(p.new_bytes for p in parts)
 
@@ -295,11 +295,11 @@ def finalize_step(
                 for x, n in sorted(layer_bytes.items())
             ],
             reported_blobs=[b for p in parts for b in p.blobs],  # a packed blob keeps the row its pack gave
-            derived_from=[store.manifest(m) for m in sorted({m for m, _ in sources.values()})],
+            derived_from=[repo.manifest(m) for m in sorted({m for m, _ in sources.values()})],
         )
-        [manifest] = record_manifest(store, rows, fence=lock)  # the commit point
+        [manifest] = record_manifest(repo, rows, fence=lock)  # the commit point
         # after the manifest is durable (a crash before leaves parts gc can drop); one request on S3
-        store.backend.delete_many([part.key for part in parts])
+        repo.backend.delete_many([part.key for part in parts])
     return FinalizeResult(
         step=step,
         manifest=manifest,

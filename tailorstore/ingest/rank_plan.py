@@ -68,15 +68,15 @@ def layers_and_sizes(surveys: Sequence[Survey]) -> tuple[frozenset[str], dict[st
     return frozenset(sizes), sizes
 
 
-def find_sources(store: Repository, step: int, layers: frozenset[str], run: str, spec: PolicySpec) -> Sources:
+def find_sources(repo: Repository, step: int, layers: frozenset[str], run: str, spec: PolicySpec) -> Sources:
     """Rank 0, under the shared lock: every layer's newest earlier version, as a commit finds it."""
-    base = store.run_base(run)
-    found = inheritance(store, step, layers, run, base)
-    commits_before = store.view(RankPlanLookup).commits_before(step, run) + (base is not None)
-    ages = ages_of(store, found, commits_before, run) if needs_changes(spec) else {}
+    base = repo.run_base(run)
+    found = inheritance(repo, step, layers, run, base)
+    commits_before = repo.view(RankPlanLookup).commits_before(step, run) + (base is not None)
+    ages = ages_of(repo, found, commits_before, run) if needs_changes(spec) else {}
 
     def key(manifest: int) -> str:
-        record = store.manifest(manifest)
+        record = repo.manifest(manifest)
         if record.object_key is None:
             raise ValueError(f"manifest {manifest} has no object yet")
         return record.object_key
@@ -85,13 +85,13 @@ def find_sources(store: Repository, step: int, layers: frozenset[str], run: str,
     return Sources(inherited, commits_before, ages)
 
 
-def resolved(store: Repository, sources: Sources) -> dict[str, Inheritance]:
+def resolved(repo: Repository, sources: Sources) -> dict[str, Inheritance]:
     """This rank's view of the sources (its own index's ids)."""
     out: dict[str, Inheritance] = {}
     for layer, (holder_key, source_key, source_step) in sources.inherited.items():
         holder, source = (
-            store.view(RankPlanLookup).by_object_key(holder_key),
-            store.view(RankPlanLookup).by_object_key(source_key),
+            repo.view(RankPlanLookup).by_object_key(holder_key),
+            repo.view(RankPlanLookup).by_object_key(source_key),
         )
         if holder is None or source is None:
             raise ValueError(f"layer {layer}'s source {holder_key} is not in this host's index")
@@ -99,14 +99,14 @@ def resolved(store: Repository, sources: Sources) -> dict[str, Inheritance]:
     return out
 
 
-def own_terms(store: Repository, share: Share, sources: Sources) -> dict[str, dict[str, ChangeTerms]]:
+def own_terms(repo: Repository, share: Share, sources: Sources) -> dict[str, dict[str, ChangeTerms]]:
     """Each rank: its own files' terms of every inheritable layer's change, by file."""
-    mine = resolved(store, sources)
-    return {f.path: file_change_terms(store, f, mine) for f in share.scan.files}
+    mine = resolved(repo, sources)
+    return {f.path: file_change_terms(repo, f, mine) for f in share.scan.files}
 
 
 def decide_plan(
-    store: Repository,
+    repo: Repository,
     spec: PolicySpec,
     surveys: Sequence[Survey],
     sources: Sources,
@@ -117,7 +117,7 @@ def decide_plan(
     layers, sizes = layers_and_sizes(surveys)
     adaptive = needs_changes(spec)
     changes = (
-        combine_changes(store, [terms[p] for p in order if p in terms], resolved(store, sources)) if adaptive else {}
+        combine_changes(repo, [terms[p] for p in order if p in terms], resolved(repo, sources)) if adaptive else {}
     )
     facts = CommitFacts(
         layers, sources.commits_before, frozenset(sources.inherited), changes if adaptive else None, sizes, sources.ages
@@ -128,7 +128,7 @@ def decide_plan(
 
 
 def plan_from_sizes(
-    store: Repository, spec: PolicySpec, step: int, layer_bytes: dict[str, int], run: str, lock_timeout: float
+    repo: Repository, spec: PolicySpec, step: int, layer_bytes: dict[str, int], run: str, lock_timeout: float
 ) -> PartPlan:
     """One host, for a step whose parts are written from memory (the DCP writer): the plan from
     the layers' sizes alone, under the shared lock. A policy that measures how far the masters
@@ -139,9 +139,9 @@ def plan_from_sizes(
             "save through the DCP writer with the full, parity or filter policy, or commit a DCP folder."
         )
     layers = frozenset(layer_bytes)
-    with store.lock(exclusive=False, timeout=lock_timeout) as lock:
-        store.refresh(lock)
-        found = find_sources(store, step, layers, run, spec)
+    with repo.lock(exclusive=False, timeout=lock_timeout) as lock:
+        repo.refresh(lock)
+        found = find_sources(repo, step, layers, run, spec)
     facts = CommitFacts(layers, found.commits_before, frozenset(found.inherited), None, dict(layer_bytes), found.ages)
     stored = frozenset(decide(spec, facts))
     inherited = {layer: where for layer, where in found.inherited.items() if layer in layers - stored}

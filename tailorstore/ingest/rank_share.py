@@ -89,13 +89,13 @@ class Share:
 
 
 def survey(
-    store: Repository, ckpt_dir: Path, options: CommitOptions, rank: int, owns: Callable[[str], bool] | None = None
+    repo: Repository, ckpt_dir: Path, options: CommitOptions, rank: int, owns: Callable[[str], bool] | None = None
 ) -> tuple[Share, Survey]:
     """Scan this rank's files (and the model states that cut them), then name every piece
     and compare every owned master range with its weight. Reads only; writes nothing.
     ``owns`` says which files are this committer's (default: those DeepSpeed's rank ``rank``
     wrote); a node's leader committing its node's staged files owns its node's ranks' files."""
-    layout = detect_input(store, Path(ckpt_dir), part=owns is not None)  # a node's folder lacks other nodes' files
+    layout = detect_input(repo, Path(ckpt_dir), part=owns is not None)  # a node's folder lacks other nodes' files
     own = [rel for rel in layout.files if (owns(rel) if owns is not None else owner_of(rel) == rank)]
     helpers = [rel for rel in layout.files if rel not in own and _helps(rel, rank)]
     scan = scan_checkpoint(layout, options.trust_pickles, files=helpers + own)
@@ -110,7 +110,7 @@ def survey(
             for seg in entry.segments:
                 nbytes = seg.numel * entry.tensor.element_size()
                 found.layer_bytes[seg.layer] = found.layer_bytes.get(seg.layer, 0) + nbytes
-    namer = _Namer(store, found.new_hashes)
+    namer = _Namer(repo, found.new_hashes)
     with _WeightRanges(weight_files, found) as checker:
         named = write_files(mine, own_scan, own_scan.layers, {}, namer, checker, Silent(), release=False)
     for atom in named.atoms:
@@ -135,8 +135,8 @@ def _helps(rel: str, rank: int) -> bool:
 class _Namer:
     """A writer that only names: every piece hashed, nothing written; the new names collected."""
 
-    def __init__(self, store: Repository, new: set[str]) -> None:
-        self.store = store
+    def __init__(self, repo: Repository, new: set[str]) -> None:
+        self.store = repo
         self.new = new
 
     def _note(self, digest: str) -> str:
@@ -237,7 +237,7 @@ def checked_weights(surveys: Sequence[Survey]) -> frozenset[WeightKey]:
 
 
 def write_share(
-    store: Repository,
+    repo: Repository,
     share: Share,
     options: CommitOptions,
     elsewhere: frozenset[str],
@@ -249,10 +249,10 @@ def write_share(
         return None
     began = time.perf_counter()
     part_options = dataclasses.replace(options, part=True, step=share.step)
-    with store.lock(exclusive=False, timeout=options.lock_timeout) as lock:
-        store.refresh(lock)
+    with repo.lock(exclusive=False, timeout=options.lock_timeout) as lock:
+        repo.refresh(lock)
         return commit_part(
-            store,
+            repo,
             str(Path(share.layout.root).resolve()),
             share.layout,
             share.scan,

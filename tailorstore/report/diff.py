@@ -47,14 +47,14 @@ class DiffResult(NamedTuple):
     layers: list[LayerDiff]
 
 
-def diff(store: Repository, selector_a: str, selector_b: str) -> DiffResult:
+def diff(repo: Repository, selector_a: str, selector_b: str) -> DiffResult:
     """Per layer, the change from A to B; refused, with the reason, where the two cannot be compared."""
-    a, b = store.resolve(selector_a), store.resolve(selector_b)
-    ma, mb = store.manifest(a), store.manifest(b)
+    a, b = repo.resolve(selector_a), repo.resolve(selector_b)
+    ma, mb = repo.manifest(a), repo.manifest(b)
     step_a, step_b = ma.step, mb.step
     other = structure.differences(
-        structure.of_manifest(store.view(structure.ModelShape), a),
-        structure.of_manifest(store.view(structure.ModelShape), b),
+        structure.of_manifest(repo.view(structure.ModelShape), a),
+        structure.of_manifest(repo.view(structure.ModelShape), b),
     )
     if other:
         raise StoreError(
@@ -65,13 +65,13 @@ def diff(store: Repository, selector_a: str, selector_b: str) -> DiffResult:
             f"cannot compare step {step_a} with step {step_b}: they were saved at different world sizes or ZeRO "
             "stages, and diff compares piece by piece"
         )
-    layers_a = {x.layer for x in store.view(DiffView).layers(a)}
-    layers_b = {x.layer for x in store.view(DiffView).layers(b)}
+    layers_a = {x.layer for x in repo.view(DiffView).layers(a)}
+    layers_b = {x.layer for x in repo.view(DiffView).layers(b)}
     out = []
     for layer in sorted((layers_a & layers_b) - {STATE}, key=sort_key):
         values = []
         for kind in (A.MASTER, A.WEIGHT):
-            old, new = stored_pieces(store, a, layer, kind), stored_pieces(store, b, layer, kind)
+            old, new = stored_pieces(repo, a, layer, kind), stored_pieces(repo, b, layer, kind)
             values.append(relative_change(new, old) if old and new else None)
         out.append(LayerDiff(layer, values[0], values[1]))
     return DiffResult(step_a, step_b, out)
@@ -85,27 +85,27 @@ class ChangeMatrix:
     inherited: list[list[bool]]  # [layer][column]: the layer was not stored at that manifest
 
 
-def change_matrix(store: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
+def change_matrix(repo: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
     """Per committed step and layer: change since the previous committed step. Merges and averages are
     no steps of training (one carries its base's step, and would read as a change in time), so they
     are left out.
 
     An inherited layer is flagged rather than shown as 0 change, which would read as a frozen layer.
     """
-    rows = [r for r in store.view(DiffView).manifests(run) if r.origin == COMMIT]
+    rows = [r for r in repo.view(DiffView).manifests(run) if r.origin == COMMIT]
     if len(rows) < 2:
         raise StoreError("plotting change needs at least two committed steps")
-    layers = sorted(store.view(DiffView).layer_names() - {STATE}, key=sort_key)
-    held = {(r.id, x.layer): x.source_step == r.step for r in rows for x in store.view(DiffView).layers(r.id)}
+    layers = sorted(repo.view(DiffView).layer_names() - {STATE}, key=sort_key)
+    held = {(r.id, x.layer): x.source_step == r.step for r in rows for x in repo.view(DiffView).layers(r.id)}
     columns = [f"step {r.step}" + (f" ({r.tag})" if r.tag else "") for r in rows[1:]]
     values: list[list[float | None]] = []
     inherited: list[list[bool]] = []
     for layer in layers:
         line: list[float | None] = []
         flags: list[bool] = []
-        previous = stored_pieces(store, rows[0].id, layer)
+        previous = stored_pieces(repo, rows[0].id, layer)
         for r in rows[1:]:
-            current = stored_pieces(store, r.id, layer)
+            current = stored_pieces(repo, r.id, layer)
             flags.append(not held.get((r.id, layer), True))
             line.append(relative_change(current, previous) if current and previous else None)
             previous = current
@@ -114,9 +114,9 @@ def change_matrix(store: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
     return ChangeMatrix(columns, layers, values, inherited)
 
 
-def plot(store: Repository, out: Path, run: str = MAIN_RUN) -> Path:
+def plot(repo: Repository, out: Path, run: str = MAIN_RUN) -> Path:
     """A PNG heatmap of the change of each layer over the run's manifests, written whole at ``out``."""
-    _check_plot_out(store, out)
+    _check_plot_out(repo, out)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,7 +124,7 @@ def plot(store: Repository, out: Path, run: str = MAIN_RUN) -> Path:
     import numpy as np
     from matplotlib.patches import Patch, Rectangle
 
-    m = change_matrix(store, run)
+    m = change_matrix(repo, run)
     cells = zip(m.values, m.inherited, strict=True)
     data = np.array(
         [[np.nan if v is None or gone else v for v, gone in zip(line, flags, strict=True)] for line, flags in cells],
@@ -156,7 +156,7 @@ def plot(store: Repository, out: Path, run: str = MAIN_RUN) -> Path:
     return out
 
 
-def _check_plot_out(store: Repository, out: Path) -> None:
+def _check_plot_out(repo: Repository, out: Path) -> None:
     """A new or existing .png file outside the store: matplotlib would otherwise pick the format
     from any suffix (a traceback for .sqlite), write ``DIR.png`` beside a directory named, and
     write into a device as if it were a file."""
@@ -164,5 +164,5 @@ def _check_plot_out(store: Repository, out: Path) -> None:
         raise StoreError(f"{out}: the plot is a PNG; give a path ending in .png.")
     if out.is_symlink() or (out.exists() and not out.is_file()):
         raise StoreError(f"{out}: exists and is not a regular file; give a new .png path or an old plot's.")
-    refuse_inside_store(out, store)
+    refuse_inside_store(out, repo)
     out.parent.mkdir(parents=True, exist_ok=True)  # as checkout and export make their folder's parents

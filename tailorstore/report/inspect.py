@@ -89,23 +89,23 @@ def summary(r: ManifestRecord) -> StepSummary:
     )
 
 
-def log(store: Repository, run: str | None = None) -> list[StepSummary]:
+def log(repo: Repository, run: str | None = None) -> list[StepSummary]:
     """Every manifest, or those of one run, by step."""
-    return [summary(r) for r in store.view(InspectView).manifests(run)]
+    return [summary(r) for r in repo.view(InspectView).manifests(run)]
 
 
-def show(store: Repository, selector: str) -> StepDetail:
-    manifest = store.resolve(selector)
-    head = summary(store.manifest(manifest))
+def show(repo: Repository, selector: str) -> StepDetail:
+    manifest = repo.resolve(selector)
+    head = summary(repo.manifest(manifest))
     per_layer = {
         x.layer: LayerSummary(x.layer, x.source_step, x.stored, change=x.change)
-        for x in store.view(InspectView).layers(manifest)
+        for x in repo.view(InspectView).layers(manifest)
     }
-    for name, kinds, raw, derived in store.view(InspectView).layer_totals(manifest):
+    for name, kinds, raw, derived in repo.view(InspectView).layer_totals(manifest):
         layer = per_layer.setdefault(name, LayerSummary(name, head.step, True))
         layer.kinds = kinds
         layer.raw_bytes, layer.derived_bytes = raw, derived
-    for name, stored in store.view(InspectView).layer_stored_bytes(manifest).items():
+    for name, stored in repo.view(InspectView).layer_stored_bytes(manifest).items():
         per_layer[name].stored_bytes = stored
     layers = sorted(per_layer.values(), key=lambda x: sort_key(x.layer))
     return StepDetail(head, layers, sum(x.derived_bytes for x in layers))

@@ -65,12 +65,12 @@ class Usage:
     gc_frees: int = 0
 
 
-def usage(store: Repository, *, gc_frees: int = 0) -> Usage:
+def usage(repo: Repository, *, gc_frees: int = 0) -> Usage:
     """Where the bytes go. ``gc_frees``: what a gc with each run's own retention would free, which
     the caller learns from curate's plan (report does not import curate)."""
-    index = store.view(UsageView)
+    index = repo.view(UsageView)
     blob_bytes = index.blob_object_bytes()  # loose blob objects, and whole packs (trailers and dead bytes too)
-    index_bytes = sum(p.stat().st_size for p in store.where.index_path.parent.glob("index.sqlite*") if p.is_file())
+    index_bytes = sum(p.stat().st_size for p in repo.where.index_path.parent.glob("index.sqlite*") if p.is_file())
     manifests = index.manifests()
     # A thinned step keeps only some of its files: its raw bytes are theirs, not the whole save's it
     # was committed as (which counted its dropped optimizer states as "files", many times too much).

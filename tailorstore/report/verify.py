@@ -69,10 +69,10 @@ class VerifyReport:
         return not self.problems
 
 
-def _users(store: Repository, manifest_ids: list[int]) -> dict[str, list[str]]:
+def _users(repo: Repository, manifest_ids: list[int]) -> dict[str, list[str]]:
     """blob -> where it is used, as 'step S, layer L, file F' (for messages)."""
     users: dict[str, list[str]] = defaultdict(list)
-    for digest, where in store.view(VerifyView).blob_uses(manifest_ids):
+    for digest, where in repo.view(VerifyView).blob_uses(manifest_ids):
         users[digest].append(where)
     return users
 
@@ -82,40 +82,40 @@ def _place(where: list[str]) -> str:
 
 
 def verify(
-    store: Repository, selector: str | None = None, *, deep: bool = False, progress: Progress | None = None
+    repo: Repository, selector: str | None = None, *, deep: bool = False, progress: Progress | None = None
 ) -> VerifyReport:
     """Check every manifest's blobs (``deep``: decoded and re-hashed) and the index's rows. ``progress``
     (the convention of every long operation, core/progress.py) advances by each blob's raw bytes."""
     progress = progress or Silent()
     try:
-        return _verify(store, selector, deep, progress)
+        return _verify(repo, selector, deep, progress)
     finally:
         progress.close()
 
 
-def _verify(store: Repository, selector: str | None, deep: bool, progress: Progress) -> VerifyReport:
+def _verify(repo: Repository, selector: str | None, deep: bool, progress: Progress) -> VerifyReport:
     report = VerifyReport()
-    report.problems.extend(store.view(VerifyView).integrity_problems())
+    report.problems.extend(repo.view(VerifyView).integrity_problems())
     if selector is None:
-        ids = [m.id for m in store.view(VerifyView).manifests()]
+        ids = [m.id for m in repo.view(VerifyView).manifests()]
     else:
-        ids = [store.resolve(selector)]
+        ids = [repo.resolve(selector)]
     report.manifests = len(ids)
-    users = _users(store, ids) if ids else {}
+    users = _users(repo, ids) if ids else {}
     for manifest in ids:
-        _check_structure(store, manifest, report)
-    rows = {digest: store.blob(digest) for digest in sorted(users)}
+        _check_structure(repo, manifest, report)
+    rows = {digest: repo.blob(digest) for digest in sorted(users)}
     for digest, row in rows.items():
         if row is None:
             report.problems.append(f"blob {digest}: no row in the index (used by {_place(users[digest])})")
-    held = store.holdings()  # every object's size from a listing, not a request per blob
+    held = repo.holdings()  # every object's size from a listing, not a request per blob
     # in pack order, so that on an object store a deep check reads each pack a span at a time
     found = sorted((r for r in rows.values() if r is not None), key=lambda r: (r.pack or "", r.pack_offset or 0))
     progress.start(
         f"verifying {len(found)} blob(s)" + (", re-hashing them" if deep else ""), sum(r.raw_size for r in found)
     )
-    with store.reading(found if deep else ()), _checkers(decode_threads() if deep else 1) as pool:
-        checks = pool.map(lambda r: _check_blob(store, r, held.stored_bytes(r), _place(users[r.hash]), deep), found)
+    with repo.reading(found if deep else ()), _checkers(decode_threads() if deep else 1) as pool:
+        checks = pool.map(lambda r: _check_blob(repo, r, held.stored_bytes(r), _place(users[r.hash]), deep), found)
         for row, (problem, rehashed) in zip(found, checks, strict=True):
             report.blobs_checked += 1
             report.bytes_rehashed += rehashed
@@ -124,23 +124,23 @@ def _verify(store: Repository, selector: str | None, deep: bool, progress: Progr
             progress.advance(row.raw_size)
     if deep:
         rebuilt: set[tuple] = set()
-        jobs = [job for manifest in ids for job in _derived_jobs(store, manifest, rebuilt)]
-        masters = [r for blob in sorted({m for _, _, _, ms in jobs for m in ms}) if (r := store.blob(blob))]
-        with store.reading(masters), _checkers(decode_threads()) as pool:
-            checks = pool.map(lambda job: _rebuild(store, *job[:3]), jobs)
+        jobs = [job for manifest in ids for job in _derived_jobs(repo, manifest, rebuilt)]
+        masters = [r for blob in sorted({m for _, _, _, ms in jobs for m in ms}) if (r := repo.blob(blob))]
+        with repo.reading(masters), _checkers(decode_threads()) as pool:
+            checks = pool.map(lambda job: _rebuild(repo, *job[:3]), jobs)
             for (_, atom, _, _), problem in zip(jobs, checks, strict=True):
                 report.bytes_rehashed += atom.nbytes
                 if problem:
                     report.problems.append(problem)
-    indexed = store.view(VerifyView).blob_hashes()
+    indexed = repo.view(VerifyView).blob_hashes()
     orphans = [n for n in held.blobs if n not in indexed]
     if orphans:
         report.notes.append(f"{len(orphans)} orphan blob file(s) no manifest uses; gc removes them")
-    known_packs = set(store.view(VerifyView).packs())
+    known_packs = set(repo.view(VerifyView).packs())
     stray = [n for n in held.packs if n not in known_packs]
     if stray:
         report.notes.append(f"{len(stray)} pack(s) the index does not know; gc removes them")
-    temps = store.backend.leftovers()
+    temps = repo.backend.leftovers()
     if temps:
         report.notes.append(f"{len(temps)} temp file(s) of interrupted commits; gc removes them")
     return report
@@ -167,7 +167,7 @@ def _held_at(row: BlobRecord) -> str:
     return f"the object {blob_key(row.hash)}"
 
 
-def _check_blob(store: Repository, row: BlobRecord, size: int | None, place: str, deep: bool) -> tuple[str | None, int]:
+def _check_blob(repo: Repository, row: BlobRecord, size: int | None, place: str, deep: bool) -> tuple[str | None, int]:
     """(the problem found or None, bytes re-hashed) for one blob; ``size``: how many of its stored
     bytes its object holds, None when it is missing. Run on several threads: touches no report."""
     if size is None:
@@ -184,9 +184,9 @@ def _check_blob(store: Repository, row: BlobRecord, size: int | None, place: str
     buf = bytearray(row.raw_size)
     try:
         if archive_codec.is_archive(row.codec):  # its chain is read and checked link by link
-            store.read_blob_into(row, memoryview(buf), f"blob {row.hash}")
+            repo.read_blob_into(row, memoryview(buf), f"blob {row.hash}")
             return None, row.raw_size
-        with store.open_row(row, place) as f:
+        with repo.open_row(row, place) as f:
             codec.decode_into(row.codec, f, memoryview(buf), f"blob {row.hash}")
     except CorruptStoreError as exc:
         return f"{exc} (used by {place})", 0
@@ -196,19 +196,19 @@ def _check_blob(store: Repository, row: BlobRecord, size: int | None, place: str
     return None, row.raw_size
 
 
-def _derived_jobs(store: Repository, manifest: int, done: set[tuple]) -> list[tuple[int, AtomRecord, str, tuple]]:
+def _derived_jobs(repo: Repository, manifest: int, done: set[tuple]) -> list[tuple[int, AtomRecord, str, tuple]]:
     """The derived weights of a manifest to rebuild from their masters and check, as checkout does:
     (manifest, atom, where, master blobs).
 
     A master atom pointed at another step's (intact) blob passes the blob checks, but its
     weight would no longer rebuild. The same weight over the same master blobs is rebuilt once.
     """
-    step = store.manifest(manifest).step
+    step = repo.manifest(manifest).step
     masters: dict[str, list[AtomRecord]] = defaultdict(list)
-    for a in store.view(VerifyView).atoms(manifest, kind=MASTER):
+    for a in repo.view(VerifyView).atoms(manifest, kind=MASTER):
         masters[a.param].append(a)
     jobs = []
-    for atom in sorted(store.view(VerifyView).atoms(manifest, derived=True), key=lambda a: a.param):
+    for atom in sorted(repo.view(VerifyView).atoms(manifest, derived=True), key=lambda a: a.param):
         blobs = tuple(m.blob for m in sorted(masters[atom.param], key=lambda m: m.start))
         key = (atom.blob, atom.dtype, blobs)
         if key in done:
@@ -218,25 +218,25 @@ def _derived_jobs(store: Repository, manifest: int, done: set[tuple]) -> list[tu
     return jobs
 
 
-def _rebuild(store: Repository, manifest: int, atom: AtomRecord, where: str) -> str | None:
+def _rebuild(repo: Repository, manifest: int, atom: AtomRecord, where: str) -> str | None:
     """Rebuild one derived weight a chunk at a time (its hash is checked after the last); the problem or None."""
     try:
-        for _ in stream_rebuilt(store, manifest, atom, where):
+        for _ in stream_rebuilt(repo, manifest, atom, where):
             pass
     except CorruptStoreError as exc:
         return str(exc)
     return None
 
 
-def _check_structure(store: Repository, manifest: int, report: VerifyReport) -> None:
-    step = store.manifest(manifest).step
-    for f in store.view(VerifyView).files(manifest):
+def _check_structure(repo: Repository, manifest: int, report: VerifyReport) -> None:
+    step = repo.manifest(manifest).step
+    for f in repo.view(VerifyView).files(manifest):
         try:
             check_relative(f.path)
         except Exception as exc:  # UnsafePathError; reported, not raised
             report.problems.append(f"step {step}, file {f.path!r}: {exc}")
     cursor: dict[tuple[str, int], int] = {}
-    atoms = store.view(VerifyView).atoms(manifest)
+    atoms = repo.view(VerifyView).atoms(manifest)
     for a in atoms:
         key = (a.path, a.slot)
         if cursor.get(key, 0) != a.offset:

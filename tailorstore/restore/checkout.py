@@ -38,13 +38,13 @@ class CheckoutResult(FolderResult):
     inherited: dict[str, int] = field(default_factory=dict)  # layer -> source step, for composites
 
 
-def inherited_layers(store: Repository, manifest: int) -> dict[str, int]:
-    step = store.manifest(manifest).step
-    return {x.layer: x.source_step for x in store.view(Contents).layers(manifest) if x.source_step != step}
+def inherited_layers(repo: Repository, manifest: int) -> dict[str, int]:
+    step = repo.manifest(manifest).step
+    return {x.layer: x.source_step for x in repo.view(Contents).layers(manifest) if x.source_step != step}
 
 
 def checkout_step(
-    store: Repository,
+    repo: Repository,
     selector: str,
     out: Path,
     *,
@@ -56,15 +56,15 @@ def checkout_step(
 ) -> CheckoutResult:
     began = time.perf_counter()
     progress = progress or Silent()
-    manifest = store.resolve(selector)
-    facts = store.manifest(manifest)
+    manifest = repo.resolve(selector)
+    facts = repo.manifest(manifest)
     step = facts.step
     refuse_thinned(facts.step, facts.tier, "a checkout")
     out = Path(out)
-    files = store.view(Contents).files(manifest)
+    files = repo.view(Contents).files(manifest)
     if ranks is not None:  # one node's share: the files its data-parallel ranks load
         files = [f for f in files if loaded_by(PurePosixPath(f.path).name, set(ranks))]
-    inherited = inherited_layers(store, manifest)
+    inherited = inherited_layers(repo, manifest)
     if inherited and warn:
         names = ", ".join(f"{layer} (from step {src})" for layer, src in sorted(inherited.items()))
         warn(f"step {step} is a composite: these layers come from other steps: {names}")
@@ -73,10 +73,10 @@ def checkout_step(
         if row.trusted and not trust_pickles:
             raise untrusted(f"step {step}, file {row.path}")
     try:
-        with store.reading_manifest(manifest), staged(out, store) as tmp:
+        with repo.reading_manifest(manifest), staged(out, repo) as tmp:
             progress.start(f"checkout step {step}", sum(r.raw_size for r in files))
             written = write_step_files(
-                store, facts, files, tmp, trust_pickles=trust_pickles, advance=progress.advance, threads=threads
+                repo, facts, files, tmp, trust_pickles=trust_pickles, advance=progress.advance, threads=threads
             )
             if facts.layout == DEEPSPEED_TAG and facts.ds_tag and not any(r.path == "latest" for r in files):
                 # A tag folder was committed; `engine.load_checkpoint(out)` needs `latest` to find it.
@@ -119,7 +119,7 @@ def placed_rows(rows: list[FileRecord]) -> list[FileRecord]:
 
 
 def write_step_files(
-    store: Repository,
+    repo: Repository,
     facts: ManifestRecord,
     rows: list[FileRecord],
     root: Path,
@@ -135,7 +135,7 @@ def write_step_files(
     written = 0
     placed = placed_rows(rows)
     if placed:
-        placement.write_files(store, facts, placed, root, advance=advance, threads=threads)
+        placement.write_files(repo, facts, placed, root, advance=advance, threads=threads)
         written += sum(safe_join(root, row.path).stat().st_size for row in placed)
     placed_paths = {row.path for row in placed}
     for row in rows:
@@ -145,13 +145,13 @@ def write_step_files(
         target.parent.mkdir(parents=True, exist_ok=True)
         where = f"step {step}, file {row.path}"
         if row.kind == RAW:
-            write_raw_blob(store, row.blob, target, where)
+            write_raw_blob(repo, row.blob, target, where)
         elif row.kind in (TORCH, SAFETENSORS):
             # Files committed without a container (by tailorstore 0.1) are re-pickled by torch; importing
             # it here, not at the top, keeps the two seconds it costs off every checkout that needs none.
             from tailorstore.restore import repickle
 
-            repickle.write_file(store, manifest, row, target, where, trust_pickles)
+            repickle.write_file(repo, manifest, row, target, where, trust_pickles)
         else:
             raise CorruptStoreError(f"{where}: unknown file kind {row.kind!r}; upgrade tailorstore")
         os.chmod(target, (row.mode or 0o644) & 0o777)  # never setuid, setgid or sticky
@@ -160,9 +160,9 @@ def write_step_files(
     return written
 
 
-def write_raw_blob(store: Repository, digest: str, target: Path, where: str) -> None:
+def write_raw_blob(repo: Repository, digest: str, target: Path, where: str) -> None:
     """A whole-file blob, streamed through one reused buffer and hash-checked: memory stays at a chunk."""
-    row = blob_of(store, digest, where)
+    row = blob_of(repo, digest, where)
     with open(target, "wb") as out:
-        for piece in stream_blob(store, row, 0, row.raw_size, where):
+        for piece in stream_blob(repo, row, 0, row.raw_size, where):
             out.write(piece)

@@ -120,10 +120,10 @@ class DcpStep:
         return f"{self.folder}/{name}" if self.folder else name
 
 
-def open_dcp_step(store: Repository, manifest: int, folder: str | None = None) -> DcpStep:
+def open_dcp_step(repo: Repository, manifest: int, folder: str | None = None) -> DcpStep:
     """The step's DCP folder ``folder`` (or its only one), ready to read item by item."""
-    facts = store.manifest(manifest)
-    rows = store.view(Contents).files(manifest)
+    facts = repo.manifest(manifest)
+    rows = repo.view(Contents).files(manifest)
     folders = dcp_folders(rows)
     if not folders:
         raise StoreError(f"step {facts.step} holds no DCP folder; dcp.load reads only steps saved with dcp.save")
@@ -135,10 +135,10 @@ def open_dcp_step(store: Repository, manifest: int, folder: str | None = None) -
     if folder not in folders:
         raise StoreError(f"step {facts.step} has no DCP folder {folder!r}; it has {folders}")
     prefix = f"{folder}/" if folder else ""
-    meta, files = folder_metadata(store, facts.step, rows, folder)
-    step = DcpStep(store, manifest, facts.step, folder, meta, files)
+    meta, files = folder_metadata(repo, facts.step, rows, folder)
+    step = DcpStep(repo, manifest, facts.step, folder, meta, files)
     by_file: dict[str, list[AtomRecord]] = {}
-    for atom in store.view(Contents).atoms(manifest):
+    for atom in repo.view(Contents).atoms(manifest):
         if atom.path.startswith(prefix) and atom.path[len(prefix) :] in files:
             by_file.setdefault(atom.path[len(prefix) :], []).append(atom)
     for name, atoms in by_file.items():
@@ -153,5 +153,5 @@ def open_dcp_step(store: Repository, manifest: int, folder: str | None = None) -
         pieces.sort(key=lambda a: a.file_offset or 0)
         for atom in pieces:
             if atom.derived is None and atom.blob not in step._rows:
-                step._rows[atom.blob] = blob_of(store, atom.blob, f"step {facts.step}, {atom.path}")
+                step._rows[atom.blob] = blob_of(repo, atom.blob, f"step {facts.step}, {atom.path}")
     return step

@@ -115,23 +115,23 @@ def output_specs(view: ModelView, dtype: str) -> list[TensorSpec]:
     return [TensorSpec(t.name, dtype if t.floating else t.dtype, t.shape) for t in view.tensors]
 
 
-def tensor_chunks(store: Repository, view: ModelView, tensor: ModelTensor, dtype: str) -> Iterator[memoryview]:
+def tensor_chunks(repo: Repository, view: ModelView, tensor: ModelTensor, dtype: str) -> Iterator[memoryview]:
     """The tensor's bytes as written, a chunk at a time (each hash-checked as its blob ends):
     floating tensors as float32 rounded to ``dtype`` (ties to even, as torch's ``.to``), others
     (integer buffers) as they are."""
     if not tensor.floating:
-        return stream_elements(store, view, tensor)
-    values = stream_float32(store, view, tensor)
+        return stream_elements(repo, view, tensor)
+    values = stream_float32(repo, view, tensor)
     return values if dtype == "float32" else rounded_chunks(values, dtype)
 
 
-def read_ahead(store: Repository, view: ModelView, order: list[ModelTensor], dtype: str) -> ReadAhead:
+def read_ahead(repo: Repository, view: ModelView, order: list[ModelTensor], dtype: str) -> ReadAhead:
     """The tensors of ``order`` decoded on a helper thread while the caller writes (see
     :mod:`read_ahead`: memory stays at its slots, not at the largest tensor). A derived weight
     is rebuilt on the caller's thread, which holds the index its master is looked up in."""
     for tensor in order:
-        look_up_rows(store, view, tensor)  # so that the helper needs no SQL
-    sources = [partial(tensor_chunks, store, view, tensor, dtype) for tensor in order]
+        look_up_rows(repo, view, tensor)  # so that the helper needs no SQL
+    sources = [partial(tensor_chunks, repo, view, tensor, dtype) for tensor in order]
     return ReadAhead(sources, [all(a.derived is None for a in t.atoms) for t in order])
 
 
@@ -154,7 +154,7 @@ def _model_config(config: Path) -> str:
 
 
 def export_step(
-    store: Repository,
+    repo: Repository,
     selector: str,
     out: Path,
     *,
@@ -169,14 +169,14 @@ def export_step(
     target_dtype = export_dtype(dtype)
     limit = parse_size(max_shard_size)
     config_text = _model_config(Path(config)) if config is not None else None
-    manifest = store.resolve(selector)
-    view = model_view(store, manifest)
+    manifest = repo.resolve(selector)
+    view = model_view(repo, manifest)
     # Plan everything before writing: shard names, headers, the files to copy.
     specs = output_specs(view, target_dtype)
     shards = plan_shards(specs, limit)
     names = shard_names(len(shards))
     by_name = {t.name: t for t in view.tensors}
-    copies = [f for f in store.view(Contents).files(manifest) if f.kind == RAW and f.path in MODEL_FILES]
+    copies = [f for f in repo.view(Contents).files(manifest) if f.kind == RAW and f.path in MODEL_FILES]
     if config is not None:
         copies = [f for f in copies if f.path != "config.json"]
     if warn and config is None and not any(f.path == "config.json" for f in copies):
@@ -185,11 +185,11 @@ def export_step(
     written = 0
     progress = progress or Silent()
     try:
-        with staged(out, store) as tmp:
+        with staged(out, repo) as tmp:
             progress.start(f"export step {view.step}", sum(s.nbytes for s in specs))
             order = [by_name[s.name] for shard in shards for s in shard]
-            ahead = read_ahead(store, view, order, target_dtype)  # looks up every row first: the plan
-            with store.reading_manifest(view.manifest, view.rows.values()), ahead:
+            ahead = read_ahead(repo, view, order, target_dtype)  # looks up every row first: the plan
+            with repo.reading_manifest(view.manifest, view.rows.values()), ahead:
                 i = 0
                 for shard, name in zip(shards, names, strict=True):
                     with SequentialWriter(tmp / name, 0o644) as f:  # around the page cache (direct_io)
@@ -206,7 +206,7 @@ def export_step(
                     written += (tmp / name).stat().st_size
             if len(shards) > 1:
                 (tmp / INDEX_FILE).write_text(index_json(shards, names))
-            write_step_files(store, store.manifest(manifest), copies, tmp)  # top-level files, hash-checked
+            write_step_files(repo, repo.manifest(manifest), copies, tmp)  # top-level files, hash-checked
             if config_text is not None:
                 (tmp / "config.json").write_text(config_text, encoding="utf-8")  # the bytes checked, not a second read
             for path in tmp.iterdir():

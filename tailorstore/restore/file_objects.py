@@ -96,13 +96,13 @@ class StepObjects:
 
 
 def step_objects(
-    store: Repository, selector: str, *, world_size: int | None = None, zero_stage: int | None = None
+    repo: Repository, selector: str, *, world_size: int | None = None, zero_stage: int | None = None
 ) -> StepObjects:
     """The files DeepSpeed's ``load_checkpoint`` reads of the step ``selector`` names, for
     ``world_size`` ranks under ZeRO ``zero_stage`` (default: the save's own), without writing any.
     Only DeepSpeed saves of one tag folder; the caller keeps the rest on its other path."""
-    manifest = store.resolve(selector)
-    facts = store.manifest(manifest)
+    manifest = repo.resolve(selector)
+    facts = repo.manifest(manifest)
     refuse_thinned(facts.step, facts.tier, "a resume")
     if not facts.ds_tag:
         raise StoreError(f"step {facts.step} is not a DeepSpeed save; only DeepSpeed files load without staging")
@@ -111,11 +111,11 @@ def step_objects(
     )
     if not facts.zero_stage or same:  # the files as saved (ZeRO 0 loads at any world size as it is)
         builders: dict[str, Callable[[], Any]] = {}
-        for row in store.view(Contents).files(manifest):
+        for row in repo.view(Contents).files(manifest):
             path = PurePosixPath(row.path)
             if row.kind == TORCH and path.parent.name == facts.ds_tag:
                 where = f"step {facts.step}, file {row.path}"
-                builders[path.name] = lambda row=row, where=where: committed_tree(store, manifest, row, where)
+                builders[path.name] = lambda row=row, where=where: committed_tree(repo, manifest, row, where)
         return StepObjects(facts.step, facts.ds_tag, builders)
-    tag, trees = resharded_trees(store, selector, world_size=world_size or 1, zero_stage=zero_stage)
+    tag, trees = resharded_trees(repo, selector, world_size=world_size or 1, zero_stage=zero_stage)
     return StepObjects(facts.step, tag, trees)

@@ -26,21 +26,21 @@ from tailorstore.store.index.records import AtomRecord, FileRecord
 from tailorstore.store.repo import Repository
 
 
-def write_file(store: Repository, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:
+def write_file(repo: Repository, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:
     if row.kind == SAFETENSORS:
-        _write_safetensors(store, manifest, row, target, where)
+        _write_safetensors(repo, manifest, row, target, where)
     else:
-        _write_torch(store, manifest, row, target, where, trust)
+        _write_torch(repo, manifest, row, target, where, trust)
 
 
-def _atoms_by_slot(store: Repository, manifest: int, path: str) -> dict[int, list[AtomRecord]]:
+def _atoms_by_slot(repo: Repository, manifest: int, path: str) -> dict[int, list[AtomRecord]]:
     by_slot: dict[int, list[AtomRecord]] = defaultdict(list)
-    for atom in store.view(Contents).atoms(manifest, path=path):
+    for atom in repo.view(Contents).atoms(manifest, path=path):
         by_slot[atom.slot].append(atom)
     return by_slot
 
 
-def _fill(store: Repository, manifest: int, tensor: torch.Tensor, atoms: list[AtomRecord], where: str) -> None:
+def _fill(repo: Repository, manifest: int, tensor: torch.Tensor, atoms: list[AtomRecord], where: str) -> None:
     """Decode every atom of one tensor into place; the atoms must tile it exactly."""
     data = byte_view(tensor)
     size = tensor.element_size()
@@ -49,7 +49,7 @@ def _fill(store: Repository, manifest: int, tensor: torch.Tensor, atoms: list[At
         if atom.offset != cursor or atom.dtype != str(tensor.dtype).removeprefix("torch."):
             raise CorruptStoreError(f"{where}: atoms of a tensor leave a gap, overlap or change dtype at {cursor}")
         piece = data[atom.offset * size : (atom.offset + atom.numel) * size]
-        decode_atom_into(store, manifest, atom, piece, where)
+        decode_atom_into(repo, manifest, atom, piece, where)
         cursor += atom.numel
     if cursor != tensor.numel():
         raise CorruptStoreError(f"{where}: atoms cover {cursor} of {tensor.numel()} elements of a tensor")
@@ -70,25 +70,25 @@ def _check_param_shapes(obj: Any, where: str) -> None:
             )
 
 
-def _write_torch(store: Repository, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:
-    skeleton = load_skeleton(store.read_blob(row.blob, where), where, trusted=row.trusted, trust_pickles=trust)
-    by_slot = _atoms_by_slot(store, manifest, row.path)
+def _write_torch(repo: Repository, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:
+    skeleton = load_skeleton(repo.read_blob(row.blob, where), where, trusted=row.trusted, trust_pickles=trust)
+    by_slot = _atoms_by_slot(repo, manifest, row.path)
     tensors: dict[int, torch.Tensor] = {}
     for slot in slots_of(skeleton):
         tensor = torch.empty(slot.shape, dtype=dtype_from_name(slot.dtype))
-        _fill(store, manifest, tensor, by_slot.get(slot.slot, []), f"{where}, tensor slot {slot.slot}")
+        _fill(repo, manifest, tensor, by_slot.get(slot.slot, []), f"{where}, tensor slot {slot.slot}")
         tensors[slot.slot] = tensor
     obj = fill_tensors(skeleton, tensors)
     _check_param_shapes(obj, where)
     torch.save(obj, target)
 
 
-def _write_safetensors(store: Repository, manifest: int, row: FileRecord, target: Path, where: str) -> None:
-    header = store.read_blob(row.blob, where)
-    by_slot = _atoms_by_slot(store, manifest, row.path)
+def _write_safetensors(repo: Repository, manifest: int, row: FileRecord, target: Path, where: str) -> None:
+    header = repo.read_blob(row.blob, where)
+    by_slot = _atoms_by_slot(repo, manifest, row.path)
     with open(target, "wb") as f:
         f.write(header)
         for slot, (name, dtype, shape) in enumerate(tensor_layout(header, where)):
             tensor = torch.empty(shape, dtype=dtype_from_name(dtype))
-            _fill(store, manifest, tensor, by_slot.get(slot, []), f"{where}, tensor {name}")
+            _fill(repo, manifest, tensor, by_slot.get(slot, []), f"{where}, tensor {name}")
             f.write(byte_view(tensor))

@@ -183,8 +183,8 @@ class _States:
     from the atoms (a parameter that straddles two partitions is decoded for each), so memory
     stays at a chunk whatever the partition's size."""
 
-    def __init__(self, store: Repository, view: ModelView, weights: PlacedFiles | None = None) -> None:
-        self.store, self.view, self.weights = store, view, weights
+    def __init__(self, repo: Repository, view: ModelView, weights: PlacedFiles | None = None) -> None:
+        self.store, self.view, self.weights = repo, view, weights
         self.masters = {t.name: t for t in view.tensors if t.kind == MASTER}
         self.any_thread = self._look_up_rows()  # may the streams run on read-ahead helper threads
 
@@ -327,7 +327,7 @@ def _rank_zero3(saved: dict, states: _States, plan: ReshardPlan, rank: int) -> d
 
 
 def _states_in_place(
-    store: Repository, facts: ManifestRecord, plan: ReshardPlan, root: Path, beside: list[FileRecord]
+    repo: Repository, facts: ManifestRecord, plan: ReshardPlan, root: Path, beside: list[FileRecord]
 ) -> PlacedFiles | None:
     """Under ZeRO 1/2 the model-states file at M ranks is the saved one with ``dp_world_size`` set to
     M: written in place from its container (:mod:`placement`), that one field patched, its weights
@@ -337,7 +337,7 @@ def _states_in_place(
     container, or when the new world size does not fit the saved field."""
     if plan.stage == 3 or plan.source_stage == 3 or placed_rows([plan.states]) != [plan.states]:
         return None
-    files = PlacedFiles(store, facts, [plan.states, *beside], root)
+    files = PlacedFiles(repo, facts, [plan.states, *beside], root)
     try:
         if files.rewrite_record(
             plan.states.path, "/data.pkl", partial(with_int_field, key=DP_WORLD_SIZE, value=plan.world)
@@ -427,14 +427,14 @@ class _Setup:
         }
 
 
-def _setup(store: Repository, selector: str, world_size: int | None, zero_stage: int | None) -> _Setup:
-    manifest = store.resolve(selector)
-    facts = store.manifest(manifest)
+def _setup(repo: Repository, selector: str, world_size: int | None, zero_stage: int | None) -> _Setup:
+    manifest = repo.resolve(selector)
+    facts = repo.manifest(manifest)
     refuse_thinned(facts.step, facts.tier, "a resharded checkpoint")
     if world_size is None:
         world_size = facts.world_size or 1
-    view = model_view(store, manifest)
-    files = store.view(Contents).files(manifest)
+    view = model_view(repo, manifest)
+    files = repo.view(Contents).files(manifest)
     if view.states_file is None:
         raise StoreError(
             f"step {facts.step} holds no DeepSpeed model states to reshard"
@@ -450,22 +450,22 @@ def _setup(store: Repository, selector: str, world_size: int | None, zero_stage:
     if optimizer is None:
         raise StoreError(f"step {view.step} holds no optimizer-states file of rank 0; it has no ZeRO state to reshard")
     # the source optimizer file's tree (tensors read lazily: only the step counters are ever read)
-    saved_tree = committed_tree(store, manifest, optimizer, f"{where}, file {optimizer.path}")
+    saved_tree = committed_tree(repo, manifest, optimizer, f"{where}, file {optimizer.path}")
     plan = plan_reshard(view, optimizer, saved_tree, world_size, target)
-    return _Setup(store, manifest, facts, files, view, plan, saved_tree)
+    return _Setup(repo, manifest, facts, files, view, plan, saved_tree)
 
 
 def resharded_trees(
-    store: Repository, selector: str, *, world_size: int, zero_stage: int | None = None
+    repo: Repository, selector: str, *, world_size: int, zero_stage: int | None = None
 ) -> tuple[str, dict[str, Callable[[], Any]]]:
     """The ZeRO files of the step ``selector`` names as DeepSpeed would have saved them on
     ``world_size`` ranks, as object trees built on demand instead of files (the tag, and each file's
     path below the tag folder with the function that builds its tree): what a resume loads straight
     from the store. Only files of DeepSpeed's tag folder; the trees stream their tensors from the
     atoms, hash-checked, when they are loaded (``restore/file_objects.py``)."""
-    setup = _setup(store, selector, world_size, zero_stage)
+    setup = _setup(repo, selector, world_size, zero_stage)
     plan = setup.plan
-    states = _States(store, setup.view)
+    states = _States(repo, setup.view)
     trees: dict[str, Callable[[], Any]] = {name: setup.states_tree for name in plan.states_names()}
     for rank in range(plan.world):
         trees[plan.optimizer_name(rank)] = partial(setup.optimizer_tree, states, rank)
@@ -473,7 +473,7 @@ def resharded_trees(
 
 
 def checkout_resharded(
-    store: Repository,
+    repo: Repository,
     selector: str,
     out: Path,
     *,
@@ -488,7 +488,7 @@ def checkout_resharded(
     ``ranks`` writes only the ZeRO files those data-parallel ranks load (with every other file of
     the step): what one node of a job needs, so that each node materializes its own share."""
     began = time.perf_counter()
-    setup = _setup(store, selector, world_size, zero_stage)
+    setup = _setup(repo, selector, world_size, zero_stage)
     manifest, facts, files, view, plan = setup.manifest, setup.facts, setup.files, setup.view, setup.plan
     chosen = _chosen_ranks(ranks, plan.world)
     states_tree = setup.states_tree()
@@ -498,18 +498,18 @@ def checkout_resharded(
     progress = progress or Silent()
     count = 0
     try:
-        with store.reading_manifest(manifest), staged(Path(out), store) as tmp:
+        with repo.reading_manifest(manifest), staged(Path(out), repo) as tmp:
             progress.start(f"step {facts.step} for {plan.world} ranks", len(chosen))
             tag_dir = tmp / plan.tag
             tag_dir.mkdir()
             root = tmp if plan.folder != "." else tag_dir
             # an HF Trainer's model.safetensors beside the tag folder: its weights fed the same way
-            in_place = _states_in_place(store, facts, plan, root, placed_rows(others) if root == tmp else [])
+            in_place = _states_in_place(repo, facts, plan, root, placed_rows(others) if root == tmp else [])
             with in_place or nullcontext():  # its files closed on any error
                 written_in_place = in_place.rows if in_place is not None else []
-                write_step_files(store, facts, [f for f in others if f not in written_in_place], tmp)
-                write_step_files(store, facts, extras, root)
-                states = _States(store, view, in_place)
+                write_step_files(repo, facts, [f for f in others if f not in written_in_place], tmp)
+                write_step_files(repo, facts, extras, root)
+                states = _States(repo, view, in_place)
 
                 def optimizer_file(rank: int) -> None:
                     write_torch_file(tag_dir / plan.optimizer_name(rank), setup.optimizer_tree(states, rank))

@@ -97,29 +97,29 @@ def _whole(view: ModelView, name: str, kind: str, shape: tuple[int, ...]) -> Mod
     return tensor
 
 
-def _step_tensor(store: Repository, view: ModelView, group: int) -> TensorOut | None:
+def _step_tensor(repo: Repository, view: ModelView, group: int) -> TensorOut | None:
     """The Adam step of a parameter group, as rank 0's optimizer holds it (a scalar tensor)."""
     pieces = [a for a in view.pieces.get((f"group.{group}", STEP), []) if a.rank == 0]
     tiled = tiling(pieces, 1)
     if not tiled:
         return None
     step = ModelTensor(f"group.{group}", (), tiled[0].dtype, tiled, STEP)
-    return TensorOut(step.dtype, tuple(json.loads(tiled[0].shape)), read_raw(store, view, step))
+    return TensorOut(step.dtype, tuple(json.loads(tiled[0].shape)), read_raw(repo, view, step))
 
 
-def _optimizer_state(store: Repository, manifest: int, row: FileRecord, where: str, stage: int) -> dict[str, Any]:
+def _optimizer_state(repo: Repository, manifest: int, row: FileRecord, where: str, stage: int) -> dict[str, Any]:
     """optimizer_state.pt as ds_to_universal writes it. ZeRO 1/2: rank 0's optimizer settings without
     the partitions. ZeRO 3: rank 0's whole optimizer state (its partition included, read from the
     atoms as the file is written) with the param groups also at the top."""
     if stage == 3:
-        tree = committed_tree(store, manifest, row, where)
+        tree = committed_tree(repo, manifest, row, where)
         osd = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
         inner = osd.get("optimizer_state_dict") if isinstance(osd, dict) else None
         if not isinstance(inner, dict) or "param_groups" not in inner:
             raise StoreError(f"{where}: not a ZeRO-3 optimizer-states file (no optimizer_state_dict inside)")
         osd["param_groups"] = inner["param_groups"]
         return osd
-    tree = skeleton_tree(store, row, where)
+    tree = skeleton_tree(repo, row, where)
     osd = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
     base = osd.get("base_optimizer_state") if isinstance(osd, dict) else None
     if not isinstance(base, dict) or "param_groups" not in base:
@@ -170,7 +170,7 @@ Job = tuple[Path, Any, int]
 
 
 def _jobs(
-    store: Repository, view: ModelView, trainable: list[ModelTensor], tag_dir: Path, stage: int, weights: PlacedFiles
+    repo: Repository, view: ModelView, trainable: list[ModelTensor], tag_dir: Path, stage: int, weights: PlacedFiles
 ) -> Iterator[Job]:
     """Every per-parameter file to write: (path, what it holds, its bytes for the progress bar),
     the largest parameters first: the embedding's and the head's files (each one blob, decoded as
@@ -181,7 +181,7 @@ def _jobs(
     for tensor in sorted(trainable, key=lambda t: -t.numel):
         param_dir = safe_join(tag_dir / "zero", tensor.name)
         param_dir.mkdir(parents=True)
-        contents = {"fp32": partial(_fp32_feeding, store, view, tensor, weights)}
+        contents = {"fp32": partial(_fp32_feeding, repo, view, tensor, weights)}
         moments = view.moments(tensor.name)  # none before the first step: no moment files then
         if len(moments) == 1:
             raise CorruptStoreError(
@@ -189,36 +189,34 @@ def _jobs(
             )
         for kind in moments:
             state = _whole(view, tensor.name, kind, tensor.shape)
-            look_up_rows(store, view, state)  # here: the writer threads must not touch the index
-            contents[kind] = partial(stream_elements, store, view, state)
+            look_up_rows(repo, view, state)  # here: the writer threads must not touch the index
+            contents[kind] = partial(stream_elements, repo, view, state)
         for name, chunks in contents.items():
             yield param_dir / f"{name}.pt", _state_file(tensor, chunks, stage, bool(moments)), tensor.numel * 4
         if stage != 3:
             group = view.groups.get(tensor.name, 0)
             if group not in steps:
-                steps[group] = _step_tensor(store, view, group)
+                steps[group] = _step_tensor(repo, view, group)
             if steps[group] is not None:
                 yield param_dir / "step.pt", steps[group], 0
 
 
-def _fp32_feeding(
-    store: Repository, view: ModelView, master: ModelTensor, weights: PlacedFiles
-) -> Iterator[memoryview]:
+def _fp32_feeding(repo: Repository, view: ModelView, master: ModelTensor, weights: PlacedFiles) -> Iterator[memoryview]:
     """The master's FP32 chunks for fp32.pt, each also rounded into the model-states file's copy of its weight."""
-    return weights.passing(master.name, 0, stream_float32(store, view, master))
+    return weights.passing(master.name, 0, stream_float32(repo, view, master))
 
 
 def checkout_universal(
-    store: Repository, selector: str, out: Path, *, progress: Progress | None = None
+    repo: Repository, selector: str, out: Path, *, progress: Progress | None = None
 ) -> UniversalResult:
     """Write the step ``selector`` names as a universal checkpoint at ``out`` (``out/<tag>/zero/...``)."""
     began = time.perf_counter()
-    manifest = store.resolve(selector)
-    facts = store.manifest(manifest)
+    manifest = repo.resolve(selector)
+    facts = repo.manifest(manifest)
     refuse_thinned(facts.step, facts.tier, "a universal checkpoint")
-    view = model_view(store, manifest)
+    view = model_view(repo, manifest)
     _check_stage(view)
-    files = store.view(Contents).files(manifest)
+    files = repo.view(Contents).files(manifest)
     assert view.states_file is not None
     folder = str(PurePosixPath(view.states_file.path).parent)
     tag = PurePosixPath(folder).name if folder != "." else (facts.ds_tag or f"global_step{facts.step}")
@@ -234,11 +232,11 @@ def checkout_universal(
     if not trainable:
         raise StoreError(f"step {facts.step} holds no FP32 masters; there is no universal checkpoint to write of it")
     stage = int(view.zero_stage or 0)
-    settings = _optimizer_state(store, manifest, optimizer, f"step {facts.step}, file {optimizer.path}", stage)
+    settings = _optimizer_state(repo, manifest, optimizer, f"step {facts.step}, file {optimizer.path}", stage)
     progress = progress or Silent()
     written = count = 0
     try:
-        with store.reading_manifest(manifest), staged(Path(out), store) as tmp:
+        with repo.reading_manifest(manifest), staged(Path(out), repo) as tmp:
             progress.start(f"universal checkpoint of step {facts.step}", sum(t.numel * 12 for t in trainable))
             tag_dir = tmp / tag
             tag_dir.mkdir()
@@ -250,13 +248,13 @@ def checkout_universal(
             # too, when it shares their root)
             fed = placed_rows(states) + (placed_rows(others) if states_root == tmp else [])
             count += len(states) + len(others)
-            with PlacedFiles(store, facts, fed, states_root) as model_states:
-                jobs = _jobs(store, view, trainable, tag_dir, stage, model_states)
+            with PlacedFiles(repo, facts, fed, states_root) as model_states:
+                jobs = _jobs(repo, view, trainable, tag_dir, stage, model_states)
 
                 def meanwhile() -> None:
                     model_states.place_stored(lambda n: None)
-                    write_step_files(store, facts, [f for f in states if f not in fed], states_root)
-                    write_step_files(store, facts, [f for f in others if f not in fed], tmp)
+                    write_step_files(repo, facts, [f for f in states if f not in fed], states_root)
+                    write_step_files(repo, facts, [f for f in others if f not in fed], tmp)
 
                 count += _write_all(jobs, progress, meanwhile)
                 model_states.finish()

@@ -101,32 +101,32 @@ class _Taken:
     revised: list[int] = field(default_factory=list)
 
 
-def record_manifest(store: Repository, *changes: ManifestRows | Revision, fence: Fence | None) -> list[int]:
+def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: Fence | None) -> list[int]:
     """Record ``changes`` (one manifest, or several revised together) and publish them, as one
     step that either happens whole or leaves the store as it was; returns their local ids, in order."""
     taken = _Taken()
     try:
-        with store._index.transaction() as edit:
+        with repo._index.transaction() as edit:
             ids = [_insert(edit, change, taken) for change in changes]
             for manifest, change in zip(ids, changes, strict=True):
                 replacing = isinstance(change, Revision) or change.replacing
-                key = manifest_objects.publish(store.backend, edit, manifest, fence=fence, replacing=replacing)
+                key = manifest_objects.publish(repo.backend, edit, manifest, fence=fence, replacing=replacing)
                 taken.published.append(key)
             failpoint("after-publish")
             if fence is not None and fence.by_time:
                 for manifest in ids:
                     needs = edit.referenced_blobs(manifest)
-                    check_publication(store.backend, needs, "recording the manifest", store.size_lookup(needs))
-            manifest_objects.write_refs(store.backend, edit, ids)
+                    check_publication(repo.backend, needs, "recording the manifest", repo.size_lookup(needs))
+            manifest_objects.write_refs(repo.backend, edit, ids)
     except OSError as exc:
-        _take_back(store, taken)
+        _take_back(repo, taken)
         if is_out_of_space(exc):
-            raise disk_full(store.location) from None
+            raise disk_full(repo.location) from None
         raise
     except BaseException:
-        _take_back(store, taken)
+        _take_back(repo, taken)
         raise
-    manifest_objects.unpublish(store.backend, taken.superseded)  # after the index names the new versions
+    manifest_objects.unpublish(repo.backend, taken.superseded)  # after the index names the new versions
     return ids
 
 
@@ -202,16 +202,16 @@ def _refuse_taken(edit: CatalogueEdit, record: ManifestRecord) -> None:
         raise StepExistsError(f"tag {record.tag!r} already names a manifest; choose another tag")
 
 
-def _take_back(store: Repository, taken: _Taken) -> None:
+def _take_back(repo: Repository, taken: _Taken) -> None:
     """Only objects this host published are withdrawn, and only then are refs touched: a host that
     lost the put never wrote any (attack finding 4). The refs written again are those of every
     manifest this publish may have taken them from, as the rolled-back index has them: the
     versions revised or replaced, and the former holders of the tags given."""
     if not taken.published:
         return
-    manifest_objects.unpublish(store.backend, taken.published)  # the objects went up but the index refused them
-    catalogue = store._index
+    manifest_objects.unpublish(repo.backend, taken.published)  # the objects went up but the index refused them
+    catalogue = repo._index
     holders: list[int] = list(taken.revised)
     for step, run, tag in taken.touched:
         holders += [m.id for m in (catalogue.commit_at(step, run), catalogue.tagged(tag) if tag else None) if m]
-    manifest_objects.write_refs(store.backend, catalogue, holders)
+    manifest_objects.write_refs(repo.backend, catalogue, holders)

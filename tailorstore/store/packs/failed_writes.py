@@ -23,7 +23,7 @@ from tailorstore.store.repo import Repository
 
 @contextmanager
 def cleaned_up_on_failure(
-    store: Repository, writer: BlobWriter, lock: LockHandle | LeaseHandle, progress: Progress
+    repo: Repository, writer: BlobWriter, lock: LockHandle | LeaseHandle, progress: Progress
 ) -> Iterator[None]:
     """A failure leaves no temp files, and, when this commit is alone on the store, no blobs
     that nothing records."""
@@ -32,13 +32,13 @@ def cleaned_up_on_failure(
     except BaseException:
         writer.abort()
         if lock.try_exclusive():
-            remove_unindexed(store, writer, lock)
+            remove_unindexed(repo, writer, lock)
         raise
     finally:
         progress.close()
 
 
-def remove_unindexed(store: Repository, writer: BlobWriter, lock: LockHandle | LeaseHandle) -> None:
+def remove_unindexed(repo: Repository, writer: BlobWriter, lock: LockHandle | LeaseHandle) -> None:
     """After a failed commit, alone on the store: delete the blobs it wrote that nothing indexes
     (a part of another host may hold the same blob without this index knowing).
 
@@ -49,13 +49,13 @@ def remove_unindexed(store: Repository, writer: BlobWriter, lock: LockHandle | L
     they are orphans. (Listing, not syncing: the failure being handled may be a full disk under the
     index, which a sync would meet again.)"""
     try:
-        known = {m.object_key for m in store._index.manifests()}
-        listed = manifest_objects.current_of(manifest_objects.listed_manifest_keys(store.backend))
+        known = {m.object_key for m in repo._index.manifests()}
+        listed = manifest_objects.current_of(manifest_objects.listed_manifest_keys(repo.backend))
     except Exception:
         return
     if set(listed.values()) - known:
         return
-    held = {h for part in parts.read_parts(store.backend) for h in part.blob_hashes()}
-    loose = [blob_key(d) for d in writer.written() if store.blob(d) is None and d not in held]
-    packed = [pack_key(name) for name in writer.written_packs() if not store._index.has_pack(name)]
-    store.backend.delete_many([*loose, *packed], fence=lambda: lock.check("taking back a failed commit's blobs"))
+    held = {h for part in parts.read_parts(repo.backend) for h in part.blob_hashes()}
+    loose = [blob_key(d) for d in writer.written() if repo.blob(d) is None and d not in held]
+    packed = [pack_key(name) for name in writer.written_packs() if not repo._index.has_pack(name)]
+    repo.backend.delete_many([*loose, *packed], fence=lambda: lock.check("taking back a failed commit's blobs"))

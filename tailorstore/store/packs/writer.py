@@ -68,16 +68,16 @@ class RangeSource(Protocol):
 class BlobWriter:
     def __init__(
         self,
-        store: Repository,
+        repo: Repository,
         *,
         level: int = codec.DEFAULT_LEVEL,
         threads: int | None = None,
         in_flight: int = IN_FLIGHT_BYTES,
         elsewhere: frozenset[str] = frozenset(),
     ) -> None:
-        self.store = store
+        self.store = repo
         self.elsewhere = elsewhere  # blobs another rank of the same rank-parallel commit writes
-        self.batch = store.backend.batch()  # this commit's blobs, durable together at finish()
+        self.batch = repo.backend.batch()  # this commit's blobs, durable together at finish()
         self.packs = PackWriter(self.batch)  # small blobs share pack objects
         self._pack_sizes: dict[str, int | None] = {}  # packs of earlier commits, looked up once per commit
         self.level = level
