@@ -7,7 +7,16 @@ The tiers: a test that uses a training fixture (``runs`` or ``hf_run``, directly
 fixture such as ``saves``) is marked ``slow`` by :func:`pytest_collection_modifyitems`, so
 ``pytest -m "not slow"`` is the fast tier (pure rules, codecs, I/O, the CLI on checked-in data; under
 a minute) and the whole suite runs every training once (the README's test command, what CI runs).
-Nothing else marks a test slow.
+A test that needs no training but takes seconds is marked ``slow`` where it is written (DCP
+runs of their own, soaks, fuzzing, the archive chain's long cases, most hostile-file cases), so
+that the fast tier stays under its minute on a fresh clone.
+
+The CLI: :func:`tailor` starts the command as a user does, in a process of its own (start-up,
+signals, resource limits, locks another process holds, ``TAILOR_FAILPOINTS``, which a process
+reads once); :func:`tailor_here` runs the same ``main`` in this process, for a test where a
+process adds nothing. Waiting: a test waits for an event, a file or a process, never a guessed
+time; what sleeps is a bound on something that must *not* happen, or a lease left to lapse
+on purpose (a lease's time is the server's clock, which a test cannot move).
 """
 
 from __future__ import annotations
