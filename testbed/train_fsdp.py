@@ -48,10 +48,12 @@ def build_model(layers: int, hidden: int = 64, vocab: int = 128) -> torch.nn.Mod
 
 
 def save_as_accelerate(
-    model: torch.nn.Module, optim: torch.optim.Optimizer, folder: Path, step: int, rank: int
+    model: torch.nn.Module, optim: torch.optim.Optimizer, folder: Path, step: int, rank: int, *, trainer: bool = True
 ) -> None:
     """The folder the HF Trainer writes under FSDP2 with a sharded state dict, through Accelerate's
-    own save functions (the Trainer calls these), plus the trainer_state.json it writes beside."""
+    own save functions (the Trainer calls these), plus the trainer_state.json it writes beside;
+    or (``trainer`` False) what Accelerate's own ``save_state`` writes: the same two DCP folders
+    and each rank's random states beside them, as ``random_states_R.pkl``."""
     from types import SimpleNamespace
 
     from accelerate import PartialState
@@ -68,8 +70,11 @@ def save_as_accelerate(
     accelerator = SimpleNamespace(process_index=rank, num_processes=torch.distributed.get_world_size())
     save_fsdp_model(plugin, accelerator, model, str(folder))
     save_fsdp_optimizer(plugin, accelerator, optim, model, str(folder))
-    if rank == 0:
+    if trainer and rank == 0:
         (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    if not trainer:  # as accelerate.checkpointing.save_accelerator_state names and writes them
+        states = {"step": step, "torch_manual_seed": torch.get_rng_state()}
+        torch.save(states, folder / f"random_states_{rank}.pkl")
 
 
 class Saver:
@@ -156,9 +161,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--final-weights", default=None, help="rank 0 saves the full weights here (safetensors)")
     p.add_argument(
         "--accelerate-layout",
-        action="store_true",
+        nargs="?",
+        const="trainer",
+        choices=("trainer", "save-state"),
         help="save as the HF Trainer with FSDP does: checkpoint-N/ holding pytorch_model_fsdp_0/ and optimizer_0/, "
-        "written by Accelerate's own save_fsdp_model and save_fsdp_optimizer",
+        "written by Accelerate's own save_fsdp_model and save_fsdp_optimizer; save-state: as Accelerate's "
+        "save_state does (checkpoint_N/, the same folders and each rank's random states)",
     )
     args = p.parse_args(argv)
 
@@ -211,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_reduce(total)
         losses.append(float(total) / world)
         if step % args.save_every == 0 and args.accelerate_layout:
-            save_as_accelerate(model, optim, out / f"checkpoint-{step}", step, rank)
+            trainer = args.accelerate_layout == "trainer"
+            name = f"checkpoint-{step}" if trainer else f"checkpoint_{step}"
+            save_as_accelerate(model, optim, out / name, step, rank, trainer=trainer)
         elif step % args.save_every == 0:
             msd, osd = get_state_dict(model, optim)
             save({"model": msd, "optim": osd, "train": {"step": step}}, step)

@@ -314,6 +314,51 @@ def test_an_hf_fsdp_checkpoint_written_by_accelerate_is_exact(tmp_path: Path) ->
     assert same_tree(written, checkpoint)
 
 
+def test_an_accelerate_save_state_folder_is_one_step_that_loads_straight_from_the_store(tmp_path: Path) -> None:
+    """Issue 50: Accelerate's ``save_state`` under FSDP writes ``checkpoint_N/`` holding two DCP
+    folders (``pytorch_model_fsdp_0/``, ``optimizer_0/``, by Accelerate's own save functions) and
+    each rank's random states. It was refused ("holds 2 checkpoint folders; commit each"), so an
+    Accelerate user's one checkpoint became two steps or none. It commits as one step now (its
+    number from Accelerate's ``checkpoint_N`` name), checks out as the very folder, and each DCP
+    folder of it loads through TailorStorageReader as ``dcp.load`` loads the raw one."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tailorstore.integrations.dcp_storage import TailorStorageReader
+
+    out = tmp_path / "run"
+    train(out, "--accelerate-layout", "save-state")
+    checkpoint = out / "checkpoint_6"
+    assert {p.name for p in checkpoint.iterdir()} == {
+        "pytorch_model_fsdp_0",
+        "optimizer_0",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    }
+    with Store.init(tmp_path / "store") as store:
+        result = store.commit(checkpoint)
+        assert result.step == 6 and result.files == 8  # two DCP folders of 3 files, two random states
+        assert {f"block.{i}" for i in range(LAYERS)} <= {x.layer for x in store.show("latest").layers}
+        kinds = {a.kind for a in store.repo.view(Catalogue).atoms(result.manifest)}
+        assert {"master", "exp_avg", "exp_avg_sq"} <= kinds
+        store.checkout("latest", tmp_path / "out")
+        assert same_tree(tmp_path / "out", checkpoint)
+        for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+            raw = dcp.FileSystemReader(str(checkpoint / folder))
+            template = {
+                key: torch.empty(meta.size, dtype=meta.properties.dtype)
+                for key, meta in raw.read_metadata().state_dict_metadata.items()
+                if hasattr(meta, "size")
+            }
+            expected = {k: v.clone() for k, v in template.items()}
+            dcp.load(expected, storage_reader=raw)
+            loaded = {k: v.clone() for k, v in template.items()}
+            dcp.load(loaded, storage_reader=TailorStorageReader(store, "latest", folder=folder))
+            assert loaded.keys() == expected.keys() and len(loaded) > 0
+            for key, tensor in expected.items():
+                assert torch.equal(loaded[key], tensor), (folder, key)
+
+
 def test_a_rank_parallel_commit_equals_a_single_process_one(fsdp_run: FsdpRun, tmp_path: Path) -> None:
     """Each rank writes its own ``__R_0.distcp`` file's blobs as a part, rank 0 the rest and the
     manifest: every manifest equals a single-process commit's, parity policy included."""

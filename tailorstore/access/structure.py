@@ -12,7 +12,15 @@ from typing import Protocol
 
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import Call, StoreError
-from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER, PLAIN_FILE, PLAIN_FOLDER
+from tailorstore.formats.layout import (
+    ACCELERATE,
+    DCP_FOLDER,
+    DEEPSPEED,
+    DEEPSPEED_TAG,
+    HF_TRAINER,
+    PLAIN_FILE,
+    PLAIN_FOLDER,
+)
 from tailorstore.store.index.records import AtomRecord, ManifestRecord
 
 
@@ -62,6 +70,7 @@ FRAMEWORKS = {
     DEEPSPEED: "a DeepSpeed save",
     DEEPSPEED_TAG: "a DeepSpeed save",
     HF_TRAINER: "an HF Trainer checkpoint",
+    ACCELERATE: "an Accelerate save_state folder",
     DCP_FOLDER: "a DCP (torch.distributed.checkpoint) folder",
     PLAIN_FOLDER: "a folder of plain weight files",
     PLAIN_FILE: "a plain weight file",

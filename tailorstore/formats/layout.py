@@ -7,6 +7,9 @@ Three shapes are accepted, as users meet them:
 * one DeepSpeed tag folder (``global_stepN/`` with ``*_model_states.pt``);
 * a Hugging Face Trainer ``checkpoint-N/`` folder, with or without DeepSpeed inside (or FSDP's
   DCP folders, ``pytorch_model_fsdp_0/`` and ``optimizer_0/``);
+* the folder Accelerate's ``save_state`` writes under FSDP with a sharded state dict
+  (``checkpoint_N/``: the same two DCP folders, and Accelerate's own files beside them, its
+  random states and scheduler): one step, as the HF Trainer's, without ``trainer_state.json``;
 * a PyTorch distributed checkpoint (DCP) folder, ``.metadata`` plus ``__R_K.distcp`` files, as
   ``dcp.save`` writes it for FSDP2 and torchtitan (``step-N/``): committed like a DeepSpeed tag
   folder (a checkout writes its files as the output folder itself, which ``dcp.load`` reads);
@@ -36,6 +39,7 @@ log = logging.getLogger("tailorstore")
 DEEPSPEED = "deepspeed"
 DEEPSPEED_TAG = "deepspeed-tag"
 HF_TRAINER = "hf-trainer"
+ACCELERATE = "accelerate"  # Accelerate's save_state folder under FSDP (its DCP folders and its own files)
 DCP_FOLDER = "dcp"
 PLAIN_FOLDER = "plain"  # weights or training-state files, no framework's layout (model.safetensors, ckpt.pt)
 PLAIN_FILE = "plain-file"  # one such file, committed by its own path
@@ -80,8 +84,9 @@ class CheckpointLayout:
 
 
 def step_from_name(name: str) -> int | None:
-    """The step a folder's name carries (``global_step12``, ``checkpoint-12``, ``step-12``), or None."""
-    match = re.search(r"(?:global_step|checkpoint-|step-|step_|step|ckpt-|ckpt_|iter_)(\d+)$", name)
+    """The step a folder's name carries (``global_step12``, ``checkpoint-12``, Accelerate's
+    ``checkpoint_12``, ``step-12``), or None."""
+    match = re.search(r"(?:global_step|checkpoint-|checkpoint_|step-|step_|step|ckpt-|ckpt_|iter_)(\d+)$", name)
     return int(match.group(1)) if match else None
 
 
@@ -241,6 +246,8 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
             )
         files = _top_files(path) + _tag_files(tag_dir, f"{tag}/", part)
         return CheckpointLayout(path, DEEPSPEED, step_from_name(tag), tag, files)
+    if _is_accelerate_state(path):
+        return _hf_layout(path, part, ACCELERATE)
     names = [p.name for p in path.iterdir() if p.is_file()]
     if is_dcp_folder(path):
         tag = path.name
@@ -259,14 +266,26 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
         return CheckpointLayout(path.parent, PLAIN_FOLDER, step_from_name(tag), tag, _walk(path.parent, path))
     raise BadCheckpointError(
         f"{path}: not a checkpoint. Expected a DeepSpeed save directory (with 'latest'), a DeepSpeed tag "
-        "folder (with *_model_states.pt), an HF Trainer checkpoint-N folder (with trainer_state.json), or a DCP "
-        "folder (with .metadata and *.distcp files)."
+        "folder (with *_model_states.pt), an HF Trainer checkpoint-N folder (with trainer_state.json), an "
+        "Accelerate save_state folder (with pytorch_model_fsdp_0/), or a DCP folder (with .metadata and *.distcp "
+        "files)."
     )
 
 
-def _hf_layout(path: Path, part: bool = False) -> CheckpointLayout:
+ACCELERATE_FOLDERS = re.compile(r"(pytorch_model_fsdp|optimizer)_\d+")
+"""The DCP folders Accelerate's FSDP saves are named so (``save_fsdp_model``, ``save_fsdp_optimizer``)."""
+
+
+def _is_accelerate_state(path: Path) -> bool:
+    """A folder that holds Accelerate's FSDP DCP folders and no other checkpoint of its own."""
+    subs = [p for p in path.iterdir() if p.is_dir() and not p.is_symlink()]
+    ours = [p for p in subs if ACCELERATE_FOLDERS.fullmatch(p.name) and is_dcp_folder(p)]
+    return bool(ours) and not any(_is_checkpoint(p) for p in subs if p not in ours)
+
+
+def _hf_layout(path: Path, part: bool = False, kind: str = HF_TRAINER) -> CheckpointLayout:
     step = step_from_name(path.name)
-    if step is None:
+    if step is None and kind == HF_TRAINER:  # Accelerate's folder says no step but in its name
         try:
             state = read_small_text(path / "trainer_state.json", "an HF Trainer's trainer_state.json")
             step = json.loads(state)["global_step"]
@@ -292,4 +311,4 @@ def _hf_layout(path: Path, part: bool = False) -> CheckpointLayout:
             files += _tag_files(sub, f"{sub.name}/", part)
         else:
             files += _walk(path, sub)
-    return CheckpointLayout(path, HF_TRAINER, step, ds_tag, files)
+    return CheckpointLayout(path, kind, step, ds_tag, files)

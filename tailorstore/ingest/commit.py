@@ -43,7 +43,15 @@ from tailorstore.core.rounding import ROUND_FROM_MASTER
 from tailorstore.core.step_rules import check_tag
 from tailorstore.formats.deepspeed import ModelInfo
 from tailorstore.formats.kinds import RAW
-from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER, CheckpointLayout, detect
+from tailorstore.formats.layout import (
+    ACCELERATE,
+    DCP_FOLDER,
+    DEEPSPEED,
+    DEEPSPEED_TAG,
+    HF_TRAINER,
+    CheckpointLayout,
+    detect,
+)
 from tailorstore.formats.reader import ReadFile, read_checkpoint, write_order
 from tailorstore.formats.source import CHUNK, InputFile, check_unchanged
 from tailorstore.ingest.commit_options import CommitOptions, CommitResult, PartPlan
@@ -444,7 +452,7 @@ def refuse_incomplete(layout: CheckpointLayout, files: list[ReadFile]) -> None:
     rank's optimizer states for the world size the model states name (and for ZeRO-3 every rank's
     model states). One node's share of a save, committed as the step (a killed job's staged save,
     recovered on one node), was recorded as if it were whole, and resumed from nowhere."""
-    if layout.kind not in (DEEPSPEED, DEEPSPEED_TAG, DCP_FOLDER, HF_TRAINER):
+    if layout.kind not in (DEEPSPEED, DEEPSPEED_TAG, DCP_FOLDER, HF_TRAINER, ACCELERATE):
         return
     facts = _facts(files)
     missing = missing_pieces(layout.kind, files, facts.get("world_size"), facts.get("zero_stage"))  # type: ignore[arg-type]

@@ -43,7 +43,7 @@ from tailorstore.core.step_rules import check_tag
 from tailorstore.formats import dcp
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import DCP
-from tailorstore.formats.layout import DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
+from tailorstore.formats.layout import ACCELERATE, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
 from tailorstore.store.backends.base import blob_key
 from tailorstore.store.index.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from tailorstore.store.manifest_objects import check_run_name
@@ -84,7 +84,7 @@ def missing_pieces(layout: str, files: list[FileRecord], world_size: int | None,
     optim_ranks = {file_rank(n) for n in names if is_optim_states(n)}
     if any(f.kind == DCP for f in files):
         return _missing_dcp(files, world_size)
-    if layout == HF_TRAINER and not model and not optim_ranks:
+    if layout in (HF_TRAINER, ACCELERATE) and not model and not optim_ranks:
         return []
     if not model:
         return ["the model states file (mp_rank_00_model_states.pt, which rank 0 writes)"]

@@ -37,7 +37,7 @@ class ManifestRecord:
     step: int
     origin: str  # commit | merge
     created_at: float
-    layout: str  # deepspeed | deepspeed-tag | hf-trainer
+    layout: str  # deepspeed | deepspeed-tag | hf-trainer | accelerate | dcp | plain | plain-file
     ds_tag: str | None
     zero_stage: int | None
     world_size: int | None

@@ -67,7 +67,7 @@ CREATE TABLE manifests (
     origin      TEXT NOT NULL,      -- commit | merge
     tag         TEXT UNIQUE,
     created_at  REAL NOT NULL,
-    layout      TEXT NOT NULL,      -- deepspeed | deepspeed-tag | hf-trainer
+    layout      TEXT NOT NULL,      -- deepspeed | deepspeed-tag | hf-trainer | accelerate | dcp | plain | plain-file
     ds_tag      TEXT,               -- the DeepSpeed tag folder, e.g. global_step300
     zero_stage  INTEGER,
     world_size  INTEGER,
