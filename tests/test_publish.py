@@ -110,3 +110,18 @@ def test_rows_read_from_a_step_replaced_meanwhile_are_refused_whole(small_store:
         assert handle.repo.view(Catalogue).tagged("copy") is None
         [merged] = record_manifest(handle.repo, rows_from_step_6(handle), fence=None)
         assert handle.repo.manifest(merged).origin == MERGE and handle.repo.view(Catalogue).tagged("copy").id == merged
+
+
+def test_force_takes_a_tag_another_step_holds(small_store: Path, tmp_path: Path) -> None:
+    """``commit --force --tag T`` moves T from the step that holds it, whether or not the step
+    committed existed before (the publisher's rule; it once moved it only when replacing a step)."""
+    from conftest import tailor_here
+
+    store = copy_tree(small_store, tmp_path / "store")
+    assert tailor_here("tag", "step=3", "best", store=store).returncode == 0
+    refused = tailor_here("commit", str(CHECKPOINT), "--step", "6", "--tag", "best", store=store)
+    assert refused.returncode == 2 and "tag 'best' already names" in refused.stderr, refused.stderr
+    done = tailor_here("commit", str(CHECKPOINT), "--step", "6", "--tag", "best", "--force", store=store)
+    assert done.returncode == 0, done.stderr
+    rows = {row["step"]: row["tag"] for row in json.loads(tailor_here("log", "--json", store=store).stdout)}
+    assert rows == {3: None, 6: "best"}

@@ -53,11 +53,14 @@ from tailorstore.store.repo import Repository, check_step
 
 
 class FinalizeLookup(Protocol):
-    """The index as a finalize checks its parts: is the step taken, and which steps do they inherit from."""
+    """The index as a finalize checks its parts: are the step and the tag taken, and which steps
+    do they inherit from."""
 
     def commit_at(self, step: int, run: str) -> ManifestRecord | None: ...
 
     def by_object_key(self, key: str) -> ManifestRecord | None: ...
+
+    def tagged(self, tag: str) -> ManifestRecord | None: ...
 
 
 CHECKERS = 16  # blob objects asked after at once: each a round trip, not a core
@@ -234,8 +237,11 @@ def finalize_step(
                 Call("commit", "DIR", part=True),
                 " first.",
             )
-        if repo.view(FinalizeLookup).commit_at(step, run) is not None:
+        lookup = repo.view(FinalizeLookup)
+        if lookup.commit_at(step, run) is not None:
             raise StepExistsError(f"step {step} is already in the store; its parts were finalized before.")
+        if tag and lookup.tagged(tag) is not None:  # the publisher checks again, in its transaction
+            raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag.")
         kinds = {p.layout for p in parts}
         tags = {p.ds_tag for p in parts}
         if len(tags) > 1 or (len(kinds) > 1 and not kinds <= {DEEPSPEED, DEEPSPEED_TAG}):

@@ -136,13 +136,14 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
     for source in change.derived_from:
         _check_unchanged(edit, source)
     record = change.record
-    if change.replacing and record.origin == COMMIT and (replaced := edit.commit_at(record.step, record.run)):
-        record = replace(record, tag=record.tag or replaced.tag, pinned=replaced.pinned)
-        edit.delete_commit_at(record.step, record.run)
-        if replaced.object_key is not None:
-            taken.superseded.append(replaced.object_key)
+    if change.replacing and record.origin == COMMIT:
+        if (replaced := edit.commit_at(record.step, record.run)) is not None:
+            record = replace(record, tag=record.tag or replaced.tag, pinned=replaced.pinned)
+            edit.delete_commit_at(record.step, record.run)
+            if replaced.object_key is not None:
+                taken.superseded.append(replaced.object_key)
         if record.tag and (holder := edit.tagged(record.tag)) is not None:
-            edit.set_tag(holder.id, None)
+            edit.set_tag(holder.id, None)  # force takes the tag, whether or not the step existed
     _refuse_taken(edit, record)
     taken.touched.append((record.step, record.run, record.tag))
     edit.add_packs(change.packs)
