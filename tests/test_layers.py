@@ -432,3 +432,15 @@ def test_a_store_is_a_store_and_a_repository_a_repo() -> None:
                     if arg.arg == "store" and "Repository" in annotation:
                         wrong.append(f"{path}:{node.lineno}: {node.name}({arg.arg}: {annotation})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_package_of_the_tree_is_installed() -> None:
+    """pyproject.toml lists the packages a wheel holds (the CLI's folder is mapped in, so they
+    cannot be found automatically). When store/ and the DeepSpeed integration became sub-packages,
+    four were missing: an editable install (the tests') found them anyway, and a wheel did not
+    (``import tailorstore`` failed on a non-editable install)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "tailorstore").rglob("__init__.py")}
+    assert found | {"tailorstore.cli"} == listed, sorted(found ^ listed)
