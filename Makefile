@@ -8,6 +8,8 @@ $(STAMP): pyproject.toml constraints.txt
 	@echo "installing tailorstore with pinned torch 2.13.0 (CPU), DeepSpeed and transformers into $$($(PYTHON) -c 'import sys; print(sys.prefix)')"
 	@echo "(2-3 minutes the first time; use a virtualenv if this Python has a GPU torch you want to keep)"
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt torch==2.13.0 -e ".[dev]"
+	@# torchtitan's checkpoint manager, for its adapter's tests; without the packages its trainer needs
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt torchtitan
 	$(PYTHON) -m compileall -q tailorstore cli  # an editable install writes no bytecode; start-up pays without it
 	touch $(STAMP)
 
