@@ -97,7 +97,7 @@ class _Taken:
 
     published: list[str] = field(default_factory=list)  # object keys this host put
     superseded: list[str] = field(default_factory=list)  # object keys of the versions replaced
-    touched: list[tuple[int, str, str | None]] = field(default_factory=list)  # (step, run, tag) of new commits
+    touched: list[tuple[int, str, str | None]] = field(default_factory=list)  # (step, run, tag) of new manifests
     revised: list[int] = field(default_factory=list)
 
 
