@@ -264,6 +264,7 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
         _refuse_checkpoints_inside(path)
         tag = path.name
         return CheckpointLayout(path.parent, PLAIN_FOLDER, step_from_name(tag), tag, _walk(path.parent, path))
+    _refuse_checkpoints_inside(path)  # a folder of checkpoints is told so, not "not a checkpoint"
     raise BadCheckpointError(
         f"{path}: not a checkpoint. Expected a DeepSpeed save directory (with 'latest'), a DeepSpeed tag "
         "folder (with *_model_states.pt), an HF Trainer checkpoint-N folder (with trainer_state.json), an "
