@@ -152,12 +152,18 @@ class TailorCheckpointManager(CheckpointManager):
 
     def _collect(self) -> None:
         """gc with ``keep_last``, one request at a time; a failed gc is said and the next one tried,
-        as torchtitan's purge thread goes on after a failed deletion."""
+        as torchtitan's purge thread goes on after a failed deletion. The thread has a handle of
+        its own (its own index connection): an async save's thread uses the manager's meanwhile,
+        and the store lock, not a shared handle, orders the two."""
+        own: Store | None = None
         while (keep := self._gc_queue.get()) is not None:
             try:
-                self.store.gc(keep_last=keep)
+                own = own or Store.open(self.store.location, run=self.store.run)
+                own.gc(keep_last=keep)
             except Exception as exc:
                 log.warning("tailorstore: gc after a save failed: %s", exc)
+        if own is not None:
+            own.close()
 
     def _close(self) -> None:
         super()._close()
