@@ -79,6 +79,7 @@ class TailorCheckpointManager(CheckpointManager):
             return
         self.store = Store.open(config.store or None, run=config.run or MAIN_RUN)
         self.request = CommitRequest(policy=config.policy)
+        self.request.spec()  # a policy that does not exist is refused now, not at the first save
         self._gc_queue: queue.Queue[int | None] = queue.Queue()
         self._gc_thread: threading.Thread | None = None
 
