@@ -5,7 +5,9 @@ torchtitan's ``CheckpointManager`` saves with ``dcp.save`` or ``dcp.async_save``
 ``step-N`` under ``checkpoint.folder``, finds the step to resume from by listing that folder, and
 purges old steps by deleting folders. :class:`TailorCheckpointManager` keeps every rule of its own
 (when to save, what the state is, what the first step and the last one hold, the async modes,
-initial loads from a folder or from Hugging Face) and changes only where the bytes go:
+initial loads from a folder or from Hugging Face) and changes only where the bytes go. (The
+pinned-memory mode is passed through with its stager and process checkpointer; it pins memory,
+which needs a GPU, so the tests run the sync and thread-async modes.)
 
 - ``dcp_save``: the same ``dcp.save``/``dcp.async_save`` call, with
   :class:`~tailorstore.integrations.dcp_writer.TailorStorageWriter` as its storage writer: each
