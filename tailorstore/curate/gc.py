@@ -91,15 +91,8 @@ class GcPlanning(Protocol):
 
 
 class GcSweep(RefSource, Protocol):
-    (
-        """""The index as gc reads it between its steps: the records whose refs it carries, and the
-    rows that name objects it must not delete."""
-        ""
-    )
-
-    def manifest(self, manifest: int) -> ManifestRecord | None: ...
-
-    def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
+    """The index as gc reads it between its steps: the records whose refs it carries (the two
+    methods of ``RefSource``), and the rows that name objects it must not delete."""
 
     def blob_hashes(self, *, loose_only: bool = False) -> set[str]: ...
 
