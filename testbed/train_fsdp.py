@@ -47,6 +47,31 @@ def build_model(layers: int, hidden: int = 64, vocab: int = 128) -> torch.nn.Mod
     return LlamaForCausalLM(config)
 
 
+def sharded(model: torch.nn.Module) -> torch.nn.Module:
+    """Each decoder block, then the root, ``fully_shard``ed (as torchtitan and the FSDP2 tutorials do)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int, vocab: int) -> float:
+    """One step on this rank's rows of ``step``; returns the loss averaged over the ranks."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids = batch(step, rank, world, vocab)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return float(total) / world
+
+
 def save_as_accelerate(
     model: torch.nn.Module, optim: torch.optim.Optimizer, folder: Path, step: int, rank: int, *, trainer: bool = True
 ) -> None:
@@ -178,18 +203,14 @@ def main(argv: list[str] | None = None) -> None:
         get_state_dict,
         set_state_dict,
     )
-    from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if args.rank_failpoints and rank == int(args.rank_failpoints[0]):  # read once, at the first failpoint reached
         os.environ["TAILOR_FAILPOINTS"] = args.rank_failpoints[1]
     save = Saver(args, Path(args.output_dir))
-    model = build_model(args.layers, args.hidden, args.vocab)
-    for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    model = sharded(build_model(args.layers, args.hidden, args.vocab))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     out = Path(args.output_dir)
     first = 1
@@ -210,14 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     losses: list[float] = []
     rss: list[int] = []  # rank 0's resident bytes after each save (--rss-out)
     for step in range(first, args.steps + 1):
-        ids = batch(step, rank, world, args.vocab)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / world)
+        losses.append(train_step(model, optim, step, args.vocab))
         if step % args.save_every == 0 and args.accelerate_layout:
             trainer = args.accelerate_layout == "trainer"
             name = f"checkpoint-{step}" if trainer else f"checkpoint_{step}"

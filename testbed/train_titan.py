@@ -76,19 +76,15 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from tailorstore.integrations.torchtitan import TailorCheckpointManager
-    from testbed.train_fsdp import batch, build_model
+    from testbed.train_fsdp import build_model, sharded, train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     vocab = 128
-    model = build_model(args.layers, 64, vocab)
-    for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    model = sharded(build_model(args.layers, 64, vocab))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0 / (1 + step))
     train_state = TrainState()
@@ -113,15 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     first = train_state.step + 1
     losses: list[float] = []
     for step in range(first, args.steps + 1):
-        ids = batch(step, rank, world, vocab)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
+        losses.append(train_step(model, optim, step, vocab))
         schedule.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / world)
         train_state.step = step
         manager.save(step, last_step=step == args.steps)
         manager.maybe_wait_for_staging()

@@ -62,7 +62,6 @@ from tailorstore.store import parts
 from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.index.records import (
     COMMIT,
-    MAIN_RUN,
     AtomKey,
     AtomRecord,
     BlobRecord,
@@ -77,7 +76,7 @@ from tailorstore.store.manifest_objects import check_run_name
 from tailorstore.store.packs.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.parts import Part
-from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest
+from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest, refuse_taken
 from tailorstore.store.repo import Repository, check_step
 
 
@@ -142,22 +141,6 @@ def step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFi
     raise BadCheckpointError(
         f"{layout.committed}: cannot tell which step this checkpoint is; pass ", Call(step="N"), "."
     )
-
-
-def _refuse_existing(index: CommitHistory, step: int, tag: str | None, run: str) -> None:
-    if index.commit_at(step, run) is not None:
-        where = "the store" if run == MAIN_RUN else f"run {run!r}"
-        raise StepExistsError(
-            f"step {step} is already in {where}. Commit under another ",
-            Call(step="N"),
-            ", or pass ",
-            Call(force=True),
-            " to replace it.",
-        )
-    if tag and index.tagged(tag) is not None:
-        raise StepExistsError(
-            f"tag {tag!r} already names a manifest; choose another tag or pass ", Call(force=True), "."
-        )
 
 
 def inheritance(
@@ -346,9 +329,9 @@ def commit_layout(
         base = repo.run_base(run)
         if not options.force:
             structure.refuse_other_model(repo.view(structure.ModelShape), scan.structure, run, base, layout.kind)
-            _refuse_existing(repo.view(CommitHistory), step, tag, run)
+            refuse_taken(repo.view(CommitHistory), step, run, tag)
         sources = inheritance(repo, step, layers, run, base)
-        read_from = {i.manifest: repo.manifest(i.manifest) for i in sources.values()}  # as they are now
+        read_from = {m: repo.manifest(m) for m in {i.manifest for i in sources.values()}}  # as they are now
         commits_before = repo.view(CommitHistory).commits_before(step, run) + (base is not None)
         adaptive = needs_changes(options.policy)
         changes = _measure_changes(repo, layout, scan, sources) if adaptive else {}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tailorstore.access.atom_reader import stream_rebuilt
+from tailorstore.access.contents import Contents
 from tailorstore.core.atoms import MASTER
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.paths import check_relative
@@ -25,7 +26,7 @@ from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.threads import decode_threads
 from tailorstore.store import archive_codec, codec
 from tailorstore.store.backends.base import blob_key
-from tailorstore.store.index.records import AtomRecord, BlobRecord, BlobUse, FileRecord, ManifestRecord
+from tailorstore.store.index.records import AtomRecord, BlobRecord, BlobUse, ManifestRecord
 from tailorstore.store.repo import Repository
 
 
@@ -34,18 +35,8 @@ class VerifyView(Protocol):
 
     def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
 
-    def files(self, manifest: int) -> list[FileRecord]: ...
-
-    def atoms(
-        self,
-        manifest: int,
-        *,
-        layer: str | None = None,
-        path: str | None = None,
-        param: str | None = None,
-        kind: str | None = None,
-        derived: bool | None = None,
-    ) -> list[AtomRecord]: ...
+    files = Contents.files  # as the read path declares them
+    atoms = Contents.atoms
 
     def blob_hashes(self, *, loose_only: bool = False) -> set[str]: ...
 

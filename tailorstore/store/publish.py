@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from tailorstore.core.errors import Call, StepChangedError, StepExistsError
 from tailorstore.core.failpoints import failpoint
@@ -144,7 +145,7 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
                 taken.superseded.append(replaced.object_key)
         if record.tag and (holder := edit.tagged(record.tag)) is not None:
             edit.set_tag(holder.id, None)  # force takes the tag, whether or not the step existed
-    _refuse_taken(edit, record)
+    refuse_taken(edit, record.step, record.run, record.tag, commit=record.origin == COMMIT)
     taken.touched.append((record.step, record.run, record.tag))
     edit.add_packs(change.packs)
     edit.upsert_blobs(change.blobs)
@@ -184,23 +185,32 @@ def _check_unchanged(edit: CatalogueEdit, read: ManifestRecord) -> None:
         )
 
 
-def _refuse_taken(edit: CatalogueEdit, record: ManifestRecord) -> None:
-    """A commit's step is taken once per run, and a tag names one manifest."""
-    if record.origin == COMMIT and edit.commit_at(record.step, record.run) is not None:
-        where = "the store" if record.run == MAIN_RUN else f"run {record.run!r}"
+class TakenLookup(Protocol):
+    """What the rule of taken steps and tags reads: a commit's step in its run, a tag's holder."""
+
+    def commit_at(self, step: int, run: str) -> ManifestRecord | None: ...
+
+    def tagged(self, tag: str) -> ManifestRecord | None: ...
+
+
+def refuse_taken(index: TakenLookup, step: int, run: str, tag: str | None, *, commit: bool = True) -> None:
+    """A commit's step is taken once per run, and a tag names one manifest. The publisher applies
+    it in its transaction; a commit applies it early too, before it writes anything."""
+    if commit and index.commit_at(step, run) is not None:
+        where = "the store" if run == MAIN_RUN else f"run {run!r}"
         raise StepExistsError(
-            f"step {record.step} is already in {where}. Commit under another ",
+            f"step {step} is already in {where}. Commit under another ",
             Call(step="N"),
             ", or pass ",
             Call(force=True),
             " to replace it.",
         )
-    if record.tag and edit.tagged(record.tag) is not None:
-        if record.origin == COMMIT:
+    if tag and index.tagged(tag) is not None:
+        if commit:
             raise StepExistsError(
-                f"tag {record.tag!r} already names a manifest; choose another tag or pass ", Call(force=True), "."
+                f"tag {tag!r} already names a manifest; choose another tag or pass ", Call(force=True), "."
             )
-        raise StepExistsError(f"tag {record.tag!r} already names a manifest; choose another tag")
+        raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
 
 
 def _take_back(repo: Repository, taken: _Taken) -> None:
