@@ -7,16 +7,28 @@ exactly as it reads a folder on disk (one descriptor, private copies, the identi
 the last read), and the step it records is the one a commit of the same files on disk records.
 No other process can reach the memory, and it is freed when the folder is closed. Where the
 system has no ``memfd_create`` (not Linux), an unnamed temporary file stands in.
+
+A tensor's bytes are not copied into the file: when ``torch.save`` hands the writer a tensor's
+own memory (:meth:`LendingWriter.lend`), the writer leaves a hole of its size and lends the range
+(``formats/source.py``), and the commit copies it from the tensor, checked against the CRC-32
+that ``torch.save`` wrote after it. The bytes the step stores are the same; what is gone is a
+copy of the whole save into fresh memory and the memory itself (0.33 s and 0.09 s to free it,
+of a 1.23 s save of 645 MB in one process on the 2-core machine; docs/benchmarks.md). The
+tensors stay referenced until the folder is closed.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+import numpy as np
+
+from tailorstore.formats import source
 from tailorstore.formats.layout import DCP_FOLDER, CheckpointLayout
 
 FILE_MODE = 0o644  # what a save's file gets under the usual umask, and what a checkout writes back
@@ -34,10 +46,12 @@ class MemoryFile:
         else:  # pragma: no cover - not Linux
             with tempfile.TemporaryFile(prefix="tailor-") as spare:
                 self.fd = os.dup(spare.fileno())
+        self.lent: list[source.LentBytes] = []
+        source.lend(self.fd, self.lent)
 
-    def writer(self) -> IO[bytes]:
-        """A buffered binary stream at the file's start; the caller closes it."""
-        return os.fdopen(os.dup(self.fd), "wb")
+    def writer(self) -> LendingWriter:
+        """A binary stream at the file's start; the caller closes it."""
+        return LendingWriter(self.fd, self.lent)
 
     @property
     def size(self) -> int:
@@ -50,8 +64,111 @@ class MemoryFile:
 
     def close(self) -> None:
         if self.fd >= 0:
+            source.withdraw(self.fd)
             os.close(self.fd)
             self.fd = -1
+            self.lent = []  # the tensors it kept alive
+
+
+_DESCRIPTOR = b"PK\x07\x08"  # a zip data descriptor: signature, CRC-32, then the sizes
+_DESCRIPTOR_SIZES = (16, 24)  # with 4-byte sizes, and with zip64's 8-byte ones
+_BUFFER = 1 << 20  # small writes (zip headers, pickles) gathered before they reach the file
+
+
+class LendingWriter(io.RawIOBase):
+    """Writes a memory file, leaving holes where :meth:`lend` says a tensor's own bytes come.
+
+    ``torch.save`` writes a tensor's record as its zip header, its data straight from the
+    tensor's memory, then a data descriptor holding the data's CRC-32 (miniz, as PyTorch's zip
+    writer uses it). A write of exactly the lent tensor's bytes, from its very address, becomes
+    a hole; the descriptor that follows gives the range's CRC-32. Anything else (no descriptor
+    next, another address) is written into the file as it comes, so the file is always whole."""
+
+    def __init__(self, fd: int, lent: list[source.LentBytes]) -> None:
+        super().__init__()
+        self._fd, self._lent = fd, lent
+        self._at = self._end = 0
+        self._pending = bytearray()
+        self._pending_at = 0
+        self._expect: Any = None  # the tensor whose bytes torch.save is about to write
+        self._awaiting: source.LentBytes | None = None  # lent, its CRC-32 not seen yet
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._settle()
+        self._at = {os.SEEK_SET: 0, os.SEEK_CUR: self._at, os.SEEK_END: self._end}[whence] + offset
+        return self._at
+
+    def lend(self, tensor: Any) -> None:
+        """The next write of ``tensor``'s whole memory (a contiguous CPU tensor whose storage it
+        fills) stays in the tensor."""
+        self._expect = tensor if tensor.nbytes else None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if self._awaiting is not None:
+            self._settle(view)
+        tensor = self._expect
+        if tensor is not None and n == tensor.nbytes and _address(view) == tensor.data_ptr():
+            self._flush()
+            import torch  # the caller's: a tensor is being saved
+
+            own = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+            self._awaiting = source.LentBytes(self._at, own, -1, tensor)
+            self._expect = None
+        else:
+            if self._pending_at + len(self._pending) != self._at or len(self._pending) >= _BUFFER:
+                self._flush()
+            if not self._pending:
+                self._pending_at = self._at
+            self._pending += view
+        self._at += n
+        self._end = max(self._end, self._at)
+        return n
+
+    def _settle(self, following: memoryview | None = None) -> None:
+        """The lent range awaiting its CRC-32: lent if ``following`` is its data descriptor,
+        else written into the file after all."""
+        lent, self._awaiting = self._awaiting, None
+        if lent is None:
+            return
+        if following is not None and len(following) in _DESCRIPTOR_SIZES and following[:4] == _DESCRIPTOR:
+            lent.crc = int.from_bytes(following[4:8], "little")
+            self._lent.append(lent)
+        else:
+            self._put(lent.data, lent.offset)
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._put(memoryview(self._pending), self._pending_at)
+            self._pending = bytearray()
+
+    def _put(self, data: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], offset + done)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._settle()
+            self._flush()
+            self._expect = None
+            if os.fstat(self._fd).st_size < self._end:  # a hole at the very end
+                os.ftruncate(self._fd, self._end)
+        super().close()
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
 
 
 @dataclass

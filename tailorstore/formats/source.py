@@ -12,11 +12,21 @@ such a commit from recording a step that restores wrong data:
 * the file's identity (device, inode, size, mtime, ctime) is taken when it is first opened
   and compared after its last read, through the descriptor and through the path. Any
   difference refuses the commit with :class:`InputChangedError`, before the manifest.
+
+A memory file of the DCP writer (``formats/memory_folder.py``) may *lend* byte ranges: a
+tensor's bytes that ``torch.save`` would have copied into the file stay in the tensor, and the
+file holds a hole there. Reading such a range copies it from the tensor instead, and that copy
+must match the CRC-32 the file's zip records for it (computed by ``torch.save`` when it wrote the
+record), so a tensor changed between the save and the commit's copy refuses the commit as a
+changed file does. A lent range is read whole (it is one tensor item's data record), never in
+part, so every copy of it is checked.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tailorstore.core.errors import BadCheckpointError, InputChangedError
+from tailorstore.core.errors import BadCheckpointError, InputChangedError, StoreError
 from tailorstore.core.reused_memory import private_copy_buffer
 from tailorstore.formats.torch_zip import record_offsets
 
@@ -54,6 +64,38 @@ class Identity:
         return ""
 
 
+@dataclass
+class LentBytes:
+    """Bytes ``[offset, offset + len(data))`` of a memory file that live outside it, in memory
+    its writer keeps alive (``owner``), with the CRC-32 its zip records for them."""
+
+    offset: int
+    data: memoryview
+    crc: int
+    owner: object
+
+    @property
+    def end(self) -> int:
+        return self.offset + len(self.data)
+
+
+# Lent ranges by the (device, inode) of the memory file holding the holes: an anonymous memory
+# file's inode lives on the kernel's own mount, so no file on any disk can share its key.
+_LENT: dict[tuple[int, int], list[LentBytes]] = {}
+
+
+def lend(fd: int, ranges: list[LentBytes]) -> None:
+    """Say that the memory file open on ``fd`` leaves ``ranges`` (filled in as it is written, in
+    file order) to be read from memory."""
+    st = os.fstat(fd)
+    _LENT[(st.st_dev, st.st_ino)] = ranges
+
+
+def withdraw(fd: int) -> None:
+    st = os.fstat(fd)
+    _LENT.pop((st.st_dev, st.st_ino), None)
+
+
 def changed(path: Path | str, why: str) -> InputChangedError:
     return InputChangedError(
         f"{path}: changed while it was being committed ({why}). The commit was not recorded and the store is "
@@ -81,6 +123,8 @@ class InputFile:
             os.close(self.fd)
             raise changed(self.path, why)
         self.expected = expected or self.identity
+        self._lent = _LENT.get((st.st_dev, st.st_ino), [])
+        self._lent_starts = [lent.offset for lent in self._lent]
 
     @property
     def size(self) -> int:
@@ -109,6 +153,31 @@ class InputFile:
         return view
 
     def _fill(self, view: memoryview, offset: int) -> None:
+        if not self._lent:
+            self._read_file(view, offset)
+            return
+        end = offset + len(view)
+        i = max(bisect.bisect_right(self._lent_starts, offset) - 1, 0)
+        at = offset
+        while at < end:
+            while i < len(self._lent) and self._lent[i].end <= at:
+                i += 1
+            lent = self._lent[i] if i < len(self._lent) and self._lent[i].offset < end else None
+            upto = end if lent is None else max(lent.offset, at)
+            if upto > at:
+                self._read_file(view[at - offset : upto - offset], at)
+                at = upto
+            if lent is None:
+                break
+            if at != lent.offset or lent.end > end:
+                raise StoreError(f"{self.path}: bytes lent by a tensor were read in part; they are read whole")
+            copy = view[at - offset : lent.end - offset]
+            copy[:] = lent.data
+            if zlib.crc32(copy) != lent.crc:  # on the copy that is hashed and stored
+                raise changed(self.path, "a tensor saved into it changed before the commit copied it")
+            at = lent.end
+
+    def _read_file(self, view: memoryview, offset: int) -> None:
         done = 0
         while done < len(view):
             n = os.preadv(self.fd, [view[done:]], offset + done)

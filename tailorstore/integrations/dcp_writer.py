@@ -6,10 +6,12 @@ puts each rank's tensors into the store as atoms, with no raw file written anywh
     dcp.async_save(state, storage_writer=writer)     # DCP's stager copies the state first
 
 Each rank serializes its items exactly as ``FileSystemWriter`` does (bytes items, then every
-tensor through ``torch.save``), but into an anonymous memory file (``formats/memory_folder.py``),
-and commits that file as its part of the step: the same reader cuts it into atoms by parameter,
-with the layer labels, dedup, compression and layer policy of a committed DCP folder. The
-coordinator then commits DCP's ``.metadata`` (the items' places, pickled as DCP pickles it) and
+tensor through ``torch.save``), but into an anonymous memory file (``formats/memory_folder.py``)
+that holds everything but the tensors' bytes (those stay in the tensors until the commit copies
+them, each checked against the CRC-32 torch.save wrote for it), and commits that file as its
+part of the step: the same reader cuts it into atoms by parameter, with the layer labels, dedup,
+compression and layer policy of a committed DCP folder. The coordinator then commits DCP's
+``.metadata`` (the items' places, pickled as DCP pickles it) and
 finalizes the step from the save's parts, fenced as every commit is. A checkout of the step
 writes the very folder ``FileSystemWriter`` would have written, which ``dcp.load`` and
 ``FileSystemReader`` read; :class:`tailorstore.integrations.dcp_storage.TailorStorageReader`
@@ -31,7 +33,8 @@ Call order (DCP's, ``torch/distributed/checkpoint/state_dict_saver.py``), and wh
 
 A save that fails anywhere, or a rank killed at any point, records no step: DCP raises on every
 rank, and the parts already written wait for ``gc --drop-parts``. Memory: a rank holds its
-serialized items once (as the raw file's page cache would) while its part is committed.
+items' zip headers and pickles while its part is committed, and keeps the tensors it saves
+referenced until then.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
+from torch.utils.serialization import config as serialization_config
 
 from tailorstore.api import Store
 from tailorstore.core.atoms import dtype_name
@@ -241,6 +245,9 @@ def serialize(into: MemoryFile, name: str, items: list[WriteItem], planner: Save
     tensor that is not contiguous is saved contiguous (the same values; ``FileSystemWriter`` would
     save its strides, which a commit of the folder refuses)."""
     results = []
+    # the CRC-32 torch.save writes after each tensor's bytes is what the commit checks its copy of
+    # them against (formats/source.py); without it, the bytes are copied into the memory file
+    lend = bool(serialization_config.save.compute_crc32)
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
         i for i in items if i.type != WriteItemType.BYTE_IO
     ]
@@ -258,6 +265,8 @@ def serialize(into: MemoryFile, name: str, items: list[WriteItem], planner: Save
                     tensor = tensor.contiguous()
                 if tensor.untyped_storage().size() != tensor.nbytes:
                     tensor = tensor.clone()
+                if lend:
+                    stream.lend(tensor)  # its bytes stay in the tensor; the commit copies them once
                 torch.save(tensor, stream)
             length = stream.tell() - offset
             results.append(

@@ -1,0 +1,102 @@
+"""The DCP writer's memory file leaves each tensor's bytes in the tensor (formats/memory_folder.py)
+and the commit copies them from there, checked against the CRC-32 ``torch.save`` wrote: the file
+holds only the zip around them, a tensor changed before the commit's copy refuses the save, and
+a save with torch's CRC-32 switched off still stores the very bytes ``FileSystemWriter`` writes."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.utils.serialization import config as serialization_config
+
+from tailorstore import Store
+from tailorstore.core.errors import InputChangedError, StoreError
+from tailorstore.formats.memory_folder import MemoryFile
+from tailorstore.formats.source import InputFile
+from tailorstore.integrations.dcp_writer import TailorStorageWriter
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+MB = 1 << 20
+
+
+def _saved(tensor: torch.Tensor) -> tuple[MemoryFile, bytes]:
+    """``tensor`` saved through a lending writer, and what torch.save writes for it elsewhere."""
+    plain = io.BytesIO()
+    torch.save(tensor, plain)
+    memory = MemoryFile("t")
+    with memory.writer() as stream:
+        stream.lend(tensor)
+        torch.save(tensor, stream)
+    return memory, plain.getvalue()
+
+
+def test_the_memory_file_holds_the_zip_and_reads_back_as_torch_save_wrote_it() -> None:
+    tensor = torch.randn(4 * MB // 4)
+    memory, plain = _saved(tensor)
+    try:
+        st = os.fstat(memory.fd)
+        assert st.st_size == len(plain)
+        assert st.st_blocks * 512 < 64 << 10  # the zip's headers, not the tensor's 4 MiB
+        with InputFile(memory.path) as src:
+            assert bytes(src.read(0, src.size)) == plain
+    finally:
+        memory.close()
+
+
+def test_a_tensor_changed_before_the_copy_is_refused_and_a_lent_range_is_read_whole() -> None:
+    tensor = torch.randn(MB // 4)
+    memory, _ = _saved(tensor)
+    try:
+        (lent,) = memory.lent
+        with InputFile(memory.path) as src:
+            with pytest.raises(StoreError, match="read in part"):
+                src.read(lent.offset + 8, 64)
+            tensor[7] += 1
+            with pytest.raises(InputChangedError, match="a tensor saved into it changed"):
+                src.read(lent.offset, len(lent.data))
+    finally:
+        memory.close()
+
+
+class _ChangesTheStateFirst:
+    """A store handle whose part commits first change one saved tensor: the moment between the
+    writer's ``torch.save`` and the commit's copy of the bytes."""
+
+    def __init__(self, store: Store, tensor: torch.Tensor) -> None:
+        self._store, self._tensor = store, tensor
+
+    def commit_memory(self, *args: object, **kwargs: object) -> object:
+        self._tensor.add_(1.0)
+        return self._store.commit_memory(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+
+def test_a_state_changed_between_serializing_and_committing_records_no_step(tmp_path: Path) -> None:
+    weight = torch.randn(256, 256)
+    with Store.init(tmp_path / "store") as store:
+        writer = TailorStorageWriter(store, step=1)
+        writer._store = _ChangesTheStateFirst(store, weight)  # type: ignore[assignment]
+        with pytest.raises(CheckpointException, match="a tensor saved into it changed"):
+            dcp.save({"model": {"weight": weight}}, storage_writer=writer)
+        assert store.log() == []
+
+
+def test_with_torchs_crc_off_the_bytes_are_copied_and_check_out_as_filesystemwriter_writes_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serialization_config.save, "compute_crc32", False)
+    state = {"model": {"weight": torch.randn(128, 64), "bias": torch.randn(64)}}
+    with Store.init(tmp_path / "store") as store:
+        dcp.save(state, storage_writer=TailorStorageWriter(store, step=2))
+        dcp.save(state, checkpoint_id=str(tmp_path / "raw"))
+        store.checkout("step=2", tmp_path / "out")
+    assert (tmp_path / "out" / "__0_0.distcp").read_bytes() == (tmp_path / "raw" / "__0_0.distcp").read_bytes()
