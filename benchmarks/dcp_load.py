@@ -9,6 +9,10 @@ optimizer, then times, ``--repeats`` times and alternating which goes first, ``d
 folder (page cache warm: each is read once before timing) and ``dcp.load`` with the reader, each
 into a fresh state dict; every rank checks that the two loads gave the same tensors and objects.
 The slowest rank's time counts. Prints one JSON line.
+
+With ``--cold`` the page cache is dropped before each timed load (root), as when a job restarts
+later or on a node that did not write the save: the raw folder is then read from the disk, as the
+store's blobs always are (they are written and read around the page cache).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def rank_job(argv: list[str]) -> None:
     p.add_argument("--layers", type=int)
     p.add_argument("--vocab", type=int)
     p.add_argument("--repeats", type=int)
+    p.add_argument("--cold", action="store_true")
     args = p.parse_args(argv)
 
     import torch
@@ -42,6 +47,7 @@ def rank_job(argv: list[str]) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
+    from benchmarks.suite import drop_caches
     from tailorstore import Store
     from tailorstore.integrations.dcp_storage import TailorStorageReader
     from testbed.train_fsdp import build_model
@@ -64,6 +70,10 @@ def rank_job(argv: list[str]) -> None:
 
     def load(way: str) -> tuple[float, dict]:
         state = fresh()
+        if args.cold:
+            dist.barrier()
+            if dist.get_rank() == 0 and not drop_caches():
+                raise SystemExit("--cold needs to write /proc/sys/vm/drop_caches (root)")
         dist.barrier()
         began = time.perf_counter()
         if way == "raw":
@@ -106,6 +116,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cold", action="store_true", help="drop the page cache before each timed load (root)")
     args = p.parse_args()
     size = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab)]
     from tailorstore import Store
@@ -121,10 +132,12 @@ def main() -> int:
         with Store.init(work / "store") as store:
             store.commit(folder)
         raw_bytes = sum(f.stat().st_size for f in folder.iterdir())
-        results = {"raw_bytes": raw_bytes, "size": size}
+        stored = sum(f.stat().st_size for f in (work / "store").rglob("*") if f.is_file())
+        results = {"raw_bytes": raw_bytes, "store_bytes": stored, "cold": args.cold, "size": size}
         for nproc in (2, 1):
             out = work / f"load-{nproc}.json"
             job = [str(folder), str(work / "store"), str(out), *size, "--repeats", str(args.repeats)]
+            job += ["--cold"] if args.cold else []
             torchrun("benchmarks.dcp_load", ["--rank-job", *job], nproc=nproc, log=work / f"load-{nproc}.log")
             found = json.loads(out.read_text())
             raw, ours = statistics.median(found["times"]["raw"]), statistics.median(found["times"]["store"])

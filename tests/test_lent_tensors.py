@@ -1,7 +1,8 @@
 """The DCP writer's memory file leaves each tensor's bytes in the tensor (formats/memory_folder.py)
-and the commit copies them from there, checked against the CRC-32 ``torch.save`` wrote: the file
-holds only the zip around them, a tensor changed before the commit's copy refuses the save, and
-a save with torch's CRC-32 switched off still stores the very bytes ``FileSystemWriter`` writes."""
+and the commit copies them from there, checked against their hash as ``torch.save`` wrote them:
+the file holds only the zip around them, a tensor changed before the commit's copy refuses the
+save, and a save with torch's CRC-32 switched off still stores the very bytes ``FileSystemWriter``
+writes."""
 
 from __future__ import annotations
 
@@ -65,6 +66,25 @@ def test_a_tensor_changed_before_the_copy_is_refused_and_a_lent_range_is_read_wh
         memory.close()
 
 
+@pytest.mark.parametrize("after", [b"tail", b""], ids=["other-bytes-next", "last-write"])
+def test_a_tensors_bytes_with_no_zip_descriptor_after_them_are_written_into_the_file(after: bytes) -> None:
+    """Only a write followed by a zip data descriptor is lent; any other is the file's own bytes."""
+    tensor = torch.arange(1024, dtype=torch.float32)
+    memory = MemoryFile("t")
+    try:
+        with memory.writer() as stream:
+            stream.write(b"head")
+            stream.lend(tensor)
+            stream.write(memoryview(tensor.numpy()).cast("B"))
+            if after:
+                stream.write(after)  # else the stream is closed right after the tensor's bytes
+        assert memory.lent == []
+        with InputFile(memory.path) as src:
+            assert bytes(src.read(0, src.size)) == b"head" + tensor.numpy().tobytes() + after
+    finally:
+        memory.close()
+
+
 class _ChangesTheStateFirst:
     """A store handle whose part commits first change one saved tensor: the moment between the
     writer's ``torch.save`` and the commit's copy of the bytes."""
@@ -90,7 +110,7 @@ def test_a_state_changed_between_serializing_and_committing_records_no_step(tmp_
         assert store.log() == []
 
 
-def test_with_torchs_crc_off_the_bytes_are_copied_and_check_out_as_filesystemwriter_writes_them(
+def test_with_torchs_crc_off_a_save_checks_out_as_filesystemwriter_writes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(serialization_config.save, "compute_crc32", False)

@@ -16,8 +16,8 @@ such a commit from recording a step that restores wrong data:
 A memory file of the DCP writer (``formats/memory_folder.py``) may *lend* byte ranges: a
 tensor's bytes that ``torch.save`` would have copied into the file stay in the tensor, and the
 file holds a hole there. Reading such a range copies it from the tensor instead, and that copy
-must match the CRC-32 the file's zip records for it (computed by ``torch.save`` when it wrote the
-record), so a tensor changed between the save and the commit's copy refuses the commit as a
+must hash (xxh3-128) to what the tensor's memory hashed to when ``torch.save`` handed it to the
+writer, so a tensor changed between the save and the commit's copy refuses the commit as a
 changed file does. A lent range is read whole (it is one tensor item's data record), never in
 part, so every copy of it is checked.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,11 +66,11 @@ class Identity:
 @dataclass
 class LentBytes:
     """Bytes ``[offset, offset + len(data))`` of a memory file that live outside it, in memory
-    its writer keeps alive (``owner``), with the CRC-32 its zip records for them."""
+    its writer keeps alive (``owner``), with their xxh3-128 digest as ``torch.save`` wrote them."""
 
     offset: int
     data: memoryview
-    crc: int
+    digest: bytes
     owner: object
 
     @property
@@ -173,7 +172,7 @@ class InputFile:
                 raise StoreError(f"{self.path}: bytes lent by a tensor were read in part; they are read whole")
             copy = view[at - offset : lent.end - offset]
             copy[:] = lent.data
-            if zlib.crc32(copy) != lent.crc:  # on the copy that is hashed and stored
+            if xxhash.xxh3_128_digest(copy) != lent.digest:  # on the copy that is hashed and stored
                 raise changed(self.path, "a tensor saved into it changed before the commit copied it")
             at = lent.end
 

@@ -8,7 +8,7 @@ puts each rank's tensors into the store as atoms, with no raw file written anywh
 Each rank serializes its items exactly as ``FileSystemWriter`` does (bytes items, then every
 tensor through ``torch.save``), but into an anonymous memory file (``formats/memory_folder.py``)
 that holds everything but the tensors' bytes (those stay in the tensors until the commit copies
-them, each checked against the CRC-32 torch.save wrote for it), and commits that file as its
+them, each checked against the hash of the tensor's memory as torch.save wrote it), and commits that file as its
 part of the step: the same reader cuts it into atoms by parameter, with the layer labels, dedup,
 compression and layer policy of a committed DCP folder. The coordinator then commits DCP's
 ``.metadata`` (the items' places, pickled as DCP pickles it) and
@@ -55,7 +55,6 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
-from torch.utils.serialization import config as serialization_config
 
 from tailorstore.api import Store
 from tailorstore.core.atoms import dtype_name
@@ -245,9 +244,6 @@ def serialize(into: MemoryFile, name: str, items: list[WriteItem], planner: Save
     tensor that is not contiguous is saved contiguous (the same values; ``FileSystemWriter`` would
     save its strides, which a commit of the folder refuses)."""
     results = []
-    # the CRC-32 torch.save writes after each tensor's bytes is what the commit checks its copy of
-    # them against (formats/source.py); without it, the bytes are copied into the memory file
-    lend = bool(serialization_config.save.compute_crc32)
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
         i for i in items if i.type != WriteItemType.BYTE_IO
     ]
@@ -265,8 +261,7 @@ def serialize(into: MemoryFile, name: str, items: list[WriteItem], planner: Save
                     tensor = tensor.contiguous()
                 if tensor.untyped_storage().size() != tensor.nbytes:
                     tensor = tensor.clone()
-                if lend:
-                    stream.lend(tensor)  # its bytes stay in the tensor; the commit copies them once
+                stream.lend(tensor)  # its bytes stay in the tensor; the commit copies them once
                 torch.save(tensor, stream)
             length = stream.tell() - offset
             results.append(
