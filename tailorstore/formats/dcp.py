@@ -132,8 +132,9 @@ _CLASSES: dict[str, Any] = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, where: str) -> None:
-        check_memo(data, where)  # a memo slot past the pickle's length: 4.2 GB zero-filled from ten bytes
+    def __init__(self, data: bytes, where: str, *, own: bool = False) -> None:
+        if not own:  # a memo slot past the pickle's length: 4.2 GB zero-filled from ten bytes
+            check_memo(data, where)
         super().__init__(io.BytesIO(data))
         self.where = where
         self.allowed = _allowed()
@@ -209,12 +210,17 @@ def _dims(value: Any, where: str, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def read_metadata(data: bytes, where: str, file_sizes: dict[str, int]) -> DcpMetadata:
-    """Parse and check ``.metadata`` against the folder's ``.distcp`` files (name -> size)."""
+def read_metadata(data: bytes, where: str, file_sizes: dict[str, int], *, own: bool = False) -> DcpMetadata:
+    """Parse and check ``.metadata`` against the folder's ``.distcp`` files (name -> size).
+
+    ``own``: bytes this process's ``pickle.dumps`` has just made (the DCP writer reading back what it
+    will store, so that a step is recorded only if it loads). Its memo check is skipped: the pickler
+    numbers memo slots one by one and writes no out-of-band buffer without a callback, and the scan
+    costs about 0.3 us a byte (0.045 s of a 150 kB ``.metadata``, on the save's critical path)."""
     if len(data) > MAX_METADATA:
         raise _bad(where, f"it is {len(data)} bytes, more than DCP metadata ever needs")
     try:
-        top = _MetadataUnpickler(data, where).load()
+        top = _MetadataUnpickler(data, where, own=own).load()
     except (UnsafePickleError, BadCheckpointError):
         raise
     except Exception as exc:  # a truncated or hostile pickle raises any of several types

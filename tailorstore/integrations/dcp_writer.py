@@ -190,7 +190,7 @@ class TailorStorageWriter(StorageWriter):
         sizes: dict[str, int] = {}
         for info in metadata.storage_data.values():
             sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
-        dcp_format.read_metadata(data, f"step {orders.step}'s {dcp_format.METADATA}", sizes)
+        dcp_format.read_metadata(data, f"step {orders.step}'s {dcp_format.METADATA}", sizes, own=True)
         folder = MemoryFolder(tag=f"step-{orders.step}", step=orders.step)
         try:
             with folder.add(dcp_format.METADATA).writer() as stream:
