@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from tailorstore.core.reused_memory import private_copy_buffer
 from tailorstore.formats import source
 from tailorstore.formats.layout import DCP_FOLDER, CheckpointLayout
 
@@ -75,7 +76,7 @@ class MemoryFile:
 
 _DESCRIPTOR = b"PK\x07\x08"  # a zip data descriptor: signature, CRC-32, then the sizes
 _DESCRIPTOR_SIZES = (16, 24)  # with 4-byte sizes, and with zip64's 8-byte ones
-_BUFFER = 1 << 20  # small writes (zip headers, pickles) gathered before they reach the file
+_BUFFER = 256 << 10  # small writes (zip headers, pickles) gathered before they reach the file
 
 
 class LendingWriter(io.RawIOBase):
@@ -91,8 +92,9 @@ class LendingWriter(io.RawIOBase):
         super().__init__()
         self._fd, self._lent = fd, lent
         self._at = self._end = 0
-        self._pending = bytearray()
-        self._pending_at = 0
+        self._buffer: memoryview | None = None  # small writes, gathered: allocated once, at the first
+        self._filled = 0  # bytes of it in use
+        self._buffer_at = 0  # the file offset of its first byte
         self._expect: Any = None  # the tensor whose bytes torch.save is about to write
         self._awaiting: source.LentBytes | None = None  # lent, if its data descriptor comes next
 
@@ -129,11 +131,7 @@ class LendingWriter(io.RawIOBase):
             self._awaiting = source.LentBytes(self._at, own, xxhash.xxh3_128_digest(view), tensor)
             self._expect = None
         else:
-            if self._pending_at + len(self._pending) != self._at or len(self._pending) >= _BUFFER:
-                self._flush()
-            if not self._pending:
-                self._pending_at = self._at
-            self._pending += view
+            self._gather(view)
         self._at += n
         self._end = max(self._end, self._at)
         return n
@@ -149,10 +147,25 @@ class LendingWriter(io.RawIOBase):
         else:
             self._put(lent.data, lent.offset)
 
+    def _gather(self, view: memoryview) -> None:
+        """``view``, to be written at the current offset: into the buffer, or straight to the file
+        when it would not fit an empty one."""
+        if self._filled and (self._buffer_at + self._filled != self._at or self._filled + len(view) > _BUFFER):
+            self._flush()
+        if len(view) > _BUFFER:
+            self._put(view, self._at)
+            return
+        if self._buffer is None:  # reused memory: a buffer allocated each save fragmented the heap
+            self._buffer = private_copy_buffer(_BUFFER)
+        if not self._filled:
+            self._buffer_at = self._at
+        self._buffer[self._filled : self._filled + len(view)] = view
+        self._filled += len(view)
+
     def _flush(self) -> None:
-        if self._pending:
-            self._put(memoryview(self._pending), self._pending_at)
-            self._pending = bytearray()
+        if self._filled and self._buffer is not None:
+            self._put(self._buffer[: self._filled], self._buffer_at)
+            self._filled = 0
 
     def _put(self, data: memoryview, offset: int) -> None:
         done = 0
@@ -163,7 +176,7 @@ class LendingWriter(io.RawIOBase):
         if not self.closed:
             self._settle()
             self._flush()
-            self._expect = None
+            self._expect = self._buffer = None
             if os.fstat(self._fd).st_size < self._end:  # a hole at the very end
                 os.ftruncate(self._fd, self._end)
         super().close()

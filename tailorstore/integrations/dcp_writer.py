@@ -44,6 +44,7 @@ import io
 import math
 import os
 import pickle
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -173,7 +174,7 @@ class TailorStorageWriter(StorageWriter):
             self.store.commit_memory(folder, self.request, part_label=orders.label, plan=orders.plan)
         finally:
             folder.close()
-            release_free_memory()  # what the save freed, in a thread that may never run again
+            _release_thread_memory()
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -198,13 +199,24 @@ class TailorStorageWriter(StorageWriter):
             self.store.commit_memory(folder, self.request, part_label=orders.label, plan=orders.plan)
         finally:
             folder.close()
-        self.store.finalize(
-            orders.step,
-            label=orders.label,
-            tag=self.request.tag,
-            lock_timeout=self.request.lock_timeout,
-            metrics=self.request.metrics,
-        )
+        try:
+            self.store.finalize(
+                orders.step,
+                label=orders.label,
+                tag=self.request.tag,
+                lock_timeout=self.request.lock_timeout,
+                metrics=self.request.metrics,
+            )
+        finally:
+            _release_thread_memory()
+
+
+def _release_thread_memory() -> None:
+    """What a save freed, handed back when it ran off the main thread (an async save's thread,
+    which may never run again: glibc keeps what a thread freed in that thread's arena). A save on
+    the main thread leaves it for the next one to reuse, and skips the trim's 0.026 s a rank."""
+    if threading.current_thread() is not threading.main_thread():
+        release_free_memory()
 
 
 def layer_sizes(plans: list[SavePlan]) -> dict[str, int]:
