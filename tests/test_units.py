@@ -140,7 +140,8 @@ def test_byte_planes_split_by_shifts_round_trip_aligned_or_not(dtype: str) -> No
 def test_the_many_core_split_writes_the_same_blobs(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Above four cores the planes are split by one strided copy each, which leaves the GIL to the
     other threads (16 threads: 17 GB/s against 3.4 for the sliced shifts, docs/benchmarks.md);
-    the stored bytes must not depend on the machine that wrote them."""
+    the stored bytes must not depend on the machine that wrote them, nor the decoded ones on the
+    machine that reads them."""
     import torch
 
     tensor = (torch.randn(1_200_003) * 1e-2).to(getattr(torch, dtype))
@@ -151,6 +152,11 @@ def test_the_many_core_split_writes_the_same_blobs(dtype: str, monkeypatch: pyte
         encoded = codec.encode(memoryview(data), itemsize=tensor.element_size(), is_float=True)
         payloads.append(b"".join(bytes(c) for c in encoded))
     assert payloads[0] == payloads[1]
+    for many in (False, True):  # and joined back by word shifts or by strided copies alike
+        monkeypatch.setattr(codec, "_MANY_CORES", many)
+        out = memoryview(bytearray(len(data)))
+        codec.decode_into(encoded.descriptor, io.BytesIO(payloads[0]), out, "test")
+        assert out == data
 
 
 def test_noisy_lower_planes_are_stored_raw_without_compressing_them(monkeypatch: pytest.MonkeyPatch) -> None:
