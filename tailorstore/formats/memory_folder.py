@@ -71,7 +71,7 @@ class MemoryFile:
             source.withdraw(self.fd)
             os.close(self.fd)
             self.fd = -1
-            self.lent = []  # the tensors it kept alive
+            self.lent.clear()  # the tensors it kept alive, for whatever still holds the list
 
 
 _DESCRIPTOR = b"PK\x07\x08"  # a zip data descriptor: signature, CRC-32, then the sizes
