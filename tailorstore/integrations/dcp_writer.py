@@ -7,11 +7,11 @@ puts each rank's tensors into the store as atoms, with no raw file written anywh
 
 Each rank serializes its items exactly as ``FileSystemWriter`` does (bytes items, then every
 tensor through ``torch.save``), but into an anonymous memory file (``formats/memory_folder.py``)
-that holds everything but the tensors' bytes (those stay in the tensors until the commit copies
-them, each checked against the hash of the tensor's memory as torch.save wrote it), and commits that file as its
-part of the step: the same reader cuts it into atoms by parameter, with the layer labels, dedup,
-compression and layer policy of a committed DCP folder. The coordinator then commits DCP's
-``.metadata`` (the items' places, pickled as DCP pickles it) and
+that holds everything but the tensors' bytes: those stay in the tensors until the commit copies
+them, each copy checked against the hash the tensor's memory had as ``torch.save`` wrote it. The
+rank commits that file as its part of the step: the same reader cuts it into atoms by parameter,
+with the layer labels, dedup, compression and layer policy of a committed DCP folder. The
+coordinator then commits DCP's ``.metadata`` (the items' places, pickled as DCP pickles it) and
 finalizes the step from the save's parts, fenced as every commit is. A checkout of the step
 writes the very folder ``FileSystemWriter`` would have written, which ``dcp.load`` and
 ``FileSystemReader`` read; :class:`tailorstore.integrations.dcp_storage.TailorStorageReader`
