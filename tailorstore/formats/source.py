@@ -156,25 +156,22 @@ class InputFile:
             self._read_file(view, offset)
             return
         end = offset + len(view)
-        i = max(bisect.bisect_right(self._lent_starts, offset) - 1, 0)
-        at = offset
-        while at < end:
-            while i < len(self._lent) and self._lent[i].end <= at:
-                i += 1
-            lent = self._lent[i] if i < len(self._lent) and self._lent[i].offset < end else None
-            upto = end if lent is None else max(lent.offset, at)
-            if upto > at:
-                self._read_file(view[at - offset : upto - offset], at)
-                at = upto
-            if lent is None:
+        at = offset  # the file's bytes up to here are filled
+        for i in range(max(bisect.bisect_right(self._lent_starts, offset) - 1, 0), len(self._lent)):
+            lent = self._lent[i]
+            if lent.offset >= end:
                 break
-            if at != lent.offset or lent.end > end:
+            if lent.end <= offset:
+                continue
+            if lent.offset < offset or lent.end > end:
                 raise StoreError(f"{self.path}: bytes lent by a tensor were read in part; they are read whole")
-            copy = view[at - offset : lent.end - offset]
+            self._read_file(view[at - offset : lent.offset - offset], at)  # the file's own bytes before it
+            copy = view[lent.offset - offset : lent.end - offset]
             copy[:] = lent.data
             if xxhash.xxh3_128_digest(copy) != lent.digest:  # on the copy that is hashed and stored
                 raise changed(self.path, "a tensor saved into it changed before the commit copied it")
             at = lent.end
+        self._read_file(view[at - offset :], at)
 
     def _read_file(self, view: memoryview, offset: int) -> None:
         done = 0
