@@ -1,6 +1,9 @@
 # Two commands a fresh clone needs: `make demo` and `make test`. Each installs what it needs.
 PYTHON ?= python3
-STAMP := .install-stamp
+# One stamp per interpreter: a new virtualenv installs afresh, whatever another one holds.
+STAMP := .install-stamp-$(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])')
+# The tests start `tailor` as a user does: from the bin folder of the Python it was installed into.
+export PATH := $(shell $(PYTHON) -c 'import os, sys; print(os.path.dirname(os.path.abspath(sys.executable)))'):$(PATH)
 
 .PHONY: install demo test lint bench
 
