@@ -1,0 +1,48 @@
+"""The job-life simulation's CI tier (testbed/job_life.py): the kept regressions, then a few seeds.
+
+Each schedule is a tiny real DeepSpeed training through ``attach``, killed on its save's path,
+restarted (at the same or another world size) and checked against the simulation's invariants:
+every rank took one decision, the job resumed its newest durable step bit for bit, no launch
+hung, ``latest``, the head and the store agree, and nothing was written outside the job's
+folders. The soak (``python -m benchmarks.job_life --schedules 200``) runs many more.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from testbed.job_life import REGRESSIONS, outcome_line, run_schedule, schedule_for
+
+pytestmark = pytest.mark.slow
+
+# seeds whose schedules cover the other shapes: a rank's kill a moment after the save, a kill at the
+# commit's blob puts with a restart at another world size, a rewind, and a kill during the recovery
+SEEDS = (4, 5, 7)
+_references: dict = {}
+
+
+@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+def test_a_kept_regression_holds_every_invariant(name: str) -> None:
+    outcome = run_schedule(REGRESSIONS[name], references=_references)
+    assert outcome.ok, outcome_line(outcome)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_seeded_schedule_holds_every_invariant(seed: int) -> None:
+    outcome = run_schedule(schedule_for(seed), references=_references)
+    assert outcome.ok, outcome_line(outcome)
+
+
+def test_the_schedules_cover_every_fault_and_restart_shape() -> None:
+    """The generator reaches every kill point, both stages, both rewind rules and a world-size change
+    within the soak's first 200 seeds (what the soak's figures in docs/benchmarks.md stand for)."""
+    schedules = [schedule_for(seed) for seed in range(200)]
+    launches = [launch for s in schedules for launch in s.launches]
+    points = {launch.kill_at for launch in launches if launch.kill_at}
+    store_points = {launch.failpoints.split("=")[0] for launch in launches if launch.failpoints}
+    assert points == {"before-save", "after-save", "after-save-delay", "next-step"}
+    assert store_points == {"commit/put", "commit/put-create", "before-publish", "after-publish"}
+    assert {s.stage for s in schedules} == {2, 3}
+    assert {launch.on_existing for launch in launches if launch.tag} == {"branch", "replace"}
+    assert any(len({launch.nproc for launch in s.launches}) > 1 for s in schedules)
+    assert any(sum(1 for launch in s.launches if launch.faulted) >= 2 for s in schedules)
