@@ -83,11 +83,29 @@ class Launch:
         return self.kill_at is not None or self.failpoints is not None
 
 
+# the integrations a schedule drives, and the launch script of each
+INTEGRATIONS = {
+    "deepspeed": ("testbed.job_life_train", []),  # attach, as the README shows it
+    "dcp": ("testbed.job_life_dcp", []),  # FSDP2, dcp.save through TailorStorageWriter, TailorStorageReader
+    "dcp-async": ("testbed.job_life_dcp", ["--async-save"]),  # the same with dcp.async_save
+}
+# the store's own kill points a DCP save reaches: each rank's part, the coordinator's finalize
+DCP_STORE_POINTS = (
+    "part/put=kill@{n}",
+    "part/put-create=kill",
+    "before-part-publish=kill",
+    "finalize/put-create=kill",
+    "before-publish=kill",
+    "after-publish=kill",
+)
+
+
 @dataclass(frozen=True)
 class Schedule:
     seed: int
-    stage: int
+    stage: int  # the ZeRO stage (DeepSpeed schedules)
     launches: tuple[Launch, ...]
+    integration: str = "deepspeed"
 
     def describe(self) -> str:
         parts = []
@@ -102,10 +120,13 @@ class Schedule:
             how = "fresh" if launch.fresh else (f"tag {launch.tag}" if launch.tag else "latest")
             extra = f" {launch.on_existing}" if launch.on_existing != "branch" else ""
             parts.append(f"L{i}[{launch.nproc}r {how}{extra}{fault}]")
-        return f"seed {self.seed} ZeRO-{self.stage}: " + " ".join(parts)
+        what = f"ZeRO-{self.stage}" if self.integration == "deepspeed" else self.integration
+        return f"seed {self.seed} {what}: " + " ".join(parts)
 
 
-def _fault(rng: random.Random, nproc: int, steps: int, first_save: int) -> dict[str, object]:
+def _fault(
+    rng: random.Random, nproc: int, steps: int, first_save: int, store_points: tuple[str, ...] = STORE_POINTS
+) -> dict[str, object]:
     """A fault drawn from the save's whole path, at one of the saves from ``first_save`` on."""
     saves = list(range(first_save, steps + 1, SAVE_EVERY))
     if rng.random() < 0.6:
@@ -118,7 +139,7 @@ def _fault(rng: random.Random, nproc: int, steps: int, first_save: int) -> dict[
             "kill_rank": rank,
             "kill_delay": round(rng.uniform(0.02, 1.5), 2) if point == "after-save-delay" else 0.0,
         }
-    point = rng.choice(STORE_POINTS).format(n=rng.randint(1, 12))
+    point = rng.choice(store_points).format(n=rng.randint(1, 12))
     if "@" not in point and len(saves) > 1 and rng.random() < 0.5:
         point += f"@{rng.randint(2, len(saves))}"  # a later save's commit, not the first
     return {"failpoints": point}
@@ -127,8 +148,11 @@ def _fault(rng: random.Random, nproc: int, steps: int, first_save: int) -> dict[
 def schedule_for(seed: int) -> Schedule:
     """The schedule ``seed`` draws (no process is started)."""
     rng = random.Random(seed)
+    integration = rng.choices(list(INTEGRATIONS), weights=[3, 1, 1])[0]
     stage = rng.choice([2, 3])
     first = rng.choice([1, 2])
+    if integration != "deepspeed":
+        return _dcp_schedule(seed, rng, integration, first)
     launches = [Launch(first, fresh=True, **_fault(rng, first, STEPS, SAVE_EVERY))]
     if rng.random() < 0.3:  # a rewind: the first launch ran whole, and a second goes back and saves again
         launches[0] = Launch(first, fresh=True)
@@ -149,6 +173,16 @@ def schedule_for(seed: int) -> Schedule:
     return Schedule(seed, stage, tuple(launches))
 
 
+def _dcp_schedule(seed: int, rng: random.Random, integration: str, first: int) -> Schedule:
+    """A DCP schedule: the saves through the writer, faulted; a restart through the reader."""
+    launches = [Launch(first, fresh=True, **_fault(rng, first, STEPS, SAVE_EVERY, DCP_STORE_POINTS))]
+    restart = rng.choice([1, 2])
+    if rng.random() < 0.25:  # the restart killed too, at its first save's part
+        launches.append(Launch(restart, failpoints="part/put-create=kill"))
+    launches.append(Launch(rng.choice([1, 2]), steps=STEPS + SAVE_EVERY))
+    return Schedule(seed, 0, tuple(launches), integration)
+
+
 @dataclass
 class Outcome:
     schedule: str
@@ -165,9 +199,10 @@ class Outcome:
 class _Job:
     """The folders of one schedule's job, and what its launches left there."""
 
-    def __init__(self, root: Path, stage: int) -> None:
+    def __init__(self, root: Path, stage: int, integration: str = "deepspeed") -> None:
         self.root = root
         self.stage = stage
+        self.integration = integration
         self.store = root / "store"
         self.save = root / "save"
         self.staging = root / "staging"
@@ -188,6 +223,8 @@ class _Job:
             "--stage", str(self.stage), "--on-existing", launch.on_existing, "--launch", str(number),
             "--data-offset", str(launch.data_offset),
         ]  # fmt: skip
+        module, extra = INTEGRATIONS[self.integration]
+        args += extra
         if launch.fresh:
             args.append("--fresh")
         if launch.tag:
@@ -202,7 +239,7 @@ class _Job:
             env["TAILOR_FAILPOINTS"] = launch.failpoints
         log = self.logs / f"launch{number}{'-probe' if probe_ref else ''}.log"
         try:
-            torchrun("testbed.job_life_train", args, nproc=launch.nproc, log=log, timeout=BOUND, node_env=[env])
+            torchrun(module, args, nproc=launch.nproc, log=log, timeout=BOUND, node_env=[env])
             ended = "ok"
         except TrainingFailed as exc:
             text = str(exc)
@@ -219,6 +256,13 @@ class _Job:
             return json.loads((self.save / "tailorstore-head.json").read_text())
         except (OSError, ValueError):
             return None
+
+    def newest_in_store(self) -> int:
+        """The newest step of run main (DCP schedules: what a resume from latest must not go below)."""
+        from tailorstore.api import Store
+
+        with Store.open(str(self.store)) as store:
+            return max((s.step for s in store.log(run="main")), default=0)
 
     def witness_of(self, step: int, before: int) -> str | None:
         """The digest the job held when it last saved ``step`` in a launch before ``before``."""
@@ -244,12 +288,13 @@ def _last_error(log: Path) -> str:
     return (errors or lines or ["(empty log)"])[-1][-300:]
 
 
-def _reference_losses(stage: int, nproc: int, cache: dict[tuple[int, int], dict[str, str]]) -> dict[str, str]:
-    """An uninterrupted run's losses, steps 1 to STEPS + SAVE_EVERY, at this stage and world size."""
-    key = (stage, nproc)
+def _reference_losses(schedule: Schedule, nproc: int, cache: dict[tuple, dict[str, str]]) -> dict[str, str]:
+    """An uninterrupted run's losses, steps 1 to STEPS + SAVE_EVERY, at this integration, stage and world size."""
+    stage = schedule.stage
+    key = (schedule.integration.removesuffix("-async"), stage, nproc)
     if key not in cache:
         with tempfile.TemporaryDirectory(prefix="tailor-joblife-ref-") as tmp:
-            job = _Job(Path(tmp), stage)
+            job = _Job(Path(tmp), stage, schedule.integration)
             ended, reports = job.run(Launch(nproc, steps=STEPS + SAVE_EVERY, fresh=True), 0)
             if ended != "ok" or not reports:
                 raise RuntimeError(f"the reference run at ZeRO-{stage}, {nproc} ranks failed: {ended}")
@@ -264,12 +309,14 @@ def run_schedule(schedule: Schedule, *, keep: Path | None = None, references: di
     outcome = Outcome(schedule.describe(), schedule.seed)
     references = {} if references is None else references
     with tempfile.TemporaryDirectory(prefix="tailor-joblife-") as tmp:
-        job = _Job(Path(tmp), schedule.stage)
+        job = _Job(Path(tmp), schedule.stage, schedule.integration)
         history_sizes: set[int] = set()  # the world sizes the state resumed next has been trained at
         on_reference_data = True
         floor = 0  # the newest step of the job's current timeline known durable: no resume may go below it
         for number, launch in enumerate(schedule.launches):
             head_before = job.head()
+            if schedule.integration != "deepspeed":
+                floor = job.newest_in_store()  # no head: every step the store holds is durable
             newest_save = max((int(p.stem.split("step")[1]) for p in job.witness.glob("launch*-step*.json")), default=0)
             ended, reports = job.run(launch, number)
             outcome.launches.append(f"L{number}: {ended}")
@@ -285,7 +332,7 @@ def run_schedule(schedule: Schedule, *, keep: Path | None = None, references: di
                 resumed = _agreed_step(reports)
                 one_size = len(history_sizes | {launch.nproc}) == 1
                 if resumed is not None and resumed > 0 and on_reference_data and one_size:
-                    want = _reference_losses(schedule.stage, launch.nproc, references)
+                    want = _reference_losses(schedule, launch.nproc, references)
                     _check_losses(outcome, number, resumed, reports, want)
             history_sizes.add(launch.nproc)
             head_after = job.head()
@@ -367,8 +414,17 @@ def _check_resume(
 def _check_end(outcome: Outcome, job: _Job, schedule: Schedule) -> None:
     from tailorstore.api import Store
 
-    head = job.head()
     last = schedule.launches[-1].steps
+    if schedule.integration != "deepspeed":
+        with Store.open(str(job.store)) as store:
+            steps = [s.step for s in store.log(run="main")]
+            if len(steps) != len(set(steps)) or not steps or max(steps) != last:
+                outcome.violations.append(f"agreeing: run 'main' holds {steps}; the job last saved step {last}")
+            report = store.verify()
+            if not report.ok:
+                outcome.violations.append(f"agreeing: verify found {report.problems[:3]}")
+        return
+    head = job.head()
     if head is None:
         outcome.violations.append("agreeing: the job's head is missing after its last launch")
         return

@@ -44,7 +44,8 @@ from testbed.teardown import exit_without_teardown
 KILL_POINTS = ("before-save", "after-save", "after-save-delay", "next-step", "after-load")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The flags every launch script of the simulation takes (testbed/job_life_dcp.py adds its own)."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--save-dir", required=True)
     p.add_argument("--store", required=True)
@@ -63,18 +64,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-ref", default=None, help="load this ref straight from the store, report it, train nothing")
     p.add_argument("--data-offset", type=int, default=0, help="train step N on the batch of step N + this")
     p.add_argument("--fresh", action="store_true", help="a first launch that does not call load_checkpoint")
-    return p.parse_args(argv)
+    return p
 
 
-def _kill_here(args: argparse.Namespace, rank: int, point: str, step: int) -> None:
+def kill_here(args: argparse.Namespace, rank: int, point: str, step: int) -> None:
     if args.kill_at != point or (point != "after-load" and step != args.kill_step):
         return
     if args.kill_rank == "all" or int(args.kill_rank) == rank:
-        _say(args, rank, {"killed_at": point, "killed_step": step})
+        say(args, rank, {"killed_at": point, "killed_step": step})
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _kill_later(args: argparse.Namespace, rank: int, step: int) -> None:
+def kill_later(args: argparse.Namespace, rank: int, step: int) -> None:
     if args.kill_at != "after-save-delay" or step != args.kill_step:
         return
     if args.kill_rank == "all" or int(args.kill_rank) == rank:
@@ -86,11 +87,23 @@ def _kill_later(args: argparse.Namespace, rank: int, step: int) -> None:
 _reports: dict[int, dict] = {}
 
 
-def _say(args: argparse.Namespace, rank: int, fields: dict) -> None:
+def report_of(rank: int) -> dict:
+    return _reports.get(rank, {})
+
+
+def write_witness(args: argparse.Namespace, rank: int, step: int, digest: str) -> None:
+    """Rank 0, before a save: what the job holds as ``step`` (the harness compares a resume with it)."""
+    if rank == 0:
+        witness = Path(args.witness_dir) / f"launch{args.launch}-step{step}.json"
+        witness.write_text(json.dumps({"step": step, "launch": args.launch, "digest": digest}))
+
+
+def say(args: argparse.Namespace, rank: int, fields: dict) -> None:
     """Merge ``fields`` into this rank's report, written whole (a temp file renamed) each time."""
     report = _reports.setdefault(rank, {"rank": rank, "launch": args.launch})
     report.update(fields)
     path = Path(args.report_dir) / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(report))
     os.replace(tmp, path)
@@ -111,7 +124,7 @@ def weights_digest(engine: object) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parser().parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(1)
     import deepspeed
@@ -119,8 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # as train_tiny: no JIT build
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
-    Path(args.report_dir).mkdir(parents=True, exist_ok=True)
-    _say(args, rank, {"world_size": torch.distributed.get_world_size(), "pid": os.getpid()})
+    say(args, rank, {"world_size": torch.distributed.get_world_size(), "pid": os.getpid()})
 
     base = train_tiny.parse_args(["--save-dir", args.save_dir, "--stage", str(args.stage), "--layers", "2"])
     torch.manual_seed(base.seed)
@@ -133,16 +145,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.probe_ref:  # what the store holds under a ref, read from the store alone (no folder on disk)
         _, client_state = load_checkpoint(engine, store, args.probe_ref)
         step = int(client_state["my_step"])
-        _say(args, rank, {"resumed": True, "resumed_step": step, "loaded_digest": weights_digest(engine)})
+        say(args, rank, {"resumed": True, "resumed_step": step, "loaded_digest": weights_digest(engine)})
         exit_without_teardown()
         return
     tailor = attach(engine, store, on_existing=args.on_existing)
-    _say(args, rank, {"attached": True})
+    say(args, rank, {"attached": True})
 
     load_path, client_state = (None, None) if args.fresh else engine.load_checkpoint(args.save_dir, tag=args.tag)
     start = int(client_state["my_step"]) if load_path is not None and client_state else 0
-    _say(args, rank, {"resumed": load_path is not None, "resumed_step": start, "loaded_digest": weights_digest(engine)})
-    _kill_here(args, rank, "after-load", start)
+    say(args, rank, {"resumed": load_path is not None, "resumed_step": start, "loaded_digest": weights_digest(engine)})
+    kill_here(args, rank, "after-load", start)
 
     losses: dict[str, str] = {}
     for step in range(start + 1, args.steps + 1):
@@ -151,20 +163,18 @@ def main(argv: list[str] | None = None) -> None:
         engine.backward(loss)
         engine.step()
         losses[str(step)] = loss.item().hex()
-        _say(args, rank, {"losses": losses})
-        _kill_here(args, rank, "next-step", step - 1)
+        say(args, rank, {"losses": losses})
+        kill_here(args, rank, "next-step", step - 1)
         if step % args.save_every == 0:
             digest = weights_digest(engine)  # collective under ZeRO-3: every rank takes part
-            if rank == 0:
-                witness = Path(args.witness_dir) / f"launch{args.launch}-step{step}.json"
-                witness.write_text(json.dumps({"step": step, "launch": args.launch, "digest": digest}))
-            _kill_here(args, rank, "before-save", step)
+            write_witness(args, rank, step, digest)
+            kill_here(args, rank, "before-save", step)
             engine.save_checkpoint(args.save_dir, client_state={"my_step": step})
-            _kill_here(args, rank, "after-save", step)
-            _kill_later(args, rank, step)
-            _say(args, rank, {"saved": [*_reports[rank].get("saved", []), step]})
+            kill_here(args, rank, "after-save", step)
+            kill_later(args, rank, step)
+            say(args, rank, {"saved": [*report_of(rank).get("saved", []), step]})
     tailor.flush()
-    _say(args, rank, {"finished": True, "finished_at": time.time()})
+    say(args, rank, {"finished": True, "finished_at": time.time()})
     exit_without_teardown()
 
 
