@@ -137,7 +137,7 @@ def _fault(
             "kill_at": point,
             "kill_step": step,
             "kill_rank": rank,
-            "kill_delay": round(rng.uniform(0.02, 1.5), 2) if point == "after-save-delay" else 0.0,
+            "kill_delay": round(rng.uniform(0.01, 0.4), 2) if point == "after-save-delay" else 0.0,
         }
     point = rng.choice(store_points).format(n=rng.randint(1, 12))
     if "@" not in point and len(saves) > 1 and rng.random() < 0.5:
