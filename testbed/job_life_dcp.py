@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     common.kill_here(args, rank, "after-load", start)
 
+    # as torchtitan does: an async save's collectives on a group of their own, or they interleave with training's
+    save_group = dist.new_group(backend="gloo") if args.async_save else None
     pending = None
     losses: dict[str, str] = {}
     for step in range(start + 1, args.steps + 1):
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.async_save:
                 if pending is not None:
                     pending.result()  # one save in flight at a time, as torchtitan does
-                pending = dcp.async_save(state(), storage_writer=writer)
+                pending = dcp.async_save(state(), storage_writer=writer, process_group=save_group)
             else:
                 dcp.save(state(), storage_writer=writer)
             common.kill_here(args, rank, "after-save", step)
