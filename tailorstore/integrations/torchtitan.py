@@ -20,8 +20,12 @@ which needs a GPU, so the tests run the sync and thread-async modes.)
   :class:`~tailorstore.integrations.dcp_storage.TailorStorageReader` (DCP reshards at any world
   size). A store without steps falls back to torchtitan's own rules: an initial load from a
   folder or from Hugging Face, or a fresh start;
-- ``_purge_stale_checkpoints``: rank 0 runs ``gc(keep_last=keep_latest_k)`` on a thread of its own,
-  one at a time, as torchtitan's purge thread deletes folders.
+- ``_purge_stale_checkpoints``: rank 0 runs ``gc(keep_last=..., run=<the job's run>)`` on a thread of
+  its own, one at a time, as torchtitan's purge thread deletes folders. Only the job's own run is
+  thinned: other trainings sharing the store keep their steps. torchtitan's rule keeps the
+  ``keep_latest_k`` newest steps counting the save just made, which in the async modes is still in
+  flight: so while it is, the gc keeps ``keep_latest_k - 1`` recorded steps (the save in flight is
+  the k-th), and once it is recorded, ``keep_latest_k``.
 
 Use it in a torchtitan config in place of the default manager::
 
@@ -39,6 +43,7 @@ import gc
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +87,7 @@ class TailorCheckpointManager(CheckpointManager):
         self.store = Store.open(config.store or None, run=config.run or MAIN_RUN)
         self.request = CommitRequest(policy=config.policy)
         self.request.spec()  # a policy that does not exist is refused now, not at the first save
-        self._gc_queue: queue.Queue[int | None] = queue.Queue()
+        self._gc_queue: queue.Queue[tuple[int, Future[Any] | None] | None] = queue.Queue()
         self._gc_thread: threading.Thread | None = None
 
     # -- where the bytes go ------------------------------------------------------------------------
@@ -151,18 +156,20 @@ class TailorCheckpointManager(CheckpointManager):
         if self._gc_thread is None:
             self._gc_thread = threading.Thread(target=self._collect, name="tailor-gc", daemon=True)
             self._gc_thread.start()
-        self._gc_queue.put(self.keep_latest_k)
+        in_flight = self.save_future if self.async_mode != AsyncMode.DISABLED else None
+        self._gc_queue.put((self.keep_latest_k, in_flight))
 
     def _collect(self) -> None:
-        """gc with ``keep_last``, one request at a time; a failed gc is said and the next one tried,
+        """gc of the job's run, one request at a time; a failed gc is said and the next one tried,
         as torchtitan's purge thread goes on after a failed deletion. The thread has a handle of
         its own (its own index connection): an async save's thread uses the manager's meanwhile,
         and the store lock, not a shared handle, orders the two."""
         own: Store | None = None
-        while (keep := self._gc_queue.get()) is not None:
+        while (request := self._gc_queue.get()) is not None:
+            keep, in_flight = request
             try:
                 own = own or Store.open(self.store.location, run=self.store.run)
-                own.gc(keep_last=keep)
+                own.gc(keep_last=kept_recorded(keep, in_flight), run=own.run)
             except Exception as exc:
                 log.warning("tailorstore: gc after a save failed: %s", exc)
         if own is not None:
@@ -174,3 +181,11 @@ class TailorCheckpointManager(CheckpointManager):
             self._gc_queue.put(None)
             self._gc_thread.join()
             self._gc_thread = None
+
+
+def kept_recorded(keep_latest_k: int, in_flight: Future[Any] | None) -> int:
+    """How many recorded steps torchtitan's rule keeps: the ``keep_latest_k`` newest counting the
+    save just made, so one fewer while that save is still in flight (an async save not done)."""
+    if in_flight is not None and not in_flight.done():
+        return max(keep_latest_k - 1, 1)
+    return keep_latest_k
