@@ -14,12 +14,19 @@ keyed by its parameter, kind, writer rank and first element; everything else in 
 zips' headers and pickles, the object items) is its container. The ``.metadata`` file itself
 is kept whole. So a checkout writes the files back byte for byte, and ``dcp.load`` reshards
 from them at any world size as it does from the save.
+
+An object item is unpickled by DCP's loader with ``torch.load(weights_only=False)``, which runs
+whatever the pickle names; so each is read at commit through the one allowlisted unpickler of
+torch zips (``torch_pickle.object_refusal``). One beyond the allowlist is still committed whole,
+as opaque bytes in the container, with a warning; ``TailorStorageReader`` checks it again at load
+and refuses it unless the caller trusts the store's objects (``trust_objects=True``).
 """
 
 from __future__ import annotations
 
 import io
 import itertools
+import logging
 import math
 import pickle
 import re
@@ -33,7 +40,9 @@ from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.tensor_ref import DTYPES, TensorRef
 from tailorstore.formats.dcp_items import skeleton_bytes
 from tailorstore.formats.source import InputFile
-from tailorstore.formats.torch_pickle import DTypeName, check_memo, read_torch_zip
+from tailorstore.formats.torch_pickle import DTypeName, check_memo, object_refusal, read_torch_zip
+
+log = logging.getLogger("tailorstore")
 
 METADATA = ".metadata"
 SUFFIX = ".distcp"
@@ -399,9 +408,14 @@ def read_distcp(src: InputFile, rel: str, meta: DcpMetadata, where: str) -> tupl
     items = meta.items.get(name, [])
     entries: list[A.TensorEntry] = []
     described = []
+    refused: list[str] = []
     for item in items:
         row: dict[str, Any] = {"fqn": item.fqn, "offset": item.offset, "length": item.length}
-        if item.chunk is not None:
+        if item.chunk is None:
+            why = object_refusal(src.window(item.offset, item.length), f"{where}: the object item {item.fqn}")
+            if why is not None:
+                refused.append(f"{item.fqn}: {why}")
+        else:
             tensor = meta.tensors[item.fqn]
             ref = _chunk_tensor(src, item, tensor, where)
             slot = len(entries)
@@ -416,6 +430,15 @@ def read_distcp(src: InputFile, rel: str, meta: DcpMetadata, where: str) -> tupl
             )
             entries.append(entry)
         described.append(row)
+    if refused:
+        log.warning(
+            "tailorstore: %s: %d object item(s) do not pass the pickle allowlist (%s%s); they are committed "
+            "as opaque bytes, and TailorStorageReader refuses to hand them to dcp.load unless trust_objects=True",
+            where,
+            len(refused),
+            refused[0][:300],
+            f" and {len(refused) - 1} more" if len(refused) > 1 else "",
+        )
     return skeleton_bytes(described), entries
 
 
