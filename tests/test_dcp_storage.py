@@ -171,7 +171,15 @@ def test_an_object_item_beyond_the_allowlist_is_committed_but_never_run_by_a_loa
         trusted = _state(9, 0) | {"train": {"step": 0, "note": "", "hook": None}}
         dcp.load(trusted, storage_reader=TailorStorageReader(store, 3, trust_objects=True))
         assert ran.exists(), "trust_objects=True hands DCP the object as it was saved"
-        assert store.verify(deep=True).ok
+        ran.unlink()
+        # a checkout writes the folder byte for byte, which DCP's own reader would run: only when trusted
+        with pytest.raises(UnsafePickleError, match="outside the allowlist"):
+            store.checkout("step=3", tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        store.checkout("step=3", tmp_path / "out", trust_pickles=True)
+        saved = tmp_path / "step-3" / "__0_0.distcp"
+        assert (tmp_path / "out" / "__0_0.distcp").read_bytes() == saved.read_bytes()
+        assert store.verify(deep=True).ok and not ran.exists()
 
 
 class _Resized:

@@ -400,9 +400,12 @@ def _start(chunk: Chunk, size: tuple[int, ...]) -> tuple[int, str]:
 # -- a .distcp file ------------------------------------------------------------------------------------------
 
 
-def read_distcp(src: InputFile, rel: str, meta: DcpMetadata, where: str) -> tuple[bytes, list[A.TensorEntry]]:
-    """(skeleton, tensor entries) of one ``.distcp`` file: every tensor item's zip parsed without
-    torch, its one tensor checked against the metadata, its bytes located in the file."""
+def read_distcp(src: InputFile, rel: str, meta: DcpMetadata, where: str) -> tuple[bytes, list[A.TensorEntry], bool]:
+    """(skeleton, tensor entries, whether an object item lies beyond the pickle allowlist) of one
+    ``.distcp`` file: every tensor item's zip parsed without torch, its one tensor checked against
+    the metadata, its bytes located in the file; every object item read through the allowlist.
+    A file with an object beyond it is recorded as needing trusted pickles, as a torch file
+    committed with ``trust_pickles`` is: a checkout writes it only when the caller trusts it."""
     name = PurePosixPath(rel).name
     rank = file_rank(name)
     items = meta.items.get(name, [])
@@ -433,13 +436,14 @@ def read_distcp(src: InputFile, rel: str, meta: DcpMetadata, where: str) -> tupl
     if refused:
         log.warning(
             "tailorstore: %s: %d object item(s) do not pass the pickle allowlist (%s%s); they are committed "
-            "as opaque bytes, and TailorStorageReader refuses to hand them to dcp.load unless trust_objects=True",
+            "as opaque bytes; TailorStorageReader refuses to hand them to dcp.load unless trust_objects=True, "
+            "and a checkout writes the file only with trust_pickles=True",
             where,
             len(refused),
             refused[0][:300],
             f" and {len(refused) - 1} more" if len(refused) > 1 else "",
         )
-    return skeleton_bytes(described), entries
+    return skeleton_bytes(described), entries, bool(refused)
 
 
 def _chunk_tensor(src: InputFile, item: Item, tensor: TensorInfo, where: str) -> TensorRef:

@@ -86,9 +86,9 @@ def untrusted(where: str) -> UnsafePickleError:
     """A file committed with trusted pickles is checked out only when the caller trusts it again (here,
     apart from the torch loader, so that a checkout that needs no torch names it too)."""
     return UnsafePickleError(
-        f"{where}: this file was committed with ",
+        f"{where}: this file holds pickles with globals outside the allowlist (committed with ",
         Call(trust_pickles=True),
-        " and holds globals outside the allowlist; pass ",
+        ", or a DCP object item kept as opaque bytes); pass ",
         Call(trust_pickles=True),
         " to check it out.",
     )
