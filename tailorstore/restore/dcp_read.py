@@ -139,9 +139,7 @@ class DcpStep:
         if not trust_objects and (why := object_refusal(MemorySource(data), where)) is not None:
             raise UnsafePickleError(
                 f"{where}: {why}, so it was not handed to dcp.load (whose unpickler would run it). If you "
-                "trust this store's objects, pass ",
-                Call("TailorStorageReader", "store", "ref", trust_objects=True),
-                ".",
+                "trust this store's objects, pass trust_objects=True to TailorStorageReader."
             )
         return data
 
