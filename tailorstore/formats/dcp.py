@@ -17,9 +17,10 @@ from them at any world size as it does from the save.
 
 An object item is unpickled by DCP's loader with ``torch.load(weights_only=False)``, which runs
 whatever the pickle names; so each is read at commit through the one allowlisted unpickler of
-torch zips (``torch_pickle.object_refusal``). One beyond the allowlist is still committed whole,
-as opaque bytes in the container, with a warning; ``TailorStorageReader`` checks it again at load
-and refuses it unless the caller trusts the store's objects (``trust_objects=True``).
+torch zips (``torch_pickle.object_refusal``, once a distinct item). One beyond the allowlist is
+still committed whole, as opaque bytes in the container, with a warning, and its file is recorded
+as needing trusted pickles; ``TailorStorageReader`` checks it again at load and refuses it unless
+the caller trusts the store's objects (``trust_objects=True``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.tensor_ref import DTYPES, TensorRef
 from tailorstore.formats.dcp_items import skeleton_bytes
 from tailorstore.formats.source import InputFile
-from tailorstore.formats.torch_pickle import DTypeName, check_memo, object_refusal, read_torch_zip
+from tailorstore.formats.torch_pickle import DTypeName, ObjectVerdicts, check_memo, read_torch_zip
 
 log = logging.getLogger("tailorstore")
 
@@ -412,10 +413,11 @@ def read_distcp(src: InputFile, rel: str, meta: DcpMetadata, where: str) -> tupl
     entries: list[A.TensorEntry] = []
     described = []
     refused: list[str] = []
+    verdicts = ObjectVerdicts()
     for item in items:
         row: dict[str, Any] = {"fqn": item.fqn, "offset": item.offset, "length": item.length}
         if item.chunk is None:
-            why = object_refusal(src.window(item.offset, item.length), f"{where}: the object item {item.fqn}")
+            why = verdicts.refusal(src.window(item.offset, item.length))
             if why is not None:
                 refused.append(f"{item.fqn}: {why}")
         else:

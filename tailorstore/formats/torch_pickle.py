@@ -328,6 +328,26 @@ def object_refusal(src: InputFile | InputWindow | MemorySource, where: str) -> s
     return None
 
 
+class ObjectVerdicts:
+    """:func:`object_refusal` of each distinct small object item once, for one file's commit or one
+    step's load: a flattened optimizer state saves the same few values (``lr``, ``betas``) as one
+    item per parameter, each the same bytes, and one check costs about 0.2 ms. Keyed by the bytes
+    themselves (never a hash a crafted item could collide with); a larger item is checked each time."""
+
+    LIMIT = 1 << 16  # bytes of an item whose verdict is kept
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, str | None] = {}
+
+    def refusal(self, src: InputFile | InputWindow | MemorySource) -> str | None:
+        if src.size > self.LIMIT:
+            return object_refusal(src, "the object item")
+        data = bytes(src.read(0, src.size))
+        if data not in self._seen:
+            self._seen[data] = object_refusal(MemorySource(data), "the object item")
+        return self._seen[data]
+
+
 def read_torch_zip(src: InputFile | InputWindow | MemorySource, where: str) -> tuple[Any, bytes] | None:
     """(the object tree, with a TensorRef holding its file offset for every tensor, and the bytes of
     its pickle), or None when the file needs torch (the caller falls back). Raises

@@ -23,7 +23,7 @@ from tailorstore.access.dcp_folders import dcp_folders, folder_metadata
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError, ThinnedStepError, UnsafePickleError
 from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.formats import dcp
-from tailorstore.formats.torch_pickle import MemorySource, object_refusal
+from tailorstore.formats.torch_pickle import MemorySource, ObjectVerdicts
 from tailorstore.formats.torch_zip import gaps
 from tailorstore.restore.checkout import inherited_layers
 from tailorstore.store.index.records import AtomRecord, BlobRecord, FileRecord
@@ -47,6 +47,7 @@ class DcpStep:
     _containers: dict[str, bytes] = field(default_factory=dict)  # file -> its container, once read
     _items: dict[tuple[str, tuple[int, ...] | None], dcp.Item] = field(default_factory=dict)
     _rows: dict[str, BlobRecord] = field(default_factory=dict)  # every stored piece's blob row, looked up once
+    _verdicts: ObjectVerdicts = field(default_factory=ObjectVerdicts)  # each distinct object item checked once
 
     def item(self, fqn: str, chunk_offsets: tuple[int, ...] | None) -> dcp.Item:
         """The stored item of ``fqn`` (a tensor's chunk at ``chunk_offsets``, or an object)."""
@@ -136,7 +137,7 @@ class DcpStep:
             raise CorruptStoreError(f"step {self.step}: the object {item.fqn} overlaps a tensor's bytes in its file")
         data = bytes(out)
         where = f"step {self.step}, {self._path(item.file)}, object item {item.fqn}"
-        if not trust_objects and (why := object_refusal(MemorySource(data), where)) is not None:
+        if not trust_objects and (why := self._verdicts.refusal(MemorySource(data))) is not None:
             raise UnsafePickleError(
                 f"{where}: {why}, so it was not handed to dcp.load (whose unpickler would run it). If you "
                 "trust this store's objects, pass trust_objects=True to TailorStorageReader."
