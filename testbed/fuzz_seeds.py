@@ -49,6 +49,7 @@ def make(out: Path) -> None:
         warnings.simplefilter("ignore")
         dcp.save({"w": torch.ones(2, 3), "step": 7}, checkpoint_id=str(out / "dcp"))
     _put(out, "dcp-metadata", (out / "dcp" / ".metadata").read_bytes())
+    _put(out, "dcp-object", *_dcp_objects(out / "dcp"), _hostile_object())
     _put(out, "safetensors", save_safetensors({"w": torch.ones(4, 3), "b": torch.zeros(2, dtype=torch.bfloat16)}))
 
     save = out / "save"
@@ -79,6 +80,36 @@ def make(out: Path) -> None:
     _put(out, "metrics", b'{"eval_loss": 1.5, "acc": null}')
     head = {"tailorstore_head": 1, "store": "ab" * 16, "run": "main", "step": 3, "created_at": now}
     _put(out, "head", json.dumps(head).encode())
+
+
+def _dcp_objects(folder: Path) -> list[bytes]:
+    """The object items (``BYTE_IO``) of a folder dcp.save wrote, each its own torch.save record."""
+    from tailorstore.formats.dcp import read_metadata
+
+    sizes = {p.name: p.stat().st_size for p in folder.glob("*.distcp")}
+    meta = read_metadata((folder / ".metadata").read_bytes(), ".metadata", sizes)
+    out = []
+    for name, items in meta.items.items():
+        data = (folder / name).read_bytes()
+        out += [data[i.offset : i.offset + i.length] for i in items if i.chunk is None]
+    return out
+
+
+class _Runs:
+    """An object whose pickle names ``os.system``: what the allowlist must refuse."""
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return (os.system, ("true",))
+
+
+def _hostile_object() -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"lr": 0.1, "hook": _Runs()}, buf)
+    return buf.getvalue()
 
 
 if __name__ == "__main__":

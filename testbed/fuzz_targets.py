@@ -16,10 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tailorstore.core.errors import UnsafePickleError
 from tailorstore.formats.dcp import read_metadata
 from tailorstore.formats.safetensors_file import read_safetensors
 from tailorstore.formats.source import InputFile
-from tailorstore.formats.torch_pickle import load_pickle_tree, read_torch_zip
+from tailorstore.formats.torch_pickle import MemorySource, load_pickle_tree, object_refusal, read_torch_zip
 from tailorstore.store import archive_codec, manifest_objects, parts
 from tailorstore.store.backends.location import resolve
 from tailorstore.store.packs import pack as packs
@@ -46,6 +47,15 @@ def pickle_tree(data: bytes, work: Path) -> Any:
 def dcp_metadata(data: bytes, work: Path) -> Any:
     meta = read_metadata(data, ".metadata", {"__0_0.distcp": 1 << 20, "__1_0.distcp": 1 << 20})
     return sorted(meta.tensors)
+
+
+def dcp_object(data: bytes, work: Path) -> Any:
+    """A DCP object item's bytes as the reader reads them back from the store before it hands them
+    to ``dcp.load`` (``DcpStep.object_bytes``): the allowlist's verdict, or the refusal it raises."""
+    why = object_refusal(MemorySource(data), "object item")
+    if why is not None:
+        raise UnsafePickleError(f"object item: {why}")
+    return "passed"
 
 
 def safetensors_file(data: bytes, work: Path) -> Any:
@@ -138,6 +148,7 @@ TARGETS: dict[str, Target] = {
     "torch-zip": torch_zip,
     "pickle": pickle_tree,
     "dcp-metadata": dcp_metadata,
+    "dcp-object": dcp_object,
     "safetensors": safetensors_file,
     "manifest": manifest_object,
     "part": part_object,

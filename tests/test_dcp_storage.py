@@ -115,3 +115,145 @@ def test_a_step_the_store_does_not_hold_is_one_error(two_steps) -> None:
     store, _, _ = two_steps
     with pytest.raises(CheckpointException, match="step 99 is not in the store"):
         dcp.load(_state(9, 0), storage_reader=TailorStorageReader(store, 99))
+
+
+class _Runs:
+    """An object whose pickle runs a command when unpickled (``os.system``), as a hostile save's is."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return (os.system, (self.command,))
+
+
+def _failures(caught: pytest.ExceptionInfo[CheckpointException]) -> list[BaseException]:
+    return [error for error, _ in caught.value.failures.values()]
+
+
+def test_an_object_item_beyond_the_allowlist_is_committed_but_never_run_by_a_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A DCP folder whose object item's pickle runs a command: committed whole (with a warning),
+    saved the same through the writer, and refused by every load with one line naming the item and
+    the global, the command never run; a caller who trusts the store's objects says so by name."""
+    from tailorstore.core.errors import Category, UnsafePickleError
+    from tailorstore.integrations.dcp_writer import TailorStorageWriter
+
+    ran = tmp_path / "ran"
+    state = _state(1, 3)
+    state["train"]["hook"] = _Runs(f"touch {ran}")
+    dcp.save(state, checkpoint_id=str(tmp_path / "step-3"))
+    assert not ran.exists()
+    with Store.init(tmp_path / "store") as store:
+        with caplog.at_level("WARNING", logger="tailorstore"):
+            store.commit(tmp_path / "step-3")
+            dcp.save(state, storage_writer=TailorStorageWriter(store, step=4))
+        warned = [r.getMessage() for r in caplog.records if "pickle allowlist" in r.getMessage()]
+        assert len(warned) == 2 and all("train.hook" in w and "posix.system" in w for w in warned), warned
+        for step in (3, 4):
+            with pytest.raises(CheckpointException) as caught:
+                dcp.load(_state(9, 0) | {"train": {"step": 0, "note": "", "hook": None}},
+                         storage_reader=TailorStorageReader(store, step))  # fmt: skip
+            (error,) = _failures(caught)
+            assert isinstance(error, UnsafePickleError) and error.category is Category.BAD_INPUT
+            assert "train.hook" in str(error) and "posix.system" in str(error) and "trust_objects=True" in str(error)
+            assert not ran.exists(), "the load ran the object's pickle"
+        # the model and the allowlisted objects load without the hostile one
+        loaded = {"model": _state(9, 0)["model"], "train": {"step": 0, "note": ""}}
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        partial = DefaultLoadPlanner(allow_partial_load=True)
+        dcp.load(loaded, storage_reader=TailorStorageReader(store, 3), planner=partial)
+        assert _equal(loaded["model"], state["model"]) and loaded["train"] == {"step": 3, "note": "seed 1"}
+        trusted = _state(9, 0) | {"train": {"step": 0, "note": "", "hook": None}}
+        dcp.load(trusted, storage_reader=TailorStorageReader(store, 3, trust_objects=True))
+        assert ran.exists(), "trust_objects=True hands DCP the object as it was saved"
+        ran.unlink()
+        # a checkout writes the folder byte for byte, which DCP's own reader would run: only when trusted
+        with pytest.raises(UnsafePickleError, match="outside the allowlist"):
+            store.checkout("step=3", tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        store.checkout("step=3", tmp_path / "out", trust_pickles=True)
+        saved = tmp_path / "step-3" / "__0_0.distcp"
+        assert (tmp_path / "out" / "__0_0.distcp").read_bytes() == saved.read_bytes()
+        assert store.verify(deep=True).ok and not ran.exists()
+
+
+class _Resized:
+    """A load planner whose destination for one tensor is not the size of the chunk it asks for."""
+
+    def __new__(cls, fqn: str, shape: tuple[int, ...]):  # type: ignore[no-untyped-def]
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        class Planner(DefaultLoadPlanner):
+            def resolve_tensor(self, read_item):  # type: ignore[no-untyped-def]
+                if read_item.dest_index.fqn == fqn:
+                    return torch.zeros(shape)
+                return super().resolve_tensor(read_item)
+
+        return Planner()
+
+
+@pytest.mark.parametrize("shape", [(0,), (32, 16), (128, 16)], ids=["empty", "smaller", "larger"])
+def test_a_destination_that_does_not_fit_its_chunk_is_a_size_mismatch(two_steps, shape: tuple[int, ...]) -> None:
+    """FileSystemReader refuses a destination of another size than the chunk the plan asks for;
+    so does the reader, as bad input naming the item (an empty one loaded nothing, and the others
+    were called store damage)."""
+    from tailorstore.core.errors import Category
+
+    store, _, folders = two_steps
+    with pytest.raises(CheckpointException):  # DCP's own reader, for comparison
+        dcp.load(_state(9, 0), checkpoint_id=str(folders[6]), planner=_Resized("model.0.weight", shape))
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(_state(9, 0), storage_reader=TailorStorageReader(store, 6), planner=_Resized("model.0.weight", shape))
+    (error,) = _failures(caught)
+    assert isinstance(error, StoreError) and not isinstance(error, CorruptStoreError), error
+    assert error.category is Category.BAD_INPUT and "size mismatch" in str(error) and "model.0.weight" in str(error)
+
+
+def test_a_thinned_step_loads_its_model_and_says_it_was_thinned(two_steps, tmp_path: Path) -> None:
+    """gc thins step 3 to weights (its moments go): asking for the whole state says the step was
+    thinned, as checkout does, and loads nothing; the model alone loads as saved."""
+    from tailorstore.core.errors import ThinnedStepError
+
+    store, saved, _ = two_steps
+    store.gc(keep_last=1, thin="weights")
+    assert store.verify(deep=True).ok
+    ours = _state(9, 0)
+    before = {k: v.clone() for k, v in ours["model"].items()}
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(ours, storage_reader=TailorStorageReader(store, 3))
+    (error,) = _failures(caught)
+    assert isinstance(error, ThinnedStepError) and "thinned to weights" in str(error), error
+    assert "exp_avg" in str(error) and "model alone" in str(error)
+    assert _equal(ours["model"], before), "nothing was loaded"
+    model = {"model": _state(9, 0)["model"]}
+    dcp.load(model, storage_reader=TailorStorageReader(store, 3))
+    assert _equal(model["model"], saved[3]["model"])
+
+
+def test_a_composite_step_loads_with_the_warning_a_checkout_gives(tmp_path: Path, caplog) -> None:
+    """A step whose layers come from earlier steps (a parity commit) loads as its checkout does,
+    with the shared composite warning; a whole step loads without one."""
+    store = Store.init(tmp_path / "store")
+    try:
+        for step, policy in ((3, "full"), (6, "parity")):
+            dcp.save(_state(step, step), checkpoint_id=str(tmp_path / f"step-{step}"))
+            store.commit(tmp_path / f"step-{step}", policy=policy)
+        inherited = store.checkout("step=6", tmp_path / "out").inherited
+        assert inherited, "the parity commit inherits layers"
+        for step, composite in ((3, False), (6, True)):
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="tailorstore"):
+                ours, theirs = _state(9, 0), _state(9, 0)
+                dcp.load(ours, storage_reader=TailorStorageReader(store, step))
+            warned = [r.getMessage() for r in caplog.records if "a composite" in r.getMessage()]
+            assert len(warned) == int(composite), warned
+            if composite:
+                dcp.load(theirs, checkpoint_id=str(tmp_path / "out"))
+                assert _equal(ours, theirs) and f"resuming from step {step}" in warned[0]
+    finally:
+        store.close()

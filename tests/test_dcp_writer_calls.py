@@ -51,11 +51,9 @@ def _refused(store: Store, writer: TailorStorageWriter, *words: str, checkpoint_
         assert word in str(caught.value), (word, str(caught.value))
 
 
-def test_a_save_without_a_step_or_under_a_measuring_policy_writes_nothing(store: Store) -> None:
+def test_a_save_without_a_step_writes_nothing(store: Store) -> None:
     _refused(store, TailorStorageWriter(store), "needs the step")
-    _refused(store, TailorStorageWriter(store, checkpoint_id=None), "needs the step")
     _refused(store, TailorStorageWriter(store), "names no step", checkpoint_id="/runs/latest")
-    _refused(store, TailorStorageWriter(store, step=3, policy="adaptive"), "adaptive", "full, parity or filter")
     assert store.log() == [] and store.parts(3) == []
     used = store.usage()
     assert used.stored_bytes == used.index_bytes  # no blob was written
@@ -118,3 +116,29 @@ def test_a_name_too_long_for_the_metadata_reader_is_refused_before_anything_is_w
         dcp.save(state, storage_writer=TailorStorageWriter(store, step=3))
     assert "a name of 5006 characters" in str(caught.value)
     assert store.log() == [] and store.parts(3) == []
+
+
+def test_options_and_the_store_are_checked_when_the_writer_is_built(store: Store, tmp_path: Path) -> None:
+    """A misspelt option, a policy the writer cannot apply (budget measures the whole step) and a
+    store that is neither a Store nor a location are refused by the constructor, in one line each;
+    a location is opened as Store.open opens it."""
+    from tailorstore.core.errors import PolicyError, StoreError
+
+    with pytest.raises(PolicyError, match="polcy"):
+        TailorStorageWriter(store, step=3, polcy="parity")
+    with pytest.raises(PolicyError, match="checkpoint_id"):  # DCP's argument, given to the writer
+        TailorStorageWriter(store, checkpoint_id=None)
+    for policy in ("budget", "adaptive"):
+        with pytest.raises(StoreError, match=f"the {policy} policy measures .* full, parity or filter"):
+            TailorStorageWriter(store, step=3, policy=policy)
+    for wrong in (None, 3, object()):
+        with pytest.raises(StoreError, match="give a Store"):
+            TailorStorageWriter(wrong, step=3)  # type: ignore[arg-type]
+        with pytest.raises(StoreError, match="give a Store"):
+            TailorStorageReader(wrong, 3)  # type: ignore[arg-type]
+    assert store.log() == [] and store.parts(3) == []
+    for step, location in ((3, str(tmp_path / "store")), (4, tmp_path / "store")):
+        dcp.save(_state(1, step), storage_writer=TailorStorageWriter(location, step=step))
+        loaded = _state(9, 0)
+        dcp.load(loaded, storage_reader=TailorStorageReader(location, f"step={step}"))
+        assert _equal(loaded, _state(1, step))

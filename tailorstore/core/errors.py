@@ -75,6 +75,8 @@ class BadCheckpointError(TailorError):
 class UnsafePickleError(BadCheckpointError):
     """A pickle asks for a global outside the allowlist; we refuse to run it."""
 
+    needs: str | None = None  # the global refused (``module.name``), where one was
+
 
 class InputChangedError(BadCheckpointError):
     """An input file changed, was replaced or was cut short while a commit read it."""

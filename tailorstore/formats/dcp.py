@@ -14,12 +14,20 @@ keyed by its parameter, kind, writer rank and first element; everything else in 
 zips' headers and pickles, the object items) is its container. The ``.metadata`` file itself
 is kept whole. So a checkout writes the files back byte for byte, and ``dcp.load`` reshards
 from them at any world size as it does from the save.
+
+An object item is unpickled by DCP's loader with ``torch.load(weights_only=False)``, which runs
+whatever the pickle names; so each is read at commit through the one allowlisted unpickler of
+torch zips (``torch_pickle.object_refusal``, once a distinct item). One beyond the allowlist is
+still committed whole, as opaque bytes in the container, with a warning, and its file is recorded
+as needing trusted pickles; ``TailorStorageReader`` checks it again at load and refuses it unless
+the caller trusts the store's objects (``trust_objects=True``).
 """
 
 from __future__ import annotations
 
 import io
 import itertools
+import logging
 import math
 import pickle
 import re
@@ -33,7 +41,9 @@ from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.tensor_ref import DTYPES, TensorRef
 from tailorstore.formats.dcp_items import skeleton_bytes
 from tailorstore.formats.source import InputFile
-from tailorstore.formats.torch_pickle import DTypeName, check_memo, read_torch_zip
+from tailorstore.formats.torch_pickle import DTypeName, ObjectVerdicts, check_memo, read_torch_zip
+
+log = logging.getLogger("tailorstore")
 
 METADATA = ".metadata"
 SUFFIX = ".distcp"
@@ -391,17 +401,26 @@ def _start(chunk: Chunk, size: tuple[int, ...]) -> tuple[int, str]:
 # -- a .distcp file ------------------------------------------------------------------------------------------
 
 
-def read_distcp(src: InputFile, rel: str, meta: DcpMetadata, where: str) -> tuple[bytes, list[A.TensorEntry]]:
-    """(skeleton, tensor entries) of one ``.distcp`` file: every tensor item's zip parsed without
-    torch, its one tensor checked against the metadata, its bytes located in the file."""
+def read_distcp(src: InputFile, rel: str, meta: DcpMetadata, where: str) -> tuple[bytes, list[A.TensorEntry], bool]:
+    """(skeleton, tensor entries, whether an object item lies beyond the pickle allowlist) of one
+    ``.distcp`` file: every tensor item's zip parsed without torch, its one tensor checked against
+    the metadata, its bytes located in the file; every object item read through the allowlist.
+    A file with an object beyond it is recorded as needing trusted pickles, as a torch file
+    committed with ``trust_pickles`` is: a checkout writes it only when the caller trusts it."""
     name = PurePosixPath(rel).name
     rank = file_rank(name)
     items = meta.items.get(name, [])
     entries: list[A.TensorEntry] = []
     described = []
+    refused: list[str] = []
+    verdicts = ObjectVerdicts()
     for item in items:
         row: dict[str, Any] = {"fqn": item.fqn, "offset": item.offset, "length": item.length}
-        if item.chunk is not None:
+        if item.chunk is None:
+            why = verdicts.refusal(src.window(item.offset, item.length))
+            if why is not None:
+                refused.append(f"{item.fqn}: {why}")
+        else:
             tensor = meta.tensors[item.fqn]
             ref = _chunk_tensor(src, item, tensor, where)
             slot = len(entries)
@@ -416,7 +435,17 @@ def read_distcp(src: InputFile, rel: str, meta: DcpMetadata, where: str) -> tupl
             )
             entries.append(entry)
         described.append(row)
-    return skeleton_bytes(described), entries
+    if refused:
+        log.warning(
+            "tailorstore: %s: %d object item(s) do not pass the pickle allowlist (%s%s); they are committed "
+            "as opaque bytes; TailorStorageReader refuses to hand them to dcp.load unless trust_objects=True, "
+            "and a checkout writes the file only with trust_pickles=True",
+            where,
+            len(refused),
+            refused[0][:300],
+            f" and {len(refused) - 1} more" if len(refused) > 1 else "",
+        )
+    return skeleton_bytes(described), entries, bool(refused)
 
 
 def _chunk_tensor(src: InputFile, item: Item, tensor: TensorInfo, where: str) -> TensorRef:

@@ -56,7 +56,7 @@ class ReadFile:
     source: Path
     skeleton: bytes | None = None
     entries: list[TensorEntry] = field(default_factory=list)
-    trusted: bool = False  # loading it needed --trust-pickles
+    trusted: bool = False  # loading it needed --trust-pickles (a .distcp file: an object item beyond the allowlist)
     meta: dict[str, int] = field(default_factory=dict)  # step, ZeRO stage, world size, when the file says
     located: bool = False  # every tensor's file offset is known: tensors are meta, bytes come from the file
     tree: object = None  # the skeleton before pickling (torch files)
@@ -160,7 +160,7 @@ def read_checkpoint(
                     if str(folder) not in dcp_metas:
                         dcp_metas[str(folder)] = _dcp_metadata(folder)
                     meta = dcp_metas[str(folder)]
-                out.skeleton, out.entries = dcp.read_distcp(src, rel, meta, layout.where(rel))
+                out.skeleton, out.entries, out.trusted = dcp.read_distcp(src, rel, meta, layout.where(rel))
                 out.located, out.meta = True, {"world_size": meta.world_size}
             elif kind == SAFETENSORS:
                 parsed = read_safetensors(src, str(source))

@@ -33,6 +33,7 @@ from typing import Any
 from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, UnsafePickleError
 from tailorstore.core.tensor_ref import DTYPES, TensorRef, contiguous_strides, numel_of
 from tailorstore.formats.source import InputFile, InputWindow
+from tailorstore.formats.torch_zip import BytesWindow, window_records
 
 # DeepSpeed's own classes seen in DeepSpeed 0.14 to 0.19 checkpoints; kept as Opaque objects.
 DEEPSPEED_GLOBALS = (
@@ -85,9 +86,9 @@ def untrusted(where: str) -> UnsafePickleError:
     """A file committed with trusted pickles is checked out only when the caller trusts it again (here,
     apart from the torch loader, so that a checkout that needs no torch names it too)."""
     return UnsafePickleError(
-        f"{where}: this file was committed with ",
+        f"{where}: this file holds pickles with globals outside the allowlist (committed with ",
         Call(trust_pickles=True),
-        " and holds globals outside the allowlist; pass ",
+        ", or a DCP object item kept as opaque bytes); pass ",
         Call(trust_pickles=True),
         " to check it out.",
     )
@@ -266,12 +267,14 @@ class _Unpickler(pickle.Unpickler):
         if found is None and module == "torch":
             raise NotPlainTorchSave(f"torch.{name}")  # a dtype or storage we do not cut: torch's loader decides
         if found is None:
-            raise UnsafePickleError(
+            refused = UnsafePickleError(
                 f"{self.where}: the pickle needs {module}.{name}, which is not on tailorstore's allowlist, so it "
                 "was not loaded. If you trust this file, run again with ",
                 Call(trust_pickles=True),
                 ".",
             )
+            refused.needs = f"{module}.{name}"  # for a caller that words its own hint (the DCP reader)
+            raise refused
         return found
 
     def persistent_load(self, pid: Any) -> _Storage:
@@ -288,7 +291,64 @@ class _Unpickler(pickle.Unpickler):
         return _Storage(key, storage_type.dtype, numel, record[0])
 
 
-def read_torch_zip(src: InputFile | InputWindow, where: str) -> tuple[Any, bytes] | None:
+class MemorySource:
+    """A torch.save zip held in memory (a DCP object item read back from the store), read as
+    :func:`read_torch_zip` reads a file."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def zip_records(self) -> dict[str, tuple[int, int]]:
+        return window_records(BytesWindow(self.data), "an object item")
+
+    def read(self, offset: int, length: int) -> memoryview:
+        if offset < 0 or length < 0 or offset + length > len(self.data):
+            raise BadCheckpointError(f"a read of {length} bytes at {offset}, past the end of the object item")
+        return memoryview(self.data)[offset : offset + length]
+
+
+def object_refusal(src: InputFile | InputWindow | MemorySource, where: str) -> str | None:
+    """Why the ``torch.save`` record of a DCP object item (a ``BYTE_IO`` item: DCP's loader unpickles
+    it with ``torch.load(weights_only=False)``, which runs whatever it names) does not pass the
+    allowlist of :func:`read_torch_zip`, or None when it does. The one check of an object item's
+    bytes, at commit (``formats/dcp.py``) and again at load (``restore/dcp_read.py``), since the
+    store's bytes are read as hostile too."""
+    try:
+        parsed = read_torch_zip(src, where)
+    except UnsafePickleError as exc:
+        return f"its pickle needs {exc.needs}, which is not on tailorstore's allowlist" if exc.needs else str(exc)
+    except BadCheckpointError as exc:
+        return f"it does not read as a torch.save record ({str(exc)[:200]})"
+    if parsed is None:
+        return "it is not a plain torch.save record that tailorstore's allowlisted reader takes"
+    return None
+
+
+class ObjectVerdicts:
+    """:func:`object_refusal` of each distinct small object item once, for one file's commit or one
+    step's load: a flattened optimizer state saves the same few values (``lr``, ``betas``) as one
+    item per parameter, each the same bytes, and one check costs about 0.2 ms. Keyed by the bytes
+    themselves (never a hash a crafted item could collide with); a larger item is checked each time."""
+
+    LIMIT = 1 << 16  # bytes of an item whose verdict is kept
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, str | None] = {}
+
+    def refusal(self, src: InputFile | InputWindow | MemorySource) -> str | None:
+        if src.size > self.LIMIT:
+            return object_refusal(src, "the object item")
+        data = bytes(src.read(0, src.size))
+        if data not in self._seen:
+            self._seen[data] = object_refusal(MemorySource(data), "the object item")
+        return self._seen[data]
+
+
+def read_torch_zip(src: InputFile | InputWindow | MemorySource, where: str) -> tuple[Any, bytes] | None:
     """(the object tree, with a TensorRef holding its file offset for every tensor, and the bytes of
     its pickle), or None when the file needs torch (the caller falls back). Raises
     UnsafePickleError for a global outside the allowlist, BadCheckpointError for a damaged file."""

@@ -71,6 +71,29 @@ class Window(io.RawIOBase):
         return os.pread(self.fd, size, self.base + offset) if size else b""
 
 
+class BytesWindow(Window):
+    """A torch.save zip held in memory (an object item read back from the store), read as
+    :class:`Window` reads one from a file."""
+
+    def __init__(self, data: bytes) -> None:
+        io.RawIOBase.__init__(self)
+        self.fd, self.base, self.length, self.at = -1, 0, len(data), 0
+        self.data = memoryview(data)
+
+    def fileno(self) -> int:
+        raise OSError("an in-memory zip has no descriptor")
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        got = self.data[self.at : self.at + len(view)]
+        view[: len(got)] = got
+        self.at += len(got)
+        return len(got)
+
+    def pread(self, size: int, offset: int) -> bytes:
+        return bytes(self.data[offset : offset + max(0, size)]) if offset >= 0 else b""
+
+
 def _data_offset(f: Window, info: zipfile.ZipInfo, where: str) -> int:
     """The offset of a record's bytes: after its local header, whose name and extra lengths
     may differ from the central directory's (torch pads the extra field to align data)."""
@@ -85,20 +108,26 @@ def record_offsets(path: Path | int, base: int = 0, length: int | None = None) -
     """Record name -> (offset of its bytes, size), for every record of a stored torch zip (a path,
     or a file descriptor open for reading); with ``base`` and ``length``, of the zip that fills
     that range of the file, offsets counted from ``base``."""
-    out: dict[str, tuple[int, int]] = {}
     fd = path if isinstance(path, int) else os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
-        with Window(fd, base, length) as f, zipfile.ZipFile(f) as z:
-            for info in z.infolist():
-                if info.compress_type != zipfile.ZIP_STORED:
-                    return {}  # not written by torch.save; no container
-                offset = _data_offset(f, info, str(path))
-                if offset + info.file_size > f.length:
-                    raise zipfile.BadZipFile(f"record {info.filename} reaches past the end of the zip")
-                out[info.filename] = (offset, info.file_size)
+        with Window(fd, base, length) as f:
+            return window_records(f, str(path))
     finally:
         if not isinstance(path, int):
             os.close(fd)
+
+
+def window_records(f: Window, where: str) -> dict[str, tuple[int, int]]:
+    """:func:`record_offsets` of the zip that fills a window (of a file, or of bytes in memory)."""
+    out: dict[str, tuple[int, int]] = {}
+    with zipfile.ZipFile(f) as z:
+        for info in z.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                return {}  # not written by torch.save; no container
+            offset = _data_offset(f, info, where)
+            if offset + info.file_size > f.length:
+                raise zipfile.BadZipFile(f"record {info.filename} reaches past the end of the zip")
+            out[info.filename] = (offset, info.file_size)
     return out
 
 

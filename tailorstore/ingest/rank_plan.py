@@ -127,17 +127,25 @@ def decide_plan(
     return PartPlan(spec.as_json(), frozenset(stored), inherited, changes)
 
 
+def check_sized_policy(spec: PolicySpec) -> PolicySpec:
+    """``spec``, if a plan from layers' sizes alone can apply it (the DCP writer checks this when it
+    is built, and :func:`plan_from_sizes` again): a policy that measures how far the masters moved
+    (adaptive, budget) needs the whole step in one place."""
+    if needs_changes(spec):
+        raise StoreError(
+            f"the {spec.name} policy measures how far each layer moved, which needs the whole step in one place; "
+            "save through the DCP writer with the full, parity or filter policy, or commit a DCP folder."
+        )
+    return spec
+
+
 def plan_from_sizes(
     repo: Repository, spec: PolicySpec, step: int, layer_bytes: dict[str, int], run: str, lock_timeout: float
 ) -> PartPlan:
     """One host, for a step whose parts are written from memory (the DCP writer): the plan from
     the layers' sizes alone, under the shared lock. A policy that measures how far the masters
     moved (adaptive, budget) needs their bytes on one host, so it is refused here."""
-    if needs_changes(spec):
-        raise StoreError(
-            f"the {spec.name} policy measures how far each layer moved, which needs the whole step in one place; "
-            "save through the DCP writer with the full, parity or filter policy, or commit a DCP folder."
-        )
+    check_sized_policy(spec)
     layers = frozenset(layer_bytes)
     with repo.lock(exclusive=False, timeout=lock_timeout) as lock:
         repo.refresh(lock)

@@ -1,8 +1,16 @@
 """tailorstore as PyTorch DCP's storage layer, loading: ``dcp.load(state, storage_reader=...)``
 reads a stored step's items straight from the store, every tensor hash-checked, no file written.
 
-    reader = TailorStorageReader(store, "latest")       # or a step, "tag=best", "id=..."
+    reader = TailorStorageReader(store, "latest")       # or a step, "tag=best", "id=..."; a Store or a location
     dcp.load(state, storage_reader=reader)
+
+An object item (``BYTE_IO``: a step count, hyperparameters) is unpickled by DCP's loader with
+``torch.load(weights_only=False)``, which runs whatever the pickle names. So the reader hands DCP
+only the object items that pass tailorstore's pickle allowlist (the one the torch zip reader
+uses), checked again as they are read; any other fails the load with one line naming it, unless
+the caller trusts the store's objects: ``TailorStorageReader(store, ref, trust_objects=True)``.
+A step gc thinned loads its model alone (its moments are gone: asking for them is refused, naming
+the tier); a composite step loads with the one warning a checkout gives.
 
 DCP's load planner asks each rank for exactly the chunks it needs (``ReadItem``), at any world
 size, so the reader reshards as ``FileSystemReader`` does. A tensor item whose whole chunk lands
@@ -19,6 +27,7 @@ one, so a commit meanwhile cannot give ranks different steps; ``set_up_storage_r
 from __future__ import annotations
 
 import io
+import os
 from collections import deque
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -43,8 +52,10 @@ from tailorstore.core.errors import StoreError
 from tailorstore.core.threads import decode_threads
 from tailorstore.formats import dcp as dcp_format
 from tailorstore.formats.tensors import dtype_from_name
+from tailorstore.integrations.dcp_writer import opened_store
 from tailorstore.integrations.distributed import from_rank0
-from tailorstore.integrations.ranks import is_distributed
+from tailorstore.integrations.ranks import is_distributed, rank
+from tailorstore.integrations.rewind import warn_if_composite
 from tailorstore.restore.dcp_read import DcpStep
 
 
@@ -52,11 +63,18 @@ class TailorStorageReader(StorageReader):
     """A ``StorageReader`` over one stored step (``ref``, resolved once, by rank 0)."""
 
     def __init__(
-        self, store: Store, ref: Ref = "latest", *, folder: str | None = None, threads: int | None = None
+        self,
+        store: Store | str | os.PathLike,
+        ref: Ref = "latest",
+        *,
+        folder: str | None = None,
+        threads: int | None = None,
+        trust_objects: bool = False,
     ) -> None:
         super().__init__()
-        self.store, self.ref, self.folder = store, ref, folder
+        self.store, self.ref, self.folder = opened_store(store), ref, folder
         self.threads = decode_threads(threads)
+        self.trust_objects = trust_objects  # hand dcp.load object items beyond the pickle allowlist too
         self._step: DcpStep | None = None
 
     # -- DCP's calls ------------------------------------------------------------------------------------
@@ -74,6 +92,8 @@ class TailorStorageReader(StorageReader):
         # rank 0 names the step, and every rank gets its answer or its failure (none waits in vain)
         stable_id = from_rank0(resolve, None, f"resolving {self.ref!r}") if is_distributed() else resolve()
         self._step = self.store.open_dcp(f"id={stable_id}", folder=self.folder)
+        if rank() == 0:  # one warning for the job, as a checkout or attach gives
+            warn_if_composite(self._step.step, self._step.inherited)
         return torch_metadata(self._step.metadata)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -89,13 +109,14 @@ class TailorStorageReader(StorageReader):
         step = self._step
         if step is None:
             raise StoreError("read_data before read_metadata: DCP's load calls them in that order")
+        items = [_stored_item(step, request) for request in plan.items]
+        step.check_held(items)  # a thinned step's dropped state is refused before anything is loaded
         with step.reading(), ThreadPoolExecutor(self.threads, thread_name_prefix="tailor-dcp-read") as pool:
             window: deque[tuple[ReadItem, torch.Tensor, Any]] = deque()  # decodes in flight, in plan order
-            for request in plan.items:
-                offsets = request.storage_index.offset
-                item = step.item(request.storage_index.fqn, tuple(offsets) if offsets is not None else None)
+            for request, item in zip(plan.items, items, strict=True):
                 if request.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(request, io.BytesIO(step.object_bytes(item)))
+                    data = step.object_bytes(item, trust_objects=self.trust_objects)  # only bytes that passed
+                    planner.load_bytes(request, io.BytesIO(data))
                     continue
                 target, into, rest = _plan_tensor(step, item, request, planner)
                 if step.any_thread(item):
@@ -111,6 +132,11 @@ class TailorStorageReader(StorageReader):
         return done
 
 
+def _stored_item(step: DcpStep, request: ReadItem) -> dcp_format.Item:
+    offsets = request.storage_index.offset
+    return step.item(request.storage_index.fqn, tuple(offsets) if offsets is not None else None)
+
+
 def _plan_tensor(
     step: DcpStep, item: dcp_format.Item, request: ReadItem, planner: LoadPlanner
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int], ...] | None]:
@@ -119,12 +145,16 @@ def _plan_tensor(
     assert item.chunk is not None
     dtype = dtype_from_name(step.metadata.tensors[item.fqn].dtype)
     target = planner.resolve_tensor(request).detach()
+    if tuple(target.size()) != tuple(request.lengths):  # FileSystemReader refuses it too: before any byte lands
+        raise StoreError(
+            f"step {step.step}, item {item.fqn}: size mismatch: the load asks for a chunk of {list(request.lengths)} "
+            f"elements of the stored {list(item.chunk.sizes)}, into a destination tensor of {list(target.size())}; "
+            "give a destination of the size the load plan names (the stored tensor's)."
+        )
     whole = tuple(request.lengths) == item.chunk.sizes and not any(request.storage_offsets)
     if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
         return target, target, None  # straight into the memory the state dict keeps
     part = tuple(zip(request.storage_offsets, request.lengths, strict=True))
-    if tuple(target.size()) != tuple(request.lengths):
-        raise StoreError(f"{item.fqn}: DCP asked for {list(request.lengths)} elements into {list(target.size())}")
     return target, torch.empty(item.chunk.sizes, dtype=dtype), part
 
 

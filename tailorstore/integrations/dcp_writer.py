@@ -67,6 +67,7 @@ from tailorstore.formats import dcp as dcp_format
 from tailorstore.formats.layout import step_from_name
 from tailorstore.formats.memory_folder import MemoryFile, MemoryFolder
 from tailorstore.ingest.commit_options import CommitRequest, PartPlan
+from tailorstore.ingest.rank_plan import check_sized_policy
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,18 @@ class RankOrders:
         return f"__{self.rank}_0{dcp_format.SUFFIX}"
 
 
+def opened_store(store: Store | str | os.PathLike) -> Store:
+    """The store a DCP reader or writer is built over: a :class:`Store`, or its location (a folder or
+    ``s3://...``, opened as :meth:`Store.open` opens it), as the other integrations take it."""
+    if isinstance(store, Store):
+        return store
+    if isinstance(store, str | os.PathLike):
+        return Store.open(store)
+    raise StoreError(
+        f"the store is a {type(store).__name__}: give a Store (Store.open(location)) or its location, a path or s3://..."
+    )
+
+
 class TailorStorageWriter(StorageWriter):
     """A ``StorageWriter`` that commits the save as step ``step`` of ``store`` (or the step
     ``checkpoint_id`` names), under ``policy`` and with ``tag`` and ``metrics``, as a commit of the
@@ -91,7 +104,7 @@ class TailorStorageWriter(StorageWriter):
 
     def __init__(
         self,
-        store: Store,
+        store: Store | str | os.PathLike,
         *,
         step: int | None = None,
         request: CommitRequest | None = None,
@@ -99,8 +112,10 @@ class TailorStorageWriter(StorageWriter):
     ) -> None:
         super().__init__()
         self.request = CommitRequest.of(request, options)
+        check_sized_policy(self.request.spec())  # a misspelt option or a policy it cannot apply: refused now
         if self.request.step is not None and step is None:
             step = self.request.step
+        store = opened_store(store)
         self._store: Store | None = store
         self._where = (store.location, store.run)
         self._pid = os.getpid()

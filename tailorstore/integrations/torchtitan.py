@@ -20,8 +20,12 @@ which needs a GPU, so the tests run the sync and thread-async modes.)
   :class:`~tailorstore.integrations.dcp_storage.TailorStorageReader` (DCP reshards at any world
   size). A store without steps falls back to torchtitan's own rules: an initial load from a
   folder or from Hugging Face, or a fresh start;
-- ``_purge_stale_checkpoints``: rank 0 runs ``gc(keep_last=keep_latest_k)`` on a thread of its own,
-  one at a time, as torchtitan's purge thread deletes folders.
+- ``_purge_stale_checkpoints``: rank 0 runs ``gc(keep_last=..., run=<the job's run>)`` on a thread of
+  its own, one at a time, as torchtitan's purge thread deletes folders. Only the job's own run is
+  thinned: other trainings sharing the store keep their steps. torchtitan's rule keeps the
+  ``keep_latest_k`` newest steps counting the save just made, which in the async modes is still in
+  flight: so while it is, the gc keeps ``keep_latest_k - 1`` recorded steps (the save in flight is
+  the k-th; at least one), and once it is recorded, ``keep_latest_k`` (:class:`Purge`).
 
 Use it in a torchtitan config in place of the default manager::
 
@@ -39,8 +43,10 @@ import gc
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -50,11 +56,15 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from tailorstore import MAIN_RUN
 from tailorstore.api import Store
 from tailorstore.core.errors import UnknownStepError
+from tailorstore.formats.layout import step_from_name
 from tailorstore.ingest.commit_options import CommitRequest
 from tailorstore.integrations.dcp_storage import TailorStorageReader
 from tailorstore.integrations.dcp_writer import TailorStorageWriter
 from tailorstore.integrations.distributed import from_rank0
 from tailorstore.integrations.ranks import is_distributed, rank
+
+if TYPE_CHECKING:
+    from tailorstore.curate.gc import GcPlan
 
 log = logging.getLogger("tailorstore")
 
@@ -82,7 +92,8 @@ class TailorCheckpointManager(CheckpointManager):
         self.store = Store.open(config.store or None, run=config.run or MAIN_RUN)
         self.request = CommitRequest(policy=config.policy)
         self.request.spec()  # a policy that does not exist is refused now, not at the first save
-        self._gc_queue: queue.Queue[int | None] = queue.Queue()
+        self._gc_queue: queue.Queue[Purge | None] = queue.Queue()
+        self._saving: int | None = None  # the step of the last dcp_save into the store
         self._gc_thread: threading.Thread | None = None
 
     # -- where the bytes go ------------------------------------------------------------------------
@@ -98,6 +109,7 @@ class TailorCheckpointManager(CheckpointManager):
         if to_hf:  # a Hugging Face folder for other tools, as torchtitan writes it
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         writer = TailorStorageWriter(self.store, request=self.request)  # checkpoint_id names the step
+        self._saving = step_from_name(PurePosixPath(checkpoint_id).name)
         if async_mode == AsyncMode.ASYNC:
             done = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg)
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
@@ -151,18 +163,19 @@ class TailorCheckpointManager(CheckpointManager):
         if self._gc_thread is None:
             self._gc_thread = threading.Thread(target=self._collect, name="tailor-gc", daemon=True)
             self._gc_thread.start()
-        self._gc_queue.put(self.keep_latest_k)
+        in_flight = self.save_future if self.async_mode != AsyncMode.DISABLED else None
+        self._gc_queue.put(Purge(self.keep_latest_k, in_flight, self._saving))
 
     def _collect(self) -> None:
-        """gc with ``keep_last``, one request at a time; a failed gc is said and the next one tried,
+        """gc of the job's run, one request at a time; a failed gc is said and the next one tried,
         as torchtitan's purge thread goes on after a failed deletion. The thread has a handle of
         its own (its own index connection): an async save's thread uses the manager's meanwhile,
         and the store lock, not a shared handle, orders the two."""
         own: Store | None = None
-        while (keep := self._gc_queue.get()) is not None:
+        while (request := self._gc_queue.get()) is not None:
             try:
                 own = own or Store.open(self.store.location, run=self.store.run)
-                own.gc(keep_last=keep)
+                request.run(own)
             except Exception as exc:
                 log.warning("tailorstore: gc after a save failed: %s", exc)
         if own is not None:
@@ -174,3 +187,35 @@ class TailorCheckpointManager(CheckpointManager):
             self._gc_queue.put(None)
             self._gc_thread.join()
             self._gc_thread = None
+
+
+class _Landed(Exception):
+    """The save counted as in flight was recorded before the gc took its lock."""
+
+
+@dataclass(frozen=True)
+class Purge:
+    """One ``keep_latest_k`` request: torchtitan's rule keeps the k newest steps counting the save
+    just made (``step``). While that save is in flight (an async save's ``in_flight`` not done) the
+    k-1 newest recorded steps stay beside it (at least one), else the k newest. Whether it is
+    recorded yet is decided where the gc plans, under the store's exclusive lock (a save's commit
+    point waits for it), so a save that lands meanwhile is never counted twice."""
+
+    keep_latest_k: int
+    in_flight: Future[Any] | None = None
+    step: int | None = None
+
+    def run(self, store: Store) -> None:
+        if self.in_flight is None or self.in_flight.done() or self.step is None or self.keep_latest_k <= 1:
+            store.gc(keep_last=self.keep_latest_k, run=store.run)
+            return
+        saving = self.step
+
+        def not_yet_recorded(plan: GcPlan) -> None:
+            if any(step == saving for _, step in (*plan.keep, *plan.drop)):
+                raise _Landed  # before anything is deleted: the gc lets go of its lock and deletes nothing
+
+        try:
+            store.gc(keep_last=self.keep_latest_k - 1, run=store.run, show_plan=not_yet_recorded)
+        except _Landed:
+            store.gc(keep_last=self.keep_latest_k, run=store.run)

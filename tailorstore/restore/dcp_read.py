@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 from tailorstore.access.atom_reader import blob_of, decode_atom_into, decode_stored_atom
 from tailorstore.access.contents import Contents
 from tailorstore.access.dcp_folders import dcp_folders, folder_metadata
-from tailorstore.core.errors import Call, CorruptStoreError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, StoreError, ThinnedStepError, UnsafePickleError
+from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.formats import dcp
+from tailorstore.formats.torch_pickle import MemorySource, ObjectVerdicts
 from tailorstore.formats.torch_zip import gaps
+from tailorstore.restore.checkout import inherited_layers
 from tailorstore.store.index.records import AtomRecord, BlobRecord, FileRecord
 from tailorstore.store.repo import Repository
 
@@ -37,11 +40,14 @@ class DcpStep:
     folder: str  # the folder's path in the step ("step-6", or "" at the top)
     metadata: dcp.DcpMetadata
     files: dict[str, FileRecord]  # .distcp file name -> its row
+    tier: str | None = None  # thinned by gc to this tier: its optimizer moments are gone
+    inherited: dict[str, int] = field(default_factory=dict)  # a composite: layer -> the step it comes from
     # (file, item offset) -> the item's pieces in file order (one, as commits cut DCP items today)
     _atoms: dict[tuple[str, int], list[AtomRecord]] = field(default_factory=dict)
     _containers: dict[str, bytes] = field(default_factory=dict)  # file -> its container, once read
     _items: dict[tuple[str, tuple[int, ...] | None], dcp.Item] = field(default_factory=dict)
     _rows: dict[str, BlobRecord] = field(default_factory=dict)  # every stored piece's blob row, looked up once
+    _verdicts: ObjectVerdicts = field(default_factory=ObjectVerdicts)  # each distinct object item checked once
 
     def item(self, fqn: str, chunk_offsets: tuple[int, ...] | None) -> dcp.Item:
         """The stored item of ``fqn`` (a tensor's chunk at ``chunk_offsets``, or an object)."""
@@ -59,6 +65,23 @@ class DcpStep:
         pieces are stored, not rebuilt from a master (which needs the index)."""
         return all(a.derived is None for a in self._atoms.get((item.file, item.offset), []))
 
+    def check_held(self, items: list[dcp.Item]) -> None:
+        """Refuse, before anything is read, a tensor item the store keeps no piece of: in a step gc
+        thinned, the state its tier dropped (the model alone still loads); elsewhere, damage."""
+        for item in items:
+            if item.chunk is None or not item.chunk.numel or self._atoms.get((item.file, item.offset)):
+                continue
+            where = f"step {self.step}, {self._path(item.file)}, item {item.fqn}"
+            if self.tier is not None:
+                raise ThinnedStepError(
+                    f"{where}: step {self.step} was thinned to {self.tier} by gc, which dropped this state "
+                    "(the optimizer's moments), so it cannot be loaded or resumed from. Load the model alone "
+                    "(a state dict of the model's entries only), or ",
+                    Call("export", f"step={self.step}", out="DIR"),
+                    " for its weights as safetensors.",
+                )
+            raise CorruptStoreError(f"{where}: the store holds no piece of it; run ", Call("verify"))
+
     def reading(self) -> AbstractContextManager[None]:
         """The block in which items are read: on an object store, their packs are read a span at
         a time (:meth:`Repository.reading`)."""
@@ -69,12 +92,16 @@ class DcpStep:
         thread where :meth:`any_thread` says so."""
         if item.chunk is None:
             raise StoreError(f"step {self.step}: {item.fqn} is an object, not a tensor")
-        if len(dest) == 0:
+        if item.chunk.numel == 0 and len(dest) == 0:
             return
-        pieces = self._atoms.get((item.file, item.offset), [])
+        if len(dest) != item.chunk.numel * DTYPES[self.metadata.tensors[item.fqn].dtype].itemsize:
+            raise StoreError(
+                f"step {self.step}: {item.fqn} is a chunk of {list(item.chunk.sizes)} "
+                f"{self.metadata.tensors[item.fqn].dtype} elements, and {len(dest)} bytes were given for it"
+            )
+        self.check_held([item])
+        pieces = self._atoms[(item.file, item.offset)]
         where = f"step {self.step}, {self._path(item.file)}, item {item.fqn}"
-        if not pieces:
-            raise CorruptStoreError(f"{where}: the store holds no piece of it; run ", Call("verify"))
         first = pieces[0].file_offset or 0
         at = 0
         for atom in pieces:
@@ -89,8 +116,10 @@ class DcpStep:
         if at != len(dest):
             raise CorruptStoreError(f"{where}: its pieces hold {at} bytes, not {len(dest)}; run ", Call("verify"))
 
-    def object_bytes(self, item: dcp.Item) -> bytes:
-        """An object item's pickled bytes (a ``BYTE_IO`` item), from its file's container."""
+    def object_bytes(self, item: dcp.Item, *, trust_objects: bool = False) -> bytes:
+        """An object item's pickled bytes (a ``BYTE_IO`` item), from its file's container, only if
+        they pass the pickle allowlist (``torch_pickle.object_refusal``): DCP's loader unpickles
+        them with ``torch.load(weights_only=False)``. ``trust_objects``: hand over any, unchecked."""
         if item.chunk is not None:
             raise StoreError(f"step {self.step}: {item.fqn} is a tensor, not an object")
         container = self._container(item.file)
@@ -106,7 +135,14 @@ class DcpStep:
             at += length
         if len(out) != item.length:
             raise CorruptStoreError(f"step {self.step}: the object {item.fqn} overlaps a tensor's bytes in its file")
-        return bytes(out)
+        data = bytes(out)
+        where = f"step {self.step}, {self._path(item.file)}, object item {item.fqn}"
+        if not trust_objects and (why := self._verdicts.refusal(MemorySource(data))) is not None:
+            raise UnsafePickleError(
+                f"{where}: {why}, so it was not handed to dcp.load (whose unpickler would run it). If you "
+                "trust this store's objects, pass trust_objects=True to TailorStorageReader."
+            )
+        return data
 
     def _container(self, name: str) -> bytes:
         if name not in self._containers:
@@ -136,7 +172,7 @@ def open_dcp_step(repo: Repository, manifest: int, folder: str | None = None) ->
         raise StoreError(f"step {facts.step} has no DCP folder {folder!r}; it has {folders}")
     prefix = f"{folder}/" if folder else ""
     meta, files = folder_metadata(repo, facts.step, rows, folder)
-    step = DcpStep(repo, manifest, facts.step, folder, meta, files)
+    step = DcpStep(repo, manifest, facts.step, folder, meta, files, facts.tier, inherited_layers(repo, manifest))
     by_file: dict[str, list[AtomRecord]] = {}
     for atom in repo.view(Contents).atoms(manifest):
         if atom.path.startswith(prefix) and atom.path[len(prefix) :] in files:
