@@ -10,13 +10,14 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple, Protocol
 
 from tailorstore.access import structure
 from tailorstore.access.changes import relative_change, stored_pieces
 from tailorstore.access.output_dir import partial_prefix, refuse_inside_store
 from tailorstore.core import atoms as A
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import MissingDependencyError, StoreError
 from tailorstore.core.layers import STATE, sort_key
 from tailorstore.store.index.records import COMMIT, MAIN_RUN, LayerRecord, ManifestRecord
 from tailorstore.store.repo import Repository
@@ -116,9 +117,8 @@ def change_matrix(repo: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
 
 def plot(repo: Repository, out: Path, run: str = MAIN_RUN) -> Path:
     """A PNG heatmap of the change of each layer over the run's manifests, written whole at ``out``."""
+    matplotlib = _matplotlib()
     _check_plot_out(repo, out)
-    import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -154,6 +154,16 @@ def plot(repo: Repository, out: Path, run: str = MAIN_RUN) -> Path:
         plt.close(fig)
         tmp.unlink(missing_ok=True)
     return out
+
+
+def _matplotlib() -> ModuleType:
+    """matplotlib, an optional dependency (the ``plot`` extra): its absence is the user's setup, said
+    in one line with what to install, before the store or the output path is touched."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependencyError("plotting", "matplotlib", "plot") from None
+    return matplotlib
 
 
 def _check_plot_out(repo: Repository, out: Path) -> None:
