@@ -306,7 +306,9 @@ def checkout(
 def export(
     selector: str = typer.Argument(..., help=SELECTOR_HELP),
     out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32: the FP32 masters rounded to this."),
+    dtype: str = typer.Option(
+        "bf16", "--dtype", help="bf16, fp16 or fp32: the weights (the FP32 masters where held) rounded to this."
+    ),
     max_shard_size: str = typer.Option(
         "5GB", "--max-shard-size", help="Split model.safetensors above this size (5GB, 500MB, 2GiB)."
     ),
@@ -318,7 +320,7 @@ def export(
     quiet: bool = QuietOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Write a step as a Hugging Face model folder (model.safetensors from the FP32 masters)."""
+    """Write a step as a Hugging Face model folder (model.safetensors from its masters, else its weights)."""
     with _open(store, run) as st:
         result = st.export(
             selector,

@@ -439,8 +439,9 @@ class Store:
         progress: Progress | None = None,
     ) -> ExportResult:
         """Write ``ref`` as a Hugging Face model folder at ``out``: ``model.safetensors`` (sharded above
-        ``max_shard_size``) from the FP32 masters in ``dtype`` (bf16, fp16 or fp32), with the step's
-        config and tokenizer files, or the ``config.json`` given."""
+        ``max_shard_size``) from the FP32 masters (else the stored weights: an HF Trainer or plain save,
+        a step thinned to weights) in ``dtype`` (bf16, fp16 or fp32), with the step's config and
+        tokenizer files, or the ``config.json`` given."""
         from tailorstore.restore.export import export_step
 
         return export_step(
