@@ -57,7 +57,7 @@ JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON.")
 TrustOpt = typer.Option(False, "--trust-pickles", help="Load pickles with globals outside the allowlist (unsafe).")
 LockOpt = typer.Option(LOCK_TIMEOUT, "--lock-timeout", help="Seconds to wait for the store lock.")
 RunOpt = typer.Option(None, "--run", help="The run whose steps step=N and latest name (default: main).")
-SELECTOR_HELP = "step=N, RUN:step=N, tag=NAME, id=HEX (as `tailor log` prints it) or latest."
+SELECTOR_HELP = "step=N, RUN:step=N, tag=NAME, id=HEX or digest=HEX (as `tailor log` prints them) or latest."
 
 
 def _open(store: str | None, run: str | None = None) -> tailorstore.Store:
@@ -349,27 +349,43 @@ def _when(ts: float) -> str:
 @app.command()
 def log(run: str | None = typer.Option(None, "--run", help="Only this run's steps."), store: str | None = StoreOpt,
         as_json: bool = JsonOpt) -> None:  # fmt: skip
-    """One line per step: step, time, tag, raw bytes, bytes newly stored, exact or composite."""
+    """One line per step: id, content digest, step, time, tag, bytes held, bytes newly stored, exact or composite."""
     with _open(store, run) as st:
         steps = st.log(run=run)
         runs = st.runs()
     base = next((r.base for r in runs if r.name == run), None)
     several = len(runs) > 1
     if as_json:
-        typer.echo(json.dumps([_asdict(s) for s in steps], indent=2))
+        typer.echo(json.dumps([_step_json(s) for s in steps], indent=2))
         return
     if base is not None:
         typer.echo(f"run {run} branched from run {base.run} step {base.step} (id={base.id})")
     column = f"{'run':10}  " if several else ""
-    typer.echo(f"{'id':13}  {column}{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
+    typer.echo(
+        f"{'id':13}  {'digest':{DIGEST_COLUMN}}  {column}{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  "
+        f"{'new':>10}  kind"
+    )
     for s in steps:
         kind = "merge" if s.origin == "merge" else "exact" if s.exact else "composite"
-        kind += f", thinned to {s.tier}" if s.tier else ""
+        kind += f", thinned to {s.tier} (saved as {human(s.raw_bytes)})" if s.tier else ""
+        held = s.raw_bytes if s.held_bytes is None else s.held_bytes
         typer.echo(
-            f"{'id=' + s.id:13}  {f'{s.run:10}  ' if several else ''}{s.step:>8}  {_when(s.created_at)}  "
-            f"{(s.tag or '-'):12}  {human(s.raw_bytes):>10}  {human(s.new_bytes):>10}  {kind}"
+            f"{'id=' + s.id:13}  {s.digest[:DIGEST_COLUMN]:{DIGEST_COLUMN}}  "
+            f"{f'{s.run:10}  ' if several else ''}{s.step:>8}  {_when(s.created_at)}  "
+            f"{(s.tag or '-'):12}  {human(held):>10}  {human(s.new_bytes):>10}  {kind}"
             f"{'  pinned' if s.pinned else ''}{_metric_text(s.metrics)}"
         )
+
+
+DIGEST_COLUMN = 12  # the leading hex digits of each step's digest that `log` prints (`show` prints all)
+
+
+def _step_json(summary: Any) -> dict:
+    """A step as --json prints it: the index's own row number left out (another host's index numbers
+    the same manifest otherwise); ``id`` and ``digest`` name it on every host."""
+    doc = _asdict(summary)
+    doc.pop("manifest", None)
+    return doc
 
 
 def _metric_text(metrics: dict[str, float | None]) -> str:
@@ -398,7 +414,7 @@ def show(
     with _open(store, run) as st:
         detail = st.show(selector)
     if as_json:
-        typer.echo(json.dumps(_asdict(detail), indent=2))
+        typer.echo(json.dumps({**_asdict(detail), "summary": _step_json(detail.summary)}, indent=2))
         return
     s = detail.summary
     typer.echo(
@@ -407,6 +423,7 @@ def show(
         f"{f'thinned to {s.tier} (exports and averages; does not resume), ' if s.tier else ''}"
         f"committed {_when(s.created_at)}, {human(s.raw_bytes)} raw, policy {s.policy.get('name')}"
     )
+    typer.echo(f"id={s.id}  digest={s.digest}")
     if s.metrics:
         typer.echo("metrics:" + _metric_text(s.metrics))
     typer.echo(f"{'layer':14}  {'source':>7}  {'raw':>10}  {'stored':>10}  {'derived':>10}  kinds")

@@ -70,9 +70,12 @@ Ref = int | str
 
 
 def selector(ref: Ref) -> str:
-    """``12`` or ``"step=12"``, ``"tag=NAME"``, ``"id=N"`` or ``"latest"``, as the store reads it."""
+    """``12`` or ``"step=12"``, ``"tag=NAME"``, ``"id=HEX"``, ``"digest=HEX"`` or ``"latest"``, as the
+    store reads it."""
     if isinstance(ref, bool) or not isinstance(ref, int | str):
-        raise StoreError(f"{ref!r} names no step: give an int step, 'step=N', 'tag=NAME', 'id=N' or 'latest'.")
+        raise StoreError(
+            f"{ref!r} names no step: give an int step, 'step=N', 'tag=NAME', 'id=HEX', 'digest=HEX' or 'latest'."
+        )
     return f"step={ref}" if isinstance(ref, int) else ref
 
 
@@ -508,7 +511,8 @@ class Store:
 
     def step(self, ref: Ref) -> StepSummary:
         """The step ``ref`` names now, as :meth:`log` lists it; its ``id`` names the same manifest on
-        every host, whatever is committed after (``f"id={summary.id}"``)."""
+        every host, whatever is committed after (``f"id={summary.id}"``), and its ``digest`` what
+        it holds, the same in every store that holds those bytes (``f"digest={summary.digest}"``)."""
         return self._summary(self.repo.resolve(self._selector(ref)))
 
     def show(self, ref: Ref) -> StepDetail:
@@ -648,8 +652,9 @@ class Store:
 
     def _summary(self, manifest: int) -> StepSummary:
         from tailorstore.report.inspect import summary
+        from tailorstore.store.digest import ContentRows
 
-        return summary(self.repo.manifest(manifest))
+        return summary(self.repo.manifest(manifest), self.repo.view(ContentRows))
 
 
 def _commit(

@@ -12,7 +12,9 @@ from typing import Protocol
 
 from tailorstore.core.layers import sort_key
 from tailorstore.core.metrics import decode as decode_metrics
-from tailorstore.store.index.records import LayerRecord, LayerTotals, ManifestRecord
+from tailorstore.store.digest import ContentRows, digest_of
+from tailorstore.formats.kinds import RAW
+from tailorstore.store.index.records import AtomContent, FileContent, LayerRecord, LayerTotals, ManifestRecord
 from tailorstore.store.repo import Repository
 
 
@@ -42,10 +44,13 @@ class StepSummary:
     policy: dict
     run: str = "main"
     id: str = "-"  # the manifest's name on every host (``id=`` selects it); ``manifest`` is this index's row
+    # (host-local: another host's index numbers the same manifest otherwise)
     tier: str | None = None  # thinned by gc to this tier (weights, master): exports and averages, no resume
     world_size: int | None = None  # the data-parallel ranks that saved it (a DeepSpeed save)
     zero_stage: int | None = None  # its ZeRO stage (a DeepSpeed save)
     metrics: dict[str, float | None] = field(default_factory=dict)  # recorded with the step (None: NaN)
+    digest: str = "-"  # the hash of what the step holds (store/digest.py; ``digest=`` selects it)
+    held_bytes: int | None = None  # the files it holds now: raw_bytes, less what thinning dropped
 
 
 @dataclass
@@ -67,8 +72,9 @@ class StepDetail:
     derived_bytes: int = 0
 
 
-def summary(r: ManifestRecord) -> StepSummary:
-    """A manifest as ``log`` lists it."""
+def summary(r: ManifestRecord, content: ContentRows | None = None) -> StepSummary:
+    """A manifest as ``log`` lists it; with the index's content rows, its digest and the bytes it holds."""
+    files, atoms = content.content_rows(r.id) if content is not None else ([], [])
     return StepSummary(
         step=r.step,
         manifest=r.id,
@@ -86,17 +92,29 @@ def summary(r: ManifestRecord) -> StepSummary:
         world_size=r.world_size,
         zero_stage=r.zero_stage,
         metrics=decode_metrics(r.metrics),
+        digest=digest_of(files, atoms) if content is not None else "-",
+        held_bytes=None if content is None else held_bytes(r, files, atoms),
     )
+
+
+def held_bytes(r: ManifestRecord, files: list[FileContent], atoms: list[AtomContent]) -> int:
+    """The bytes a step holds now: the checkpoint it checks out to, or for a thinned step (whose
+    files may keep their rows with most of their tensors dropped: an HF ``optimizer.pt`` keeps its
+    step counters) the tensors it kept and its whole files."""
+    if r.tier is None:
+        return r.raw_bytes
+    return sum(a.nbytes for a in atoms) + sum(f.raw_size for f in files if f.kind == RAW)
 
 
 def log(repo: Repository, run: str | None = None) -> list[StepSummary]:
     """Every manifest, or those of one run, by step."""
-    return [summary(r) for r in repo.view(InspectView).manifests(run)]
+    rows = repo.view(ContentRows)
+    return [summary(r, rows) for r in repo.view(InspectView).manifests(run)]
 
 
 def show(repo: Repository, selector: str) -> StepDetail:
     manifest = repo.resolve(selector)
-    head = summary(repo.manifest(manifest))
+    head = summary(repo.manifest(manifest), repo.view(ContentRows))
     per_layer = {
         x.layer: LayerSummary(x.layer, x.source_step, x.stored, change=x.change)
         for x in repo.view(InspectView).layers(manifest)
