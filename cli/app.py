@@ -435,6 +435,31 @@ def show(
     typer.echo(f"derived weights saved {human(detail.derived_bytes)} (rebuilt from the FP32 master at checkout)")
 
 
+@app.command("ls")
+def ls(
+    selector: str = typer.Argument(..., help=SELECTOR_HELP),
+    run: str | None = RunOpt,
+    store: str | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """A step's files and their sizes, as a checkout would write them, without writing anything."""
+    with _open(store, run) as st:
+        listed = st.files(selector)
+    if as_json:
+        typer.echo(json.dumps({**_asdict(listed), "summary": _step_json(listed.summary)}, indent=2))
+        return
+    s = listed.summary
+    thinned = s.tier is not None
+    typer.echo(
+        f"{'' if s.run == 'main' else f'run {s.run} '}step {s.step} (id={s.id}): {len(listed.files)} file(s), "
+        f"{human(sum(f.size for f in listed.files))}"
+        + (f"; thinned to {s.tier}: it holds {human(sum(f.held for f in listed.files))} of them" if thinned else "")
+    )
+    for f in listed.files:
+        held = f"  {human(f.held):>10} held" if thinned else ""
+        typer.echo(f"{human(f.size):>10}{held}  {f.kind:11}  {f.mode:04o}  {f.path}")
+
+
 @app.command()
 def merge(
     spec: Path = typer.Argument(

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from tailorstore.ingest.finalize import FinalizeResult
     from tailorstore.ingest.rank_parallel import Collective, RankParallelResult
     from tailorstore.report.diff import DiffResult
-    from tailorstore.report.inspect import StepDetail, StepSummary
+    from tailorstore.report.inspect import StepDetail, StepFiles, StepSummary
     from tailorstore.report.usage import Usage
     from tailorstore.report.verify import VerifyReport
     from tailorstore.restore.checkout import CheckoutResult
@@ -519,6 +519,14 @@ class Store:
         from tailorstore.report.inspect import show
 
         return show(self.repo, self._selector(ref))
+
+    def files(self, ref: Ref) -> StepFiles:
+        """The step's files as a checkout would write them (path, size, kind, mode; ``held``: what
+        the step still holds of each, less for a thinned step), from the index alone: no blob is
+        read and nothing is written."""
+        from tailorstore.report.inspect import list_files
+
+        return list_files(self.repo, self._selector(ref))
 
     def open_dcp(self, ref: Ref, *, folder: str | None = None) -> DcpStep:
         """A step's DCP folder (its only one, or ``folder``) to read item by item, every tensor

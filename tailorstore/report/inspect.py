@@ -12,9 +12,16 @@ from typing import Protocol
 
 from tailorstore.core.layers import sort_key
 from tailorstore.core.metrics import decode as decode_metrics
-from tailorstore.store.digest import ContentRows, digest_of
 from tailorstore.formats.kinds import RAW
-from tailorstore.store.index.records import AtomContent, FileContent, LayerRecord, LayerTotals, ManifestRecord
+from tailorstore.store.digest import ContentRows, digest_of
+from tailorstore.store.index.records import (
+    AtomContent,
+    FileContent,
+    FileRecord,
+    LayerRecord,
+    LayerTotals,
+    ManifestRecord,
+)
 from tailorstore.store.repo import Repository
 
 
@@ -28,6 +35,8 @@ class InspectView(Protocol):
     def layer_totals(self, manifest: int) -> list[LayerTotals]: ...
 
     def layer_stored_bytes(self, manifest: int) -> dict[str, int]: ...
+
+    def files(self, manifest: int) -> list[FileRecord]: ...
 
 
 @dataclass
@@ -72,6 +81,23 @@ class StepDetail:
     derived_bytes: int = 0
 
 
+@dataclass
+class FileSummary:
+    """One file of a step as ``tailor ls`` lists it."""
+
+    path: str  # relative to the checkout's folder, '/'-separated
+    size: int  # bytes as committed (what a checkout writes)
+    kind: str  # raw, torch, safetensors or dcp (docs/FORMAT.md section 3.1)
+    mode: int  # permission bits a checkout gives it
+    held: int  # bytes the step holds of it now: its size, less the tensors thinning dropped
+
+
+@dataclass
+class StepFiles:
+    summary: StepSummary
+    files: list[FileSummary] = field(default_factory=list)
+
+
 def summary(r: ManifestRecord, content: ContentRows | None = None) -> StepSummary:
     """A manifest as ``log`` lists it; with the index's content rows, its digest and the bytes it holds."""
     files, atoms = content.content_rows(r.id) if content is not None else ([], [])
@@ -110,6 +136,23 @@ def log(repo: Repository, run: str | None = None) -> list[StepSummary]:
     """Every manifest, or those of one run, by step."""
     rows = repo.view(ContentRows)
     return [summary(r, rows) for r in repo.view(InspectView).manifests(run)]
+
+
+def list_files(repo: Repository, selector: str) -> StepFiles:
+    """A step's files, sizes and kinds, from the index alone: what a checkout would write."""
+    manifest = repo.resolve(selector)
+    record = repo.manifest(manifest)
+    content = repo.view(ContentRows)
+    _, atoms = content.content_rows(manifest)
+    kept: dict[str, int] = {}
+    for a in atoms:
+        kept[a.path] = kept.get(a.path, 0) + a.nbytes
+    whole = record.tier is None
+    files = [
+        FileSummary(f.path, f.raw_size, f.kind, f.mode, f.raw_size if whole or f.kind == RAW else kept.get(f.path, 0))
+        for f in repo.view(InspectView).files(manifest)
+    ]
+    return StepFiles(summary(record, content), files)
 
 
 def show(repo: Repository, selector: str) -> StepDetail:
