@@ -518,9 +518,11 @@ def diff(
         return "n/a" if v is None else f"{v:.3e}"
 
     def named(selector: str, step: int) -> str:
-        """A merge carries its base's step: it is named as the user named it, not as that step."""
-        text = selector.strip().split(":", 1)[-1]
-        return f"step {step}" if text.removeprefix("step=").isdigit() else f"{selector} (on step {step})"
+        """A merge carries its base's step: it is named as the user named it, not as that step; a
+        step of another run than --run's with its run."""
+        given_run, _, text = selector.strip().rpartition(":")
+        in_run = f"run {given_run} " if given_run and given_run != (run or "main") else ""
+        return f"{in_run}step {step}" if text.removeprefix("step=").isdigit() else f"{selector} (on step {step})"
 
     typer.echo(f"relative change from {named(a, step_a)} to {named(b, step_b)}")
     typer.echo(f"{'layer':14}  {'fp32 master':>12}  {'weight':>12}")

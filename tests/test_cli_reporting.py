@@ -4,11 +4,14 @@ errors, sizes and names in plans and logs, digests, listing a step's files."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
 
-from conftest import CLI, one_line, tailor_here
+import pytest
+import torch
+from conftest import CLI, Runs, as_of_step, one_line, tailor_here
 
 
 def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path) -> None:
@@ -48,3 +51,39 @@ def test_ls_lists_a_steps_files_and_sizes_without_a_checkout(tmp_path: Path) -> 
     assert text[0].startswith(f"step 7 (id={listed['summary']['id']}): 3 file(s)")
     assert sorted(line.split()[-1] for line in text[1:]) == sorted(written)
     one_line(tailor_here("ls", "step=8", store=store), 2, "step 8")
+
+
+@pytest.mark.slow
+def test_diff_across_world_sizes_compares_by_parameter_and_names_runs(runs: Runs, tmp_path: Path) -> None:
+    """Two saves of one model at 2 ranks and at 1: diff compares each layer parameter by parameter
+    (the pieces lie on other ranks), equal to the change between zero_to_fp32's masters; a refusal
+    between runs names the runs, not "step 6 with step 6"."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from tailorstore.core.layers import layer_of
+
+    two, one = runs.get("zero2-bf16").save_dir, runs.get("zero2-bf16-1rank").save_dir
+    odd = runs.get("zero2-bf16-odd-two-groups").save_dir
+    store = tmp_path / "store"
+    assert tailor_here("init", str(store)).returncode == 0
+    assert tailor_here("commit", str(as_of_step(two, 6, tmp_path / "two")), "-q", store=store).returncode == 0
+    for name, save in (("one", one), ("odd", odd)):
+        done = tailor_here("commit", str(as_of_step(save, 6, tmp_path / name)), "--run", name, "-q", store=store)
+        assert done.returncode == 0, done.stderr
+    done = tailor_here("diff", "step=6", "one:step=6", "--json", store=store)
+    assert done.returncode == 0, done.stderr
+    got = {r["layer"]: r["master"] for r in json.loads(done.stdout)["layers"]}
+    a = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "two"), tag="global_step6")
+    b = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "one"), tag="global_step6")
+    sums: dict[str, list[float]] = {}
+    for name, ref in a.items():
+        terms = sums.setdefault(layer_of(name), [0.0, 0.0])
+        terms[0] += float(torch.sum((b[name].detach().double() - ref.detach().double()) ** 2))
+        terms[1] += float(torch.sum(ref.detach().double() ** 2))
+    expected = {layer: math.sqrt(d / r) for layer, (d, r) in sums.items()}
+    assert set(got) == set(expected)
+    for layer, value in expected.items():
+        assert value > 0 and got[layer] == pytest.approx(value, rel=1e-6), layer
+    text = tailor_here("diff", "step=6", "one:step=6", store=store).stdout
+    assert text.startswith("relative change from step 6 to run one step 6"), text
+    one_line(tailor_here("diff", "step=6", "odd:step=6", store=store), 2, "run main step 6", "run odd step 6")

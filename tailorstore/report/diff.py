@@ -13,8 +13,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple, Protocol
 
+import numpy as np
+
 from tailorstore.access import structure
-from tailorstore.access.changes import relative_change, stored_pieces
+from tailorstore.access.changes import PieceKey, relative_change, stored_pieces
 from tailorstore.access.output_dir import partial_prefix, refuse_inside_store
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import MissingDependencyError, StoreError
@@ -59,23 +61,54 @@ def diff(repo: Repository, selector_a: str, selector_b: str) -> DiffResult:
     )
     if other:
         raise StoreError(
-            f"cannot compare step {step_a} with step {step_b}: they hold different models ({'; '.join(other)})"
+            f"cannot compare {_named(ma, mb)} with {_named(mb, ma)}: they hold different models ({'; '.join(other)})"
         )
-    if (ma.world_size, ma.zero_stage) != (mb.world_size, mb.zero_stage):
-        raise StoreError(
-            f"cannot compare step {step_a} with step {step_b}: they were saved at different world sizes or ZeRO "
-            "stages, and diff compares piece by piece"
-        )
+    by_name = (ma.world_size, ma.zero_stage) != (mb.world_size, mb.zero_stage)
     layers_a = {x.layer for x in repo.view(DiffView).layers(a)}
     layers_b = {x.layer for x in repo.view(DiffView).layers(b)}
     out = []
     for layer in sorted((layers_a & layers_b) - {STATE}, key=sort_key):
-        values = []
-        for kind in (A.MASTER, A.WEIGHT):
-            old, new = stored_pieces(repo, a, layer, kind), stored_pieces(repo, b, layer, kind)
-            values.append(relative_change(new, old) if old and new else None)
+        values = [_change(repo, a, b, layer, kind, by_name) for kind in (A.MASTER, A.WEIGHT)]
         out.append(LayerDiff(layer, values[0], values[1]))
     return DiffResult(step_a, step_b, out)
+
+
+def _named(m: ManifestRecord, other: ManifestRecord) -> str:
+    """A step as a message names it beside another: with its run unless both are main's."""
+    return f"step {m.step}" if m.run == other.run == MAIN_RUN else f"run {m.run} step {m.step}"
+
+
+def _change(repo: Repository, a: int, b: int, layer: str, kind: str, by_name: bool) -> float | None:
+    """A layer's relative change of one kind from manifest ``a`` to ``b``: piece by piece where both
+    were saved in one partitioning, else parameter by parameter (each parameter's pieces joined by
+    their first element, whatever rank held them), which any two partitionings of one model allow."""
+    old, new = stored_pieces(repo, a, layer, kind), stored_pieces(repo, b, layer, kind)
+    if not old or not new:
+        return None
+    if by_name:
+        old, new = by_parameter(old), by_parameter(new)
+        if old is None or new is None or any(len(v) != len(new.get(k, ())) for k, v in old.items()):
+            return None
+    return relative_change(new, old)
+
+
+def by_parameter(pieces: dict[PieceKey, np.ndarray]) -> dict[PieceKey, np.ndarray] | None:
+    """Pure: pieces keyed (parameter, rank, start) joined into one flat array per parameter, keyed
+    (parameter, 0, 0); None where a parameter's pieces do not lie end to end (a range held twice,
+    as two ranks' copies, is taken once)."""
+    ranges: dict[str, dict[int, np.ndarray]] = {}
+    for (param, _rank, start), values in pieces.items():
+        ranges.setdefault(param, {}).setdefault(start, values)
+    out: dict[PieceKey, np.ndarray] = {}
+    for param, by_start in ranges.items():
+        cursor, parts = 0, []
+        for start in sorted(by_start):
+            if start != cursor:
+                return None
+            parts.append(by_start[start])
+            cursor += len(by_start[start])
+        out[(param, 0, 0)] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return out
 
 
 @dataclass
