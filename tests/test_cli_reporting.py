@@ -7,6 +7,7 @@ import json
 import math
 import os
 import subprocess
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,35 @@ def test_diff_across_world_sizes_compares_by_parameter_and_names_runs(runs: Runs
     text = tailor_here("diff", "step=6", "one:step=6", store=store).stdout
     assert text.startswith("relative change from step 6 to run one step 6"), text
     one_line(tailor_here("diff", "step=6", "odd:step=6", store=store), 2, "run main step 6", "run odd step 6")
+
+
+def test_plot_measures_weights_where_a_step_holds_no_masters(tmp_path: Path) -> None:
+    """An HF Trainer or plain safetensors save holds only the model's weights: each layer's change
+    is measured on them (it was None everywhere, a grey picture, reading masters only), equal to
+    the change computed from the saved tensors themselves."""
+    from safetensors.torch import load_file
+    from test_digest import save
+
+    from tailorstore.core.layers import layer_of
+    from tailorstore.report.diff import change_matrix
+    from tailorstore.store.repo import Repository
+
+    store = tmp_path / "store"
+    assert tailor_here("init", str(store)).returncode == 0
+    saves = [save(tmp_path / "s" / str(seed), seed) for seed in (1, 2, 3)]
+    for step, folder in enumerate(saves, start=1):
+        assert tailor_here("commit", str(folder), "--step", str(step), store=store).returncode == 0
+    with Repository.open(store) as repo:
+        m = change_matrix(repo)
+    assert m.columns == ["step 2", "step 3"] and not any(any(flags) for flags in m.inherited)
+
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        return {k: v.double() for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    for column, (old, new) in enumerate(pairwise(saves)):
+        a, b = tensors(old), tensors(new)
+        for row, layer in enumerate(m.layers):
+            names = [n for n in a if layer_of(n) == layer]
+            expected = math.sqrt(sum(float(((b[n] - a[n]) ** 2).sum()) for n in names) / sum(
+                float((a[n] ** 2).sum()) for n in names))  # fmt: skip
+            assert m.values[row][column] == pytest.approx(expected, rel=1e-6), (layer, column)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple, Protocol
@@ -82,14 +83,7 @@ def _change(repo: Repository, a: int, b: int, layer: str, kind: str, by_name: bo
     """A layer's relative change of one kind from manifest ``a`` to ``b``: piece by piece where both
     were saved in one partitioning, else parameter by parameter (each parameter's pieces joined by
     their first element, whatever rank held them), which any two partitionings of one model allow."""
-    old, new = stored_pieces(repo, a, layer, kind), stored_pieces(repo, b, layer, kind)
-    if not old or not new:
-        return None
-    if by_name:
-        old, new = by_parameter(old), by_parameter(new)
-        if old is None or new is None or any(len(v) != len(new.get(k, ())) for k, v in old.items()):
-            return None
-    return relative_change(new, old)
+    return _between((kind, stored_pieces(repo, a, layer, kind)), (kind, stored_pieces(repo, b, layer, kind)), by_name)
 
 
 def by_parameter(pieces: dict[PieceKey, np.ndarray]) -> dict[PieceKey, np.ndarray] | None:
@@ -137,15 +131,43 @@ def change_matrix(repo: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
     for layer in layers:
         line: list[float | None] = []
         flags: list[bool] = []
-        previous = stored_pieces(repo, rows[0].id, layer)
-        for r in rows[1:]:
-            current = stored_pieces(repo, r.id, layer)
+        previous = _measured(repo, rows[0].id, layer)
+        for before, r in pairwise(rows):
+            current = _measured(repo, r.id, layer)
             flags.append(not held.get((r.id, layer), True))
-            line.append(relative_change(current, previous) if current and previous else None)
+            by_name = (before.world_size, before.zero_stage) != (r.world_size, r.zero_stage)
+            line.append(_between(previous, current, by_name))
             previous = current
         values.append(line)
         inherited.append(flags)
     return ChangeMatrix(columns, layers, values, inherited)
+
+
+def _measured(repo: Repository, manifest: int, layer: str) -> tuple[str, dict[PieceKey, np.ndarray]]:
+    """What a layer's change is measured on at one step: its FP32 master, or its weights where the
+    step holds no master (an HF Trainer or plain save, which keeps only the model's weights)."""
+    for kind in (A.MASTER, A.WEIGHT):
+        pieces = stored_pieces(repo, manifest, layer, kind)
+        if pieces:
+            return kind, pieces
+    return A.MASTER, {}
+
+
+def _between(
+    old: tuple[str, dict[PieceKey, np.ndarray]], new: tuple[str, dict[PieceKey, np.ndarray]], by_name: bool
+) -> float | None:
+    """The change between two measurements of one kind (a master against a weight is no change)."""
+    (old_kind, old_pieces), (new_kind, new_pieces) = old, new
+    if old_kind != new_kind or not old_pieces or not new_pieces:
+        return None
+    if by_name:
+        joined_old, joined_new = by_parameter(old_pieces), by_parameter(new_pieces)
+        if joined_old is None or joined_new is None:
+            return None
+        if any(len(v) != len(joined_new.get(k, ())) for k, v in joined_old.items()):
+            return None
+        old_pieces, new_pieces = joined_old, joined_new
+    return relative_change(new_pieces, old_pieces)
 
 
 def plot(repo: Repository, out: Path, run: str = MAIN_RUN) -> Path:
@@ -174,7 +196,7 @@ def plot(repo: Repository, out: Path, run: str = MAIN_RUN) -> Path:
     ax.set_yticks(range(len(m.layers)), m.layers)
     ax.set_xlabel("manifest (change since the previous one)")
     ax.set_ylabel("layer")
-    ax.set_title("FP32 master change since the previous manifest\n||w - w_prev|| / ||w_prev||", fontsize=10)
+    ax.set_title("change since the previous step (FP32 master, else weight)\n||w - w_prev|| / ||w_prev||", fontsize=10)
     fig.colorbar(image, ax=ax)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     inherited = Patch(facecolor="lightgrey", hatch="///", edgecolor="grey", label="inherited (not stored here)")
