@@ -23,6 +23,7 @@ from tailorstore.cli.naming import EXIT_CODES, as_command
 
 import tailorstore
 from tailorstore import LOCK_TIMEOUT, STORE_ENV, TailorError, __version__, for_terminal
+from tailorstore.core.sizes import human
 
 if TYPE_CHECKING:
     from tailorstore import GcPlan
@@ -64,14 +65,6 @@ def _open(store: str | None, run: str | None = None) -> tailorstore.Store:
     """The store named by --store (or $TAILOR_STORE), reading step=N and latest in ``run``."""
     tailorstore.reuse_freed_memory()  # a command that opens a store may move gigabytes
     return tailorstore.Store.open(store, run=run or tailorstore.MAIN_RUN)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def _asdict(record: Any) -> dict:

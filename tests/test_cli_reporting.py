@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 from itertools import pairwise
 from pathlib import Path
@@ -120,3 +121,20 @@ def test_plot_measures_weights_where_a_step_holds_no_masters(tmp_path: Path) -> 
             expected = math.sqrt(sum(float(((b[n] - a[n]) ** 2).sum()) for n in names) / sum(
                 float((a[n] ** 2).sum()) for n in names))  # fmt: skip
             assert m.values[row][column] == pytest.approx(expected, rel=1e-6), (layer, column)
+
+
+def test_the_gc_plan_names_runs_and_reads_in_units(tmp_path: Path) -> None:
+    """The plan line: sizes as people read them (not raw byte counts), and the steps of each run
+    named with their run (step 1 of two runs is two different steps)."""
+    from test_digest import save
+
+    store = tmp_path / "store"
+    assert tailor_here("init", str(store)).returncode == 0
+    for run, seed in (("main", 1), ("main", 2), ("ft", 3), ("ft", 4)):
+        step = str(seed if run == "main" else seed - 2)
+        done = tailor_here("commit", str(save(tmp_path / f"s{seed}", seed)), "--step", step, "--run", run, store=store)
+        assert done.returncode == 0, done.stderr
+    plan = tailor_here("gc", "--keep-last", "1", "--dry-run", store=store)
+    assert plan.returncode == 0, plan.stderr
+    assert "drop 2 manifest(s) (ft: steps 1; main: steps 1)" in plan.stdout, plan.stdout
+    assert re.search(r"freeing \d+(\.\d)? (B|KB|MB)\b", plan.stdout) and " bytes" not in plan.stdout, plan.stdout

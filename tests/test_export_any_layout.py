@@ -5,6 +5,7 @@ real training, exported through the command and loaded by transformers' ``from_p
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import torch
 from conftest import HFRun, copy_tree, one_line, tailor
 from safetensors.torch import load_file
 from test_plain_saves import tiny_llama, train_steps
+
+from tailorstore.core.sizes import human
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +47,15 @@ def test_a_thinned_hf_trainer_step_without_deepspeed_exports(tmp_path: Path) -> 
         assert done.returncode == 0, done.stderr
     assert tailor("gc", "--keep-last", "1", "--thin", "weights", store=store).returncode == 0
     one_line(tailor("checkout", "step=2", "--out", str(tmp_path / "co"), store=store), 2, "tailor export")
+    # log and ls say what the thinned step holds, not what it was saved as (its moments are gone)
+    thinned, whole = json.loads(tailor("log", "--json", store=store).stdout)
+    moments = sum(v.numel() * v.element_size() for v in torch.load(
+        tmp_path / "run" / "checkpoint-2" / "optimizer.pt", weights_only=True)["state"][0].values())  # fmt: skip
+    assert thinned["held_bytes"] < thinned["raw_bytes"] - moments and whole["held_bytes"] == whole["raw_bytes"]
+    row = tailor("log", store=store).stdout.splitlines()[1]
+    assert "thinned to weights (saved as" in row and row.split()[6:8] == human(thinned["held_bytes"]).split(), row
+    listed = json.loads(tailor("ls", "step=2", "--json", store=store).stdout)["files"]
+    assert sum(f["held"] for f in listed) == thinned["held_bytes"]
     for step in (2, 4):  # thinned, and whole
         out = tmp_path / f"model{step}"
         done = tailor("export", f"step={step}", "--out", str(out), "--dtype", "fp32", store=store)

@@ -113,7 +113,7 @@ def test_a_commit_stalled_past_its_lease_while_gc_ran_publishes_nothing(
     collected = run(b, "gc", "--lock-timeout", "60", "--store", s3_location)
     assert collected.returncode == 0, collected.stderr
     assert "removed a stale shared lock" in collected.stderr
-    assert "freeing 0 bytes" not in collected.stdout, collected.stdout  # a's blobs went
+    assert "freeing 0 B" not in collected.stdout, collected.stdout  # a's blobs went
 
     resumed = resume(stalled)
     one_line(resumed, 4, "stopped before publishing", "lease")
