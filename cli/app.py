@@ -9,6 +9,7 @@ of our own become a one-line message on stderr and the exit code the error class
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -24,6 +25,11 @@ from tailorstore.cli.naming import EXIT_CODES, as_command
 import tailorstore
 from tailorstore import LOCK_TIMEOUT, STORE_ENV, TailorError, __version__, for_terminal
 from tailorstore.core.sizes import human
+
+try:  # the click that typer runs: its own copy from typer 0.20 on, the click package before
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - an older typer
+    from click import exceptions as click_errors
 
 if TYPE_CHECKING:
     from tailorstore import GcPlan
@@ -830,11 +836,26 @@ def main(argv: list[str] | None = None) -> None:
     # itself changes no environment variable: a training process has its own reasons.)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
-        app(args=argv)
+        code = app(args=argv, prog_name="tailor", standalone_mode=False)  # click's errors: said here, one line
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except click_errors.NoArgsIsHelpError as exc:
+        exc.show()  # `tailor` or `tailor run` alone: the help, as asked for
+        sys.exit(exc.exit_code)
+    except click_errors.UsageError as exc:
+        sys.exit(_usage_error(exc))
+    except click_errors.ClickException as exc:
+        typer.echo(f"error: {_one_line(exc.format_message())}", err=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:  # click's name for a Ctrl-C it caught itself
+        _say_interrupted()
+        sys.exit(130)
     except TailorError as exc:
         typer.echo(f"error: {exc.render(as_command)}", err=True)
         sys.exit(EXIT_CODES[exc.category])
     except OSError as exc:
+        if exc.errno == errno.EPIPE:  # the reader went away (`tailor log | head`): nothing more to say
+            sys.exit(1)
         where = f"{exc.filename}: " if exc.filename else ""
         first = (exc.strerror or str(exc) or type(exc).__name__).strip().splitlines()[0]  # one line, never a debug dump
         typer.echo(f"error: {where}{first}; the command was not carried out.", err=True)
@@ -843,12 +864,28 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo("error: the input nests too deeply to be read; the command was not carried out.", err=True)
         sys.exit(2)
     except (KeyboardInterrupt, Interrupted):
-        typer.echo(
-            "interrupted: what this command had not finished is not in the store (a commit is recorded at its end; "
-            "what an interrupted commit or gc wrote, the next gc removes)",
-            err=True,
-        )
+        _say_interrupted()
         sys.exit(130)
+
+
+def _say_interrupted() -> None:
+    typer.echo(
+        "interrupted: what this command had not finished is not in the store (a commit is recorded at its end; "
+        "what an interrupted commit or gc wrote, the next gc removes)",
+        err=True,
+    )
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+def _usage_error(exc: click_errors.UsageError) -> int:
+    """A command line click cannot parse (a missing option, an unknown one, a bad value): one line
+    naming the command's help, and exit 2, where click printed the usage, a hint and the error."""
+    where = exc.ctx.command_path if exc.ctx is not None else "tailor"
+    typer.echo(f"error: {_one_line(exc.format_message())} (see `{where} --help`)", err=True)
+    return 2
 
 
 def _quiet_but_ours() -> None:

@@ -138,3 +138,19 @@ def test_the_gc_plan_names_runs_and_reads_in_units(tmp_path: Path) -> None:
     assert plan.returncode == 0, plan.stderr
     assert "drop 2 manifest(s) (ft: steps 1; main: steps 1)" in plan.stdout, plan.stdout
     assert re.search(r"freeing \d+(\.\d)? (B|KB|MB)\b", plan.stdout) and " bytes" not in plan.stdout, plan.stdout
+
+
+def test_a_command_line_click_cannot_parse_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A missing option, an unknown one, a bad value, an unknown command: one line naming the
+    command's help (click printed the usage, a hint, a blank line and the error), exit 2; the help
+    asked for (`tailor` alone) still prints."""
+    store = tmp_path / "store"
+    assert tailor_here("init", str(store)).returncode == 0
+    one_line(tailor_here("checkout", "step=1", store=store), 2, "Missing option '--out'", "tailor checkout --help")
+    one_line(tailor_here("log", "--bogus", store=store), 2, "No such option: --bogus", "tailor log --help")
+    one_line(tailor_here("gc", "--keep-last", "x", store=store), 2, "'x' is not a valid int", "tailor gc --help")
+    one_line(tailor_here("nosuch", store=store), 2, "No such command 'nosuch'")
+    one_line(tailor_here("run", "create", store=store), 2, "Missing argument", "tailor run create --help")
+    assert "Commands:" in tailor_here().stdout + tailor_here().stderr
+    assert tailor_here("--help").returncode == 0 and tailor_here("log", "--help").returncode == 0
+    assert tailor_here("verify", store=store).returncode == 0
