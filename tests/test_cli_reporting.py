@@ -154,3 +154,34 @@ def test_a_command_line_click_cannot_parse_is_one_line_and_exit_2(tmp_path: Path
     assert "Commands:" in tailor_here().stdout + tailor_here().stderr
     assert tailor_here("--help").returncode == 0 and tailor_here("log", "--help").returncode == 0
     assert tailor_here("verify", store=store).returncode == 0
+
+
+def test_waiting_for_a_commit_in_flight_is_no_warning(tmp_path: Path) -> None:
+    """A save that finds the previous commit still running waits for it: the queue's ordinary
+    back-pressure, said at level INFO, not as a warning on every such save of a run."""
+    import logging
+    import threading
+
+    import tailorstore
+
+    seen: list[logging.LogRecord] = []
+    first_may_end = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+            first_may_end.set()  # the second save is waiting now: let the first commit end
+
+    ours = logging.getLogger("tailorstore")
+    handler, level = Seen(logging.DEBUG), ours.level
+    ours.addHandler(handler)
+    ours.setLevel(logging.DEBUG)
+    try:
+        with tailorstore.Store.init(tmp_path / "store") as store:
+            store.background("first", lambda _handle: first_may_end.wait(60))
+            store.background("second", lambda _handle: None)
+    finally:
+        ours.removeHandler(handler)
+        ours.setLevel(level)
+    waits = [r for r in seen if "already in flight" in r.getMessage()]
+    assert len(waits) == 1 and waits[0].levelno == logging.INFO
