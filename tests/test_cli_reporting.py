@@ -185,3 +185,42 @@ def test_waiting_for_a_commit_in_flight_is_no_warning(tmp_path: Path) -> None:
         ours.setLevel(level)
     waits = [r for r in seen if "already in flight" in r.getMessage()]
     assert len(waits) == 1 and waits[0].levelno == logging.INFO
+
+
+def test_the_commit_progress_moves_within_a_file(tmp_path: Path) -> None:
+    """A save is often one large file (model.safetensors, a rank's optimizer states): the bar moved
+    only when a file ended, so it sat at 0 until the end. It now moves piece by piece, and still
+    adds up to the save's size."""
+    from safetensors.torch import save_file
+
+    import tailorstore
+
+    class Told:
+        """A Progress that keeps what it was told (the protocol the CLI's bar implements)."""
+
+        def __init__(self) -> None:
+            self.total, self.steps = 0, []
+
+        def start(self, description: str, total: int) -> None:
+            self.total = total
+
+        def advance(self, amount: int) -> None:
+            self.steps.append(amount)
+
+        def close(self) -> None:
+            pass
+
+        def warn(self, message: str) -> None:
+            pass
+
+        def note(self, message: str) -> None:
+            pass
+
+    gen = torch.Generator().manual_seed(0)
+    save_file({f"model.layers.{i}.w": torch.randn(64, 64, generator=gen) for i in range(8)}, tmp_path / "m.safetensors")
+    told = Told()
+    with tailorstore.Store.init(tmp_path / "store") as store:
+        store.commit(tmp_path / "m.safetensors", step=1, progress=told)
+    size = (tmp_path / "m.safetensors").stat().st_size
+    assert told.total == size and sum(told.steps) == size
+    assert len(told.steps) >= 8 and all(s > 0 for s in told.steps)
