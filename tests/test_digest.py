@@ -91,3 +91,30 @@ def test_the_digest_follows_the_format_spec(tmp_path: Path) -> None:
             h.update(json.dumps(line, separators=(",", ":"), ensure_ascii=False).encode() + b"\n")
     assert len(atoms) == 3
     assert log_json(store)[0]["digest"] == h.hexdigest()
+
+
+def test_log_keeps_digests_beside_the_index_and_never_a_stale_one(tmp_path: Path) -> None:
+    """log computes each digest once per object key (the rows under one key never change) and
+    keeps it beside the index; a --force replacement (a new key) gets its own, and a cache of an
+    index since rebuilt is not read."""
+    store = tmp_path / "store"
+    assert tailor_here("init", str(store)).returncode == 0
+    assert tailor_here("commit", str(save(tmp_path / "s", 1)), "--step", "1", store=store).returncode == 0
+    first = log_json(store)[0]["digest"]
+    cache = store / "index.sqlite-digests.json"
+    doc = json.loads(cache.read_text())
+    assert list(doc["digests"].values()) == [first]
+    assert log_json(store)[0]["digest"] == first  # read back from the cache
+    other = save(tmp_path / "t", 2)
+    (other / "notes.txt").rename(other / "renamed.txt")
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (other / name).replace(tmp_path / "s" / name)
+    assert tailor_here("commit", str(tmp_path / "s"), "--step", "1", "--force", store=store).returncode == 0
+    replaced = log_json(store)[0]["digest"]
+    assert replaced != first
+    now = json.loads(cache.read_text())
+    assert set(now["digests"]) != set(doc["digests"]) and replaced in now["digests"].values()
+    cache.write_text(json.dumps({"index": now["index"], "digests": dict.fromkeys(now["digests"], "0" * 32)}))
+    assert log_json(store)[0]["digest"] == "0" * 32  # (the cache is this host's own, trusted as its index is)
+    assert tailor_here("index", "rebuild", store=store).returncode == 0  # a new index: the old cache is not its
+    assert log_json(store)[0]["digest"] == replaced

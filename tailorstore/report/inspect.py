@@ -98,9 +98,13 @@ class StepFiles:
     files: list[FileSummary] = field(default_factory=list)
 
 
-def summary(r: ManifestRecord, content: ContentRows | None = None) -> StepSummary:
-    """A manifest as ``log`` lists it; with the index's content rows, its digest and the bytes it holds."""
-    files, atoms = content.content_rows(r.id) if content is not None else ([], [])
+def summary(r: ManifestRecord, content: ContentRows | None = None, digest: str | None = None) -> StepSummary:
+    """A manifest as ``log`` lists it; with the index's content rows, its digest (unless given) and
+    the bytes it holds (which only a thinned step's rows say)."""
+    needed = content is not None and (digest is None or r.tier is not None)
+    files, atoms = content.content_rows(r.id) if needed else ([], [])  # type: ignore[union-attr]
+    if digest is None and content is not None:
+        digest = digest_of(files, atoms)
     return StepSummary(
         step=r.step,
         manifest=r.id,
@@ -118,7 +122,7 @@ def summary(r: ManifestRecord, content: ContentRows | None = None) -> StepSummar
         world_size=r.world_size,
         zero_stage=r.zero_stage,
         metrics=decode_metrics(r.metrics),
-        digest=digest_of(files, atoms) if content is not None else "-",
+        digest=digest or "-",
         held_bytes=None if content is None else held_bytes(r, files, atoms),
     )
 
@@ -135,7 +139,9 @@ def held_bytes(r: ManifestRecord, files: list[FileContent], atoms: list[AtomCont
 def log(repo: Repository, run: str | None = None) -> list[StepSummary]:
     """Every manifest, or those of one run, by step."""
     rows = repo.view(ContentRows)
-    return [summary(r, rows) for r in repo.view(InspectView).manifests(run)]
+    manifests = repo.view(InspectView).manifests(run)
+    digests = repo.content_digests(manifests)
+    return [summary(r, rows, digests[r.id]) for r in manifests]
 
 
 def list_files(repo: Repository, selector: str) -> StepFiles:

@@ -558,11 +558,23 @@ class Repository:
             f"cannot read {selector!r}: write step=N, RUN:step=N, tag=NAME, id=HEX, digest=HEX or latest."
         )
 
+    def content_digests(self, manifests: list[ManifestRecord]) -> dict[int, str]:
+        """The content digest (store/digest.py) of each manifest given, by its row id: from this host's
+        cache beside the index where it has them, else from the index's rows (and then kept)."""
+        from tailorstore.store.digest import ContentRows, DigestCache
+
+        path = self.where.index_path.with_name(self.where.index_path.name + "-digests.json")
+        cache = DigestCache(path, self._index.meta("created_at") or "")
+        rows = self.view(ContentRows)
+        out = {m.id: cache.digest(rows, m.id, m.object_key) for m in manifests}
+        cache.save({m.object_key for m in self._index.manifests() if m.object_key})
+        return out
+
     def _by_digest(self, prefix: str) -> int:
         """The manifest whose content digest (store/digest.py) starts with ``prefix``: at least 8 hex
         digits. Two manifests holding the same bytes (a merge equal to its base, one checkpoint
         committed to two runs) share a digest; such a prefix is refused with their ids."""
-        from tailorstore.store.digest import DIGEST_DIGITS, MIN_DIGITS, ContentRows, digest
+        from tailorstore.store.digest import DIGEST_DIGITS, MIN_DIGITS
 
         if not re.fullmatch(rf"[0-9a-f]{{{MIN_DIGITS},{DIGEST_DIGITS}}}", prefix):
             raise UnknownStepError(
@@ -570,8 +582,9 @@ class Repository:
                 Call("log"),
                 f" prints ({MIN_DIGITS} to {DIGEST_DIGITS} of its leading digits, lowercase).",
             )
-        rows = self.view(ContentRows)
-        found = [m for m in self._index.manifests() if digest(rows, m.id).startswith(prefix)]
+        manifests = self._index.manifests()
+        digests = self.content_digests(manifests)
+        found = [m for m in manifests if digests[m.id].startswith(prefix)]
         if not found:
             raise UnknownStepError(f"no manifest holds content of digest {prefix}; ", Call("log"), " lists them.")
         if len(found) > 1:
