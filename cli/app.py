@@ -9,6 +9,7 @@ of our own become a one-line message on stderr and the exit code the error class
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -23,6 +24,12 @@ from tailorstore.cli.naming import EXIT_CODES, as_command
 
 import tailorstore
 from tailorstore import LOCK_TIMEOUT, STORE_ENV, TailorError, __version__, for_terminal
+from tailorstore.core.sizes import human
+
+try:  # the click that typer runs: its own copy from typer 0.20 on, the click package before
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - an older typer
+    from click import exceptions as click_errors
 
 if TYPE_CHECKING:
     from tailorstore import GcPlan
@@ -57,21 +64,13 @@ JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON.")
 TrustOpt = typer.Option(False, "--trust-pickles", help="Load pickles with globals outside the allowlist (unsafe).")
 LockOpt = typer.Option(LOCK_TIMEOUT, "--lock-timeout", help="Seconds to wait for the store lock.")
 RunOpt = typer.Option(None, "--run", help="The run whose steps step=N and latest name (default: main).")
-SELECTOR_HELP = "step=N, RUN:step=N, tag=NAME, id=HEX (as `tailor log` prints it) or latest."
+SELECTOR_HELP = "step=N, RUN:step=N, tag=NAME, id=HEX or digest=HEX (as `tailor log` prints them) or latest."
 
 
 def _open(store: str | None, run: str | None = None) -> tailorstore.Store:
     """The store named by --store (or $TAILOR_STORE), reading step=N and latest in ``run``."""
     tailorstore.reuse_freed_memory()  # a command that opens a store may move gigabytes
     return tailorstore.Store.open(store, run=run or tailorstore.MAIN_RUN)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def _asdict(record: Any) -> dict:
@@ -306,7 +305,9 @@ def checkout(
 def export(
     selector: str = typer.Argument(..., help=SELECTOR_HELP),
     out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32: the FP32 masters rounded to this."),
+    dtype: str = typer.Option(
+        "bf16", "--dtype", help="bf16, fp16 or fp32: the weights (the FP32 masters where held) rounded to this."
+    ),
     max_shard_size: str = typer.Option(
         "5GB", "--max-shard-size", help="Split model.safetensors above this size (5GB, 500MB, 2GiB)."
     ),
@@ -318,7 +319,7 @@ def export(
     quiet: bool = QuietOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Write a step as a Hugging Face model folder (model.safetensors from the FP32 masters)."""
+    """Write a step as a Hugging Face model folder (model.safetensors from its masters, else its weights)."""
     with _open(store, run) as st:
         result = st.export(
             selector,
@@ -347,27 +348,43 @@ def _when(ts: float) -> str:
 @app.command()
 def log(run: str | None = typer.Option(None, "--run", help="Only this run's steps."), store: str | None = StoreOpt,
         as_json: bool = JsonOpt) -> None:  # fmt: skip
-    """One line per step: step, time, tag, raw bytes, bytes newly stored, exact or composite."""
+    """One line per step: id, content digest, step, time, tag, bytes held, bytes newly stored, exact or composite."""
     with _open(store, run) as st:
         steps = st.log(run=run)
         runs = st.runs()
     base = next((r.base for r in runs if r.name == run), None)
     several = len(runs) > 1
     if as_json:
-        typer.echo(json.dumps([_asdict(s) for s in steps], indent=2))
+        typer.echo(json.dumps([_step_json(s) for s in steps], indent=2))
         return
     if base is not None:
         typer.echo(f"run {run} branched from run {base.run} step {base.step} (id={base.id})")
     column = f"{'run':10}  " if several else ""
-    typer.echo(f"{'id':13}  {column}{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  {'new':>10}  kind")
+    typer.echo(
+        f"{'id':13}  {'digest':{DIGEST_COLUMN}}  {column}{'step':>8}  {'committed':19}  {'tag':12}  {'raw':>10}  "
+        f"{'new':>10}  kind"
+    )
     for s in steps:
         kind = "merge" if s.origin == "merge" else "exact" if s.exact else "composite"
-        kind += f", thinned to {s.tier}" if s.tier else ""
+        kind += f", thinned to {s.tier} (saved as {human(s.raw_bytes)})" if s.tier else ""
+        held = s.raw_bytes if s.held_bytes is None else s.held_bytes
         typer.echo(
-            f"{'id=' + s.id:13}  {f'{s.run:10}  ' if several else ''}{s.step:>8}  {_when(s.created_at)}  "
-            f"{(s.tag or '-'):12}  {human(s.raw_bytes):>10}  {human(s.new_bytes):>10}  {kind}"
+            f"{'id=' + s.id:13}  {s.digest[:DIGEST_COLUMN]:{DIGEST_COLUMN}}  "
+            f"{f'{s.run:10}  ' if several else ''}{s.step:>8}  {_when(s.created_at)}  "
+            f"{(s.tag or '-'):12}  {human(held):>10}  {human(s.new_bytes):>10}  {kind}"
             f"{'  pinned' if s.pinned else ''}{_metric_text(s.metrics)}"
         )
+
+
+DIGEST_COLUMN = 12  # the leading hex digits of each step's digest that `log` prints (`show` prints all)
+
+
+def _step_json(summary: Any) -> dict:
+    """A step as --json prints it: the index's own row number left out (another host's index numbers
+    the same manifest otherwise); ``id`` and ``digest`` name it on every host."""
+    doc = _asdict(summary)
+    doc.pop("manifest", None)
+    return doc
 
 
 def _metric_text(metrics: dict[str, float | None]) -> str:
@@ -396,7 +413,7 @@ def show(
     with _open(store, run) as st:
         detail = st.show(selector)
     if as_json:
-        typer.echo(json.dumps(_asdict(detail), indent=2))
+        typer.echo(json.dumps({**_asdict(detail), "summary": _step_json(detail.summary)}, indent=2))
         return
     s = detail.summary
     typer.echo(
@@ -405,6 +422,7 @@ def show(
         f"{f'thinned to {s.tier} (exports and averages; does not resume), ' if s.tier else ''}"
         f"committed {_when(s.created_at)}, {human(s.raw_bytes)} raw, policy {s.policy.get('name')}"
     )
+    typer.echo(f"id={s.id}  digest={s.digest}")
     if s.metrics:
         typer.echo("metrics:" + _metric_text(s.metrics))
     typer.echo(f"{'layer':14}  {'source':>7}  {'raw':>10}  {'stored':>10}  {'derived':>10}  kinds")
@@ -414,6 +432,31 @@ def show(
             f"{human(layer.stored_bytes):>10}  {human(layer.derived_bytes):>10}  {','.join(layer.kinds)}"
         )
     typer.echo(f"derived weights saved {human(detail.derived_bytes)} (rebuilt from the FP32 master at checkout)")
+
+
+@app.command("ls")
+def ls(
+    selector: str = typer.Argument(..., help=SELECTOR_HELP),
+    run: str | None = RunOpt,
+    store: str | None = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """A step's files and their sizes, as a checkout would write them, without writing anything."""
+    with _open(store, run) as st:
+        listed = st.files(selector)
+    if as_json:
+        typer.echo(json.dumps({**_asdict(listed), "summary": _step_json(listed.summary)}, indent=2))
+        return
+    s = listed.summary
+    thinned = s.tier is not None
+    typer.echo(
+        f"{'' if s.run == 'main' else f'run {s.run} '}step {s.step} (id={s.id}): {len(listed.files)} file(s), "
+        f"{human(sum(f.size for f in listed.files))}"
+        + (f"; thinned to {s.tier}: it holds {human(sum(f.held for f in listed.files))} of them" if thinned else "")
+    )
+    for f in listed.files:
+        held = f"  {human(f.held):>10} held" if thinned else ""
+        typer.echo(f"{human(f.size):>10}{held}  {f.kind:11}  {f.mode:04o}  {f.path}")
 
 
 @app.command()
@@ -474,9 +517,11 @@ def diff(
         return "n/a" if v is None else f"{v:.3e}"
 
     def named(selector: str, step: int) -> str:
-        """A merge carries its base's step: it is named as the user named it, not as that step."""
-        text = selector.strip().split(":", 1)[-1]
-        return f"step {step}" if text.removeprefix("step=").isdigit() else f"{selector} (on step {step})"
+        """A merge carries its base's step: it is named as the user named it, not as that step; a
+        step of another run than --run's with its run."""
+        given_run, _, text = selector.strip().rpartition(":")
+        in_run = f"run {given_run} " if given_run and given_run != (run or "main") else ""
+        return f"{in_run}step {step}" if text.removeprefix("step=").isdigit() else f"{selector} (on step {step})"
 
     typer.echo(f"relative change from {named(a, step_a)} to {named(b, step_b)}")
     typer.echo(f"{'layer':14}  {'fp32 master':>12}  {'weight':>12}")
@@ -791,11 +836,26 @@ def main(argv: list[str] | None = None) -> None:
     # itself changes no environment variable: a training process has its own reasons.)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
-        app(args=argv)
+        code = app(args=argv, prog_name="tailor", standalone_mode=False)  # click's errors: said here, one line
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except click_errors.NoArgsIsHelpError as exc:
+        exc.show()  # `tailor` or `tailor run` alone: the help, as asked for
+        sys.exit(exc.exit_code)
+    except click_errors.UsageError as exc:
+        sys.exit(_usage_error(exc))
+    except click_errors.ClickException as exc:
+        typer.echo(f"error: {_one_line(exc.format_message())}", err=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:  # click's name for a Ctrl-C it caught itself
+        _say_interrupted()
+        sys.exit(130)
     except TailorError as exc:
         typer.echo(f"error: {exc.render(as_command)}", err=True)
         sys.exit(EXIT_CODES[exc.category])
     except OSError as exc:
+        if exc.errno == errno.EPIPE:  # the reader went away (`tailor log | head`): nothing more to say
+            sys.exit(1)
         where = f"{exc.filename}: " if exc.filename else ""
         first = (exc.strerror or str(exc) or type(exc).__name__).strip().splitlines()[0]  # one line, never a debug dump
         typer.echo(f"error: {where}{first}; the command was not carried out.", err=True)
@@ -804,12 +864,28 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo("error: the input nests too deeply to be read; the command was not carried out.", err=True)
         sys.exit(2)
     except (KeyboardInterrupt, Interrupted):
-        typer.echo(
-            "interrupted: what this command had not finished is not in the store (a commit is recorded at its end; "
-            "what an interrupted commit or gc wrote, the next gc removes)",
-            err=True,
-        )
+        _say_interrupted()
         sys.exit(130)
+
+
+def _say_interrupted() -> None:
+    typer.echo(
+        "interrupted: what this command had not finished is not in the store (a commit is recorded at its end; "
+        "what an interrupted commit or gc wrote, the next gc removes)",
+        err=True,
+    )
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+def _usage_error(exc: click_errors.UsageError) -> int:
+    """A command line click cannot parse (a missing option, an unknown one, a bad value): one line
+    naming the command's help, and exit 2, where click printed the usage, a hint and the error."""
+    where = exc.ctx.command_path if exc.ctx is not None else "tailor"
+    typer.echo(f"error: {_one_line(exc.format_message())} (see `{where} --help`)", err=True)
+    return 2
 
 
 def _quiet_but_ours() -> None:

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from tailorstore.ingest.finalize import FinalizeResult
     from tailorstore.ingest.rank_parallel import Collective, RankParallelResult
     from tailorstore.report.diff import DiffResult
-    from tailorstore.report.inspect import StepDetail, StepSummary
+    from tailorstore.report.inspect import StepDetail, StepFiles, StepSummary
     from tailorstore.report.usage import Usage
     from tailorstore.report.verify import VerifyReport
     from tailorstore.restore.checkout import CheckoutResult
@@ -70,9 +70,12 @@ Ref = int | str
 
 
 def selector(ref: Ref) -> str:
-    """``12`` or ``"step=12"``, ``"tag=NAME"``, ``"id=N"`` or ``"latest"``, as the store reads it."""
+    """``12`` or ``"step=12"``, ``"tag=NAME"``, ``"id=HEX"``, ``"digest=HEX"`` or ``"latest"``, as the
+    store reads it."""
     if isinstance(ref, bool) or not isinstance(ref, int | str):
-        raise StoreError(f"{ref!r} names no step: give an int step, 'step=N', 'tag=NAME', 'id=N' or 'latest'.")
+        raise StoreError(
+            f"{ref!r} names no step: give an int step, 'step=N', 'tag=NAME', 'id=HEX', 'digest=HEX' or 'latest'."
+        )
     return f"step={ref}" if isinstance(ref, int) else ref
 
 
@@ -439,8 +442,9 @@ class Store:
         progress: Progress | None = None,
     ) -> ExportResult:
         """Write ``ref`` as a Hugging Face model folder at ``out``: ``model.safetensors`` (sharded above
-        ``max_shard_size``) from the FP32 masters in ``dtype`` (bf16, fp16 or fp32), with the step's
-        config and tokenizer files, or the ``config.json`` given."""
+        ``max_shard_size``) from the FP32 masters (else the stored weights: an HF Trainer or plain save,
+        a step thinned to weights) in ``dtype`` (bf16, fp16 or fp32), with the step's config and
+        tokenizer files, or the ``config.json`` given."""
         from tailorstore.restore.export import export_step
 
         return export_step(
@@ -507,13 +511,22 @@ class Store:
 
     def step(self, ref: Ref) -> StepSummary:
         """The step ``ref`` names now, as :meth:`log` lists it; its ``id`` names the same manifest on
-        every host, whatever is committed after (``f"id={summary.id}"``)."""
+        every host, whatever is committed after (``f"id={summary.id}"``), and its ``digest`` what
+        it holds, the same in every store that holds those bytes (``f"digest={summary.digest}"``)."""
         return self._summary(self.repo.resolve(self._selector(ref)))
 
     def show(self, ref: Ref) -> StepDetail:
         from tailorstore.report.inspect import show
 
         return show(self.repo, self._selector(ref))
+
+    def files(self, ref: Ref) -> StepFiles:
+        """The step's files as a checkout would write them (path, size, kind, mode; ``held``: what
+        the step still holds of each, less for a thinned step), from the index alone: no blob is
+        read and nothing is written."""
+        from tailorstore.report.inspect import list_files
+
+        return list_files(self.repo, self._selector(ref))
 
     def open_dcp(self, ref: Ref, *, folder: str | None = None) -> DcpStep:
         """A step's DCP folder (its only one, or ``folder``) to read item by item, every tensor
@@ -647,8 +660,9 @@ class Store:
 
     def _summary(self, manifest: int) -> StepSummary:
         from tailorstore.report.inspect import summary
+        from tailorstore.store.digest import ContentRows
 
-        return summary(self.repo.manifest(manifest))
+        return summary(self.repo.manifest(manifest), self.repo.view(ContentRows))
 
 
 def _commit(

@@ -2,8 +2,8 @@
 
 A training loop saves, hands the save to :meth:`CommitQueue.submit` and goes on training
 while one worker thread commits. At most ``max_in_flight`` commits are queued or running:
-at the bound, ``submit`` blocks and says so in the log (the disk or the network is slower
-than the saves). One worker keeps commits in step order, so a policy that inherits layers
+at the bound, ``submit`` blocks and says so in the log at level INFO (the disk or the network
+is slower than the saves). One worker keeps commits in step order, so a policy that inherits layers
 always finds the previous step committed.
 
 Errors are never swallowed. A failed commit is raised from the next ``submit`` (the next
@@ -41,7 +41,9 @@ class CommitQueue(Generic[T]):
             raise TailorError("this store is closed; open it again to commit.")
         self.raise_failures()
         if not self._slots.acquire(blocking=False):
-            log.warning(
+            # info, not a warning: waiting for the previous commit is how a bounded queue works, and a
+            # run whose saves come faster than its commits would print it at every save
+            log.info(
                 "tailorstore: %d commit(s) already in flight; waiting for one to finish before committing %s",
                 self.max_in_flight,
                 what,

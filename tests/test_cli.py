@@ -60,13 +60,14 @@ def test_commit_log_show_checkout(runs: Runs, tmp_path: Path) -> None:
     assert all(s["raw_bytes"] > 0 for s in log)
     assert log[1]["new_bytes"] < log[1]["raw_bytes"]
     text = run("log", env=env).stdout.splitlines()
-    assert text[0].split() == ["id", "step", "committed", "tag", "raw", "new", "kind"]
+    assert text[0].split() == ["id", "digest", "step", "committed", "tag", "raw", "new", "kind"]
     row = text[1].split()
     assert (
         row[0] == f"id={log[0]['id']}"
         and len(log[0]["id"]) == 10
-        and row[1] == "3"
-        and row[4] == "warm"
+        and row[1] == log[0]["digest"][:12]
+        and row[2] == "3"
+        and row[5] == "warm"
         and text[1].endswith("exact")
     )
 

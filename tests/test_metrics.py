@@ -180,3 +180,38 @@ def test_the_hf_callback_records_the_trainers_evaluation(tmp_path: Path) -> None
     with Store.open(tmp_path / "store") as store:
         recorded = {s.step: s.metrics.get("eval_loss") for s in store.log()}
     assert recorded == evaluated and set(recorded) == {2, 4}
+
+
+@pytest.mark.slow
+def test_the_hf_callback_keeps_only_the_metrics_named(tmp_path: Path) -> None:
+    """``TailorCallback(metrics=[...])`` records exactly the names given, from the evaluation and the
+    training log of the saved step alike; a bare string or a bad name is refused at construction."""
+    from transformers import Trainer, TrainingArguments
+
+    from tailorstore import Store
+    from tailorstore.core.errors import MetricError
+    from tailorstore.integrations.hf import TailorCallback
+    from testbed.train_hf import RampTokens
+    from tests.test_plain_saves import tiny_llama
+
+    Store.init(tmp_path / "store").close()
+    for bad in ("eval_loss", ["eval loss"]):
+        with pytest.raises(MetricError):
+            TailorCallback(str(tmp_path / "store"), metrics=bad)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=4, save_steps=2, eval_strategy="steps", eval_steps=2,
+        per_device_train_batch_size=2, report_to=[], use_cpu=True, logging_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    callback = TailorCallback(str(tmp_path / "store"), asynchronous=False, metrics=["eval_loss", "loss"])
+    trainer = Trainer(
+        model=tiny_llama(2), args=args, train_dataset=RampTokens(8, 16, 128), eval_dataset=RampTokens(4, 16, 128),
+        callbacks=[callback],
+    )  # fmt: skip
+    trainer.train()
+    callback.close()
+    logged = {(e["step"], k): v for e in trainer.state.log_history for k, v in e.items() if k in ("eval_loss", "loss")}
+    with Store.open(tmp_path / "store") as store:
+        recorded = {s.step: s.metrics for s in store.log()}
+    assert set(recorded) == {2, 4}
+    for step, metrics in recorded.items():
+        assert metrics == {"eval_loss": logged[(step, "eval_loss")], "loss": logged[(step, "loss")]}, metrics

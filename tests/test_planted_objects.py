@@ -115,7 +115,7 @@ def test_gc_deletes_nothing_while_a_tag_object_names_no_manifest(small_store: Pa
     was dropped by the next ``gc --keep-last 1`` with exit 0. Now each command warns of it once, and
     gc refuses (exit 3, one error line, nothing deleted) until the tag is set again."""
     store = copy_tree(small_store, tmp_path / "store")
-    first = tailor("log", store=store).stdout.strip().splitlines()[1].split()[1]
+    first = tailor("log", store=store).stdout.strip().splitlines()[1].split()[2]  # id, digest, step
     checkpoint = Path(__file__).parent / "data" / "format1" / "checkpoint"
     assert tailor("commit", str(checkpoint), "--step", "99", store=store).returncode == 0
     assert tailor("tag", first, "keep", store=store).returncode == 0
@@ -125,10 +125,10 @@ def test_gc_deletes_nothing_while_a_tag_object_names_no_manifest(small_store: Pa
     errors = [line for line in refused.stderr.strip().splitlines() if not line.startswith("warning: ")]
     assert len(errors) == 1 and "keep" in errors[0] and "deletes nothing" in errors[0], refused.stderr
     assert "tag object refs/tags/keep is damaged" in refused.stderr
-    assert [row.split()[1] for row in tailor("log", store=store).stdout.strip().splitlines()[1:]] == [first, "99"]
+    assert [row.split()[2] for row in tailor("log", store=store).stdout.strip().splitlines()[1:]] == [first, "99"]
     assert tailor("tag", first, "keep", "--force", store=store).returncode == 0
     assert tailor("gc", "--keep-last", "1", store=store).returncode == 0
-    assert [row.split()[1] for row in tailor("log", store=store).stdout.strip().splitlines()[1:]] == [first, "99"]
+    assert [row.split()[2] for row in tailor("log", store=store).stdout.strip().splitlines()[1:]] == [first, "99"]
 
 
 def test_a_part_object_copied_under_another_steps_name_is_refused(tmp_path: Path) -> None:

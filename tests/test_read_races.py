@@ -18,7 +18,7 @@ from test_hosts import start, wait_stopped
 
 def _step(store: Path) -> str:
     rows = tailor("log", store=store).stdout.strip().splitlines()[1:]
-    return rows[-1].split()[1]
+    return rows[-1].split()[2]  # id, digest, step
 
 
 def _stopped_checkout(store: Path, out: Path):

@@ -14,6 +14,7 @@ the module's own weight (ZeRO 0 in fp32, frozen parameters), widened exactly to 
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from tailorstore.access.contents import Contents
 from tailorstore.access.dcp_folders import dcp_folders, folder_metadata
 from tailorstore.core.atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
+from tailorstore.core.layers import STATE
 from tailorstore.core.rounding import widened
 from tailorstore.core.tensor_ref import DTYPES, numel_of
 from tailorstore.formats import dcp
@@ -154,6 +156,8 @@ def model_view(repo: Repository, manifest: int) -> ModelView:
     files = repo.view(Contents).files(manifest)
     if any(f.kind == DCP for f in files) and not any(f.kind == TORCH for f in files):
         return _dcp_view(repo, facts, files)
+    if not any(f.kind == TORCH and ds.is_model_states(PurePosixPath(f.path).name) for f in files):
+        return _plain_view(repo, facts)
     states = model_states_file(files, facts.step)
     where = f"step {facts.step}, file {states.path}"
     tree = skeleton_tree(repo, states, where)
@@ -231,6 +235,64 @@ def _dcp_view(repo: Repository, facts: ManifestRecord, files: list[FileRecord]) 
     return ModelView(
         facts.id, step, tensors, aliases, rows, facts.zero_stage, facts.world_size, dict(by_param), {}, names
     )
+
+
+def _plain_view(repo: Repository, facts: ManifestRecord) -> ModelView:
+    """A step without DeepSpeed's or DCP's bookkeeping (an HF Trainer's ``model.safetensors`` or
+    ``pytorch_model.bin``, a plain ``torch.save`` or safetensors folder) as a model: its tensors
+    are the atoms of the model's kinds outside layer ``state`` (section 4.3 of docs/FORMAT.md names
+    them: master, weight, buffer), each parameter's pieces tiling it, in the order the files hold
+    them. A parameter held by two files with different values is refused: which one is the model
+    cannot be told."""
+    step = facts.step
+    by_param = _pieces(repo, facts.id)
+    found: dict[str, list[AtomRecord]] = defaultdict(list)
+    for (param, kind), pieces in by_param.items():
+        if kind in (MASTER, WEIGHT, BUFFER):
+            found[param].extend(p for p in pieces if p.layer != STATE)
+    order = sorted((p for p in found if found[p]), key=lambda p: min((a.path, a.slot, a.offset) for a in found[p]))
+    tensors: list[ModelTensor] = []
+    for param in order:
+        pieces = found[param]
+        for kind in (MASTER, WEIGHT, BUFFER):  # the FP32 master where a file holds one
+            held = [a for a in pieces if a.kind == kind]
+            if held:
+                break
+        ranges: dict[tuple[int, int], set[str]] = defaultdict(set)
+        for a in held:
+            ranges[(a.start, a.numel)].add(a.blob)
+        if any(len(blobs) > 1 for blobs in ranges.values()):
+            paths = sorted({a.path for a in held})
+            raise StoreError(
+                f"step {step}: {param} is held by {', '.join(paths)} with different values; export one model: "
+                "commit a folder that holds one copy of each parameter"
+            )
+        tensors.append(_tensor(param, _whole_shape(held, step), by_param, (kind,), f"step {step}"))
+    if not tensors:
+        raise StoreError(
+            f"step {step} holds no model parameters (no DeepSpeed model states, DCP folder, safetensors or torch "
+            "file of weights) to export"
+        )
+    names = [t.name for t in tensors]
+    aliases = tied_embeddings(tensors)
+    tensors = [t for t in tensors if t.name not in aliases]
+    stored = {a.blob for t in tensors for a in t.atoms if a.derived is None}
+    rows = {digest: blob_of(repo, digest, f"step {step}") for digest in stored}
+    return ModelView(
+        facts.id, step, tensors, aliases, rows, facts.zero_stage, facts.world_size, dict(by_param), {}, names
+    )
+
+
+def _whole_shape(pieces: list[AtomRecord], step: int) -> tuple[int, ...]:
+    """A parameter's full shape from its pieces' own: one piece covering it whole is it; pieces of
+    whole rows (equal trailing dimensions) stack along the first."""
+    unique = sorted({(a.start, a.numel): tuple(json.loads(a.shape)) for a in pieces}.items())
+    shapes = [shape for _, shape in unique]
+    if len(shapes) == 1 and unique[0][0][0] == 0:
+        return shapes[0]
+    if shapes and all(len(x) >= 1 and x[1:] == shapes[0][1:] for x in shapes):
+        return (sum(x[0] for x in shapes), *shapes[0][1:])
+    raise StoreError(f"step {step}: the pieces of {pieces[0].param} do not tell its shape; it cannot be exported")
 
 
 # The names Hugging Face ties when a config says tie_word_embeddings: the output projection to the

@@ -125,6 +125,18 @@ class MetricError(StoreError):
     """A metric that cannot be recorded or read: a bad name, a value that is not a number."""
 
 
+class MissingDependencyError(TailorError):
+    """An optional package a command needs is not installed (``pip install 'tailorstore[EXTRA]'``):
+    the user's setup, not a bug, so one line and the bad-input exit, never an ImportError's traceback."""
+
+    def __init__(self, what: str, package: str, extra: str) -> None:
+        self.needed = (what, package, extra)
+        super().__init__(f"{what} needs {package}, which is not installed: pip install 'tailorstore[{extra}]'")
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), self.needed)
+
+
 class PolicyError(TailorError):
     """A policy name or parameter is wrong."""
 

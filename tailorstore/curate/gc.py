@@ -55,12 +55,21 @@ from tailorstore.core.errors import (
 from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.metrics import decode as decode_metrics
+from tailorstore.core.sizes import human
 from tailorstore.curate.archiving import ArchiveGrid, archivable
 from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
 from tailorstore.store import archive_codec, codec, gc_notices, manifest_objects
 from tailorstore.store.backends.base import blob_key
 from tailorstore.store.backends.listing import Holdings
-from tailorstore.store.index.records import COMMIT, THIN_ARCHIVE, TIERS, BlobRecord, ManifestRecord, RunRecord
+from tailorstore.store.index.records import (
+    COMMIT,
+    MAIN_RUN,
+    THIN_ARCHIVE,
+    TIERS,
+    BlobRecord,
+    ManifestRecord,
+    RunRecord,
+)
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifest_objects import RefSource
@@ -270,6 +279,7 @@ class GcPlan:
     written_bytes: int | None = None  # once gc ran: what it wrote (thinning, archiving, repacking)
     pending_parts: int = 0  # parts kept for a finalize; their blobs are live
     freed_bytes: int = 0  # planned; after gc ran, what it freed
+    runs: dict[int, str] = field(default_factory=dict)  # manifest -> its run, for naming steps in messages
 
     def summary(self) -> str:
         packs = ""
@@ -284,29 +294,32 @@ class GcPlan:
         if self.superseded:
             parts += f"; delete {len(self.superseded)} superseded manifest object(s)"
         thin = "".join(
-            f"thin {len(steps)} manifest(s){_steps(steps)} to {tier} (their other state: "
-            f"{self.freed_by_tier.get(tier, 0)} bytes), "
+            f"thin {len(steps)} manifest(s){self._steps(steps)} to {tier} (their other state: "
+            f"{human(self.freed_by_tier.get(tier, 0))}), "
             for tier in TIERS
-            if (steps := [s for _, s, t in self.thin if t == tier])
+            if (steps := [(m, s) for m, s, t in self.thin if t == tier])
         )
         if self.thin_weight_bytes:
-            thin += f"write {self.thin_weight_bytes} raw bytes of weights, "
+            thin += f"write {human(self.thin_weight_bytes)} of weights (raw), "
         if self.archive_weight_bytes:
-            thin += f"archive {self.archive_weight_bytes} raw bytes of weights (written quantized, smaller), "
+            thin += f"archive {human(self.archive_weight_bytes)} of weights (raw; written quantized, smaller), "
         if self.written_bytes is not None:  # what it did: net of what it wrote
-            freeing = f"freeing {self.freed_bytes} bytes net ({self.written_bytes} written)"
+            freeing = f"freeing {human(self.freed_bytes)} net ({human(self.written_bytes)} written)"
         elif self.thin or self.repack:
-            freeing = f"freeing {self.freed_bytes} bytes, less what it writes"
+            freeing = f"freeing {human(self.freed_bytes)}, less what it writes"
         else:
-            freeing = f"freeing {self.freed_bytes} bytes"
-        dropped = f" ({self.freed_by_tier['drop']} bytes)" if self.thin and self.drop else ""
+            freeing = f"freeing {human(self.freed_bytes)}"
+        dropped = f" ({human(self.freed_by_tier['drop'])})" if self.thin and self.drop else ""
         return (
-            f"{thin}drop {len(self.drop)} manifest(s){_steps([s for _, s in self.drop])}{dropped}, "
+            f"{thin}drop {len(self.drop)} manifest(s){self._steps(self.drop)}{dropped}, "
             f"keep {len(self.keep)}; "
             "delete "
             f"{len(self.dead_blobs)} unreferenced blob(s), {len(self.orphan_files)} orphan blob file(s) and "
             f"{len(self.temp_files)} temp file(s){packs}{parts}, {freeing}"
         )
+
+    def _steps(self, steps: list[tuple[int, int]]) -> str:
+        return _steps_by_run(steps, self.runs)
 
     def doomed(self) -> tuple[set[str], set[str]]:
         """The blobs this plan leaves nowhere (dead rows, orphan objects) and the packs it deletes
@@ -323,6 +336,16 @@ class GcPlan:
 def _steps(steps: list[int]) -> str:
     """`` (steps 3, 6)`` for a plan's line, nothing for none: a bare list read as if it were ids."""
     return f" (steps {', '.join(map(str, steps))})" if steps else ""
+
+
+def _steps_by_run(steps: list[tuple[int, int]], runs: dict[int, str]) -> str:
+    """`` (steps 3, 6)`` where every step is main's, else each run named: `` (main: steps 3, 6; ft: steps 2)``."""
+    named: dict[str, list[int]] = {}
+    for manifest, step in steps:
+        named.setdefault(runs.get(manifest, MAIN_RUN), []).append(step)
+    if set(named) <= {MAIN_RUN}:
+        return _steps([s for _, s in steps])
+    return " (" + "; ".join(f"{run}: steps {', '.join(map(str, s))}" for run, s in sorted(named.items())) + ")"
 
 
 def kept_manifests(manifests: list[ManifestRecord], rules: Retention, bases: frozenset[int] = frozenset()) -> set[int]:
@@ -376,6 +399,7 @@ def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts:
         keep=[(m.id, m.step) for m in manifests if m.id in keep],
         thin=[(m.id, m.step, tiers[m.id]) for m in to_thin],
         grids=grids,
+        runs={m.id: m.run for m in manifests},
     )
     held: set[str] = set()
     for part in read_parts(repo.backend):

@@ -61,9 +61,9 @@ class RunInfo:
 
 def qualify(selector: str, run: str | None) -> str:
     """The selector read in ``run``: ``step=N`` and ``latest`` become ``RUN:step=N`` and
-    ``RUN:latest``; ``tag=``, ``id=`` and selectors that already name a run stay as they are."""
+    ``RUN:latest``; ``tag=``, ``id=``, ``digest=`` and selectors that already name a run stay as they are."""
     text = selector.strip()
-    if run is None or text.startswith(("tag=", "id=")) or re.match(r"[A-Za-z0-9._-]+:", text):
+    if run is None or text.startswith(("tag=", "id=", "digest=")) or re.match(r"[A-Za-z0-9._-]+:", text):
         return text
     return f"{manifest_objects.check_run_name(run)}:{text}"
 

@@ -580,6 +580,7 @@ def write_files(
     by_path = {f.path: f for f in scan.files}
     for f in (by_path[path] for path in write_order(layout)):
         container: str | None = None
+        done = 0  # of this file's bytes, told to ``progress``: piece by piece, so one large file moves the bar
         with f.open() as src:
             if f.kind == RAW:
                 digest = _add_raw(writer, src)
@@ -593,12 +594,18 @@ def write_files(
                 jobs = [_job(f, src, e, s, rounded) for e, s in segments if s.layer in stored]
                 with PiecesAhead(jobs, readers if f.located else 0) as pieces:
                     for entry, seg in segments:
-                        plan.atoms.append(_atom(f, pieces.take, entry, seg, stored, sources, writer, rounded, plan))
+                        atom = _atom(f, pieces.take, entry, seg, stored, sources, writer, rounded, plan)
+                        plan.atoms.append(atom)
+                        step = min(atom.nbytes, f.size - done)
+                        if step > 0:
+                            progress.advance(step)
+                            done += step
             src.check()
         plan.files.append(FileRecord(f.path, f.file_key, f.kind, f.rank, digest, f.size, f.mode, f.trusted, container))
         if release:
             f.release()
-        progress.advance(f.size)
+        if f.size > done:
+            progress.advance(f.size - done)  # the rest: its skeleton, container, or the whole of a raw file
     return plan
 
 

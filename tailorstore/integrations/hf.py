@@ -26,6 +26,7 @@ never reads a folder the Trainer is deleting.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -34,25 +35,40 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tailorstore.api import Store
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import MetricError, StoreError
+from tailorstore.core.metrics import checked
 from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
 from tailorstore.integrations.ranks import is_distributed, rank
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
 
 
-def evaluation_metrics(state: TrainerState) -> dict[str, float]:
-    """The Trainer's evaluation metrics at this step (``eval_loss``, ...): from the log entries of
-    an evaluation at ``state.global_step`` (the Trainer evaluates before it saves at a step where
-    both fall). Metrics of an earlier evaluation are not this step's, and are left out."""
+def evaluation_metrics(state: TrainerState, names: Collection[str] | None = None) -> dict[str, float]:
+    """The Trainer's metrics at this step: from the log entries at ``state.global_step`` (the Trainer
+    evaluates before it saves at a step where both fall), every evaluation metric (``eval_loss``,
+    ...) unless ``names`` are given, else exactly those, from any entry of the step (``loss`` and
+    ``grad_norm`` of the training log too). Metrics of an earlier step are not this step's, and are
+    left out."""
     found: dict[str, float] = {}
     for entry in state.log_history or []:
         if not isinstance(entry, dict) or entry.get("step") != state.global_step:
             continue
         for key, value in entry.items():
-            if isinstance(key, str) and key.startswith("eval_") and isinstance(value, int | float):
+            if not isinstance(key, str) or not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            if key.startswith("eval_") if names is None else key in names:
                 found[key] = float(value)
     return found
+
+
+def _metric_names(names: Collection[str] | None) -> frozenset[str] | None:
+    """The names to keep, checked as a recorded metric's name is (a string would be its letters)."""
+    if names is None:
+        return None
+    if isinstance(names, str | bytes) or not all(isinstance(n, str) for n in names):
+        raise MetricError(f"metrics={names!r}: give a list of metric names, such as ['eval_loss']")
+    checked(dict.fromkeys(names, 0.0))  # names only: 1-100 of letters, digits, ._-/:, at most 64
+    return frozenset(names)
 
 
 class TailorCallback(TrainerCallback):
@@ -64,8 +80,12 @@ class TailorCallback(TrainerCallback):
         delete_after_commit: bool = False,
         asynchronous: bool = True,
         on_existing: str = "branch",
+        metrics: Collection[str] | None = None,
         **policy_params: float,
     ) -> None:
+        """``metrics``: the names of the Trainer's logged metrics to record with each step (the
+        evaluation's ``eval_loss``, the training log's ``loss``); None records every evaluation
+        metric of the step, an empty list none."""
         self.rewind = Rewind(on_existing)  # a save of a step the store holds: a rewind (rewind.py)
         self._store_arg = store
         self._store: Store | None = store if isinstance(store, Store) else None
@@ -75,6 +95,7 @@ class TailorCallback(TrainerCallback):
         self.delete_after_commit = delete_after_commit
         self.asynchronous = asynchronous
         self._group: Any = None  # the background commits' own process group
+        self.metrics = _metric_names(metrics)  # a misspelt name fails here too
 
     def _open(self) -> Store:
         if self._store is None:
@@ -105,7 +126,7 @@ class TailorCallback(TrainerCallback):
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        metrics = evaluation_metrics(state)
+        metrics = evaluation_metrics(state, self.metrics)
         if self.rank_parallel():
             store = self._open()
             step = state.global_step

@@ -9,14 +9,18 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple, Protocol
 
+import numpy as np
+
 from tailorstore.access import structure
-from tailorstore.access.changes import relative_change, stored_pieces
+from tailorstore.access.changes import PieceKey, relative_change, stored_pieces
 from tailorstore.access.output_dir import partial_prefix, refuse_inside_store
 from tailorstore.core import atoms as A
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import MissingDependencyError, StoreError
 from tailorstore.core.layers import STATE, sort_key
 from tailorstore.store.index.records import COMMIT, MAIN_RUN, LayerRecord, ManifestRecord
 from tailorstore.store.repo import Repository
@@ -58,23 +62,47 @@ def diff(repo: Repository, selector_a: str, selector_b: str) -> DiffResult:
     )
     if other:
         raise StoreError(
-            f"cannot compare step {step_a} with step {step_b}: they hold different models ({'; '.join(other)})"
+            f"cannot compare {_named(ma, mb)} with {_named(mb, ma)}: they hold different models ({'; '.join(other)})"
         )
-    if (ma.world_size, ma.zero_stage) != (mb.world_size, mb.zero_stage):
-        raise StoreError(
-            f"cannot compare step {step_a} with step {step_b}: they were saved at different world sizes or ZeRO "
-            "stages, and diff compares piece by piece"
-        )
+    by_name = (ma.world_size, ma.zero_stage) != (mb.world_size, mb.zero_stage)
     layers_a = {x.layer for x in repo.view(DiffView).layers(a)}
     layers_b = {x.layer for x in repo.view(DiffView).layers(b)}
     out = []
     for layer in sorted((layers_a & layers_b) - {STATE}, key=sort_key):
-        values = []
-        for kind in (A.MASTER, A.WEIGHT):
-            old, new = stored_pieces(repo, a, layer, kind), stored_pieces(repo, b, layer, kind)
-            values.append(relative_change(new, old) if old and new else None)
+        values = [_change(repo, a, b, layer, kind, by_name) for kind in (A.MASTER, A.WEIGHT)]
         out.append(LayerDiff(layer, values[0], values[1]))
     return DiffResult(step_a, step_b, out)
+
+
+def _named(m: ManifestRecord, other: ManifestRecord) -> str:
+    """A step as a message names it beside another: with its run unless both are main's."""
+    return f"step {m.step}" if m.run == other.run == MAIN_RUN else f"run {m.run} step {m.step}"
+
+
+def _change(repo: Repository, a: int, b: int, layer: str, kind: str, by_name: bool) -> float | None:
+    """A layer's relative change of one kind from manifest ``a`` to ``b``: piece by piece where both
+    were saved in one partitioning, else parameter by parameter (each parameter's pieces joined by
+    their first element, whatever rank held them), which any two partitionings of one model allow."""
+    return _between((kind, stored_pieces(repo, a, layer, kind)), (kind, stored_pieces(repo, b, layer, kind)), by_name)
+
+
+def by_parameter(pieces: dict[PieceKey, np.ndarray]) -> dict[PieceKey, np.ndarray] | None:
+    """Pure: pieces keyed (parameter, rank, start) joined into one flat array per parameter, keyed
+    (parameter, 0, 0); None where a parameter's pieces do not lie end to end (a range held twice,
+    as two ranks' copies, is taken once)."""
+    ranges: dict[str, dict[int, np.ndarray]] = {}
+    for (param, _rank, start), values in pieces.items():
+        ranges.setdefault(param, {}).setdefault(start, values)
+    out: dict[PieceKey, np.ndarray] = {}
+    for param, by_start in ranges.items():
+        cursor, parts = 0, []
+        for start in sorted(by_start):
+            if start != cursor:
+                return None
+            parts.append(by_start[start])
+            cursor += len(by_start[start])
+        out[(param, 0, 0)] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return out
 
 
 @dataclass
@@ -103,22 +131,49 @@ def change_matrix(repo: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
     for layer in layers:
         line: list[float | None] = []
         flags: list[bool] = []
-        previous = stored_pieces(repo, rows[0].id, layer)
-        for r in rows[1:]:
-            current = stored_pieces(repo, r.id, layer)
+        previous = _measured(repo, rows[0].id, layer)
+        for before, r in pairwise(rows):
+            current = _measured(repo, r.id, layer)
             flags.append(not held.get((r.id, layer), True))
-            line.append(relative_change(current, previous) if current and previous else None)
+            by_name = (before.world_size, before.zero_stage) != (r.world_size, r.zero_stage)
+            line.append(_between(previous, current, by_name))
             previous = current
         values.append(line)
         inherited.append(flags)
     return ChangeMatrix(columns, layers, values, inherited)
 
 
+def _measured(repo: Repository, manifest: int, layer: str) -> tuple[str, dict[PieceKey, np.ndarray]]:
+    """What a layer's change is measured on at one step: its FP32 master, or its weights where the
+    step holds no master (an HF Trainer or plain save, which keeps only the model's weights)."""
+    for kind in (A.MASTER, A.WEIGHT):
+        pieces = stored_pieces(repo, manifest, layer, kind)
+        if pieces:
+            return kind, pieces
+    return A.MASTER, {}
+
+
+def _between(
+    old: tuple[str, dict[PieceKey, np.ndarray]], new: tuple[str, dict[PieceKey, np.ndarray]], by_name: bool
+) -> float | None:
+    """The change between two measurements of one kind (a master against a weight is no change)."""
+    (old_kind, old_pieces), (new_kind, new_pieces) = old, new
+    if old_kind != new_kind or not old_pieces or not new_pieces:
+        return None
+    if by_name:
+        joined_old, joined_new = by_parameter(old_pieces), by_parameter(new_pieces)
+        if joined_old is None or joined_new is None:
+            return None
+        if any(len(v) != len(joined_new.get(k, ())) for k, v in joined_old.items()):
+            return None
+        old_pieces, new_pieces = joined_old, joined_new
+    return relative_change(new_pieces, old_pieces)
+
+
 def plot(repo: Repository, out: Path, run: str = MAIN_RUN) -> Path:
     """A PNG heatmap of the change of each layer over the run's manifests, written whole at ``out``."""
+    matplotlib = _matplotlib()
     _check_plot_out(repo, out)
-    import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -141,7 +196,7 @@ def plot(repo: Repository, out: Path, run: str = MAIN_RUN) -> Path:
     ax.set_yticks(range(len(m.layers)), m.layers)
     ax.set_xlabel("manifest (change since the previous one)")
     ax.set_ylabel("layer")
-    ax.set_title("FP32 master change since the previous manifest\n||w - w_prev|| / ||w_prev||", fontsize=10)
+    ax.set_title("change since the previous step (FP32 master, else weight)\n||w - w_prev|| / ||w_prev||", fontsize=10)
     fig.colorbar(image, ax=ax)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     inherited = Patch(facecolor="lightgrey", hatch="///", edgecolor="grey", label="inherited (not stored here)")
@@ -154,6 +209,16 @@ def plot(repo: Repository, out: Path, run: str = MAIN_RUN) -> Path:
         plt.close(fig)
         tmp.unlink(missing_ok=True)
     return out
+
+
+def _matplotlib() -> ModuleType:
+    """matplotlib, an optional dependency (the ``plot`` extra): its absence is the user's setup, said
+    in one line with what to install, before the store or the output path is touched."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependencyError("plotting", "matplotlib", "plot") from None
+    return matplotlib
 
 
 def _check_plot_out(repo: Repository, out: Path) -> None:

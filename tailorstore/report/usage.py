@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tailorstore.core import atoms as A
-from tailorstore.store.index.records import FileRecord, KindTotals, ManifestRecord
+from tailorstore.report.inspect import held_bytes
+from tailorstore.store.index.records import AtomContent, FileContent, KindTotals, ManifestRecord
 from tailorstore.store.repo import Repository
 
 
@@ -20,7 +21,7 @@ class UsageView(Protocol):
 
     def manifests(self, run: str | None = None) -> list[ManifestRecord]: ...
 
-    def files(self, manifest: int) -> list[FileRecord]: ...
+    def content_rows(self, manifest: int) -> tuple[list[FileContent], list[AtomContent]]: ...
 
     def kind_totals(self) -> list[KindTotals]: ...
 
@@ -72,9 +73,9 @@ def usage(repo: Repository, *, gc_frees: int = 0) -> Usage:
     blob_bytes = index.blob_object_bytes()  # loose blob objects, and whole packs (trailers and dead bytes too)
     index_bytes = sum(p.stat().st_size for p in repo.where.index_path.parent.glob("index.sqlite*") if p.is_file())
     manifests = index.manifests()
-    # A thinned step keeps only some of its files: its raw bytes are theirs, not the whole save's it
+    # A thinned step keeps only some of its tensors: its raw bytes are theirs, not the whole save's it
     # was committed as (which counted its dropped optimizer states as "files", many times too much).
-    raw_of = {m.id: m.raw_bytes if m.tier is None else sum(f.raw_size for f in index.files(m.id)) for m in manifests}
+    raw_of = {m.id: held_bytes(m, *index.content_rows(m.id)) if m.tier else m.raw_bytes for m in manifests}
     raw_total = sum(raw_of.values())
     saved = sum(m.raw_bytes for m in manifests)  # the ratio is against the saves, not what thinning kept of them
     stored = blob_bytes + index_bytes

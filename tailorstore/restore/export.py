@@ -1,4 +1,6 @@
-"""Exporting: a consolidated Hugging Face model folder from a stored DeepSpeed step.
+"""Exporting: a consolidated Hugging Face model folder from a stored step of any layout the store
+holds layer-wise (DeepSpeed, DCP, an HF Trainer's safetensors or bin, a plain torch.save):
+:func:`~tailorstore.access.model_tensors.model_view` says which atoms tile each parameter.
 
 What ``zero_to_fp32`` does from a checkout, done straight from the atoms: each parameter's
 FP32 master is read piece by piece from every rank's partition (hash-checked), rounded to the

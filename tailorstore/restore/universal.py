@@ -82,6 +82,11 @@ def _optimizer_file(files: list[FileRecord], folder: str, step: int) -> FileReco
 
 
 def _check_stage(view: ModelView) -> None:
+    if view.states_file is None:
+        raise StoreError(
+            f"step {view.step} holds no DeepSpeed model states; the universal layout is DeepSpeed's. "
+            "Check it out as it is, or export its weights as a model folder."
+        )
     if view.zero_stage in (1, 2, 3):
         return
     raise StoreError(

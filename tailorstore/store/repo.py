@@ -511,8 +511,9 @@ class Repository:
         Steps are numbered per run: ``step=N`` and ``latest`` look in ``run``, or in the run a
         ``RUN:`` prefix names (``ft:step=200``). A run branched from another run's step
         reaches that base as ``latest`` until it has commits of its own, and by the base's step.
-        ``tag=`` and ``id=`` name one manifest in the whole store; an id is the short hex name
-        every host gives that manifest (``records.stable_id``). Merges carry their base's
+        ``tag=``, ``id=`` and ``digest=`` name one manifest in the whole store; an id is the short
+        hex name every host gives that manifest (``records.stable_id``), a digest the hash of what
+        it holds (``store/digest.py``). Merges carry their base's
         step, so they are named by ``tag=`` or ``id=`` (``tailor log`` prints both); a step
         that only merges carry is refused with the list of them.
         """
@@ -528,6 +529,8 @@ class Repository:
             return latest.id
         if text.startswith("id=") and not prefixed:
             return self._by_stable_id(text[3:])
+        if text.startswith("digest=") and not prefixed:
+            return self._by_digest(text[7:])
         match = re.fullmatch(r"(?:step=)?(\d+)", text)
         if match:
             step = check_step(int(match.group(1)))
@@ -551,7 +554,46 @@ class Repository:
             if tagged is None:
                 raise UnknownStepError(f"nothing is tagged {text[4:]!r}; ", Call("log"), " shows the tags.")
             return tagged.id
-        raise UnknownStepError(f"cannot read {selector!r}: write step=N, RUN:step=N, tag=NAME, id=HEX or latest.")
+        raise UnknownStepError(
+            f"cannot read {selector!r}: write step=N, RUN:step=N, tag=NAME, id=HEX, digest=HEX or latest."
+        )
+
+    def content_digests(self, manifests: list[ManifestRecord]) -> dict[int, str]:
+        """The content digest (store/digest.py) of each manifest given, by its row id: from this host's
+        cache beside the index where it has them, else from the index's rows (and then kept)."""
+        from tailorstore.store.digest import ContentRows, DigestCache
+
+        path = self.where.index_path.with_name(self.where.index_path.name + "-digests.json")
+        cache = DigestCache(path, self._index.meta("created_at") or "")
+        rows = self.view(ContentRows)
+        out = {m.id: cache.digest(rows, m.id, m.object_key) for m in manifests}
+        cache.save({m.object_key for m in self._index.manifests() if m.object_key})
+        return out
+
+    def _by_digest(self, prefix: str) -> int:
+        """The manifest whose content digest (store/digest.py) starts with ``prefix``: at least 8 hex
+        digits. Two manifests holding the same bytes (a merge equal to its base, one checkpoint
+        committed to two runs) share a digest; such a prefix is refused with their ids."""
+        from tailorstore.store.digest import DIGEST_DIGITS, MIN_DIGITS
+
+        if not re.fullmatch(rf"[0-9a-f]{{{MIN_DIGITS},{DIGEST_DIGITS}}}", prefix):
+            raise UnknownStepError(
+                f"digest={prefix[:40]!r} names no manifest: a digest is the hex content hash ",
+                Call("log"),
+                f" prints ({MIN_DIGITS} to {DIGEST_DIGITS} of its leading digits, lowercase).",
+            )
+        manifests = self._index.manifests()
+        digests = self.content_digests(manifests)
+        found = [m for m in manifests if digests[m.id].startswith(prefix)]
+        if not found:
+            raise UnknownStepError(f"no manifest holds content of digest {prefix}; ", Call("log"), " lists them.")
+        if len(found) > 1:
+            names = ", ".join(f"id={m.name} (run {m.run}, step {m.step})" for m in found[:5])
+            raise UnknownStepError(
+                f"digest={prefix} names {len(found)} manifests: {names}; they hold the same bytes (or give more "
+                "digits): name one by its id="
+            )
+        return found[0].id
 
     def _by_stable_id(self, prefix: str) -> int:
         """The manifest whose stable id (records.stable_id) starts with ``prefix``, as git takes a

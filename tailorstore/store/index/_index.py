@@ -41,10 +41,12 @@ from tailorstore.store.index.records import (
     FILE_COLUMNS,
     MAIN_RUN,
     MANIFEST_DOC_FIELDS,
+    AtomContent,
     AtomKey,
     AtomRecord,
     BlobRecord,
     BlobUse,
+    FileContent,
     FileRecord,
     IndexCounts,
     KindTotals,
@@ -432,6 +434,18 @@ class Index:
             _insert("files", ("manifest", *FILE_COLUMNS)),
             [(manifest, *values(f, FILE_COLUMNS[:7]), int(f.trusted), f.container) for f in files],
         )
+
+    def content_rows(self, manifest: int) -> tuple[list[FileContent], list[AtomContent]]:
+        """What a content digest reads (store/digest.py): the manifest's files by path, and its
+        atoms by path, slot and offset (the atoms' primary key: a range read, no sort)."""
+        files = self.conn.execute(
+            "SELECT path, kind, raw_size, blob, container FROM files WHERE manifest=? ORDER BY path", (manifest,)
+        )
+        atoms = self.conn.execute(
+            "SELECT path, slot, offset, nbytes, blob FROM atoms WHERE manifest=? ORDER BY path, slot, offset",
+            (manifest,),
+        )
+        return [FileContent(*r) for r in files], [AtomContent(*r) for r in atoms]
 
     # -- atoms ---------------------------------------------------------------------------
     def atoms(

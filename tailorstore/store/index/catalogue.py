@@ -18,10 +18,12 @@ from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from tailorstore.store.index.records import (
+    AtomContent,
     AtomKey,
     AtomRecord,
     BlobRecord,
     BlobUse,
+    FileContent,
     FileRecord,
     IndexCounts,
     KindTotals,
@@ -91,6 +93,10 @@ class Catalogue(Protocol):
     def count_atoms(self, manifest: int, layer: str, kind: str) -> int: ...
 
     def counts(self) -> IndexCounts: ...
+
+    def content_rows(self, manifest: int) -> tuple[list[FileContent], list[AtomContent]]:
+        """A manifest's files by path and atoms by (path, slot, offset): what its digest hashes."""
+        ...
 
     def created_runs(self) -> dict[str, RunRecord]:
         """The runs created by name (each has an object in the backend), by name."""

@@ -74,6 +74,26 @@ def stable_id(object_key: str | None) -> str:
     return xxhash.xxh3_64_hexdigest(stem.encode())[:ID_DIGITS]
 
 
+class FileContent(NamedTuple):
+    """A file row as a content digest reads it (store/digest.py)."""
+
+    path: str
+    kind: str
+    raw_size: int
+    blob: str
+    container: str | None
+
+
+class AtomContent(NamedTuple):
+    """An atom row as a content digest reads it (store/digest.py)."""
+
+    path: str
+    slot: int
+    offset: int
+    nbytes: int
+    blob: str
+
+
 class StoredLayer(NamedTuple):
     """A layer as a committed step stored or inherited it (for inheritance: newest first)."""
 
