@@ -112,6 +112,13 @@ def test_a_first_launch_on_an_empty_store_starts_fresh(
     assert log.count("holds no step to resume from; training starts fresh") == 1, log
     with Store.open(tmp_path / "store") as store:
         assert [s.step for s in store.log()] == [3]
+    # a step asked for by name that the store lacks is no fresh start: every rank raises rank 0's error, whole
+    with pytest.raises(TrainingFailed):
+        train_tiny(save, losses_out=tmp_path / "asked.json", resume_from=save, resume_tag="global_step9", steps=9,
+                   save_every=0, **options)  # fmt: skip
+    log = (tmp_path / "asked.log").read_text()
+    raised = f"RanksFailedError: resuming from {save} failed on rank 0: step 9 is not in the store"
+    assert log.count(raised) == 2, log
 
 
 def test_a_replacing_rewind_killed_while_it_records_a_step_is_recovered_under_its_rule(

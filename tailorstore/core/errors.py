@@ -190,9 +190,8 @@ class RanksFailedError(TailorError):
     def __init__(self, failures: Mapping[int, TailorError], doing: str = "") -> None:
         self.failures: dict[int, TailorError] = dict(sorted(failures.items()))
         self.doing = doing
-        self.category = min(  # type: ignore[misc]
-            (e.category for e in self.failures.values()), key=SEVERITY.index, default=Category.BAD_INPUT
-        )
+        worst = min((SEVERITY.index(e.category) for e in self.failures.values()), default=len(SEVERITY) - 1)
+        self.category = SEVERITY[worst]  # type: ignore[misc]
         super().__init__(*self._parts())
 
     def _parts(self) -> list[Part]:

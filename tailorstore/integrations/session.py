@@ -40,16 +40,12 @@ class Session:
         """A session over a new tailor group (collective: every rank calls it, in the same order)."""
         return cls(ranks.tailor_group())
 
-    @property
-    def rank(self) -> int:
-        return ranks.rank()
-
     def decide(self, fn: Callable[[], T], doing: str = "") -> T:
         """``fn()`` run on global rank 0 alone; its result on every rank (collective). A failure of
         ``fn`` is raised on every rank as :class:`RanksFailedError` ``{0: error}``."""
         outcome: tuple[bool, Any] | None = None
         cause: BaseException | None = None
-        if self.rank == 0:
+        if ranks.rank() == 0:
             outcome, cause = _attempt(fn)
         if ranks.is_distributed():
             outcome = ranks.broadcast(outcome, self.group)
@@ -63,14 +59,11 @@ class Session:
         """``fn()`` run on every rank; every rank's result, by rank (collective). Where it failed
         on any rank, every rank raises :class:`RanksFailedError` with each failed rank's error."""
         outcome, cause = _attempt(fn)
-        every = ranks.gathered((self.rank, outcome), self.group) if ranks.is_distributed() else [(0, outcome)]
+        every = ranks.gathered((ranks.rank(), outcome), self.group) if ranks.is_distributed() else [(0, outcome)]
         failures = {rank: value for rank, (ok, value) in every if not ok}
         if failures:
             raise RanksFailedError(failures, doing) from cause
         return [value for _, (_, value) in sorted(every, key=lambda one: one[0])]
-
-    def barrier(self) -> None:
-        ranks.barrier(self.group)
 
 
 def _attempt(fn: Callable[[], T]) -> tuple[tuple[bool, Any], BaseException | None]:

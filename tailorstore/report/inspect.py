@@ -46,6 +46,7 @@ class StepSummary:
     world_size: int | None = None  # the data-parallel ranks that saved it (a DeepSpeed save)
     zero_stage: int | None = None  # its ZeRO stage (a DeepSpeed save)
     metrics: dict[str, float | None] = field(default_factory=dict)  # recorded with the step (None: NaN)
+    source: str = ""  # what it was committed from (the folder, as the committing host resolved it)
 
 
 @dataclass
@@ -86,6 +87,7 @@ def summary(r: ManifestRecord) -> StepSummary:
         world_size=r.world_size,
         zero_stage=r.zero_stage,
         metrics=decode_metrics(r.metrics),
+        source=r.source,
     )
 
 

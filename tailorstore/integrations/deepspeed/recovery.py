@@ -111,11 +111,9 @@ def _recover(store: Store, save: Rescued, folder: Path, step: int, on_existing: 
 
 def _committed_from(store: Store, step: int, staged: str) -> str | None:
     """The run whose step ``step`` the store recorded from the staged folder ``staged``, if any."""
-    for info in store.runs():
-        for summary in store.log(run=info.name):
-            if summary.step == step and summary.origin == COMMIT and summary.run == info.name:
-                if store.repo.manifest(summary.manifest).source == staged:
-                    return info.name
+    for summary in store.log():  # every run's manifests
+        if summary.step == step and summary.origin == COMMIT and summary.source == staged:
+            return summary.run
     return None
 
 
