@@ -14,8 +14,9 @@ of a resume, inside :meth:`TailorCheckpointEngine.load_checkpoint`; ``flush`` be
 
 If a background commit fails, its staged files are moved to where DeepSpeed would have written
 them (``save_dir/tag``), so nothing is lost, and the error is raised at the next save or at
-:meth:`TailorCheckpointEngine.flush`. What a killed run left staged is moved there by the next
-engine to start (:mod:`..staging`).
+:meth:`TailorCheckpointEngine.flush`. What a killed run left staged (perhaps cut short) is moved by
+the next engine to start beside that folder, under a name DeepSpeed never loads, and global
+rank 0 commits it from there (:mod:`..staging`, :mod:`.recovery`).
 """
 
 from __future__ import annotations
