@@ -94,14 +94,7 @@ def restore_and_load(
     leader = is_leader()
     # who can write for whom: every node leader with a store, or rank 0 alone for a single node
     seen = session.each(lambda: (rank, leader, store is not None, len(node_ranks(rank))))
-    leaders = [r for r, lead, has, _ in seen if lead]
-    single_node = len(leaders) == 1 and all(size == len(seen) for *_, size in seen)
-    if not all(has for _, lead, has, _ in seen if lead) and not single_node:
-        missing = [r for r, lead, has, _ in seen if lead and not has]
-        raise StoreError(
-            f"resuming from the store on {len(leaders)} nodes needs a store handle on each node's local rank 0; "
-            f"ranks {missing} have none"
-        )
+    single_node = session.decide(lambda: _one_writer(seen), "resuming from the store")
 
     def write() -> str | None:
         if not leader:
@@ -126,6 +119,20 @@ def restore_and_load(
         barrier(session.group)
         if leader:
             shutil.rmtree(out, ignore_errors=True)
+
+
+def _one_writer(seen: list[tuple[int, bool, bool, int]]) -> bool:
+    """Rank 0, from every rank's (rank, leader, has a store, ranks on its node): whether global
+    rank 0 writes for every rank (one node), else each node's leader for its own (each needs a store)."""
+    leaders = [r for r, lead, has, _ in seen if lead]
+    single_node = len(leaders) == 1 and all(size == len(seen) for *_, size in seen)
+    if not all(has for _, lead, has, _ in seen if lead) and not single_node:
+        missing = [r for r, lead, has, _ in seen if lead and not has]
+        raise StoreError(
+            f"resuming from the store on {len(leaders)} nodes needs a store handle on each node's local rank 0; "
+            f"ranks {missing} have none"
+        )
+    return single_node
 
 
 def resolved(store: Store | None, pick: Callable[[Store], Found | None], session: Session) -> Found | None:
