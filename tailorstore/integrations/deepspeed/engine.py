@@ -565,7 +565,11 @@ class TailorCheckpointEngine(CheckpointEngine):
                 run,
             )
             return None
-        if from_latest and step is not None and head is not None and not store.holds(step, run=run):
+        try:
+            found = resume.find(store, f"{run}:step={step}" if step is not None else f"{run}:latest")
+        except UnknownStepError:
+            if not (from_latest and step is not None and head is not None):
+                raise
             log.warning(
                 "tailorstore: %s names step %d, which run %r of the store lacks (the job stopped before it was "
                 "committed); resuming from step %d, the last step this training committed",
@@ -574,8 +578,7 @@ class TailorCheckpointEngine(CheckpointEngine):
                 run,
                 head.step,
             )
-            step = head.step
-        found = resume.find(store, f"{run}:step={step}" if step is not None else f"{run}:latest")
+            found = resume.find(store, f"{run}:step={head.step}")
         if head is not None and from_latest and found.step != head.step and found.created_at < head.created_at:
             log.warning(
                 "tailorstore: %s names step %d, which this training never committed (it stopped first); the "
