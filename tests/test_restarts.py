@@ -79,8 +79,9 @@ def test_a_job_killed_while_its_save_is_written_resumes_from_its_last_committed_
     step 3, in one line."""
     reference, save, options, staging = setup(runs, tmp_path, monkeypatch, name)
     killed(monkeypatch, "snapshot-file-written=kill@3", save, tmp_path / "first.json", steps=6, save_every=3, **options)
-    [partial] = staged_saves(staging)
-    assert partial.name == "global_step6"
+    # the step-6 save is cut short; step 3's commit may still have been running (then its staged
+    # copy is left too, and the recovery finds it committed or commits it)
+    assert "global_step6" in [p.name for p in staged_saves(staging)]
     # DeepSpeed writes ``latest`` as save_checkpoint returns, while the files are still written
     # in the background; where the kill came first, this is what it would have written
     (save / "latest").write_text("global_step6")
