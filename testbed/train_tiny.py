@@ -271,6 +271,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=3)
     p.add_argument("--resume-from", default=None, help="a DeepSpeed save dir to load_checkpoint from")
     p.add_argument("--resume-tag", default=None, help="the tag to load (default: what 'latest' names)")
+    p.add_argument(
+        "--fresh-if-none", action="store_true", help="--resume-from finding nothing to load starts fresh (first launch)"
+    )
     p.add_argument("--losses-out", default=None)
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
@@ -399,9 +402,9 @@ def main(argv: list[str] | None = None) -> None:
         start_step = int(client_state["my_step"])
     elif args.resume_from:
         load_path, client_state = engine.load_checkpoint(args.resume_from, tag=args.resume_tag)
-        if load_path is None:
+        if load_path is None and not args.fresh_if_none:
             raise SystemExit(f"DeepSpeed found no checkpoint to resume from in {args.resume_from}")
-        start_step = int(client_state["my_step"])
+        start_step = int(client_state["my_step"]) if load_path is not None else 0
         if args.save_on_load:  # what DeepSpeed holds right after the load, saved as it saves it
             engine.save_checkpoint(args.save_on_load, tag="loaded", client_state={"my_step": start_step})
 

@@ -458,7 +458,12 @@ def test_recovery_moves_only_regular_files_it_staged_never_through_a_link(tmp_pa
     linked.mkdir(parents=True)
     (linked / "global_step6").symlink_to(outside / "tree")  # the tag folder itself a link
     (linked / staged.TARGET).write_text(str(tmp_path / "save" / "global_step6"))
-    staged.recover(staging)
+    [moved] = staged.recover(staging)
+    assert moved.target == str(real) and moved.folder == str(
+        real.with_name(f"global_step3{staged.UNCOMMITTED}") / "global_step3"
+    )
+    assert not real.exists()
+    real = Path(moved.folder)
     assert sorted(p.name for p in real.iterdir()) == ["mp_rank_00_model_states.pt"]
     assert (real / "mp_rank_00_model_states.pt").read_bytes() == b"staged bytes"
     assert (outside / "secret").read_text() == "must stay" and (

@@ -14,7 +14,7 @@ call (``verify(deep=True)``, ``force=True``), the command line as a command or a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 from typing import ClassVar
 
@@ -24,6 +24,11 @@ class Category(Enum):
     DAMAGED_STORE = "damaged store"  # the store does not hold what it promised: verify, repair
     LOCK = "lock"  # another process holds the store, or this one lost its hold on it
     BACKEND = "backend"  # the store's server or disk failed or refused (unreachable, denied): check it, retry
+
+
+# Which category a failure of several parts takes: the one that asks most of the user. A damaged
+# store needs a repair whatever else failed, a lock clears on its own, a backend needs a retry.
+SEVERITY = (Category.DAMAGED_STORE, Category.LOCK, Category.BACKEND, Category.BAD_INPUT)
 
 
 class Call:
@@ -186,3 +191,35 @@ class LockTimeoutError(TailorError):
 class LeaseLostError(LockTimeoutError):
     """This process no longer surely holds its store lease (it stalled past the lease, or
     renewing failed), so it stopped before publishing or deleting anything more."""
+
+
+class RanksFailedError(TailorError):
+    """Work of a job's ranks failed on one rank or more, raised alike on every rank
+    (``integrations/session.py``). ``failures`` holds each failed rank's own error, whole, by
+    global rank; the category is the most severe of theirs (:data:`SEVERITY`), so the exit code
+    is the one the worst failure alone would give."""
+
+    MOST_SHOWN = 4  # distinct messages shown; a thousand ranks failing alike make one line
+
+    def __init__(self, failures: Mapping[int, TailorError], doing: str = "") -> None:
+        self.failures: dict[int, TailorError] = dict(sorted(failures.items()))
+        self.doing = doing
+        worst = min((SEVERITY.index(e.category) for e in self.failures.values()), default=len(SEVERITY) - 1)
+        self.category = SEVERITY[worst]  # type: ignore[misc]
+        super().__init__(*self._parts())
+
+    def _parts(self) -> list[Part]:
+        alike: dict[str, list[int]] = {}
+        for rank, error in self.failures.items():
+            alike.setdefault(str(error), []).append(rank)
+        parts: list[Part] = [f"{self.doing} failed" if self.doing else "failed"]
+        for i, ranks in enumerate(list(alike.values())[: self.MOST_SHOWN]):
+            shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+            parts += [";" if i else "", f" on rank{'s' if len(ranks) > 1 else ''} {shown}: "]
+            parts += self.failures[ranks[0]].parts
+        if len(alike) > self.MOST_SHOWN:
+            parts.append(f"; and {len(alike) - self.MOST_SHOWN} other failures")
+        return parts
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.failures, self.doing))

@@ -46,6 +46,7 @@ POINTS = (
     "gc-before-delete",
     "gc-repack-written",
     "before-lease-renewal",
+    "snapshot-file-written",  # a staged file written in the background, not yet in its place
 )
 REQUEST_KINDS = ("put", "put-create", "get", "head", "list", "delete", "delete-many")
 _REQUEST = re.compile(r"(\*|[a-z][a-z-]{0,30})/(\*|[a-z][a-z-]{0,30})")

@@ -41,6 +41,7 @@ from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
 from tailorstore.integrations.ranks import is_distributed, rank
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
+from tailorstore.integrations.session import Session
 
 
 def evaluation_metrics(state: TrainerState, names: Collection[str] | None = None) -> dict[str, float]:
@@ -155,18 +156,10 @@ class TailorCallback(TrainerCallback):
     ) -> RankParallelResult:
         """Every rank's share, rank 0's manifest; rank 0 deletes the folder once its blobs are checked.
         Rank 0 decides the run first (a rewind may branch one) and every rank commits to it."""
-        decision: list[Any] = [None]
-        if rank() == 0:
-            try:
-                decision[0] = self.rewind.run_for(store, step)
-            except Exception as exc:  # every rank must hear it, or the others wait in the commit
-                decision[0] = exc
-        dist.broadcast_object_list(decision, src=0, group=self._group)
-        if isinstance(decision[0], BaseException):
-            raise decision[0]
-        self.rewind.run = decision[0]
-        if decision[0] != store.run:
-            store = store.in_run(decision[0])
+        run = Session(self._group).decide(lambda: self.rewind.run_for(store, step), f"choosing the run of step {step}")
+        self.rewind.run = run
+        if run != store.run:
+            store = store.in_run(run)
         result = commit_rank_parallel(
             store, folder, step=step, group=self._group, policy=self.policy, metrics=metrics or None,
             **self.policy_params,

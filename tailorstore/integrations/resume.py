@@ -14,23 +14,24 @@ its share of the step, not the whole step. Ranks are taken to be numbered node b
 ``torchrun`` numbers them (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``).
 
 Every collective runs on a gloo group of its own (``ranks.tailor_group``) with a timeout: a node
-that dies mid-restore turns into an error on the others, not a hang.
+that dies mid-restore turns into an error on the others, not a hang. The step is decided once, on
+global rank 0, and every failure is raised on every rank with each rank's own error, through a
+:class:`..session.Session`.
 """
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from tailorstore.api import Store
 from tailorstore.core.errors import StoreError
-from tailorstore.integrations.ranks import gathered, is_distributed, is_leader, node_ranks
+from tailorstore.integrations.ranks import barrier, is_leader, node_ranks
 from tailorstore.integrations.ranks import rank as global_rank
+from tailorstore.integrations.session import Session
 from tailorstore.restore.checkout import loaded_by
 from tailorstore.restore.file_objects import StepObjects
 
@@ -45,6 +46,7 @@ class Found:
     zero_stage: int | None
     inherited: dict[str, int]  # a composite's layers from earlier steps (layer -> step)
     created_at: float = 0.0  # when the manifest was recorded (integrations/head.py compares it)
+    location: str | None = None  # the store rank 0 resolved it in (a rank without a handle opens it)
 
 
 def needs_reshard(found: Found, world_size: int, zero_stage: int) -> bool:
@@ -76,22 +78,52 @@ def materialize(store: Store, found: Found, out: Path, world_size: int, zero_sta
 
 def restore_and_load(
     store: Store | None,
-    pick: Callable[[Store], Found],
+    found: Found,
     load: Callable[[str, str], Any],
     out: Path,
     world_size: int,
     zero_stage: int,
-    group: Any,
-) -> tuple[Found, Any]:
-    """Collective: resolve on rank 0 (``pick``), materialize on each node's leader into ``out``
-    (this node's staging), load on every rank (``load(folder, tag)``), and clean up.
+    session: Session,
+) -> Any:
+    """Collective: materialize ``found`` (what :func:`resolved` gave every rank) on each node's
+    leader into ``out`` (this node's staging), load on every rank (``load(folder, tag)``), and
+    clean up. A failure on any leader is raised on every rank, each leader's error kept whole.
 
     Every node's leader needs a store handle; on one node, global rank 0's is enough."""
-    distributed = is_distributed()
     rank = global_rank()
     leader = is_leader()
     # who can write for whom: every node leader with a store, or rank 0 alone for a single node
-    seen = gathered((rank, leader, store is not None, len(node_ranks(rank))), group)
+    seen = session.each(lambda: (rank, leader, store is not None, len(node_ranks(rank))))
+    single_node = session.decide(lambda: _one_writer(seen), "resuming from the store")
+
+    def write() -> str | None:
+        if not leader:
+            return None
+        try:
+            assert store is not None
+            mine = node_ranks(rank) if not single_node else list(range(len(seen)))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            return materialize(store, found, out, world_size, zero_stage, mine)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
+
+    where = found.location or "the store"
+    tags = session.each(write, f"resuming step {found.step} from {where}")
+    my_leader = node_ranks(rank)[0] if not single_node else 0
+    tag = tags[my_leader]
+    assert tag is not None
+    try:
+        return load(str(out), tag)
+    finally:
+        barrier(session.group)
+        if leader:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _one_writer(seen: list[tuple[int, bool, bool, int]]) -> bool:
+    """Rank 0, from every rank's (rank, leader, has a store, ranks on its node): whether global
+    rank 0 writes for every rank (one node), else each node's leader for its own (each needs a store)."""
     leaders = [r for r, lead, has, _ in seen if lead]
     single_node = len(leaders) == 1 and all(size == len(seen) for *_, size in seen)
     if not all(has for _, lead, has, _ in seen if lead) and not single_node:
@@ -100,87 +132,52 @@ def restore_and_load(
             f"resuming from the store on {len(leaders)} nodes needs a store handle on each node's local rank 0; "
             f"ranks {missing} have none"
         )
-    found, _ = resolved(store, pick, group)
-    error: str | None = None
-    tag: str | None = None
-    if leader:
-        try:
-            assert store is not None
-            mine = node_ranks(rank) if not single_node else list(range(len(seen)))
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tag = materialize(store, found, out, world_size, zero_stage, mine)
-        except Exception as exc:
-            shutil.rmtree(out, ignore_errors=True)
-            error = f"resuming step {found.step} from {store.location if store else 'the store'} failed: {exc}"
-    outcomes = gathered((rank, tag, error), group)
-    failures = [e for _, _, e in outcomes if e]
-    if failures:
-        raise StoreError(failures[0])
-    my_leader = node_ranks(rank)[0] if not single_node else 0
-    tag = next(t for r, t, _ in outcomes if r == my_leader)
-    try:
-        return found, load(str(out), tag)
-    finally:
-        if distributed:
-            dist.barrier(group)
-        if leader:
-            shutil.rmtree(out, ignore_errors=True)
+    return single_node
 
 
-def resolved(store: Store | None, pick: Callable[[Store], Found], group: Any) -> tuple[Found, str | None]:
-    """Collective: the step rank 0 resolves (``pick``), and the store's location, on every rank."""
-    found: Found | None = None
-    error: str | None = None
-    location = store.location if store is not None else None
-    if global_rank() == 0:
-        try:
-            if store is None:
-                raise StoreError("global rank 0 needs the store to resume from")
-            found = pick(store)
-        except Exception as exc:  # every rank must hear it
-            error = f"resuming from {location or 'the store'} failed: {exc}"
-    found, error, location = gathered((found, error, location), group)[0]
-    if error:
-        raise StoreError(error)
-    assert found is not None
-    return found, location
+def resolved(store: Store | None, pick: Callable[[Store], Found | None], session: Session) -> Found | None:
+    """Collective: the step rank 0 resolves (``pick``), with the store's location, on every rank
+    (None where ``pick`` says there is nothing to resume). Its failure is raised on every rank."""
+
+    def decide() -> Found | None:
+        if store is None:
+            raise StoreError("global rank 0 needs the store to resume from")
+        found = pick(store)
+        return None if found is None else replace(found, location=store.location)
+
+    return session.decide(decide, f"resuming from {store.location if store is not None else 'the store'}")
 
 
 def load_in_memory(
     store: Store | None,
-    pick: Callable[[Store], Found],
+    found: Found,
     load: Callable[[StepObjects, dict[str, Any]], Any],
     world_size: int,
     zero_stage: int,
-    group: Any,
-) -> tuple[Found, Any]:
-    """Collective: resolve on rank 0, then every rank builds the files it loads straight from the
-    store (``restore/file_objects.py``), at the world size and stage training runs at now, and
-    ``load(objects, built)`` loads them; nothing is staged. A rank without a store handle opens the
-    store rank 0 names (readers take no lock). Every rank builds its own files before any loads, and
-    a failure on one is raised on all, so no rank waits in DeepSpeed's collectives for one that
-    failed."""
-    found, location = resolved(store, pick, group)
+    session: Session,
+) -> Any:
+    """Collective: every rank builds the files it loads of ``found`` (what :func:`resolved` gave
+    every rank) straight from the store (``restore/file_objects.py``), at the world size and stage
+    training runs at now, and ``load(objects, built)`` loads them; nothing is staged. A rank
+    without a store handle opens the store rank 0 names (readers take no lock). Every rank builds
+    its own files before any loads, and a failure on one is raised on all, each rank's error kept
+    whole, so no rank waits in DeepSpeed's collectives for one that failed."""
     rank = global_rank()
-    objects: StepObjects | None = None
-    built: dict[str, Any] = {}
-    error: str | None = None
-    opened: Store | None = None
-    try:
-        own = store if store is not None else (opened := Store.open(str(location)))  # rank 0 resolved it there
+    opened: list[Store] = []
+
+    def build() -> tuple[StepObjects, dict[str, Any]]:
+        if store is None:
+            opened.append(Store.open(str(found.location)))  # rank 0 resolved it there
+        own = store if store is not None else opened[0]
         stage = zero_stage if zero_stage != found.zero_stage else None
         objects = own.step_objects(found.ref, world_size=world_size, zero_stage=stage)
-        for name in objects.names:
-            if loaded_by(name, {rank}):
-                built[name] = objects.load(name)
-    except Exception as exc:
-        error = f"resuming step {found.step} from {location or 'the store'} failed on rank {rank}: {exc}"
-    failures = [e for e in gathered(error, group) if e]
+        return objects, {name: objects.load(name) for name in objects.names if loaded_by(name, {rank})}
+
+    mine: list[tuple[StepObjects, dict[str, Any]]] = []
     try:
-        if failures:
-            raise StoreError(failures[0])
-        assert objects is not None
-        return found, load(objects, built)
+        session.each(lambda: mine.append(build()), f"resuming step {found.step} from {found.location or 'the store'}")
+        objects, built = mine[0]
+        return load(objects, built)
     finally:
-        if opened is not None:
-            opened.close()
+        for handle in opened:
+            handle.close()

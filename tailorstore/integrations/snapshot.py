@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from tailorstore.core.errors import StagingFailed, StoreError
+from tailorstore.core.failpoints import failpoint
 from tailorstore.core.memory import available_memory
 from tailorstore.integrations.side_copy import SideCopies
 from tailorstore.integrations.staging import FAILED, WRITTEN
@@ -281,6 +282,7 @@ def _write(
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)
         torch.save(tree, tmp)
+        failpoint("snapshot-file-written")
         os.replace(tmp, staged)
         tmp.parent.rmdir()
     except (OSError, RuntimeError) as exc:  # staging full or gone: the file goes where DeepSpeed writes it

@@ -21,6 +21,7 @@ import os
 import secrets
 import shutil
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from tailorstore.core.dir_locks import hold_dir, removed, take_abandoned
@@ -32,6 +33,29 @@ WRITTEN, FAILED = ".written-", ".failed-"  # the snapshot's markers in a save's 
 
 PREFIX = "tailor-staging-"
 TARGET = "target"  # in save-N/, beside the staged tag folder: the absolute path DeepSpeed would have written
+UNCOMMITTED = ".uncommitted"  # a recovered save's folder: its tag and this, a name DeepSpeed never loads
+
+
+@dataclass(frozen=True)
+class Rescued:
+    """A dead run's staged save, moved out of staging (paths as text: it is shipped to rank 0)."""
+
+    staged: str  # where it was staged, resolved: what its own commit records as its source, if one was made
+    folder: str  # where it is now: ``save_dir/tag.uncommitted/tag`` (:func:`aside`), which DeepSpeed never loads
+    target: str  # where DeepSpeed would have written it (``save_dir/tag``)
+
+
+def aside(real: Path) -> Path:
+    """Where a recovered save goes instead of ``real`` (``save_dir/tag``): a folder of its own tag's
+    name, so that a commit records DeepSpeed's tag, inside a free folder beside ``real`` whose
+    name DeepSpeed never loads (``save_dir/tag.uncommitted/tag``)."""
+    first = real.with_name(real.name + UNCOMMITTED)
+    taken = 1
+    candidate = first
+    while os.path.lexists(candidate):
+        taken += 1
+        candidate = first.with_name(f"{first.name}-{taken}")
+    return candidate / real.name
 
 
 def hold(root: Path) -> int:
@@ -116,10 +140,11 @@ def rescue(twin: Path, real: Path) -> None:
         pass  # what was left stays, named above
 
 
-def recover(staging: Path) -> list[Path]:
+def recover(staging: Path) -> list[Rescued]:
     """Every engine folder in ``staging`` that no live process holds, of this user: staged saves
-    moved to where DeepSpeed would have written them, the rest deleted. Returns where saves went."""
-    rescued: list[Path] = []
+    moved beside where DeepSpeed would have written them (:func:`aside`), the rest deleted.
+    Returns what moved where."""
+    rescued: list[Rescued] = []
     try:
         found = sorted(staging.glob(f"{PREFIX}*"))
     except OSError:
@@ -156,8 +181,8 @@ def _remove_markers(entry: Path) -> None:
     entry.rmdir()
 
 
-def _recover_one(root: Path) -> list[Path]:
-    rescued: list[Path] = []
+def _recover_one(root: Path) -> list[Rescued]:
+    rescued: list[Rescued] = []
     for entry in sorted(root.iterdir()):
         if entry.name.startswith("restore-"):  # a checkout made for resuming: in the store already
             shutil.rmtree(entry, ignore_errors=True)
@@ -178,18 +203,19 @@ def _recover_one(root: Path) -> list[Path]:
             real = Path(read_small_text(target, "a staged save's target", NAME_LIMIT))
             if not real.is_absolute():
                 raise BadCheckpointError(f"{target}: names no absolute path")
-            rescue(tags[0], real)
+            source = str(tags[0].resolve())
+            folder = aside(real)
+            rescue(tags[0], folder)
         except (OSError, TailorError) as exc:  # a recovery that cannot be done must not stop the training
             log.warning("tailorstore: could not move %s, left by a run that is gone (%s); it stays", tags[0], exc)
             continue
         finish(entry)
-        rescued.append(real)
+        rescued.append(Rescued(source, str(folder), str(real)))
         log.warning(
-            "tailorstore: a run that is gone left the staged save %s before its commit was confirmed; it "
-            "was written to %s (the store's log says whether it has the step; if not, commit %s)",
+            "tailorstore: a run that is gone left the staged save %s before its commit was confirmed; it was "
+            "moved to %s, a name DeepSpeed never loads (it may be cut short), for global rank 0 to commit",
             tags[0].name,
-            real,
-            real,
+            folder,
         )
     try:
         root.rmdir()

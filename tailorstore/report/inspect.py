@@ -60,6 +60,7 @@ class StepSummary:
     metrics: dict[str, float | None] = field(default_factory=dict)  # recorded with the step (None: NaN)
     digest: str = "-"  # the hash of what the step holds (store/digest.py; ``digest=`` selects it)
     held_bytes: int | None = None  # the files it holds now: raw_bytes, less what thinning dropped
+    source: str = ""  # what it was committed from (the folder, as the committing host resolved it)
 
 
 @dataclass
@@ -124,6 +125,7 @@ def summary(r: ManifestRecord, content: ContentRows | None = None, digest: str |
         metrics=decode_metrics(r.metrics),
         digest=digest or "-",
         held_bytes=None if content is None else held_bytes(r, files, atoms),
+        source=r.source,
     )
 
 

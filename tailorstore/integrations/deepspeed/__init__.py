@@ -2,7 +2,7 @@
 
 The package: :mod:`.engine` (the checkpoint engine), :mod:`.attaching` (``attach``),
 :mod:`.loading` (``load_checkpoint`` without ``attach``), :mod:`.saving` (``save_checkpoint``),
-:mod:`.helpers` (what they share).
+:mod:`.recovery` (what a dead run left in staging), :mod:`.helpers` (what they share).
 
 The engine (every rank attaches it; ``attach`` is collective)::
 
@@ -30,8 +30,9 @@ all nodes share, or use :func:`save_checkpoint` (save to disk, then commit).
 
 If a background commit fails, its staged files are moved to where DeepSpeed would have
 written them (``save_dir/tag``), so nothing is lost, and the error is raised at the next
-save or at :meth:`TailorCheckpointEngine.flush`. What a killed run left staged is moved there
-by the next engine to start (:mod:`..staging`).
+save or at :meth:`TailorCheckpointEngine.flush`. What a killed run left staged (perhaps cut
+short) is moved by the next engine to start beside that folder, under a name DeepSpeed never
+loads, and global rank 0 commits it from there (:mod:`..staging`, :mod:`.recovery`).
 """
 
 from tailorstore.integrations.deepspeed.attaching import attach

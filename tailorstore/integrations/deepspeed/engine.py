@@ -14,8 +14,9 @@ of a resume, inside :meth:`TailorCheckpointEngine.load_checkpoint`; ``flush`` be
 
 If a background commit fails, its staged files are moved to where DeepSpeed would have written
 them (``save_dir/tag``), so nothing is lost, and the error is raised at the next save or at
-:meth:`TailorCheckpointEngine.flush`. What a killed run left staged is moved there by the next
-engine to start (:mod:`..staging`).
+:meth:`TailorCheckpointEngine.flush`. What a killed run left staged (perhaps cut short) is moved by
+the next engine to start beside that folder, under a name DeepSpeed never loads, and global
+rank 0 commits it from there (:mod:`..staging`, :mod:`.recovery`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import secrets
 import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from tailorstore.api import Store
 from tailorstore.core.environment import STAGING_ENV
-from tailorstore.core.errors import Call, StepExistsError, StoreError, TailorError
+from tailorstore.core.errors import Call, StoreError, UnknownStepError
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.formats.deepspeed import is_model_states, read_latest
@@ -44,10 +46,12 @@ from tailorstore.ingest.rank_share import owner_of
 from tailorstore.integrations import nodes, ranks, resume, serving, snapshot
 from tailorstore.integrations import staging as staged
 from tailorstore.integrations.deepspeed.helpers import ENGINE_NAME, RESTORE_PREFIX, T, default_staging, log, step_of_tag
+from tailorstore.integrations.deepspeed.recovery import commit_recovered, name_in_head
 from tailorstore.integrations.deepspeed.staged_reads import below, load_staged
 from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
-from tailorstore.integrations.head import Head, read_head, write_head
+from tailorstore.integrations.head import read_head
 from tailorstore.integrations.rewind import Rewind, warn_if_composite
+from tailorstore.integrations.session import Session
 from tailorstore.integrations.snapshot import Snapshots
 from tailorstore.restore.file_objects import StepObjects
 from tailorstore.store.index.records import COMMIT
@@ -85,11 +89,12 @@ class TailorCheckpointEngine(CheckpointEngine):
         self._pending_metrics: dict[str, float] | None = None  # set_metrics: for the next save only
         self.rewind = Rewind(on_existing)  # a save of a step the store holds: a rewind (rewind.py)
         self.name = ENGINE_NAME
-        if ranks.rank() == 0 and store is None:
-            raise StoreError("TailorCheckpointEngine: global rank 0 commits, so it needs the store.")
+        self.group = ranks.tailor_group()  # our collectives never interleave with training's, and time out
+        # every choice more than one rank acts on is made once, on global rank 0 (session.py)
+        self.session = Session(self.group)
+        self.session.decide(lambda: _needs_store(store), "starting the TailorCheckpointEngine")
         # global rank 0 commits; each node's local rank 0 may hold one to resume from (resume.py)
         self.store = store if ranks.rank() == 0 or ranks.is_leader() else None
-        self.group = ranks.tailor_group()  # our collectives never interleave with training's, and time out
         self._shape = shape
         # Several nodes, each leader with a store: each node commits its own ranks' files as a part
         # and global rank 0 finalizes the step, so no folder but the store is shared (nodes.py).
@@ -105,15 +110,20 @@ class TailorCheckpointEngine(CheckpointEngine):
         self.asynchronous = asynchronous
         self._global_steps = global_steps
         # One folder per engine, the same on every rank: rank 0 commits what all ranks staged.
-        token = ranks.broadcast(f"{staged.PREFIX}{os.getpid()}-{secrets.token_hex(4)}", self.group)
+        token = self.session.decide(lambda: f"{staged.PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         self.staging = Path(staging) if staging is not None else default_staging()
-        rescued = staged.recover(self.staging)  # a killed run's staged saves go where DeepSpeed would have put them
-        # No rank creates its folder before every rank of the node has recovered: a recovery
-        # takes a folder nobody holds yet for a dead run's, between its creation and its lock.
-        # (The gather is that barrier.)
-        every_rescued = ranks.gathered([str(p) for p in rescued], self.group)
-        if ranks.rank() == 0 and store is not None:
-            _commit_recovered(store, sorted({Path(p) for one in every_rescued for p in one}))
+        # A killed run's staged saves leave staging, each beside where DeepSpeed would have put it
+        # under a name DeepSpeed never loads. No rank creates its folder before every rank of the
+        # node has recovered: a recovery takes a folder nobody holds yet for a dead run's, between
+        # its creation and its lock (``each`` is that barrier).
+        every = self.session.each(lambda: staged.recover(self.staging), "recovering a dead run's staging")
+        rescued = [one for mine in every for one in mine]
+        # Rank 0 commits them (or keeps them aside) before any rank goes on: every rank decides how to
+        # load only once the recovery is finished.
+        self.recovered = self.session.decide(
+            lambda: commit_recovered(store, rescued, on_existing) if rescued and store is not None else [],
+            "committing the saves a dead run left in staging",
+        )
         self._root = self.staging / token
         self._lock: int | None = None  # our shared lock on _root while it exists: a later engine leaves it be
         self._saves = 0
@@ -461,40 +471,57 @@ class TailorCheckpointEngine(CheckpointEngine):
     def load_checkpoint(self, original: Callable[..., Any], load_dir: str, tag: str | None = None, **kw: Any) -> Any:
         """``engine.load_checkpoint`` through the store: a folder on disk is loaded as it is; otherwise
         the step is written into each node's staging folder for the world size and ZeRO stage
-        training runs at now (:mod:`..resume`), every rank loads it, and it is deleted."""
-        from_latest = tag is None
-        if tag is None and (Path(load_dir) / "latest").is_file():
-            tag = read_latest(Path(load_dir))
-        if tag and any(is_model_states(p.name) for p in (Path(load_dir) / tag).glob("*")):
-            return original(load_dir, tag, **kw)
+        training runs at now (:mod:`..resume`), every rank loads it, and it is deleted. Nothing to
+        resume (no step in the store, nothing on disk) returns ``(None, None)``, as DeepSpeed does.
+
+        Which of these it is, and which step, is decided once, on global rank 0, for every rank
+        (:meth:`_plan`): a rank that looked at the folder itself could see what rank 0 was deleting."""
+        plan = self.session.decide(lambda: self._plan(tag, Path(load_dir)), f"resuming from {load_dir}")
+        if plan.on_disk:
+            return original(load_dir, plan.tag, **kw)
+        if plan.found is None:
+            return None, None
+        found = plan.found
         self._hold()
         world_size, zero_stage = self._shape() if self._shape else (1, 0)
         engine = getattr(original, "__self__", None)
-
-        def pick(store: Store) -> resume.Found:
-            return self._find(store, tag, Path(load_dir), from_latest)
-
         if not self._staged_resume and engine is not None and serving.servable(engine):
-            found, loaded = resume.load_in_memory(
+            loaded = resume.load_in_memory(
                 self.store,
-                pick,
+                found,
                 lambda objects, built: self._load_served(engine, original, objects, built, kw),
                 world_size,
                 zero_stage,
-                self.group,
+                self.session,
             )
         else:
-            found, loaded = resume.restore_and_load(
+            loaded = resume.restore_and_load(
                 self.store,
-                pick,
+                found,
                 lambda folder, restored_tag: original(folder, restored_tag, **kw),
                 self._root / f"{RESTORE_PREFIX}{self._saves:06d}",
                 world_size,
                 zero_stage,
-                self.group,
+                self.session,
             )
         self.rewind.resumed_step = found.step  # a save of a step after it that the store holds branches here
         return loaded
+
+    def _plan(self, tag: str | None, load_dir: Path) -> _Plan:
+        """Global rank 0: how every rank loads. The tag is the one given, else the one ``latest``
+        names; a tag folder on disk that holds DeepSpeed's model states is loaded from disk,
+        anything else from the store (:meth:`_find`; None there: nothing to resume)."""
+        from_latest = tag is None
+        if tag is None and (load_dir / "latest").is_file():
+            tag = read_latest(load_dir)
+        if tag and any(is_model_states(p.name) for p in (load_dir / tag).glob("*")):
+            return _Plan(tag, on_disk=True)
+        if self.store is None:
+            raise StoreError("global rank 0 needs the store to resume from")
+        found = self._find(self.store, tag, load_dir, from_latest)
+        if found is not None:
+            found = replace(found, location=self.store.location)
+        return _Plan(tag, on_disk=False, found=found)
 
     def _load_served(
         self, engine: Any, original: Callable[..., Any], objects: StepObjects, built: dict[str, Any], kw: dict
@@ -507,12 +534,17 @@ class TailorCheckpointEngine(CheckpointEngine):
     def _move_head(self, store: Store, save_dir: Path, step: int | None) -> None:
         """Global rank 0, once a step is committed: the job's head (head.py) names it."""
         if step is not None:
-            _name_in_head(store, save_dir, self.rewind.run or store.run, step)
+            name_in_head(store, save_dir, self.rewind.run or store.run, step)
 
-    def _find(self, store: Store, tag: str | None, load_dir: Path, from_latest: bool) -> resume.Found:
+    def _find(self, store: Store, tag: str | None, load_dir: Path, from_latest: bool) -> resume.Found | None:
         """Rank 0: the step ``tag`` names in this engine's run (the latest without one). Without a
         run of its own yet, the engine takes the run its head names (head.py): a restart after a
-        rewind goes on in the run the rewind branched, not in the one the user abandoned."""
+        rewind goes on in the run the rewind branched, not in the one the user abandoned.
+
+        Loading what ``latest`` names: a step the store lacks (the job died before its commit, and
+        its save was cut short or refused) resumes from the head's own step, saying so; and with
+        no step in the run at all (the first launch, or a first save that never got in), there is
+        nothing to resume (None), as DeepSpeed without a checkpoint says."""
         store.flush()  # the step asked for may still be committing
         step = step_of_tag(tag) if tag else None
         if tag and step is None:
@@ -523,7 +555,30 @@ class TailorCheckpointEngine(CheckpointEngine):
         if head is not None:
             self.rewind.run = head.run
         run = self.rewind.run or store.run
-        found = resume.find(store, f"{run}:step={step}" if step is not None else f"{run}:latest")
+        if from_latest and not _holds_any(store, run):
+            log.warning(
+                "tailorstore: %s; run %r of the store holds no step to resume from; training starts fresh "
+                "(load_checkpoint returns (None, None), as DeepSpeed's does without a checkpoint)",
+                f"{load_dir / 'latest'} names {tag}, which is not on disk"
+                if tag
+                else f"no tag and no {load_dir / 'latest'}",
+                run,
+            )
+            return None
+        try:
+            found = resume.find(store, f"{run}:step={step}" if step is not None else f"{run}:latest")
+        except UnknownStepError:
+            if not (from_latest and step is not None and head is not None):
+                raise
+            log.warning(
+                "tailorstore: %s names step %d, which run %r of the store lacks (the job stopped before it was "
+                "committed); resuming from step %d, the last step this training committed",
+                load_dir / "latest",
+                step,
+                run,
+                head.step,
+            )
+            found = resume.find(store, f"{run}:step={head.step}")
         if head is not None and from_latest and found.step != head.step and found.created_at < head.created_at:
             log.warning(
                 "tailorstore: %s names step %d, which this training never committed (it stopped first); the "
@@ -554,43 +609,27 @@ class TailorCheckpointEngine(CheckpointEngine):
         self.flush()
 
 
-def _name_in_head(store: Store, save_dir: Path, run: str, step: int) -> None:
-    """Make the job's head in ``save_dir`` name ``run``'s step ``step`` as the store records it."""
-    if not save_dir.is_dir():
-        return
+@dataclass(frozen=True)
+class _Plan:
+    """How every rank resumes, as global rank 0 decided it."""
+
+    tag: str | None  # the tag asked for, or the one ``latest`` names
+    on_disk: bool  # DeepSpeed loads ``load_dir/tag`` itself
+    found: resume.Found | None = None  # else this step of the store (None: nothing to resume)
+
+
+def _needs_store(store: Store | None) -> None:
+    if store is None:
+        raise StoreError("TailorCheckpointEngine: global rank 0 commits, so it needs the store.")
+
+
+def _holds_any(store: Store, run: str) -> bool:
+    """Whether ``run`` has a step to resume from (its own, or its base's)."""
     try:
-        created = store.show(f"{run}:step={step}").summary.created_at
-    except StoreError:
-        return  # finalized under another run, or already gone: nothing to name
-    write_head(save_dir, Head(store.id, run, step, created))
-
-
-def _commit_recovered(store: Store, saves: list[Path]) -> None:
-    """Global rank 0 at start: commit each save a killed run left in staging (moved where DeepSpeed
-    writes it) whose step the store lacks, in the run the job's head names, and delete it once
-    durable. It was left for the user to find and commit by hand. A save cut short fails its
-    commit and stays where it is, with one line that says so."""
-    for real in saves:
-        step = step_of_tag(real.name)
-        if step is None or not real.is_dir():
-            continue  # another node's folder, not seen here: its own log said where it went
-        head = read_head(real.parent)
-        run = head.run if head is not None and head.matches(store.id) else store.run
-        try:
-            result = store.commit(real, step=step, run=run, delete_after_commit=True)
-        except StepExistsError:
-            log.warning("tailorstore: step %d, left in staging by a run that is gone, was committed before", step)
-            continue
-        except TailorError as exc:
-            log.warning("tailorstore: %s, left in staging by a run that is gone, was not committed: %s", real, exc)
-            continue
-        _name_in_head(store, real.parent, run, step)
-        log.warning(
-            "tailorstore: committed step %d of run %r from the save a run that is gone left in staging (%d files)",
-            result.step,
-            run,
-            result.files,
-        )
+        store.step(f"{run}:latest")
+    except UnknownStepError:
+        return False
+    return True
 
 
 def _warn_if_in_several_runs(store: Store, run: str, step: int) -> None:

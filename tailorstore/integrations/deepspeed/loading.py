@@ -17,6 +17,7 @@ from tailorstore.integrations.deepspeed.engine import TailorCheckpointEngine
 from tailorstore.integrations.deepspeed.helpers import default_staging, shape_of
 from tailorstore.integrations.deepspeed.staged_reads import below, load_staged
 from tailorstore.integrations.rewind import warn_if_composite
+from tailorstore.integrations.session import Session
 from tailorstore.restore.file_objects import StepObjects
 
 
@@ -71,8 +72,8 @@ def load_checkpoint(
     its staging folder (``staging``, else ``$TAILOR_STAGING`` or ``/dev/shm``), every rank loads it
     through the allowlist (:func:`staged_loads`), and it is deleted.
     Returns what ``engine.load_checkpoint`` returns: (load path, client state)."""
-    group = ranks.tailor_group()
-    token = ranks.gathered(secrets.token_hex(6), group)[0]
+    session = Session.open()
+    token = session.decide(lambda: secrets.token_hex(6))  # one folder name on every rank
     root = (Path(staging) if staging is not None else default_staging()) / f"tailor-restore-{token}"
     world_size, zero_stage = shape_of(engine)
 
@@ -82,21 +83,22 @@ def load_checkpoint(
         warn_if_composite(found.step, found.inherited)
         return found
 
+    found = resume.resolved(store, pick, session)
+    assert found is not None
     if not staged and serving.servable(engine):
 
         def load_objects(objects: StepObjects, built: dict[str, Any]) -> Any:
             with serving.served(engine, root, objects, built):  # ``root`` is a name only: never made
                 return engine.load_checkpoint(str(root), objects.tag, **load_kwargs)
 
-        return resume.load_in_memory(store, pick, load_objects, world_size, zero_stage, group)[1]
+        return resume.load_in_memory(store, found, load_objects, world_size, zero_stage, session)
 
     def load(folder: str, tag: str) -> Any:
         with staged_loads(engine, root):
             return engine.load_checkpoint(folder, tag, **load_kwargs)
 
     try:
-        _, loaded = resume.restore_and_load(store, pick, load, root / "step", world_size, zero_stage, group)
+        return resume.restore_and_load(store, found, load, root / "step", world_size, zero_stage, session)
     finally:
         if ranks.is_leader():
             shutil.rmtree(root, ignore_errors=True)
-    return loaded

@@ -1,0 +1,78 @@
+"""The ranks of one job as a session: a decision made once and shipped whole to every rank.
+
+A choice that several ranks act on (which step to resume, whether a folder on disk is loaded,
+what the recovery of a dead run's staging did, whether to start fresh) must be the same choice
+on every rank. Made on each rank from what that rank sees, it differed: one rank saw a folder on
+disk that rank 0 was committing and deleting, took DeepSpeed's on-disk path and waited in
+DeepSpeed's collectives, while rank 0 waited in ours (attack finding high 2). So such a choice
+is made here, by construction: :meth:`Session.decide` runs it on global rank 0 alone and every
+rank returns what rank 0 returned, or raises what it raised.
+
+Failures cross ranks whole: a :class:`TailorError` is shipped as itself (its class, its parts and
+so its category), never flattened to a string, and raised on every rank as a
+:class:`RanksFailedError` that keeps each failed rank's own error by rank. Any other exception
+is shipped as a :class:`StoreError` that names its type (its traceback stays on the rank it
+happened on, chained), so no rank is left waiting for one that failed.
+
+Every collective runs on the session's group: the tailor gloo group (``ranks.tailor_group``),
+with its own timeout, so nothing interleaves with training's collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tailorstore.core.errors import BackendError, RanksFailedError, StoreError, TailorError
+from tailorstore.integrations import ranks
+
+T = TypeVar("T")
+
+
+class Session:
+    """The job's ranks over ``group`` (``ranks.tailor_group()``; None outside torch.distributed)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    @classmethod
+    def open(cls) -> Session:
+        """A session over a new tailor group (collective: every rank calls it, in the same order)."""
+        return cls(ranks.tailor_group())
+
+    def decide(self, fn: Callable[[], T], doing: str = "") -> T:
+        """``fn()`` run on global rank 0 alone; its result on every rank (collective). A failure of
+        ``fn`` is raised on every rank as :class:`RanksFailedError` ``{0: error}``."""
+        outcome: tuple[bool, Any] | None = None
+        cause: BaseException | None = None
+        if ranks.rank() == 0:
+            outcome, cause = _attempt(fn)
+        if ranks.is_distributed():
+            outcome = ranks.broadcast(outcome, self.group)
+        assert outcome is not None
+        ok, value = outcome
+        if ok:
+            return value  # type: ignore[no-any-return]
+        raise RanksFailedError({0: value}, doing) from cause
+
+    def each(self, fn: Callable[[], T], doing: str = "") -> list[T]:
+        """``fn()`` run on every rank; every rank's result, by rank (collective). Where it failed
+        on any rank, every rank raises :class:`RanksFailedError` with each failed rank's error."""
+        outcome, cause = _attempt(fn)
+        every = ranks.gathered((ranks.rank(), outcome), self.group) if ranks.is_distributed() else [(0, outcome)]
+        failures = {rank: value for rank, (ok, value) in every if not ok}
+        if failures:
+            raise RanksFailedError(failures, doing) from cause
+        return [value for _, (_, value) in sorted(every, key=lambda one: one[0])]
+
+
+def _attempt(fn: Callable[[], T]) -> tuple[tuple[bool, Any], BaseException | None]:
+    """(ok, value or the error to ship), and the exception raised here (to chain on this rank)."""
+    try:
+        return (True, fn()), None
+    except TailorError as exc:
+        return (False, exc), exc
+    except OSError as exc:
+        return (False, BackendError(f"{type(exc).__name__}: {exc}")), exc
+    except Exception as exc:  # every rank must hear it, not wait for it
+        return (False, StoreError(f"{type(exc).__name__}: {exc}")), exc

@@ -1,0 +1,107 @@
+"""A job's ranks as a session (integrations/session.py): a decision made on global rank 0 is
+every rank's, and a failure crosses ranks whole, by rank, as :class:`RanksFailedError` whose
+category (and so exit code) is its worst member's. Two real gloo processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tailorstore.cli.naming import EXIT_CODES
+from tailorstore.core.errors import (
+    BackendError,
+    BadCheckpointError,
+    Call,
+    Category,
+    CorruptStoreError,
+    LockTimeoutError,
+    RanksFailedError,
+    StoreError,
+    UnknownStepError,
+)
+from tailorstore.integrations.session import Session
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _failures(call) -> dict:  # type: ignore[no-untyped-def]
+    try:
+        call()
+    except RanksFailedError as exc:
+        return {
+            "failures": {str(r): [type(e).__name__, str(e)] for r, e in exc.failures.items()},
+            "category": exc.category.value,
+            "message": str(exc),
+        }
+    return {"failures": None}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    session = Session.open()
+    found: dict = {"decided": session.decide(lambda: f"decided on rank {rank}")}
+
+    def missing() -> None:
+        raise UnknownStepError("step 6 is not in run 'main'; see ", Call("log"))
+
+    found["decide"] = _failures(lambda: session.decide(missing, "resuming"))
+
+    def each() -> int:
+        if rank == 0:
+            raise LockTimeoutError("the store lock is held")
+        raise CorruptStoreError("blob 1f2e is damaged")
+
+    found["each"] = _failures(lambda: session.each(each))
+
+    def disk() -> None:
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+
+    found["os"] = _failures(lambda: session.each(disk, "writing"))
+    found["values"] = session.each(lambda: rank * 10)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def test_a_session_ships_rank_0s_decision_and_every_failure_whole_to_every_rank(tmp_path: Path) -> None:
+    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen[0] == seen[1], "every rank holds the same decision and the same failures"
+    got = seen[1]
+    assert got["decided"] == "decided on rank 0"
+    assert got["decide"]["failures"] == {"0": ["UnknownStepError", "step 6 is not in run 'main'; see `log()`"]}
+    assert got["decide"]["message"] == "resuming failed on rank 0: step 6 is not in run 'main'; see `log()`"
+    assert got["decide"]["category"] == Category.BAD_INPUT.value
+    assert got["each"]["failures"] == {
+        "0": ["LockTimeoutError", "the store lock is held"],
+        "1": ["CorruptStoreError", "blob 1f2e is damaged"],
+    }
+    assert got["each"]["category"] == Category.DAMAGED_STORE.value, "the worst failure decides"
+    assert got["os"]["failures"] == {"1": ["BackendError", "OSError: [Errno 28] No space left on device"]}
+    assert got["values"] == [0, 10]
+
+
+def test_ranks_failed_error_pickles_whole_and_takes_its_worst_members_category() -> None:
+    error = RanksFailedError(
+        {3: BadCheckpointError("cut short"), 0: BackendError("unreachable"), 1: BadCheckpointError("cut short")},
+        "resuming step 6",
+    )
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is RanksFailedError and list(again.failures) == [0, 1, 3]
+    assert [type(e) for e in again.failures.values()] == [BackendError, BadCheckpointError, BadCheckpointError]
+    assert str(again) == str(error) == "resuming step 6 failed on rank 0: unreachable; on ranks 1, 3: cut short"
+    assert error.category is again.category is Category.BACKEND and EXIT_CODES[error.category] == 5
+    assert RanksFailedError({0: StoreError("x"), 1: LockTimeoutError("y")}).category is Category.LOCK
+    many = RanksFailedError({r: StoreError(f"failure {r}") for r in range(1000)})
+    assert len(str(many)) < 200 and "and 996 other failures" in str(many)
