@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from tailorstore.cli.naming import EXIT_CODES
+
 from tailorstore.core.errors import (
     BackendError,
     BadCheckpointError,
