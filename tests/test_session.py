@@ -70,6 +70,22 @@ def _worker(rank: int, port: int, out: str) -> None:
 
     found["os"] = _failures(lambda: session.each(disk, "writing"))
     found["values"] = session.each(lambda: rank * 10)
+    found["own"] = session.all_or_none(lambda: rank * 10)
+
+    # the rank-parallel commit's collective and the DCP reader's resolution go through the session too
+    from tailorstore.integrations.distributed import TorchGroup, from_rank0
+
+    undone: list[int] = []
+
+    def survey() -> int:
+        if rank == 1:
+            raise LockTimeoutError("the store lock is held by gc")
+        return 7
+
+    group = TorchGroup(None)
+    found["together"] = _failures(lambda: group.together(survey, "surveying its files", undo=undone.append))
+    found["undone"] = undone
+    found["from_rank0"] = _failures(lambda: from_rank0(missing, None, "resolving 'latest'"))
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
 
@@ -77,7 +93,9 @@ def _worker(rank: int, port: int, out: str) -> None:
 def test_a_session_ships_rank_0s_decision_and_every_failure_whole_to_every_rank(tmp_path: Path) -> None:
     mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert seen[0] == seen[1], "every rank holds the same decision and the same failures"
+    own = ("own", "undone")  # what stays with each rank
+    shared = [{k: v for k, v in one.items() if k not in own} for one in seen]
+    assert shared[0] == shared[1], "every rank holds the same decision and the same failures"
     got = seen[1]
     assert got["decided"] == "decided on rank 0"
     assert got["decide"]["failures"] == {"0": ["UnknownStepError", "step 6 is not in run 'main'; see `log()`"]}
@@ -90,6 +108,11 @@ def test_a_session_ships_rank_0s_decision_and_every_failure_whole_to_every_rank(
     assert got["each"]["category"] == Category.DAMAGED_STORE.value, "the worst failure decides"
     assert got["os"]["failures"] == {"1": ["BackendError", "OSError: [Errno 28] No space left on device"]}
     assert got["values"] == [0, 10]
+    assert [s["own"] for s in seen] == [0, 10], "all_or_none ships outcomes, not results"
+    assert got["together"]["failures"] == {"1": ["LockTimeoutError", "the store lock is held by gc"]}
+    assert got["together"]["category"] == Category.LOCK.value, "a lock timeout stays a lock timeout (exit 4)"
+    assert seen[0]["undone"] == [7] and seen[1]["undone"] == [], "the member whose work held undoes it"
+    assert got["from_rank0"]["failures"] == {"0": ["UnknownStepError", "step 6 is not in run 'main'; see `log()`"]}
 
 
 def test_ranks_failed_error_pickles_whole_and_takes_its_worst_members_category() -> None:

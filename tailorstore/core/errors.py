@@ -146,10 +146,6 @@ class PolicyError(TailorError):
     """A policy name or parameter is wrong."""
 
 
-class RankParallelCommitError(StoreError):
-    """A rank-parallel commit failed on one rank or more; nothing was recorded."""
-
-
 class StagingFailed(StoreError):
     """A rank could not write a file into staging and wrote it where DeepSpeed writes it."""
 

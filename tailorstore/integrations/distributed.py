@@ -25,12 +25,13 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from tailorstore.api import Store
-from tailorstore.core.errors import LOCK_TIMEOUT, RankParallelCommitError, StoreError
+from tailorstore.core.errors import LOCK_TIMEOUT, RanksFailedError, StoreError
 from tailorstore.core.policies import Policy
 from tailorstore.core.threads import compute_threads
 from tailorstore.ingest.rank_parallel import RankParallelResult
 from tailorstore.integrations.ranks import gathered, is_distributed, node_ranks
 from tailorstore.integrations.ranks import rank as global_rank
+from tailorstore.integrations.session import Session
 
 T = TypeVar("T")
 
@@ -85,53 +86,41 @@ def commit_rank_parallel(
 
 
 class TorchGroup:
-    """``ingest.rank_parallel.Collective`` over a torch.distributed group (None: the default one)."""
+    """``ingest.rank_parallel.Collective`` over a torch.distributed group (None: the default one),
+    through the one rank session: a failure on any member is raised on every member as
+    :class:`RanksFailedError`, each member's own error kept whole (its class, so its exit code)."""
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
+        self.session = Session(group)
 
     @property
     def member(self) -> int:
-        return dist.get_rank(self.group)
+        return self.session.member
 
     def together(self, work: Callable[[], T], doing: str, undo: Callable[[T], object] | None = None) -> T:
-        """Run ``work`` on every rank; if it failed on any, raise on all, naming every failure."""
-        value: T | None = None
-        error: str | None = None
-        try:
+        """Run ``work`` on every member; if it failed on any, undo this member's and raise on all."""
+        done: list[T] = []
+
+        def mine() -> T:
             value = work()
-        except Exception as exc:
-            error = f"rank {self.member} failed {doing}: {exc}"
-        errors: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(errors, error, group=self.group)
-        failed = [e for e in errors if e]
-        if failed:
-            if value is not None and undo is not None:
-                undo(value)
-            raise RankParallelCommitError("the rank-parallel commit failed: " + "; ".join(failed))
-        return value  # type: ignore[return-value]
+            done.append(value)
+            return value
+
+        try:
+            return self.session.all_or_none(mine, doing)
+        except RanksFailedError:
+            if done and undo is not None:
+                undo(done[0])
+            raise
 
     def gather(self, value: T) -> list[T]:
         return gathered(value, self.group)
 
     def from_member0(self, work: Callable[[], T], doing: str) -> T:
-        return from_rank0(work, self.group, doing)
+        return self.session.decide(work, doing)
 
 
 def from_rank0(work: Callable[[], T], group: Any, doing: str) -> T:
-    """``work`` on rank 0, its value (or its failure) on every rank."""
-    box: list[Any] = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            box[0] = ("ok", work())
-        except Exception as exc:
-            box[0] = ("failed", f"rank 0 failed {doing}: {exc}")
-    dist.broadcast_object_list(box, src=_global(0, group), group=group)
-    status, value = box[0]
-    if status != "ok":
-        raise RankParallelCommitError(value)
-    return value
-
-
-def _global(rank: int, group: Any) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
+    """``work`` on ``group``'s member 0, its value (or its failure, whole) on every rank."""
+    return Session(group).decide(work, doing)

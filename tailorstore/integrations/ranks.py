@@ -40,13 +40,18 @@ def barrier(group: Any = None) -> None:
         dist.barrier(group)
 
 
+def member(group: Any = None) -> int:
+    """This rank's number in ``group`` (its global rank for the default group); 0 outside torch.distributed."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
 def broadcast(value: Any, group: Any = None) -> Any:
-    """Rank 0's ``value`` on every rank (collective). For work that may fail on rank 0 and must
-    fail on every rank, ``distributed.from_rank0`` carries the failure too."""
+    """The ``value`` of ``group``'s member 0 on every rank (collective). For work that may fail
+    there and must fail on every rank, ``Session.decide`` carries the failure too."""
     if not is_distributed():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
     return box[0]
 
 

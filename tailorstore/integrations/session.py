@@ -40,12 +40,18 @@ class Session:
         """A session over a new tailor group (collective: every rank calls it, in the same order)."""
         return cls(ranks.tailor_group())
 
+    @property
+    def member(self) -> int:
+        """This rank's number in the session's group (its global rank on the tailor group)."""
+        return ranks.member(self.group)
+
     def decide(self, fn: Callable[[], T], doing: str = "") -> T:
-        """``fn()`` run on global rank 0 alone; its result on every rank (collective). A failure of
-        ``fn`` is raised on every rank as :class:`RanksFailedError` ``{0: error}``."""
+        """``fn()`` run on the group's member 0 alone (global rank 0 on the tailor group); its result
+        on every rank (collective). A failure of ``fn`` is raised on every rank as
+        :class:`RanksFailedError` ``{0: error}``."""
         outcome: tuple[bool, Any] | None = None
         cause: BaseException | None = None
-        if ranks.rank() == 0:
+        if self.member == 0:
             outcome, cause = _attempt(fn)
         if ranks.is_distributed():
             outcome = ranks.broadcast(outcome, self.group)
@@ -60,10 +66,26 @@ class Session:
         on any rank, every rank raises :class:`RanksFailedError` with each failed rank's error."""
         outcome, cause = _attempt(fn)
         every = ranks.gathered((ranks.rank(), outcome), self.group) if ranks.is_distributed() else [(0, outcome)]
+        # failures are keyed by global rank, what a user's log names
         failures = {rank: value for rank, (ok, value) in every if not ok}
         if failures:
             raise RanksFailedError(failures, doing) from cause
         return [value for _, (_, value) in sorted(every, key=lambda one: one[0])]
+
+
+    def all_or_none(self, fn: Callable[[], T], doing: str = "") -> T:
+        """``fn()`` run on every rank; this rank's own result, once it held on every rank (collective).
+        Only the outcomes cross ranks, not the results: for work whose results stay where they
+        were made (each rank's part of a commit). A failure anywhere is raised on every rank as
+        :class:`RanksFailedError` with each failed rank's error."""
+        outcome, cause = _attempt(fn)
+        ok, value = outcome
+        shipped = None if ok else value
+        every = ranks.gathered((ranks.rank(), shipped), self.group) if ranks.is_distributed() else [(0, shipped)]
+        failures = {rank: error for rank, error in every if error is not None}
+        if failures:
+            raise RanksFailedError(failures, doing) from cause
+        return value  # type: ignore[no-any-return]
 
 
 def _attempt(fn: Callable[[], T]) -> tuple[tuple[bool, Any], BaseException | None]:
