@@ -444,3 +444,38 @@ def test_every_package_of_the_tree_is_installed() -> None:
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "tailorstore").rglob("__init__.py")}
     assert found | {"tailorstore.cli"} == listed, sorted(found ^ listed)
+
+
+COLLECTIVES = {
+    "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier", "all_reduce", "reduce",
+    "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "reduce_scatter", "monitored_barrier",
+}  # fmt: skip
+
+
+def test_every_collective_of_the_integrations_goes_through_the_rank_session() -> None:
+    """A choice several ranks act on is made once and shipped (integrations/session.py); a rank that
+    looked for itself took another load path and deadlocked a restart. So no integration module
+    calls a torch.distributed collective, or ranks.py's, except session.py (over ranks.py's)."""
+    found = []
+    for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
+        if path.name in ("session.py", "ranks.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        from_ranks = {
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("integrations.ranks")
+            for alias in node.names
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                if func.value.id == "dist" and func.attr in COLLECTIVES:
+                    found.append(f"{path.name}:{node.lineno}: dist.{func.attr}")
+                if func.value.id == "ranks" and func.attr in ("gathered", "broadcast", "barrier"):
+                    found.append(f"{path.name}:{node.lineno}: ranks.{func.attr}")
+            if isinstance(func, ast.Name) and func.id in from_ranks & {"gathered", "broadcast", "barrier"}:
+                found.append(f"{path.name}:{node.lineno}: {func.id} from ranks.py")
+    assert not found, "collectives outside the rank session:\n" + "\n".join(found)

@@ -22,14 +22,12 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 from tailorstore.api import Store
 from tailorstore.core.errors import LOCK_TIMEOUT, RanksFailedError, StoreError
 from tailorstore.core.policies import Policy
 from tailorstore.core.threads import compute_threads
 from tailorstore.ingest.rank_parallel import RankParallelResult
-from tailorstore.integrations.ranks import gathered, is_distributed, node_ranks
+from tailorstore.integrations.ranks import is_distributed, node_ranks
 from tailorstore.integrations.ranks import rank as global_rank
 from tailorstore.integrations.session import Session
 
@@ -66,7 +64,7 @@ def commit_rank_parallel(
     with the step."""
     if not is_distributed():
         raise StoreError("commit_rank_parallel needs torch.distributed initialized; use Store.commit in one process.")
-    dist.barrier(group)  # every rank has finished writing its files before any rank reads the folder
+    Session(group).barrier()  # every rank has finished writing its files before any rank reads the folder
     return store.commit_together(
         path,
         TorchGroup(group),
@@ -115,7 +113,7 @@ class TorchGroup:
             raise
 
     def gather(self, value: T) -> list[T]:
-        return gathered(value, self.group)
+        return self.session.gather(value)
 
     def from_member0(self, work: Callable[[], T], doing: str) -> T:
         return self.session.decide(work, doing)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from tailorstore.api import Store
 from tailorstore.core.errors import Call, StoreError, TailorError
 from tailorstore.integrations import ranks
+from tailorstore.integrations.session import Session
 
 log = logging.getLogger("tailorstore")
 
@@ -37,7 +38,7 @@ def parts_possible(store: Store | None, group: Any) -> list[int]:
     """Collective: the nodes' leader ranks when the job spans several nodes and every leader
     holds a store handle (each node then commits a part); else empty (one committer)."""
     rank = ranks.rank()
-    seen = ranks.gathered((rank, ranks.is_leader(), store is not None, len(ranks.node_ranks(rank))), group)
+    seen = Session(group).gather((rank, ranks.is_leader(), store is not None, len(ranks.node_ranks(rank))))
     leaders = [r for r, lead, _, _ in seen if lead]
     single = len(leaders) == 1 and all(size == len(seen) for *_, size in seen)
     if single or not all(has for _, lead, has, _ in seen if lead):
@@ -66,7 +67,7 @@ def each_node_apart(folder: Path, every: list[list[str]], group: Any) -> bool:
     own = {n for r, names in enumerate(every) if r in here for n in names}
     foreign = {n for r, names in enumerate(every) if r not in here for n in names} - own  # model states: both
     sees = ranks.is_leader() and any((folder / n).exists() for n in foreign)
-    return not any(ranks.gathered(sees, group))
+    return not any(Session(group).gather(sees))
 
 
 def save_label(engine: str, save: int, count: int) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 
 from tailorstore.api import Store
 from tailorstore.core.errors import StoreError
-from tailorstore.integrations.ranks import barrier, is_leader, node_ranks
+from tailorstore.integrations.ranks import is_leader, node_ranks
 from tailorstore.integrations.ranks import rank as global_rank
 from tailorstore.integrations.session import Session
 from tailorstore.restore.checkout import loaded_by
@@ -116,7 +116,7 @@ def restore_and_load(
     try:
         return load(str(out), tag)
     finally:
-        barrier(session.group)
+        session.barrier()
         if leader:
             shutil.rmtree(out, ignore_errors=True)
 

@@ -73,6 +73,11 @@ class Session:
         return [value for _, (_, value) in sorted(every, key=lambda one: one[0])]
 
 
+    def gather(self, fact: T) -> list[T]:
+        """Every rank's ``fact``, in rank order, on every rank (collective): for a choice each rank
+        then computes alike from the same facts (which nodes hold a store, which files a rank staged)."""
+        return ranks.gathered(fact, self.group) if ranks.is_distributed() else [fact]
+
     def all_or_none(self, fn: Callable[[], T], doing: str = "") -> T:
         """``fn()`` run on every rank; this rank's own result, once it held on every rank (collective).
         Only the outcomes cross ranks, not the results: for work whose results stay where they

@@ -302,7 +302,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         names = sorted({n for one in every for n in one})
         if direct:  # some rank's staging failed: the whole save is committed from where DeepSpeed writes it
             self._go_direct("another rank's staging failed")
-            ranks.barrier(self.group)  # every rank has moved what it had staged
+            self.session.barrier()  # every rank has moved what it had staged
         self._save = None
         folder = real if direct else twin
         self._last_bytes = self._save_bytes
@@ -349,7 +349,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         """Each rank's file names of this save (by global rank), whether any rank wrote its share
         directly, and the ranks whose files are written in the background (a snapshot), after a
         barrier: every other file is complete once it passes."""
-        every = ranks.gathered((list(self._staged_names), self._direct, self._snapshotted), self.group)
+        every = self.session.gather((list(self._staged_names), self._direct, self._snapshotted))
         names = [one[0] for one in every]
         return names, any(one[1] for one in every), [r for r, one in enumerate(every) if one[2]]
 
