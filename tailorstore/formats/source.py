@@ -138,9 +138,7 @@ class InputFile:
         self.path = path_of(where)
         try:
             self.fd = open_input(where)
-        except FileNotFoundError:
-            if expected is None:
-                raise refused(FileNotFoundError(), self.path) from None
+        except FileNotFoundError:  # listed, and checked by detect, a moment ago
             raise changed(self.path, "it no longer exists") from None
         except OSError as exc:
             raise refused(exc, self.path) from None

@@ -318,7 +318,12 @@ def _mark(futures: list[Future[None]], folder: Path, rank: int) -> None:
     errors = [str(f.exception()) for f in futures if f.exception() is not None]
     folder.mkdir(parents=True, exist_ok=True)
     marker = f"{FAILED}{rank}" if errors else f"{WRITTEN}{rank}"
-    write_atomic(folder, marker, "; ".join(errors)[:4000].encode())  # never through a link planted in staging
+    try:  # a temp file renamed into place: never written through a link planted in staging
+        write_atomic(folder, marker, "; ".join(errors)[:4000].encode())
+    except OSError:
+        if not errors:
+            raise
+        write_atomic(folder, marker, b"")  # a full staging folder has room for the name, not the words
 
 
 def await_written(folder: Path, ranks: list[int], timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
