@@ -15,7 +15,7 @@ import torch
 from conftest import Runs
 
 from tailorstore import Store
-from tailorstore.store.index.catalogue import Catalogue
+from tailorstore.core.errors import BadCheckpointError
 from testbed.runs import train_tiny
 
 
@@ -81,18 +81,21 @@ def test_delete_after_commit_deletes_a_plain_save(shape: str, tmp_path: Path) ->
     assert torch.load(next((tmp_path / "out").rglob("ckpt.pt")))["w"].sum() == 16
 
 
-def test_a_named_pipe_in_a_save_is_left_out_saying_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Attack finding low 4: a FIFO in a checkpoint folder was skipped without a word, exit 0."""
+def test_a_named_pipe_in_a_save_is_refused_naming_it(tmp_path: Path) -> None:
+    """Attack finding low 4: a FIFO in a checkpoint folder was skipped without a word, exit 0; then
+    it was left out with a warning. A save with a pipe where a file should be is no save to record
+    (one named __1_0.distcp left a DCP step without a rank's items): it is refused, naming it, and
+    nothing is written."""
     import os
 
     save = tmp_path / "save"
     save.mkdir()
     torch.save({"w": torch.ones(4)}, save / "ckpt.pt")
     os.mkfifo(save / "pipe")
-    with Store.init(tmp_path / "store") as store, caplog.at_level(logging.WARNING, logger="tailorstore"):
-        store.commit(save, step=1)
-        assert [f.path for f in store.repo.view(Catalogue).files(store.repo.resolve("latest"))] == ["save/ckpt.pt"]
-    assert "pipe is a named pipe, not a file; it is not committed" in caplog.text
+    with Store.init(tmp_path / "store") as store:
+        with pytest.raises(BadCheckpointError, match=r"save/pipe: a named pipe, not a regular file"):
+            store.commit(save, step=1)
+        assert store.log() == []
 
 
 def test_a_dead_runs_save_folder_of_markers_only_is_cleaned_once(

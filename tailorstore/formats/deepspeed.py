@@ -18,6 +18,7 @@ from typing import Any
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import LayoutError
 from tailorstore.core.layers import STATE, layer_of
+from tailorstore.core.local_files import Beneath
 from tailorstore.formats.small_text import NAME_LIMIT, read_small_text
 from tailorstore.formats.zero_partitions import Piece, check_slice_mappings, zero3_pieces, zero12_pieces
 
@@ -59,7 +60,7 @@ def is_optim_states(name: str) -> bool:
 
 def read_latest(folder: Path) -> str:
     """The tag DeepSpeed's ``latest`` file in ``folder`` names (one line; read at a bound)."""
-    return read_small_text(folder / "latest", "DeepSpeed's `latest` (a tag name)", NAME_LIMIT).strip()
+    return read_small_text(Beneath(folder, "latest"), "DeepSpeed's `latest` (a tag name)", NAME_LIMIT).strip()
 
 
 def model_info(obj: Any) -> ModelInfo:

@@ -25,14 +25,17 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tailorstore.core.errors import BadCheckpointError, Call, UnsafePathError
+from tailorstore.core.local_files import Beneath, Where, stat_input
 from tailorstore.core.paths import check_relative
 from tailorstore.formats.deepspeed import is_model_states, is_optim_states, read_latest
 from tailorstore.formats.small_text import read_small_text
+from tailorstore.formats.source import refused
 
 log = logging.getLogger("tailorstore")
 
@@ -63,6 +66,19 @@ class CheckpointLayout:
     def source(self, rel: str) -> Path:
         """Where a file of the layout is read from."""
         return self.memory.get(rel) or self.root / rel
+
+    def place(self, rel: str) -> Where:
+        """How a file of the layout is opened: a memory file by its own path; any other beneath the
+        folder the commit was given (a link inside it is followed within it, never out of it), and
+        a single file committed by its own path as that very file, never a link."""
+        if rel in self.memory:
+            return self.memory[rel]
+        if self.kind == PLAIN_FILE:
+            return Beneath(self.root, rel, links=False)
+        top = self.committed
+        if top == self.root:
+            return Beneath(top, rel)
+        return Beneath(top, PurePosixPath(rel).relative_to(str(self.ds_tag)).as_posix())
 
     def where(self, rel: str) -> str:
         """What errors call a file of the layout."""
@@ -104,7 +120,7 @@ def _tag_files(tag_dir: Path, prefix: str, part: bool = False) -> list[str]:
             )
         if p.is_dir():
             log.warning("tailorstore: %s is a folder inside a DeepSpeed tag folder; it is not committed", p)
-    names = sorted(p.name for p in tag_dir.iterdir() if _committed(p))
+    names = sorted(p.name for p in tag_dir.iterdir() if _listed(p))
     model = [n for n in names if is_model_states(n)]
     if part and not model and any(is_optim_states(n) for n in names):
         raise BadCheckpointError(
@@ -135,23 +151,21 @@ def _check_rank_files(tag_dir: Path, optim: list[str]) -> None:
         )
 
 
-def _committed(path: Path) -> bool:
-    """Whether ``path`` is a file a commit takes. A named pipe, socket or device holds no bytes to
-    store: it is left out, saying so (it was left out without a word, attack finding low 4)."""
-    if path.is_file():
-        return True
+def _listed(path: Path) -> bool:
+    """Whether ``path`` is an entry a commit lists as a file: anything but a folder (or a link to
+    one, which the callers refuse or skip as folders). A named pipe, a socket, a device, a link to
+    nothing or to a file outside the checkpoint is listed too, so that :func:`check_files` refuses
+    it by name: each was once left out, without a word or with a warning, and a save that lacks a
+    file is no save to record (a FIFO ``__1_0.distcp`` left a DCP step without a rank's items)."""
     try:
         mode = os.lstat(path).st_mode
     except OSError:
         return False
-    if not (stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
-        kind = "named pipe" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "device"
-        log.warning("tailorstore: %s is a %s, not a file; it is not committed", path, kind)
-    return False
+    return not stat.S_ISDIR(mode) and not (stat.S_ISLNK(mode) and path.is_dir())
 
 
 def _top_files(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if _committed(p))
+    return sorted(p.name for p in root.iterdir() if _listed(p))
 
 
 def _walk(root: Path, sub: Path) -> list[str]:
@@ -164,14 +178,18 @@ def _walk(root: Path, sub: Path) -> list[str]:
                     f"{Path(folder) / d}: a symbolic link to a directory; tailorstore does not follow links inside "
                     "a checkpoint. Replace it with the files themselves, or remove it."
                 )
-        found += [(Path(folder) / n).relative_to(root).as_posix() for n in names if _committed(Path(folder) / n)]
+        found += [(Path(folder) / n).relative_to(root).as_posix() for n in names if _listed(Path(folder) / n)]
     return sorted(found)
 
 
-def check_files(root: Path, files: list[str]) -> None:
+def check_files(root: Path, files: list[str], place: Callable[[str], Where] | None = None) -> None:
     """Commit stores only what checkout can write back: the path rules of checkout, UTF-8 names,
-    and no link that leads outside the checkpoint (a link to /etc would otherwise be committed)."""
-    inside = root.resolve()
+    and regular files of the checkpoint only. Each is opened as the commit will open it
+    (``place``, by default beneath ``root``): a link that leads outside the folder the commit
+    was given, a FIFO, a device or a link to nothing is refused here, naming it, before anything
+    is read. The reads open each file again by the same rules, so a link swapped in since is
+    refused there too (``formats/source``)."""
+    place = place or (lambda rel: Beneath(root, rel))
     for rel in files:
         try:
             rel.encode("utf-8")
@@ -181,18 +199,17 @@ def check_files(root: Path, files: list[str]) -> None:
                 f"{root}: the file name {rel!r} cannot be stored (not UTF-8, or with a backslash or another "
                 "character that checkout refuses). Rename or remove the file and commit again."
             ) from None
-        target = (root / rel).resolve()
-        if inside not in target.parents:
-            raise BadCheckpointError(
-                f"{root / rel}: a symbolic link that leads outside the checkpoint (to {target}). tailorstore does "
-                "not commit files from outside the checkpoint; copy the file in, or remove the link."
-            )
+        where = place(rel)
+        try:
+            stat_input(where)
+        except OSError as exc:
+            raise refused(exc, root / rel) from None
 
 
 def detect(path: Path, *, part: bool = False) -> CheckpointLayout:
     """The layout of ``path``, with every file name checked against the rules checkout applies."""
     layout = _detect(Path(path), part)
-    check_files(layout.root, layout.files)
+    check_files(layout.root, layout.files, layout.place)
     return layout
 
 
@@ -248,7 +265,7 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
         return CheckpointLayout(path, DEEPSPEED, step_from_name(tag), tag, files)
     if _is_accelerate_state(path):
         return _hf_layout(path, part, ACCELERATE)
-    names = [p.name for p in path.iterdir() if p.is_file()]
+    names = [p.name for p in path.iterdir() if _listed(p)]
     if is_dcp_folder(path):
         tag = path.name
         for p in path.iterdir():
@@ -288,7 +305,7 @@ def _hf_layout(path: Path, part: bool = False, kind: str = HF_TRAINER) -> Checkp
     step = step_from_name(path.name)
     if step is None and kind == HF_TRAINER:  # Accelerate's folder says no step but in its name
         try:
-            state = read_small_text(path / "trainer_state.json", "an HF Trainer's trainer_state.json")
+            state = read_small_text(Beneath(path, "trainer_state.json"), "an HF Trainer's trainer_state.json")
             step = json.loads(state)["global_step"]
             if not isinstance(step, int) or isinstance(step, bool):  # 1e400 is a float (inf), "7" a string
                 raise ValueError(f"global_step is {step!r:.40}, not a whole number")

@@ -27,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from tailorstore.core import atoms as A
 from tailorstore.core.atoms import TensorEntry
 from tailorstore.core.errors import BadCheckpointError, UnsafePickleError
+from tailorstore.core.local_files import Beneath, Where, stat_input
 from tailorstore.formats import dcp, plain_torch
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import DCP, RAW, SAFETENSORS, TORCH
@@ -61,6 +62,7 @@ class ReadFile:
     located: bool = False  # every tensor's file offset is known: tensors are meta, bytes come from the file
     tree: object = None  # the skeleton before pickling (torch files)
     identity: Identity | None = None  # the file as first opened; it must not change until the commit records it
+    place: Where | None = None  # how it is opened again (beneath the folder committed); None: ``source`` itself
 
     def skeleton_blob(self) -> bytes:
         if self.skeleton is None:  # a file torch loaded: its tree is pickled only when a commit stores it
@@ -75,7 +77,11 @@ class ReadFile:
 
     def open(self) -> InputFile:
         """The file again, refused if it is no longer the file the first pass read."""
-        return InputFile(self.source, self.identity)
+        return InputFile(self.where, self.identity)
+
+    @property
+    def where(self) -> Where:
+        return self.source if self.place is None else self.place
 
     def container(self, src: InputFile) -> bytes | None:
         """The file's bytes outside its tensors (zip headers, pickle, safetensors header), in order.
@@ -142,12 +148,14 @@ def read_checkpoint(
     infos = {} if infos is None else infos  # by the model-states file's folder
     dcp_metas: dict[str, dcp.DcpMetadata] = {}  # by folder
     for rel in layout.files if files is None else files:
-        source = layout.source(rel)
+        source, place = layout.source(rel), layout.place(rel)
         name = PurePosixPath(rel).name
         kind = classify(rel)
         rank = ds.file_rank(name) if kind == TORCH else dcp.file_rank(name) if kind == DCP else None
-        with InputFile(source) as src:
-            out = ReadFile(rel, layout.file_key(rel), kind, rank, src.size, src.mode, source, identity=src.identity)
+        with InputFile(place) as src:
+            out = ReadFile(
+                rel, layout.file_key(rel), kind, rank, src.size, src.mode, source, identity=src.identity, place=place
+            )
             if kind == MAYBE_TORCH:
                 out.kind = TORCH if _read_plain(out, src) else RAW
             elif kind == TORCH:
@@ -158,7 +166,7 @@ def read_checkpoint(
                     meta = layout.dcp_metadata
                 else:
                     if str(folder) not in dcp_metas:
-                        dcp_metas[str(folder)] = _dcp_metadata(folder)
+                        dcp_metas[str(folder)] = _dcp_metadata(folder, place)
                     meta = dcp_metas[str(folder)]
                 out.skeleton, out.entries, out.trusted = dcp.read_distcp(src, rel, meta, layout.where(rel))
                 out.located, out.meta = True, {"world_size": meta.world_size}
@@ -207,13 +215,20 @@ def _segment_plain_or_generic(obj: object, entries: list[TensorEntry]) -> None:
             ds.generic(entry, 0)
 
 
-def _dcp_metadata(folder: Path) -> dcp.DcpMetadata:
-    """A DCP folder's ``.metadata``, checked against the sizes of its ``.distcp`` files."""
+def _dcp_metadata(folder: Path, beside: Where) -> dcp.DcpMetadata:
+    """A DCP folder's ``.metadata``, checked against the sizes of its ``.distcp`` files; each opened
+    by the rules of the ``.distcp`` file ``beside`` it (beneath the folder committed)."""
     path = folder / dcp.METADATA
+    meta = beside.sibling(dcp.METADATA) if isinstance(beside, Beneath) else path
     if not path.is_file():
         raise BadCheckpointError(f"{folder}: .distcp files without the .metadata that says what they hold")
-    sizes = {p.name: p.stat().st_size for p in folder.iterdir() if dcp.is_distcp(p.name) and p.is_file()}
-    with InputFile(path) as src:
+    sizes = {}
+    for name in sorted(p.name for p in folder.iterdir() if dcp.is_distcp(p.name)):
+        try:
+            sizes[name] = stat_input(beside.sibling(name) if isinstance(beside, Beneath) else folder / name).st_size
+        except OSError:
+            continue  # no file of the step: refused when the commit opens it, if it commits it
+    with InputFile(meta) as src:
         if src.size > dcp.MAX_METADATA:
             raise BadCheckpointError(f"{path}: {src.size} bytes, more than DCP metadata ever needs")
         data = bytes(src.read(0, src.size))

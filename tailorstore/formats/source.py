@@ -5,7 +5,11 @@ sync tool replaces a file by rename, a disk fills and a file is cut short. Three
 such a commit from recording a step that restores wrong data:
 
 * every read of a file goes through one descriptor, opened once per pass, so a rename
-  cannot mix the bytes of two files (torch opens ``/proc/self/fd/N``, the same inode);
+  cannot mix the bytes of two files (torch opens ``/proc/self/fd/N``, the same inode). It is
+  opened beneath the folder given to commit (``core/local_files``: relative to the folder's
+  descriptor, no link followed out of it) and checked to be a regular file once opened, so a
+  link to ``../.ssh/id_rsa``, swapped in between any check and the open, or a FIFO, is refused
+  (:func:`refused`) rather than read or waited on;
 * every byte that is hashed is first copied out of the file into private memory, and the
   same copy is compressed, so a blob's name always describes its bytes (nothing reads a
   memory map of the input, which a truncation would also turn into SIGBUS);
@@ -34,6 +38,7 @@ import numpy as np
 import xxhash
 
 from tailorstore.core.errors import BadCheckpointError, InputChangedError, StoreError
+from tailorstore.core.local_files import LeadsOutside, NotRegularFile, Where, open_input, path_of, stat_input
 from tailorstore.core.reused_memory import private_copy_buffer
 from tailorstore.formats.torch_zip import record_offsets
 
@@ -95,6 +100,27 @@ def withdraw(fd: int) -> None:
     _LENT.pop((st.st_dev, st.st_ino), None)
 
 
+def refused(exc: OSError, path: Path | str) -> BadCheckpointError:
+    """The one line that refuses an input entry the open found to be no file of the checkpoint."""
+    if isinstance(exc, LeadsOutside):
+        return BadCheckpointError(
+            f"{path}: a symbolic link that leads outside the checkpoint ({exc.top}). tailorstore does not "
+            "commit files from outside the checkpoint; copy the file in, or remove the link."
+        )
+    if isinstance(exc, NotRegularFile):
+        return BadCheckpointError(
+            f"{path}: {exc.kind}, not a regular file; a checkpoint holds files and folders only. "
+            "Remove it from the checkpoint (or replace it with the file it stands for)."
+        )
+    if isinstance(exc, FileNotFoundError):
+        return BadCheckpointError(
+            f"{path}: names nothing (a symbolic link to a missing file?). Remove it from the checkpoint."
+        )
+    return BadCheckpointError(
+        f"{path}: cannot be read ({exc.strerror or exc}). Fix its permissions or remove it from the checkpoint."
+    )
+
+
 def changed(path: Path | str, why: str) -> InputChangedError:
     return InputChangedError(
         f"{path}: changed while it was being committed ({why}). The commit was not recorded and the store is "
@@ -103,18 +129,19 @@ def changed(path: Path | str, why: str) -> InputChangedError:
 
 
 class InputFile:
-    """One input file, open on one descriptor, with the identity it must keep."""
+    """One input file, open on one descriptor, with the identity it must keep. ``where`` is a
+    file beneath the folder given to commit (:class:`Beneath`), or a path the caller named
+    itself (a memory file's ``/proc/self/fd/N``, a file a test hands in)."""
 
-    def __init__(self, path: Path, expected: Identity | None = None) -> None:
-        self.path = Path(path)
+    def __init__(self, where: Where, expected: Identity | None = None) -> None:
+        self.where = where
+        self.path = path_of(where)
         try:
-            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
+            self.fd = open_input(where)
+        except FileNotFoundError:  # listed, and checked by detect, a moment ago
             raise changed(self.path, "it no longer exists") from None
         except OSError as exc:
-            raise BadCheckpointError(
-                f"{self.path}: cannot be read ({exc.strerror}). Fix its permissions or remove it from the checkpoint."
-            ) from None
+            raise refused(exc, self.path) from None
         st = os.fstat(self.fd)
         self.identity = Identity.of(st)
         self.mode = st.st_mode & 0o777
@@ -215,10 +242,7 @@ class InputFile:
         now = Identity.of(os.fstat(self.fd))
         why = self.expected.differs(now)
         if not why:
-            try:
-                why = self.expected.differs(Identity.of(os.stat(self.path)))
-            except FileNotFoundError:
-                why = "it was removed"
+            why = _differs_now(self.where, self.expected)
         if why:
             raise changed(self.path, why)
 
@@ -253,11 +277,19 @@ class InputWindow:
         return self.parent.read(self.base + offset, length)
 
 
-def check_unchanged(path: Path, expected: Identity) -> None:
-    """The last look before a manifest is recorded: the path still names the same, unchanged file."""
+def check_unchanged(where: Where, expected: Identity) -> None:
+    """The last look before a manifest is recorded: the name still opens the same, unchanged file
+    (looked up by the rules of the first open, so a link swapped in since is refused too)."""
+    if why := _differs_now(where, expected):
+        raise changed(path_of(where), why)
+
+
+def _differs_now(where: Where, expected: Identity) -> str:
     try:
-        now = Identity.of(os.stat(path))
+        return expected.differs(Identity.of(stat_input(where)))
     except FileNotFoundError:
-        raise changed(path, "it was removed") from None
-    if why := expected.differs(now):
-        raise changed(path, why)
+        return "it was removed"
+    except LeadsOutside:
+        return "it was replaced by a link leading outside the checkpoint"
+    except NotRegularFile as exc:
+        return f"it was replaced by {exc.kind}"

@@ -426,7 +426,7 @@ def _write_checked(
     plan = write_files(layout, scan, stored, sources, writer, rounded, progress, readers=read_helpers(writer.threads))
     for f in scan.files:
         assert f.identity is not None
-        check_unchanged(f.source, f.identity)
+        check_unchanged(f.where, f.identity)
     return plan, writer.finish()
 
 

@@ -13,20 +13,23 @@ committed (it was killed first), the step the store holds there is taken only if
 committed after the head, else it belongs to an abandoned timeline and the job resumes from the
 head's own step, saying so.
 
-The file is input from outside like any other: at most 4 KiB of a JSON object whose every field
-is checked; anything else is ignored with a warning, as if there were no head.
+The file is input from outside like any other, in a folder others may write to: it is opened
+without following a link, and only a regular file is read (a FIFO planted under its name is
+refused at once, never waited on), at most 4 KiB of a JSON object whose every field is checked;
+anything else is ignored with a warning, as if there were no head. It is written as a temp file
+created exclusively under an unpredictable name and renamed into place (``core/local_files``),
+so a link planted in the save folder is never written through.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tailorstore.core.local_files import Beneath, TooLarge, read_small, write_atomic
 from tailorstore.core.run_names import RUN_NAME
 
 log = logging.getLogger("tailorstore")
@@ -50,16 +53,16 @@ def read_head(folder: Path) -> Head | None:
     """The head in ``folder``, or None (none there, or one that is not a head: a warning says so)."""
     path = folder / HEAD_FILE
     try:
-        with open(path, "rb") as f:
-            data = f.read(_MOST + 1)
+        data = read_small(Beneath(folder, HEAD_FILE, links=False), _MOST)
     except (FileNotFoundError, NotADirectoryError):
+        return None
+    except TooLarge:
+        log.warning("tailorstore: ignoring %s: more than %d bytes", path, _MOST)
         return None
     except OSError as exc:
         log.warning("tailorstore: cannot read %s (%s); resuming as if training had no head", path, exc)
         return None
     try:
-        if len(data) > _MOST:
-            raise ValueError(f"more than {_MOST} bytes")
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.get("tailorstore_head") != 1:
             raise ValueError("not a tailorstore head")
@@ -87,11 +90,7 @@ def write_head(folder: Path, head: Head) -> None:
         "step": head.step,
         "created_at": head.created_at,
     }
-    tmp = folder / f".{HEAD_FILE}.{os.getpid()}.tmp"
     try:
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, folder / HEAD_FILE)
+        write_atomic(folder, HEAD_FILE, json.dumps(doc).encode())
     except OSError as exc:
         log.warning("tailorstore: committed step %d, but could not write %s (%s)", head.step, folder / HEAD_FILE, exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)

@@ -54,6 +54,7 @@ import torch
 
 from tailorstore.core.errors import StagingFailed, StoreError
 from tailorstore.core.failpoints import failpoint
+from tailorstore.core.local_files import Beneath, read_small, write_atomic
 from tailorstore.core.memory import available_memory
 from tailorstore.integrations.side_copy import SideCopies
 from tailorstore.integrations.staging import FAILED, WRITTEN
@@ -318,8 +319,13 @@ def _prefault(model: Buffers, target: Buffers, pinned: bool, ranks_on_node: int)
 def _mark(futures: list[Future[None]], folder: Path, rank: int) -> None:
     errors = [str(f.exception()) for f in futures if f.exception() is not None]
     folder.mkdir(parents=True, exist_ok=True)
-    marker = folder / (f"{FAILED}{rank}" if errors else f"{WRITTEN}{rank}")
-    marker.write_text("; ".join(errors)[:4000], encoding="utf-8")
+    marker = f"{FAILED}{rank}" if errors else f"{WRITTEN}{rank}"
+    try:  # a temp file renamed into place: never written through a link planted in staging
+        write_atomic(folder, marker, "; ".join(errors)[:4000].encode())
+    except OSError:
+        if not errors:
+            raise
+        write_atomic(folder, marker, b"")  # a full staging folder has room for the name, not the words
 
 
 def await_written(folder: Path, ranks: list[int], timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
@@ -332,7 +338,11 @@ def await_written(folder: Path, ranks: list[int], timeout: float, alive: Callabl
             failed = [r for r in ranks if (folder / f"{FAILED}{r}").exists()]
             if not failed:
                 return
-            text = (folder / f"{FAILED}{failed[0]}").read_text(encoding="utf-8", errors="replace")[:2000]
+            try:
+                said = read_small(Beneath(folder, f"{FAILED}{failed[0]}", links=False), 16 << 10)
+            except OSError as exc:  # a marker that is no file of the rank's: what it failed with is unknown
+                said = str(exc).encode()
+            text = said.decode("utf-8", errors="replace")[:2000]
             raise StagingFailed(f"rank {failed[0]} could not write its files of the save into staging: {text}")
         if time.monotonic() > deadline or not alive():
             missing = [r for r in ranks if not (folder / f"{WRITTEN}{r}").exists()]

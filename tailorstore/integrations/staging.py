@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import shutil
 import stat
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from tailorstore.core.dir_locks import hold_dir, removed, take_abandoned
 from tailorstore.core.errors import BadCheckpointError, TailorError
+from tailorstore.core.local_files import Beneath, write_atomic
 from tailorstore.formats.small_text import NAME_LIMIT, read_small_text
 
 log = logging.getLogger("tailorstore")
@@ -86,9 +86,7 @@ def record_target(save: Path, real: Path) -> None:
     """Write where the save staged under ``save`` (``save-N/``) would have gone; every rank of the
     node may write it, with the same content."""
     save.mkdir(parents=True, exist_ok=True)
-    tmp = save / f".{TARGET}.{os.getpid()}.{secrets.token_hex(4)}"
-    tmp.write_text(str(real.absolute()), encoding="utf-8")
-    os.replace(tmp, save / TARGET)
+    write_atomic(save, TARGET, str(real.absolute()).encode())  # never through a link planted in staging
 
 
 def finish(save: Path) -> None:
@@ -200,7 +198,7 @@ def _recover_one(root: Path) -> list[Rescued]:
             log.warning("tailorstore: %s was left by a run that is gone; it is not ours to move, so it stays", entry)
             continue
         try:
-            real = Path(read_small_text(target, "a staged save's target", NAME_LIMIT))
+            real = Path(read_small_text(Beneath(entry, TARGET, links=False), "a staged save's target", NAME_LIMIT))
             if not real.is_absolute():
                 raise BadCheckpointError(f"{target}: names no absolute path")
             source = str(tags[0].resolve())

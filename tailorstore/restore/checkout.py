@@ -20,6 +20,7 @@ from tailorstore.access.atom_reader import blob_of, stream_blob
 from tailorstore.access.contents import Contents
 from tailorstore.access.output_dir import staged
 from tailorstore.core.errors import CorruptStoreError
+from tailorstore.core.local_files import create_new, write_new
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.step_rules import refuse_thinned
@@ -80,7 +81,7 @@ def checkout_step(
             )
             if facts.layout == DEEPSPEED_TAG and facts.ds_tag and not any(r.path == "latest" for r in files):
                 # A tag folder was committed; `engine.load_checkpoint(out)` needs `latest` to find it.
-                (tmp / "latest").write_text(facts.ds_tag)
+                write_new(tmp / "latest", facts.ds_tag.encode())
             if dcp_folder_itself(facts, files):
                 lift(tmp, str(facts.ds_tag))
     finally:
@@ -163,6 +164,6 @@ def write_step_files(
 def write_raw_blob(repo: Repository, digest: str, target: Path, where: str) -> None:
     """A whole-file blob, streamed through one reused buffer and hash-checked: memory stays at a chunk."""
     row = blob_of(repo, digest, where)
-    with open(target, "wb") as out:
+    with os.fdopen(create_new(target), "wb") as out:  # a new file of our own hidden folder
         for piece in stream_blob(repo, row, 0, row.raw_size, where):
             out.write(piece)

@@ -39,6 +39,7 @@ from tailorstore.access.model_tensors import (
 from tailorstore.access.output_dir import staged
 from tailorstore.access.read_ahead import ReadAhead
 from tailorstore.core.errors import BadCheckpointError, StoreError
+from tailorstore.core.local_files import write_new
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.rounding import rounded_chunks
 from tailorstore.formats import dcp
@@ -207,10 +208,10 @@ def export_step(
                             i += 1
                     written += (tmp / name).stat().st_size
             if len(shards) > 1:
-                (tmp / INDEX_FILE).write_text(index_json(shards, names))
+                write_new(tmp / INDEX_FILE, index_json(shards, names).encode())
             write_step_files(repo, repo.manifest(manifest), copies, tmp)  # top-level files, hash-checked
             if config_text is not None:
-                (tmp / "config.json").write_text(config_text, encoding="utf-8")  # the bytes checked, not a second read
+                write_new(tmp / "config.json", config_text.encode())  # the bytes checked, not a second read
             for path in tmp.iterdir():
                 os.chmod(path, 0o644)
     finally:

@@ -8,6 +8,7 @@ checkout path that needs torch.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from tailorstore.access.atom_reader import decode_atom_into
 from tailorstore.access.contents import Contents
 from tailorstore.core.errors import CorruptStoreError, LayoutError
+from tailorstore.core.local_files import create_new
 from tailorstore.formats.kinds import SAFETENSORS
 from tailorstore.formats.safe_load import load_skeleton
 from tailorstore.formats.safetensors_file import tensor_layout
@@ -86,7 +88,7 @@ def _write_torch(repo: Repository, manifest: int, row: FileRecord, target: Path,
 def _write_safetensors(repo: Repository, manifest: int, row: FileRecord, target: Path, where: str) -> None:
     header = repo.read_blob(row.blob, where)
     by_slot = _atoms_by_slot(repo, manifest, row.path)
-    with open(target, "wb") as f:
+    with os.fdopen(create_new(target), "wb") as f:  # a new file of our own hidden folder
         f.write(header)
         for slot, (name, dtype, shape) in enumerate(tensor_layout(header, where)):
             tensor = torch.empty(shape, dtype=dtype_from_name(dtype))

@@ -48,6 +48,7 @@ from tailorstore.access.output_dir import staged, tree_bytes, write_torch_file
 from tailorstore.access.placement import PlacedFiles
 from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
+from tailorstore.core.local_files import write_new
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.step_rules import refuse_thinned
@@ -525,7 +526,7 @@ def checkout_resharded(
                 if in_place is not None:
                     in_place.finish()
             if not (tmp / "latest").exists():
-                (tmp / "latest").write_text(plan.tag)  # `engine.load_checkpoint(out)` finds the tag by it
+                write_new(tmp / "latest", plan.tag.encode())  # `engine.load_checkpoint(out)` finds the tag by it
             count = len(others) + len(extras) + len(plan.states_names(chosen)) + len(chosen)
             written = tree_bytes(tmp)
     finally:

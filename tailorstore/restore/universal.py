@@ -44,6 +44,7 @@ from tailorstore.access.output_dir import staged, tree_bytes, write_torch_file
 from tailorstore.access.placement import PlacedFiles
 from tailorstore.core.atoms import MASTER, STEP
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
+from tailorstore.core.local_files import write_new
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.step_rules import refuse_thinned
@@ -264,7 +265,7 @@ def checkout_universal(
                 count += _write_all(jobs, progress, meanwhile)
                 model_states.finish()
             write_torch_file(tag_dir / "zero" / "optimizer_state.pt", settings)
-            (tmp / LATEST_UNIVERSAL).write_text(tag)
+            write_new(tmp / LATEST_UNIVERSAL, tag.encode())
             count += 2
             written = tree_bytes(tmp)
     finally:
