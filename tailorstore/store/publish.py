@@ -90,6 +90,7 @@ class Revision:
     atoms: Sequence[AtomRecord] | None = None
     blobs: Sequence[BlobRecord] = ()
     packs: Sequence[tuple[str, int]] = ()
+    exclusive: bool = False  # made under the exclusive lock (thinning): no ref change runs beside it
 
 
 @dataclass
@@ -100,6 +101,12 @@ class _Taken:
     superseded: list[str] = field(default_factory=list)  # object keys of the versions replaced
     touched: list[tuple[int, str, str | None]] = field(default_factory=list)  # (step, run, tag) of new manifests
     revised: list[int] = field(default_factory=list)
+    expected: dict[int, str] = field(default_factory=dict)  # a revision's manifest -> the version it read
+    # manifests whose refs stay on the versions they replace (a ref on an older version counts for the
+    # newest): a change under the shared lock never writes a ref another host may have moved meanwhile
+    in_place: dict[int, str | None] = field(default_factory=dict)  # manifest -> the tag it gives itself
+    retired: list[str] = field(default_factory=list)  # versions replaced by those: deleted unless a ref names one
+    refs_written: bool = False
 
 
 def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: Fence | None) -> list[int]:
@@ -111,14 +118,23 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
             ids = [_insert(edit, change, taken) for change in changes]
             for manifest, change in zip(ids, changes, strict=True):
                 replacing = isinstance(change, Revision) or change.replacing
-                key = manifest_objects.publish(repo.backend, edit, manifest, fence=fence, replacing=replacing)
+                expected = taken.expected.get(manifest)
+                key = manifest_objects.publish(
+                    repo.backend, edit, manifest, fence=fence, replacing=replacing, expected=expected
+                )
                 taken.published.append(key)
+                if expected is not None:
+                    manifest_objects.check_revised(repo.backend, key, expected)
             failpoint("after-publish")
             if fence is not None and fence.by_time:
                 for manifest in ids:
                     needs = edit.referenced_blobs(manifest)
                     check_publication(repo.backend, needs, "recording the manifest", repo.size_lookup(needs))
-            manifest_objects.write_refs(repo.backend, edit, ids)
+            taken.refs_written = True
+            manifest_objects.write_refs(repo.backend, edit, [m for m in ids if m not in taken.in_place])
+            for manifest, tag in taken.in_place.items():
+                if tag:  # the tag this commit gives (``--tag``), not one carried over
+                    manifest_objects.put_tag(repo.backend, edit, manifest)
     except OSError as exc:
         _take_back(repo, taken)
         if is_out_of_space(exc):
@@ -128,6 +144,7 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
         _take_back(repo, taken)
         raise
     manifest_objects.unpublish(repo.backend, taken.superseded)  # after the index names the new versions
+    manifest_objects.retire(repo.backend, taken.retired)
     return ids
 
 
@@ -137,12 +154,14 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
     for source in change.derived_from:
         _check_unchanged(edit, source)
     record = change.record
+    given: str | None = None
     if change.replacing and record.origin == COMMIT:
+        given = record.tag
         if (replaced := edit.commit_at(record.step, record.run)) is not None:
             record = replace(record, tag=record.tag or replaced.tag, pinned=replaced.pinned)
             edit.delete_commit_at(record.step, record.run)
             if replaced.object_key is not None:
-                taken.superseded.append(replaced.object_key)
+                taken.retired.append(replaced.object_key)
         if record.tag and (holder := edit.tagged(record.tag)) is not None:
             edit.set_tag(holder.id, None)  # force takes the tag, whether or not the step existed
     refuse_taken(edit, record.step, record.run, record.tag, commit=record.origin == COMMIT)
@@ -156,6 +175,8 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
     edit.insert_layers(
         manifest, [replace(x, source=manifest) if x.source == THIS_MANIFEST else x for x in change.layers]
     )
+    if change.replacing and record.origin == COMMIT:
+        taken.in_place[manifest] = given
     return manifest
 
 
@@ -171,7 +192,12 @@ def _revise(edit: CatalogueEdit, change: Revision, taken: _Taken) -> int:
     edit.set_tier(record.id, record.tier)
     edit.set_metrics(record.id, record.metrics)
     if record.object_key is not None:
-        taken.superseded.append(record.object_key)
+        if change.exclusive:
+            taken.superseded.append(record.object_key)
+        else:
+            taken.expected[record.id] = record.object_key
+            taken.in_place[record.id] = None
+            taken.retired.append(record.object_key)
     taken.revised.append(record.id)
     return record.id
 
@@ -221,6 +247,8 @@ def _take_back(repo: Repository, taken: _Taken) -> None:
     if not taken.published:
         return
     manifest_objects.unpublish(repo.backend, taken.published)  # the objects went up but the index refused them
+    if not taken.refs_written:  # nothing of the refs was touched: none is written back from this index
+        return
     catalogue = repo._index
     holders: list[int] = list(taken.revised)
     for step, run, tag in taken.touched:
