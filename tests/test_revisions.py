@@ -78,6 +78,7 @@ def _tagged_pinned_step3(tmp_path: Path, location: str) -> None:
     _ok(_env(tmp_path, "b"), "log", "--store", location)
 
 
+METRIC = ("metric", "step=3", "loss=1.5")
 REVISIONS = {
     "metric": ("metric", "step=3", "loss=1.5"),
     "force": ("commit", str(CHECKPOINT), "--step", "3", "--force"),
@@ -161,9 +162,7 @@ def test_a_metric_stalled_while_its_step_was_removed_never_brings_it_back(
     _ok(a, "commit", str(CHECKPOINT), "--step", "3", "--store", location)
     _ok(a, "commit", str(CHECKPOINT), "--step", "6", "--store", location)
     _ok(_env(tmp_path, "b"), "log", "--store", location)
-    stalled = _stopped(
-        _env(tmp_path, "a", TAILOR_FAILPOINTS="before-publish=stop"), "metric", "step=3", "loss=1.5", "--store", location
-    )
+    stalled = _stopped(_env(tmp_path, "a", TAILOR_FAILPOINTS="before-publish=stop"), *METRIC, "--store", location)
     remover = tailor_process("rm", "step=3", "--force", "--store", location, env=_env(tmp_path, "b"))
     if kind == "s3":
         removed = subprocess.CompletedProcess(remover.args, remover.wait(timeout=300), *remover.communicate())
@@ -195,9 +194,7 @@ def test_a_metric_on_a_step_removed_and_committed_again_since_it_read_it_fails(
     a, b = _env(tmp_path, "a"), _env(tmp_path, "b")
     _ok(a, "init", location)
     _ok(a, "commit", str(CHECKPOINT), "--step", "3", "--store", location)
-    stalled = _stopped(
-        _env(tmp_path, "a", TAILOR_FAILPOINTS="before-publish=stop"), "metric", "step=3", "loss=1.5", "--store", location
-    )
+    stalled = _stopped(_env(tmp_path, "a", TAILOR_FAILPOINTS="before-publish=stop"), *METRIC, "--store", location)
     _ok(b, "rm", "step=3", "--store", location)
     _ok(b, "commit", str(CHECKPOINT), "--step", "3", "--store", location)
     one_line(_resume(stalled), 4, "removed or replaced by another host")

@@ -206,8 +206,7 @@ def versions_of(backend: Backend, key: str) -> tuple[list[str], list[str]]:
 def step_changed(step: int, run: str) -> StepChangedError:
     where = "" if run == MAIN_RUN else f" of run {run!r}"
     return StepChangedError(
-        f"step {step}{where} was removed or replaced by another host while this ran; nothing was changed. "
-        "See ",
+        f"step {step}{where} was removed or replaced by another host while this ran; nothing was changed. See ",
         Call("log"),
         ", and run it again if the step is still there.",
     )
@@ -406,8 +405,7 @@ def publish(
             raise step_changed(record.step, record.run) from None
         if replacing:
             raise StepExistsError(
-                f"step {record.step} was replaced by another host at the same moment; nothing was replaced. "
-                "See ",
+                f"step {record.step} was replaced by another host at the same moment; nothing was replaced. See ",
                 Call("log"),
                 ", and run it again to replace that.",
             ) from None
