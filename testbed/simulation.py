@@ -212,7 +212,7 @@ def _operation(rng: random.Random, kind: str, theme: str) -> dict[str, Any]:
 
 # Themes a run names (``--theme``), never drawn: each aims at one interleaving, so adding one leaves
 # the drawn seeds' schedules (and the regression seeds) as they were.
-TARGETED = ("pins-vs-gc",)
+TARGETED = ("pins-vs-gc", "revisions")
 
 
 def _pins_vs_gc(rng: random.Random, backend: str) -> list[dict[str, Any]]:
@@ -249,12 +249,65 @@ def _pins_vs_gc(rng: random.Random, backend: str) -> list[dict[str, Any]]:
     return ops
 
 
+def _revisions(rng: random.Random, backend: str) -> list[dict[str, Any]]:
+    """Attack finding 5's interleaving: a revision (``metric``, ``commit --force``) of a tagged,
+    pinned step is stopped before (or at) its put, and meanwhile other hosts move its tag away,
+    unpin it, remove it or revise it too; then anything."""
+    ops: list[dict[str, Any]] = []
+    for step in (6, 9):
+        save = rng.choice(WHOLE)
+        ops.append({"op": "commit", "save": save, "key": ["main", step], "force": False, "tag": None, "metric": None})
+    target = ["main", rng.choice(STEPS)]
+    ops.append({"op": "tag", "tag": "t1", "key": target, "force": False})
+    ops.append({"op": "pin", "key": target})
+    fault: dict[str, Any] = {"action": "stop" if rng.random() < 0.85 else "kill", "after": rng.randint(1, 3)}
+    fault["hold"] = LONG_HOLD if backend == "s3" and rng.random() < 0.3 else 0.0
+    if backend == "posix" or rng.random() < 0.5:
+        fault.update(where="point", point=rng.choice(("before-publish", "after-publish")))
+    else:
+        fault.update(where="request", kind=rng.choice(("put-create", "list", "get", "delete-many", "put")))
+        fault["nth"] = rng.randint(1, 3)
+    if rng.random() < 0.5:
+        ops.append({"op": "metric", "key": target, "value": round(rng.uniform(1, 3), 3), "fault": fault, "host": "a"})
+    else:
+        ops.append(
+            {"op": "commit", "save": rng.choice(WHOLE), "key": target, "force": True, "tag": None, "metric": None,
+             "fault": fault, "host": "a"}
+        )  # fmt: skip
+    others = ("b", "c")
+    for _ in range(fault["after"]):
+        kind = rng.choice(("tag", "unpin", "rm", "rm", "metric", "untag", "pin"))
+        if kind == "tag":
+            other = ["main", 6 if target[1] == 9 else 9]
+            ops.append({"op": "tag", "tag": "t1", "key": other, "force": True, "host": rng.choice(others)})
+        elif kind == "untag":
+            ops.append({"op": "untag", "tag": "t1", "host": rng.choice(others)})
+        elif kind == "rm":
+            ops.append({"op": "rm", "key": target, "force": True, "host": rng.choice(others)})
+        elif kind == "metric":
+            ops.append({"op": "metric", "key": target, "value": 0.5, "host": rng.choice(others)})
+        else:
+            ops.append({"op": kind, "key": target, "host": rng.choice(others)})
+    kinds, weights = zip(*THEMES["replace"].items(), strict=True)
+    for _ in range(rng.randint(0, 2)):
+        op = _operation(rng, rng.choices(kinds, weights)[0], "replace")
+        op.update(host=rng.choice(HOSTS), fault=_fault(rng, backend))
+        ops.append(op)
+    for n, op in enumerate(ops):
+        op.setdefault("host", rng.choice(HOSTS))
+        op.setdefault("fault", None)
+        op.update(n=n, theme="revisions")
+    return ops
+
+
 def make_schedule(seed: int, backend: str, theme: str | None = None) -> list[dict[str, Any]]:
     """The operations of one seed (of a drawn theme, or of the targeted ``theme``): the same list
     on every run of it."""
     rng = random.Random(f"{backend}:{seed}")
     if theme == "pins-vs-gc":
         return _pins_vs_gc(rng, backend)
+    if theme == "revisions":
+        return _revisions(rng, backend)
     if theme is not None:
         raise ValueError(f"unknown targeted theme {theme!r}: {TARGETED}")
     theme = rng.choice(sorted(THEMES))
@@ -419,6 +472,8 @@ class Schedule:
             return [kind, at, *ref_lock]
         if kind == "rm":
             return ["remove", at, *(["--force"] * op["force"]), *ref_lock]
+        if kind == "metric":
+            return ["metric", at, f"loss={op['value']}", *ref_lock]
         if kind == "gc":
             return ["gc", *op["args"], *self._lock()]
         if kind == "branch":

@@ -201,3 +201,29 @@ def test_the_checker_lets_a_step_pinned_after_gc_thinned_it_be_thinned() -> None
     pinned_first = [journal[0], journal[2], _done(1, thin, 7, 8)]
     problems = check(pinned_first, thinned, [("main", 6)], CONTENTS)
     assert problems and "thinned" in problems[0], problems
+
+
+def test_the_checker_names_a_removed_step_that_came_back() -> None:
+    """Attack finding 5: a metric stalled while another host removed its step brought it back;
+    the checker saw nothing, since a metric creates no step. A step reported removed after every
+    creation that could have made it must stay gone (I7)."""
+    metric = _done(2, {"op": "metric", "key": ["main", 6], "value": 1.5}, 2, 5)
+    rm = _done(1, {"op": "rm", "key": ["main", 6], "force": True}, 3, 4)
+    journal = [_done(0, COMMIT_A6, 1, 2), rm, metric]
+    problems = check(journal, Seen(steps={("main", 6): _step("A6")}), [("main", 6)], CONTENTS)
+    assert len(problems) == 1 and problems[0].startswith("I7:"), problems
+    assert check(journal, Seen(), [("main", 6)], CONTENTS) == []
+    # a commit that may have come after the rm may have made it again
+    again = _done(3, dict(COMMIT_A6, force=True), 3, 6)
+    assert check([*journal, again], Seen(steps={("main", 6): _step("A6")}), [("main", 6)], CONTENTS) == []
+
+
+def test_the_revisions_theme_stalls_a_revision_while_others_change_its_step() -> None:
+    from testbed.simulation import make_schedule
+
+    for backend in ("posix", "s3"):
+        for seed in range(20):
+            ops = make_schedule(seed, backend, "revisions")
+            stalled = [op for op in ops if op.get("fault") and op["host"] == "a" and op["n"] == 4]
+            assert stalled and (stalled[0]["op"] == "metric" or stalled[0]["force"]), ops
+            assert {op["op"] for op in ops[5:]} & {"tag", "unpin", "rm", "metric", "untag", "pin"}
