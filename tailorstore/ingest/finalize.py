@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tailorstore.access import structure
+from tailorstore.core.environment import TRY_ENV
 from tailorstore.core.errors import (
     LOCK_TIMEOUT,
     BadCheckpointError,
@@ -161,6 +162,40 @@ def _merged_files(parts: list[Part]) -> tuple[list[FileRecord], list[AtomRecord]
     return sorted((f for f, _ in files.values()), key=lambda f: f.path), atoms
 
 
+def _one_try(parts: list[Part], step: int, label: str | None) -> None:
+    """The parts prove they are of one try of the save (I4). Parts that carry a try token
+    (``$TAILOR_TRY``, or the save's label) must all carry the same one. Parts without one (written
+    before tokens, or by hosts given none) are taken only when ``label`` chose them (a save's
+    label is unique to one start of its job) or when shared files link every part to the others:
+    :func:`_merged_files` then finds a file of two tries unequal. Parts that share no file prove
+    nothing: two tries' parts (one host's rank 0, another's rank 1) were recorded as one step."""
+    tokens = sorted({p.attempt for p in parts})
+    if len(tokens) > 1:
+        said = ", ".join(repr(t) if t else "none" for t in tokens)
+        raise BadCheckpointError(
+            f"step {step}: the parts are of different tries of the save (try tokens {said}); they are not one "
+            "save. Drop the stale parts with ",
+            Call("gc", drop_parts=True),
+            " and commit every host's part of one try again.",
+        )
+    if tokens != [""] or label is not None or len(parts) < 2:
+        return
+    linked, rest = {id(parts[0])}, parts[1:]
+    paths = {f.path for f in parts[0].files}
+    while rest:
+        joined = [p for p in rest if paths & {f.path for f in p.files}]
+        if not joined:
+            raise BadCheckpointError(
+                f"step {step}: parts {parts[0].source} and {rest[0].source} share no file and carry no try token, "
+                f"so nothing shows they are of one try of the save. Commit each host's part with the same "
+                f"{TRY_ENV} (or label), then finalize."
+            )
+        for p in joined:
+            linked.add(id(p))
+            paths |= {f.path for f in p.files}
+        rest = [p for p in rest if id(p) not in linked]
+
+
 def _one_plan(parts: list[Part]) -> dict | None:
     """The plan every part carries (a rank-parallel commit under a policy), or None; parts that
     disagree are not one commit."""
@@ -250,6 +285,7 @@ def finalize_step(
                 f"({sorted(kinds)}, {sorted(map(str, tags))}); they are not one save."
             )
         layout = DEEPSPEED if DEEPSPEED in kinds else kinds.pop()
+        _one_try(parts, step, label)
         files, atoms = _merged_files(parts)
         world_size, zero_stage = _one_fact(parts, "world_size"), _one_fact(parts, "zero_stage")
         missing = missing_pieces(layout, files, world_size, zero_stage)
