@@ -633,6 +633,7 @@ def host_environment(extra: dict[str, str] | None = None, code: str | None = Non
     env = dict(os.environ)
     env.update(extra or {})
     env.update(TAILOR_LOCK_TTL=str(TTL), DS_ACCELERATOR="cpu", TAILOR_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env["TAILOR_DROP_PARTS_AFTER"] = "0"  # --drop-parts takes parts of any age, racing the finalizes
     env.pop("TAILOR_STORE", None)
     if code:
         env["PYTHONPATH"] = code + os.pathsep + env.get("PYTHONPATH", "")

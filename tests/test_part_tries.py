@@ -21,7 +21,8 @@ from conftest import CLI, one_line
 
 from tailorstore import Store
 from tailorstore.core.errors import BadCheckpointError
-from tailorstore.ingest.finalize import _one_try
+from tailorstore.formats.layout import DCP_FOLDER, HF_TRAINER
+from tailorstore.ingest.finalize import _one_try, missing_pieces
 from tailorstore.store.index.records import FileRecord
 from tailorstore.store.parts import Part, try_token
 
@@ -127,3 +128,28 @@ def test_labelled_parts_carry_their_saves_label_as_token(tmp_path: Path, monkeyp
         store.commit(one, part=True, part_label="save1-n1")
         store.finalize(3, label="save1")
         assert [s.step for s in store.log()] == [3]
+
+
+def test_a_dcp_step_left_with_its_metadata_alone_names_its_rank_files() -> None:
+    """Low finding 2: a DCP save whose rank parts a concurrent ``gc --drop-parts`` took was refused
+    naming DeepSpeed's mp_rank_00_model_states.pt."""
+    meta = FileRecord("step-6/.metadata", "step-6/.metadata", "raw", None, "0" * 64, 1, 0o644, False, None)
+    for layout in (DCP_FOLDER, HF_TRAINER):
+        assert missing_pieces(layout, [meta], 2, None) == ["the .distcp files of rank(s) [0, 1] in step-6"]
+        assert missing_pieces(layout, [meta], None, None) == ["every rank's .distcp file in step-6"]
+    assert "mp_rank_00" not in " ".join(missing_pieces(DCP_FOLDER, [], None, None))
+
+
+def test_drop_parts_keeps_a_save_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Low finding 2: ``gc --drop-parts`` took the parts of a save still in flight, which then
+    failed. A part younger than the safety window ($TAILOR_DROP_PARTS_AFTER, an hour) stays; one
+    older goes, as does any part of a step already recorded."""
+    zero, _ = _hosts(tmp_path)
+    store = _store(tmp_path)
+    assert _tailor(store, "commit", str(zero), "--part").returncode == 0
+    kept = _tailor(store, "gc", "--drop-parts")
+    assert kept.returncode == 0, kept.stderr
+    assert len(list((store / "parts").rglob("*.json.zst"))) == 1
+    monkeypatch.setenv("TAILOR_DROP_PARTS_AFTER", "0")
+    assert _tailor(store, "gc", "--drop-parts").returncode == 0
+    assert list((store / "parts").rglob("*.json.zst")) == []

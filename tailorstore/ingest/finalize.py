@@ -44,7 +44,7 @@ from tailorstore.core.step_rules import check_tag
 from tailorstore.formats import dcp
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import DCP
-from tailorstore.formats.layout import ACCELERATE, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
+from tailorstore.formats.layout import ACCELERATE, DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
 from tailorstore.store.backends.base import blob_key
 from tailorstore.store.index.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from tailorstore.store.manifest_objects import check_run_name
@@ -86,8 +86,8 @@ def missing_pieces(layout: str, files: list[FileRecord], world_size: int | None,
     names = [f.path.rsplit("/", 1)[-1] for f in files]
     model = [n for n in names if is_model_states(n)]
     optim_ranks = {file_rank(n) for n in names if is_optim_states(n)}
-    if any(f.kind == DCP for f in files):
-        return _missing_dcp(files, world_size)
+    if layout == DCP_FOLDER or any(f.kind == DCP or f.path.rsplit("/", 1)[-1] == dcp.METADATA for f in files):
+        return _missing_dcp(files, world_size)  # a DCP save, even one whose rank files are all gone
     if layout in (HF_TRAINER, ACCELERATE) and not model and not optim_ranks:
         return []
     if not model:
@@ -109,21 +109,29 @@ def missing_pieces(layout: str, files: list[FileRecord], world_size: int | None,
 
 def _missing_dcp(files: list[FileRecord], world_size: int | None) -> list[str]:
     """What a DCP step lacks: each folder's ``.metadata`` (rank 0 writes it), and a ``.distcp`` file
-    of every rank below the world size its metadata gave (each rank writes one)."""
+    of every rank below the world size its metadata gave (each rank writes one). A folder left with
+    its ``.metadata`` alone (every rank's part gone, as a ``gc --drop-parts`` takes them) lacks its
+    rank files, said as such, never DeepSpeed's files."""
     missing: list[str] = []
     by_folder: dict[str, list[str]] = {}
     for f in files:
         folder, _, name = f.path.rpartition("/")
         by_folder.setdefault(folder, []).append(name)
+    folders = 0
     for folder, names in sorted(by_folder.items()):
-        if not any(dcp.is_distcp(n) for n in names):
+        if not any(dcp.is_distcp(n) for n in names) and dcp.METADATA not in names:
             continue
+        folders += 1
         if dcp.METADATA not in names:
             missing.append(f"{folder or '.'}/{dcp.METADATA} (which rank 0 writes)")
         ranks = {dcp.file_rank(n) for n in names if dcp.is_distcp(n)}
         lost = sorted(set(range(world_size or 0)) - ranks)
         if lost:
             missing.append(f"the .distcp files of rank(s) {lost} in {folder or '.'}")
+        elif not ranks:
+            missing.append(f"every rank's .distcp file in {folder or '.'}")
+    if not folders:
+        missing.append(f"the DCP folder's {dcp.METADATA} and .distcp files")
     return missing
 
 
