@@ -44,6 +44,9 @@ THEMED_SEEDS: list[tuple[str, int, str, str, bool]] = [
     # stopped after the fence: these broke 1ddf44e (FORMAT 8.1's gap), held by write-then-read
     ("s3", 53, "a pin reported set, then the stalled gc's DeleteObjects dropped its step", "pins-vs-gc", True),
     ("s3", 51, "a tag reported set, lost to the stalled gc's drop", "pins-vs-gc", True),
+    # found while fixing attack finding 5 (revisions leave refs on the version they replace)
+    ("posix", 10, "gc deleted a superseded pinned version but not its pin, which then pinned br's step 9 "
+     "of the same name", "revisions", False),
 ]  # fmt: skip
 # Drawn seeds stopped after the fence (``--slip``), which broke the tree before gc's notices
 # (5233063^): a publication that reuses blobs against a gc deleting them (store/gc_notices.py).

@@ -559,7 +559,10 @@ def _gc(
             plan = _replanned(repo, plan, effective_rules(repo, rules), drop_parts)
         fence()
         manifest_objects.carry_refs(repo.backend, sweep, plan.superseded)  # before their objects go
-        repo.backend.delete_many([*plan.drop_parts, *plan.superseded], fence=fence)  # before anything they name
+        # before anything they name; a superseded version's pin goes with it (a plain-form pin left
+        # behind would pin another run's manifest of the same name: FORMAT.md 3.3)
+        superseded_pins = [manifest_objects.pin_key(k) for k in plan.superseded]
+        repo.backend.delete_many([*plan.drop_parts, *plan.superseded, *superseded_pins], fence=fence)
         with repo.transaction(GcDrop) as edit:
             fence()
             edit.upsert_blobs(  # where the packs' trailers say they are (misplaced_blobs)
