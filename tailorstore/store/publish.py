@@ -9,7 +9,8 @@ is locked for writing, and hands them here. Here, once:
 1. inside one index transaction, the manifests the rows were derived from are checked unchanged
    (another process may have replaced or removed one since they were read: ``StepChangedError``);
 2. a new commit's step and tag are checked free, or (``replacing``) the step's current version is
-   taken over: its tag and pin pass to the new version, and a tag given moves from its holder;
+   taken over: its tag and pin pass to the new version in the index, and a tag given moves from
+   its holder; a revision (:class:`Revision`) is checked to be of the version it was read from;
 3. the rows are inserted in one order (packs, blobs, manifest, files, atoms, layers);
 4. still inside the transaction, each manifest object is published create-only, after the lease
    is checked (store/lease.py, fencing): this put is the commit point. A host that loses the put
@@ -18,14 +19,20 @@ is locked for writing, and hands them here. Here, once:
    are still there (``gc_notices.check_publication``): a gc that deletes them meanwhile either
    sees this object or is seen here, whatever either host's stalls (FORMAT 8.1);
 6. only then its tag and pin objects are written (a crash before them: the step's older
-   version's refs still count for it, ``manifest_objects.current_of``);
+   version's refs still count for it, ``manifest_objects.current_of``). A replacement under the
+   shared lock (``--force``, a metric) writes none it carries over, only a tag it gives: the refs
+   stay on the version replaced, where they count for the new one, so a ref another host moved or
+   removed since this one read it is never written back (FORMAT.md 8.1, I7); a revision, right
+   after its put, checks that the version it read is still there and the newest, unmarked
+   (``manifest_objects.check_revised``: a removal marks first, then lists);
 7. ``COMMIT``. Should anything fail after a put (a ref's write, a full disk under SQLite,
    a damaged index), the objects are deleted again, so nothing the caller reports as failed
    reappears when the next open syncs manifest objects into an index (docs/FORMAT.md,
    section 8), and the refs this publish moved are written again from the index as it stands
    after the rollback;
 8. after the commit, the objects of the versions replaced are deleted (a crash before: gc drops
-   superseded versions);
+   superseded versions); one whose refs stayed in place is retired (``manifest_objects.retire``:
+   marked, then deleted unless a ref names it, which gc carries over);
 9. a full disk at any of these steps is said as such (``writer.disk_full``).
 """
 
@@ -99,7 +106,8 @@ class _Taken:
 
     published: list[str] = field(default_factory=list)  # object keys this host put
     superseded: list[str] = field(default_factory=list)  # object keys of the versions replaced
-    touched: list[tuple[int, str, str | None]] = field(default_factory=list)  # (step, run, tag) of new manifests
+    # (step, run, tag, refs carried in place) of new manifests
+    touched: list[tuple[int, str, str | None, bool]] = field(default_factory=list)
     revised: list[int] = field(default_factory=list)
     expected: dict[int, str] = field(default_factory=dict)  # a revision's manifest -> the version it read
     # manifests whose refs stay on the versions they replace (a ref on an older version counts for the
@@ -165,7 +173,8 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
         if record.tag and (holder := edit.tagged(record.tag)) is not None:
             edit.set_tag(holder.id, None)  # force takes the tag, whether or not the step existed
     refuse_taken(edit, record.step, record.run, record.tag, commit=record.origin == COMMIT)
-    taken.touched.append((record.step, record.run, record.tag))
+    in_place = change.replacing and record.origin == COMMIT
+    taken.touched.append((record.step, record.run, given if in_place else record.tag, in_place))
     edit.add_packs(change.packs)
     edit.upsert_blobs(change.blobs)
     edit.add_blobs(change.reported_blobs)
@@ -175,7 +184,7 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
     edit.insert_layers(
         manifest, [replace(x, source=manifest) if x.source == THIS_MANIFEST else x for x in change.layers]
     )
-    if change.replacing and record.origin == COMMIT:
+    if in_place:
         taken.in_place[manifest] = given
     return manifest
 
@@ -250,7 +259,8 @@ def _take_back(repo: Repository, taken: _Taken) -> None:
     if not taken.refs_written:  # nothing of the refs was touched: none is written back from this index
         return
     catalogue = repo._index
-    holders: list[int] = list(taken.revised)
-    for step, run, tag in taken.touched:
-        holders += [m.id for m in (catalogue.commit_at(step, run), catalogue.tagged(tag) if tag else None) if m]
+    holders = [m for m in taken.revised if m not in taken.in_place]  # those in place had no ref written
+    for step, run, tag, in_place in taken.touched:
+        replaced = None if in_place else catalogue.commit_at(step, run)
+        holders += [m.id for m in (replaced, catalogue.tagged(tag) if tag else None) if m]
     manifest_objects.write_refs(repo.backend, catalogue, holders)
