@@ -38,6 +38,7 @@ is locked for writing, and hands them here. Here, once:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -60,6 +61,8 @@ from tailorstore.store.index.records import (
 from tailorstore.store.lock import Fence
 from tailorstore.store.packs.writer import disk_full
 from tailorstore.store.repo import Repository
+
+log = logging.getLogger("tailorstore")
 
 THIS_MANIFEST = 0
 """A layer's ``source`` in :class:`ManifestRows` for the manifest being recorded (its id is not known
@@ -152,7 +155,10 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
         _take_back(repo, taken)
         raise
     manifest_objects.unpublish(repo.backend, taken.superseded)  # after the index names the new versions
-    manifest_objects.retire(repo.backend, taken.retired)
+    try:  # clean-up after a durable change is never its failure: gc deletes what is left (superseded)
+        manifest_objects.retire(repo.backend, taken.retired)
+    except Exception as exc:  # any backend failure: the change itself is done
+        log.warning("tailorstore: the replaced version(s) stay until the next gc: %s", exc)
     return ids
 
 
