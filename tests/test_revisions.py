@@ -200,3 +200,21 @@ def test_a_metric_on_a_step_removed_and_committed_again_since_it_read_it_fails(
     one_line(_resume(stalled), 4, "removed or replaced by another host")
     seen = _steps(tmp_path, location, "fresh")
     assert not seen[3].get("metrics"), seen
+
+
+def test_a_metric_that_loses_its_put_says_so_without_naming_a_force_it_has_not(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Low finding 1: two hosts record a metric of one step at once; the one whose create-only put
+    loses was told to "pass --force", which ``metric`` has not. It now says the step changed."""
+    location = _store(request, tmp_path, "s3")
+    _ok(_env(tmp_path, "a"), "init", location)
+    _ok(_env(tmp_path, "a"), "commit", str(CHECKPOINT), "--step", "3", "--store", location)
+    first, second = (
+        _stopped(_env(tmp_path, h, TAILOR_FAILPOINTS="before-publish=stop"), *METRIC, "--store", location)
+        for h in "ab"
+    )
+    assert _resume(first).returncode == 0
+    lost = _resume(second)
+    one_line(lost, 4, "step 3", "removed or replaced by another host")
+    assert "--force" not in lost.stderr
