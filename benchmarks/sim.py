@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def report(outcome: Outcome, done: list[int] = done, backend: str = backend, began: float = began) -> None:
             done[0] += 1
-            if outcome.problems or args.verbose:
+            if outcome.findings or args.verbose:
                 print(describe(outcome), flush=True)
-            if outcome.problems:
+            if outcome.findings:
                 print(f"  replay: {outcome.replay(args.code, args.slip)}", flush=True)
             elif done[0] % 100 == 0:
                 print(f"{backend}: {done[0]} schedules, {time.monotonic() - began:.0f} s", flush=True)
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             theme=args.theme,
         )
         bad = [o for o in outcomes if o.problems]
-        broken += len(bad)
+        late = [o for o in outcomes if o.overran and not o.problems]
+        broken += len(bad) + len(late)
         ops = sum(len(o.journal) for o in outcomes)
         faults = sum(1 for o in outcomes for d in o.journal if d.op.get("fault"))
         outcomes_by = {
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(
             f"{backend}: {len(outcomes)} schedules, {ops} operations ({faults} with a fault; {outcomes_by}), "
-            f"{len(bad)} broke an invariant{': seeds ' + ' '.join(str(o.seed) for o in bad) if bad else ''}; "
+            f"{len(bad)} broke an invariant{': seeds ' + ' '.join(str(o.seed) for o in bad) if bad else ''}, "
+            f"{len(late)} exceeded a bound{': seeds ' + ' '.join(str(o.seed) for o in late) if late else ''}; "
             f"{time.monotonic() - began:.0f} s wall, {time.process_time() - cpu:.1f} CPU-s in this process"
         )
         checking = sum(o.checking for o in outcomes)

@@ -598,7 +598,9 @@ class Store:
         ``archive_levels`` grid steps up to each group's largest magnitude (default 31, so each value
         is within 1/62 of it) and a keyframe at least every ``keyframe_every`` steps (default 16).
         ``clear_notices`` deletes the notices that gc runs which died left on a leased store (each blocks
-        the publications that need the blobs it names); give it only when no other gc can be running."""
+        the publications that need the blobs it names); give it only when no other gc can be running.
+        ``drop_parts`` drops the parts no finalize took that are older than ``$TAILOR_DROP_PARTS_AFTER``
+        seconds (an hour by default), so that a save in flight keeps its parts."""
         from tailorstore.curate.gc import Retention, gc
 
         grid = _archive_grid(archive_levels, keyframe_every)

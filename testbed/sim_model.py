@@ -13,7 +13,10 @@ stalled while others ran) may have taken effect in either order, so every rule b
   gc never removes a step that is surely tagged or pinned throughout the gc;
 - **I3** what only failed operations tried to create is not there (a removal, ``rm`` or ``gc``,
   reported failed may have removed part of what it was asked to remove; nothing else may show);
-- **I4** a step holds exactly one input: the whole of one save (parts of two tries are never mixed).
+- **I4** a step holds exactly one input: the whole of one save (parts of two tries are never mixed);
+- **I7** a step reported removed after every creation that could have made it stays gone (a
+  revision, ``metric`` or ``--force``, stalled meanwhile never brings it back); a revision changes
+  no ref, so the tag and pin rules above need no revision events.
 
 I5 and I6 are checked as their consequences: the fresh host's ``verify --deep`` must pass (no
 blob a kept manifest needs was deleted) and every step must check out through the same process.
@@ -169,6 +172,9 @@ def _check_step(journal: list[Done], seen: Seen, key: Key, contents: dict[str, s
     if not last:
         problems.append(f"I3: {at} exists, but every operation that tried to create it failed")
         return problems
+    removed = [r for r in journal if r.kind == "rm" and r.key == key and r.outcome == "ok"]
+    if any(all(r.start > c.end for c in made if c.tried) for r in removed):
+        problems.append(f"I7: {at} was reported removed after every operation that could have made it, but it is back")
     if entry.get("tier") is not None:
         if not any(t.end > min(c.start for c in made) for t in thinners(journal, key)):
             problems.append(f"I1: {at} is thinned ({entry['tier']}) though no gc could have thinned it")

@@ -54,7 +54,14 @@ BRANCH_STEPS = (9, 12)
 TAGS = ("t1", "t2")
 TTL = 2.0  # seconds: lease time of every host on S3, so that a stall of a few seconds outlives it
 LONG_HOLD = TTL + 2.5  # a stall that outlives a lease (stale after TTL + 1 s, in whole seconds)
-OP_LIMIT = 120.0  # an operation that takes longer is a hang: a finding of its own
+# Every wait of a host is bounded by a stated timeout: its lock and the index behind it by
+# --lock-timeout (10 s on S3, 1 s on POSIX), a new connection's first wait by 2 s, one S3 request by
+# REQUEST_SECONDS and its retries by RETRY_SECONDS (instead of 30 s and 180 s: one request that
+# retried as long as an S3 client may was past OP_LIMIT alone, under load). An operation or a check
+# that runs past OP_LIMIT is a finding of its own ("exceeded its bound"), never an invariant broken.
+REQUEST_SECONDS, RETRY_SECONDS = 10, 30
+OP_LIMIT = 120.0
+KILL_WAIT = 30.0  # how long a command killed at OP_LIMIT is given to end before the schedule goes on
 OPTIM = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 
 
@@ -212,7 +219,7 @@ def _operation(rng: random.Random, kind: str, theme: str) -> dict[str, Any]:
 
 # Themes a run names (``--theme``), never drawn: each aims at one interleaving, so adding one leaves
 # the drawn seeds' schedules (and the regression seeds) as they were.
-TARGETED = ("pins-vs-gc",)
+TARGETED = ("pins-vs-gc", "revisions")
 
 
 def _pins_vs_gc(rng: random.Random, backend: str) -> list[dict[str, Any]]:
@@ -249,12 +256,65 @@ def _pins_vs_gc(rng: random.Random, backend: str) -> list[dict[str, Any]]:
     return ops
 
 
+def _revisions(rng: random.Random, backend: str) -> list[dict[str, Any]]:
+    """Attack finding 5's interleaving: a revision (``metric``, ``commit --force``) of a tagged,
+    pinned step is stopped before (or at) its put, and meanwhile other hosts move its tag away,
+    unpin it, remove it or revise it too; then anything."""
+    ops: list[dict[str, Any]] = []
+    for step in (6, 9):
+        save = rng.choice(WHOLE)
+        ops.append({"op": "commit", "save": save, "key": ["main", step], "force": False, "tag": None, "metric": None})
+    target = ["main", rng.choice(STEPS)]
+    ops.append({"op": "tag", "tag": "t1", "key": target, "force": False})
+    ops.append({"op": "pin", "key": target})
+    fault: dict[str, Any] = {"action": "stop" if rng.random() < 0.85 else "kill", "after": rng.randint(1, 3)}
+    fault["hold"] = LONG_HOLD if backend == "s3" and rng.random() < 0.3 else 0.0
+    if backend == "posix" or rng.random() < 0.5:
+        fault.update(where="point", point=rng.choice(("before-publish", "after-publish")))
+    else:
+        fault.update(where="request", kind=rng.choice(("put-create", "list", "get", "delete-many", "put")))
+        fault["nth"] = rng.randint(1, 3)
+    if rng.random() < 0.5:
+        ops.append({"op": "metric", "key": target, "value": round(rng.uniform(1, 3), 3), "fault": fault, "host": "a"})
+    else:
+        ops.append(
+            {"op": "commit", "save": rng.choice(WHOLE), "key": target, "force": True, "tag": None, "metric": None,
+             "fault": fault, "host": "a"}
+        )  # fmt: skip
+    others = ("b", "c")
+    for _ in range(fault["after"]):
+        kind = rng.choice(("tag", "unpin", "rm", "rm", "metric", "untag", "pin"))
+        if kind == "tag":
+            other = ["main", 6 if target[1] == 9 else 9]
+            ops.append({"op": "tag", "tag": "t1", "key": other, "force": True, "host": rng.choice(others)})
+        elif kind == "untag":
+            ops.append({"op": "untag", "tag": "t1", "host": rng.choice(others)})
+        elif kind == "rm":
+            ops.append({"op": "rm", "key": target, "force": True, "host": rng.choice(others)})
+        elif kind == "metric":
+            ops.append({"op": "metric", "key": target, "value": 0.5, "host": rng.choice(others)})
+        else:
+            ops.append({"op": kind, "key": target, "host": rng.choice(others)})
+    kinds, weights = zip(*THEMES["replace"].items(), strict=True)
+    for _ in range(rng.randint(0, 2)):
+        op = _operation(rng, rng.choices(kinds, weights)[0], "replace")
+        op.update(host=rng.choice(HOSTS), fault=_fault(rng, backend))
+        ops.append(op)
+    for n, op in enumerate(ops):
+        op.setdefault("host", rng.choice(HOSTS))
+        op.setdefault("fault", None)
+        op.update(n=n, theme="revisions")
+    return ops
+
+
 def make_schedule(seed: int, backend: str, theme: str | None = None) -> list[dict[str, Any]]:
     """The operations of one seed (of a drawn theme, or of the targeted ``theme``): the same list
     on every run of it."""
     rng = random.Random(f"{backend}:{seed}")
     if theme == "pins-vs-gc":
         return _pins_vs_gc(rng, backend)
+    if theme == "revisions":
+        return _revisions(rng, backend)
     if theme is not None:
         raise ValueError(f"unknown targeted theme {theme!r}: {TARGETED}")
     theme = rng.choice(sorted(THEMES))
@@ -284,6 +344,7 @@ class HostServer:
             bufsize=1,
         )
         self.events: dict[int, list[dict[str, Any]]] = {}
+        self.pids: dict[int, int] = {}  # command id -> its process
         self.next_id = 0
         assert json.loads(self._line()).get("ready")
 
@@ -313,14 +374,31 @@ class HostServer:
                 event = queue.pop(0)
                 if "pid" not in event:
                     return event
+                self.pids[ident] = event["pid"]
             if time.monotonic() > deadline:
                 self._send({"kill": ident})
+                self._until_ended(ident)  # its effects end here, not once the schedule has gone on
                 return {"id": ident, "rc": None, "hang": True}
             assert self.proc.stdout is not None
             ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
             if ready:
                 event = json.loads(self._line())
                 self.events.setdefault(event["id"], []).append(event)
+
+    def _until_ended(self, ident: int) -> None:
+        """After a kill: the command's end (its rc), for at most :data:`KILL_WAIT` seconds."""
+        deadline = time.monotonic() + KILL_WAIT
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            queue = self.events.setdefault(ident, [])
+            if any("rc" in e for e in queue):
+                self.events[ident] = [e for e in queue if "rc" not in e]
+                return
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if ready:
+                event = json.loads(self._line())
+                self.events.setdefault(event["id"], []).append(event)
+        raise RuntimeError(f"command {ident} did not end within {KILL_WAIT:.0f} s of its kill")
 
     def cont(self, ident: int) -> None:
         self._send({"cont": ident})
@@ -336,10 +414,16 @@ class HostServer:
 class Outcome:
     seed: int
     backend: str
-    problems: list[str]
+    problems: list[str]  # invariants broken, tracebacks
     journal: list[Done]
     seconds: float
     checking: float = 0.0  # of which the fresh host's checks
+    overran: list[str] = field(default_factory=list)  # operations and checks that exceeded OP_LIMIT
+
+    @property
+    def findings(self) -> list[str]:
+        """Everything wrong with the schedule: invariants broken, then bounds exceeded."""
+        return [*self.problems, *(f"exceeded its bound: {o}" for o in self.overran)]
 
     def replay(self, code: str | None = None, slip: bool = False) -> str:
         theme = self.journal[0].op.get("theme") if self.journal else None
@@ -370,6 +454,7 @@ class Schedule:
         self.ref_lock_timeout = ref_lock_timeout
         self.clock = 0
         self.journal: list[Done] = []
+        self.overran: list[str] = []
         self.stalled: dict[
             str, tuple[int, dict[str, Any], int, float, int]
         ] = {}  # host -> (id, op, start, since, left)
@@ -419,6 +504,8 @@ class Schedule:
             return [kind, at, *ref_lock]
         if kind == "rm":
             return ["remove", at, *(["--force"] * op["force"]), *ref_lock]
+        if kind == "metric":
+            return ["metric", at, f"loss={op['value']}", *ref_lock]
         if kind == "gc":
             return ["gc", *op["args"], *self._lock()]
         if kind == "branch":
@@ -479,11 +566,14 @@ class Schedule:
             self._resume(host)
 
     def command(self, args: list[str], name: str, cache: str = "fresh") -> tuple[int, str, str]:
+        """A check's command on a fresh host; one past OP_LIMIT is noted in ``overran`` (rc -1)."""
         env = dict(self.base_env, TAILOR_CACHE=str(self.work / f"cache-{cache}"), TAILOR_STORE=self.location)
         env["TAILOR_FAILPOINTS"] = ""
         out = self.work / name
         ident = self.server.spawn(args, env, out, None)
         event = self.server.wait(ident)
+        if event.get("hang"):
+            self.overran.append(f"check {name} ({' '.join(args[:2])}) ran past {OP_LIMIT:.0f} s")
         err = out.with_name(out.name + ".err")
         return (
             -1 if event.get("hang") else int(event["rc"]),
@@ -495,19 +585,24 @@ class Schedule:
         """What a fresh host sees: every step, each checked out and compared with the inputs."""
         seen = Seen()
         rc, out, err = self.command(["log", "--json"], "check-log")
+        if rc == -1:
+            return seen  # nothing to check: noted as a bound exceeded, not a store found broken
         if rc != 0:
             seen.verify_rc, seen.verify_said = rc, f"log failed: {err.strip()[-500:]}"
             return seen
         for entry in json.loads(out):
             seen.steps[(entry["run"], int(entry["step"]))] = entry
         rc, out, err = self.command(["verify", "--deep"], "check-verify")
-        seen.verify_rc, seen.verify_said = rc, (out + err).strip()[-800:]
+        seen.verify_rc, seen.verify_said = (0, "") if rc == -1 else (rc, (out + err).strip()[-800:])
         by_digest = {json.dumps(d, sort_keys=True): name for name, d in self.inputs.digests.items()}
         for (run, step), entry in seen.steps.items():
             if entry.get("tier") is not None:
                 continue
             target = self.work / f"checkout-{run}-{step}"
             rc, out, err = self.command(["checkout", f"{run}:step={step}", "--out", str(target)], f"check-{run}-{step}")
+            if rc == -1:
+                entry["content"] = "unchecked"
+                continue
             if rc != 0:
                 entry["checkout_said"] = err.strip()[-500:]
                 continue
@@ -539,12 +634,12 @@ def run_schedule(
         ops = make_schedule(seed, backend, theme)
         schedule.run(ops)
         checking = time.monotonic()
-        problems = [
-            f"hang: operation {d.op['n']} ({d.kind}) ran past {OP_LIMIT:.0f} s"
+        overran = [
+            f"operation {d.op['n']} ({d.kind}) ran past {OP_LIMIT:.0f} s and was killed"
             for d in schedule.journal
             if d.outcome == "hang"
         ]
-        problems += [
+        problems = [
             f"operation {d.op['n']} ({d.kind}) ended with a traceback: {d.said[-300:]}"
             for d in schedule.journal
             if "Traceback" in d.said
@@ -552,8 +647,18 @@ def run_schedule(
         keys: set[Key] = {
             (str(d.op["key"][0]), int(d.op["key"][1])) for d in schedule.journal if d.kind in ("commit", "finalize")
         }
-        problems += check(schedule.journal, schedule.look(), keys, inputs.contents())
-        return Outcome(seed, backend, problems, schedule.journal, time.monotonic() - began, time.monotonic() - checking)
+        seen = schedule.look()
+        if not schedule.overran:  # a check that did not finish says nothing of the store
+            problems += check(schedule.journal, seen, keys, inputs.contents())
+        return Outcome(
+            seed,
+            backend,
+            problems,
+            schedule.journal,
+            time.monotonic() - began,
+            time.monotonic() - checking,
+            overran + schedule.overran,
+        )
     finally:
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -571,6 +676,7 @@ def describe(outcome: Outcome) -> str:
             + f" -> {d.outcome} ({d.rc}) {d.said.splitlines()[-1][:160] if d.said else ''}"
         )
     lines += [f"  PROBLEM {p}" for p in outcome.problems]
+    lines += [f"  OVERRAN {p}" for p in outcome.overran]
     return "\n".join(lines)
 
 
@@ -578,6 +684,8 @@ def host_environment(extra: dict[str, str] | None = None, code: str | None = Non
     env = dict(os.environ)
     env.update(extra or {})
     env.update(TAILOR_LOCK_TTL=str(TTL), DS_ACCELERATOR="cpu", TAILOR_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env["TAILOR_DROP_PARTS_AFTER"] = "0"  # --drop-parts takes parts of any age, racing the finalizes
+    env.update(TAILOR_S3_TIMEOUT_SECONDS=str(REQUEST_SECONDS), TAILOR_S3_RETRY_SECONDS=str(RETRY_SECONDS))
     env.pop("TAILOR_STORE", None)
     if code:
         env["PYTHONPATH"] = code + os.pathsep + env.get("PYTHONPATH", "")

@@ -21,6 +21,7 @@ on purpose (a lease's time is the server's clock, which a test cannot move).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -507,3 +508,12 @@ def saves(runs: Runs, tmp_path: Path) -> tuple[Path, Path]:
     """The zero2-bf16 run's save as of step 3 and as of step 6, each a folder of its own."""
     save = runs.get("zero2-bf16").save_dir
     return as_of_step(save, 3, tmp_path / "at3"), as_of_step(save, 6, tmp_path / "at6")
+
+
+@contextlib.contextmanager
+def parts_of_any_age() -> Iterator[None]:
+    """``gc --drop-parts`` takes parts however young (by default only those older than an hour, so
+    that a save in flight keeps its parts): for a test that drops the parts it just made."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TAILOR_DROP_PARTS_AFTER", "0")
+        yield

@@ -44,6 +44,14 @@ THEMED_SEEDS: list[tuple[str, int, str, str, bool]] = [
     # stopped after the fence: these broke 1ddf44e (FORMAT 8.1's gap), held by write-then-read
     ("s3", 53, "a pin reported set, then the stalled gc's DeleteObjects dropped its step", "pins-vs-gc", True),
     ("s3", 51, "a tag reported set, lost to the stalled gc's drop", "pins-vs-gc", True),
+    # found while fixing attack finding 5 (revisions leave refs on the version they replace)
+    ("posix", 10, "gc deleted a superseded pinned version but not its pin, which then pinned br's step 9 "
+     "of the same name", "revisions", False),
+    # attack finding 5 on 33b86e6 (before its fix): a revision stalled before its put wrote back the refs it read
+    ("s3", 1, "a metric stalled after its put; meanwhile tag --force moved t1 to step 9, and the metric's refs "
+     "put it back on step 6", "revisions", False),
+    ("s3", 7, "a metric stalled at a put; meanwhile unpin of step 9, which the metric's refs pinned again",
+     "revisions", False),
 ]  # fmt: skip
 # Drawn seeds stopped after the fence (``--slip``), which broke the tree before gc's notices
 # (5233063^): a publication that reuses blobs against a gc deleting them (store/gc_notices.py).
@@ -63,7 +71,7 @@ def inputs(runs: Runs, tmp_path_factory: pytest.TempPathFactory) -> Inputs:
 
 
 def _held(outcomes: list[Outcome]) -> None:
-    broken = [o for o in outcomes if o.problems]
+    broken = [o for o in outcomes if o.findings]
     assert not broken, "\n\n".join(f"{describe(o)}\n  replay: {o.replay()}" for o in broken)
 
 
@@ -201,3 +209,54 @@ def test_the_checker_lets_a_step_pinned_after_gc_thinned_it_be_thinned() -> None
     pinned_first = [journal[0], journal[2], _done(1, thin, 7, 8)]
     problems = check(pinned_first, thinned, [("main", 6)], CONTENTS)
     assert problems and "thinned" in problems[0], problems
+
+
+def test_the_checker_names_a_removed_step_that_came_back() -> None:
+    """Attack finding 5: a metric stalled while another host removed its step brought it back;
+    the checker saw nothing, since a metric creates no step. A step reported removed after every
+    creation that could have made it must stay gone (I7)."""
+    metric = _done(2, {"op": "metric", "key": ["main", 6], "value": 1.5}, 2, 5)
+    rm = _done(1, {"op": "rm", "key": ["main", 6], "force": True}, 3, 4)
+    journal = [_done(0, COMMIT_A6, 1, 2), rm, metric]
+    problems = check(journal, Seen(steps={("main", 6): _step("A6")}), [("main", 6)], CONTENTS)
+    assert len(problems) == 1 and problems[0].startswith("I7:"), problems
+    assert check(journal, Seen(), [("main", 6)], CONTENTS) == []
+    # a commit that may have come after the rm may have made it again
+    again = _done(3, dict(COMMIT_A6, force=True), 3, 6)
+    assert check([*journal, again], Seen(steps={("main", 6): _step("A6")}), [("main", 6)], CONTENTS) == []
+
+
+def test_the_revisions_theme_stalls_a_revision_while_others_change_its_step() -> None:
+    from testbed.simulation import make_schedule
+
+    for backend in ("posix", "s3"):
+        for seed in range(20):
+            ops = make_schedule(seed, backend, "revisions")
+            stalled = [op for op in ops if op.get("fault") and op["host"] == "a" and op["n"] == 4]
+            assert stalled and (stalled[0]["op"] == "metric" or stalled[0]["force"]), ops
+            assert {op["op"] for op in ops[5:]} & {"tag", "unpin", "rm", "metric", "untag", "pin"}
+
+
+def test_an_operation_past_its_bound_is_killed_and_ended_before_the_schedule_goes_on(tmp_path: Path) -> None:
+    """Medium finding 9: under load, a pin and an rm ran past OP_LIMIT, and the schedule went on while
+    they were still being killed, so what they did could land after operations the journal put after
+    them, and the checks said "invariant broken". A command past its bound has ended (its kill
+    waited for) when ``wait`` returns, and is reported as exceeding its bound, apart from invariants."""
+    import os
+
+    from testbed.simulation import HostServer, host_environment
+
+    server = HostServer(host_environment())
+    try:
+        env = dict(host_environment(), TAILOR_CACHE=str(tmp_path / "cache"), TAILOR_FAILPOINTS="*/*=sleep:30")
+        store = tmp_path / "store"
+        ident = server.spawn(["init", str(store)], env, tmp_path / "out", None)
+        event = server.wait(ident, limit=1.0)
+        assert event.get("hang"), event
+        with pytest.raises(ProcessLookupError):
+            os.kill(server.pids[ident], 0)  # ended and reaped, not still on its way out
+    finally:
+        server.close()
+    late = Outcome(1, "posix", [], [], 1.0, overran=["operation 3 (pin) ran past 120 s and was killed"])
+    assert late.findings == ["exceeded its bound: operation 3 (pin) ran past 120 s and was killed"]
+    assert "OVERRAN operation 3" in describe(late) and "PROBLEM" not in describe(late)

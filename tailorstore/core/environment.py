@@ -11,4 +11,6 @@ TIMEOUT_ENV = "TAILOR_S3_TIMEOUT_SECONDS"  # how long one S3 request may take
 STAGING_ENV = "TAILOR_STAGING"  # where TailorCheckpointEngine stages a save in memory (default /dev/shm)
 THREADS_ENV = "TAILOR_THREADS"  # threads of the compressing and decoding pools (default: from the usable cores)
 COLLECTIVE_TIMEOUT_ENV = "TAILOR_COLLECTIVE_TIMEOUT"  # seconds one of our collectives waits for the other ranks
+PART_AGE_ENV = "TAILOR_DROP_PARTS_AFTER"  # seconds a part waits for its finalize before gc --drop-parts takes it
+TRY_ENV = "TAILOR_TRY"  # a token every host's part of one try of a save shares (store/parts.py)
 FAILPOINTS_ENV = "TAILOR_FAILPOINTS"  # tests only: stop or slow this process at a named point (failpoints.py)

@@ -44,6 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tailorstore.core.env_seconds import seconds_from_env
+from tailorstore.core.environment import PART_AGE_ENV
 from tailorstore.core.errors import (
     LOCK_TIMEOUT,
     Call,
@@ -369,6 +371,18 @@ def kept_manifests(manifests: list[ManifestRecord], rules: Retention, bases: fro
     return keep
 
 
+PART_AGE = 3600.0  # seconds: a save's parts arrive within minutes of one another; its finalize follows
+
+
+def part_age() -> float:
+    """How old a part must be before ``drop_parts`` takes it (``$TAILOR_DROP_PARTS_AFTER``): a
+    save in flight has parts in the store that wait for its other ranks and its finalize, and a
+    concurrent gc that took them made that save fail. Parts of a step already recorded are
+    dropped at any age. The age is by the part's own ``created_at`` (the writer's clock), so the
+    window also covers clock skew between hosts of a few minutes."""
+    return seconds_from_env(PART_AGE_ENV, PART_AGE, most=365 * 86400.0)
+
+
 def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts: bool = False) -> GcPlan:
     """What gc would do under ``rules`` (one set, or several each touching its own run). Blobs a
     pending part names are live (the part waits for its finalize); a part of a step already
@@ -402,9 +416,10 @@ def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts:
         runs={m.id: m.run for m in manifests},
     )
     held: set[str] = set()
+    young = time.time() - part_age()  # parts newer than this may be of a save still in flight
     for part in read_parts(repo.backend):
         plan.seen_parts.append(part.key)
-        if drop_parts or index.commit_at(part.step, part.run) is not None:
+        if (drop_parts and part.created_at < young) or index.commit_at(part.step, part.run) is not None:
             plan.drop_parts.append(part.key)
         else:
             plan.pending_parts += 1
@@ -568,7 +583,10 @@ def _gc(
             plan = _replanned(repo, plan, effective_rules(repo, rules), drop_parts)
         fence()
         manifest_objects.carry_refs(repo.backend, sweep, plan.superseded)  # before their objects go
-        repo.backend.delete_many([*plan.drop_parts, *plan.superseded], fence=fence)  # before anything they name
+        # before anything they name; a superseded version's pin goes with it (a plain-form pin left
+        # behind would pin another run's manifest of the same name: FORMAT.md 3.3)
+        superseded_pins = [manifest_objects.pin_key(k) for k in plan.superseded]
+        repo.backend.delete_many([*plan.drop_parts, *plan.superseded, *superseded_pins], fence=fence)
         with repo.transaction(GcDrop) as edit:
             fence()
             edit.upsert_blobs(  # where the packs' trailers say they are (misplaced_blobs)

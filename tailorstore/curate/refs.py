@@ -108,8 +108,8 @@ def _back_off_if_dropping(repo: Repository, manifest: int, undo: Callable[[], No
     if record.object_key and manifest_objects.being_dropped(repo.backend, record.object_key):
         undo()
         raise LockTimeoutError(
-            f"step {record.step} is being dropped by a gc; nothing was changed. "
-            "If the gc stops without dropping it, run this again."
+            f"step {record.step} is being dropped by a gc or replaced by another host; nothing was changed. "
+            "Run this again (a step replaced meanwhile takes it; one dropped is gone)."
         )
 
 
@@ -176,20 +176,41 @@ def remove(
         with repo.transaction(RefEdits) as edit:
             lock.check("removing a step")
             fence = lambda: lock.check("removing a step")  # noqa: E731 - again just before each request
-            mine: list[str] = []
-            marking = not force and bool(record.object_key)
-            if marking:  # a pin or tag set meanwhile by another host wins
-                taken, mine = manifest_objects.mark_unless_claimed(repo.backend, [record.object_key], fence=fence)
-                if taken:
-                    raise LockTimeoutError(
-                        f"step {record.step} was pinned or tagged meanwhile; nothing was removed. See ", Call("log")
-                    )
+            keys, mine = _mark_versions(repo, record, force, fence)
             try:
                 if record.tag:  # the objects (manifest, tag, pin) go before the index rows
                     manifest_objects.drop_tag(repo.backend, record.tag, fence=fence)
-                manifest_objects.unpublish(repo.backend, [record.object_key], fence=fence, marked=marking)
+                manifest_objects.unpublish(repo.backend, keys, fence=fence, marked=True)
             except LeaseLostError:  # stopped by its fence before deleting the manifest
-                manifest_objects.take_back_marks(repo.backend, [str(record.object_key)], mine)
+                manifest_objects.take_back_marks(repo.backend, keys, mine)
                 raise
             edit.delete_manifests([manifest])
     return manifest
+
+
+def _mark_versions(
+    repo: Repository, record: ManifestRecord, force: bool, fence: Callable[[], None]
+) -> tuple[list[str], list[str]]:
+    """Before ``rm`` deletes anything: mark every version of the step (an older one a revision left
+    for its refs counts for the step too), then read what others did meanwhile. Without ``force``,
+    a pin or tag set meanwhile by another host wins. Whatever ``force``, a version newer than the
+    one this host read (another host's revision or ``--force``) makes it fail, having removed
+    nothing: the revision checks the marker after its put (FORMAT.md 8.1, I7), so of the two at
+    least one sees the other. Returns (the keys to delete, the markers this call made)."""
+    if record.object_key is None:
+        return [], []
+    older, _ = manifest_objects.versions_of(repo.backend, record.object_key)
+    keys = [*older, record.object_key]
+    if force:
+        mine = manifest_objects.mark_dropping(repo.backend, keys, fence=fence)
+    else:
+        taken, mine = manifest_objects.mark_unless_claimed(repo.backend, keys, fence=fence)
+        if taken:
+            raise LockTimeoutError(
+                f"step {record.step} was pinned or tagged meanwhile; nothing was removed. See ", Call("log")
+            )
+    _, newer = manifest_objects.versions_of(repo.backend, record.object_key)
+    if newer or not repo.backend.exists(record.object_key):
+        repo.backend.delete_many(mine)
+        raise manifest_objects.step_changed(record.step, record.run)
+    return keys, mine

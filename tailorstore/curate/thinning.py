@@ -171,7 +171,7 @@ def _thin(
             plans[record.id] = contents
         new_blobs = writer.finish()
     revisions = [
-        Revision(replace(record, tier=tier), plans[record.id].files, plans[record.id].stored_atoms())
+        Revision(replace(record, tier=tier), plans[record.id].files, plans[record.id].stored_atoms(), exclusive=True)
         for record in targets
     ]
     revisions[0] = replace(revisions[0], blobs=new_blobs, packs=writer.new_packs())

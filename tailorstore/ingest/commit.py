@@ -508,6 +508,7 @@ def commit_part(
             blobs=[b for b in blobs if b is not None],
             label=options.part_label,
             plan=plan_document(options.plan) if options.plan is not None else None,
+            attempt=options.part_try or parts.try_token(options.part_label),
         )
         lock.check("committing a part")
         failpoint("before-part-publish")

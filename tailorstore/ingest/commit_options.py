@@ -72,6 +72,7 @@ class CommitOptions:
     derive_weights: bool = True
     part: bool = False  # commit only these files, as one part of a step several hosts write (finalize.py)
     part_label: str = ""  # the part's key begins with it: finalize can take one save's parts only
+    part_try: str = ""  # the try token its part carries ("": $TAILOR_TRY or the label's, store/parts.py)
     plan: PartPlan | None = None  # a part of a rank-parallel commit under a policy: what to store
     run: str = MAIN_RUN  # steps are numbered per run (runs.py)
     metrics: str | None = None  # JSON, checked (core/metrics.py): recorded with the manifest

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tailorstore.access import structure
+from tailorstore.core.environment import TRY_ENV
 from tailorstore.core.errors import (
     LOCK_TIMEOUT,
     BadCheckpointError,
@@ -43,7 +44,7 @@ from tailorstore.core.step_rules import check_tag
 from tailorstore.formats import dcp
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import DCP
-from tailorstore.formats.layout import ACCELERATE, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
+from tailorstore.formats.layout import ACCELERATE, DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
 from tailorstore.store.backends.base import blob_key
 from tailorstore.store.index.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from tailorstore.store.manifest_objects import check_run_name
@@ -85,8 +86,8 @@ def missing_pieces(layout: str, files: list[FileRecord], world_size: int | None,
     names = [f.path.rsplit("/", 1)[-1] for f in files]
     model = [n for n in names if is_model_states(n)]
     optim_ranks = {file_rank(n) for n in names if is_optim_states(n)}
-    if any(f.kind == DCP for f in files):
-        return _missing_dcp(files, world_size)
+    if layout == DCP_FOLDER or any(f.kind == DCP or f.path.rsplit("/", 1)[-1] == dcp.METADATA for f in files):
+        return _missing_dcp(files, world_size)  # a DCP save, even one whose rank files are all gone
     if layout in (HF_TRAINER, ACCELERATE) and not model and not optim_ranks:
         return []
     if not model:
@@ -108,21 +109,29 @@ def missing_pieces(layout: str, files: list[FileRecord], world_size: int | None,
 
 def _missing_dcp(files: list[FileRecord], world_size: int | None) -> list[str]:
     """What a DCP step lacks: each folder's ``.metadata`` (rank 0 writes it), and a ``.distcp`` file
-    of every rank below the world size its metadata gave (each rank writes one)."""
+    of every rank below the world size its metadata gave (each rank writes one). A folder left with
+    its ``.metadata`` alone (every rank's part gone, as a ``gc --drop-parts`` takes them) lacks its
+    rank files, said as such, never DeepSpeed's files."""
     missing: list[str] = []
     by_folder: dict[str, list[str]] = {}
     for f in files:
         folder, _, name = f.path.rpartition("/")
         by_folder.setdefault(folder, []).append(name)
+    folders = 0
     for folder, names in sorted(by_folder.items()):
-        if not any(dcp.is_distcp(n) for n in names):
+        if not any(dcp.is_distcp(n) for n in names) and dcp.METADATA not in names:
             continue
+        folders += 1
         if dcp.METADATA not in names:
             missing.append(f"{folder or '.'}/{dcp.METADATA} (which rank 0 writes)")
         ranks = {dcp.file_rank(n) for n in names if dcp.is_distcp(n)}
         lost = sorted(set(range(world_size or 0)) - ranks)
         if lost:
             missing.append(f"the .distcp files of rank(s) {lost} in {folder or '.'}")
+        elif not ranks:
+            missing.append(f"every rank's .distcp file in {folder or '.'}")
+    if not folders:
+        missing.append(f"the DCP folder's {dcp.METADATA} and .distcp files")
     return missing
 
 
@@ -159,6 +168,40 @@ def _merged_files(parts: list[Part]) -> tuple[list[FileRecord], list[AtomRecord]
             files.setdefault(f.path, (f, part))
     atoms = [a for f, part in files.values() for a in part.atoms if a.path == f.path]
     return sorted((f for f, _ in files.values()), key=lambda f: f.path), atoms
+
+
+def _one_try(parts: list[Part], step: int, label: str | None) -> None:
+    """The parts prove they are of one try of the save (I4). Parts that carry a try token
+    (``$TAILOR_TRY``, or the save's label) must all carry the same one. Parts without one (written
+    before tokens, or by hosts given none) are taken only when ``label`` chose them (a save's
+    label is unique to one start of its job) or when shared files link every part to the others:
+    :func:`_merged_files` then finds a file of two tries unequal. Parts that share no file prove
+    nothing: two tries' parts (one host's rank 0, another's rank 1) were recorded as one step."""
+    tokens = sorted({p.attempt for p in parts})
+    if len(tokens) > 1:
+        said = ", ".join(repr(t) if t else "none" for t in tokens)
+        raise BadCheckpointError(
+            f"step {step}: the parts are of different tries of the save (try tokens {said}); they are not one "
+            "save. Drop the stale parts with ",
+            Call("gc", drop_parts=True),
+            " and commit every host's part of one try again.",
+        )
+    if tokens != [""] or label is not None or len(parts) < 2:
+        return
+    linked, rest = {id(parts[0])}, parts[1:]
+    paths = {f.path for f in parts[0].files}
+    while rest:
+        joined = [p for p in rest if paths & {f.path for f in p.files}]
+        if not joined:
+            raise BadCheckpointError(
+                f"step {step}: parts {parts[0].source} and {rest[0].source} share no file and carry no try token, "
+                f"so nothing shows they are of one try of the save. Commit each host's part with the same "
+                f"{TRY_ENV} (or label), then finalize."
+            )
+        for p in joined:
+            linked.add(id(p))
+            paths |= {f.path for f in p.files}
+        rest = [p for p in rest if id(p) not in linked]
 
 
 def _one_plan(parts: list[Part]) -> dict | None:
@@ -250,6 +293,7 @@ def finalize_step(
                 f"({sorted(kinds)}, {sorted(map(str, tags))}); they are not one save."
             )
         layout = DEEPSPEED if DEEPSPEED in kinds else kinds.pop()
+        _one_try(parts, step, label)
         files, atoms = _merged_files(parts)
         world_size, zero_stage = _one_fact(parts, "world_size"), _one_fact(parts, "zero_stage")
         missing = missing_pieces(layout, files, world_size, zero_stage)

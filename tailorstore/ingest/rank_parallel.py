@@ -23,6 +23,7 @@ Call order, on every member (each step a collective, so all reach it or all fail
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from tailorstore.ingest import rank_plan
 from tailorstore.ingest.commit_options import CommitOptions, CommitResult, PartPlan
 from tailorstore.ingest.finalize import FinalizeResult
 from tailorstore.ingest.rank_share import Share, Survey, checked_weights, survey, write_share, writers
+from tailorstore.store.parts import try_token
 from tailorstore.store.repo import Repository
 
 T = TypeVar("T")
@@ -75,6 +77,8 @@ def commit_together(
     """Commit the save at ``path`` (a folder every member can read) with the members of ``group``;
     ``options`` are this member's (a part each), ``finalize(step)`` is member 0's last call."""
     member = group.member
+    # one token for every member's part (decided once, on member 0): the parts prove they are one try
+    options.part_try = group.from_member0(lambda: _try_token(options.part_label), "choosing the try token")
     share, mine = group.together(lambda: survey(repo, path, options, member, owns), "surveying its files")
     surveys: list[Survey] = group.gather(mine)
     elsewhere, derived = writers(surveys)[member], checked_weights(surveys)
@@ -90,6 +94,11 @@ def commit_together(
     parts: list[CommitResult | None] = group.gather(written)
     finalized = group.from_member0(lambda: finalize(share.step), f"finalizing step {share.step}")
     return RankParallelResult(finalized, parts)
+
+
+def _try_token(label: str) -> str:
+    """$TAILOR_TRY or the save's label (store/parts.py), else one made for this commit alone."""
+    return try_token(label) or f"together-{os.urandom(8).hex()}"
 
 
 def _planned(

@@ -36,7 +36,14 @@ from typing import Any, Protocol
 import zstandard
 
 from tailorstore.core import metrics
-from tailorstore.core.errors import Call, CorruptStoreError, ObjectExistsError, StepExistsError, StoreError
+from tailorstore.core.errors import (
+    Call,
+    CorruptStoreError,
+    ObjectExistsError,
+    StepChangedError,
+    StepExistsError,
+    StoreError,
+)
 from tailorstore.core.failpoints import failpoint
 from tailorstore.core.run_names import RUN_NAME
 from tailorstore.store.backends.base import Backend, check_key
@@ -143,23 +150,81 @@ def is_manifest_key(key: str) -> bool:
     return bool(_COMMIT_KEY.fullmatch(key) or _MERGE_KEY.fullmatch(key))
 
 
-def new_key(backend: Backend, index: Index, manifest: int, *, replacing: bool = False) -> str:
+def new_key(
+    backend: Backend, index: Index, manifest: int, *, replacing: bool = False, expected: str | None = None
+) -> str:
     """The key a manifest's object gets: by step and version for a commit, random for a merge.
 
     A commit that replaces nothing takes version 1 of its step and is refused when any version
     exists already, whoever wrote it: the local index may not have seen another host's commit
-    yet. A replacement (``force``, thinning) takes the next version."""
+    yet. A replacement (``force``, thinning) takes the next version. A revision (``expected``: the
+    version it was read from) is refused when that is no longer the step's newest version or was
+    removed (:func:`check_revised`)."""
     record = index.manifest(manifest)
     assert record is not None
     run = record.run
     if record.origin != COMMIT:
         return f"{MANIFEST_PREFIX}{run}/merge-{os.urandom(8).hex()}.json.zst"
-    listed = list(backend.list(f"{MANIFEST_PREFIX}{run}/"))
-    versions = [int(m.group(3)) for k in listed if (m := _COMMIT_KEY.fullmatch(k)) and int(m.group(2)) == record.step]
+    versions, removed = step_versions(backend, run, record.step)
     if versions and not replacing:
         raise _step_exists(record)
-    removed = [int(m.group(3)) for k in listed if (m := _REMOVED_KEY.fullmatch(k)) and int(m.group(2)) == record.step]
-    return f"{MANIFEST_PREFIX}{run}/step-{record.step:020d}-v{max(versions + removed, default=0) + 1}.json.zst"
+    latest = max([*versions, *removed], default=0)
+    if expected is not None and (latest != key_version(expected) or latest not in versions or latest in removed):
+        raise step_changed(record.step, record.run)
+    return f"{MANIFEST_PREFIX}{run}/step-{record.step:020d}-v{latest + 1}.json.zst"
+
+
+def key_version(key: str) -> int:
+    """The version in a commit manifest's key (0 for a merge's)."""
+    match = _COMMIT_KEY.fullmatch(key)
+    return int(match.group(3)) if match else 0
+
+
+def step_versions(backend: Backend, run: str, step: int) -> tuple[dict[int, str], set[int]]:
+    """One listing of a commit step's objects: its versions (version -> key) and the versions
+    whose removal marker is there (removed, or being removed or dropped)."""
+    versions: dict[int, str] = {}
+    removed: set[int] = set()
+    for key in backend.list(f"{MANIFEST_PREFIX}{run}/"):  # a backend lists by folder
+        if (m := _COMMIT_KEY.fullmatch(key)) and int(m.group(2)) == step:
+            versions[int(m.group(3))] = key
+        elif (m := _REMOVED_KEY.fullmatch(key)) and int(m.group(2)) == step:
+            removed.add(int(m.group(3)))
+    return versions, removed
+
+
+def versions_of(backend: Backend, key: str) -> tuple[list[str], list[str]]:
+    """The other listed versions of a commit manifest's step: (older than ``key``, newer)."""
+    match = _COMMIT_KEY.fullmatch(key)
+    if match is None:
+        return [], []
+    versions, _ = step_versions(backend, match.group(1), int(match.group(2)))
+    own = int(match.group(3))
+    return [k for v, k in sorted(versions.items()) if v < own], [k for v, k in sorted(versions.items()) if v > own]
+
+
+def step_changed(step: int, run: str) -> StepChangedError:
+    where = "" if run == MAIN_RUN else f" of run {run!r}"
+    return StepChangedError(
+        f"step {step}{where} was removed or replaced by another host while this ran; nothing was changed. See ",
+        Call("log"),
+        ", and run it again if the step is still there.",
+    )
+
+
+def check_revised(backend: Backend, key: str, expected: str) -> None:
+    """A revision, right after its create-only put of ``key``: the version it was read from
+    (``expected``) must still be there, unmarked, and the newest but its own. A removal marks a
+    step's versions before it deletes them and then lists the step's newer versions (``rm``), so
+    of a removal and a revision racing, at least one sees the other and fails (write, then read
+    the other side: FORMAT.md 8.1, I7)."""
+    match = _COMMIT_KEY.fullmatch(key)
+    assert match is not None
+    versions, removed = step_versions(backend, match.group(1), int(match.group(2)))
+    before = key_version(expected)
+    others = [v for v in versions if v != key_version(key)]
+    if before not in versions or before in removed or max(others, default=0) != before:
+        raise step_changed(int(match.group(2)), match.group(1))
 
 
 def removed_marker(key: str) -> str | None:
@@ -304,7 +369,15 @@ def _typed_document(doc: dict[str, Any], key: str) -> ManifestDocument:
     return ManifestDocument(manifest, files, atoms, blobs, layers)
 
 
-def publish(backend: Backend, index: Index, manifest: int, *, fence: Fence | None, replacing: bool = False) -> str:
+def publish(
+    backend: Backend,
+    index: Index,
+    manifest: int,
+    *,
+    fence: Fence | None,
+    replacing: bool = False,
+    expected: str | None = None,
+) -> str:
     """Write the manifest's object, create-only, from inside the transaction that records it; the
     caller writes its refs (:func:`write_refs`) only after this returns.
 
@@ -314,9 +387,10 @@ def publish(backend: Backend, index: Index, manifest: int, *, fence: Fence | Non
     back, and gets :class:`StepExistsError`. A crash between the object and its refs leaves a
     step whose older version's refs still count for it (:func:`current_of`). ``fence`` (the
     store lock the caller holds) is checked just before the object is written: a process that
-    stalled past its lease publishes nothing (store/lease.py).
+    stalled past its lease publishes nothing (store/lease.py). ``expected``: a revision's version
+    it was read from, which must still be the step's newest (:func:`new_key`, :func:`check_revised`).
     """
-    key = new_key(backend, index, manifest, replacing=replacing)
+    key = new_key(backend, index, manifest, replacing=replacing, expected=expected)
     index.set_object_key(manifest, key)
     failpoint("before-publish")
     check = (lambda: fence.check("recording the manifest")) if fence is not None else None
@@ -327,6 +401,14 @@ def publish(backend: Backend, index: Index, manifest: int, *, fence: Fence | Non
     except ObjectExistsError:
         record = index.manifest(manifest)
         assert record is not None
+        if expected is not None:  # another host's revision or replacement took the next version first
+            raise step_changed(record.step, record.run) from None
+        if replacing:
+            raise StepExistsError(
+                f"step {record.step} was replaced by another host at the same moment; nothing was replaced. See ",
+                Call("log"),
+                ", and run it again to replace that.",
+            ) from None
         raise _step_exists(record) from None
     return key
 
@@ -384,6 +466,23 @@ def mark_unless_claimed(
         backend.delete_many(mine)
         return taken, []
     return [], mine
+
+
+def retire(backend: Backend, keys: Iterable[str]) -> list[str]:
+    """After a revision or a ``--force`` that wrote no refs of its own: delete the versions it
+    replaced, unless a ref names one. Their refs count for the new version while they are listed
+    (:func:`current_of`), so a ref another host set or moved meanwhile is never written over; one
+    kept is carried over and deleted by the next gc, under its exclusive lock. Each is marked before
+    its refs are read, as gc's drops are: a pin or tag written after the read sees the marker and
+    backs off. Returns the keys kept."""
+    kept = []
+    for key in keys:
+        taken, _ = mark_unless_claimed(backend, [key])
+        if taken:
+            kept.append(key)
+        else:  # the marker stays: it reserves the version (removed_marker)
+            backend.delete_many([key, pin_key(key)])
+    return kept
 
 
 def take_back_marks(backend: Backend, keys: Iterable[str], mine: list[str]) -> None:
@@ -482,13 +581,22 @@ def _hand_over_plain_pin(backend: Backend, index: RefSource, key: str) -> None:
     name = key.rsplit("/", 1)[-1]
     namesakes = (m for m in index.manifests() if m.pinned and m.object_key not in (None, key))
     if any(str(m.object_key).endswith("/" + name) for m in namesakes) and backend.exists(PIN_PREFIX + name):
-        _unpin(backend, index, key)
+        _unpin_one(backend, index, key)
 
 
 def _unpin(backend: Backend, index: RefSource, key: str) -> None:
-    """Delete the pin of ``key``. A plain-form pin may also be what pins another run's manifest of
-    the same name (one written before pins named their run): those the index holds pinned get a
-    pin of their own first."""
+    """Delete the pin of ``key``, and then those of the step's other versions: a pin left on an
+    older version counts for the newest (:func:`current_of`; a revision leaves it there), and one
+    on a newer version than this host's index knows pins the step as well. A plain-form pin may
+    also be what pins another run's manifest of the same name (one written before pins named their
+    run): those the index holds pinned get a pin of their own first."""
+    _unpin_one(backend, index, key)
+    older, newer = versions_of(backend, key)
+    for other in (*older, *newer):
+        backend.delete(pin_key(other))
+
+
+def _unpin_one(backend: Backend, index: RefSource, key: str) -> None:
     pin = pin_key(key)
     name = key.rsplit("/", 1)[-1]
     if run_of_key(key) != MAIN_RUN:

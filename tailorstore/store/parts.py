@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import zstandard
 
+from tailorstore.core.environment import TRY_ENV
 from tailorstore.core.errors import CorruptStoreError, StoreError
 from tailorstore.store.backends.base import Backend, check_key
 from tailorstore.store.codec import decompress_bounded
@@ -63,6 +64,7 @@ class Part:
     run: str = MAIN_RUN  # the run the step belongs to (its key says it)
     label: str = ""  # what its key begins with instead of the host name: one save's parts share it
     plan: dict | None = None  # a rank-parallel commit's decision under a policy (section 8); None: every layer
+    attempt: str = ""  # the try token every part of one try of the save carries ("": none, an older part)
 
     def blob_hashes(self) -> set[str]:
         """Every hash this part needs kept: its files, containers and stored atoms."""
@@ -75,6 +77,22 @@ def step_prefix(step: int, run: str) -> str:
 
 
 LABEL = re.compile(r"[A-Za-z0-9._-]{1,120}")
+_MEMBER = re.compile(r"(.+)-n\d{1,9}")  # an integration's label of one member: SAVE-nRANK
+
+
+def try_token(label: str = "") -> str:
+    """The try token of a part committed now: ``$TAILOR_TRY`` (each host of one try is given the
+    same), else its label without a member's ``-nRANK`` (a save's label, which every part of that
+    save begins with: unique to one start of the job), else none. FORMAT.md 8.1, I4."""
+    given = os.environ.get(TRY_ENV, "")
+    if given:
+        if not LABEL.fullmatch(given):
+            raise StoreError(f"{TRY_ENV}={given[:130]!r}: use 1 to 120 letters, digits, '.', '_' or '-'")
+        return given
+    if not label:
+        return ""
+    member = _MEMBER.fullmatch(label)
+    return member.group(1) if member else label
 
 
 def new_key(step: int, run: str, label: str = "") -> str:
@@ -105,6 +123,8 @@ def encode(part: Part) -> bytes:
         "atoms": to_table(part.atoms, ATOM_COLUMNS),
         "blobs": to_table(part.blobs, DOC_BLOB_COLUMNS),
     }
+    if part.attempt:  # older readers ignore it, and fall back to comparing shared files
+        doc["try"] = part.attempt
     if part.plan is not None:
         doc["plan"] = part.plan
         doc["tailorstore_part"] = PLANNED_VERSION
@@ -143,9 +163,16 @@ def decode(data: bytes, key: str) -> Part:
             key=key,
             run=key[len(PART_PREFIX) :].split("/", 1)[0],
             plan=_plan(doc.get("plan")),
+            attempt=_attempt(doc.get("try", "")),
         )
     except (zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
         raise CorruptStoreError(f"part object {key} is damaged ({exc}); delete it and commit that part again") from None
+
+
+def _attempt(found: object) -> str:
+    if not isinstance(found, str) or (found and not LABEL.fullmatch(found)):
+        raise ValueError("its try token is not 1 to 120 letters, digits, '.', '_' or '-'")
+    return found
 
 
 def _plan(found: object) -> dict | None:

@@ -9,7 +9,8 @@ is locked for writing, and hands them here. Here, once:
 1. inside one index transaction, the manifests the rows were derived from are checked unchanged
    (another process may have replaced or removed one since they were read: ``StepChangedError``);
 2. a new commit's step and tag are checked free, or (``replacing``) the step's current version is
-   taken over: its tag and pin pass to the new version, and a tag given moves from its holder;
+   taken over: its tag and pin pass to the new version in the index, and a tag given moves from
+   its holder; a revision (:class:`Revision`) is checked to be of the version it was read from;
 3. the rows are inserted in one order (packs, blobs, manifest, files, atoms, layers);
 4. still inside the transaction, each manifest object is published create-only, after the lease
    is checked (store/lease.py, fencing): this put is the commit point. A host that loses the put
@@ -18,19 +19,26 @@ is locked for writing, and hands them here. Here, once:
    are still there (``gc_notices.check_publication``): a gc that deletes them meanwhile either
    sees this object or is seen here, whatever either host's stalls (FORMAT 8.1);
 6. only then its tag and pin objects are written (a crash before them: the step's older
-   version's refs still count for it, ``manifest_objects.current_of``);
+   version's refs still count for it, ``manifest_objects.current_of``). A replacement under the
+   shared lock (``--force``, a metric) writes none it carries over, only a tag it gives: the refs
+   stay on the version replaced, where they count for the new one, so a ref another host moved or
+   removed since this one read it is never written back (FORMAT.md 8.1, I7); a revision, right
+   after its put, checks that the version it read is still there and the newest, unmarked
+   (``manifest_objects.check_revised``: a removal marks first, then lists);
 7. ``COMMIT``. Should anything fail after a put (a ref's write, a full disk under SQLite,
    a damaged index), the objects are deleted again, so nothing the caller reports as failed
    reappears when the next open syncs manifest objects into an index (docs/FORMAT.md,
    section 8), and the refs this publish moved are written again from the index as it stands
    after the rollback;
 8. after the commit, the objects of the versions replaced are deleted (a crash before: gc drops
-   superseded versions);
+   superseded versions); one whose refs stayed in place is retired (``manifest_objects.retire``:
+   marked, then deleted unless a ref names it, which gc carries over);
 9. a full disk at any of these steps is said as such (``writer.disk_full``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -53,6 +61,8 @@ from tailorstore.store.index.records import (
 from tailorstore.store.lock import Fence
 from tailorstore.store.packs.writer import disk_full
 from tailorstore.store.repo import Repository
+
+log = logging.getLogger("tailorstore")
 
 THIS_MANIFEST = 0
 """A layer's ``source`` in :class:`ManifestRows` for the manifest being recorded (its id is not known
@@ -90,6 +100,7 @@ class Revision:
     atoms: Sequence[AtomRecord] | None = None
     blobs: Sequence[BlobRecord] = ()
     packs: Sequence[tuple[str, int]] = ()
+    exclusive: bool = False  # made under the exclusive lock (thinning): no ref change runs beside it
 
 
 @dataclass
@@ -98,8 +109,15 @@ class _Taken:
 
     published: list[str] = field(default_factory=list)  # object keys this host put
     superseded: list[str] = field(default_factory=list)  # object keys of the versions replaced
-    touched: list[tuple[int, str, str | None]] = field(default_factory=list)  # (step, run, tag) of new manifests
+    # (step, run, tag, refs carried in place) of new manifests
+    touched: list[tuple[int, str, str | None, bool]] = field(default_factory=list)
     revised: list[int] = field(default_factory=list)
+    expected: dict[int, str] = field(default_factory=dict)  # a revision's manifest -> the version it read
+    # manifests whose refs stay on the versions they replace (a ref on an older version counts for the
+    # newest): a change under the shared lock never writes a ref another host may have moved meanwhile
+    in_place: dict[int, str | None] = field(default_factory=dict)  # manifest -> the tag it gives itself
+    retired: list[str] = field(default_factory=list)  # versions replaced by those: deleted unless a ref names one
+    refs_written: bool = False
 
 
 def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: Fence | None) -> list[int]:
@@ -111,14 +129,23 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
             ids = [_insert(edit, change, taken) for change in changes]
             for manifest, change in zip(ids, changes, strict=True):
                 replacing = isinstance(change, Revision) or change.replacing
-                key = manifest_objects.publish(repo.backend, edit, manifest, fence=fence, replacing=replacing)
+                expected = taken.expected.get(manifest)
+                key = manifest_objects.publish(
+                    repo.backend, edit, manifest, fence=fence, replacing=replacing, expected=expected
+                )
                 taken.published.append(key)
+                if expected is not None:
+                    manifest_objects.check_revised(repo.backend, key, expected)
             failpoint("after-publish")
             if fence is not None and fence.by_time:
                 for manifest in ids:
                     needs = edit.referenced_blobs(manifest)
                     check_publication(repo.backend, needs, "recording the manifest", repo.size_lookup(needs))
-            manifest_objects.write_refs(repo.backend, edit, ids)
+            taken.refs_written = True
+            manifest_objects.write_refs(repo.backend, edit, [m for m in ids if m not in taken.in_place])
+            for manifest, tag in taken.in_place.items():
+                if tag:  # the tag this commit gives (``--tag``), not one carried over
+                    manifest_objects.put_tag(repo.backend, edit, manifest)
     except OSError as exc:
         _take_back(repo, taken)
         if is_out_of_space(exc):
@@ -128,6 +155,10 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
         _take_back(repo, taken)
         raise
     manifest_objects.unpublish(repo.backend, taken.superseded)  # after the index names the new versions
+    try:  # clean-up after a durable change is never its failure: gc deletes what is left (superseded)
+        manifest_objects.retire(repo.backend, taken.retired)
+    except Exception as exc:  # any backend failure: the change itself is done
+        log.warning("tailorstore: the replaced version(s) stay until the next gc: %s", exc)
     return ids
 
 
@@ -137,16 +168,19 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
     for source in change.derived_from:
         _check_unchanged(edit, source)
     record = change.record
+    given: str | None = None
     if change.replacing and record.origin == COMMIT:
+        given = record.tag
         if (replaced := edit.commit_at(record.step, record.run)) is not None:
             record = replace(record, tag=record.tag or replaced.tag, pinned=replaced.pinned)
             edit.delete_commit_at(record.step, record.run)
             if replaced.object_key is not None:
-                taken.superseded.append(replaced.object_key)
+                taken.retired.append(replaced.object_key)
         if record.tag and (holder := edit.tagged(record.tag)) is not None:
             edit.set_tag(holder.id, None)  # force takes the tag, whether or not the step existed
     refuse_taken(edit, record.step, record.run, record.tag, commit=record.origin == COMMIT)
-    taken.touched.append((record.step, record.run, record.tag))
+    in_place = change.replacing and record.origin == COMMIT
+    taken.touched.append((record.step, record.run, given if in_place else record.tag, in_place))
     edit.add_packs(change.packs)
     edit.upsert_blobs(change.blobs)
     edit.add_blobs(change.reported_blobs)
@@ -156,6 +190,8 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
     edit.insert_layers(
         manifest, [replace(x, source=manifest) if x.source == THIS_MANIFEST else x for x in change.layers]
     )
+    if in_place:
+        taken.in_place[manifest] = given
     return manifest
 
 
@@ -171,7 +207,12 @@ def _revise(edit: CatalogueEdit, change: Revision, taken: _Taken) -> int:
     edit.set_tier(record.id, record.tier)
     edit.set_metrics(record.id, record.metrics)
     if record.object_key is not None:
-        taken.superseded.append(record.object_key)
+        if change.exclusive:
+            taken.superseded.append(record.object_key)
+        else:
+            taken.expected[record.id] = record.object_key
+            taken.in_place[record.id] = None
+            taken.retired.append(record.object_key)
     taken.revised.append(record.id)
     return record.id
 
@@ -221,8 +262,11 @@ def _take_back(repo: Repository, taken: _Taken) -> None:
     if not taken.published:
         return
     manifest_objects.unpublish(repo.backend, taken.published)  # the objects went up but the index refused them
+    if not taken.refs_written:  # nothing of the refs was touched: none is written back from this index
+        return
     catalogue = repo._index
-    holders: list[int] = list(taken.revised)
-    for step, run, tag in taken.touched:
-        holders += [m.id for m in (catalogue.commit_at(step, run), catalogue.tagged(tag) if tag else None) if m]
+    holders = [m for m in taken.revised if m not in taken.in_place]  # those in place had no ref written
+    for step, run, tag, in_place in taken.touched:
+        replaced = None if in_place else catalogue.commit_at(step, run)
+        holders += [m.id for m in (replaced, catalogue.tagged(tag) if tag else None) if m]
     manifest_objects.write_refs(repo.backend, catalogue, holders)
