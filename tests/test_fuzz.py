@@ -35,6 +35,7 @@ def test_every_reader_takes_200_fuzzed_inputs_within_the_rule(tmp_path: Path) ->
     assert done.stdout.count("200 inputs") == 15, done.stdout
 
 
+@pytest.mark.slow  # seconds: the fast tier keeps its minute
 def test_the_dcp_object_items_reader_takes_fuzzed_inputs_within_the_rule() -> None:
     """The allowlist the DCP reader puts every object item through before dcp.load unpickles it
     (``DcpStep.object_bytes``), fed real object items of a dcp.save and a hostile one, mutated."""

@@ -83,6 +83,7 @@ def _has_link(top: Path, rel: str) -> bool:
     return False
 
 
+@pytest.mark.slow  # seconds: the fast tier keeps its minute
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(entries=st.lists(_entry, max_size=14), probes=st.lists(_where, min_size=1, max_size=6), links=st.booleans())
 def test_opening_beneath_a_folder_never_leaves_it_nor_blocks(entries: list, probes: list, links: bool) -> None:

@@ -26,6 +26,8 @@ from tailorstore.ingest.finalize import _one_try, missing_pieces
 from tailorstore.store.index.records import FileRecord
 from tailorstore.store.parts import Part, try_token
 
+pytestmark = pytest.mark.slow  # several real commits and finalizes per test
+
 CHECKPOINT = Path(__file__).parent / "data" / "format1" / "checkpoint"
 RANK1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
 MODEL = "mp_rank_00_model_states.pt"

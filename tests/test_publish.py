@@ -38,6 +38,7 @@ def manifest_objects(store: Path) -> list[str]:
     return sorted(str(p.relative_to(store)) for p in (store / "manifests").rglob("*.json.zst") if p.is_file())
 
 
+@pytest.mark.slow  # seconds: the fast tier keeps its minute
 @pytest.mark.parametrize("operation", ["commit", "finalize", "merge", "average"])
 def test_a_failed_index_commit_after_the_publish_leaves_nothing_behind(
     small_store: Path, tmp_path: Path, operation: str

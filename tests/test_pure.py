@@ -316,6 +316,7 @@ def test_commit_path_rules(tmp_path: Path) -> None:
 # -- hostile pickles and headers, without files ---------------------------------------------
 
 
+@pytest.mark.slow  # seconds: the fast tier keeps its minute
 def test_object_trees_are_walked_at_a_bounded_cost() -> None:
     node: list = []
     for _ in range(9):

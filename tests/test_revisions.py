@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import CLI, one_line, tailor_process
 
+pytestmark = pytest.mark.slow  # real tailor processes stalled at failpoints: seconds each
+
 CHECKPOINT = Path(__file__).parent / "data" / "format1" / "checkpoint"
 
 

@@ -10,6 +10,7 @@ import pickle
 import socket
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tailorstore.cli.naming import EXIT_CODES
@@ -26,6 +27,8 @@ from tailorstore.core.errors import (
     UnknownStepError,
 )
 from tailorstore.integrations.session import Session
+
+pytestmark = pytest.mark.slow  # two spawned gloo processes
 
 
 def _free_port() -> int:
