@@ -73,6 +73,10 @@ class Session:
         return [value for _, (_, value) in sorted(every, key=lambda one: one[0])]
 
 
+    def barrier(self) -> None:
+        """Every rank has reached this point (collective): what each did before it is done."""
+        ranks.barrier(self.group)
+
     def gather(self, fact: T) -> list[T]:
         """Every rank's ``fact``, in rank order, on every rank (collective): for a choice each rank
         then computes alike from the same facts (which nodes hold a store, which files a rank staged)."""
