@@ -227,14 +227,7 @@ def _dcp_view(repo: Repository, facts: ManifestRecord, files: list[FileRecord]) 
                 tensors.append(_tensor(param, info.size, by_param, (kind,), where))
     if not tensors:
         raise StoreError(f"step {step} holds no model parameters in its DCP folders (keys model.<name>)")
-    names = [t.name for t in tensors]
-    aliases = tied_embeddings(tensors)
-    tensors = [t for t in tensors if t.name not in aliases]
-    stored = {a.blob for t in tensors for a in t.atoms if a.derived is None}
-    rows = {digest: blob_of(repo, digest, f"step {step}") for digest in stored}
-    return ModelView(
-        facts.id, step, tensors, aliases, rows, facts.zero_stage, facts.world_size, dict(by_param), {}, names
-    )
+    return _view(repo, facts, tensors, by_param)
 
 
 def _plain_view(repo: Repository, facts: ManifestRecord) -> ModelView:
@@ -273,13 +266,21 @@ def _plain_view(repo: Repository, facts: ManifestRecord) -> ModelView:
             f"step {step} holds no model parameters (no DeepSpeed model states, DCP folder, safetensors or torch "
             "file of weights) to export"
         )
+    return _view(repo, facts, tensors, by_param)
+
+
+def _view(
+    repo: Repository, facts: ManifestRecord, tensors: list[ModelTensor], by_param: dict
+) -> ModelView:
+    """The model of ``tensors`` (a tied weight once, under the name it keeps), with the blob rows
+    of the pieces it reads."""
     names = [t.name for t in tensors]
     aliases = tied_embeddings(tensors)
     tensors = [t for t in tensors if t.name not in aliases]
     stored = {a.blob for t in tensors for a in t.atoms if a.derived is None}
-    rows = {digest: blob_of(repo, digest, f"step {step}") for digest in stored}
+    rows = {digest: blob_of(repo, digest, f"step {facts.step}") for digest in stored}
     return ModelView(
-        facts.id, step, tensors, aliases, rows, facts.zero_stage, facts.world_size, dict(by_param), {}, names
+        facts.id, facts.step, tensors, aliases, rows, facts.zero_stage, facts.world_size, dict(by_param), {}, names
     )
 
 
