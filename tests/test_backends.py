@@ -71,6 +71,7 @@ def test_a_range_past_the_end_reads_short_and_never_fails_or_hangs(backend: Back
         assert f.read() == b""
 
 
+@pytest.mark.slow  # seconds: the fast tier keeps its minute
 def test_an_object_above_the_single_put_limit_goes_up_whole(backend: Backend) -> None:
     """70 MiB from chunks: above S3's one-PUT limit (64 MiB), so a multipart upload there; it reads
     back whole and across the reader's chunk boundaries."""

@@ -181,6 +181,7 @@ def test_exclusive_leases_exclude_each_other_under_contention(backend: Backend) 
     assert list(backend.list(LOCK_PREFIX)) == []
 
 
+@pytest.mark.slow  # seconds: the fast tier keeps its minute
 def test_gc_on_s3_waits_for_a_commit_of_another_host(s3_location: str) -> None:
     """A commit in flight on another host holds a shared lease: gc there must not run."""
     Repository.init(s3_location).close()

@@ -57,6 +57,7 @@ def test_keep_best_names_a_metric_with_a_colon() -> None:
     assert KeepBest.parse("eval:loss:min:3") == KeepBest("eval:loss", "min", 3)
 
 
+@pytest.mark.slow  # seconds: the fast tier keeps its minute
 def test_a_metric_added_after_the_commit_is_seen_by_every_host_and_keep_best(tiny: Path, tmp_path: Path) -> None:
     """``tailor metric step=N name=value``: the step gets its next version with the metric, keeps its
     tag and pin, and gc --keep-best ranks it; a bad value is refused and changes nothing."""

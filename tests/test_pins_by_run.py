@@ -47,6 +47,7 @@ def test_a_branch_committing_a_step_main_pinned_leaves_the_pin(store_with_a_bran
     assert sorted(steps(location, "main")) == [4, 8, 12], "main's pinned step 8 stays (4: the branch's base)"
 
 
+@pytest.mark.slow  # seconds: the fast tier keeps its minute
 def test_unpinning_or_removing_one_runs_step_leaves_the_others_pin(store_with_a_branch: Path) -> None:
     location = store_with_a_branch
     assert tailor("pin", "b:step=8", store=location).returncode == 0

@@ -108,6 +108,7 @@ def test_a_manifest_object_copied_under_another_steps_name_is_refused(small_stor
     assert tailor("verify", "--deep", store=store).returncode == 0
 
 
+@pytest.mark.slow  # seconds: the fast tier keeps its minute
 def test_gc_deletes_nothing_while_a_tag_object_names_no_manifest(small_store: Path, tmp_path: Path) -> None:
     """A fifth-round attack (medium: whoever can overwrite a tag object can also point it at another
     step, which unprotects the first as quietly): a tag object whose bytes name no manifest object
