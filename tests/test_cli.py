@@ -86,7 +86,7 @@ def test_commit_log_show_checkout(runs: Runs, tmp_path: Path) -> None:
     assert (out / "latest").read_text() == "global_step6"
     assert run("checkout", "step=99", "--out", str(tmp_path / "x"), env=env).returncode == 2
     bad = run("show", "bogus", env=env)
-    assert bad.returncode == 2 and "step=N, tag=NAME, id=HEX or latest" in bad.stderr
+    assert bad.returncode == 2 and "tag=NAME, id=HEX, digest=HEX or latest" in bad.stderr
 
 
 def test_progress_bar_on_a_terminal_only(runs: Runs, tmp_path: Path) -> None:
