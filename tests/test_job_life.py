@@ -36,13 +36,16 @@ def test_a_seeded_schedule_holds_every_invariant(seed: int) -> None:
 
 def test_the_schedules_cover_every_fault_and_restart_shape() -> None:
     """The generator reaches every kill point, both stages, both rewind rules and a world-size change
-    within the soak's first 200 seeds (what the soak's figures in docs/benchmarks.md stand for)."""
-    schedules = [schedule_for(seed) for seed in range(200)]
+    within the first 300 seeds (the soak, `--schedules 300`, covers every one)."""
+    schedules = [schedule_for(seed) for seed in range(300)]
     launches = [launch for s in schedules for launch in s.launches]
     points = {launch.kill_at for launch in launches if launch.kill_at}
     store_points = {launch.failpoints.split("=")[0] for launch in launches if launch.failpoints}
     assert points == {"before-save", "after-save", "after-save-delay", "next-step"}
-    assert store_points == {"commit/put", "commit/put-create", "before-publish", "after-publish"}
+    assert store_points == {"commit/put", "commit/put-create", "before-publish", "after-publish"} | {
+        "part/put", "part/put-create", "before-part-publish", "finalize/put-create"
+    }, "every store point of a DeepSpeed commit and of a DCP save's parts and finalize"
+    assert {s.integration for s in schedules} == {"deepspeed", "dcp", "dcp-async"}
     assert {s.stage for s in schedules} == {2, 3}
     assert {launch.on_existing for launch in launches if launch.tag} == {"branch", "replace"}
     assert any(len({launch.nproc for launch in s.launches}) > 1 for s in schedules)

@@ -13,6 +13,7 @@ already holds; nothing more is written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -107,5 +108,6 @@ class DigestCache:
         try:
             tmp.write_text(json.dumps(doc, separators=(",", ":")), encoding="utf-8")
             os.replace(tmp, self.path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
+        except OSError:  # best effort: on a read-only store even the unlink fails (EROFS)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
