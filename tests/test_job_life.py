@@ -46,7 +46,7 @@ def test_the_schedules_cover_every_fault_and_restart_shape() -> None:
         "part/put", "part/put-create", "before-part-publish", "finalize/put-create"
     }, "every store point of a DeepSpeed commit and of a DCP save's parts and finalize"
     assert {s.integration for s in schedules} == {"deepspeed", "dcp", "dcp-async"}
-    assert {s.stage for s in schedules} == {2, 3}
+    assert {s.stage for s in schedules if s.integration == "deepspeed"} == {2, 3}
     assert {launch.on_existing for launch in launches if launch.tag} == {"branch", "replace"}
     assert any(len({launch.nproc for launch in s.launches}) > 1 for s in schedules)
     assert any(sum(1 for launch in s.launches if launch.faulted) >= 2 for s in schedules)
