@@ -61,7 +61,7 @@ LONG_HOLD = TTL + 2.5  # a stall that outlives a lease (stale after TTL + 1 s, i
 # that runs past OP_LIMIT is a finding of its own ("exceeded its bound"), never an invariant broken.
 REQUEST_SECONDS, RETRY_SECONDS = 10, 30
 OP_LIMIT = 120.0
-KILL_WAIT = 30.0  # how long a command killed at OP_LIMIT is given to end before the schedule goes on
+KILL_WAIT = 60.0  # how long a command killed at OP_LIMIT is given to end before the schedule goes on
 OPTIM = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 
 
@@ -389,12 +389,16 @@ class HostServer:
         """After a kill: the command's end (its rc), for at most :data:`KILL_WAIT` seconds."""
         deadline = time.monotonic() + KILL_WAIT
         assert self.proc.stdout is not None
+        resend = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             queue = self.events.setdefault(ident, [])
             if any("rc" in e for e in queue):
                 self.events[ident] = [e for e in queue if "rc" not in e]
                 return
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if time.monotonic() > resend:  # a loaded host server may not have started it when the kill came
+                self._send({"kill": ident})
+                resend = time.monotonic() + 1.0
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, min(resend, deadline) - time.monotonic()))
             if ready:
                 event = json.loads(self._line())
                 self.events.setdefault(event["id"], []).append(event)
