@@ -176,7 +176,9 @@ def serve() -> None:
                 _say({"id": children[pid], "stopped": True})
                 continue
             rc = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
-            _say({"id": children.pop(pid), "rc": rc})
+            ended = children.pop(pid)
+            pids.pop(ended, None)  # a kill sent again after its end must not reach a process that reused the pid
+            _say({"id": ended, "rc": rc})
     for pid in children:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
