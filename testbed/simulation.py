@@ -244,16 +244,7 @@ def _pins_vs_gc(rng: random.Random, backend: str) -> list[dict[str, Any]]:
         else:
             tag = rng.choice(TAGS)
             ops.append({"op": "tag", "tag": tag, "key": ["main", 6], "force": True, "host": rng.choice(("b", "c"))})
-    kinds, weights = zip(*THEMES["refs-vs-gc"].items(), strict=True)
-    for _ in range(rng.randint(1, 3)):
-        op = _operation(rng, rng.choices(kinds, weights)[0], "refs-vs-gc")
-        op.update(host=rng.choice(HOSTS), fault=_fault(rng, backend))
-        ops.append(op)
-    for n, op in enumerate(ops):
-        op.setdefault("host", rng.choice(HOSTS))
-        op.setdefault("fault", None)
-        op.update(n=n, theme="pins-vs-gc")
-    return ops
+    return _then_anything(rng, backend, ops, "refs-vs-gc", rng.randint(1, 3), "pins-vs-gc")
 
 
 def _revisions(rng: random.Random, backend: str) -> list[dict[str, Any]]:
@@ -295,15 +286,23 @@ def _revisions(rng: random.Random, backend: str) -> list[dict[str, Any]]:
             ops.append({"op": "metric", "key": target, "value": 0.5, "host": rng.choice(others)})
         else:
             ops.append({"op": kind, "key": target, "host": rng.choice(others)})
-    kinds, weights = zip(*THEMES["replace"].items(), strict=True)
-    for _ in range(rng.randint(0, 2)):
-        op = _operation(rng, rng.choices(kinds, weights)[0], "replace")
+    return _then_anything(rng, backend, ops, "replace", rng.randint(0, 2), "revisions")
+
+
+def _then_anything(
+    rng: random.Random, backend: str, ops: list[dict[str, Any]], drawn_from: str, count: int, theme: str
+) -> list[dict[str, Any]]:
+    """A targeted theme's end: ``count`` operations drawn as theme ``drawn_from`` draws them, each
+    maybe faulted, then every operation numbered and given a host."""
+    kinds, weights = zip(*THEMES[drawn_from].items(), strict=True)
+    for _ in range(count):
+        op = _operation(rng, rng.choices(kinds, weights)[0], drawn_from)
         op.update(host=rng.choice(HOSTS), fault=_fault(rng, backend))
         ops.append(op)
     for n, op in enumerate(ops):
         op.setdefault("host", rng.choice(HOSTS))
         op.setdefault("fault", None)
-        op.update(n=n, theme="revisions")
+        op.update(n=n, theme=theme)
     return ops
 
 
