@@ -220,3 +220,19 @@ def test_a_metric_that_loses_its_put_says_so_without_naming_a_force_it_has_not(
     lost = _resume(second)
     one_line(lost, 4, "step 3", "removed or replaced by another host")
     assert "--force" not in lost.stderr
+
+
+def test_a_tag_given_by_a_revision_holds_its_step_after_a_later_revision_and_gc(tmp_path: Path) -> None:
+    """Simulation seed 150: step 6 tagged t2, revised with ``--tag t1``, revised again untagged. The
+    old t2 object still named the first version and t1 the second; ranking tags only by "names the
+    current version" let t2 take the step back, and gc then deleted the version t1 named: t1 was
+    on no step though nothing had moved it. The tag naming the newest version holds the step."""
+    location = str(tmp_path / "store")
+    a = _env(tmp_path, "a")
+    _ok(a, "init", location)
+    _ok(a, "commit", str(CHECKPOINT), "--step", "6", "--tag", "t2", "--store", location)
+    _ok(a, "commit", str(CHECKPOINT), "--step", "6", "--force", "--tag", "t1", "--store", location)
+    _ok(a, "commit", str(CHECKPOINT), "--step", "6", "--force", "--store", location)
+    _ok(_env(tmp_path, "b"), "gc", "--store", location)
+    assert _steps(tmp_path, location, "fresh")[6]["tag"] == "t1"
+    assert "step 6" in _ok(_env(tmp_path, "fresh2"), "show", "tag=t1", "--store", location).lower()

@@ -820,12 +820,20 @@ def _listed_runs(backend: Backend, known: dict[str, RunRecord]) -> dict[str, Run
 
 
 def _current_refs(tags: dict[str, str], current: dict[str, str]) -> dict[str, str]:
-    """Tags by the current version of the step each names; a tag that names the current version
-    itself wins over one left on an older version."""
+    """Tags by the current version of the step each names. Of several tags left on versions of one
+    step, the one naming the newest version holds it: a tag is written on the version current when
+    it is set, so that one was set last (a step holds one tag). Ranking by "names the current
+    version" alone let a tag a later revision had replaced come back once a newer revision left
+    neither on the current one, and gc then deleted the version the winner named (seed 150)."""
     out: dict[str, str] = {}
-    for key, tag in sorted(tags.items(), key=lambda kv: current.get(kv[0]) == kv[0]):
+    for key, tag in sorted(tags.items(), key=lambda kv: (_version_of(kv[0]), kv[1])):
         out[current.get(key, key)] = tag
     return out
+
+
+def _version_of(key: str) -> int:
+    match = _COMMIT_KEY.fullmatch(key)
+    return int(match.group(3)) if match else 0
 
 
 def _pinned_keys(backend: Backend, current: dict[str, str]) -> list[str]:
