@@ -16,7 +16,11 @@ stalled while others ran) may have taken effect in either order, so every rule b
 - **I4** a step holds exactly one input: the whole of one save (parts of two tries are never mixed);
 - **I7** a step reported removed after every creation that could have made it stays gone (a
   revision, ``metric`` or ``--force``, stalled meanwhile never brings it back); a revision changes
-  no ref, so the tag and pin rules above need no revision events.
+  no ref, so the tag and pin rules above need no revision events;
+- **merges** (a composite or an average, named by a tag only merges take): one reported done is
+  there as the manifest it reported (its id) and checks out, every blob hash-checked, whatever
+  became of its sources since (replaced, removed, dropped or thinned by gc: the merge names its
+  blobs itself, I6); one only failed merges tried to make is not there (I3).
 
 I5 and I6 are checked as their consequences: the fresh host's ``verify --deep`` must pass (no
 blob a kept manifest needs was deleted) and every step must check out through the same process.
@@ -24,6 +28,7 @@ blob a kept manifest needs was deleted) and every step must check out through th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +67,7 @@ class Seen:
     """What a fresh host found: each step with its tag, pin, tier and the input it checks out as."""
 
     steps: dict[Key, dict[str, Any]] = field(default_factory=dict)  # log --json entry + "content"
+    merges: dict[str, dict[str, Any]] = field(default_factory=dict)  # tag -> log --json entry + "checks_out"
     verify_rc: int = 0
     verify_said: str = ""
 
@@ -154,6 +160,36 @@ def check(journal: list[Done], seen: Seen, keys: Iterable[Key], contents: dict[s
     for key in sorted(set(keys) | set(seen.steps)):
         problems += _check_step(journal, seen, key, contents)
     problems += _check_tags(journal, seen)
+    problems += _check_merges(journal, seen)
+    return problems
+
+
+def reported_id(d: Done) -> str | None:
+    """The manifest id a merge printed (``--json``), when it printed one."""
+    found = re.search(r'"id": "([0-9a-f]+)"', d.said)
+    return found.group(1) if found else None
+
+
+def _check_merges(journal: list[Done], seen: Seen) -> list[str]:
+    problems = []
+    merges = [d for d in journal if d.kind == "merge"]
+    for tag in sorted({str(d.op["tag"]) for d in merges} | set(seen.merges)):
+        made = [d for d in merges if d.op["tag"] == tag]
+        entry = seen.merges.get(tag)
+        done = [d for d in made if d.outcome == "ok"]
+        if entry is None:
+            if done:
+                problems.append(f"merges: tag={tag} was reported merged ({_name(done[0])}) but is gone")
+            continue
+        if not any(d.tried for d in made):
+            problems.append(f"I3: tag={tag} is a merge, but every operation that tried to make it failed")
+            continue
+        ids = {reported_id(d) for d in done}
+        if done and entry.get("id") not in ids:
+            reported = sorted(map(str, ids))
+            problems.append(f"merges: tag={tag} is manifest {entry.get('id')}, not the one reported: {reported}")
+        if entry.get("checks_out") is False:
+            problems.append(f"merges: tag={tag} does not check out: {entry.get('checkout_said', '')}")
     return problems
 
 

@@ -63,6 +63,11 @@ REQUEST_SECONDS, RETRY_SECONDS = 10, 30
 OP_LIMIT = 120.0
 KILL_WAIT = 60.0  # how long a command killed at OP_LIMIT is given to end before the schedule goes on
 OPTIM = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+MERGE_SPECS = {  # the merges of the "merges" theme, over main's steps 6 and 9 (STEPS)
+    "composite": "base: {step: 9}\nslices:\n  - sources: [{step: 6, layer_range: [0, 1]}]\n",
+    "sma": "method: sma\nsteps: [6, 9]\n",
+    "ema": "method: ema\nsteps: [6, 9]\nalpha: 0.5\n",
+}
 
 
 @dataclass
@@ -219,7 +224,8 @@ def _operation(rng: random.Random, kind: str, theme: str) -> dict[str, Any]:
 
 # Themes a run names (``--theme``), never drawn: each aims at one interleaving, so adding one leaves
 # the drawn seeds' schedules (and the regression seeds) as they were.
-TARGETED = ("pins-vs-gc", "revisions")
+TARGETED = ("pins-vs-gc", "revisions", "merges")
+MERGE_TAGS = ("m1", "m2")  # names only merges take, so the step tags' rules need not know them
 
 
 def _pins_vs_gc(rng: random.Random, backend: str) -> list[dict[str, Any]]:
@@ -289,6 +295,45 @@ def _revisions(rng: random.Random, backend: str) -> list[dict[str, Any]]:
     return _then_anything(rng, backend, ops, "replace", rng.randint(0, 2), "revisions")
 
 
+def _merges(rng: random.Random, backend: str) -> list[dict[str, Any]]:
+    """Merges and averages beside the writers of their sources: a composite (step 9's layers, its
+    first block from step 6) or an average of steps 6 and 9, sometimes stopped or killed at a
+    request, while other hosts replace a source (``--force``), remove it, or run a gc that drops or
+    thins it; then anything. A merge reported done must check out, hash-checked, as the manifest
+    it reported, whatever became of its sources (FORMAT 8.1, I6: gc keeps what a kept manifest
+    names)."""
+    ops: list[dict[str, Any]] = []
+    for step in STEPS:
+        save = rng.choice(WHOLE)
+        ops.append({"op": "commit", "save": save, "key": ["main", step], "force": False, "tag": None, "metric": None})
+    for tag in MERGE_TAGS[: rng.randint(1, 2)]:
+        merge: dict[str, Any] = {"op": "merge", "tag": tag, "method": rng.choice(("composite", "sma", "ema"))}
+        if rng.random() < 0.6:
+            fault: dict[str, Any] = {"action": "stop" if rng.random() < 0.8 else "kill", "after": rng.randint(1, 3)}
+            fault["hold"] = LONG_HOLD if backend == "s3" and rng.random() < 0.3 else 0.0
+            fault.update(where="request", kind=rng.choice(("put-create", "put", "get", "list", "*")))
+            fault["nth"] = rng.randint(1, 4)
+            merge.update(fault=fault, host="a")
+        ops.append(merge)
+        for _ in range(merge.get("fault", {}).get("after", 1)):
+            kind = rng.choice(("replace", "rm", "gc-drop", "gc-thin", "gc"))
+            step = rng.choice(STEPS)
+            host = rng.choice(("b", "c"))
+            if kind == "replace":
+                op = {"op": "commit", "save": rng.choice(WHOLE), "key": ["main", step], "force": True,
+                      "tag": None, "metric": None}  # fmt: skip
+            elif kind == "rm":
+                op = {"op": "rm", "key": ["main", step], "force": True}
+            elif kind == "gc-drop":
+                op = {"op": "gc", "args": ["--keep-last", "1"], "drops": True, "thins": False}
+            elif kind == "gc-thin":
+                op = {"op": "gc", "args": ["--keep-last", "1", "--thin", "weights"], "drops": False, "thins": True}
+            else:
+                op = {"op": "gc", "args": [], "drops": False, "thins": False}
+            ops.append(dict(op, host=host))
+    return _then_anything(rng, backend, ops, "replace", rng.randint(0, 2), "merges")
+
+
 def _then_anything(
     rng: random.Random, backend: str, ops: list[dict[str, Any]], drawn_from: str, count: int, theme: str
 ) -> list[dict[str, Any]]:
@@ -314,6 +359,8 @@ def make_schedule(seed: int, backend: str, theme: str | None = None) -> list[dic
         return _pins_vs_gc(rng, backend)
     if theme == "revisions":
         return _revisions(rng, backend)
+    if theme == "merges":
+        return _merges(rng, backend)
     if theme is not None:
         raise ValueError(f"unknown targeted theme {theme!r}: {TARGETED}")
     theme = rng.choice(sorted(THEMES))
@@ -513,6 +560,10 @@ class Schedule:
             return ["gc", *op["args"], *self._lock()]
         if kind == "branch":
             return ["run", "create", "br", "--from", f"main:step={op['from']}", *self._lock()]
+        if kind == "merge":
+            spec = self.work / f"spec-{op['n']}.yaml"
+            spec.write_text(MERGE_SPECS[op["method"]])
+            return ["merge", str(spec), "--tag", op["tag"], "--run", "main", "--json", *self._lock()]
         raise ValueError(kind)
 
     def _finish(self, ident: int, op: dict[str, Any], start: int) -> None:
@@ -594,7 +645,10 @@ class Schedule:
             seen.verify_rc, seen.verify_said = rc, f"log failed: {err.strip()[-500:]}"
             return seen
         for entry in json.loads(out):
-            seen.steps[(entry["run"], int(entry["step"]))] = entry
+            if entry.get("origin") == "merge":
+                seen.merges[str(entry.get("tag"))] = entry
+            else:
+                seen.steps[(entry["run"], int(entry["step"]))] = entry
         rc, out, err = self.command(["verify", "--deep"], "check-verify")
         seen.verify_rc, seen.verify_said = (0, "") if rc == -1 else (rc, (out + err).strip()[-800:])
         by_digest = {json.dumps(d, sort_keys=True): name for name, d in self.inputs.digests.items()}
@@ -611,6 +665,12 @@ class Schedule:
                 continue
             entry["content"] = by_digest.get(json.dumps(tree_digest(target), sort_keys=True), "something else")
             shutil.rmtree(target)
+        for tag, entry in seen.merges.items():  # a merge checks out, every blob hash-checked
+            target = self.work / f"checkout-merge-{tag}"
+            rc, out, err = self.command(["checkout", f"tag={tag}", "--out", str(target)], f"check-merge-{tag}")
+            entry["checks_out"] = None if rc == -1 else rc == 0
+            entry["checkout_said"] = err.strip()[-500:]
+            shutil.rmtree(target, ignore_errors=True)
         return seen
 
 

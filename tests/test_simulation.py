@@ -237,6 +237,48 @@ def test_the_revisions_theme_stalls_a_revision_while_others_change_its_step() ->
             assert {op["op"] for op in ops[5:]} & {"tag", "unpin", "rm", "metric", "untag", "pin"}
 
 
+def test_the_checker_names_a_lost_changed_or_broken_merge_and_one_only_failures_made() -> None:
+    merge = {"op": "merge", "tag": "m1", "method": "sma"}
+    made = _done(2, merge, 3, 4)
+    made.said = '{"manifest": 3, "tag": "m1", "step": 9, "id": "abc123"}'
+    journal = [_done(0, COMMIT_A6, 1, 2), made]
+    steps = {("main", 6): _step("A6")}
+    fine = Seen(steps=steps, merges={"m1": {"id": "abc123", "checks_out": True}})
+    assert check(journal, fine, [("main", 6)], CONTENTS) == []
+    for merges, says in (
+        ({}, "is gone"),
+        ({"m1": {"id": "fff000", "checks_out": True}}, "not the one reported"),
+        ({"m1": {"id": "abc123", "checks_out": False, "checkout_said": "blob missing"}}, "does not check out"),
+    ):
+        problems = check(journal, Seen(steps=steps, merges=merges), [("main", 6)], CONTENTS)
+        assert len(problems) == 1 and says in problems[0], problems
+    failed = [journal[0], _done(2, merge, 3, 4, "failed")]
+    problems = check(failed, Seen(steps=steps, merges={"m1": {"id": "x", "checks_out": True}}), [("main", 6)], CONTENTS)
+    assert len(problems) == 1 and problems[0].startswith("I3:"), problems
+    killed = [journal[0], _done(2, merge, 3, 4, "unknown")]
+    maybe = Seen(steps=steps, merges={"m1": {"id": "x", "checks_out": True}})
+    assert check(killed, maybe, [("main", 6)], CONTENTS) == []
+
+
+def test_the_merges_theme_runs_merges_beside_writers_of_their_sources() -> None:
+    from testbed.simulation import make_schedule
+
+    for backend in ("posix", "s3"):
+        for seed in range(20):
+            ops = make_schedule(seed, backend, "merges")
+            merges = [op for op in ops if op["op"] == "merge"]
+            assert merges and all(op["tag"] in ("m1", "m2") for op in merges), ops
+            after = ops[merges[0]["n"] + 1 :]
+            assert {op["op"] for op in after} & {"commit", "rm", "gc"}, ops
+
+
+@pytest.mark.parametrize("backend", ["posix", "s3"])
+def test_merges_beside_the_writers_of_their_sources_hold_every_invariant(inputs: Inputs, backend: str) -> None:
+    """The "merges" theme (never drawn): 12 schedules on POSIX, 6 on S3."""
+    seeds = list(range(12 if backend == "posix" else 6))
+    _held(simulate(seeds, backend, inputs, jobs=2, theme="merges"))
+
+
 def test_an_operation_past_its_bound_is_killed_and_ended_before_the_schedule_goes_on(tmp_path: Path) -> None:
     """Medium finding 9: under load, a pin and an rm ran past OP_LIMIT, and the schedule went on while
     they were still being killed, so what they did could land after operations the journal put after
