@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--keep", type=Path, help="keep each schedule's stores and outputs under this folder")
     parser.add_argument(
-        "--theme", choices=TARGETED, help="a targeted theme for every schedule (never drawn): pins-vs-gc"
+        "--theme", choices=TARGETED, help="a targeted theme for every schedule (never drawn): " + ", ".join(TARGETED)
     )
     args = parser.parse_args(argv)
     inputs = training_inputs()

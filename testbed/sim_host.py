@@ -93,11 +93,16 @@ def _child(order: dict[str, Any]) -> None:
         fault = order.get("fault")
         if fault and fault.get("where") == "client":
             _stop_at_requests(fault)
-        from tailorstore.cli.app import run
+        if order["args"][0] == "@dcp-save":  # the DCP writer's save (testbed/sim_dcp.py), not a command
+            from sim_dcp import main as dcp_save  # beside this script, which runs as a file
 
-        sys.argv = ["tailor", *order["args"]]
-        run()
-        code = 0
+            code = dcp_save(order["args"][1:])
+        else:
+            from tailorstore.cli.app import run
+
+            sys.argv = ["tailor", *order["args"]]
+            run()
+            code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # a bug: its traceback is on stderr, as the command line would show it

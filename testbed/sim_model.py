@@ -83,7 +83,7 @@ def _could_be_last(events: list[Done], definite: Any = None, tried: Any = None) 
 
 
 def creations(journal: Iterable[Done], key: Key) -> list[Done]:
-    return [d for d in journal if d.kind in ("commit", "finalize") and d.key == key]
+    return [d for d in journal if d.kind in ("commit", "finalize", "dcp-save") and d.key == key]
 
 
 def surely_protected(journal: list[Done], key: Key, during: Done, *, before: bool = False) -> bool:

@@ -10,7 +10,10 @@ One **schedule** (a seed) is a list of operations by hosts ``a``, ``b`` and ``c`
 - tag, untag, pin, unpin and rm;
 - gc with retention, keep-best, thinning and ``--drop-parts``;
 - parts of step 3 from two tries of the save, and finalize;
-- a branch (``run create``), which later commits go to.
+- a branch (``run create``), which later commits go to;
+- in targeted themes (``--theme``): revisions (``metric``, ``--force``) stalled at their put, gc
+  stalled between its plan and its deletions, and merges and averages beside the writers of their
+  sources, with saves through the DCP writer (``dcp.save``, testbed/sim_dcp.py) in a run of their own.
 
 Any operation may carry a **fault**: the host stops (SIGSTOP) or dies (SIGKILL) at its n-th request
 of some kind. A stopped host stays stopped while the next one to three operations run, sometimes
@@ -40,12 +43,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testbed.sim_dcp import RUN as DCP_RUN
+from testbed.sim_dcp import STATES as DCP_STATES
+from testbed.sim_dcp import metadata_digest as dcp_metadata_digest
+from testbed.sim_dcp import save_raw
 from testbed.sim_model import Done, Key, Seen, check
 
 HOSTS = ("a", "b", "c")
 WHOLE = ("A3", "A6", "B3", "B6")  # saves committed whole: run A or its second try B, as of step 3 or 6
 PARTS = ("A3p0", "A3p1", "B3p0", "B3p1")  # step 3 split by host, of both tries
 STEPS = (6, 9)  # steps whole saves are committed as in run main; step 3 is only ever made from parts
+DCP_STEPS = (6, 9)  # steps the DCP writer saves, in its own run (testbed/sim_dcp.py)
 # The branch "br" starts at main's step 6 (or nowhere, when that is missing) and its steps come after
 # it: a selector br:step=N for N at or before the base names main's step (a branch reads its base's
 # history), which the checker would have to resolve as the code does.
@@ -80,17 +88,23 @@ class Inputs:
 
     def contents(self) -> dict[str, set[str]]:
         """Input name -> the names of whole saves a step made from it may check out as."""
-        out = {name: {name} for name in WHOLE}
+        out = {name: {name} for name in (*WHOLE, *DCP_STATES)}
         out["parts"] = {"A3", "B3"}  # a finalize takes one try's parts, whole
         return out
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
+    """Each file's SHA-256; a DCP ``.metadata`` by what it says (testbed/sim_dcp.py: the save id
+    and folder DCP records differ from one save to the next, and a checkout records neither)."""
     return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        str(p.relative_to(folder)): dcp_metadata_digest(p) if p.name == ".metadata" else file_digest(p)
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _as_of_step(save: Path, step: int, dst: Path) -> Path:
@@ -126,7 +140,10 @@ def prepare_inputs(save_a: Path, save_b: Path, root: Path) -> Inputs:
         for file in (OPTIM.format(1), "mp_rank_00_model_states.pt"):
             shutil.copy2(whole / file, host1 / file)
         inputs.folders[f"{name}3p0"], inputs.folders[f"{name}3p1"] = host0, host1
-    for name in WHOLE:
+    for name in DCP_STATES:  # what the DCP writer's saves check out as: DCP's own folder of each
+        inputs.folders[name] = root / f"dcp-{name}"
+        save_raw(name, inputs.folders[name])
+    for name in (*WHOLE, *DCP_STATES):
         inputs.digests[name] = tree_digest(inputs.folders[name])
     return inputs
 
@@ -298,10 +315,10 @@ def _revisions(rng: random.Random, backend: str) -> list[dict[str, Any]]:
 def _merges(rng: random.Random, backend: str) -> list[dict[str, Any]]:
     """Merges and averages beside the writers of their sources: a composite (step 9's layers, its
     first block from step 6) or an average of steps 6 and 9, sometimes stopped or killed at a
-    request, while other hosts replace a source (``--force``), remove it, or run a gc that drops or
-    thins it; then anything. A merge reported done must check out, hash-checked, as the manifest
-    it reported, whatever became of its sources (FORMAT 8.1, I6: gc keeps what a kept manifest
-    names)."""
+    request, while other hosts (each maybe faulted too) replace a source (``--force``), remove it,
+    run a gc that drops or thins it, or save through the DCP writer (run ``dcp``); then anything.
+    A merge reported done must check out, hash-checked, as the manifest it reported, whatever
+    became of its sources (FORMAT 8.1, I6: gc keeps what a kept manifest names)."""
     ops: list[dict[str, Any]] = []
     for step in STEPS:
         save = rng.choice(WHOLE)
@@ -316,12 +333,14 @@ def _merges(rng: random.Random, backend: str) -> list[dict[str, Any]]:
             merge.update(fault=fault, host="a")
         ops.append(merge)
         for _ in range(merge.get("fault", {}).get("after", 1)):
-            kind = rng.choice(("replace", "rm", "gc-drop", "gc-thin", "gc"))
+            kind = rng.choice(("replace", "rm", "gc-drop", "gc-thin", "gc", "dcp-save"))
             step = rng.choice(STEPS)
             host = rng.choice(("b", "c"))
             if kind == "replace":
                 op = {"op": "commit", "save": rng.choice(WHOLE), "key": ["main", step], "force": True,
                       "tag": None, "metric": None}  # fmt: skip
+            elif kind == "dcp-save":
+                op = {"op": "dcp-save", "save": rng.choice(DCP_STATES), "key": [DCP_RUN, rng.choice(DCP_STEPS)]}
             elif kind == "rm":
                 op = {"op": "rm", "key": ["main", step], "force": True}
             elif kind == "gc-drop":
@@ -330,7 +349,7 @@ def _merges(rng: random.Random, backend: str) -> list[dict[str, Any]]:
                 op = {"op": "gc", "args": ["--keep-last", "1", "--thin", "weights"], "drops": False, "thins": True}
             else:
                 op = {"op": "gc", "args": [], "drops": False, "thins": False}
-            ops.append(dict(op, host=host))
+            ops.append(dict(op, host=host, fault=_fault(rng, backend)))
     return _then_anything(rng, backend, ops, "replace", rng.randint(0, 2), "merges")
 
 
@@ -560,6 +579,8 @@ class Schedule:
             return ["gc", *op["args"], *self._lock()]
         if kind == "branch":
             return ["run", "create", "br", "--from", f"main:step={op['from']}", *self._lock()]
+        if kind == "dcp-save":
+            return ["@dcp-save", op["save"], str(key[1])]
         if kind == "merge":
             spec = self.work / f"spec-{op['n']}.yaml"
             spec.write_text(MERGE_SPECS[op["method"]])
@@ -708,7 +729,9 @@ def run_schedule(
             if "Traceback" in d.said
         ]
         keys: set[Key] = {
-            (str(d.op["key"][0]), int(d.op["key"][1])) for d in schedule.journal if d.kind in ("commit", "finalize")
+            (str(d.op["key"][0]), int(d.op["key"][1]))
+            for d in schedule.journal
+            if d.kind in ("commit", "finalize", "dcp-save")
         }
         seen = schedule.look()
         if not schedule.overran:  # a check that did not finish says nothing of the store
