@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from testbed.job_life import REGRESSIONS, outcome_line, run_schedule, schedule_for
+from testbed.job_life import DRAWN, INTEGRATIONS, REGRESSIONS, outcome_line, run_schedule, schedule_for
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,13 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedules", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--regressions", action="store_true", help="the kept regression schedules instead of seeds")
+    named = sorted(set(INTEGRATIONS) - set(DRAWN))
+    p.add_argument("--integration", choices=named, default=None, help="an integration never drawn, for every schedule")
     p.add_argument("--keep", type=Path, default=None, help="copy a broken schedule's folders here")
     p.add_argument("--json", type=Path, default=None, help="every outcome, as JSON lines")
     args = p.parse_args(argv)
     schedules = (
         list(REGRESSIONS.values())
         if args.regressions
-        else [schedule_for(s) for s in range(args.seed, args.seed + args.schedules)]
+        else [schedule_for(s, args.integration) for s in range(args.seed, args.seed + args.schedules)]
     )
     references: dict = {}
     broken = []
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(schedules)} schedules in {elapsed:.0f} s: {len(schedules) - len(broken)} held, {len(broken)} broke")
     for outcome in broken:
         how = "--regressions" if outcome.seed < 0 else f"--seed {outcome.seed} --schedules 1"
+        how += f" --integration {args.integration}" if args.integration and outcome.seed >= 0 else ""
         print(f"  replay: python -m benchmarks.job_life {how}   # {outcome.schedule}")
     if kinds:
         print("  invariants broken: " + ", ".join(f"{k} x{n}" for k, n in kinds.most_common()))

@@ -7,7 +7,10 @@ sequence across ranks and processes that no single test walks. Here each seed dr
 schedule:
 
 - a tiny real DeepSpeed training through ``attach`` (ZeRO-2 or ZeRO-3, 1 or 2 gloo ranks),
-  saving every 2 steps (testbed/job_life_train.py);
+  saving every 2 steps (testbed/job_life_train.py); or an FSDP2 training saving through the DCP
+  writer and resuming through the reader (testbed/job_life_dcp.py), sync or async; or, named
+  (``--integration titan``), through torchtitan's manager with ``keep_latest_k``
+  (testbed/job_life_titan.py);
 - a fault on the save's whole path: SIGKILL of one rank or of all before ``save_checkpoint``, as
   it returns, a moment later (while the copy, the staging writes or the commit run), after the
   next step, or at one of the commit's own requests (a blob's put, the manifest's create-only
@@ -88,7 +91,11 @@ INTEGRATIONS = {
     "deepspeed": ("testbed.job_life_train", []),  # attach, as the README shows it
     "dcp": ("testbed.job_life_dcp", []),  # FSDP2, dcp.save through TailorStorageWriter, TailorStorageReader
     "dcp-async": ("testbed.job_life_dcp", ["--async-save"]),  # the same with dcp.async_save
+    # named, never drawn (so that every drawn seed keeps its schedule): torchtitan's manager
+    "titan": ("testbed.job_life_titan", []),  # TailorCheckpointManager, keep_latest_k beside the saves
+    "titan-async": ("testbed.job_life_titan", ["--async-save"]),  # its async_mode="async"
 }
+DRAWN = ("deepspeed", "dcp", "dcp-async")  # what schedule_for draws from a seed alone
 # the store's own kill points a DCP save reaches: each rank's part, the coordinator's finalize
 DCP_STORE_POINTS = (
     "part/put=kill@{n}",
@@ -145,12 +152,16 @@ def _fault(
     return {"failpoints": point}
 
 
-def schedule_for(seed: int) -> Schedule:
-    """The schedule ``seed`` draws (no process is started)."""
+def schedule_for(seed: int, integration: str | None = None) -> Schedule:
+    """The schedule ``seed`` draws (no process is started); ``integration`` names one that is
+    never drawn (torchtitan's), whose schedules are the DCP writer's, driven by its manager."""
     rng = random.Random(seed)
-    integration = rng.choices(list(INTEGRATIONS), weights=[3, 1, 1])[0]
+    drawn = rng.choices(DRAWN, weights=[3, 1, 1])[0]
     stage = rng.choice([2, 3])
     first = rng.choice([1, 2])
+    if integration is not None and integration not in DRAWN:
+        return _dcp_schedule(seed, rng, integration, first)
+    integration = drawn
     if integration != "deepspeed":
         return _dcp_schedule(seed, rng, integration, first)
     launches = [Launch(first, fresh=True, **_fault(rng, first, STEPS, SAVE_EVERY))]
