@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import logging
 import resource
 import signal
@@ -36,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tailorstore.core.errors import TailorError
-from testbed.fuzz_targets import TARGETS
+from testbed.fuzz_targets import IMPORTS, MEMORY_MB, TARGETS
 
 
 class Hang(Exception):
@@ -136,20 +137,25 @@ def fuzz_target(name: str, seeds: list[bytes], examples: int, seconds: float, cr
     return broken
 
 
-def _capped(memory_mb: int) -> None:
-    cap = memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+def _capped(memory_mb: int, target: str | None = None) -> None:
+    """The address-space cap for ``target``'s inputs (its own, where :data:`MEMORY_MB` names one),
+    as a soft limit, so the next target's cap can differ; then what the target imports, before
+    any input's time cap runs."""
+    cap = max(memory_mb, MEMORY_MB.get(target or "", 0)) << 20
+    resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
     signal.signal(signal.SIGALRM, _alarm)
+    if target in IMPORTS:
+        importlib.import_module(IMPORTS[target])
     logging.getLogger("tailorstore").setLevel(logging.ERROR)  # a reader's warnings are allowed output
 
 
 def replay(inputs: list[Path], memory_mb: int, seconds: float) -> int:
     """Each saved input once, under the same caps (a crash found is a test: tests/test_fuzz.py)."""
     datas = [(p.name.rsplit("-", 1)[0], p.read_bytes(), p) for p in inputs]
-    _capped(memory_mb)
     failed = 0
     with tempfile.TemporaryDirectory(prefix="tailor-fuzz-replay-") as scratch:
         for name, data, path in datas:
+            _capped(memory_mb, name)
             try:
                 kind, what = _outcome(TARGETS[name], data, Path(scratch), seconds)
             except BaseException as exc:  # any other exception breaks the rule
@@ -177,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.replay:
         return replay(args.replay, args.memory_mb, args.seconds)
-    names = [n for n in args.targets.split(",") if n]
+    # the targets that import torch last: once imported, its mappings count against every later cap
+    names = sorted((n for n in args.targets.split(",") if n), key=lambda n: n in MEMORY_MB)
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
         parser.error(f"unknown targets {unknown}")
@@ -186,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.seeds is None:
             make_seeds(folder)
         seeds = {n: [p.read_bytes() for p in sorted((folder / n).glob("*.bin"))] for n in names}
-        _capped(args.memory_mb)
         broken: list[str] = []
         for name in names:
+            _capped(args.memory_mb, name)
             began = time.perf_counter()
             found = fuzz_target(name, seeds[name], args.examples, args.seconds, args.crashes, args.seed)
             print(f"{name}: {args.examples} inputs, {time.perf_counter() - began:.1f} s, {len(found)} broke the rule")

@@ -44,6 +44,11 @@ def make(out: Path) -> None:
         pickled = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
     _put(out, "torch-zip", zipped)
     _put(out, "pickle", pickled)
+    _put(out, "torch-fallback", zipped, _deflated(zipped))  # the second only torch's loader takes
+    from tailorstore.formats.skeleton import split_tensors
+    from tailorstore.formats.torch_fallback import skeleton_bytes
+
+    _put(out, "skeleton", skeleton_bytes(split_tensors(state, where="seed", file_size=len(zipped))[0]))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -80,6 +85,15 @@ def make(out: Path) -> None:
     _put(out, "metrics", b'{"eval_loss": 1.5, "acc": null}')
     head = {"tailorstore_head": 1, "store": "ab" * 16, "run": "main", "step": 3, "created_at": now}
     _put(out, "head", json.dumps(head).encode())
+
+
+def _deflated(zipped: bytes) -> bytes:
+    """The same torch.save zip with compressed records, which the torch-free reader refuses to cut."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(zipped)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    return out.getvalue()
 
 
 def _dcp_objects(folder: Path) -> list[bytes]:

@@ -6,8 +6,10 @@ store's marker), and the files a user or a job leaves beside them (merge specs, 
 A target takes the bytes and a scratch folder, and reads them as tailorstore would. The rule
 (``benchmarks/fuzz.py`` checks it): every input gives a result or one of tailorstore's errors
 (``TailorError``), within the memory and time caps, and leaves no process-wide state changed (the
-seed reads back as it did). Nothing here imports torch: the readers do not need it, and a process
-without it fits a 512 MiB address-space cap.
+seed reads back as it did). Nothing here imports torch but the two targets of torch's own
+``weights_only`` loader (``formats/safe_load.py``: the fallback for files the torch-free reader hands
+back, and committed skeletons), which import it when they run and get the larger address-space cap
+of :data:`MEMORY_MB`; the others fit 512 MiB.
 """
 
 from __future__ import annotations
@@ -56,6 +58,23 @@ def dcp_object(data: bytes, work: Path) -> Any:
     if why is not None:
         raise UnsafePickleError(f"object item: {why}")
     return "passed"
+
+
+def torch_fallback(data: bytes, work: Path) -> Any:
+    """A torch file as the fallback loads it (``load_torch_file``: torch's ``weights_only`` loader
+    under the allowlist), as a commit does for a file the torch-free reader hands back and the
+    DeepSpeed engine does for what it staged."""
+    from tailorstore.formats.safe_load import load_torch_file
+
+    obj, _ = load_torch_file(_file(data, work, "fuzz.pt"), mmap=False)
+    return repr(obj)[:2000]
+
+
+def skeleton(data: bytes, work: Path) -> Any:
+    """A committed file's skeleton as a checkout reads it back from the store (``load_skeleton``)."""
+    from tailorstore.formats.safe_load import load_skeleton
+
+    return repr(load_skeleton(data, "skeleton", trusted=False, trust_pickles=False))[:2000]
 
 
 def safetensors_file(data: bytes, work: Path) -> Any:
@@ -160,4 +179,10 @@ TARGETS: dict[str, Target] = {
     "metrics": metrics_text,
     "store-marker": store_marker,
     "head": job_head,
+    "torch-fallback": torch_fallback,
+    "skeleton": skeleton,
 }
+# Address-space caps above the default: torch's import alone maps more than 512 MiB.
+MEMORY_MB: dict[str, int] = {"torch-fallback": 1536, "skeleton": 1536}
+# Modules a target imports, imported before its inputs' time caps start (torch takes seconds).
+IMPORTS: dict[str, str] = dict.fromkeys(MEMORY_MB, "tailorstore.formats.safe_load")

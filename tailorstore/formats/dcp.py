@@ -25,11 +25,9 @@ the caller trusts the store's objects (``trust_objects=True``).
 
 from __future__ import annotations
 
-import io
 import itertools
 import logging
 import math
-import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -40,8 +38,9 @@ from tailorstore.core.errors import BadCheckpointError, UnsafePickleError
 from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.tensor_ref import DTYPES, TensorRef
 from tailorstore.formats.dcp_items import skeleton_bytes
+from tailorstore.formats.pickles import AllowlistUnpickler
 from tailorstore.formats.source import InputFile
-from tailorstore.formats.torch_pickle import DTypeName, ObjectVerdicts, check_memo, read_torch_zip
+from tailorstore.formats.torch_pickle import DTypeName, ObjectVerdicts, read_torch_zip
 
 log = logging.getLogger("tailorstore")
 
@@ -141,22 +140,17 @@ _CLASSES: dict[str, Any] = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, where: str, *, own: bool = False) -> None:
-        if not own:  # a memo slot past the pickle's length: 4.2 GB zero-filled from ten bytes
-            check_memo(data, where)
-        super().__init__(io.BytesIO(data))
-        self.where = where
-        self.allowed = _allowed()
+class _MetadataUnpickler(AllowlistUnpickler):
+    """``.metadata`` through DCP's metadata classes alone."""
 
-    def find_class(self, module: str, name: str) -> Any:
-        found = self.allowed.get(f"{module}.{name}")
-        if found is None:
-            raise UnsafePickleError(
-                f"{self.where}: the DCP metadata needs {module}.{name}, which is not one of DCP's metadata "
-                "classes; it was not loaded and nothing was committed."
-            )
-        return found
+    def __init__(self, data: bytes, where: str, *, own: bool = False) -> None:
+        super().__init__(data, where, _allowed(), self._refused, scanned=own)
+
+    def _refused(self, module: str, name: str) -> UnsafePickleError:
+        return UnsafePickleError(
+            f"{self.where}: the DCP metadata needs {module}.{name}, which is not one of DCP's metadata "
+            "classes; it was not loaded and nothing was committed."
+        )
 
     def persistent_load(self, pid: Any) -> Any:
         raise BadCheckpointError(f"{self.where}: a persistent id in DCP metadata, which DCP never writes")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tailorstore.core.atoms import TensorSlot
-from tailorstore.core.errors import BadCheckpointError, Call, UnsafePickleError
+from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, UnsafePickleError
 from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS, untrusted
 
 _UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
@@ -134,5 +134,18 @@ def load_skeleton(data: bytes, where: str, *, trusted: bool, trust_pickles: bool
     buf = io.BytesIO(data)
     if trusted:
         return torch.load(buf, map_location="cpu", weights_only=False)
-    with torch.serialization.safe_globals([*allowed_globals(), TensorSlot]):
-        return torch.load(buf, map_location="cpu", weights_only=True)
+    try:
+        with torch.serialization.safe_globals([*allowed_globals(), TensorSlot]):
+            return torch.load(buf, map_location="cpu", weights_only=True)
+    except Exception as exc:  # the blob's hash matched, so the store holds a skeleton no commit of ours wrote
+        match = _UNSUPPORTED_GLOBAL.search(str(exc))
+        what = (
+            f"needs {match.group(1)}, which is not on the allowlist"
+            if match
+            else f"does not load ({_detail(str(exc))})"
+        )
+        raise CorruptStoreError(
+            f"{where}: the committed file's structure {what}; no commit of tailorstore wrote it. Run ",
+            Call("verify", deep=True),
+            ".",
+        ) from None

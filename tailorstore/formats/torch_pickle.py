@@ -18,10 +18,7 @@ None, and the caller falls back to torch.
 
 from __future__ import annotations
 
-import _compat_pickle
 import codecs
-import io
-import pickle
 import pickletools
 import struct
 import zipfile
@@ -32,6 +29,7 @@ from typing import Any
 
 from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, UnsafePickleError
 from tailorstore.core.tensor_ref import DTYPES, TensorRef, contiguous_strides, numel_of
+from tailorstore.formats.pickles import AllowlistUnpickler
 from tailorstore.formats.source import InputFile, InputWindow
 from tailorstore.formats.torch_zip import BytesWindow, window_records
 
@@ -213,69 +211,36 @@ def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
-# protocol 5's buffers: the C unpickler's READONLY_BUFFER over a bytearray left "deallocated bytearray
-# object has exported buffers" when a load failed after it (found by benchmarks.fuzz)
-_BUFFERS = ("NEXT_BUFFER", "READONLY_BUFFER")
+class _Unpickler(AllowlistUnpickler):
+    """``data.pkl`` through the allowlist: tensors become refs located in the zip's records."""
 
-
-def check_memo(data: bytes, where: str) -> None:
-    """Refuse a pickle that stores into a memo slot past its own length, or uses protocol 5's
-    out-of-band buffers, before the C unpickler sees it. It grows its memo to the slot named, so
-    ten bytes (``LONG_BINPUT`` of 2**28) had it zero-fill 4.2 GB. A real pickle puts at most one
-    memo entry per opcode, so a slot number beyond its length is never one a pickler wrote. Read
-    op by op (about 0.3 us a byte); a pickle this cannot read that way is left for the unpickler
-    to refuse."""
-    try:
-        for op, arg, _ in pickletools.genops(data):
-            if op.name in _BUFFERS:
-                raise BadCheckpointError(
-                    f"{where}: the pickle uses out-of-band buffers (protocol 5), which torch.save never writes; "
-                    "it was not loaded."
-                )
-            if op.name in _PUTS and isinstance(arg, int) and not 0 <= arg <= len(data):
-                raise BadCheckpointError(
-                    f"{where}: the pickle stores into memo slot {arg} of a {len(data)}-byte pickle, which no "
-                    "pickler writes; the file is damaged or hostile, and was not loaded."
-                )
-    except ValueError:
-        return
-
-
-class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, records: dict[str, tuple[int, int]] | None, prefix: str, where: str) -> None:
-        check_memo(data, where)
-        super().__init__(io.BytesIO(data))
-        self.records, self.prefix, self.where = records, prefix, where
+        super().__init__(data, where, _allowed(), self._refused)
+        self.records, self.prefix = records, prefix
         self.refs: list[_Located] = []
-        self.allowed = _allowed()
 
     def _rebuild_tensor(self, *args: Any) -> _Located:
         ref = _rebuild_tensor_v2(*args)
         self.refs.append(ref)
         return ref
 
-    def find_class(self, module: str, name: str) -> Any:
-        # Protocol 2 (torch.save's) writes Python 2 names (__builtin__.set); map them as pickle does.
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        else:
-            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+    def resolve(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return self._rebuild_tensor
-        found = self.allowed.get(f"{module}.{name}")
+        found = super().resolve(module, name)
         if found is None and module == "torch":
             raise NotPlainTorchSave(f"torch.{name}")  # a dtype or storage we do not cut: torch's loader decides
-        if found is None:
-            refused = UnsafePickleError(
-                f"{self.where}: the pickle needs {module}.{name}, which is not on tailorstore's allowlist, so it "
-                "was not loaded. If you trust this file, run again with ",
-                Call(trust_pickles=True),
-                ".",
-            )
-            refused.needs = f"{module}.{name}"  # for a caller that words its own hint (the DCP reader)
-            raise refused
         return found
+
+    def _refused(self, module: str, name: str) -> UnsafePickleError:
+        refused = UnsafePickleError(
+            f"{self.where}: the pickle needs {module}.{name}, which is not on tailorstore's allowlist, so it "
+            "was not loaded. If you trust this file, run again with ",
+            Call(trust_pickles=True),
+            ".",
+        )
+        refused.needs = f"{module}.{name}"  # for a caller that words its own hint (the DCP reader)
+        return refused
 
     def persistent_load(self, pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):

@@ -1,0 +1,82 @@
+"""One reader of pickles (formats/pickles.py): every unpickling of outside bytes in the library
+goes through its allowlisted unpickler, or through torch's ``weights_only`` loader in
+formats/safe_load.py under the same allowlist, and every function that unpickles has a fuzz
+target (testbed/fuzz_targets.py), so a new call site cannot appear unfuzzed."""
+
+from __future__ import annotations
+
+import ast
+import io
+from pathlib import Path
+
+import pytest
+
+from tailorstore.core.errors import CorruptStoreError
+from testbed.fuzz_targets import TARGETS
+
+LIBRARY = Path(__file__).resolve().parent.parent / "tailorstore"
+# every function of the library that unpickles bytes from outside -> the fuzz target that reads as it does
+CALL_SITES = {
+    "formats/torch_pickle.py:read_torch_zip": "torch-zip",
+    "formats/torch_pickle.py:load_pickle_tree": "pickle",
+    "formats/dcp.py:read_metadata": "dcp-metadata",
+    "formats/safe_load.py:_load": "torch-fallback",
+    "formats/safe_load.py:load_skeleton": "skeleton",
+}
+# callers of those that read other formats through them
+INDIRECT = {"formats/torch_pickle.py:object_refusal": "dcp-object"}
+UNPICKLERS = {"_Unpickler", "_MetadataUnpickler", "AllowlistUnpickler"}
+
+
+def _modules() -> list[tuple[str, ast.Module]]:
+    return [(str(p.relative_to(LIBRARY)), ast.parse(p.read_text())) for p in sorted(LIBRARY.rglob("*.py"))]
+
+
+def _name(node: ast.expr) -> str:
+    return ast.unparse(node)
+
+
+def test_only_the_pickles_module_subclasses_an_unpickler_and_no_module_calls_pickle_to_load() -> None:
+    found = []
+    for rel, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = {_name(b) for b in node.bases}
+                if "pickle.Unpickler" in bases and rel != "formats/pickles.py":
+                    found.append(f"{rel}: class {node.name} subclasses pickle.Unpickler")
+            if isinstance(node, ast.Call):
+                called = _name(node.func)
+                if called in ("pickle.load", "pickle.loads", "pickle.Unpickler", "_pickle.loads", "dill.loads"):
+                    found.append(f"{rel}:{node.lineno}: {called}")
+                if called == "torch.load" and rel != "formats/safe_load.py":
+                    found.append(f"{rel}:{node.lineno}: torch.load outside formats/safe_load.py")
+    assert not found, found
+
+
+def test_every_function_that_unpickles_has_a_fuzz_target() -> None:
+    sites = set()
+    for rel, tree in _modules():
+        for func in ast.walk(tree):
+            if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(func):
+                if isinstance(node, ast.Call):
+                    called = _name(node.func)
+                    if called == "torch.load" or called.split(".")[-1] in UNPICKLERS:
+                        sites.add(f"{rel}:{func.name}")
+    methods = {s for s in sites if s.split(":")[1] == "__init__"}  # a subclass's constructor calling its base
+    assert sites - methods == set(CALL_SITES), "an unpickling call site without a fuzz target (CALL_SITES)"
+    assert set(CALL_SITES.values()) | set(INDIRECT.values()) <= set(TARGETS)
+
+
+def test_a_committed_skeleton_that_does_not_load_is_one_line_naming_the_store() -> None:
+    """Found by the skeleton target: a skeleton blob whose hash matches but that is no torch zip
+    (written by a co-tenant with write access) raised torch's RuntimeError, a traceback."""
+    torch = pytest.importorskip("torch")
+    from tailorstore.formats.safe_load import load_skeleton
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(3)}, buf)
+    for data in (buf.getvalue()[:200], b"not a zip"):
+        with pytest.raises(CorruptStoreError, match="no commit of tailorstore wrote it"):
+            load_skeleton(data, "step 3's model.pt", trusted=False, trust_pickles=False)
