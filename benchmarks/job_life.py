@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from testbed.job_life import DRAWN, INTEGRATIONS, REGRESSIONS, outcome_line, run_schedule, schedule_for
+from testbed.job_life import DRAWN, FAULTS, INTEGRATIONS, REGRESSIONS, outcome_line, run_schedule, schedule_for
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,13 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--regressions", action="store_true", help="the kept regression schedules instead of seeds")
     named = sorted(set(INTEGRATIONS) - set(DRAWN))
     p.add_argument("--integration", choices=named, default=None, help="an integration never drawn, for every schedule")
+    p.add_argument("--faults", choices=FAULTS, default="kills", help="stalls: staging full and stalls (DeepSpeed)")
     p.add_argument("--keep", type=Path, default=None, help="copy a broken schedule's folders here")
     p.add_argument("--json", type=Path, default=None, help="every outcome, as JSON lines")
     args = p.parse_args(argv)
     schedules = (
         list(REGRESSIONS.values())
         if args.regressions
-        else [schedule_for(s, args.integration) for s in range(args.seed, args.seed + args.schedules)]
+        else [schedule_for(s, args.integration, args.faults) for s in range(args.seed, args.seed + args.schedules)]
     )
     references: dict = {}
     broken = []
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     for outcome in broken:
         how = "--regressions" if outcome.seed < 0 else f"--seed {outcome.seed} --schedules 1"
         how += f" --integration {args.integration}" if args.integration and outcome.seed >= 0 else ""
+        how += f" --faults {args.faults}" if args.faults != "kills" and outcome.seed >= 0 else ""
         print(f"  replay: python -m benchmarks.job_life {how}   # {outcome.schedule}")
     if kinds:
         print("  invariants broken: " + ", ".join(f"{k} x{n}" for k, n in kinds.most_common()))

@@ -63,6 +63,18 @@ STORE_POINTS = (
     "after-publish=kill",
 )
 ON_EXISTING = ("branch", "replace")
+# the other faults of a save's path (``--faults stalls``, DeepSpeed schedules): staging full while
+# a save is written (that file goes where DeepSpeed writes it, and the save is committed from there;
+# it must never be lost), a rank's background writes or its commit stalled while training goes on
+STALL_POINTS = (
+    "snapshot-file-written=enospc@{n}",
+    "snapshot-file-written=enospc",  # every file of every save
+    "snapshot-file-written=sleep:3@{n}",
+    "commit/put=sleep:2@{n}",
+    "before-publish=sleep:4",
+)
+FAULTS = ("kills", "stalls")
+LONGEST = STEPS + 2 * SAVE_EVERY  # the last launch of a stalls schedule; the references train this far
 
 
 @dataclass(frozen=True)
@@ -152,13 +164,17 @@ def _fault(
     return {"failpoints": point}
 
 
-def schedule_for(seed: int, integration: str | None = None) -> Schedule:
+def schedule_for(seed: int, integration: str | None = None, faults: str = "kills") -> Schedule:
     """The schedule ``seed`` draws (no process is started); ``integration`` names one that is
-    never drawn (torchtitan's), whose schedules are the DCP writer's, driven by its manager."""
+    never drawn (torchtitan's), whose schedules are the DCP writer's, driven by its manager;
+    ``faults="stalls"``: a DeepSpeed schedule whose first launch meets a full staging folder or a
+    stall (:data:`STALL_POINTS`) instead of a kill, then maybe a kill, then a restart."""
     rng = random.Random(seed)
     drawn = rng.choices(DRAWN, weights=[3, 1, 1])[0]
     stage = rng.choice([2, 3])
     first = rng.choice([1, 2])
+    if faults == "stalls":
+        return _stalls_schedule(seed, rng, stage, first)
     if integration is not None and integration not in DRAWN:
         return _dcp_schedule(seed, rng, integration, first)
     integration = drawn
@@ -181,6 +197,18 @@ def schedule_for(seed: int, integration: str | None = None) -> Schedule:
     if rng.random() < 0.25:  # killed again while it recovers what the dead run left (its first commit)
         launches.append(Launch(restart, failpoints=rng.choice(["commit/put-create=kill", "commit/put=kill@1"])))
     launches.append(Launch(rng.choice([1, 2]), steps=STEPS + SAVE_EVERY))  # the last: clean, past the last save
+    return Schedule(seed, stage, tuple(launches))
+
+
+def _stalls_schedule(seed: int, rng: random.Random, stage: int, first: int) -> Schedule:
+    """Staging full or a stall on the first launch's saves (it must end with exit 0, every save
+    kept), sometimes a launch killed on its save's path after it, then a clean restart."""
+    stall = rng.choice(STALL_POINTS).format(n=rng.randint(1, 6))
+    launches = [Launch(first, fresh=True, failpoints=stall)]
+    if rng.random() < 0.5:  # the next launch resumes, and is killed on its one save's path (step 8)
+        nproc, last = rng.choice([1, 2]), STEPS + SAVE_EVERY
+        launches.append(Launch(nproc, steps=last, **_fault(rng, nproc, last, last)))
+    launches.append(Launch(rng.choice([1, 2]), steps=LONGEST))
     return Schedule(seed, stage, tuple(launches))
 
 
@@ -294,6 +322,7 @@ class _Job:
             return {digest}
         return {d for _, d in found}
 
+
 def _reports(folder: Path) -> list[dict]:
     if not folder.is_dir():
         return []
@@ -310,13 +339,14 @@ def _last_error(log: Path) -> str:
 
 
 def _reference_losses(schedule: Schedule, nproc: int, cache: dict[tuple, dict[str, str]]) -> dict[str, str]:
-    """An uninterrupted run's losses, steps 1 to STEPS + SAVE_EVERY, at this integration, stage and world size."""
+    """An uninterrupted run's losses, steps 1 to the longest launch's (:data:`LONGEST`), at this
+    integration, stage and world size."""
     stage = schedule.stage
     key = (schedule.integration.removesuffix("-async"), stage, nproc)
     if key not in cache:
         with tempfile.TemporaryDirectory(prefix="tailor-joblife-ref-") as tmp:
             job = _Job(Path(tmp), stage, schedule.integration)
-            ended, reports = job.run(Launch(nproc, steps=STEPS + SAVE_EVERY, fresh=True), 0)
+            ended, reports = job.run(Launch(nproc, steps=LONGEST, fresh=True), 0)
             if ended != "ok" or not reports:
                 raise RuntimeError(f"the reference run at ZeRO-{stage}, {nproc} ranks failed: {ended}")
             cache[key] = dict(reports[0].get("losses", {}))

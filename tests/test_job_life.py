@@ -10,6 +10,8 @@ folders. The soak (``python -m benchmarks.job_life --schedules 200``) runs many 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from testbed.job_life import REGRESSIONS, outcome_line, run_schedule, schedule_for
@@ -46,6 +48,17 @@ def test_a_schedule_of_torchtitans_manager_holds_every_invariant(integration: st
     assert outcome.ok, outcome_line(outcome)
 
 
+# staging full or a stall instead of a kill (``--faults stalls``): every staged file of every save on
+# ENOSPC at 2 ranks, ZeRO-3 (9); one file of the fourth save full at 2 ranks (1)
+STALLS = (9, 1)
+
+
+@pytest.mark.parametrize("seed", STALLS)
+def test_a_save_whose_staging_fills_or_stalls_is_kept_and_the_job_goes_on(seed: int) -> None:
+    outcome = run_schedule(schedule_for(seed, faults="stalls"), references=_references)
+    assert outcome.ok, outcome_line(outcome)
+
+
 def test_the_schedules_cover_every_fault_and_restart_shape() -> None:
     """The generator reaches every kill point, both stages, both rewind rules and a world-size change
     within the first 300 seeds (the soak, `--schedules 300`, covers every one)."""
@@ -62,3 +75,8 @@ def test_the_schedules_cover_every_fault_and_restart_shape() -> None:
     assert {launch.on_existing for launch in launches if launch.tag} == {"branch", "replace"}
     assert any(len({launch.nproc for launch in s.launches}) > 1 for s in schedules)
     assert any(sum(1 for launch in s.launches if launch.faulted) >= 2 for s in schedules)
+    stalls = [schedule_for(seed, faults="stalls") for seed in range(100)]
+    points = [launch.failpoints for s in stalls for launch in s.launches if launch.failpoints]
+    drawn = {re.sub(r"[:@].*", "", p) for p in points if "kill" not in p}
+    assert drawn == {"snapshot-file-written=enospc", "snapshot-file-written=sleep", "commit/put=sleep",
+                     "before-publish=sleep"}, drawn  # fmt: skip

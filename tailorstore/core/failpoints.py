@@ -7,6 +7,7 @@ the moment that matters, in a real process, so the code names those moments::
     TAILOR_FAILPOINTS="before-publish=stop"                 # SIGSTOP this process there
     TAILOR_FAILPOINTS="before-publish=sleep:0.5,gc-before-delete=stop"
     TAILOR_FAILPOINTS="before-part-publish=kill@2"          # SIGKILL at the second time it is reached
+    TAILOR_FAILPOINTS="snapshot-file-written=enospc@2"      # the disk full there (OSError ENOSPC)
 
 Every request a backend makes is a failpoint too, named ``OPERATION/KIND``: the operation this
 thread runs (:func:`operation`: ``commit``, ``part``, ``finalize``, ``gc``, ``merge``, ``average``, ``run-create``,
@@ -28,6 +29,7 @@ from outside, read once, at most 1,000 characters); a sleep is at most 600 secon
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import signal
@@ -90,7 +92,7 @@ def _actions() -> dict[str, str]:
     for entry in text.split(","):
         name, _, action = entry.strip().partition("=")
         known = name in POINTS or _REQUEST.fullmatch(name)
-        if known and (action.partition("@")[0] in ("stop", "kill") or action.startswith("sleep:")):
+        if known and (action.partition("@")[0] in ("stop", "kill", "enospc") or action.startswith("sleep:")):
             out[name] = action
     return out
 
@@ -107,6 +109,8 @@ def failpoint(name: str) -> None:
     if action in ("stop", "kill"):
         os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
         return
+    if action == "enospc":  # a full disk where the code writes, as the kernel says it
+        raise OSError(errno.ENOSPC, f"No space left on device (TAILOR_FAILPOINTS at {name})")
     try:
         seconds = float(action[len("sleep:") :])
     except ValueError:
