@@ -22,7 +22,8 @@ from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.backends.base import pack_key
 from tailorstore.store.index._index import Index
 from tailorstore.store.index.catalogue import Catalogue
-from tailorstore.store.manifest_objects import MANIFEST_PREFIX, is_manifest_key, sync
+from tailorstore.store.manifests.keys import MANIFEST_PREFIX, is_manifest_key
+from tailorstore.store.manifests.sync import sync
 from tailorstore.store.packs.pack import PACK_BELOW, pack_names, read_trailer
 from tailorstore.store.repo import Repository
 

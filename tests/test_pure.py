@@ -196,7 +196,7 @@ def test_retention_counts_each_run_on_its_own_and_keeps_run_bases() -> None:
 
 def test_selectors_read_in_a_run() -> None:
     from tailorstore.curate.runs import qualify
-    from tailorstore.store.manifest_objects import check_run_name
+    from tailorstore.store.manifests.runs import check_run_name
 
     assert qualify("step=3", "ft") == "ft:step=3"
     assert qualify("latest", "ft") == "ft:latest"

@@ -72,7 +72,7 @@ from tailorstore.store.index.records import (
 )
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.manifest_objects import check_run_name
+from tailorstore.store.manifests.runs import check_run_name
 from tailorstore.store.packs.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.parts import Part

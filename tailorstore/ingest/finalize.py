@@ -47,7 +47,7 @@ from tailorstore.formats.kinds import DCP
 from tailorstore.formats.layout import ACCELERATE, DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
 from tailorstore.store.backends.base import blob_key
 from tailorstore.store.index.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
-from tailorstore.store.manifest_objects import check_run_name
+from tailorstore.store.manifests.runs import check_run_name
 from tailorstore.store.parts import Part, read_parts
 from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest
 from tailorstore.store.repo import Repository, check_step

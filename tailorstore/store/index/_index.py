@@ -1,6 +1,6 @@
 """The SQLite index: the one class that holds every SQL statement of tailorstore.
 
-The index is a cache of the manifest objects in the backend (``manifest_objects``): what it
+The index is a cache of the manifest objects in the backend (``store/manifests/``): what it
 adds is fast lookups (which blobs a manifest needs, where a layer was last stored, where a
 blob sits in a pack). Callers above ``store/`` see typed records (``records``), never rows.
 

@@ -2,7 +2,7 @@
 
 Everything above ``store/`` handles these records, never SQL rows or positional tuples,
 so a column added to the schema is a field added here and in :mod:`._index`, nowhere else.
-The same records are the rows of a manifest object (``manifest_objects``), so what the
+The same records are the rows of a manifest object (``store/manifests/document.py``), so what the
 index caches and what the backend keeps cannot drift apart.
 """
 

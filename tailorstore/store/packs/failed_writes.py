@@ -12,10 +12,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tailorstore.core.progress import Progress
-from tailorstore.store import manifest_objects, parts
+from tailorstore.store import parts
 from tailorstore.store.backends.base import blob_key
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
+from tailorstore.store.manifests.keys import current_of, listed_manifest_keys
 from tailorstore.store.packs.pack import pack_key
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.repo import Repository
@@ -50,7 +51,7 @@ def remove_unindexed(repo: Repository, writer: BlobWriter, lock: LockHandle | Le
     index, which a sync would meet again.)"""
     try:
         known = {m.object_key for m in repo._index.manifests()}
-        listed = manifest_objects.current_of(manifest_objects.listed_manifest_keys(repo.backend))
+        listed = current_of(listed_manifest_keys(repo.backend))
     except Exception:
         return
     if set(listed.values()) - known:
