@@ -57,13 +57,8 @@ from tailorstore.core.errors import (
 from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.metrics import decode as decode_metrics
-from tailorstore.core.sizes import human
-from tailorstore.curate.archiving import ArchiveGrid, archivable
-from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
-from tailorstore.store import archive_codec, codec, gc_notices
-from tailorstore.store.backends.base import blob_key
-from tailorstore.store.backends.listing import Holdings
-from tailorstore.store.index.records import (
+from tailorstore.core.object_keys import blob_key
+from tailorstore.core.records import (
     COMMIT,
     MAIN_RUN,
     THIN_ARCHIVE,
@@ -72,6 +67,11 @@ from tailorstore.store.index.records import (
     ManifestRecord,
     RunRecord,
 )
+from tailorstore.core.sizes import human
+from tailorstore.curate.archiving import ArchiveGrid, archivable
+from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
+from tailorstore.store import archive_codec, codec, gc_notices
+from tailorstore.store.backends.listing import Holdings
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifests.drop_marks import mark_unless_claimed, take_back_marks

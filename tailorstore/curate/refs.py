@@ -20,8 +20,8 @@ from typing import Protocol
 
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, LeaseLostError, LockTimeoutError, StepExistsError, StoreError
 from tailorstore.core.failpoints import operation
+from tailorstore.core.records import ManifestRecord, RunRecord
 from tailorstore.core.step_rules import check_tag
-from tailorstore.store.index.records import ManifestRecord, RunRecord
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifests.drop_marks import being_dropped, mark_dropping, mark_unless_claimed, take_back_marks

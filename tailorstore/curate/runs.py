@@ -18,7 +18,7 @@ from typing import Protocol
 
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, StepExistsError, UnknownStepError
 from tailorstore.core.failpoints import operation
-from tailorstore.store.index.records import MAIN_RUN, ManifestRecord, RunRecord
+from tailorstore.core.records import MAIN_RUN, ManifestRecord, RunRecord
 from tailorstore.store.manifests import runs as run_objects
 from tailorstore.store.repo import Repository
 

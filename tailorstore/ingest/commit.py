@@ -39,6 +39,16 @@ from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.layers import STATE, sort_key
 from tailorstore.core.policies import CommitFacts, decide, needs_changes
 from tailorstore.core.progress import Progress, Silent
+from tailorstore.core.records import (
+    COMMIT,
+    AtomKey,
+    AtomRecord,
+    BlobRecord,
+    FileRecord,
+    LayerRecord,
+    ManifestRecord,
+    StoredLayer,
+)
 from tailorstore.core.rounding import ROUND_FROM_MASTER
 from tailorstore.core.step_rules import check_tag
 from tailorstore.formats.deepspeed import ModelInfo
@@ -59,21 +69,11 @@ from tailorstore.ingest.derive import RoundedMasters, is_derivable_weight
 from tailorstore.ingest.finalize import missing_pieces
 from tailorstore.ingest.pieces_ahead import PiecesAhead, Prepared, prepare, read_helpers
 from tailorstore.store import parts
+from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.gc_notices import check_publication
-from tailorstore.store.index.records import (
-    COMMIT,
-    AtomKey,
-    AtomRecord,
-    BlobRecord,
-    FileRecord,
-    LayerRecord,
-    ManifestRecord,
-    StoredLayer,
-)
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifests.runs import check_run_name
-from tailorstore.store.packs.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.parts import Part
 from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest, refuse_taken

@@ -22,12 +22,12 @@ from typing import Protocol
 from tailorstore.access.changes import ChangeTerms
 from tailorstore.core.errors import StoreError
 from tailorstore.core.policies import CommitFacts, PolicySpec, decide, needs_changes
+from tailorstore.core.records import ManifestRecord
 from tailorstore.formats.deepspeed import is_model_states
 from tailorstore.formats.reader import write_order
 from tailorstore.ingest.commit import Inheritance, ages_of, combine_changes, file_change_terms, inheritance
 from tailorstore.ingest.commit_options import PartPlan
 from tailorstore.ingest.rank_share import Share, Survey
-from tailorstore.store.index.records import ManifestRecord
 from tailorstore.store.repo import Repository
 
 

@@ -45,10 +45,11 @@ from dataclasses import dataclass
 import zstandard
 
 from tailorstore.core.errors import Call, CorruptStoreError, LeaseLostError, StoreError
+from tailorstore.core.object_keys import HASH_NAME
+from tailorstore.core.records import BlobRecord
 from tailorstore.store import parts
-from tailorstore.store.backends.base import HASH_NAME, Backend
+from tailorstore.store.backends.base import Backend
 from tailorstore.store.codec import decompress_bounded
-from tailorstore.store.index.records import BlobRecord
 from tailorstore.store.manifests import document
 from tailorstore.store.manifests.keys import listed_manifest_keys
 

@@ -43,12 +43,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from tailorstore.core.errors import Call, StepChangedError, StepExistsError
+from tailorstore.core.errors import Call, StepChangedError, StepExistsError, is_out_of_space
 from tailorstore.core.failpoints import failpoint
-from tailorstore.store.backends.posix import is_out_of_space
-from tailorstore.store.gc_notices import check_publication
-from tailorstore.store.index.catalogue import CatalogueEdit
-from tailorstore.store.index.records import (
+from tailorstore.core.records import (
     COMMIT,
     MAIN_RUN,
     AtomRecord,
@@ -57,6 +54,8 @@ from tailorstore.store.index.records import (
     LayerRecord,
     ManifestRecord,
 )
+from tailorstore.store.gc_notices import check_publication
+from tailorstore.store.index.catalogue import CatalogueEdit
 from tailorstore.store.lock import Fence
 from tailorstore.store.manifests.objects import check_revised, publish, retire, unpublish
 from tailorstore.store.manifests.refs import put_tag, write_refs
@@ -131,9 +130,7 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
             for manifest, change in zip(ids, changes, strict=True):
                 replacing = isinstance(change, Revision) or change.replacing
                 expected = taken.expected.get(manifest)
-                key = publish(
-                    repo.backend, edit, manifest, fence=fence, replacing=replacing, expected=expected
-                )
+                key = publish(repo.backend, edit, manifest, fence=fence, replacing=replacing, expected=expected)
                 taken.published.append(key)
                 if expected is not None:
                     check_revised(repo.backend, key, expected)

@@ -35,12 +35,12 @@ from tailorstore.core.errors import (
     TailorError,
     UnknownStepError,
 )
+from tailorstore.core.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
 from tailorstore.store import archive_codec, codec
 from tailorstore.store.backends.base import Backend, blob_names
 from tailorstore.store.backends.listing import LIST_PAGE, Holdings, stored_part
 from tailorstore.store.backends.location import Location, resolve
 from tailorstore.store.index._index import Index
-from tailorstore.store.index.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
 from tailorstore.store.index.roles import R, view_as
 from tailorstore.store.index.schema import FORMAT_VERSION
 from tailorstore.store.lease import LeaseHandle, lease_lock

@@ -35,7 +35,7 @@ from tailorstore.core.errors import (
     StoreError,
     TailorError,
 )
-from tailorstore.store.index.records import (
+from tailorstore.core.records import (
     ATOM_COLUMNS,
     COMMIT,
     FILE_COLUMNS,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-from tailorstore.store.index.records import (
+from tailorstore.core.records import (
     AtomContent,
     AtomKey,
     AtomRecord,

@@ -17,10 +17,8 @@ from typing import Any
 import zstandard
 
 from tailorstore.core import metrics
-from tailorstore.core.errors import Call, CorruptStoreError
-from tailorstore.store.codec import decompress_bounded
-from tailorstore.store.index._index import Index
-from tailorstore.store.index.records import (
+from tailorstore.core.errors import Call, CorruptStoreError, RecordError
+from tailorstore.core.records import (
     ATOM_COLUMNS,
     DOC_BLOB_COLUMNS,
     FILE_COLUMNS,
@@ -31,12 +29,13 @@ from tailorstore.store.index.records import (
     FileRecord,
     LayerRecord,
     ManifestRecord,
-    RecordError,
     check_rows,
     from_table,
     record,
     to_table,
 )
+from tailorstore.store.codec import decompress_bounded
+from tailorstore.store.index._index import Index
 from tailorstore.store.manifests.keys import COMMIT_KEY, run_of_key
 
 DOC_VERSION = 2  # 2 adds the manifest's run; version 1 objects are all of run 'main'

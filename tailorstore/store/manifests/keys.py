@@ -25,8 +25,8 @@ import logging
 import re
 from collections.abc import Iterable
 
+from tailorstore.core.records import MAIN_RUN
 from tailorstore.store.backends.base import Backend, check_key
-from tailorstore.store.index.records import MAIN_RUN
 
 log = logging.getLogger("tailorstore")
 

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 
 from tailorstore.core.errors import Call, ObjectExistsError, StepChangedError, StepExistsError
 from tailorstore.core.failpoints import failpoint
+from tailorstore.core.records import COMMIT, MAIN_RUN, ManifestRecord
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.index._index import Index
-from tailorstore.store.index.records import COMMIT, MAIN_RUN, ManifestRecord
 from tailorstore.store.lock import Fence
 from tailorstore.store.manifests.document import document, encode
 from tailorstore.store.manifests.drop_marks import mark_unless_claimed

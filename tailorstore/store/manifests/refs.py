@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
+from tailorstore.core.records import MAIN_RUN, ManifestRecord
 from tailorstore.store.backends.base import Backend
-from tailorstore.store.index.records import MAIN_RUN, ManifestRecord
 from tailorstore.store.manifests.keys import (
     MANIFEST_PREFIX,
     PIN_PREFIX,

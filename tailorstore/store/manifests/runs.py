@@ -11,9 +11,9 @@ import json
 from typing import Any
 
 from tailorstore.core.errors import Call, CorruptStoreError, ObjectExistsError, StepExistsError, StoreError
+from tailorstore.core.records import RunRecord, record
 from tailorstore.core.run_names import RUN_NAME
 from tailorstore.store.backends.base import Backend, check_key
-from tailorstore.store.index.records import RunRecord, record
 from tailorstore.store.manifests.keys import RETENTION_PREFIX, RUN_PREFIX, odd_key
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tailorstore.core.records import RunRecord
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.index._index import Index
-from tailorstore.store.index.records import RunRecord
 from tailorstore.store.manifests.document import ManifestDocument, decode
 from tailorstore.store.manifests.keys import MANIFEST_PREFIX, current_of, is_manifest_key, pin_key
 from tailorstore.store.manifests.refs import current_refs, listed_tags, pinned_keys

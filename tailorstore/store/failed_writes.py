@@ -3,7 +3,8 @@
 A commit, an average and a thinning all write blobs before they record anything, so a failed
 one must take its blobs back. Not the commit's own module: checkout, export and conversions
 refuse thinned steps through :mod:`thinning`, which needs this, and must not import the whole
-commit machinery for it.
+commit machinery for it. Beside publication, not in packs/: it reads the repository, the parts
+and the manifest keys, which the pack format and the blob writer know nothing of.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tailorstore.core.object_keys import blob_key
 from tailorstore.core.progress import Progress
 from tailorstore.store import parts
-from tailorstore.store.backends.base import blob_key
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifests.keys import current_of, listed_manifest_keys
