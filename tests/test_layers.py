@@ -290,6 +290,22 @@ def test_every_lock_timeout_defaults_to_the_one_constant() -> None:
     assert LOCK_TIMEOUT == 600.0
 
 
+def test_the_failpoints_sleep_cap_is_named_once() -> None:
+    """The house, third step: the 600 s cap on a failpoint's sleep was written out twice (the
+    docstring and the check). It is ``failpoints.LONGEST_SLEEP``, and no module of the library or
+    the CLI writes 600 as a number but the two constants that mean it (that and ``LOCK_TIMEOUT``)."""
+    from tailorstore.core import failpoints
+
+    found = {}
+    for path in sources():
+        text = (ROOT / path).read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Constant) and type(node.value) in (int, float) and node.value == 600:
+                found[f"{path}:{node.lineno}"] = text.splitlines()[node.lineno - 1].split("=")[0].strip()
+    assert sorted(found.values()) == ["LOCK_TIMEOUT", "LONGEST_SLEEP"], found
+    assert failpoints.LONGEST_SLEEP == 600.0 and "600" not in (failpoints.__doc__ or "")
+
+
 def test_the_integrations_share_one_set_of_rank_helpers() -> None:
     """Issue 49: the rank lookup, the broadcast and the reading of LOCAL_WORLD_SIZE were each defined
     two or three times, with different caps and failure semantics. integrations/ranks.py holds them;
