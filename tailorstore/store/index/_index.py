@@ -2,7 +2,7 @@
 
 The index is a cache of the manifest objects in the backend (``store/manifests/``): what it
 adds is fast lookups (which blobs a manifest needs, where a layer was last stored, where a
-blob sits in a pack). Callers above ``store/`` see typed records (``records``), never rows.
+blob sits in a pack). Callers above ``store/`` see typed records (``core/records.py``), never rows.
 
 Settings that make its promises hold: WAL lets readers (checkout, log, show) work while a
 commit writes; ``synchronous=FULL`` makes a committed transaction survive power loss;
