@@ -1,7 +1,9 @@
 """gc's drop marks against ref changes: each side writes, then reads the other's (FORMAT.md 8.1).
 
-A gc that drops manifests and a host that tags or pins one race without a lock between them
-(ref changes hold the store lock shared). The order on each side:
+A gc that drops manifests and a host that tags or pins one may meet however either stalls: a
+lock or lease checked before a request may be late by the time the request lands, so no check
+decides. Each side writes its intent first and then reads the other's, as in Dekker's mutual
+exclusion. The order on each side:
 
 - gc (and ``rm``, and :func:`objects.retire`): :func:`mark_dropping` puts each manifest's drop
   marker create-only, then :func:`claimed` reads the pins and tags; a manifest a ref names is

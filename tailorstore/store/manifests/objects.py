@@ -9,8 +9,10 @@ calls it:
    replacement, refused when the version a revision was read from is no longer the newest),
    the fence, the create-only put;
 2. for a revision, :func:`check_revised` right after its put (write, then read the other side);
-3. the refs (store/manifests/refs.py), only after the object;
-4. :func:`unpublish` of the versions it replaced, or :func:`retire` of those a ref may name.
+3. on a leased store, gc's notices read (store/gc_notices.py); then the refs
+   (store/manifests/refs.py), only after the object;
+4. once the index transaction committed, :func:`unpublish` of the versions it replaced, or
+   :func:`retire` of those a ref may still name.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The index is only a cache of the manifest objects. :func:`sync` imports the manifests of
 other hosts, drops those another host's gc dropped, takes tags, pins and runs from their
-objects, and places blobs as the packs say; ``Repository.rebuild_index`` runs it on a new index.
+objects, and places blobs as the packs say. ``Repository.refresh`` runs it (on every open), and
+``Repository.rebuild_index`` on a new index.
 """
 
 from __future__ import annotations
