@@ -9,6 +9,7 @@ older version of a step counts for the step's current version (:func:`current_re
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
@@ -23,7 +24,6 @@ from tailorstore.store.manifests.keys import (
     is_manifest_key,
     key_version,
     keys_by_name,
-    log,
     odd_key,
     pin_key,
     pinned_by,
@@ -32,6 +32,8 @@ from tailorstore.store.manifests.keys import (
     tag_of_key,
     versions_of,
 )
+
+log = logging.getLogger("tailorstore")
 
 
 class RefSource(Protocol):
