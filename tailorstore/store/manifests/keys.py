@@ -165,7 +165,7 @@ def _current_versions(keys: Iterable[str]) -> set[str]:
 def superseded(backend: Backend) -> list[str]:
     """Manifest objects an interrupted ``--force`` or thinning left behind: older versions of a step
     whose newer version is the one readers take. Only gc, under the exclusive lock, deletes them."""
-    keys = [k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k)]
+    keys = listed_manifest_keys(backend)
     current = _current_versions(keys)
     return sorted(k for k in keys if k not in current)
 

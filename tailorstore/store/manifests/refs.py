@@ -16,7 +16,6 @@ from typing import Protocol
 from tailorstore.core.records import MAIN_RUN, ManifestRecord
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.manifests.keys import (
-    MANIFEST_PREFIX,
     PIN_PREFIX,
     TAG_KEY,
     TAG_PREFIX,
@@ -24,6 +23,7 @@ from tailorstore.store.manifests.keys import (
     is_manifest_key,
     key_version,
     keys_by_name,
+    listed_manifest_keys,
     odd_key,
     pin_key,
     pinned_by,
@@ -148,7 +148,7 @@ def carry_refs(backend: Backend, index: RefSource, superseded: list[str]) -> Non
     (which the index has from ``keys.current_of``), so a pin or tag left on an old version outlives it."""
     if not superseded:
         return
-    current = current_of(k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k))
+    current = current_of(listed_manifest_keys(backend))
     heirs = {current[k] for k in superseded if k in current}
     ids = [m.id for m in index.manifests() if m.object_key in heirs]
     write_refs(backend, index, ids)

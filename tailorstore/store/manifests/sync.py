@@ -15,7 +15,7 @@ from tailorstore.core.records import RunRecord
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.index._index import Index
 from tailorstore.store.manifests.document import ManifestDocument, decode
-from tailorstore.store.manifests.keys import MANIFEST_PREFIX, current_of, is_manifest_key, pin_key
+from tailorstore.store.manifests.keys import current_of, listed_manifest_keys, pin_key
 from tailorstore.store.manifests.refs import current_refs, listed_tags, pinned_keys
 from tailorstore.store.manifests.runs import listed_runs
 from tailorstore.store.packs.pack import pack_names
@@ -74,7 +74,7 @@ class _Listing:
     @classmethod
     def take(cls, backend: Backend, index: Index) -> _Listing:
         packs = set(pack_names(backend))
-        current = current_of(k for k in backend.list(MANIFEST_PREFIX) if is_manifest_key(k))
+        current = current_of(listed_manifest_keys(backend))
         present = set(current.values())
         records = index.manifests()
         known_runs = index.created_runs()
