@@ -38,9 +38,9 @@ if TYPE_CHECKING:
     from tailorstore.api import Store
     from tailorstore.core.errors import BackendError, BackgroundCommitError
     from tailorstore.core.memory import reuse_freed_memory
+    from tailorstore.core.records import MAIN_RUN
     from tailorstore.curate.averaging import AverageResult
     from tailorstore.curate.merge import MergeResult
-    from tailorstore.store.index.records import MAIN_RUN
     from tailorstore.store.index.schema import FORMAT_VERSION
 
 # Loaded on first use (the module docstring says why): name -> module. Every result a Store
@@ -49,7 +49,7 @@ _LOADED_ON_USE = {
     "BackgroundCommitError": ".core.errors",
     "reuse_freed_memory": ".core.memory",
     "BackendError": ".core.errors",
-    "MAIN_RUN": ".store.index.records",
+    "MAIN_RUN": ".core.records",
     "FORMAT_VERSION": ".store.index.schema",  # sqlite3: not for --help and --version
     "Store": ".api",
     "CommitRequest": ".ingest.commit_options",

@@ -33,9 +33,9 @@ from tailorstore.background import CommitQueue
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, StoreError
 from tailorstore.core.metrics import encode as encode_metrics
 from tailorstore.core.progress import Progress, Silent
+from tailorstore.core.records import MAIN_RUN, ManifestRecord
 from tailorstore.curate.runs import qualify
-from tailorstore.store.index.records import MAIN_RUN, ManifestRecord
-from tailorstore.store.manifest_objects import check_run_name, write_retention
+from tailorstore.store.manifests.runs import check_run_name, write_retention
 from tailorstore.store.repo import RebuildResult, Repository
 
 

@@ -23,8 +23,9 @@ from tailorstore.formats.dcp import read_metadata
 from tailorstore.formats.safetensors_file import read_safetensors
 from tailorstore.formats.source import InputFile
 from tailorstore.formats.torch_pickle import MemorySource, load_pickle_tree, object_refusal, read_torch_zip
-from tailorstore.store import archive_codec, manifest_objects, parts
+from tailorstore.store import archive_codec, parts
 from tailorstore.store.backends.location import resolve
+from tailorstore.store.manifests import document
 from tailorstore.store.packs import pack as packs
 
 Target = Callable[[bytes, Path], Any]
@@ -86,7 +87,7 @@ def safetensors_file(data: bytes, work: Path) -> Any:
 def manifest_object(data: bytes, work: Path) -> Any:
     # a key without a step: the seeds are real objects of several steps, and the check of a key's step
     # against the content (one comparison) would stop every seed before the rows it is here to fuzz
-    doc = manifest_objects.decode(data, "manifests/main/fuzz.json.zst")
+    doc = document.decode(data, "manifests/main/fuzz.json.zst")
     return (doc.manifest.step, len(doc.files), len(doc.atoms), len(doc.blobs))
 
 

@@ -9,13 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from tailorstore.core.errors import ObjectExistsError, StoreError
-from tailorstore.store.backends.base import (
-    READ_CHUNK,
-    Backend,
-    blob_key,
-    blob_names,
-    check_key,
-)
+from tailorstore.core.object_keys import blob_key
+from tailorstore.store.backends.base import READ_CHUNK, Backend, blob_names, check_key
 
 
 def test_put_and_get_whole_and_ranged(backend: Backend) -> None:

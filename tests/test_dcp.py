@@ -550,7 +550,7 @@ def test_a_tied_embedding_is_exported_once_as_save_pretrained_writes_it(tmp_path
 def test_equal_tensors_that_are_not_embeddings_are_both_exported() -> None:
     """The tie rule is narrow: two norms still at ones are equal blob for blob, yet not tied."""
     from tailorstore.access.model_tensors import ModelTensor, tied_embeddings
-    from tailorstore.store.index.records import AtomRecord
+    from tailorstore.core.records import AtomRecord
 
     def tensor(name: str, blob: str) -> ModelTensor:
         atom = AtomRecord("f", 0, 0, 4, "float32", "[4]", name, "master", 0, 0, 16, "x", blob, None, 0)

@@ -290,6 +290,22 @@ def test_every_lock_timeout_defaults_to_the_one_constant() -> None:
     assert LOCK_TIMEOUT == 600.0
 
 
+def test_the_failpoints_sleep_cap_is_named_once() -> None:
+    """The house, third step: the 600 s cap on a failpoint's sleep was written out twice (the
+    docstring and the check). It is ``failpoints.LONGEST_SLEEP``, and no module of the library or
+    the CLI writes 600 as a number but the two constants that mean it (that and ``LOCK_TIMEOUT``)."""
+    from tailorstore.core import failpoints
+
+    found = {}
+    for path in sources():
+        text = (ROOT / path).read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Constant) and type(node.value) in (int, float) and node.value == 600:
+                found[f"{path}:{node.lineno}"] = text.splitlines()[node.lineno - 1].split("=")[0].strip()
+    assert sorted(found.values()) == ["LOCK_TIMEOUT", "LONGEST_SLEEP"], found
+    assert failpoints.LONGEST_SLEEP == 600.0 and "600" not in (failpoints.__doc__ or "")
+
+
 def test_the_integrations_share_one_set_of_rank_helpers() -> None:
     """Issue 49: the rank lookup, the broadcast and the reading of LOCAL_WORLD_SIZE were each defined
     two or three times, with different caps and failure semantics. integrations/ranks.py holds them;
@@ -410,14 +426,104 @@ def test_no_integration_reaches_through_the_store_handle() -> None:
 
 
 def test_the_store_keeps_its_concerns_in_sub_packages() -> None:
-    """Issue 49: store/ held 23 modules of four concerns side by side. The backends, the index and
-    the packs are sub-packages; what stays on store/'s own level is the repository and publication
-    (manifest objects, parts, publish, leases, locks, gc notices) and the codecs."""
+    """Issue 49: store/ held 23 modules of four concerns side by side. The backends, the index, the
+    packs and the manifest objects (one module a job: keys, document, objects, refs, drop marks, runs,
+    sync) are sub-packages; what stays on store/'s own level is the repository and publication
+    (parts, publish, leases, locks, gc notices) and the codecs."""
     store = ROOT / "tailorstore" / "store"
-    assert {p.name for p in store.iterdir() if p.is_dir() and p.name != "__pycache__"} == {"backends", "index", "packs"}
+    found = {p.name for p in store.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert found == {"backends", "index", "manifests", "packs"}, found
     assert (store / "backends" / "base.py").is_file() and (store / "index" / "_index.py").is_file()
     top = sorted(p.stem for p in store.glob("*.py") if p.stem != "__init__")
     assert len(top) <= 10, top
+
+
+STORE_BELOW = {  # store/'s own lower layers: each imports core and these of store/, nothing above them
+    "backends": set(),
+    "index": set(),
+    "packs": {"backends", "index", "codec"},  # codec: store/codec.py, the compression of a blob
+}
+
+
+def _store_imports(path: Path) -> list[tuple[int, str]]:
+    """Every tailorstore module ``path`` imports, ``from tailorstore.store import parts`` as
+    ``tailorstore.store.parts``."""
+    found = []
+    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tailorstore":
+            if node.module in ("tailorstore", "tailorstore.store"):
+                found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+            else:
+                found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "tailorstore"]
+    return found
+
+
+def test_inside_the_store_arrows_point_down_too() -> None:
+    """The house, third step: packs/writer.py and packs/failed_writes.py imported ``Repository``,
+    backends/listing.py the index's records, publish.py and the writer a rule of backends/posix.py.
+    Now the backends import only core; the index only core; packs/ only core, the backends, the
+    index and store/codec.py. The writer asks for what it needs of a store (``BlobStore``), the
+    records and the names of blobs and packs are core's (core/records.py, core/object_keys.py),
+    ``is_out_of_space`` is core/errors.py's, and taking back a failed write is store/failed_writes.py."""
+    wrong = []
+    for package, below in STORE_BELOW.items():
+        for path in sorted((ROOT / "tailorstore" / "store" / package).rglob("*.py")):
+            for line, module in _store_imports(path.relative_to(ROOT)):
+                parts = module.split(".")
+                if parts[1] == "core" or (parts[1] == "store" and len(parts) > 2 and parts[2] in {package, *below}):
+                    continue
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {package}/ imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+STORE_INTERNALS = {
+    "tailorstore.store.manifests.sync": "the index is synced by the repository (Repository.refresh)",
+    "tailorstore.store.manifests.document": "manifest objects are encoded and read inside the store",
+    "tailorstore.store.backends.s3": "a backend is chosen by its location (store/backends/location.py)",
+    "tailorstore.store.packs.writer.BlobStore": "the writer's view of a repository: pass the Repository",
+}
+
+
+def test_above_the_store_no_module_imports_its_internals() -> None:
+    """Above store/, the library and the CLI use the store's operations, not its machinery: not the
+    sync of the index or the codec of manifest objects, not a backend by its class; the index
+    package only for its schema's ``FORMAT_VERSION`` (its queries and changes: the test above).
+    What every layer speaks (the records, the names of blobs and packs, run names) is core's, so
+    no module outside store/ reaches into the index for it."""
+    wrong = []
+    for path in _outside_store():
+        for line, module in _store_imports(path):
+            if module in STORE_INTERNALS or any(f"{module}.{n}" in STORE_INTERNALS for n in _names(path, line)):
+                wrong.append(f"{path}:{line}: imports {module} ({STORE_INTERNALS.get(module, 'an internal')})")
+            elif module.startswith("tailorstore.store.index") and module != "tailorstore.store.index.schema":
+                wrong.append(f"{path}:{line}: imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def _names(path: Path, line: int) -> list[str]:
+    """The names a ``from ... import`` statement at ``line`` of ``path`` takes."""
+    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.lineno == line:
+            return [a.name for a in node.names]
+    return []
+
+
+def test_a_full_disk_is_told_by_one_rule() -> None:
+    """Which errnos mean a full disk was written out in backends/posix.py and again in
+    access/output_dir.py; publish.py and the blob writer imported it from a backend. One rule,
+    ``core.errors.is_out_of_space``: no other module compares an errno with ENOSPC or EDQUOT."""
+    wrong = []
+    for path in sources():
+        if path == Path("tailorstore/core/errors.py"):
+            continue
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, ast.Compare):
+                named = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+                if named & {"ENOSPC", "EDQUOT"}:
+                    wrong.append(f"{path}:{node.lineno}")
+    assert not wrong, wrong
 
 
 def test_a_store_is_a_store_and_a_repository_a_repo() -> None:

@@ -17,8 +17,8 @@ from conftest import tailor
 
 from tailorstore.core.errors import MetricError
 from tailorstore.core.metrics import checked, decode, encode, parse_assignment
+from tailorstore.core.records import COMMIT, ManifestRecord
 from tailorstore.curate.gc import KeepBest, Retention, kept_manifests
-from tailorstore.store.index.records import COMMIT, ManifestRecord
 
 
 def manifest(id_: int, step: int, metrics: dict | None, run: str = "main") -> ManifestRecord:

@@ -8,9 +8,10 @@ import os
 import threading
 from pathlib import Path
 
-from tailorstore.store.backends.base import Backend, pack_key
+from tailorstore.core.object_keys import pack_key
+from tailorstore.core.records import BlobRecord
+from tailorstore.store.backends.base import Backend
 from tailorstore.store.backends.location import resolve
-from tailorstore.store.index.records import BlobRecord
 from tailorstore.store.packs.pack import seal
 from tailorstore.store.packs.pack_spans import GAP, SPAN_MOST, PackSpans, plan_spans
 

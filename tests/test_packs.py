@@ -14,15 +14,16 @@ from conftest import Runs, as_of_step, assert_only_live, index_db, object_count,
 from test_hosts import wait_stopped
 from test_roundtrip import assert_same_checkpoint
 
+from tailorstore.core.object_keys import pack_key
 from tailorstore.curate.gc import REPACK_AT, GcPlan, Retention, gc
 from tailorstore.curate.refs import remove
 from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
-from tailorstore.store.backends.base import pack_key
 from tailorstore.store.index._index import Index
 from tailorstore.store.index.catalogue import Catalogue
-from tailorstore.store.manifest_objects import MANIFEST_PREFIX, is_manifest_key, sync
+from tailorstore.store.manifests.keys import MANIFEST_PREFIX, is_manifest_key
+from tailorstore.store.manifests.sync import sync
 from tailorstore.store.packs.pack import PACK_BELOW, pack_names, read_trailer
 from tailorstore.store.repo import Repository
 

@@ -21,9 +21,9 @@ from conftest import CLI, one_line
 
 from tailorstore import Store
 from tailorstore.core.errors import BadCheckpointError
+from tailorstore.core.records import FileRecord
 from tailorstore.formats.layout import DCP_FOLDER, HF_TRAINER
 from tailorstore.ingest.finalize import _one_try, missing_pieces
-from tailorstore.store.index.records import FileRecord
 from tailorstore.store.parts import Part, try_token
 
 pytestmark = pytest.mark.slow  # several real commits and finalizes per test

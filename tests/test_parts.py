@@ -17,11 +17,11 @@ from conftest import CLI, Runs, as_of_step, parts_of_any_age
 
 from tailorstore import Store
 from tailorstore.core.errors import BadCheckpointError
+from tailorstore.core.records import FileRecord
 from tailorstore.curate.gc import Retention, gc
 from tailorstore.formats.layout import DEEPSPEED, HF_TRAINER
 from tailorstore.ingest.finalize import missing_pieces
 from tailorstore.report.verify import verify
-from tailorstore.store.index.records import FileRecord
 from tailorstore.store.parts import part_keys
 from tailorstore.store.repo import Repository
 from testbed.compare import same_tree

@@ -15,8 +15,8 @@ import torch
 import zstandard
 
 from tailorstore import Store
+from tailorstore.core.object_keys import blob_key
 from tailorstore.store.archive_codec import ARCHIVE, VERSION
-from tailorstore.store.backends.base import blob_key
 from tailorstore.store.backends.location import resolve
 
 FAKE = "ab" * 16

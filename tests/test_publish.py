@@ -82,8 +82,8 @@ def test_rows_read_from_a_step_replaced_meanwhile_are_refused_whole(small_store:
 
     from tailorstore import Store
     from tailorstore.core.errors import StepChangedError
+    from tailorstore.core.records import MERGE
     from tailorstore.curate.merge_spec import merge_record
-    from tailorstore.store.index.records import MERGE
     from tailorstore.store.publish import ManifestRows, record_manifest
 
     store = copy_tree(small_store, tmp_path / "store")

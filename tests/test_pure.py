@@ -23,19 +23,20 @@ from tailorstore.core.errors import (
     CorruptStoreError,
     MergeSpecError,
     PolicyError,
+    RecordError,
     StoreError,
     UnknownStepError,
 )
+from tailorstore.core.object_keys import check_name
 from tailorstore.core.policies import PARAMETERS, POLICIES, CommitFacts, PolicySpec, decide, policy_spec
+from tailorstore.core.records import LayerRecord, ManifestRecord, from_table, record
 from tailorstore.curate.gc import Retention, kept_manifests
 from tailorstore.curate.merge import parse_spec
 from tailorstore.formats.layout import check_files
 from tailorstore.formats.safetensors_file import parse_header
 from tailorstore.formats.skeleton import split_tensors
 from tailorstore.formats.source import Identity
-from tailorstore.store.backends.base import check_name
 from tailorstore.store.backends.s3 import S3Backend
-from tailorstore.store.index.records import LayerRecord, ManifestRecord, RecordError, from_table, record
 from tailorstore.store.repo import Repository, check_step
 
 BLOCKS = [f"block.{i}" for i in range(6)]
@@ -196,7 +197,7 @@ def test_retention_counts_each_run_on_its_own_and_keeps_run_bases() -> None:
 
 def test_selectors_read_in_a_run() -> None:
     from tailorstore.curate.runs import qualify
-    from tailorstore.store.manifest_objects import check_run_name
+    from tailorstore.store.manifests.runs import check_run_name
 
     assert qualify("step=3", "ft") == "ft:step=3"
     assert qualify("latest", "ft") == "ft:latest"

@@ -47,7 +47,7 @@ def test_each_side_writes_then_reads_the_other_so_one_backs_off(
     reads its refs; a pin or tag writes its object, then reads the marker. Played here request by
     request, in the two orders that matter, through the real store objects and the real CLI."""
     from tailorstore import Store
-    from tailorstore.store import manifest_objects as mo
+    from tailorstore.store.manifests import drop_marks, keys
 
     location = request.getfixturevalue("s3_location") if where == "s3" else str(tmp_path / "store")
     at3, at6 = saves
@@ -63,12 +63,12 @@ def test_each_side_writes_then_reads_the_other_so_one_backs_off(
         assert key3 and key6
         # 1. a ref written first: gc's read after its marker finds it, takes its marker back, drops nothing
         assert run(a, "pin", "step=3", "--store", location).returncode == 0
-        assert mo.mark_unless_claimed(backend, [key3]) == ([key3], [])
-        assert not backend.exists(mo.drop_marker(key3))
+        assert drop_marks.mark_unless_claimed(backend, [key3]) == ([key3], [])
+        assert not backend.exists(drop_marks.drop_marker(key3))
         assert run(a, "unpin", "step=3", "--store", location).returncode == 0
         # 2. gc's marker first: the ref's read after its write finds it, and the ref backs off
-        assert mo.mark_unless_claimed(backend, [key3]) == ([], [mo.drop_marker(key3)])
-        tag_before = backend.get(mo.tag_key("best"))
+        assert drop_marks.mark_unless_claimed(backend, [key3]) == ([], [drop_marks.drop_marker(key3)])
+        tag_before = backend.get(keys.tag_key("best"))
     pinned = run(a, "pin", "step=3", "--store", location)
     assert pinned.returncode == 4 and "being dropped by a gc" in pinned.stderr, pinned.stderr
     assert len(pinned.stderr.strip().splitlines()) == 1 and "Traceback" not in pinned.stderr
@@ -76,9 +76,9 @@ def test_each_side_writes_then_reads_the_other_so_one_backs_off(
     assert moved.returncode == 4 and "being dropped by a gc" in moved.stderr, moved.stderr
     with Store.open(location) as store:
         backend = store.repo.backend
-        assert not backend.exists(mo.pin_key(key3))  # the pin it wrote is gone again
-        assert backend.get(mo.tag_key("best")) == tag_before  # the tag names step 6, as before
-        assert mo.claimed(backend, [key3, key6]) == [key6]
+        assert not backend.exists(keys.pin_key(key3))  # the pin it wrote is gone again
+        assert backend.get(keys.tag_key("best")) == tag_before  # the tag names step 6, as before
+        assert drop_marks.claimed(backend, [key3, key6]) == [key6]
         # a drop stopped by its fence before its delete takes its own marker back: step 3 is pinnable again
-        mo.take_back_marks(backend, [key3], [mo.drop_marker(key3)])
+        drop_marks.take_back_marks(backend, [key3], [drop_marks.drop_marker(key3)])
     assert run(a, "pin", "step=3", "--store", location).returncode == 0

@@ -32,11 +32,11 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 import tailorstore
 from tailorstore.core import atoms as A
 from tailorstore.core.policies import PolicySpec
+from tailorstore.core.records import AtomRecord, FileRecord
 from tailorstore.curate.thinning import thinned_contents
 from tailorstore.report.usage import usage
 from tailorstore.report.verify import verify
 from tailorstore.store.index.catalogue import Catalogue
-from tailorstore.store.index.records import AtomRecord, FileRecord
 from tailorstore.store.repo import Repository
 from testbed.compare import same_tree, tensors_identical
 

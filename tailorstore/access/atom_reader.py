@@ -14,10 +14,10 @@ import xxhash
 from tailorstore.access.contents import Contents
 from tailorstore.core.atoms import MASTER
 from tailorstore.core.errors import Call, CorruptStoreError
+from tailorstore.core.records import AtomRecord, BlobRecord
 from tailorstore.core.rounding import ROUND_FROM_MASTER, rounded_chunks
 from tailorstore.core.thread_buffers import thread_buffer
 from tailorstore.store import codec
-from tailorstore.store.index.records import AtomRecord, BlobRecord
 from tailorstore.store.repo import Repository, damaged_blob
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tailorstore.store.index.records import AtomKey, AtomRecord, BlobRecord, FileRecord, LayerRecord
+from tailorstore.core.records import AtomKey, AtomRecord, BlobRecord, FileRecord, LayerRecord
 
 
 class Contents(Protocol):

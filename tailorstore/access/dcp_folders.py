@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 
 from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, UnsafePickleError
+from tailorstore.core.records import FileRecord
 from tailorstore.formats import dcp
 from tailorstore.formats.kinds import DCP, RAW
-from tailorstore.store.index.records import FileRecord
 from tailorstore.store.repo import Repository
 
 

@@ -31,6 +31,7 @@ from tailorstore.access.dcp_folders import dcp_folders, folder_metadata
 from tailorstore.core.atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.layers import STATE
+from tailorstore.core.records import AtomRecord, BlobRecord, FileRecord, ManifestRecord
 from tailorstore.core.rounding import widened
 from tailorstore.core.tensor_ref import DTYPES, numel_of
 from tailorstore.formats import dcp
@@ -39,7 +40,6 @@ from tailorstore.formats.kinds import DCP, TORCH
 from tailorstore.formats.skeleton import fill_tensors, slots_of, split_tensors
 from tailorstore.formats.torch_pickle import load_pickle_tree
 from tailorstore.formats.torch_save_writer import TensorOut
-from tailorstore.store.index.records import AtomRecord, BlobRecord, FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from tailorstore.access.read_ahead import ReadAhead
 from tailorstore.core.dir_locks import hold_dir, removed, take_abandoned
-from tailorstore.core.errors import StoreError
+from tailorstore.core.errors import StoreError, is_out_of_space
 from tailorstore.core.threads import sync_threads
 from tailorstore.formats.torch_save_writer import Parts, TensorOut, dumps, write_pickled_to
 from tailorstore.store.backends.direct_io import RewritableWriter
@@ -177,7 +177,7 @@ def staged(out: Path, repo: Repository) -> Iterator[Path]:
         publish(tmp, out)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if is_out_of_space(exc):
             raise StoreError(f"{out}: no space left on the device; nothing was written there.") from None
         raise
     except BaseException:

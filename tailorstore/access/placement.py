@@ -32,6 +32,7 @@ from tailorstore.access.contents import Contents
 from tailorstore.core.atoms import MASTER
 from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.paths import safe_join
+from tailorstore.core.records import COMMIT, AtomRecord, BlobRecord, FileRecord, ManifestRecord
 from tailorstore.core.rounding import ROUND_FROM_MASTER, round_into
 from tailorstore.core.thread_buffers import thread_buffer
 from tailorstore.core.threads import decode_threads
@@ -41,7 +42,6 @@ from tailorstore.formats.torch_zip import gaps, mend_crcs, record_offsets
 from tailorstore.store import codec
 from tailorstore.store.backends.direct_io import PlacedWriter
 from tailorstore.store.backends.posix import start_writeback
-from tailorstore.store.index.records import COMMIT, AtomRecord, BlobRecord, FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository, damaged_blob
 
 

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import Call, StoreError
+from tailorstore.core.records import AtomRecord, ManifestRecord
 from tailorstore.formats.layout import (
     ACCELERATE,
     DCP_FOLDER,
@@ -21,7 +22,6 @@ from tailorstore.formats.layout import (
     PLAIN_FILE,
     PLAIN_FOLDER,
 )
-from tailorstore.store.index.records import AtomRecord, ManifestRecord
 
 
 class ModelShape(Protocol):

@@ -14,6 +14,7 @@ call (``verify(deep=True)``, ``force=True``), the command line as a command or a
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 from typing import ClassVar
@@ -173,6 +174,19 @@ class StepChangedError(TailorError):
 
 class UnsafePathError(TailorError):
     """A recorded path would lead outside the output directory."""
+
+
+class RecordError(ValueError):
+    """A row of a manifest object or part that is not a record of its kind: the object is damaged
+    (or was written by hand). Raised before anything of it reaches the index. A ValueError, not a
+    TailorError: no user meets it, as the reader of the object turns it into a :class:`CorruptStoreError`
+    naming the object (store/manifests/document.py, store/parts.py)."""
+
+
+def is_out_of_space(exc: OSError) -> bool:
+    """Whether a failed write means the disk (or the quota) is full: said as such, not as a failure
+    of the store, wherever bytes are written (the blob writer, the publisher, an output folder)."""
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 LOCK_TIMEOUT = 600.0  # seconds an operation waits for the store lock unless told otherwise

@@ -23,7 +23,7 @@ pattern matched::
 to see what an operation sent.
 
 Like etcd's gofail. Unknown names and malformed entries are ignored (the variable is input
-from outside, read once, at most 1,000 characters); a sleep is at most 600 seconds.
+from outside, read once, at most 1,000 characters); a sleep is at most :data:`LONGEST_SLEEP`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from contextvars import ContextVar
 from functools import cache
 
 from tailorstore.core.environment import FAILPOINTS_ENV
+
+LONGEST_SLEEP = 600.0  # seconds: a failpoint that asks to sleep longer is malformed, and ignored
 
 POINTS = (
     "before-publish",
@@ -115,5 +117,5 @@ def failpoint(name: str) -> None:
         seconds = float(action[len("sleep:") :])
     except ValueError:
         return
-    if 0 <= seconds <= 600:
+    if 0 <= seconds <= LONGEST_SLEEP:
         time.sleep(seconds)

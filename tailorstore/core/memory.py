@@ -43,30 +43,6 @@ def release_free_memory() -> None:
         pass
 
 
-_MADV_DONTNEED = 4
-_PAGE = 4096
-
-
-def drop_mapped_pages(view: memoryview) -> None:
-    """Unmap the whole pages of ``view`` from this process; they stay in the page cache.
-
-    Only for views into a *file* mapping that nobody writes (torch.load(mmap=True) and our
-    safetensors reader map files private and read only): the next access faults the same
-    bytes back in from the file. On anonymous memory this would zero the data, so callers
-    pass only views they know lie in a mapped checkpoint file. Keeps a commit's RSS at the
-    atoms in flight instead of every page of the file it has read.
-    """
-    if len(view) < 2 * _PAGE:
-        return
-    import numpy as np
-
-    address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-    start = -(-address // _PAGE) * _PAGE
-    end = (address + len(view)) // _PAGE * _PAGE
-    if end > start:
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
-
-
 @functools.cache
 def _libc() -> ctypes.CDLL:
     """The C library this process already runs on (``dlopen(NULL)``, as store/backends/posix.py does).

@@ -21,10 +21,10 @@ from typing import Protocol
 from tailorstore.access.atom_reader import decode_atom
 from tailorstore.core.atoms import MASTER, WEIGHT
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
+from tailorstore.core.records import THIN_ARCHIVE, AtomKey, AtomRecord, BlobRecord, ManifestRecord
 from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.core.threads import compute_threads
 from tailorstore.store import archive_codec
-from tailorstore.store.index.records import THIN_ARCHIVE, AtomKey, AtomRecord, BlobRecord, ManifestRecord
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.repo import Repository
 

@@ -48,11 +48,11 @@ from tailorstore.core.errors import LOCK_TIMEOUT, Call, CorruptStoreError, Merge
 from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import AUX_GROUPS, STATE, block_index, sort_key
 from tailorstore.core.progress import Silent
+from tailorstore.core.records import THIN_ARCHIVE, THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord, ManifestRecord
 from tailorstore.core.rounding import ROUND_FROM_MASTER, ROUNDED_DTYPES, rounded, widened
 from tailorstore.curate.merge_result import MergeResult
 from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, merge_record, ref_of
-from tailorstore.store.index.records import THIN_ARCHIVE, THIN_WEIGHTS, AtomKey, AtomRecord, LayerRecord, ManifestRecord
-from tailorstore.store.packs.failed_writes import cleaned_up_on_failure, remove_unindexed
+from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest
 from tailorstore.store.repo import MAX_STEP, Repository

@@ -57,13 +57,8 @@ from tailorstore.core.errors import (
 from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.metrics import decode as decode_metrics
-from tailorstore.core.sizes import human
-from tailorstore.curate.archiving import ArchiveGrid, archivable
-from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
-from tailorstore.store import archive_codec, codec, gc_notices, manifest_objects
-from tailorstore.store.backends.base import blob_key
-from tailorstore.store.backends.listing import Holdings
-from tailorstore.store.index.records import (
+from tailorstore.core.object_keys import blob_key
+from tailorstore.core.records import (
     COMMIT,
     MAIN_RUN,
     THIN_ARCHIVE,
@@ -72,9 +67,18 @@ from tailorstore.store.index.records import (
     ManifestRecord,
     RunRecord,
 )
+from tailorstore.core.sizes import human
+from tailorstore.curate.archiving import ArchiveGrid, archivable
+from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
+from tailorstore.store import archive_codec, codec, gc_notices
+from tailorstore.store.backends.listing import Holdings
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.manifest_objects import RefSource
+from tailorstore.store.manifests.drop_marks import mark_unless_claimed, take_back_marks
+from tailorstore.store.manifests.keys import pin_key, superseded
+from tailorstore.store.manifests.objects import unpublish
+from tailorstore.store.manifests.refs import RefSource, carry_refs, damaged_tags
+from tailorstore.store.manifests.runs import read_retentions
 from tailorstore.store.packs.pack import PackEntry, PackWriter, pack_key, read_trailer
 from tailorstore.store.packs.pack_sync import TRAILER_READERS
 from tailorstore.store.parts import read_parts
@@ -246,7 +250,7 @@ class Retention:
 
 def carried_rules(repo: Repository) -> list[Retention]:
     """The retention each run carries (``tailor run retention``), each touching its own run only."""
-    return [Retention.from_doc(run, doc) for run, doc in sorted(manifest_objects.read_retentions(repo.backend).items())]
+    return [Retention.from_doc(run, doc) for run, doc in sorted(read_retentions(repo.backend).items())]
 
 
 def effective_rules(repo: Repository, rules: Retention) -> list[Retention]:
@@ -466,7 +470,7 @@ def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts:
         if name not in known:
             plan.orphan_packs.append(name)
             plan.freed_bytes += size
-    plan.superseded = manifest_objects.superseded(repo.backend)
+    plan.superseded = superseded(repo.backend)
     plan.temp_files = repo.backend.leftovers()
     plan.freed_bytes += repo.backend.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too
     return plan
@@ -558,7 +562,7 @@ def _gc(
         by_time = lock.by_time  # a lease: its deletions announce themselves first (gc_notices)
         listed = gc_notices.publications(repo.backend) if by_time and not dry_run else set()
         repo.refresh(lock)  # what other hosts recorded before this lock was taken
-        if damaged := manifest_objects.damaged_tags(repo.backend):
+        if damaged := damaged_tags(repo.backend):
             raise CorruptStoreError(
                 f"the tag object(s) {', '.join(sorted(damaged)[:5])} name no manifest object, so gc cannot tell "
                 "which step each keeps, and deletes nothing; set each again (",
@@ -582,10 +586,10 @@ def _gc(
         if plan.thin_to(THIN_ARCHIVE):  # which blobs die is known only once the archived weights exist
             plan = _replanned(repo, plan, effective_rules(repo, rules), drop_parts)
         fence()
-        manifest_objects.carry_refs(repo.backend, sweep, plan.superseded)  # before their objects go
+        carry_refs(repo.backend, sweep, plan.superseded)  # before their objects go
         # before anything they name; a superseded version's pin goes with it (a plain-form pin left
         # behind would pin another run's manifest of the same name: FORMAT.md 3.3)
-        superseded_pins = [manifest_objects.pin_key(k) for k in plan.superseded]
+        superseded_pins = [pin_key(k) for k in plan.superseded]
         repo.backend.delete_many([*plan.drop_parts, *plan.superseded, *superseded_pins], fence=fence)
         with repo.transaction(GcDrop) as edit:
             fence()
@@ -598,9 +602,9 @@ def _gc(
             keys = [k for k in edit.object_keys(dropped).values() if k]
             mine = _mark_then_check(repo, keys, fence)
             try:
-                manifest_objects.unpublish(repo.backend, keys, fence=fence, marked=True)
+                unpublish(repo.backend, keys, fence=fence, marked=True)
             except LeaseLostError:  # its fence stopped it before the deleting request went out
-                manifest_objects.take_back_marks(repo.backend, keys, mine)
+                take_back_marks(repo.backend, keys, mine)
                 raise
             edit.delete_manifests(dropped)
             edit.delete_blobs(plan.dead_blobs)
@@ -642,7 +646,7 @@ def _mark_then_check(repo: Repository, keys: list[str], fence: Callable[[], None
     before a marker is found here; one written after it finds the marker and backs off. So a ref
     reported set never names a step this gc drops, however long either host stalls after its
     checks. Found one: this gc takes back its own markers and stops, having dropped nothing."""
-    taken, mine = manifest_objects.mark_unless_claimed(repo.backend, keys, fence=fence)
+    taken, mine = mark_unless_claimed(repo.backend, keys, fence=fence)
     if taken:
         raise LockTimeoutError(
             f"gc stopped: {len(taken)} step(s) it would drop were pinned or tagged meanwhile "

@@ -28,11 +28,11 @@ from tailorstore.access.contents import Contents
 from tailorstore.core.errors import LOCK_TIMEOUT, MergeSpecError
 from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import STATE, block_index, sort_key
+from tailorstore.core.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord
 from tailorstore.core.step_rules import check_tag
 from tailorstore.curate.averaging import average, is_averaging
 from tailorstore.curate.merge_result import MergeResult
 from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, load_spec, merge_record, ref_of
-from tailorstore.store.index.records import MAIN_RUN, AtomKey, AtomRecord, LayerRecord
 from tailorstore.store.publish import ManifestRows, record_manifest
 from tailorstore.store.repo import Repository
 

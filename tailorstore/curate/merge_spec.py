@@ -19,9 +19,9 @@ import yaml
 
 from tailorstore.core.errors import MergeSpecError
 from tailorstore.core.layers import EMBEDDING, FINAL_NORM, LM_HEAD, block_label
+from tailorstore.core.records import MERGE, BlobRecord, ManifestRecord
 from tailorstore.core.run_names import RUN_NAME
 from tailorstore.formats.small_text import read_small_text
-from tailorstore.store.index.records import MERGE, BlobRecord, ManifestRecord
 
 AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from tailorstore.core.errors import LOCK_TIMEOUT, StoreError
 from tailorstore.core.metrics import checked, decode, encode
+from tailorstore.core.records import COMMIT
 from tailorstore.curate.refs import changing_a_step
-from tailorstore.store.index.records import COMMIT
 from tailorstore.store.publish import Revision, record_manifest
 from tailorstore.store.repo import Repository
 

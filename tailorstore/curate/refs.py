@@ -20,12 +20,14 @@ from typing import Protocol
 
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, LeaseLostError, LockTimeoutError, StepExistsError, StoreError
 from tailorstore.core.failpoints import operation
+from tailorstore.core.records import ManifestRecord, RunRecord
 from tailorstore.core.step_rules import check_tag
-from tailorstore.store import manifest_objects
-from tailorstore.store.index.records import ManifestRecord, RunRecord
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.manifest_objects import RefSource
+from tailorstore.store.manifests.drop_marks import being_dropped, mark_dropping, mark_unless_claimed, take_back_marks
+from tailorstore.store.manifests.keys import pin_key, tag_key, versions_of
+from tailorstore.store.manifests.objects import step_changed, unpublish
+from tailorstore.store.manifests.refs import RefSource, drop_tag, put_tag, write_pin
 from tailorstore.store.repo import Repository
 
 
@@ -79,11 +81,11 @@ def tag(
             fence = lambda: lock.check("tagging")  # noqa: E731 - again just before each request
             # the one object this changes first (a failure before it leaves nothing), then the tag
             # this step gives up (a step holds one tag); never the step's other refs again
-            before = _object_or_none(repo, manifest_objects.tag_key(name))
-            manifest_objects.put_tag(repo.backend, edit, manifest, fence=fence)
-            _back_off_if_dropping(repo, manifest, lambda: _restore(repo, manifest_objects.tag_key(name), before))
+            before = _object_or_none(repo, tag_key(name))
+            put_tag(repo.backend, edit, manifest, fence=fence)
+            _back_off_if_dropping(repo, manifest, lambda: _restore(repo, tag_key(name), before))
             if old and old != name:
-                manifest_objects.drop_tag(repo.backend, old, fence=fence)
+                drop_tag(repo.backend, old, fence=fence)
     return manifest
 
 
@@ -105,7 +107,7 @@ def _back_off_if_dropping(repo: Repository, manifest: int, undo: Callable[[], No
     """After a ref's object is written: if a gc has marked the step to drop, undo the write and fail
     (FORMAT 8.1: each side writes, then reads the other's, so one of them always backs off)."""
     record = repo.manifest(manifest)
-    if record.object_key and manifest_objects.being_dropped(repo.backend, record.object_key):
+    if record.object_key and being_dropped(repo.backend, record.object_key):
         undo()
         raise LockTimeoutError(
             f"step {record.step} is being dropped by a gc or replaced by another host; nothing was changed. "
@@ -123,7 +125,7 @@ def untag(
             raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
         with repo.transaction(RefEdits) as edit:
             lock.check("untagging")
-            manifest_objects.drop_tag(repo.backend, name, fence=lambda: lock.check("untagging"))
+            drop_tag(repo.backend, name, fence=lambda: lock.check("untagging"))
             edit.set_tag(holder.id, None)
     return holder.id
 
@@ -144,10 +146,10 @@ def pin(
             # only the pin object: rewriting the step's tag too made a failure after the first put
             # a change reported failed that stayed (the soak, seed 399 for a tag)
             key = repo.manifest(manifest).object_key
-            had = pinned and key is not None and repo.backend.exists(manifest_objects.pin_key(key))
-            manifest_objects.write_pin(repo.backend, edit, manifest, fence=lambda: lock.check("pinning"))
+            had = pinned and key is not None and repo.backend.exists(pin_key(key))
+            write_pin(repo.backend, edit, manifest, fence=lambda: lock.check("pinning"))
             if pinned and not had and key is not None:  # a new pin object: unless a gc marked the step first
-                _back_off_if_dropping(repo, manifest, lambda: repo.backend.delete(manifest_objects.pin_key(key)))
+                _back_off_if_dropping(repo, manifest, lambda: repo.backend.delete(pin_key(key)))
     return manifest
 
 
@@ -179,10 +181,10 @@ def remove(
             keys, mine = _mark_versions(repo, record, force, fence)
             try:
                 if record.tag:  # the objects (manifest, tag, pin) go before the index rows
-                    manifest_objects.drop_tag(repo.backend, record.tag, fence=fence)
-                manifest_objects.unpublish(repo.backend, keys, fence=fence, marked=True)
+                    drop_tag(repo.backend, record.tag, fence=fence)
+                unpublish(repo.backend, keys, fence=fence, marked=True)
             except LeaseLostError:  # stopped by its fence before deleting the manifest
-                manifest_objects.take_back_marks(repo.backend, keys, mine)
+                take_back_marks(repo.backend, keys, mine)
                 raise
             edit.delete_manifests([manifest])
     return manifest
@@ -199,18 +201,18 @@ def _mark_versions(
     least one sees the other. Returns (the keys to delete, the markers this call made)."""
     if record.object_key is None:
         return [], []
-    older, _ = manifest_objects.versions_of(repo.backend, record.object_key)
+    older, _ = versions_of(repo.backend, record.object_key)
     keys = [*older, record.object_key]
     if force:
-        mine = manifest_objects.mark_dropping(repo.backend, keys, fence=fence)
+        mine = mark_dropping(repo.backend, keys, fence=fence)
     else:
-        taken, mine = manifest_objects.mark_unless_claimed(repo.backend, keys, fence=fence)
+        taken, mine = mark_unless_claimed(repo.backend, keys, fence=fence)
         if taken:
             raise LockTimeoutError(
                 f"step {record.step} was pinned or tagged meanwhile; nothing was removed. See ", Call("log")
             )
-    _, newer = manifest_objects.versions_of(repo.backend, record.object_key)
+    _, newer = versions_of(repo.backend, record.object_key)
     if newer or not repo.backend.exists(record.object_key):
         repo.backend.delete_many(mine)
-        raise manifest_objects.step_changed(record.step, record.run)
+        raise step_changed(record.step, record.run)
     return keys, mine

@@ -18,8 +18,8 @@ from typing import Protocol
 
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, StepExistsError, UnknownStepError
 from tailorstore.core.failpoints import operation
-from tailorstore.store import manifest_objects
-from tailorstore.store.index.records import MAIN_RUN, ManifestRecord, RunRecord
+from tailorstore.core.records import MAIN_RUN, ManifestRecord, RunRecord
+from tailorstore.store.manifests import runs as run_objects
 from tailorstore.store.repo import Repository
 
 
@@ -65,7 +65,7 @@ def qualify(selector: str, run: str | None) -> str:
     text = selector.strip()
     if run is None or text.startswith(("tag=", "id=", "digest=")) or re.match(r"[A-Za-z0-9._-]+:", text):
         return text
-    return f"{manifest_objects.check_run_name(run)}:{text}"
+    return f"{run_objects.check_run_name(run)}:{text}"
 
 
 def list_runs(repo: Repository) -> list[RunInfo]:
@@ -101,7 +101,7 @@ def create_run(
     It holds the store's shared lock, like a commit: a gc waits for it, then sees the new run
     and keeps its base.
     """
-    manifest_objects.check_run_name(name)
+    run_objects.check_run_name(name)
     with operation("run-create"), repo.lock(exclusive=False, timeout=lock_timeout) as lock:
         repo.refresh(lock)
         if name == MAIN_RUN or any(r.name == name for r in repo.view(RunRows).runs()):
@@ -113,6 +113,6 @@ def create_run(
                 raise UnknownStepError(f"step {base.step} has no manifest object yet; run ", Call("verify"), " first.")
         record = RunRecord(name, time.time(), base.object_key if base else None)
         with repo.transaction(RunRows) as edit:
-            manifest_objects.create_run(repo.backend, record)  # the object first: it is the truth
+            run_objects.create_run(repo.backend, record)  # the object first: it is the truth
             edit.set_runs([*edit.created_runs().values(), record])
     return RunInfo(name, record.created_at, BaseStep.of(base), 0, None)

@@ -40,10 +40,7 @@ from tailorstore.access.contents import Contents
 from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
 from tailorstore.core.errors import Call, StoreError
 from tailorstore.core.progress import Silent
-from tailorstore.curate.archiving import ArchiveGrid, archivable, archived, store_rebuilt
-from tailorstore.formats import deepspeed as ds
-from tailorstore.formats.kinds import DCP, TORCH
-from tailorstore.store.index.records import (
+from tailorstore.core.records import (
     THIN_ARCHIVE,
     THIN_MASTER,
     TIERS,
@@ -51,9 +48,12 @@ from tailorstore.store.index.records import (
     FileRecord,
     ManifestRecord,
 )
+from tailorstore.curate.archiving import ArchiveGrid, archivable, archived, store_rebuilt
+from tailorstore.formats import deepspeed as ds
+from tailorstore.formats.kinds import DCP, TORCH
+from tailorstore.store.failed_writes import cleaned_up_on_failure
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.packs.failed_writes import cleaned_up_on_failure
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.publish import Revision, record_manifest
 from tailorstore.store.repo import Repository

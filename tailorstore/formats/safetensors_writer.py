@@ -16,7 +16,6 @@ import json
 import re
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO
 
 from tailorstore.core.errors import StoreError
 from tailorstore.core.tensor_ref import nbytes_of
@@ -103,9 +102,3 @@ def index_json(shards: list[list[TensorSpec]], names: list[str]) -> str:
     weight_map = {spec.name: name for shard, name in zip(shards, names, strict=True) for spec in shard}
     total = sum(spec.nbytes for shard in shards for spec in shard)
     return json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
-
-
-def write_tensor(out: BinaryIO, spec: TensorSpec, data: memoryview) -> None:
-    if len(data) != spec.nbytes:
-        raise StoreError(f"{spec.name}: {len(data)} bytes for a tensor of {spec.nbytes}; nothing was published")
-    out.write(data)

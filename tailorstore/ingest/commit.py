@@ -39,6 +39,16 @@ from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.layers import STATE, sort_key
 from tailorstore.core.policies import CommitFacts, decide, needs_changes
 from tailorstore.core.progress import Progress, Silent
+from tailorstore.core.records import (
+    COMMIT,
+    AtomKey,
+    AtomRecord,
+    BlobRecord,
+    FileRecord,
+    LayerRecord,
+    ManifestRecord,
+    StoredLayer,
+)
 from tailorstore.core.rounding import ROUND_FROM_MASTER
 from tailorstore.core.step_rules import check_tag
 from tailorstore.formats.deepspeed import ModelInfo
@@ -59,21 +69,11 @@ from tailorstore.ingest.derive import RoundedMasters, is_derivable_weight
 from tailorstore.ingest.finalize import missing_pieces
 from tailorstore.ingest.pieces_ahead import PiecesAhead, Prepared, prepare, read_helpers
 from tailorstore.store import parts
+from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.gc_notices import check_publication
-from tailorstore.store.index.records import (
-    COMMIT,
-    AtomKey,
-    AtomRecord,
-    BlobRecord,
-    FileRecord,
-    LayerRecord,
-    ManifestRecord,
-    StoredLayer,
-)
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.manifest_objects import check_run_name
-from tailorstore.store.packs.failed_writes import cleaned_up_on_failure, remove_unindexed
+from tailorstore.store.manifests.runs import check_run_name
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.parts import Part
 from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest, refuse_taken
@@ -162,13 +162,12 @@ def load_inherited_atoms(repo: Repository, inherit: Inheritance, layer: str) -> 
     inherit.atoms.update(repo.view(CommitHistory).atoms_by_key(inherit.manifest, layer))
 
 
-def planned_sources(repo: Repository, plan: PartPlan, layers: Iterable[str]) -> dict[str, Inheritance]:
-    """A rank's view of where the plan's inherited layers come from, their atoms loaded."""
+def inherited_from(repo: Repository, inherited: Mapping[str, tuple[str, str, int]]) -> dict[str, Inheritance]:
+    """Where each inherited layer comes from, in this host's index: a rank-parallel plan names each
+    layer's holder and source by object key (the same on every host), as (holder, source, source
+    step), and each rank looks up its own ids by them. Their atoms are not loaded here."""
     out: dict[str, Inheritance] = {}
-    for layer in layers:
-        if layer not in plan.inherited:
-            raise StoreError(f"the plan of this rank-parallel commit says nothing of layer {layer}")
-        holder_key, source_key, source_step = plan.inherited[layer]
+    for layer, (holder_key, source_key, source_step) in inherited.items():
         holder, source = (
             repo.view(CommitHistory).by_object_key(holder_key),
             repo.view(CommitHistory).by_object_key(source_key),
@@ -176,7 +175,19 @@ def planned_sources(repo: Repository, plan: PartPlan, layers: Iterable[str]) -> 
         if holder is None or source is None:
             raise StoreError(f"layer {layer} is inherited from {holder_key}, which this store no longer holds")
         out[layer] = Inheritance(holder.id, holder.step, source.id, source_step, {})
-        load_inherited_atoms(repo, out[layer], layer)
+    return out
+
+
+def planned_sources(repo: Repository, plan: PartPlan, layers: Iterable[str]) -> dict[str, Inheritance]:
+    """A rank's view of where the plan's inherited layers come from, their atoms loaded."""
+    wanted = {}
+    for layer in layers:
+        if layer not in plan.inherited:
+            raise StoreError(f"the plan of this rank-parallel commit says nothing of layer {layer}")
+        wanted[layer] = plan.inherited[layer]
+    out = inherited_from(repo, wanted)
+    for layer, inherit in out.items():
+        load_inherited_atoms(repo, inherit, layer)
     return out
 
 

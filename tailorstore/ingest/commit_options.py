@@ -11,7 +11,7 @@ from typing import Any
 
 from tailorstore.core.errors import LOCK_TIMEOUT
 from tailorstore.core.policies import Policy, PolicySpec, policy_spec
-from tailorstore.store.index.records import MAIN_RUN
+from tailorstore.core.records import MAIN_RUN
 
 
 @dataclass(frozen=True)

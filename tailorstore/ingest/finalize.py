@@ -39,15 +39,15 @@ from tailorstore.core.errors import (
     StoreError,
 )
 from tailorstore.core.failpoints import operation
+from tailorstore.core.object_keys import blob_key
 from tailorstore.core.policies import PolicySpec
+from tailorstore.core.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from tailorstore.core.step_rules import check_tag
 from tailorstore.formats import dcp
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import DCP
 from tailorstore.formats.layout import ACCELERATE, DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
-from tailorstore.store.backends.base import blob_key
-from tailorstore.store.index.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
-from tailorstore.store.manifest_objects import check_run_name
+from tailorstore.store.manifests.runs import check_run_name
 from tailorstore.store.parts import Part, read_parts
 from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest
 from tailorstore.store.repo import Repository, check_step

@@ -24,19 +24,17 @@ from tailorstore.core.errors import StoreError
 from tailorstore.core.policies import CommitFacts, PolicySpec, decide, needs_changes
 from tailorstore.formats.deepspeed import is_model_states
 from tailorstore.formats.reader import write_order
-from tailorstore.ingest.commit import Inheritance, ages_of, combine_changes, file_change_terms, inheritance
+from tailorstore.ingest.commit import ages_of, combine_changes, file_change_terms, inheritance, inherited_from
 from tailorstore.ingest.commit_options import PartPlan
 from tailorstore.ingest.rank_share import Share, Survey
-from tailorstore.store.index.records import ManifestRecord
 from tailorstore.store.repo import Repository
 
 
 class RankPlanLookup(Protocol):
-    """The index as rank 0 plans a rank-parallel commit: the run's history, and the steps a plan names."""
+    """The index as rank 0 plans a rank-parallel commit: the run's history (each rank looks up the
+    steps a plan names through ``commit.inherited_from``)."""
 
     def commits_before(self, step: int, run: str) -> int: ...
-
-    def by_object_key(self, key: str) -> ManifestRecord | None: ...
 
 
 @dataclass(frozen=True)
@@ -85,23 +83,9 @@ def find_sources(repo: Repository, step: int, layers: frozenset[str], run: str, 
     return Sources(inherited, commits_before, ages)
 
 
-def resolved(repo: Repository, sources: Sources) -> dict[str, Inheritance]:
-    """This rank's view of the sources (its own index's ids)."""
-    out: dict[str, Inheritance] = {}
-    for layer, (holder_key, source_key, source_step) in sources.inherited.items():
-        holder, source = (
-            repo.view(RankPlanLookup).by_object_key(holder_key),
-            repo.view(RankPlanLookup).by_object_key(source_key),
-        )
-        if holder is None or source is None:
-            raise ValueError(f"layer {layer}'s source {holder_key} is not in this host's index")
-        out[layer] = Inheritance(holder.id, holder.step, source.id, source_step, {})
-    return out
-
-
 def own_terms(repo: Repository, share: Share, sources: Sources) -> dict[str, dict[str, ChangeTerms]]:
     """Each rank: its own files' terms of every inheritable layer's change, by file."""
-    mine = resolved(repo, sources)
+    mine = inherited_from(repo, sources.inherited)  # this rank's view of the sources (its own index's ids)
     return {f.path: file_change_terms(repo, f, mine) for f in share.scan.files}
 
 
@@ -116,9 +100,8 @@ def decide_plan(
     """Rank 0: the layers to store, as a single-process commit of the same save decides them."""
     layers, sizes = layers_and_sizes(surveys)
     adaptive = needs_changes(spec)
-    changes = (
-        combine_changes(repo, [terms[p] for p in order if p in terms], resolved(repo, sources)) if adaptive else {}
-    )
+    mine = inherited_from(repo, sources.inherited) if adaptive else {}
+    changes = combine_changes(repo, [terms[p] for p in order if p in terms], mine) if adaptive else {}
     facts = CommitFacts(
         layers, sources.commits_before, frozenset(sources.inherited), changes if adaptive else None, sizes, sources.ages
     )

@@ -23,8 +23,8 @@ from typing import Any
 
 from tailorstore.api import Store
 from tailorstore.core.errors import StepExistsError, StoreError
+from tailorstore.core.records import COMMIT
 from tailorstore.ingest.commit_options import CommitResult
-from tailorstore.store.index.records import COMMIT
 
 log = logging.getLogger("tailorstore")
 

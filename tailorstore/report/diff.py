@@ -22,7 +22,7 @@ from tailorstore.access.output_dir import partial_prefix, refuse_inside_store
 from tailorstore.core import atoms as A
 from tailorstore.core.errors import MissingDependencyError, StoreError
 from tailorstore.core.layers import STATE, sort_key
-from tailorstore.store.index.records import COMMIT, MAIN_RUN, LayerRecord, ManifestRecord
+from tailorstore.core.records import COMMIT, MAIN_RUN, LayerRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
 

@@ -12,9 +12,7 @@ from typing import Protocol
 
 from tailorstore.core.layers import sort_key
 from tailorstore.core.metrics import decode as decode_metrics
-from tailorstore.formats.kinds import RAW
-from tailorstore.store.digest import ContentRows, digest_of
-from tailorstore.store.index.records import (
+from tailorstore.core.records import (
     AtomContent,
     FileContent,
     FileRecord,
@@ -22,6 +20,8 @@ from tailorstore.store.index.records import (
     LayerTotals,
     ManifestRecord,
 )
+from tailorstore.formats.kinds import RAW
+from tailorstore.store.digest import ContentRows, digest_of
 from tailorstore.store.repo import Repository
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tailorstore.core import atoms as A
+from tailorstore.core.records import AtomContent, FileContent, KindTotals, ManifestRecord
 from tailorstore.report.inspect import held_bytes
-from tailorstore.store.index.records import AtomContent, FileContent, KindTotals, ManifestRecord
 from tailorstore.store.repo import Repository
 
 

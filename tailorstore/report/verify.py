@@ -21,12 +21,12 @@ from tailorstore.access.atom_reader import stream_rebuilt
 from tailorstore.access.contents import Contents
 from tailorstore.core.atoms import MASTER
 from tailorstore.core.errors import CorruptStoreError
+from tailorstore.core.object_keys import blob_key
 from tailorstore.core.paths import check_relative
 from tailorstore.core.progress import Progress, Silent
+from tailorstore.core.records import AtomRecord, BlobRecord, BlobUse, ManifestRecord
 from tailorstore.core.threads import decode_threads
 from tailorstore.store import archive_codec, codec
-from tailorstore.store.backends.base import blob_key
-from tailorstore.store.index.records import AtomRecord, BlobRecord, BlobUse, ManifestRecord
 from tailorstore.store.repo import Repository
 
 

@@ -23,13 +23,13 @@ from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.local_files import create_new, write_new
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
+from tailorstore.core.records import FileRecord, ManifestRecord
 from tailorstore.core.step_rules import refuse_thinned
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import DCP, RAW, SAFETENSORS, TORCH
 from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED_TAG
 from tailorstore.formats.torch_pickle import untrusted
 from tailorstore.restore.folder_result import FolderResult
-from tailorstore.store.index.records import FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
 

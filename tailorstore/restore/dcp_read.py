@@ -21,12 +21,12 @@ from tailorstore.access.atom_reader import blob_of, decode_atom_into, decode_sto
 from tailorstore.access.contents import Contents
 from tailorstore.access.dcp_folders import dcp_folders, folder_metadata
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError, ThinnedStepError, UnsafePickleError
+from tailorstore.core.records import AtomRecord, BlobRecord, FileRecord
 from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.formats import dcp
 from tailorstore.formats.torch_pickle import MemorySource, ObjectVerdicts
 from tailorstore.formats.torch_zip import gaps
 from tailorstore.restore.checkout import inherited_layers
-from tailorstore.store.index.records import AtomRecord, BlobRecord, FileRecord
 from tailorstore.store.repo import Repository
 
 

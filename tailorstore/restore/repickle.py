@@ -19,12 +19,12 @@ from tailorstore.access.atom_reader import decode_atom_into
 from tailorstore.access.contents import Contents
 from tailorstore.core.errors import CorruptStoreError, LayoutError
 from tailorstore.core.local_files import create_new
+from tailorstore.core.records import AtomRecord, FileRecord
 from tailorstore.formats.kinds import SAFETENSORS
 from tailorstore.formats.safe_load import load_skeleton
 from tailorstore.formats.safetensors_file import tensor_layout
 from tailorstore.formats.skeleton import fill_tensors, slots_of
 from tailorstore.formats.tensors import byte_view, dtype_from_name
-from tailorstore.store.index.records import AtomRecord, FileRecord
 from tailorstore.store.repo import Repository
 
 

@@ -51,6 +51,7 @@ from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.local_files import write_new
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
+from tailorstore.core.records import FileRecord, ManifestRecord
 from tailorstore.core.step_rules import refuse_thinned
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.layout import DCP_FOLDER
@@ -58,7 +59,6 @@ from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_c
 from tailorstore.formats.torch_save_writer import Parts, TensorOut
 from tailorstore.formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
 from tailorstore.restore.checkout import CheckoutResult, placed_rows, write_step_files
-from tailorstore.store.index.records import FileRecord, ManifestRecord
 from tailorstore.store.repo import Repository
 
 MAX_WORLD_SIZE = 65536

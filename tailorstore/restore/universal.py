@@ -47,12 +47,12 @@ from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.local_files import write_new
 from tailorstore.core.paths import safe_join
 from tailorstore.core.progress import Progress, Silent
+from tailorstore.core.records import FileRecord
 from tailorstore.core.step_rules import refuse_thinned
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import TORCH
 from tailorstore.formats.torch_save_writer import TensorOut
 from tailorstore.restore.checkout import CheckoutResult, placed_rows, write_step_files
-from tailorstore.store.index.records import FileRecord
 from tailorstore.store.repo import Repository
 
 UNIVERSAL = "universal"

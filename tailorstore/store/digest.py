@@ -25,7 +25,7 @@ from typing import Protocol
 
 import xxhash
 
-from tailorstore.store.index.records import AtomContent, FileContent
+from tailorstore.core.records import AtomContent, FileContent
 
 DIGEST_DIGITS = 32  # the whole xxh3-128, in lowercase hex
 SHOWN_DIGITS = 12  # what `log` prints; a selector may give any MIN_DIGITS or more

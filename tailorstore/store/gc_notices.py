@@ -4,7 +4,7 @@ On a store locked by leases, a host may stall past its lease between the fence a
 after it (docs/FORMAT.md section 8.1). Fencing alone then lets a gc delete a pack that a commit,
 published meanwhile, reuses, or lets a commit publish a step whose pack a gc has just deleted (the
 simulation's ``--slip`` seeds 26 and 83). The rule here needs no timing, as the drop markers against
-refs (``manifest_objects.mark_unless_claimed``) need none.
+refs (``manifests.drop_marks.mark_unless_claimed``) need none.
 
 Call order, gc (under its exclusive lock), before the request that deletes blob or pack objects:
 
@@ -45,10 +45,13 @@ from dataclasses import dataclass
 import zstandard
 
 from tailorstore.core.errors import Call, CorruptStoreError, LeaseLostError, StoreError
-from tailorstore.store import manifest_objects, parts
-from tailorstore.store.backends.base import HASH_NAME, Backend
+from tailorstore.core.object_keys import HASH_NAME
+from tailorstore.core.records import BlobRecord
+from tailorstore.store import parts
+from tailorstore.store.backends.base import Backend
 from tailorstore.store.codec import decompress_bounded
-from tailorstore.store.index.records import BlobRecord
+from tailorstore.store.manifests import document
+from tailorstore.store.manifests.keys import listed_manifest_keys
 
 NOTICE_PREFIX = "gc/"
 NOTICE_VERSION = 1
@@ -91,7 +94,7 @@ def withdraw(backend: Backend, notice: Notice) -> None:
 
 def publications(backend: Backend) -> set[str]:
     """The keys of every manifest and part object listed now."""
-    return set(manifest_objects.listed_manifest_keys(backend)) | set(parts.part_keys(backend))
+    return set(listed_manifest_keys(backend)) | set(parts.part_keys(backend))
 
 
 def published_since(backend: Backend, known: set[str], notice: Notice) -> str | None:
@@ -106,7 +109,7 @@ def published_since(backend: Backend, known: set[str], notice: Notice) -> str | 
             if key.startswith(parts.PART_PREFIX):
                 blobs = parts.decode(data, key).blobs
             else:
-                blobs = manifest_objects.decode(data, key).blobs
+                blobs = document.decode(data, key).blobs
         except (CorruptStoreError, StoreError):  # damaged, or of a version this gc cannot read
             return key
         if notice.needs_any(blobs) is not None:

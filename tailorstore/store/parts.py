@@ -23,9 +23,7 @@ import zstandard
 
 from tailorstore.core.environment import TRY_ENV
 from tailorstore.core.errors import CorruptStoreError, StoreError
-from tailorstore.store.backends.base import Backend, check_key
-from tailorstore.store.codec import decompress_bounded
-from tailorstore.store.index.records import (
+from tailorstore.core.records import (
     ATOM_COLUMNS,
     DOC_BLOB_COLUMNS,
     FILE_COLUMNS,
@@ -37,6 +35,8 @@ from tailorstore.store.index.records import (
     from_table,
     to_table,
 )
+from tailorstore.store.backends.base import Backend, check_key
+from tailorstore.store.codec import decompress_bounded
 
 PART_PREFIX = "parts/"
 READERS = 16  # parts fetched at once: requests that wait on the network, not on a core

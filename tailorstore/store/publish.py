@@ -19,19 +19,19 @@ is locked for writing, and hands them here. Here, once:
    are still there (``gc_notices.check_publication``): a gc that deletes them meanwhile either
    sees this object or is seen here, whatever either host's stalls (FORMAT 8.1);
 6. only then its tag and pin objects are written (a crash before them: the step's older
-   version's refs still count for it, ``manifest_objects.current_of``). A replacement under the
+   version's refs still count for it, ``manifests.keys.current_of``). A replacement under the
    shared lock (``--force``, a metric) writes none it carries over, only a tag it gives: the refs
    stay on the version replaced, where they count for the new one, so a ref another host moved or
    removed since this one read it is never written back (FORMAT.md 8.1, I7); a revision, right
    after its put, checks that the version it read is still there and the newest, unmarked
-   (``manifest_objects.check_revised``: a removal marks first, then lists);
+   (``manifests.objects.check_revised``: a removal marks first, then lists);
 7. ``COMMIT``. Should anything fail after a put (a ref's write, a full disk under SQLite,
    a damaged index), the objects are deleted again, so nothing the caller reports as failed
    reappears when the next open syncs manifest objects into an index (docs/FORMAT.md,
    section 8), and the refs this publish moved are written again from the index as it stands
    after the rollback;
 8. after the commit, the objects of the versions replaced are deleted (a crash before: gc drops
-   superseded versions); one whose refs stayed in place is retired (``manifest_objects.retire``:
+   superseded versions); one whose refs stayed in place is retired (``manifests.objects.retire``:
    marked, then deleted unless a ref names it, which gc carries over);
 9. a full disk at any of these steps is said as such (``writer.disk_full``).
 """
@@ -43,13 +43,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from tailorstore.core.errors import Call, StepChangedError, StepExistsError
+from tailorstore.core.errors import Call, StepChangedError, StepExistsError, is_out_of_space
 from tailorstore.core.failpoints import failpoint
-from tailorstore.store import manifest_objects
-from tailorstore.store.backends.posix import is_out_of_space
-from tailorstore.store.gc_notices import check_publication
-from tailorstore.store.index.catalogue import CatalogueEdit
-from tailorstore.store.index.records import (
+from tailorstore.core.records import (
     COMMIT,
     MAIN_RUN,
     AtomRecord,
@@ -58,7 +54,11 @@ from tailorstore.store.index.records import (
     LayerRecord,
     ManifestRecord,
 )
+from tailorstore.store.gc_notices import check_publication
+from tailorstore.store.index.catalogue import CatalogueEdit
 from tailorstore.store.lock import Fence
+from tailorstore.store.manifests.objects import check_revised, publish, retire, unpublish
+from tailorstore.store.manifests.refs import put_tag, write_refs
 from tailorstore.store.packs.writer import disk_full
 from tailorstore.store.repo import Repository
 
@@ -130,22 +130,20 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
             for manifest, change in zip(ids, changes, strict=True):
                 replacing = isinstance(change, Revision) or change.replacing
                 expected = taken.expected.get(manifest)
-                key = manifest_objects.publish(
-                    repo.backend, edit, manifest, fence=fence, replacing=replacing, expected=expected
-                )
+                key = publish(repo.backend, edit, manifest, fence=fence, replacing=replacing, expected=expected)
                 taken.published.append(key)
                 if expected is not None:
-                    manifest_objects.check_revised(repo.backend, key, expected)
+                    check_revised(repo.backend, key, expected)
             failpoint("after-publish")
             if fence is not None and fence.by_time:
                 for manifest in ids:
                     needs = edit.referenced_blobs(manifest)
                     check_publication(repo.backend, needs, "recording the manifest", repo.size_lookup(needs))
             taken.refs_written = True
-            manifest_objects.write_refs(repo.backend, edit, [m for m in ids if m not in taken.in_place])
+            write_refs(repo.backend, edit, [m for m in ids if m not in taken.in_place])
             for manifest, tag in taken.in_place.items():
                 if tag:  # the tag this commit gives (``--tag``), not one carried over
-                    manifest_objects.put_tag(repo.backend, edit, manifest)
+                    put_tag(repo.backend, edit, manifest)
     except OSError as exc:
         _take_back(repo, taken)
         if is_out_of_space(exc):
@@ -154,9 +152,9 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
     except BaseException:
         _take_back(repo, taken)
         raise
-    manifest_objects.unpublish(repo.backend, taken.superseded)  # after the index names the new versions
+    unpublish(repo.backend, taken.superseded)  # after the index names the new versions
     try:  # clean-up after a durable change is never its failure: gc deletes what is left (superseded)
-        manifest_objects.retire(repo.backend, taken.retired)
+        retire(repo.backend, taken.retired)
     except Exception as exc:  # any backend failure: the change itself is done
         log.warning("tailorstore: the replaced version(s) stay until the next gc: %s", exc)
     return ids
@@ -261,7 +259,7 @@ def _take_back(repo: Repository, taken: _Taken) -> None:
     versions revised or replaced, and the former holders of the tags given."""
     if not taken.published:
         return
-    manifest_objects.unpublish(repo.backend, taken.published)  # the objects went up but the index refused them
+    unpublish(repo.backend, taken.published)  # the objects went up but the index refused them
     if not taken.refs_written:  # nothing of the refs was touched: none is written back from this index
         return
     catalogue = repo._index
@@ -269,4 +267,4 @@ def _take_back(repo: Repository, taken: _Taken) -> None:
     for step, run, tag, in_place in taken.touched:
         replaced = None if in_place else catalogue.commit_at(step, run)
         holders += [m.id for m in (replaced, catalogue.tagged(tag) if tag else None) if m]
-    manifest_objects.write_refs(repo.backend, catalogue, holders)
+    write_refs(repo.backend, catalogue, holders)

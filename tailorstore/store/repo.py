@@ -35,16 +35,19 @@ from tailorstore.core.errors import (
     TailorError,
     UnknownStepError,
 )
-from tailorstore.store import archive_codec, codec, manifest_objects
+from tailorstore.core.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
+from tailorstore.store import archive_codec, codec
 from tailorstore.store.backends.base import Backend, blob_names
 from tailorstore.store.backends.listing import LIST_PAGE, Holdings, stored_part
 from tailorstore.store.backends.location import Location, resolve
 from tailorstore.store.index._index import Index
-from tailorstore.store.index.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
 from tailorstore.store.index.roles import R, view_as
 from tailorstore.store.index.schema import FORMAT_VERSION
 from tailorstore.store.lease import LeaseHandle, lease_lock
 from tailorstore.store.lock import LockHandle, store_lock
+from tailorstore.store.manifests.objects import publish
+from tailorstore.store.manifests.refs import write_refs
+from tailorstore.store.manifests.sync import sync
 from tailorstore.store.packs.pack import pack_names, read_trailer
 from tailorstore.store.packs.pack_spans import PackSpans
 
@@ -237,9 +240,9 @@ class Repository:
             return 0, 0
         for manifest in self._index.unpublished():  # oldest first: a layer's source has its object before its heirs
             with self._index.transaction() as index:
-                manifest_objects.publish(self.backend, index, manifest, fence=None, replacing=True)
-                manifest_objects.write_refs(self.backend, index, [manifest])
-        return manifest_objects.sync(self.backend, self._index, locked=held is not None)
+                publish(self.backend, index, manifest, fence=None, replacing=True)
+                write_refs(self.backend, index, [manifest])
+        return sync(self.backend, self._index, locked=held is not None)
 
     @classmethod
     def rebuild_index(cls, location: Path | str | None) -> RebuildResult:
@@ -263,7 +266,7 @@ class Repository:
             if where.remote:
                 _check_cache(where, fresh)  # records the store's id
             # Built alone (the docstring asks for it), so the packs' trailers are the whole truth.
-            manifest_objects.sync(where.backend, fresh, locked=True, rebuilding=True)
+            sync(where.backend, fresh, locked=True, rebuilding=True)
             counts = fresh.counts()
             fresh.checkpoint()
         except BaseException:

@@ -39,6 +39,7 @@ from tailorstore.core.environment import STAGING_ENV
 from tailorstore.core.errors import Call, StoreError, UnknownStepError
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.policies import Policy, policy_spec
+from tailorstore.core.records import COMMIT
 from tailorstore.formats.deepspeed import is_model_states, read_latest
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.ingest.commit import CommitResult
@@ -54,7 +55,6 @@ from tailorstore.integrations.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.session import Session
 from tailorstore.integrations.snapshot import Snapshots
 from tailorstore.restore.file_objects import StepObjects
-from tailorstore.store.index.records import COMMIT
 
 
 class TailorCheckpointEngine(CheckpointEngine):

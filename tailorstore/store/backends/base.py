@@ -26,28 +26,14 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO, Protocol
 
-from tailorstore.core.errors import Call, CorruptStoreError, StoreError
+from tailorstore.core.errors import StoreError
+from tailorstore.core.object_keys import BLOB_PREFIX, blob_name
 
 BytesLike = bytes | bytearray | memoryview
 Chunks = Iterable[BytesLike]
 
-HASH_NAME = re.compile(r"[0-9a-f]{32}")  # blobs and packs are named by 32 lowercase hex digits
 _KEY = re.compile(r"[A-Za-z0-9._=-]+(/[A-Za-z0-9._=-]+)*")
-BLOB_PREFIX = "blobs/"
 READ_CHUNK = 8 << 20  # bytes a streaming reader holds at a time
-
-
-def check_name(name: str) -> str:
-    """A blob name is 32 lowercase hex digits, checked before it becomes a key: an index row
-    such as ``../../tmp/x`` must never let gc delete, or checkout read, an object outside the store."""
-    if not isinstance(name, str) or not HASH_NAME.fullmatch(name):
-        raise CorruptStoreError(
-            f"the index names a blob {name!r}, which is not a 32-digit hex hash; the index is damaged. "
-            "Rebuild it with ",
-            Call("rebuild_index"),
-            "; nothing was deleted.",
-        )
-    return name
 
 
 def check_key(key: str) -> str:
@@ -55,36 +41,6 @@ def check_key(key: str) -> str:
     if not _KEY.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
         raise StoreError(f"{key!r} is not a valid object key")
     return key
-
-
-def blob_key(name: str) -> str:
-    return f"{BLOB_PREFIX}{name[:2]}/{check_name(name)}"
-
-
-PACK_PREFIX = "packs/"
-
-
-def pack_key(name: str) -> str:
-    """The key of pack ``name`` (packs.py); here, beside blob_key, so records name keys without zstd."""
-    if not HASH_NAME.fullmatch(name):
-        raise CorruptStoreError(f"the index names a pack {name!r}, which is not a 32-digit hex name")
-    return f"{PACK_PREFIX}{name[:2]}/{name}"
-
-
-def blob_name(key: str) -> str | None:
-    """The blob name a key under ``blobs/`` stands for, or None for anything else found there."""
-    parts = key.split("/")
-    if len(parts) == 3 and parts[0] == "blobs" and HASH_NAME.fullmatch(parts[2]) and parts[2][:2] == parts[1]:
-        return parts[2]
-    return None
-
-
-def pack_name(key: str) -> str | None:
-    """The pack name a key under ``packs/`` stands for, or None for anything else found there."""
-    parts = key.split("/")
-    if len(parts) == 3 and parts[0] == "packs" and HASH_NAME.fullmatch(parts[2]) and parts[2][:2] == parts[1]:
-        return parts[2]
-    return None
 
 
 def blob_names(backend: Backend) -> Iterator[str]:

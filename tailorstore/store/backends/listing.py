@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tailorstore.store.backends.base import BLOB_PREFIX, PACK_PREFIX, Backend, blob_name, pack_name
-from tailorstore.store.index.records import BlobRecord
+from tailorstore.core.object_keys import BLOB_PREFIX, PACK_PREFIX, blob_name, pack_name
+from tailorstore.core.records import BlobRecord
+from tailorstore.store.backends.base import Backend
 
 LIST_PAGE = 1000  # keys in one page of an S3 listing
 

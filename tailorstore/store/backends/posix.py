@@ -275,7 +275,3 @@ class PosixBatch:
                 tmp.unlink()
         self._staged.clear()
         self._deleted.clear()
-
-
-def is_out_of_space(exc: OSError) -> bool:
-    return exc.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -1,8 +1,8 @@
 """The SQLite index: the one class that holds every SQL statement of tailorstore.
 
-The index is a cache of the manifest objects in the backend (``manifest_objects``): what it
+The index is a cache of the manifest objects in the backend (``store/manifests/``): what it
 adds is fast lookups (which blobs a manifest needs, where a layer was last stored, where a
-blob sits in a pack). Callers above ``store/`` see typed records (``records``), never rows.
+blob sits in a pack). Callers above ``store/`` see typed records (``core/records.py``), never rows.
 
 Settings that make its promises hold: WAL lets readers (checkout, log, show) work while a
 commit writes; ``synchronous=FULL`` makes a committed transaction survive power loss;
@@ -35,7 +35,7 @@ from tailorstore.core.errors import (
     StoreError,
     TailorError,
 )
-from tailorstore.store.index.records import (
+from tailorstore.core.records import (
     ATOM_COLUMNS,
     COMMIT,
     FILE_COLUMNS,

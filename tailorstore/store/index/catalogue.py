@@ -6,7 +6,7 @@ and :class:`CatalogueEdit`, the changes, made only inside a transaction. No oper
 either whole: each declares a role, a protocol of at most eight of these methods
 (store/index/roles.py), and gets a view that answers only those (``Repository.view(Role)``,
 ``Repository.transaction(Role)``). Inserting a manifest's rows is in no role: only
-``store/publish.py`` does it. Every query returns records from ``store/index/records.py``,
+``store/publish.py`` does it. Every query returns records from ``core/records.py``,
 never tuples or SQLite rows, and SQLite's errors arrive as this library's own
 (``index_failed``). tests/test_layers.py checks that nothing outside ``store/`` imports the index
 or this module, and that each operation calls only what its role names.
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-from tailorstore.store.index.records import (
+from tailorstore.core.records import (
     AtomContent,
     AtomKey,
     AtomRecord,

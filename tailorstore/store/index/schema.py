@@ -1,6 +1,6 @@
 """The SQLite index: schema and format version.
 
-The index is a cache of the manifest objects in the backend (store/manifest_objects.py). docs/FORMAT.md
+The index is a cache of the manifest objects in the backend (store/manifests/). docs/FORMAT.md
 describes every table; this file is the executable form of that description.
 """
 

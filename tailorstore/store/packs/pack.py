@@ -29,7 +29,8 @@ import xxhash
 import zstandard
 
 from tailorstore.core.errors import Call, CorruptStoreError
-from tailorstore.store.backends.base import HASH_NAME, PACK_PREFIX, Backend, Batch, pack_key, pack_name
+from tailorstore.core.object_keys import HASH_NAME, PACK_PREFIX, pack_key, pack_name
+from tailorstore.store.backends.base import Backend, Batch
 from tailorstore.store.codec import decompress_bounded
 
 PACK_BELOW = 1 << 20  # blobs of a smaller raw size go into packs

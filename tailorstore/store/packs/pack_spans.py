@@ -25,8 +25,9 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tailorstore.store.backends.base import Backend, pack_key
-from tailorstore.store.index.records import BlobRecord
+from tailorstore.core.object_keys import pack_key
+from tailorstore.core.records import BlobRecord
+from tailorstore.store.backends.base import Backend
 
 GAP = 256 << 10  # unwanted bytes a span may carry between two wanted blobs
 SPAN_MOST = 16 << 20  # largest span (about one pack)

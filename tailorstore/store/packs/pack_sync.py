@@ -33,9 +33,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tailorstore.core.errors import CorruptStoreError
-from tailorstore.store.backends.base import Backend, blob_key, pack_key
+from tailorstore.core.object_keys import blob_key, pack_key
+from tailorstore.core.records import BlobRecord
+from tailorstore.store.backends.base import Backend
 from tailorstore.store.index._index import Index
-from tailorstore.store.index.records import BlobRecord
 from tailorstore.store.packs.pack import PackEntry, read_trailer
 
 TRAILER_READERS = 16  # trailers read at once: requests that wait on the network

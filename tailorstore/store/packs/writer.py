@@ -22,15 +22,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
 
-from tailorstore.core.errors import BackendError, Call, InputChangedError, StoreError
+from tailorstore.core.errors import BackendError, Call, InputChangedError, StoreError, is_out_of_space
+from tailorstore.core.object_keys import blob_key
+from tailorstore.core.records import BlobRecord
 from tailorstore.core.reused_memory import SLAB_BYTES
 from tailorstore.core.threads import compute_threads
 from tailorstore.store import codec
-from tailorstore.store.backends.base import BytesLike, blob_key
-from tailorstore.store.backends.posix import is_out_of_space
-from tailorstore.store.index.records import BlobRecord
+from tailorstore.store.backends.base import Backend, BytesLike
 from tailorstore.store.packs.pack import PACK_BELOW, PackWriter
-from tailorstore.store.repo import Repository
 
 # Raw bytes queued for compression at once: what the slab of reused piece memory holds
 # (reused_memory.py). A piece read while the queue holds more than the slab is fresh memory,
@@ -65,10 +64,22 @@ class RangeSource(Protocol):
     def verified_chunks(self, offset: int, length: int, digest: str) -> Iterable[BytesLike]: ...
 
 
+class BlobStore(Protocol):
+    """What the writer asks of the store it writes into (``Repository`` is one): where its bytes go,
+    and which blobs it holds already. Named here so that packs/ needs nothing above it."""
+
+    location: str
+    backend: Backend
+
+    def blob(self, digest: str) -> BlobRecord | None: ...
+    def stored_bytes(self, row: BlobRecord) -> int | None: ...
+    def object_size(self, key: str) -> int | None: ...
+
+
 class BlobWriter:
     def __init__(
         self,
-        repo: Repository,
+        repo: BlobStore,
         *,
         level: int = codec.DEFAULT_LEVEL,
         threads: int | None = None,

@@ -1,8 +1,9 @@
 """Typed records of what the index holds: a manifest, its files, atoms and layers, and blobs.
 
-Everything above ``store/`` handles these records, never SQL rows or positional tuples,
-so a column added to the schema is a field added here and in :mod:`._index`, nowhere else.
-The same records are the rows of a manifest object (``manifest_objects``), so what the
+The domain's vocabulary, in core because every layer speaks it: everything above ``store/``
+handles these records, never SQL rows or positional tuples, so a column added to the schema is
+a field added here and in store/index/_index.py, nowhere else.
+The same records are the rows of a manifest object (``store/manifests/document.py``), so what the
 index caches and what the backend keeps cannot drift apart.
 """
 
@@ -16,9 +17,9 @@ from typing import Any, NamedTuple
 
 import xxhash
 
-from tailorstore.core.errors import UnsafePathError
+from tailorstore.core.errors import RecordError, UnsafePathError
+from tailorstore.core.object_keys import HASH_NAME, blob_key, pack_key
 from tailorstore.core.paths import check_relative
-from tailorstore.store.backends.base import HASH_NAME, blob_key, pack_key
 
 COMMIT = "commit"
 MERGE = "merge"
@@ -241,11 +242,6 @@ def to_table(records: Iterable[object], columns: tuple[str, ...]) -> dict[str, A
     """Records as a JSON table of named columns; flags are 0/1, as in SQL."""
     rows = [[int(v) if isinstance(v, bool) else v for v in values(r, columns)] for r in records]
     return {"columns": columns, "rows": rows}
-
-
-class RecordError(ValueError):
-    """A row of a manifest object or part that is not a record of its kind: the object is damaged
-    (or was written by hand). Raised before anything of it reaches the index."""
 
 
 _SCALARS: dict[str, type] = {"int": int, "str": str, "float": float, "bool": bool}

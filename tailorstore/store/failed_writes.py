@@ -3,7 +3,8 @@
 A commit, an average and a thinning all write blobs before they record anything, so a failed
 one must take its blobs back. Not the commit's own module: checkout, export and conversions
 refuse thinned steps through :mod:`thinning`, which needs this, and must not import the whole
-commit machinery for it.
+commit machinery for it. Beside publication, not in packs/: it reads the repository, the parts
+and the manifest keys, which the pack format and the blob writer know nothing of.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tailorstore.core.object_keys import blob_key
 from tailorstore.core.progress import Progress
-from tailorstore.store import manifest_objects, parts
-from tailorstore.store.backends.base import blob_key
+from tailorstore.store import parts
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
+from tailorstore.store.manifests.keys import current_of, listed_manifest_keys
 from tailorstore.store.packs.pack import pack_key
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.repo import Repository
@@ -50,7 +52,7 @@ def remove_unindexed(repo: Repository, writer: BlobWriter, lock: LockHandle | Le
     index, which a sync would meet again.)"""
     try:
         known = {m.object_key for m in repo._index.manifests()}
-        listed = manifest_objects.current_of(manifest_objects.listed_manifest_keys(repo.backend))
+        listed = current_of(listed_manifest_keys(repo.backend))
     except Exception:
         return
     if set(listed.values()) - known:
