@@ -94,9 +94,7 @@ def _child(order: dict[str, Any]) -> None:
         if fault and fault.get("where") == "client":
             _stop_at_requests(fault)
         if order["args"][0] == "@dcp-save":  # the DCP writer's save (testbed/sim_dcp.py), not a command
-            from sim_dcp import main as dcp_save  # beside this script, which runs as a file
-
-            code = dcp_save(order["args"][1:])
+            code = _beside("sim_dcp").main(order["args"][1:])
         else:
             from tailorstore.cli.app import run
 
@@ -115,6 +113,17 @@ def _child(order: dict[str, Any]) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _beside(name: str) -> Any:
+    """A module of testbed/ next to this script, which runs as a file (not as ``testbed.sim_host``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _say(message: dict[str, Any]) -> None:
