@@ -530,7 +530,7 @@ class Store:
 
     def open_dcp(self, ref: Ref, *, folder: str | None = None) -> DcpStep:
         """A step's DCP folder (its only one, or ``folder``) to read item by item, every tensor
-        hash-checked: what :class:`tailorstore.integrations.dcp_storage.TailorStorageReader` hands
+        hash-checked: what :class:`tailorstore.integrations.dcp.reader.TailorStorageReader` hands
         ``dcp.load``. Nothing is written anywhere."""
         from tailorstore.restore.dcp_read import open_dcp_step
 

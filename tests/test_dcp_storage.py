@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from tailorstore import Store
 from tailorstore.core.errors import CorruptStoreError, StoreError
-from tailorstore.integrations.dcp_storage import TailorStorageReader
+from tailorstore.integrations.dcp.reader import TailorStorageReader
 from tailorstore.store.index.catalogue import Catalogue
 
 
@@ -140,7 +140,7 @@ def test_an_object_item_beyond_the_allowlist_is_committed_but_never_run_by_a_loa
     saved the same through the writer, and refused by every load with one line naming the item and
     the global, the command never run; a caller who trusts the store's objects says so by name."""
     from tailorstore.core.errors import Category, UnsafePickleError
-    from tailorstore.integrations.dcp_writer import TailorStorageWriter
+    from tailorstore.integrations.dcp.writer import TailorStorageWriter
 
     ran = tmp_path / "ran"
     state = _state(1, 3)

@@ -13,8 +13,8 @@ from test_dcp_storage import _equal, _state
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tailorstore import Store
-from tailorstore.integrations.dcp_storage import TailorStorageReader
-from tailorstore.integrations.dcp_writer import TailorStorageWriter
+from tailorstore.integrations.dcp.reader import TailorStorageReader
+from tailorstore.integrations.dcp.writer import TailorStorageWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -93,14 +93,14 @@ def test_a_damaged_blob_is_an_error_never_a_tensor(runs: Runs, tmp_path: Path) -
 
 
 def test_serving_a_resume_leaves_deepspeed_as_it_was_even_when_the_load_fails(runs: Runs, tmp_path: Path) -> None:
-    """integrations/serving.py changes DeepSpeed's loader, the engine's glob and its checkpoint
+    """integrations/deepspeed/serving.py changes DeepSpeed's loader, the engine's glob and its checkpoint
     engine's load only while its block runs; a load that fails inside it leaves none of them."""
     from types import SimpleNamespace
 
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.state_dict_factory import SDLoaderFactory
 
-    from tailorstore.integrations import serving
+    from tailorstore.integrations.deepspeed import serving
 
     own_loader = SDLoaderFactory.__dict__["get_sd_loader"]
     with Store.init(tmp_path / "store") as store:

@@ -18,9 +18,9 @@ from test_hostile import mounted
 
 from tailorstore import BackgroundCommitError, Store
 from tailorstore.formats.safe_load import load_torch_file
-from tailorstore.integrations import staging as staged
 from tailorstore.integrations.deepspeed import TailorCheckpointEngine
-from tailorstore.integrations.head import HEAD_FILE, read_head
+from tailorstore.integrations.deepspeed import staging as staged
+from tailorstore.integrations.deepspeed.head import HEAD_FILE, read_head
 from testbed.compare import differences, same_tree
 from testbed.runs import TrainingFailed, train_hf, train_tiny
 
@@ -155,7 +155,7 @@ from pathlib import Path
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from tailorstore import Store
 from tailorstore.integrations.deepspeed import TailorCheckpointEngine
-from tailorstore.integrations.head import HEAD_FILE, read_head
+from tailorstore.integrations.deepspeed.head import HEAD_FILE, read_head
 from tailorstore.formats.safe_load import load_torch_file
 
 reference, save_dir, store = Path(sys.argv[1]), Path(sys.argv[2]), Store.open(sys.argv[3])
@@ -336,7 +336,7 @@ def test_a_restart_after_a_rewind_goes_on_in_the_branch_not_the_abandoned_run(
     """Attack finding 5: train to step 9, go back to step 3 (saves 6 and 9 go to ``main-from-3``, and
     ``latest`` names ``global_step9``), then restart the same job. It resumed ``main:step=9``, the
     timeline the user had abandoned, and committed step 12 into ``main``. The job's head
-    (integrations/head.py) names the run it last committed to."""
+    (integrations/deepspeed/head.py) names the run it last committed to."""
     _, save, options = attached_run(runs, tmp_path, monkeypatch, tailor_engine=True)
     train_tiny(save, losses_out=tmp_path / "first.json", steps=9, save_every=3, **options)
     train_tiny(save, losses_out=tmp_path / "again.json", resume_from=save, resume_tag="global_step3", steps=9,

@@ -96,7 +96,7 @@ def _outside_store() -> list[Path]:
     return [p for p in sources() + extra if p.parts[:2] != ("tailorstore", "store")]
 
 
-DCP_ITEMS = {"tailorstore/integrations/dcp_writer.py"}  # where ``item`` and ``result`` are DCP's own
+DCP_ITEMS = {"tailorstore/integrations/dcp/writer.py"}  # where ``item`` and ``result`` are DCP's own
 
 
 def test_the_index_is_private_to_the_store() -> None:
@@ -292,7 +292,7 @@ def test_every_lock_timeout_defaults_to_the_one_constant() -> None:
 
 def test_the_integrations_share_one_set_of_rank_helpers() -> None:
     """Issue 49: the rank lookup, the broadcast and the reading of LOCAL_WORLD_SIZE were each defined
-    two or three times, with different caps and failure semantics. integrations/ranks.py holds them;
+    two or three times, with different caps and failure semantics. integrations/common/ranks.py holds them;
     no other integration module defines its own or reads the environment for them."""
     found = []
     for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
@@ -400,7 +400,7 @@ def test_no_integration_reaches_through_the_store_handle() -> None:
     """Issue 49: the integrations used ``store.repo`` for locks, refresh, part keys and the
     rank-parallel plan. They now call ``Store`` methods only (``commit_together``, ``holds``,
     ``in_run``, ``parts``, ``delete_once_durable``); the protocol of a rank-parallel commit lives
-    in ``ingest/rank_parallel.py``, and ``integrations/distributed.py`` is its torch.distributed glue."""
+    in ``ingest/rank_parallel.py``, and ``integrations/common/distributed.py`` is its torch.distributed glue."""
     found = []
     for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -453,7 +453,7 @@ COLLECTIVES = {
 
 
 def test_every_collective_of_the_integrations_goes_through_the_rank_session() -> None:
-    """A choice several ranks act on is made once and shipped (integrations/session.py); a rank that
+    """A choice several ranks act on is made once and shipped (integrations/common/session.py); a rank that
     looked for itself took another load path and deadlocked a restart. So no integration module
     calls a torch.distributed collective, or ranks.py's, except session.py (over ranks.py's)."""
     found = []

@@ -20,7 +20,7 @@ from tailorstore import Store
 from tailorstore.core.errors import InputChangedError, StoreError
 from tailorstore.formats.memory_folder import MemoryFile
 from tailorstore.formats.source import InputFile
-from tailorstore.integrations.dcp_writer import TailorStorageWriter
+from tailorstore.integrations.dcp.writer import TailorStorageWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

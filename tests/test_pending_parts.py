@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from tailorstore import Store
-from tailorstore.integrations.nodes import finish_pending, save_label
+from tailorstore.integrations.deepspeed.nodes import finish_pending, save_label
 from testbed.compare import same_tree
 
 SAVE = Path(__file__).parent / "data" / "format1" / "checkpoint" / "global_step3"

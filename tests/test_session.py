@@ -1,4 +1,4 @@
-"""A job's ranks as a session (integrations/session.py): a decision made on global rank 0 is
+"""A job's ranks as a session (integrations/common/session.py): a decision made on global rank 0 is
 every rank's, and a failure crosses ranks whole, by rank, as :class:`RanksFailedError` whose
 category (and so exit code) is its worst member's. Two real gloo processes."""
 
@@ -26,7 +26,7 @@ from tailorstore.core.errors import (
     StoreError,
     UnknownStepError,
 )
-from tailorstore.integrations.session import Session
+from tailorstore.integrations.common.session import Session
 
 pytestmark = pytest.mark.slow  # two spawned gloo processes
 
@@ -76,7 +76,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     found["own"] = session.all_or_none(lambda: rank * 10)
 
     # the rank-parallel commit's collective and the DCP reader's resolution go through the session too
-    from tailorstore.integrations.distributed import TorchGroup, from_rank0
+    from tailorstore.integrations.common.distributed import TorchGroup, from_rank0
 
     undone: list[int] = []
 

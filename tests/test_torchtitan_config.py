@@ -9,7 +9,7 @@ import torch
 
 from tailorstore import Store
 from tailorstore.core.errors import PolicyError
-from tailorstore.integrations.torchtitan import TailorCheckpointManager
+from tailorstore.integrations.dcp.torchtitan import TailorCheckpointManager
 
 
 def build(config: TailorCheckpointManager.Config) -> TailorCheckpointManager:

@@ -191,7 +191,7 @@ class LeaseLostError(LockTimeoutError):
 
 class RanksFailedError(TailorError):
     """Work of a job's ranks failed on one rank or more, raised alike on every rank
-    (``integrations/session.py``). ``failures`` holds each failed rank's own error, whole, by
+    (``integrations/common/session.py``). ``failures`` holds each failed rank's own error, whole, by
     global rank; the category is the most severe of theirs (:data:`SEVERITY`), so the exit code
     is the one the worst failure alone would give."""
 

@@ -3,7 +3,7 @@ member 0 records the step from the parts (rank_share.py says why the manifest eq
 single-process commit's).
 
 This module holds the protocol; how the members talk is the caller's (:class:`Collective`):
-``integrations/distributed.py`` implements it over ``torch.distributed``, and anything that can
+``integrations/common/distributed.py`` implements it over ``torch.distributed``, and anything that can
 gather a value, broadcast one from member 0 and fail everywhere at once could.
 
 Call order, on every member (each step a collective, so all reach it or all fail):

@@ -13,7 +13,7 @@
     trainer.train(resume_from_checkpoint="restored/checkpoint-latest")
 
 In a distributed run the commit is rank-parallel, under every policy
-(:mod:`tailorstore.integrations.distributed`): every rank writes its own files' blobs, the
+(:mod:`tailorstore.integrations.common.distributed`): every rank writes its own files' blobs, the
 policy is decided once from every rank's survey, and global rank 0 finalizes the one manifest,
 the one a single-process commit would record. Background commits then talk over a process group
 of their own, so their collectives never interleave with training's.
@@ -38,10 +38,10 @@ from tailorstore.api import Store
 from tailorstore.core.errors import MetricError, StoreError
 from tailorstore.core.metrics import checked
 from tailorstore.core.policies import Policy, policy_spec
-from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
-from tailorstore.integrations.ranks import is_distributed, rank
-from tailorstore.integrations.rewind import Rewind, warn_if_composite
-from tailorstore.integrations.session import Session
+from tailorstore.integrations.common.distributed import RankParallelResult, commit_rank_parallel
+from tailorstore.integrations.common.ranks import is_distributed, rank
+from tailorstore.integrations.common.rewind import Rewind, warn_if_composite
+from tailorstore.integrations.common.session import Session
 
 
 def evaluation_metrics(state: TrainerState, names: Collection[str] | None = None) -> dict[str, float]:
@@ -87,7 +87,7 @@ class TailorCallback(TrainerCallback):
         """``metrics``: the names of the Trainer's logged metrics to record with each step (the
         evaluation's ``eval_loss``, the training log's ``loss``); None records every evaluation
         metric of the step, an empty list none."""
-        self.rewind = Rewind(on_existing)  # a save of a step the store holds: a rewind (rewind.py)
+        self.rewind = Rewind(on_existing)  # a save of a step the store holds: a rewind (common/rewind.py)
         self._store_arg = store
         self._store: Store | None = store if isinstance(store, Store) else None
         self.spec = policy_spec(policy, policy_params)  # a misspelt parameter fails here, not at the first save

@@ -32,7 +32,7 @@ If a background commit fails, its staged files are moved to where DeepSpeed woul
 written them (``save_dir/tag``), so nothing is lost, and the error is raised at the next
 save or at :meth:`TailorCheckpointEngine.flush`. What a killed run left staged (perhaps cut
 short) is moved by the next engine to start beside that folder, under a name DeepSpeed never
-loads, and global rank 0 commits it from there (:mod:`..staging`, :mod:`.recovery`).
+loads, and global rank 0 commits it from there (:mod:`.staging`, :mod:`.recovery`).
 """
 
 from tailorstore.integrations.deepspeed.attaching import attach

@@ -11,7 +11,7 @@ import torch
 
 from tailorstore.api import Store
 from tailorstore.core.policies import Policy
-from tailorstore.integrations import ranks
+from tailorstore.integrations.common import ranks
 from tailorstore.integrations.deepspeed.engine import TailorCheckpointEngine
 from tailorstore.integrations.deepspeed.helpers import shape_of
 
@@ -37,7 +37,7 @@ def attach(
     a save of a step the store already holds does, after training went back to an earlier step:
     ``"branch"`` (a new run from the resumed step, with a warning), ``"replace"`` or ``"error"``.
     ``snapshot`` (default) makes ``save_checkpoint`` block only for a copy of the tensors into
-    reused memory; the files are written in the background (:mod:`..snapshot`). On a GPU the copy
+    reused memory; the files are written in the background (:mod:`.snapshot`). On a GPU the copy
     runs beside the next step, and its optimizer step waits (on the GPU) only for the copy into
     ``gpu_buffers``: buffers in GPU memory kept from save to save, used where the GPU has room
     (None), always (True) or never (False: the step waits for the copy to host memory).

@@ -16,7 +16,7 @@ If a background commit fails, its staged files are moved to where DeepSpeed woul
 them (``save_dir/tag``), so nothing is lost, and the error is raised at the next save or at
 :meth:`TailorCheckpointEngine.flush`. What a killed run left staged (perhaps cut short) is moved by
 the next engine to start beside that folder, under a name DeepSpeed never loads, and global
-rank 0 commits it from there (:mod:`..staging`, :mod:`.recovery`).
+rank 0 commits it from there (:mod:`.staging`, :mod:`.recovery`).
 """
 
 from __future__ import annotations
@@ -43,16 +43,17 @@ from tailorstore.formats.deepspeed import is_model_states, read_latest
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.ingest.commit import CommitResult
 from tailorstore.ingest.rank_share import owner_of
-from tailorstore.integrations import nodes, ranks, resume, serving, snapshot
-from tailorstore.integrations import staging as staged
+from tailorstore.integrations.common import ranks
+from tailorstore.integrations.common.distributed import RankParallelResult, commit_rank_parallel
+from tailorstore.integrations.common.rewind import Rewind, warn_if_composite
+from tailorstore.integrations.common.session import Session
+from tailorstore.integrations.deepspeed import nodes, resume, serving, snapshot
+from tailorstore.integrations.deepspeed import staging as staged
+from tailorstore.integrations.deepspeed.head import read_head
 from tailorstore.integrations.deepspeed.helpers import ENGINE_NAME, RESTORE_PREFIX, T, default_staging, log, step_of_tag
 from tailorstore.integrations.deepspeed.recovery import commit_recovered, name_in_head
+from tailorstore.integrations.deepspeed.snapshot import Snapshots
 from tailorstore.integrations.deepspeed.staged_reads import below, load_staged
-from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
-from tailorstore.integrations.head import read_head
-from tailorstore.integrations.rewind import Rewind, warn_if_composite
-from tailorstore.integrations.session import Session
-from tailorstore.integrations.snapshot import Snapshots
 from tailorstore.restore.file_objects import StepObjects
 from tailorstore.store.index.records import COMMIT
 
@@ -259,7 +260,7 @@ class TailorCheckpointEngine(CheckpointEngine):
 
     def before_change(self) -> None:
         """The saved tensors are about to change (an optimizer step): on a GPU, the training stream
-        waits for the last save's copies (:mod:`..side_copy`); the host does not wait. :func:`attach`
+        waits for the last save's copies (:mod:`.side_copy`); the host does not wait. :func:`attach`
         calls it before each optimizer step; call it before changing them any other way."""
         if self._snapshots is not None:
             self._snapshots.guard()
@@ -281,7 +282,7 @@ class TailorCheckpointEngine(CheckpointEngine):
         """Files come from a checkout of the store; loaded with the allowlist, never running unknown code.
 
         A model-states file this engine staged for a resume is mapped, not read (:func:`mapped`);
-        a resume served from the store hands over its objects instead (:mod:`..serving`)."""
+        a resume served from the store hands over its objects instead (:mod:`.serving`)."""
         if self._restoring(path):
             return load_staged(path)
         return load_torch_file(path, mmap=False)[0]
@@ -471,7 +472,7 @@ class TailorCheckpointEngine(CheckpointEngine):
     def load_checkpoint(self, original: Callable[..., Any], load_dir: str, tag: str | None = None, **kw: Any) -> Any:
         """``engine.load_checkpoint`` through the store: a folder on disk is loaded as it is; otherwise
         the step is written into each node's staging folder for the world size and ZeRO stage
-        training runs at now (:mod:`..resume`), every rank loads it, and it is deleted. Nothing to
+        training runs at now (:mod:`.resume`), every rank loads it, and it is deleted. Nothing to
         resume (no step in the store, nothing on disk) returns ``(None, None)``, as DeepSpeed does.
 
         Which of these it is, and which step, is decided once, on global rank 0, for every rank
@@ -526,7 +527,7 @@ class TailorCheckpointEngine(CheckpointEngine):
     def _load_served(
         self, engine: Any, original: Callable[..., Any], objects: StepObjects, built: dict[str, Any], kw: dict
     ) -> Any:
-        """DeepSpeed's own ``load_checkpoint`` over the step's objects (:mod:`..serving`); no file is written."""
+        """DeepSpeed's own ``load_checkpoint`` over the step's objects (:mod:`.serving`); no file is written."""
         root = self._root / f"{RESTORE_PREFIX}{self._saves:06d}"  # a name only: the folder is never made
         with serving.served(engine, root, objects, built):
             return original(str(root), objects.tag, **kw)

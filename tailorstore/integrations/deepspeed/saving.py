@@ -10,9 +10,9 @@ from typing import Any
 from tailorstore.api import Store
 from tailorstore.core.policies import Policy
 from tailorstore.ingest.commit import CommitResult
-from tailorstore.integrations import ranks
+from tailorstore.integrations.common import ranks
+from tailorstore.integrations.common.rewind import Rewind
 from tailorstore.integrations.deepspeed.helpers import T
-from tailorstore.integrations.rewind import Rewind
 
 
 def save_checkpoint(

@@ -56,8 +56,8 @@ from tailorstore.core.errors import StagingFailed, StoreError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.core.local_files import Beneath, read_small, write_atomic
 from tailorstore.core.memory import available_memory
-from tailorstore.integrations.side_copy import SideCopies
-from tailorstore.integrations.staging import FAILED, WRITTEN
+from tailorstore.integrations.deepspeed.side_copy import SideCopies
+from tailorstore.integrations.deepspeed.staging import FAILED, WRITTEN
 
 log = logging.getLogger("tailorstore")
 # a snapshot buffer's storage (its _cdata, unique while the buffer lives) -> the location tag of the

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from tailorstore.api import Store
 from tailorstore.core.errors import Call, StoreError, TailorError
-from tailorstore.integrations import ranks
-from tailorstore.integrations.session import Session
+from tailorstore.integrations.common import ranks
+from tailorstore.integrations.common.session import Session
 
 log = logging.getLogger("tailorstore")
 

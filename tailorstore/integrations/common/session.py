@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tailorstore.core.errors import BackendError, RanksFailedError, StoreError, TailorError
-from tailorstore.integrations import ranks
+from tailorstore.integrations.common import ranks
 
 T = TypeVar("T")
 

@@ -29,9 +29,9 @@ from typing import Any
 
 from tailorstore.api import Store
 from tailorstore.core.errors import StoreError
-from tailorstore.integrations.ranks import is_leader, node_ranks
-from tailorstore.integrations.ranks import rank as global_rank
-from tailorstore.integrations.session import Session
+from tailorstore.integrations.common.ranks import is_leader, node_ranks
+from tailorstore.integrations.common.ranks import rank as global_rank
+from tailorstore.integrations.common.session import Session
 from tailorstore.restore.checkout import loaded_by
 from tailorstore.restore.file_objects import StepObjects
 
@@ -45,7 +45,7 @@ class Found:
     world_size: int | None
     zero_stage: int | None
     inherited: dict[str, int]  # a composite's layers from earlier steps (layer -> step)
-    created_at: float = 0.0  # when the manifest was recorded (integrations/head.py compares it)
+    created_at: float = 0.0  # when the manifest was recorded (deepspeed/head.py compares it)
     location: str | None = None  # the store rank 0 resolved it in (a rank without a handle opens it)
 
 
