@@ -42,6 +42,7 @@ from tailorstore.integrations.common.distributed import RankParallelResult, comm
 from tailorstore.integrations.common.ranks import is_distributed, rank
 from tailorstore.integrations.common.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.common.session import Session
+from tailorstore.integrations.common.store_session import StoreSession
 
 
 def evaluation_metrics(state: TrainerState, names: Collection[str] | None = None) -> dict[str, float]:
@@ -132,7 +133,8 @@ class TailorCallback(TrainerCallback):
             store = self._open()
             step = state.global_step
             if self.asynchronous:
-                store.background(str(folder), lambda handle: self._commit_parallel(handle, folder, step, metrics))
+                in_order = StoreSession(store).background
+                in_order(str(folder), lambda handle: self._commit_parallel(handle, folder, step, metrics))
             else:
                 self._commit_parallel(store, folder, step, metrics)
             return
@@ -147,7 +149,7 @@ class TailorCallback(TrainerCallback):
             return self.rewind.commit(handle, folder, step=step, delete_after_commit=delete, **options)
 
         if self.asynchronous:
-            store.background(str(folder), job)
+            StoreSession(store).background(str(folder), job)
         else:
             job(store)
 
@@ -159,13 +161,13 @@ class TailorCallback(TrainerCallback):
         run = Session(self._group).decide(lambda: self.rewind.run_for(store, step), f"choosing the run of step {step}")
         self.rewind.run = run
         if run != store.run:
-            store = store.in_run(run)
+            store = StoreSession(store).in_run(run).store
         result = commit_rank_parallel(
             store, folder, step=step, group=self._group, policy=self.policy, metrics=metrics or None,
             **self.policy_params,
         )  # fmt: skip
         if self.delete_after_commit and rank() == 0:
-            store.delete_once_durable(result.finalized.manifest, folder)
+            StoreSession(store).delete_once_durable(result.finalized.manifest, folder)
         return result
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:

@@ -22,14 +22,15 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from tailorstore import RankParallelResult
 from tailorstore.api import Store
 from tailorstore.core.errors import LOCK_TIMEOUT, RanksFailedError, StoreError
 from tailorstore.core.policies import Policy
 from tailorstore.core.threads import compute_threads
-from tailorstore.ingest.rank_parallel import RankParallelResult
 from tailorstore.integrations.common.ranks import is_distributed, node_ranks
 from tailorstore.integrations.common.ranks import rank as global_rank
 from tailorstore.integrations.common.session import Session
+from tailorstore.integrations.common.store_session import StoreSession
 
 T = TypeVar("T")
 
@@ -65,7 +66,7 @@ def commit_rank_parallel(
     if not is_distributed():
         raise StoreError("commit_rank_parallel needs torch.distributed initialized; use Store.commit in one process.")
     Session(group).barrier()  # every rank has finished writing its files before any rank reads the folder
-    return store.commit_together(
+    return StoreSession(store).commit_together(
         path,
         TorchGroup(group),
         step=step,

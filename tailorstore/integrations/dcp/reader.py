@@ -47,16 +47,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tailorstore import DcpStep
 from tailorstore.api import Ref, Store
 from tailorstore.core.errors import StoreError
 from tailorstore.core.threads import decode_threads
-from tailorstore.formats import dcp as dcp_format
-from tailorstore.formats.tensors import dtype_from_name
 from tailorstore.integrations.common.distributed import from_rank0
 from tailorstore.integrations.common.ranks import is_distributed, rank
 from tailorstore.integrations.common.rewind import warn_if_composite
-from tailorstore.integrations.dcp.writer import opened_store
-from tailorstore.restore.dcp_read import DcpStep
+from tailorstore.integrations.common.store_session import StoreSession, dcp_format, dtype_from_name, opened_store
 
 
 class TailorStorageReader(StorageReader):
@@ -91,7 +89,7 @@ class TailorStorageReader(StorageReader):
 
         # rank 0 names the step, and every rank gets its answer or its failure (none waits in vain)
         stable_id = from_rank0(resolve, None, f"resolving {self.ref!r}") if is_distributed() else resolve()
-        self._step = self.store.open_dcp(f"id={stable_id}", folder=self.folder)
+        self._step = StoreSession(self.store).open_dcp(f"id={stable_id}", folder=self.folder)
         if rank() == 0:  # one warning for the job, as a checkout or attach gives
             warn_if_composite(self._step.step, self._step.inherited)
         return torch_metadata(self._step.metadata)

@@ -53,18 +53,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 
-from tailorstore import MAIN_RUN
+from tailorstore import MAIN_RUN, CommitRequest
 from tailorstore.api import Store
 from tailorstore.core.errors import UnknownStepError
-from tailorstore.formats.layout import step_from_name
-from tailorstore.ingest.commit_options import CommitRequest
 from tailorstore.integrations.common.distributed import from_rank0
 from tailorstore.integrations.common.ranks import is_distributed, rank
+from tailorstore.integrations.common.store_session import StoreSession, step_from_name
 from tailorstore.integrations.dcp.reader import TailorStorageReader
 from tailorstore.integrations.dcp.writer import TailorStorageWriter
 
 if TYPE_CHECKING:
-    from tailorstore.curate.gc import GcPlan
+    from tailorstore import GcPlan
 
 log = logging.getLogger("tailorstore")
 
@@ -153,8 +152,8 @@ class TailorCheckpointManager(CheckpointManager):
 
     def _held(self, step: int) -> bool:
         if not is_distributed():
-            return self.store.holds(step)
-        return from_rank0(lambda: self.store.holds(step), None, f"looking for step {step}")
+            return StoreSession(self.store).holds(step)
+        return from_rank0(lambda: StoreSession(self.store).holds(step), None, f"looking for step {step}")
 
     # -- retention ---------------------------------------------------------------------------------
     def _purge_stale_checkpoints(self) -> None:

@@ -57,17 +57,22 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from tailorstore import CommitRequest, PartPlan
 from tailorstore.api import Store
 from tailorstore.core.atoms import dtype_name
 from tailorstore.core.errors import StoreError
 from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.memory import release_free_memory
 from tailorstore.core.tensor_ref import DTYPES
-from tailorstore.formats import dcp as dcp_format
-from tailorstore.formats.layout import step_from_name
-from tailorstore.formats.memory_folder import MemoryFile, MemoryFolder
-from tailorstore.ingest.commit_options import CommitRequest, PartPlan
-from tailorstore.ingest.rank_plan import check_sized_policy
+from tailorstore.integrations.common.store_session import (
+    MemoryFile,
+    MemoryFolder,
+    StoreSession,
+    check_sized_policy,
+    dcp_format,
+    opened_store,
+    step_from_name,
+)
 
 
 @dataclass(frozen=True)
@@ -84,17 +89,6 @@ class RankOrders:
     def file_name(self) -> str:
         return f"__{self.rank}_0{dcp_format.SUFFIX}"
 
-
-def opened_store(store: Store | str | os.PathLike) -> Store:
-    """The store a DCP reader or writer is built over: a :class:`Store`, or its location (a folder or
-    ``s3://...``, opened as :meth:`Store.open` opens it), as the other integrations take it."""
-    if isinstance(store, Store):
-        return store
-    if isinstance(store, str | os.PathLike):
-        return Store.open(store)
-    raise StoreError(
-        f"the store is a {type(store).__name__}: give a Store (Store.open(location)) or its location, a path or s3://..."
-    )
 
 
 class TailorStorageWriter(StorageWriter):
@@ -173,7 +167,7 @@ class TailorStorageWriter(StorageWriter):
                 "dcp.save(..., checkpoint_id=N)."
             )
         label = f"dcp.{self._save or uuid.uuid4().hex[:16]}"
-        plan = self.store.plan_parts(self.step, layer_sizes(plans), self.request)
+        plan = StoreSession(self.store).plan_parts(self.step, layer_sizes(plans), self.request)
         every = [RankOrders(self.step, label, rank, len(plans), plan) for rank in range(len(plans))]
         self._orders = every[0]  # what finish records, on this (the coordinator's) instance
         return [dataclasses.replace(p, storage_data=orders) for p, orders in zip(plans, every, strict=True)]
@@ -186,7 +180,7 @@ class TailorStorageWriter(StorageWriter):
         try:
             results = serialize(folder.add(orders.file_name), orders.file_name, plan.items, planner)
             folder.dcp_metadata = rank_metadata(plan, results, orders)
-            self.store.commit_memory(folder, self.request, part_label=orders.label, plan=orders.plan)
+            StoreSession(self.store).commit_memory(folder, self.request, part_label=orders.label, plan=orders.plan)
         finally:
             folder.close()
             _release_thread_memory()
@@ -211,7 +205,7 @@ class TailorStorageWriter(StorageWriter):
         try:
             with folder.add(dcp_format.METADATA).writer() as stream:
                 stream.write(data)
-            self.store.commit_memory(folder, self.request, part_label=orders.label, plan=orders.plan)
+            StoreSession(self.store).commit_memory(folder, self.request, part_label=orders.label, plan=orders.plan)
         finally:
             folder.close()
         try:

@@ -34,19 +34,24 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
+from tailorstore import CommitResult, StepObjects
 from tailorstore.api import Store
 from tailorstore.core.environment import STAGING_ENV
 from tailorstore.core.errors import Call, StoreError, UnknownStepError
 from tailorstore.core.metrics import checked as checked_metrics
 from tailorstore.core.policies import Policy, policy_spec
-from tailorstore.formats.deepspeed import is_model_states, read_latest
-from tailorstore.formats.safe_load import load_torch_file
-from tailorstore.ingest.commit import CommitResult
-from tailorstore.ingest.rank_share import owner_of
 from tailorstore.integrations.common import ranks
 from tailorstore.integrations.common.distributed import RankParallelResult, commit_rank_parallel
 from tailorstore.integrations.common.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.common.session import Session
+from tailorstore.integrations.common.store_session import (
+    COMMIT,
+    StoreSession,
+    is_model_states,
+    load_torch_file,
+    owner_of,
+    read_latest,
+)
 from tailorstore.integrations.deepspeed import nodes, resume, serving, snapshot
 from tailorstore.integrations.deepspeed import staging as staged
 from tailorstore.integrations.deepspeed.head import read_head
@@ -54,8 +59,6 @@ from tailorstore.integrations.deepspeed.helpers import ENGINE_NAME, RESTORE_PREF
 from tailorstore.integrations.deepspeed.recovery import commit_recovered, name_in_head
 from tailorstore.integrations.deepspeed.snapshot import Snapshots
 from tailorstore.integrations.deepspeed.staged_reads import below, load_staged
-from tailorstore.restore.file_objects import StepObjects
-from tailorstore.store.index.records import COMMIT
 
 
 class TailorCheckpointEngine(CheckpointEngine):
@@ -465,7 +468,7 @@ class TailorCheckpointEngine(CheckpointEngine):
                     staged.finish(folder.parent)
 
         if self.asynchronous:
-            return self.store.background(str(real), job)
+            return StoreSession(self.store).background(str(real), job)
         return job(self.store)
 
     # -- resuming ----------------------------------------------------------------------

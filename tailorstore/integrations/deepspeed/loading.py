@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tailorstore import StepObjects
 from tailorstore.api import Store
 from tailorstore.integrations.common import ranks
 from tailorstore.integrations.common.rewind import warn_if_composite
@@ -19,7 +20,6 @@ from tailorstore.integrations.deepspeed import resume, serving
 from tailorstore.integrations.deepspeed.engine import TailorCheckpointEngine
 from tailorstore.integrations.deepspeed.helpers import default_staging, shape_of
 from tailorstore.integrations.deepspeed.staged_reads import below, load_staged
-from tailorstore.restore.file_objects import StepObjects
 
 
 @contextmanager

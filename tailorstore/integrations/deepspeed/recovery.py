@@ -25,10 +25,10 @@ from pathlib import Path
 from tailorstore.api import Store
 from tailorstore.core.errors import StepExistsError, StoreError
 from tailorstore.integrations.common.rewind import Rewind
+from tailorstore.integrations.common.store_session import COMMIT
 from tailorstore.integrations.deepspeed.head import Head, read_head, write_head
 from tailorstore.integrations.deepspeed.helpers import log, step_of_tag
 from tailorstore.integrations.deepspeed.staging import Rescued
-from tailorstore.store.index.records import COMMIT
 
 COMMITTED, ALREADY, KEPT = "committed", "already committed", "kept"
 
