@@ -498,6 +498,37 @@ def test_the_integrations_reach_the_library_only_through_the_api_and_the_seam() 
     assert {"formats", "ingest", "restore", "store"} <= seam, seam  # the seam is where they are reached
 
 
+def _is_error_made(node: ast.AST) -> bool:
+    func = node.func if isinstance(node, ast.Call) else None
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    return name.endswith(("Error", "Failed"))
+
+
+def test_no_integration_flattens_an_error_into_a_string() -> None:
+    """The house, third step, item 3: errors cross ranks whole, through the rank session
+    (``RanksFailedError``; any other exception as a ``RankError`` holding it), never as text. In
+    integrations/, an error built inside an ``except ... as exc`` that names ``exc`` is raised
+    ``from exc``, so the exception itself stays with it; no error is made of its words alone."""
+    found = []
+    for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
+        for handler in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(handler, ast.ExceptHandler) or handler.name is None:
+                continue
+            chained = set()
+            for node in ast.walk(ast.Module(body=handler.body, type_ignores=[])):
+                cause = getattr(node, "cause", None)
+                if isinstance(node, ast.Raise) and isinstance(cause, ast.Name) and cause.id == handler.name:
+                    chained.add(id(node.exc))
+            for node in ast.walk(ast.Module(body=handler.body, type_ignores=[])):
+                if not isinstance(node, ast.Call) or not _is_error_made(node) or id(node) in chained:
+                    continue
+                given = [*node.args, *(k.value for k in node.keywords)]
+                names = {n.id for arg in given for n in ast.walk(arg) if isinstance(n, ast.Name)}
+                if handler.name in names:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:100]}")
+    assert not found, "errors made of another error's text:\n" + "\n".join(found)
+
+
 def test_the_store_keeps_its_concerns_in_sub_packages() -> None:
     """Issue 49: store/ held 23 modules of four concerns side by side. The backends, the index and
     the packs are sub-packages; what stays on store/'s own level is the repository and publication

@@ -291,7 +291,7 @@ def _write(
         on_staging_failed(exc, real.parent)
         real.parent.mkdir(parents=True, exist_ok=True)
         torch.save(tree, real)
-        raise StoreError(f"staging {staged} failed ({exc}); the file was written to {real}") from None
+        raise StoreError(f"staging {staged} failed ({exc}); the file was written to {real}") from exc
 
 
 def _prefault(model: Buffers, target: Buffers, pinned: bool, ranks_on_node: int) -> None:
