@@ -49,7 +49,7 @@ def rank_job(argv: list[str]) -> None:
 
     from benchmarks.suite import drop_caches
     from tailorstore import Store
-    from tailorstore.integrations.dcp_storage import TailorStorageReader
+    from tailorstore.integrations.dcp.reader import TailorStorageReader
     from testbed.train_fsdp import build_model
 
     torch.set_num_threads(1)

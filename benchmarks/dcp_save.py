@@ -49,7 +49,7 @@ def rank_job(argv: list[str]) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from tailorstore import Store
-    from tailorstore.integrations.dcp_writer import TailorStorageWriter
+    from tailorstore.integrations.dcp.writer import TailorStorageWriter
     from testbed.train_fsdp import batch, build_model
 
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The device check of the overlapped snapshot (one GPU): the snapshot's copies run on side streams
-# beside the next step (tailorstore/integrations/side_copy.py).
+# beside the next step (tailorstore/integrations/deepspeed/side_copy.py).
 # 1. tests/test_side_copy.py on the GPU: a change queued right after a save is not in its file;
 # 2. the same 374M-parameter ZeRO-2 bf16 training through attach three ways: no saves, the
 #    snapshot through GPU buffers (the default where the GPU has room), and straight into pinned

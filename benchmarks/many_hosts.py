@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from tailorstore import Store
+from tailorstore.integrations.common import StoreSession
 from testbed.local_s3 import CuttableLink, local_s3
 
 SAVE = Path(__file__).resolve().parent.parent / "tests" / "data" / "format1" / "checkpoint"
@@ -70,7 +71,7 @@ def one(server_location: str, folders: list[Path], work: Path, link: CuttableLin
             store.finalize(3)
             finalize_wall = time.perf_counter() - began
             requests = sum(link.requests.values())
-            assert [s.step for s in store.log()] == [3] and store.parts(3) == []
+            assert [s.step for s in store.log()] == [3] and StoreSession(store).parts(3) == []
     finally:
         os.environ["AWS_ENDPOINT_URL"] = direct
     return {"parts_wall": parts_wall, "finalize_wall": finalize_wall, "finalize_requests": requests}

@@ -27,46 +27,36 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tailorstore.background import CommitQueue
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, StoreError
 from tailorstore.core.metrics import encode as encode_metrics
 from tailorstore.core.progress import Progress, Silent
-from tailorstore.core.records import MAIN_RUN, ManifestRecord
+from tailorstore.core.records import MAIN_RUN
 from tailorstore.curate.runs import qualify
 from tailorstore.store.manifests.runs import check_run_name, write_retention
 from tailorstore.store.repo import RebuildResult, Repository
-
-
-class StepLookup(Protocol):
-    """The index as the handle asks whether a step is held."""
-
-    def commit_at(self, step: int, run: str) -> ManifestRecord | None: ...
-
 
 if TYPE_CHECKING:
     from tailorstore.curate.archiving import ArchiveGrid
     from tailorstore.curate.gc import GcPlan, Retention
     from tailorstore.curate.merge import MergeResult
     from tailorstore.curate.runs import RunInfo
-    from tailorstore.formats.memory_folder import MemoryFolder
-    from tailorstore.ingest.commit_options import CommitOptions, CommitRequest, CommitResult, PartPlan
+    from tailorstore.ingest.commit_options import CommitOptions, CommitRequest, CommitResult
     from tailorstore.ingest.finalize import FinalizeResult
-    from tailorstore.ingest.rank_parallel import Collective, RankParallelResult
     from tailorstore.report.diff import DiffResult
     from tailorstore.report.inspect import StepDetail, StepFiles, StepSummary
     from tailorstore.report.usage import Usage
     from tailorstore.report.verify import VerifyReport
     from tailorstore.restore.checkout import CheckoutResult
-    from tailorstore.restore.dcp_read import DcpStep
     from tailorstore.restore.export import ExportResult
-    from tailorstore.restore.file_objects import StepObjects
     from tailorstore.restore.reshard import ReshardResult
     from tailorstore.restore.universal import UniversalResult
 
 logger = logging.getLogger("tailorstore")
 Ref = int | str
+T = TypeVar("T")
 
 
 def selector(ref: Ref) -> str:
@@ -168,102 +158,29 @@ class Store:
         wanted = CommitRequest.of(request, options)
         if part and wanted.delete_after_commit:
             raise StoreError("delete_after_commit waits for the manifest, which a part does not write; finalize first.")
-        commit_options = self._options(wanted, part)
-        commit_options.part_label = part_label
+        commit_options = self._options(wanted, part=part, part_label=part_label)
         return _commit(self.repo, Path(path), commit_options, wanted.delete_after_commit, progress)
 
-    def plan_parts(
-        self, step: int, layer_bytes: Mapping[str, int], request: CommitRequest | None = None, **options: Any
-    ) -> PartPlan:
-        """One decision for every part of step ``step`` when its hosts write from memory (the DCP
-        writer): which layers the request's policy stores, given every layer's size in bytes, and
-        where each other layer comes from. Made once, under the shared lock, and handed to every
-        part (:meth:`commit_memory`)."""
-        from tailorstore.ingest.commit_options import CommitRequest
-        from tailorstore.ingest.rank_plan import plan_from_sizes
-        from tailorstore.store.repo import check_step
-
-        wanted = CommitRequest.of(request, options)
-        run = check_run_name(wanted.run) if wanted.run is not None else self.run
-        check_step(step)
-        return plan_from_sizes(self.repo, wanted.spec(), step, dict(layer_bytes), run, wanted.lock_timeout)
-
-    def commit_memory(
-        self,
-        folder: MemoryFolder,
-        request: CommitRequest | None = None,
-        *,
-        part_label: str = "",
-        plan: PartPlan | None = None,
-        **options: Any,
-    ) -> CommitResult:
-        """Commit files held in memory (:class:`tailorstore.formats.memory_folder.MemoryFolder`) as
-        one part of step ``folder.step``, under ``plan`` (:meth:`plan_parts`); :meth:`finalize`
-        records the step once every part is in. What the DCP writer does on each rank."""
-        from tailorstore.core.policies import PolicySpec
-        from tailorstore.ingest.commit import commit_layout
-        from tailorstore.ingest.commit_options import CommitRequest
-
-        wanted = CommitRequest.of(request, options)
-        commit_options = self._options(wanted, part=True)
-        commit_options.step, commit_options.part_label, commit_options.plan = folder.step, part_label, plan
-        commit_options.tag = None  # the step's tag is finalize's to set
-        if plan is not None:  # the policy is the plan's; a part itself names none
-            commit_options.policy = PolicySpec()
-        return commit_layout(self.repo, folder.layout(), f"{folder.tag} (in memory)", commit_options)
-
-    def _options(self, request: CommitRequest, part: bool = False) -> CommitOptions:
+    def _options(self, request: CommitRequest, **fixed: Any) -> CommitOptions:
+        """The one ``CommitOptions`` of a commit, built whole from ``request`` and what the caller
+        fixes for itself (``part``, its label, a step, a plan): nothing changes it afterwards, so the
+        options a commit was given are the ones it ran with, in the background too.
+        ``integrations/common/store_session.py`` builds a part's options through this."""
         from tailorstore.ingest.commit_options import CommitOptions
 
-        return CommitOptions(
-            step=request.step,
-            tag=request.tag,
-            force=request.force,
-            trust_pickles=request.trust_pickles,
-            level=request.level,
-            threads=request.threads,
-            lock_timeout=request.lock_timeout,
-            policy=request.spec(),
-            part=part,
-            run=check_run_name(request.run) if request.run is not None else self.run,
-            metrics=encode_metrics(request.metrics),
-        )
-
-    def commit_together(
-        self,
-        path: str | os.PathLike,
-        group: Collective,
-        request: CommitRequest | None = None,
-        *,
-        label: str = "",
-        part_label: str = "",
-        owns: Callable[[str], bool] | None = None,
-        **options: Any,
-    ) -> RankParallelResult:
-        """Commit the save at ``path`` with every member of ``group`` (each calls this, with a handle on
-        the same store): each writes its own files' blobs as a part, and member 0 records the step
-        from the parts (``ingest/rank_parallel.py``: the call order). The request is as for
-        :meth:`commit`; ``owns`` says which files a member commits (default: DeepSpeed's rank R's
-        files are member R's), ``part_label`` marks this member's part and ``label`` the parts the
-        finalize takes. ``integrations.distributed.commit_rank_parallel`` is this over torch.distributed."""
-        from dataclasses import replace
-
-        from tailorstore.ingest.commit_options import CommitRequest
-        from tailorstore.ingest.rank_parallel import commit_together
-
-        wanted = CommitRequest.of(request, options)
-        if wanted.delete_after_commit:
-            raise StoreError("delete_after_commit waits for the manifest, which the parts do not write.")
-        parts = self._options(replace(wanted, tag=None, metrics=None, policy="full", policy_params={}), part=True)
-        parts.part_label = part_label
-
-        def finalize(step: int) -> FinalizeResult:
-            return self.finalize(
-                step, tag=wanted.tag, force=wanted.force, lock_timeout=wanted.lock_timeout, label=label or None,
-                metrics=wanted.metrics,
-            )  # fmt: skip
-
-        return commit_together(self.repo, Path(path), parts, wanted.spec(), group, finalize, owns)
+        given = {
+            "step": request.step,
+            "tag": request.tag,
+            "force": request.force,
+            "trust_pickles": request.trust_pickles,
+            "level": request.level,
+            "threads": request.threads,
+            "lock_timeout": request.lock_timeout,
+            "policy": request.spec(),
+            "run": check_run_name(request.run) if request.run is not None else self.run,
+            "metrics": encode_metrics(request.metrics),
+        }
+        return CommitOptions(**{**given, **fixed})
 
     def finalize(
         self,
@@ -293,30 +210,6 @@ class Store:
             metrics=encode_metrics(metrics),
         )
 
-    def parts(self, step: int | None, *, label: str | None = None) -> list[str]:
-        """The keys of the parts of ``step`` (None: of every step; this handle's run) waiting for
-        :meth:`finalize` (with ``label``, those committed with it)."""
-        from tailorstore.store.parts import part_keys
-
-        return part_keys(self.repo.backend, step, self.run, label)
-
-    def in_run(self, run: str) -> Store:
-        """A handle on this same open store whose commits and ``step=N`` go to ``run``."""
-        return self if run == self.run else Store(self.repo, run=check_run_name(run))
-
-    def holds(self, step: int, *, run: str | None = None) -> bool:
-        """Whether the store records ``step`` in ``run`` (default: this handle's), as of now: what
-        other hosts published is read first."""
-        self.repo.refresh()
-        return self.repo.view(StepLookup).commit_at(step, run or self.run) is not None
-
-    def delete_once_durable(self, manifest: int, path: str | os.PathLike) -> None:
-        """``delete_after_commit`` for a step recorded elsewhere (a rank-parallel finalize): every blob
-        of ``manifest`` is checked present, then the committed files at ``path`` are deleted."""
-        from tailorstore.ingest.deletion import delete_once_durable
-
-        delete_once_durable(self.repo, manifest, Path(path))
-
     def commit_async(
         self, path: str | os.PathLike, request: CommitRequest | None = None, **options: Any
     ) -> Future[CommitResult]:
@@ -332,19 +225,18 @@ class Store:
 
         wanted = CommitRequest.of(request, options)
         commit_options = self._options(wanted)
-        return self.background(
+        return self._background(
             str(source),
             lambda store: _commit(store.repo, source, commit_options, wanted.delete_after_commit, None),
         )
 
-    def background(self, what: str, job: Callable[[Store], Any]) -> Future[Any]:
-        """Run ``job`` on the background worker, in order with :meth:`commit_async`, and with its errors
-        raised the same way. ``job`` gets its own handle on this store and run: one handle serves one
-        thread. Integrations use this to wrap a commit (the DeepSpeed engine rescues its staged save
-        when the commit fails)."""
+    def _background(self, what: str, job: Callable[[Store], T]) -> Future[T]:
+        """Run ``job`` on the background worker, in order with :meth:`commit_async`, its errors raised
+        the same way, with a handle of its own on this store and run (one handle serves one thread).
+        Framework adapters reach it through ``StoreSession.background`` (integrations/common)."""
         location, run = self.location, self.run
 
-        def run_job() -> Any:
+        def run_job() -> T:
             with Store(Repository.open(location), run=run) as store:
                 return job(store)
 
@@ -528,14 +420,6 @@ class Store:
 
         return list_files(self.repo, self._selector(ref))
 
-    def open_dcp(self, ref: Ref, *, folder: str | None = None) -> DcpStep:
-        """A step's DCP folder (its only one, or ``folder``) to read item by item, every tensor
-        hash-checked: what :class:`tailorstore.integrations.dcp_storage.TailorStorageReader` hands
-        ``dcp.load``. Nothing is written anywhere."""
-        from tailorstore.restore.dcp_read import open_dcp_step
-
-        return open_dcp_step(self.repo, self.repo.resolve(self._selector(ref)), folder)
-
     def diff(self, a: Ref, b: Ref) -> DiffResult:
         from tailorstore.report.diff import diff
 
@@ -546,16 +430,6 @@ class Store:
         from tailorstore.report.diff import plot
 
         return plot(self.repo, Path(out), self.run)
-
-    def step_objects(self, ref: Ref, *, world_size: int | None = None, zero_stage: int | None = None) -> StepObjects:
-        """The torch files of a DeepSpeed step's tag folder as the objects ``torch.load`` would
-        return, built in memory from the store on demand (``StepObjects.load(name)``), each tensor
-        decoded once and hash-checked; at ``world_size`` ranks under ZeRO ``zero_stage`` when they
-        differ from the save's (resharded). Nothing is written: what a resume loads straight from
-        the store."""
-        from tailorstore.restore.file_objects import step_objects
-
-        return step_objects(self.repo, self._selector(ref), world_size=world_size, zero_stage=zero_stage)
 
     def usage(self) -> Usage:
         from tailorstore.curate.gc import Retention, effective_rules, plan_gc

@@ -158,7 +158,7 @@ def store_marker(data: bytes, work: Path) -> Any:
 
 
 def job_head(data: bytes, work: Path) -> Any:
-    from tailorstore.integrations.head import HEAD_FILE, read_head
+    from tailorstore.integrations.deepspeed.head import HEAD_FILE, read_head
 
     _file(data, work, HEAD_FILE)
     return read_head(work)

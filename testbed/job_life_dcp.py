@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from tailorstore.api import Store
-    from tailorstore.integrations.dcp_storage import TailorStorageReader
-    from tailorstore.integrations.dcp_writer import TailorStorageWriter
+    from tailorstore.integrations.dcp.reader import TailorStorageReader
+    from tailorstore.integrations.dcp.writer import TailorStorageWriter
 
     model = sharded(build_model(2))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tailorstore import Store
-from tailorstore.integrations.distributed import commit_rank_parallel
+from tailorstore.integrations.common.distributed import commit_rank_parallel
 
 
 def main() -> None:

@@ -121,7 +121,7 @@ class Saver:
     def writer(self, step: int):
         if self.store is None:
             return None
-        from tailorstore.integrations.dcp_writer import TailorStorageWriter
+        from tailorstore.integrations.dcp.writer import TailorStorageWriter
 
         return TailorStorageWriter(self.store, step=step, policy=self.args.store_policy)
 
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         state = {"model": msd, "optim": osd, "train": {"step": 0}}
         if args.resume_from_store:
             from tailorstore import Store
-            from tailorstore.integrations.dcp_storage import TailorStorageReader
+            from tailorstore.integrations.dcp.reader import TailorStorageReader
 
             location, ref = args.resume_from_store
             with Store.open(location) as store:

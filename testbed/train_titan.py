@@ -1,5 +1,5 @@
 """The tiny Llama of ``train_fsdp`` (FSDP2, AdamW, 2 CPU ranks), checkpointed by torchtitan's own
-``CheckpointManager`` machinery through :class:`tailorstore.integrations.torchtitan.TailorCheckpointManager`.
+``CheckpointManager`` machinery through :class:`tailorstore.integrations.dcp.torchtitan.TailorCheckpointManager`.
 
 As torchtitan's trainer does: build the manager from its config, ``load()`` before the first
 step (a resume when the store holds a step), ``save(step, last_step=...)`` after each step, and
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch.distributed as dist
 
-    from tailorstore.integrations.torchtitan import TailorCheckpointManager
+    from tailorstore.integrations.dcp.torchtitan import TailorCheckpointManager
     from testbed.train_fsdp import build_model, sharded, train_step
 
     torch.set_num_threads(1)

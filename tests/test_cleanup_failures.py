@@ -103,7 +103,7 @@ def test_a_dead_runs_save_folder_of_markers_only_is_cleaned_once(
 ) -> None:
     """Attack finding low 2: a killed run's staging folder holding only ``.written-*`` markers (its
     save committed, its markers not yet cleared) warned at every start and was never cleaned."""
-    from tailorstore.integrations import staging as staged
+    from tailorstore.integrations.deepspeed import staging as staged
 
     engine = tmp_path / "staging" / f"{staged.PREFIX}999999-abcd"
     save = engine / "save-000003"

@@ -178,8 +178,8 @@ def test_waiting_for_a_commit_in_flight_is_no_warning(tmp_path: Path) -> None:
     ours.setLevel(logging.DEBUG)
     try:
         with tailorstore.Store.init(tmp_path / "store") as store:
-            store.background("first", lambda _handle: first_may_end.wait(60))
-            store.background("second", lambda _handle: None)
+            store._background("first", lambda _handle: first_may_end.wait(60))
+            store._background("second", lambda _handle: None)
     finally:
         ours.removeHandler(handler)
         ours.setLevel(level)

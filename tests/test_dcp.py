@@ -324,7 +324,7 @@ def test_an_accelerate_save_state_folder_is_one_step_that_loads_straight_from_th
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from tailorstore.integrations.dcp_storage import TailorStorageReader
+    from tailorstore.integrations.dcp.reader import TailorStorageReader
 
     out = tmp_path / "run"
     train(out, "--accelerate-layout", "save-state")

@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from tailorstore import Store
 from tailorstore.core.errors import CorruptStoreError, StoreError
-from tailorstore.integrations.dcp_storage import TailorStorageReader
+from tailorstore.integrations.common import StoreSession
+from tailorstore.integrations.dcp.reader import TailorStorageReader
 from tailorstore.store.index.catalogue import Catalogue
 
 
@@ -106,7 +107,7 @@ def test_a_step_without_a_dcp_folder_is_refused(tmp_path: Path) -> None:
         with pytest.raises(CheckpointException, match="step 1 holds no DCP folder"):  # wrapped by DCP
             dcp.load({"w": torch.zeros(3)}, storage_reader=TailorStorageReader(store, 1))
         with pytest.raises(StoreError, match="holds no DCP folder"):
-            store.open_dcp(1)
+            StoreSession(store).open_dcp(1)
 
 
 def test_a_step_the_store_does_not_hold_is_one_error(two_steps) -> None:
@@ -140,7 +141,7 @@ def test_an_object_item_beyond_the_allowlist_is_committed_but_never_run_by_a_loa
     saved the same through the writer, and refused by every load with one line naming the item and
     the global, the command never run; a caller who trusts the store's objects says so by name."""
     from tailorstore.core.errors import Category, UnsafePickleError
-    from tailorstore.integrations.dcp_writer import TailorStorageWriter
+    from tailorstore.integrations.dcp.writer import TailorStorageWriter
 
     ran = tmp_path / "ran"
     state = _state(1, 3)

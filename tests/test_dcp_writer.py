@@ -14,6 +14,7 @@ from conftest import manifest_rows, parts_of_any_age
 from test_dcp import EVERY, full_model_state, train
 
 from tailorstore import Store
+from tailorstore.integrations.common import StoreSession
 from testbed.runs import TrainingFailed
 
 pytestmark = pytest.mark.slow
@@ -53,7 +54,8 @@ def test_a_save_through_the_writer_is_the_raw_save_committed(raw_run, tmp_path: 
             ours, theirs = full_model_state(out), full_model_state(raw / f"step-{step}")  # one rank: resharded
             assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
         assert store.verify(deep=True).ok
-        assert store.parts(3) == [] and store.parts(6) == []  # finalized, and the parts deleted
+        session = StoreSession(store)
+        assert session.parts(3) == [] and session.parts(6) == []  # finalized, and the parts deleted
 
 
 def test_a_writer_saved_step_resumes_through_the_reader_at_two_ranks_and_at_one(raw_run, tmp_path: Path) -> None:
@@ -119,7 +121,7 @@ def test_a_rank_killed_in_an_async_save_records_no_step(raw_run, tmp_path: Path)
         assert store.verify(deep=True).ok
         with parts_of_any_age():
             store.gc(drop_parts=True)
-        assert store.parts(6) == []
+        assert StoreSession(store).parts(6) == []
         store.checkout("step=3", tmp_path / "out")
     raw, _ = raw_run
     assert (tmp_path / "out" / "__1_0.distcp").read_bytes() == (raw / "step-3" / "__1_0.distcp").read_bytes()
@@ -138,14 +140,15 @@ def test_a_coordinator_killed_at_the_commit_point_records_nothing_and_the_restar
         train(tmp_path / "first", "--save-to-store", str(tmp_path / "store"))
     monkeypatch.delenv("TAILOR_FAILPOINTS")
     with Store.open(tmp_path / "store") as store:
-        assert [s.step for s in store.log()] == [3] and len(store.parts(6)) == 3  # two ranks' and .metadata
+        parts = StoreSession(store).parts(6)
+        assert [s.step for s in store.log()] == [3] and len(parts) == 3  # two ranks' and .metadata
     from_store = ("--resume-from-store", str(tmp_path / "store"), "step=3")
     train(tmp_path / "again", "--save-to-store", str(tmp_path / "store"), *from_store)
     with Store.open(tmp_path / "store") as store:
-        assert [s.step for s in store.log()] == [3, 6] and len(store.parts(6)) == 3  # the dead save's
+        assert [s.step for s in store.log()] == [3, 6] and len(StoreSession(store).parts(6)) == 3  # the dead save's
         store.checkout("step=6", tmp_path / "out")
         with parts_of_any_age():
             store.gc(drop_parts=True)
-        assert store.parts(6) == [] and store.verify(deep=True).ok
+        assert StoreSession(store).parts(6) == [] and store.verify(deep=True).ok
     for name in ("__0_0.distcp", "__1_0.distcp"):
         assert (tmp_path / "out" / name).read_bytes() == (raw / "step-6" / name).read_bytes()

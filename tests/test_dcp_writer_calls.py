@@ -13,8 +13,9 @@ from test_dcp_storage import _equal, _state
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tailorstore import Store
-from tailorstore.integrations.dcp_storage import TailorStorageReader
-from tailorstore.integrations.dcp_writer import TailorStorageWriter
+from tailorstore.integrations.common import StoreSession
+from tailorstore.integrations.dcp.reader import TailorStorageReader
+from tailorstore.integrations.dcp.writer import TailorStorageWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -55,7 +56,7 @@ def _refused(store: Store, writer: TailorStorageWriter, *words: str, checkpoint_
 def test_a_save_without_a_step_writes_nothing(store: Store) -> None:
     _refused(store, TailorStorageWriter(store), "needs the step")
     _refused(store, TailorStorageWriter(store), "names no step", checkpoint_id="/runs/latest")
-    assert store.log() == [] and store.parts(3) == []
+    assert store.log() == [] and StoreSession(store).parts(3) == []
     used = store.usage()
     assert used.stored_bytes == used.index_bytes  # no blob was written
 
@@ -74,10 +75,10 @@ def test_a_failure_at_the_commit_point_records_no_step(store: Store) -> None:
     dcp.save(_state(1, 3), storage_writer=TailorStorageWriter(store, step=3, tag="best"))
     _refused(store, TailorStorageWriter(store, step=6, tag="best"), "tag 'best' already names")
     assert [(s.step, s.tag) for s in store.log()] == [(3, "best")]
-    assert len(store.parts(6)) == 2  # the rank's file, and .metadata
+    assert len(StoreSession(store).parts(6)) == 2  # the rank's file, and .metadata
     with parts_of_any_age():
         store.gc(drop_parts=True)
-    assert store.parts(6) == [] and store.verify(deep=True).ok
+    assert StoreSession(store).parts(6) == [] and store.verify(deep=True).ok
 
 
 def test_a_dtype_the_store_does_not_keep_is_refused_before_anything_is_written(store: Store) -> None:
@@ -87,7 +88,7 @@ def test_a_dtype_the_store_does_not_keep_is_refused_before_anything_is_written(s
     with pytest.raises(CheckpointException) as caught:
         dcp.save(state, storage_writer=TailorStorageWriter(store, step=3))
     assert "model.w is a complex64 tensor, which tailorstore does not store" in str(caught.value)
-    assert store.log() == [] and store.parts(3) == []
+    assert store.log() == [] and StoreSession(store).parts(3) == []
 
 
 def test_odd_but_valid_states_load_back_equal(store: Store, tmp_path: Path) -> None:
@@ -117,7 +118,7 @@ def test_a_name_too_long_for_the_metadata_reader_is_refused_before_anything_is_w
     with pytest.raises(CheckpointException) as caught:
         dcp.save(state, storage_writer=TailorStorageWriter(store, step=3))
     assert "a name of 5006 characters" in str(caught.value)
-    assert store.log() == [] and store.parts(3) == []
+    assert store.log() == [] and StoreSession(store).parts(3) == []
 
 
 def test_options_and_the_store_are_checked_when_the_writer_is_built(store: Store, tmp_path: Path) -> None:
@@ -138,7 +139,7 @@ def test_options_and_the_store_are_checked_when_the_writer_is_built(store: Store
             TailorStorageWriter(wrong, step=3)  # type: ignore[arg-type]
         with pytest.raises(StoreError, match="give a Store"):
             TailorStorageReader(wrong, 3)  # type: ignore[arg-type]
-    assert store.log() == [] and store.parts(3) == []
+    assert store.log() == [] and StoreSession(store).parts(3) == []
     for step, location in ((3, str(tmp_path / "store")), (4, tmp_path / "store")):
         dcp.save(_state(1, step), storage_writer=TailorStorageWriter(location, step=step))
         loaded = _state(9, 0)

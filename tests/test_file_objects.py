@@ -14,6 +14,7 @@ from conftest import Runs, as_of_step, blob_object
 
 from tailorstore import Store
 from tailorstore.core.errors import CorruptStoreError
+from tailorstore.integrations.common import StoreSession
 from tailorstore.store.index.catalogue import Catalogue
 
 STEP = 6
@@ -53,7 +54,7 @@ def test_a_steps_files_built_from_the_store_are_what_torch_load_returns(runs: Ru
     save = as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at")
     with Store.init(tmp_path / "store") as store:
         store.commit(save)
-        objects = store.step_objects(f"step={STEP}")
+        objects = StoreSession(store).step_objects(f"step={STEP}")
         assert objects.tag == f"global_step{STEP}"
         assert objects.names == sorted(p.name for p in (save / objects.tag).glob("*.pt"))
         for name in objects.names:
@@ -65,7 +66,7 @@ def test_a_steps_files_built_from_the_store_are_what_torch_load_returns(runs: Ru
 def test_at_another_world_size_they_are_the_resharded_files(runs: Runs, tmp_path: Path, world: int) -> None:
     with Store.init(tmp_path / "store") as store:
         store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
-        objects = store.step_objects(f"step={STEP}", world_size=world)
+        objects = StoreSession(store).step_objects(f"step={STEP}", world_size=world)
         result = store.checkout_resharded(f"step={STEP}", tmp_path / "out", world_size=world)
         files = sorted(p.name for p in (tmp_path / "out" / result.tag).glob("*.pt"))
         assert objects.names == files and len(files) == world + 1
@@ -76,7 +77,7 @@ def test_at_another_world_size_they_are_the_resharded_files(runs: Runs, tmp_path
 def test_a_damaged_blob_is_an_error_never_a_tensor(runs: Runs, tmp_path: Path) -> None:
     with Store.init(tmp_path / "store") as store:
         store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
-        objects = store.step_objects(f"step={STEP}")
+        objects = StoreSession(store).step_objects(f"step={STEP}")
         name = next(n for n in objects.names if "optim_states" in n)
         manifest = store.repo.resolve(f"step={STEP}")
         atom = max(
@@ -93,19 +94,19 @@ def test_a_damaged_blob_is_an_error_never_a_tensor(runs: Runs, tmp_path: Path) -
 
 
 def test_serving_a_resume_leaves_deepspeed_as_it_was_even_when_the_load_fails(runs: Runs, tmp_path: Path) -> None:
-    """integrations/serving.py changes DeepSpeed's loader, the engine's glob and its checkpoint
+    """integrations/deepspeed/serving.py changes DeepSpeed's loader, the engine's glob and its checkpoint
     engine's load only while its block runs; a load that fails inside it leaves none of them."""
     from types import SimpleNamespace
 
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.state_dict_factory import SDLoaderFactory
 
-    from tailorstore.integrations import serving
+    from tailorstore.integrations.deepspeed import serving
 
     own_loader = SDLoaderFactory.__dict__["get_sd_loader"]
     with Store.init(tmp_path / "store") as store:
         store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
-        objects = store.step_objects(f"step={STEP}")
+        objects = StoreSession(store).step_objects(f"step={STEP}")
         engine = SimpleNamespace(
             checkpoint_engine=TorchCheckpointEngine(),
             _get_ckpt_name=lambda path, tag, mp_placeholder=None: (

@@ -1,4 +1,4 @@
-"""A training's head file (integrations/head.py) is input from outside: anything but a well-formed
+"""A training's head file (integrations/deepspeed/head.py) is input from outside: anything but a well-formed
 head is ignored with a warning, as if the job had none."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tailorstore.integrations.head import HEAD_FILE, Head, read_head, write_head
+from tailorstore.integrations.deepspeed.head import HEAD_FILE, Head, read_head, write_head
 
 
 def test_a_head_written_reads_back(tmp_path: Path) -> None:
@@ -81,7 +81,7 @@ def test_a_fifo_for_a_head_is_refused_at_once(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / HEAD_FILE)
     script = (
         "import logging, sys; from pathlib import Path; logging.basicConfig(level=logging.WARNING);"
-        "from tailorstore.integrations.head import read_head;"
+        "from tailorstore.integrations.deepspeed.head import read_head;"
         f"sys.exit(0 if read_head(Path({str(tmp_path)!r})) is None else 1)"
     )
     try:

@@ -18,9 +18,9 @@ from test_hostile import mounted
 
 from tailorstore import BackgroundCommitError, Store
 from tailorstore.formats.safe_load import load_torch_file
-from tailorstore.integrations import staging as staged
-from tailorstore.integrations.deepspeed import TailorCheckpointEngine
-from tailorstore.integrations.head import HEAD_FILE, read_head
+from tailorstore.integrations.deepspeed import TailorCheckpointEngine, start_engine
+from tailorstore.integrations.deepspeed import staging as staged
+from tailorstore.integrations.deepspeed.head import HEAD_FILE, read_head
 from testbed.compare import differences, same_tree
 from testbed.runs import TrainingFailed, train_hf, train_tiny
 
@@ -135,7 +135,7 @@ def test_tailor_checkpoint_engine_writes_a_save_whose_commit_failed_where_deepsp
         engine.commit(info)
 
     with Store.init(tmp_path / "store") as store:
-        engine = TailorCheckpointEngine(store, on_existing="error")  # so the store refuses the second save
+        engine = start_engine(store, on_existing="error")  # so the store refuses the second save
         save(engine)
         engine.flush()
         assert not real.exists(), "a committed save never lands in save_dir"
@@ -154,12 +154,12 @@ import sys, time
 from pathlib import Path
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from tailorstore import Store
-from tailorstore.integrations.deepspeed import TailorCheckpointEngine
-from tailorstore.integrations.head import HEAD_FILE, read_head
+from tailorstore.integrations.deepspeed import start_engine
+from tailorstore.integrations.deepspeed.head import HEAD_FILE, read_head
 from tailorstore.formats.safe_load import load_torch_file
 
 reference, save_dir, store = Path(sys.argv[1]), Path(sys.argv[2]), Store.open(sys.argv[3])
-engine = TailorCheckpointEngine(store)
+engine = start_engine(store)
 info = CheckpointCommitInfo(tag="global_step3", save_dir=str(save_dir), save_latest=True)
 engine.create(info)
 for f in sorted(reference.iterdir()):
@@ -206,11 +206,11 @@ def test_a_killed_runs_staged_save_is_written_where_deepspeed_would_by_the_next_
         staged = sorted(p.name for p in staging.rglob("*.pt"))
         assert staged == sorted(f.name for f in reference.iterdir())
         with Store.open(tmp_path / "store") as store:
-            TailorCheckpointEngine(store)  # the staging run is alive: nothing of it moves
+            start_engine(store)  # the staging run is alive: nothing of it moves
             assert sorted(p.name for p in staging.rglob("*.pt")) == staged and not save_dir.exists()
             proc.kill()
             proc.wait(timeout=60)
-            TailorCheckpointEngine(store)
+            start_engine(store)
     finally:
         proc.kill()
     assert not (save_dir / "global_step3").exists(), "written where DeepSpeed would, committed, deleted once durable"
@@ -236,10 +236,10 @@ def test_a_killed_runs_staged_save_that_cannot_be_moved_stays_and_training_start
     staged = sorted(p.name for p in staging.rglob("*.pt"))
     (tmp_path / "blocked").write_text("a file where the save folder's parent should be")
     with Store.open(tmp_path / "store") as store:
-        TailorCheckpointEngine(store)  # does not raise
+        start_engine(store)  # does not raise
         assert sorted(p.name for p in staging.rglob("*.pt")) == staged
         (tmp_path / "blocked").unlink()
-        TailorCheckpointEngine(store)  # moves it, and commits it
+        start_engine(store)  # moves it, and commits it
         assert [s.step for s in store.log()] == [3]
         store.checkout("step=3", tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out" / "global_step3").iterdir()) == staged
@@ -254,7 +254,7 @@ def test_tailor_checkpoint_engine_leaves_a_16bit_export_where_deepspeed_writes_i
     monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
     export = tmp_path / "export"
     with Store.init(tmp_path / "store") as store:
-        engine = TailorCheckpointEngine(store)
+        engine = start_engine(store)
         info = CheckpointCommitInfo(tag="global_step5", save_dir=str(export), save_latest=False)
         engine.create(info)
         engine.makedirs(str(export), exist_ok=True)
@@ -336,7 +336,7 @@ def test_a_restart_after_a_rewind_goes_on_in_the_branch_not_the_abandoned_run(
     """Attack finding 5: train to step 9, go back to step 3 (saves 6 and 9 go to ``main-from-3``, and
     ``latest`` names ``global_step9``), then restart the same job. It resumed ``main:step=9``, the
     timeline the user had abandoned, and committed step 12 into ``main``. The job's head
-    (integrations/head.py) names the run it last committed to."""
+    (integrations/deepspeed/head.py) names the run it last committed to."""
     _, save, options = attached_run(runs, tmp_path, monkeypatch, tailor_engine=True)
     train_tiny(save, losses_out=tmp_path / "first.json", steps=9, save_every=3, **options)
     train_tiny(save, losses_out=tmp_path / "again.json", resume_from=save, resume_tag="global_step3", steps=9,
@@ -540,8 +540,8 @@ def test_a_resume_maps_the_model_states_it_staged_and_reads_any_other_file(
     that load_checkpoint loads as it is may be cut short by someone else, so it is read too."""
     monkeypatch.setenv("TAILOR_STAGING", str(tmp_path / "staging"))
     with Store.init(tmp_path / "store") as store:
-        engine = TailorCheckpointEngine(store)
-        tag = engine._root / "restore-000000" / "global_step2"
+        engine = start_engine(store)
+        tag = engine.folder.root / "restore-000000" / "global_step2"
         model_states = tag / "mp_rank_00_model_states.pt"
         optim_states = tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
         elsewhere = tmp_path / "save" / "global_step2" / "mp_rank_00_model_states.pt"

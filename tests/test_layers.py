@@ -96,7 +96,7 @@ def _outside_store() -> list[Path]:
     return [p for p in sources() + extra if p.parts[:2] != ("tailorstore", "store")]
 
 
-DCP_ITEMS = {"tailorstore/integrations/dcp_writer.py"}  # where ``item`` and ``result`` are DCP's own
+DCP_ITEMS = {"tailorstore/integrations/dcp/writer.py"}  # where ``item`` and ``result`` are DCP's own
 
 
 def test_the_index_is_private_to_the_store() -> None:
@@ -308,7 +308,7 @@ def test_the_failpoints_sleep_cap_is_named_once() -> None:
 
 def test_the_integrations_share_one_set_of_rank_helpers() -> None:
     """Issue 49: the rank lookup, the broadcast and the reading of LOCAL_WORLD_SIZE were each defined
-    two or three times, with different caps and failure semantics. integrations/ranks.py holds them;
+    two or three times, with different caps and failure semantics. integrations/common/ranks.py holds them;
     no other integration module defines its own or reads the environment for them."""
     found = []
     for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
@@ -376,8 +376,14 @@ def test_every_public_method_returns_one_type() -> None:
 
     from tailorstore.api import Store
     from tailorstore.integrations import dcp_storage, dcp_writer, deepspeed, distributed, hf
+    from tailorstore.integrations.common import StoreSession
 
-    public = [function for name, function in inspect.getmembers(Store, inspect.isfunction) if not name.startswith("_")]
+    public = [
+        function
+        for kind in (Store, StoreSession)  # the user's surface and the adapters' seam alike
+        for name, function in inspect.getmembers(kind, inspect.isfunction)
+        if not name.startswith("_")
+    ]
     entry_points = [
         deepspeed.attach, deepspeed.load_checkpoint, deepspeed.save_checkpoint, distributed.commit_rank_parallel,
         *(f for _, f in inspect.getmembers(hf.TailorCallback, inspect.isfunction)),
@@ -412,17 +418,131 @@ def test_an_option_has_one_default_in_the_api_and_every_integration() -> None:
     assert not found, found
 
 
+SEAM = ROOT / "tailorstore" / "integrations" / "common" / "store_session.py"
+STORE_INSIDES = {"repo", "_options", "_background", "_selector", "_queue"}  # what the seam alone reaches
+
+
 def test_no_integration_reaches_through_the_store_handle() -> None:
     """Issue 49: the integrations used ``store.repo`` for locks, refresh, part keys and the
-    rank-parallel plan. They now call ``Store`` methods only (``commit_together``, ``holds``,
-    ``in_run``, ``parts``, ``delete_once_durable``); the protocol of a rank-parallel commit lives
-    in ``ingest/rank_parallel.py``, and ``integrations/distributed.py`` is its torch.distributed glue."""
+    rank-parallel plan. They call the ``Store``'s methods and the seam's (``StoreSession``:
+    ``commit_together``, ``holds``, ``in_run``, ``parts``, ``delete_once_durable``...); the protocol
+    of a rank-parallel commit lives in ``ingest/rank_parallel.py``, and
+    ``integrations/common/distributed.py`` is its torch.distributed glue. Only the seam itself
+    (``integrations/common/store_session.py``) reaches the handle's repository, its queue and how it
+    builds a commit's options."""
     found = []
     for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
+        if path == SEAM:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr == "repo":
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .repo")
+            if isinstance(node, ast.Attribute) and node.attr in STORE_INSIDES:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
     assert not found, "\n".join(found)
+
+
+# The Store's public methods: the user's set, what the ``tailor`` command, the README and docs/API.md
+# show users. Ten more (commit_memory, plan_parts, commit_together, parts, in_run, holds,
+# delete_once_durable, background, open_dcp, step_objects) were called only by integrations/; they are
+# the seam's, ``StoreSession``'s (integrations/common/store_session.py).
+USER_METHODS = {
+    "init", "open", "rebuild_index", "flush", "close",
+    "commit", "commit_async", "finalize",
+    "checkout", "checkout_resharded", "checkout_universal", "export",
+    "log", "step", "show", "files", "diff", "plot", "usage", "verify",
+    "runs", "create_run", "set_retention", "retention",
+    "gc", "merge", "tag", "untag", "pin", "unpin", "remove", "add_metrics",
+}  # fmt: skip
+
+
+def test_the_store_is_the_users_surface_and_the_adapters_have_one_seam() -> None:
+    """The house, third step: ``Store`` had 42 public methods, ten of them called by integrations/
+    alone, so nothing told a user's call from an adapter's. The Store keeps the user's set, each
+    shown to users (docs/API.md or the README names it, or the ``tailor`` command calls it); what
+    only adapters call is ``StoreSession``'s, which offers exactly its ``OPERATIONS``, none of them
+    a Store method too. An adapter asks a ``StoreSession`` for nothing else."""
+    from tailorstore.api import Store
+    from tailorstore.integrations.common import StoreSession
+    from tailorstore.integrations.common.store_session import OPERATIONS
+
+    members = vars(Store).items()
+    public = {name for name, value in members if not name.startswith("_") and not isinstance(value, property)}
+    assert public == USER_METHODS and len(public) <= 32, sorted(public ^ USER_METHODS)
+    shown = (ROOT / "docs" / "API.md").read_text() + (ROOT / "README.md").read_text()
+    called = "".join(p.read_text() for p in (ROOT / "cli").rglob("*.py"))
+    unshown = sorted(n for n in public if f"{n}(" not in shown and f".{n}(" not in called)
+    assert not unshown, unshown
+    offered = {name for name in vars(StoreSession) if not name.startswith("_")}
+    assert offered == OPERATIONS and not OPERATIONS & set(dir(Store)), sorted(offered ^ OPERATIONS)
+    asked = []
+    for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call):
+                func = node.value.func
+                if isinstance(func, ast.Name) and func.id == "StoreSession" and node.attr not in OPERATIONS | {"store"}:
+                    asked.append(f"{path.relative_to(ROOT)}:{node.lineno}: StoreSession(...).{node.attr}")
+    assert not asked, "\n".join(asked)
+
+
+def _allowed_from_the_api(module: str) -> bool:
+    """``tailorstore`` and the names it exports, ``tailorstore.api``, the shared ground floor
+    ``tailorstore.core`` (errors, policies, rules, local files), and the adapters' own modules."""
+    import tailorstore
+
+    parts = module.split(".")
+    if parts[0] != "tailorstore" or len(parts) == 1:
+        return True
+    if len(parts) == 2 and parts[1] in tailorstore.__all__:
+        return True
+    return parts[1] in ("api", "core", "integrations")
+
+
+def test_the_integrations_reach_the_library_only_through_the_api_and_the_seam() -> None:
+    """The house, third step: the adapters imported the formats, ingest, restore and the store's index
+    records wherever they needed one. Now an adapter module imports the public API (``tailorstore``,
+    ``tailorstore.api``), ``tailorstore.core`` and other adapter modules; what it needs below the
+    API comes through the one seam, ``integrations/common/store_session.py``, the only module of
+    integrations/ that imports formats, ingest, restore or store."""
+    wrong = []
+    for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
+        if path == SEAM:
+            continue
+        for line, module in imports(path.relative_to(ROOT)):
+            if not _allowed_from_the_api(module):
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: imports {module}")
+    assert not wrong, "\n".join(wrong)
+    seam = {module.split(".")[1] for _, module in imports(SEAM.relative_to(ROOT)) if module.startswith("tailorstore.")}
+    assert {"formats", "ingest", "restore", "store"} <= seam, seam  # the seam is where they are reached
+
+
+def _is_error_made(node: ast.AST) -> bool:
+    func = node.func if isinstance(node, ast.Call) else None
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    return name.endswith(("Error", "Failed"))
+
+
+def test_no_integration_flattens_an_error_into_a_string() -> None:
+    """The house, third step, item 3: errors cross ranks whole, through the rank session
+    (``RanksFailedError``; any other exception as a ``RankError`` holding it), never as text. In
+    integrations/, an error built inside an ``except ... as exc`` that names ``exc`` is raised
+    ``from exc``, so the exception itself stays with it; no error is made of its words alone."""
+    found = []
+    for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
+        for handler in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(handler, ast.ExceptHandler) or handler.name is None:
+                continue
+            chained = set()
+            for node in ast.walk(ast.Module(body=handler.body, type_ignores=[])):
+                cause = getattr(node, "cause", None)
+                if isinstance(node, ast.Raise) and isinstance(cause, ast.Name) and cause.id == handler.name:
+                    chained.add(id(node.exc))
+            for node in ast.walk(ast.Module(body=handler.body, type_ignores=[])):
+                if not isinstance(node, ast.Call) or not _is_error_made(node) or id(node) in chained:
+                    continue
+                given = [*node.args, *(k.value for k in node.keywords)]
+                names = {n.id for arg in given for n in ast.walk(arg) if isinstance(n, ast.Name)}
+                if handler.name in names:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:100]}")
+    assert not found, "errors made of another error's text:\n" + "\n".join(found)
 
 
 def test_the_store_keeps_its_concerns_in_sub_packages() -> None:
@@ -559,7 +679,7 @@ COLLECTIVES = {
 
 
 def test_every_collective_of_the_integrations_goes_through_the_rank_session() -> None:
-    """A choice several ranks act on is made once and shipped (integrations/session.py); a rank that
+    """A choice several ranks act on is made once and shipped (integrations/common/session.py); a rank that
     looked for itself took another load path and deadlocked a restart. So no integration module
     calls a torch.distributed collective, or ranks.py's, except session.py (over ranks.py's)."""
     found = []

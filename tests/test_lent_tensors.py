@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ from tailorstore import Store
 from tailorstore.core.errors import InputChangedError, StoreError
 from tailorstore.formats.memory_folder import MemoryFile
 from tailorstore.formats.source import InputFile
-from tailorstore.integrations.dcp_writer import TailorStorageWriter
+from tailorstore.integrations.common import StoreSession
+from tailorstore.integrations.dcp.writer import TailorStorageWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -85,26 +87,21 @@ def test_a_tensors_bytes_with_no_zip_descriptor_after_them_are_written_into_the_
         memory.close()
 
 
-class _ChangesTheStateFirst:
-    """A store handle whose part commits first change one saved tensor: the moment between the
-    writer's ``torch.save`` and the commit's copy of the bytes."""
-
-    def __init__(self, store: Store, tensor: torch.Tensor) -> None:
-        self._store, self._tensor = store, tensor
-
-    def commit_memory(self, *args: object, **kwargs: object) -> object:
-        self._tensor.add_(1.0)
-        return self._store.commit_memory(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._store, name)
-
-
-def test_a_state_changed_between_serializing_and_committing_records_no_step(tmp_path: Path) -> None:
+def test_a_state_changed_between_serializing_and_committing_records_no_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The part's commit first changes one saved tensor: the moment between the writer's
+    ``torch.save`` and the commit's copy of the bytes."""
     weight = torch.randn(256, 256)
+    commit_memory = StoreSession.commit_memory
+
+    def changes_the_state_first(self: StoreSession, *args: Any, **kwargs: Any) -> Any:
+        weight.add_(1.0)
+        return commit_memory(self, *args, **kwargs)
+
+    monkeypatch.setattr(StoreSession, "commit_memory", changes_the_state_first)
     with Store.init(tmp_path / "store") as store:
         writer = TailorStorageWriter(store, step=1)
-        writer._store = _ChangesTheStateFirst(store, weight)  # type: ignore[assignment]
         with pytest.raises(CheckpointException, match="a tensor saved into it changed"):
             dcp.save({"model": {"weight": weight}}, storage_writer=writer)
         assert store.log() == []

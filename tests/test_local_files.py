@@ -183,7 +183,7 @@ def test_a_new_file_is_never_an_existing_entry(tmp_path: Path) -> None:
 
 ROOT = Path(__file__).resolve().parents[1] / "tailorstore"
 MIGRATED = [
-    "integrations/head.py",
+    "integrations/deepspeed/head.py",
     "formats/source.py",
     "formats/layout.py",
     "formats/small_text.py",
@@ -195,8 +195,8 @@ MIGRATED = [
     "restore/universal.py",
     "restore/repickle.py",
     "access/output_dir.py",
-    "integrations/staging.py",
-    "integrations/snapshot.py",
+    "integrations/deepspeed/staging.py",
+    "integrations/deepspeed/snapshot.py",
 ]
 PATH_CALLS = {"open", "read_bytes", "read_text", "write_bytes", "write_text"}
 # (module, function, call): the opens left outside core/local_files, each for a reason.

@@ -14,6 +14,7 @@ from conftest import Run, Runs, as_of_step, manifest_rows, parts_of_any_age
 from test_reshard import STEP, DeepSpeedPath
 
 from tailorstore import Store
+from tailorstore.integrations.common import StoreSession
 from testbed.compare import same_tree
 from testbed.folders import dir_bytes
 from testbed.local_s3 import LocalS3
@@ -56,7 +57,7 @@ def test_two_nodes_stage_locally_commit_parts_and_resume_on_one(
     with Store.open(location) as store:
         assert [s.step for s in store.log()] == [3, 6]
         for step in (3, 6):
-            assert store.parts(step) == [], "finalize took every part of the save"
+            assert StoreSession(store).parts(step) == [], "finalize took every part of the save"
             sources = store.repo.manifest(store.repo.resolve(f"step={step}")).source.split("; ")
             assert sorted(s.split(":", 1)[1].split("/node")[1][0] for s in sources) == ["0", "1"], sources
             out = tmp_path / f"out{step}"
@@ -110,7 +111,7 @@ def test_a_node_killed_mid_save_leaves_the_earlier_steps_and_the_job_resumes_on_
     with Store.open(location) as store:
         steps = [s.step for s in store.log()]
         assert 3 in steps and 9 not in steps, steps
-        assert len(store.parts(9)) <= 1, "at most node 0's part of the dead save"
+        assert len(StoreSession(store).parts(9)) <= 1, "at most node 0's part of the dead save"
     resumed = train_tiny(
         tmp_path / "again", losses_out=tmp_path / "again.json", nproc=1, node_env=nodes[:1], steps=STEP + 2,
         save_every=0, commit_to=location, tailor_engine=True, resume_from=tmp_path / "again",
@@ -122,7 +123,8 @@ def test_a_node_killed_mid_save_leaves_the_earlier_steps_and_the_job_resumes_on_
         assert 9 not in [s.step for s in store.log()]
         with parts_of_any_age():
             store.gc(drop_parts=True)
-        assert store.parts(9) == [] and store.parts(6) == [] and store.parts(3) == []
+        session = StoreSession(store)
+        assert session.parts(9) == [] and session.parts(6) == [] and session.parts(3) == []
         assert store.verify(deep=True).ok
         store.checkout(3, tmp_path / "out")
     theirs = as_of_step(reference.save_dir, 3, tmp_path / "theirs")

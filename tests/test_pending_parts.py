@@ -8,7 +8,8 @@ import shutil
 from pathlib import Path
 
 from tailorstore import Store
-from tailorstore.integrations.nodes import finish_pending, save_label
+from tailorstore.integrations.common import StoreSession
+from tailorstore.integrations.deepspeed.nodes import finish_pending, save_label
 from testbed.compare import same_tree
 
 SAVE = Path(__file__).parent / "data" / "format1" / "checkpoint" / "global_step3"
@@ -29,11 +30,11 @@ def test_a_whole_save_left_in_parts_is_finalized_and_a_partial_one_is_not(tmp_pa
         store.commit(node_share(tmp_path, 0), part=True, part_label=f"{label}-n0")
         store.commit(node_share(tmp_path / "other", 1), part=True)  # a host's part, no save label
         assert finish_pending(store) == [] and store.log() == [], "one of two parts: left for gc"
-        assert len(store.parts(3)) == 2
+        assert len(StoreSession(store).parts(3)) == 2
         store.commit(node_share(tmp_path, 1), part=True, part_label=f"{label}-n1")
         assert finish_pending(store) == [3]
         assert [s.step for s in store.log()] == [3]
-        assert len(store.parts(3)) == 1, "the unlabelled part is not the save's: it stays for gc"
+        assert len(StoreSession(store).parts(3)) == 1, "the unlabelled part is not the save's: it stays for gc"
         assert finish_pending(store) == [], "nothing twice"
         store.checkout(3, tmp_path / "out")
         assert store.verify(deep=True).ok

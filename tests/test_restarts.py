@@ -11,7 +11,7 @@ import pytest
 from conftest import Runs
 
 from tailorstore import Store
-from tailorstore.integrations import staging as staged
+from tailorstore.integrations.deepspeed import staging as staged
 from testbed.compare import same_tree
 from testbed.runs import TrainingFailed, train_tiny
 

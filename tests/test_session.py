@@ -1,4 +1,4 @@
-"""A job's ranks as a session (integrations/session.py): a decision made on global rank 0 is
+"""A job's ranks as a session (integrations/common/session.py): a decision made on global rank 0 is
 every rank's, and a failure crosses ranks whole, by rank, as :class:`RanksFailedError` whose
 category (and so exit code) is its worst member's. Two real gloo processes."""
 
@@ -26,7 +26,7 @@ from tailorstore.core.errors import (
     StoreError,
     UnknownStepError,
 )
-from tailorstore.integrations.session import Session
+from tailorstore.integrations.common.session import Session
 
 pytestmark = pytest.mark.slow  # two spawned gloo processes
 
@@ -72,11 +72,28 @@ def _worker(rank: int, port: int, out: str) -> None:
             raise OSError(28, "No space left on device")
 
     found["os"] = _failures(lambda: session.each(disk, "writing"))
+    try:  # the OSError itself crossed the ranks, not its text alone
+        session.each(disk, "writing")
+    except RanksFailedError as exc:
+        shipped = exc.failures[1]
+        original = getattr(shipped, "original", None)
+        found["os_original"] = [
+            isinstance(shipped, BackendError), type(original).__name__, getattr(original, "errno", None),
+        ]  # fmt: skip
+
+    def bad_value() -> None:
+        if rank == 0:
+            raise KeyError("layers.3.weight")
+
+    try:
+        session.decide(bad_value, "planning")
+    except RanksFailedError as exc:
+        found["key_original"] = repr(getattr(exc.failures[0], "original", None))
     found["values"] = session.each(lambda: rank * 10)
     found["own"] = session.all_or_none(lambda: rank * 10)
 
     # the rank-parallel commit's collective and the DCP reader's resolution go through the session too
-    from tailorstore.integrations.distributed import TorchGroup, from_rank0
+    from tailorstore.integrations.common.distributed import TorchGroup, from_rank0
 
     undone: list[int] = []
 
@@ -109,13 +126,39 @@ def test_a_session_ships_rank_0s_decision_and_every_failure_whole_to_every_rank(
         "1": ["CorruptStoreError", "blob 1f2e is damaged"],
     }
     assert got["each"]["category"] == Category.DAMAGED_STORE.value, "the worst failure decides"
-    assert got["os"]["failures"] == {"1": ["BackendError", "OSError: [Errno 28] No space left on device"]}
+    assert got["os"]["failures"] == {"1": ["RankBackendError", "OSError: [Errno 28] No space left on device"]}
+    assert got["os"]["category"] == Category.BACKEND.value, "a rank's OSError is a backend failure (exit 5)"
+    assert got["os_original"] == [True, "OSError", 28], "the rank's OSError itself, on every rank"
+    assert got["key_original"] == "KeyError('layers.3.weight')", "any other exception crosses whole too"
     assert got["values"] == [0, 10]
     assert [s["own"] for s in seen] == [0, 10], "all_or_none ships outcomes, not results"
     assert got["together"]["failures"] == {"1": ["LockTimeoutError", "the store lock is held by gc"]}
     assert got["together"]["category"] == Category.LOCK.value, "a lock timeout stays a lock timeout (exit 4)"
     assert seen[0]["undone"] == [7] and seen[1]["undone"] == [], "the member whose work held undoes it"
     assert got["from_rank0"]["failures"] == {"0": ["UnknownStepError", "step 6 is not in run 'main'; see `log()`"]}
+
+
+def test_an_exception_that_is_not_tailorstores_crosses_ranks_whole() -> None:
+    """Issue: the house, third step, item 3. An exception of another library was shipped as a
+    StoreError naming its type in text; a caller on another rank could not tell what it was."""
+    from tailorstore.core.errors import RankBackendError, RankError
+
+    class Unpicklable(Exception):
+        def __init__(self, a: int, b: int) -> None:
+            super().__init__(a + b)  # stores one argument, takes two: it does not come back
+
+    for raised, kind, original in [
+        (ValueError("bad shape"), RankError, ValueError),
+        (FileNotFoundError(2, "gone", "/dev/shm/x"), RankBackendError, FileNotFoundError),
+        (Unpicklable(1, 2), RankError, type(None)),
+    ]:
+        shipped = pickle.loads(pickle.dumps(RankError.of(raised)))
+        assert type(shipped) is kind and type(shipped.original) is original, raised
+        assert str(shipped) == f"{type(raised).__name__}: {raised}"
+    gone = pickle.loads(pickle.dumps(RankError.of(FileNotFoundError(2, "gone", "/dev/shm/x")))).original
+    assert (gone.errno, gone.filename) == (2, "/dev/shm/x")
+    assert RankBackendError("OSError", "x").category is Category.BACKEND
+    assert RankError("ValueError", "x").category is Category.BAD_INPUT
 
 
 def test_ranks_failed_error_pickles_whole_and_takes_its_worst_members_category() -> None:

@@ -1,4 +1,4 @@
-"""The snapshot's copies out of GPU memory run beside training (integrations/side_copy.py), so what
+"""The snapshot's copies out of GPU memory run beside training (integrations/deepspeed/side_copy.py), so what
 it writes must still be the state at the save: a change queued right after the save waits for the
 copy through the guard, in both ways the copy runs (through GPU buffers and straight to pinned
 memory). The CUDA tests run where a GPU is (the device check runs them); the wiring of the guard
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tailorstore.integrations import snapshot
+from tailorstore.integrations.deepspeed import snapshot
 from tailorstore.integrations.deepspeed.attaching import _guard_changes, _has_persistent_buffers, _torch_optimizers
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tailorstore.integrations import snapshot
+from tailorstore.integrations.deepspeed import snapshot
 
 
 def state() -> dict:

@@ -9,7 +9,8 @@ import torch
 
 from tailorstore import Store
 from tailorstore.core.errors import PolicyError
-from tailorstore.integrations.torchtitan import TailorCheckpointManager
+from tailorstore.integrations.common import StoreSession
+from tailorstore.integrations.dcp.torchtitan import TailorCheckpointManager
 
 
 def build(config: TailorCheckpointManager.Config) -> TailorCheckpointManager:
@@ -37,7 +38,7 @@ def test_the_manager_opens_the_store_and_run_its_config_names(tmp_path: Path) ->
 
 
 def _commit_steps(store: Store, run: str, steps: range, folder: Path) -> None:
-    handle = store.in_run(run)
+    handle = StoreSession(store).in_run(run).store
     for step in steps:
         save = folder / f"{run}-{step}"
         save.mkdir(parents=True)

@@ -293,7 +293,7 @@ def test_available_memory_is_read_from_the_kernel() -> None:
         ("TAILOR_LOCK_TTL", "tailorstore.store.lease:lease_ttl", "90", ["0", "-1", "nan", "inf", "1e9", "ten"]),
         (
             "TAILOR_COLLECTIVE_TIMEOUT",
-            "tailorstore.integrations.ranks:collective_timeout",
+            "tailorstore.integrations.common.ranks:collective_timeout",
             "1",
             ["0.5", "nan", "inf", "604801", "x"],
         ),

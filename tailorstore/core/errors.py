@@ -205,7 +205,7 @@ class LeaseLostError(LockTimeoutError):
 
 class RanksFailedError(TailorError):
     """Work of a job's ranks failed on one rank or more, raised alike on every rank
-    (``integrations/session.py``). ``failures`` holds each failed rank's own error, whole, by
+    (``integrations/common/session.py``). ``failures`` holds each failed rank's own error, whole, by
     global rank; the category is the most severe of theirs (:data:`SEVERITY`), so the exit code
     is the one the worst failure alone would give."""
 
@@ -233,3 +233,42 @@ class RanksFailedError(TailorError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (type(self), (self.failures, self.doing))
+
+
+class RankError(StoreError):
+    """An exception that is not tailorstore's, raised by one rank's share of work several ranks do,
+    as the other ranks receive it (a member of :class:`RanksFailedError`). ``original`` is the
+    exception itself, whole (its class, its arguments, an ``OSError``'s ``errno`` and file name),
+    wherever it survives pickling, so a caller can still tell a ``KeyError`` from a ``ValueError``
+    on any rank; ``kind`` names its class either way. Its traceback stays on the rank it was raised
+    on, chained there. Built by :meth:`of`."""
+
+    def __init__(self, kind: str, message: str, original: BaseException | None = None) -> None:
+        self.kind, self.message, self.original = kind, message, original
+        super().__init__(f"{kind}: {message}")
+
+    @classmethod
+    def of(cls, exc: BaseException) -> RankError:
+        """``exc`` as it crosses ranks: a :class:`RankBackendError` for an ``OSError`` (a disk or a
+        server failed: its own category), else a :class:`RankError`."""
+        kind = RankBackendError if isinstance(exc, OSError) else RankError
+        return kind(type(exc).__name__, str(exc), _survives_pickling(exc))
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.kind, self.message, self.original))
+
+
+class RankBackendError(RankError, BackendError):
+    """A rank's ``OSError``, as the other ranks receive it: a backend failure (exit 5), whole."""
+
+
+def _survives_pickling(exc: BaseException) -> BaseException | None:
+    """``exc`` when it pickles and comes back as its own class (one whose ``__init__`` takes other
+    arguments than it stores does not), else None: the message and class name then say it all."""
+    import pickle
+
+    try:
+        again = pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return None
+    return exc if type(again) is type(exc) else None

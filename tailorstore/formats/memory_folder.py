@@ -1,5 +1,5 @@
 """Files held in memory that a commit reads as one checkpoint folder: what the DCP writer
-(``integrations/dcp_writer.py``) serializes a rank's items into, so that no raw file is written.
+(``integrations/dcp/writer.py``) serializes a rank's items into, so that no raw file is written.
 
 Each file is an anonymous memory file (``memfd_create``): it has a descriptor and an identity
 like any file, so the commit reads it through :class:`tailorstore.formats.source.InputFile`

@@ -2,7 +2,7 @@
 
 Call order (docs/FORMAT.md section 8, Commit), and who makes each call:
 
-1. ``commit`` (any process, or each rank through ``integrations/distributed.py``): read and check
+1. ``commit`` (any process, or each rank through ``integrations/common/distributed.py``): read and check
    every input file, each through one descriptor, its identity recorded; bad input is refused
    before anything is written;
 2. take the store lock shared (a lease on a remote store) and bring the index up to date under it;

@@ -59,8 +59,12 @@ class PartPlan:
     changes: dict[str, float]
 
 
-@dataclass
+@dataclass(frozen=True)
 class CommitOptions:
+    """How a commit runs, built whole once (``Store._options``) and never changed after: what a
+    commit was given is what it ran with, in the background too, and a value with other fields
+    (a rank-parallel part's try token and plan) is a new one (``dataclasses.replace``)."""
+
     step: int | None = None
     tag: str | None = None
     force: bool = False

@@ -3,7 +3,7 @@ member 0 records the step from the parts (rank_share.py says why the manifest eq
 single-process commit's).
 
 This module holds the protocol; how the members talk is the caller's (:class:`Collective`):
-``integrations/distributed.py`` implements it over ``torch.distributed``, and anything that can
+``integrations/common/distributed.py`` implements it over ``torch.distributed``, and anything that can
 gather a value, broadcast one from member 0 and fail everywhere at once could.
 
 Call order, on every member (each step a collective, so all reach it or all fail):
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -78,14 +78,16 @@ def commit_together(
     ``options`` are this member's (a part each), ``finalize(step)`` is member 0's last call."""
     member = group.member
     # one token for every member's part (decided once, on member 0): the parts prove they are one try
-    options.part_try = group.from_member0(lambda: _try_token(options.part_label), "choosing the try token")
+    token = group.from_member0(lambda: _try_token(options.part_label), "choosing the try token")
+    options = replace(options, part_try=token)
     share, mine = group.together(lambda: survey(repo, path, options, member, owns), "surveying its files")
     surveys: list[Survey] = group.gather(mine)
     elsewhere, derived = writers(surveys)[member], checked_weights(surveys)
     if spec.name != "full":
-        options.plan = _planned(repo, options, share, surveys, spec, group)
+        plan = _planned(repo, options, share, surveys, spec, group)
+        options = replace(options, plan=plan)
         # a blob a lower member would have written counts only where it falls in a layer the plan stores
-        elsewhere = writers(surveys, options.plan.stored)[member]
+        elsewhere = writers(surveys, plan.stored)[member]
     written = group.together(
         lambda: write_share(repo, share, options, elsewhere, derived),
         "writing its files",

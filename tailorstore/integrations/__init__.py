@@ -1,1 +1,1 @@
-"""Plugging tailorstore into training loops: the HF Trainer (``hf``) and DeepSpeed (``deepspeed``)."""
+"""Training loops' adapters, by framework: ``common`` (ranks, sessions, the seam), ``deepspeed``, ``dcp``, ``hf``."""

@@ -13,7 +13,7 @@
     trainer.train(resume_from_checkpoint="restored/checkpoint-latest")
 
 In a distributed run the commit is rank-parallel, under every policy
-(:mod:`tailorstore.integrations.distributed`): every rank writes its own files' blobs, the
+(:mod:`tailorstore.integrations.common.distributed`): every rank writes its own files' blobs, the
 policy is decided once from every rank's survey, and global rank 0 finalizes the one manifest,
 the one a single-process commit would record. Background commits then talk over a process group
 of their own, so their collectives never interleave with training's.
@@ -38,10 +38,11 @@ from tailorstore.api import Store
 from tailorstore.core.errors import MetricError, StoreError
 from tailorstore.core.metrics import checked
 from tailorstore.core.policies import Policy, policy_spec
-from tailorstore.integrations.distributed import RankParallelResult, commit_rank_parallel
-from tailorstore.integrations.ranks import is_distributed, rank
-from tailorstore.integrations.rewind import Rewind, warn_if_composite
-from tailorstore.integrations.session import Session
+from tailorstore.integrations.common.distributed import RankParallelResult, commit_rank_parallel
+from tailorstore.integrations.common.ranks import is_distributed, rank
+from tailorstore.integrations.common.rewind import Rewind, warn_if_composite
+from tailorstore.integrations.common.session import Session
+from tailorstore.integrations.common.store_session import StoreSession
 
 
 def evaluation_metrics(state: TrainerState, names: Collection[str] | None = None) -> dict[str, float]:
@@ -87,7 +88,7 @@ class TailorCallback(TrainerCallback):
         """``metrics``: the names of the Trainer's logged metrics to record with each step (the
         evaluation's ``eval_loss``, the training log's ``loss``); None records every evaluation
         metric of the step, an empty list none."""
-        self.rewind = Rewind(on_existing)  # a save of a step the store holds: a rewind (rewind.py)
+        self.rewind = Rewind(on_existing)  # a save of a step the store holds: a rewind (common/rewind.py)
         self._store_arg = store
         self._store: Store | None = store if isinstance(store, Store) else None
         self.spec = policy_spec(policy, policy_params)  # a misspelt parameter fails here, not at the first save
@@ -132,7 +133,8 @@ class TailorCallback(TrainerCallback):
             store = self._open()
             step = state.global_step
             if self.asynchronous:
-                store.background(str(folder), lambda handle: self._commit_parallel(handle, folder, step, metrics))
+                in_order = StoreSession(store).background
+                in_order(str(folder), lambda handle: self._commit_parallel(handle, folder, step, metrics))
             else:
                 self._commit_parallel(store, folder, step, metrics)
             return
@@ -147,7 +149,7 @@ class TailorCallback(TrainerCallback):
             return self.rewind.commit(handle, folder, step=step, delete_after_commit=delete, **options)
 
         if self.asynchronous:
-            store.background(str(folder), job)
+            StoreSession(store).background(str(folder), job)
         else:
             job(store)
 
@@ -159,13 +161,13 @@ class TailorCallback(TrainerCallback):
         run = Session(self._group).decide(lambda: self.rewind.run_for(store, step), f"choosing the run of step {step}")
         self.rewind.run = run
         if run != store.run:
-            store = store.in_run(run)
+            store = StoreSession(store).in_run(run).store
         result = commit_rank_parallel(
             store, folder, step=step, group=self._group, policy=self.policy, metrics=metrics or None,
             **self.policy_params,
         )  # fmt: skip
         if self.delete_after_commit and rank() == 0:
-            store.delete_once_durable(result.finalized.manifest, folder)
+            StoreSession(store).delete_once_durable(result.finalized.manifest, folder)
         return result
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:

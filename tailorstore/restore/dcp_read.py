@@ -1,5 +1,5 @@
 """One DCP folder of a stored step, read item by item from the store: what a DCP ``StorageReader``
-needs, with no file written (``integrations/dcp_storage.py`` wraps it for ``dcp.load``).
+needs, with no file written (``integrations/dcp/reader.py`` wraps it for ``dcp.load``).
 
 A ``.distcp`` file was stored as its container (the bytes between tensor data: zip records,
 pickles, the pickled objects of ``BYTE_IO`` items) and one atom per tensor item, placed at its

@@ -1,8 +1,13 @@
 """DeepSpeed: a checkpoint engine that saves into the store, and a save-then-commit helper.
 
-The package: :mod:`.engine` (the checkpoint engine), :mod:`.attaching` (``attach``),
-:mod:`.loading` (``load_checkpoint`` without ``attach``), :mod:`.saving` (``save_checkpoint``),
-:mod:`.recovery` (what a dead run left in staging), :mod:`.helpers` (what they share).
+The package holds every DeepSpeed-only module: :mod:`.engine` (the checkpoint engine, over its
+:mod:`.save_path` and its :mod:`.load_path`), :mod:`.startup` (what an engine's start does, once),
+:mod:`.attaching` (``attach``, ``start_engine``), :mod:`.loading` (``load_checkpoint`` without
+``attach``), :mod:`.saving` (``save_checkpoint``); beneath them :mod:`.snapshot` and
+:mod:`.side_copy` (a save that blocks only for a copy), :mod:`.staging` and :mod:`.recovery` (the
+staging folders, and what a dead run left in them), :mod:`.serving`, :mod:`.resume` and
+:mod:`.staged_reads` (a resume from the store), :mod:`.nodes` (several nodes, a part each),
+:mod:`.head` (the job's head beside ``latest``) and :mod:`.helpers` (what they share).
 
 The engine (every rank attaches it; ``attach`` is collective)::
 
@@ -32,10 +37,11 @@ If a background commit fails, its staged files are moved to where DeepSpeed woul
 written them (``save_dir/tag``), so nothing is lost, and the error is raised at the next
 save or at :meth:`TailorCheckpointEngine.flush`. What a killed run left staged (perhaps cut
 short) is moved by the next engine to start beside that folder, under a name DeepSpeed never
-loads, and global rank 0 commits it from there (:mod:`..staging`, :mod:`.recovery`).
+loads, and global rank 0 commits it from there (:mod:`.staging`, :mod:`.recovery`), when the
+next engine starts (:mod:`.startup`).
 """
 
-from tailorstore.integrations.deepspeed.attaching import attach
+from tailorstore.integrations.deepspeed.attaching import attach, start_engine
 from tailorstore.integrations.deepspeed.engine import TailorCheckpointEngine
 from tailorstore.integrations.deepspeed.helpers import ENGINE_NAME, default_staging, step_of_tag
 from tailorstore.integrations.deepspeed.loading import load_checkpoint, staged_loads
@@ -52,5 +58,6 @@ __all__ = [
     "mapped",
     "save_checkpoint",
     "staged_loads",
+    "start_engine",
     "step_of_tag",
 ]

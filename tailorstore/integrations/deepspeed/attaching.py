@@ -1,5 +1,14 @@
-"""``attach(engine, store)``: the collective call that puts a :class:`TailorCheckpointEngine` in
-DeepSpeed's engine, and guards the parameters a snapshot still copies from the next optimizer step."""
+"""``attach(engine, store)``: the collective call that starts a :class:`TailorCheckpointEngine`, puts
+it in DeepSpeed's engine, and guards the parameters a snapshot still copies from the next optimizer
+step.
+
+Call order, on every rank: the options are checked (a misspelt policy parameter fails before any
+rank waits for another); the engine's start-up runs, once (:func:`.startup.start_up`, whose
+docstring numbers its steps: the rank session, the nodes' parts and a killed job's saves whose
+parts are all in, the staging folder, the recovery of dead runs' staging and its commit); the
+engine is built over what it left (:func:`start_engine`); then ``attach`` installs it as DeepSpeed's
+checkpoint engine, guards the optimizer step, and routes ``engine.load_checkpoint`` through it.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +19,12 @@ from typing import Any
 import torch
 
 from tailorstore.api import Store
-from tailorstore.core.policies import Policy
-from tailorstore.integrations import ranks
+from tailorstore.core.policies import Policy, policy_spec
+from tailorstore.integrations.common import ranks
+from tailorstore.integrations.common.rewind import check_on_existing
 from tailorstore.integrations.deepspeed.engine import TailorCheckpointEngine
 from tailorstore.integrations.deepspeed.helpers import shape_of
+from tailorstore.integrations.deepspeed.startup import start_up
 
 
 def attach(
@@ -37,7 +48,7 @@ def attach(
     a save of a step the store already holds does, after training went back to an earlier step:
     ``"branch"`` (a new run from the resumed step, with a warning), ``"replace"`` or ``"error"``.
     ``snapshot`` (default) makes ``save_checkpoint`` block only for a copy of the tensors into
-    reused memory; the files are written in the background (:mod:`..snapshot`). On a GPU the copy
+    reused memory; the files are written in the background (:mod:`.snapshot`). On a GPU the copy
     runs beside the next step, and its optimizer step waits (on the GPU) only for the copy into
     ``gpu_buffers``: buffers in GPU memory kept from save to save, used where the GPU has room
     (None), always (True) or never (False: the step waits for the copy to host memory).
@@ -47,7 +58,7 @@ def attach(
     ``engine.load_checkpoint`` then loads each rank's files straight from the store, built in memory
     (nothing staged); ``staged_resume=True`` checks the step out into staging files first instead.
     """
-    tailor = TailorCheckpointEngine(
+    tailor = start_engine(
         store,
         policy=policy,
         asynchronous=asynchronous,
@@ -64,7 +75,7 @@ def attach(
     engine.checkpoint_engine = tailor
     if snapshot:
         _guard_changes(engine, tailor)
-    if tailor._parts and ranks.is_leader():
+    if tailor.started.parts and ranks.is_leader():
         # Each node's part needs the model states to cut its optimizer states by parameter: every
         # node's leader writes them, as DeepSpeed's use_node_local_storage makes it do. The copies
         # are the same bytes, which finalize checks.
@@ -76,6 +87,37 @@ def attach(
 
     engine.load_checkpoint = load_checkpoint
     return tailor
+
+
+def start_engine(
+    store: Store | None,
+    *,
+    policy: str | Policy = "full",
+    asynchronous: bool = True,
+    staging: str | os.PathLike | None = None,
+    global_steps: Callable[[], int] | None = None,
+    on_existing: str = "branch",
+    shape: Callable[[], tuple[int, int]] | None = None,
+    snapshot: bool = True,
+    gpu_buffers: bool | None = None,
+    metrics: Callable[[int | None], Mapping[str, float] | None] | None = None,
+    staged_resume: bool = False,
+    **policy_params: float,
+) -> TailorCheckpointEngine:
+    """A :class:`TailorCheckpointEngine`, started (collective: every rank calls it): what :func:`attach`
+    does before it installs the engine, and all of it for a caller without a DeepSpeed engine. The
+    policy and ``on_existing`` are checked first, alike on every rank, so a misspelt one fails before
+    any rank waits in a collective; then :func:`.startup.start_up` runs, once, and the engine is
+    built over what it left (``global_steps`` and ``shape`` say the step and the world size and ZeRO
+    stage training is at; :func:`attach` takes them from DeepSpeed's engine)."""
+    policy_spec(policy, policy_params)  # a misspelt parameter fails here, not at the first save
+    check_on_existing(on_existing)
+    started = start_up(store, staging=staging, on_existing=on_existing)
+    return TailorCheckpointEngine(
+        started, policy=policy, asynchronous=asynchronous, global_steps=global_steps, on_existing=on_existing,
+        shape=shape, snapshot=snapshot, gpu_buffers=gpu_buffers, metrics=metrics, staged_resume=staged_resume,
+        **policy_params,
+    )  # fmt: skip
 
 
 def _guard_changes(engine: Any, tailor: TailorCheckpointEngine) -> None:

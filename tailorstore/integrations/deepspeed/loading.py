@@ -11,14 +11,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tailorstore import StepObjects
 from tailorstore.api import Store
-from tailorstore.integrations import ranks, resume, serving
+from tailorstore.integrations.common import ranks
+from tailorstore.integrations.common.rewind import warn_if_composite
+from tailorstore.integrations.common.session import Session
+from tailorstore.integrations.deepspeed import resume, serving
 from tailorstore.integrations.deepspeed.engine import TailorCheckpointEngine
 from tailorstore.integrations.deepspeed.helpers import default_staging, shape_of
 from tailorstore.integrations.deepspeed.staged_reads import below, load_staged
-from tailorstore.integrations.rewind import warn_if_composite
-from tailorstore.integrations.session import Session
-from tailorstore.restore.file_objects import StepObjects
 
 
 @contextmanager
@@ -66,7 +67,7 @@ def load_checkpoint(
 
     Global rank 0 passes a store handle; a rank without one opens the store rank 0 names. Each rank
     builds the files it loads straight from the store, in memory, and DeepSpeed's own
-    ``load_checkpoint`` (``load_kwargs`` go to it) loads them (:mod:`..serving`): nothing is staged.
+    ``load_checkpoint`` (``load_kwargs`` go to it) loads them (:mod:`.serving`): nothing is staged.
     With ``staged`` (or an engine this cannot serve: a universal load, NVMe offload, model or pipeline
     parallelism), each node's local rank 0 (which then needs a handle) writes its ranks' share into
     its staging folder (``staging``, else ``$TAILOR_STAGING`` or ``/dev/shm``), every rank loads it

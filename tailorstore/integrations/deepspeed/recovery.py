@@ -24,11 +24,11 @@ from pathlib import Path
 
 from tailorstore.api import Store
 from tailorstore.core.errors import StepExistsError, StoreError
-from tailorstore.core.records import COMMIT
+from tailorstore.integrations.common.rewind import Rewind
+from tailorstore.integrations.common.store_session import COMMIT
+from tailorstore.integrations.deepspeed.head import Head, read_head, write_head
 from tailorstore.integrations.deepspeed.helpers import log, step_of_tag
-from tailorstore.integrations.head import Head, read_head, write_head
-from tailorstore.integrations.rewind import Rewind
-from tailorstore.integrations.staging import Rescued
+from tailorstore.integrations.deepspeed.staging import Rescued
 
 COMMITTED, ALREADY, KEPT = "committed", "already committed", "kept"
 

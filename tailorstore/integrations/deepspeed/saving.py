@@ -7,12 +7,13 @@ import os
 from concurrent.futures import Future
 from typing import Any
 
+from tailorstore import CommitResult
 from tailorstore.api import Store
 from tailorstore.core.policies import Policy
-from tailorstore.ingest.commit import CommitResult
-from tailorstore.integrations import ranks
+from tailorstore.integrations.common import ranks
+from tailorstore.integrations.common.rewind import Rewind
+from tailorstore.integrations.common.store_session import StoreSession
 from tailorstore.integrations.deepspeed.helpers import T
-from tailorstore.integrations.rewind import Rewind
 
 
 def save_checkpoint(
@@ -54,7 +55,7 @@ def save_checkpoint(
         return rewind.commit(handle, folder, step=step, delete_after_commit=delete_after_commit, **options)
 
     if asynchronous:
-        return store.background(folder, job)
+        return StoreSession(store).background(folder, job)
     return _done(job(store))
 
 

@@ -7,8 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tailorstore.formats.deepspeed import is_model_states
-from tailorstore.formats.safe_load import load_torch_file
+from tailorstore.integrations.common.store_session import is_model_states, load_torch_file
 
 
 def mapped(path: str | os.PathLike) -> bool:

@@ -27,8 +27,8 @@ from typing import Any
 
 from deepspeed.runtime import state_dict_factory
 
+from tailorstore import StepObjects
 from tailorstore.core.errors import StoreError
-from tailorstore.restore.file_objects import StepObjects
 
 
 class _ServedLoader:

@@ -26,7 +26,7 @@ from pathlib import Path
 from tailorstore.core.dir_locks import hold_dir, removed, take_abandoned
 from tailorstore.core.errors import BadCheckpointError, TailorError
 from tailorstore.core.local_files import Beneath, write_atomic
-from tailorstore.formats.small_text import NAME_LIMIT, read_small_text
+from tailorstore.integrations.common.store_session import NAME_LIMIT, read_small_text
 
 log = logging.getLogger("tailorstore")
 WRITTEN, FAILED = ".written-", ".failed-"  # the snapshot's markers in a save's folder (snapshot.py)

@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tailorstore import CommitResult
 from tailorstore.api import Store
 from tailorstore.core.errors import StepExistsError, StoreError
-from tailorstore.core.records import COMMIT
-from tailorstore.ingest.commit_options import CommitResult
+from tailorstore.integrations.common.store_session import COMMIT, StoreSession
 
 log = logging.getLogger("tailorstore")
 
@@ -69,7 +69,7 @@ class Rewind:
         in one transaction, so until the new one is recorded the step is gone; its save is still
         on disk)."""
         run = self.run or store.run
-        if not store.holds(step, run=run):
+        if not StoreSession(store).holds(step, run=run):
             return run
         if self.on_existing == "error":
             raise StepExistsError(f"step {step} is already in run {run!r}; on_existing='error' refuses a second save")

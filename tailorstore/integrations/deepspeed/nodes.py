@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from tailorstore.api import Store
 from tailorstore.core.errors import Call, StoreError, TailorError
-from tailorstore.integrations import ranks
-from tailorstore.integrations.session import Session
+from tailorstore.integrations.common import ranks
+from tailorstore.integrations.common.session import Session
+from tailorstore.integrations.common.store_session import StoreSession
 
 log = logging.getLogger("tailorstore")
 
@@ -81,7 +82,7 @@ def finish_pending(store: Store) -> list[int]:
     A save with a part missing is left for gc's drop_parts. Returns the steps recorded."""
     groups: dict[tuple[int, str], list[str]] = {}
     wanted: dict[str, int] = {}
-    for key in store.parts(None):
+    for key in StoreSession(store).parts(None):
         step_text, name = key.rsplit("/", 2)[-2:]
         if not key.startswith(f"parts/{store.run}/"):
             continue
@@ -110,7 +111,7 @@ def await_parts(store: Store, step: int, label: str, count: int, timeout: float 
     limit = ranks.collective_timeout() if timeout is None else timeout
     deadline = time.monotonic() + limit
     while True:
-        found = store.parts(step, label=label)
+        found = StoreSession(store).parts(step, label=label)
         if len(found) >= count:
             return
         if time.monotonic() >= deadline:

@@ -56,8 +56,8 @@ from tailorstore.core.errors import StagingFailed, StoreError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.core.local_files import Beneath, read_small, write_atomic
 from tailorstore.core.memory import available_memory
-from tailorstore.integrations.side_copy import SideCopies
-from tailorstore.integrations.staging import FAILED, WRITTEN
+from tailorstore.integrations.deepspeed.side_copy import SideCopies
+from tailorstore.integrations.deepspeed.staging import FAILED, WRITTEN
 
 log = logging.getLogger("tailorstore")
 # a snapshot buffer's storage (its _cdata, unique while the buffer lives) -> the location tag of the
@@ -291,7 +291,7 @@ def _write(
         on_staging_failed(exc, real.parent)
         real.parent.mkdir(parents=True, exist_ok=True)
         torch.save(tree, real)
-        raise StoreError(f"staging {staged} failed ({exc}); the file was written to {real}") from None
+        raise StoreError(f"staging {staged} failed ({exc}); the file was written to {real}") from exc
 
 
 def _prefault(model: Buffers, target: Buffers, pinned: bool, ranks_on_node: int) -> None:

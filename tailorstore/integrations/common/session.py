@@ -11,8 +11,10 @@ rank returns what rank 0 returned, or raises what it raised.
 Failures cross ranks whole: a :class:`TailorError` is shipped as itself (its class, its parts and
 so its category), never flattened to a string, and raised on every rank as a
 :class:`RanksFailedError` that keeps each failed rank's own error by rank. Any other exception
-is shipped as a :class:`StoreError` that names its type (its traceback stays on the rank it
-happened on, chained), so no rank is left waiting for one that failed.
+is shipped as a :class:`RankError` that holds the exception itself wherever it pickles (an
+``OSError`` as a :class:`RankBackendError`, a backend failure); its traceback stays on the rank it
+happened on, chained. So no rank is left waiting for one that failed, and none learns less of
+another's failure than the class and arguments it was raised with.
 
 Every collective runs on the session's group: the tailor gloo group (``ranks.tailor_group``),
 with its own timeout, so nothing interleaves with training's collectives.
@@ -23,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tailorstore.core.errors import BackendError, RanksFailedError, StoreError, TailorError
-from tailorstore.integrations import ranks
+from tailorstore.core.errors import RankError, RanksFailedError, TailorError
+from tailorstore.integrations.common import ranks
 
 T = TypeVar("T")
 
@@ -98,12 +100,12 @@ class Session:
 
 
 def _attempt(fn: Callable[[], T]) -> tuple[tuple[bool, Any], BaseException | None]:
-    """(ok, value or the error to ship), and the exception raised here (to chain on this rank)."""
+    """(ok, value or the error to ship), and the exception raised here (to chain on this rank).
+    A :class:`TailorError` is shipped as itself; any other exception as a :class:`RankError` that
+    holds it whole (its class and arguments), never as a string alone."""
     try:
         return (True, fn()), None
     except TailorError as exc:
         return (False, exc), exc
-    except OSError as exc:
-        return (False, BackendError(f"{type(exc).__name__}: {exc}")), exc
     except Exception as exc:  # every rank must hear it, not wait for it
-        return (False, StoreError(f"{type(exc).__name__}: {exc}")), exc
+        return (False, RankError.of(exc)), exc

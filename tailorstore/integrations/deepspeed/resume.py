@@ -27,13 +27,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tailorstore import StepObjects
 from tailorstore.api import Store
 from tailorstore.core.errors import StoreError
-from tailorstore.integrations.ranks import is_leader, node_ranks
-from tailorstore.integrations.ranks import rank as global_rank
-from tailorstore.integrations.session import Session
-from tailorstore.restore.checkout import loaded_by
-from tailorstore.restore.file_objects import StepObjects
+from tailorstore.integrations.common.ranks import is_leader, node_ranks
+from tailorstore.integrations.common.ranks import rank as global_rank
+from tailorstore.integrations.common.session import Session
+from tailorstore.integrations.common.store_session import StoreSession, loaded_by
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Found:
     world_size: int | None
     zero_stage: int | None
     inherited: dict[str, int]  # a composite's layers from earlier steps (layer -> step)
-    created_at: float = 0.0  # when the manifest was recorded (integrations/head.py compares it)
+    created_at: float = 0.0  # when the manifest was recorded (deepspeed/head.py compares it)
     location: str | None = None  # the store rank 0 resolved it in (a rank without a handle opens it)
 
 
@@ -170,7 +170,7 @@ def load_in_memory(
             opened.append(Store.open(str(found.location)))  # rank 0 resolved it there
         own = store if store is not None else opened[0]
         stage = zero_stage if zero_stage != found.zero_stage else None
-        objects = own.step_objects(found.ref, world_size=world_size, zero_stage=stage)
+        objects = StoreSession(own).step_objects(found.ref, world_size=world_size, zero_stage=stage)
         return objects, {name: objects.load(name) for name in objects.names if loaded_by(name, {rank})}
 
     mine: list[tuple[StepObjects, dict[str, Any]]] = []
