@@ -23,12 +23,13 @@ demo: $(STAMP)
 
 # In tiers, cheapest first, so a broken build fails in seconds: lint, the fast tier (no training,
 # under a minute), then the slow tier (real DeepSpeed, HF and S3 runs). Each test has a time limit,
-# so a hang names its test instead of eating CI's 90 minutes. The fast tier runs on two workers
-# (pytest-xdist): its tests mostly wait on the processes they start.
+# so a hang names its test instead of eating CI's 90 minutes. Both tiers run on two workers
+# (pytest-xdist; the slow tier a file to a worker, each training fixture made once for both,
+# tests/conftest.py): their tests mostly wait on the processes they start.
 test: $(STAMP)
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q -m "not slow" --timeout 120 -n 2 --durations 15
-	$(PYTHON) -m pytest -q -m slow --timeout 900 --durations 60
+	$(PYTHON) -m pytest -q -m slow --timeout 900 -n 2 --dist loadfile --durations 60
 
 lint: $(STAMP)
 	$(PYTHON) -m ruff check .

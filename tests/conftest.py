@@ -152,28 +152,67 @@ class Runs:
 
     def get(self, name: str) -> Run:
         if name not in self._cache:
-            tailoring = name in TAILOR_CONFIGS
-            options = dict({**CONFIGS, **TAILOR_CONFIGS, **HEALTH_CONFIGS, **NODE_CONFIGS}[name])
-            nproc = int(options.pop("nproc", 2))  # type: ignore[arg-type]
-            steps = int(options.pop("steps", TAILOR_STEPS if tailoring else 6))  # type: ignore[arg-type]
-            every = int(options.pop("save_every", TAILOR_EVERY if tailoring else 3))  # type: ignore[arg-type]
-            base = self.root / name
-            losses = twice(
-                base,
-                lambda: train_tiny(
-                    base / "save",
-                    losses_out=base / "losses.json",
-                    nproc=nproc,
-                    steps=steps,
-                    save_every=every,
-                    **options,
-                ),
-            )
-            for path in (base / "save").rglob("*"):
-                if path.is_file():
-                    path.chmod(0o444)
-            self._cache[name] = Run(name, base / "save", losses, dict(options), nproc)
+            with trained_once(self.root / name) as done:
+                run = self._train(name) if not done else self._read(name)
+            self._cache[name] = run
         return self._cache[name]
+
+    def _read(self, name: str) -> Run:
+        """A run another worker of this session trained (its record, beside its save)."""
+        record = json.loads((self.root / name / "run.json").read_text())
+        losses = {int(step): loss for step, loss in record["losses"].items()}
+        return Run(name, self.root / name / "save", losses, record["options"], record["nproc"])
+
+    def _train(self, name: str) -> Run:
+        tailoring = name in TAILOR_CONFIGS
+        options = dict({**CONFIGS, **TAILOR_CONFIGS, **HEALTH_CONFIGS, **NODE_CONFIGS}[name])
+        nproc = int(options.pop("nproc", 2))  # type: ignore[arg-type]
+        steps = int(options.pop("steps", TAILOR_STEPS if tailoring else 6))  # type: ignore[arg-type]
+        every = int(options.pop("save_every", TAILOR_EVERY if tailoring else 3))  # type: ignore[arg-type]
+        base = self.root / name
+        losses = twice(
+            base,
+            lambda: train_tiny(
+                base / "save",
+                losses_out=base / "losses.json",
+                nproc=nproc,
+                steps=steps,
+                save_every=every,
+                **options,
+            ),
+        )
+        for path in (base / "save").rglob("*"):
+            if path.is_file():
+                path.chmod(0o444)
+        record = {"losses": losses, "options": dict(options), "nproc": nproc}
+        (base / "run.json").write_text(json.dumps(record))
+        return Run(name, base / "save", losses, dict(options), nproc)
+
+
+@contextlib.contextmanager
+def trained_once(base: Path) -> Iterator[bool]:
+    """Held while one process of the session makes ``base`` (a training fixture's folder): True when
+    another already made it. The fast and slow tiers run on pytest-xdist workers, which share the
+    session's folder (:func:`shared_root`), so each training runs once, not once a worker."""
+    import fcntl
+
+    base.parent.mkdir(parents=True, exist_ok=True)
+    with open(base.parent / f".{base.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = (base / ".trained").is_file()
+        yield done
+        if not done:
+            (base / ".trained").write_text("")
+
+
+def shared_root(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every worker of this session sees: the session's base folder's parent under
+    pytest-xdist (each worker's own base is ``.../popen-gwN``), else a fresh one."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / name
+        root.mkdir(exist_ok=True)
+        return root
+    return tmp_path_factory.mktemp(name)
 
 
 TRAINING_FIXTURES = {"runs", "hf_run"}
@@ -189,7 +228,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("runs"))
+    return Runs(shared_root(tmp_path_factory, "runs"))
 
 
 @dataclass
@@ -200,8 +239,10 @@ class HFRun:
 
 @pytest.fixture(scope="session")
 def hf_run(tmp_path_factory: pytest.TempPathFactory) -> HFRun:
-    base = tmp_path_factory.mktemp("hf") / "run"
-    twice(base, lambda: train_hf(base / "out", final_weights=base / "final.safetensors", steps=6, save_steps=3))
+    base = shared_root(tmp_path_factory, "hf") / "run"
+    with trained_once(base) as done:
+        if not done:
+            twice(base, lambda: train_hf(base / "out", final_weights=base / "final.safetensors", steps=6, save_steps=3))
     return HFRun(base / "out", base / "final.safetensors")
 
 
