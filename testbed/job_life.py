@@ -379,7 +379,8 @@ def run_schedule(schedule: Schedule, *, keep: Path | None = None, references: di
                 break
             on_reference_data = on_reference_data and not launch.data_offset
             if not launch.fresh:
-                _check_resume(outcome, job, number, launch, reports, floor, newest_save)
+                rewound = any(earlier.tag for earlier in schedule.launches[:number])
+                _check_resume(outcome, job, number, launch, reports, floor, newest_save, rewound)
                 resumed = _agreed_step(reports)
                 one_size = len(history_sizes | {launch.nproc}) == 1
                 if resumed is not None and resumed > 0 and on_reference_data and one_size:
@@ -428,7 +429,10 @@ def _check_resume(
     reports: list[dict],
     floor: int,
     newest_save: int,
+    rewound: bool = False,
 ) -> None:
+    """J1 and J2 for one launch. ``rewound``: a launch before went back to an earlier tag, so the
+    job's run may hold a later step of the timeline it abandoned, which it rightly does not resume."""
     loaded = [r for r in reports if "resumed_step" in r]
     if not loaded:
         return  # killed before any rank loaded: nothing was decided
@@ -452,6 +456,14 @@ def _check_resume(
         outcome.violations.append(
             f"durable: launch {number} resumed step {step}; the job never saved past {newest_save}"
         )
+    at_resume = next((r["store_steps_at_resume"] for r in loaded if "store_steps_at_resume" in r), None)
+    if at_resume is not None and not rewound:
+        durable = max((s for s in at_resume if s <= newest_save), default=0)
+        if step < durable:
+            outcome.violations.append(
+                f"durable: launch {number} resumed step {step}; the store held step {durable} of the job's run "
+                "when it decided"
+            )
     if resumed and step > 0:
         wanted = job.witnesses_of(step, number)
         got = {r.get("loaded_digest") for r in loaded}
@@ -559,4 +571,23 @@ REGRESSIONS: dict[str, Schedule] = {
     ),
     # the README's loop on its first launch: load_checkpoint on an empty store starts fresh
     "first-launch-loads": Schedule(-4, 2, (Launch(2, steps=4),)),
+    # steps 8 and 10 left in staging (8's publish stalled, every rank killed after 10): recovered in
+    # name order (global_step10 first), the head ended on 8 and the restart resumed 8, then branched
+    "recovery-in-step-order": Schedule(
+        -5,
+        2,
+        (
+            Launch(
+                2,
+                steps=10,
+                fresh=True,
+                kill_at="after-save-delay",
+                kill_step=8,
+                kill_rank="all",
+                kill_delay=6.0,
+                failpoints="before-publish=sleep:25@4",
+            ),
+            Launch(2, steps=10),
+        ),
+    ),
 }

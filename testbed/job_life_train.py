@@ -38,6 +38,7 @@ import xxhash
 
 from tailorstore.api import Store
 from tailorstore.integrations.deepspeed import attach, load_checkpoint
+from tailorstore.integrations.deepspeed.head import read_head
 from testbed import train_tiny
 from testbed.teardown import exit_without_teardown
 
@@ -154,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     load_path, client_state = (None, None) if args.fresh else engine.load_checkpoint(args.save_dir, tag=args.tag)
     start = int(client_state["my_step"]) if load_path is not None and client_state else 0
     say(args, rank, {"resumed": load_path is not None, "resumed_step": start, "loaded_digest": weights_digest(engine)})
+    if rank == 0 and store is not None:  # what was durable when the job decided (after its recovery)
+        head = read_head(Path(args.save_dir))
+        run = head.run if head is not None else store.run
+        say(args, rank, {"head_run_at_resume": run, "store_steps_at_resume": [s.step for s in store.log(run=run)]})
     kill_here(args, rank, "after-load", start)
 
     losses: dict[str, str] = {}

@@ -24,8 +24,9 @@ from pathlib import Path
 
 from tailorstore.api import Store
 from tailorstore.core.errors import StepExistsError, StoreError
+from tailorstore.core.local_files import write_atomic
 from tailorstore.integrations.common.rewind import Rewind
-from tailorstore.integrations.common.store_session import COMMIT
+from tailorstore.integrations.common.store_session import COMMIT, read_latest
 from tailorstore.integrations.deepspeed.head import Head, read_head, write_head
 from tailorstore.integrations.deepspeed.helpers import log, step_of_tag
 from tailorstore.integrations.deepspeed.staging import Rescued
@@ -46,7 +47,7 @@ class Recovered:
 def commit_recovered(store: Store, saves: list[Rescued], on_existing: str) -> list[Recovered]:
     """Global rank 0: commit (or drop, or keep) each save a dead run left in staging; what it did."""
     done: list[Recovered] = []
-    for save in sorted(saves, key=lambda s: s.folder):
+    for save in sorted(saves, key=_in_step_order):
         folder = Path(save.folder)
         step = step_of_tag(Path(save.target).name)
         if not folder.is_dir():
@@ -56,7 +57,34 @@ def commit_recovered(store: Store, saves: list[Rescued], on_existing: str) -> li
             done.append(Recovered(None, None, KEPT, save.folder))
             continue
         done.append(_recover(store, save, folder, step, on_existing))
+    for save in saves:
+        _latest_follows_head(store, Path(save.target))
     return done
+
+
+def _latest_follows_head(store: Store, target: Path) -> None:
+    """After the recovery: DeepSpeed's ``latest`` names the head's step where it named an older one
+    (the dead run's last save returned, so ``latest`` moved, only for saves it had begun; a save
+    recovered after it is newer), so that the folder, the head and the store agree, whatever loads
+    the folder next."""
+    save_dir, tag = target.parent, target.name
+    head = read_head(save_dir)
+    if head is None or not head.matches(store.id) or head.step != step_of_tag(tag):
+        return
+    try:
+        named = step_of_tag(read_latest(save_dir))
+    except (OSError, StoreError):
+        named = None
+    if named is None or named < head.step:
+        write_atomic(save_dir, "latest", tag.encode())
+
+
+def _in_step_order(save: Rescued) -> tuple[str, int, str]:
+    """Oldest step first, by number (``global_step10`` after ``global_step8``, which their names
+    sort before), so that the head ends on the newest save recovered. In name order a job killed
+    with steps 8 and 10 in staging recovered 10, then 8, and resumed 8 though 10 was durable."""
+    step = step_of_tag(Path(save.target).name)
+    return (str(Path(save.target).parent), -1 if step is None else step, save.folder)
 
 
 def _recover(store: Store, save: Rescued, folder: Path, step: int, on_existing: str) -> Recovered:
@@ -66,7 +94,7 @@ def _recover(store: Store, save: Rescued, folder: Path, step: int, on_existing: 
     mine = _committed_from(store, step, save.staged)
     if mine is not None:  # the dead run's own commit got through: only its staged copy is left
         shutil.rmtree(folder.parent, ignore_errors=True)
-        name_in_head(store, save_dir, mine, step)
+        _advance_head(store, save_dir, mine, step)
         log.warning(
             "tailorstore: step %d, left in staging by a run that is gone, is already in run %r (that run committed "
             "this very save before it died); its copy was deleted",
@@ -99,7 +127,7 @@ def _recover(store: Store, save: Rescued, folder: Path, step: int, on_existing: 
     _remove_empty(folder)  # its files went once durable
     _remove_empty(folder.parent)
     run = rewind.run or store.run
-    name_in_head(store, save_dir, run, step)
+    name_in_head(store, save_dir, run, step)  # a rewind's replace may name an older step: it is the job's newest
     log.warning(
         "tailorstore: committed step %d of run %r from the save a run that is gone left in staging (%d files)",
         result.step,
@@ -115,6 +143,16 @@ def _committed_from(store: Store, step: int, staged: str) -> str | None:
         if summary.step == step and summary.origin == COMMIT and summary.source == staged:
             return summary.run
     return None
+
+
+def _advance_head(store: Store, save_dir: Path, run: str, step: int) -> None:
+    """For a save the dead run committed itself: the head names ``run``'s step ``step`` unless it
+    names a newer step of that run already (the run went on to commit a later save, and died before
+    it deleted this one's staged copy)."""
+    head = read_head(save_dir)
+    if head is not None and head.matches(store.id) and head.run == run and head.step > step:
+        return
+    name_in_head(store, save_dir, run, step)
 
 
 def name_in_head(store: Store, save_dir: Path, run: str, step: int) -> None:
