@@ -269,7 +269,7 @@ def codec_speeds(save: Path, step: int, repeats: int = 3) -> dict:
     import blosc2
     import numpy as np
 
-    from tailorstore.core.memory import reuse_freed_memory
+    from tailorstore.core.host_memory import reuse_freed_memory
 
     reuse_freed_memory()
     blosc2.set_releasegil(True)

@@ -207,7 +207,7 @@ def _report_written(result: Any, as_json: bool, quiet: bool, line: str) -> None:
 
 def _metrics(assignments: list[str]) -> dict[str, float] | None:
     """``--metric NAME=VALUE`` options as a mapping (the library checks names and values again)."""
-    from tailorstore.core.metrics import parse_assignment
+    from tailorstore.core.metric_values import parse_assignment
 
     return dict(parse_assignment(a) for a in assignments) or None
 

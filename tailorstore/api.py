@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from tailorstore.background import CommitQueue
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, StoreError
-from tailorstore.core.metrics import encode as encode_metrics
+from tailorstore.core.metric_values import encode as encode_metrics
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.records import MAIN_RUN
 from tailorstore.curate.runs import qualify
@@ -530,7 +530,7 @@ class Store:
     def add_metrics(self, ref: Ref, metrics: Mapping[str, float], *, lock_timeout: float = LOCK_TIMEOUT) -> StepSummary:
         """Record metrics with a step after its commit (an evaluation that ended later); a name it
         has already takes the new value. Returns the step as ``log`` lists it."""
-        from tailorstore.curate.metrics import add_metrics
+        from tailorstore.curate.adding_metrics import add_metrics
 
         return self._summary(add_metrics(self.repo, self._selector(ref), metrics, lock_timeout=lock_timeout))
 

@@ -144,7 +144,7 @@ def merge_spec(data: bytes, work: Path) -> Any:
 
 
 def metrics_text(data: bytes, work: Path) -> Any:
-    from tailorstore.core.metrics import decode
+    from tailorstore.core.metric_values import decode
 
     return decode(data.decode(errors="replace"))
 

@@ -39,7 +39,7 @@ from conftest import (
 )
 
 from tailorstore import Store
-from tailorstore.core.atoms import TensorSlot
+from tailorstore.core.atom_types import TensorSlot
 from tailorstore.core.errors import StoreError
 from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.report.diff import change_matrix

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tailorstore.access import structure
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.errors import (
     BackendError,
     BadCheckpointError,

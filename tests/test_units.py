@@ -250,7 +250,7 @@ def test_the_headline_trainings_options_keep_deepspeeds_bf16_layout(tmp_path) ->
     the checkpoint must still be the bf16 one (bf16 weights, FP32 masters) the policies are for."""
     import math
 
-    from tailorstore.core import atoms as A
+    from tailorstore.core import atom_types as A
     from tailorstore.formats.layout import detect
     from tailorstore.formats.reader import read_checkpoint
     from testbed.runs import train_tiny
@@ -278,8 +278,8 @@ def test_the_headline_trainings_options_keep_deepspeeds_bf16_layout(tmp_path) ->
 
 
 def test_available_memory_is_read_from_the_kernel() -> None:
-    """What the snapshot's readied buffers are weighed against (core/memory.py)."""
-    from tailorstore.core.memory import available_memory
+    """What the snapshot's readied buffers are weighed against (core/host_memory.py)."""
+    from tailorstore.core.host_memory import available_memory
 
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from tailorstore.core.errors import CorruptStoreError
-from tailorstore.core.reused_memory import private_copy_buffer
+from tailorstore.core.piece_slab import private_copy_buffer
 from tailorstore.core.thread_buffers import thread_buffer
 
 #: How the index marks a derived weight (atoms.derived).

@@ -1,6 +1,6 @@
 """Per-thread buffers that only grow, for code that streams chunk by chunk.
 
-New pages cost about 0.4 GB/s on first touch on this machine kind (see :mod:`memory`), a
+New pages cost about 0.4 GB/s on first touch on this machine kind (see :mod:`host_memory`), a
 small fraction of what decoding or copying runs at, so a decoder or rounder that allocated a fresh
 buffer per chunk would spend most of its time faulting pages in. Each thread keeps one buffer
 per purpose instead, touched once and reused. The purposes are named apart so that a stream

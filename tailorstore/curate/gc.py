@@ -55,8 +55,8 @@ from tailorstore.core.errors import (
     StoreError,
 )
 from tailorstore.core.failpoints import failpoint, operation
-from tailorstore.core.metrics import checked as checked_metrics
-from tailorstore.core.metrics import decode as decode_metrics
+from tailorstore.core.metric_values import checked as checked_metrics
+from tailorstore.core.metric_values import decode as decode_metrics
 from tailorstore.core.object_keys import blob_key
 from tailorstore.core.records import (
     COMMIT,

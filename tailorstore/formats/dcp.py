@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.errors import BadCheckpointError, UnsafePickleError
 from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.tensor_ref import DTYPES, TensorRef

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from tailorstore.core.reused_memory import private_copy_buffer
+from tailorstore.core.piece_slab import private_copy_buffer
 from tailorstore.formats import source
 from tailorstore.formats.layout import DCP_FOLDER, CheckpointLayout
 

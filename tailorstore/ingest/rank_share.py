@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import rounded
 from tailorstore.formats import dcp

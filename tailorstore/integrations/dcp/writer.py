@@ -59,10 +59,10 @@ from torch.futures import Future
 
 from tailorstore import CommitRequest, PartPlan
 from tailorstore.api import Store
-from tailorstore.core.atoms import dtype_name
+from tailorstore.core.atom_types import dtype_name
 from tailorstore.core.errors import StoreError
+from tailorstore.core.host_memory import release_free_memory
 from tailorstore.core.layers import STATE, layer_of
-from tailorstore.core.memory import release_free_memory
 from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.integrations.common.store_session import (
     MemoryFile,

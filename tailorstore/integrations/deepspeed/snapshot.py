@@ -54,8 +54,8 @@ import torch
 
 from tailorstore.core.errors import StagingFailed, StoreError
 from tailorstore.core.failpoints import failpoint
+from tailorstore.core.host_memory import available_memory
 from tailorstore.core.local_files import Beneath, read_small, write_atomic
-from tailorstore.core.memory import available_memory
 from tailorstore.integrations.deepspeed.side_copy import SideCopies
 from tailorstore.integrations.deepspeed.staging import FAILED, WRITTEN
 

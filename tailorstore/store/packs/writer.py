@@ -24,15 +24,15 @@ from typing import Protocol
 
 from tailorstore.core.errors import BackendError, Call, InputChangedError, StoreError, is_out_of_space
 from tailorstore.core.object_keys import blob_key
+from tailorstore.core.piece_slab import SLAB_BYTES
 from tailorstore.core.records import BlobRecord
-from tailorstore.core.reused_memory import SLAB_BYTES
 from tailorstore.core.threads import compute_threads
 from tailorstore.store import codec
 from tailorstore.store.backends.base import Backend, BytesLike
 from tailorstore.store.packs.pack import PACK_BELOW, PackWriter
 
 # Raw bytes queued for compression at once: what the slab of reused piece memory holds
-# (reused_memory.py). A piece read while the queue holds more than the slab is fresh memory,
+# (piece_slab.py). A piece read while the queue holds more than the slab is fresh memory,
 # whose pages the kernel must zero on first touch; at 256 MB queued a 58M-model commit spent
 # 0.75-0.96 s of system time, at 128 MB 0.42-0.51 s, with a lower peak RSS (measured 2026-11-25).
 IN_FLIGHT_BYTES = SLAB_BYTES

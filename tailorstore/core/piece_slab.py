@@ -4,7 +4,7 @@ A commit copies every piece it stores out of its input file into private memory 
 that is hashed is the copy that is compressed: formats/source.py). Fresh memory costs about
 0.4 GB/s on first touch on this machine kind, against about 12 GB/s for memory already
 mapped, and glibc returns large freed buffers to the kernel. The command line tunes glibc to
-keep them (memory.py), but a library must not change its host's allocator: inside a training
+keep them (host_memory.py), but a library must not change its host's allocator: inside a training
 process the same commit faulted in 7 to 10 times as many pages (22-38k against 3k per 813 MB
 save) and took about 0.05 s longer, on the cores the training loop needs.
 
