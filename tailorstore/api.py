@@ -7,8 +7,8 @@ logs to the ``tailorstore`` logger and never configures logging, and its errors
 (:mod:`tailorstore.core.errors`) say what to do without naming command-line flags.
 
 Each verb's machinery is imported when the verb is first called, not with this module: a
-command pays only for its own (``tailor log`` 60 ms less than with every verb loaded, ``tailor
-export`` 35 ms less, measured on this machine kind), as the commit machinery always was.
+command pays only for its own (docs/PERFORMANCE.md, "Start-up: importing on first use"), as
+the commit machinery always was.
 
 Example (docs/API.md has more)::
 
@@ -548,9 +548,10 @@ def _commit(
     delete_after_commit: bool,
     progress: Progress | None,
 ) -> CommitResult:
-    # The commit machinery (readers, planner, codec pools) costs about 0.3 s to import, and torch
-    # too for a file that needs its loader. Importing it on the first commit, not with this module,
-    # keeps that off `tailor log`, `show`, `gc` and `verify`.
+    # The commit machinery (readers, planner, codec pools) is slow to import (docs/PERFORMANCE.md,
+    # "Start-up: importing on first use"), and torch too for a file that needs its loader.
+    # Importing it on the first commit, not with this module, keeps that off `tailor log`, `show`,
+    # `gc` and `verify`.
     from tailorstore.ingest.commit import commit_checkpoint
 
     result = commit_checkpoint(repo, path, options, progress=progress, on_wait=(progress or Silent()).note)

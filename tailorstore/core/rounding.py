@@ -27,8 +27,9 @@ def round_into(master: memoryview | bytes, dtype: str, out: memoryview) -> None:
     """Round the FP32 elements of ``master`` into ``out`` (2 bytes an element) as ``dtype``.
 
     Works through ``_CHUNK`` elements at a time with a scratch and a NaN mask that fit the L2
-    cache and are kept per thread, so no call faults in new pages (slow on this machine kind), as a
-    piece-sized scratch and a fresh NaN mask per call did; on warm buffers both ways run at 5-6 GB/s.
+    cache and are kept per thread, so no call faults in new pages (far slower than the rounding
+    itself: docs/PERFORMANCE.md, "Fresh pages"), as a piece-sized scratch and a fresh NaN mask per
+    call did; on warm buffers both ways run at the same speed.
     """
     u = np.frombuffer(master, dtype=np.uint32)
     dest = np.frombuffer(out, dtype=np.uint16)
