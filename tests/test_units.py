@@ -139,7 +139,7 @@ def test_byte_planes_split_by_shifts_round_trip_aligned_or_not(dtype: str) -> No
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
 def test_the_many_core_split_writes_the_same_blobs(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Above four cores the planes are split by one strided copy each, which leaves the GIL to the
-    other threads (16 threads: 17 GB/s against 3.4 for the sliced shifts, docs/benchmarks.md);
+    other threads (16 threads: docs/PERFORMANCE.md, "Byte planes");
     the stored bytes must not depend on the machine that wrote them, nor the decoded ones on the
     machine that reads them."""
     import torch
