@@ -12,6 +12,9 @@ points up is caught as well.
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -705,3 +708,59 @@ def test_every_collective_of_the_integrations_goes_through_the_rank_session() ->
             if isinstance(func, ast.Name) and func.id in from_ranks & {"gathered", "broadcast", "barrier"}:
                 found.append(f"{path.name}:{node.lineno}: {func.id} from ranks.py")
     assert not found, "collectives outside the rank session:\n" + "\n".join(found)
+
+
+# What a comment or docstring of the library may not carry: comments say why, and the figures
+# that showed it live in docs/PERFORMANCE.md, beside the benchmark that measured them.
+NOT_IN_COMMENTS = {
+    "a throughput": re.compile(r"\d\s*[kKMGT]i?B/s\b"),
+    "a figure of 'this machine'": re.compile(r"\bon this machine\b|\bthis machine kind\b", re.IGNORECASE),
+    "a date": re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b"),
+    "a report's finding": re.compile(r"\battack findings?\b", re.IGNORECASE),
+    "an issue's number": re.compile(r"\bissues?\s+#?\d+|\(issue\b|#\d{2,}\b", re.IGNORECASE),
+}
+ISSUE_NUMBER = re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)
+
+
+def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    """Every comment (its line) and every module, class and function docstring (its first line)."""
+    text = (ROOT / path).read_text()
+    found = [
+        (token.start[0], token.string)
+        for token in tokenize.generate_tokens(io.StringIO(text).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                if isinstance(body[0].value.value, str):
+                    found.append((body[0].lineno, body[0].value.value))
+    return found
+
+
+def test_comments_say_why_not_how_fast_or_when() -> None:
+    """A comment or docstring of the library (tailorstore/, cli/) states the reason, never the
+    figure that showed it: no throughput, no timing of "this machine", no date, no reference to a
+    report's findings or to an issue by number. Figures go to docs/PERFORMANCE.md (which links the
+    benchmark in docs/benchmarks.md); a finding becomes the invariant it broke (docs/FORMAT.md 8.1)
+    or the test that keeps it out."""
+    wrong = []
+    for path in sources():
+        for line, text in _comments_and_docstrings(path):
+            for what, pattern in NOT_IN_COMMENTS.items():
+                if match := pattern.search(text):
+                    wrong.append(f"{path}:{line}: {what}: {match.group(0)!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_test_names_an_issue_by_number() -> None:
+    """A test says what it keeps (the invariant, the failure it keeps out), not which issue asked
+    for it: an issue's number means nothing to a reader of the repository."""
+    wrong = []
+    for folder in ("tests", "testbed"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if match := ISSUE_NUMBER.search(line):
+                    wrong.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r}")
+    assert not wrong, "\n".join(wrong)
