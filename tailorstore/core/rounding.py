@@ -95,7 +95,7 @@ def rounded_chunks(pieces: Iterable[memoryview], dtype: str, buffer: str = "roun
 
 
 def rounded(master: memoryview | bytes, dtype: str) -> memoryview:
-    """A new buffer holding ``master`` rounded to ``dtype`` (reused memory: reused_memory.py)."""
+    """A new buffer holding ``master`` rounded to ``dtype`` (reused memory: piece_slab.py)."""
     out = private_copy_buffer(len(master) // 2)
     round_into(master, dtype, out)
     return out
