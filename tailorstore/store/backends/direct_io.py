@@ -377,9 +377,8 @@ class DirectReader:
 
     Once a whole block has been read, the next is read on a pool thread into a second buffer
     while the caller decodes this one, so a blob streams at the slower of the disk and the
-    decoder rather than at their sum: the 100M model's 82 MB embedding master decodes in
-    0.046 s instead of 0.067 s, and its export takes a median 0.651 s against 0.678 s (12
-    paired runs; docs/benchmarks.md has the conversions)."""
+    decoder rather than at their sum (docs/PERFORMANCE.md, "Through the page cache or around
+    it")."""
 
     def __init__(self, path: os.PathLike | str, start: int = 0, length: int | None = None) -> None:
         fd = _open_direct(path, os.O_RDONLY)
