@@ -4,8 +4,8 @@
 trains one step of the same model as ``testbed.train_tiny`` (bf16 weights, AdamW), then times
 ``dcp.save`` of ``get_state_dict(model, optimizer)`` (blocking, the whole save) and
 ``dcp.async_save`` (the time it blocks the caller, then the time until its future is done),
-and prints one JSON line. tailorstore does not commit DCP folders yet (issue 38); this records
-what DCP's users get today on the same card.
+and prints one JSON line: DCP alone, without tailorstore, so that what DCP's users get on the
+same card can be set beside the store's own DCP writer.
 """
 
 from __future__ import annotations

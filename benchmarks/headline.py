@@ -1,4 +1,4 @@
-"""Issue 13's headline table: bytes stored against raw, and held-out quality, per policy.
+"""The headline table: bytes stored against raw, and held-out quality, per policy.
 
     python -m benchmarks.headline            # train (once), then measure every row
 
@@ -267,7 +267,7 @@ def render(results: dict, command: str) -> str:
     full_written = statistics.median(rows["full"]["new_bytes"][1:])
     lines = [
         "<!-- headline:begin -->",
-        "## Headline: bytes against quality, per policy (issue 13)",
+        "## Headline: bytes against quality, per policy",
         "",
         f"Command: `{command}`{retimed} (measured {dt.datetime.now().isoformat(timespec='seconds')}).",
         f"One DeepSpeed training: {params_of(MODEL) / 1e6:.1f}M parameters ({MODEL['layers']} blocks, vocabulary "
@@ -340,7 +340,7 @@ def render(results: dict, command: str) -> str:
         f"alone ({(sma['at_last'] - at_last) / at_last:+.2%}); after {k} more steps from each, "
         f"{sma['after_resume']:.4f} against {exact:.4f} ({(sma['after_resume'] - exact) / exact:+.2%}).",
         "",
-        "Targets (issue 13):",
+        "Targets:",
     ]
     lossy = [(key, r) for key, r in rows.items() if "commit_seconds" in r]
     within = max(

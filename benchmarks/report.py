@@ -210,7 +210,7 @@ def render(
         diff = abs(q["composite_final_loss"] - q["exact_final_loss"]) / q["exact_final_loss"]
         lines += [
             "",
-            "## Quality of a parity composite (issue 3)",
+            "## Quality of a parity composite",
             "",
             f"Command: `{q['command']}`. A 6-block tiny model, ZeRO-2, bf16, 2 ranks, saved every 3 steps and",
             "committed with `--policy parity`; the composite of step 18 (with "

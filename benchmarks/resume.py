@@ -5,7 +5,7 @@
 
 * ``raw``: DeepSpeed loads its own save from local disk (page cache warm);
 * ``store``: through ``attach`` from a local store holding the step: each rank builds the files it
-  loads straight from the store, in memory (nothing staged; since 2026-11-27);
+  loads straight from the store, in memory (nothing staged);
 * ``store-staged``: the same with ``staged_resume=True``: the step checked out into staging first;
 * ``store-s3``: the same from a store on a local S3 server (moto, 127.0.0.1);
 * ``download-then-load``: the raw save's files fetched from that server, then ``raw``.

@@ -269,7 +269,7 @@ def codec_speeds(save: Path, step: int, repeats: int = 3) -> dict:
     import blosc2
     import numpy as np
 
-    from tailorstore.core.memory import reuse_freed_memory
+    from tailorstore.core.host_memory import reuse_freed_memory
 
     reuse_freed_memory()
     blosc2.set_releasegil(True)
@@ -493,7 +493,7 @@ def time_merge(store_root: Path, steps: list[int], layers: int, repeats: int) ->
 
 
 def quality(work: Path) -> dict:
-    """Issue 3's quality check: 20 more steps from a parity composite and from the exact checkpoint."""
+    """The parity composite's quality check: 20 more steps from a parity composite and from the exact checkpoint."""
     from tailorstore.core.policies import PolicySpec
     from tailorstore.ingest.commit import CommitOptions, commit_checkpoint
     from tailorstore.restore.checkout import checkout_step

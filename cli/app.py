@@ -38,7 +38,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # plain help: loading rich's renderer took 0.1 s of every `tailor --help`
+    rich_markup_mode=None,  # plain help: rich's renderer is slow to load (docs/PERFORMANCE.md)
     help="A content-addressed, layer-wise store for LLM training checkpoints (DeepSpeed, FSDP/DCP, Hugging Face).",
 )
 
@@ -207,7 +207,7 @@ def _report_written(result: Any, as_json: bool, quiet: bool, line: str) -> None:
 
 def _metrics(assignments: list[str]) -> dict[str, float] | None:
     """``--metric NAME=VALUE`` options as a mapping (the library checks names and values again)."""
-    from tailorstore.core.metrics import parse_assignment
+    from tailorstore.core.metric_values import parse_assignment
 
     return dict(parse_assignment(a) for a in assignments) or None
 
@@ -930,10 +930,9 @@ def run() -> NoReturn:
     """The ``tailor`` command: :func:`main`, then leave at once, without the interpreter's
     teardown (freeing every object and module, joining idle pool threads). A command has closed
     its store, fsynced what it wrote and joined its own threads by the time it returns, so that
-    teardown does nothing a user needs, and it cost 15-20 ms of every command (`tailor log` on a
-    one-step store: 0.134 s against 0.118 s, medians of 10 paired runs; within the noise of a
-    conversion's second). :func:`main` itself ends with SystemExit as usual, for callers that go
-    on after it."""
+    teardown does nothing a user needs, and it cost a tenth of a short command's time
+    (docs/PERFORMANCE.md, "Start-up: importing on first use"). :func:`main` itself ends with
+    SystemExit as usual, for callers that go on after it."""
     try:
         main()
         code = 0

@@ -38,7 +38,7 @@ from tailorstore.core.progress import Progress, for_terminal
 if TYPE_CHECKING:
     from tailorstore.api import Store
     from tailorstore.core.errors import BackendError, BackgroundCommitError
-    from tailorstore.core.memory import reuse_freed_memory
+    from tailorstore.core.host_memory import reuse_freed_memory
     from tailorstore.core.records import MAIN_RUN
     from tailorstore.curate.averaging import AverageResult
     from tailorstore.curate.merge import MergeResult
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 # method returns is here, and its request and policy types.
 _LOADED_ON_USE = {
     "BackgroundCommitError": ".core.errors",
-    "reuse_freed_memory": ".core.memory",
+    "reuse_freed_memory": ".core.host_memory",
     "BackendError": ".core.errors",
     "MAIN_RUN": ".core.records",
     "FORMAT_VERSION": ".store.index.schema",  # sqlite3: not for --help and --version

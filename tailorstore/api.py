@@ -7,8 +7,8 @@ logs to the ``tailorstore`` logger and never configures logging, and its errors
 (:mod:`tailorstore.core.errors`) say what to do without naming command-line flags.
 
 Each verb's machinery is imported when the verb is first called, not with this module: a
-command pays only for its own (``tailor log`` 60 ms less than with every verb loaded, ``tailor
-export`` 35 ms less, measured on this machine kind), as the commit machinery always was.
+command pays only for its own (docs/PERFORMANCE.md, "Start-up: importing on first use"), as
+the commit machinery always was.
 
 Example (docs/API.md has more)::
 
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from tailorstore.background import CommitQueue
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, StoreError
-from tailorstore.core.metrics import encode as encode_metrics
+from tailorstore.core.metric_values import encode as encode_metrics
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.records import MAIN_RUN
 from tailorstore.curate.runs import qualify
@@ -530,7 +530,7 @@ class Store:
     def add_metrics(self, ref: Ref, metrics: Mapping[str, float], *, lock_timeout: float = LOCK_TIMEOUT) -> StepSummary:
         """Record metrics with a step after its commit (an evaluation that ended later); a name it
         has already takes the new value. Returns the step as ``log`` lists it."""
-        from tailorstore.curate.metrics import add_metrics
+        from tailorstore.curate.adding_metrics import add_metrics
 
         return self._summary(add_metrics(self.repo, self._selector(ref), metrics, lock_timeout=lock_timeout))
 
@@ -548,9 +548,10 @@ def _commit(
     delete_after_commit: bool,
     progress: Progress | None,
 ) -> CommitResult:
-    # The commit machinery (readers, planner, codec pools) costs about 0.3 s to import, and torch
-    # too for a file that needs its loader. Importing it on the first commit, not with this module,
-    # keeps that off `tailor log`, `show`, `gc` and `verify`.
+    # The commit machinery (readers, planner, codec pools) is slow to import (docs/PERFORMANCE.md,
+    # "Start-up: importing on first use"), and torch too for a file that needs its loader.
+    # Importing it on the first commit, not with this module, keeps that off `tailor log`, `show`,
+    # `gc` and `verify`.
     from tailorstore.ingest.commit import commit_checkpoint
 
     result = commit_checkpoint(repo, path, options, progress=progress, on_wait=(progress or Silent()).note)

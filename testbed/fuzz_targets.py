@@ -1,4 +1,4 @@
-"""Every reader of bytes from outside, as a fuzz target (issue 48): input files (torch zips and their
+"""Every reader of bytes from outside, as a fuzz target: input files (torch zips and their
 pickles, DCP metadata, safetensors headers) and store objects another host or anyone with bucket
 access may have written (manifests, parts, leases, pack trailers, archive descriptors, metrics, the
 store's marker), and the files a user or a job leaves beside them (merge specs, a job's head).
@@ -144,7 +144,7 @@ def merge_spec(data: bytes, work: Path) -> Any:
 
 
 def metrics_text(data: bytes, work: Path) -> Any:
-    from tailorstore.core.metrics import decode
+    from tailorstore.core.metric_values import decode
 
     return decode(data.decode(errors="replace"))
 

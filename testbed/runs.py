@@ -66,10 +66,11 @@ def torchrun(
 ) -> None:
     """Run ``python -m module`` as ``nproc`` ranks on 127.0.0.1, as torchrun would, without torchrun.
 
-    torchrun's own process imports torch before it starts a rank: 2.5 s on this machine kind, once
-    per job, and the test suite runs some fifty jobs. The ranks get the environment torchrun gives
-    them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...). As torchrun does, a rank that fails
-    ends the job: the others are killed rather than left waiting in a collective for gloo's timeout.
+    torchrun's own process imports torch before it starts a rank, seconds once per job
+    (docs/PERFORMANCE.md, "Start-up: importing on first use"), and the test suite runs some fifty
+    jobs. The ranks get the environment torchrun gives them (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT, ...). As torchrun does, a rank that fails ends the job: the others are
+    killed rather than left waiting in a collective for gloo's timeout.
 
     ``node_env`` simulates nodes, as ``torchrun --nnodes N --node_rank R`` on each would: one
     environment overlay per node (its own ``TAILOR_STAGING``, ``TAILOR_CACHE``), ``nproc`` ranks

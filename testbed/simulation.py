@@ -246,8 +246,9 @@ MERGE_TAGS = ("m1", "m2")  # names only merges take, so the step tags' rules nee
 
 
 def _pins_vs_gc(rng: random.Random, backend: str) -> list[dict[str, Any]]:
-    """Attack finding 6's interleaving: a gc that drops steps is stopped between its plan and its
-    deletions, and meanwhile other hosts pin or tag the steps it drops; then anything."""
+    """The interleaving I2 is kept against (refs against gc's drops): a gc that drops steps is
+    stopped between its plan and its deletions, and meanwhile other hosts pin or tag the steps it
+    drops; then anything."""
     ops: list[dict[str, Any]] = []
     for step in (6, 9):
         save = rng.choice(WHOLE)
@@ -271,7 +272,7 @@ def _pins_vs_gc(rng: random.Random, backend: str) -> list[dict[str, Any]]:
 
 
 def _revisions(rng: random.Random, backend: str) -> list[dict[str, Any]]:
-    """Attack finding 5's interleaving: a revision (``metric``, ``commit --force``) of a tagged,
+    """The interleaving I7 is kept against: a revision (``metric``, ``commit --force``) of a tagged,
     pinned step is stopped before (or at) its put, and meanwhile other hosts move its tag away,
     unpin it, remove it or revise it too; then anything."""
     ops: list[dict[str, Any]] = []

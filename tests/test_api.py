@@ -161,7 +161,7 @@ def test_every_result_of_the_api_is_a_named_type_it_exports() -> None:
 
 
 def test_every_method_that_writes_a_folder_returns_a_folder_result() -> None:
-    """Issue 49: a common base for the results that write a folder. Each Store method that takes an
+    """A common base for the results that write a folder. Each Store method that takes an
     ``out`` folder returns a ``FolderResult`` (step, manifest, out, bytes written, seconds)."""
     import inspect
 
@@ -202,7 +202,7 @@ def test_a_typed_policy_and_one_request_for_commit_and_commit_async(tmp_path: Pa
 
 
 def test_verify_reports_progress_as_every_long_operation_does(small_store: Path) -> None:
-    """Issue 49: one progress convention. verify took a bare callable where checkout, commit and
+    """One progress convention. verify took a bare callable where checkout, commit and
     export take a ``Progress``; now it starts once, advances by each blob's raw bytes, and closes."""
     from tailorstore.core.progress import Progress
 
@@ -230,7 +230,7 @@ def test_verify_reports_progress_as_every_long_operation_does(small_store: Path)
 
 
 def test_waits_and_warnings_reach_the_one_progress_a_verb_takes(small_store: Path, tmp_path: Path) -> None:
-    """Issue 49: one convention for what a verb reports while it runs. gc took ``on_wait=``, checkout
+    """One convention for what a verb reports while it runs. gc took ``on_wait=``, checkout
     ``warn=`` and the others a ``Progress``; now each takes its ``progress``, whose ``note`` hears the
     wait for a lock another handle holds, and no public method takes a callback per concern."""
     import inspect

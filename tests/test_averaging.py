@@ -13,7 +13,7 @@ import yaml
 from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, commit_saves, tailor
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.errors import MergeSpecError
 from tailorstore.core.layers import layer_of
 from tailorstore.curate.averaging import chosen_layers, coefficients, parse_average

@@ -1,4 +1,4 @@
-"""Clean-up after a durable commit is a warning, never a failure (attack findings medium 5 and 7):
+"""Clean-up after a durable commit is a warning, never a failure (I3, docs/FORMAT.md 8.1):
 a staging folder remounted read-only, and ``TAILOR_STAGING`` naming a regular file."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_delete_after_commit_deletes_a_plain_save(shape: str, tmp_path: Path) ->
 
 
 def test_a_named_pipe_in_a_save_is_refused_naming_it(tmp_path: Path) -> None:
-    """Attack finding low 4: a FIFO in a checkpoint folder was skipped without a word, exit 0; then
+    """Regression: a FIFO in a checkpoint folder was skipped without a word, exit 0; then
     it was left out with a warning. A save with a pipe where a file should be is no save to record
     (one named __1_0.distcp left a DCP step without a rank's items): it is refused, naming it, and
     nothing is written."""
@@ -101,7 +101,7 @@ def test_a_named_pipe_in_a_save_is_refused_naming_it(tmp_path: Path) -> None:
 def test_a_dead_runs_save_folder_of_markers_only_is_cleaned_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Attack finding low 2: a killed run's staging folder holding only ``.written-*`` markers (its
+    """Regression: a killed run's staging folder holding only ``.written-*`` markers (its
     save committed, its markers not yet cleared) warned at every start and was never cleaned."""
     from tailorstore.integrations.deepspeed import staging as staged
 
@@ -119,7 +119,7 @@ def test_a_dead_runs_save_folder_of_markers_only_is_cleaned_once(
 
 
 def test_a_working_folder_of_several_checkpoints_is_not_one_step(tmp_path: Path) -> None:
-    """Attack finding low 6: ``commit --step N`` of a training's working folder (its final weights
+    """Regression: ``commit --step N`` of a training's working folder (its final weights
     beside its checkpoint folders) committed every checkpoint's files as one step."""
     from tailorstore import BadCheckpointError
 
@@ -139,7 +139,7 @@ def test_a_working_folder_of_several_checkpoints_is_not_one_step(tmp_path: Path)
 
 
 def test_an_error_names_the_folder_committed_not_its_parent(tmp_path: Path) -> None:
-    """Attack finding low 6: a commit error named the parent folder instead of the one given."""
+    """Regression: a commit error named the parent folder instead of the one given."""
     from tailorstore import BadCheckpointError
 
     save = tmp_path / "weights"

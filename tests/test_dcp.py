@@ -111,7 +111,7 @@ def test_resume_from_a_checkout_gives_the_same_losses(fsdp_run: FsdpRun, tmp_pat
 
 
 def test_resume_through_the_storage_reader_at_two_ranks_and_at_one(fsdp_run: FsdpRun, tmp_path: Path) -> None:
-    """Issue 50: ``dcp.load`` with TailorStorageReader, nothing checked out: at the save's world size
+    """``dcp.load`` with TailorStorageReader, nothing checked out: at the save's world size
     the losses are the uninterrupted run's; at one rank (DCP reshards the two ranks' chunks) they
     are those of DCP's own load of the raw folder at one rank, bit for bit."""
     with Store.init(tmp_path / "store") as store:
@@ -315,7 +315,7 @@ def test_an_hf_fsdp_checkpoint_written_by_accelerate_is_exact(tmp_path: Path) ->
 
 
 def test_an_accelerate_save_state_folder_is_one_step_that_loads_straight_from_the_store(tmp_path: Path) -> None:
-    """Issue 50: Accelerate's ``save_state`` under FSDP writes ``checkpoint_N/`` holding two DCP
+    """Accelerate's ``save_state`` under FSDP writes ``checkpoint_N/`` holding two DCP
     folders (``pytorch_model_fsdp_0/``, ``optimizer_0/``, by Accelerate's own save functions) and
     each rank's random states. It was refused ("holds 2 checkpoint folders; commit each"), so an
     Accelerate user's one checkpoint became two steps or none. It commits as one step now (its
@@ -451,7 +451,7 @@ def test_a_bf16_weight_that_is_its_fp32_master_rounded_is_derived(tmp_path: Path
 def test_a_dcp_step_is_refused_into_a_deepspeed_run_unless_forced(
     fsdp_run: FsdpRun, runs: Runs, tmp_path: Path
 ) -> None:
-    """Issue 50, DCP seam 2: a DCP step of the same shapes was accepted into a DeepSpeed run and became
+    """A DCP step of the same shapes was accepted into a DeepSpeed run and became
     its `latest`; the run's next resume through `attach` then failed with a bare AssertionError."""
     store = tmp_path / "store"
     assert tailor("init", str(store)).returncode == 0
@@ -464,7 +464,7 @@ def test_a_dcp_step_is_refused_into_a_deepspeed_run_unless_forced(
 
 
 def test_the_dcp_tutorials_stateful_recipe_is_read_as_model_and_optimizer(tmp_path: Path) -> None:
-    """Issue 50, DCP seam 1: ``dcp.save({"app": AppState(model, optim)})``, the recipe of PyTorch's DCP
+    """``dcp.save({"app": AppState(model, optim)})``, the recipe of PyTorch's DCP
     tutorial, labelled every atom ``master`` (``app`` was read as the model's own prefix): export then
     wrote the Adam moments as weights, and ``gc --thin weights`` kept them. The ``Stateful``'s name is
     looked through now, and the export holds exactly the model's parameters."""
@@ -509,7 +509,7 @@ def test_the_dcp_tutorials_stateful_recipe_is_read_as_model_and_optimizer(tmp_pa
 
 
 def test_a_tied_embedding_is_exported_once_as_save_pretrained_writes_it(tmp_path: Path) -> None:
-    """Issue 50, DCP seam 4: DCP writes a tied tensor under each of its names, and the export wrote
+    """DCP writes a tied tensor under each of its names, and the export wrote
     both (21 tensors where save_pretrained writes 20). The output embedding that is its input
     embedding, piece for piece, is written once now and reported tied; from_pretrained ties it back."""
     import torch

@@ -1,4 +1,4 @@
-"""Issue 50's soak through the DCP writer, short: 100 async saves (benchmarks/dcp_soak.py runs
+"""A soak through the DCP writer, short: 100 async saves (benchmarks/dcp_soak.py runs
 1,000). Every tenth save checks out as the bytes ``dcp.save`` writes of the same state, so no
 staging buffer reused too early put another step's bytes into it; memory stays flat."""
 

@@ -1,4 +1,4 @@
-"""``dcp.load`` through :class:`TailorStorageReader` (issue 50): a stored DCP step is read item by
+"""``dcp.load`` through :class:`TailorStorageReader`: a stored DCP step is read item by
 item from the store, into the memory the state dict keeps, every tensor hash-checked, with no file
 written. Real ``dcp.save`` folders, committed to a real store; one process here (DCP without a
 process group), two ranks and one in tests/test_dcp.py."""

@@ -1,4 +1,4 @@
-"""``dcp.save`` through :class:`TailorStorageWriter` (issue 50), from real FSDP2 runs (a tiny Llama,
+"""``dcp.save`` through :class:`TailorStorageWriter`, from real FSDP2 runs (a tiny Llama,
 each block ``fully_shard``ed, AdamW, 2 ranks on gloo; testbed/train_fsdp.py): every rank's items go
 straight into the store, no DCP folder is written, and the step is the one a commit of the raw
 folder records. Sync, and async with DCP's thread and process checkpointers; resumed through the

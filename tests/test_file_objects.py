@@ -1,4 +1,4 @@
-"""Issue 50: a resume with nothing staged. ``Store.step_objects`` builds each torch file of a DeepSpeed
+"""A resume with nothing staged. ``Store.step_objects`` builds each torch file of a DeepSpeed
 step as the object ``torch.load`` returns for it, straight from the store: at the save's own world
 size equal to DeepSpeed's own files, at another equal to the resharded checkout's; every tensor
 hash-checked, no file written."""

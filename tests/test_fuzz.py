@@ -1,4 +1,4 @@
-"""The fuzz targets' CI tier (issue 48): every reader of outside bytes (testbed/fuzz_targets.py),
+"""The fuzz targets' CI tier: every reader of outside bytes (testbed/fuzz_targets.py),
 fed real seeds mutated and raw bytes by Hypothesis, under a 512 MiB address-space cap and a time
 cap, must give a result or one of tailorstore's errors and change no process-wide state. The
 benchmark command runs them longer (docs/benchmarks.md); every input it ever found to break the

@@ -39,7 +39,7 @@ from conftest import (
 )
 
 from tailorstore import Store
-from tailorstore.core.atoms import TensorSlot
+from tailorstore.core.atom_types import TensorSlot
 from tailorstore.core.errors import StoreError
 from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.report.diff import change_matrix
@@ -755,7 +755,7 @@ def test_a_folder_inside_a_tag_folder_is_named(small_store: Path, tmp_path: Path
     assert done.returncode == 0 and "extra is a folder inside a DeepSpeed tag folder" in done.stderr, done.stderr
 
 
-# -- the low findings of the hosts review (issue 34) ------------------------------------------
+# -- the hosts review's low findings: what each test keeps -------------------------------
 
 
 def test_environment_and_selector_typos_are_one_line(small_store: Path, tmp_path: Path) -> None:

@@ -351,7 +351,7 @@ def _racing_commits(envs: list[dict[str, str]], saves: tuple[Path, Path], locati
 def test_two_hosts_replacing_a_tagged_pinned_step_keep_its_tag_and_pin(
     s3_location: str, saves: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Attack finding 4: the loser of two ``commit --force`` of one tagged, pinned step took back
+    """I2: the loser of two ``commit --force`` of one tagged, pinned step took back
     refs that named the key both had chosen, deleting the winner's pin and tag, and the next gc
     dropped the step. A loser now writes no ref at all."""
     envs = [
@@ -398,7 +398,7 @@ def test_two_hosts_committing_a_new_step_with_one_tag_leave_it_tagged(
 def test_a_gc_stalled_between_two_delete_requests_deletes_no_pack_a_commit_reused(
     s3_server: LocalS3, s3_location: str, saves: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Attack finding 1: gc checked its lease once, then sent one DeleteObjects per 1,000 keys. Stalled
+    """I6: gc checked its lease once, then sent one DeleteObjects per 1,000 keys. Stalled
     after the first, its lease lapsed, another host's commit reused a pack gc had planned to delete,
     and gc's next request deleted it. Each request is now fenced: gc stops, and the step checks out.
     Since gc's notices (store/gc_notices.py), the commit that reuses what the stalled gc announced
@@ -451,7 +451,7 @@ def test_a_step_removed_and_committed_again_is_a_new_manifest_to_every_cache(
 
 
 def test_an_unreachable_server_is_its_own_exit_code(tmp_path: Path) -> None:
-    """Issue 49: an unreachable server exited 2, like a typo in a step's name; a script that retries
+    """An unreachable server exited 2, like a typo in a step's name; a script that retries
     on a server's failure could not tell them apart. It is exit 5 now (a backend's failure)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

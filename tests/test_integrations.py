@@ -333,10 +333,10 @@ def test_resuming_from_an_earlier_step_branches_and_says_so(
 def test_a_restart_after_a_rewind_goes_on_in_the_branch_not_the_abandoned_run(
     runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Attack finding 5: train to step 9, go back to step 3 (saves 6 and 9 go to ``main-from-3``, and
-    ``latest`` names ``global_step9``), then restart the same job. It resumed ``main:step=9``, the
-    timeline the user had abandoned, and committed step 12 into ``main``. The job's head
-    (integrations/deepspeed/head.py) names the run it last committed to."""
+    """A restart after a rewind: train to step 9, go back to step 3 (saves 6 and 9 go to
+    ``main-from-3``, and ``latest`` names ``global_step9``), then restart the same job. It resumed
+    ``main:step=9``, the timeline the user had abandoned, and committed step 12 into ``main``. The
+    job's head (integrations/deepspeed/head.py) names the run it last committed to."""
     _, save, options = attached_run(runs, tmp_path, monkeypatch, tailor_engine=True)
     train_tiny(save, losses_out=tmp_path / "first.json", steps=9, save_every=3, **options)
     train_tiny(save, losses_out=tmp_path / "again.json", resume_from=save, resume_tag="global_step3", steps=9,

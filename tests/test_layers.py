@@ -12,6 +12,9 @@ points up is caught as well.
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +210,7 @@ def _roles_in(module: object) -> set[type]:
 
 
 def test_each_operation_sees_the_index_only_through_its_small_role() -> None:
-    """Issue 49: each operation declares the protocol of index methods it uses (at most eight),
+    """Each operation declares the protocol of index methods it uses (at most eight),
     asks the repository for that view, and calls nothing else on it. No role names what only
     the publisher does (insert a manifest's rows, set its tier or metrics)."""
     import importlib
@@ -263,7 +266,7 @@ def test_a_role_view_answers_only_its_own_methods(tmp_path: Path) -> None:
 
 
 def test_every_lock_timeout_defaults_to_the_one_constant() -> None:
-    """Issue 49: one convention per concern. Every function and method of the library and the CLI
+    """One convention per concern. Every function and method of the library and the CLI
     that takes ``lock_timeout`` waits ``LOCK_TIMEOUT`` unless told otherwise (merge and averaging
     once hard-coded 60 s, and the 600 s default was written out in nine places)."""
     import ast
@@ -307,7 +310,7 @@ def test_the_failpoints_sleep_cap_is_named_once() -> None:
 
 
 def test_the_integrations_share_one_set_of_rank_helpers() -> None:
-    """Issue 49: the rank lookup, the broadcast and the reading of LOCAL_WORLD_SIZE were each defined
+    """The rank lookup, the broadcast and the reading of LOCAL_WORLD_SIZE were each defined
     two or three times, with different caps and failure semantics. integrations/common/ranks.py holds them;
     no other integration module defines its own or reads the environment for them."""
     found = []
@@ -334,7 +337,7 @@ def test_the_integrations_share_one_set_of_rank_helpers() -> None:
 
 
 def test_the_integrations_take_their_options_by_name() -> None:
-    """Issue 49: TailorCallback took its policy by position, where attach and the DeepSpeed helpers
+    """TailorCallback took its policy by position, where attach and the DeepSpeed helpers
     take every option by name. Each entry point's options (after the engine or store, the folder and
     the ref) are keyword-only, so an option cannot be passed in the wrong place."""
     import inspect
@@ -369,7 +372,7 @@ def _alternatives(annotation: str) -> list[str]:
 
 
 def test_every_public_method_returns_one_type() -> None:
-    """Issue 49: ``save_checkpoint`` returned a future, a result or None, and ``checkout`` one of three
+    """``save_checkpoint`` returned a future, a result or None, and ``checkout`` one of three
     results, so each caller needed cases (the CLI a ``type: ignore``). A method of ``Store`` and an
     integration's entry point returns one type (or None where there may be nothing: a lookup)."""
     import inspect
@@ -400,7 +403,7 @@ def test_every_public_method_returns_one_type() -> None:
 
 
 def test_an_option_has_one_default_in_the_api_and_every_integration() -> None:
-    """Issue 49: ``delete_after_commit`` defaulted to True in DeepSpeed's ``save_checkpoint`` alone.
+    """``delete_after_commit`` defaulted to True in DeepSpeed's ``save_checkpoint`` alone.
     Each option the API and the integrations share has one default, the API's: here, to delete
     nothing unless asked."""
     import dataclasses
@@ -423,7 +426,7 @@ STORE_INSIDES = {"repo", "_options", "_background", "_selector", "_queue"}  # wh
 
 
 def test_no_integration_reaches_through_the_store_handle() -> None:
-    """Issue 49: the integrations used ``store.repo`` for locks, refresh, part keys and the
+    """The integrations used ``store.repo`` for locks, refresh, part keys and the
     rank-parallel plan. They call the ``Store``'s methods and the seam's (``StoreSession``:
     ``commit_together``, ``holds``, ``in_run``, ``parts``, ``delete_once_durable``...); the protocol
     of a rank-parallel commit lives in ``ingest/rank_parallel.py``, and
@@ -546,7 +549,7 @@ def test_no_integration_flattens_an_error_into_a_string() -> None:
 
 
 def test_the_store_keeps_its_concerns_in_sub_packages() -> None:
-    """Issue 49: store/ held 23 modules of four concerns side by side. The backends, the index, the
+    """``store/`` held 23 modules of four concerns side by side. The backends, the index, the
     packs and the manifest objects (one module a job: keys, document, objects, refs, drop marks, runs,
     sync) are sub-packages; what stays on store/'s own level is the repository and publication
     (parts, publish, leases, locks, gc notices) and the codecs."""
@@ -647,7 +650,7 @@ def test_a_full_disk_is_told_by_one_rule() -> None:
 
 
 def test_a_store_is_a_store_and_a_repository_a_repo() -> None:
-    """Issue 49: the public class is ``Store``; the internal ``Repository`` a parameter names ``repo``
+    """The public class is ``Store``; the internal ``Repository`` a parameter names ``repo``
     (131 parameters were ``store: Repository``, so a reader could not tell which one a function took)."""
     wrong = []
     for path in sources():
@@ -705,3 +708,59 @@ def test_every_collective_of_the_integrations_goes_through_the_rank_session() ->
             if isinstance(func, ast.Name) and func.id in from_ranks & {"gathered", "broadcast", "barrier"}:
                 found.append(f"{path.name}:{node.lineno}: {func.id} from ranks.py")
     assert not found, "collectives outside the rank session:\n" + "\n".join(found)
+
+
+# What a comment or docstring of the library may not carry: comments say why, and the figures
+# that showed it live in docs/PERFORMANCE.md, beside the benchmark that measured them.
+NOT_IN_COMMENTS = {
+    "a throughput": re.compile(r"\d\s*[kKMGT]i?B/s\b"),
+    "a figure of 'this machine'": re.compile(r"\bon this machine\b|\bthis machine kind\b", re.IGNORECASE),
+    "a date": re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b"),
+    "a report's finding": re.compile(r"\battack findings?\b", re.IGNORECASE),
+    "an issue's number": re.compile(r"\bissues?\s+#?\d+|\(issue\b|#\d{2,}\b", re.IGNORECASE),
+}
+ISSUE_NUMBER = re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)
+
+
+def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    """Every comment (its line) and every module, class and function docstring (its first line)."""
+    text = (ROOT / path).read_text()
+    found = [
+        (token.start[0], token.string)
+        for token in tokenize.generate_tokens(io.StringIO(text).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                if isinstance(body[0].value.value, str):
+                    found.append((body[0].lineno, body[0].value.value))
+    return found
+
+
+def test_comments_say_why_not_how_fast_or_when() -> None:
+    """A comment or docstring of the library (tailorstore/, cli/) states the reason, never the
+    figure that showed it: no throughput, no timing of "this machine", no date, no reference to a
+    report's findings or to an issue by number. Figures go to docs/PERFORMANCE.md (which links the
+    benchmark in docs/benchmarks.md); a finding becomes the invariant it broke (docs/FORMAT.md 8.1)
+    or the test that keeps it out."""
+    wrong = []
+    for path in sources():
+        for line, text in _comments_and_docstrings(path):
+            for what, pattern in NOT_IN_COMMENTS.items():
+                if match := pattern.search(text):
+                    wrong.append(f"{path}:{line}: {what}: {match.group(0)!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_test_names_an_issue_by_number() -> None:
+    """A test says what it keeps (the invariant, the failure it keeps out), not which issue asked
+    for it: an issue's number means nothing to a reader of the repository."""
+    wrong = []
+    for folder in ("tests", "testbed"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if match := ISSUE_NUMBER.search(line):
+                    wrong.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r}")
+    assert not wrong, "\n".join(wrong)

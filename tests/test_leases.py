@@ -75,7 +75,7 @@ def test_stale_leases_are_removed_with_a_message(backend: Backend) -> None:
 def test_a_live_lease_of_a_host_whose_clock_is_behind_is_respected_and_named(
     backend: Backend, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Attack finding low 3: a healthy host whose clock ran 10 minutes behind wrote leases whose
+    """Regression: a healthy host whose clock ran 10 minutes behind wrote leases whose
     ``expires`` had passed by everyone else's clock: gc removed its live lease as stale, and it was
     told that it had stalled. Leases are timed by the server's clock now, and the host is named."""
     import logging

@@ -1,4 +1,4 @@
-"""Metrics beyond a float's range (attack findings medium 1 and low 1): refused when recorded, read
+"""Metrics beyond a float's range: refused when recorded, read
 as null from a manifest object a stranger wrote, never an OverflowError traceback; and a metric
 name holding ':' can be named by keep-best."""
 
@@ -95,7 +95,7 @@ def test_a_metric_added_after_the_commit_is_seen_by_every_host_and_keep_best(tin
 
 
 def test_a_merge_carries_no_metric_of_its_base(tmp_path: Path) -> None:
-    """Attack finding low 6: a merge showed its base step's metrics, which scored the base, not it."""
+    """Regression: a merge showed its base step's metrics, which scored the base, not it."""
     from tailorstore.core.records import COMMIT, ManifestRecord
     from tailorstore.curate.merge_spec import merge_record
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import tailor
 
 from tailorstore.core.errors import MetricError
-from tailorstore.core.metrics import checked, decode, encode, parse_assignment
+from tailorstore.core.metric_values import checked, decode, encode, parse_assignment
 from tailorstore.core.records import COMMIT, ManifestRecord
 from tailorstore.curate.gc import KeepBest, Retention, kept_manifests
 

@@ -1,6 +1,6 @@
 """Parts of one step prove they are of one try of the save (FORMAT.md 8.1, I4).
 
-Attack finding 7: when two tries' parts shared no file (one host held try 1's rank-0 files,
+I4 (docs/FORMAT.md 8.1): when two tries' parts shared no file (one host held try 1's rank-0 files,
 another try 2's rank-1 optimizer states), finalize recorded one mixed step, and verify said ok.
 Each part now carries a try token (``$TAILOR_TRY``, or the save's label every part of the save
 begins with), finalize refuses parts of different tokens, and parts with no token must be linked

@@ -168,7 +168,7 @@ ZERO3_RANK0 = ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0
 
 
 def test_parts_of_two_tries_of_a_step_are_never_mixed(runs: Runs, tmp_path: Path) -> None:
-    """Attack finding 7 (I4): a job that crashed mid-save saved the same step again after a restart.
+    """I4 (docs/FORMAT.md 8.1): a job that crashed mid-save saved the same step again after a restart.
     Finalize compared only each shared file's skeleton, the same for both tries, and took the first
     part's tensors: ZeRO-2 host A's part of try 1 with host B's of try 2 gave a mixed step, and two
     conflicting ZeRO-3 rank-0 parts were accepted. Both are refused now, naming the file."""

@@ -69,7 +69,7 @@ def test_a_planted_manifest_that_calls_packed_blobs_loose_loses_no_pack(
 def test_a_manifest_that_claims_zero3_for_a_zero2_step_is_named_damaged(
     saves: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Attack finding medium 4: ``checkout --world-size 1`` of such a step gave a
+    """Regression: ``checkout --world-size 1`` of such a step gave a
     ``KeyError: 'optimizer_state_dict'`` traceback; it is one line now, exit 3."""
     location = str(tmp_path / "store")
     at3, _ = saves

@@ -1,5 +1,5 @@
 """A blob's raw size, as a stranger's manifest object gives it, is checked against its stored size
-before memory is allocated for it (attack finding medium 3: a planted 9-byte archive blob that
+before memory is allocated for it (a planted 9-byte archive blob that
 claims 2 GiB cost ``verify --deep`` 2.1 GB, and 2**40 a MemoryError traceback)."""
 
 from __future__ import annotations

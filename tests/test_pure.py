@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tailorstore.access import structure
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.errors import (
     BackendError,
     BadCheckpointError,
@@ -506,7 +506,7 @@ def test_stored_skeletons_name_tensor_slot_as_they_always_did() -> None:
 
 
 def test_every_call_an_error_names_is_a_method_of_store_and_a_command() -> None:
-    """Issue 49: errors name operations as ``Call("unpin", ...)``, which the API shows as a method
+    """Errors name operations as ``Call("unpin", ...)``, which the API shows as a method
     of ``Store`` and the command line as a command; ``unpin`` was no method of ``Store``."""
     import ast
 
@@ -541,7 +541,7 @@ def test_every_call_an_error_names_is_a_method_of_store_and_a_command() -> None:
     ],
 )
 def test_an_export_refuses_names_of_optimizer_state(names: list[str], refused: bool) -> None:
-    """Issue 50, DCP seam 1: an export that would write Adam's moments as weights stops, naming one."""
+    """An export that would write Adam's moments as weights stops, naming one."""
     from tailorstore.restore.export import refuse_optimizer_names
 
     if refused:

@@ -99,7 +99,7 @@ def test_every_policy_commits_rank_parallel_what_one_process_commits(
     with Store.open(tmp_path / "parallel") as parallel:
         for step in (3, 6):
             assert manifest_rows(parallel, step) == expected[step], step
-        # a blob both ranks hold (the optimizer's step) is written and counted once (attack finding low 5)
+        # a blob both ranks hold (the optimizer's step) is written and counted once
         assert {s.step: s.new_bytes for s in parallel.log()} == new_bytes
         assert not expected[6]["exact"] or policy == "adaptive", "the second step inherits something"
         assert parallel.verify(deep=True).ok

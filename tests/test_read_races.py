@@ -1,9 +1,9 @@
 """A read that another process outruns: the step it reads is removed or replaced (and gc frees its
-blobs) while the read is stopped. Second-round attack finding (low, noticed twice): the checkout
-then said a blob "was deleted behind the store's back" and advised ``verify`` (exit 3, a damaged
-store), where the store was whole. Now the reader looks again: when its manifest is gone, it says
-the step changed while it was read (exit 4, run it again), and it keeps nothing of the read. A blob
-missing from a step that is still recorded is still damage (exit 3)."""
+blobs) while the read is stopped. The case it keeps: the checkout once said a blob "was deleted
+behind the store's back" and advised ``verify`` (exit 3, a damaged store), where the store was
+whole. Now the reader looks again: when its manifest is gone, it says the step changed while it
+was read (exit 4, run it again), and it keeps nothing of the read. A blob missing from a step that
+is still recorded is still damage (exit 3)."""
 
 from __future__ import annotations
 

@@ -427,7 +427,7 @@ def test_training_resumes_at_another_world_size_straight_from_the_store(
     attached: bool,
 ) -> None:
     """No command, no universal folder and no staged file: each rank builds the files it loads for
-    the new world size and stage from the store, in memory (issue 50), DeepSpeed loads them, and
+    the new world size and stage from the store, in memory, DeepSpeed loads them, and
     the next losses equal DeepSpeed's own ds_to_universal + load_universal path at that size, bit for
     bit. The staging folder holds no byte at any time (sampled every 5 ms, as test_nodes samples the
     staged path's share)."""

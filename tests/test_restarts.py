@@ -47,7 +47,7 @@ def staged_saves(staging: Path) -> list[Path]:
 def test_a_job_killed_while_its_save_commits_restarts_with_every_rank_alike(
     runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    """Attack finding high 2: killed while its first save was committing (its staged save whole,
+    """Regression: killed while its first save was committing (its staged save whole,
     ``latest`` naming it), the job restarted and deadlocked: rank 0 committed the recovered save
     and deleted it while rank 1 saw the folder and loaded it from disk, in DeepSpeed's
     collectives. Now rank 0 finishes the recovery before any rank decides, and decides for all."""
@@ -71,7 +71,7 @@ def test_a_job_killed_while_its_save_commits_restarts_with_every_rank_alike(
 def test_a_job_killed_while_its_save_is_written_resumes_from_its_last_committed_step(
     runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    """Attack finding high 3: killed while the files of its step-6 save were still being written
+    """Regression: killed while the files of its step-6 save were still being written
     (the first file of rank 0's share, rank 1 ended by the launcher), the job restarted on a
     partial save that the recovery had put where DeepSpeed loads, and ``latest`` named it:
     DeepSpeed died on a bare assertion (ZeRO-3) or the load on a truncated file (ZeRO-2). Now the
@@ -100,7 +100,7 @@ def test_a_job_killed_while_its_save_is_written_resumes_from_its_last_committed_
 def test_a_first_launch_on_an_empty_store_starts_fresh(
     runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Attack finding medium 7: the README's loop calls ``engine.load_checkpoint(save_dir)`` on
+    """Regression: the README's loop calls ``engine.load_checkpoint(save_dir)`` on
     every launch; on the first, the store is empty and every rank raised "holds no steps yet".
     Now it returns (None, None) as DeepSpeed does, decided once, in one line (rank 0's)."""
     reference, save, options, _ = setup(runs, tmp_path, monkeypatch, "zero2-bf16")
@@ -125,7 +125,7 @@ def test_a_first_launch_on_an_empty_store_starts_fresh(
 def test_a_replacing_rewind_killed_while_it_records_a_step_is_recovered_under_its_rule(
     runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Attack finding high 6: with on_existing='replace', training went back to step 3 (on other
+    """Regression: with on_existing='replace', training went back to step 3 (on other
     data, so the new timeline differs) and was killed while it recorded step 6 again. The
     recovery committed without the rule, took the store's refusal for "committed before", and
     kept the abandoned timeline's step 6 among the new ones. Now it replaces it, as the dead

@@ -30,7 +30,7 @@ from conftest import (
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 import tailorstore
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.policies import PolicySpec
 from tailorstore.core.records import AtomRecord, FileRecord
 from tailorstore.curate.thinning import thinned_contents

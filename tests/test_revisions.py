@@ -1,6 +1,6 @@
 """A revision (``tailor metric``, ``commit --force``) stalled while other hosts change its step.
 
-Attack finding 5: a revision read the step's tag and pin, stalled before its create-only put, and
+I7 (docs/FORMAT.md 8.1): a revision read the step's tag and pin, stalled before its create-only put, and
 after the put wrote back the refs it had read, undoing another host's ``tag --force`` and ``unpin``
 (both reported done); and a metric stalled before its publish brought back a step another host
 had removed (both reported done, an outcome of neither order). Now a revision writes no ref it

@@ -335,7 +335,7 @@ def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
         time.sleep(0.01)  # the first new blob is up: the upload is under way
     link.cut()
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 5, stderr  # a backend's failure (issue 49), not bad input
+    assert proc.returncode == 5, stderr  # a backend's failure (exit 5), not bad input
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert s3_location in stderr and "reachable" in stderr
 

@@ -1,4 +1,4 @@
-"""Issue 50's soak, short: 100 saves through ``attach`` with the snapshot (benchmarks/save_soak.py
+"""A soak of saves through ``attach``, short: 100 saves through ``attach`` with the snapshot (benchmarks/save_soak.py
 runs 1,000). Every tenth save is the bytes of a plain save of the same state, so no reused buffer
 wrote another save's bytes (Megatron-LM's PR 2288 found that once); memory stays flat."""
 

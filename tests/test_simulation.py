@@ -22,11 +22,11 @@ REGRESSION_SEEDS: list[tuple[str, int, str]] = [
     (
         "s3",
         83,
-        "attack finding 1: gc stopped between its DeleteObjects past its lease; a commit reused a pack it deleted",
+        "I6: gc stopped between its DeleteObjects past its lease; a commit reused a pack it deleted",
     ),
-    ("s3", 3, "attack finding 4: a --force commit that lost its lease took back the refs it had moved: a tag was lost"),
-    ("posix", 0, "attack finding 7: finalize took parts of two tries of step 3 and recorded a mixed step"),
-    ("s3", 8, "attack finding 7 on S3"),
+    ("s3", 3, "I2: a --force commit that lost its lease took back the refs it had moved: a tag was lost"),
+    ("posix", 0, "I4: finalize took parts of two tries of step 3 and recorded a mixed step"),
+    ("s3", 8, "I4 on S3"),
     ("posix", 181, "a branch's step 9 showed pinned: a pin of main's step 9 was one object with the branch's"),
     ("posix", 110, "gc dropped a pinned branch step, its pin taken for main's step of the same number"),
     # found by this tree's soak before their fixes (`--code` on a worktree of that commit)
@@ -36,18 +36,18 @@ REGRESSION_SEEDS: list[tuple[str, int, str]] = [
 ]
 # Seeds of a targeted theme (``--theme``): (backend, seed, what it found, the theme, --slip).
 THEMED_SEEDS: list[tuple[str, int, str, str, bool]] = [
-    ("posix", 8, "attack finding 6 on 92aa450: a pin and a tag set while gc was stopped at gc-before-delete; "
+    ("posix", 8, "I2: a pin and a tag set while gc was stopped at gc-before-delete; "
      "that gc dropped their step", "pins-vs-gc", False),
-    ("posix", 11, "attack finding 6 on 92aa450, with a tag set twice", "pins-vs-gc", False),
+    ("posix", 11, "I2, with a tag set twice", "pins-vs-gc", False),
     ("s3", 53, "finding 6's interleaving on S3, the gc stopped at its DeleteObjects (before its fence here)",
      "pins-vs-gc", False),
     # stopped after the fence: these broke 1ddf44e (FORMAT 8.1's gap), held by write-then-read
     ("s3", 53, "a pin reported set, then the stalled gc's DeleteObjects dropped its step", "pins-vs-gc", True),
     ("s3", 51, "a tag reported set, lost to the stalled gc's drop", "pins-vs-gc", True),
-    # found while fixing attack finding 5 (revisions leave refs on the version they replace)
+    # found while keeping I7 (revisions leave refs on the version they replace)
     ("posix", 10, "gc deleted a superseded pinned version but not its pin, which then pinned br's step 9 "
      "of the same name", "revisions", False),
-    # attack finding 5 on 33b86e6 (before its fix): a revision stalled before its put wrote back the refs it read
+    # I7: a revision stalled before its put wrote back the refs it read
     ("s3", 1, "a metric stalled after its put; meanwhile tag --force moved t1 to step 9, and the metric's refs "
      "put it back on step 6", "revisions", False),
     ("s3", 7, "a metric stalled at a put; meanwhile unpin of step 9, which the metric's refs pinned again",
@@ -187,7 +187,7 @@ def test_the_checker_knows_a_step_holds_one_tag() -> None:
 
 
 def test_the_checker_names_a_step_pinned_while_gc_ran_and_dropped_by_it() -> None:
-    """Attack finding 6's shape: the pin is reported while gc runs; had gc dropped the step first,
+    """I2's shape: the pin is reported while gc runs; had gc dropped the step first,
     the pin would have failed, so the step must still be there."""
     journal = [
         _done(0, COMMIT_A6, 1, 2),
@@ -212,7 +212,7 @@ def test_the_checker_lets_a_step_pinned_after_gc_thinned_it_be_thinned() -> None
 
 
 def test_the_checker_names_a_removed_step_that_came_back() -> None:
-    """Attack finding 5: a metric stalled while another host removed its step brought it back;
+    """I7: a metric stalled while another host removed its step brought it back;
     the checker saw nothing, since a metric creates no step. A step reported removed after every
     creation that could have made it must stay gone (I7)."""
     metric = _done(2, {"op": "metric", "key": ["main", 6], "value": 1.5}, 2, 5)

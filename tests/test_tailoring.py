@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, index_db, tailor
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.layers import block_index
 from tailorstore.core.policies import PolicySpec
 from tailorstore.formats.layout import detect

@@ -131,7 +131,7 @@ MEMO_BOMB = b"\x80\x02K\x01r\x00\x00\x00\x10."  # LONG_BINPUT into memo slot 2**
 
 
 def test_a_pickle_naming_a_far_memo_slot_is_refused_without_allocating(tmp_path: Path) -> None:
-    """Attack finding medium 2: the C unpickler grows its memo to the slot a pickle names, so ten
+    """Regression: the C unpickler grows its memo to the slot a pickle names, so ten
     bytes made it zero-fill 4.2 GB, as a ``.pt``'s data.pkl or as DCP ``.metadata``. Refused first,
     in a process whose peak memory stays small."""
     victim = tmp_path / "bomb.pt"
@@ -164,7 +164,7 @@ def test_a_pickle_naming_a_far_memo_slot_is_refused_without_allocating(tmp_path:
 
 @pytest.mark.parametrize("dims", [(-2, -2), (-1, 4)])
 def test_a_tensor_of_negative_size_is_refused(dims: tuple[int, int], tmp_path: Path) -> None:
-    """Attack finding medium 6: the torch-free reader took (-2, -2) as four elements (committed with
+    """Regression: the torch-free reader took (-2, -2) as four elements (committed with
     exit 0) and gave a numpy traceback for (-1, 4). A torch.save file patched to say so is refused."""
     import torch
 

@@ -1,4 +1,4 @@
-"""torchtitan's checkpoint manager over the store (issue 50): ``TailorCheckpointManager`` saves
+"""torchtitan's checkpoint manager over the store: ``TailorCheckpointManager`` saves
 every step straight into the store (sync and async), resumes from it bit for bit, writes nothing
 into torchtitan's checkpoint folder, and keeps ``keep_latest_k`` steps by the store's gc.
 

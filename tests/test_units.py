@@ -139,7 +139,7 @@ def test_byte_planes_split_by_shifts_round_trip_aligned_or_not(dtype: str) -> No
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
 def test_the_many_core_split_writes_the_same_blobs(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Above four cores the planes are split by one strided copy each, which leaves the GIL to the
-    other threads (16 threads: 17 GB/s against 3.4 for the sliced shifts, docs/benchmarks.md);
+    other threads (16 threads: docs/PERFORMANCE.md, "Byte planes");
     the stored bytes must not depend on the machine that wrote them, nor the decoded ones on the
     machine that reads them."""
     import torch
@@ -250,7 +250,7 @@ def test_the_headline_trainings_options_keep_deepspeeds_bf16_layout(tmp_path) ->
     the checkpoint must still be the bf16 one (bf16 weights, FP32 masters) the policies are for."""
     import math
 
-    from tailorstore.core import atoms as A
+    from tailorstore.core import atom_types as A
     from tailorstore.formats.layout import detect
     from tailorstore.formats.reader import read_checkpoint
     from testbed.runs import train_tiny
@@ -278,8 +278,8 @@ def test_the_headline_trainings_options_keep_deepspeeds_bf16_layout(tmp_path) ->
 
 
 def test_available_memory_is_read_from_the_kernel() -> None:
-    """What the snapshot's readied buffers are weighed against (core/memory.py)."""
-    from tailorstore.core.memory import available_memory
+    """What the snapshot's readied buffers are weighed against (core/host_memory.py)."""
+    from tailorstore.core.host_memory import available_memory
 
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))

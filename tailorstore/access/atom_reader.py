@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import xxhash
 
 from tailorstore.access.contents import Contents
-from tailorstore.core.atoms import MASTER
+from tailorstore.core.atom_types import MASTER
 from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.records import AtomRecord, BlobRecord
 from tailorstore.core.rounding import ROUND_FROM_MASTER, rounded_chunks

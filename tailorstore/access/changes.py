@@ -16,7 +16,7 @@ import numpy as np
 
 from tailorstore.access.atom_reader import decode_atom
 from tailorstore.access.contents import Contents
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.rounding import widened
 from tailorstore.store.repo import Repository
 

@@ -28,7 +28,7 @@ import numpy as np
 from tailorstore.access.atom_reader import blob_of, decode_atom_into, decode_stored_atom, stream_atom
 from tailorstore.access.contents import Contents
 from tailorstore.access.dcp_folders import dcp_folders, folder_metadata
-from tailorstore.core.atoms import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
+from tailorstore.core.atom_types import BUFFER, EXP_AVG, EXP_AVG_SQ, MASTER, STEP, WEIGHT, TensorSlot
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.layers import STATE
 from tailorstore.core.records import AtomRecord, BlobRecord, FileRecord, ManifestRecord

@@ -88,9 +88,9 @@ def remove_stale_partials(out: Path) -> int:
 
 def write_torch_file(path: Path, tree: Any) -> None:
     """A torch file of the output, tensors given as chunks streamed straight through, written
-    around the page cache (:class:`RewritableWriter`): on this machine kind new page-cache pages
-    cost the kernel 0.7-1.0 s of system time for a medium reshard, against 0.3 s this way, and
-    the closing :func:`fsync_tree` finds the data already on disk.
+    around the page cache (:class:`RewritableWriter`): new page-cache pages cost the kernel
+    several times the system time of writing around it (docs/PERFORMANCE.md, "Through the page
+    cache or around it"), and the closing :func:`fsync_tree` finds the data already on disk.
 
     Tensors marked ``any_thread`` are decoded on helper threads ahead of the writer
     (:mod:`read_ahead`, in bounded memory): a resharded optimizer file is one long run of

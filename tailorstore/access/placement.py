@@ -29,7 +29,7 @@ import xxhash
 
 from tailorstore.access.atom_reader import stream_atom
 from tailorstore.access.contents import Contents
-from tailorstore.core.atoms import MASTER
+from tailorstore.core.atom_types import MASTER
 from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.core.records import COMMIT, AtomRecord, BlobRecord, FileRecord, ManifestRecord

@@ -8,10 +8,9 @@ chunk into a fixed set of reused slots instead, so memory stays at ``slots * slo
 whatever the model's size, and no page is faulted in twice.
 
 Why more than one helper: one helper reading and decoding every tensor in turn was the slower
-side of export (busy 0.35-0.40 s of a 0.42 s export of the 58M model's FP32 masters, the writer
-waiting on it for 0.27-0.35 s); with two, that export takes a median 0.379 s against 0.433 s
-(15 runs each, measured on this machine kind; reads and writes then share the disk, and a third
-or fourth helper gained nothing beyond the noise). Helpers take sources in order, each
+side of export, busy nearly all of it while the writer waited; with two, export is faster, and
+a third or fourth gained nothing (reads and writes then share the disk; docs/PERFORMANCE.md,
+"Decoding ahead of a writer"). Helpers take sources in order, each
 source whole, and each helper fills only its own slots. That is what keeps it free of
 deadlock: when the caller reaches source ``i``, every earlier source has been read and its
 slots given back, so the helper holding ``i`` always has room to go on.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.errors import Call, StoreError
 from tailorstore.core.records import AtomRecord, ManifestRecord
 from tailorstore.formats.layout import (

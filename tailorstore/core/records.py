@@ -53,7 +53,7 @@ class ManifestRecord:
     id: int = 0
     run: str = MAIN_RUN  # steps are numbered per run
     tier: str | None = None  # None: whole; one of TIERS once gc thinned it
-    metrics: str | None = None  # JSON object of the step's metrics (core/metrics.py), or None
+    metrics: str | None = None  # JSON object of the step's metrics (core/metric_values.py), or None
 
     @property
     def name(self) -> str:

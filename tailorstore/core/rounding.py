@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from tailorstore.core.errors import CorruptStoreError
-from tailorstore.core.reused_memory import private_copy_buffer
+from tailorstore.core.piece_slab import private_copy_buffer
 from tailorstore.core.thread_buffers import thread_buffer
 
 #: How the index marks a derived weight (atoms.derived).
@@ -27,8 +27,9 @@ def round_into(master: memoryview | bytes, dtype: str, out: memoryview) -> None:
     """Round the FP32 elements of ``master`` into ``out`` (2 bytes an element) as ``dtype``.
 
     Works through ``_CHUNK`` elements at a time with a scratch and a NaN mask that fit the L2
-    cache and are kept per thread, so no call faults in new pages (slow on this machine kind), as a
-    piece-sized scratch and a fresh NaN mask per call did; on warm buffers both ways run at 5-6 GB/s.
+    cache and are kept per thread, so no call faults in new pages (far slower than the rounding
+    itself: docs/PERFORMANCE.md, "Fresh pages"), as a piece-sized scratch and a fresh NaN mask per
+    call did; on warm buffers both ways run at the same speed.
     """
     u = np.frombuffer(master, dtype=np.uint32)
     dest = np.frombuffer(out, dtype=np.uint16)
@@ -94,7 +95,7 @@ def rounded_chunks(pieces: Iterable[memoryview], dtype: str, buffer: str = "roun
 
 
 def rounded(master: memoryview | bytes, dtype: str) -> memoryview:
-    """A new buffer holding ``master`` rounded to ``dtype`` (reused memory: reused_memory.py)."""
+    """A new buffer holding ``master`` rounded to ``dtype`` (reused memory: piece_slab.py)."""
     out = private_copy_buffer(len(master) // 2)
     round_into(master, dtype, out)
     return out

@@ -1,8 +1,9 @@
 """Per-thread buffers that only grow, for code that streams chunk by chunk.
 
-New pages cost about 0.4 GB/s on first touch on this machine kind (see :mod:`memory`), a
-small fraction of what decoding or copying runs at, so a decoder or rounder that allocated a fresh
-buffer per chunk would spend most of its time faulting pages in. Each thread keeps one buffer
+New pages cost a small fraction of what decoding or copying runs at on first touch
+(docs/PERFORMANCE.md, "Fresh pages"), so a decoder or rounder that allocated a fresh buffer per
+chunk would spend most of its time faulting pages in (:mod:`host_memory` keeps freed memory for
+the command line, :mod:`piece_slab` a commit's pieces; this module the chunks of a stream). Each thread keeps one buffer
 per purpose instead, touched once and reused. The purposes are named apart so that a stream
 read through another (a derived weight rounded from a streamed master) never has its chunk
 overwritten underneath it.

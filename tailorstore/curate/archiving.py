@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tailorstore.access.atom_reader import decode_atom
-from tailorstore.core.atoms import MASTER, WEIGHT
+from tailorstore.core.atom_types import MASTER, WEIGHT
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.records import THIN_ARCHIVE, AtomKey, AtomRecord, BlobRecord, ManifestRecord
 from tailorstore.core.tensor_ref import DTYPES

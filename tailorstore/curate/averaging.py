@@ -43,7 +43,7 @@ import numpy as np
 from tailorstore.access.atom_reader import decode_atom, decode_atom_into
 from tailorstore.access.contents import Contents
 from tailorstore.access.model_tensors import tiling
-from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
+from tailorstore.core.atom_types import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, CorruptStoreError, MergeSpecError, StepExistsError
 from tailorstore.core.failpoints import operation
 from tailorstore.core.layers import AUX_GROUPS, STATE, block_index, sort_key

@@ -55,8 +55,8 @@ from tailorstore.core.errors import (
     StoreError,
 )
 from tailorstore.core.failpoints import failpoint, operation
-from tailorstore.core.metrics import checked as checked_metrics
-from tailorstore.core.metrics import decode as decode_metrics
+from tailorstore.core.metric_values import checked as checked_metrics
+from tailorstore.core.metric_values import decode as decode_metrics
 from tailorstore.core.object_keys import blob_key
 from tailorstore.core.records import (
     COMMIT,
@@ -479,7 +479,7 @@ def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts:
 def misplaced_blobs(
     repo: Repository, packs: list[str], dead: set[str], held: set[str], holdings: Holdings
 ) -> tuple[dict[str, tuple[str, PackEntry]], set[str]]:
-    """Before gc deletes or repacks ``packs``, what their trailers say (attack finding 3): a live
+    """Before gc deletes or repacks ``packs``, what their trailers say (I1, docs/FORMAT.md 8.1): a live
     blob there (not ``dead``, and indexed or ``held`` by a pending part) whose row names no place
     that stands (a listed loose object, or another listed pack whose own trailer holds it) was
     placed wrongly, by a manifest object that lied about where it was. Such a blob is placed

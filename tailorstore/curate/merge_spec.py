@@ -26,8 +26,9 @@ from tailorstore.formats.small_text import read_small_text
 AUX_KEYS = {"embed": EMBEDDING, "norm": FINAL_NORM, "lm_head": LM_HEAD}
 
 
-# A spec is a few dozen lines. PyYAML takes about 3 s and 160 MB to parse each MiB, so the
-# general 64 MiB bound for small text files would let one spec run for minutes in gigabytes.
+# A spec is a few dozen lines. PyYAML is slow and memory-hungry (seconds and a hundred-odd MB a
+# MiB: docs/PERFORMANCE.md, "Bounds set by a parser's cost"), so the general 64 MiB bound for
+# small text files would let one spec run for minutes in gigabytes.
 SPEC_LIMIT = 1 << 20
 
 
@@ -78,7 +79,8 @@ def merge_record(
 ) -> ManifestRecord:
     """The manifest row of a merge (composite or average): the base's facts under ``tag``, its own
     policy, source and new bytes, no pin, no object yet, and no metrics: the base's evaluation
-    scored the base, never this merge (a merge showed them as its own: attack finding low 6)."""
+    scored the base, never this merge (tests/test_metric_limits.py,
+    ``test_a_merge_carries_no_metric_of_its_base``)."""
     return replace(
         base,
         origin=MERGE,

@@ -50,7 +50,7 @@ def changing_a_step(
     repo: Repository, what: str, lock_timeout: float, on_wait: Callable[[str], None] | None = None
 ) -> Iterator[LockHandle | LeaseHandle]:
     """The store lock, shared, with the index brought up to date under it: how a change of one
-    step's refs or record begins (the module's call order; curate/metrics.py too)."""
+    step's refs or record begins (the module's call order; curate/adding_metrics.py too)."""
     repo.refuse_writes()
     with operation(what), repo.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
         repo.refresh(lock)

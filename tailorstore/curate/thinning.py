@@ -37,7 +37,7 @@ from pathlib import PurePosixPath
 
 from tailorstore.access.atom_reader import decode_atom
 from tailorstore.access.contents import Contents
-from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
+from tailorstore.core.atom_types import EXP_AVG, EXP_AVG_SQ, MASTER, WEIGHT
 from tailorstore.core.errors import Call, StoreError
 from tailorstore.core.progress import Silent
 from tailorstore.core.records import (

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.errors import BadCheckpointError, UnsafePickleError
 from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.tensor_ref import DTYPES, TensorRef
@@ -220,7 +220,7 @@ def read_metadata(data: bytes, where: str, file_sizes: dict[str, int], *, own: b
     ``own``: bytes this process's ``pickle.dumps`` has just made (the DCP writer reading back what it
     will store, so that a step is recorded only if it loads). Its memo check is skipped: the pickler
     numbers memo slots one by one and writes no out-of-band buffer without a callback, and the scan
-    costs about 0.3 us a byte (0.045 s of a 150 kB ``.metadata``, on the save's critical path)."""
+    is on the save's critical path (docs/PERFORMANCE.md, "Saving inside training")."""
     if len(data) > MAX_METADATA:
         raise _bad(where, f"it is {len(data)} bytes, more than DCP metadata ever needs")
     try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.errors import LayoutError
 from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.local_files import Beneath

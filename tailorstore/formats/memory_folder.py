@@ -12,11 +12,10 @@ A tensor's bytes are not copied into the file: when ``torch.save`` hands the wri
 own memory (:meth:`LendingWriter.lend`), the writer leaves a hole of its size and lends the range
 (``formats/source.py``), and the commit copies it from the tensor, checked against the xxh3-128
 the tensor's memory hashed to as ``torch.save`` wrote it. (Checking the zip's own CRC-32 instead
-cost 0.095 s of a rank's 0.63 s save at 2 ranks: zlib's CRC-32 runs at about 6.7 GB/s here on one
-core, xxh3 at about 30.) The bytes the step stores are the same; what is gone is a copy of the
-whole save into fresh memory, and that memory (0.33 s to fill and 0.09 s to free, of a 1.23 s
-save of 645 MB in one process on the 2-core machine; docs/benchmarks.md). The tensors stay
-referenced until the folder is closed.
+cost a sixth of a rank's save: zlib's CRC-32 is several times slower than xxh3.) The bytes the
+step stores are the same; what is gone is a copy of the whole save into fresh memory, and that
+memory, a third of the save's time to fill and free (docs/PERFORMANCE.md, "Saving inside
+training"). The tensors stay referenced until the folder is closed.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from tailorstore.core.reused_memory import private_copy_buffer
+from tailorstore.core.piece_slab import private_copy_buffer
 from tailorstore.formats import source
 from tailorstore.formats.layout import DCP_FOLDER, CheckpointLayout
 

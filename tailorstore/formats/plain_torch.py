@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.layers import STATE, layer_of
 from tailorstore.formats.deepspeed import generic, whole
 

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from tailorstore.core import atoms as A
-from tailorstore.core.atoms import TensorEntry
+from tailorstore.core import atom_types as A
+from tailorstore.core.atom_types import TensorEntry
 from tailorstore.core.errors import BadCheckpointError, UnsafePickleError
 from tailorstore.core.local_files import Beneath, Where, stat_input
 from tailorstore.formats import dcp, plain_torch

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tailorstore.core.atoms import TensorSlot
+from tailorstore.core.atom_types import TensorSlot
 from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError, UnsafePickleError
 from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS, untrusted
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import struct
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.errors import BadCheckpointError
 from tailorstore.core.layers import layer_of
 from tailorstore.core.tensor_ref import DTYPES, TensorRef

@@ -12,7 +12,7 @@ import copy
 import sys
 from typing import Any
 
-from tailorstore.core.atoms import TensorEntry, TensorSlot, dtype_name
+from tailorstore.core.atom_types import TensorEntry, TensorSlot, dtype_name
 from tailorstore.core.errors import BadCheckpointError
 from tailorstore.core.tensor_ref import TensorRef
 

@@ -39,7 +39,7 @@ import xxhash
 
 from tailorstore.core.errors import BadCheckpointError, InputChangedError, StoreError
 from tailorstore.core.local_files import LeadsOutside, NotRegularFile, Where, open_input, path_of, stat_input
-from tailorstore.core.reused_memory import private_copy_buffer
+from tailorstore.core.piece_slab import private_copy_buffer
 from tailorstore.formats.torch_zip import record_offsets
 
 CHUNK = 4 << 20  # bytes per read when a file is streamed

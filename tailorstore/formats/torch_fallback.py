@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tailorstore.core.atoms import TensorEntry
+from tailorstore.core.atom_types import TensorEntry
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.formats.skeleton import split_tensors
 from tailorstore.formats.source import InputFile

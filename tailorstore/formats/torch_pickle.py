@@ -296,7 +296,8 @@ def object_refusal(src: InputFile | InputWindow | MemorySource, where: str) -> s
 class ObjectVerdicts:
     """:func:`object_refusal` of each distinct small object item once, for one file's commit or one
     step's load: a flattened optimizer state saves the same few values (``lr``, ``betas``) as one
-    item per parameter, each the same bytes, and one check costs about 0.2 ms. Keyed by the bytes
+    item per parameter, each the same bytes, and each check costs a parse
+    (docs/PERFORMANCE.md, "Saving inside training"). Keyed by the bytes
     themselves (never a hash a crafted item could collide with); a larger item is checked each time."""
 
     LIMIT = 1 << 16  # bytes of an item whose verdict is kept

@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from tailorstore.core.atoms import TensorEntry
+from tailorstore.core.atom_types import TensorEntry
 from tailorstore.core.errors import BadCheckpointError
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from tailorstore.access import structure
 from tailorstore.access.changes import ChangeTerms, LayerChange, change_terms, masters_by_layer, stored_pieces
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.errors import BadCheckpointError, Call, StepExistsError, StoreError
 from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.layers import STATE, sort_key

@@ -79,7 +79,7 @@ class CommitOptions:
     part_try: str = ""  # the try token its part carries ("": $TAILOR_TRY or the label's, store/parts.py)
     plan: PartPlan | None = None  # a part of a rank-parallel commit under a policy: what to store
     run: str = MAIN_RUN  # steps are numbered per run (runs.py)
-    metrics: str | None = None  # JSON, checked (core/metrics.py): recorded with the manifest
+    metrics: str | None = None  # JSON, checked (core/metric_values.py): recorded with the manifest
 
 
 @dataclass

@@ -52,7 +52,7 @@ def delete_committed(repo: Repository, manifest: int, path: Path) -> None:
 
     This runs after the step is durable, so it is clean-up: a file that cannot be deleted (a
     staging folder remounted read-only, EROFS) is one warning, never a failed commit. Reported as
-    a failure, it stopped training with the step committed (attack finding medium 5).
+    a failure, it would stop training with the step committed (I3, docs/FORMAT.md 8.1).
     """
     try:
         _delete_committed(repo, manifest, path)

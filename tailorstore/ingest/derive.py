@@ -13,7 +13,7 @@ Commit and checkout round with the same numpy code (rounding.py).
 
 from __future__ import annotations
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.rounding import ROUNDED_DTYPES
 from tailorstore.ingest.pieces_ahead import Prepared
 from tailorstore.store.codec import content_hash

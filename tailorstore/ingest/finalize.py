@@ -150,7 +150,7 @@ def _merged_files(parts: list[Part]) -> tuple[list[FileRecord], list[AtomRecord]
     """Files and atoms of all parts. A file two parts both hold (``latest``, scripts, the model
     states every part with optimizer states holds) must be the same in both, tensor by tensor: its
     skeleton alone (``files.blob``) is the same for two tries of one step with other values, so
-    comparing only that mixed two tries of a save into one step (attack finding 7, I4)."""
+    comparing only that would mix two tries of a save into one step (I4, docs/FORMAT.md 8.1)."""
     files: dict[str, tuple[FileRecord, Part]] = {}
     for part in parts:
         for f in part.files:

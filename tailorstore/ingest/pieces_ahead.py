@@ -4,11 +4,11 @@ The commit's loop decides, piece by piece and in order, what becomes of each pie
 a known one, or a weight derived from its master. Before that it must have the piece's private
 copy (formats/source.py), its xxh3-128 name and, for an FP32 master whose weight may be derived,
 the master rounded to the weight's dtype. Those three are pure work on the one private copy, and
-they were the loop's own time: on a 16-core GPU node a commit stopped at about 1 GB/s from 4
-threads on, whatever the compressing pool could do (docs/benchmarks.md, "On a 16-core GPU
-node"). Here helpers prepare the pieces in parallel, in the loop's order and at most ``budget``
-bytes ahead; the loop then only decides, looks blobs up in the index (bound to its thread) and
-queues them. A blob is still named and compressed from the same single copy.
+they were the loop's own time: on a 16-core GPU node a commit stopped scaling from 4 threads
+on, whatever the compressing pool could do (docs/PERFORMANCE.md, "Byte planes"). Here helpers
+prepare the pieces in parallel, in the loop's order and at most ``budget`` bytes ahead; the
+loop then only decides, looks blobs up in the index (bound to its thread) and queues them. A
+blob is still named and compressed from the same single copy.
 
 With no helpers (fewer than four compressing threads, so fewer than four cores) each piece is
 prepared on the loop's thread when taken, as before: there the preparation already overlaps the
@@ -59,8 +59,8 @@ ROUND_SLICE = 512 << 10
 def rounded_name(master: memoryview, dtype: str) -> str:
     """The xxh3-128 of ``master`` rounded to ``dtype``, rounded a slice at a time into this
     thread's buffer (``rounded_chunks``) and hashed while the slice is in cache. Keeping the whole
-    rounded copy only to hash it cost a fresh buffer of half the master's size: fresh pages cost
-    about 0.5 GB/s on first touch on this machine kind."""
+    rounded copy only to hash it cost a fresh buffer of half the master's size, and fresh pages
+    are slow to touch (docs/PERFORMANCE.md, "Fresh pages")."""
     digest = xxhash.xxh3_128()
     whole = memoryview(master).cast("B")
     slices = (whole[at : at + ROUND_SLICE] for at in range(0, len(whole), ROUND_SLICE))

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.progress import Silent
 from tailorstore.core.rounding import rounded
 from tailorstore.formats import dcp
@@ -201,7 +201,7 @@ def writers(surveys: Sequence[Survey], stored: frozenset[str] | None = None) -> 
     With ``stored`` (a policy's plan), a rank writes only its new blobs of those layers and of its
     files' own bytes, so only those count as taken: a blob both ranks hold (the optimizer's
     ``step``) is written once, and one a lower rank holds only in a layer it inherits is not
-    taken for written (attack finding low 5)."""
+    taken for written (tests/test_rank_parallel.py, where a blob both ranks hold is counted once)."""
     taken: set[str] = set()
     out: dict[int, frozenset[str]] = {}
     for s in sorted(surveys, key=lambda s: s.rank):

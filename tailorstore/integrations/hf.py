@@ -36,7 +36,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tailorstore.api import Store
 from tailorstore.core.errors import MetricError, StoreError
-from tailorstore.core.metrics import checked
+from tailorstore.core.metric_values import checked
 from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.integrations.common.distributed import RankParallelResult, commit_rank_parallel
 from tailorstore.integrations.common.ranks import is_distributed, rank

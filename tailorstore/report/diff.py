@@ -19,7 +19,7 @@ import numpy as np
 from tailorstore.access import structure
 from tailorstore.access.changes import PieceKey, relative_change, stored_pieces
 from tailorstore.access.output_dir import partial_prefix, refuse_inside_store
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.errors import MissingDependencyError, StoreError
 from tailorstore.core.layers import STATE, sort_key
 from tailorstore.core.records import COMMIT, MAIN_RUN, LayerRecord, ManifestRecord

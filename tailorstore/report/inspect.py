@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tailorstore.core.layers import sort_key
-from tailorstore.core.metrics import decode as decode_metrics
+from tailorstore.core.metric_values import decode as decode_metrics
 from tailorstore.core.records import (
     AtomContent,
     FileContent,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tailorstore.core import atoms as A
+from tailorstore.core import atom_types as A
 from tailorstore.core.records import AtomContent, FileContent, KindTotals, ManifestRecord
 from tailorstore.report.inspect import held_bytes
 from tailorstore.store.repo import Repository

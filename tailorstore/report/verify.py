@@ -19,7 +19,7 @@ from typing import Protocol
 
 from tailorstore.access.atom_reader import stream_rebuilt
 from tailorstore.access.contents import Contents
-from tailorstore.core.atoms import MASTER
+from tailorstore.core.atom_types import MASTER
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.core.object_keys import blob_key
 from tailorstore.core.paths import check_relative

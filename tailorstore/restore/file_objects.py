@@ -1,7 +1,7 @@
 """A step's torch files as the objects ``torch.load`` would return, built straight from the store.
 
-A resume used to check a step out into files (a staging folder in memory) and have DeepSpeed read
-them back: every byte written once and read once more. Here a file's object tree (the skeleton
+A resume that checked a step out into files (a staging folder in memory) and had DeepSpeed read
+them back would write every byte once and read it once more. Here a file's object tree (the skeleton
 with each tensor streamed from its atoms, as a checkout writes it) is pickled as a checkout would
 pickle it, and unpickled at once by torch's own weights-only unpickler under this store's allowlist
 (the same globals a checkout's ``torch.load`` allows): each storage is a fresh buffer that its

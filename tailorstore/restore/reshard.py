@@ -46,7 +46,7 @@ from tailorstore.access.model_tensors import (
 )
 from tailorstore.access.output_dir import staged, tree_bytes, write_torch_file
 from tailorstore.access.placement import PlacedFiles
-from tailorstore.core.atoms import EXP_AVG, EXP_AVG_SQ, MASTER
+from tailorstore.core.atom_types import EXP_AVG, EXP_AVG_SQ, MASTER
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.local_files import write_new
 from tailorstore.core.paths import safe_join

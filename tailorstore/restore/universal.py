@@ -42,7 +42,7 @@ from tailorstore.access.model_tensors import (
 )
 from tailorstore.access.output_dir import staged, tree_bytes, write_torch_file
 from tailorstore.access.placement import PlacedFiles
-from tailorstore.core.atoms import MASTER, STEP
+from tailorstore.core.atom_types import MASTER, STEP
 from tailorstore.core.errors import Call, CorruptStoreError, StoreError
 from tailorstore.core.local_files import write_new
 from tailorstore.core.paths import safe_join

@@ -49,9 +49,9 @@ from tailorstore.core.threads import usable_cores
 
 
 class _NumpyOnUse:
-    """numpy, imported the first time a plane is split or joined. Importing it takes about 0.15 s
-    here, more than a whole ``tailor log`` may spend, and listing, tagging or showing steps
-    decodes nothing."""
+    """numpy, imported the first time a plane is split or joined. Importing it takes more than a
+    whole ``tailor log`` may spend (docs/PERFORMANCE.md, "Start-up: importing on first use"), and
+    listing, tagging or showing steps decodes nothing."""
 
     def __getattr__(self, name: str) -> object:
         import numpy
@@ -93,7 +93,8 @@ _SLACK = 1 << 20
 def check_raw_size(raw_size: int, stored_size: int, where: str) -> None:
     """Before memory is allocated for a blob's raw bytes, as its index row gives them (a row a
     stranger's manifest object or pack trailer may have written): a 9-byte object claiming 2 GiB
-    cost ``verify --deep`` 2.1 GB, and 2**40 a MemoryError traceback (attack finding medium 3)."""
+    would cost ``verify --deep`` gigabytes, and 2**40 a MemoryError traceback
+    (tests/test_planted_sizes.py)."""
     if not 0 <= raw_size <= stored_size * MOST_EXPANSION + _SLACK:
         raise CorruptStoreError(
             f"{where}: claims {raw_size} raw bytes from {stored_size} stored, more than any codec gives; the "
@@ -234,13 +235,13 @@ def _split(rows: np.ndarray, planes: np.ndarray) -> np.ndarray:
     shift and a narrowing copy, both contiguous, replace a copy with a stride of the element size.
     The words go through ``_SPLIT_BYTES`` at a time, every plane of a slice before the
     next slice, so the shifted scratch stays in the L2 cache and the words are read from memory
-    once: 3.0 GB/s against 2.2 for whole-chunk passes (8 MiB of FP32, measured on this machine kind).
+    once, faster than whole-chunk passes (docs/PERFORMANCE.md, "Byte planes").
 
     Above four usable cores each plane is one strided copy instead. The slices cost about 60
     numpy calls a 4 MiB chunk, each taking and dropping the GIL, and on a 16-core node the
-    pool's threads queued for it: the split alone peaked at 6.9 GB/s on 4 threads and fell to
-    3.4 GB/s on 16, while one strided copy a plane grew to 17 GB/s (docs/benchmarks.md). The
-    planes are the same bytes either way."""
+    pool's threads queued for it: the split alone slowed down past 4 threads, while one strided
+    copy a plane kept scaling (docs/PERFORMANCE.md, "Byte planes"). The planes are the same bytes
+    either way."""
     itemsize = rows.shape[1]
     words_ok = sys.byteorder == "little" and rows.ctypes.data % itemsize == 0
     if not words_ok or _MANY_CORES:
@@ -418,8 +419,8 @@ def _join(planes: list[np.ndarray], grid: np.ndarray) -> None:
     by its rule. On a little-endian machine with at most four usable cores each word is built from
     its bytes, the top plane widened and every lower one shifted in (seven contiguous passes over
     a 4 MiB chunk of FP32, in the L3 cache), instead of one copy a plane with a stride of the
-    element size: 0.65 ms against 1.0 ms a chunk (this machine kind, one-off script), where
-    joining was half of a DCP load's decoding time."""
+    element size, which is slower (docs/PERFORMANCE.md, "Byte planes"), where joining was half of
+    a DCP load's decoding time."""
     itemsize = grid.shape[1]
     if sys.byteorder != "little" or grid.ctypes.data % itemsize or _MANY_CORES:
         for k, plane in enumerate(planes):

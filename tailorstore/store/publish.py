@@ -1,8 +1,8 @@
 """Recording a manifest: the one way every operation makes a step (or a merge) visible.
 
-Commit, finalize, merge, averaging, metrics and thinning each end the same way, and used to write
-it six times, with two of the copies forgetting the last rule below (a merge or finalize reported
-as failed came back at the next open). Each now builds its rows as a value (:class:`ManifestRows`
+Commit, finalize, merge, averaging, metrics and thinning each end the same way, so it is written
+once: a copy of it per operation could forget the last rule below (a merge or finalize reported as
+failed would come back at the next open). Each builds its rows as a value (:class:`ManifestRows`
 for a new manifest, :class:`Revision` for the next version of one that exists) before anything
 is locked for writing, and hands them here. Here, once:
 
@@ -14,7 +14,7 @@ is locked for writing, and hands them here. Here, once:
 3. the rows are inserted in one order (packs, blobs, manifest, files, atoms, layers);
 4. still inside the transaction, each manifest object is published create-only, after the lease
    is checked (store/lease.py, fencing): this put is the commit point. A host that loses the put
-   to another has written nothing, and changes nothing (I3; attack finding 4);
+   to another has written nothing, and changes nothing (I2, I3);
 5. on a store locked by leases, the blobs the manifest needs are checked against gc's notices and
    are still there (``gc_notices.check_publication``): a gc that deletes them meanwhile either
    sees this object or is seen here, whatever either host's stalls (FORMAT 8.1);
@@ -254,9 +254,9 @@ def refuse_taken(index: TakenLookup, step: int, run: str, tag: str | None, *, co
 
 def _take_back(repo: Repository, taken: _Taken) -> None:
     """Only objects this host published are withdrawn, and only then are refs touched: a host that
-    lost the put never wrote any (attack finding 4). The refs written again are those of every
-    manifest this publish may have taken them from, as the rolled-back index has them: the
-    versions revised or replaced, and the former holders of the tags given."""
+    lost the put never wrote any (I2: a loser cannot delete the winner's refs). The refs written
+    again are those of every manifest this publish may have taken them from, as the rolled-back
+    index has them: the versions revised or replaced, and the former holders of the tags given."""
     if not taken.published:
         return
     unpublish(repo.backend, taken.published)  # the objects went up but the index refused them

@@ -1,9 +1,9 @@
 """Who this process is among the ranks, and the few collectives every integration shares.
 
-One place for each: the integrations for DeepSpeed, the HF Trainer, DCP and several nodes used to
-each define their own rank lookup, their own broadcast (with different failure semantics) and
-their own reading of ``LOCAL_WORLD_SIZE`` (capped at 4,096 in one, 65,536 in another). Every value
-read from the environment is read as hostile input. Ranks are taken to be numbered node by node,
+One place for each, so that the integrations for DeepSpeed, the HF Trainer, DCP and several
+nodes share one rank lookup, one broadcast (one failure semantics) and one reading of
+``LOCAL_WORLD_SIZE`` (one cap); tests/test_layers.py keeps them here. Every value read from the
+environment is read as hostile input. Ranks are taken to be numbered node by node,
 as ``torchrun`` numbers them (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``).
 
 Every collective here runs on the group it is given; :func:`tailor_group` makes a gloo group of our

@@ -59,10 +59,10 @@ from torch.futures import Future
 
 from tailorstore import CommitRequest, PartPlan
 from tailorstore.api import Store
-from tailorstore.core.atoms import dtype_name
+from tailorstore.core.atom_types import dtype_name
 from tailorstore.core.errors import StoreError
+from tailorstore.core.host_memory import release_free_memory
 from tailorstore.core.layers import STATE, layer_of
-from tailorstore.core.memory import release_free_memory
 from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.integrations.common.store_session import (
     MemoryFile,
@@ -223,7 +223,7 @@ class TailorStorageWriter(StorageWriter):
 def _release_thread_memory() -> None:
     """What a save freed, handed back when it ran off the main thread (an async save's thread,
     which may never run again: glibc keeps what a thread freed in that thread's arena). A save on
-    the main thread leaves it for the next one to reuse, and skips the trim's 0.026 s a rank."""
+    the main thread leaves it for the next one to reuse, and skips the trim's cost."""
     if threading.current_thread() is not threading.main_thread():
         release_free_memory()
 

@@ -84,7 +84,7 @@ def load_checkpoint(
         warn_if_composite(found.step, found.inherited)
         return found
 
-    found = resume.resolved(store, pick, session)
+    found = resume.step_for_every_rank(store, pick, session)
     assert found is not None
     if not staged and serving.servable(engine):
 

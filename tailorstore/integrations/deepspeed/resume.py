@@ -85,7 +85,7 @@ def restore_and_load(
     zero_stage: int,
     session: Session,
 ) -> Any:
-    """Collective: materialize ``found`` (what :func:`resolved` gave every rank) on each node's
+    """Collective: materialize ``found`` (what :func:`step_for_every_rank` gave every rank) on each node's
     leader into ``out`` (this node's staging), load on every rank (``load(folder, tag)``), and
     clean up. A failure on any leader is raised on every rank, each leader's error kept whole.
 
@@ -135,7 +135,7 @@ def _one_writer(seen: list[tuple[int, bool, bool, int]]) -> bool:
     return single_node
 
 
-def resolved(store: Store | None, pick: Callable[[Store], Found | None], session: Session) -> Found | None:
+def step_for_every_rank(store: Store | None, pick: Callable[[Store], Found | None], session: Session) -> Found | None:
     """Collective: the step rank 0 resolves (``pick``), with the store's location, on every rank
     (None where ``pick`` says there is nothing to resume). Its failure is raised on every rank."""
 
@@ -156,7 +156,7 @@ def load_in_memory(
     zero_stage: int,
     session: Session,
 ) -> Any:
-    """Collective: every rank builds the files it loads of ``found`` (what :func:`resolved` gave
+    """Collective: every rank builds the files it loads of ``found`` (what :func:`step_for_every_rank` gave
     every rank) straight from the store (``restore/file_objects.py``), at the world size and stage
     training runs at now, and ``load(objects, built)`` loads them; nothing is staged. A rank
     without a store handle opens the store rank 0 names (readers take no lock). Every rank builds

@@ -35,7 +35,7 @@ from tailorstore import CommitResult
 from tailorstore.api import Store
 from tailorstore.core.environment import STAGING_ENV
 from tailorstore.core.errors import Call, StoreError
-from tailorstore.core.metrics import checked as checked_metrics
+from tailorstore.core.metric_values import checked as checked_metrics
 from tailorstore.core.policies import Policy
 from tailorstore.integrations.common import ranks
 from tailorstore.integrations.common.distributed import RankParallelResult, commit_rank_parallel

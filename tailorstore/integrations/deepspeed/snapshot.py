@@ -1,10 +1,10 @@
 """A save that blocks training only for a copy: tensors into reused memory, files written later.
 
-``torch.save`` into ``/dev/shm`` runs at 0.5-0.7 GB/s (pickling, zip records and CRCs, fresh
-tmpfs pages), so serializing a save inside ``save_checkpoint`` blocked a 374M-parameter run on
-an H200 for 7-10 s a save, against 0.1 s to copy the same bytes from the GPU into pinned host
-memory (docs/benchmarks.md). Here ``save`` only copies: each distinct tensor storage into a
-buffer kept from the save before last (pinned where CUDA is present), the structure around it
+``torch.save`` into ``/dev/shm`` is slow (pickling, zip records and CRCs, fresh tmpfs pages), so
+serializing a save inside ``save_checkpoint`` blocked a large run on a GPU for seventy to a
+hundred times as long as a copy of the same bytes from the GPU into pinned host memory
+(docs/PERFORMANCE.md, "Saving inside training"). Here ``save`` only copies: each distinct
+tensor storage into a buffer kept from the save before last (pinned where CUDA is present), the structure around it
 rebuilt as is, and a background thread writes the file with ``torch.save`` from that copy. The
 bytes are those ``torch.save`` of the original would write: tensors keep their storage sharing,
 offsets, strides, dtypes, ``requires_grad`` and Parameter type, and a storage copied from a GPU
@@ -22,8 +22,8 @@ time, and our tagger does the same.
 Memory is bounded at two snapshots: buffers alternate between two generations, and a save waits
 for the serialization of the save before last before it reuses that generation's buffers.
 
-Fresh memory is slow to touch (about 0.4 GB/s on this project's 2-core machines, against 6 GB/s
-for a copy into memory already mapped), so a save that allocates its buffers blocks for far
+Fresh memory is far slower to touch than memory already mapped is to copy into
+(docs/PERFORMANCE.md, "Fresh pages"), so a save that allocates its buffers blocks for far
 longer than one that reuses them. The first save must allocate; after it, the writer thread
 allocates and touches the second generation, with the first save's sizes, once that save's
 files are written. So the second save reuses too. A second save that comes before the writer
@@ -54,8 +54,8 @@ import torch
 
 from tailorstore.core.errors import StagingFailed, StoreError
 from tailorstore.core.failpoints import failpoint
+from tailorstore.core.host_memory import available_memory
 from tailorstore.core.local_files import Beneath, read_small, write_atomic
-from tailorstore.core.memory import available_memory
 from tailorstore.integrations.deepspeed.side_copy import SideCopies
 from tailorstore.integrations.deepspeed.staging import FAILED, WRITTEN
 
@@ -241,9 +241,9 @@ class Snapshots:
         save's last file is copied (:meth:`finish`).
 
         Serializing a file as soon as it was copied took a core from the copy of the save's next
-        file: on 2 cores, rank 0's 348 MB optimizer file took 0.108 s to copy while its model
-        states were being written, against 0.053 s on rank 1, which has no other file
-        (docs/benchmarks.md, "Training stall"). The copies are the stall; the writes are not."""
+        file: on 2 cores, rank 0's optimizer file took twice as long to copy while its model
+        states were being written as rank 1's, which has no other file (docs/PERFORMANCE.md,
+        "Saving inside training"). The copies are the stall; the writes are not."""
         event, self._landed = self._landed, None  # None: the copies were made on the host, already done
         self._held.append((tree, staged, real, event))
 

@@ -15,13 +15,13 @@ def mapped(path: str | os.PathLike) -> bool:
     optimizer states.
 
     Staged files lie in tmpfs, so a read copies every byte into fresh memory, and a private
-    mapping spares that copy: DeepSpeed copies the module's weights out of the loaded state into
-    its own parameters. It keeps the optimizer's moments as they were loaded, though (torch's
-    ``Optimizer.load_state_dict`` keeps a tensor that needs no cast), and training then writes
-    them in place. A mapped moment is then copied page by page on first write, which cost the
-    374M resume 6 s more than reading it (docs/benchmarks.md, "Time to resume"). Other files are
-    read, as DeepSpeed's own engine reads them; a file that someone else may cut short is never
-    mapped at all."""
+    mapping spares that copy: DeepSpeed copies the module's weights out of the loaded state
+    into its own parameters. It keeps the optimizer's moments as they were loaded, though
+    (torch's ``Optimizer.load_state_dict`` keeps a tensor that needs no cast), and training
+    then writes them in place. A mapped moment is then copied page by page on first write,
+    which cost a large resume far more than reading it (docs/PERFORMANCE.md, "Resuming from
+    staged files"). Other files are read, as DeepSpeed's own engine reads them; a file that
+    someone else may cut short is never mapped at all."""
     return is_model_states(Path(path).name)
 
 

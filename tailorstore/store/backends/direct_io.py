@@ -1,13 +1,13 @@
 """Big writes and reads around the page cache (``O_DIRECT``), with a buffered fallback.
 
-A checkpoint store moves gigabytes that nobody reads again soon: blobs at commit, output
-files at checkout. Sent through the page cache, every byte first needs a page the kernel
-must find, and on the machines we measured (VMs whose free memory the host has taken
-back) that runs at 0.3-0.6 GB/s, while ``O_DIRECT`` writes from a reused, aligned buffer
-reach 1.6 GB/s *durably* (docs/benchmarks.md). ``O_DIRECT`` wants the file offset, the
-length and the memory address aligned; these classes stage bytes through a per-thread,
-page-aligned buffer (a copy at memory speed) so that callers need not care. Where the file
-system refuses ``O_DIRECT`` (tmpfs, some network file systems) they write buffered.
+A checkpoint store moves gigabytes that nobody reads again soon: blobs at commit, output files at
+checkout. Sent through the page cache, every byte first needs a page the kernel must find, and on
+the machines we measured (VMs whose free memory the host has taken back) that is several times
+slower than ``O_DIRECT`` writes from a reused, aligned buffer, which are *durable* as well
+(docs/PERFORMANCE.md, "Through the page cache or around it"). ``O_DIRECT`` wants the file offset,
+the length and the memory address aligned; these classes stage bytes through a per-thread,
+page-aligned buffer (a copy at memory speed) so that callers need not care. Where the file system
+refuses ``O_DIRECT`` (tmpfs, some network file systems) they write buffered.
 """
 
 from __future__ import annotations
@@ -177,8 +177,8 @@ class SequentialWriter:
         """The whole pages left in the staging buffer go direct; the last partial page goes
         through the page cache (the file's end is a new page there, nothing to read first).
         Padding it and cutting the file back instead cost an ``ftruncate`` per file, which
-        waited for the journal: 2 ms a file with three writers busy, a tenth of a universal
-        checkpoint's 450 files' time."""
+        waited for the journal, a tenth of a universal checkpoint's time over its hundreds of
+        files (docs/PERFORMANCE.md, "Through the page cache or around it")."""
         if self._buf is None or not self._fill:
             return
         fill, whole = self._fill, _down(self._fill)
@@ -203,7 +203,7 @@ class RewritableWriter(SequentialWriter):
     changed pages go out direct, whole, at :meth:`close`. Any other overwrite of bytes written out
     is kept aside and written through the page cache at close, after the last direct write (a
     direct write never meets a dirty page of the same file); that costs the kernel a read of the
-    page from disk first, 0.5 ms a file with the disk busy, which the kept pages avoid.
+    page from disk first, which the kept pages avoid.
     """
 
     def __init__(self, path: os.PathLike | str, mode: int = 0o644, direct: bool = True) -> None:
@@ -377,9 +377,8 @@ class DirectReader:
 
     Once a whole block has been read, the next is read on a pool thread into a second buffer
     while the caller decodes this one, so a blob streams at the slower of the disk and the
-    decoder rather than at their sum: the 100M model's 82 MB embedding master decodes in
-    0.046 s instead of 0.067 s, and its export takes a median 0.651 s against 0.678 s (12
-    paired runs; docs/benchmarks.md has the conversions)."""
+    decoder rather than at their sum (docs/PERFORMANCE.md, "Through the page cache or around
+    it")."""
 
     def __init__(self, path: os.PathLike | str, start: int = 0, length: int | None = None) -> None:
         fd = _open_direct(path, os.O_RDONLY)

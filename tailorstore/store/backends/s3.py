@@ -219,7 +219,7 @@ class S3Backend:
         """S3's DeleteObjects: up to 1,000 keys a request, where a DELETE each is a round trip each
         (a gc that drops a hundred steps deletes thousands of blobs). ``fence`` is called before
         each request: a gc that stalled after its first request and lost its lease meanwhile must
-        send no second one (attack finding 1)."""
+        send no second one (I6, docs/FORMAT.md 8.1)."""
         wanted = [check_key(k) for k in keys]
         for start in range(0, len(wanted), _DELETE_MOST):
             some = wanted[start : start + _DELETE_MOST]

@@ -10,8 +10,9 @@ foreign keys keep manifests consistent; ``BEGIN IMMEDIATE`` makes two writers qu
 instead of failing midway. A store this process cannot write is opened read-only and
 immutable, so the read commands still work on it.
 
-sqlite-utils is not used: importing it costs about 0.24 s, more than `tailor log` may spend
-in total, and what it would give (bulk inserts, schema creation) is a few lines here.
+sqlite-utils is not used: importing it costs more than `tailor log` may spend in total
+(docs/PERFORMANCE.md, "Start-up: importing on first use"), and what it would give (bulk inserts,
+schema creation) is a few lines here.
 """
 
 from __future__ import annotations

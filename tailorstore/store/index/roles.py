@@ -1,9 +1,9 @@
 """Role views of the index: each operation sees only the few methods it declares.
 
 The index has some seventy methods, and :mod:`catalogue` declares the forty-odd that operations
-may use at all. A wide handle made every operation able to do everything: an AST test was all
-that kept gc from inserting manifests or a report from deleting blobs. Like restic's role
-interfaces (``Lister``, ``LoaderUnpacked``, ``MasterIndex``), each operation now declares a
+may use at all. A wide handle would make every operation able to do everything, with only an
+AST test to keep gc from inserting manifests or a report from deleting blobs. Like restic's role
+interfaces (``Lister``, ``LoaderUnpacked``, ``MasterIndex``), each operation declares a
 small ``Protocol`` of the index methods it needs, at most :data:`MOST_METHODS`, and asks the
 repository for it (``Repository.view(Role)``, ``Repository.transaction(Role)``). What it gets
 is a :class:`RoleView`: an object that answers those methods and refuses every other name at

@@ -16,7 +16,7 @@ from typing import Any
 
 import zstandard
 
-from tailorstore.core import metrics
+from tailorstore.core import metric_values
 from tailorstore.core.errors import Call, CorruptStoreError, RecordError
 from tailorstore.core.records import (
     ATOM_COLUMNS,
@@ -148,8 +148,8 @@ def _typed_document(doc: dict[str, Any], key: str) -> ManifestDocument:
     m["metrics"] = m.get("metrics")  # objects written before metrics have none
     manifest = record(ManifestRecord, {c: m[c] for c in MANIFEST_DOC_FIELDS if c in m})
     try:
-        metrics.decode(manifest.metrics)
-    except metrics.MetricError as exc:
+        metric_values.decode(manifest.metrics)
+    except metric_values.MetricError as exc:
         raise RecordError(f"metrics: {exc}") from None
     if not 0 <= manifest.step < 1 << 63:  # what the index (SQLite) and every selector can hold
         raise RecordError(f"step {manifest.step}")

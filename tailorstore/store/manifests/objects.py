@@ -50,9 +50,9 @@ def publish(
     """Write the manifest's object, create-only, from inside the transaction that records it; the
     caller writes its refs (``refs.write_refs``) only after this returns.
 
-    Refs come after the object, never before (attack finding 4): two hosts that publish one step
+    Refs come after the object, never before (I2, docs/FORMAT.md 8.1): two hosts that publish one step
     choose the same key, so a loser that had written refs first and took them back would delete
-    the winner's tag and pin, which name that same key. Now a loser has written nothing to take
+    the winner's tag and pin, which name that same key. So a loser has written nothing to take
     back, and gets :class:`StepExistsError`. A crash between the object and its refs leaves a
     step whose older version's refs still count for it (``keys.current_of``). ``fence`` (the
     store lock the caller holds) is checked just before the object is written: a process that

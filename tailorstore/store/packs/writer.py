@@ -1,7 +1,7 @@
 """Writing blobs: dedup first, then compress and write on both cores.
 
 The caller copies each piece out of its input file into private memory, hashes that copy
-(xxh3 runs at about 15 GB/s, so the main thread keeps up) and asks :meth:`BlobWriter.add`;
+(xxh3 runs many times faster than compression, so the main thread keeps up) and asks :meth:`BlobWriter.add`;
 the same copy is compressed, so a blob's bytes always match its name. A blob the index or
 this commit already has is never compressed or written again. New blobs go to a small
 thread pool: numpy, zstandard and os.write release the GIL, so compression and I/O of
@@ -24,24 +24,24 @@ from typing import Protocol
 
 from tailorstore.core.errors import BackendError, Call, InputChangedError, StoreError, is_out_of_space
 from tailorstore.core.object_keys import blob_key
+from tailorstore.core.piece_slab import SLAB_BYTES
 from tailorstore.core.records import BlobRecord
-from tailorstore.core.reused_memory import SLAB_BYTES
 from tailorstore.core.threads import compute_threads
 from tailorstore.store import codec
 from tailorstore.store.backends.base import Backend, BytesLike
 from tailorstore.store.packs.pack import PACK_BELOW, PackWriter
 
 # Raw bytes queued for compression at once: what the slab of reused piece memory holds
-# (reused_memory.py). A piece read while the queue holds more than the slab is fresh memory,
-# whose pages the kernel must zero on first touch; at 256 MB queued a 58M-model commit spent
-# 0.75-0.96 s of system time, at 128 MB 0.42-0.51 s, with a lower peak RSS (measured 2026-11-25).
+# (piece_slab.py). A piece read while the queue holds more than the slab is fresh memory,
+# whose pages the kernel must zero on first touch: twice the slab queued cost a commit nearly
+# twice the system time, and a higher peak RSS (docs/PERFORMANCE.md, "The blob writer's queue").
 IN_FLIGHT_BYTES = SLAB_BYTES
 # Pieces queued or being compressed at once, beyond the compression threads: one, read and
 # waiting for the next free thread. The loop reads faster than the threads compress, so a queue
 # bounded by bytes alone always filled all 128 MB, and in a fresh process (a `tailor commit`)
-# every byte of it was a fresh page to zero: with at most threads + 1 pieces, the 23M-model
-# commit's system time went from 0.30 to 0.23 s and its peak RSS from 202 to 145 MB, at the
-# same wall time (docs/benchmarks.md, "Cost per byte").
+# every byte of it was a fresh page to zero: with at most threads + 1 pieces, a commit spends
+# less system time and less peak RSS at the same wall time (docs/PERFORMANCE.md, "The blob
+# writer's queue").
 SPARE_PIECES = 1
 
 

@@ -1,12 +1,11 @@
 """Private copies of input pieces in memory that is touched once and handed out again.
 
 A commit copies every piece it stores out of its input file into private memory (the copy
-that is hashed is the copy that is compressed: formats/source.py). Fresh memory costs about
-0.4 GB/s on first touch on this machine kind, against about 12 GB/s for memory already
-mapped, and glibc returns large freed buffers to the kernel. The command line tunes glibc to
-keep them (memory.py), but a library must not change its host's allocator: inside a training
-process the same commit faulted in 7 to 10 times as many pages (22-38k against 3k per 813 MB
-save) and took about 0.05 s longer, on the cores the training loop needs.
+that is hashed is the copy that is compressed: formats/source.py). Fresh memory is far slower
+to touch than memory already mapped, and glibc returns large freed buffers to the kernel. The
+command line tunes glibc to keep them (host_memory.py), but a library must not change its host's
+allocator: inside a training process the same commit faulted in many times as many pages, on
+the cores the training loop needs (docs/PERFORMANCE.md, "Fresh pages").
 
 So pieces come from one slab per process, allocated on first use and kept: a commit inside
 training faults it in once, and every later commit reuses the same pages. A piece is an

@@ -1,12 +1,14 @@
-"""Keeping freed memory mapped, so that buffers are reused instead of faulted in afresh.
+"""The host process's memory: glibc's allocator told to keep freed memory mapped (the command
+line only), its free pages handed back after a save, and how much can still be allocated.
 
-On this machine kind, touching fresh memory runs at about 0.4 GB/s while copying into memory
-that is already mapped runs at about 12 GB/s. glibc hands large allocations (compressed blobs,
-decoded tensors) to mmap and unmaps them on free, so every new buffer is fresh memory. Raising
-the mmap threshold, serving every allocation from the heap and never trimming it makes glibc
-reuse the same pages; peak RSS is then the high-water mark of live buffers, which the commit
-pipeline bounds. Called by the command-line entry points only: a library
-should not change its host process's allocator.
+Touching fresh memory is far slower than copying into memory that is already mapped
+(docs/PERFORMANCE.md, "Fresh pages"). glibc hands large allocations (compressed blobs, decoded
+tensors) to mmap and unmaps them on free, so every new buffer is fresh memory. Raising the mmap
+threshold, serving every allocation from the heap and never trimming it makes glibc reuse the
+same pages; peak RSS is then the high-water mark of live buffers, which the commit pipeline
+bounds. Called by the command-line entry points only: a library should not change its host
+process's allocator (inside a library, pieces come from :mod:`piece_slab` instead, and streamed
+chunks from :mod:`thread_buffers`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from tailorstore.core.errors import LOCK_TIMEOUT, StoreError
-from tailorstore.core.metrics import checked, decode, encode
+from tailorstore.core.metric_values import checked, decode, encode
 from tailorstore.core.records import COMMIT
 from tailorstore.curate.refs import changing_a_step
 from tailorstore.store.publish import Revision, record_manifest

@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from tailorstore.core import memory
-from tailorstore.core.reused_memory import Slab
+from tailorstore.core import host_memory
+from tailorstore.core.piece_slab import Slab
 
 MB = 1 << 20
 
@@ -92,10 +92,10 @@ def test_tuning_the_allocator_starts_no_other_program(monkeypatch: pytest.Monkey
     def no_programs(*args: object, **kwargs: object) -> None:
         raise AssertionError(f"a program was started: {args[:1]}")
 
-    memory._libc.cache_clear()
+    host_memory._libc.cache_clear()
     monkeypatch.setattr(subprocess, "Popen", no_programs)
     monkeypatch.setattr(os, "posix_spawn", no_programs)
     try:
-        assert memory.reuse_freed_memory()
+        assert host_memory.reuse_freed_memory()
     finally:
-        memory._libc.cache_clear()
+        host_memory._libc.cache_clear()
