@@ -49,6 +49,7 @@ SUFFIX = ".distcp"
 MAX_METADATA = 1 << 30  # a 1 TB model's metadata is tens of MB
 MAX_NUMEL = 1 << 48
 MAX_DIMS = 64
+MAX_GRID_SLACK = 1024  # cells beyond four a chunk that a tensor's chunk edges may make (_check_tiling)
 MAX_NAME = 4096  # characters of an entry's name
 _FILE = re.compile(r"__(\d{1,6})_(\d{1,6})\.distcp")
 OPTIMIZER_TOPS = ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state")
@@ -182,6 +183,14 @@ class TensorInfo:
     dtype: str
     size: tuple[int, ...]
     chunks: list[Chunk]
+    _by_offsets: dict[tuple[int, ...], Chunk] | None = field(default=None, repr=False, compare=False)
+
+    def chunk_at(self, offsets: tuple[int, ...]) -> Chunk | None:
+        """The chunk at ``offsets`` (a dict built once: a storage item per chunk looked each up in
+        the whole list, quadratic in the chunks)."""
+        if self._by_offsets is None:
+            self._by_offsets = {c.offsets: c for c in self.chunks}
+        return self._by_offsets.get(offsets)
 
 
 @dataclass
@@ -285,26 +294,30 @@ def _check_tiling(fqn: str, shape: tuple[int, ...], chunks: list[Chunk], where: 
 
     ``dcp.save`` checks the same of its global plan (``_validate_global_plan``); a folder that
     fails it would be recorded as a step that no export, average or load could assemble.
-    The sweep along the first dimension compares only chunks whose rows meet, so a tensor
-    sharded by rows (FSDP) costs n log n, not n squared.
+
+    DCP's planners cut a tensor as a grid (rows under FSDP, columns under tensor parallelism, both
+    under 2-D parallelism), so the check lays the chunks on the grid their own edges make and
+    marks each cell once: work in proportion to the cells, which for a grid is the chunk count.
+    A layout whose edges make far more cells than there are chunks is no planner's and is refused,
+    so the work stays bounded whatever a hostile ``.metadata`` says. (A sweep along the first
+    dimension compared every pair of chunks sharded by columns: quadratic, docs/benchmarks.md.)
     """
-    boxes = sorted((c for c in chunks if c.numel), key=lambda c: c.offsets)
+    boxes = [c for c in chunks if c.numel]
     if sum(c.numel for c in boxes) != math.prod(shape):
         raise _bad(where, f"the chunks of {fqn} do not cover its size {list(shape)} exactly once")
-    active: list[Chunk] = []
+    edges = [sorted({0, size, *(c.offsets[d] for c in boxes), *(c.offsets[d] + c.sizes[d] for c in boxes)})
+             for d, size in enumerate(shape)]  # fmt: skip
+    cells = math.prod(len(cut) - 1 for cut in edges)
+    if cells > 4 * len(boxes) + MAX_GRID_SLACK:
+        raise _bad(where, f"the chunks of {fqn} are not laid out as a grid ({cells} cells for {len(boxes)} chunks)")
+    at = [{edge: i for i, edge in enumerate(cut)} for cut in edges]
+    marked: set[tuple[int, ...]] = set()
     for chunk in boxes:
-        start = chunk.offsets[0] if chunk.offsets else 0
-        active = [a for a in active if not a.offsets or a.offsets[0] + a.sizes[0] > start]
-        for other in active:
-            if _boxes_meet(chunk, other):
+        spans = [range(at[d][o], at[d][o + n]) for d, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True))]
+        for cell in itertools.product(*spans):
+            if cell in marked:
                 raise _bad(where, f"two chunks of {fqn} overlap at {list(chunk.offsets)}")
-        active.append(chunk)
-
-
-def _boxes_meet(a: Chunk, b: Chunk) -> bool:
-    return all(
-        oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
-    )
+            marked.add(cell)
 
 
 def _item(index: Any, info: Any, meta: DcpMetadata, where: str, file_sizes: dict[str, int]) -> Item:
@@ -331,7 +344,7 @@ def _item(index: Any, info: Any, meta: DcpMetadata, where: str, file_sizes: dict
     if tensor is None:
         raise _bad(where, f"{fqn} is stored but not described")
     at = getattr(index, "offset", None)
-    chunk = next((c for c in tensor.chunks if at is not None and tuple(at) == c.offsets), None)
+    chunk = tensor.chunk_at(tuple(at)) if isinstance(at, tuple | list) else None
     if chunk is None:
         raise _bad(where, f"{fqn} is stored at chunk offset {at}, which its description does not list")
     return Item(fqn, name, offset, length, chunk)
