@@ -273,6 +273,15 @@ def index_bytes(store: Path) -> int:
     return (pages - free) * size
 
 
+def index_tables(store: Path) -> dict[str, int]:
+    """Bytes of each table and index of the index (SQLite's ``dbstat``), where this SQLite has it."""
+    with sqlite3.connect(f"file:{store / 'index.sqlite'}?mode=ro", uri=True) as db:
+        try:
+            return dict(db.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name ORDER BY 2 DESC"))
+        except sqlite3.OperationalError:
+            return {}
+
+
 def tree_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
 
@@ -423,6 +432,7 @@ def ranks_case(model: str, world: int, steps: int, folder_steps: int, work: Path
             rows.append({"step": step, **row, **added(before, sizes(store_path))})
             print(json.dumps({"case": f"{model}-{world}", "writer": rows[-1]}), file=sys.stderr, flush=True)
     result["writer"] = {"steps": rows, "rss_before": rss_before, "peak_rss": rss()}  # the case's process, all ranks
+    result["index_tables"] = index_tables(store_path)
     folder_rows = []
     if folder_steps:
         folder_store = work / "store-folder"
@@ -479,6 +489,7 @@ def history_case(steps: int, gc_every: int, pin_every: int, keep_last: int, work
                 print(json.dumps({"history": row | {"elapsed_s": time.perf_counter() - began_all}}), file=sys.stderr,
                       flush=True)  # fmt: skip
         kept = store.log()
+    tables = index_tables(store_path)
     manifests = tree_bytes(store_path / "manifests")
     result: dict[str, Any] = {
         "layout": {"model": "7b", "ranks": 64, "chunks": layout.chunks}, "steps": steps, "gc_every": gc_every,
@@ -486,7 +497,8 @@ def history_case(steps: int, gc_every: int, pin_every: int, keep_last: int, work
         "index_bytes": index_bytes(store_path), "manifest_bytes_kept": manifests,
         "dcp_metadata_bytes_kept": sum(r["dcp_metadata_bytes"] for r in rows if r["step"] in {s.step for s in kept}),
         "every_step": rows if steps <= 100 else [r for r in rows if r["step"] <= 10 or r["step"] % 50 == 0],
-        "commit_s": [r["commit_s"] for r in rows], "gc_runs": gcs, "wall_s": time.perf_counter() - began_all,
+        "commit_s": [r["commit_s"] for r in rows], "gc_runs": gcs, "index_tables": tables,
+        "wall_s": time.perf_counter() - began_all,
     }  # fmt: skip
     result["operations"] = operations(store_path, layout, steps, steps - 1, gc_keep=keep_last)
     return result
@@ -533,6 +545,11 @@ def render(results: list[dict[str, Any]]) -> str:
             f"{r['case']} step {s['step']}: {_mb(s['metadata_added'])} ({_mb(s['index_added'])} index), "
             f"{s['commit_s']:.1f} s (parts {s['parts_s']:.1f} s, finish {s['finish_s']:.1f} s), DCP "
             f"{s['dcp_own_s']:.2f} s" for r in ranks for s in r["writer"]["steps"]) + "."]  # fmt: skip
+        for r in ranks:
+            tables, n = r.get("index_tables") or {}, r["layout"]["chunks"] * len(r["writer"]["steps"])
+            if tables:
+                lines += ["", f"{r['case']}'s index by table, bytes a chunk of a step ({n:,} chunks in the store): "
+                          + ", ".join(f"{k} {v / n:,.0f}" for k, v in tables.items() if v / n >= 1) + "."]  # fmt: skip
     if history:
         lines += ["", "| case | steps | kept | commit a step, first / last | index | manifest objects kept | "
                   "DCP `.metadata` of the kept steps | index / both | gc on the way, median |",
