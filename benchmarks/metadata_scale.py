@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sqlite3
@@ -569,6 +570,23 @@ def render(results: list[dict[str, Any]]) -> str:
         ops = r["operations"]
         cells = [f"{ops[n]['s']:.2f} s, {_mb(ops[n]['peak_rss'])}" for n in names]
         lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+    sevens = sorted((r for r in ranks if r["layout"]["model"] == "7b"), key=lambda r: r["layout"]["ranks"])
+    if len(sevens) > 1:  # growth exponents: log(b / a) / log(ranks_b / ranks_a), 7B from fewest to most ranks
+        a, b = sevens[0], sevens[-1]
+        k = math.log(b["layout"]["ranks"] / a["layout"]["ranks"])
+
+        def grows(get: Any) -> str:
+            return f"{math.log(get(b) / get(a)) / k:.2f}"
+
+        figures = {
+            "store metadata a step": lambda r: _median([s["metadata_added"] for s in r["writer"]["steps"]]),
+            "writer commit": lambda r: _median([s["commit_s"] for s in r["writer"]["steps"]]),
+            "DCP coordinator": lambda r: _median([s["dcp_own_s"] for s in r["writer"]["steps"]]),
+            **{f"`{n.replace('_', ' ')}`": (lambda r, n=n: r["operations"][n]["s"]) for n in names},
+            "resume plan, in its process": lambda r: r["operations"]["resume_one_rank"]["plan_s"],
+        }
+        lines += ["", f"Growth exponents from {a['case']} to {b['case']} (measured both): " + ", ".join(
+            f"{name} {grows(get)}" for name, get in figures.items()) + "."]  # fmt: skip
     resumes = [(r["case"], r["operations"]["resume_one_rank"]) for r in results]
     lines += ["", "One rank's resume, inside its process: " + "; ".join(
         f"{c}: plan {x['plan_s']:.2f} s ({x['items']:,} read items, peak RSS "
@@ -595,7 +613,10 @@ def extrapolate(results: list[dict[str, Any]]) -> str:
              f"{meta:,.0f} bytes of store metadata a chunk; DCP {dcp:,.0f} bytes and {own * 1e6:.0f} us a chunk).", "",
              "| case | chunks (exact) | writer commit a step | folder commit a step | store metadata a step | "
              "DCP `.metadata` | DCP coordinator |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    measured = {x["case"] for x in ranks}
     for model, world in (("7b", 256), ("7b", 1024), ("70b", 64), ("70b", 256), ("70b", 1024)):
+        if f"fsdp2-{model}-{world}" in measured:
+            continue
         n = Layout.of(model, world).chunks
         lines.append(f"| fsdp2-{model}-{world} | {n:,} | {n * commit / 60:.0f} min | {n * folder / 60:.0f} min | "
                      f"{_mb(n * meta)} | {_mb(n * dcp)} | {n * own:.0f} s |")  # fmt: skip
