@@ -11,6 +11,9 @@
   DeepSpeed's save on local disk, and from the store through ``attach``.
 
 Each figure is one run (the sizes take minutes each here). Writes JSON to stdout.
+
+``python -m benchmarks.scale --case ...`` (or ``--quick``) is the other scale, of metadata: ranks
+and steps with tiny tensors (benchmarks/metadata_scale.py).
 """
 
 from __future__ import annotations
@@ -133,4 +136,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if any(a == "--quick" or a.startswith("--case") for a in sys.argv[1:]):
+        from .metadata_scale import main as metadata_main
+
+        sys.exit(metadata_main())
     main()
