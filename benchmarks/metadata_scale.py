@@ -1,6 +1,6 @@
 """The metadata at scale: real steps at a thousand ranks and ten thousand steps, with tiny tensors.
 
-``python -m benchmarks.scale --case fsdp2-7b-64`` (``--quick``: the smallest case, 8 ranks, a test's)
+``python -m benchmarks.scale --case fsdp2-7b-64`` (``--quick``: the smallest case, 4 ranks, a test's)
 builds an FSDP2 save of a Llama layout as DCP plans it: the parameter names, the AdamW state and
 the param groups of a real ``get_state_dict`` of a Llama of the case's depth (32 blocks for 7B,
 80 for 70B), every parameter and both moments sharded along dim 0 over the case's ranks, so the
@@ -625,9 +625,9 @@ def extrapolate(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The slow tier's case: a 7B layout at 8 ranks, every count a 64-rank step has but eight times fewer
+# The slow tier's case: a 7B layout at 4 ranks, every count a 64-rank step has but sixteen times fewer
 # chunks (the 64-rank case costs the tier minutes; the figures come from the command line's cases).
-QUICK_CASE = "fsdp2-7b-8"
+QUICK_CASE = "fsdp2-7b-4"
 
 
 def main(argv: list[str] | None = None) -> int:

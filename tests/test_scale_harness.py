@@ -1,5 +1,5 @@
 """The metadata scale harness's smallest case (``python -m benchmarks.scale --quick``: a 7B Llama's
-FSDP2 layout at 8 ranks, two steps through the DCP writer, one DCP folder committed): it runs
+FSDP2 layout at 4 ranks, two steps through the DCP writer, one DCP folder committed): it runs
 end to end, and what it measures is what it says, DCP's side measured in the same run."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ def test_the_smallest_case_runs_and_its_figures_are_sane(tmp_path: Path) -> None
     assert main(["--quick", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
     found = json.loads(out.read_text())
     layout = found["layout"]
-    assert (layout["model"], layout["ranks"]) == ("7b", 8)
-    assert layout["chunks"] == 8 * layout["shards_a_rank"] and layout["shards_a_rank"] == 3 * (32 * 9 + 3)
+    assert (layout["model"], layout["ranks"]) == ("7b", 4)
+    assert layout["chunks"] == 4 * layout["shards_a_rank"] and layout["shards_a_rank"] == 3 * (32 * 9 + 3)
     steps = found["writer"]["steps"]
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps + found["folder"]["steps"]:
