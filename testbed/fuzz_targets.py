@@ -8,8 +8,9 @@ A target takes the bytes and a scratch folder, and reads them as tailorstore wou
 (``TailorError``), within the memory and time caps, and leaves no process-wide state changed (the
 seed reads back as it did). Nothing here imports torch but the two targets of torch's own
 ``weights_only`` loader (``formats/safe_load.py``: the fallback for files the torch-free reader hands
-back, and committed skeletons), which import it when they run and get the larger address-space cap
-of :data:`MEMORY_MB`; the others fit 512 MiB.
+back, and committed skeletons) and the job head (its package, the DeepSpeed integration's, imports
+torch), which import it when they run and get the larger address-space cap of :data:`MEMORY_MB`;
+the others fit 512 MiB.
 """
 
 from __future__ import annotations
@@ -184,6 +185,10 @@ TARGETS: dict[str, Target] = {
     "skeleton": skeleton,
 }
 # Address-space caps above the default: torch's import alone maps more than 512 MiB.
-MEMORY_MB: dict[str, int] = {"torch-fallback": 1536, "skeleton": 1536}
+MEMORY_MB: dict[str, int] = {"torch-fallback": 1536, "skeleton": 1536, "head": 1536}
 # Modules a target imports, imported before its inputs' time caps start (torch takes seconds).
-IMPORTS: dict[str, str] = dict.fromkeys(MEMORY_MB, "tailorstore.formats.safe_load")
+IMPORTS: dict[str, str] = {
+    "torch-fallback": "tailorstore.formats.safe_load",
+    "skeleton": "tailorstore.formats.safe_load",
+    "head": "tailorstore.integrations.deepspeed.head",  # its package imports torch (the engine)
+}

@@ -13,6 +13,7 @@ from conftest import Runs, as_of_step, copy_tree
 
 import tailorstore
 from tailorstore import BackgroundCommitError, BadCheckpointError, Store
+from tailorstore.integrations.common import StoreSession
 from testbed.compare import same_tree
 
 
@@ -99,7 +100,7 @@ def test_the_bound_on_commits_in_flight_waits_and_says_so(
     caplog.set_level(logging.INFO, logger="tailorstore")  # the wait is said at INFO (ordinary back-pressure)
     gate = threading.Event()
     with Store.init(tmp_path / "store", max_in_flight=1) as store:
-        blocker = store.background("a slow commit", lambda _store: gate.wait())  # holds the one slot
+        blocker = StoreSession(store).background("a slow commit", lambda _store: gate.wait())  # holds the one slot
         waited = threading.Thread(target=lambda: store.commit_async(saves[0]))
         waited.start()
         deadline = time.monotonic() + 30  # the message is logged just before the wait for the slot

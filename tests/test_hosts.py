@@ -155,11 +155,13 @@ def test_a_gc_stalled_past_its_lease_while_a_commit_ran_deletes_nothing(
 def test_two_hosts_committing_one_step_at_once_never_both_win(
     s3_server: LocalS3, s3_location: str, saves: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Both hosts pass their local checks (each sleeps just before it publishes), so only the
-    create-only write of the manifest object can decide: 20 rounds, one winner each."""
+    """Both hosts pass their local checks (each stops just before it publishes, and both go on only
+    once both have stopped there), so only the create-only write of the manifest object can decide:
+    20 rounds, one winner each. (A sleep before the publish let a host that started late on a loaded
+    machine meet the other's step in its own checks.)"""
     at3, at6 = saves
     envs = [
-        host_env(tmp_path / f"host-{h}", TAILOR_FAILPOINTS="before-publish=sleep:0.5", TAILOR_LOCK_TTL="120")
+        host_env(tmp_path / f"host-{h}", TAILOR_FAILPOINTS="before-publish=stop", TAILOR_LOCK_TTL="120")
         for h in "ab"
     ]
     assert run(envs[0], "init", s3_location).returncode == 0
@@ -170,6 +172,9 @@ def test_two_hosts_committing_one_step_at_once_never_both_win(
             start(env, "commit", str(save), "--step", step, "--store", s3_location)
             for env, save in zip(envs, (at3, at6), strict=True)
         ]
+        _until_stopped(procs)
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
         done = [(p, *p.communicate(timeout=300)) for p in procs]
         codes = sorted(p.returncode for p, _, _ in done)
         assert codes == [0, 2], [(p.returncode, err) for p, _, err in done]
@@ -189,6 +194,22 @@ def test_two_hosts_committing_one_step_at_once_never_both_win(
             tag_dir = next(winners[step].glob("global_step*")).name
             name = "mp_rank_00_model_states.pt"
             assert (out / tag_dir / name).read_bytes() == (winners[step] / tag_dir / name).read_bytes()
+
+
+def _until_stopped(procs: list[subprocess.Popen[str]], limit: float = 120.0) -> None:
+    """Every process stopped at its failpoint (SIGSTOP: state T), or the test fails."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        states = []
+        for p in procs:
+            assert p.poll() is None, ("a host ended before its publish", p.communicate())
+            states.append(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+        if all(state == "T" for state in states):
+            return
+        time.sleep(0.05)
+    for p in procs:
+        p.kill()
+    raise AssertionError("the hosts never both reached their publish")
 
 
 @contextlib.contextmanager
