@@ -12,12 +12,23 @@ points up is caught as well.
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def _parsed(path: str) -> ast.Module:
+    return ast.parse(Path(path).read_text(encoding="utf-8"))
+
+
+def _tree(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once for the whole file's tests (no test changes a tree)."""
+    return _parsed(str(path))
 RANK = {
     "core": 0,
     "formats": 1,
@@ -54,7 +65,7 @@ def layer_of_file(path: Path) -> str:
 
 def imports(path: Path) -> list[tuple[int, str]]:
     found = []
-    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+    for node in ast.walk(_tree(ROOT / path)):
         if isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.append((node.lineno, node.module))
             found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if node.module == "tailorstore"]
@@ -88,7 +99,7 @@ def test_no_relative_imports_and_no_module_left_on_the_top_level() -> None:
     relative = [
         f"{path}:{node.lineno}"
         for path in sources()
-        for node in ast.walk(ast.parse((ROOT / path).read_text()))
+        for node in ast.walk(_tree(ROOT / path))
         if isinstance(node, ast.ImportFrom) and node.level
     ]
     assert not relative, relative
@@ -222,7 +233,7 @@ def test_each_operation_sees_the_index_only_through_its_small_role() -> None:
         module = importlib.import_module(_module_name(path))
         roles = _roles_in(module)
         visitor = _RoleUse(module, roles)
-        visitor.visit(ast.parse((ROOT / path).read_text()))
+        visitor.visit(_tree(ROOT / path))
         for line, what, args in visitor.calls:  # a tensor's .view(dtype) names no class: not ours
             named = _role_named(module, args[0]) if len(args) == 1 else None
             protocol = getattr(named, "_is_protocol", False)  # numpy's .view(np.uint32) names a class too
@@ -275,7 +286,7 @@ def test_every_lock_timeout_defaults_to_the_one_constant() -> None:
 
     found, wrong = 0, []
     for path in [*Path("tailorstore").rglob("*.py"), *Path("cli").rglob("*.py")]:
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(path)):
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
             args = node.args
@@ -317,7 +328,7 @@ def test_the_integrations_share_one_set_of_rank_helpers() -> None:
     for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
         if path.name in ("ranks.py", "session.py"):  # the helpers, and the one session built over them
             continue
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") in (
                 "rank", "distributed", "is_distributed", "from_rank0_value", "barrier", "gathered", "local_world_size",
@@ -437,7 +448,7 @@ def test_no_integration_reaches_through_the_store_handle() -> None:
     for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
         if path == SEAM:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Attribute) and node.attr in STORE_INSIDES:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
     assert not found, "\n".join(found)
@@ -478,7 +489,7 @@ def test_the_store_is_the_users_surface_and_the_adapters_have_one_seam() -> None
     assert offered == OPERATIONS and not OPERATIONS & set(dir(Store)), sorted(offered ^ OPERATIONS)
     asked = []
     for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call):
                 func = node.value.func
                 if isinstance(func, ast.Name) and func.id == "StoreSession" and node.attr not in OPERATIONS | {"store"}:
@@ -530,7 +541,7 @@ def test_no_integration_flattens_an_error_into_a_string() -> None:
     ``from exc``, so the exception itself stays with it; no error is made of its words alone."""
     found = []
     for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
-        for handler in ast.walk(ast.parse(path.read_text())):
+        for handler in ast.walk(_tree(path)):
             if not isinstance(handler, ast.ExceptHandler) or handler.name is None:
                 continue
             chained = set()
@@ -572,7 +583,7 @@ def _store_imports(path: Path) -> list[tuple[int, str]]:
     """Every tailorstore module ``path`` imports, ``from tailorstore.store import parts`` as
     ``tailorstore.store.parts``."""
     found = []
-    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+    for node in ast.walk(_tree(ROOT / path)):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tailorstore":
             if node.module in ("tailorstore", "tailorstore.store"):
                 found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
@@ -627,7 +638,7 @@ def test_above_the_store_no_module_imports_its_internals() -> None:
 
 def _names(path: Path, line: int) -> list[str]:
     """The names a ``from ... import`` statement at ``line`` of ``path`` takes."""
-    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+    for node in ast.walk(_tree(ROOT / path)):
         if isinstance(node, ast.ImportFrom) and node.lineno == line:
             return [a.name for a in node.names]
     return []
@@ -641,7 +652,7 @@ def test_a_full_disk_is_told_by_one_rule() -> None:
     for path in sources():
         if path == Path("tailorstore/core/errors.py"):
             continue
-        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        for node in ast.walk(_tree(ROOT / path)):
             if isinstance(node, ast.Compare):
                 named = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
                 if named & {"ENOSPC", "EDQUOT"}:
@@ -654,7 +665,7 @@ def test_a_store_is_a_store_and_a_repository_a_repo() -> None:
     (131 parameters were ``store: Repository``, so a reader could not tell which one a function took)."""
     wrong = []
     for path in sources():
-        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        for node in ast.walk(_tree(ROOT / path)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
                     annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
@@ -689,7 +700,7 @@ def test_every_collective_of_the_integrations_goes_through_the_rank_session() ->
     for path in sorted((ROOT / "tailorstore" / "integrations").rglob("*.py")):
         if path.name in ("session.py", "ranks.py"):
             continue
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         from_ranks = {
             alias.asname or alias.name
             for node in ast.walk(tree)
