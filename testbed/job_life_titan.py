@@ -18,7 +18,7 @@ import torch.distributed as dist
 from testbed import job_life_train as common
 from testbed.job_life_dcp import weights_digest
 from testbed.teardown import exit_without_teardown
-from testbed.train_titan import Optimizers, Schedules, TrainState
+from testbed.train_titan import VOCAB, managed_training
 
 KEEP_LATEST_K = 2  # the manager's gc keeps two steps, so every schedule's later saves race a gc
 
@@ -32,31 +32,14 @@ def main(argv: list[str] | None = None) -> None:
     rank = dist.get_rank()
     common.say(args, rank, {"world_size": dist.get_world_size()})
 
-    from tailorstore.integrations.torchtitan import TailorCheckpointManager
-    from testbed.train_fsdp import build_model, sharded, train_step
+    from testbed.train_fsdp import train_step
 
-    vocab = 128
-    model = sharded(build_model(2, 64, vocab))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0 / (1 + step))
-    train_state = TrainState()
-    config = TailorCheckpointManager.Config(
-        enable=True,
-        store=args.store,
-        folder=args.save_dir,  # torchtitan's checkpoint.folder: nothing may be written there
-        interval=args.save_every,
-        keep_latest_k=KEEP_LATEST_K,
+    training = managed_training(
+        args.store, args.save_dir, interval=args.save_every, keep_latest_k=KEEP_LATEST_K,
         async_mode="async" if args.async_save else "disabled",
-        last_save_model_only=False,
-    )
-    manager = config.build(
-        dataloader=None,
-        model_parts=[model],
-        optimizers=Optimizers(model, optim),
-        lr_schedulers=Schedules(schedule),
-        states={"train_state": train_state},
-        sd_adapter=None,
-    )
+    )  # fmt: skip
+    model, optim, schedule = training.model, training.optim, training.schedule
+    train_state, manager = training.train_state, training.manager
     if not args.fresh:
         manager.load()
     start = train_state.step
@@ -65,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
 
     losses: dict[str, str] = {}
     for step in range(start + 1, args.steps + 1):
-        loss = train_step(model, optim, step + args.data_offset, vocab)
+        loss = train_step(model, optim, step + args.data_offset, VOCAB)
         schedule.step()
         train_state.step = step
         losses[str(step)] = loss.hex()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,50 @@ class TrainState:
         self.step = int(state["step"])
 
 
+VOCAB = 128
+
+
+@dataclass
+class ManagedTraining:
+    model: torch.nn.Module
+    optim: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    train_state: TrainState
+    manager: Any  # TailorCheckpointManager
+
+
+def managed_training(
+    store: str, folder: str, *, interval: int, keep_latest_k: int, async_mode: str, layers: int = 2
+) -> ManagedTraining:
+    """The tiny FSDP2 Llama, AdamW and its schedule, under torchtitan's manager over the store, as
+    torchtitan's trainer builds them (this script and the job-life simulation's torchtitan launches)."""
+    from tailorstore.integrations.dcp.torchtitan import TailorCheckpointManager
+    from testbed.train_fsdp import build_model, sharded
+
+    model = sharded(build_model(layers, 64, VOCAB))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0 / (1 + step))
+    train_state = TrainState()
+    config = TailorCheckpointManager.Config(
+        enable=True,
+        store=store,
+        folder=folder,  # torchtitan's checkpoint.folder: nothing may be written there
+        interval=interval,
+        keep_latest_k=keep_latest_k,
+        async_mode=async_mode,
+        last_save_model_only=False,  # the last step resumes too (torchtitan's default saves the model alone)
+    )
+    manager = config.build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=Optimizers(model, optim),
+        lr_schedulers=Schedules(schedule),
+        states={"train_state": train_state},
+        sd_adapter=None,
+    )
+    return ManagedTraining(model, optim, schedule, train_state, manager)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--store", required=True)
@@ -77,39 +122,22 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch.distributed as dist
 
-    from tailorstore.integrations.dcp.torchtitan import TailorCheckpointManager
-    from testbed.train_fsdp import build_model, sharded, train_step
+    from testbed.train_fsdp import train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    vocab = 128
-    model = sharded(build_model(args.layers, 64, vocab))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0 / (1 + step))
-    train_state = TrainState()
-    config = TailorCheckpointManager.Config(
-        enable=True,
-        store=args.store,
-        folder=args.folder,
-        interval=args.interval,
-        keep_latest_k=args.keep_latest_k,
-        async_mode=args.async_mode,
-        last_save_model_only=False,  # the last step resumes too (torchtitan's default saves the model alone)
-    )
-    manager = config.build(
-        dataloader=None,
-        model_parts=[model],
-        optimizers=Optimizers(model, optim),
-        lr_schedulers=Schedules(schedule),
-        states={"train_state": train_state},
-        sd_adapter=None,
-    )
+    training = managed_training(
+        args.store, args.folder, interval=args.interval, keep_latest_k=args.keep_latest_k,
+        async_mode=args.async_mode, layers=args.layers,
+    )  # fmt: skip
+    model, optim, schedule = training.model, training.optim, training.schedule
+    train_state, manager = training.train_state, training.manager
     manager.load()
     first = train_state.step + 1
     losses: list[float] = []
     for step in range(first, args.steps + 1):
-        losses.append(train_step(model, optim, step, vocab))
+        losses.append(train_step(model, optim, step, VOCAB))
         schedule.step()
         train_state.step = step
         manager.save(step, last_step=step == args.steps)

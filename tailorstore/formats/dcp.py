@@ -183,7 +183,7 @@ class TensorInfo:
     dtype: str
     size: tuple[int, ...]
     chunks: list[Chunk]
-    _by_offsets: dict[tuple[int, ...], Chunk] | None = field(default=None, repr=False, compare=False)
+    _by_offsets: dict[tuple[int, ...], Chunk] | None = field(default=None, init=False, repr=False, compare=False)
 
     def chunk_at(self, offsets: tuple[int, ...]) -> Chunk | None:
         """The chunk at ``offsets`` (a dict built once: a storage item per chunk looked each up in
