@@ -10,7 +10,9 @@ schedule:
   saving every 2 steps (testbed/job_life_train.py); or an FSDP2 training saving through the DCP
   writer and resuming through the reader (testbed/job_life_dcp.py), sync or async; or, named
   (``--integration titan``), through torchtitan's manager with ``keep_latest_k``
-  (testbed/job_life_titan.py);
+  (testbed/job_life_titan.py); or (``--integration hf``, ``hf-delete``) the HF Trainer with
+  DeepSpeed, ``TailorCallback`` committing each ``checkpoint-N`` and ``checkout_for_resume``
+  resuming (testbed/job_life_hf.py);
 - a fault on the save's whole path: SIGKILL of one rank or of all before ``save_checkpoint``, as
   it returns, a moment later (while the copy, the staging writes or the commit run), after the
   next step, or at one of the commit's own requests (a blob's put, the manifest's create-only
@@ -106,6 +108,9 @@ INTEGRATIONS = {
     # named, never drawn (so that every drawn seed keeps its schedule): torchtitan's manager
     "titan": ("testbed.job_life_titan", []),  # TailorCheckpointManager, keep_latest_k beside the saves
     "titan-async": ("testbed.job_life_titan", ["--async-save"]),  # its async_mode="async"
+    # the HF Trainer with DeepSpeed, TailorCallback committing, checkout_for_resume resuming
+    "hf": ("testbed.job_life_hf", []),
+    "hf-delete": ("testbed.job_life_hf", ["--delete-after-commit"]),  # each folder deleted once durable
 }
 DRAWN = ("deepspeed", "dcp", "dcp-async")  # what schedule_for draws from a seed alone
 # the store's own kill points a DCP save reaches: each rank's part, the coordinator's finalize
@@ -140,6 +145,7 @@ class Schedule:
             extra = f" {launch.on_existing}" if launch.on_existing != "branch" else ""
             parts.append(f"L{i}[{launch.nproc}r {how}{extra}{fault}]")
         what = f"ZeRO-{self.stage}" if self.integration == "deepspeed" else self.integration
+        what += f" ZeRO-{self.stage}" if self.integration.startswith("hf") else ""
         return f"seed {self.seed} {what}: " + " ".join(parts)
 
 
@@ -175,6 +181,8 @@ def schedule_for(seed: int, integration: str | None = None, faults: str = "kills
     first = rng.choice([1, 2])
     if faults == "stalls":
         return _stalls_schedule(seed, rng, stage, first)
+    if integration is not None and integration.startswith("hf"):
+        return _hf_schedule(seed, rng, integration, stage, first)
     if integration is not None and integration not in DRAWN:
         return _dcp_schedule(seed, rng, integration, first)
     integration = drawn
@@ -220,6 +228,18 @@ def _dcp_schedule(seed: int, rng: random.Random, integration: str, first: int) -
         launches.append(Launch(restart, failpoints="part/put-create=kill"))
     launches.append(Launch(rng.choice([1, 2]), steps=STEPS + SAVE_EVERY))
     return Schedule(seed, 0, tuple(launches), integration)
+
+
+def _hf_schedule(seed: int, rng: random.Random, integration: str, stage: int, first: int) -> Schedule:
+    """An HF Trainer schedule: the callback's commits, faulted (a rank-parallel commit's parts and
+    finalize at 2 ranks, a plain commit at 1); restarts through ``checkout_for_resume``."""
+    points = STORE_POINTS + DCP_STORE_POINTS[:4] if first > 1 else STORE_POINTS
+    launches = [Launch(first, fresh=True, **_fault(rng, first, STEPS, SAVE_EVERY, points))]
+    restart = rng.choice([1, 2])
+    if rng.random() < 0.25:  # the restart killed too, in its first save's commit
+        launches.append(Launch(restart, **_fault(rng, restart, STEPS, STEPS, points)))
+    launches.append(Launch(rng.choice([1, 2]), steps=STEPS + SAVE_EVERY))
+    return Schedule(seed, stage, tuple(launches), integration)
 
 
 @dataclass
@@ -342,7 +362,7 @@ def _reference_losses(schedule: Schedule, nproc: int, cache: dict[tuple, dict[st
     """An uninterrupted run's losses, steps 1 to the longest launch's (:data:`LONGEST`), at this
     integration, stage and world size."""
     stage = schedule.stage
-    key = (schedule.integration.removesuffix("-async"), stage, nproc)
+    key = (schedule.integration.removesuffix("-async").removesuffix("-delete"), stage, nproc)
     if key not in cache:
         with tempfile.TemporaryDirectory(prefix="tailor-joblife-ref-") as tmp:
             job = _Job(Path(tmp), stage, schedule.integration)

@@ -7,10 +7,11 @@
     trainer = Trainer(..., callbacks=[TailorCallback("ckpt-store", delete_after_commit=True)])
     trainer.train()
 
-    # to resume: check out the latest step and hand the folder to the Trainer as it is
-    with tailorstore.Store.open("ckpt-store") as store:
-        store.checkout("latest", "restored/checkpoint-latest")
-    trainer.train(resume_from_checkpoint="restored/checkpoint-latest")
+    # to resume (on every rank): the store's newest step of the run, checked out for this world size
+    from tailorstore.integrations.hf import checkout_for_resume
+
+    folder = checkout_for_resume("ckpt-store", "restored")  # None: the run holds no step yet
+    trainer.train(resume_from_checkpoint=folder)
 
 In a distributed run the commit is rank-parallel, under every policy
 (:mod:`tailorstore.integrations.common.distributed`): every rank writes its own files' blobs, the
@@ -26,6 +27,8 @@ never reads a folder the Trainer is deleting.
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -39,7 +42,7 @@ from tailorstore.core.errors import MetricError, StoreError
 from tailorstore.core.metric_values import checked
 from tailorstore.core.policies import Policy, policy_spec
 from tailorstore.integrations.common.distributed import RankParallelResult, commit_rank_parallel
-from tailorstore.integrations.common.ranks import is_distributed, rank
+from tailorstore.integrations.common.ranks import is_distributed, local_rank_and_size, rank
 from tailorstore.integrations.common.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.common.session import Session
 from tailorstore.integrations.common.store_session import StoreSession
@@ -179,3 +182,79 @@ class TailorCallback(TrainerCallback):
         if self._store is not None and not isinstance(self._store_arg, Store):
             self._store.close()
             self._store = None
+
+
+def checkout_for_resume(
+    store: Store | str | os.PathLike, into: str | os.PathLike, *, ref: str | None = None
+) -> str | None:
+    """The folder to hand to ``trainer.train(resume_from_checkpoint=...)``: ``ref`` (default: the
+    newest whole step of the store's run) checked out under ``into`` as ``checkpoint-N``, for this
+    job's world size; None where the run holds no step yet (train from the start).
+
+    Collective in a distributed run (every rank calls it, after the Trainer is built): the step is
+    chosen once, on global rank 0, by its manifest id, so no rank can resume another step (a
+    commit landing meanwhile, or a folder one rank sees and another does not); each node's first
+    rank checks it out, every byte hash-checked, into a fresh folder renamed into place, so a
+    killed checkout never leaves a half folder under the name the Trainer loads. Every rank returns
+    the same path, or raises the same :class:`RanksFailedError`."""
+    session = Session.open()
+    world = dist.get_world_size() if is_distributed() else 1
+
+    def choose() -> tuple[str, int, int | None] | None:
+        with _opened(store) as handle:
+            if ref is not None:
+                chosen = handle.step(ref)
+            else:
+                whole = [s for s in handle.log() if s.tier is None]
+                if not whole:
+                    return None
+                chosen = max(whole, key=lambda s: (s.step, s.created_at))
+            return chosen.id, chosen.step, chosen.world_size
+
+    decided = session.decide(choose, "choosing the step to resume")
+    if decided is None:
+        return None
+    ident, step, saved_world = decided
+    target = Path(into) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+
+    def fetch() -> None:
+        if local_rank_and_size()[0] != 0:
+            return  # the node's first rank writes the node's copy
+        resharded = saved_world is not None and saved_world != world
+        with _opened(store) as handle:
+            _checkout_into(handle, f"id={ident}", target, world if resharded else None)
+
+    session.all_or_none(fetch, f"checking out step {step} to resume")
+    return str(target)
+
+
+class _opened:
+    """``store`` as a Store: the one given (left open), or one opened from its path (closed after)."""
+
+    def __init__(self, store: Store | str | os.PathLike) -> None:
+        self.given = store
+
+    def __enter__(self) -> Store:
+        self.store = self.given if isinstance(self.given, Store) else Store.open(self.given)
+        return self.store
+
+    def __exit__(self, *exc: object) -> None:
+        if not isinstance(self.given, Store):
+            self.store.close()
+
+
+def _checkout_into(store: Store, ref: str, target: Path, world_size: int | None) -> None:
+    """``ref`` checked out as ``target``: written beside it under a name of its own, then renamed
+    in; a folder already there (an earlier resume's) is moved aside first and removed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fresh = target.parent / f".{target.name}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        store.checkout(ref, fresh, world_size=world_size)
+        if target.exists() or target.is_symlink():
+            aside = target.parent / f".{target.name}.{uuid.uuid4().hex[:12]}.old"
+            os.rename(target, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        os.rename(fresh, target)
+    finally:
+        if fresh.exists():
+            shutil.rmtree(fresh, ignore_errors=True)

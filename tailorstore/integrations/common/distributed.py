@@ -19,6 +19,7 @@ published; a failed finalize keeps them, for a later ``Store.finalize`` (or
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -60,12 +61,16 @@ def commit_rank_parallel(
     else the usable cores divided among the node's ranks). ``policy`` (and its parameters) is
     decided once for every rank, from all ranks' surveys (ingest/rank_plan.py): the manifest is
     the one a single-process commit of the save with that policy records. ``label`` marks the
-    parts (and the finalize takes only them); ``owns`` says which files each member commits
-    (default: DeepSpeed's rank R's files are group rank R's). ``metrics`` (rank 0's) are recorded
-    with the step."""
+    parts (and the finalize takes only them; without one, a label is chosen for this call, so the
+    parts a killed try of the same step left are never taken for this one's); ``owns`` says which
+    files each member commits (default: DeepSpeed's rank R's files are group rank R's).
+    ``metrics`` (rank 0's) are recorded with the step."""
     if not is_distributed():
         raise StoreError("commit_rank_parallel needs torch.distributed initialized; use Store.commit in one process.")
-    Session(group).barrier()  # every rank has finished writing its files before any rank reads the folder
+    session = Session(group)
+    session.barrier()  # every rank has finished writing its files before any rank reads the folder
+    if not label:  # the parts of this try alone are finalized, never a killed try's of the same step
+        label = session.decide(lambda: f"together.{uuid.uuid4().hex[:16]}", "choosing the save's label")
     return StoreSession(store).commit_together(
         path,
         TorchGroup(group),

@@ -23,7 +23,7 @@ from tailorstore.core.errors import StoreError, UnknownStepError
 from tailorstore.integrations.common.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.common.store_session import COMMIT, is_model_states, load_torch_file, read_latest
 from tailorstore.integrations.deepspeed import resume, serving
-from tailorstore.integrations.deepspeed.head import read_head
+from tailorstore.integrations.deepspeed.head import HEAD_FILE, read_head
 from tailorstore.integrations.deepspeed.helpers import RESTORE_PREFIX, log, step_of_tag
 from tailorstore.integrations.deepspeed.staged_reads import below, load_staged
 from tailorstore.integrations.deepspeed.startup import Started
@@ -175,14 +175,15 @@ class LoadPath:
             )
             found = resume.find(store, f"{run}:step={head.step}")
         if head is not None and from_latest and found.step != head.step and found.created_at < head.created_at:
-            log.warning(
-                "tailorstore: %s names step %d, which this training never committed (it stopped first); the "
-                "step %d in run %r is older than the last one it committed, from a timeline it went back from, "
-                "so it resumes from step %d, the last step it committed",
+            log.warning(  # what is known, no more: how the two came apart (a stale latest, a rewind) is not
+                "tailorstore: %s names step %d; run %r holds a step %d recorded before step %d, the last step "
+                "this training committed (%s), so it resumes from step %d",
                 load_dir / "latest",
                 found.step,
-                found.step,
                 run,
+                found.step,
+                head.step,
+                HEAD_FILE,
                 head.step,
             )
             found = resume.find(store, f"{run}:step={head.step}")
