@@ -205,7 +205,7 @@ class Store:
             force=force,
             run=self.run,
             lock_timeout=lock_timeout,
-            on_wait=(progress or Silent()).note,
+            progress=progress or Silent(),
             label=label,
             metrics=encode_metrics(metrics),
         )
@@ -281,7 +281,6 @@ class Store:
             Path(out),
             trust_pickles=trust_pickles,
             progress=progress,
-            warn=(progress or Silent()).warn,
             threads=threads,
             ranks=ranks,
         )
@@ -347,7 +346,6 @@ class Store:
             max_shard_size=max_shard_size,
             config=None if config is None else Path(config),
             progress=progress,
-            warn=(progress or Silent()).warn,
         )
 
     def log(self, *, run: str | None = None) -> list[StepSummary]:
@@ -484,7 +482,7 @@ class Store:
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,
-            on_wait=(progress or Silent()).note,
+            progress=progress or Silent(),
             show_plan=show_plan,
             clear_notices=clear_notices,
         )
@@ -554,7 +552,7 @@ def _commit(
     # `gc` and `verify`.
     from tailorstore.ingest.commit import commit_checkpoint
 
-    result = commit_checkpoint(repo, path, options, progress=progress, on_wait=(progress or Silent()).note)
+    result = commit_checkpoint(repo, path, options, progress=progress or Silent())
     if delete_after_commit:
         from tailorstore.ingest.deletion import delete_once_durable
 

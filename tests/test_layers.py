@@ -775,3 +775,17 @@ def test_no_test_names_an_issue_by_number() -> None:
                 if match := ISSUE_NUMBER.search(line):
                     wrong.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_function_takes_a_callback_per_concern() -> None:
+    """The house, third step, item 5: one ``Progress`` all the way down. What a verb waits for and
+    warns of reaches its caller through the ``progress`` it was given (``note``, ``warn``), so no
+    function of the library, at any layer, takes an ``on_wait``, ``on_stale`` or ``warn``."""
+    found = []
+    for path in sources():
+        for node in ast.walk(_tree(ROOT / path)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                every = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                named = [a.arg for a in every if a.arg in ("on_wait", "on_stale", "warn", "on_progress")]
+                found += [f"{path}:{node.lineno}: {node.name}({n})" for n in named]
+    assert not found, "\n".join(found)

@@ -15,11 +15,22 @@ import pytest
 from conftest import tailor
 
 from tailorstore.core.errors import LeaseLostError, LockTimeoutError
+from tailorstore.core.progress import Silent
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.backends.location import resolve
 from tailorstore.store.backends.posix import PosixBackend
 from tailorstore.store.lease import LOCK_PREFIX, lease_lock
 from tailorstore.store.repo import Repository
+
+
+class Heard(Silent):
+    """A progress that keeps what the lock said while it waited or cleaned up."""
+
+    def __init__(self, notes: list[str]) -> None:
+        self.notes = notes
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
 
 
 def plant(
@@ -38,7 +49,7 @@ def test_shared_leases_coexist_and_exclusive_waits_for_them(backend: Backend) ->
     with lease_lock(backend, exclusive=False, timeout=1), lease_lock(backend, exclusive=False, timeout=1):
         assert len(list(backend.list(LOCK_PREFIX))) == 2
         with pytest.raises(LockTimeoutError, match=r"shared lock of pid \d+ on") as caught:
-            with lease_lock(backend, exclusive=True, timeout=0.5, on_wait=waits.append):
+            with lease_lock(backend, exclusive=True, timeout=0.5, progress=Heard(waits)):
                 pass
         assert "lease expires" in str(caught.value)
         assert waits and "waiting for the exclusive store lock" in waits[0]
@@ -62,7 +73,7 @@ def test_stale_leases_are_removed_with_a_message(backend: Backend) -> None:
     here = socket.gethostname()
     dead_here = plant(backend, "here", exclusive=True, host=here, pid=gone_pid, expires=time.time() + 60)
     notes: list[str] = []
-    with lease_lock(backend, exclusive=False, timeout=1, on_stale=notes.append):
+    with lease_lock(backend, exclusive=False, timeout=1, progress=Heard(notes)):
         keys = set(backend.list(LOCK_PREFIX))
         assert expired not in keys and dead_here not in keys and live in keys
     assert any("stale exclusive lock of pid 1 on far-away" in n for n in notes)

@@ -17,6 +17,7 @@ from conftest import TAILOR_EVERY, TAILOR_STEPS, Runs, as_of_step, index_db, tai
 from tailorstore.core import atom_types as A
 from tailorstore.core.layers import block_index
 from tailorstore.core.policies import PolicySpec
+from tailorstore.core.progress import Silent
 from tailorstore.formats.layout import detect
 from tailorstore.formats.reader import read_checkpoint
 from tailorstore.formats.tensors import dtype_from_name
@@ -28,6 +29,17 @@ from testbed.runs import train_tiny
 
 SAVES = list(range(TAILOR_EVERY, TAILOR_STEPS + 1, TAILOR_EVERY))
 KINDS = (A.WEIGHT, A.MASTER, A.EXP_AVG, A.EXP_AVG_SQ)
+
+
+
+class Warned(Silent):
+    """A progress that keeps the warnings a verb gave."""
+
+    def __init__(self, warnings: list[str]) -> None:
+        self.warnings = warnings
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
 
 
 def commit_series(store: Repository, save_dir: Path, work: Path, policy: PolicySpec) -> None:
@@ -138,7 +150,7 @@ def test_parity_halves_blocks_and_composites_resume(config: str, runs: Runs, tmp
         assert any(v != step for v in sources.values())
         restored = tmp_path / f"composite{step}"
         warnings: list[str] = []
-        checkout_step(parity, f"step={step}", restored, warn=warnings.append)
+        checkout_step(parity, f"step={step}", restored, progress=Warned(warnings))
         assert warnings and "composite" in warnings[0] and f"from step {step - TAILOR_EVERY}" in warnings[0]
         assert_layers_from_sources(restored, run.save_dir, sources, tmp_path / f"cmp{step}")
         assert_zip_crcs_hold(restored)
@@ -256,7 +268,7 @@ def test_budget_policy_spends_its_bytes_on_the_layers_that_moved_most(runs: Runs
         x["layer"]: x["source_step"]
         for x in index_db(store).execute("SELECT layer, source_step FROM layers WHERE manifest=?", (rows[-1]["id"],))
     }
-    checkout_step(store, f"step={rows[-1]['step']}", tmp_path / "composite", warn=lambda _: None)
+    checkout_step(store, f"step={rows[-1]['step']}", tmp_path / "composite", progress=Warned([]))
     assert_layers_from_sources(tmp_path / "composite", run.save_dir, sources, tmp_path / "cmp")
 
 

@@ -58,6 +58,7 @@ from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.metric_values import checked as checked_metrics
 from tailorstore.core.metric_values import decode as decode_metrics
 from tailorstore.core.object_keys import blob_key
+from tailorstore.core.progress import Progress
 from tailorstore.core.records import (
     COMMIT,
     MAIN_RUN,
@@ -536,12 +537,12 @@ def gc(
     dry_run: bool = False,
     drop_parts: bool = False,
     lock_timeout: float = LOCK_TIMEOUT,
-    on_wait: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
     show_plan: Callable[[GcPlan], None] | None = None,
     clear_notices: bool = False,
 ) -> GcPlan:
     with operation("gc"):
-        return _gc(repo, rules, dry_run, drop_parts, lock_timeout, on_wait, show_plan, clear_notices)
+        return _gc(repo, rules, dry_run, drop_parts, lock_timeout, progress, show_plan, clear_notices)
 
 
 def _gc(
@@ -550,7 +551,7 @@ def _gc(
     dry_run: bool,
     drop_parts: bool,
     lock_timeout: float,
-    on_wait: Callable[[str], None] | None,
+    progress: Progress | None,
     show_plan: Callable[[GcPlan], None] | None,
     clear_notices: bool,
 ) -> GcPlan:
@@ -558,7 +559,7 @@ def _gc(
     and superseded objects; one transaction dropping manifests and rows; repack; delete blob and
     pack objects; temp files. Every deletion request is fenced on its own (``delete_many``)."""
     written = 0
-    with repo.lock(exclusive=True, timeout=lock_timeout, on_wait=on_wait) as lock:
+    with repo.lock(exclusive=True, timeout=lock_timeout, progress=progress) as lock:
         by_time = lock.by_time  # a lease: its deletions announce themselves first (gc_notices)
         listed = gc_notices.publications(repo.backend) if by_time and not dry_run else set()
         repo.refresh(lock)  # what other hosts recorded before this lock was taken

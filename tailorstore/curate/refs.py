@@ -20,6 +20,7 @@ from typing import Protocol
 
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, LeaseLostError, LockTimeoutError, StepExistsError, StoreError
 from tailorstore.core.failpoints import operation
+from tailorstore.core.progress import Progress
 from tailorstore.core.records import ManifestRecord, RunRecord
 from tailorstore.core.step_rules import check_tag
 from tailorstore.store.lease import LeaseHandle
@@ -47,12 +48,12 @@ class RefEdits(RefSource, Protocol):
 
 @contextmanager
 def changing_a_step(
-    repo: Repository, what: str, lock_timeout: float, on_wait: Callable[[str], None] | None = None
+    repo: Repository, what: str, lock_timeout: float, progress: Progress | None = None
 ) -> Iterator[LockHandle | LeaseHandle]:
     """The store lock, shared, with the index brought up to date under it: how a change of one
     step's refs or record begins (the module's call order; curate/adding_metrics.py too)."""
     repo.refuse_writes()
-    with operation(what), repo.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
+    with operation(what), repo.lock(exclusive=False, timeout=lock_timeout, progress=progress) as lock:
         repo.refresh(lock)
         yield lock
 
@@ -64,10 +65,10 @@ def tag(
     *,
     force: bool = False,
     lock_timeout: float = LOCK_TIMEOUT,
-    on_wait: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> int:
     check_tag(name)
-    with changing_a_step(repo, "tag", lock_timeout, on_wait) as lock:
+    with changing_a_step(repo, "tag", lock_timeout, progress) as lock:
         manifest = repo.resolve(selector)
         with repo.transaction(RefEdits) as edit:
             holder = edit.tagged(name)
@@ -116,10 +117,10 @@ def _back_off_if_dropping(repo: Repository, manifest: int, undo: Callable[[], No
 
 
 def untag(
-    repo: Repository, name: str, *, lock_timeout: float = LOCK_TIMEOUT, on_wait: Callable[[str], None] | None = None
+    repo: Repository, name: str, *, lock_timeout: float = LOCK_TIMEOUT, progress: Progress | None = None
 ) -> int:
     """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
-    with changing_a_step(repo, "untag", lock_timeout, on_wait) as lock:
+    with changing_a_step(repo, "untag", lock_timeout, progress) as lock:
         holder = repo.view(RefEdits).tagged(name)
         if holder is None:
             raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
@@ -136,9 +137,9 @@ def pin(
     pinned: bool = True,
     *,
     lock_timeout: float = LOCK_TIMEOUT,
-    on_wait: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> int:
-    with changing_a_step(repo, "pin" if pinned else "unpin", lock_timeout, on_wait) as lock:
+    with changing_a_step(repo, "pin" if pinned else "unpin", lock_timeout, progress) as lock:
         manifest = repo.resolve(selector)
         with repo.transaction(RefEdits) as edit:
             edit.set_pinned(manifest, pinned)
@@ -159,9 +160,9 @@ def remove(
     *,
     force: bool = False,
     lock_timeout: float = LOCK_TIMEOUT,
-    on_wait: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> int:
-    with changing_a_step(repo, "rm", lock_timeout, on_wait) as lock:
+    with changing_a_step(repo, "rm", lock_timeout, progress) as lock:
         manifest = repo.resolve(selector)
         record = repo.manifest(manifest)
         if (record.pinned or record.tag) and not force:

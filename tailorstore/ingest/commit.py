@@ -298,12 +298,11 @@ def commit_checkpoint(
     ckpt_dir: Path,
     options: CommitOptions | None = None,
     progress: Progress | None = None,
-    on_wait: Callable[[str], None] | None = None,
 ) -> CommitResult:
     options = options or CommitOptions()
     check_options(options)
     layout = detect_input(repo, Path(ckpt_dir), part=options.part)
-    return commit_layout(repo, layout, str(Path(ckpt_dir).resolve()), options, progress, on_wait)
+    return commit_layout(repo, layout, str(Path(ckpt_dir).resolve()), options, progress)
 
 
 def commit_layout(
@@ -312,7 +311,6 @@ def commit_layout(
     source: str,
     options: CommitOptions,
     progress: Progress | None = None,
-    on_wait: Callable[[str], None] | None = None,
 ) -> CommitResult:
     """Commit the files of ``layout`` (a folder on disk, or a memory folder the DCP writer filled);
     ``source`` is what the step records it came from."""
@@ -329,7 +327,7 @@ def commit_layout(
 
     with (
         operation("part" if options.part else "commit"),
-        repo.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock,
+        repo.lock(exclusive=False, timeout=options.lock_timeout, progress=progress) as lock,
     ):
         # What other hosts recorded or dropped before this lock was taken: inheritance must not
         # name a manifest (and blobs) another host's gc removed since this store was opened.

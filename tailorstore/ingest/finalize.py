@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -41,6 +40,7 @@ from tailorstore.core.errors import (
 from tailorstore.core.failpoints import operation
 from tailorstore.core.object_keys import blob_key
 from tailorstore.core.policies import PolicySpec
+from tailorstore.core.progress import Progress
 from tailorstore.core.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
 from tailorstore.core.step_rules import check_tag
 from tailorstore.formats import dcp
@@ -259,7 +259,7 @@ def finalize_step(
     force: bool = False,
     run: str = MAIN_RUN,
     lock_timeout: float = LOCK_TIMEOUT,
-    on_wait: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
     label: str | None = None,
     metrics: str | None = None,
 ) -> FinalizeResult:
@@ -271,7 +271,7 @@ def finalize_step(
     check_run_name(run)
     if tag:
         check_tag(tag)
-    with operation("finalize"), repo.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
+    with operation("finalize"), repo.lock(exclusive=False, timeout=lock_timeout, progress=progress) as lock:
         repo.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
         parts = read_parts(repo.backend, step, run, label)
         if not parts:

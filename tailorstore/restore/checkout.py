@@ -51,7 +51,6 @@ def checkout_step(
     *,
     trust_pickles: bool = False,
     progress: Progress | None = None,
-    warn: Callable[[str], None] | None = None,
     threads: int | None = None,
     ranks: Sequence[int] | None = None,
 ) -> CheckoutResult:
@@ -66,9 +65,9 @@ def checkout_step(
     if ranks is not None:  # one node's share: the files its data-parallel ranks load
         files = [f for f in files if loaded_by(PurePosixPath(f.path).name, set(ranks))]
     inherited = inherited_layers(repo, manifest)
-    if inherited and warn:
+    if inherited:
         names = ", ".join(f"{layer} (from step {src})" for layer, src in sorted(inherited.items()))
-        warn(f"step {step} is a composite: these layers come from other steps: {names}")
+        progress.warn(f"step {step} is a composite: these layers come from other steps: {names}")
     for row in files:
         safe_join(out, row.path)  # refuse before writing anything
         if row.trusted and not trust_pickles:

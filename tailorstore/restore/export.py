@@ -22,7 +22,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -166,7 +166,6 @@ def export_step(
     max_shard_size: str = DEFAULT_SHARD_SIZE,
     config: Path | None = None,
     progress: Progress | None = None,
-    warn: Callable[[str], None] | None = None,
 ) -> ExportResult:
     """Write the step ``selector`` names as a consolidated model folder at ``out``."""
     began = time.perf_counter()
@@ -183,8 +182,10 @@ def export_step(
     copies = [f for f in repo.view(Contents).files(manifest) if f.kind == RAW and f.path in MODEL_FILES]
     if config is not None:
         copies = [f for f in copies if f.path != "config.json"]
-    if warn and config is None and not any(f.path == "config.json" for f in copies):
-        warn(f"step {view.step} holds no config.json; pass a config to make the folder loadable by from_pretrained")
+    if config is None and not any(f.path == "config.json" for f in copies):
+        (progress or Silent()).warn(
+            f"step {view.step} holds no config.json; pass a config to make the folder loadable by from_pretrained"
+        )
     out = Path(out)
     written = 0
     progress = progress or Silent()

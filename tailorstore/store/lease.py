@@ -36,7 +36,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -44,6 +44,7 @@ from tailorstore.core.env_seconds import seconds_from_env
 from tailorstore.core.environment import TTL_ENV
 from tailorstore.core.errors import LeaseLostError, LockTimeoutError, StoreError
 from tailorstore.core.failpoints import failpoint
+from tailorstore.core.progress import Progress
 from tailorstore.store.backends.base import Backend
 
 log = logging.getLogger("tailorstore")
@@ -262,7 +263,7 @@ class LeaseHandle:
                 "process stalled past its lease. Run it again."
             )
 
-    def others(self, on_stale: Callable[[str], None] | None = None) -> list[Lease]:
+    def others(self, progress: Progress | None = None) -> list[Lease]:
         """Live leases of other holders that conflict with ours; stale ones are removed. Each is
         timed by the server's clock (its object's Last-Modified), this host's offset from it
         measured on its own lease object, and a host whose clock is far off is named once."""
@@ -282,8 +283,8 @@ class LeaseHandle:
                 self._tell_skew(other.host, stamp - other.created, f"host {other.host!r}")
             if _stale(other, server_now):
                 self.backend.delete(other_key)
-                if on_stale:
-                    on_stale(f"removed a stale {other.describe()} ({other_key})")
+                if progress is not None:
+                    progress.note(f"removed a stale {other.describe()} ({other_key})")
                 continue
             if self.exclusive or other.exclusive:
                 found.append(other)
@@ -324,8 +325,7 @@ def lease_lock(
     *,
     exclusive: bool,
     timeout: float,
-    on_wait: Callable[[str], None] | None = None,
-    on_stale: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> Iterator[LeaseHandle]:
     if not (timeout >= 0 and timeout != float("inf")):
         raise StoreError(f"lock timeout {timeout!r} is not allowed: give a number of seconds, 0 or more.")
@@ -336,13 +336,13 @@ def lease_lock(
     told = False
     while True:
         handle.write(create_only=True)
-        blockers = handle.others(on_stale)
+        blockers = handle.others(progress)
         if not blockers:
             break
         backend.delete(handle.key)
         what = "; ".join(b.describe() for b in blockers[:3])
-        if not told and on_wait is not None:
-            on_wait(f"waiting for the {'exclusive' if exclusive else 'shared'} store lock ({what} holds it)...")
+        if not told and progress is not None:
+            progress.note(f"waiting for the {'exclusive' if exclusive else 'shared'} store lock ({what} holds it)...")
             told = True
         if time.monotonic() >= deadline:
             raise LockTimeoutError(

@@ -11,12 +11,13 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
 from tailorstore.core.errors import Call, CorruptStoreError, LockTimeoutError, StoreError
+from tailorstore.core.progress import Progress
 
 
 class Fence(Protocol):
@@ -53,7 +54,7 @@ class LockHandle:
 
 @contextmanager
 def store_lock(
-    path: Path, *, exclusive: bool, timeout: float, on_wait: Callable[[str], None] | None = None
+    path: Path, *, exclusive: bool, timeout: float, progress: Progress | None = None
 ) -> Iterator[LockHandle]:
     if not (timeout >= 0 and timeout != float("inf")):  # also refuses NaN, which would wait forever
         raise StoreError(f"lock timeout {timeout!r} is not allowed: give a number of seconds, 0 or more.")
@@ -70,9 +71,9 @@ def store_lock(
                 fcntl.flock(fd, mode | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if not told and on_wait is not None:
+                if not told and progress is not None:
                     what = "exclusive" if exclusive else "shared"
-                    on_wait(f"waiting for the {what} store lock on {path} (another tailor process holds it)...")
+                    progress.note(f"waiting for the {what} store lock on {path} (another tailor process holds it)...")
                     told = True
                 if time.monotonic() >= deadline:
                     raise LockTimeoutError(

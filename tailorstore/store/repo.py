@@ -35,6 +35,7 @@ from tailorstore.core.errors import (
     TailorError,
     UnknownStepError,
 )
+from tailorstore.core.progress import Progress
 from tailorstore.core.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
 from tailorstore.store import archive_codec, codec
 from tailorstore.store.backends.base import Backend, blob_names
@@ -291,7 +292,7 @@ class Repository:
 
     @contextmanager
     def lock(
-        self, *, exclusive: bool, timeout: float, on_wait: Callable[[str], None] | None = None
+        self, *, exclusive: bool, timeout: float, progress: Progress | None = None
     ) -> Iterator[LockHandle | LeaseHandle]:
         """Shared for commits, exclusive for gc: ``flock`` on a local store, leases in the
         backend on a remote one (they hold across hosts; store/lease.py). While it is held, the
@@ -301,11 +302,11 @@ class Repository:
         self._index.wait_for_writers(timeout)
         if self.where.remote:
             with lease_lock(
-                self.backend, exclusive=exclusive, timeout=timeout, on_wait=on_wait, on_stale=on_wait
+                self.backend, exclusive=exclusive, timeout=timeout, progress=progress
             ) as lease:
                 yield lease
             return
-        with store_lock(self.where.lock_path, exclusive=exclusive, timeout=timeout, on_wait=on_wait) as handle:
+        with store_lock(self.where.lock_path, exclusive=exclusive, timeout=timeout, progress=progress) as handle:
             yield handle
 
     def view(self, role: type[R]) -> R:

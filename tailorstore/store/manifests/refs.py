@@ -154,13 +154,13 @@ def carry_refs(backend: Backend, index: RefSource, superseded: list[str]) -> Non
     write_refs(backend, index, ids)
 
 
-def listed_tags(backend: Backend, *, warn: bool = True) -> dict[str, str]:
+def listed_tags(backend: Backend, *, log_damaged: bool = True) -> dict[str, str]:
     """Manifest object key -> tag, from the tag objects. Bytes that are not UTF-8 name no key, and are
     ignored as any tag naming a key that does not exist is (docs/FORMAT.md 3.3), not a decode error
     that stopped every command of the store."""
     out: dict[str, str] = {}
-    for key, target in _tag_targets(backend, warn=warn):
-        if warn and not is_manifest_key(target) and key not in _WARNED:
+    for key, target in _tag_targets(backend, log_damaged=log_damaged):
+        if log_damaged and not is_manifest_key(target) and key not in _WARNED:
             _WARNED.add(key)
             log.warning(
                 "tailorstore: tag object %s is damaged: it names no manifest object, so its tag keeps no step "
@@ -171,11 +171,11 @@ def listed_tags(backend: Backend, *, warn: bool = True) -> dict[str, str]:
     return out
 
 
-def _tag_targets(backend: Backend, *, warn: bool) -> Iterator[tuple[str, str]]:
+def _tag_targets(backend: Backend, *, log_damaged: bool) -> Iterator[tuple[str, str]]:
     """(tag object key, what its bytes say) for every tag object of a key tailorstore writes."""
     for key in backend.list(TAG_PREFIX):
         if not TAG_KEY.fullmatch(key):
-            if warn:
+            if log_damaged:
                 odd_key(key, "tag")
             continue
         try:  # a key is short: a huge object is damaged whatever it ends with
@@ -191,7 +191,7 @@ def damaged_tags(backend: Backend) -> list[str]:
     """The tags whose objects name no manifest object at all (not a step since removed: bytes that
     are no key). gc refuses to run while there is one: it cannot tell which step that tag keeps
     (docs/FORMAT.md 8.1, I2)."""
-    return [tag_of_key(key) for key, target in _tag_targets(backend, warn=False) if not is_manifest_key(target)]
+    return [tag_of_key(key) for key, target in _tag_targets(backend, log_damaged=False) if not is_manifest_key(target)]
 
 
 def pinned_keys(backend: Backend, current: dict[str, str]) -> list[str]:
