@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from benchmarks.headline import MODEL
-from tailorstore import Store
+from tailorstore import Retention, Store
 from tailorstore.access.contents import Contents
 from tailorstore.store import archive_codec
 from testbed.runs import train_tiny
@@ -105,9 +105,11 @@ def main() -> None:
         before = store.usage().stored_bytes
         began = time.perf_counter()
         store.gc(
-            keep_last=args.keep_last, thin="archive", archive_levels=args.archive_levels,
-            keyframe_every=args.keyframe_every,
-        )  # fmt: skip
+            Retention(
+                keep_last=args.keep_last, thin="archive", archive_levels=args.archive_levels,
+                keyframe_every=args.keyframe_every,
+            )
+        )
         gc_seconds = time.perf_counter() - began
         after = store.usage().stored_bytes
         tiers = {s.step: s.tier for s in store.log()}

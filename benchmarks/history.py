@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from benchmarks.headline import MODEL
-from tailorstore import Store
+from tailorstore import Retention, Store
 from tailorstore.access.contents import Contents
 from testbed.runs import train_tiny
 
@@ -62,7 +62,7 @@ def main() -> None:
         raw = sum(s.raw_bytes for s in steps)
         recorded = {s.step: s.metrics.get("eval_loss") for s in steps}
         before = store.usage().stored_bytes
-        store.gc(keep_last=3, keep_best="eval_loss:min:3")
+        store.gc(Retention(keep_last=3, keep_best="eval_loss:min:3"))
         left = sorted(s.step for s in store.log())
         after = store.usage().stored_bytes
         verified = store.verify(deep=True).ok

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from tailorstore import Store
+from tailorstore import Retention, Store
 from tailorstore.integrations.dcp_storage import TailorStorageReader
 from tailorstore.integrations.dcp_writer import TailorStorageWriter
 
@@ -483,7 +483,7 @@ def history_case(steps: int, gc_every: int, pin_every: int, keep_last: int, work
             row = {"step": step, **row, **added(before, sizes(store_path))}
             if step % gc_every == 0 or step == steps:
                 began = time.perf_counter()
-                store.gc(keep_last=keep_last)
+                store.gc(Retention(keep_last=keep_last))
                 gcs.append({"step": step, "gc_s": time.perf_counter() - began})
             rows.append(row)
             if step % 10 == 0 or step == 1:

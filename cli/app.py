@@ -647,14 +647,12 @@ def gc(
             typer.echo(("plan (dry run): " if dry_run else "plan: ") + plan.summary())
 
     with _open(store, run) as st:
+        rules = tailorstore.Retention(
+            keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, thin=thin, run=run,
+            archive_levels=archive_levels, keyframe_every=keyframe_every,
+        )  # fmt: skip
         plan = st.gc(
-            keep_last=keep_last,
-            keep_every=keep_every,
-            keep_best=keep_best,
-            thin=thin,
-            archive_levels=archive_levels,
-            keyframe_every=keyframe_every,
-            run=run,
+            rules,
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,
@@ -779,12 +777,10 @@ def run_retention(
             rules = st.set_retention()
         elif any(o is not None for o in (keep_last, keep_every, thin, keep_best, archive_levels, keyframe_every)):
             rules = st.set_retention(
-                keep_last=keep_last,
-                keep_every=keep_every,
-                thin=thin,
-                keep_best=keep_best,
-                archive_levels=archive_levels,
-                keyframe_every=keyframe_every,
+                tailorstore.Retention(
+                    keep_last=keep_last, keep_every=keep_every, thin=thin, keep_best=keep_best,
+                    archive_levels=archive_levels, keyframe_every=keyframe_every,
+                )
             )
         else:
             rules = st.retention()

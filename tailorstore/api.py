@@ -39,7 +39,6 @@ from tailorstore.store.manifests.runs import check_run_name, write_retention
 from tailorstore.store.repo import RebuildResult, Repository
 
 if TYPE_CHECKING:
-    from tailorstore.curate.archiving import ArchiveGrid
     from tailorstore.curate.gc import GcPlan, Retention
     from tailorstore.curate.merge import MergeResult
     from tailorstore.curate.runs import RunInfo
@@ -367,28 +366,17 @@ class Store:
         base_selector = None if base is None else self._selector(base)
         return create_run(self.repo, name, base_selector, from_run=self.run, lock_timeout=lock_timeout)
 
-    def set_retention(
-        self,
-        *,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
-        thin: str | None = None,
-        keep_best: str | None = None,
-        archive_levels: int | None = None,
-        keyframe_every: int | None = None,
-    ) -> Retention | None:
-        """The retention this handle's run carries: ``gc()`` without rules applies it (``keep_last=3,
-        keep_best="eval_loss:min:3", thin="weights"`` keeps the last three and the three best whole
-        and thins the rest). All None clears it. ``archive_levels`` and ``keyframe_every`` are as
-        for :meth:`gc`."""
-        from tailorstore.curate.gc import Retention
+    def set_retention(self, rules: Retention | None = None) -> Retention | None:
+        """The retention this handle's run carries: ``gc()`` without rules applies it
+        (``Retention(keep_last=3, keep_best="eval_loss:min:3", thin="weights")`` keeps the last three
+        and the three best whole and thins the rest). None, or rules that keep everything, clear it.
+        The rules' ``run`` is this handle's run, whatever they say."""
+        from dataclasses import replace
 
-        grid = _archive_grid(archive_levels, keyframe_every)
-        rules = Retention(
-            keep_last=keep_last, keep_every=keep_every, thin=thin, run=self.run, keep_best=keep_best, grid=grid
-        )
-        write_retention(self.repo.backend, self.run, rules.as_doc() if rules.drops_manifests else None)
-        return rules if rules.drops_manifests else None
+        rules = replace(rules, run=self.run) if rules is not None else None
+        carried = rules if rules is not None and rules.drops_manifests else None
+        write_retention(self.repo.backend, self.run, carried.as_doc() if carried is not None else None)
+        return carried
 
     def retention(self) -> Retention | None:
         """The retention this handle's run carries, if any."""
@@ -444,14 +432,8 @@ class Store:
     # -- changing ----------------------------------------------------------------------
     def gc(
         self,
+        rules: Retention | None = None,
         *,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
-        thin: str | None = None,
-        keep_best: str | None = None,
-        archive_levels: int | None = None,
-        keyframe_every: int | None = None,
-        run: str | None = None,
         dry_run: bool = False,
         drop_parts: bool = False,
         lock_timeout: float = LOCK_TIMEOUT,
@@ -459,13 +441,14 @@ class Store:
         show_plan: Callable[[GcPlan], None] | None = None,
         clear_notices: bool = False,
     ) -> GcPlan:
-        """Drop the manifests outside the retention, in every run (each counted on its own) unless ``run``
-        names one, as the ``gc`` command does (tags, pins and run bases stay); then every blob no kept
-        manifest uses. Without rules, each run's own retention (:meth:`set_retention`) applies. With
-        ``thin="weights"`` (or ``"master"``) the commits outside the retention are thinned to that tier
-        instead of dropped: they keep their weights (or FP32 masters) for export and averaging.
-        ``keep_best="eval_loss:min:3"`` also keeps each run's three steps with the lowest recorded
-        ``eval_loss`` (``metrics=`` at commit); a step without it is never among the best.
+        """Drop the manifests outside the ``rules`` (a :class:`Retention`), in every run (each counted
+        on its own) unless ``rules.run`` names one, as the ``gc`` command does (tags, pins and run
+        bases stay); then every blob no kept manifest uses. Without rules, each run's own retention
+        (:meth:`set_retention`) applies. With ``thin="weights"`` (or ``"master"``) the commits outside
+        the retention are thinned to that tier instead of dropped: they keep their weights (or FP32
+        masters) for export and averaging. ``keep_best="eval_loss:min:3"`` also keeps each run's three
+        steps with the lowest recorded ``eval_loss`` (``metrics=`` at commit); a step without it is
+        never among the best.
         ``thin="archive"`` keeps the weights quantized against the previous archived step:
         ``archive_levels`` grid steps up to each group's largest magnitude (default 31, so each value
         is within 1/62 of it) and a keyframe at least every ``keyframe_every`` steps (default 16).
@@ -475,10 +458,9 @@ class Store:
         seconds (an hour by default), so that a save in flight keeps its parts."""
         from tailorstore.curate.gc import Retention, gc
 
-        grid = _archive_grid(archive_levels, keyframe_every)
         return gc(
             self.repo,
-            Retention(keep_last=keep_last, keep_every=keep_every, run=run, thin=thin, keep_best=keep_best, grid=grid),
+            rules if rules is not None else Retention(),
             dry_run=dry_run,
             drop_parts=drop_parts,
             lock_timeout=lock_timeout,
@@ -561,15 +543,3 @@ def _commit(
 
 
 __all__ = ["Ref", "Store", "selector"]
-
-
-def _archive_grid(levels: int | None, keyframe_every: int | None) -> ArchiveGrid | None:
-    """The archive tier's grid from the options given (None when neither is)."""
-    from tailorstore.curate.archiving import KEYFRAME_EVERY, ArchiveGrid
-    from tailorstore.store.archive_codec import DEFAULT_LEVELS
-
-    if levels is None and keyframe_every is None:
-        return None
-    return ArchiveGrid(
-        DEFAULT_LEVELS if levels is None else levels, KEYFRAME_EVERY if keyframe_every is None else keyframe_every
-    )

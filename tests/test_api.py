@@ -12,7 +12,7 @@ import pytest
 from conftest import Runs, as_of_step, copy_tree
 
 import tailorstore
-from tailorstore import BackgroundCommitError, BadCheckpointError, Store
+from tailorstore import BackgroundCommitError, BadCheckpointError, Retention, Store
 from tailorstore.integrations.common import StoreSession
 from testbed.compare import same_tree
 
@@ -37,10 +37,10 @@ def test_the_public_api_end_to_end(runs: Runs, tmp_path: Path) -> None:
         spec = tmp_path / "spec.yaml"
         spec.write_text("base: {step: 6}\nslices:\n  - sources: [{step: 3, layer_range: [0, 2]}]\n")
         assert store.merge(spec, tag="mixed").sources["block.0"] == 3
-        plan = store.gc(keep_last=1)
+        plan = store.gc(Retention(keep_last=1))
         assert [m for m, _ in plan.drop] == []  # 3 is tagged, the merge is tagged
         store.untag("warm")
-        assert len(store.gc(keep_last=1).drop) == 1
+        assert len(store.gc(Retention(keep_last=1)).drop) == 1
         with pytest.raises(tailorstore.UnknownStepError):
             store.checkout(3, tmp_path / "gone")
         with pytest.raises(tailorstore.StoreError):
@@ -249,7 +249,7 @@ def test_waits_and_warnings_reach_the_one_progress_a_verb_takes(small_store: Pat
     seen = Recorded()
     with Store.open(store_copy) as holder, Store.open(store_copy) as other:
         with holder.repo.lock(exclusive=True, timeout=5), pytest.raises(tailorstore.LockTimeoutError):
-            other.gc(keep_last=1, lock_timeout=0.3, progress=seen)
+            other.gc(Retention(keep_last=1), lock_timeout=0.3, progress=seen)
     assert seen.notes and "waiting for the exclusive store lock" in seen.notes[0]
     callbacks = [
         f"Store.{name}({parameter})"

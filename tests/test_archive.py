@@ -16,6 +16,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from safetensors.torch import load_file
 
 import tailorstore
+from tailorstore import Retention
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.curate.archiving import ARCHIVE_FROM, KEYFRAME_EVERY
 from tailorstore.store import archive_codec
@@ -284,7 +285,7 @@ def test_the_archive_grid_is_checked_and_carried_by_a_run(tmp_path: Path) -> Non
     from tailorstore.curate.gc import Retention
 
     with pytest.raises(StoreError, match="archive"):
-        Retention(keep_last=3, thin="weights", grid=ArchiveGrid(31, 16))  # a grid without the archive tier
+        Retention(keep_last=3, thin="weights", archive_levels=31, keyframe_every=16)  # a grid without the archive tier
     for levels, every in ((0, 8), (127, 0), (127, 65), (True, 8)):
         with pytest.raises(StoreError):
             ArchiveGrid(levels, every)
@@ -315,8 +316,8 @@ def test_an_archive_on_s3_reads_back_after_an_index_rebuild(runs: Runs, s3_serve
         with tailorstore.Store.init(where) as api:
             for folder in steps.values():
                 api.commit(folder)
-            api.gc(keep_last=1, thin="archive")
-            api.gc(keep_last=1, keep_every=2)  # steps 1 and 3 go: step 4's chain runs through their blobs
+            api.gc(Retention(keep_last=1, thin="archive"))
+            api.gc(Retention(keep_last=1, keep_every=2))  # steps 1 and 3 go: step 4's chain runs through their blobs
     expected = exported(local, 4, tmp_path / "posix-export")
     tailorstore.Store.rebuild_index(location)
     got = exported(location, 4, tmp_path / "s3-export")
@@ -381,7 +382,7 @@ def test_a_derived_weight_that_cannot_be_archived_is_kept_exact(runs: Runs, tmp_
     assert [r[0] for r in derived] == ["round-from-master"], "the poisoned weight is derived, as the test needs"
     before = exported(root, 1, tmp_path / "before")
     with tailorstore.Store.open(root) as api:
-        api.gc(keep_last=1, thin="archive")
+        api.gc(Retention(keep_last=1, thin="archive"))
         assert api.verify(deep=True).ok
     codecs = index_db(Repository.open(root)).execute(
         "SELECT a.derived, b.codec FROM atoms a JOIN manifests m ON m.id=a.manifest JOIN blobs b ON b.hash=a.blob"

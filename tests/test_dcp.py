@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import Runs, as_of_step, one_line, tailor
 
-from tailorstore import Store
+from tailorstore import Retention, Store
 from tailorstore.core.layers import layer_of
 from tailorstore.store.index.catalogue import Catalogue
 from testbed.compare import same_tree
@@ -394,7 +394,7 @@ def test_retention_thins_an_old_dcp_step_to_its_weights(fsdp_run: FsdpRun, tmp_p
         store.commit(fsdp_run.out / "step-6")
         store.export("step=3", tmp_path / "before", dtype="fp32", config=config_dir / "config.json")
         whole = store.usage().stored_bytes
-        store.gc(keep_last=1, thin="weights")
+        store.gc(Retention(keep_last=1, thin="weights"))
         kinds = {a.kind for a in store.repo.view(Catalogue).atoms(store.show("step=3").summary.manifest)}
         assert "master" in kinds and not kinds & {"exp_avg", "exp_avg_sq"}
         assert store.usage().stored_bytes < whole

@@ -14,7 +14,7 @@ from conftest import blob_object
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from tailorstore import Store
+from tailorstore import Retention, Store
 from tailorstore.core.errors import CorruptStoreError, StoreError
 from tailorstore.integrations.common import StoreSession
 from tailorstore.integrations.dcp.reader import TailorStorageReader
@@ -221,7 +221,7 @@ def test_a_thinned_step_loads_its_model_and_says_it_was_thinned(two_steps, tmp_p
     from tailorstore.core.errors import ThinnedStepError
 
     store, saved, _ = two_steps
-    store.gc(keep_last=1, thin="weights")
+    store.gc(Retention(keep_last=1, thin="weights"))
     assert store.verify(deep=True).ok
     ours = _state(9, 0)
     before = {k: v.clone() for k, v in ours["model"].items()}

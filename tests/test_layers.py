@@ -789,3 +789,23 @@ def test_no_function_takes_a_callback_per_concern() -> None:
                 named = [a.arg for a in every if a.arg in ("on_wait", "on_stale", "warn", "on_progress")]
                 found += [f"{path}:{node.lineno}: {node.name}({n})" for n in named]
     assert not found, "\n".join(found)
+
+
+def test_gc_takes_its_rules_as_one_object() -> None:
+    """The house, third step, item 11: ``Store.gc`` took fourteen keywords, six of them repeated
+    in ``set_retention``. The rules are one public value, :class:`tailorstore.Retention`, taken by
+    both; ``gc``'s other parameters say how it runs, not what it keeps."""
+    import inspect
+
+    import tailorstore
+    from tailorstore.api import Store
+
+    assert list(inspect.signature(Store.gc).parameters) == [
+        "self", "rules", "dry_run", "drop_parts", "lock_timeout", "progress", "show_plan", "clear_notices"
+    ]  # fmt: skip
+    assert list(inspect.signature(Store.set_retention).parameters) == ["self", "rules"]
+    rules = tailorstore.Retention(keep_last=3, thin="archive", archive_levels=15)
+    assert rules.grid is not None and (rules.grid.levels, rules.grid.keyframe_every) == (15, 16)
+    assert tailorstore.Retention.from_doc("main", rules.as_doc()) == tailorstore.Retention(
+        keep_last=3, thin="archive", archive_levels=15, keyframe_every=16, run="main"
+    )

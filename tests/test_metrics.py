@@ -141,12 +141,12 @@ def test_gc_keep_best_keeps_exactly_the_best_and_the_last(tmp_path: Path) -> Non
         for step, save in zip(steps, saves, strict=True):
             store.commit(save, metrics=None if losses[step] is None else {"eval_loss": losses[step]})
         store.tag("step=1", "milestone")
-        store.gc(keep_last=1, keep_best="eval_loss:min:2", thin="weights")
+        store.gc(Retention(keep_last=1, keep_best="eval_loss:min:2", thin="weights"))
         whole = {s.step for s in store.log() if s.tier is None}
         thinned = {s.step for s in store.log() if s.tier is not None}
         assert whole == {8, 4, 6, 1}, whole  # last, best two (6 wins the tie with 2 as the later step), the tag
         assert thinned == {2, 3, 5, 7}
-        store.set_retention(keep_last=1, keep_best="eval_loss:min:1")
+        store.set_retention(Retention(keep_last=1, keep_best="eval_loss:min:1"))
         assert store.retention().keep_best == KeepBest("eval_loss", "min", 1)
         store.gc()  # the run's own rules: drop what they do not keep
         assert {s.step for s in store.log()} == {8, 4, 1}

@@ -30,6 +30,7 @@ from conftest import (
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 import tailorstore
+from tailorstore import Retention
 from tailorstore.core import atom_types as A
 from tailorstore.core.policies import PolicySpec
 from tailorstore.core.records import AtomRecord, FileRecord
@@ -178,7 +179,7 @@ def test_thin_to_weights_keeps_every_step_exportable_and_the_last_resumable(runs
         with pytest.raises(tailorstore.ThinnedStepError):
             api.checkout(9, tmp_path / "x")
         # thinning again finds nothing to do
-        again = api.gc(keep_last=2, thin="weights")
+        again = api.gc(Retention(keep_last=2, thin="weights"))
         assert again.thin == [] and again.drop == []
     spec = tmp_path / "mix.yaml"
     spec.write_text(
@@ -304,7 +305,7 @@ def test_a_gc_killed_while_it_thins_leaves_every_step_whole_or_thinned(runs: Run
                 assert (tmp_path / f"x{attempt}-{s}" / "model.safetensors").read_bytes() == data
             api.checkout(18, tmp_path / f"co{attempt}")
             assert same_tree(tmp_path / f"co{attempt}", original18)
-            api.gc(keep_last=2, thin="weights")
+            api.gc(Retention(keep_last=2, thin="weights"))
             assert {s.step: s.tier for s in api.log()} == {
                 3: "weights",
                 6: "weights",
@@ -343,7 +344,7 @@ def test_background_commits_beside_a_thinning_gc_lose_nothing(runs: Runs, tmp_pa
                 opened += 1
 
     with tailorstore.Store.init(root) as store:
-        store.set_retention(keep_last=2, thin="weights")
+        store.set_retention(Retention(keep_last=2, thin="weights"))
         beside = [threading.Thread(target=collector), threading.Thread(target=reader)]
         for t in beside:
             t.start()

@@ -69,7 +69,7 @@ from tailorstore.core.records import (
     RunRecord,
 )
 from tailorstore.core.sizes import human
-from tailorstore.curate.archiving import ArchiveGrid, archivable
+from tailorstore.curate.archiving import KEYFRAME_EVERY, ArchiveGrid, archivable
 from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
 from tailorstore.store import archive_codec, codec, gc_notices
 from tailorstore.store.backends.listing import Holdings
@@ -184,12 +184,17 @@ class KeepBest:
 
 @dataclass(frozen=True)
 class Retention:
+    """Which steps gc keeps whole; the others it drops, or thins to ``thin``. Tags, pins and run
+    bases are always kept. ``Store.gc(Retention(keep_last=3, thin="weights"))``; a run carries its
+    own with ``Store.set_retention`` (what ``gc()`` without rules applies)."""
+
     keep_last: int | None = None  # the K newest committed steps
     keep_every: int | None = None  # committed steps whose number is a multiple of N
     run: str | None = None  # apply the rules to this run only (None: to every run, each on its own)
     thin: str | None = None  # thin the commits the rules do not keep to this tier, instead of dropping them
     keep_best: KeepBest | None = None  # the best steps by a recorded metric ("eval_loss:min:3")
-    grid: ArchiveGrid | None = None  # how coarse --thin archive is (None: the default grid)
+    archive_levels: int | None = None  # thin="archive": grid steps to a group's largest (None: 31)
+    keyframe_every: int | None = None  # thin="archive": a keyframe at least every N steps (None: 16)
 
     def __post_init__(self) -> None:
         if isinstance(self.keep_best, str):
@@ -216,6 +221,16 @@ class Retention:
                 )
 
     @property
+    def grid(self) -> ArchiveGrid | None:
+        """How coarse the archive tier is, where either of its options is given (None: the default)."""
+        if self.archive_levels is None and self.keyframe_every is None:
+            return None
+        return ArchiveGrid(
+            archive_codec.DEFAULT_LEVELS if self.archive_levels is None else self.archive_levels,
+            KEYFRAME_EVERY if self.keyframe_every is None else self.keyframe_every,
+        )
+
+    @property
     def drops_manifests(self) -> bool:
         return self.keep_last is not None or self.keep_every is not None or self.keep_best is not None
 
@@ -234,16 +249,17 @@ class Retention:
             best = doc.get("keep_best")
             if best is not None and not isinstance(best, str):
                 raise TypeError("keep_best is not METRIC:min|max:COUNT")
-            grid = None
-            if "archive_levels" in doc or "keyframe_every" in doc:
-                grid = ArchiveGrid(doc.get("archive_levels"), doc.get("keyframe_every"))  # type: ignore[arg-type]
+            levels, every = doc.get("archive_levels"), doc.get("keyframe_every")
+            if ("archive_levels" in doc or "keyframe_every" in doc) and (levels is None or every is None):
+                raise TypeError("archive_levels and keyframe_every come together")
             return cls(
                 keep_last=doc.get("keep_last"),
                 keep_every=doc.get("keep_every"),
                 thin=doc.get("thin"),
                 run=run,
                 keep_best=KeepBest.parse(best) if best is not None else None,
-                grid=grid,
+                archive_levels=levels,
+                keyframe_every=every,
             )
         except (StoreError, TypeError) as exc:
             raise CorruptStoreError(f"the retention run {run!r} carries is damaged ({exc}); set it again") from None

@@ -53,7 +53,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 
-from tailorstore import MAIN_RUN, CommitRequest
+from tailorstore import MAIN_RUN, CommitRequest, Retention
 from tailorstore.api import Store
 from tailorstore.core.errors import UnknownStepError
 from tailorstore.integrations.common.distributed import from_rank0
@@ -206,7 +206,7 @@ class Purge:
 
     def run(self, store: Store) -> None:
         if self.in_flight is None or self.in_flight.done() or self.step is None or self.keep_latest_k <= 1:
-            store.gc(keep_last=self.keep_latest_k, run=store.run)
+            store.gc(Retention(keep_last=self.keep_latest_k, run=store.run))
             return
         saving = self.step
 
@@ -215,6 +215,6 @@ class Purge:
                 raise _Landed  # before anything is deleted: the gc lets go of its lock and deletes nothing
 
         try:
-            store.gc(keep_last=self.keep_latest_k - 1, run=store.run, show_plan=not_yet_recorded)
+            store.gc(Retention(keep_last=self.keep_latest_k - 1, run=store.run), show_plan=not_yet_recorded)
         except _Landed:
-            store.gc(keep_last=self.keep_latest_k, run=store.run)
+            store.gc(Retention(keep_last=self.keep_latest_k, run=store.run))
