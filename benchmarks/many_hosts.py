@@ -35,7 +35,7 @@ def shares(work: Path, hosts: int) -> list[Path]:
     """The step at ``hosts`` ranks, cut into one folder per host: model states and its rank's file."""
     with Store.init(work / "source") as store:
         store.commit(SAVE)
-        tag = store.checkout_resharded("latest", work / "whole", world_size=hosts).tag
+        tag = store.checkout("latest", work / "whole", world_size=hosts).tag
     out = []
     for rank in range(hosts):
         folder = work / f"host{rank}" / tag

@@ -279,7 +279,7 @@ def checkout(
         return
     if world_size is not None or zero_stage is not None:
         with _open(store, run) as st:
-            done = st.checkout_resharded(
+            done = st.checkout(
                 selector, out, world_size=world_size, zero_stage=zero_stage, progress=for_terminal(quiet or as_json)
             )
         said = f"checked out step {done.step} for {done.world_size} ranks (ZeRO-{done.zero_stage}) into {done.out}: "

@@ -269,7 +269,7 @@ class Store:
                 raise StoreError("a universal checkpoint loads at any world size and stage; give neither with it.")
             return self.checkout_universal(ref, out, progress=progress)
         if world_size is not None or zero_stage is not None:
-            return self.checkout_resharded(
+            return self._checkout_resharded(
                 ref, out, world_size=world_size, zero_stage=zero_stage, ranks=ranks, progress=progress
             )
         from tailorstore.restore.checkout import checkout_step
@@ -284,7 +284,7 @@ class Store:
             ranks=ranks,
         )
 
-    def checkout_resharded(
+    def _checkout_resharded(
         self,
         ref: Ref,
         out: str | os.PathLike,
@@ -294,9 +294,10 @@ class Store:
         ranks: Sequence[int] | None = None,
         progress: Progress | None = None,
     ) -> ReshardResult:
-        """:meth:`checkout` with ``world_size``: ``ref`` in DeepSpeed's native layout as ``world_size``
-        data-parallel ranks would have saved it (ZeRO 1-3; ``zero_stage`` switches between 1 and 2), so
-        ``engine.load_checkpoint(out)`` resumes at that world size. ``ranks`` writes only the ZeRO files
+        """:meth:`checkout` with ``world_size`` (the one way to a step at another world size): ``ref``
+        in DeepSpeed's native layout as ``world_size`` data-parallel ranks would have saved it (ZeRO
+        1-3; ``zero_stage`` switches between 1 and 2), so ``engine.load_checkpoint(out)`` resumes at
+        that world size. ``ranks`` writes only the ZeRO files
         those ranks load (one node's share). Refused, before anything is written, for what cannot be
         produced."""
         from tailorstore.restore.reshard import checkout_resharded

@@ -173,7 +173,7 @@ def test_every_method_that_writes_a_folder_returns_a_folder_result() -> None:
         for name, method in inspect.getmembers(tailorstore.Store, inspect.isfunction)
         if "out" in inspect.signature(method).parameters and name != "plot"  # plot writes one image file
     }
-    assert set(writers) >= {"checkout", "checkout_resharded", "checkout_universal", "export"}
+    assert set(writers) >= {"checkout", "checkout_universal", "export"}
     assert all(issubclass(kind, tailorstore.FolderResult) for kind in writers.values()), writers
 
 
@@ -258,3 +258,13 @@ def test_waits_and_warnings_reach_the_one_progress_a_verb_takes(small_store: Pat
         if parameter in ("warn", "on_wait", "on_progress")
     ]
     assert not callbacks, callbacks
+
+
+def test_a_checkout_says_which_deepspeed_tag_folder_it_wrote(small_store: Path, tmp_path: Path) -> None:
+    """``CheckoutResult.tag``: the folder ``engine.load_checkpoint(out, tag)`` loads, told by the
+    checkout, so that no caller lists the folder it wrote to learn it (the resume did)."""
+    with Store.open(small_store) as store:
+        done = store.checkout("latest", tmp_path / "out")
+    folders = [p.name for p in (tmp_path / "out").iterdir() if p.is_dir()]
+    assert done.tag is not None and folders == [done.tag]
+    assert (tmp_path / "out" / "latest").read_text().strip() == done.tag

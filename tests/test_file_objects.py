@@ -67,7 +67,7 @@ def test_at_another_world_size_they_are_the_resharded_files(runs: Runs, tmp_path
     with Store.init(tmp_path / "store") as store:
         store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
         objects = StoreSession(store).step_objects(f"step={STEP}", world_size=world)
-        result = store.checkout_resharded(f"step={STEP}", tmp_path / "out", world_size=world)
+        result = store.checkout(f"step={STEP}", tmp_path / "out", world_size=world)
         files = sorted(p.name for p in (tmp_path / "out" / result.tag).glob("*.pt"))
         assert objects.names == files and len(files) == world + 1
         for name in objects.names:

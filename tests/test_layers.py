@@ -461,7 +461,7 @@ def test_no_integration_reaches_through_the_store_handle() -> None:
 USER_METHODS = {
     "init", "open", "rebuild_index", "flush", "close",
     "commit", "commit_async", "finalize",
-    "checkout", "checkout_resharded", "checkout_universal", "export",
+    "checkout", "checkout_universal", "export",  # checkout(world_size=N): the one way to another world size
     "log", "step", "show", "files", "diff", "plot", "usage", "verify",
     "runs", "create_run", "set_retention", "retention",
     "gc", "merge", "tag", "untag", "pin", "unpin", "remove", "add_metrics",

@@ -182,7 +182,7 @@ def test_a_zero3_save_resumes_across_two_nodes_at_a_new_world_size(
     location = s3_server.new_location()
     with Store.init(location) as store:
         store.commit(as_of_step(reference.save_dir, STEP, tmp_path / "at"))
-        store.checkout_resharded(f"step={STEP}", tmp_path / "whole4", world_size=4)
+        store.checkout(f"step={STEP}", tmp_path / "whole4", world_size=4)
     whole = file_sizes(tmp_path / "whole4")
     nodes = node_folders(tmp_path, 2)
     resumed, peaks = resumed_on_nodes(reference, location, tmp_path / "again", 2, nodes)

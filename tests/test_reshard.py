@@ -126,7 +126,7 @@ def test_reshard_equals_deepspeeds_universal_path(
     target_stage = stage or int(run.options["stage"])  # type: ignore[call-overload]
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(as_of_step(run.save_dir, STEP, tmp_path / "at"))
-        result = store.checkout_resharded(STEP, tmp_path / "ours", world_size=world, zero_stage=stage)
+        result = store.checkout(STEP, tmp_path / "ours", world_size=world, zero_stage=stage)
     assert (result.world_size, result.zero_stage, result.tag) == (world, target_stage, f"global_step{STEP}")
     expected_losses, expected_state = deepspeed_path.loaded(run, world, target_stage)
     # what we wrote is what DeepSpeed saves at M ranks after its own universal load ...
@@ -147,7 +147,7 @@ def test_resharding_to_the_saved_world_size_resumes_exactly(runs: Runs, tmp_path
     run = runs.get("zero3-bf16-odd-per-layer")
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(as_of_step(run.save_dir, STEP, tmp_path / "at"))
-        store.checkout_resharded(STEP, tmp_path / "ours", world_size=2)
+        store.checkout(STEP, tmp_path / "ours", world_size=2)
     losses, _ = resume(run, tmp_path / "ours", 2, 3, tmp_path / "resumed")
     assert losses == {s: run.losses[s] for s in (STEP + 1, STEP + 2)}
 
@@ -173,7 +173,7 @@ def test_a_composite_reshards_like_an_exact_step(runs: Runs, tmp_path: Path) -> 
         store.commit(as_of_step(run.save_dir, 15, tmp_path / "at15"))
         committed = store.commit(as_of_step(run.save_dir, 18, tmp_path / "at18"), policy="parity")
         assert committed.inherited_layers
-        store.checkout_resharded(18, tmp_path / "ours", world_size=1)
+        store.checkout(18, tmp_path / "ours", world_size=1)
         composite = model_view(store.repo, store.repo.resolve("step=18"))
         expected = {(t.name, "master"): read_float32(store.repo, composite, t).tobytes() for t in composite.tensors}
         for t in composite.tensors:
@@ -279,7 +279,7 @@ def test_a_resharded_optimizer_file_is_decoded_on_read_ahead_helpers(
     monkeypatch.setattr(atom_reader, "stream_blob", watched)
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
-        store.checkout_resharded(STEP, tmp_path / "ours", world_size=2)
+        store.checkout(STEP, tmp_path / "ours", world_size=2)
         store.checkout(STEP, tmp_path / "plain")
     assert any(name.startswith("tailor-read-ahead") for name in threads), threads
     tag = f"global_step{STEP}"
@@ -307,7 +307,7 @@ def test_one_partition_is_decoded_by_both_read_ahead_helpers(
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(as_of_step(runs.get("zero2-bf16").save_dir, STEP, tmp_path / "at"))
         masters = {a.blob for a in store.repo.view(Catalogue).atoms(1, kind="master")}
-        store.checkout_resharded(STEP, tmp_path / "ours", world_size=1)
+        store.checkout(STEP, tmp_path / "ours", world_size=1)
     helpers = set().union(*(decoders[h] for h in masters if h in decoders))
     assert masters <= set(decoders) and len(helpers) == 2, decoders
 
@@ -326,11 +326,11 @@ def test_the_model_states_weights_come_from_the_masters_the_optimizer_files_stre
     save = runs.get("zero2-bf16").save_dir
     with tailorstore.Store.init(tmp_path / "store") as store:
         masters, _ = commit_and_reset_reads(store, as_of_step(save, STEP, tmp_path / "at"), reads)
-        store.checkout_resharded(STEP, tmp_path / "one", world_size=1)  # one partition: no master straddles two
+        store.checkout(STEP, tmp_path / "one", world_size=1)  # one partition: no master straddles two
         assert masters and masters <= set(reads)
         twice = {h for h in masters if reads[h] > 1}
         assert (twice == set()) if in_place else (twice == masters), reads
-        store.checkout_resharded(STEP, tmp_path / "ours", world_size=3)
+        store.checkout(STEP, tmp_path / "ours", world_size=3)
     name = f"global_step{STEP}/mp_rank_00_model_states.pt"
     with zipfile.ZipFile(tmp_path / "ours" / name) as zf:
         assert zf.testzip() is None  # the patched pickle's CRC was mended
@@ -352,7 +352,7 @@ def test_an_hf_trainer_checkpoint_reshards_reading_each_master_once(
     checkpoint = hf_run.output_dir / "checkpoint-6"
     with tailorstore.Store.init(tmp_path / "store") as store:
         masters, derived = commit_and_reset_reads(store, checkpoint, reads)
-        result = store.checkout_resharded("latest", tmp_path / "ours", world_size=1)
+        result = store.checkout("latest", tmp_path / "ours", world_size=1)
     assert result.world_size == 1 and "model.safetensors" in derived and masters <= set(reads)
     assert {h: n for h, n in reads.items() if h in masters and n != 1} == {}
     ours = tmp_path / "ours"
@@ -462,10 +462,10 @@ def test_a_node_writes_only_its_own_ranks_share(runs: Runs, tmp_path: Path) -> N
     run = runs.get("zero2-bf16-odd-two-groups")
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(as_of_step(run.save_dir, STEP, tmp_path / "at"))
-        store.checkout_resharded(STEP, tmp_path / "whole", world_size=3)
-        store.checkout_resharded(STEP, tmp_path / "node", world_size=3, ranks=[2])
+        store.checkout(STEP, tmp_path / "whole", world_size=3)
+        store.checkout(STEP, tmp_path / "node", world_size=3, ranks=[2])
         with pytest.raises(tailorstore.StoreError, match="not ranks of a world of 3"):
-            store.checkout_resharded(STEP, tmp_path / "wrong", world_size=3, ranks=[3])
+            store.checkout(STEP, tmp_path / "wrong", world_size=3, ranks=[3])
     assert not (tmp_path / "wrong").exists()
     tag = f"global_step{STEP}"
     mine = sorted(p.name for p in (tmp_path / "node" / tag).iterdir())
@@ -481,7 +481,7 @@ def test_the_hf_trainer_resumes_at_another_world_size_from_a_resharded_checkout(
     checkpoint = hf_run.output_dir / "checkpoint-3"
     with tailorstore.Store.init(tmp_path / "store") as store:
         store.commit(checkpoint)
-        store.checkout_resharded(3, tmp_path / "ours", world_size=1)
+        store.checkout(3, tmp_path / "ours", world_size=1)
     theirs = tmp_path / "theirs"
     shutil.copytree(checkpoint, theirs, ignore=shutil.ignore_patterns("global_step*", "latest"))
     ds_to_universal(checkpoint / "global_step3", theirs)
@@ -505,8 +505,8 @@ def test_a_zero3_node_writes_only_its_own_ranks_share(runs: Runs, tmp_path: Path
         store.commit(as_of_step(run.save_dir, STEP, tmp_path / "at"))
         store.checkout(STEP, tmp_path / "whole2")
         store.checkout(STEP, tmp_path / "node2", ranks=[1])
-        store.checkout_resharded(STEP, tmp_path / "whole3", world_size=3)
-        store.checkout_resharded(STEP, tmp_path / "node3", world_size=3, ranks=[2])
+        store.checkout(STEP, tmp_path / "whole3", world_size=3)
+        store.checkout(STEP, tmp_path / "node3", world_size=3, ranks=[2])
     for whole, node, rank in (("whole2", "node2", 1), ("whole3", "node3", 2)):
         mine = sorted(p.name for p in (tmp_path / node / tag).iterdir())
         assert mine == [

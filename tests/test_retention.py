@@ -164,7 +164,7 @@ def test_thin_to_weights_keeps_every_step_exportable_and_the_last_resumable(runs
     assert proc.returncode == 2 and "thinned to weights" in proc.stderr and "export" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "refused").exists()
     with tailorstore.Store.open(store.root) as api:
-        for name, write in (("universal", api.checkout_universal), ("resharded", api.checkout_resharded)):
+        for name, write in (("universal", api.checkout_universal), ("resharded", api.checkout)):
             extra = {"world_size": 1} if name == "resharded" else {}
             with pytest.raises(tailorstore.ThinnedStepError, match="thinned to weights"):
                 write(9, tmp_path / name, **extra)

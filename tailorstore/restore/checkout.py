@@ -37,6 +37,9 @@ from tailorstore.store.repo import Repository
 class CheckoutResult(FolderResult):
     files: int
     inherited: dict[str, int] = field(default_factory=dict)  # layer -> source step, for composites
+    # the DeepSpeed tag folder it wrote below ``out`` (``engine.load_checkpoint(out, tag)``), if any:
+    # told, so that no caller reads the folder back to learn it
+    tag: str | None = None
 
 
 def inherited_layers(repo: Repository, manifest: int) -> dict[str, int]:
@@ -85,7 +88,11 @@ def checkout_step(
                 lift(tmp, str(facts.ds_tag))
     finally:
         progress.close()
-    return CheckoutResult(step, manifest, out, written, len(files), inherited, seconds=time.perf_counter() - began)
+    tag = facts.ds_tag if facts.ds_tag and any(r.path.startswith(f"{facts.ds_tag}/") for r in files) else None
+    if dcp_folder_itself(facts, files):
+        tag = None  # the step is ``out`` itself
+    seconds = time.perf_counter() - began
+    return CheckoutResult(step, manifest, out, written, len(files), inherited, tag=tag, seconds=seconds)
 
 
 def dcp_folder_itself(facts: ManifestRecord, files: list[FileRecord]) -> bool:

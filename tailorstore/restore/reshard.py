@@ -72,7 +72,6 @@ _FRAGMENT_ADDRESS = opaque_class(DEEPSPEED_GLOBALS[3])
 class ReshardResult(CheckoutResult):
     """A checkout for another world size or ZeRO stage: what it wrote, and for which."""
 
-    tag: str = ""
     world_size: int = 0
     zero_stage: int = 0
 

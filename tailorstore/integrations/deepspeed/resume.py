@@ -6,7 +6,7 @@ on disk. Here the step is resolved once, on global rank 0, to its stable id (``i
 every node reads the same manifest even while commits go on. Then each node's leader (its local
 rank 0) writes into its own staging folder the files its ranks load: the step as saved when the
 world size and ZeRO stage match, else the native layout of the new world size
-(``checkout_resharded``) cut down to this node's ranks. Every rank then loads through
+(``checkout`` at the new world size) cut down to this node's ranks. Every rank then loads through
 DeepSpeed's own ``load_checkpoint``, and the leader deletes the folder.
 
 A node's peak staging is therefore its ranks' optimizer files plus the model-states file(s):
@@ -68,12 +68,12 @@ def materialize(store: Store, found: Found, out: Path, world_size: int, zero_sta
     """A node leader: write what ``ranks`` load into ``out``; returns the tag folder's name."""
     if needs_reshard(found, world_size, zero_stage):
         stage = zero_stage if zero_stage != found.zero_stage else None
-        return store.checkout_resharded(found.ref, out, world_size=world_size, zero_stage=stage, ranks=ranks).tag
-    store.checkout(found.ref, out, ranks=ranks)  # this node's share: its ranks' files and the shared ones
-    folders = [p.name for p in out.iterdir() if p.is_dir()]
-    if len(folders) != 1:
-        raise StoreError(f"the checked-out step in {out} holds {len(folders)} tag folders, not one")
-    return folders[0]
+        done = store.checkout(found.ref, out, world_size=world_size, zero_stage=stage, ranks=ranks)
+    else:
+        done = store.checkout(found.ref, out, ranks=ranks)  # this node's share: its ranks' files and the shared ones
+    if not done.tag:
+        raise StoreError(f"the step checked out in {out} holds no DeepSpeed tag folder")
+    return done.tag
 
 
 def restore_and_load(
