@@ -310,10 +310,9 @@ def test_hostile_tags_and_paths_are_shown_as_text_never_run(tmp_path: Path) -> N
     """A tag with markup (what a tag may hold: no '/' or '='), a step committed from a folder whose
     path closes a script element, and the page's own renderer given hostile metric and run names
     (which the store refuses to record): all shown as typed, nothing run, no element added."""
-    from testbed.browser import open_page
-
     from tailorstore import Store
     from tailorstore.report.page.render import render
+    from testbed.browser import open_page
     from testbed.history_store import saves
 
     tag = '<b>bold</b"><img src onerror>'.replace("/", "")  # '<b>bold<b"><img src onerror>'
