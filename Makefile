@@ -5,7 +5,7 @@ STAMP := .install-stamp-$(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib
 # The tests start `tailor` as a user does: from the bin folder of the Python it was installed into.
 export PATH := $(shell $(PYTHON) -c 'import os, sys; print(os.path.dirname(os.path.abspath(sys.executable)))'):$(PATH)
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test lint bench browser
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "installing tailorstore with pinned torch 2.13.0 (CPU), DeepSpeed and transformers into $$($(PYTHON) -c 'import sys; print(sys.prefix)')"
@@ -18,6 +18,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The report page's browser tests (tests/test_report_page.py) drive the system's chromium through
+# Playwright, which downloads no browser. Where it is missing and apt-get can install it (Debian,
+# as root: CI's machine), this installs Debian's; elsewhere those tests skip, with one line saying
+# what to install.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	      apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } || \
+	      echo "apt-get could not install chromium: the report page's browser tests will skip"; \
+	    else echo "no chromium, and no root apt-get to install it: the report page's browser tests will skip"; fi; }
+
 demo: $(STAMP)
 	$(PYTHON) -m examples.demo
 
@@ -26,7 +37,7 @@ demo: $(STAMP)
 # so a hang names its test instead of eating CI's 90 minutes. Both tiers run on two workers
 # (pytest-xdist; the slow tier a file to a worker, each training fixture made once for both,
 # tests/conftest.py): their tests mostly wait on the processes they start.
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q -m "not slow" --timeout 120 -n 2 --durations 15
 	$(PYTHON) -m pytest -q -m slow --timeout 900 -n 2 --dist loadfile --durations 60

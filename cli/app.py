@@ -541,6 +541,23 @@ def plot(
     typer.echo(f"wrote {out}")
 
 
+@app.command()
+def report(
+    out: Path = typer.Option(Path("report.html"), "--out", help="HTML file to write (default: report.html here)."),
+    store: str | None = StoreOpt,
+    quiet: bool = QuietOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """One offline HTML page of the store's history: metrics, bytes, lineage, layers and every step."""
+    with _open(store) as st:
+        result = st.report(out)
+    said = (
+        f"wrote {result.out}: {result.steps} step(s) of {result.runs} run(s), {human(result.bytes_written)}, "
+        f"opens offline ({result.seconds:.1f} s)"
+    )
+    _report_written(result, as_json, quiet, said)
+
+
 @app.command("tag")
 def tag_cmd(
     selector: str = typer.Argument(..., help=SELECTOR_HELP),

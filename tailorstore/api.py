@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from tailorstore.ingest.finalize import FinalizeResult
     from tailorstore.report.diff import DiffResult
     from tailorstore.report.inspect import StepDetail, StepFiles, StepSummary
+    from tailorstore.report.page import HistoryFacts, ReportResult
     from tailorstore.report.usage import Usage
     from tailorstore.report.verify import VerifyReport
     from tailorstore.restore.checkout import CheckoutResult
@@ -418,6 +419,20 @@ class Store:
 
         return plot(self.repo, Path(out), self.run)
 
+    def report(self, out: str | os.PathLike = "report.html") -> ReportResult:
+        """The store's history as one self-contained HTML page at ``out`` (a ``.html`` path outside the
+        store; an old report there is replaced): metrics over steps, bytes over time, lineage, each
+        layer's change, and a sortable table of steps. It opens offline: every script is inlined."""
+        import time
+
+        from tailorstore.report.page import report_data, write_report
+        from tailorstore.report.page.render import check_out
+
+        started = time.monotonic()
+        check_out(self.repo, Path(out))  # a wrong path is said before the store is read
+        data = report_data(self.repo, _history_facts(self.repo), store_id=self.id)
+        return write_report(self.repo, Path(out), data, started)
+
     def usage(self) -> Usage:
         from tailorstore.curate.gc import Retention, effective_rules, plan_gc
         from tailorstore.report.usage import usage
@@ -544,3 +559,40 @@ def _commit(
 
 
 __all__ = ["Ref", "Store", "selector"]
+<<<<<<< HEAD
+=======
+
+
+def _history_facts(repo: Repository) -> HistoryFacts:
+    """What the report page needs from curate (report does not import it): the runs, and what
+    ``gc`` without rules would do now under each run's own retention."""
+    from tailorstore.curate.gc import Retention, effective_rules, kept_as_best, plan_gc
+    from tailorstore.curate.runs import list_runs
+    from tailorstore.report.page import GcOutlook, HistoryFacts, RunFacts
+
+    rules = effective_rules(repo, Retention())
+    plan = plan_gc(repo, rules)
+    outlook = GcOutlook(
+        frees=plan.freed_bytes,
+        drops=frozenset(m for m, _ in plan.drop),
+        thins={m: tier for m, _, tier in plan.thin},
+        best=kept_as_best(repo, rules),
+    )
+    runs = tuple(
+        RunFacts(r.name) if r.base is None else RunFacts(r.name, r.base.run, r.base.step, r.base.id)
+        for r in list_runs(repo)
+    )
+    return HistoryFacts(runs, outlook)
+
+
+def _archive_grid(levels: int | None, keyframe_every: int | None) -> ArchiveGrid | None:
+    """The archive tier's grid from the options given (None when neither is)."""
+    from tailorstore.curate.archiving import KEYFRAME_EVERY, ArchiveGrid
+    from tailorstore.store.archive_codec import DEFAULT_LEVELS
+
+    if levels is None and keyframe_every is None:
+        return None
+    return ArchiveGrid(
+        DEFAULT_LEVELS if levels is None else levels, KEYFRAME_EVERY if keyframe_every is None else keyframe_every
+    )
+>>>>>>> report

@@ -135,9 +135,10 @@ class MissingDependencyError(TailorError):
     """An optional package a command needs is not installed (``pip install 'tailorstore[EXTRA]'``):
     the user's setup, not a bug, so one line and the bad-input exit, never an ImportError's traceback."""
 
-    def __init__(self, what: str, package: str, extra: str) -> None:
-        self.needed = (what, package, extra)
-        super().__init__(f"{what} needs {package}, which is not installed: pip install 'tailorstore[{extra}]'")
+    def __init__(self, what: str, package: str, extra: str | None) -> None:
+        self.needed = (what, package, extra)  # extra None: a dependency of every install, gone missing
+        install = f"'tailorstore[{extra}]'" if extra else package
+        super().__init__(f"{what} needs {package}, which is not installed: pip install {install}")
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (type(self), self.needed)

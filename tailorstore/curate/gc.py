@@ -392,6 +392,24 @@ def kept_manifests(manifests: list[ManifestRecord], rules: Retention, bases: fro
     return keep
 
 
+def kept_as_best(repo: Repository, rules: list[Retention]) -> dict[int, tuple[str, ...]]:
+    """The manifests each rule's keep-best keeps (``KeepBest.best``, each run counted on its own, as
+    :func:`kept_manifests` counts them), with the rules' text: what the report page stars."""
+    manifests = repo.view(GcPlanning).manifests()
+    out: dict[int, tuple[str, ...]] = {}
+    for one in rules:
+        if one.keep_best is None:
+            continue
+        by_run: dict[str, list[ManifestRecord]] = {}
+        for m in manifests:
+            if m.origin == COMMIT and (one.run is None or m.run == one.run):
+                by_run.setdefault(m.run, []).append(m)
+        for commits in by_run.values():
+            for manifest in sorted(one.keep_best.best(commits)):
+                out[manifest] = (*out.get(manifest, ()), one.keep_best.text())
+    return out
+
+
 PART_AGE = 3600.0  # seconds: a save's parts arrive within minutes of one another; its finalize follows
 
 

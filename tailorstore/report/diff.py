@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from types import ModuleType
@@ -111,6 +111,8 @@ class ChangeMatrix:
     layers: list[str]  # every layer but state, in model order
     values: list[list[float | None]]  # [layer][column]: change since the previous column; None: not comparable
     inherited: list[list[bool]]  # [layer][column]: the layer was not stored at that manifest
+    steps: list[int] = field(default_factory=list)  # each column's step (the report page's x axis)
+    ids: list[str] = field(default_factory=list)  # each column's manifest id
 
 
 def change_matrix(repo: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
@@ -140,7 +142,7 @@ def change_matrix(repo: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
             previous = current
         values.append(line)
         inherited.append(flags)
-    return ChangeMatrix(columns, layers, values, inherited)
+    return ChangeMatrix(columns, layers, values, inherited, [r.step for r in rows[1:]], [r.name for r in rows[1:]])
 
 
 def _measured(repo: Repository, manifest: int, layer: str) -> tuple[str, dict[PieceKey, np.ndarray]]:

@@ -1,0 +1,83 @@
+"""The report page at scale: a store of 10,000 real steps, its page's size, and its render time.
+
+``python -m benchmarks.report_page [--steps 10000] [--work DIR]`` commits ``--steps`` real
+``torch.save`` saves of a tiny Llama-shaped training (testbed/history_store.py: tiny tensors, so
+what is measured is the page, not the codec), every step with metrics, every 500th tagged and
+every 1,000th pinned, a branch at the middle, and a keep-best retention, then writes ``tailor
+report`` and opens it in the system's chromium (testbed/browser.py: offline, every request but the
+file refused). Measured: the time to build and write the page, the file's size, and the time from
+navigation to every part drawn (``performance.now()`` when the page's script has drawn its five
+parts: parsing the inlined plotly.js included), over ``--loads`` loads. Prints one JSON document.
+
+The issue's bar: at most 2 s to render and under 10 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tailorstore import Store
+from testbed.browser import open_page
+from testbed.history_store import saves
+
+
+def build(root: Path, steps: int) -> Path:
+    """The store: ``steps`` main steps, a branch of 100 steps from the middle."""
+    location = root / "store"
+    with Store.init(location) as store:
+        for step, path, loss in saves(root / "saves", steps, blocks=2):
+            store.commit(path, metrics={"eval_loss": loss, "step_seconds": 0.5 + step % 7 / 10})
+            if step % 500 == 0:
+                store.tag(f"step={step}", f"k{step}")
+            if step % 1000 == 0:
+                store.pin(f"step={step}")
+        store.create_run("branch", base=f"step={steps // 2}")
+        store.set_retention(keep_last=5, keep_best="eval_loss:min:5")
+    with Store.open(location, run="branch") as branch:
+        for step, path, loss in saves(root / "branch-saves", 100, blocks=2, seed=1):
+            branch.commit(path, step=steps // 2 + step, metrics={"eval_loss": loss})
+    return location
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--loads", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=None)
+    args = parser.parse_args(argv)
+    root = args.work or Path(tempfile.mkdtemp(prefix="report-page-"))
+    root.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    location = root / "store" if (root / "store").exists() else build(root, args.steps)
+    built = time.monotonic() - started
+    page = root / "report.html"
+    with Store.open(location) as store:
+        result = store.report(page)
+    renders: list[float] = []
+    for _ in range(args.loads):
+        with open_page(page, timeout_s=120) as seen:
+            assert not seen.errors and not seen.requests, (seen.errors, seen.requests)
+            renders.append(seen.evaluate("() => window.tailorRenderedAt") / 1000)
+    out: dict[str, Any] = {
+        "steps": result.steps,
+        "runs": result.runs,
+        "build_store_s": round(built, 1),
+        "write_page_s": round(result.seconds, 2),
+        "page_bytes": result.bytes_written,
+        "page_mb": round(result.bytes_written / 1e6, 2),
+        "render_s": [round(r, 2) for r in renders],
+        "render_median_s": round(statistics.median(renders), 2),
+        "store": str(location),
+    }
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
