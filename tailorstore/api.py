@@ -559,8 +559,6 @@ def _commit(
 
 
 __all__ = ["Ref", "Store", "selector"]
-<<<<<<< HEAD
-=======
 
 
 def _history_facts(repo: Repository) -> HistoryFacts:
@@ -584,15 +582,3 @@ def _history_facts(repo: Repository) -> HistoryFacts:
     )
     return HistoryFacts(runs, outlook)
 
-
-def _archive_grid(levels: int | None, keyframe_every: int | None) -> ArchiveGrid | None:
-    """The archive tier's grid from the options given (None when neither is)."""
-    from tailorstore.curate.archiving import KEYFRAME_EVERY, ArchiveGrid
-    from tailorstore.store.archive_codec import DEFAULT_LEVELS
-
-    if levels is None and keyframe_every is None:
-        return None
-    return ArchiveGrid(
-        DEFAULT_LEVELS if levels is None else levels, KEYFRAME_EVERY if keyframe_every is None else keyframe_every
-    )
->>>>>>> report
