@@ -196,19 +196,13 @@ class Store:
         """Record step ``step`` from the parts every host committed (with ``label``, only the parts
         committed with that ``part_label``); refused, naming the missing ranks, while a part is
         missing (the parts then stay for a later finalize)."""
-        from tailorstore.ingest.finalize import finalize_step
+        from tailorstore.ingest.finalize import FinalizeRequest, finalize_step
 
-        return finalize_step(
-            self.repo,
-            step,
-            tag=tag,
-            force=force,
-            run=self.run,
+        request = FinalizeRequest(
+            step, run=self.run, tag=tag, force=force, label=label, metrics=encode_metrics(metrics),
             lock_timeout=lock_timeout,
-            progress=progress or Silent(),
-            label=label,
-            metrics=encode_metrics(metrics),
-        )
+        )  # fmt: skip
+        return finalize_step(self.repo, request, progress or Silent())
 
     def commit_async(
         self, path: str | os.PathLike, request: CommitRequest | None = None, **options: Any

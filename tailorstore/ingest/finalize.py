@@ -251,113 +251,145 @@ def _check_blobs(repo: Repository, parts: list[Part]) -> None:
         )
 
 
-def finalize_step(
-    repo: Repository,
-    step: int,
-    *,
-    tag: str | None = None,
-    force: bool = False,
-    run: str = MAIN_RUN,
-    lock_timeout: float = LOCK_TIMEOUT,
-    progress: Progress | None = None,
-    label: str | None = None,
-    metrics: str | None = None,
-) -> FinalizeResult:
-    """Record ``step`` from its parts (with ``label``, only the parts published with it: one
-    save's, while a dead node's part of an earlier try of the same step waits for gc), with
-    ``metrics`` (JSON, checked by the caller) if given."""
-    began = time.perf_counter()
-    check_step(step)
-    check_run_name(run)
-    if tag:
-        check_tag(tag)
-    with operation("finalize"), repo.lock(exclusive=False, timeout=lock_timeout, progress=progress) as lock:
-        repo.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
-        parts = read_parts(repo.backend, step, run, label)
-        if not parts:
-            raise StoreError(
-                f"step {step} has no parts to finalize. Each host commits its ranks with ",
-                Call("commit", "DIR", part=True),
-                " first.",
-            )
-        lookup = repo.view(FinalizeLookup)
-        if lookup.commit_at(step, run) is not None:
-            raise StepExistsError(f"step {step} is already in the store; its parts were finalized before.")
-        if tag and lookup.tagged(tag) is not None:  # the publisher checks again, in its transaction
-            raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag.")
-        kinds = {p.layout for p in parts}
-        tags = {p.ds_tag for p in parts}
-        if len(tags) > 1 or (len(kinds) > 1 and not kinds <= {DEEPSPEED, DEEPSPEED_TAG}):
-            raise BadCheckpointError(
-                f"step {step}: the parts hold different layouts or tag folders "
-                f"({sorted(kinds)}, {sorted(map(str, tags))}); they are not one save."
-            )
-        layout = DEEPSPEED if DEEPSPEED in kinds else kinds.pop()
-        _one_try(parts, step, label)
-        files, atoms = _merged_files(parts)
-        world_size, zero_stage = _one_fact(parts, "world_size"), _one_fact(parts, "zero_stage")
-        missing = missing_pieces(layout, files, world_size, zero_stage)
-        if missing:
-            raise BadCheckpointError(
-                f"step {step} is incomplete: its {len(parts)} part(s) lack {'; '.join(missing)}. Commit the missing "
-                "host's files with ",
-                Call("commit", "DIR", part=True),
-                ", then finalize again.",
-            )
-        _check_blobs(repo, parts)
-        if not force:
-            structure.refuse_other_model(
-                repo.view(structure.ModelShape), structure.from_atoms(atoms), run, repo.run_base(run)
-            )
-        layer_bytes: dict[str, int] = {}
-        for a in atoms:
-            layer_bytes[a.layer] = layer_bytes.get(a.layer, 0) + a.nbytes
-        plan = _one_plan(parts)
-        sources = _plan_sources(repo, plan, step) if plan else {}
-        raw_bytes = sum(f.raw_size for f in files)
-        new_bytes = sum(p.new_bytes for p in parts)
+@dataclass(frozen=True)
+class FinalizeRequest:
+    """What a finalize records: the step of ``run`` from its parts (with ``label``, only the parts
+    published with it: one save's, while a dead node's part of an earlier try of the same step
+    waits for gc), under ``tag``, with ``metrics`` (JSON, checked by the caller); ``force`` records
+    it even where its model differs from the run's."""
 
-        changes = plan["changes"] if plan else {}
-        rows = ManifestRows(
-            ManifestRecord(
-                step=step,
-                origin=COMMIT,
-                created_at=time.time(),
-                layout=layout,
-                ds_tag=parts[0].ds_tag,
-                zero_stage=zero_stage,
-                world_size=world_size,
-                policy=json.dumps(plan["policy"] if plan else PolicySpec().as_json()),
-                exact=not sources,
-                raw_bytes=raw_bytes,
-                new_bytes=new_bytes,
-                source="; ".join(sorted(p.source for p in parts)),
-                run=run,
-                tag=tag,
-                metrics=metrics,
-            ),
-            files,
-            atoms,
-            [
-                LayerRecord(
-                    x, *(sources[x] if x in sources else (THIS_MANIFEST, step)), n, x not in sources, changes.get(x)
-                )
-                for x, n in sorted(layer_bytes.items())
-            ],
-            reported_blobs=[b for p in parts for b in p.blobs],  # a packed blob keeps the row its pack gave
-            derived_from=[repo.manifest(m) for m in sorted({m for m, _ in sources.values()})],
-        )
-        [manifest] = record_manifest(repo, rows, fence=lock)  # the commit point
+    step: int
+    run: str = MAIN_RUN
+    tag: str | None = None
+    force: bool = False
+    label: str | None = None
+    metrics: str | None = None
+    lock_timeout: float = LOCK_TIMEOUT
+
+    def check(self) -> None:
+        check_step(self.step)
+        check_run_name(self.run)
+        if self.tag:
+            check_tag(self.tag)
+
+
+@dataclass(frozen=True)
+class _OneSave:
+    """The parts, proved one save, merged: what the manifest will record."""
+
+    parts: list[Part]
+    layout: str
+    files: list[FileRecord]
+    atoms: list[AtomRecord]
+    world_size: int | None
+    zero_stage: int | None
+    plan: dict | None
+
+
+def finalize_step(repo: Repository, request: FinalizeRequest, progress: Progress | None = None) -> FinalizeResult:
+    """Finalize's call order: lock shared and sync; read the parts and refuse what is no one
+    complete save (:func:`_one_save`); decide each layer's source; record the manifest (the commit
+    point); only then delete the parts."""
+    began = time.perf_counter()
+    request.check()
+    with operation("finalize"), repo.lock(exclusive=False, timeout=request.lock_timeout, progress=progress) as lock:
+        repo.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
+        save = _one_save(repo, request)
+        sources = _plan_sources(repo, save.plan, request.step) if save.plan else {}
+        [manifest] = record_manifest(repo, _rows(repo, request, save, sources), fence=lock)  # the commit point
         # after the manifest is durable (a crash before leaves parts gc can drop); one request on S3
-        repo.backend.delete_many([part.key for part in parts])
+        repo.backend.delete_many([part.key for part in save.parts])
     return FinalizeResult(
-        step=step,
+        step=request.step,
         manifest=manifest,
-        parts=len(parts),
-        files=len(files),
-        atoms=len(atoms),
-        raw_bytes=raw_bytes,
-        new_bytes=new_bytes,
+        parts=len(save.parts),
+        files=len(save.files),
+        atoms=len(save.atoms),
+        raw_bytes=sum(f.raw_size for f in save.files),
+        new_bytes=sum(p.new_bytes for p in save.parts),
         seconds=time.perf_counter() - began,
-        sources=sorted(p.source for p in parts),
+        sources=sorted(p.source for p in save.parts),
+    )
+
+
+def _one_save(repo: Repository, request: FinalizeRequest) -> _OneSave:
+    """The step's parts, refused unless they are one try of one save, complete, of this run's model."""
+    step, run = request.step, request.run
+    parts = read_parts(repo.backend, step, run, request.label)
+    if not parts:
+        raise StoreError(
+            f"step {step} has no parts to finalize. Each host commits its ranks with ",
+            Call("commit", "DIR", part=True),
+            " first.",
+        )
+    lookup = repo.view(FinalizeLookup)
+    if lookup.commit_at(step, run) is not None:
+        raise StepExistsError(f"step {step} is already in the store; its parts were finalized before.")
+    if request.tag and lookup.tagged(request.tag) is not None:  # the publisher checks again, in its transaction
+        raise StepExistsError(f"tag {request.tag!r} already names a manifest; choose another tag.")
+    kinds = {p.layout for p in parts}
+    tags = {p.ds_tag for p in parts}
+    if len(tags) > 1 or (len(kinds) > 1 and not kinds <= {DEEPSPEED, DEEPSPEED_TAG}):
+        raise BadCheckpointError(
+            f"step {step}: the parts hold different layouts or tag folders "
+            f"({sorted(kinds)}, {sorted(map(str, tags))}); they are not one save."
+        )
+    layout = DEEPSPEED if DEEPSPEED in kinds else kinds.pop()
+    _one_try(parts, step, request.label)
+    files, atoms = _merged_files(parts)
+    world_size, zero_stage = _one_fact(parts, "world_size"), _one_fact(parts, "zero_stage")
+    missing = missing_pieces(layout, files, world_size, zero_stage)
+    if missing:
+        raise BadCheckpointError(
+            f"step {step} is incomplete: its {len(parts)} part(s) lack {'; '.join(missing)}. Commit the missing "
+            "host's files with ",
+            Call("commit", "DIR", part=True),
+            ", then finalize again.",
+        )
+    _check_blobs(repo, parts)
+    if not request.force:
+        structure.refuse_other_model(
+            repo.view(structure.ModelShape), structure.from_atoms(atoms), run, repo.run_base(run)
+        )
+    return _OneSave(parts, layout, files, atoms, world_size, zero_stage, _one_plan(parts))
+
+
+def _rows(
+    repo: Repository, request: FinalizeRequest, save: _OneSave, sources: dict[str, tuple[int, int]]
+) -> ManifestRows:
+    """The manifest's rows: the step's record, its files and atoms, each layer's source."""
+    layer_bytes: dict[str, int] = {}
+    for a in save.atoms:
+        layer_bytes[a.layer] = layer_bytes.get(a.layer, 0) + a.nbytes
+    changes = save.plan["changes"] if save.plan else {}
+    record = ManifestRecord(
+        step=request.step,
+        origin=COMMIT,
+        created_at=time.time(),
+        layout=save.layout,
+        ds_tag=save.parts[0].ds_tag,
+        zero_stage=save.zero_stage,
+        world_size=save.world_size,
+        policy=json.dumps(save.plan["policy"] if save.plan else PolicySpec().as_json()),
+        exact=not sources,
+        raw_bytes=sum(f.raw_size for f in save.files),
+        new_bytes=sum(p.new_bytes for p in save.parts),
+        source="; ".join(sorted(p.source for p in save.parts)),
+        run=request.run,
+        tag=request.tag,
+        metrics=request.metrics,
+    )
+    layers = [
+        LayerRecord(
+            x, *(sources[x] if x in sources else (THIS_MANIFEST, request.step)), n, x not in sources, changes.get(x)
+        )
+        for x, n in sorted(layer_bytes.items())
+    ]
+    return ManifestRows(
+        record,
+        save.files,
+        save.atoms,
+        layers,
+        reported_blobs=[b for p in save.parts for b in p.blobs],  # a packed blob keeps the row its pack gave
+        derived_from=[repo.manifest(m) for m in sorted({m for m, _ in sources.values()})],
     )
