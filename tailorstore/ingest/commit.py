@@ -313,17 +313,18 @@ def commit_layout(
     progress: Progress | None = None,
 ) -> CommitResult:
     """Commit the files of ``layout`` (a folder on disk, or a memory folder the DCP writer filled);
-    ``source`` is what the step records it came from."""
+    ``source`` is what the step records it came from.
+
+    The call order: scan the files (before any lock); lock shared and sync; decide which layers
+    this step stores and where the others come from (:func:`_decide`); write the stored layers'
+    blobs, each hashed and encoded from one copy; record the manifest (the commit point)."""
     progress = progress or Silent()
     began = time.perf_counter()
     check_options(options)
-    tag = options.tag or None
     scan = scan_checkpoint(layout, options.trust_pickles)
-    files = scan.files
-    step = step_of(options, layout, files)
-    layers = scan.layers
+    step = step_of(options, layout, scan.files)
     if not options.part:
-        refuse_incomplete(layout, files)
+        refuse_incomplete(layout, scan.files)
 
     with (
         operation("part" if options.part else "commit"),
@@ -334,88 +335,120 @@ def commit_layout(
         repo.refresh(lock)
         if options.part:
             return commit_part(repo, source, layout, scan, step, options, lock, progress, began)
-        run = options.run
-        base = repo.run_base(run)
-        if not options.force:
-            structure.refuse_other_model(repo.view(structure.ModelShape), scan.structure, run, base, layout.kind)
-            refuse_taken(repo.view(CommitHistory), step, run, tag)
-        sources = inheritance(repo, step, layers, run, base)
-        read_from = {m: repo.manifest(m) for m in {i.manifest for i in sources.values()}}  # as they are now
-        commits_before = repo.view(CommitHistory).commits_before(step, run) + (base is not None)
-        adaptive = needs_changes(options.policy)
-        changes = _measure_changes(repo, layout, scan, sources) if adaptive else {}
-        ages = ages_of(repo, sources, commits_before, run) if adaptive else {}
-        stored = decide(
-            options.policy,
-            CommitFacts(
-                layers, commits_before, frozenset(sources), changes if adaptive else None, scan.layer_bytes, ages
-            ),
-        )
-        for layer in layers - stored:
-            load_inherited_atoms(repo, sources[layer], layer)
+        decision = _decide(repo, layout, scan, step, options)
+        for layer in scan.layers - decision.stored:
+            load_inherited_atoms(repo, decision.sources[layer], layer)
         writer = BlobWriter(repo, level=options.level, threads=options.threads)
         with cleaned_up_on_failure(repo, writer, lock, progress):
-            plan, new_blobs = _write_checked(layout, scan, options, stored, sources, writer, progress)
-
-        raw_bytes = sum(f.size for f in files)
-        facts = _facts(files)
-        new_bytes = sum(b.stored_size for b in new_blobs)
-        inherited = sorted({sources[layer].manifest for layer in layers - stored})
-        rows = ManifestRows(
-            ManifestRecord(
-                step=step,
-                origin=COMMIT,
-                created_at=time.time(),
-                layout=layout.kind,
-                ds_tag=layout.ds_tag,
-                zero_stage=facts.get("zero_stage"),
-                world_size=facts.get("world_size"),
-                policy=json.dumps(options.policy.as_json()),
-                exact=stored >= layers,
-                raw_bytes=raw_bytes,
-                new_bytes=new_bytes,
-                source=source,
-                run=run,
-                tag=tag,
-                metrics=options.metrics,
-            ),
-            plan.files,
-            plan.atoms,
-            [
-                LayerRecord(
-                    layer,
-                    THIS_MANIFEST if layer in stored else sources[layer].source,
-                    step if layer in stored else sources[layer].source_step,
-                    plan.layer_bytes.get(layer, 0),
-                    layer in stored,
-                    changes.get(layer),
-                )
-                for layer in layers
-            ],
-            blobs=new_blobs,  # a repaired blob (rewritten because its object was missing) moves
-            packs=writer.new_packs(),
-            derived_from=[read_from[m] for m in inherited],
-            replacing=options.force,  # the replaced step keeps its tag and pin, unless a new tag is given
-        )
+            plan, new_blobs = _write_checked(
+                layout, scan, options, decision.stored, decision.sources, writer, progress
+            )
+        rows = _commit_rows(layout, scan, step, source, options, decision, plan, new_blobs, writer)
         try:
             [manifest] = record_manifest(repo, rows, fence=lock)  # the commit point
         except BaseException:
             if lock.try_exclusive():  # e.g. a full disk under SQLite: leave no orphans behind
                 remove_unindexed(repo, writer, lock)
             raise
+    layers, stored, sources = scan.layers, decision.stored, decision.sources
     return CommitResult(
         step=step,
         manifest=int(manifest),
         files=len(plan.files),
         atoms=len(plan.atoms),
-        raw_bytes=raw_bytes,
+        raw_bytes=rows.record.raw_bytes,
         new_blobs=len(new_blobs),
-        new_bytes=new_bytes,
+        new_bytes=rows.record.new_bytes,
         derived_bytes=plan.derived_bytes,
         seconds=time.perf_counter() - began,
         stored_layers=sorted(stored, key=sort_key),
         inherited_layers={layer: sources[layer].source_step for layer in sorted(layers - stored, key=sort_key)},
-        changes=changes,
+        changes=decision.changes,
+    )
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """Which layers a commit stores, and where each other one comes from (as the index is now)."""
+
+    stored: frozenset[str]
+    sources: dict[str, Inheritance]
+    changes: dict[str, float]
+    read_from: dict[int, ManifestRecord]
+
+
+def _decide(repo: Repository, layout: CheckpointLayout, scan: Scan, step: int, options: CommitOptions) -> _Decision:
+    """Under the lock: refuse another model or a taken step, find each layer's inheritance, and let
+    the policy choose what to store (measuring the layers' change where it needs it)."""
+    run = options.run
+    base = repo.run_base(run)
+    if not options.force:
+        structure.refuse_other_model(repo.view(structure.ModelShape), scan.structure, run, base, layout.kind)
+        refuse_taken(repo.view(CommitHistory), step, run, options.tag or None)
+    sources = inheritance(repo, step, scan.layers, run, base)
+    read_from = {m: repo.manifest(m) for m in {i.manifest for i in sources.values()}}  # as they are now
+    commits_before = repo.view(CommitHistory).commits_before(step, run) + (base is not None)
+    adaptive = needs_changes(options.policy)
+    changes = _measure_changes(repo, layout, scan, sources) if adaptive else {}
+    ages = ages_of(repo, sources, commits_before, run) if adaptive else {}
+    facts = CommitFacts(
+        scan.layers, commits_before, frozenset(sources), changes if adaptive else None, scan.layer_bytes, ages
+    )
+    return _Decision(decide(options.policy, facts), sources, changes, read_from)
+
+
+def _commit_rows(
+    layout: CheckpointLayout,
+    scan: Scan,
+    step: int,
+    source: str,
+    options: CommitOptions,
+    decision: _Decision,
+    plan: _Plan,
+    new_blobs: list[BlobRecord],
+    writer: BlobWriter,
+) -> ManifestRows:
+    """The manifest's rows: the step's record, its files and atoms, each layer's source."""
+    layers, stored, sources = scan.layers, decision.stored, decision.sources
+    facts = _facts(scan.files)
+    inherited = sorted({sources[layer].manifest for layer in layers - stored})
+    record = ManifestRecord(
+        step=step,
+        origin=COMMIT,
+        created_at=time.time(),
+        layout=layout.kind,
+        ds_tag=layout.ds_tag,
+        zero_stage=facts.get("zero_stage"),
+        world_size=facts.get("world_size"),
+        policy=json.dumps(options.policy.as_json()),
+        exact=stored >= layers,
+        raw_bytes=sum(f.size for f in scan.files),
+        new_bytes=sum(b.stored_size for b in new_blobs),
+        source=source,
+        run=options.run,
+        tag=options.tag or None,
+        metrics=options.metrics,
+    )
+    layer_rows = [
+        LayerRecord(
+            layer,
+            THIS_MANIFEST if layer in stored else sources[layer].source,
+            step if layer in stored else sources[layer].source_step,
+            plan.layer_bytes.get(layer, 0),
+            layer in stored,
+            decision.changes.get(layer),
+        )
+        for layer in layers
+    ]
+    return ManifestRows(
+        record,
+        plan.files,
+        plan.atoms,
+        layer_rows,
+        blobs=new_blobs,  # a repaired blob (rewritten because its object was missing) moves
+        packs=writer.new_packs(),
+        derived_from=[decision.read_from[m] for m in inherited],
+        replacing=options.force,  # the replaced step keeps its tag and pin, unless a new tag is given
     )
 
 
