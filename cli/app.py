@@ -175,6 +175,11 @@ def commit(
             metrics=_metrics(metric),
             **params,
         )
+    _say_committed(result, run, quiet, as_json)
+
+
+def _say_committed(result: Any, run: str, quiet: bool, as_json: bool) -> None:
+    """What `commit` prints: its result as JSON, a part's next step, or the step's layers."""
     if as_json:
         typer.echo(json.dumps(_asdict(result)))
     elif not quiet and result.part:

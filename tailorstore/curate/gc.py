@@ -425,8 +425,36 @@ def part_age() -> float:
 def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts: bool = False) -> GcPlan:
     """What gc would do under ``rules`` (one set, or several each touching its own run). Blobs a
     pending part names are live (the part waits for its finalize); a part of a step already
-    recorded is dropped, and every part when ``drop_parts``."""
+    recorded is dropped, and every part when ``drop_parts``.
+
+    In order: which manifests stay, go or are thinned; which parts go; which blobs die (no kept
+    manifest, pending part or thinned step uses them); which packs die whole or are repacked;
+    what lies in the backend that no row names (orphans, superseded versions, temp files)."""
     index = repo.view(GcPlanning)
+    plan, tiers = _manifests_planned(index, rules)
+    held = _parts_planned(repo, index, plan, drop_parts)
+    _dead_blobs(repo, index, plan, tiers, held)
+    dead_set = set(plan.dead_blobs)
+    holdings = repo.holdings()  # sizes from the listing: no request per orphan on an object store
+    _packs_planned(repo, index, plan, dead_set, held, holdings)
+    indexed = index.blob_hashes(loose_only=True)
+    for name, size in holdings.blobs.items():
+        if name not in indexed and name not in held:
+            plan.orphan_files.append(name)
+            plan.freed_bytes += size
+    known = set(index.packs())
+    for name, size in holdings.packs.items():
+        if name not in known:
+            plan.orphan_packs.append(name)
+            plan.freed_bytes += size
+    plan.superseded = superseded(repo.backend)
+    plan.temp_files = repo.backend.leftovers()
+    plan.freed_bytes += repo.backend.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too
+    return plan
+
+
+def _manifests_planned(index: GcPlanning, rules: Retention | list[Retention]) -> tuple[GcPlan, dict[int, str]]:
+    """Which manifests each rule set keeps, drops or thins (and to which tier)."""
     manifests = index.manifests()
     bases = {r.base for r in index.created_runs().values() if r.base}
     base_ids = frozenset(m.id for m in manifests if m.object_key in bases)
@@ -445,15 +473,20 @@ def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts:
                         grids[m.id] = one.grid
             else:
                 keep.discard(m.id)
-    to_thin = [m for m in manifests if m.id in tiers]
     keep -= set(tiers)  # kept as they will be: their rows after thinning are counted below
     plan = GcPlan(
         drop=[(m.id, m.step) for m in manifests if m.id not in keep and m.id not in tiers],
         keep=[(m.id, m.step) for m in manifests if m.id in keep],
-        thin=[(m.id, m.step, tiers[m.id]) for m in to_thin],
+        thin=[(m.id, m.step, tiers[m.id]) for m in manifests if m.id in tiers],
         grids=grids,
         runs={m.id: m.run for m in manifests},
     )
+    return plan, tiers
+
+
+def _parts_planned(repo: Repository, index: GcPlanning, plan: GcPlan, drop_parts: bool) -> set[str]:
+    """The parts that go (of a recorded step, or old enough with ``drop_parts``); returns the blobs
+    the pending ones hold."""
     held: set[str] = set()
     young = time.time() - part_age()  # parts newer than this may be of a save still in flight
     for part in read_parts(repo.backend):
@@ -463,7 +496,15 @@ def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts:
         else:
             plan.pending_parts += 1
             held |= part.blob_hashes()
-    thinned = {m.id: contents_of(repo, m.id, tiers[m.id]) for m in to_thin}
+    return held
+
+
+def _dead_blobs(
+    repo: Repository, index: GcPlanning, plan: GcPlan, tiers: dict[int, str], held: set[str]
+) -> list[BlobRecord]:
+    """The blobs no kept manifest, pending part or thinned step uses, and what each tier frees."""
+    keep = {m for m, _ in plan.keep}
+    thinned = {m: contents_of(repo, m, tier) for m, tier in tiers.items()}
     still = set().union(*(c.hashes() for c in thinned.values())) if thinned else set()
     dead = [b for b in index.blobs_unused_by(keep) if b.hash not in held and b.hash not in still]
     if thinned:
@@ -478,38 +519,29 @@ def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts:
         )  # the dry run said only the norms' bytes, then wrote megabytes of archived weights
     plan.dead_blobs = [b.hash for b in dead]
     plan.dead_loose = [b.hash for b in dead if b.pack is None]
-    dead_set = set(plan.dead_blobs)
     plan.freed_bytes = sum(b.stored_size for b in dead if b.pack is None)
-    holdings = repo.holdings()  # sizes from the listing: no request per orphan on an object store
+    return dead
+
+
+def _packs_planned(
+    repo: Repository, index: GcPlanning, plan: GcPlan, dead: set[str], held: set[str], holdings: Holdings
+) -> None:
+    """The packs whose every blob died go; those mostly dead are repacked; a pack whose trailer
+    places a blob elsewhere (or cannot be read) is kept."""
     candidates: dict[str, tuple[list[str], int]] = {}  # pack -> (the list it goes to, the bytes it frees)
     for name, size in index.packs().items():
         inside = index.blobs_in_pack(name)
-        live = sum(b.stored_size for b in inside if b.hash not in dead_set)
-        if not any(b.hash not in dead_set for b in inside):
+        live = sum(b.stored_size for b in inside if b.hash not in dead)
+        if not any(b.hash not in dead for b in inside):
             candidates[name] = (plan.dead_packs, size)
         elif size - live >= REPACK_AT * size:
             candidates[name] = (plan.repack, size - live)
-    plan.misplaced, unreadable = misplaced_blobs(repo, sorted(candidates), dead_set, held, holdings)
+    plan.misplaced, unreadable = misplaced_blobs(repo, sorted(candidates), dead, held, holdings)
     keep_packs = unreadable | {pack for pack, _ in plan.misplaced.values()}
     for name, (goes_to, freed) in candidates.items():
         if name not in keep_packs:
             goes_to.append(name)
             plan.freed_bytes += freed
-    indexed = index.blob_hashes(loose_only=True)
-    for name, size in holdings.blobs.items():
-        if name not in indexed and name not in held:
-            plan.orphan_files.append(name)
-            plan.freed_bytes += size
-    known = set(index.packs())
-    for name, size in holdings.packs.items():
-        if name not in known:
-            plan.orphan_packs.append(name)
-            plan.freed_bytes += size
-    plan.superseded = superseded(repo.backend)
-    plan.temp_files = repo.backend.leftovers()
-    plan.freed_bytes += repo.backend.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too
-    return plan
-
 
 def misplaced_blobs(
     repo: Repository, packs: list[str], dead: set[str], held: set[str], holdings: Holdings
@@ -592,18 +624,11 @@ def _gc(
     """gc's call order (docs/FORMAT.md section 8): lock exclusive and sync; plan; thin; delete parts
     and superseded objects; one transaction dropping manifests and rows; repack; delete blob and
     pack objects; temp files. Every deletion request is fenced on its own (``delete_many``)."""
-    written = 0
     with repo.lock(exclusive=True, timeout=lock_timeout, progress=progress) as lock:
         by_time = lock.by_time  # a lease: its deletions announce themselves first (gc_notices)
         listed = gc_notices.publications(repo.backend) if by_time and not dry_run else set()
         repo.refresh(lock)  # what other hosts recorded before this lock was taken
-        if damaged := damaged_tags(repo.backend):
-            raise CorruptStoreError(
-                f"the tag object(s) {', '.join(sorted(damaged)[:5])} name no manifest object, so gc cannot tell "
-                "which step each keeps, and deletes nothing; set each again (",
-                Call("tag", "STEP", damaged[0], force=True),
-                "; untag it afterwards if it should go), then run gc again.",
-            )
+        _refuse_damaged_tags(repo)
         if clear_notices and not dry_run:
             _clear_notices(repo, lock)
         plan = plan_gc(repo, effective_rules(repo, rules), drop_parts=drop_parts)
@@ -615,6 +640,7 @@ def _gc(
         # alone; a gc that stalled past its lease stops there, having deleted nothing more.
         fence = _fence(lock)
         sweep = repo.view(GcSweep)
+        written = 0
         for tier in TIERS:  # first: the blobs it materializes must exist before their masters go
             targets = [r for m in plan.thin_to(tier) if (r := sweep.manifest(m)) is not None]
             written += thin(repo, targets, tier, lock, grids=plan.grids)
@@ -626,55 +652,80 @@ def _gc(
         # behind would pin another run's manifest of the same name: FORMAT.md 3.3)
         superseded_pins = [pin_key(k) for k in plan.superseded]
         repo.backend.delete_many([*plan.drop_parts, *plan.superseded, *superseded_pins], fence=fence)
-        with repo.transaction(GcDrop) as edit:
-            fence()
-            edit.upsert_blobs(  # where the packs' trailers say they are (misplaced_blobs)
-                BlobRecord(h, e.raw_size, e.stored_size, e.codec, pack, e.offset, time.time())
-                for h, (pack, e) in plan.misplaced.items()
-            )
-            # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
-            dropped = [m for m, _ in plan.drop]
-            keys = [k for k in edit.object_keys(dropped).values() if k]
-            mine = _mark_then_check(repo, keys, fence)
-            try:
-                unpublish(repo.backend, keys, fence=fence, marked=True)
-            except LeaseLostError:  # its fence stopped it before the deleting request went out
-                take_back_marks(repo.backend, keys, mine)
-                raise
-            edit.delete_manifests(dropped)
-            edit.delete_blobs(plan.dead_blobs)
-            edit.delete_packs(plan.dead_packs)
+        _drop_manifests(repo, plan, fence)
         written += _repack(repo, plan.repack, fence)
-        # Never delete an object an index row names now: a repack names its pack by its bytes, so it
-        # can write again a pack the plan took for dead (one a killed gc had written before it could
-        # point rows at it), and the row must win over the plan.
-        named_packs = sweep.packs_named_by_blobs()
-        loose = sweep.blob_hashes(loose_only=True)
-        blobs = [n for n in [*plan.dead_loose, *plan.orphan_files] if n not in loose]
-        packs = [n for n in [*plan.dead_packs, *plan.repack, *plan.orphan_packs] if n not in named_packs]
-        notice = None
-        if by_time and (blobs or packs):
-            known = listed | {m.object_key for m in sweep.manifests() if m.object_key} | set(plan.seen_parts)
-            notice = _announce_then_check(repo, plan, packs, known, fence)
-        batch = repo.backend.batch()
-        for name in blobs:
-            batch.delete(blob_key(name))
-        for name in packs:
-            batch.delete(pack_key(name))
-        try:
-            batch.publish(fence)  # the fence before each request: a stall between two must not delete a reused pack
-            fence()
-        except LeaseLostError:  # stopped before a request went out: what it sent is done, nothing more goes
-            if notice is not None:
-                gc_notices.withdraw(repo.backend, notice)
-            raise
-        if notice is not None:
-            gc_notices.withdraw(repo.backend, notice)  # its deletions are done: only now
+        _delete_dead_objects(repo, plan, sweep, listed if by_time else None, fence)
         repo.backend.clear_leftovers(plan.temp_files)
         plan.freed_bytes -= written
         plan.written_bytes = written
     return plan
 
+
+def _refuse_damaged_tags(repo: Repository) -> None:
+    """A tag object that names no manifest object: gc cannot tell which step it keeps."""
+    if damaged := damaged_tags(repo.backend):
+        raise CorruptStoreError(
+            f"the tag object(s) {', '.join(sorted(damaged)[:5])} name no manifest object, so gc cannot tell "
+            "which step each keeps, and deletes nothing; set each again (",
+            Call("tag", "STEP", damaged[0], force=True),
+            "; untag it afterwards if it should go), then run gc again.",
+        )
+
+
+def _drop_manifests(repo: Repository, plan: GcPlan, fence: Callable[[], None]) -> None:
+    """One transaction: blobs the packs' trailers place elsewhere, then the dropped manifests (their
+    objects first, marked, then their rows), the dead blobs' and packs' rows."""
+    with repo.transaction(GcDrop) as edit:
+        fence()
+        edit.upsert_blobs(  # where the packs' trailers say they are (misplaced_blobs)
+            BlobRecord(h, e.raw_size, e.stored_size, e.codec, pack, e.offset, time.time())
+            for h, (pack, e) in plan.misplaced.items()
+        )
+        # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
+        dropped = [m for m, _ in plan.drop]
+        keys = [k for k in edit.object_keys(dropped).values() if k]
+        mine = _mark_then_check(repo, keys, fence)
+        try:
+            unpublish(repo.backend, keys, fence=fence, marked=True)
+        except LeaseLostError:  # its fence stopped it before the deleting request went out
+            take_back_marks(repo.backend, keys, mine)
+            raise
+        edit.delete_manifests(dropped)
+        edit.delete_blobs(plan.dead_blobs)
+        edit.delete_packs(plan.dead_packs)
+
+
+def _delete_dead_objects(
+    repo: Repository, plan: GcPlan, sweep: GcSweep, listed: set[str] | None, fence: Callable[[], None]
+) -> None:
+    """The blob and pack objects no row names now, each request fenced; on a leased store
+    (``listed``: the publications seen when the lock was taken) announced by a notice first and
+    withdrawn only once its deletions are done."""
+    # Never delete an object an index row names now: a repack names its pack by its bytes, so it
+    # can write again a pack the plan took for dead (one a killed gc had written before it could
+    # point rows at it), and the row must win over the plan.
+    named_packs = sweep.packs_named_by_blobs()
+    loose = sweep.blob_hashes(loose_only=True)
+    blobs = [n for n in [*plan.dead_loose, *plan.orphan_files] if n not in loose]
+    packs = [n for n in [*plan.dead_packs, *plan.repack, *plan.orphan_packs] if n not in named_packs]
+    notice = None
+    if listed is not None and (blobs or packs):
+        known = listed | {m.object_key for m in sweep.manifests() if m.object_key} | set(plan.seen_parts)
+        notice = _announce_then_check(repo, plan, packs, known, fence)
+    batch = repo.backend.batch()
+    for name in blobs:
+        batch.delete(blob_key(name))
+    for name in packs:
+        batch.delete(pack_key(name))
+    try:
+        batch.publish(fence)  # the fence before each request: a stall between two must not delete a reused pack
+        fence()
+    except LeaseLostError:  # stopped before a request went out: what it sent is done, nothing more goes
+        if notice is not None:
+            gc_notices.withdraw(repo.backend, notice)
+        raise
+    if notice is not None:
+        gc_notices.withdraw(repo.backend, notice)  # its deletions are done: only now
 
 def _mark_then_check(repo: Repository, keys: list[str], fence: Callable[[], None]) -> list[str]:
     """Before dropping manifests: mark each, then read their refs (FORMAT 8.1). A pin or tag written
