@@ -361,9 +361,15 @@ def _steps(env: dict[str, str], location: str) -> dict[int, dict]:
 
 
 def _racing_commits(envs: list[dict[str, str]], saves: tuple[Path, Path], location: str, *args: str) -> Path:
-    """Both hosts commit at once (each sleeps just before it publishes, so both pass their local
-    checks): one wins, one is refused with exit 2; returns the winner's save."""
+    """Both hosts commit at once (each stops just before it publishes, and both go on only once both
+    have stopped there, so both pass their local checks whatever the machine's load): one wins, one
+    is refused with exit 2; returns the winner's save. (A sleep before the publish let a host that
+    started late meet the other's version in its own checks and replace it, both exiting 0.)"""
+    envs = [{**env, "TAILOR_FAILPOINTS": "before-publish=stop"} for env in envs]
     procs = [start(env, "commit", str(save), *args, "--store", location) for env, save in zip(envs, saves, strict=True)]
+    _until_stopped(procs)
+    for p in procs:
+        os.kill(p.pid, signal.SIGCONT)
     done = [(p, *p.communicate(timeout=300)) for p in procs]
     assert sorted(p.returncode for p, _, _ in done) == [0, 2], [(p.returncode, err) for p, _, err in done]
     return next(save for (p, _, _), save in zip(done, saves, strict=True) if p.returncode == 0)
@@ -376,7 +382,7 @@ def test_two_hosts_replacing_a_tagged_pinned_step_keep_its_tag_and_pin(
     refs that named the key both had chosen, deleting the winner's pin and tag, and the next gc
     dropped the step. A loser now writes no ref at all."""
     envs = [
-        host_env(tmp_path / f"host-{h}", TAILOR_FAILPOINTS="before-publish=sleep:0.5", TAILOR_LOCK_TTL="120")
+        host_env(tmp_path / f"host-{h}", TAILOR_LOCK_TTL="120")
         for h in "ab"
     ]
     plain = host_env(tmp_path / "host-c")
@@ -406,7 +412,7 @@ def test_two_hosts_committing_a_new_step_with_one_tag_leave_it_tagged(
 ) -> None:
     """The same without --force: a new step committed by two hosts with the same ``--tag``."""
     envs = [
-        host_env(tmp_path / f"host-{h}", TAILOR_FAILPOINTS="before-publish=sleep:0.5", TAILOR_LOCK_TTL="120")
+        host_env(tmp_path / f"host-{h}", TAILOR_LOCK_TTL="120")
         for h in "ab"
     ]
     assert run(envs[0], "init", s3_location).returncode == 0
@@ -501,9 +507,8 @@ def test_a_failed_commit_takes_back_no_blob_another_hosts_commit_named(
     _, at6 = saves
     a, b = host_env(tmp_path / "host-a"), host_env(tmp_path / "host-b")
     assert run(a, "init", s3_location).returncode == 0
-    stalled = start(
-        {**b, "TAILOR_FAILPOINTS": "*/put-create=stop@2"}, "commit", str(at6), "--step", "9", "--store", s3_location
-    )
+    stopped = {**b, "TAILOR_FAILPOINTS": "*/put-create=stop@2", "TAILOR_LOCK_TTL": "120"}  # outlives a's commit
+    stalled = start(stopped, "commit", str(at6), "--step", "9", "--store", s3_location)
     wait_stopped(stalled)
     won = run(a, "commit", str(at6), "--step", "9", "--store", s3_location)
     assert won.returncode == 0, won.stderr
