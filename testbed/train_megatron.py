@@ -18,7 +18,9 @@ precision optimizers do), and the state is saved through Megatron's own
 
 ``--load DIR --dump F`` builds the sharded state dict at this run's ``--tp``, loads DIR with
 ``dist_checkpointing.load`` (which reshards) and writes this rank's model and optimizer tensors to
-``F.rank<R>``; ``--resume-from DIR`` loads and trains on to ``--steps``. Rank 0 writes every step's
+``F.rank<R>``; ``--resume-from DIR`` loads and trains on to ``--steps``. ``--store S`` saves
+through ``TailorSaveShardedStrategy(S)`` (the tensors into the store) and loads through
+``TailorLoadShardedStrategy(S, --ref)`` (the tensors from the store). Rank 0 writes every step's
 loss to ``--losses-out``. Launch with ``testbed.runs.torchrun("testbed.train_megatron", ...)``.
 """
 
@@ -100,12 +102,12 @@ class Trainer:
         return {"model": model, "optimizer": state, "iteration": self.step,
                 "optimizer_common": {"lr": 1e-2, "step": self.step}}  # fmt: skip
 
-    def load(self, folder: Path) -> None:
+    def load(self, folder: Path, strategy: Any = None) -> None:
         from megatron.core import dist_checkpointing
 
         wanted = self.sharded_state_dict()
         keys = list(wanted["optimizer"])  # in the order of the parameters: fp32_param, exp_avg, exp_avg_sq each
-        loaded = dist_checkpointing.load(wanted, str(folder))
+        loaded = dist_checkpointing.load(wanted, str(folder), sharded_strategy=strategy)
         self.model.load_state_dict(loaded["model"])
         with torch.no_grad():
             for i, m in enumerate(self.main):
@@ -133,7 +135,7 @@ def batch(step: int, rows: int = 2) -> torch.Tensor:
     return (start + torch.arange(SEQ + 1)) % VOCAB
 
 
-def save(trainer: Trainer, run: Path) -> Path:
+def save(trainer: Trainer, run: Path, strategy: Any = None) -> Path:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -141,7 +143,7 @@ def save(trainer: Trainer, run: Path) -> Path:
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(trainer.sharded_state_dict(), str(folder))
+    dist_checkpointing.save(trainer.sharded_state_dict(), str(folder), sharded_strategy=strategy)
     if dist.get_rank() == 0:
         (run / "latest_checkpointed_iteration.txt").write_text(str(trainer.step))
     dist.barrier()
@@ -159,6 +161,8 @@ def main() -> None:
     parser.add_argument("--dump", type=Path)
     parser.add_argument("--resume-from", type=Path)
     parser.add_argument("--losses-out", type=Path)
+    parser.add_argument("--store", help="save into / load from this store, through tailorstore's strategies")
+    parser.add_argument("--ref", default="latest", help="the stored step a load through the strategy reads")
     args = parser.parse_args()
     cpu_shims()
     init_parallel(args.tp)
@@ -166,19 +170,24 @@ def main() -> None:
 
     rank = dist.get_rank()
     trainer = Trainer(args.tp, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    saving = loading = None
+    if args.store is not None:
+        from tailorstore.integrations.megatron import TailorLoadShardedStrategy, TailorSaveShardedStrategy
+
+        saving, loading = TailorSaveShardedStrategy(args.store), TailorLoadShardedStrategy(args.store, args.ref)
     if args.load is not None:
-        trainer.load(args.load)
+        trainer.load(args.load, loading)
         torch.save(trainer.tensors(), f"{args.dump}.rank{rank}")
         dist.destroy_process_group()
         return
     if args.resume_from is not None:
-        trainer.load(args.resume_from)
+        trainer.load(args.resume_from, loading)
     losses: dict[int, float] = {}
     while trainer.step < args.steps:
         loss = trainer.train_step()
         losses[trainer.step] = loss
         if args.out is not None and trainer.step % args.save_every == 0:
-            folder = save(trainer, args.out)
+            folder = save(trainer, args.out, saving)
             if args.dump is not None:
                 torch.save(trainer.tensors(), f"{args.dump}.{folder.name}.rank{rank}")
     if rank == 0 and args.losses_out is not None:

@@ -57,11 +57,13 @@ def megatron_run(tmp_path_factory: pytest.TempPathFactory) -> MegatronRun:
     return MegatronRun(run, dumps, json.loads(losses.read_text()))
 
 
-def loaded(folder: Path, tp: int, dump: Path) -> dict[int, dict]:
-    """Each rank's tensors after Megatron's own ``dist_checkpointing.load`` of ``folder`` at ``tp``."""
+def loaded(folder: Path, tp: int, dump: Path, *extra: str) -> dict[int, dict]:
+    """Each rank's tensors after Megatron's own ``dist_checkpointing.load`` of ``folder`` at ``tp``
+    (``--store S``: through ``TailorLoadShardedStrategy``, the tensors from the store)."""
     import torch
 
-    megatron("--tp", str(tp), "--load", str(folder), "--dump", str(dump), nproc=tp, log=dump.with_suffix(".log"))
+    megatron("--tp", str(tp), "--load", str(folder), "--dump", str(dump), *extra, nproc=tp,
+             log=dump.with_suffix(".log"))  # fmt: skip
     return {r: torch.load(f"{dump}.rank{r}") for r in range(tp)}
 
 
@@ -147,9 +149,10 @@ def test_a_run_folder_commits_the_iteration_its_tracker_names(megatron_run: Mega
 def test_megatron_loads_the_checkout_at_tp2_and_at_tp1(megatron_run: MegatronRun, tmp_path: Path) -> None:
     """Megatron's ``dist_checkpointing.load`` of the checkout: at TP 2 the very tensors each rank
     saved; at TP 1 (resharded by Megatron) what its load of the raw folder gives at TP 1."""
-    with Store.init(tmp_path / "store") as store:
-        store.commit(megatron_run.run / "iter_0000002")
-        store.checkout("latest", tmp_path / "out")
+    store = tmp_path / "store"
+    with Store.init(store) as opened:
+        opened.commit(megatron_run.run / "iter_0000002")
+        opened.checkout("latest", tmp_path / "out")
     import torch
 
     at_tp2 = loaded(tmp_path / "out", 2, tmp_path / "tp2")
@@ -158,6 +161,9 @@ def test_megatron_loads_the_checkout_at_tp2_and_at_tp1(megatron_run: MegatronRun
     raw_tp1 = loaded(megatron_run.run / "iter_0000002", 1, tmp_path / "raw-tp1")[0]
     assert equal(loaded(tmp_path / "out", 1, tmp_path / "tp1")[0], raw_tp1)
     assert raw_tp1["model.output_layer.weight"].shape == (128, 64)  # whole at TP 1: both shards joined
+    # the committed folder, loaded straight from the store through the strategy, at TP 1 too
+    through = loaded(megatron_run.run / "iter_0000002", 1, tmp_path / "strategy-tp1", "--store", str(store))[0]
+    assert equal(through, raw_tp1)
 
 
 def test_a_resume_from_the_checkout_gives_the_same_losses(megatron_run: MegatronRun, tmp_path: Path) -> None:
@@ -205,3 +211,52 @@ def test_the_checked_in_seed_pickles_the_classes_megatron_pickles_today(megatron
     fresh = globals_of((megatron_run.run / "iter_0000004" / ".metadata").read_bytes())
     assert "torch.distributed.checkpoint.planner.SavePlan" in fresh
     assert globals_of(SEED.read_bytes()) == fresh
+
+
+@pytest.fixture(scope="module")
+def strategy_run(tmp_path_factory: pytest.TempPathFactory) -> MegatronRun:
+    """The same training, saved through ``TailorSaveShardedStrategy``: the tensors into the store."""
+    out = tmp_path_factory.mktemp("megatron-strategy")
+    run, dumps, losses = out / "run", out / "dumps", out / "losses.json"
+    assert tailor("init", str(out / "store")).returncode == 0
+    megatron("--out", str(run), "--steps", "4", "--save-every", "2", "--dump", str(dumps), "--store",
+             str(out / "store"), "--losses-out", str(losses), log=out / "train.log")  # fmt: skip
+    return MegatronRun(run, dumps, json.loads(losses.read_text()))
+
+
+def test_a_save_through_the_strategy_is_a_megatron_step_that_megatron_loads(
+    megatron_run: MegatronRun, strategy_run: MegatronRun, tmp_path: Path
+) -> None:
+    """``dist_checkpointing.save(..., sharded_strategy=TailorSaveShardedStrategy(store))``: each save
+    is a step of layout ``megatron``, its chunks labelled by layer, and the folder keeps only the
+    two small files Megatron itself writes there (``common.pt``, ``metadata.json``). Its checkout is
+    a folder Megatron's own load reads, at TP 2, to the very tensors each rank saved."""
+    assert strategy_run.losses == megatron_run.losses  # the same training
+    store = strategy_run.run.parent / "store"
+    for folder in ("iter_0000002", "iter_0000004"):
+        assert sorted(p.name for p in (strategy_run.run / folder).iterdir()) == ["common.pt", "metadata.json"]
+    with Store.open(store) as opened:
+        assert [s.step for s in opened.log()] == [2, 4]
+        step = opened.step("step=2")
+        assert opened.repo.manifest(step.manifest).layout == MEGATRON
+        layers = {a.layer for a in opened.repo.view(Contents).atoms(step.manifest)}
+        assert layers == {"embedding", "block.0", "block.1", "final_norm", "lm_head"}
+        assert opened.repo.view(Contents).atoms(step.manifest, kind=A.WEIGHT, derived=True)
+        opened.checkout("step=2", tmp_path / "out")
+    import torch
+
+    at_tp2 = loaded(tmp_path / "out", 2, tmp_path / "tp2")
+    for rank in (0, 1):
+        assert equal(at_tp2[rank], torch.load(f"{strategy_run.dumps}.iter_0000002.rank{rank}")), rank
+
+
+def test_a_resume_through_the_strategy_gives_the_raw_paths_losses(
+    megatron_run: MegatronRun, strategy_run: MegatronRun, tmp_path: Path
+) -> None:
+    """Loaded through ``TailorLoadShardedStrategy`` (the tensors from the store, at TP 2), training
+    goes on with the losses, bit for bit, of the run that never stopped and saved to disk."""
+    losses = tmp_path / "losses.json"
+    megatron("--resume-from", str(strategy_run.run / "iter_0000002"), "--store", str(strategy_run.run.parent / "store"),
+             "--ref", "step=2", "--steps", "4", "--losses-out", str(losses), log=tmp_path / "resume.log")  # fmt: skip
+    resumed = json.loads(losses.read_text())
+    assert resumed == {k: v for k, v in megatron_run.losses.items() if int(k) > 2}, (resumed, megatron_run.losses)
