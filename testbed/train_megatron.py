@@ -135,7 +135,9 @@ def batch(step: int, rows: int = 2) -> torch.Tensor:
     return (start + torch.arange(SEQ + 1)) % VOCAB
 
 
-def save(trainer: Trainer, run: Path, strategy: Any = None) -> Path:
+def save(trainer: Trainer, run: Path, strategy: Any = None, queue: Any = None) -> Path:
+    """Megatron-LM's save: the iteration's folder, then the tracker file; with ``queue`` (an
+    ``AsyncCallsQueue``) the sharded save runs async and the tracker is written at its finalization."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -143,10 +145,22 @@ def save(trainer: Trainer, run: Path, strategy: Any = None) -> Path:
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(trainer.sharded_state_dict(), str(folder), sharded_strategy=strategy)
-    if dist.get_rank() == 0:
-        (run / "latest_checkpointed_iteration.txt").write_text(str(trainer.step))
-    dist.barrier()
+    step = trainer.step
+
+    def tracker() -> None:
+        if dist.get_rank() == 0:
+            (run / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+    state = trainer.sharded_state_dict()
+    request = dist_checkpointing.save(
+        state, str(folder), sharded_strategy=strategy, async_sharded_save=queue is not None
+    )
+    if request is None:
+        tracker()
+        dist.barrier()
+    else:
+        request.add_finalize_fn(tracker)
+        queue.schedule_async_request(request)
     return folder
 
 
@@ -163,6 +177,12 @@ def main() -> None:
     parser.add_argument("--losses-out", type=Path)
     parser.add_argument("--store", help="save into / load from this store, through tailorstore's strategies")
     parser.add_argument("--ref", default="latest", help="the stored step a load through the strategy reads")
+    parser.add_argument("--async-save", action="store_true", help="async_sharded_save=True, on an AsyncCallsQueue")
+    parser.add_argument(
+        "--die-after-parts",
+        action="store_true",
+        help="every rank dies once its first async save's process is done, before the finalization",
+    )
     args = parser.parse_args()
     cpu_shims()
     init_parallel(args.tp)
@@ -182,14 +202,26 @@ def main() -> None:
         return
     if args.resume_from is not None:
         trainer.load(args.resume_from, loading)
+    queue = None
+    if args.async_save:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        queue = AsyncCallsQueue()
     losses: dict[int, float] = {}
     while trainer.step < args.steps:
         loss = trainer.train_step()
         losses[trainer.step] = loss
+        if queue is not None:
+            queue.maybe_finalize_async_calls(blocking=False)  # as Megatron-LM does every iteration
         if args.out is not None and trainer.step % args.save_every == 0:
-            folder = save(trainer, args.out, saving)
+            folder = save(trainer, args.out, saving, queue)
             if args.dump is not None:
                 torch.save(trainer.tensors(), f"{args.dump}.{folder.name}.rank{rank}")
+            if args.die_after_parts:
+                queue.async_calls[0].async_caller.process.join()  # this rank's part is committed
+                os._exit(3)  # killed before the finalization: no step may be recorded
+    if queue is not None:
+        queue.maybe_finalize_async_calls(blocking=True)
     if rank == 0 and args.losses_out is not None:
         args.losses_out.write_text(json.dumps(losses))
     dist.destroy_process_group()

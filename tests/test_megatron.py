@@ -31,7 +31,7 @@ from tailorstore.access.contents import Contents
 from tailorstore.core import atom_types as A
 from tailorstore.formats.layout import MEGATRON
 from testbed.compare import same_tree
-from testbed.runs import torchrun
+from testbed.runs import TrainingFailed, torchrun
 
 pytestmark = pytest.mark.slow
 SEED = Path(__file__).parent / "data" / "megatron" / "iter_0000002.metadata"
@@ -250,13 +250,37 @@ def test_a_save_through_the_strategy_is_a_megatron_step_that_megatron_loads(
         assert equal(at_tp2[rank], torch.load(f"{strategy_run.dumps}.iter_0000002.rank{rank}")), rank
 
 
-def test_a_resume_through_the_strategy_gives_the_raw_paths_losses(
-    megatron_run: MegatronRun, strategy_run: MegatronRun, tmp_path: Path
+def test_an_async_save_through_the_strategy_resumes_through_it_with_the_raw_paths_losses(
+    megatron_run: MegatronRun, tmp_path: Path
 ) -> None:
-    """Loaded through ``TailorLoadShardedStrategy`` (the tensors from the store, at TP 2), training
+    """``async_sharded_save=True``, scheduled on Megatron's ``AsyncCallsQueue`` as Megatron-LM does:
+    each rank's part is committed in Megatron's async process, the step when the queue finalizes.
+    Loaded back through ``TailorLoadShardedStrategy`` (the tensors from the store, at TP 2), training
     goes on with the losses, bit for bit, of the run that never stopped and saved to disk."""
+    store, run = tmp_path / "store", tmp_path / "run"
+    assert tailor("init", str(store)).returncode == 0
+    megatron("--out", str(run), "--steps", "4", "--save-every", "2", "--store", str(store), "--async-save",
+             log=tmp_path / "train.log")  # fmt: skip
+    with Store.open(store) as opened:
+        assert [s.step for s in opened.log()] == [2, 4]
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "4"  # written at the finalization
     losses = tmp_path / "losses.json"
-    megatron("--resume-from", str(strategy_run.run / "iter_0000002"), "--store", str(strategy_run.run.parent / "store"),
-             "--ref", "step=2", "--steps", "4", "--losses-out", str(losses), log=tmp_path / "resume.log")  # fmt: skip
+    megatron("--resume-from", str(run / "iter_0000002"), "--store", str(store), "--ref", "step=2", "--steps", "4",
+             "--losses-out", str(losses), log=tmp_path / "resume.log")  # fmt: skip
     resumed = json.loads(losses.read_text())
     assert resumed == {k: v for k, v in megatron_run.losses.items() if int(k) > 2}, (resumed, megatron_run.losses)
+
+
+def test_a_kill_during_an_async_save_records_no_step(tmp_path: Path) -> None:
+    """Every rank dies once its async process has committed its part, before Megatron's queue
+    finalizes the save: both parts are in the store, and no step is."""
+    from tailorstore.integrations.common.store_session import StoreSession
+
+    store = tmp_path / "store"
+    assert tailor("init", str(store)).returncode == 0
+    with pytest.raises(TrainingFailed, match="exited with code 3"):
+        megatron("--out", str(tmp_path / "run"), "--steps", "2", "--save-every", "2", "--store", str(store),
+                 "--async-save", "--die-after-parts", log=tmp_path / "train.log")  # fmt: skip
+    with Store.open(store) as opened:
+        assert opened.log() == []
+        assert len(StoreSession(opened).parts(2)) == 2  # each rank's part, waiting for gc --drop-parts

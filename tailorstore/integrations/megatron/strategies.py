@@ -31,12 +31,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.core import CheckpointingConfig
-from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreLoadPlanner,
     MCoreSavePlanner,
@@ -51,9 +58,15 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from tailorstore import CommitRequest
 from tailorstore.api import Ref, Store
 from tailorstore.core.errors import StoreError
-from tailorstore.integrations.common.store_session import MEGATRON, MemoryFolder, megatron_format, opened_store
+from tailorstore.integrations.common.store_session import (
+    MEGATRON,
+    MemoryFolder,
+    StoreSession,
+    megatron_format,
+    opened_store,
+)
 from tailorstore.integrations.dcp.reader import TailorStorageReader
-from tailorstore.integrations.dcp.writer import TailorStorageWriter
+from tailorstore.integrations.dcp.writer import RankOrders, TailorStorageWriter, rank_metadata, serialize
 
 BACKEND, VERSION = "torch_dist", 1  # what the step's metadata.json says: Megatron's own loader reads it
 
@@ -84,10 +97,73 @@ class MegatronStorageWriter(TailorStorageWriter):
         return {megatron_format.COMMON: common, megatron_format.CONFIG: config}
 
 
-class TailorSaveShardedStrategy(SaveShardedStrategy):
+class MegatronAsyncWriter(MegatronStorageWriter):
+    """The writer of an async save, driven by Megatron's own async planner and finalizer
+    (``save_state_dict_async_plan`` and ``..._finalize``, whose collectives are Megatron's): the plan
+    and a copy of this rank's tensors are made while training waits (``prepare_write_data``: the
+    copy is what Megatron's own async save makes, so that training may change its tensors); the
+    part's commit (hashing, compression, the blob and part writes) runs in Megatron's async
+    process (``get_save_function_and_args``); the coordinator's ``finish`` in the finalization,
+    after every rank's process is done, commits ``.metadata`` and finalizes the step."""
+
+    def __init__(self, store: Store | str | os.PathLike, *, common: Path, step: int, **options: Any) -> None:
+        super().__init__(store, common=common, step=step, **options)
+        self.reset()
+        self._pending: tuple[MemoryFolder, RankOrders] | None = None
+        self._results: list[Any] = []
+
+    def prepare_write_data(self, plan: Any, planner: Any) -> None:
+        orders = plan.storage_data
+        if not isinstance(orders, RankOrders):
+            raise StoreError("prepare_write_data before prepare_global_plan: Megatron's planner calls them so")
+        folder = self.folder(orders.step)
+        try:
+            self._results = serialize(folder.add(orders.file_name), orders.file_name, plan.items, _Copies(planner))
+            folder.dcp_metadata = rank_metadata(plan, self._results, orders, self.megatron)
+        except BaseException:
+            folder.close()
+            raise
+        self._pending = (folder, orders)
+
+    def get_save_function_and_args(self) -> tuple[Any, Any, tuple]:
+        return commit_pending, None, (self,)
+
+    def retrieve_write_results(self) -> list[Any]:
+        return self._results
+
+    def close(self) -> None:
+        """Free the memory folder and the tensors' copies (once the step is finalized, or failed)."""
+        if self._pending is not None:
+            self._pending[0].close()
+            self._pending = None
+
+
+class _Copies:
+    """A planner whose tensors are copies: an async save's bytes are those of the moment it began."""
+
+    def __init__(self, planner: Any) -> None:
+        self.planner = planner
+
+    def resolve_data(self, item: Any) -> Any:
+        data = self.planner.resolve_data(item)
+        return data.detach().to("cpu", copy=True) if isinstance(data, torch.Tensor) else data
+
+
+def commit_pending(writer: MegatronAsyncWriter) -> None:
+    """Megatron's async function: this rank's part, committed (in the process Megatron starts)."""
+    if writer._pending is None:
+        raise StoreError("an async Megatron save with nothing prepared: Megatron's planner calls prepare_write_data")
+    folder, orders = writer._pending
+    StoreSession(writer.store).commit_memory(folder, writer.request, part_label=orders.label, plan=orders.plan)
+
+
+class TailorSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Megatron's ``torch_dist`` sharded save, into ``store``: the step is ``step``, or the
     iteration the checkpoint folder's name carries (``iter_0000100``). Options are a commit's
-    (``policy``, ``tag``, ``metrics``...)."""
+    (``policy``, ``tag``, ``metrics``...). Sync (``dist_checkpointing.save(...)``) or async
+    (``async_sharded_save=True``, the request scheduled on Megatron's ``AsyncCallsQueue``): the
+    step is recorded once, when the coordinator finalizes it, and not at all if a rank fails or
+    dies before."""
 
     def __init__(
         self,
@@ -108,19 +184,51 @@ class TailorSaveShardedStrategy(SaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True  # as Megatron's torch_dist: ShardedObjects are DCP bytes items
 
-    def save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path) -> None:
-        folder = Path(checkpoint_dir)
+    def _step(self, folder: Path) -> int:
         step = self.step if self.step is not None else megatron_format.step_of(folder.name)
         if step is None:
             raise StoreError(
                 f"{folder}: names no iteration (iter_NNNNNNN); pass TailorSaveShardedStrategy(store, step=N)."
             )
+        return step
+
+    def _translated(self, sharded_state_dict: dict[str, Any]) -> tuple[dict[str, Any], MCoreSavePlanner]:
+        """Megatron's ShardedTensors as DCP's, and Megatron's planner, as its torch_dist strategy makes them."""
         state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False)
+        return mcore_to_pyt_state_dict(state, False), planner
+
+    def save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path) -> None:
+        folder = Path(checkpoint_dir)
+        step = self._step(folder)
         writer = MegatronStorageWriter(
             self.store, common=folder / megatron_format.COMMON, step=step, request=self.request
         )
-        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False)
-        dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
+        state, planner = self._translated(sharded_state_dict)
+        dcp.save(state, storage_writer=writer, planner=planner)
+
+    def async_save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path) -> AsyncRequest:
+        folder = Path(checkpoint_dir)
+        writer = MegatronAsyncWriter(
+            self.store, common=folder / megatron_format.COMMON, step=self._step(folder), request=self.request
+        )
+        state, planner = self._translated(sharded_state_dict)
+        try:
+            planned = save_state_dict_async_plan(state, writer, None, 0, planner=planner)[0]
+        except BaseException:
+            writer.close()
+            raise
+        save_fn, preload_fn, args = writer.get_save_function_and_args()
+        return AsyncRequest(save_fn, args, [partial(_finalize, writer, planned)], preload_fn=preload_fn)
+
+
+def _finalize(writer: MegatronAsyncWriter, planned: tuple) -> None:
+    """Megatron's finalization of an async save (every rank, after every rank's process is done):
+    the coordinator commits ``.metadata`` and finalizes the step; then the copies are freed."""
+    try:
+        save_state_dict_async_finalize(*planned)
+    finally:
+        writer.close()
 
 
 class TailorLoadShardedStrategy(TorchDistLoadShardedStrategy):
