@@ -40,28 +40,29 @@ VOCAB, SEQ, HIDDEN, LAYERS = 128, 16, 64, 2
 STATES = ("exp_avg", "exp_avg_sq")
 
 
-def build_model(tp: int, dtype: torch.dtype) -> Any:
+def build_model(tp: int, dtype: torch.dtype, hidden: int = HIDDEN, layers: int = LAYERS, vocab: int = VOCAB) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(0)
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
+        num_layers=layers, hidden_size=hidden, num_attention_heads=4, use_cpu_initialization=True,
         tensor_model_parallel_size=tp, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         gated_linear_unit=True, hidden_dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
                     max_sequence_length=SEQ)  # fmt: skip
 
 
 class Trainer:
     """The model, its FP32 main parameters and AdamW over them (Megatron's mixed-precision scheme)."""
 
-    def __init__(self, tp: int, dtype: torch.dtype) -> None:
+    def __init__(self, tp: int, dtype: torch.dtype, **size: int) -> None:
         from megatron.core.transformer.module import Float16Module
 
-        self.model = build_model(tp, dtype)
+        self.model = build_model(tp, dtype, **size)
+        self.vocab = size.get("vocab", VOCAB)
         # Megatron-LM's wrapper of a bf16 model: casts what goes in to bf16 and the loss out to fp32
         self.forward = Float16Module(self.model.config, self.model) if dtype == torch.bfloat16 else self.model
         trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -73,7 +74,7 @@ class Trainer:
         self.step = 0
 
     def train_step(self) -> float:
-        ids = batch(self.step)
+        ids = batch(self.step, vocab=self.vocab)
         causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]  # True: masked
         positions = torch.arange(SEQ)[None].expand(ids.shape[0], SEQ).contiguous()
         loss = self.forward(ids[:, :-1].contiguous(), positions, causal, labels=ids[:, 1:].contiguous()).float().mean()
@@ -128,11 +129,11 @@ class Trainer:
         return out
 
 
-def batch(step: int, rows: int = 2) -> torch.Tensor:
+def batch(step: int, rows: int = 2, vocab: int = VOCAB) -> torch.Tensor:
     """The token rows of ``step`` (every rank the same: one data-parallel replica)."""
     gen = torch.Generator().manual_seed(7919 * step + 1)
-    start = torch.randint(0, VOCAB, (rows, 1), generator=gen)
-    return (start + torch.arange(SEQ + 1)) % VOCAB
+    start = torch.randint(0, vocab, (rows, 1), generator=gen)
+    return (start + torch.arange(SEQ + 1)) % vocab
 
 
 def save(trainer: Trainer, run: Path, strategy: Any = None, queue: Any = None) -> Path:
