@@ -154,10 +154,11 @@ def main() -> int:
             stored = store.usage().stored_bytes
         med = {k: round(statistics.median(v), 3) for k, v in saves.items()}
         load = {k: round(statistics.median(v), 3) for k, v in loads["times"].items()}
+        series = {"raw_folders_bytes": raw_bytes, "store_bytes": stored, "smaller_by": round(raw_bytes / stored, 3)}
         print(json.dumps({
             "save": {**med, "ratio_to_today": round(med["strategy"] / med["raw"], 3)},
             "load_tp1": {**load, "ratio": round(load["strategy"] / load["raw"], 3), "identical": loads["identical"]},
-            "series": {"raw_folders_bytes": raw_bytes, "store_bytes": stored, "smaller_by": round(raw_bytes / stored, 3)},
+            "series": series,
             "times": {"save": saves, "load": loads["times"]},
         }))  # fmt: skip
     return 0

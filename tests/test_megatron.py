@@ -100,6 +100,10 @@ def test_an_iteration_folder_is_layout_megatron_labelled_by_layer_with_weights_d
         assert sum(a.nbytes for a in derived) > 0.9 * sum(a.nbytes for a in bf16)  # the cast of each main param
         opened.checkout("latest", tmp_path / "out")
     assert same_tree(tmp_path / "out", megatron_run.run / "iter_0000002")  # the folder is out itself
+    # not yet read as one model (no export), and resharded by Megatron itself: each said in one line
+    one_line(tailor("export", "latest", "--out", str(tmp_path / "hf"), store=store), 2, "Megatron-Core", "checkout")
+    resharded = tailor("checkout", "latest", "--out", str(tmp_path / "w1"), "--world-size", "1", store=store)
+    one_line(resharded, 2, "dist_checkpointing.load reshards it")
 
 
 def test_a_checkout_writes_metadata_json_and_integrity_json_last(
