@@ -148,6 +148,13 @@ def test_a_run_folder_commits_the_iteration_its_tracker_names(megatron_run: Mega
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
     assert same_tree(tmp_path / "out" / "iter_0000004", megatron_run.run / "iter_0000004")
     assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    # delete_after_commit takes the committed iteration alone: the tracker and the other iterations stay
+    copy = tmp_path / "copy"
+    shutil.copytree(megatron_run.run, copy)
+    with Store.init(tmp_path / "store2") as store:
+        assert store.commit(copy, delete_after_commit=True).step == 4
+        store.commit(copy / "iter_0000002", delete_after_commit=True)  # by itself: rooted at its parent
+    assert sorted(p.name for p in copy.iterdir()) == ["latest_checkpointed_iteration.txt"]
 
 
 def test_megatron_loads_the_checkout_at_tp2_and_at_tp1(megatron_run: MegatronRun, tmp_path: Path) -> None:

@@ -151,6 +151,7 @@ def test_an_iteration_folder_and_a_run_folder_are_layout_megatron(tmp_path: Path
         ({"sharded_backend": "zarr"}, None, ["zarr", "torch_dist"]),
         (TORCH_DIST, "lots", ["latest_checkpointed_iteration.txt", "not an iteration number"]),
         (TORCH_DIST, "7", ["iter_0000007", "no Megatron torch_dist save"]),
+        (None, "100", ["metadata.json", "did not finish"]),  # the run folder's iteration, unfinished
     ],
 )
 def test_a_megatron_folder_it_cannot_commit_is_refused_in_one_line(
