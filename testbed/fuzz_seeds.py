@@ -13,6 +13,8 @@ import warnings
 import zipfile
 from pathlib import Path
 
+MEGATRON_SEED = Path(__file__).resolve().parents[1] / "tests" / "data" / "megatron"
+
 
 def _put(out: Path, target: str, *seeds: bytes) -> None:
     folder = out / target
@@ -55,6 +57,9 @@ def make(out: Path) -> None:
         dcp.save({"w": torch.ones(2, 3), "step": 7}, checkpoint_id=str(out / "dcp"))
     _put(out, "dcp-metadata", (out / "dcp" / ".metadata").read_bytes())
     _put(out, "dcp-object", *_dcp_objects(out / "dcp"), _hostile_object())
+    # a real Megatron-Core save's (testbed/train_megatron.py, tensor parallel 2, bf16 with FP32 main
+    # parameters and Adam's moments): Megatron needs two ranks to save, so its bytes are checked in
+    _put(out, "megatron-metadata", (MEGATRON_SEED / "iter_0000002.metadata").read_bytes())
     _put(out, "safetensors", save_safetensors({"w": torch.ones(4, 3), "b": torch.zeros(2, dtype=torch.bfloat16)}))
 
     save = out / "save"

@@ -53,6 +53,14 @@ def dcp_metadata(data: bytes, work: Path) -> Any:
     return sorted(meta.tensors)
 
 
+def megatron_metadata(data: bytes, work: Path) -> Any:
+    """A Megatron save's ``.metadata``, read with the planner classes its layout widens DCP's
+    allowlist by, against the sizes of the ``.distcp`` files of the seed's save (tests/data/megatron)."""
+    sizes = {f"__{r}_{k}.distcp": 1 << 20 for r in range(2) for k in range(2)}
+    meta = read_metadata(data, ".metadata", sizes, megatron=True)
+    return sorted(meta.tensors)
+
+
 def dcp_object(data: bytes, work: Path) -> Any:
     """A DCP object item's bytes as the reader reads them back from the store before it hands them
     to ``dcp.load`` (``DcpStep.object_bytes``): the allowlist's verdict, or the refusal it raises."""
@@ -169,6 +177,7 @@ TARGETS: dict[str, Target] = {
     "torch-zip": torch_zip,
     "pickle": pickle_tree,
     "dcp-metadata": dcp_metadata,
+    "megatron-metadata": megatron_metadata,
     "dcp-object": dcp_object,
     "safetensors": safetensors_file,
     "manifest": manifest_object,

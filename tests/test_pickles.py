@@ -24,7 +24,10 @@ CALL_SITES = {
     "formats/safe_load.py:load_skeleton": "skeleton",
 }
 # callers of those that read other formats through them
-INDIRECT = {"formats/torch_pickle.py:object_refusal": "dcp-object"}
+INDIRECT = {
+    "formats/torch_pickle.py:object_refusal": "dcp-object",
+    "formats/dcp.py:read_metadata(megatron=True)": "megatron-metadata",  # the widening for Megatron's saves
+}
 UNPICKLERS = {"_Unpickler", "_MetadataUnpickler", "AllowlistUnpickler"}
 # loads of bytes the same call has just dumped (no outside bytes): whether an error survives the trip
 OWN_ROUND_TRIPS = {"core/errors.py"}

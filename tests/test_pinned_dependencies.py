@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # imported only where they exist (a GPU, an optional benchmark); each test that needs one skips without it
-OPTIONAL = {"zipnn", "megatron", "playwright", "selenium", "atheris", "memray", "cupy", "apex", "triton"}
+OPTIONAL = {"zipnn", "playwright", "selenium", "atheris", "memray", "cupy", "apex", "triton"}
 
 
 def _imported_top_levels(folders: list[Path]) -> set[str]:

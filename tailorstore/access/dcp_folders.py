@@ -9,6 +9,7 @@ from tailorstore.core.errors import BadCheckpointError, Call, CorruptStoreError,
 from tailorstore.core.records import FileRecord
 from tailorstore.formats import dcp
 from tailorstore.formats.kinds import DCP, RAW
+from tailorstore.formats.megatron import CONFIG as MEGATRON_CONFIG
 from tailorstore.store.repo import Repository
 
 
@@ -21,7 +22,9 @@ def dcp_folders(files: list[FileRecord]) -> list[str]:
 def folder_metadata(
     repo: Repository, step: int, files: list[FileRecord], folder: str
 ) -> tuple[dcp.DcpMetadata, dict[str, FileRecord]]:
-    """The checked ``.metadata`` of one DCP folder of a step, and its ``.distcp`` rows by file name."""
+    """The checked ``.metadata`` of one DCP folder of a step, and its ``.distcp`` rows by file name.
+    A folder with Megatron's ``metadata.json`` beside is a Megatron save, read with the classes its
+    planner adds (``dcp.read_metadata``), as its commit read it."""
     prefix = f"{folder}/" if folder else ""
     distcp = {
         f.path[len(prefix) :]: f
@@ -32,8 +35,10 @@ def folder_metadata(
     where = f"step {step}, file {prefix}{dcp.METADATA}"
     if row is None:
         raise CorruptStoreError(f"step {step}: the DCP folder {folder or '.'} has no .metadata; run ", Call("verify"))
+    megatron = any(f.path == f"{prefix}{MEGATRON_CONFIG}" for f in files)
+    sizes = {n: f.raw_size for n, f in distcp.items()}
     try:
-        meta = dcp.read_metadata(repo.read_blob(row.blob, where), where, {n: f.raw_size for n, f in distcp.items()})
+        meta = dcp.read_metadata(repo.read_blob(row.blob, where), where, sizes, megatron=megatron)
     except (BadCheckpointError, UnsafePickleError) as exc:
         raise CorruptStoreError(f"{exc} (read from the store); run ", Call("verify"), ".") from None
     return meta, distcp

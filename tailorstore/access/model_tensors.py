@@ -37,6 +37,7 @@ from tailorstore.core.tensor_ref import DTYPES, numel_of
 from tailorstore.formats import dcp
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import DCP, TORCH
+from tailorstore.formats.layout import MEGATRON
 from tailorstore.formats.skeleton import fill_tensors, slots_of, split_tensors
 from tailorstore.formats.torch_pickle import load_pickle_tree
 from tailorstore.formats.torch_save_writer import TensorOut
@@ -154,6 +155,12 @@ def model_view(repo: Repository, manifest: int) -> ModelView:
     (for a DCP step, in the order its ``.metadata`` lists them)."""
     facts = repo.manifest(manifest)
     files = repo.view(Contents).files(manifest)
+    if facts.layout == MEGATRON:
+        raise StoreError(
+            f"step {facts.step} is a Megatron-Core save, which tailorstore does not read as one model yet (its "
+            "tensor-parallel shards joined, its fused QKV and MLP weights split into their modules' names); check "
+            "it out (", Call("checkout", f"step={facts.step}", out="DIR"), ") and load it with dist_checkpointing.load."
+        )
     if any(f.kind == DCP for f in files) and not any(f.kind == TORCH for f in files):
         return _dcp_view(repo, facts, files)
     if not any(f.kind == TORCH and ds.is_model_states(PurePosixPath(f.path).name) for f in files):

@@ -19,6 +19,7 @@ from tailorstore.formats.layout import (
     DEEPSPEED,
     DEEPSPEED_TAG,
     HF_TRAINER,
+    MEGATRON,
     PLAIN_FILE,
     PLAIN_FOLDER,
 )
@@ -72,6 +73,7 @@ FRAMEWORKS = {
     HF_TRAINER: "an HF Trainer checkpoint",
     ACCELERATE: "an Accelerate save_state folder",
     DCP_FOLDER: "a DCP (torch.distributed.checkpoint) folder",
+    MEGATRON: "a Megatron-Core torch_dist save",
     PLAIN_FOLDER: "a folder of plain weight files",
     PLAIN_FILE: "a plain weight file",
 }

@@ -20,7 +20,7 @@ AUX_GROUPS = (EMBEDDING, FINAL_NORM, LM_HEAD, OTHER)
 
 _BLOCK = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|decoder\.layers|encoder\.layers)\.(\d+)\.")
 _EMBED = re.compile(r"(embed|wte|wpe|tok_embeddings|word_embeddings|position_embeddings)")
-_HEAD = re.compile(r"(^|\.)(lm_head|output|embed_out|score)(\.|$)")
+_HEAD = re.compile(r"(^|\.)(lm_head|output|output_layer|embed_out|score)(\.|$)")  # output_layer: Megatron's
 _NORM = re.compile(r"(norm|ln_f|final_layer_norm|final_layernorm)")
 
 

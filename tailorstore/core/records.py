@@ -38,7 +38,7 @@ class ManifestRecord:
     step: int
     origin: str  # commit | merge
     created_at: float
-    layout: str  # deepspeed | deepspeed-tag | hf-trainer | accelerate | dcp | plain | plain-file
+    layout: str  # deepspeed | deepspeed-tag | hf-trainer | accelerate | dcp | megatron | plain | plain-file
     ds_tag: str | None
     zero_stage: int | None
     world_size: int | None

@@ -38,6 +38,7 @@ from tailorstore.core.errors import BadCheckpointError, UnsafePickleError
 from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.tensor_ref import DTYPES, TensorRef
 from tailorstore.formats.dcp_items import skeleton_bytes
+from tailorstore.formats.megatron import chunk_name
 from tailorstore.formats.pickles import AllowlistUnpickler
 from tailorstore.formats.source import InputFile
 from tailorstore.formats.torch_pickle import DTypeName, ObjectVerdicts, read_torch_zip
@@ -101,15 +102,34 @@ _StorageMeta = _record("StorageMeta")
 _StorageInfo = _record("_StorageInfo")
 _MemoryFormat = _record("_MEM_FORMAT_ENCODING")
 _PathValue = _record("PathValue")
+# Megatron-Core's widening (docs/FORMAT.md, "Layout megatron"): its planner pickles every rank's
+# local SavePlan into .metadata as ``all_local_plans``, to reuse the global plan on the next save
+_SavePlan = _record("SavePlan")
+_WriteItem = _record("WriteItem")
+_TensorWriteData = _record("TensorWriteData")
+_WRITE_ITEM_TYPES = {1: "TENSOR", 2: "SHARD", 3: "BYTE_IO"}  # torch's WriteItemType, an Enum pickled by value
 
 _META = "torch.distributed.checkpoint.metadata."
 
 
-def _allowed() -> dict[str, Any]:
+def _allowed(megatron: bool = False) -> dict[str, Any]:
     """A new allowlist for one load (docs/FORMAT.md section 8, I5). The classes are shared: a class's
     ``__setstate__`` takes an instance, so ``BUILD`` on the class itself fails. The dtypes and the
-    two functions are made anew, since slot state can set a function's ``__defaults__``."""
-    return {**_CLASSES, **_values()}
+    functions are made anew, since slot state can set a function's ``__defaults__``. ``megatron``:
+    a Megatron save's metadata, which also pickles its planner's classes, and only then."""
+    if not megatron:
+        return {**_CLASSES, **_values()}
+    return {**_CLASSES, **_MEGATRON_CLASSES, **_values(), _PLANNER + "WriteItemType": _write_item_type()}
+
+
+def _write_item_type() -> Any:
+    def write_item_type(value: Any = None) -> str:
+        """``WriteItemType(2)`` as its name; any other value is no item type torch has."""
+        if isinstance(value, bool) or value not in _WRITE_ITEM_TYPES:
+            raise ValueError(f"WriteItemType({str(value)[:20]}) is no item type")
+        return _WRITE_ITEM_TYPES[value]
+
+    return write_item_type
 
 
 def _values() -> dict[str, Any]:
@@ -139,18 +159,28 @@ _CLASSES: dict[str, Any] = {
     "pathlib.PurePosixPath": _PathValue,
     "collections.OrderedDict": dict,
 }
+_PLANNER = "torch.distributed.checkpoint.planner."
+_MEGATRON_CLASSES: dict[str, Any] = {
+    _PLANNER + "SavePlan": _SavePlan,
+    _PLANNER + "WriteItem": _WriteItem,
+    _PLANNER + "TensorWriteData": _TensorWriteData,
+}
 
 
 class _MetadataUnpickler(AllowlistUnpickler):
     """``.metadata`` through DCP's metadata classes alone."""
 
-    def __init__(self, data: bytes, where: str, *, own: bool = False) -> None:
-        super().__init__(data, where, _allowed(), self._refused, scanned=own)
+    def __init__(self, data: bytes, where: str, *, own: bool = False, megatron: bool = False) -> None:
+        super().__init__(data, where, _allowed(megatron), self._refused, scanned=own)
+        self.megatron = megatron
 
     def _refused(self, module: str, name: str) -> UnsafePickleError:
+        whose = "DCP's metadata classes or the planner classes Megatron adds" if self.megatron else (
+            "DCP's metadata classes"
+        )
         return UnsafePickleError(
-            f"{self.where}: the DCP metadata needs {module}.{name}, which is not one of DCP's metadata "
-            "classes; it was not loaded and nothing was committed."
+            f"{self.where}: the DCP metadata needs {module}.{name}, which is not one of {whose}; it was not "
+            "loaded and nothing was committed."
         )
 
     def persistent_load(self, pid: Any) -> Any:
@@ -201,6 +231,7 @@ class DcpMetadata:
     objects: set[str] = field(default_factory=set)
     items: dict[str, list[Item]] = field(default_factory=dict)  # file name -> its items, by offset
     paths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # the flattening: fqn -> its keys
+    megatron: bool = False  # a Megatron save's: chunks named by ShardedTensor key and layer (formats/megatron)
 
     @property
     def world_size(self) -> int:
@@ -223,8 +254,13 @@ def _dims(value: Any, where: str, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def read_metadata(data: bytes, where: str, file_sizes: dict[str, int], *, own: bool = False) -> DcpMetadata:
+def read_metadata(
+    data: bytes, where: str, file_sizes: dict[str, int], *, own: bool = False, megatron: bool = False
+) -> DcpMetadata:
     """Parse and check ``.metadata`` against the folder's ``.distcp`` files (name -> size).
+
+    ``megatron``: the folder is a Megatron-Core save (layout ``megatron``), whose metadata also
+    pickles its planner's local plans; the allowlist is widened by those classes alone.
 
     ``own``: bytes this process's ``pickle.dumps`` has just made (the DCP writer reading back what it
     will store, so that a step is recorded only if it loads). Its memo check is skipped: the pickler
@@ -233,7 +269,7 @@ def read_metadata(data: bytes, where: str, file_sizes: dict[str, int], *, own: b
     if len(data) > MAX_METADATA:
         raise _bad(where, f"it is {len(data)} bytes, more than DCP metadata ever needs")
     try:
-        top = _MetadataUnpickler(data, where, own=own).load()
+        top = _MetadataUnpickler(data, where, own=own, megatron=megatron).load()
     except (UnsafePickleError, BadCheckpointError):
         raise
     except Exception as exc:  # a truncated or hostile pickle raises any of several types
@@ -243,7 +279,7 @@ def read_metadata(data: bytes, where: str, file_sizes: dict[str, int], *, own: b
     described, stored = getattr(top, "state_dict_metadata", None), getattr(top, "storage_data", None)
     if not isinstance(described, dict) or not isinstance(stored, dict):
         raise _bad(where, "its state_dict_metadata or storage_data is missing (a save without FileSystemWriter?)")
-    meta = DcpMetadata()
+    meta = DcpMetadata(megatron=megatron)
     for fqn, desc in described.items():
         if not isinstance(fqn, str) or len(fqn) > MAX_NAME:
             raise _bad(where, f"an entry's name is not a string of at most {MAX_NAME} characters")
@@ -434,12 +470,13 @@ def read_distcp(src: InputFile, rel: str, meta: DcpMetadata, where: str) -> tupl
             row.update(slot=slot, chunk=list(item.chunk.offsets))
             entry = A.TensorEntry(slot=slot, path=item.fqn, tensor=ref)
             entry.file_offset = item.offset + ref.file_offset if ref.numel() else None
-            param, kind, is_model = name_and_kind(item.fqn, meta.paths.get(item.fqn), ref.dtype)
-            start, suffix = _start(item.chunk, tensor.size)
-            layer = layer_of(param) if is_model else STATE
-            entry.segments = (
-                [A.Segment(0, ref.numel(), param + suffix, kind, rank, start, layer)] if ref.numel() else []
-            )
+            if meta.megatron:
+                start, (param, kind, layer) = 0, chunk_name(item.fqn, item.chunk.offsets, item.chunk.sizes, ref.dtype)
+            else:
+                param, kind, is_model = name_and_kind(item.fqn, meta.paths.get(item.fqn), ref.dtype)
+                start, suffix = _start(item.chunk, tensor.size)
+                param, layer = param + suffix, layer_of(param) if is_model else STATE
+            entry.segments = [A.Segment(0, ref.numel(), param, kind, rank, start, layer)] if ref.numel() else []
             entries.append(entry)
         described.append(row)
     if refused:

@@ -13,6 +13,10 @@ Three shapes are accepted, as users meet them:
 * a PyTorch distributed checkpoint (DCP) folder, ``.metadata`` plus ``__R_K.distcp`` files, as
   ``dcp.save`` writes it for FSDP2 and torchtitan (``step-N/``): committed like a DeepSpeed tag
   folder (a checkout writes its files as the output folder itself, which ``dcp.load`` reads);
+* a Megatron-Core ``torch_dist`` save (``iter_NNNNNNN/``: DCP's files beside ``common.pt`` and
+  ``metadata.json``), or the run folder that holds such saves and
+  ``latest_checkpointed_iteration.txt``, whose named iteration is committed with the tracker file
+  (``formats/megatron``); a save without ``metadata.json`` did not finish and is refused;
 * a plain folder of weights or training-state files (``model.safetensors`` shards, ``ckpt.pt``),
   or one such file: every ``torch.save`` file the torch-free reader takes and every safetensors
   file is cut into atoms, the rest kept whole.
@@ -33,6 +37,7 @@ from typing import Any
 from tailorstore.core.errors import BadCheckpointError, Call, UnsafePathError
 from tailorstore.core.local_files import Beneath, Where, stat_input
 from tailorstore.core.paths import check_relative
+from tailorstore.formats import megatron as mg
 from tailorstore.formats.deepspeed import is_model_states, is_optim_states, read_latest
 from tailorstore.formats.small_text import read_small_text
 from tailorstore.formats.source import refused
@@ -44,6 +49,7 @@ DEEPSPEED_TAG = "deepspeed-tag"
 HF_TRAINER = "hf-trainer"
 ACCELERATE = "accelerate"  # Accelerate's save_state folder under FSDP (its DCP folders and its own files)
 DCP_FOLDER = "dcp"
+MEGATRON = "megatron"  # Megatron-Core's torch_dist save: an iter_N folder, or its run folder with the tracker
 PLAIN_FOLDER = "plain"  # weights or training-state files, no framework's layout (model.safetensors, ckpt.pt)
 PLAIN_FILE = "plain-file"  # one such file, committed by its own path
 PLAIN_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
@@ -90,6 +96,8 @@ class CheckpointLayout:
         layout rooted at its parent the one its paths are under (an error named the parent folder)."""
         if self.kind in (DEEPSPEED_TAG, DCP_FOLDER, PLAIN_FOLDER, PLAIN_FILE) and self.ds_tag:
             return self.root / self.ds_tag
+        if self.kind == MEGATRON and self.ds_tag and mg.TRACKER not in self.files:
+            return self.root / self.ds_tag  # one iter_N folder, rooted at its parent
         return self.root
 
     def file_key(self, rel: str) -> str:
@@ -242,6 +250,33 @@ def is_dcp_folder(path: Path) -> bool:
     return (path / DCP_METADATA).is_file() and any(p.suffix == ".distcp" and p.is_file() for p in path.iterdir())
 
 
+def _megatron_step(tag: str) -> int | None:
+    return mg.step_of(tag) if mg.step_of(tag) is not None else step_from_name(tag)
+
+
+def _megatron_files(folder: Path, prefix: str) -> list[str]:
+    """A Megatron save folder's files, in commit order. Megatron writes no folders into one: a
+    folder there is left out with a warning that names it, as in a DCP folder."""
+    for p in folder.iterdir():
+        if p.is_dir():
+            log.warning("tailorstore: %s is a folder inside a Megatron checkpoint; it is not committed", p)
+    return [f"{prefix}{n}" for n in _top_files(folder)]
+
+
+def _megatron_run(run: Path) -> CheckpointLayout:
+    """A Megatron-LM run folder: the iteration its ``latest_checkpointed_iteration.txt`` names, with
+    that file (a checkout is then a folder ``--load`` resumes from); other iterations are not this step."""
+    tag, step = mg.read_tracker(run)
+    folder = run / tag
+    if folder.is_symlink() or not folder.is_dir() or not is_dcp_folder(folder):
+        raise BadCheckpointError(
+            f"{run / mg.TRACKER}: names {tag}, but there is no Megatron torch_dist save {folder} beside it. "
+            "Point at the iter_NNNNNNN folder itself, or fix the file."
+        )
+    mg.check_complete(folder)
+    return CheckpointLayout(run, MEGATRON, step, tag, [mg.TRACKER, *_megatron_files(folder, f"{tag}/")])
+
+
 def _detect(path: Path, part: bool = False) -> CheckpointLayout:
     if path.is_file() and not path.is_symlink() and path.suffix in PLAIN_SUFFIXES:
         # one torch.save or safetensors file; named "{tag}" in the index, so every step's file matches
@@ -265,7 +300,13 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
         return CheckpointLayout(path, DEEPSPEED, step_from_name(tag), tag, files)
     if _is_accelerate_state(path):
         return _hf_layout(path, part, ACCELERATE)
+    if (path / mg.TRACKER).is_file():
+        return _megatron_run(path)
     names = [p.name for p in path.iterdir() if _listed(p)]
+    if is_dcp_folder(path) and mg.is_megatron_folder(path):
+        mg.check_complete(path)
+        tag = path.name
+        return CheckpointLayout(path.parent, MEGATRON, _megatron_step(tag), tag, _megatron_files(path, f"{tag}/"))
     if is_dcp_folder(path):
         tag = path.name
         for p in path.iterdir():

@@ -31,7 +31,7 @@ from tailorstore.core.local_files import Beneath, Where, stat_input
 from tailorstore.formats import dcp, plain_torch
 from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import DCP, RAW, SAFETENSORS, TORCH
-from tailorstore.formats.layout import CheckpointLayout
+from tailorstore.formats.layout import MEGATRON, CheckpointLayout
 from tailorstore.formats.safetensors_file import read_safetensors
 from tailorstore.formats.skeleton import split_tensors
 from tailorstore.formats.source import Identity, InputFile
@@ -166,7 +166,7 @@ def read_checkpoint(
                     meta = layout.dcp_metadata
                 else:
                     if str(folder) not in dcp_metas:
-                        dcp_metas[str(folder)] = _dcp_metadata(folder, place)
+                        dcp_metas[str(folder)] = _dcp_metadata(folder, place, megatron=layout.kind == MEGATRON)
                     meta = dcp_metas[str(folder)]
                 out.skeleton, out.entries, out.trusted = dcp.read_distcp(src, rel, meta, layout.where(rel))
                 out.located, out.meta = True, {"world_size": meta.world_size}
@@ -215,9 +215,10 @@ def _segment_plain_or_generic(obj: object, entries: list[TensorEntry]) -> None:
             ds.generic(entry, 0)
 
 
-def _dcp_metadata(folder: Path, beside: Where) -> dcp.DcpMetadata:
+def _dcp_metadata(folder: Path, beside: Where, *, megatron: bool = False) -> dcp.DcpMetadata:
     """A DCP folder's ``.metadata``, checked against the sizes of its ``.distcp`` files; each opened
-    by the rules of the ``.distcp`` file ``beside`` it (beneath the folder committed)."""
+    by the rules of the ``.distcp`` file ``beside`` it (beneath the folder committed). ``megatron``:
+    a Megatron save's, read with the planner classes it adds (``dcp.read_metadata``)."""
     path = folder / dcp.METADATA
     meta = beside.sibling(dcp.METADATA) if isinstance(beside, Beneath) else path
     if not path.is_file():
@@ -233,7 +234,7 @@ def _dcp_metadata(folder: Path, beside: Where) -> dcp.DcpMetadata:
             raise BadCheckpointError(f"{path}: {src.size} bytes, more than DCP metadata ever needs")
         data = bytes(src.read(0, src.size))
         src.check()
-    return dcp.read_metadata(data, str(path), sizes)
+    return dcp.read_metadata(data, str(path), sizes, megatron=megatron)
 
 
 def _read_torch(out: ReadFile, src: InputFile, trust_pickles: bool, infos: dict[str, ds.ModelInfo]) -> None:

@@ -59,6 +59,7 @@ from tailorstore.formats.layout import (
     DEEPSPEED,
     DEEPSPEED_TAG,
     HF_TRAINER,
+    MEGATRON,
     CheckpointLayout,
     detect,
 )
@@ -477,7 +478,7 @@ def refuse_incomplete(layout: CheckpointLayout, files: list[ReadFile]) -> None:
     rank's optimizer states for the world size the model states name (and for ZeRO-3 every rank's
     model states). One node's share of a save, committed as the step (a killed job's staged save,
     recovered on one node), was recorded as if it were whole, and resumed from nowhere."""
-    if layout.kind not in (DEEPSPEED, DEEPSPEED_TAG, DCP_FOLDER, HF_TRAINER, ACCELERATE):
+    if layout.kind not in (DEEPSPEED, DEEPSPEED_TAG, DCP_FOLDER, MEGATRON, HF_TRAINER, ACCELERATE):
         return
     facts = _facts(files)
     missing = missing_pieces(layout.kind, files, facts.get("world_size"), facts.get("zero_stage"))  # type: ignore[arg-type]

@@ -16,7 +16,8 @@ from pathlib import Path, PurePosixPath
 from tailorstore.access.contents import Contents
 from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.paths import safe_join
-from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, PLAIN_FILE, PLAIN_FOLDER
+from tailorstore.formats import megatron as mg
+from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, MEGATRON, PLAIN_FILE, PLAIN_FOLDER
 from tailorstore.store.repo import Repository
 
 logger = logging.getLogger("tailorstore")
@@ -71,9 +72,12 @@ def _delete_committed(repo: Repository, manifest: int, path: Path) -> None:
     # what the recorded paths are relative to: the folder's parent for every layout that names the
     # folder itself in its paths (a plain folder's files were recorded as "save/ckpt.pt", so they were
     # looked for in save/save/ and nothing was deleted)
-    root = path.parent if row.layout in _UNDER_PARENT else path
     files = [f.path for f in repo.view(Contents).files(manifest)]
-    if row.layout == DEEPSPEED:
+    # a Megatron step is rooted at the iteration folder's parent either way: its run folder, or the
+    # folder that holds the iteration folder committed by itself
+    under_parent = row.layout in _UNDER_PARENT or (row.layout == MEGATRON and mg.TRACKER not in files)
+    root = path.parent if under_parent else path
+    if row.layout in (DEEPSPEED, MEGATRON):  # the run's tracker (`latest`, Megatron's) stays: training owns it
         files = [f for f in files if PurePosixPath(f).parts[0] == row.ds_tag]
     folders: set[Path] = set()
     for rel in files:

@@ -27,7 +27,8 @@ from tailorstore.core.records import FileRecord, ManifestRecord
 from tailorstore.core.step_rules import refuse_thinned
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import DCP, RAW, SAFETENSORS, TORCH
-from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED_TAG
+from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED_TAG, MEGATRON
+from tailorstore.formats.megatron import WRITTEN_LAST
 from tailorstore.formats.torch_pickle import untrusted
 from tailorstore.restore.folder_result import FolderResult
 from tailorstore.store.repo import Repository
@@ -97,10 +98,27 @@ def checkout_step(
 
 def dcp_folder_itself(facts: ManifestRecord, files: list[FileRecord]) -> bool:
     """Pure: whether a checkout writes the step as ``out`` itself: a DCP folder committed by itself
-    (``step-6/``), which ``dcp.load(..., checkpoint_id=out)`` then reads. A DeepSpeed tag folder
-    keeps its name below ``out``, since ``engine.load_checkpoint(out)`` looks for it there."""
+    (``step-6/``), which ``dcp.load(..., checkpoint_id=out)`` then reads, or a Megatron
+    ``iter_N/`` folder (``dist_checkpointing.load(sd, out)``). A DeepSpeed tag folder keeps its
+    name below ``out``, since ``engine.load_checkpoint(out)`` looks for it there, and so does a
+    Megatron run folder's iteration, beside its tracker file (Megatron-LM's ``--load out``)."""
     tag = facts.ds_tag
-    return facts.layout == DCP_FOLDER and bool(tag) and all(f.path.startswith(f"{tag}/") for f in files)
+    return facts.layout in (DCP_FOLDER, MEGATRON) and bool(tag) and all(f.path.startswith(f"{tag}/") for f in files)
+
+
+def last_written(facts: ManifestRecord, rows: list[FileRecord]) -> list[FileRecord]:
+    """Pure: the files in the order a checkout writes them. A Megatron save's ``metadata.json``
+    (and then ``integrity.json``) come after every other file, as Megatron writes them: Megatron
+    takes ``metadata.json`` for "this checkpoint is complete", so no reader that looks into the
+    folder (a checkout written in place by a tool that copies it file by file) may see it first."""
+    if facts.layout != MEGATRON:
+        return rows
+
+    def rank(row: FileRecord) -> int:
+        name = PurePosixPath(row.path).name
+        return 1 + WRITTEN_LAST.index(name) if name in WRITTEN_LAST else 0
+
+    return sorted(rows, key=rank)
 
 
 def lift(root: Path, folder: str) -> None:
@@ -140,6 +158,7 @@ def write_step_files(
     container (by tailorstore 0.1) re-pickled by torch. Returns the bytes written."""
     manifest, step = facts.id, facts.step
     written = 0
+    rows = last_written(facts, rows)
     placed = placed_rows(rows)
     if placed:
         placement.write_files(repo, facts, placed, root, advance=advance, threads=threads)

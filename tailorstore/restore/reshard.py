@@ -54,7 +54,7 @@ from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.records import FileRecord, ManifestRecord
 from tailorstore.core.step_rules import refuse_thinned
 from tailorstore.formats import deepspeed as ds
-from tailorstore.formats.layout import DCP_FOLDER
+from tailorstore.formats.layout import DCP_FOLDER, MEGATRON
 from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_class, with_int_field
 from tailorstore.formats.torch_save_writer import Parts, TensorOut
 from tailorstore.formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
@@ -433,6 +433,11 @@ def _setup(repo: Repository, selector: str, world_size: int | None, zero_stage: 
     refuse_thinned(facts.step, facts.tier, "a resharded checkpoint")
     if world_size is None:
         world_size = facts.world_size or 1
+    if facts.layout == MEGATRON:
+        raise StoreError(
+            f"step {facts.step} is a Megatron-Core save: dist_checkpointing.load reshards it as it reads it, at any "
+            "tensor, pipeline or data parallel size; check it out as it is."
+        )
     view = model_view(repo, manifest)
     files = repo.view(Contents).files(manifest)
     if view.states_file is None:

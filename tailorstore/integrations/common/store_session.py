@@ -36,8 +36,9 @@ from tailorstore.core.records import COMMIT
 # What adapters build on below the API: the formats they write and read, and the rules a commit
 # and a resume share with them. Re-exported here so that no adapter imports those layers itself.
 from tailorstore.formats import dcp as dcp_format
+from tailorstore.formats import megatron as megatron_format
 from tailorstore.formats.deepspeed import is_model_states, read_latest
-from tailorstore.formats.layout import step_from_name
+from tailorstore.formats.layout import MEGATRON, step_from_name
 from tailorstore.formats.memory_folder import MemoryFile, MemoryFolder
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.formats.small_text import NAME_LIMIT, read_small_text
@@ -68,6 +69,7 @@ OPERATIONS = frozenset(
 
 __all__ = [
     "COMMIT",
+    "MEGATRON",
     "NAME_LIMIT",
     "OPERATIONS",
     "MemoryFile",
@@ -79,6 +81,7 @@ __all__ = [
     "is_model_states",
     "load_torch_file",
     "loaded_by",
+    "megatron_format",
     "opened_store",
     "owner_of",
     "read_latest",

@@ -70,6 +70,7 @@ from tailorstore.integrations.common.store_session import (
     StoreSession,
     check_sized_policy,
     dcp_format,
+    megatron_format,
     opened_store,
     step_from_name,
 )
@@ -95,6 +96,16 @@ class TailorStorageWriter(StorageWriter):
     """A ``StorageWriter`` that commits the save as step ``step`` of ``store`` (or the step
     ``checkpoint_id`` names), under ``policy`` and with ``tag`` and ``metrics``, as a commit of the
     DCP folder would record it."""
+
+    megatron = False  # a Megatron save's (integrations/megatron): chunks named as layout megatron names them
+
+    def folder(self, step: int) -> MemoryFolder:
+        """The memory folder a rank's file (and the coordinator's last part) is committed as."""
+        return MemoryFolder(tag=f"step-{step}", step=step)
+
+    def beside(self) -> dict[str, bytes]:
+        """Files the coordinator commits with ``.metadata``, by name (none for a plain DCP save)."""
+        return {}
 
     def __init__(
         self,
@@ -167,7 +178,7 @@ class TailorStorageWriter(StorageWriter):
                 "dcp.save(..., checkpoint_id=N)."
             )
         label = f"dcp.{self._save or uuid.uuid4().hex[:16]}"
-        plan = StoreSession(self.store).plan_parts(self.step, layer_sizes(plans), self.request)
+        plan = StoreSession(self.store).plan_parts(self.step, layer_sizes(plans, self.megatron), self.request)
         every = [RankOrders(self.step, label, rank, len(plans), plan) for rank in range(len(plans))]
         self._orders = every[0]  # what finish records, on this (the coordinator's) instance
         return [dataclasses.replace(p, storage_data=orders) for p, orders in zip(plans, every, strict=True)]
@@ -176,10 +187,10 @@ class TailorStorageWriter(StorageWriter):
         orders = plan.storage_data
         if not isinstance(orders, RankOrders):
             raise StoreError("write_data before prepare_global_plan: DCP's save calls them in that order")
-        folder = MemoryFolder(tag=f"step-{orders.step}", step=orders.step)
+        folder = self.folder(orders.step)
         try:
             results = serialize(folder.add(orders.file_name), orders.file_name, plan.items, planner)
-            folder.dcp_metadata = rank_metadata(plan, results, orders)
+            folder.dcp_metadata = rank_metadata(plan, results, orders, self.megatron)
             StoreSession(self.store).commit_memory(folder, self.request, part_label=orders.label, plan=orders.plan)
         finally:
             folder.close()
@@ -200,11 +211,13 @@ class TailorStorageWriter(StorageWriter):
         sizes: dict[str, int] = {}
         for info in metadata.storage_data.values():
             sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
-        dcp_format.read_metadata(data, f"step {orders.step}'s {dcp_format.METADATA}", sizes, own=True)
-        folder = MemoryFolder(tag=f"step-{orders.step}", step=orders.step)
+        where = f"step {orders.step}'s {dcp_format.METADATA}"
+        dcp_format.read_metadata(data, where, sizes, own=True, megatron=self.megatron)
+        folder = self.folder(orders.step)
         try:
-            with folder.add(dcp_format.METADATA).writer() as stream:
-                stream.write(data)
+            for name, content in {dcp_format.METADATA: data, **self.beside()}.items():
+                with folder.add(name).writer() as stream:
+                    stream.write(content)
             StoreSession(self.store).commit_memory(folder, self.request, part_label=orders.label, plan=orders.plan)
         finally:
             folder.close()
@@ -228,11 +241,11 @@ def _release_thread_memory() -> None:
         release_free_memory()
 
 
-def layer_sizes(plans: list[SavePlan]) -> dict[str, int]:
+def layer_sizes(plans: list[SavePlan], megatron: bool = False) -> dict[str, int]:
     """Every layer's bytes over every rank's tensor items, named as the commit of the saved folder
-    names them (``formats/dcp.name_and_kind``). An item the store cannot keep or read back (a
-    dtype it does not store, a name too long for its metadata reader) is refused here, by the
-    coordinator, before any rank writes anything."""
+    names them (``formats/dcp.name_and_kind``; a Megatron save's, ``formats/megatron.chunk_name``).
+    An item the store cannot keep or read back (a dtype it does not store, a name too long for its
+    metadata reader) is refused here, by the coordinator, before any rank writes anything."""
     sizes: dict[str, int] = {}
     for plan in plans:
         paths = plan.planner_data if isinstance(plan.planner_data, dict) else {}
@@ -251,9 +264,13 @@ def layer_sizes(plans: list[SavePlan]) -> dict[str, int]:
                     f"{fqn} is a {dtype} tensor, which tailorstore does not store (it stores "
                     f"{', '.join(DTYPES)}); convert it, or save it apart from the checkpoint."
                 )
-            keys = tuple(str(k) for k in paths[fqn]) if fqn in paths else None
-            param, _, is_model = dcp_format.name_and_kind(fqn, keys, dtype)
-            layer = layer_of(param) if is_model else STATE
+            if megatron:
+                chunk = item.tensor_data.chunk
+                layer = megatron_format.chunk_name(fqn, tuple(chunk.offsets), tuple(chunk.sizes), dtype)[2]
+            else:
+                keys = tuple(str(k) for k in paths[fqn]) if fqn in paths else None
+                param, _, is_model = dcp_format.name_and_kind(fqn, keys, dtype)
+                layer = layer_of(param) if is_model else STATE
             nbytes = math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
             sizes[layer] = sizes.get(layer, 0) + nbytes
     return sizes
@@ -291,10 +308,12 @@ def serialize(into: MemoryFile, name: str, items: list[WriteItem], planner: Save
     return results
 
 
-def rank_metadata(plan: SavePlan, results: list[WriteResult], orders: RankOrders) -> dcp_format.DcpMetadata:
+def rank_metadata(
+    plan: SavePlan, results: list[WriteResult], orders: RankOrders, megatron: bool = False
+) -> dcp_format.DcpMetadata:
     """What ``.metadata`` will say of this rank's file, built from its plan (the coordinator
     writes the whole of it only once every rank is done): enough to cut the file into atoms."""
-    meta = dcp_format.DcpMetadata()
+    meta = dcp_format.DcpMetadata(megatron=megatron)
     paths = plan.planner_data if isinstance(plan.planner_data, dict) else {}
     meta.paths = {fqn: tuple(str(k) for k in keys) for fqn, keys in paths.items() if isinstance(keys, tuple | list)}
     meta.items = {f"__{r}_0{dcp_format.SUFFIX}": [] for r in range(orders.world_size)}  # the save's world size
