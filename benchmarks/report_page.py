@@ -22,26 +22,42 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tailorstore import Store
+from tailorstore import Retention, Store
 from testbed.browser import open_page
 from testbed.history_store import saves
 
 
-def build(root: Path, steps: int) -> Path:
-    """The store: ``steps`` main steps, a branch of 100 steps from the middle."""
+def build(root: Path, steps: int, *, branch_steps: int = 100) -> Path:
+    """The store: ``steps`` main steps (every 10th composite), a branch of ``branch_steps`` from the
+    middle, an average of the branch's last two steps and a composite merge on main, the oldest
+    fifth of main thinned to weights and the odd steps of its oldest tenth archived, and a
+    keep-best retention, so every part of the page has something to show. Every step is a real
+    ``Store.commit`` of a real save, in this one process (a ``tailor commit`` process a step would
+    spend most of its time starting up)."""
     location = root / "store"
     with Store.init(location) as store:
         for step, path, loss in saves(root / "saves", steps, blocks=2):
-            store.commit(path, metrics={"eval_loss": loss, "step_seconds": 0.5 + step % 7 / 10})
+            policy = "parity" if step % 10 == 0 else "full"
+            store.commit(path, policy=policy, metrics={"eval_loss": loss, "step_seconds": 0.5 + step % 7 / 10})
             if step % 500 == 0:
                 store.tag(f"step={step}", f"k{step}")
             if step % 1000 == 0:
                 store.pin(f"step={step}")
         store.create_run("branch", base=f"step={steps // 2}")
-        store.set_retention(keep_last=5, keep_best="eval_loss:min:5")
     with Store.open(location, run="branch") as branch:
-        for step, path, loss in saves(root / "branch-saves", 100, blocks=2, seed=1):
+        for step, path, loss in saves(root / "branch-saves", branch_steps, blocks=2, seed=1):
             branch.commit(path, step=steps // 2 + step, metrics={"eval_loss": loss})
+        spec = root / "average.yaml"
+        last = steps // 2 + branch_steps
+        spec.write_text(f"method: sma\nsteps: [{last - 1}, {last}]\n")
+        branch.merge(spec, tag="branch-avg")
+    with Store.open(location) as store:
+        spec = root / "composite.yaml"
+        spec.write_text(f"base: {{step: {steps}}}\nslices:\n  - sources: [{{step: 1, layer_range: [0, 1]}}]\n")
+        store.merge(spec, tag="mix")
+        store.gc(Retention(keep_last=steps - steps // 5, thin="weights", run="main"))
+        store.gc(Retention(keep_last=steps - steps // 10, keep_every=2, thin="archive", run="main"))
+        store.set_retention(Retention(keep_last=5, keep_best="eval_loss:min:5"))
     return location
 
 
