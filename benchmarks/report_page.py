@@ -17,10 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tailorstore import Retention, Store
 from testbed.browser import open_page
@@ -33,7 +36,10 @@ def build(root: Path, steps: int, *, branch_steps: int = 100) -> Path:
     fifth of main thinned to weights and the odd steps of its oldest tenth archived, and a
     keep-best retention, so every part of the page has something to show. Every step is a real
     ``Store.commit`` of a real save, in this one process (a ``tailor commit`` process a step would
-    spend most of its time starting up)."""
+    spend most of its time starting up). torch gets one thread: its tiny training steps spend
+    more time waking its thread pool than computing, and far more on a busy machine."""
+    torch.set_num_threads(1)
+    started = time.monotonic()
     location = root / "store"
     with Store.init(location) as store:
         for step, path, loss in saves(root / "saves", steps, blocks=2):
@@ -43,6 +49,11 @@ def build(root: Path, steps: int, *, branch_steps: int = 100) -> Path:
                 store.tag(f"step={step}", f"k{step}")
             if step % 1000 == 0:
                 store.pin(f"step={step}")
+                print(
+                    f"committed {step} of {steps} steps, {time.monotonic() - started:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         store.create_run("branch", base=f"step={steps // 2}")
     with Store.open(location, run="branch") as branch:
         for step, path, loss in saves(root / "branch-saves", branch_steps, blocks=2, seed=1):
