@@ -29,6 +29,8 @@ from tailorstore import Retention, Store
 from testbed.browser import open_page
 from testbed.history_store import saves
 
+BUILT = "built"  # written in --work when the store is whole: a later run measures it again
+
 
 def build(root: Path, steps: int, *, branch_steps: int = 100) -> Path:
     """The store: ``steps`` main steps (every 10th composite), a branch of ``branch_steps`` from the
@@ -41,10 +43,17 @@ def build(root: Path, steps: int, *, branch_steps: int = 100) -> Path:
     torch.set_num_threads(1)
     started = time.monotonic()
     location = root / "store"
-    with Store.init(location) as store:
-        for step, path, loss in saves(root / "saves", steps, blocks=2):
+    done = 0  # a store a stopped build left (its main steps are real commits): carry on from its last
+    if location.exists():
+        with Store.open(location) as store:
+            done = max((s.step for s in store.log() if s.run == "main"), default=0)
+    with Store.open(location) if done else Store.init(location) as store:
+        for step, path, loss in saves(root / "saves", steps - done, blocks=2, seed=done):
+            step += done
             policy = "parity" if step % 10 == 0 else "full"
-            store.commit(path, policy=policy, metrics={"eval_loss": loss, "step_seconds": 0.5 + step % 7 / 10})
+            store.commit(
+                path, step=step, policy=policy, metrics={"eval_loss": loss, "step_seconds": 0.5 + step % 7 / 10}
+            )
             if step % 500 == 0:
                 store.tag(f"step={step}", f"k{step}")
             if step % 1000 == 0:
@@ -69,6 +78,7 @@ def build(root: Path, steps: int, *, branch_steps: int = 100) -> Path:
         store.gc(Retention(keep_last=steps - steps // 5, thin="weights", run="main"))
         store.gc(Retention(keep_last=steps - steps // 10, keep_every=2, thin="archive", run="main"))
         store.set_retention(Retention(keep_last=5, keep_best="eval_loss:min:5"))
+    (root / BUILT).write_text(f"{steps}\n")
     return location
 
 
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     root = args.work or Path(tempfile.mkdtemp(prefix="report-page-"))
     root.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    location = root / "store" if (root / "store").exists() else build(root, args.steps)
+    location = root / "store" if (root / BUILT).exists() else build(root, args.steps)  # a stopped build carries on
     built = time.monotonic() - started
     page = root / "report.html"
     with Store.open(location) as store:

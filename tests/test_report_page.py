@@ -331,6 +331,49 @@ def test_the_page_draws_every_part_offline_with_no_console_error(history: Histor
 
 
 @pytest.mark.slow
+def test_a_long_curve_is_a_line_with_its_notable_steps_until_zoomed_in(history: History, tmp_path: Path) -> None:
+    """Past 1,500 steps in view a curve is a line, markers only where a step is tagged, pinned, best
+    or merged, and the track a band of cells (one image): thousands of SVG markers are what made a
+    long history slow to draw. Zoomed in to fewer steps, every step in view is a marker again. The
+    long history is the real store's rows repeated under new steps, rendered by the page's renderer."""
+    from tailorstore.report.page.render import render
+    from testbed.browser import open_page
+
+    data = json.loads(json.dumps(history.data))
+    t = data["steps"]
+    step, run = t["columns"].index("step"), t["columns"].index("run")
+    main = [row for row in t["rows"] if row[run] == "main" and row[t["columns"].index("kind")] != "merge"]
+    first = len(t["rows"])
+    for n in range(3000):
+        row = list(main[n % len(main)])
+        row[step] = 100 + n
+        for name, plain in (("tag", None), ("pinned", False), ("best", [])):  # one tag in the grown steps
+            row[t["columns"].index(name)] = f"grown-{n}" if name == "tag" and n == 1200 else plain
+        t["rows"].append(row)
+    grown = list(range(first, first + 3000))
+    for series in data["metrics"]["series"]:
+        if series["run"] == "main" and series["metric"] == "eval_loss":
+            series["rows"] = series["rows"] + grown
+    for track in data["metrics"]["track"]:
+        if track["run"] == "main":
+            track["rows"] = track["rows"] + grown
+    page = tmp_path / "long.html"
+    page.write_text(render(data))
+    marks = "() => document.querySelectorAll('#chart-metrics .scatterlayer path.point').length"
+    with open_page(page) as seen:
+        assert seen.errors == [], seen.errors
+        assert seen.evaluate("() => document.getElementById('metrics-dense').hidden") is False
+        assert seen.evaluate("() => document.querySelectorAll('#chart-metrics .heatmaplayer image').length") == 1
+        few = seen.evaluate(marks)
+        assert 0 < few < 50, few  # the tagged, pinned, best and merged steps (and their stars), not 6,000
+        seen.evaluate("() => Plotly.relayout('chart-metrics', {'xaxis.range': [1000, 1400]})")
+        seen.page.wait_for_function("document.getElementById('metrics-dense').hidden === true")
+        many = seen.evaluate(marks)
+        assert many > 2 * 401, many  # every step near the view, on the curve and on the track
+        assert seen.evaluate("() => document.querySelectorAll('#chart-metrics .heatmaplayer image').length") == 0
+
+
+@pytest.mark.slow
 def test_hostile_tags_and_paths_are_shown_as_text_never_run(tmp_path: Path) -> None:
     """A tag with markup (what a tag may hold: no '/' or '='), a step committed from a folder whose
     path closes a script element, and the page's own renderer given hostile metric and run names

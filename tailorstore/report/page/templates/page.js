@@ -17,6 +17,7 @@
     return;
   }
   const D = await unpack(document.getElementById("tailor-data"));
+  const took = { started, unpacked: performance.now() - started }; // where the time went (benchmarks/report_page.py)
   const R = D.steps.rows, C = {}; // the table's rows, and each column's index by name
   D.steps.columns.forEach((c, i) => { if (!(c in C)) C[c] = i; });
   const at = (row, column) => (C[column] === undefined ? undefined : R[row][C[column]]);
@@ -322,7 +323,9 @@
   }
 
   function part(name, draw) { // one part's failure is said in it, and leaves the others drawn
-    try { return Promise.resolve(draw()).catch((e) => failed(name, e)); } catch (e) { failed(name, e); return null; }
+    const from = performance.now(); // plotly draws in the call: its time is the part's (what settles after is little)
+    try { const drawn = draw(); took[name] = performance.now() - from; return Promise.resolve(drawn).catch((e) => failed(name, e)); }
+    catch (e) { failed(name, e); return null; }
   }
   function failed(name, e) {
     const section = document.getElementById("part-" + name);
@@ -333,6 +336,7 @@
   Promise.all([part("metrics", metricsPart), part("bytes", bytesPart), part("lineage", lineagePart), part("layers", layersPart),
     part("steps", stepsPart)]).then(() => {
     window.tailorRenderMs = performance.now() - started; // the script's own time; performance.now() is since navigation
+    window.tailorTook = took;
     window.tailorRenderedAt = performance.now();
     document.body.dataset.rendered = "yes";
   });
