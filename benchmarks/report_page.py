@@ -1,13 +1,16 @@
 """The report page at scale: a store of 10,000 real steps, its page's size, and its render time.
 
-``python -m benchmarks.report_page [--steps 10000] [--work DIR]`` commits ``--steps`` real
-``torch.save`` saves of a tiny Llama-shaped training (testbed/history_store.py: tiny tensors, so
-what is measured is the page, not the codec), every step with metrics, every 500th tagged and
-every 1,000th pinned, a branch at the middle, and a keep-best retention, then writes ``tailor
-report`` and opens it in the system's chromium (testbed/browser.py: offline, every request but the
-file refused). Measured: the time to build and write the page, the file's size, and the time from
-navigation to every part drawn (``performance.now()`` when the page's script has drawn its five
-parts: parsing the inlined plotly.js included), over ``--loads`` loads. Prints one JSON document.
+``python -m benchmarks.report_page [--steps 10000] [--work DIR] [--loads 3] [--grow N]`` commits
+``--steps`` real ``torch.save`` saves of a tiny Llama-shaped training (testbed/history_store.py:
+tiny tensors, so what is measured is the page, not the codec) into one store, with what every part
+shows (:func:`build`), then writes ``tailor report`` and opens it in the system's chromium
+(testbed/browser.py: offline, every request but the file refused). Measured: the time to build the
+store and write the page, the file's size, and the time from navigation to every part drawn
+(``performance.now()`` when the page's script has drawn its five parts: parsing the inlined
+plotly.js included), best and median over ``--loads`` fresh browsers, with where the best load's
+time went, and the machine's load average. ``--grow N`` also renders the store's page data grown
+to N steps (:func:`grown`), for a scale the build cannot reach in the time at hand; the output
+names it ``grown``. Prints one JSON document.
 
 The issue's bar: at most 2 s to render and under 10 MB.
 """
