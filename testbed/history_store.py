@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tailorstore import Store
+from tailorstore import Retention, Store
 
 
 class TinyLlama(torch.nn.Module):
@@ -80,7 +80,7 @@ def build_history(root: Path, *, steps: int = 8, branch_steps: int = 3, tag: str
         spec = root / "composite.yaml"
         spec.write_text(f"base: {{step: {steps}}}\nslices:\n  - sources: [{{step: 1, layer_range: [0, 1]}}]\n")
         store.merge(spec, tag="mix")
-        store.gc(keep_last=steps // 2, thin="weights", run="main")
-        store.gc(keep_last=steps // 2, keep_every=2, thin="archive", run="main")
-        store.set_retention(keep_last=2, keep_best="eval_loss:min:2")
+        store.gc(Retention(keep_last=steps // 2, thin="weights", run="main"))
+        store.gc(Retention(keep_last=steps // 2, keep_every=2, thin="archive", run="main"))
+        store.set_retention(Retention(keep_last=2, keep_best="eval_loss:min:2"))
     return location

@@ -23,18 +23,25 @@ from typing import Any
 import pytest
 from conftest import one_line, tailor, tailor_here
 
-from tailorstore.report.page.render import inline_script, script_json
+from tailorstore.report.page.render import inline_script, packed_json, script_json, unpack_json
 from tailorstore.store.repo import Repository
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / ".artifacts"  # ignored by git: screenshots a run leaves
 
 
 def page_data(page: Path) -> dict[str, Any]:
-    """The data the page carries, as its script reads it (the one JSON script element)."""
+    """The data the page carries, as its script reads it (the one data element: gzipped JSON in base64)."""
     text = page.read_text(encoding="utf-8")
-    found = re.findall(r'<script type="application/json" id="tailor-data">(.*?)</script>', text, re.DOTALL)
+    found = re.findall(r'<script type="application/gzip" id="tailor-data"[^>]*>(.*?)</script>', text, re.DOTALL)
     assert len(found) == 1
-    return json.loads(found[0])
+    assert re.fullmatch(r"[A-Za-z0-9+/=]*", found[0].strip())  # base64: nothing in it can close the element
+    return unpack_json(found[0])
+
+
+def table(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The table of steps as one dict a row: the other parts name their steps by index into it."""
+    t = data["steps"]
+    return [dict(zip(t["columns"], row, strict=True)) for row in t["rows"]]
 
 
 def cli_json(store: Path, *args: str) -> Any:
@@ -73,6 +80,8 @@ def test_the_embedded_json_is_inert_inside_a_script_element() -> None:
     text = script_json(data)
     assert not set(text) & {"<", ">", "&", "\u2028", "\u2029"} and text.isascii(), text
     assert json.loads(text) == data
+    packed = packed_json(data)
+    assert re.fullmatch(r"[A-Za-z0-9+/=]+", packed) and unpack_json(packed) == data
     with pytest.raises(ValueError):
         script_json({"x": float("nan")})  # the data maps NaN to null before; a NaN left is a bug
     with pytest.raises(Exception, match="cannot be inlined"):
@@ -94,7 +103,7 @@ def test_report_refuses_a_path_that_is_no_new_html_file_before_reading(tmp_path:
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["steps"] == 0
     empty = page_data(tmp_path / "empty.html")
-    assert empty["steps"]["rows"] == [] and empty["layers"] == [] and empty["bytes"]["ids"] == []
+    assert empty["steps"]["rows"] == [] and empty["layers"] == [] and empty["bytes"]["rows"] == []
 
 
 # -- each chart's data is what the commands say ----------------------------------------------------------
@@ -102,6 +111,11 @@ def test_report_refuses_a_path_that_is_no_new_html_file_before_reading(tmp_path:
 
 def commits(log: list[dict[str, Any]], run: str) -> list[dict[str, Any]]:
     return sorted((s for s in log if s["run"] == run and s["origin"] == "commit"), key=lambda s: s["step"])
+
+
+def values(rows: list[dict[str, Any]], series: dict[str, Any]) -> list[Any]:
+    """A curve's values: its metric's column at its rows of the table."""
+    return [rows[i][f"metric:{series['metric']}"] for i in series["rows"]]
 
 
 def kind(s: dict[str, Any]) -> str:
@@ -117,7 +131,7 @@ def kind(s: dict[str, Any]) -> str:
 def test_the_metrics_chart_is_what_log_says(history: History) -> None:
     """Part 1: a curve per run and metric through its commits' values; a marker per stored step by
     what it is, with its tag and pin; the stars are the steps keep-best keeps (gc's own plan)."""
-    m, log = history.data["metrics"], history.log
+    m, log, rows = history.data["metrics"], history.log, table(history.data)
     names = sorted({n for s in log for n in s["metrics"]})
     assert m["names"] == names == ["eval_loss", "lr"]
     expected = []
@@ -126,14 +140,25 @@ def test_the_metrics_chart_is_what_log_says(history: History) -> None:
             points = [s for s in commits(log, run) if name in s["metrics"]]
             if points:
                 expected.append((run, name, [s["step"] for s in points], [s["metrics"][name] for s in points]))
-    assert [(s["run"], s["metric"], s["steps"], s["values"]) for s in m["series"]] == expected
-    track = {t["run"]: t for t in m["track"]}
+    drawn = [
+        (
+            s["run"],
+            s["metric"],
+            [rows[i]["step"] for i in s["rows"]],
+            [rows[i][f"metric:{s['metric']}"] for i in s["rows"]],
+        )
+        for s in m["series"]
+    ]
+    assert drawn == expected
+    track = {t["run"]: [rows[i] for i in t["rows"]] for t in m["track"]}
     for run in ("main", "exp"):
         mine = sorted((s for s in log if s["run"] == run), key=lambda s: s["step"])
         t = track[run]
-        assert t["ids"] == [s["id"] for s in mine] and t["kinds"] == [kind(s) for s in mine]
-        assert t["tags"] == [s["tag"] for s in mine] and t["pinned"] == [s["pinned"] for s in mine]
-    kinds = {k for t in m["track"] for k in t["kinds"]}
+        assert [r["id"] for r in t] == [s["id"] for s in mine] and [r["kind"] for r in t] == [kind(s) for s in mine]
+        assert [r["tag"] for r in t] == [s["tag"] for s in mine] and [r["pinned"] for r in t] == [
+            s["pinned"] for s in mine
+        ]
+    kinds = {r["kind"] for t in track.values() for r in t}
     assert kinds == {"whole", "composite", "thinned", "archived", "average", "merge"}, kinds
     # The keep-best choice: what gc keeps under the keep-best rule alone, less what it keeps anyway.
     plan = cli_json(history.store, "gc", "--dry-run", "--keep-best", "eval_loss:min:2", "--run", "main")
@@ -141,9 +166,7 @@ def test_the_metrics_chart_is_what_log_says(history: History) -> None:
     kept -= Counter(s["step"] for s in log if s["run"] == "main" and s["origin"] != "commit")  # merges stay anyway
     kept_steps = set(kept)  # the commits gc keeps
     anyway = {s["step"] for s in log if s["run"] == "main" and s["origin"] == "commit" and (s["tag"] or s["pinned"])}
-    starred = {
-        step for s in m["series"] if s["run"] == "main" for step, b in zip(s["steps"], s["best"], strict=True) if b
-    }
+    starred = {rows[i]["step"] for s in m["series"] if s["run"] == "main" for i in s["rows"] if rows[i]["best"]}
     assert starred == kept_steps - anyway and len(starred) == 2, (starred, kept_steps)
 
 
@@ -154,7 +177,8 @@ def test_the_bytes_chart_is_what_log_and_usage_say(history: History) -> None:
     b, log = history.data["bytes"], history.log
     usage = cli_json(history.store, "usage")
     ordered = sorted(log, key=lambda s: s["created_at"])
-    assert b["ids"] == [s["id"] for s in ordered]
+    rows = table(history.data)
+    assert [rows[i]["id"] for i in b["rows"]] == [s["id"] for s in ordered]
 
     def running(values: list[int]) -> list[int]:
         out, total = [], 0
@@ -212,17 +236,18 @@ def test_the_layers_heatmap_is_what_diff_says(history: History) -> None:
     """Part 4: each column is ``diff`` of a run's consecutive commits, per layer: the FP32 master's
     change where both steps hold masters, the weight's where both hold only weights, none where one
     holds masters and the other only weights (an archived step); inherited as ``show`` says."""
-    log = history.log
+    log, rows = history.log, table(history.data)
     maps = {h["run"]: h for h in history.data["layers"]}
     assert set(maps) == {"main", "exp"}
     checked = 0
     for run, h in maps.items():
         steps = [s["step"] for s in commits(log, run)]
-        assert h["steps"] == steps[1:]
+        columns = [rows[i]["step"] for i in h["rows"]]
+        assert columns == steps[1:] and [rows[i]["run"] for i in h["rows"]] == [run] * len(columns)
         shows = {step: cli_json(history.store, "show", f"{run}:step={step}") for step in steps}
         for a, b in pairwise(steps):
             changed = cli_json(history.store, "diff", f"{run}:step={a}", f"{run}:step={b}")
-            column = h["steps"].index(b)
+            column = columns.index(b)
             kinds_b = {x["layer"]: x for x in shows[b]["layers"]}
             kinds_a = {x["layer"]: x for x in shows[a]["layers"]}
             assert [x["layer"] for x in changed["layers"]] == h["layers"]
@@ -306,6 +331,49 @@ def test_the_page_draws_every_part_offline_with_no_console_error(history: Histor
 
 
 @pytest.mark.slow
+def test_a_long_curve_is_a_line_with_its_notable_steps_until_zoomed_in(history: History, tmp_path: Path) -> None:
+    """Past 1,500 steps in view a curve is a line, markers only where a step is tagged, pinned, best
+    or merged, and the track a band of cells (one image): thousands of SVG markers are what made a
+    long history slow to draw. Zoomed in to fewer steps, every step in view is a marker again. The
+    long history is the real store's rows repeated under new steps, rendered by the page's renderer."""
+    from tailorstore.report.page.render import render
+    from testbed.browser import open_page
+
+    data = json.loads(json.dumps(history.data))
+    t = data["steps"]
+    step, run = t["columns"].index("step"), t["columns"].index("run")
+    main = [row for row in t["rows"] if row[run] == "main" and row[t["columns"].index("kind")] != "merge"]
+    first = len(t["rows"])
+    for n in range(3000):
+        row = list(main[n % len(main)])
+        row[step] = 100 + n
+        for name, plain in (("tag", None), ("pinned", False), ("best", [])):  # one tag in the grown steps
+            row[t["columns"].index(name)] = f"grown-{n}" if name == "tag" and n == 1200 else plain
+        t["rows"].append(row)
+    grown = list(range(first, first + 3000))
+    for series in data["metrics"]["series"]:
+        if series["run"] == "main" and series["metric"] == "eval_loss":
+            series["rows"] = series["rows"] + grown
+    for track in data["metrics"]["track"]:
+        if track["run"] == "main":
+            track["rows"] = track["rows"] + grown
+    page = tmp_path / "long.html"
+    page.write_text(render(data))
+    marks = "() => document.querySelectorAll('#chart-metrics .scatterlayer path.point').length"
+    with open_page(page) as seen:
+        assert seen.errors == [], seen.errors
+        assert seen.evaluate("() => document.getElementById('metrics-dense').hidden") is False
+        assert seen.evaluate("() => document.querySelectorAll('#chart-metrics .heatmaplayer image').length") == 1
+        few = seen.evaluate(marks)
+        assert 0 < few < 50, few  # the tagged, pinned, best and merged steps (and their stars), not 6,000
+        seen.evaluate("() => Plotly.relayout('chart-metrics', {'xaxis.range': [1000, 1400]})")
+        seen.page.wait_for_function("document.getElementById('metrics-dense').hidden === true")
+        many = seen.evaluate(marks)
+        assert many > 2 * 401, many  # every step near the view, on the curve and on the track
+        assert seen.evaluate("() => document.querySelectorAll('#chart-metrics .heatmaplayer image').length") == 0
+
+
+@pytest.mark.slow
 def test_hostile_tags_and_paths_are_shown_as_text_never_run(tmp_path: Path) -> None:
     """A tag with markup (what a tag may hold: no '/' or '='), a step committed from a folder whose
     path closes a script element, and the page's own renderer given hostile metric and run names
@@ -323,7 +391,7 @@ def test_hostile_tags_and_paths_are_shown_as_text_never_run(tmp_path: Path) -> N
         store.tag("step=2", tag)
     page = tmp_path / "hostile.html"
     assert tailor("report", "--out", str(page), store=tmp_path / "store").returncode == 0
-    assert "__pwned" in page.read_text()
+    assert "__pwned" in json.dumps(page_data(page))  # the hostile path is in the data the page unpacks
     with open_page(page) as seen:
         assert seen.errors == [] and seen.evaluate("() => window.__pwned") is None
         assert seen.evaluate("() => document.scripts.length") == 3  # the data, plotly, the page's own: none added
@@ -363,4 +431,4 @@ def test_a_report_of_an_s3_store(s3_location: str, tmp_path: Path) -> None:
     log = json.loads(tailor("log", "--json", store=s3_location).stdout)  # type: ignore[arg-type]
     assert data["store"]["location"] == s3_location
     assert [r[0] for r in data["steps"]["rows"]] == [s["id"] for s in log] and len(log) == 2
-    assert len(data["layers"][0]["steps"]) == 1
+    assert len(data["layers"][0]["rows"]) == 1

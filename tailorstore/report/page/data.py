@@ -1,5 +1,7 @@
 """The page's data: one JSON-ready document with a key for each of the five parts.
 
+Each step's fields are written once, in the table of steps (part 5); the other parts name a step
+by its index there, so the page's data grows by one table row and a few numbers a step.
 Everything comes from the read paths of the commands (``log``, ``usage``, ``show``, the change
 matrix ``diff`` and ``plot`` measure), so each chart's numbers are the numbers those commands print
 for the same store; tests/test_report_page.py holds each part to them.
@@ -37,7 +39,7 @@ def report_data(repo: Repository, facts: HistoryFacts, *, store_id: str | None =
         "metrics": metric_series(rows),
         "bytes": bytes_over_time(rows, used),
         "lineage": lineage(repo, rows, facts.runs),
-        "layers": layer_changes(repo, runs),
+        "layers": layer_changes(repo, runs, [r.id for r in rows]),
         "steps": steps_table(rows),
     }
 

@@ -4,6 +4,9 @@ The matrix is ``tailor plot``'s (:func:`~tailorstore.report.diff.change_matrix`)
 and layer, ``||w - w_prev|| / ||w_prev||`` since the previous committed step (the FP32 master, else
 the weight), which is what ``tailor diff`` prints for that pair; a layer the step inherited is
 flagged, not shown as no change. A run with fewer than two commits has no column to show.
+
+A column names its step by its row in the table of steps (part 5), where its step, id and tag are;
+the inherited flags are 0 or 1, which at 10,000 columns a layer is a fifth of ``false``'s size.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from tailorstore.report.diff import change_matrix
 from tailorstore.store.repo import Repository
 
 
-def layer_changes(repo: Repository, runs: list[str]) -> list[dict[str, Any]]:
-    """One heatmap a run: ``{run, steps, ids, columns, layers, values[layer][column], inherited}``."""
+def layer_changes(repo: Repository, runs: list[str], ids: list[str]) -> list[dict[str, Any]]:
+    """One heatmap a run: ``{run, rows, layers, values[layer][column], inherited[layer][column]}``,
+    ``rows`` each column's index into ``ids`` (the table's steps, in its order)."""
+    at = {name: i for i, name in enumerate(ids)}
     out = []
     for run in runs:
         try:
@@ -26,7 +31,7 @@ def layer_changes(repo: Repository, runs: list[str]) -> list[dict[str, Any]]:
             continue
         values = [[v if v is not None and math.isfinite(v) else None for v in line] for line in m.values]
         out.append(
-            {"run": run, "steps": m.steps, "ids": m.ids, "columns": m.columns, "layers": m.layers, "values": values,
-             "inherited": m.inherited}
+            {"run": run, "rows": [at[name] for name in m.ids], "layers": m.layers, "values": values,
+             "inherited": [[int(flag) for flag in line] for line in m.inherited]}
         )  # fmt: skip
     return out

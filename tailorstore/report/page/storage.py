@@ -4,7 +4,8 @@ In the order the steps were committed: the running sum of each save's raw bytes 
 ``raw_bytes``), of what the steps check out to now (``held_bytes``), of what each commit newly
 stored (``new_bytes``), and of the stored bytes each tier's steps hold alone (``usage``'s
 ``held_alone``, by the step's tier now). The totals now are ``usage``'s: the store's bytes with its
-index, the part several steps share, and what the next gc would free.
+index, the part several steps share, and what the next gc would free. A point names its step by
+its row in the table of steps (part 5), where its id, run, step and time are.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ TIER_NAMES = ("whole", "weights", "master", "archive")  # a step's tier, None re
 
 
 def bytes_over_time(rows: list[StepRow], usage: Usage) -> dict[str, Any]:
-    ordered = sorted(rows, key=lambda r: (r.created_at, r.manifest))
+    """``{"rows": the table's rows in commit order, "saved", "held", "new", "alone_by_tier", "now"}``."""
+    order = sorted(range(len(rows)), key=lambda i: (rows[i].created_at, rows[i].manifest))
+    ordered = [rows[i] for i in order]
     tiers = {name: [r.held_alone if (r.tier or "whole") == name else 0 for r in ordered] for name in TIER_NAMES}
     used = {name: list(accumulate(v)) for name, v in tiers.items() if any(v)}
     alone = sum(r.held_alone for r in rows)
     return {
-        "ids": [r.id for r in ordered],
-        "times": [r.created_at for r in ordered],
-        "labels": [f"{r.run}:{r.step}" for r in ordered],
+        "rows": order,
         "saved": list(accumulate(r.raw_bytes for r in ordered)),
         "held": list(accumulate(r.held_bytes for r in ordered)),
         "new": list(accumulate(r.new_bytes for r in ordered)),

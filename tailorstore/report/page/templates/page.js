@@ -1,10 +1,27 @@
-// The page's script: reads the store's data (JSON, never markup) and draws the five parts.
-// Every string from the store goes in as text: textContent in the DOM, and escaped for plotly,
-// whose labels read a little HTML (<b>, <br>, <a>) and entities.
+// The page's script: unpacks the store's data (gzipped JSON in base64, read by JSON.parse, never
+// as code) and draws the five parts. Every string from the store goes in as text: textContent in
+// the DOM, and escaped for plotly, whose labels read a little HTML (<b>, <br>, <a>) and entities.
+// Each step's fields are in the table of steps (D.steps) once; the other parts name steps by row.
 "use strict";
-(function () {
+(async function () {
   const started = performance.now();
-  const D = JSON.parse(document.getElementById("tailor-data").textContent);
+  async function unpack(node) { // base64 -> gzip -> JSON text, with the browser's own inflater
+    const text = atob(node.textContent.trim()), bytes = new Uint8Array(text.length);
+    for (let i = 0; i < text.length; i += 1) bytes[i] = text.charCodeAt(i);
+    const inflated = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+    return JSON.parse(await new Response(inflated).text());
+  }
+  if (typeof DecompressionStream === "undefined") {
+    document.querySelector("main").prepend(Object.assign(document.createElement("p"), { className: "failed",
+      textContent: "this browser cannot unpack the page's data (it needs DecompressionStream: Chromium 80, Firefox 113, Safari 16.4 or later)" }));
+    return;
+  }
+  const D = await unpack(document.getElementById("tailor-data"));
+  const took = { started, unpacked: performance.now() - started }; // where the time went (benchmarks/report_page.py)
+  const R = D.steps.rows, C = {}; // the table's rows, and each column's index by name
+  D.steps.columns.forEach((c, i) => { if (!(c in C)) C[c] = i; });
+  const at = (row, column) => (C[column] === undefined ? undefined : R[row][C[column]]);
+  const MANY = 1500; // above this many points in view a curve is a line, and only the steps that say something are markers
   const CONFIG = { displaylogo: false, responsive: true };
   const KIND_SYMBOL = { whole: "circle", composite: "diamond", thinned: "square-open", archived: "x",
     average: "hexagram", merge: "triangle-up" };
@@ -45,61 +62,113 @@
   }
 
   // -- 1. metrics -----------------------------------------------------------------------------
-  function marks(m, run) { // hover text and marker style of a series' points
-    return {
-      text: m.steps.map((s, i) => stepLabel(run, s, m.ids[i], m.tags[i]) + "<br>" + m.kinds[i] +
-        (m.pinned[i] ? ", pinned" : "") + (m.best[i].length ? "<br>kept as best by " + esc(m.best[i].join(", ")) : "")),
-      marker: {
-        symbol: m.kinds.map((k) => KIND_SYMBOL[k] || "circle"), size: m.steps.map((_, i) => (m.tags[i] || m.pinned[i] ? 11 : 7)),
-        color: m.kinds.map((k) => KIND_COLOR[k] || "#333"),
-        line: { width: m.steps.map((_, i) => (m.tags[i] || m.pinned[i] ? 2 : 0)), color: "#111" },
-      },
-    };
+  function label(i) { // a step's hover text, from its table row
+    const tag = at(i, "tag"), best = at(i, "best") || [];
+    return stepLabel(at(i, "run"), at(i, "step"), at(i, "id"), tag) + "<br>" + at(i, "kind") + (at(i, "pinned") ? ", pinned" : "") +
+      (best.length ? "<br>kept as best by " + esc(best.join(", ")) : "");
   }
-  function metrics(name) {
+  const says = (i) => Boolean(at(i, "tag") || at(i, "pinned") || (at(i, "best") || []).length ||
+    at(i, "kind") === "average" || at(i, "kind") === "merge"); // a step worth a marker when a curve is too long for one each
+  function marker(rows) { // each point's marker: what it is, a ring for a tag or a pin
+    const ringed = rows.map((i) => Boolean(at(i, "tag") || at(i, "pinned")));
+    return { symbol: rows.map((i) => KIND_SYMBOL[at(i, "kind")] || "circle"), size: ringed.map((r) => (r ? 11 : 7)),
+      color: rows.map((i) => KIND_COLOR[at(i, "kind")] || "#333"), line: { width: ringed.map((r) => (r ? 2 : 0)), color: "#111" } };
+  }
+  function inView(rows, range) { // how many of the rows' steps the x range shows (all, with no range)
+    if (!range) return rows.length;
+    let n = 0;
+    for (const i of rows) { const s = at(i, "step"); if (s >= range[0] && s <= range[1]) n += 1; }
+    return n;
+  }
+  function near(rows, range) { // the rows in view and a view's width either side (what a pan shows before it is redrawn)
+    if (!range) return rows;
+    const w = range[1] - range[0];
+    return rows.filter((i) => { const s = at(i, "step"); return s >= range[0] - w && s <= range[1] + w; });
+  }
+  const KIND_CODE = Object.keys(KIND_SYMBOL);
+  function band(t, y) { // a run's stored steps as one row of cells coloured by what each is: one image at any count
+    const scale = [];
+    KIND_CODE.forEach((k, n) => { scale.push([n / KIND_CODE.length, KIND_COLOR[k]], [(n + 1) / KIND_CODE.length, KIND_COLOR[k]]); });
+    return { type: "heatmap", x: t.rows.map((i) => at(i, "step")), y: [y], z: [t.rows.map((i) => Math.max(0, KIND_CODE.indexOf(at(i, "kind"))) + 0.5)],
+      zmin: 0, zmax: KIND_CODE.length, colorscale: scale, showscale: false, yaxis: "y2", name: y + ": stored steps",
+      text: [t.rows.map(label)], hovertemplate: "%{text}<extra></extra>" };
+  }
+  function metrics(name, range) {
     const M = D.metrics, traces = [];
+    let dense = false;
     for (const s of M.series.filter((x) => x.metric === name)) {
-      const mk = marks(s, s.run);
-      traces.push({ type: "scatter", mode: "lines+markers", name: esc(s.run), x: s.steps, y: s.values, text: mk.text,
-        hovertemplate: "%{text}<br>" + esc(name) + "=%{y}<extra></extra>", marker: mk.marker, connectgaps: false });
-      const best = s.steps.map((_, i) => i).filter((i) => s.best[i].length);
+      const many = inView(s.rows, range) > MANY, shown = many ? s.rows.filter(says) : near(s.rows, range);
+      dense = dense || many;
+      if (many) {
+        const x = s.rows.map((i) => at(i, "step")), y = s.rows.map((i) => at(i, "metric:" + name));
+        traces.push({ type: "scatter", mode: "lines", name: esc(s.run), x, y, line: { width: 1.5 }, hoverinfo: "x+y" });
+        traces.push({ type: "scatter", mode: "markers", name: esc(s.run) + ": tagged, pinned, best", x: shown.map((i) => at(i, "step")),
+          y: shown.map((i) => at(i, "metric:" + name)), text: shown.map(label), hovertemplate: "%{text}<br>" + esc(name) + "=%{y}<extra></extra>",
+          marker: marker(shown) });
+      } else {
+        traces.push({ type: "scatter", mode: "lines+markers", name: esc(s.run), x: shown.map((i) => at(i, "step")),
+          y: shown.map((i) => at(i, "metric:" + name)), text: shown.map(label),
+          hovertemplate: "%{text}<br>" + esc(name) + "=%{y}<extra></extra>", marker: marker(shown), connectgaps: false });
+      }
+      const best = s.rows.filter((i) => (at(i, "best") || []).length);
       if (best.length) {
-        traces.push({ type: "scatter", mode: "markers", name: esc(s.run) + ": kept as best", x: best.map((i) => s.steps[i]),
-          y: best.map((i) => s.values[i]), hoverinfo: "skip",
+        traces.push({ type: "scatter", mode: "markers", name: esc(s.run) + ": kept as best", x: best.map((i) => at(i, "step")),
+          y: best.map((i) => at(i, "metric:" + name)), hoverinfo: "skip",
           marker: { symbol: "star-open", size: 18, color: "#e0a000", line: { width: 2 } } });
       }
     }
     M.track.forEach((t) => {
-      const mk = marks(t, t.run);
-      traces.push({ type: "scatter", mode: "markers", name: esc(t.run) + ": stored steps", x: t.steps, y: t.steps.map(() => esc(t.run)),
-        yaxis: "y2", text: mk.text, hovertemplate: "%{text}<extra></extra>", marker: mk.marker, showlegend: false });
+      if (inView(t.rows, range) > MANY) {
+        dense = true;
+        traces.push(band(t, esc(t.run)));
+        const shown = t.rows.filter(says);
+        if (shown.length) traces.push({ type: "scatter", mode: "markers", x: shown.map((i) => at(i, "step")), y: shown.map(() => esc(t.run)),
+          yaxis: "y2", text: shown.map(label), hovertemplate: "%{text}<extra></extra>", marker: marker(shown), showlegend: false });
+      } else {
+        const shown = near(t.rows, range);
+        traces.push({ type: "scatter", mode: "markers", name: esc(t.run) + ": stored steps", x: shown.map((i) => at(i, "step")),
+          y: shown.map(() => esc(t.run)), yaxis: "y2", text: shown.map(label), hovertemplate: "%{text}<extra></extra>",
+          marker: marker(shown), showlegend: false });
+      }
     });
-    const layout = { margin: { t: 20, l: 70, r: 20, b: 40 }, height: 460, xaxis: { title: { text: "step" } },
+    const layout = { margin: { t: 20, l: 70, r: 20, b: 40 }, height: 460, uirevision: name, xaxis: { title: { text: "step" } },
       yaxis: { title: { text: name ? esc(name) : "" }, domain: [0.3, 1] },
       yaxis2: { domain: [0, 0.2], type: "category", title: { text: "stored" } }, legend: { orientation: "h", y: 1.08 } };
+    if (range) layout.xaxis.range = range;
     if (!M.series.length) layout.annotations = [{ text: "no metrics recorded: record them at commit (metrics=) or with tailor metric",
       xref: "paper", yref: "paper", x: 0.5, y: 0.65, showarrow: false }];
+    document.getElementById("metrics-dense").hidden = !dense;
     return Plotly.react("chart-metrics", traces, layout, CONFIG);
   }
   function metricsPart() {
     const choice = document.getElementById("metric-choice");
     const names = D.metrics.names;
+    let range = null; // the steps in view: zoomed in to at most MANY, each step is a marker again
     for (const n of names) { const o = el("option", n); o.value = n; choice.append(o); }
     choice.disabled = names.length < 2;
-    choice.addEventListener("change", () => metrics(choice.value));
+    choice.addEventListener("change", () => { range = null; metrics(choice.value, null); });
     const first = names.includes("eval_loss") ? "eval_loss" : names[0];
     if (first !== undefined) choice.value = first;
-    return metrics(first);
+    return Promise.resolve(metrics(first, null)).then((chart) => {
+      chart.on("plotly_relayout", (e) => {
+        const next = e["xaxis.autorange"] ? null : e["xaxis.range[0]"] !== undefined ? [e["xaxis.range[0]"], e["xaxis.range[1]"]]
+          : e["xaxis.range"] || undefined;
+        if (next === undefined || (next === null && range === null)) return;
+        range = next;
+        metrics(choice.value || first, range); // the markers for what is in view now
+      });
+      return chart;
+    });
   }
 
   // -- 2. bytes -------------------------------------------------------------------------------
   function bytesPart() {
     const B = D.bytes;
-    if (!B.ids.length) { empty("chart-bytes", "the store holds no steps yet"); return null; }
-    const x = B.times.map((t) => new Date(t * 1000));
-    const text = B.labels.map((l, i) => esc(l) + " id=" + esc(B.ids[i]));
+    if (!B.rows.length) { empty("chart-bytes", "the store holds no steps yet"); return null; }
+    const x = B.rows.map((i) => new Date(at(i, "created_at") * 1000));
+    const text = B.rows.map((i) => esc(at(i, "run")) + ":" + at(i, "step") + " id=" + esc(at(i, "id")));
     const line = (name, y, style) => ({ type: "scatter", mode: "lines", name, x, y, text, line: style,
-      hovertemplate: "%{text}<br>" + name + ": %{customdata}<extra></extra>", customdata: y.map(human) });
+      hovertemplate: "%{text}<br>" + name + ": %{y:.3~s}B<extra></extra>" });
     const traces = [];
     for (const [tier, y] of Object.entries(B.alone_by_tier)) {
       traces.push({ ...line("held alone by " + tier + " steps", y, { width: 0.5, color: TIER_COLOR[tier] }),
@@ -165,19 +234,20 @@
   }
 
   // -- 4. layers ------------------------------------------------------------------------------
-  function layers(h) {
-    const x = h.columns.map(esc);
+  function layers(h) { // x: each column's step, so 10,000 columns need no category labels
+    const x = h.rows.map((i) => at(i, "step"));
+    const tags = h.rows.map((i) => (at(i, "tag") ? " (" + esc(at(i, "tag")) + ")" : ""));
     const z = h.values.map((line) => line.map((v) => (v === null || v <= 0 ? null : Math.log10(v))));
-    const shown = h.values.map((line) => line.map((v) => (v === null ? "n/a" : v.toExponential(3))));
+    const shown = h.values.map((line) => line.map((v, j) => (v === null ? "n/a" : v.toExponential(3)) + tags[j]));
     const gone = h.inherited.map((line) => line.map((flag) => (flag ? 1 : null)));
     const traces = [
       { type: "heatmap", x, y: h.layers.map(esc), z, customdata: shown, colorscale: "Viridis", hoverongaps: false,
-        colorbar: { title: { text: "log10 change" } }, hovertemplate: "%{y}, %{x}: %{customdata}<extra></extra>" },
+        colorbar: { title: { text: "log10 change" } }, hovertemplate: "%{y}, step %{x}: %{customdata}<extra></extra>" },
       { type: "heatmap", x, y: h.layers.map(esc), z: gone, colorscale: [[0, "#bbbbbb"], [1, "#bbbbbb"]], showscale: false,
         opacity: 0.85, hoverinfo: "skip", name: "inherited" },
     ];
     return Plotly.react("chart-layers", traces, { margin: { t: 20, l: 90, r: 20, b: 90 }, height: Math.max(300, 120 + 22 * h.layers.length),
-      xaxis: { type: "category", title: { text: "change since the previous committed step" } }, yaxis: { type: "category", autorange: "reversed" } }, CONFIG);
+      xaxis: { title: { text: "step (change since the previous committed step)" } }, yaxis: { type: "category", autorange: "reversed" } }, CONFIG);
   }
   function layersPart() {
     const H = D.layers, choice = document.getElementById("layers-run");
@@ -213,12 +283,13 @@
       if (c === "digest") return String(v).slice(0, 12);
       return String(v);
     };
-    const searchable = T.rows.map((r) => r.map((v, i) => shown(T.columns[i], v)).join(" ").toLowerCase());
+    let searchable = null; // each row's text, made at the first filter typed (10,000 rows: not before it is needed)
+    const text = () => searchable || (searchable = T.rows.map((r) => r.map((v, i) => shown(T.columns[i], v)).join(" ").toLowerCase()));
     const compare = (a, b) => (a === b ? 0 : a === null || a === undefined ? 1 : b === null || b === undefined ? -1 : a < b ? -1 : 1);
     function draw() {
       const col = state.column;
       let order = T.rows.map((_, i) => i);
-      if (state.filter) order = order.filter((i) => searchable[i].includes(state.filter));
+      if (state.filter) { const all = text(); order = order.filter((i) => all[i].includes(state.filter)); }
       order.sort((a, b) => { const c = compare(T.rows[a][col], T.rows[b][col]); return state.desc ? -c : c; });
       const pages = Math.max(1, Math.ceil(order.length / PAGE));
       state.page = Math.min(state.page, pages - 1);
@@ -252,7 +323,9 @@
   }
 
   function part(name, draw) { // one part's failure is said in it, and leaves the others drawn
-    try { return Promise.resolve(draw()).catch((e) => failed(name, e)); } catch (e) { failed(name, e); return null; }
+    const from = performance.now(); // plotly draws in the call: its time is the part's (what settles after is little)
+    try { const drawn = draw(); took[name] = performance.now() - from; return Promise.resolve(drawn).catch((e) => failed(name, e)); }
+    catch (e) { failed(name, e); return null; }
   }
   function failed(name, e) {
     const section = document.getElementById("part-" + name);
@@ -263,6 +336,7 @@
   Promise.all([part("metrics", metricsPart), part("bytes", bytesPart), part("lineage", lineagePart), part("layers", layersPart),
     part("steps", stepsPart)]).then(() => {
     window.tailorRenderMs = performance.now() - started; // the script's own time; performance.now() is since navigation
+    window.tailorTook = took;
     window.tailorRenderedAt = performance.now();
     document.body.dataset.rendered = "yes";
   });
