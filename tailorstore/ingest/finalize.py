@@ -39,6 +39,7 @@ from tailorstore.core.errors import (
     StoreError,
 )
 from tailorstore.core.failpoints import operation
+from tailorstore.core.save_bound import bounded
 from tailorstore.core.object_keys import blob_key
 from tailorstore.core.policies import PolicySpec
 from tailorstore.core.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
@@ -271,7 +272,11 @@ def finalize_step(
     check_run_name(run)
     if tag:
         check_tag(tag)
-    with operation("finalize"), repo.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock:
+    with (
+        operation("finalize"),
+        bounded(f"finalize of step {step}"),
+        repo.lock(exclusive=False, timeout=lock_timeout, on_wait=on_wait) as lock,
+    ):
         repo.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
         parts = read_parts(repo.backend, step, run, label)
         if not parts:
