@@ -41,6 +41,7 @@ class Rule:
     rewrite: tuple[int, int] | None = None  # status: (from, to)
     hits: list[str] = field(default_factory=list)  # the targets of the requests it took
     rewritten: int = 0  # responses whose status it changed (``status``)
+    first_at: float | None = None  # time.monotonic() when it took its first request
 
     def matches(self, method: str, target: str) -> bool:
         if self.times is not None and len(self.hits) >= self.times:
@@ -170,6 +171,8 @@ class Relay:
             for rule in self.rules:
                 if rule.matches(method, target):
                     rule.hits.append(target)
+                    if rule.first_at is None:
+                        rule.first_at = time.monotonic()
                     return rule
         return None
 

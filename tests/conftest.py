@@ -394,7 +394,7 @@ S3_ENV = "TAILOR_TEST_S3"  # moto, seaweedfs, both; unset: moto everywhere, and 
 # The files whose S3 tests CI runs on both servers (when TAILOR_TEST_S3 is unset): what the
 # protocol's safety rests on, where moto's behaviour is least like a real store's: the backend
 # conformance suite, the S3 store's commands, multi-host commits and gc, parts and finalize, the
-# S3 faults, conditional writes and the simulation's S3 schedules. The rest of the S3 tests (nodes,
+# S3 faults, conditional writes, the save's bound and the simulation's S3 schedules. The rest of the S3 tests (nodes,
 # archives, gc notices, revisions...) stay on moto by default: on both they cost the suite minutes
 # it does not have on this 2-core machine kind (docs/benchmarks.md, the suite's time); run them
 # there with TAILOR_TEST_S3=both.
@@ -406,6 +406,7 @@ ON_BOTH = {
     "test_s3_faults.py",
     "test_simulation.py",
     "test_conditional_writes.py",
+    "test_save_bound.py",
 }
 
 
