@@ -43,13 +43,12 @@ class RcloneS3(LocalS3):
                 self.port = probe.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         env = self.environ()
+        argv = [str(rclone_binary()), "serve", "s3", "--addr", f"127.0.0.1:{self.port}"]
+        argv += ["--auth-key", f"{env['AWS_ACCESS_KEY_ID']},{env['AWS_SECRET_ACCESS_KEY']}"]
+        argv += ["--config", str(self.root / "rclone.conf"), str(self.root / "data")]
         with open(self.root / "rclone.log", "ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    str(rclone_binary()), "serve", "s3", "--addr", f"127.0.0.1:{self.port}",
-                    "--auth-key", f"{env['AWS_ACCESS_KEY_ID']},{env['AWS_SECRET_ACCESS_KEY']}",
-                    "--config", str(self.root / "rclone.conf"), str(self.root / "data"),
-                ],  # fmt: skip
+                argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -183,7 +183,7 @@ class Relay:
             while not self._closed.is_set():
                 head = _read_head(client, cbuf)
                 request_line = head.split(b"\r\n", 1)[0].decode(errors="replace")
-                method, target = (request_line.split(" ") + ["", ""])[:2]
+                method, target = [*request_line.split(" "), "", ""][:2]
                 headers = _headers(head)
                 if headers.get("expect", "").lower() == "100-continue":
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")

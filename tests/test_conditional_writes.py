@@ -65,11 +65,9 @@ def test_two_hosts_racing_for_one_step_through_409_answers_leave_one_winner(
         ]
         assert tailor_as(envs[0], "init", location).returncode == 0
         for step in (7, 8, 9):
+            commit = [*CLI, "commit", str(SMALL_SAVE), "--step", str(step), "--store", location, "--quiet"]
             procs = [
-                subprocess.Popen(
-                    [*CLI, "commit", str(SMALL_SAVE), "--step", str(step), "--store", location, "--quiet"],
-                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                )  # fmt: skip
+                subprocess.Popen(commit, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for env in envs
             ]
             deadline = time.monotonic() + 120

@@ -36,7 +36,6 @@ from tailorstore.access.changes import ChangeTerms, LayerChange, change_terms, m
 from tailorstore.core import atom_types as A
 from tailorstore.core.errors import BadCheckpointError, Call, StepExistsError, StoreError
 from tailorstore.core.failpoints import failpoint, operation
-from tailorstore.core.save_bound import bounded
 from tailorstore.core.layers import STATE, sort_key
 from tailorstore.core.policies import CommitFacts, decide, needs_changes
 from tailorstore.core.progress import Progress, Silent
@@ -51,6 +50,7 @@ from tailorstore.core.records import (
     StoredLayer,
 )
 from tailorstore.core.rounding import ROUND_FROM_MASTER
+from tailorstore.core.save_bound import bounded
 from tailorstore.core.step_rules import check_tag
 from tailorstore.formats.deepspeed import ModelInfo
 from tailorstore.formats.kinds import RAW

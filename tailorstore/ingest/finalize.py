@@ -39,10 +39,10 @@ from tailorstore.core.errors import (
     StoreError,
 )
 from tailorstore.core.failpoints import operation
-from tailorstore.core.save_bound import bounded
 from tailorstore.core.object_keys import blob_key
 from tailorstore.core.policies import PolicySpec
 from tailorstore.core.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
+from tailorstore.core.save_bound import bounded
 from tailorstore.core.step_rules import check_tag
 from tailorstore.formats import dcp
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states

@@ -38,8 +38,8 @@ from tailorstore.core.errors import (
 from tailorstore.core.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
 from tailorstore.store import archive_codec, codec
 from tailorstore.store.backends.base import Backend, blob_names
-from tailorstore.store.backends.listing import LIST_PAGE, Holdings, stored_part
 from tailorstore.store.backends.conditional import check_conditional_writes
+from tailorstore.store.backends.listing import LIST_PAGE, Holdings, stored_part
 from tailorstore.store.backends.location import Location, cache_root, resolve
 from tailorstore.store.index._index import Index
 from tailorstore.store.index.roles import R, view_as

@@ -6,7 +6,8 @@ one wins (docs/FORMAT.md, section 8). Some S3-compatible servers ignore the head
 (``rclone serve s3``; MinIO before its fix answered 304), and then two commits of one step both
 "win" and the later silently replaces the former. So before this host first takes a store's lock
 on an endpoint, or creates a store there, it probes the server (three PUTs and a DELETE of one
-``probe/`` object) and records the answer per endpoint in its cache (``$TAILOR_CACHE/servers/``).
+``probe/`` object, past every failpoint: a test's stop at a commit's create-only put is for the
+commit's own) and records the answer per endpoint in its cache (``$TAILOR_CACHE/server-*.json``).
 A server that ignores ``If-None-Match`` or ``If-Match`` is refused in one line naming it, unless
 ``TAILOR_SINGLE_WRITER=1`` says that one process at a time writes the store, whose rule
 docs/FORMAT.md states ("Servers without conditional writes").
@@ -33,7 +34,8 @@ _checked: set[str] = set()  # endpoints this process has checked (or was told to
 
 
 def record_path(cache: Path, endpoint: str) -> Path:
-    return cache / "servers" / f"{hashlib.sha256(endpoint.encode()).hexdigest()[:16]}.json"
+    """A file beside the stores' cache folders (one a location), not a folder of its own."""
+    return cache / f"server-{hashlib.sha256(endpoint.encode()).hexdigest()[:16]}.json"
 
 
 def single_writer() -> bool:
