@@ -20,6 +20,7 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="run only the faults whose name or operation holds this")
+    parser.add_argument("--skip", default="", help="skip the faults whose name or operation holds this")
     parser.add_argument("--keep", type=Path, default=None, help="keep the cluster's folder here")
     args = parser.parse_args(argv)
     from testbed.seaweed_faults import FAULTS, Bench, run_fault
@@ -27,19 +28,21 @@ def main(argv: list[str] | None = None) -> int:
     work = args.keep or Path(tempfile.mkdtemp(prefix="seaweed-faults-"))
     bench = Bench(work)
     bad = 0
-    print("| fault | operation | outcome | seconds | landed | retry | checks afterwards |")
-    print("|---|---|---|---|---|---|---|")
+    print("| fault | operation | outcome | seconds | landed | took writes again after | retry | checks afterwards |")
+    print("|---|---|---|---|---|---|---|---|")
     try:
         for i, fault in enumerate(FAULTS):
-            if args.only and args.only not in f"{fault.name} {fault.operation} {fault.strike}":
+            what = f"{fault.name} {fault.operation} {fault.strike}"
+            if (args.only and args.only not in what) or (args.skip and args.skip in what):
                 continue
             out = run_fault(bench, fault, 10 + i)
             outcome = "completed (0)" if out.code == 0 else f"failed ({out.code}): {out.said}"
             retry = "-" if out.retried is None else str(out.retried)
             checks = "; ".join(out.problems) or "ok"
             bad += bool(out.problems)
+            back = "-" if out.recovered is None else f"{out.recovered:.0f} s"
             print(f"| {fault.name} | {fault.operation} | {outcome} | {out.seconds:.1f} | "
-                  f"{'yes' if out.struck else 'no'} | {retry} | {checks} |", flush=True)  # fmt: skip
+                  f"{'yes' if out.struck else 'no'} | {back} | {retry} | {checks} |", flush=True)  # fmt: skip
     finally:
         bench.stop()
     return 1 if bad else 0

@@ -138,6 +138,10 @@ class Relay:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         threading.Thread(target=self._accept, daemon=True, name="relay-accept").start()
 
+    def retarget(self, port: int) -> None:
+        """Relay new connections to ``port`` from now on (a load balancer's new backend)."""
+        self._target = port
+
     def add(self, rule: Rule) -> Rule:
         with self._lock:
             self.rules.append(rule)

@@ -34,7 +34,9 @@ from testbed.s3_relay import Relay, Rule
 from testbed.seaweed_s3 import SeaweedS3
 
 CLI = [sys.executable, "-m", "tailorstore.cli.app"]
+DEEPSPEED_SAVE = Path(__file__).resolve().parent.parent / "tests" / "data" / "format1" / "checkpoint"
 DOWN = 4.0  # seconds a killed server stays down before it is started again
+RECOVERY = 600.0  # seconds the cluster may take to take writes again once the server is back
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Outcome:
     struck: bool
     problems: list[str]
     retried: int | None
+    recovered: float | None  # seconds from the restart until the cluster took a write again
 
 
 FAULTS = [
@@ -89,9 +92,15 @@ class Bench:
         self.location = self.cluster.new_location()
         self.saves: dict[int, Path] = {}  # step -> the folder committed as it
         self.dropped: set[int] = set()  # steps removed (rm), whose data a gc may take
+        self.recovered: float | None = None  # the last fault's recovery (seconds), when it had one
+        # one relay for every fault (its rules change): one endpoint, so its conditional-write probe
+        # (store/backends/conditional.py) is made once, here, not struck by a fault meant for an operation
         self._n = 0
         assert self.tailor("init", self.location).returncode == 0
         self.commit_new(1, check=True)
+        self.relay = Relay(self.cluster.port)
+        probed = self.tailor("gc", "--dry-run", "--store", self.location, env=self.env(self.relay.endpoint))
+        assert probed.returncode == 0, probed.stderr
 
     def env(self, endpoint: str | None = None, cache: Path | None = None) -> dict[str, str]:
         env = {**os.environ, **self.cluster.environ()}
@@ -150,7 +159,9 @@ class Bench:
             out = self.work / f"check-{tag}-{step}"
             shutil.rmtree(out, ignore_errors=True)
             done = self.tailor("checkout", f"step={step}", "--out", str(out), "--store", self.location, env=env)
-            if done.returncode != 0 or not same_tree(out / self.saves[step].name, self.saves[step]):
+            save = self.saves[step]
+            mine = save / "global_step3" if save == DEEPSPEED_SAVE else save
+            if done.returncode != 0 or not same_tree(out / mine.name, mine):
                 problems.append(f"step {step} does not check out bit for bit: {done.stderr[-200:]}")
             shutil.rmtree(out, ignore_errors=True)
         missing = set(self.saves) - set(self.steps(env))
@@ -158,6 +169,7 @@ class Bench:
         return problems
 
     def stop(self) -> None:
+        self.relay.close()
         self.cluster.stop()
 
 
@@ -177,12 +189,17 @@ def _strike(bench: Bench, relay: Relay, fault: Fault, struck: threading.Event, s
         bench.cluster.kill(victim)
         struck.set()
         time.sleep(DOWN)
-        bench.cluster.revive(victim)
-    elif fault.strike == "kill-gateway":
+        began = time.monotonic()
+        bench.cluster.revive(victim, limit=RECOVERY)
+        bench.recovered = time.monotonic() - began
+    elif fault.strike == "kill-gateway":  # behind the relay, as behind a load balancer
         bench.cluster.kill("s3")
         struck.set()
         time.sleep(DOWN)
-        bench.cluster.revive("s3")
+        began = time.monotonic()
+        bench.cluster.revive("s3", new_port=True, limit=RECOVERY)
+        bench.recovered = time.monotonic() - began
+        relay.retarget(bench.cluster.port)
 
 
 def _busiest_volume(bench: Bench) -> str:
@@ -198,7 +215,10 @@ def _busiest_volume(bench: Bench) -> str:
 def run_fault(bench: Bench, fault: Fault, step: int) -> Outcome:
     """Set the operation up, run it through a relay with the fault, check the store, retry."""
     args, save = _operation(bench, fault.operation, step)
-    relay = Relay(bench.cluster.port)
+    bench.recovered = None
+    relay = bench.relay
+    relay.rules.clear()
+    del relay.requests[:]
     rule = fault.rule()
     if rule is not None:
         relay.add(rule)
@@ -211,8 +231,8 @@ def run_fault(bench: Bench, fault: Fault, step: int) -> Outcome:
     done = bench.tailor(*args, env=bench.env(relay.endpoint))
     seconds = time.monotonic() - began
     stop.set()
-    striker.join(timeout=120)
-    relay.close()
+    striker.join(timeout=RECOVERY + 60)
+    relay.rules.clear()
     if fault.strike == "disk-full":
         _free_disks(bench)
     hit = struck.is_set() or bool(rule and rule.hits) or fault.strike == "disk-full"
@@ -233,7 +253,7 @@ def run_fault(bench: Bench, fault: Fault, step: int) -> Outcome:
             bench.saves[step] = save
         problems += bench.check(f"{fault.operation}-{step}-retry")
     said = lines[-1][:150] if done.returncode != 0 and lines else ""
-    return Outcome(fault, done.returncode, said, seconds, hit, problems, retried)
+    return Outcome(fault, done.returncode, said, seconds, hit, problems, retried, bench.recovered)
 
 
 def _operation(bench: Bench, operation: str, step: int) -> tuple[list[str], Path | None]:
@@ -245,9 +265,9 @@ def _operation(bench: Bench, operation: str, step: int) -> tuple[list[str], Path
     if operation == "checkout":
         out = bench.work / f"out-{step}"
         shutil.rmtree(out, ignore_errors=True)
-        return ["checkout", f"step={max(bench.saves)}", "--out", str(out), *loc], None
-    if operation == "finalize":
-        save = bench.new_save(step)
+        return ["checkout", f"step={max(set(bench.saves) - bench.dropped)}", "--out", str(out), *loc], None
+    if operation == "finalize":  # a DeepSpeed save's one part (a part is of a DeepSpeed or DCP layout)
+        save = DEEPSPEED_SAVE
         done = bench.tailor("commit", str(save), "--part", "--step", str(step), *loc, "--quiet")
         assert done.returncode == 0, done.stderr
         return ["finalize", f"step={step}", *loc], save

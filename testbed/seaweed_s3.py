@@ -72,8 +72,14 @@ class SeaweedS3(LocalS3):
         self._argv: dict[str, list[str]] = {}
 
     def _port(self, name: str) -> int:
+        """A port of this cluster's own: never one another of its processes was given (a probe's
+        free port is free again at the next probe), nor such a port's gRPC twin."""
         if name not in self._ports:
-            self._ports[name] = free_port()
+            taken = {q for p in self._ports.values() for q in (p, p + 10000, p - 10000)}
+            port = free_port()
+            while port in taken:
+                port = free_port()
+            self._ports[name] = port
         return self._ports[name]
 
     def _plan(self) -> dict[str, list[str]]:
@@ -89,6 +95,9 @@ class SeaweedS3(LocalS3):
             flags += [f"-metricsPort={self._port('metrics')}", f"-master.volumeSizeLimitMB={self.volume_limit_mb}"]
             (self.root / "server").mkdir(parents=True, exist_ok=True)
             flags += ["-s3", "-volume.max=0", "-volume.preStopSeconds=0"]
+            # the gateway's Iceberg and Lance servers listen on fixed ports (8181, 9101) unless told:
+            # a second SeaweedFS on the machine would then fail to start
+            flags += [f"-s3.port.iceberg={self._port('iceberg')}", f"-s3.port.lance={self._port('lance')}"]
             return {"server": [weed, "server", *common, f"-dir={self.root / 'server'}", *flags]}
         master = f"127.0.0.1:{self._port('master')}.{grpc('master')}"
         plan = {
@@ -114,6 +123,7 @@ class SeaweedS3(LocalS3):
             weed, "s3", *common, f"-port={self._port('s3')}", f"-port.grpc={grpc('s3')}",
             f"-filer=127.0.0.1:{self._port('filer')}.{grpc('filer')}",
             f"-metricsPort={self._port('s3-metrics')}",
+            f"-port.iceberg={self._port('iceberg')}", f"-port.lance={self._port('lance')}",
         ]  # fmt: skip
         for name in plan:
             (self.root / name).mkdir(parents=True, exist_ok=True)
@@ -135,27 +145,31 @@ class SeaweedS3(LocalS3):
         self._wait_ready()
         return self
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, limit: float = START_LIMIT) -> None:
         """Until the gateway answers and the bucket takes a write (the volume servers have joined)."""
         import boto3
         from botocore.config import Config
 
         once = Config(retries={"max_attempts": 1}, connect_timeout=2)
         client = boto3.client("s3", config=once, **self._client_args())
-        deadline = time.monotonic() + START_LIMIT
+        deadline = time.monotonic() + limit
         while True:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
+                    self.stop()
                     raise RuntimeError(f"SeaweedFS's {name} exited ({proc.returncode}); see {self.root / name}.log")
-            try:
-                if BUCKET not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+            try:  # a write, not a listing of buckets: a restarted gateway was seen listing none for minutes
+                try:
                     client.create_bucket(Bucket=BUCKET)
+                except Exception as exc:
+                    if "BucketAlready" not in str(exc):
+                        raise
                 client.put_object(Bucket=BUCKET, Key=".ready", Body=b"")
                 return
             except Exception:  # not up yet: whatever it answers
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"SeaweedFS did not start within {START_LIMIT:g} s; see {self.root}") from None
+                    raise RuntimeError(f"SeaweedFS did not take a write within {limit:g} s; see {self.root}") from None
                 time.sleep(0.2)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -165,10 +179,19 @@ class SeaweedS3(LocalS3):
         if sig in (signal.SIGKILL, signal.SIGTERM):
             proc.wait(timeout=60)
 
-    def revive(self, name: str) -> None:
-        """Start one killed process again, with its ports and data; wait until writes work."""
+    def revive(self, name: str, *, new_port: bool = False, limit: float = START_LIMIT) -> None:
+        """Start one killed process again, with its data; wait until writes work. ``new_port``: the
+        S3 gateway on a port of its own, as behind a load balancer (:class:`testbed.s3_relay.Relay`,
+        ``retarget``). A gateway SIGKILLed mid-request and started again on its old port was seen
+        here to say it serves there and never answer."""
+        if new_port:
+            assert self.cluster and name == "s3"
+            self._ports.pop("s3")
+            self._argv = {**self._argv, "s3": self._plan()["s3"]}
+            self.port = self._port("s3")
+            self.endpoint = f"http://127.0.0.1:{self.port}"
         self._spawn(name)
-        self._wait_ready()
+        self._wait_ready(limit)
 
     def stop(self) -> None:
         """Stop every process; the data stays in ``root`` for a restart."""
