@@ -270,7 +270,7 @@ def _operation(bench: Bench, operation: str, step: int) -> tuple[list[str], Path
         save = DEEPSPEED_SAVE
         done = bench.tailor("commit", str(save), "--part", "--step", str(step), *loc, "--quiet")
         assert done.returncode == 0, done.stderr
-        return ["finalize", f"step={step}", *loc], save
+        return ["finalize", f"step={step}", "--force", *loc], save  # --force: another model than the others
     if operation == "gc":
         bench.commit_new(step, check=True)
         assert bench.tailor("rm", f"step={step}", *loc).returncode == 0

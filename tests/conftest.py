@@ -439,7 +439,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     kinds = s3_kinds(str(metafunc.definition.fspath))
     if "s3_kind" in names:
         metafunc.parametrize("s3_kind", s3_params(kinds))
-    own = {n.strip() for m in metafunc.definition.iter_markers("parametrize") for n in str(m.args[0]).split(",")}
+    own = {
+        n.strip()
+        for m in metafunc.definition.iter_markers("parametrize")
+        for n in (m.args[0].split(",") if isinstance(m.args[0], str) else m.args[0])
+    }
     if "backend" in names and "backend" not in own:  # the conformance fixture, below
         metafunc.parametrize("backend", ["posix", *s3_params([f"s3-{k}" for k in kinds])], indirect=True)
 
