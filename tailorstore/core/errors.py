@@ -123,6 +123,16 @@ class BackendError(StoreError):
     category = Category.BACKEND
 
 
+class StalledRequestError(BackendError):
+    """A request of a save made no progress within the save's bound (``TAILOR_SAVE_SECONDS``,
+    core/save_bound.py): the save failed, naming it, rather than hang."""
+
+
+class UnsafeServerError(BackendError):
+    """The S3 server ignores conditional writes (``If-None-Match``, ``If-Match``), which the store's
+    safety between writers rests on (store/backends/conditional.py)."""
+
+
 class MergeSpecError(TailorError):
     """The merge spec is malformed or names what the store does not hold."""
 

@@ -50,6 +50,7 @@ from tailorstore.core.records import (
     StoredLayer,
 )
 from tailorstore.core.rounding import ROUND_FROM_MASTER
+from tailorstore.core.save_bound import bounded
 from tailorstore.core.step_rules import check_tag
 from tailorstore.formats.deepspeed import ModelInfo
 from tailorstore.formats.kinds import RAW
@@ -329,6 +330,7 @@ def commit_layout(
 
     with (
         operation("part" if options.part else "commit"),
+        bounded(f"{'part' if options.part else 'commit'} of step {step}"),
         repo.lock(exclusive=False, timeout=options.lock_timeout, progress=progress) as lock,
     ):
         # What other hosts recorded or dropped before this lock was taken: inheritance must not

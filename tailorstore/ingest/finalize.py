@@ -42,6 +42,7 @@ from tailorstore.core.object_keys import blob_key
 from tailorstore.core.policies import PolicySpec
 from tailorstore.core.progress import Progress
 from tailorstore.core.records import COMMIT, MAIN_RUN, AtomRecord, FileRecord, LayerRecord, ManifestRecord
+from tailorstore.core.save_bound import bounded
 from tailorstore.core.step_rules import check_tag
 from tailorstore.formats import dcp
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
@@ -292,7 +293,11 @@ def finalize_step(repo: Repository, request: FinalizeRequest, progress: Progress
     point); only then delete the parts."""
     began = time.perf_counter()
     request.check()
-    with operation("finalize"), repo.lock(exclusive=False, timeout=request.lock_timeout, progress=progress) as lock:
+    with (
+        operation("finalize"),
+        bounded(f"finalize of step {request.step}"),
+        repo.lock(exclusive=False, timeout=request.lock_timeout, progress=progress) as lock,
+    ):
         repo.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
         save = _one_save(repo, request)
         sources = _plan_sources(repo, save.plan, request.step) if save.plan else {}

@@ -39,8 +39,9 @@ from tailorstore.core.progress import Progress
 from tailorstore.core.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
 from tailorstore.store import archive_codec, codec
 from tailorstore.store.backends.base import Backend, blob_names
+from tailorstore.store.backends.conditional import check_conditional_writes
 from tailorstore.store.backends.listing import LIST_PAGE, Holdings, stored_part
-from tailorstore.store.backends.location import Location, resolve
+from tailorstore.store.backends.location import Location, cache_root, resolve
 from tailorstore.store.index._index import Index
 from tailorstore.store.index.roles import R, view_as
 from tailorstore.store.index.schema import FORMAT_VERSION
@@ -181,6 +182,8 @@ class Repository:
                 (root / sub).mkdir(parents=True, exist_ok=True)
         elif next(iter(where.backend.list("")), None) is not None:
             raise StoreError(f"{where.text}: this prefix already holds objects; choose an empty prefix for the store.")
+        else:
+            check_conditional_writes(where.backend, cache_root())
         marker = {"format_version": FORMAT_VERSION, "created_at": time.time(), "store_id": os.urandom(16).hex()}
         where.backend.put(MARKER, json.dumps(marker).encode(), create_only=True)
         if where.remote:
@@ -301,6 +304,7 @@ class Repository:
         same timeout and exit code as one stalled holding the lock, not 60 s and a damaged store."""
         self._index.wait_for_writers(timeout)
         if self.where.remote:
+            check_conditional_writes(self.backend, cache_root())  # once per endpoint: what leases rest on
             with lease_lock(
                 self.backend, exclusive=exclusive, timeout=timeout, progress=progress
             ) as lease:

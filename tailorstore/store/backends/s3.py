@@ -10,10 +10,13 @@ multipart uploads, which S3 makes visible only when complete.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import itertools
 import os
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import BinaryIO, TypeVar
 
@@ -25,6 +28,7 @@ from tailorstore.core.env_seconds import seconds_from_env
 from tailorstore.core.environment import RETRY_ENV, TIMEOUT_ENV
 from tailorstore.core.errors import BackendError, ObjectExistsError, StoreError
 from tailorstore.core.failpoints import request
+from tailorstore.core.save_bound import Bound, current
 from tailorstore.store.backends.base import READ_CHUNK, BytesLike, Chunks, as_chunks, check_key
 
 T = TypeVar("T")
@@ -70,15 +74,31 @@ class S3Backend:
                 "and the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
             ) from None
 
-    def _call(self, what: str, key: str, fn: Callable[[], T], kind: str, fence: Callable[[], None] | None = None) -> T:
+    def _call(
+        self,
+        what: str,
+        key: str,
+        fn: Callable[[], T],
+        kind: str,
+        fence: Callable[[], None] | None = None,
+        bounded: Callable[[list[float]], Awaitable[T]] | None = None,
+    ) -> T:
         """Every request goes through here: one failpoint a request (``kind``, core/failpoints.py),
         then the caller's ``fence`` (so a stall anywhere before the request is one the fence sees),
-        and one way its failures are named."""
-        request(kind)
+        and one way its failures are named. While a save runs (core/save_bound.py) the request is
+        ``bounded``'s coroutine instead, abandoned once it made no progress for the save's bound
+        (it moves the list's one time stamp forward as it progresses)."""
+        if kind:  # the conditional-write probe's requests pass no failpoint (backends/conditional.py)
+            request(kind)
+        bound = current() if bounded is not None else None
+        if bound is not None and bound.stalled:
+            raise bound.error("", first=False)
         if fence is not None:
             fence()
         try:
-            return fn()
+            if bound is None or _loop_running():
+                return fn()
+            return self._within(bound, f"{what} {key} on {self.endpoint or 'AWS'}", bounded)  # type: ignore[arg-type]
         except FileNotFoundError as exc:
             if "NoSuchBucket" in str(exc):
                 raise self._no_bucket() from None
@@ -98,6 +118,55 @@ class S3Backend:
                 f"{self.location}: {what} {key} failed ({_first_line(exc)}). Check that the server is reachable; "
                 "nothing half-written becomes visible on S3."
             ) from None
+
+    def _within(self, bound: Bound, label: str, make: Callable[[list[float]], Awaitable[T]]) -> T:
+        """Run one request's coroutine on a loop of this thread's own, cancelled (its connection
+        dropped, no retry sent later) once ``bound.seconds`` passed since it last progressed."""
+        progress = [time.monotonic()]
+
+        async def watched() -> T:
+            task = asyncio.ensure_future(make(progress))
+            while True:
+                left = progress[0] + bound.seconds - time.monotonic()
+                if left > 0:
+                    done, _ = await asyncio.wait({task}, timeout=left)
+                    if done:
+                        return task.result()
+                    continue
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                if bound.stalled is None:
+                    bound.stalled = label
+                    raise bound.error(f"{self.location}: {label}", first=True)
+                raise bound.error("", first=False)
+
+        return asyncio.run(watched())
+
+    def conditional_writes(self, key: str) -> dict[str, bool]:
+        """Whether the server honours ``If-None-Match: *`` and ``If-Match`` (store/backends/conditional.py):
+        three PUTs of ``key`` (create, create again, replace under a wrong ETag), then its DELETE.
+        A refusal by 412 or 409 counts as honoured; a conditional PUT the server took, or refused
+        otherwise (501 NotImplemented), as not."""
+        check_key(key)
+
+        def put(body: bytes, mode: object) -> None:
+            self._call("writing", key, lambda: obstore.put(self._store, key, body, mode=mode), "")  # type: ignore[arg-type]
+
+        put(b"probe 1", "create")
+        answers: dict[str, bool] = {}
+        try:
+            for header, mode in (("If-None-Match", "create"), ("If-Match", {"e_tag": f'"{"0" * 32}"'})):
+                try:
+                    put(b"probe 2", mode)
+                    answers[header] = False
+                except ObjectExistsError:
+                    answers[header] = True
+                except BackendError as exc:
+                    answers[header] = any(word in str(exc) for word in ("412", "409", "recondition"))
+        finally:
+            self._call("deleting", key, lambda: obstore.delete(self._store, key), "")
+        return answers
 
     def _no_bucket(self) -> BackendError:
         bucket = self.location[len("s3://") :].split("/", 1)[0]
@@ -131,6 +200,7 @@ class S3Backend:
                 lambda: obstore.put(self._store, key, whole, mode=mode, use_multipart=False),
                 "put-create" if create_only else "put",
                 fence,
+                lambda _: obstore.put_async(self._store, key, whole, mode=mode, use_multipart=False),
             )
             return
         rest = (bytes(c) if isinstance(c, memoryview) else c for c in chunks)
@@ -141,19 +211,45 @@ class S3Backend:
             lambda: obstore.put(self._store, key, payload, mode=mode, chunk_size=_PART),
             "put-create" if create_only else "put",
             fence,
+            lambda progress: obstore.put_async(
+                self._store, key, _advancing(payload, progress), mode=mode, chunk_size=_PART
+            ),
         )
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         check_key(key)
         if length is None:
             if start == 0:
-                return self._call("reading", key, lambda: bytes(obstore.get(self._store, key).bytes()), "get")
+                return self._call(
+                    "reading", key, lambda: bytes(obstore.get(self._store, key).bytes()), "get", None, self._whole(key)
+                )
             length = self.size(key) - start
         if length <= 0:
             return b""
-        return self._call(
-            "reading", key, lambda: bytes(obstore.get_range(self._store, key, start=start, length=length)), "get"
-        )
+
+        async def ranged(_: list[float]) -> bytes:
+            return bytes(await obstore.get_range_async(self._store, key, start=start, length=length))
+
+        try:
+            return self._call(
+                "reading",
+                key,
+                lambda: bytes(obstore.get_range(self._store, key, start=start, length=length)),
+                "get",
+                None,
+                ranged,
+            )
+        except BackendError as exc:
+            if "non-partial response" not in str(exc):
+                raise
+            # a server that ignores Range (rclone serve s3) sends the whole object: take the range of it
+            return self.get(key)[start : start + length]
+
+    def _whole(self, key: str) -> Callable[[list[float]], Awaitable[bytes]]:
+        async def whole(_: list[float]) -> bytes:
+            return bytes(await (await obstore.get_async(self._store, key)).bytes_async())
+
+        return whole
 
     def reader(self, key: str, start: int = 0, length: int | None = None) -> BinaryIO:
         check_key(key)
@@ -179,7 +275,11 @@ class S3Backend:
 
     def size(self, key: str) -> int:
         check_key(key)
-        return int(self._call("reading", key, lambda: obstore.head(self._store, key), "head")["size"])
+        head = self._call(
+            "reading", key, lambda: obstore.head(self._store, key), "head", None,
+            lambda _: obstore.head_async(self._store, key),
+        )  # fmt: skip
+        return int(head["size"])
 
     def list(self, prefix: str) -> Iterator[str]:
         for key, _ in self.sizes(prefix):
@@ -196,7 +296,10 @@ class S3Backend:
                 for meta in batch
             ]
 
-        yield from sorted(self._call("listing", prefix or "/", pages, "list"))
+        async def paged(progress: list[float]) -> list[tuple[str, int]]:
+            return [(meta["path"], int(meta["size"])) for meta in await self._listed(prefix, progress)]
+
+        yield from sorted(self._call("listing", prefix or "/", pages, "list", None, paged))
 
     def stamps(self, prefix: str) -> Iterator[tuple[str, float]]:
         """Every key under ``prefix`` with its Last-Modified, as the server's clock gave it (leases
@@ -209,11 +312,25 @@ class S3Backend:
                 for meta in batch
             ]
 
-        yield from sorted(self._call("listing", prefix or "/", pages, "list"))
+        async def paged(progress: list[float]) -> list[tuple[str, float]]:
+            return [(meta["path"], meta["last_modified"].timestamp()) for meta in await self._listed(prefix, progress)]
+
+        yield from sorted(self._call("listing", prefix or "/", pages, "list", None, paged))
+
+    async def _listed(self, prefix: str, progress: list[float]) -> list:
+        """Every object's metadata under ``prefix``, a page a request, progressing with each page."""
+        out = []
+        async for batch in obstore.list(self._store, prefix=prefix or None):
+            progress[0] = time.monotonic()
+            out.extend(batch)
+        return out
 
     def delete(self, key: str) -> None:
         check_key(key)
-        self._call("deleting", key, lambda: obstore.delete(self._store, key), "delete")
+        self._call(
+            "deleting", key, lambda: obstore.delete(self._store, key), "delete", None,
+            lambda _: obstore.delete_async(self._store, key),
+        )  # fmt: skip
 
     def delete_many(self, keys: Iterable[str], *, fence: Callable[[], None] | None = None) -> None:
         """S3's DeleteObjects: up to 1,000 keys a request, where a DELETE each is a round trip each
@@ -229,6 +346,7 @@ class S3Backend:
                 lambda s=some: obstore.delete(self._store, s),
                 "delete-many",
                 fence,
+                lambda _, s=some: obstore.delete_async(self._store, s),
             )
 
     def batch(self) -> S3Batch:
@@ -242,6 +360,22 @@ class S3Backend:
 
     def clear_leftovers(self, names: list[str]) -> None:
         return None
+
+
+def _loop_running() -> bool:
+    """An event loop runs in this thread (an asyncio caller): a request then runs as it is, unbounded."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _advancing(chunks: Iterable[bytes], progress: list[float]) -> Iterator[bytes]:
+    """``chunks``, moving ``progress`` on as the client takes each (a multipart upload's progress)."""
+    for chunk in chunks:
+        progress[0] = time.monotonic()
+        yield chunk
 
 
 def _unsatisfiable(exc: BaseException) -> bool:
