@@ -423,13 +423,14 @@ def s3_kinds(module_file: str) -> list[str]:
 
 
 def s3_params(kinds: list[str]) -> list:
-    """The kinds as parameters; SeaweedFS skipped, with one line saying why, where it cannot run."""
+    """The kinds as parameters; SeaweedFS skipped, with one line saying why, where it cannot run.
+    A SeaweedFS case is always of the slow tier: its server takes seconds to start in each worker,
+    which the fast tier's minute cannot spare (the slow tier runs every one of them)."""
     from testbed.seaweed_s3 import missing_reason
 
     reason = missing_reason()
-    return [
-        pytest.param(k, marks=pytest.mark.skip(reason=reason)) if k == "seaweedfs" and reason else k for k in kinds
-    ]
+    seaweed = [pytest.mark.slow, *([pytest.mark.skip(reason=reason)] if reason else [])]
+    return [pytest.param(k, marks=seaweed) if k.endswith("seaweedfs") else k for k in kinds]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
