@@ -135,3 +135,17 @@ def test_a_server_that_ignores_conditional_writes_is_refused_unless_one_writer_i
     one_line(other_host, 5, rclone_server.endpoint, "If-None-Match")  # a host of its own probes, and refuses
     reading = tailor_as(env, "log", "--store", location)
     assert reading.returncode == 0 and "Traceback" not in reading.stderr, reading.stderr  # reading needs no probe
+
+
+def test_a_probe_killed_before_its_delete_is_taken_by_gc_once_it_is_old() -> None:
+    """A commit killed (or its link cut) between the probe's PUT and DELETE leaves a ``probe/``
+    object; gc takes it as a killed commit's temp file once it is older than any probe in flight."""
+    from tailorstore.store.backends.conditional import PROBE_STALE, stale_probes
+
+    now = 1_000_000.0
+    stamps = [
+        ("probe/11-aa", now - PROBE_STALE - 1),  # killed long ago
+        ("probe/12-bb", now - 5),  # a probe in flight
+        ("blobs/ab/cd", now - 10 * PROBE_STALE),  # no probe
+    ]
+    assert stale_probes(stamps, now) == ["probe/11-aa"]

@@ -368,7 +368,8 @@ def test_a_restart_after_a_replacing_rewind_never_resumes_a_step_of_the_old_time
                            **options)  # fmt: skip
     assert sorted(restarted) == [7, 8, 9], "resumed from the new step 6, not the old step 9"
     log = (tmp_path / "restart.log").read_text()
-    assert "which this training never committed" in log, log
+    assert "names step 9; run" in log and "the last step this training committed" in log, log
+    assert "went back" not in log, "says what it knows (latest and the head), without guessing a rewind"
 
 
 def test_resuming_from_a_composite_through_attach_warns_which_layers(

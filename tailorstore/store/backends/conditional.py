@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from tailorstore.core.environment import SINGLE_WRITER_ENV
@@ -30,6 +31,13 @@ from tailorstore.core.errors import UnsafeServerError
 
 log = logging.getLogger("tailorstore")
 PROBE_PREFIX = "probe/"
+PROBE_STALE = 3600.0  # seconds: a probe takes a few requests; one this old was killed before its DELETE
+
+
+def stale_probes(stamps: Iterable[tuple[str, float]], now: float) -> list[str]:
+    """Pure: the ``probe/`` objects written more than :data:`PROBE_STALE` seconds before ``now``,
+    which gc takes as a killed commit's temp files (a probe in flight is far younger)."""
+    return [key for key, written in stamps if key.startswith(PROBE_PREFIX) and now - written > PROBE_STALE]
 _checked: set[str] = set()  # endpoints this process has checked (or was told to trust)
 
 

@@ -353,13 +353,18 @@ class S3Backend:
         return S3Batch(self)
 
     def leftovers(self) -> list[str]:
-        return []  # an unfinished multipart upload is never visible; a bucket lifecycle rule expires it
+        """A conditional-write probe killed before its DELETE (backends/conditional.py), once it is
+        old. An unfinished multipart upload is never visible; a bucket lifecycle rule expires it."""
+        from tailorstore.store.backends.conditional import PROBE_PREFIX, stale_probes
+
+        return stale_probes(self.stamps(PROBE_PREFIX), time.time())
 
     def leftover_bytes(self, names: list[str]) -> int:
-        return 0
+        return 0  # a probe object is a few bytes
 
     def clear_leftovers(self, names: list[str]) -> None:
-        return None
+        if names:
+            self.delete_many(names)
 
 
 def _loop_running() -> bool:
