@@ -26,21 +26,7 @@ import torch.distributed as dist
 
 from testbed import job_life_train as common
 from testbed.teardown import exit_without_teardown
-from testbed.train_hf import RampTokens
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """xxh3-128 of every parameter's full value, in name order (ZeRO-3 gathers its partitions)."""
-    import deepspeed
-    import xxhash
-
-    params = list(model.named_parameters())
-    digest = xxhash.xxh3_128()
-    with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
-        for name, param in sorted(params, key=lambda x: x[0]):
-            digest.update(name.encode())
-            digest.update(param.detach().float().contiguous().cpu().numpy().tobytes())
-    return digest.hexdigest()
+from testbed.train_hf import RampTokens, deepspeed_config, tiny_llama
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,24 +38,13 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(1)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # as train_hf: no JIT build
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from tailorstore.api import Store
     from tailorstore.integrations.hf import TailorCallback, checkout_for_resume
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config)
-    ds_config = {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": {"stage": args.stage},
-        "bf16": {"enabled": "auto"},
-    }
+    model = tiny_llama(layers=2)
+    ds_config = deepspeed_config(args.stage)
     training_args = TrainingArguments(
         output_dir=args.save_dir, max_steps=args.steps, save_steps=args.save_every, per_device_train_batch_size=2,
         learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=True, bf16=True,
@@ -90,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         def on_train_begin(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
             rank = rank_of[0]
             start = state.global_step
-            digest = weights_digest(model)  # collective under ZeRO-3
+            digest = common.module_digest(model)  # collective under ZeRO-3
             common.say(args, rank, {"resumed": start > 0, "resumed_step": start, "loaded_digest": digest})
             common.kill_here(args, rank, "after-load", start)
 
@@ -99,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
             common.say(args, rank, {"losses": dict(losses)})
             common.kill_here(args, rank, "next-step", step - 1)
             if control.should_save:  # a save's step, or the last (the Trainer saves at its end too)
-                common.write_witness(args, rank, step, weights_digest(model))  # collective under ZeRO-3
+                common.write_witness(args, rank, step, common.module_digest(model))  # collective under ZeRO-3
                 common.kill_here(args, rank, "before-save", step)
 
         def on_save(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:

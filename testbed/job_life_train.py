@@ -111,10 +111,14 @@ def say(args: argparse.Namespace, rank: int, fields: dict) -> None:
 
 
 def weights_digest(engine: object) -> str:
+    """The digest of a DeepSpeed engine's model (:func:`module_digest`)."""
+    return module_digest(engine.module)  # type: ignore[attr-defined]
+
+
+def module_digest(module: torch.nn.Module) -> str:
     """xxh3-128 of every parameter's full value, in name order (ZeRO-3 gathers its partitions)."""
     import deepspeed
 
-    module = engine.module  # type: ignore[attr-defined]
     params = list(module.named_parameters())
     digest = xxhash.xxh3_128()
     with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):

@@ -12,17 +12,26 @@ import contextlib
 import os
 import re
 import secrets
+import shutil
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import boto3
 from moto.server import ThreadedMotoServer
 
 BUCKET = "tailor-test"
+
+
+def installed_binary(name: str) -> str | None:
+    """A server's binary: beside this Python (where pip puts a ``*-bin`` package's), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() else shutil.which(name)
 
 
 class LocalS3:

@@ -7,20 +7,17 @@ It offers what :class:`testbed.local_s3.LocalS3` offers; its objects are files u
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from testbed.local_s3 import BUCKET, LocalS3
+from testbed.local_s3 import BUCKET, LocalS3, installed_binary
 
 
 def rclone_binary() -> str | None:
-    beside = Path(sys.executable).parent / "rclone"
-    return str(beside) if beside.is_file() else shutil.which("rclone")
+    return installed_binary("rclone")
 
 
 def missing_reason() -> str | None:

@@ -53,16 +53,21 @@ class _Closed(Exception):
     pass
 
 
-def _read_head(sock: socket.socket, buf: bytearray) -> bytes:
-    while b"\r\n\r\n" not in buf:
+def _read_until(sock: socket.socket, buf: bytearray, mark: bytes) -> bytes:
+    """The bytes up to and with ``mark``, read on from what ``buf`` already holds."""
+    while mark not in buf:
         data = sock.recv(1 << 16)
         if not data:
             raise _Closed
         buf += data
-    end = buf.index(b"\r\n\r\n") + 4
-    head = bytes(buf[:end])
+    end = buf.index(mark) + len(mark)
+    out = bytes(buf[:end])
     del buf[:end]
-    return head
+    return out
+
+
+def _read_head(sock: socket.socket, buf: bytearray) -> bytes:
+    return _read_until(sock, buf, b"\r\n\r\n")
 
 
 def _read_exact(sock: socket.socket, buf: bytearray, n: int) -> bytes:
@@ -77,15 +82,7 @@ def _read_exact(sock: socket.socket, buf: bytearray, n: int) -> bytes:
 
 
 def _read_line(sock: socket.socket, buf: bytearray) -> bytes:
-    while b"\r\n" not in buf:
-        data = sock.recv(1 << 16)
-        if not data:
-            raise _Closed
-        buf += data
-    end = buf.index(b"\r\n") + 2
-    line = bytes(buf[:end])
-    del buf[:end]
-    return line
+    return _read_until(sock, buf, b"\r\n")
 
 
 def _headers(head: bytes) -> dict[str, str]:

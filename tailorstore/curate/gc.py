@@ -499,9 +499,7 @@ def _parts_planned(repo: Repository, index: GcPlanning, plan: GcPlan, drop_parts
     return held
 
 
-def _dead_blobs(
-    repo: Repository, index: GcPlanning, plan: GcPlan, tiers: dict[int, str], held: set[str]
-) -> list[BlobRecord]:
+def _dead_blobs(repo: Repository, index: GcPlanning, plan: GcPlan, tiers: dict[int, str], held: set[str]) -> None:
     """The blobs no kept manifest, pending part or thinned step uses, and what each tier frees."""
     keep = {m for m, _ in plan.keep}
     thinned = {m: contents_of(repo, m, tier) for m, tier in tiers.items()}
@@ -520,7 +518,6 @@ def _dead_blobs(
     plan.dead_blobs = [b.hash for b in dead]
     plan.dead_loose = [b.hash for b in dead if b.pack is None]
     plan.freed_bytes = sum(b.stored_size for b in dead if b.pack is None)
-    return dead
 
 
 def _packs_planned(

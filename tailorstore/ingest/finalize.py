@@ -301,7 +301,8 @@ def finalize_step(repo: Repository, request: FinalizeRequest, progress: Progress
         repo.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
         save = _one_save(repo, request)
         sources = _plan_sources(repo, save.plan, request.step) if save.plan else {}
-        [manifest] = record_manifest(repo, _rows(repo, request, save, sources), fence=lock)  # the commit point
+        rows = _rows(repo, request, save, sources)
+        [manifest] = record_manifest(repo, rows, fence=lock)  # the commit point
         # after the manifest is durable (a crash before leaves parts gc can drop); one request on S3
         repo.backend.delete_many([part.key for part in save.parts])
     return FinalizeResult(
@@ -310,8 +311,8 @@ def finalize_step(repo: Repository, request: FinalizeRequest, progress: Progress
         parts=len(save.parts),
         files=len(save.files),
         atoms=len(save.atoms),
-        raw_bytes=sum(f.raw_size for f in save.files),
-        new_bytes=sum(p.new_bytes for p in save.parts),
+        raw_bytes=rows.record.raw_bytes,
+        new_bytes=rows.record.new_bytes,
         seconds=time.perf_counter() - began,
         sources=sorted(p.source for p in save.parts),
     )

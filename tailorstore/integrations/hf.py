@@ -26,6 +26,7 @@ never reads a folder the Trainer is deleting.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -45,7 +46,7 @@ from tailorstore.integrations.common.distributed import RankParallelResult, comm
 from tailorstore.integrations.common.ranks import is_distributed, local_rank_and_size, rank
 from tailorstore.integrations.common.rewind import Rewind, warn_if_composite
 from tailorstore.integrations.common.session import Session
-from tailorstore.integrations.common.store_session import StoreSession
+from tailorstore.integrations.common.store_session import StoreSession, opened_store
 
 
 def evaluation_metrics(state: TrainerState, names: Collection[str] | None = None) -> dict[str, float]:
@@ -228,20 +229,9 @@ def checkout_for_resume(
     return str(target)
 
 
-class _opened:
-    """``store`` as a Store: the one given (left open), or one opened from its path (closed after)."""
-
-    def __init__(self, store: Store | str | os.PathLike) -> None:
-        self.given = store
-
-    def __enter__(self) -> Store:
-        self.store = self.given if isinstance(self.given, Store) else Store.open(self.given)
-        return self.store
-
-    def __exit__(self, *exc: object) -> None:
-        if not isinstance(self.given, Store):
-            self.store.close()
-
+def _opened(store: Store | str | os.PathLike) -> contextlib.AbstractContextManager[Store]:
+    """``store`` for one use: the one given (left open), or one opened from its location (closed after)."""
+    return contextlib.nullcontext(store) if isinstance(store, Store) else opened_store(store)
 
 def _checkout_into(store: Store, ref: str, target: Path, world_size: int | None) -> None:
     """``ref`` checked out as ``target``: written beside it under a name of its own, then renamed
