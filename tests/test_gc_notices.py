@@ -6,10 +6,16 @@ Played here request by request, through the real CLI and real S3 objects, in eac
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import boto3
 import pytest
+import zstandard
 from conftest import one_line
 from test_hosts import host_env, run, steps_seen_by_a_new_host
 
@@ -133,3 +139,51 @@ def test_a_strangers_objects_under_gc_are_read_as_hostile(
     assert run(a, "gc", "--clear-notices", "--store", s3_location).returncode == 0
     assert run(a, "commit", str(at3), "--store", s3_location).returncode == 0
     assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-c") == [3]
+
+
+def _notice_body(blobs: set[str], packs: set[str], host: str, pid: int) -> bytes:
+    doc = {"tailorstore_gc_notice": 1, "blobs": sorted(blobs), "packs": sorted(packs), "host": host, "pid": pid}
+    return zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
+
+
+def test_a_notice_of_a_gc_that_died_on_this_host_blocks_nothing_and_the_next_gc_deletes_it(
+    s3_location: str, saves: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gc killed between its notice and its withdrawal (CI met it: tests/test_s3_faults.py) left a
+    notice that failed every later commit of the same blobs until a user ran ``--clear-notices``.
+    Where the notice's pid is free on the same host its gc is certainly gone: commits pass over it and
+    the next gc deletes it. Another host's notice, or a live process's, still blocks."""
+    at3, at6 = saves
+    a = host_env(tmp_path / "host-a")
+    monkeypatch.setenv("TAILOR_CACHE", a["TAILOR_CACHE"])
+    assert run(a, "init", s3_location).returncode == 0
+    for save in (at3, at6):
+        assert run(a, "commit", str(save), "--store", s3_location).returncode == 0
+    assert run(a, "rm", "step=3", "--store", s3_location).returncode == 0
+    dead, packs, _ = _dead_after_rm(s3_location)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # a pid that was this host's and is free now
+    here = socket.gethostname()
+    with Store.open(s3_location) as store:
+        backend = store.repo.backend
+        backend.put("gc/11-00000000000000aa.json.zst", _notice_body(dead, packs, here, dead_pid), create_only=True)
+        elsewhere = "gc/12-00000000000000bb.json.zst"
+        backend.put(elsewhere, _notice_body(dead, packs, "another-host", dead_pid), create_only=True)
+        assert [n.key for n in gc_notices.abandoned(backend)] == ["gc/11-00000000000000aa.json.zst"]
+
+    # another host's notice blocks (its gc may only be stalled); taken away, the dead one's does not
+    committed = run(a, "commit", str(at3), "--store", s3_location)
+    assert committed.returncode == 4 and elsewhere in committed.stderr, committed.stderr
+    with Store.open(s3_location) as store:
+        store.repo.backend.delete(elsewhere)
+    assert run(a, "commit", str(at3), "--store", s3_location).returncode == 0
+    assert steps_seen_by_a_new_host(s3_location, tmp_path / "host-b") == [3, 6]
+
+    # the next gc, alone under its lock, deletes the dead gc's notice and nothing else of gc/
+    live = "gc/13-00000000000000cc.json.zst"
+    with Store.open(s3_location) as store:
+        store.repo.backend.put(live, _notice_body(set(), set(), here, os.getpid()), create_only=True)
+    assert run(a, "gc", "--store", s3_location).returncode == 0
+    with Store.open(s3_location) as store:
+        assert gc_notices.notice_keys(store.repo.backend) == [live]
+    assert run(a, "verify", "--deep", "--store", s3_location).returncode == 0

@@ -628,6 +628,8 @@ def _gc(
         _refuse_damaged_tags(repo)
         if clear_notices and not dry_run:
             _clear_notices(repo, lock)
+        elif by_time and not dry_run:
+            _clear_abandoned_notices(repo, lock)
         plan = plan_gc(repo, effective_rules(repo, rules), drop_parts=drop_parts)
         if show_plan:
             show_plan(plan)
@@ -773,6 +775,16 @@ def _clear_notices(repo: Repository, lock: LockHandle | LeaseHandle) -> None:
         lock.check_alone("gc")
         repo.backend.delete_many(keys)
         log.warning("tailorstore: gc cleared %d notice(s) left by gc runs that did not finish", len(keys))
+
+
+def _clear_abandoned_notices(repo: Repository, lock: LockHandle | LeaseHandle) -> None:
+    """Delete the notices of gcs that certainly died (this host, their pid free): alone under the
+    exclusive lock, no gc that could still delete is theirs, and publishers already pass them over."""
+    notices = gc_notices.abandoned(repo.backend)
+    if notices:
+        lock.check_alone("gc")
+        repo.backend.delete_many([n.key for n in notices])
+        log.info("tailorstore: gc deleted %d notice(s) of gc runs on this host that died", len(notices))
 
 
 def _replanned(repo: Repository, before: GcPlan, rules: Retention | list[Retention], drop_parts: bool) -> GcPlan:

@@ -28,8 +28,13 @@ Why it holds: if gc's listing (2) came after the publisher's put, gc sees the pu
 Otherwise the put came after gc's listing, so after gc's notice: the publisher's read of ``gc/``
 finds the notice unless gc withdrew it, and gc withdraws it only after its deletions are done, so
 the publisher's HEADs, later still, find the objects gone. Either way a step reported committed never
-names a blob a gc deletes (I1, I6). Both may back off at once, which breaks nothing. A notice left by
-a gc that died stays: publications that need its blobs fail (exit 4) until a gc removes it with
+names a blob a gc deletes (I1, I6). Both may back off at once, which breaks nothing.
+
+A notice left by a gc that died: its notice names its host and pid. Where that pid is free on the
+same host, its gc is certainly gone and deletes nothing more, so publishers pass over the notice (the
+existence check, step 2 above, still catches what it deleted before it died) and the next gc, alone
+under its exclusive lock, deletes it (:func:`abandoned`). A notice of another host's gc, or of one
+still running, stays: publications that need its blobs fail (exit 4) until a gc removes it with
 ``--clear-notices``, which a user gives once no such gc can be running.
 """
 
@@ -39,6 +44,7 @@ import json
 import os
 import re
 import secrets
+import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -50,6 +56,7 @@ from tailorstore.core.records import BlobRecord
 from tailorstore.store import parts
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.codec import decompress_bounded
+from tailorstore.store.lease import MAX_PID, process_may_run
 from tailorstore.store.manifests import document
 from tailorstore.store.manifests.keys import listed_manifest_keys
 
@@ -66,6 +73,13 @@ class Notice:
     key: str
     blobs: frozenset[str]  # blobs that will be nowhere once it is done
     packs: frozenset[str]  # packs whose objects it deletes
+    host: str | None = None  # where its gc runs; None in a notice written before notices named it
+    pid: int | None = None
+
+    @property
+    def abandoned(self) -> bool:
+        """Its gc certainly died (this host, its pid free): it deletes nothing more."""
+        return self.host is not None and self.pid is not None and not process_may_run(self.host, self.pid)
 
     def needs_any(self, blobs: Iterable[BlobRecord]) -> str | None:
         """The first of ``blobs`` this notice takes away (by its hash, or the pack its row names)."""
@@ -80,8 +94,14 @@ def announce(
 ) -> Notice:
     """gc's step 1: put its notice, create-only, before it reads what was published meanwhile."""
     key = f"{NOTICE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}.json.zst"
-    notice = Notice(key, frozenset(blobs), frozenset(packs))
-    doc = {"tailorstore_gc_notice": NOTICE_VERSION, "blobs": sorted(notice.blobs), "packs": sorted(notice.packs)}
+    notice = Notice(key, frozenset(blobs), frozenset(packs), socket.gethostname(), os.getpid())
+    doc = {
+        "tailorstore_gc_notice": NOTICE_VERSION,
+        "blobs": sorted(notice.blobs),
+        "packs": sorted(notice.packs),
+        "host": notice.host,
+        "pid": notice.pid,
+    }
     body = zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
     backend.put(key, body, create_only=True, fence=fence)
     return notice
@@ -117,6 +137,13 @@ def published_since(backend: Backend, known: set[str], notice: Notice) -> str | 
     return None
 
 
+def abandoned(backend: Backend) -> list[Notice]:
+    """The notices whose gc certainly died; the next gc, under its exclusive lock, deletes them. A
+    damaged notice is not among them (it raises, naming ``--clear-notices``)."""
+    found = (read_notice(backend, key) for key in notice_keys(backend))
+    return [n for n in found if n is not None and n.abandoned]
+
+
 def notice_keys(backend: Backend) -> list[str]:
     """The notices listed now. Only keys of the form a gc writes count: anything else under ``gc/``
     (a stranger's object, a key no request may name) is ignored, never a reason to fail."""
@@ -139,7 +166,14 @@ def read_notice(backend: Backend, key: str) -> Notice | None:
             if not isinstance(found, list) or not all(isinstance(n, str) and HASH_NAME.fullmatch(n) for n in found):
                 raise ValueError(f"{field} is not a list of 32-digit hex names")
             names[field] = frozenset(found)
-        return Notice(key, names["blobs"], names["packs"])
+        host, pid = doc.get("host"), doc.get("pid")
+        if (host is None) != (pid is None):
+            raise ValueError("host and pid come together")
+        if host is not None and not (isinstance(host, str) and 0 < len(host) <= 255):
+            raise ValueError("host is not a host name")
+        if pid is not None and not (type(pid) is int and 0 < pid <= MAX_PID):
+            raise ValueError("pid is not a process id")
+        return Notice(key, names["blobs"], names["packs"], host, pid)
     except (zstandard.ZstdError, ValueError, UnicodeDecodeError) as exc:
         raise CorruptStoreError(
             f"gc notice {key} is damaged ({exc}); once no gc is running, delete it with ",
@@ -158,7 +192,7 @@ def check_publication(
     fewer requests). The caller then takes its object back."""
     for key in notice_keys(backend):
         notice = read_notice(backend, key)
-        if notice is not None and (blob := notice.needs_any(blobs)) is not None:
+        if notice is not None and not notice.abandoned and (blob := notice.needs_any(blobs)) is not None:
             raise LeaseLostError(
                 f"{backend.location}: {what} was taken back: a gc running meanwhile ({key}) deletes blob "
                 f"{blob}, which it needs. Nothing it did is visible; run it again."

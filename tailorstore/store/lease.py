@@ -116,10 +116,17 @@ def _read(backend: Backend, key: str, stamp: float | None = None) -> Lease | Non
 
 
 def _alive_here(lease: Lease) -> bool:
-    if lease.host != socket.gethostname():
-        return True  # another host: only its lease time tells
+    return process_may_run(lease.host, lease.pid)
+
+
+def process_may_run(host: str, pid: int) -> bool:
+    """False only when the process is certainly gone: it ran on this host and its pid is free now.
+    A process of another host may always still run (only its lease time tells); a reused pid reads
+    as alive, which errs on the safe side."""
+    if host != socket.gethostname():
+        return True
     try:
-        os.kill(lease.pid, 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
