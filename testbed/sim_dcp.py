@@ -54,8 +54,10 @@ def metadata_digest(path: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``STATE STEP``: save that state as that step of run :data:`RUN` of ``$TAILOR_STORE`` (made
-    first if it is not there)."""
+    """``STATE STEP [LOCK_SECONDS]``: save that state as that step of run :data:`RUN` of
+    ``$TAILOR_STORE`` (made first if it is not there), waiting for the store's locks as long as the
+    schedule's commands do (``--lock-timeout``): with the default wait, a save queued behind a
+    stopped host's write overran the schedule's bound (seed 20036 of the merges theme)."""
     import torch.distributed.checkpoint as dcp
     from tailorstore.cli.naming import EXIT_CODES
     from torch.distributed.checkpoint.api import CheckpointException
@@ -65,6 +67,7 @@ def main(argv: list[str]) -> int:
     from tailorstore.integrations.dcp_writer import TailorStorageWriter
 
     name, step = argv[0], int(argv[1])
+    waits = {"lock_timeout": float(argv[2])} if len(argv) > 2 else {}
     try:
         store = Store.open(os.environ["TAILOR_STORE"], run=RUN)
         if RUN not in {r.name for r in store.runs()}:
@@ -72,7 +75,7 @@ def main(argv: list[str]) -> int:
                 store.create_run(RUN, lock_timeout=10)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.save(state(name), storage_writer=TailorStorageWriter(store, step=step))
+            dcp.save(state(name), storage_writer=TailorStorageWriter(store, step=step, **waits))
     except TailorError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CODES[exc.category]

@@ -581,7 +581,7 @@ class Schedule:
         if kind == "branch":
             return ["run", "create", "br", "--from", f"main:step={op['from']}", *self._lock()]
         if kind == "dcp-save":
-            return ["@dcp-save", op["save"], str(key[1])]
+            return ["@dcp-save", op["save"], str(key[1]), self._lock()[1]]  # waits as the commands do
         if kind == "merge":
             spec = self.work / f"spec-{op['n']}.yaml"
             spec.write_text(MERGE_SPECS[op["method"]])

@@ -53,6 +53,10 @@ THEMED_SEEDS: list[tuple[str, int, str, str, bool]] = [
      "put it back on step 6", "revisions", False),
     ("s3", 7, "a metric stalled at a put; meanwhile unpin of step 9, which the metric's refs pinned again",
      "revisions", False),
+    # the harness, not the library: a DCP-writer save waited on the index with the default lock
+    # timeout behind a host stopped inside its write, and overran the schedule's 120 s bound
+    ("posix", 20036, "a DCP-writer save queued behind a stopped host's index write overran its bound",
+     "merges", False),
 ]  # fmt: skip
 # Drawn seeds stopped after the fence (``--slip``), which broke the tree before gc's notices
 # (5233063^): a publication that reuses blobs against a gc deleting them (store/gc_notices.py).

@@ -87,6 +87,13 @@ class _Record:
         else:
             self.state = state
 
+    @classmethod
+    def by_name(cls, name: str) -> _Record:
+        """An Enum member pickled by name (``getattr(cls, name)``: pickles.AllowlistUnpickler)."""
+        member = cls()
+        member.member = name
+        return member
+
 
 def _record(name: str) -> type[_Record]:
     return type(name, (_Record,), {"__module__": __name__})
@@ -119,17 +126,23 @@ def _allowed(megatron: bool = False) -> dict[str, Any]:
     a Megatron save's metadata, which also pickles its planner's classes, and only then."""
     if not megatron:
         return {**_CLASSES, **_values()}
-    return {**_CLASSES, **_MEGATRON_CLASSES, **_values(), _PLANNER + "WriteItemType": _write_item_type()}
+    return {**_CLASSES, **_MEGATRON_CLASSES, **_values(), _PLANNER + "WriteItemType": _WriteItemType}
 
 
-def _write_item_type() -> Any:
-    def write_item_type(value: Any = None) -> str:
-        """``WriteItemType(2)`` as its name; any other value is no item type torch has."""
+class _WriteItemType:
+    """torch's ``WriteItemType`` as the name of its member: called with its value (as Python pickles
+    an Enum) or looked up by name (as Python 3.11.0-3.11.4 do); anything else is no item type."""
+
+    def __new__(cls, value: Any = None) -> str:  # type: ignore[misc]
         if isinstance(value, bool) or value not in _WRITE_ITEM_TYPES:
             raise ValueError(f"WriteItemType({str(value)[:20]}) is no item type")
         return _WRITE_ITEM_TYPES[value]
 
-    return write_item_type
+    @classmethod
+    def by_name(cls, name: str) -> str:
+        if name not in _WRITE_ITEM_TYPES.values():
+            raise ValueError(f"WriteItemType.{name[:20]} is no item type")
+        return name
 
 
 def _values() -> dict[str, Any]:

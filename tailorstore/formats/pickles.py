@@ -30,6 +30,7 @@ _PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
 # protocol 5's buffers: the C unpickler's READONLY_BUFFER over a bytearray left "deallocated bytearray
 # object has exported buffers" when a load failed after it (found by benchmarks.fuzz)
 _BUFFERS = ("NEXT_BUFFER", "READONLY_BUFFER")
+GETATTR = ("builtins", "getattr")  # an Enum member by name (Python 3.11.0-3.11.4): AllowlistUnpickler._member
 
 
 def check_memo(data: bytes, where: str) -> None:
@@ -96,7 +97,25 @@ class AllowlistUnpickler(pickle.Unpickler):
     def resolve(self, module: str, name: str) -> Any:
         """The object ``module.name`` stands for in this load, or None (refused). A format whose
         allowlist is not only names (a function bound to this load) overrides it."""
+        if (module, name) == GETATTR:
+            return self._member
         return self.allowed.get(f"{module}.{name}")
+
+    def _member(self, owner: Any, name: Any) -> Any:
+        """``getattr(owner, name)`` as Python 3.11.0-3.11.4 pickle an Enum member (by name; later
+        versions call the class with its value): allowed only on an allowlisted class of this load
+        whose own class body defines ``by_name`` (the formats' stand-ins), for a public name. A
+        pickle's ``BUILD`` cannot give a class that method (it fails on a class), so no other
+        attribute of anything is reached."""
+        by_name = None
+        if isinstance(owner, type) and any(owner is v for v in self.allowed.values()):
+            by_name = next((c.__dict__["by_name"] for c in owner.__mro__ if "by_name" in c.__dict__), None)
+        if by_name is None or not (isinstance(name, str) and name.isidentifier() and not name.startswith("_")):
+            raise BadCheckpointError(
+                f"{self.where}: the pickle looks up {str(name)[:40]!r} on {str(owner)[:60]}, which is no enum "
+                "member of a class it may name; it was not loaded."
+            )
+        return by_name.__get__(None, owner)(name)
 
     def persistent_load(self, pid: Any) -> Any:
         raise BadCheckpointError(f"{self.where}: a persistent id in a pickle of a kind that never holds one")

@@ -79,6 +79,14 @@ class Opaque:
     def __repr__(self) -> str:
         return f"<{self.name} {self.__dict__}>"
 
+    @classmethod
+    def by_name(cls, name: str) -> Opaque:
+        """An Enum member pickled by name (``getattr(cls, name)``, Python 3.11.0-3.11.4:
+        pickles.AllowlistUnpickler); written back the same way (torch_save_writer)."""
+        member = cls.__new__(cls)
+        member.member = name
+        return member
+
 
 def untrusted(where: str) -> UnsafePickleError:
     """A file committed with trusted pickles is checked out only when the caller trusts it again (here,

@@ -132,6 +132,11 @@ class _Pickler(pickle._Pickler):  # type: ignore[misc]  # the pure-Python pickle
 
     def _opaque(self, obj: Opaque) -> None:
         module, name = obj.name.rsplit(".", 1)
+        if set(obj.__dict__) == {"member"}:  # an Enum member pickled by name: getattr(class, name)
+            self.save(GlobalName("builtins", "getattr"))
+            self.save((GlobalName(module, name), obj.__dict__["member"]))
+            self.write(pickle.REDUCE)
+            return
         self.save(GlobalName(module, name))
         state = {k: v for k, v in obj.__dict__.items() if k != "args"}
         if "args" in obj.__dict__:  # it was rebuilt by calling the class (REDUCE)
