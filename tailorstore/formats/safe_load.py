@@ -8,6 +8,7 @@ checkpoints use; anything else is refused before it runs, unless the user passed
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
 import io
@@ -45,8 +46,6 @@ def allowed_globals() -> tuple[Any, ...]:
 def _enum_by_name(owner: Any, name: Any) -> Any:
     """``getattr`` as Python 3.11.0-3.11.4 pickle an Enum member, for torch's loader: only a member
     of an allowlisted Enum class, by its name; any other look-up is refused."""
-    import enum
-
     allowed = [g for g in allowed_globals() if isinstance(g, type)]
     if isinstance(owner, type) and issubclass(owner, enum.Enum) and owner in allowed:
         if isinstance(name, str) and name in owner.__members__:

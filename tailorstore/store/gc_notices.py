@@ -56,7 +56,7 @@ from tailorstore.core.records import BlobRecord
 from tailorstore.store import parts
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.codec import decompress_bounded
-from tailorstore.store.lease import MAX_PID, process_may_run
+from tailorstore.store.lease import names_a_process, process_may_run
 from tailorstore.store.manifests import document
 from tailorstore.store.manifests.keys import listed_manifest_keys
 
@@ -167,12 +167,8 @@ def read_notice(backend: Backend, key: str) -> Notice | None:
                 raise ValueError(f"{field} is not a list of 32-digit hex names")
             names[field] = frozenset(found)
         host, pid = doc.get("host"), doc.get("pid")
-        if (host is None) != (pid is None):
-            raise ValueError("host and pid come together")
-        if host is not None and not (isinstance(host, str) and 0 < len(host) <= 255):
-            raise ValueError("host is not a host name")
-        if pid is not None and not (type(pid) is int and 0 < pid <= MAX_PID):
-            raise ValueError("pid is not a process id")
+        if (host, pid) != (None, None) and not names_a_process(host, pid):
+            raise ValueError("its host and pid name no process")
         return Notice(key, names["blobs"], names["packs"], host, pid)
     except (zstandard.ZstdError, ValueError, UnicodeDecodeError) as exc:
         raise CorruptStoreError(
@@ -192,7 +188,7 @@ def check_publication(
     fewer requests). The caller then takes its object back."""
     for key in notice_keys(backend):
         notice = read_notice(backend, key)
-        if notice is not None and not notice.abandoned and (blob := notice.needs_any(blobs)) is not None:
+        if notice is not None and (blob := notice.needs_any(blobs)) is not None and not notice.abandoned:
             raise LeaseLostError(
                 f"{backend.location}: {what} was taken back: a gc running meanwhile ({key}) deletes blob "
                 f"{blob}, which it needs. Nothing it did is visible; run it again."

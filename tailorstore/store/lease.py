@@ -100,10 +100,7 @@ def _read(backend: Backend, key: str, stamp: float | None = None) -> Lease | Non
         return _unreadable(key)
     readable = (
         isinstance(exclusive, bool)
-        and isinstance(host, str)
-        and len(host) <= 255
-        and isinstance(pid, int)
-        and 0 < pid <= MAX_PID
+        and names_a_process(host, pid)
         and isinstance(expires, int | float)
         and isinstance(created, int | float)
         and math.isfinite(expires)
@@ -115,8 +112,9 @@ def _read(backend: Backend, key: str, stamp: float | None = None) -> Lease | Non
     return Lease(key, exclusive, host, pid, float(expires), float(created), stamp)
 
 
-def _alive_here(lease: Lease) -> bool:
-    return process_may_run(lease.host, lease.pid)
+def names_a_process(host: object, pid: object) -> bool:
+    """Whether a stranger's ``host`` and ``pid`` fields can name a process (a lease's, a gc notice's)."""
+    return isinstance(host, str) and len(host) <= 255 and isinstance(pid, int) and 0 < pid <= MAX_PID
 
 
 def process_may_run(host: str, pid: int) -> bool:
@@ -139,7 +137,7 @@ def _stale(lease: Lease, server_now: float) -> bool:
     so one the server last wrote more than its TTL ago is stale. Judged by the ``expires`` its
     holder wrote, a healthy host whose clock ran behind would lose its lease to every other host
     (tests/test_leases.py, ``test_a_live_lease_of_a_host_whose_clock_is_behind_is_respected_and_named``)."""
-    if not _alive_here(lease):
+    if not process_may_run(lease.host, lease.pid):
         return True
     if lease.stamp is None:  # a backend that gives no times: the holder's own word
         return lease.expires < time.time()
