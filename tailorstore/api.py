@@ -35,6 +35,7 @@ from tailorstore.core.metric_values import encode as encode_metrics
 from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.records import MAIN_RUN
 from tailorstore.curate.runs import qualify
+from tailorstore.store.backends.roles import Editor
 from tailorstore.store.manifests.runs import check_run_name, write_retention
 from tailorstore.store.repo import RebuildResult, Repository
 
@@ -89,9 +90,10 @@ class Store:
         """The random id ``init`` gave this store, the same on every host (None for a store made
         before ids): what tells two stores at one place apart. Read once per handle."""
         if self._id is None:
+            from tailorstore.store.backends.roles import Reader
             from tailorstore.store.repo import store_id
 
-            self._id = (store_id(self.repo.backend),)
+            self._id = (store_id(self.repo.objects(Reader)),)
         return self._id[0]
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -371,7 +373,7 @@ class Store:
 
         rules = replace(rules, run=self.run) if rules is not None else None
         carried = rules if rules is not None and rules.drops_manifests else None
-        write_retention(self.repo.backend, self.run, carried.as_doc() if carried is not None else None)
+        write_retention(self.repo.objects(Editor), self.run, carried.as_doc() if carried is not None else None)
         return carried
 
     def retention(self) -> Retention | None:

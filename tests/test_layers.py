@@ -276,6 +276,69 @@ def test_a_role_view_answers_only_its_own_methods(tmp_path: Path) -> None:
         repo.close()
 
 
+def _backend_roles() -> set[type]:
+    from tailorstore.store.backends import roles
+
+    return {v for v in vars(roles).values() if isinstance(v, type) and getattr(v, "_is_protocol", False)}
+
+
+def test_above_the_store_the_backend_is_reached_only_through_a_role() -> None:
+    """The backend can delete anything: no module above store/ names ``.backend``; each asks the
+    repository for the roles it uses (``repo.objects(Role)``), a protocol made of
+    store/backends/roles.py's roles, and its helpers say in their signatures which they take."""
+    import importlib
+
+    from tailorstore.core.roles import members
+    from tailorstore.store.backends import roles as role_module
+    from tailorstore.store.backends.base import Backend
+
+    roles, whole = _backend_roles(), members(Backend)
+    wrong, asked = [], 0
+    for path in _outside_store():
+        if path.parts[0] == "benchmarks":
+            continue  # the harness's own argparse ``args.backend``, not a store's
+        tree = _tree(ROOT / path)
+        module = importlib.import_module(_module_name(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "backend":
+                wrong.append(f"{path}:{node.lineno}: .backend")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "objects"
+                and len(node.args) == 1
+                and isinstance(node.args[0], ast.Name)
+            ):
+                asked += 1
+                name = node.args[0].id  # imported at the top, or inside the function from the roles module
+                role = getattr(module, name, None) or getattr(role_module, name, None)
+                if not (isinstance(role, type) and any(r in role.__mro__ for r in roles) and members(role) <= whole):
+                    wrong.append(f"{path}:{node.lineno}: .objects({name}) names no role of the backend")
+    assert not wrong, "\n".join(wrong)
+    assert asked >= 10, asked  # the check looked at the calls it is about
+
+
+def test_a_backend_role_view_answers_only_its_own_names(tmp_path: Path) -> None:
+    """At run time: a reader cannot delete, a remover cannot read."""
+    import pytest
+
+    from tailorstore.store.backends.roles import Reader, Remover
+    from tailorstore.store.repo import Repository
+
+    Repository.init(str(tmp_path / "store")).close()
+    repo = Repository.open(str(tmp_path / "store"))
+    try:
+        reader = repo.objects(Reader)
+        assert reader.exists("tailorstore.json") and reader.location.endswith("store")
+        for name in ("delete", "delete_many", "put", "batch", "list", "clear_leftovers"):
+            with pytest.raises(AttributeError, match="Reader offers no"):
+                getattr(reader, name)
+        with pytest.raises(AttributeError, match="Remover offers no"):
+            repo.objects(Remover).get  # noqa: B018
+    finally:
+        repo.close()
+
+
 def test_every_lock_timeout_defaults_to_the_one_constant() -> None:
     """One convention per concern. Every function and method of the library and the CLI
     that takes ``lock_timeout`` waits ``LOCK_TIMEOUT`` unless told otherwise (merge and averaging

@@ -178,7 +178,7 @@ def model_view(repo: Repository, manifest: int) -> ModelView:
     if not shapes:  # ZeRO 0 records no param_shapes: the module's own tensors are full size
         shapes = {str(k): tuple(v.shape) for k, v in module.items() if k not in buffer_names and hasattr(v, "shape")}
 
-    by_param = _pieces(repo, manifest)
+    by_param = _pieces(repo.view(Contents), manifest)
     tensors: list[ModelTensor] = []
     for name in buffer_names:
         ref = module.get(name)
@@ -210,10 +210,10 @@ def model_view(repo: Repository, manifest: int) -> ModelView:
     )
 
 
-def _pieces(repo: Repository, manifest: int) -> dict[tuple[str, str], list[AtomRecord]]:
+def _pieces(contents: Contents, manifest: int) -> dict[tuple[str, str], list[AtomRecord]]:
     """The manifest's atoms of the kinds a model view reads, by (parameter, kind)."""
     by_param: dict[tuple[str, str], list[AtomRecord]] = defaultdict(list)
-    for atom in repo.view(Contents).atoms(manifest):
+    for atom in contents.atoms(manifest):
         if atom.kind in _VIEWED:
             by_param[(atom.param, atom.kind)].append(atom)
     return by_param
@@ -223,7 +223,7 @@ def _dcp_view(repo: Repository, facts: ManifestRecord, files: list[FileRecord]) 
     """A DCP step as a model: each model parameter's full shape from its folder's ``.metadata``
     (kept whole, and read again as hostile input), tiled by its chunks' atoms."""
     step = facts.step
-    by_param = _pieces(repo, facts.id)
+    by_param = _pieces(repo.view(Contents), facts.id)
     tensors: list[ModelTensor] = []
     for folder in dcp_folders(files):
         meta, _ = folder_metadata(repo, step, files, folder)
@@ -245,7 +245,7 @@ def _plain_view(repo: Repository, facts: ManifestRecord) -> ModelView:
     them. A parameter held by two files with different values is refused: which one is the model
     cannot be told."""
     step = facts.step
-    by_param = _pieces(repo, facts.id)
+    by_param = _pieces(repo.view(Contents), facts.id)
     found: dict[str, list[AtomRecord]] = defaultdict(list)
     for (param, kind), pieces in by_param.items():
         if kind in (MASTER, WEIGHT, BUFFER):

@@ -187,7 +187,7 @@ class PlacedFiles:
                     row.raw_size, row.kind,
                 )  # fmt: skip
             self.blobs = {b.hash: b for b in repo.view(Contents).referenced_blobs(facts.id)}
-            self.atoms = _atoms(repo, facts.id, self.targets, self.blobs)
+            self.atoms = _atoms(repo.view(Contents), facts.id, self.targets, self.blobs)
             for row in rows:
                 _write_container(repo, row, self.targets[row.path], self.atoms[row.path])
             self.weights = _derived_weights(self.atoms, self.targets)
@@ -269,11 +269,11 @@ class PlacedFiles:
 
 
 def _atoms(
-    repo: Repository, manifest: int, targets: dict[str, _Target], blobs: dict[str, BlobRecord]
+    contents: Contents, manifest: int, targets: dict[str, _Target], blobs: dict[str, BlobRecord]
 ) -> dict[str, list[AtomRecord]]:
     """The atoms of the files being written, by file in file order, each checked to fit its place."""
     by_path: dict[str, list[AtomRecord]] = {path: [] for path in targets}
-    for a in repo.view(Contents).atoms(manifest):
+    for a in contents.atoms(manifest):
         if a.path not in by_path:
             continue
         target = targets[a.path]

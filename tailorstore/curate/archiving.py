@@ -76,16 +76,16 @@ def store_rebuilt(writer: BlobWriter, data: memoryview, atom: AtomRecord, step: 
         raise CorruptStoreError(f"step {step}: the rebuilt weight of {atom.param} changed its name")
 
 
-def _previous_archived(repo: Repository, record: ManifestRecord) -> dict[AtomKey, AtomRecord]:
+def _previous_archived(history: ArchiveHistory, record: ManifestRecord) -> dict[AtomKey, AtomRecord]:
     """The atoms of the latest archived step of ``record``'s run before it: what it is quantized against."""
     earlier = [
         m
-        for m in repo.view(ArchiveHistory).manifests(record.run)
+        for m in history.manifests(record.run)
         if m.tier == THIN_ARCHIVE and m.step < record.step and m.origin == record.origin
     ]
     if not earlier:
         return {}
-    return repo.view(ArchiveHistory).atoms_by_key(max(earlier, key=lambda m: m.step).id)
+    return history.atoms_by_key(max(earlier, key=lambda m: m.step).id)
 
 
 def _chain(base: BlobRecord) -> tuple[str, ...]:
@@ -134,7 +134,7 @@ def archived(
     """The atom rows of ``record`` after archiving, in order. ``pairs``: each row as the manifest
     holds it and as thinning keeps it (a derived weight is read through the first, rebuilt from
     its master). Archivable rows come back naming their archived blob."""
-    previous = _previous_archived(repo, record)
+    previous = _previous_archived(repo.view(ArchiveHistory), record)
     out: list[AtomRecord] = [atom for _, atom in pairs]
     pending: deque[tuple[int, memoryview, Future[archive_codec.Archived | None]]] = deque()
     queued = 0

@@ -300,12 +300,13 @@ def _write_averages(
     """The base's atoms that change, by key: one parameter at a time, so memory holds one
     parameter's FP32 master (for its weight) and one atom's sums, whatever the model's size."""
     by_param: dict[str, list[AtomRecord]] = defaultdict(list)
-    for atom in repo.view(AveragingView).atoms(base):
+    index = repo.view(AveragingView)
+    for atom in index.atoms(base):
         if atom.layer in layers and (atom.kind in spec.kinds or atom.kind == WEIGHT):
             by_param[atom.param].append(atom)
-    sources = [repo.view(AveragingView).atoms_by_key(m) for m in manifests]
+    sources = [index.atoms_by_key(m) for m in manifests]
     by_weights = (THIN_WEIGHTS, THIN_ARCHIVE)  # tiers whose weights stand in for their masters
-    weights = [_weights_by_param(repo, m) if repo.manifest(m).tier in by_weights else {} for m in manifests]
+    weights = [_weights_by_param(index, m) if repo.manifest(m).tier in by_weights else {} for m in manifests]
     averager = _Averager(repo, manifests, spec, sources, weights, writer)
     out: dict[AtomKey, AtomRecord] = {}
     for param in sorted(by_param):
@@ -315,10 +316,10 @@ def _write_averages(
     return out
 
 
-def _weights_by_param(repo: Repository, manifest: int) -> dict[str, list[AtomRecord]]:
+def _weights_by_param(index: AveragingView, manifest: int) -> dict[str, list[AtomRecord]]:
     """A step thinned to weights (or archived): its weight atoms by parameter (they stand in for its masters)."""
     out: dict[str, list[AtomRecord]] = defaultdict(list)
-    for atom in repo.view(AveragingView).atoms(manifest, kind=WEIGHT):
+    for atom in index.atoms(manifest, kind=WEIGHT):
         out[atom.param].append(atom)
     return out
 

@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tailorstore.access.contents import Contents
 from tailorstore.core.env_seconds import seconds_from_env
 from tailorstore.core.environment import PART_AGE_ENV
 from tailorstore.core.errors import (
@@ -73,6 +74,7 @@ from tailorstore.curate.archiving import KEYFRAME_EVERY, ArchiveGrid, archivable
 from tailorstore.curate.thinning import check_tier, contents_of, thin, thinner
 from tailorstore.store import archive_codec, codec, gc_notices
 from tailorstore.store.backends.listing import Holdings
+from tailorstore.store.backends.roles import Editor, Leftovers, Reader, Scanner
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifests.drop_marks import mark_unless_claimed, take_back_marks
@@ -127,6 +129,15 @@ class GcDrop(Protocol):
     def delete_blobs(self, hashes: Iterable[str]) -> None: ...
 
     def delete_packs(self, names: Iterable[str]) -> None: ...
+
+
+class GcObjects(Editor, Leftovers, Protocol):
+    """What gc does to the store's objects: it reads trailers and refs, lists, puts drop marks,
+    notices and packs, deletes, and clears temp files; handed out once, at :func:`gc`'s entry."""
+
+
+class GcPlanObjects(Scanner, Leftovers, Protocol):
+    """What planning reads: parts, trailers, superseded versions, temp files; it changes nothing."""
 
 
 class Repack(Protocol):
@@ -267,7 +278,7 @@ class Retention:
 
 def carried_rules(repo: Repository) -> list[Retention]:
     """The retention each run carries (``tailor run retention``), each touching its own run only."""
-    return [Retention.from_doc(run, doc) for run, doc in sorted(read_retentions(repo.backend).items())]
+    return [Retention.from_doc(run, doc) for run, doc in sorted(read_retentions(repo.objects(Scanner)).items())]
 
 
 def effective_rules(repo: Repository, rules: Retention) -> list[Retention]:
@@ -431,12 +442,13 @@ def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts:
     manifest, pending part or thinned step uses them); which packs die whole or are repacked;
     what lies in the backend that no row names (orphans, superseded versions, temp files)."""
     index = repo.view(GcPlanning)
+    objects = repo.objects(GcPlanObjects)
     plan, tiers = _manifests_planned(index, rules)
-    held = _parts_planned(repo, index, plan, drop_parts)
+    held = _parts_planned(objects, index, plan, drop_parts)
     _dead_blobs(repo, index, plan, tiers, held)
     dead_set = set(plan.dead_blobs)
     holdings = repo.holdings()  # sizes from the listing: no request per orphan on an object store
-    _packs_planned(repo, index, plan, dead_set, held, holdings)
+    _packs_planned(repo, objects, index, plan, dead_set, held, holdings)
     indexed = index.blob_hashes(loose_only=True)
     for name, size in holdings.blobs.items():
         if name not in indexed and name not in held:
@@ -447,9 +459,9 @@ def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts:
         if name not in known:
             plan.orphan_packs.append(name)
             plan.freed_bytes += size
-    plan.superseded = superseded(repo.backend)
-    plan.temp_files = repo.backend.leftovers()
-    plan.freed_bytes += repo.backend.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too
+    plan.superseded = superseded(objects)
+    plan.temp_files = objects.leftovers()
+    plan.freed_bytes += objects.leftover_bytes(plan.temp_files)  # a killed commit's temp files go too
     return plan
 
 
@@ -484,12 +496,12 @@ def _manifests_planned(index: GcPlanning, rules: Retention | list[Retention]) ->
     return plan, tiers
 
 
-def _parts_planned(repo: Repository, index: GcPlanning, plan: GcPlan, drop_parts: bool) -> set[str]:
+def _parts_planned(objects: Scanner, index: GcPlanning, plan: GcPlan, drop_parts: bool) -> set[str]:
     """The parts that go (of a recorded step, or old enough with ``drop_parts``); returns the blobs
     the pending ones hold."""
     held: set[str] = set()
     young = time.time() - part_age()  # parts newer than this may be of a save still in flight
-    for part in read_parts(repo.backend):
+    for part in read_parts(objects):
         plan.seen_parts.append(part.key)
         if (drop_parts and part.created_at < young) or index.commit_at(part.step, part.run) is not None:
             plan.drop_parts.append(part.key)
@@ -502,7 +514,8 @@ def _parts_planned(repo: Repository, index: GcPlanning, plan: GcPlan, drop_parts
 def _dead_blobs(repo: Repository, index: GcPlanning, plan: GcPlan, tiers: dict[int, str], held: set[str]) -> None:
     """The blobs no kept manifest, pending part or thinned step uses, and what each tier frees."""
     keep = {m for m, _ in plan.keep}
-    thinned = {m: contents_of(repo, m, tier) for m, tier in tiers.items()}
+    contents = repo.view(Contents)
+    thinned = {m: contents_of(contents, m, tier) for m, tier in tiers.items()}
     still = set().union(*(c.hashes() for c in thinned.values())) if thinned else set()
     dead = [b for b in index.blobs_unused_by(keep) if b.hash not in held and b.hash not in still]
     if thinned:
@@ -521,7 +534,13 @@ def _dead_blobs(repo: Repository, index: GcPlanning, plan: GcPlan, tiers: dict[i
 
 
 def _packs_planned(
-    repo: Repository, index: GcPlanning, plan: GcPlan, dead: set[str], held: set[str], holdings: Holdings
+    repo: Repository,
+    objects: Reader,
+    index: GcPlanning,
+    plan: GcPlan,
+    dead: set[str],
+    held: set[str],
+    holdings: Holdings,
 ) -> None:
     """The packs whose every blob died go; those mostly dead are repacked; a pack whose trailer
     places a blob elsewhere (or cannot be read) is kept."""
@@ -533,7 +552,7 @@ def _packs_planned(
             candidates[name] = (plan.dead_packs, size)
         elif size - live >= REPACK_AT * size:
             candidates[name] = (plan.repack, size - live)
-    plan.misplaced, unreadable = misplaced_blobs(repo, sorted(candidates), dead, held, holdings)
+    plan.misplaced, unreadable = misplaced_blobs(repo, objects, sorted(candidates), dead, held, holdings)
     keep_packs = unreadable | {pack for pack, _ in plan.misplaced.values()}
     for name, (goes_to, freed) in candidates.items():
         if name not in keep_packs:
@@ -541,7 +560,7 @@ def _packs_planned(
             plan.freed_bytes += freed
 
 def misplaced_blobs(
-    repo: Repository, packs: list[str], dead: set[str], held: set[str], holdings: Holdings
+    repo: Repository, objects: Reader, packs: list[str], dead: set[str], held: set[str], holdings: Holdings
 ) -> tuple[dict[str, tuple[str, PackEntry]], set[str]]:
     """Before gc deletes or repacks ``packs``, what their trailers say (I1, docs/FORMAT.md 8.1): a live
     blob there (not ``dead``, and indexed or ``held`` by a pending part) whose row names no place
@@ -556,14 +575,14 @@ def misplaced_blobs(
     def holds(pack: str, digest: str) -> bool:
         if pack not in trailers:
             try:
-                trailers[pack] = {e.hash for e in read_trailer(repo.backend, pack)[1]}
+                trailers[pack] = {e.hash for e in read_trailer(objects, pack)[1]}
             except (FileNotFoundError, CorruptStoreError):
                 trailers[pack] = set()
         return digest in trailers[pack]
 
     def fetch(name: str) -> list[PackEntry] | BaseException:
         try:
-            return read_trailer(repo.backend, name)[1]
+            return read_trailer(objects, name)[1]
         except (FileNotFoundError, CorruptStoreError) as exc:
             return exc
 
@@ -621,15 +640,16 @@ def _gc(
     """gc's call order (docs/FORMAT.md section 8): lock exclusive and sync; plan; thin; delete parts
     and superseded objects; one transaction dropping manifests and rows; repack; delete blob and
     pack objects; temp files. Every deletion request is fenced on its own (``delete_many``)."""
+    objects = repo.objects(GcObjects)
     with repo.lock(exclusive=True, timeout=lock_timeout, progress=progress) as lock:
         by_time = lock.by_time  # a lease: its deletions announce themselves first (gc_notices)
-        listed = gc_notices.publications(repo.backend) if by_time and not dry_run else set()
+        listed = gc_notices.publications(objects) if by_time and not dry_run else set()
         repo.refresh(lock)  # what other hosts recorded before this lock was taken
-        _refuse_damaged_tags(repo)
+        _refuse_damaged_tags(objects)
         if clear_notices and not dry_run:
-            _clear_notices(repo, lock)
+            _clear_notices(objects, lock)
         elif by_time and not dry_run:
-            _clear_abandoned_notices(repo, lock)
+            _clear_abandoned_notices(objects, lock)
         plan = plan_gc(repo, effective_rules(repo, rules), drop_parts=drop_parts)
         if show_plan:
             show_plan(plan)
@@ -646,23 +666,23 @@ def _gc(
         if plan.thin_to(THIN_ARCHIVE):  # which blobs die is known only once the archived weights exist
             plan = _replanned(repo, plan, effective_rules(repo, rules), drop_parts)
         fence()
-        carry_refs(repo.backend, sweep, plan.superseded)  # before their objects go
+        carry_refs(objects, sweep, plan.superseded)  # before their objects go
         # before anything they name; a superseded version's pin goes with it (a plain-form pin left
         # behind would pin another run's manifest of the same name: FORMAT.md 3.3)
         superseded_pins = [pin_key(k) for k in plan.superseded]
-        repo.backend.delete_many([*plan.drop_parts, *plan.superseded, *superseded_pins], fence=fence)
-        _drop_manifests(repo, plan, fence)
-        written += _repack(repo, plan.repack, fence)
-        _delete_dead_objects(repo, plan, sweep, listed if by_time else None, fence)
-        repo.backend.clear_leftovers(plan.temp_files)
+        objects.delete_many([*plan.drop_parts, *plan.superseded, *superseded_pins], fence=fence)
+        _drop_manifests(repo, objects, plan, fence)
+        written += _repack(repo, objects, plan.repack, fence)
+        _delete_dead_objects(objects, plan, sweep, listed if by_time else None, fence)
+        objects.clear_leftovers(plan.temp_files)
         plan.freed_bytes -= written
         plan.written_bytes = written
     return plan
 
 
-def _refuse_damaged_tags(repo: Repository) -> None:
+def _refuse_damaged_tags(objects: Scanner) -> None:
     """A tag object that names no manifest object: gc cannot tell which step it keeps."""
-    if damaged := damaged_tags(repo.backend):
+    if damaged := damaged_tags(objects):
         raise CorruptStoreError(
             f"the tag object(s) {', '.join(sorted(damaged)[:5])} name no manifest object, so gc cannot tell "
             "which step each keeps, and deletes nothing; set each again (",
@@ -671,7 +691,7 @@ def _refuse_damaged_tags(repo: Repository) -> None:
         )
 
 
-def _drop_manifests(repo: Repository, plan: GcPlan, fence: Callable[[], None]) -> None:
+def _drop_manifests(repo: Repository, objects: Editor, plan: GcPlan, fence: Callable[[], None]) -> None:
     """One transaction: blobs the packs' trailers place elsewhere, then the dropped manifests (their
     objects first, marked, then their rows), the dead blobs' and packs' rows."""
     with repo.transaction(GcDrop) as edit:
@@ -683,11 +703,11 @@ def _drop_manifests(repo: Repository, plan: GcPlan, fence: Callable[[], None]) -
         # manifest objects first: a crash after them leaves only unreferenced blobs, which the next gc takes
         dropped = [m for m, _ in plan.drop]
         keys = [k for k in edit.object_keys(dropped).values() if k]
-        mine = _mark_then_check(repo, keys, fence)
+        mine = _mark_then_check(objects, keys, fence)
         try:
-            unpublish(repo.backend, keys, fence=fence, marked=True)
+            unpublish(objects, keys, fence=fence, marked=True)
         except LeaseLostError:  # its fence stopped it before the deleting request went out
-            take_back_marks(repo.backend, keys, mine)
+            take_back_marks(objects, keys, mine)
             raise
         edit.delete_manifests(dropped)
         edit.delete_blobs(plan.dead_blobs)
@@ -695,7 +715,7 @@ def _drop_manifests(repo: Repository, plan: GcPlan, fence: Callable[[], None]) -
 
 
 def _delete_dead_objects(
-    repo: Repository, plan: GcPlan, sweep: GcSweep, listed: set[str] | None, fence: Callable[[], None]
+    objects: Editor, plan: GcPlan, sweep: GcSweep, listed: set[str] | None, fence: Callable[[], None]
 ) -> None:
     """The blob and pack objects no row names now, each request fenced; on a leased store
     (``listed``: the publications seen when the lock was taken) announced by a notice first and
@@ -710,8 +730,8 @@ def _delete_dead_objects(
     notice = None
     if listed is not None and (blobs or packs):
         known = listed | {m.object_key for m in sweep.manifests() if m.object_key} | set(plan.seen_parts)
-        notice = _announce_then_check(repo, plan, packs, known, fence)
-    batch = repo.backend.batch()
+        notice = _announce_then_check(objects, plan, packs, known, fence)
+    batch = objects.batch()
     for name in blobs:
         batch.delete(blob_key(name))
     for name in packs:
@@ -721,17 +741,17 @@ def _delete_dead_objects(
         fence()
     except LeaseLostError:  # stopped before a request went out: what it sent is done, nothing more goes
         if notice is not None:
-            gc_notices.withdraw(repo.backend, notice)
+            gc_notices.withdraw(objects, notice)
         raise
     if notice is not None:
-        gc_notices.withdraw(repo.backend, notice)  # its deletions are done: only now
+        gc_notices.withdraw(objects, notice)  # its deletions are done: only now
 
-def _mark_then_check(repo: Repository, keys: list[str], fence: Callable[[], None]) -> list[str]:
+def _mark_then_check(objects: Editor, keys: list[str], fence: Callable[[], None]) -> list[str]:
     """Before dropping manifests: mark each, then read their refs (FORMAT 8.1). A pin or tag written
     before a marker is found here; one written after it finds the marker and backs off. So a ref
     reported set never names a step this gc drops, however long either host stalls after its
     checks. Found one: this gc takes back its own markers and stops, having dropped nothing."""
-    taken, mine = mark_unless_claimed(repo.backend, keys, fence=fence)
+    taken, mine = mark_unless_claimed(objects, keys, fence=fence)
     if taken:
         raise LockTimeoutError(
             f"gc stopped: {len(taken)} step(s) it would drop were pinned or tagged meanwhile "
@@ -743,21 +763,21 @@ def _mark_then_check(repo: Repository, keys: list[str], fence: Callable[[], None
 
 
 def _announce_then_check(
-    repo: Repository, plan: GcPlan, packs: list[str], known: set[str], fence: Callable[[], None]
+    objects: Editor, plan: GcPlan, packs: list[str], known: set[str], fence: Callable[[], None]
 ) -> gc_notices.Notice:
     """Before deleting blob and pack objects on a leased store: announce them, then read what was
     published since gc listed (gc_notices, FORMAT 8.1). A publication put before the notice is seen
     here; one put after it reads the notice and takes itself back. Found one that needs them: gc
     withdraws its notice and stops, having deleted no blob."""
     gone, _ = plan.doomed()
-    notice = gc_notices.announce(repo.backend, gone, packs, fence=fence)
+    notice = gc_notices.announce(objects, gone, packs, fence=fence)
     try:
-        found = gc_notices.published_since(repo.backend, known, notice)
+        found = gc_notices.published_since(objects, known, notice)
     except BaseException:
-        gc_notices.withdraw(repo.backend, notice)
+        gc_notices.withdraw(objects, notice)
         raise
     if found is not None:
-        gc_notices.withdraw(repo.backend, notice)
+        gc_notices.withdraw(objects, notice)
         raise LockTimeoutError(
             f"gc stopped before deleting blobs: {found} was published meanwhile and needs some of them; "
             "the dropped steps are gone, their blobs wait for the next gc. Run ",
@@ -767,23 +787,23 @@ def _announce_then_check(
     return notice
 
 
-def _clear_notices(repo: Repository, lock: LockHandle | LeaseHandle) -> None:
+def _clear_notices(objects: Editor, lock: LockHandle | LeaseHandle) -> None:
     """Delete the notices that gcs which died left behind (the user says none of them still runs):
     until then, publications that need the blobs they name fail."""
-    keys = gc_notices.notice_keys(repo.backend)
+    keys = gc_notices.notice_keys(objects)
     if keys:
         lock.check_alone("gc")
-        repo.backend.delete_many(keys)
+        objects.delete_many(keys)
         log.warning("tailorstore: gc cleared %d notice(s) left by gc runs that did not finish", len(keys))
 
 
-def _clear_abandoned_notices(repo: Repository, lock: LockHandle | LeaseHandle) -> None:
+def _clear_abandoned_notices(objects: Editor, lock: LockHandle | LeaseHandle) -> None:
     """Delete the notices of gcs that certainly died (this host, their pid free): alone under the
     exclusive lock, no gc that could still delete is theirs, and publishers already pass them over."""
-    notices = gc_notices.abandoned(repo.backend)
+    notices = gc_notices.abandoned(objects)
     if notices:
         lock.check_alone("gc")
-        repo.backend.delete_many([n.key for n in notices])
+        objects.delete_many([n.key for n in notices])
         log.info("tailorstore: gc deleted %d notice(s) of gc runs on this host that died", len(notices))
 
 
@@ -811,17 +831,17 @@ def _fence(lock: LockHandle | LeaseHandle) -> Callable[[], None]:
     return check
 
 
-def _repack(repo: Repository, packs: list[str], fence: Callable[[], None]) -> int:
+def _repack(repo: Repository, objects: Editor, packs: list[str], fence: Callable[[], None]) -> int:
     """Move the live blobs of ``packs`` into new packs and point the index at them; returns
     the bytes written. The old packs stay until the caller deletes them, after this commits."""
     if not packs:
         return 0
-    batch = repo.backend.batch()
+    batch = objects.batch()
     writer = PackWriter(batch)
     moved = []
     for name in packs:
         for blob in repo.view(Repack).blobs_in_pack(name):
-            data = repo.backend.get(blob.key(), blob.pack_offset or 0, blob.stored_size)
+            data = objects.get(blob.key(), blob.pack_offset or 0, blob.stored_size)
             codec.check_raw_size(blob.raw_size, blob.stored_size, f"repacking pack {name}: blob {blob.hash}")
             raw = bytearray(blob.raw_size)  # decoded and hash-checked: a damaged blob is never carried over
             if archive_codec.is_archive(blob.codec):  # rebuilt on its chain, which still stands

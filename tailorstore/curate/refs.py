@@ -23,6 +23,7 @@ from tailorstore.core.failpoints import operation
 from tailorstore.core.progress import Progress
 from tailorstore.core.records import ManifestRecord, RunRecord
 from tailorstore.core.step_rules import check_tag
+from tailorstore.store.backends.roles import Editor, Reader
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifests.drop_marks import being_dropped, mark_dropping, mark_unless_claimed, take_back_marks
@@ -68,6 +69,7 @@ def tag(
     progress: Progress | None = None,
 ) -> int:
     check_tag(name)
+    objects = repo.objects(Editor)
     with changing_a_step(repo, "tag", lock_timeout, progress) as lock:
         manifest = repo.resolve(selector)
         with repo.transaction(RefEdits) as edit:
@@ -82,33 +84,33 @@ def tag(
             fence = lambda: lock.check("tagging")  # noqa: E731 - again just before each request
             # the one object this changes first (a failure before it leaves nothing), then the tag
             # this step gives up (a step holds one tag); never the step's other refs again
-            before = _object_or_none(repo, tag_key(name))
-            put_tag(repo.backend, edit, manifest, fence=fence)
-            _back_off_if_dropping(repo, manifest, lambda: _restore(repo, tag_key(name), before))
+            before = _object_or_none(objects, tag_key(name))
+            put_tag(objects, edit, manifest, fence=fence)
+            _back_off_if_dropping(repo, objects, manifest, lambda: _restore(objects, tag_key(name), before))
             if old and old != name:
-                drop_tag(repo.backend, old, fence=fence)
+                drop_tag(objects, old, fence=fence)
     return manifest
 
 
-def _object_or_none(repo: Repository, key: str) -> bytes | None:
+def _object_or_none(objects: Reader, key: str) -> bytes | None:
     try:
-        return repo.backend.get(key)
+        return objects.get(key)
     except FileNotFoundError:
         return None
 
 
-def _restore(repo: Repository, key: str, before: bytes | None) -> None:
+def _restore(objects: Editor, key: str, before: bytes | None) -> None:
     if before is None:
-        repo.backend.delete(key)
+        objects.delete(key)
     else:
-        repo.backend.put(key, before)
+        objects.put(key, before)
 
 
-def _back_off_if_dropping(repo: Repository, manifest: int, undo: Callable[[], None]) -> None:
+def _back_off_if_dropping(repo: Repository, objects: Reader, manifest: int, undo: Callable[[], None]) -> None:
     """After a ref's object is written: if a gc has marked the step to drop, undo the write and fail
     (FORMAT 8.1: each side writes, then reads the other's, so one of them always backs off)."""
     record = repo.manifest(manifest)
-    if record.object_key and being_dropped(repo.backend, record.object_key):
+    if record.object_key and being_dropped(objects, record.object_key):
         undo()
         raise LockTimeoutError(
             f"step {record.step} is being dropped by a gc or replaced by another host; nothing was changed. "
@@ -120,13 +122,14 @@ def untag(
     repo: Repository, name: str, *, lock_timeout: float = LOCK_TIMEOUT, progress: Progress | None = None
 ) -> int:
     """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
+    objects = repo.objects(Editor)
     with changing_a_step(repo, "untag", lock_timeout, progress) as lock:
         holder = repo.view(RefEdits).tagged(name)
         if holder is None:
             raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
         with repo.transaction(RefEdits) as edit:
             lock.check("untagging")
-            drop_tag(repo.backend, name, fence=lambda: lock.check("untagging"))
+            drop_tag(objects, name, fence=lambda: lock.check("untagging"))
             edit.set_tag(holder.id, None)
     return holder.id
 
@@ -139,6 +142,7 @@ def pin(
     lock_timeout: float = LOCK_TIMEOUT,
     progress: Progress | None = None,
 ) -> int:
+    objects = repo.objects(Editor)
     with changing_a_step(repo, "pin" if pinned else "unpin", lock_timeout, progress) as lock:
         manifest = repo.resolve(selector)
         with repo.transaction(RefEdits) as edit:
@@ -147,10 +151,10 @@ def pin(
             # only the pin object: rewriting the step's tag too made a failure after the first put
             # a change reported failed that stayed (the soak, seed 399 for a tag)
             key = repo.manifest(manifest).object_key
-            had = pinned and key is not None and repo.backend.exists(pin_key(key))
-            write_pin(repo.backend, edit, manifest, fence=lambda: lock.check("pinning"))
+            had = pinned and key is not None and objects.exists(pin_key(key))
+            write_pin(objects, edit, manifest, fence=lambda: lock.check("pinning"))
             if pinned and not had and key is not None:  # a new pin object: unless a gc marked the step first
-                _back_off_if_dropping(repo, manifest, lambda: repo.backend.delete(pin_key(key)))
+                _back_off_if_dropping(repo, objects, manifest, lambda: objects.delete(pin_key(key)))
     return manifest
 
 
@@ -162,6 +166,7 @@ def remove(
     lock_timeout: float = LOCK_TIMEOUT,
     progress: Progress | None = None,
 ) -> int:
+    objects = repo.objects(Editor)
     with changing_a_step(repo, "rm", lock_timeout, progress) as lock:
         manifest = repo.resolve(selector)
         record = repo.manifest(manifest)
@@ -179,20 +184,20 @@ def remove(
         with repo.transaction(RefEdits) as edit:
             lock.check("removing a step")
             fence = lambda: lock.check("removing a step")  # noqa: E731 - again just before each request
-            keys, mine = _mark_versions(repo, record, force, fence)
+            keys, mine = _mark_versions(objects, record, force, fence)
             try:
                 if record.tag:  # the objects (manifest, tag, pin) go before the index rows
-                    drop_tag(repo.backend, record.tag, fence=fence)
-                unpublish(repo.backend, keys, fence=fence, marked=True)
+                    drop_tag(objects, record.tag, fence=fence)
+                unpublish(objects, keys, fence=fence, marked=True)
             except LeaseLostError:  # stopped by its fence before deleting the manifest
-                take_back_marks(repo.backend, keys, mine)
+                take_back_marks(objects, keys, mine)
                 raise
             edit.delete_manifests([manifest])
     return manifest
 
 
 def _mark_versions(
-    repo: Repository, record: ManifestRecord, force: bool, fence: Callable[[], None]
+    objects: Editor, record: ManifestRecord, force: bool, fence: Callable[[], None]
 ) -> tuple[list[str], list[str]]:
     """Before ``rm`` deletes anything: mark every version of the step (an older one a revision left
     for its refs counts for the step too), then read what others did meanwhile. Without ``force``,
@@ -202,18 +207,18 @@ def _mark_versions(
     least one sees the other. Returns (the keys to delete, the markers this call made)."""
     if record.object_key is None:
         return [], []
-    older, _ = versions_of(repo.backend, record.object_key)
+    older, _ = versions_of(objects, record.object_key)
     keys = [*older, record.object_key]
     if force:
-        mine = mark_dropping(repo.backend, keys, fence=fence)
+        mine = mark_dropping(objects, keys, fence=fence)
     else:
-        taken, mine = mark_unless_claimed(repo.backend, keys, fence=fence)
+        taken, mine = mark_unless_claimed(objects, keys, fence=fence)
         if taken:
             raise LockTimeoutError(
                 f"step {record.step} was pinned or tagged meanwhile; nothing was removed. See ", Call("log")
             )
-    _, newer = versions_of(repo.backend, record.object_key)
-    if newer or not repo.backend.exists(record.object_key):
-        repo.backend.delete_many(mine)
+    _, newer = versions_of(objects, record.object_key)
+    if newer or not objects.exists(record.object_key):
+        objects.delete_many(mine)
         raise step_changed(record.step, record.run)
     return keys, mine

@@ -19,6 +19,7 @@ from typing import Protocol
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, StepExistsError, UnknownStepError
 from tailorstore.core.failpoints import operation
 from tailorstore.core.records import MAIN_RUN, ManifestRecord, RunRecord
+from tailorstore.store.backends.roles import Writer
 from tailorstore.store.manifests import runs as run_objects
 from tailorstore.store.repo import Repository
 
@@ -113,6 +114,6 @@ def create_run(
                 raise UnknownStepError(f"step {base.step} has no manifest object yet; run ", Call("verify"), " first.")
         record = RunRecord(name, time.time(), base.object_key if base else None)
         with repo.transaction(RunRows) as edit:
-            run_objects.create_run(repo.backend, record)  # the object first: it is the truth
+            run_objects.create_run(repo.objects(Writer), record)  # the object first: it is the truth
             edit.set_runs([*edit.created_runs().values(), record])
     return RunInfo(name, record.created_at, BaseStep.of(base), 0, None)

@@ -125,8 +125,8 @@ def thinned_contents(files: list[FileRecord], atoms: list[AtomRecord], tier: str
     return ThinnedContents([f for f in files if f.path not in optimizer or f.path in still], kept, materialize)
 
 
-def contents_of(repo: Repository, manifest: int, tier: str) -> ThinnedContents:
-    return thinned_contents(repo.view(Contents).files(manifest), repo.view(Contents).atoms(manifest), tier)
+def contents_of(contents: Contents, manifest: int, tier: str) -> ThinnedContents:
+    return thinned_contents(contents.files(manifest), contents.atoms(manifest), tier)
 
 
 def thin(
@@ -161,7 +161,7 @@ def _thin(
     plans: dict[int, ThinnedContents] = {}
     with cleaned_up_on_failure(repo, writer, lock, Silent()):
         for record in targets:
-            contents = contents_of(repo, record.id, tier)
+            contents = contents_of(repo.view(Contents), record.id, tier)
             for atom in contents.materialize:
                 data = decode_atom(repo, record.id, atom, f"thinning step {record.step}")
                 store_rebuilt(writer, data, atom, record.step)

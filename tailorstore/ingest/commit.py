@@ -71,6 +71,7 @@ from tailorstore.ingest.derive import RoundedMasters, is_derivable_weight
 from tailorstore.ingest.finalize import missing_pieces
 from tailorstore.ingest.pieces_ahead import PiecesAhead, Prepared, prepare, read_helpers
 from tailorstore.store import parts
+from tailorstore.store.backends.roles import Editor
 from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.lease import LeaseHandle
@@ -146,33 +147,33 @@ def step_of(options: CommitOptions, layout: CheckpointLayout, files: list[ReadFi
 
 
 def inheritance(
-    repo: Repository, step: int, layers: frozenset[str], run: str, base: ManifestRecord | None
+    history: CommitHistory, step: int, layers: frozenset[str], run: str, base: ManifestRecord | None
 ) -> dict[str, Inheritance]:
     """For each layer, the newest earlier committed step of the run that has it, with its atoms
     by key; then the run's base (the step it branched from), which is older than all of them."""
     found: dict[str, Inheritance] = {}
-    history = repo.view(CommitHistory).layer_history(step, run)
+    stored = history.layer_history(step, run)
     if base is not None:
-        history += [StoredLayer(base.step, x) for x in repo.view(CommitHistory).layers(base.id)]
-    for at_step, x in history:
+        stored += [StoredLayer(base.step, x) for x in history.layers(base.id)]
+    for at_step, x in stored:
         if x.layer in layers and x.layer != STATE and x.layer not in found:
             found[x.layer] = Inheritance(x.manifest, at_step, x.source, x.source_step, {})
     return found
 
 
-def load_inherited_atoms(repo: Repository, inherit: Inheritance, layer: str) -> None:
-    inherit.atoms.update(repo.view(CommitHistory).atoms_by_key(inherit.manifest, layer))
+def load_inherited_atoms(history: CommitHistory, inherit: Inheritance, layer: str) -> None:
+    inherit.atoms.update(history.atoms_by_key(inherit.manifest, layer))
 
 
-def inherited_from(repo: Repository, inherited: Mapping[str, tuple[str, str, int]]) -> dict[str, Inheritance]:
+def inherited_from(history: CommitHistory, inherited: Mapping[str, tuple[str, str, int]]) -> dict[str, Inheritance]:
     """Where each inherited layer comes from, in this host's index: a rank-parallel plan names each
     layer's holder and source by object key (the same on every host), as (holder, source, source
     step), and each rank looks up its own ids by them. Their atoms are not loaded here."""
     out: dict[str, Inheritance] = {}
     for layer, (holder_key, source_key, source_step) in inherited.items():
         holder, source = (
-            repo.view(CommitHistory).by_object_key(holder_key),
-            repo.view(CommitHistory).by_object_key(source_key),
+            history.by_object_key(holder_key),
+            history.by_object_key(source_key),
         )
         if holder is None or source is None:
             raise StoreError(f"layer {layer} is inherited from {holder_key}, which this store no longer holds")
@@ -187,9 +188,9 @@ def planned_sources(repo: Repository, plan: PartPlan, layers: Iterable[str]) -> 
         if layer not in plan.inherited:
             raise StoreError(f"the plan of this rank-parallel commit says nothing of layer {layer}")
         wanted[layer] = plan.inherited[layer]
-    out = inherited_from(repo, wanted)
+    out = inherited_from(repo.view(CommitHistory), wanted)
     for layer, inherit in out.items():
-        load_inherited_atoms(repo, inherit, layer)
+        load_inherited_atoms(repo.view(CommitHistory), inherit, layer)
     return out
 
 
@@ -238,7 +239,7 @@ def _measure_changes(repo: Repository, layout: CheckpointLayout, scan: Scan, sou
     """Relative change of each layer's FP32 master since the version an earlier step holds, file by file."""
     by_path = {f.path: f for f in scan.files}
     terms = {path: file_change_terms(repo, by_path[path], sources) for path in write_order(layout)}
-    return combine_changes(repo, [terms[path] for path in write_order(layout)], sources)
+    return combine_changes(repo.view(CommitHistory), [terms[path] for path in write_order(layout)], sources)
 
 
 def file_change_terms(repo: Repository, f: ReadFile, sources: Mapping[str, Inheritance]) -> dict[str, ChangeTerms]:
@@ -254,7 +255,7 @@ def file_change_terms(repo: Repository, f: ReadFile, sources: Mapping[str, Inher
 
 
 def combine_changes(
-    repo: Repository, per_file: list[dict[str, ChangeTerms]], sources: Mapping[str, Inheritance]
+    history: CommitHistory, per_file: list[dict[str, ChangeTerms]], sources: Mapping[str, Inheritance]
 ) -> dict[str, float]:
     """The files' terms summed in write order, as one pass over every file sums them; a layer counts
     only where every master piece of its source was matched."""
@@ -263,15 +264,15 @@ def combine_changes(
         for layer, found in terms.items():
             totals.setdefault(layer, LayerChange()).add_terms(found)
     expected = {
-        layer: repo.view(CommitHistory).count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()
+        layer: history.count_atoms(src.manifest, layer, A.MASTER) for layer, src in sources.items()
     }
     return {layer: t.value() for layer, t in totals.items() if t.pieces == expected.get(layer) and t.matched}
 
 
-def ages_of(repo: Repository, sources: dict[str, Inheritance], commits_before: int, run: str) -> dict[str, int]:
+def ages_of(history: CommitHistory, sources: dict[str, Inheritance], commits_before: int, run: str) -> dict[str, int]:
     """Commits since each inheritable layer was last stored (one query per distinct source step)."""
     before = {
-        step: repo.view(CommitHistory).commits_before(step, run)
+        step: history.commits_before(step, run)
         for step in {src.source_step for src in sources.values()}
     }
     return {layer: commits_before - before[src.source_step] for layer, src in sources.items()}
@@ -340,7 +341,7 @@ def commit_layout(
             return commit_part(repo, source, layout, scan, step, options, lock, progress, began)
         decision = _decide(repo, layout, scan, step, options)
         for layer in scan.layers - decision.stored:
-            load_inherited_atoms(repo, decision.sources[layer], layer)
+            load_inherited_atoms(repo.view(CommitHistory), decision.sources[layer], layer)
         writer = BlobWriter(repo, level=options.level, threads=options.threads)
         with cleaned_up_on_failure(repo, writer, lock, progress):
             plan, new_blobs = _write_checked(
@@ -388,12 +389,12 @@ def _decide(repo: Repository, layout: CheckpointLayout, scan: Scan, step: int, o
     if not options.force:
         structure.refuse_other_model(repo.view(structure.ModelShape), scan.structure, run, base, layout.kind)
         refuse_taken(repo.view(CommitHistory), step, run, options.tag or None)
-    sources = inheritance(repo, step, scan.layers, run, base)
+    sources = inheritance(repo.view(CommitHistory), step, scan.layers, run, base)
     read_from = {m: repo.manifest(m) for m in {i.manifest for i in sources.values()}}  # as they are now
     commits_before = repo.view(CommitHistory).commits_before(step, run) + (base is not None)
     adaptive = needs_changes(options.policy)
     changes = _measure_changes(repo, layout, scan, sources) if adaptive else {}
-    ages = ages_of(repo, sources, commits_before, run) if adaptive else {}
+    ages = ages_of(repo.view(CommitHistory), sources, commits_before, run) if adaptive else {}
     facts = CommitFacts(
         scan.layers, commits_before, frozenset(sources), changes if adaptive else None, scan.layer_bytes, ages
     )
@@ -557,12 +558,13 @@ def commit_part(
         )
         lock.check("committing a part")
         failpoint("before-part-publish")
-        key = parts.publish(repo.backend, part, fence=lambda: lock.check("committing a part"))
+        objects = repo.objects(Editor)
+        key = parts.publish(objects, part, fence=lambda: lock.check("committing a part"))
         if lock.by_time:  # its blobs against gc's notices, after the put (store/gc_notices.py)
             try:
-                check_publication(repo.backend, part.blobs, "committing a part", repo.size_lookup(part.blobs))
+                check_publication(objects, part.blobs, "committing a part", repo.size_lookup(part.blobs))
             except BaseException:
-                repo.backend.delete_many([key])  # taken back: a part a finalize must never count
+                objects.delete_many([key])  # taken back: a part a finalize must never count
                 raise
     return CommitResult(
         step=step,

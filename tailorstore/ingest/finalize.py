@@ -48,6 +48,7 @@ from tailorstore.formats import dcp
 from tailorstore.formats.deepspeed import file_rank, is_model_states, is_optim_states
 from tailorstore.formats.kinds import DCP
 from tailorstore.formats.layout import ACCELERATE, DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, HF_TRAINER
+from tailorstore.store.backends.roles import Remover, Scanner
 from tailorstore.store.manifests.runs import check_run_name
 from tailorstore.store.parts import Part, read_parts
 from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest
@@ -214,11 +215,11 @@ def _one_plan(parts: list[Part]) -> dict | None:
     return parts[0].plan
 
 
-def _plan_sources(repo: Repository, plan: dict, step: int) -> dict[str, tuple[int, int]]:
+def _plan_sources(lookup: FinalizeLookup, plan: dict, step: int) -> dict[str, tuple[int, int]]:
     """Inherited layer -> (this index's id of its source manifest, source step)."""
     out = {}
     for layer, (_, source_key, source_step) in plan["inherited"].items():
-        source = repo.view(FinalizeLookup).by_object_key(source_key)
+        source = lookup.by_object_key(source_key)
         if source is None or source_step >= step:
             raise CorruptStoreError(
                 f"step {step}'s parts inherit layer {layer} from {source_key}, which is not an earlier step here"
@@ -300,11 +301,11 @@ def finalize_step(repo: Repository, request: FinalizeRequest, progress: Progress
     ):
         repo.refresh(lock)  # packs and manifests other hosts wrote since this store was opened
         save = _one_save(repo, request)
-        sources = _plan_sources(repo, save.plan, request.step) if save.plan else {}
+        sources = _plan_sources(repo.view(FinalizeLookup), save.plan, request.step) if save.plan else {}
         rows = _rows(repo, request, save, sources)
         [manifest] = record_manifest(repo, rows, fence=lock)  # the commit point
         # after the manifest is durable (a crash before leaves parts gc can drop); one request on S3
-        repo.backend.delete_many([part.key for part in save.parts])
+        repo.objects(Remover).delete_many([part.key for part in save.parts])
     return FinalizeResult(
         step=request.step,
         manifest=manifest,
@@ -321,7 +322,7 @@ def finalize_step(repo: Repository, request: FinalizeRequest, progress: Progress
 def _one_save(repo: Repository, request: FinalizeRequest) -> _OneSave:
     """The step's parts, refused unless they are one try of one save, complete, of this run's model."""
     step, run = request.step, request.run
-    parts = read_parts(repo.backend, step, run, request.label)
+    parts = read_parts(repo.objects(Scanner), step, run, request.label)
     if not parts:
         raise StoreError(
             f"step {step} has no parts to finalize. Each host commits its ranks with ",

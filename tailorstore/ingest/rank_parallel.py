@@ -34,6 +34,7 @@ from tailorstore.ingest import rank_plan
 from tailorstore.ingest.commit_options import CommitOptions, CommitResult, PartPlan
 from tailorstore.ingest.finalize import FinalizeResult
 from tailorstore.ingest.rank_share import Share, Survey, checked_weights, survey, write_share, writers
+from tailorstore.store.backends.roles import Remover
 from tailorstore.store.parts import try_token
 from tailorstore.store.repo import Repository
 
@@ -91,7 +92,7 @@ def commit_together(
     written = group.together(
         lambda: write_share(repo, share, options, elsewhere, derived),
         "writing its files",
-        undo=lambda result: result is not None and result.part and repo.backend.delete(result.part),
+        undo=lambda result: result is not None and result.part and repo.objects(Remover).delete(result.part),
     )
     parts: list[CommitResult | None] = group.gather(written)
     finalized = group.from_member0(lambda: finalize(share.step), f"finalizing step {share.step}")

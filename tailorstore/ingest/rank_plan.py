@@ -24,7 +24,14 @@ from tailorstore.core.errors import StoreError
 from tailorstore.core.policies import CommitFacts, PolicySpec, decide, needs_changes
 from tailorstore.formats.deepspeed import is_model_states
 from tailorstore.formats.reader import write_order
-from tailorstore.ingest.commit import ages_of, combine_changes, file_change_terms, inheritance, inherited_from
+from tailorstore.ingest.commit import (
+    CommitHistory,
+    ages_of,
+    combine_changes,
+    file_change_terms,
+    inheritance,
+    inherited_from,
+)
 from tailorstore.ingest.commit_options import PartPlan
 from tailorstore.ingest.rank_share import Share, Survey
 from tailorstore.store.repo import Repository
@@ -69,9 +76,10 @@ def layers_and_sizes(surveys: Sequence[Survey]) -> tuple[frozenset[str], dict[st
 def find_sources(repo: Repository, step: int, layers: frozenset[str], run: str, spec: PolicySpec) -> Sources:
     """Rank 0, under the shared lock: every layer's newest earlier version, as a commit finds it."""
     base = repo.run_base(run)
-    found = inheritance(repo, step, layers, run, base)
+    history = repo.view(CommitHistory)
+    found = inheritance(history, step, layers, run, base)
     commits_before = repo.view(RankPlanLookup).commits_before(step, run) + (base is not None)
-    ages = ages_of(repo, found, commits_before, run) if needs_changes(spec) else {}
+    ages = ages_of(history, found, commits_before, run) if needs_changes(spec) else {}
 
     def key(manifest: int) -> str:
         record = repo.manifest(manifest)
@@ -85,7 +93,7 @@ def find_sources(repo: Repository, step: int, layers: frozenset[str], run: str, 
 
 def own_terms(repo: Repository, share: Share, sources: Sources) -> dict[str, dict[str, ChangeTerms]]:
     """Each rank: its own files' terms of every inheritable layer's change, by file."""
-    mine = inherited_from(repo, sources.inherited)  # this rank's view of the sources (its own index's ids)
+    mine = inherited_from(repo.view(CommitHistory), sources.inherited)  # this rank's own index's ids of the sources
     return {f.path: file_change_terms(repo, f, mine) for f in share.scan.files}
 
 
@@ -100,8 +108,9 @@ def decide_plan(
     """Rank 0: the layers to store, as a single-process commit of the same save decides them."""
     layers, sizes = layers_and_sizes(surveys)
     adaptive = needs_changes(spec)
-    mine = inherited_from(repo, sources.inherited) if adaptive else {}
-    changes = combine_changes(repo, [terms[p] for p in order if p in terms], mine) if adaptive else {}
+    history = repo.view(CommitHistory)
+    mine = inherited_from(history, sources.inherited) if adaptive else {}
+    changes = combine_changes(history, [terms[p] for p in order if p in terms], mine) if adaptive else {}
     facts = CommitFacts(
         layers, sources.commits_before, frozenset(sources.inherited), changes if adaptive else None, sizes, sources.ages
     )

@@ -27,6 +27,7 @@ from tailorstore.core.progress import Progress, Silent
 from tailorstore.core.records import AtomRecord, BlobRecord, BlobUse, ManifestRecord
 from tailorstore.core.threads import decode_threads
 from tailorstore.store import archive_codec, codec
+from tailorstore.store.backends.roles import Leftovers
 from tailorstore.store.repo import Repository
 
 
@@ -60,10 +61,10 @@ class VerifyReport:
         return not self.problems
 
 
-def _users(repo: Repository, manifest_ids: list[int]) -> dict[str, list[str]]:
+def _users(index: VerifyView, manifest_ids: list[int]) -> dict[str, list[str]]:
     """blob -> where it is used, as 'step S, layer L, file F' (for messages)."""
     users: dict[str, list[str]] = defaultdict(list)
-    for digest, where in repo.view(VerifyView).blob_uses(manifest_ids):
+    for digest, where in index.blob_uses(manifest_ids):
         users[digest].append(where)
     return users
 
@@ -92,7 +93,7 @@ def _verify(repo: Repository, selector: str | None, deep: bool, progress: Progre
     else:
         ids = [repo.resolve(selector)]
     report.manifests = len(ids)
-    users = _users(repo, ids) if ids else {}
+    users = _users(repo.view(VerifyView), ids) if ids else {}
     for manifest in ids:
         _check_structure(repo, manifest, report)
     rows = {digest: repo.blob(digest) for digest in sorted(users)}
@@ -131,7 +132,7 @@ def _verify(repo: Repository, selector: str | None, deep: bool, progress: Progre
     stray = [n for n in held.packs if n not in known_packs]
     if stray:
         report.notes.append(f"{len(stray)} pack(s) the index does not know; gc removes them")
-    temps = repo.backend.leftovers()
+    temps = repo.objects(Leftovers).leftovers()
     if temps:
         report.notes.append(f"{len(temps)} temp file(s) of interrupted commits; gc removes them")
     return report

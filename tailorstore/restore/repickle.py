@@ -35,9 +35,9 @@ def write_file(repo: Repository, manifest: int, row: FileRecord, target: Path, w
         _write_torch(repo, manifest, row, target, where, trust)
 
 
-def _atoms_by_slot(repo: Repository, manifest: int, path: str) -> dict[int, list[AtomRecord]]:
+def _atoms_by_slot(contents: Contents, manifest: int, path: str) -> dict[int, list[AtomRecord]]:
     by_slot: dict[int, list[AtomRecord]] = defaultdict(list)
-    for atom in repo.view(Contents).atoms(manifest, path=path):
+    for atom in contents.atoms(manifest, path=path):
         by_slot[atom.slot].append(atom)
     return by_slot
 
@@ -74,7 +74,7 @@ def _check_param_shapes(obj: Any, where: str) -> None:
 
 def _write_torch(repo: Repository, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:
     skeleton = load_skeleton(repo.read_blob(row.blob, where), where, trusted=row.trusted, trust_pickles=trust)
-    by_slot = _atoms_by_slot(repo, manifest, row.path)
+    by_slot = _atoms_by_slot(repo.view(Contents), manifest, row.path)
     tensors: dict[int, torch.Tensor] = {}
     for slot in slots_of(skeleton):
         tensor = torch.empty(slot.shape, dtype=dtype_from_name(slot.dtype))
@@ -87,7 +87,7 @@ def _write_torch(repo: Repository, manifest: int, row: FileRecord, target: Path,
 
 def _write_safetensors(repo: Repository, manifest: int, row: FileRecord, target: Path, where: str) -> None:
     header = repo.read_blob(row.blob, where)
-    by_slot = _atoms_by_slot(repo, manifest, row.path)
+    by_slot = _atoms_by_slot(repo.view(Contents), manifest, row.path)
     with os.fdopen(create_new(target), "wb") as f:  # a new file of our own hidden folder
         f.write(header)
         for slot, (name, dtype, shape) in enumerate(tensor_layout(header, where)):

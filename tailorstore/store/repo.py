@@ -37,6 +37,7 @@ from tailorstore.core.errors import (
 )
 from tailorstore.core.progress import Progress
 from tailorstore.core.records import COMMIT, MAIN_RUN, BlobRecord, ManifestRecord
+from tailorstore.core.roles import view_as as view_target_as
 from tailorstore.store import archive_codec, codec
 from tailorstore.store.backends.base import Backend, blob_names
 from tailorstore.store.backends.conditional import check_conditional_writes
@@ -317,6 +318,12 @@ class Repository:
         """The index's queries as ``role`` (a small protocol the operation declares) names them,
         and no others: the index itself is private to ``store/`` (store/index/roles.py)."""
         return view_as(self._index, role)
+
+    def objects(self, role: type[R]) -> R:
+        """The backend as ``role`` (composed of store/backends/roles.py's ``Reader``, ``Lister``,
+        ``Writer``, ``Remover``, ``Leftovers``) names it, and nothing else: above ``store/``, the
+        one way to the store's objects, asked for once at an operation's entry."""
+        return view_target_as(self.backend, role, "the backend")
 
     @contextmanager
     def transaction(self, role: type[R]) -> Iterator[R]:

@@ -42,6 +42,7 @@ from tailorstore.formats.layout import MEGATRON, step_from_name
 from tailorstore.formats.memory_folder import MemoryFile, MemoryFolder
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.formats.small_text import NAME_LIMIT, read_small_text
+from tailorstore.formats.source import LentBytes
 from tailorstore.formats.tensors import dtype_from_name
 from tailorstore.ingest.commit_options import CommitRequest
 from tailorstore.ingest.rank_plan import check_sized_policy
@@ -72,6 +73,7 @@ __all__ = [
     "MEGATRON",
     "NAME_LIMIT",
     "OPERATIONS",
+    "LentBytes",
     "MemoryFile",
     "MemoryFolder",
     "StoreSession",
@@ -188,9 +190,10 @@ class StoreSession:
     def parts(self, step: int | None, *, label: str | None = None) -> list[str]:
         """The keys of the parts of ``step`` (None: of every step; this handle's run) waiting for
         ``Store.finalize`` (with ``label``, those committed with it)."""
+        from tailorstore.store.backends.roles import Lister
         from tailorstore.store.parts import part_keys
 
-        return part_keys(self.store.repo.backend, step, self.store.run, label)
+        return part_keys(self.store.repo.objects(Lister), step, self.store.run, label)
 
     def in_run(self, run: str) -> StoreSession:
         """A session on this same open store whose commits and ``step=N`` go to ``run``."""

@@ -39,6 +39,7 @@ referenced until then.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
 import math
@@ -46,6 +47,7 @@ import os
 import pickle
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -65,6 +67,7 @@ from tailorstore.core.host_memory import release_free_memory
 from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.integrations.common.store_session import (
+    LentBytes,
     MemoryFile,
     MemoryFolder,
     StoreSession,
@@ -189,8 +192,9 @@ class TailorStorageWriter(StorageWriter):
             raise StoreError("write_data before prepare_global_plan: DCP's save calls them in that order")
         folder = self.folder(orders.step)
         try:
-            results = serialize(folder.add(orders.file_name), orders.file_name, plan.items, planner)
-            folder.dcp_metadata = rank_metadata(plan, results, orders, self.megatron)
+            file = folder.add(orders.file_name)
+            results = serialize(file, orders.file_name, plan.items, planner)
+            folder.dcp_metadata = rank_metadata(plan, results, orders, self.megatron, file.lent)
             StoreSession(self.store).commit_memory(folder, self.request, part_label=orders.label, plan=orders.plan)
         finally:
             folder.close()
@@ -309,15 +313,24 @@ def serialize(into: MemoryFile, name: str, items: list[WriteItem], planner: Save
 
 
 def rank_metadata(
-    plan: SavePlan, results: list[WriteResult], orders: RankOrders, megatron: bool = False
+    plan: SavePlan,
+    results: list[WriteResult],
+    orders: RankOrders,
+    megatron: bool = False,
+    lent: Sequence[LentBytes] = (),
 ) -> dcp_format.DcpMetadata:
     """What ``.metadata`` will say of this rank's file, built from its plan (the coordinator
-    writes the whole of it only once every rank is done): enough to cut the file into atoms."""
+    writes the whole of it only once every rank is done): enough to cut the file into atoms.
+
+    ``lent``: the tensors whose bytes the memory file left in them (``LendingWriter``), each at the
+    offset ``torch.save`` wrote it. Each tensor item is told where its bytes are, so the commit does
+    not parse the zip the writer has just written to find what the writer already knew."""
     meta = dcp_format.DcpMetadata(megatron=megatron)
     paths = plan.planner_data if isinstance(plan.planner_data, dict) else {}
     meta.paths = {fqn: tuple(str(k) for k in keys) for fqn, keys in paths.items() if isinstance(keys, tuple | list)}
     meta.items = {f"__{r}_0{dcp_format.SUFFIX}": [] for r in range(orders.world_size)}  # the save's world size
     by_index = {result.index: result.storage_data for result in results}
+    starts = [one.offset for one in lent]  # in the file's order, as torch.save wrote them
     for item in plan.items:
         info = by_index[item.index]
         fqn = item.index.fqn
@@ -331,6 +344,22 @@ def rank_metadata(
             fqn, dcp_format.TensorInfo(dtype_name(data.properties.dtype), tuple(data.size), [])
         )
         tensor.chunks.append(chunk)
-        meta.items[orders.file_name].append(dcp_format.Item(fqn, info.relative_path, info.offset, info.length, chunk))
+        at = _bytes_at(lent, starts, info.offset, info.length, data)
+        meta.items[orders.file_name].append(
+            dcp_format.Item(fqn, info.relative_path, info.offset, info.length, chunk, data_at=at)
+        )
     meta.items[orders.file_name].sort(key=lambda i: i.offset)
     return meta
+
+
+def _bytes_at(lent: Sequence[LentBytes], starts: list[int], offset: int, length: int, data: Any) -> int | None:
+    """Where the one tensor lent inside ``[offset, offset + length)`` has its bytes, if it is the
+    item's tensor (its dtype, its chunk's shape); None (the commit parses the item) otherwise."""
+    i = bisect.bisect_left(starts, offset)
+    if i == len(lent) or lent[i].end > offset + length:
+        return None
+    tensor = lent[i].owner
+    sizes = tuple(getattr(tensor, "shape", ()))
+    if getattr(tensor, "dtype", None) != data.properties.dtype or sizes != tuple(data.chunk.sizes):
+        return None
+    return lent[i].offset

@@ -118,8 +118,9 @@ class MegatronAsyncWriter(MegatronStorageWriter):
             raise StoreError("prepare_write_data before prepare_global_plan: Megatron's planner calls them so")
         folder = self.folder(orders.step)
         try:
-            self._results = serialize(folder.add(orders.file_name), orders.file_name, plan.items, _Copies(planner))
-            folder.dcp_metadata = rank_metadata(plan, self._results, orders, self.megatron)
+            file = folder.add(orders.file_name)
+            self._results = serialize(file, orders.file_name, plan.items, _Copies(planner))
+            folder.dcp_metadata = rank_metadata(plan, self._results, orders, self.megatron, file.lent)
         except BaseException:
             folder.close()
             raise

@@ -15,8 +15,12 @@ metrics) is in no role: only ``store/publish.py`` does it, on the index itself.
 
 from __future__ import annotations
 
-from functools import cache
-from typing import Any, Protocol, TypeVar, cast
+from typing import TypeVar
+
+from tailorstore.core.roles import RoleView, members
+from tailorstore.core.roles import view_as as _view_as
+
+__all__ = ["MOST_METHODS", "PUBLISHING", "RoleView", "members", "view_as"]
 
 MOST_METHODS = 8
 """The most index methods one role may name; a role that needs more is two phases of work."""
@@ -39,41 +43,6 @@ PUBLISHING = frozenset(
 """What ``store/publish.py`` alone does to the index: no role outside ``store/`` may name these."""
 
 
-@cache
-def members(role: type) -> frozenset[str]:
-    """The public names a role protocol declares, its protocol bases' included."""
-    names: set[str] = set()
-    for klass in role.__mro__:
-        if klass is object or klass is Protocol or not getattr(klass, "_is_protocol", False):
-            continue
-        names.update(n for n in vars(klass) if not n.startswith("_"))
-        names.update(n for n in getattr(klass, "__annotations__", {}) if not n.startswith("_"))
-    return frozenset(names)
-
-
-class RoleView:
-    """The index as one role sees it: its methods, and nothing else."""
-
-    __slots__ = ("_names", "_role", "_target")
-
-    def __init__(self, target: object, role: type) -> None:
-        names = members(role)
-        missing = sorted(n for n in names if not hasattr(type(target), n))
-        if missing:
-            raise TypeError(f"{role.__name__} names what the index does not have: {', '.join(missing)}")
-        self._names = names
-        self._role = role
-        self._target = target
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self._names:
-            return getattr(self._target, name)
-        raise AttributeError(f"{self._role.__name__} offers no {name!r}: add it to the role if the operation needs it")
-
-    def __repr__(self) -> str:
-        return f"<{self._role.__name__} view of the index>"
-
-
 def view_as(target: object, role: type[R]) -> R:
     """``target`` (the index, or its handle inside a transaction) seen as ``role``."""
-    return cast(R, RoleView(target, role))
+    return _view_as(target, role, "the index")
