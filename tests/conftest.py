@@ -97,11 +97,11 @@ CONFIGS: dict[str, dict[str, object]] = {
     "zero3-bf16-tied": {"stage": 3, "dtype": "bf16", "tie_embeddings": True},
 }
 
-# References of the many-node tests (tests/test_nodes.py) only: not every run of CONFIGS' shape.
+# References of the many-node tests (tests/system/test_nodes.py) only: not every run of CONFIGS' shape.
 NODE_CONFIGS: dict[str, dict[str, object]] = {
     "zero2-bf16-4ranks": {"stage": 2, "dtype": "bf16", "nproc": 4},  # the 2 x 2 nodes test's reference
     "zero2-bf16-9steps": {"stage": 2, "dtype": "bf16", "steps": 9},  # saves at 3, 6 and 9: the killed node's
-    # a second try of a save (another seed): the same files and shapes, other values (tests/test_parts.py)
+    # a second try of a save (another seed): the same files and shapes, other values (tests/system/test_parts.py)
     "zero2-bf16-try2": {"stage": 2, "dtype": "bf16", "seed": 4321},
     "zero3-bf16-try2": {"stage": 3, "dtype": "bf16", "seed": 4321},
 }

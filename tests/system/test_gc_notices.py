@@ -149,7 +149,7 @@ def _notice_body(blobs: set[str], packs: set[str], host: str, pid: int) -> bytes
 def test_a_notice_of_a_gc_that_died_on_this_host_blocks_nothing_and_the_next_gc_deletes_it(
     s3_location: str, saves: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A gc killed between its notice and its withdrawal (CI met it: tests/test_s3_faults.py) left a
+    """A gc killed between its notice and its withdrawal (CI met it: tests/system/test_s3_faults.py) left a
     notice that failed every later commit of the same blobs until a user ran ``--clear-notices``.
     Where the notice's pid is free on the same host its gc is certainly gone: commits pass over it and
     the next gc deletes it. Another host's notice, or a live process's, still blocks."""

@@ -1,6 +1,6 @@
 """`tailor checkout --format universal`: DeepSpeed's universal checkpoint written from the store,
 checked tensor for tensor against `ds_to_universal --inject_missing_state` on the same real saves.
-tests/test_reshard.py loads it with DeepSpeed's `load_universal` at another world size."""
+tests/system/test_reshard.py loads it with DeepSpeed's `load_universal` at another world size."""
 
 from __future__ import annotations
 

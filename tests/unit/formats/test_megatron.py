@@ -3,7 +3,7 @@ wrote (tests/data/megatron, made by testbed/train_megatron.py at tensor parallel
 main parameters and Adam's moments) read by the one allowlisted unpickler, widened only for a
 Megatron folder and only by Megatron's planner classes; every chunk named and labelled by layer;
 and the folders Megatron leaves (finished, unfinished, a run folder with its tracker) recognised or
-refused in one line. tests/test_megatron.py does the same on saves Megatron makes as it runs."""
+refused in one line. tests/system/test_megatron.py does the same on saves Megatron makes as it runs."""
 
 from __future__ import annotations
 

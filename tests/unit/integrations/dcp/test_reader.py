@@ -1,7 +1,7 @@
 """``dcp.load`` through :class:`TailorStorageReader`: a stored DCP step is read item by
 item from the store, into the memory the state dict keeps, every tensor hash-checked, with no file
 written. Real ``dcp.save`` folders, committed to a real store; one process here (DCP without a
-process group), two ranks and one in tests/test_dcp.py."""
+process group), two ranks and one in tests/system/test_dcp.py."""
 
 from __future__ import annotations
 

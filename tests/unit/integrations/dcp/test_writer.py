@@ -1,6 +1,6 @@
 """:class:`TailorStorageWriter` in one process (DCP without a process group), a real store, real
 ``dcp.save``: the step it names, what it refuses before anything is written, and a failure at the
-step's commit point records nothing. Two ranks of FSDP2 are in tests/test_dcp_writer.py."""
+step's commit point records nothing. Two ranks of FSDP2 are in tests/system/test_dcp_writer.py."""
 
 from __future__ import annotations
 
