@@ -1,5 +1,6 @@
 """The archive tier (`tailor gc --thin archive`): weights quantized against the previous archived
-step, on a real 10-save DeepSpeed run, and the codec's bound and hostile descriptors."""
+step, on a real 10-save DeepSpeed run, chains read back and refused in a store, and the grid a run
+carries. The codec's own bound and hostile descriptors are tests/unit/store/test_archive_codec.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Averaging merges (`method: sma | ema | wma`) on real DeepSpeed runs, checked exactly against
-a plain torch average of the original files (DeepSpeed's own zero_to_fp32 reads them)."""
+a plain torch average of the original files (DeepSpeed's own zero_to_fp32 reads them). The rules
+without a training are tests/unit/curate/test_averaging.py."""
 
 from __future__ import annotations
 

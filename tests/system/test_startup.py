@@ -1,6 +1,7 @@
 """Start-up imports only what a command uses: ``--help`` and ``--version`` print without numpy
 or torch, and ``log``, ``show`` and ``tag`` list and change refs without numpy (the codec loads
-it on the first plane it splits or joins). The times are a benchmark (docs/benchmarks.md)."""
+it on the first plane it splits or joins); ``log``, ``show``, ``tag`` and ``gc`` import neither
+torch nor DeepSpeed. The times are a benchmark (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

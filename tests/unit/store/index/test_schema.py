@@ -3,7 +3,8 @@
 ``tests/data/format1/store`` was made by the 0.1 code (git 8832a07, format 1) committing
 ``tests/data/format1/checkpoint``, a 2-rank ZeRO-2 bf16 DeepSpeed save of a tiny model; the
 index was switched from WAL to a single file so that it ships as one file. Nothing in it is
-rebuilt from today's schema: the upgrade meets the tables as 0.1 created them.
+rebuilt from today's schema: the upgrade meets the tables as 0.1 created them. A format version
+that is not a number is a damaged store.
 """
 
 from __future__ import annotations
