@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# The report page's browser tests (tests/test_report_page.py) drive the system's chromium through
+# The report page's browser tests (tests/system/test_report_page.py) drive the system's chromium through
 # Playwright, which downloads no browser. Where it is missing and apt-get can install it (Debian,
 # as root: CI's machine), this installs Debian's; elsewhere those tests skip, with one line saying
 # what to install.

@@ -280,7 +280,7 @@ def render(results: list[dict], command: str) -> str:
         "tailorstore's modules are byte-compiled first, as `pip install` leaves them",
         "(this machine sets PYTHONDONTWRITEBYTECODE; DeepSpeed's are compiled in site-packages).",
         "tailorstore reads the committed step from the store; DeepSpeed's tools read the save's files (in the",
-        "page cache, read once before). tests/test_export.py, test_universal.py and test_reshard.py check",
+        "page cache, read once before). tests/system/test_export.py, test_universal.py and test_reshard.py check",
         "that the outputs are equal. Targets: at least 5x faster, at most 1/4 of the peak RSS.",
         "",
         "| size | params | save | ours | theirs | their time | our time | speed-up | their peak RSS |"

@@ -14,7 +14,7 @@ with plain ``dcp.save`` to folders every ``saves / 10`` steps. Then:
 - memory: the mean resident size over the last tenth of the saves against saves in the second
   tenth (for 1,000 saves: the last 100 against saves 100-200), target within 5%.
 
-Prints one JSON line; ``tests/test_dcp_soak.py`` runs 100 saves.
+Prints one JSON line; ``tests/system/test_dcp_soak.py`` runs 100 saves.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ seeds mutated (bytes flipped, cut, spliced, repeated) or raw bytes. The rule for
 
 A failing input is written to ``--crashes`` (default ``.bench/fuzz-crashes``) and printed with the
 command that replays it. The exit status is 1 when any input broke the rule. CI runs each target
-for a bounded number of inputs (tests/test_fuzz.py); run it longer here.
+for a bounded number of inputs (tests/system/test_fuzz.py); run it longer here.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _capped(memory_mb: int, target: str | None = None) -> None:
 
 
 def replay(inputs: list[Path], memory_mb: int, seconds: float) -> int:
-    """Each saved input once, under the same caps (a crash found is a test: tests/test_fuzz.py)."""
+    """Each saved input once, under the same caps (a crash found is a test: tests/system/test_fuzz.py)."""
     datas = [(p.name.rsplit("-", 1)[0], p.read_bytes(), p) for p in inputs]
     failed = 0
     with tempfile.TemporaryDirectory(prefix="tailor-fuzz-replay-") as scratch:

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The device check of the overlapped snapshot (one GPU): the snapshot's copies run on side streams
 # beside the next step (tailorstore/integrations/deepspeed/side_copy.py).
-# 1. tests/test_side_copy.py on the GPU: a change queued right after a save is not in its file;
+# 1. tests/unit/integrations/deepspeed/test_side_copy.py on the GPU: a change queued right after a save is not in its file;
 # 2. the same 374M-parameter ZeRO-2 bf16 training through attach three ways: no saves, the
 #    snapshot through GPU buffers (the default where the GPU has room), and straight into pinned
 #    memory (gpu_buffers=False), and with PARTS containing "gpubuf4" the first again with the
@@ -25,8 +25,8 @@ W=/tmp/gpuoverlap; rm -rf $W; mkdir -p $W
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 (nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; python3 -c "import torch; print(torch.__version__)") | tee "$OUT/machine.txt"
 if has test; then
-  echo "== tests/test_side_copy.py"
-  timeout 120 python3 -m pytest -q --noconftest -p no:cacheprovider tests/test_side_copy.py 2>&1 | tail -4
+  echo "== tests/unit/integrations/deepspeed/test_side_copy.py"
+  timeout 120 python3 -m pytest -q --noconftest -p no:cacheprovider tests/unit/integrations/deepspeed/test_side_copy.py 2>&1 | tail -4
 fi
 M=${MODEL:-"--cuda --dim 1024 --layers 24 --heads 16 --hidden 2816 --vocab 32000 --seq 512 --micro-batch 8 --stage 2 --dtype bf16"}
 for way in nosave gpubuf direct gpubuf4; do

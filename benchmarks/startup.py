@@ -54,7 +54,7 @@ def main() -> None:
         "",
         f"Command: `{command}` (measured {dt.datetime.now().isoformat(timespec='seconds')}, median of {REPEATS}).",
         f"Whole processes of `{' '.join(Path(c).name for c in tailor)}`, start-up included.",
-        "None of these imports torch or DeepSpeed (tests/test_cli.py checks their sys.modules).",
+        "None of these imports torch or DeepSpeed (tests/system/test_cli.py checks their sys.modules).",
         "",
         "| command | median time |",
         "|---|---|",

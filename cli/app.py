@@ -345,7 +345,7 @@ def export(
 
 
 def _when(ts: float) -> str:
-    import datetime  # only where a time is printed: start-up imports what --help prints (tests/test_startup.py)
+    import datetime  # only where a time is printed: start-up imports what --help prints (tests/system/test_startup.py)
 
     return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 

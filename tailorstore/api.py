@@ -155,7 +155,8 @@ class Store:
         :meth:`finalize` records the step once every host's part is in. ``part_label`` begins the
         part's key, so that :meth:`finalize` can take one save's parts alone.
         """
-        from tailorstore.ingest.commit_options import CommitRequest  # loaded on use: start-up (tests/test_startup.py)
+        # loaded on use: start-up (tests/system/test_startup.py)
+        from tailorstore.ingest.commit_options import CommitRequest
 
         wanted = CommitRequest.of(request, options)
         if part and wanted.delete_after_commit:

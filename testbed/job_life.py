@@ -38,7 +38,7 @@ After every launch that resumes, and at the end, the invariants (each with its r
   loads that step again and compares);
 - **contained**: nothing was written outside the job's save folder, staging and the store.
 
-``python -m benchmarks.job_life --schedules N`` runs a soak; tests/test_job_life.py runs the
+``python -m benchmarks.job_life --schedules N`` runs a soak; tests/system/test_job_life.py runs the
 regressions and a few fresh seeds. Every schedule replays from its seed.
 """
 

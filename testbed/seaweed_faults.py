@@ -13,7 +13,7 @@ reset, dropped, truncated or delayed, or a volume server whose disk is full. The
 - the same operation succeeds once the server is back.
 
 ``python -m benchmarks.seaweed_faults`` runs them all and prints the table of docs/benchmarks.md;
-tests/test_seaweed_faults.py runs a few.
+tests/system/test_seaweed_faults.py runs a few.
 """
 
 from __future__ import annotations

@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 T = TypeVar("T")
+TESTS = Path(__file__).resolve().parent  # tests/unit/<layer>/test_<module>.py and tests/system/ beneath it
+TEST_DATA = TESTS / "data"  # checked-in inputs: a small DeepSpeed save, a format-1 store, fuzz seeds...
+REPO_ROOT = TESTS.parent
 
 # name -> options of train_tiny; every run trains 6 steps and saves at 3 and 6.
 CONFIGS: dict[str, dict[str, object]] = {
@@ -94,11 +97,11 @@ CONFIGS: dict[str, dict[str, object]] = {
     "zero3-bf16-tied": {"stage": 3, "dtype": "bf16", "tie_embeddings": True},
 }
 
-# References of the many-node tests (tests/test_nodes.py) only: not every run of CONFIGS' shape.
+# References of the many-node tests (tests/system/test_nodes.py) only: not every run of CONFIGS' shape.
 NODE_CONFIGS: dict[str, dict[str, object]] = {
     "zero2-bf16-4ranks": {"stage": 2, "dtype": "bf16", "nproc": 4},  # the 2 x 2 nodes test's reference
     "zero2-bf16-9steps": {"stage": 2, "dtype": "bf16", "steps": 9},  # saves at 3, 6 and 9: the killed node's
-    # a second try of a save (another seed): the same files and shapes, other values (tests/test_parts.py)
+    # a second try of a save (another seed): the same files and shapes, other values (tests/system/test_parts.py)
     "zero2-bf16-try2": {"stage": 2, "dtype": "bf16", "seed": 4321},
     "zero3-bf16-try2": {"stage": 3, "dtype": "bf16", "seed": 4321},
 }
@@ -300,10 +303,12 @@ def as_of_step(save_dir: Path, step: int, dst: Path) -> Path:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Repository:
-    st = Repository.init(tmp_path / "store")
-    yield st
-    st.close()
+def repo(tmp_path: Path) -> Iterator[Repository]:
+    """A new, empty repository (the store's internal handle; a test of the public API opens a
+    :class:`tailorstore.Store` of its own)."""
+    opened = Repository.init(tmp_path / "store")
+    yield opened
+    opened.close()
 
 
 def one_line(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
@@ -398,15 +403,15 @@ S3_ENV = "TAILOR_TEST_S3"  # moto, seaweedfs, both; unset: moto everywhere, and 
 # archives, gc notices, revisions...) stay on moto by default: on both they cost the suite minutes
 # it does not have on this 2-core machine kind (docs/benchmarks.md, the suite's time); run them
 # there with TAILOR_TEST_S3=both.
-ON_BOTH = {
-    "test_backends.py",
-    "test_s3_store.py",
-    "test_hosts.py",
-    "test_parts.py",
-    "test_s3_faults.py",
-    "test_simulation.py",
-    "test_conditional_writes.py",
-    "test_save_bound.py",
+ON_BOTH = {  # paths under tests/
+    "unit/store/backends/test_conformance.py",
+    "system/test_s3_store.py",
+    "system/test_hosts.py",
+    "system/test_parts.py",
+    "system/test_s3_faults.py",
+    "system/test_simulation.py",
+    "system/test_conditional_writes.py",
+    "system/test_save_bound.py",
 }
 
 
@@ -415,7 +420,7 @@ def s3_kinds(module_file: str) -> list[str]:
     chosen = os.environ.get(S3_ENV, "").strip().lower()
     if chosen in ("moto", "seaweedfs"):
         return [chosen]
-    if chosen == "both" or Path(module_file).name in ON_BOTH:
+    if chosen == "both" or Path(module_file).resolve().relative_to(TESTS).as_posix() in ON_BOTH:
         return ["moto", "seaweedfs"]
     if chosen:
         raise pytest.UsageError(f"{S3_ENV}={chosen!r}: say moto, seaweedfs or both")
@@ -435,7 +440,9 @@ def s3_params(kinds: list[str]) -> list:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Every test that takes ``s3_server`` (directly or through ``s3_location``, or the ``backend``
-    conformance fixture) runs once per S3 server its file is run on (:func:`s3_kinds`)."""
+    fixture below) runs once per S3 server its file is run on (:func:`s3_kinds`). The backend
+    conformance suite's classes (tests/unit/store/backends/test_conformance.py) provide ``backend``
+    themselves, one class a backend; their S3 class takes ``s3_location``."""
     names = set(metafunc.fixturenames)
     kinds = s3_kinds(str(metafunc.definition.fspath))
     if "s3_kind" in names:
@@ -445,7 +452,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for m in metafunc.definition.iter_markers("parametrize")
         for n in (m.args[0].split(",") if isinstance(m.args[0], str) else m.args[0])
     }
-    if "backend" in names and "backend" not in own:  # the conformance fixture, below
+    own_fixture = metafunc.cls is not None and hasattr(metafunc.cls, "backend")  # BackendTests' subclasses
+    if "backend" in names and "backend" not in own and not own_fixture:  # the fixture below, of each kind
         metafunc.parametrize("backend", ["posix", *s3_params([f"s3-{k}" for k in kinds])], indirect=True)
 
 
@@ -591,14 +599,15 @@ def small_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     each test damages its own copy."""
     store = tmp_path_factory.mktemp("small") / "store"
     assert tailor("init", str(store)).returncode == 0
-    assert tailor("commit", str(Path(__file__).parent / "data" / "format1" / "checkpoint"), store=store).returncode == 0
+    assert tailor("commit", str(TEST_DATA / "format1" / "checkpoint"), store=store).returncode == 0
     return store
 
 
 @pytest.fixture
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     """An empty backend of each kind: a directory, and a prefix on each local S3 server its file runs
-    on (:func:`s3_kinds`; the parameters are :func:`pytest_generate_tests`'s)."""
+    on (:func:`s3_kinds`; the parameters are :func:`pytest_generate_tests`'s), for a test of one
+    module over every backend (the leases'); the conformance suite has a class a backend."""
     if request.param == "posix":
         return resolve(tmp_path / "store").backend
     server = use_s3(request, request.param.removeprefix("s3-"))

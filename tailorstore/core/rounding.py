@@ -4,7 +4,7 @@ Derived weights are the FP32 master rounded to the weight's dtype. Doing the rou
 not with torch, lets checkout and verify run without importing torch (two seconds of every
 ``tailor`` process). Both conversions round to nearest, ties to even. NaNs follow torch too:
 bf16 gives 0xFFFF for every NaN, fp16 keeps the sign and the top payload bits and sets the
-quiet bit. ``tests/test_rounding.py`` checks every one of these cases against torch.
+quiet bit. ``tests/unit/core/test_rounding.py`` checks every one of these cases against torch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pure rules about steps that every verb applies: what a tag may be, and what a thinned step
 cannot do. They live below the verbs so that ingest and restore apply them without reaching
-sideways into curate (the layer rule of tests/test_layers.py)."""
+sideways into curate (the layer rule of tests/system/test_layers.py)."""
 
 from __future__ import annotations
 

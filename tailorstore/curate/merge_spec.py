@@ -79,7 +79,7 @@ def merge_record(
 ) -> ManifestRecord:
     """The manifest row of a merge (composite or average): the base's facts under ``tag``, its own
     policy, source and new bytes, no pin, no object yet, and no metrics: the base's evaluation
-    scored the base, never this merge (tests/test_metric_limits.py,
+    scored the base, never this merge (tests/system/test_metric_limits.py,
     ``test_a_merge_carries_no_metric_of_its_base``)."""
     return replace(
         base,

@@ -234,7 +234,7 @@ def _is_checkpoint(folder: Path) -> bool:
 def _refuse_checkpoints_inside(path: Path) -> None:
     """A training's working folder (its final weights beside checkpoint-1, checkpoint-2...) is no
     plain checkpoint: committed as one, its checkpoints' files would become one step
-    (tests/test_cleanup_failures.py, ``test_a_working_folder_of_several_checkpoints_is_not_one_step``)."""
+    (tests/system/test_cleanup_failures.py, ``test_a_working_folder_of_several_checkpoints_is_not_one_step``)."""
     inside = sorted(p.name for p in path.iterdir() if _is_checkpoint(p))
     if inside:
         shown = ", ".join(inside[:4]) + (f" and {len(inside) - 4} more" if len(inside) > 4 else "")

@@ -11,7 +11,7 @@ length, protocol 5's buffers, Python 2's names) holds for all of them.
 
 The only other loader of pickles in the library is torch's own ``weights_only`` unpickler in
 ``formats/safe_load.py``, for the files this reader hands back (compressed records, a dtype it
-does not cut), under the same allowlist of names. ``tests/test_pickles.py`` pins both by syntax
+does not cut), under the same allowlist of names. ``tests/unit/formats/test_pickles.py`` pins both by syntax
 tree, and every call site has a fuzz target (``testbed/fuzz_targets.py``).
 """
 

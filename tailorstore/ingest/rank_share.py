@@ -201,7 +201,7 @@ def writers(surveys: Sequence[Survey], stored: frozenset[str] | None = None) -> 
     With ``stored`` (a policy's plan), a rank writes only its new blobs of those layers and of its
     files' own bytes, so only those count as taken: a blob both ranks hold (the optimizer's
     ``step``) is written once, and one a lower rank holds only in a layer it inherits is not
-    taken for written (tests/test_rank_parallel.py, where a blob both ranks hold is counted once)."""
+    taken for written (tests/system/test_rank_parallel.py, where a blob both ranks hold is counted once)."""
     taken: set[str] = set()
     out: dict[int, frozenset[str]] = {}
     for s in sorted(surveys, key=lambda s: s.rank):

@@ -103,7 +103,7 @@ _OPTIMIZER_NAME = re.compile(rf"(^|\.)({'|'.join(dcp.OPTIMIZER_TOPS)})\.(state|p
 def refuse_optimizer_names(step: int, names: list[str]) -> None:
     """Pure: an export holds only the model's parameters and buffers; a name of optimizer state means
     the step's layout was misread (as the DCP tutorial's ``Stateful`` wrapper can be:
-    tests/test_pure.py, ``test_an_export_refuses_names_of_optimizer_state``)."""
+    tests/unit/restore/test_export.py, ``test_an_export_refuses_names_of_optimizer_state``)."""
     strays = [n for n in names if _OPTIMIZER_NAME.search(n)]
     if strays:
         raise BadCheckpointError(

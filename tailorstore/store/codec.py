@@ -94,7 +94,7 @@ def check_raw_size(raw_size: int, stored_size: int, where: str) -> None:
     """Before memory is allocated for a blob's raw bytes, as its index row gives them (a row a
     stranger's manifest object or pack trailer may have written): a 9-byte object claiming 2 GiB
     would cost ``verify --deep`` gigabytes, and 2**40 a MemoryError traceback
-    (tests/test_planted_sizes.py)."""
+    (tests/system/test_planted_sizes.py)."""
     if not 0 <= raw_size <= stored_size * MOST_EXPANSION + _SLACK:
         raise CorruptStoreError(
             f"{where}: claims {raw_size} raw bytes from {stored_size} stored, more than any codec gives; the "

@@ -136,7 +136,7 @@ def _stale(lease: Lease, server_now: float) -> bool:
     """Timed by the server's clock, never by the holder's: a lease object is rewritten every TTL/3,
     so one the server last wrote more than its TTL ago is stale. Judged by the ``expires`` its
     holder wrote, a healthy host whose clock ran behind would lose its lease to every other host
-    (tests/test_leases.py, ``test_a_live_lease_of_a_host_whose_clock_is_behind_is_respected_and_named``)."""
+    (tests/unit/store/test_lease.py, ``test_a_live_lease_of_a_host_whose_clock_is_behind_is_respected_and_named``)."""
     if not process_may_run(lease.host, lease.pid):
         return True
     if lease.stamp is None:  # a backend that gives no times: the holder's own word

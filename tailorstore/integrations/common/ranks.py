@@ -2,7 +2,7 @@
 
 One place for each, so that the integrations for DeepSpeed, the HF Trainer, DCP and several
 nodes share one rank lookup, one broadcast (one failure semantics) and one reading of
-``LOCAL_WORLD_SIZE`` (one cap); tests/test_layers.py keeps them here. Every value read from the
+``LOCAL_WORLD_SIZE`` (one cap); tests/system/test_layers.py keeps them here. Every value read from the
 environment is read as hostile input. Ranks are taken to be numbered node by node,
 as ``torchrun`` numbers them (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``).
 

@@ -4,7 +4,7 @@ A choice that several ranks act on (which step to resume, whether a folder on di
 what the recovery of a dead run's staging did, whether to start fresh) must be the same choice
 on every rank. Made on each rank from what that rank sees, it differed: one rank saw a folder on
 disk that rank 0 was committing and deleting, took DeepSpeed's on-disk path and waited in
-DeepSpeed's collectives, while rank 0 waited in ours (tests/test_restarts.py,
+DeepSpeed's collectives, while rank 0 waited in ours (tests/system/test_restarts.py,
 ``test_a_job_killed_while_its_save_commits_restarts_with_every_rank_alike``). So such a choice
 is made here, by construction: :meth:`Session.decide` runs it on global rank 0 alone and every
 rank returns what rank 0 returned, or raises what it raised.

@@ -18,7 +18,7 @@ This module is the one place in ``integrations/`` that reaches below the public 
 repository, its background queue and how it builds a commit's options (``Store._options``), and the
 modules of ``formats``, ``ingest``, ``restore`` and ``store`` named below. Every other adapter module
 imports only ``tailorstore`` (its API), ``tailorstore.core`` and other adapter modules, which
-``tests/test_layers.py`` pins, as it pins what a ``StoreSession`` offers (:data:`OPERATIONS`).
+``tests/system/test_layers.py`` pins, as it pins what a ``StoreSession`` offers (:data:`OPERATIONS`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# What a StoreSession offers, and nothing more (tests/test_layers.py): the store's operations that
+# What a StoreSession offers, and nothing more (tests/system/test_layers.py): the store's operations that
 # only framework adapters call.
 OPERATIONS = frozenset(
     {

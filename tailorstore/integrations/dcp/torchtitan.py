@@ -34,7 +34,7 @@ Use it in a torchtitan config in place of the default manager::
     )
 
 Needs torchtitan (0.3.0) and its ``tyro``; tested with both installed without the rest of
-torchtitan's dependencies (tests/test_torchtitan.py).
+torchtitan's dependencies (tests/system/test_torchtitan.py).
 """
 
 from __future__ import annotations

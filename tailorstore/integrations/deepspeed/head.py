@@ -3,9 +3,9 @@
 DeepSpeed's ``latest`` names a tag (``global_step8``), never a run. After a rewind that branched
 (saves 5-8 went to ``main-from-4``), a restarted job that read only ``latest`` would
 resume ``main:step=8``, the timeline the user had abandoned, and commit its next steps there
-(tests/test_integrations.py). With ``on_existing="replace"``, a job killed while committing step
+(tests/system/test_integrations.py). With ``on_existing="replace"``, a job killed while committing step
 7 again would leave the old step 7 among the new ones, and its restart resume from that old step
-(tests/test_restarts.py).
+(tests/system/test_restarts.py).
 
 So, like git's ``HEAD`` in a work tree, global rank 0 writes ``tailorstore-head.json`` into the
 save folder after each step it commits: the store's id, the run, the step and the manifest's

@@ -93,7 +93,7 @@ def finish(save: Path) -> None:
     """A staged save was committed (or rescued): drop its record and its folder if empty. Clean-up,
     so it never fails: where staging is no folder (``TAILOR_STAGING`` naming a file) or was
     remounted read-only, the save itself is already where it belongs (I3: clean-up after a durable
-    commit is never reported as a failure; tests/test_cleanup_failures.py)."""
+    commit is never reported as a failure; tests/system/test_cleanup_failures.py)."""
     try:
         (save / TARGET).unlink(missing_ok=True)
     except OSError as exc:
@@ -164,7 +164,7 @@ def recover(staging: Path) -> list[Rescued]:
 def _only_markers(entry: Path) -> bool:
     """Whether a dead run's save folder holds only its record and the snapshot's markers, all of
     them files of this user: such a folder is cleaned once, not warned about at every start
-    (tests/test_cleanup_failures.py, ``test_a_dead_runs_save_folder_of_markers_only_is_cleaned_once``)."""
+    (tests/system/test_cleanup_failures.py, ``test_a_dead_runs_save_folder_of_markers_only_is_cleaned_once``)."""
     for p in entry.iterdir():
         try:
             mine = _ours(os.lstat(p))

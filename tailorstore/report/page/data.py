@@ -4,7 +4,7 @@ Each step's fields are written once, in the table of steps (part 5); the other p
 by its index there, so the page's data grows by one table row and a few numbers a step.
 Everything comes from the read paths of the commands (``log``, ``usage``, ``show``, the change
 matrix ``diff`` and ``plot`` measure), so each chart's numbers are the numbers those commands print
-for the same store; tests/test_report_page.py holds each part to them.
+for the same store; tests/system/test_report_page.py holds each part to them.
 """
 
 from __future__ import annotations

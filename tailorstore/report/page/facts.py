@@ -1,7 +1,7 @@
 """What the page shows that report/ cannot compute itself: the runs and what the next gc would do.
 
 Both are curate's (runs, retention, the gc plan), and a verb package does not import another
-(tests/test_layers.py); the API learns them from curate and hands them over in these records, as
+(tests/system/test_layers.py); the API learns them from curate and hands them over in these records, as
 ``usage`` takes ``gc_frees``.
 """
 

@@ -7,7 +7,7 @@ written as ``\\uXXXX`` escapes), gzipped and written in base64 inside a non-scri
 ``<script type="application/gzip">`` element. Base64 has no ``<``, so no tag, run, metric or path
 can close that element or open another; the page unpacks it with the browser's
 ``DecompressionStream`` and reads it with ``JSON.parse`` (never as code), and puts each string in
-as text (tests/test_report_page.py loads hostile names in a browser). Gzipped, a 10,000-step
+as text (tests/system/test_report_page.py loads hostile names in a browser). Gzipped, a 10,000-step
 store's data is a fraction of plotly.js's size, where as JSON it would be more than it.
 """
 

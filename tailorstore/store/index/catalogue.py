@@ -8,7 +8,7 @@ either whole: each declares a role, a protocol of at most eight of these methods
 ``Repository.transaction(Role)``). Inserting a manifest's rows is in no role: only
 ``store/publish.py`` does it. Every query returns records from ``core/records.py``,
 never tuples or SQLite rows, and SQLite's errors arrive as this library's own
-(``index_failed``). tests/test_layers.py checks that nothing outside ``store/`` imports the index
+(``index_failed``). tests/system/test_layers.py checks that nothing outside ``store/`` imports the index
 or this module, and that each operation calls only what its role names.
 """
 

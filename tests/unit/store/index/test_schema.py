@@ -1,0 +1,86 @@
+"""A real format-1 store, written by tailorstore 0.1, is upgraded on open and still checks out exactly.
+
+``tests/data/format1/store`` was made by the 0.1 code (git 8832a07, format 1) committing
+``tests/data/format1/checkpoint``, a 2-rank ZeRO-2 bf16 DeepSpeed save of a tiny model; the
+index was switched from WAL to a single file so that it ships as one file. Nothing in it is
+rebuilt from today's schema: the upgrade meets the tables as 0.1 created them. A format version
+that is not a number is a damaged store.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from tailorstore.core.errors import CorruptStoreError
+from tailorstore.formats.safe_load import load_torch_file
+from tailorstore.report.verify import verify
+from tailorstore.restore.checkout import checkout_step
+from tailorstore.store.index.schema import FORMAT_VERSION
+from tailorstore.store.repo import Repository
+from testbed.compare import differences
+from tests.conftest import TEST_DATA, index_db
+
+DATA = TEST_DATA / "format1"
+
+
+def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: Path) -> None:
+    root = shutil.copytree(DATA / "store", tmp_path / "store")
+    probe = sqlite3.connect(root / "index.sqlite")
+    assert probe.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0] == "1"
+    assert "container" not in [r[1] for r in probe.execute("PRAGMA table_info(files)")]
+    assert "file_offset" not in [r[1] for r in probe.execute("PRAGMA table_info(atoms)")]
+    probe.close()
+
+    with Repository.open(root) as store:  # upgrades
+        version = index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]
+        assert int(version) == FORMAT_VERSION == 6
+        runs = {r[0] for r in index_db(store).execute("SELECT run FROM manifests")}
+        assert runs == {"main"}, "format 4: every earlier step is main's"
+        tiers = {r[0] for r in index_db(store).execute("SELECT tier FROM manifests")}
+        assert tiers == {None}, "format 5: every earlier step is whole"
+        metrics = {r[0] for r in index_db(store).execute("SELECT metrics FROM manifests")}
+        assert metrics == {None}, "format 6: no earlier step recorded metrics"
+        keys = [r[0] for r in index_db(store).execute("SELECT object_key FROM manifests")]
+        assert keys and all(key and (root / key).is_file() for key in keys), "the upgrade wrote every manifest object"
+        assert index_db(store).execute("SELECT count(*) FROM files WHERE container IS NOT NULL").fetchone()[0] == 0
+        assert index_db(store).execute("SELECT count(*) FROM atoms WHERE file_offset IS NOT NULL").fetchone()[0] == 0
+        assert index_db(store).execute("SELECT count(*) FROM atoms WHERE derived IS NOT NULL").fetchone()[0] > 0
+        assert verify(store, deep=True).ok
+        out = tmp_path / "out"
+        checkout_step(store, "step=3", out)  # through the skeletons, as format 1 did
+    originals = sorted((DATA / "checkpoint" / "global_step3").iterdir())
+    assert len(originals) == 3
+    for original in originals:
+        restored = out / "global_step3" / original.name
+        assert not differences(load_torch_file(original)[0], load_torch_file(restored)[0]), original.name
+    assert (out / "latest").read_text() == "global_step3"
+    with Repository.open(root) as store:  # a second open finds nothing to do
+        assert int(index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 6
+        assert store.refresh() == (0, 0)
+
+    # the upgraded store's index is now a cache: lose it, rebuild it from the objects, check out again
+    for f in root.glob("index.sqlite*"):
+        f.unlink()
+    blob_files = [p for p in (root / "blobs").rglob("*") if p.is_file()]
+    assert Repository.rebuild_index(root) == (1, len(blob_files))
+    with Repository.open(root) as store:
+        assert verify(store, deep=True).ok
+        again = tmp_path / "again"
+        checkout_step(store, "step=3", again)
+    for original in originals:
+        restored = again / "global_step3" / original.name
+        assert not differences(load_torch_file(original)[0], load_torch_file(restored)[0]), original.name
+
+
+def test_format_version_that_is_not_a_number(tmp_path: Path) -> None:
+    Repository.init(tmp_path / "st").close()
+    conn = sqlite3.connect(tmp_path / "st" / "index.sqlite")
+    conn.execute("UPDATE meta SET value='abc' WHERE key='format_version'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(CorruptStoreError, match="format_version"):
+        Repository.open(tmp_path / "st")
