@@ -235,37 +235,38 @@ def _check_step(journal: list[Done], seen: Seen, key: Key, contents: dict[str, s
 
 
 def _check_tags(journal: list[Done], seen: Seen) -> list[str]:
+    """Where each tag may be now. Its *setters* (a ``tag`` or tagged ``commit`` of that name puts it
+    on their step, an ``untag`` takes it off) decide it: the last one in effect, of those that could
+    be last. A *clear* acts only on the step it touches, and only while the tag is there: an ``rm``
+    of the step, another name set on it (a step holds one tag), a gc that may drop it. So a clear
+    of a step the tag was moved away from leaves the tag where it was moved (a retag of step 6 that
+    dropped t1 by name after another host moved t1 to step 9 is a broken I2)."""
     names = {d.op.get("tag") for d in journal if d.kind in ("tag", "untag", "commit")} - {None}
     holders = {entry.get("tag"): key for key, entry in seen.steps.items() if entry.get("tag")}
     problems = []
     for name in sorted(names):
         moves = [d for d in journal if d.kind in ("tag", "untag", "commit") and d.op.get("tag") == name]
-        setters = {d.key for d in moves if d.kind != "untag"}
-        # an rm of a step the tag may be on, and a gc that may drop such a step, may clear it: maybe-events
-        maybes = [d for d in journal if d.kind == "rm" and d.key in setters]
-        # a step holds one tag: another name set on a step this one may be on replaces it
-        maybes += [
-            d
-            for d in journal
-            if d.kind in ("tag", "commit") and d.op.get("tag") not in (None, name) and d.key in setters
-        ]
-        maybes += [
-            d
-            for d in journal
-            if d.kind == "gc"
-            and d.op.get("drops")
-            and any(not surely_protected(journal, k, d) for k in setters if k is not None)
-        ]
-        events = moves + maybes
+
+        def clears(d: Done, on: Key, name: str = name) -> bool:
+            """Whether ``d`` may take the tag off step ``on``, were the tag there when it ran."""
+            if d.kind == "rm":
+                return d.key == on and d.tried
+            if d.kind in ("tag", "commit") and d.op.get("tag") not in (None, name):
+                return d.key == on and d.tried
+            return d.kind == "gc" and bool(d.op.get("drops")) and not surely_protected(journal, on, d)
+
         last = _could_be_last(
-            events,
-            definite=lambda e, name=name: (
-                e.outcome == "ok" and e.kind in ("tag", "untag", "commit") and e.op.get("tag") == name
-            ),
-            tried=lambda e: e.tried or e.kind == "rm",
+            moves,
+            definite=lambda e: e.outcome == "ok",
+            tried=lambda e: e.tried,
         )
-        could: set[Key | None] = {d.key if d.kind != "untag" and d.op.get("tag") == name else None for d in last}
-        if not any(d.outcome == "ok" and d.kind in ("tag", "untag", "commit") for d in moves):
+        could: set[Key | None] = set()
+        for d in last:
+            on = d.key if d.kind != "untag" else None
+            could.add(on)
+            if on is not None and any(e is not d and clears(e, on) and e.end > d.start for e in journal):
+                could.add(None)  # cleared after it (or while it ran) by what touched its step
+        if not any(d.outcome == "ok" for d in moves):
             could.add(None)  # it may never have been set
         if holders.get(name) not in could:
             where = holders.get(name)

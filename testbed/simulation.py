@@ -241,7 +241,7 @@ def _operation(rng: random.Random, kind: str, theme: str) -> dict[str, Any]:
 
 # Themes a run names (``--theme``), never drawn: each aims at one interleaving, so adding one leaves
 # the drawn seeds' schedules (and the regression seeds) as they were.
-TARGETED = ("pins-vs-gc", "revisions", "merges")
+TARGETED = ("pins-vs-gc", "revisions", "merges", "tag-drops")
 MERGE_TAGS = ("m1", "m2")  # names only merges take, so the step tags' rules need not know them
 
 
@@ -313,6 +313,42 @@ def _revisions(rng: random.Random, backend: str) -> list[dict[str, Any]]:
     return _then_anything(rng, backend, ops, "replace", rng.randint(0, 2), "revisions")
 
 
+def _tag_drops(rng: random.Random, backend: str) -> list[dict[str, Any]]:
+    """The interleaving I2 across hosts is kept against: host a drops step 6's tag t1 (a retag to
+    t2, an untag, a forced rm) and is stopped at a request after it read where t1 was, while other
+    hosts move t1 to step 9 (``tag --force``, reported done), untag it, or set it on step 6 again;
+    then a gc that drops every step nothing protects, then anything. A drop that deleted t1 by name
+    undid the move, and the gc dropped step 9 (FORMAT.md 3.3: a tag is dropped only while it still
+    names the step)."""
+    ops: list[dict[str, Any]] = []
+    for step in (6, 9):
+        save = rng.choice(WHOLE)
+        ops.append({"op": "commit", "save": save, "key": ["main", step], "force": False, "tag": None, "metric": None})
+    ops.append({"op": "tag", "tag": "t1", "key": ["main", 6], "force": False})
+    fault: dict[str, Any] = {"action": "stop" if rng.random() < 0.85 else "kill", "after": rng.randint(1, 2)}
+    fault["hold"] = LONG_HOLD if backend == "s3" and rng.random() < 0.3 else 0.0
+    # put-if is the drop's conditional replace (an older tree never sends one: its drop is a delete-many)
+    kind = rng.choice(("put", "put", "put-if", "put-if", "get", "delete-many", "put-create", "*"))
+    fault.update(where="request", kind=kind, nth=rng.randint(1, 8) if kind == "*" else rng.randint(1, 2))
+    drop = rng.choice(("retag", "untag", "rm"))
+    if drop == "retag":
+        ops.append({"op": "tag", "tag": "t2", "key": ["main", 6], "force": False, "fault": fault, "host": "a"})
+    elif drop == "untag":
+        ops.append({"op": "untag", "tag": "t1", "fault": fault, "host": "a"})
+    else:
+        ops.append({"op": "rm", "key": ["main", 6], "force": True, "fault": fault, "host": "a"})
+    for _ in range(fault["after"]):
+        other = rng.choice(("move", "move", "move", "untag", "back"))
+        host = rng.choice(("b", "c"))
+        if other == "untag":
+            ops.append({"op": "untag", "tag": "t1", "host": host})
+        else:
+            ops.append({"op": "tag", "tag": "t1", "key": ["main", 9 if other == "move" else 6], "force": True,
+                        "host": host})  # fmt: skip
+    ops.append({"op": "gc", "args": ["--keep-last", "1"], "drops": True, "thins": False, "host": rng.choice(HOSTS)})
+    return _then_anything(rng, backend, ops, "refs-vs-gc", rng.randint(0, 2), "tag-drops")
+
+
 def _merges(rng: random.Random, backend: str) -> list[dict[str, Any]]:
     """Merges and averages beside the writers of their sources: a composite (step 9's layers, its
     first block from step 6) or an average of steps 6 and 9, sometimes stopped or killed at a
@@ -381,6 +417,8 @@ def make_schedule(seed: int, backend: str, theme: str | None = None) -> list[dic
         return _revisions(rng, backend)
     if theme == "merges":
         return _merges(rng, backend)
+    if theme == "tag-drops":
+        return _tag_drops(rng, backend)
     if theme is not None:
         raise ValueError(f"unknown targeted theme {theme!r}: {TARGETED}")
     theme = rng.choice(sorted(THEMES))

@@ -52,7 +52,7 @@ POINTS = (
     "before-lease-renewal",
     "snapshot-file-written",  # a staged file written in the background, not yet in its place
 )
-REQUEST_KINDS = ("put", "put-create", "get", "head", "list", "delete", "delete-many")
+REQUEST_KINDS = ("put", "put-create", "put-if", "get", "head", "list", "delete", "delete-many")
 _REQUEST = re.compile(r"(\*|[a-z][a-z-]{0,30})/(\*|[a-z][a-z-]{0,30})")
 _reached: dict[str, int] = {}
 _requests: Counter[str] = Counter()

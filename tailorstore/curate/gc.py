@@ -80,7 +80,7 @@ from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifests.drop_marks import mark_unless_claimed, take_back_marks
 from tailorstore.store.manifests.keys import pin_key, superseded
 from tailorstore.store.manifests.objects import unpublish
-from tailorstore.store.manifests.refs import RefSource, carry_refs, damaged_tags
+from tailorstore.store.manifests.refs import RefSource, carry_refs, damaged_tags, tombstones
 from tailorstore.store.manifests.runs import read_retentions
 from tailorstore.store.packs.pack import PackEntry, PackWriter, pack_key, read_trailer
 from tailorstore.store.packs.pack_sync import TRAILER_READERS
@@ -670,7 +670,8 @@ def _gc(
         # before anything they name; a superseded version's pin goes with it (a plain-form pin left
         # behind would pin another run's manifest of the same name: FORMAT.md 3.3)
         superseded_pins = [pin_key(k) for k in plan.superseded]
-        objects.delete_many([*plan.drop_parts, *plan.superseded, *superseded_pins], fence=fence)
+        dropped_tags = tombstones(objects)  # alone under the lock: no host drops or moves a tag meanwhile
+        objects.delete_many([*plan.drop_parts, *plan.superseded, *superseded_pins, *dropped_tags], fence=fence)
         _drop_manifests(repo, objects, plan, fence)
         written += _repack(repo, objects, plan.repack, fence)
         _delete_dead_objects(objects, plan, sweep, listed if by_time else None, fence)

@@ -78,7 +78,7 @@ def tag(
                 raise StepExistsError(
                     f"tag {name!r} already names another manifest; pass ", Call(force=True), " to move it"
                 )
-            old = repo.manifest(manifest).tag
+            old, key = repo.manifest(manifest).tag, repo.manifest(manifest).object_key or ""
             edit.set_tag(manifest, name)  # takes the tag from any other holder
             lock.check("tagging")
             fence = lambda: lock.check("tagging")  # noqa: E731 - again just before each request
@@ -88,7 +88,7 @@ def tag(
             put_tag(objects, edit, manifest, fence=fence)
             _back_off_if_dropping(repo, objects, manifest, lambda: _restore(objects, tag_key(name), before))
             if old and old != name:
-                drop_tag(objects, old, fence=fence)
+                drop_tag(objects, old, key, fence=fence)  # only while it still names this step
     return manifest
 
 
@@ -129,7 +129,7 @@ def untag(
             raise StoreError(f"nothing is tagged {name!r}; ", Call("log"), " shows the tags.")
         with repo.transaction(RefEdits) as edit:
             lock.check("untagging")
-            drop_tag(objects, name, fence=lambda: lock.check("untagging"))
+            drop_tag(objects, name, holder.object_key or "", fence=lambda: lock.check("untagging"))
             edit.set_tag(holder.id, None)
     return holder.id
 
@@ -187,7 +187,7 @@ def remove(
             keys, mine = _mark_versions(objects, record, force, fence)
             try:
                 if record.tag:  # the objects (manifest, tag, pin) go before the index rows
-                    drop_tag(objects, record.tag, fence=fence)
+                    drop_tag(objects, record.tag, record.object_key or "", fence=fence)
                 unpublish(objects, keys, fence=fence, marked=True)
             except LeaseLostError:  # stopped by its fence before deleting the manifest
                 take_back_marks(objects, keys, mine)

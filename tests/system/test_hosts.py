@@ -521,3 +521,75 @@ def test_a_failed_commit_takes_back_no_blob_another_hosts_commit_named(
     assert run(fresh, "checkout", "step=9", "--out", str(out), "--store", s3_location).returncode == 0
     for path in (at6 / "global_step6").iterdir():
         assert (out / "global_step6" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def _three_plain_steps(tmp_path: Path, env: dict[str, str], location: str) -> None:
+    """Steps 1, 2 and 3 of a small plain torch save each, step 1 tagged ``w``."""
+    import torch
+
+    assert run(env, "init", location).returncode == 0
+    for step in (1, 2, 3):
+        folder = tmp_path / f"save-{step}"
+        folder.mkdir()
+        torch.save({"model": {"w": torch.full((64, 64), float(step))}}, folder / "model.pt")
+        assert run(env, "commit", str(folder), "--step", str(step), "--store", location).returncode == 0
+    assert run(env, "tag", "step=1", "w", "--store", location).returncode == 0
+
+
+def _tags_and_steps_after_gc(tmp_path: Path, location: str) -> tuple[dict[int, str | None], list[int]]:
+    """What a fresh host sees (each step's tag), then the steps a ``gc --keep-last 1`` leaves."""
+    fresh = host_env(tmp_path / "host-fresh")
+    tags = {step: s["tag"] for step, s in _steps(fresh, location).items()}
+    collected = run(fresh, "gc", "--keep-last", "1", "--store", location)
+    assert collected.returncode == 0, collected.stderr
+    return tags, sorted(_steps(fresh, location))
+
+
+@pytest.mark.slow  # three hosts' processes a case: seconds the fast tier's minute cannot spare
+@pytest.mark.parametrize(
+    ("failpoint", "command"),
+    [
+        ("tag/put=stop", ("tag", "step=1", "x")),  # a retag: step 1's former tag goes
+        ("untag/put-if=stop", ("untag", "w")),
+        ("rm/put-create=stop@2", ("remove", "step=1", "--force")),  # its lease, then its first drop mark
+    ],
+    ids=["retag", "untag", "remove"],
+)
+def test_a_tag_another_host_moved_meanwhile_stays_where_it_was_moved(
+    s3_location: str, tmp_path: Path, failpoint: str, command: tuple[str, ...]
+) -> None:
+    """I2 across hosts: host A drops step 1's tag ``w`` (a retag, an untag, a forced remove) and
+    stalls after reading where ``w`` was; host B moves ``w`` to step 2 (``tag --force``, exit 0);
+    A goes on. A deleted ``refs/tags/w`` by name, B's reported move was undone, and gc dropped
+    step 2. A tag is now dropped only while its object still names the step (FORMAT.md 3.3)."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    stalled = host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS=failpoint)
+    a = start(stalled, *command, "--store", s3_location)
+    wait_stopped(a)
+    other = host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600")
+    moved = run(other, "tag", "--force", "step=2", "w", "--store", s3_location)
+    assert moved.returncode == 0, moved.stderr
+    done = resume(a)
+    assert done.returncode == 0, done.stderr
+    tags, kept = _tags_and_steps_after_gc(tmp_path, s3_location)
+    assert tags[2] == "w", tags
+    assert 2 in kept and 3 in kept, kept
+    if command[0] == "tag":
+        assert tags[1] == "x" and 1 in kept, (tags, kept)
+    checks = run(host_env(tmp_path / "host-fresh"), "verify", "--store", s3_location)
+    assert checks.returncode == 0, checks.stdout + checks.stderr
+
+
+@pytest.mark.slow
+def test_a_dropped_tag_leaves_a_tombstone_that_tags_nothing_and_gc_deletes(s3_location: str, tmp_path: Path) -> None:
+    """The tombstone a drop leaves (FORMAT.md 3.3) names no step, is no damage (gc runs), and gc deletes it."""
+    env = host_env(tmp_path / "host", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, env, s3_location)
+    assert run(env, "untag", "w", "--store", s3_location).returncode == 0
+    backend = resolve(s3_location).backend
+    assert backend.get("refs/tags/w") == b"dropped\n"
+    assert all(s["tag"] is None for s in _steps(host_env(tmp_path / "fresh"), s3_location).values())
+    collected = run(env, "gc", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    assert not backend.exists("refs/tags/w")

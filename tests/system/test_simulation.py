@@ -210,6 +210,38 @@ def test_the_checker_knows_a_step_holds_one_tag() -> None:
     assert check(journal, kept, [("main", 6)], CONTENTS) == []
 
 
+def test_the_checker_knows_a_clear_of_a_step_leaves_a_tag_moved_off_it() -> None:
+    """A retag of step 6 (t1 to t2) overlapping another host's move of t1 to step 9: in either
+    order t1 ends on step 9 (retagged first, t1 was then put on 9; moved first, step 6 no longer
+    held t1), so t1 on no step is a broken I2, which the rule "a clear may be last" let pass."""
+    commit_b9 = {"op": "commit", "save": "B6", "key": ["main", 9], "force": False, "tag": None}
+    journal = [
+        _done(0, dict(COMMIT_A6, tag="t1"), 1, 2),
+        _done(1, commit_b9, 3, 4),
+        _done(2, {"op": "tag", "tag": "t2", "key": ["main", 6], "force": False}, 5, 9),  # stalled meanwhile
+        _done(3, {"op": "tag", "tag": "t1", "key": ["main", 9], "force": True}, 6, 7),
+    ]
+    keys = [("main", 6), ("main", 9)]
+    moved = Seen(steps={("main", 6): _step("A6", tag="t2"), ("main", 9): _step("B6", tag="t1")})
+    assert check(journal, moved, keys, CONTENTS) == []
+    lost = Seen(steps={("main", 6): _step("A6", tag="t2"), ("main", 9): _step("B6")})
+    assert [p.split(":")[0] for p in check(journal, lost, keys, CONTENTS)] == ["I2/I3"]
+    # an rm of step 9 that may have come last may take t1 with it
+    rm = _done(4, {"op": "rm", "key": ["main", 9], "force": True}, 8, 10, "unknown")
+    assert check([*journal, rm], Seen(steps={("main", 6): _step("A6", tag="t2")}), keys, CONTENTS) == []
+
+
+def test_the_tag_drops_theme_stalls_a_drop_while_others_move_the_tag() -> None:
+    from testbed.simulation import make_schedule
+
+    for seed in range(20):
+        ops = make_schedule(seed, "s3", "tag-drops")
+        drop = next(op for op in ops if op.get("fault") and op["host"] == "a")
+        assert drop["op"] in ("tag", "untag", "rm") and ops[2] == dict(ops[2], op="tag", tag="t1")
+        after = ops[ops.index(drop) + 1 : ops.index(drop) + 1 + drop["fault"]["after"]]
+        assert all(op["host"] in ("b", "c") and op["op"] in ("tag", "untag") for op in after)
+
+
 def test_the_checker_names_a_step_pinned_while_gc_ran_and_dropped_by_it() -> None:
     """I2's shape: the pin is reported while gc runs; had gc dropped the step first,
     the pin would have failed, so the step must still be there."""

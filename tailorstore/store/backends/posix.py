@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+import xxhash
+
 from tailorstore.core.errors import CorruptStoreError, ObjectExistsError
 from tailorstore.core.failpoints import request
 from tailorstore.store.backends.base import BytesLike, Chunks, as_chunks, check_key
@@ -134,6 +136,34 @@ class PosixBackend:
                 raise
         self._place(tmp, key, create_only=create_only)
         fsync_path(self.path(key).parent)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes, and their hash as the token ``put_if`` compares."""
+        data = self.get(key)
+        return data, xxhash.xxh3_128_hexdigest(data)
+
+    def put_if(self, key: str, data: bytes, version: str, *, fence: Callable[[], None] | None = None) -> bool:
+        """Replace the object only while its bytes still hash to ``version``; False when they do not
+        (or it is gone). The compare and the rename are two steps: on a local store every ref edit runs
+        inside the shared index's write transaction, which is what keeps another writer out between them."""
+        request("put-if")
+        try:
+            with open(self._object(key), "rb") as f:
+                now = xxhash.xxh3_128_hexdigest(f.read())
+        except FileNotFoundError:
+            return False
+        if now != version:
+            return False
+        tmp = self._write_temp(key, [data], len(data), sync=True)
+        if fence is not None:
+            try:
+                fence()
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        self._place(tmp, key, create_only=False)
+        fsync_path(self.path(key).parent)
+        return True
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         request("get")

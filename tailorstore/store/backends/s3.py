@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import BinaryIO, TypeVar
 
 import obstore
-from obstore.exceptions import AlreadyExistsError, BaseError
+from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
 from obstore.store import from_url
 
 from tailorstore.core.env_seconds import seconds_from_env
@@ -215,6 +215,34 @@ class S3Backend:
                 self._store, key, _advancing(payload, progress), mode=mode, chunk_size=_PART
             ),
         )
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and its ETag, the token ``put_if`` sends as ``If-Match``."""
+        check_key(key)
+
+        def fetch() -> tuple[bytes, str]:
+            found = obstore.get(self._store, key)
+            return bytes(found.bytes()), str(found.meta.get("e_tag") or "")
+
+        return self._call("reading", key, fetch, "get")
+
+    def put_if(self, key: str, data: bytes, version: str, *, fence: Callable[[], None] | None = None) -> bool:
+        """One PUT with ``If-Match: version``: the server replaces the object only while it still has
+        that ETag, so a host that moved it meanwhile keeps its write. False when it refused."""
+        check_key(key)
+        if not version:
+            return False  # a server that gave no ETag cannot be asked for a conditional replace
+
+        def send() -> bool:
+            try:
+                obstore.put(self._store, key, data, mode={"e_tag": version}, use_multipart=False)
+            except PreconditionError:
+                return False
+            except FileNotFoundError:
+                return False
+            return True
+
+        return self._call("writing", key, send, "put-if", fence)
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         check_key(key)

@@ -123,6 +123,14 @@ def versions_of(backend: Backend, key: str) -> tuple[list[str], list[str]]:
     return [k for v, k in sorted(versions.items()) if v < own], [k for v, k in sorted(versions.items()) if v > own]
 
 
+def same_step(a: str, b: str) -> bool:
+    """Whether two manifest keys are versions of one step (a merge's random key: the same key)."""
+    first, second = COMMIT_KEY.fullmatch(a), COMMIT_KEY.fullmatch(b)
+    if first is None or second is None:
+        return a == b
+    return first.group(1, 2) == second.group(1, 2)
+
+
 def removed_marker(key: str) -> str | None:
     """The object that reserves a removed commit manifest's version (none for a merge: its key is random)."""
     return key.removesuffix(".json.zst") + ".removed" if COMMIT_KEY.fullmatch(key) else None

@@ -28,6 +28,7 @@ from tailorstore.store.manifests.keys import (
     pin_key,
     pinned_by,
     run_of_key,
+    same_step,
     tag_key,
     tag_of_key,
     versions_of,
@@ -88,8 +89,35 @@ def write_pin(backend: Backend, index: RefSource, manifest: int, *, fence: Calla
         _unpin(backend, index, record.object_key)
 
 
-def drop_tag(backend: Backend, tag: str, *, fence: Callable[[], None] | None = None) -> None:
-    backend.delete_many([tag_key(tag)], fence=fence)
+TOMBSTONE = b"dropped\n"
+"""What a dropped tag's object holds until gc deletes it: it names no manifest, so it tags nothing."""
+
+
+def drop_tag(backend: Backend, tag: str, held_by: str, *, fence: Callable[[], None] | None = None) -> bool:
+    """Drop ``tag`` from the step whose manifest key is ``held_by``, only while the tag's object still
+    names that step (any version of it): another host may have moved the tag to another step since
+    this host's index said where it was (``tag --force``), and that move was reported done. The
+    object is read with its version and replaced by a tombstone only while it has that version
+    (``put_if``: S3 ``If-Match``), never deleted by name; gc deletes tombstones, alone under its
+    exclusive lock (docs/FORMAT.md 3.3). Returns whether this call dropped it."""
+    key = tag_key(tag)
+    for _ in range(3):  # a refused replace means another host wrote it meanwhile: look again
+        try:
+            data, version = backend.get_versioned(key)
+        except FileNotFoundError:
+            return False
+        target = data[:4096].decode(errors="replace")
+        if data == TOMBSTONE or not same_step(target, held_by):
+            return False  # untagged already, or the tag now names another step: leave it there
+        if backend.put_if(key, TOMBSTONE, version, fence=fence):
+            return True
+    return False
+
+
+def tombstones(backend: Backend) -> list[str]:
+    """The tag objects that are tombstones (dropped tags), for gc to delete."""
+    dropped = TOMBSTONE.decode()
+    return [key for key, target in _tag_targets(backend, log_damaged=False, dropped=True) if target == dropped]
 
 
 def _put_tag(backend: Backend, record: ManifestRecord, fence: Callable[[], None] | None) -> str:
@@ -171,17 +199,20 @@ def listed_tags(backend: Backend, *, log_damaged: bool = True) -> dict[str, str]
     return out
 
 
-def _tag_targets(backend: Backend, *, log_damaged: bool) -> Iterator[tuple[str, str]]:
-    """(tag object key, what its bytes say) for every tag object of a key tailorstore writes."""
+def _tag_targets(backend: Backend, *, log_damaged: bool, dropped: bool = False) -> Iterator[tuple[str, str]]:
+    """(tag object key, what its bytes say) for every tag object of a key tailorstore writes; a
+    tombstone (a dropped tag, empty) only with ``dropped``: it tags nothing and is no damage."""
     for key in backend.list(TAG_PREFIX):
         if not TAG_KEY.fullmatch(key):
             if log_damaged:
                 odd_key(key, "tag")
             continue
         try:  # a key is short: a huge object is damaged whatever it ends with
-            yield key, backend.get(key, 0, 4096).decode(errors="replace")
+            data = backend.get(key, 0, 4096)
         except FileNotFoundError:  # untagged while we listed
             continue
+        if data != TOMBSTONE or dropped:
+            yield key, data.decode(errors="replace")
 
 
 _WARNED: set[str] = set()  # each damaged tag object is named once a process

@@ -94,6 +94,22 @@ class BackendTests:
         backend.put("m/1", b"third")  # a plain put replaces
         assert backend.get("m/1") == b"third"
 
+    def test_put_if_replaces_only_what_was_read(self, backend: Backend) -> None:
+        """A ref dropped while another host may move it: replaced only while it says what was read."""
+        backend.put("r/tag", b"names step 1")
+        data, version = backend.get_versioned("r/tag")
+        assert data == b"names step 1"
+        backend.put("r/tag", b"names step 2")  # another host moved it meanwhile
+        assert backend.put_if("r/tag", b"dropped", version) is False
+        assert backend.get("r/tag") == b"names step 2"
+        _, now = backend.get_versioned("r/tag")
+        assert backend.put_if("r/tag", b"dropped", now) is True
+        assert backend.get("r/tag") == b"dropped"
+        backend.delete("r/tag")
+        assert backend.put_if("r/tag", b"dropped", now) is False and not backend.exists("r/tag")
+        with pytest.raises(FileNotFoundError):
+            backend.get_versioned("r/tag")
+
     def test_missing_objects_raise_file_not_found(self, backend: Backend) -> None:
         calls = (lambda: backend.get("no/such"), lambda: backend.size("no/such"), lambda: backend.reader("no/such"))
         for call in calls:
