@@ -8,8 +8,10 @@ changed in place.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,10 +60,17 @@ def store_lock(
 ) -> Iterator[LockHandle]:
     if not (timeout >= 0 and timeout != float("inf")):  # also refuses NaN, which would wait forever
         raise StoreError(f"lock timeout {timeout!r} is not allowed: give a number of seconds, 0 or more.")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a link: one planted there made every command create a file outside the store
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except IsADirectoryError:
         raise CorruptStoreError(f"{path}: the store's lock file is a directory; move it away and retry.") from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise CorruptStoreError(f"{path}: the store's lock file is a link; move it away and retry.") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device opened without blocking: no lock file
+        os.close(fd)
+        raise CorruptStoreError(f"{path}: the store's lock file is not a regular file; move it away and retry.")
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     deadline = time.monotonic() + timeout
     told = False

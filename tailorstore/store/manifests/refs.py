@@ -161,7 +161,9 @@ def _unpin_one(backend: Backend, index: RefSource, key: str) -> None:
     if run_of_key(key) != MAIN_RUN:
         backend.delete(pin)
         plain = PIN_PREFIX + name
-        holders = keys_by_name(m.object_key for m in index.manifests() if m.object_key)
+        # every listed version, not the index's current ones: main's older version of that name,
+        # which a revision left holding main's pin, makes the plain pin main's, not this branch's
+        holders = keys_by_name(listed_manifest_keys(backend))
         if key not in pinned_by(plain, holders) or not backend.exists(plain):
             return
         pin = plain  # main has no manifest of that name: the plain pin was this branch's
