@@ -14,6 +14,7 @@ write the ref objects; update the index; release.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -29,8 +30,10 @@ from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifests.drop_marks import being_dropped, mark_dropping, mark_unless_claimed, take_back_marks
 from tailorstore.store.manifests.keys import pin_key, tag_key, versions_of
 from tailorstore.store.manifests.objects import step_changed, unpublish
-from tailorstore.store.manifests.refs import RefSource, drop_tag, put_tag, write_pin
+from tailorstore.store.manifests.refs import TOMBSTONE, RefSource, drop_tag, put_tag, write_pin
 from tailorstore.store.repo import Repository
+
+log = logging.getLogger("tailorstore")
 
 
 class RefEdits(RefSource, Protocol):
@@ -86,9 +89,14 @@ def tag(
             # this step gives up (a step holds one tag); never the step's other refs again
             before = _object_or_none(objects, tag_key(name))
             put_tag(objects, edit, manifest, fence=fence)
-            _back_off_if_dropping(repo, objects, manifest, lambda: _restore(objects, tag_key(name), before))
+            undo = lambda: _take_back(objects, tag_key(name), key.encode(), before)  # noqa: E731
+            _back_off_if_dropping(repo, objects, manifest, undo)
             if old and old != name:
-                drop_tag(objects, old, key, fence=fence)  # only while it still names this step
+                try:
+                    drop_tag(objects, old, key, fence=fence)  # only while it still names this step
+                except BaseException:  # reported failed: the tag it put goes back to what it was (I3)
+                    undo()
+                    raise
     return manifest
 
 
@@ -99,11 +107,16 @@ def _object_or_none(objects: Reader, key: str) -> bytes | None:
         return None
 
 
-def _restore(objects: Editor, key: str, before: bytes | None) -> None:
-    if before is None:
-        objects.delete(key)
-    else:
-        objects.put(key, before)
+def _take_back(objects: Editor, key: str, ours: bytes, before: bytes | None) -> None:
+    """Undo this call's put of ``key`` (it wrote ``ours``), only while the object still holds that:
+    a host that wrote it since keeps its write. What was there before comes back (nothing: a
+    tombstone). Best effort, past any fence: it runs when the change is failing anyway."""
+    try:
+        data, version = objects.get_versioned(key)
+        if data == ours:
+            objects.put_if(key, before if before is not None else TOMBSTONE, version)
+    except Exception as exc:  # the change's own failure is what the caller reports
+        log.warning("tailorstore: could not take back %s after a failed change: %s", key, exc)
 
 
 def _back_off_if_dropping(repo: Repository, objects: Reader, manifest: int, undo: Callable[[], None]) -> None:
