@@ -66,14 +66,35 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def _open_object(path: Path) -> BinaryIO:
+    """An object's file for reading, never through a link (one swapped in after the check)."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
+
+
 class PosixBackend:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.location = str(self.root)
         self.tmp_dir = self.root / TMP_DIR
+        self._real_root = os.path.realpath(self.root)  # the store itself may be reached through a link
 
     def path(self, key: str) -> Path:
-        return self.root / check_key(key)
+        """Where ``key``'s object lives, refused when a folder on the way is a link: one planted in
+        the store (``manifests/main``, ``refs/tags``) sent writes and listings outside it."""
+        path = self.root / check_key(key)
+        self._inside(path.parent)
+        return path
+
+    def _inside(self, folder: Path) -> None:
+        rel = os.path.relpath(folder, self.root)
+        if rel == ".":
+            return
+        real = os.path.realpath(folder)
+        if real != os.path.join(self._real_root, rel):
+            raise CorruptStoreError(
+                f"{folder}: a link where the store keeps a folder (it leads to {real[:200]}); "
+                "the store writes and reads only its own folders: move the link away and retry."
+            )
 
     def _write_temp(self, key: str, chunks: Chunks, size_hint: int, *, sync: bool) -> Path:
         tmp = self.tmp_dir / f"{key.rsplit('/', 1)[-1]}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
@@ -148,7 +169,7 @@ class PosixBackend:
         inside the shared index's write transaction, which is what keeps another writer out between them."""
         request("put-if")
         try:
-            with open(self._object(key), "rb") as f:
+            with _open_object(self._object(key)) as f:
                 now = xxhash.xxh3_128_hexdigest(f.read())
         except FileNotFoundError:
             return False
@@ -167,7 +188,7 @@ class PosixBackend:
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         request("get")
-        with open(self._object(key), "rb") as f:
+        with _open_object(self._object(key)) as f:
             f.seek(start)
             return f.read() if length is None else f.read(length)
 
@@ -180,17 +201,20 @@ class PosixBackend:
         put in an object's place is no object (a directory opens, and its reads failed later as
         'Is a directory', naming no file, with the exit code of bad input)."""
         path = self.path(key)
-        if not stat.S_ISREG(os.stat(path).st_mode):
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # a link in an object's place is no object either
             raise FileNotFoundError(errno.ENOENT, "not a file where the store keeps an object", str(path))
         return path
 
     def exists(self, key: str) -> bool:
         request("head")
-        return self.path(key).is_file()
+        try:
+            return stat.S_ISREG(os.lstat(self.path(key)).st_mode)
+        except FileNotFoundError:
+            return False
 
     def size(self, key: str) -> int:
         request("head")
-        return self.path(key).stat().st_size
+        return os.lstat(self._object(key)).st_size
 
     def list(self, prefix: str) -> Iterator[str]:
         """Every key under ``prefix`` (a folder path ending in '/'), sorted, temp files excluded."""
@@ -217,6 +241,7 @@ class PosixBackend:
         base = self.root / prefix.rstrip("/") if prefix else self.root
         if not base.is_dir():
             return
+        self._inside(base)
         for dirpath, dirnames, filenames in os.walk(base):
             rel_dir = Path(dirpath).relative_to(self.root).as_posix()
             if rel_dir == TMP_DIR:
@@ -224,6 +249,8 @@ class PosixBackend:
                 continue
             dirnames.sort()
             for name in sorted(filenames):
+                if os.path.islink(os.path.join(dirpath, name)):
+                    continue  # a link is no object of the store's: never listed, so never read through
                 yield Path(dirpath) / name, name if rel_dir == "." else f"{rel_dir}/{name}"
 
     def delete(self, key: str, fence: Callable[[], None] | None = None) -> None:
