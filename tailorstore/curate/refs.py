@@ -92,11 +92,10 @@ def tag(
             undo = lambda: _take_back(objects, tag_key(name), key.encode(), before)  # noqa: E731
             _back_off_if_dropping(repo, objects, manifest, undo)
             if old and old != name:
-                try:
-                    drop_tag(objects, old, key, fence=fence)  # only while it still names this step
-                except BaseException:  # reported failed: the tag it put goes back to what it was (I3)
-                    undo()
-                    raise
+                # only while it still names this step. No undo of the put above should this fail: past a
+                # lost lease, a gc may already have acted on the tag's new place, and another host may
+                # have written the same bytes since (FORMAT.md 8.1, I3: a retag is two objects)
+                drop_tag(objects, old, key, fence=fence)
     return manifest
 
 
@@ -198,13 +197,15 @@ def remove(
             lock.check("removing a step")
             fence = lambda: lock.check("removing a step")  # noqa: E731 - again just before each request
             keys, mine = _mark_versions(objects, record, force, fence)
-            try:
-                if record.tag:  # the objects (manifest, tag, pin) go before the index rows
-                    drop_tag(objects, record.tag, record.object_key or "", fence=fence)
+            try:  # the manifest (and its pins) first, then its tag, then the index rows: a stop between
+                # them leaves a tag naming a removed manifest (which tags nothing), never a step still
+                # there that lost its tag, which a gc would drop (I2)
                 unpublish(objects, keys, fence=fence, marked=True)
             except LeaseLostError:  # stopped by its fence before deleting the manifest
                 take_back_marks(objects, keys, mine)
                 raise
+            if record.tag:
+                drop_tag(objects, record.tag, record.object_key or "", fence=fence)
             edit.delete_manifests([manifest])
     return manifest
 
