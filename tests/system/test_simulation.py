@@ -59,6 +59,13 @@ THEMED_SEEDS: list[tuple[str, int, str, str, bool]] = [
     # timeout behind a host stopped inside its write, and overran the schedule's 120 s bound
     ("posix", 20036, "a DCP-writer save queued behind a stopped host's index write overran its bound",
      "merges", False),
+    # a tag dropped by name: another host's reported move of it undone, and gc dropped its step (I2)
+    ("s3", 0, "rm --force of step 6 stalled at its drop; t1 moved to step 9 meanwhile was deleted",
+     "tag-drops", False),
+    ("s3", 326, "a drop stalled after reading where t1 was deleted t1 after another host moved it", "tag-drops",
+     False),
+    ("s3", 300, "rm --force stalled past its lease after dropping t1: step 6 stayed, untagged, and gc dropped it",
+     "tag-drops", False),
 ]  # fmt: skip
 # Drawn seeds stopped after the fence (``--slip``), which broke the tree before gc's notices
 # (5233063^): a publication that reuses blobs against a gc deleting them (store/gc_notices.py).
