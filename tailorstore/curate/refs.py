@@ -95,7 +95,14 @@ def tag(
                 # only while it still names this step. No undo of the put above should this fail: past a
                 # lost lease, a gc may already have acted on the tag's new place, and another host may
                 # have written the same bytes since (FORMAT.md 8.1, I3: a retag is two objects)
-                drop_tag(objects, old, key, fence=fence)
+                try:
+                    drop_tag(objects, old, key, fence=fence)
+                except LeaseLostError as exc:  # say what is in effect: the new tag is
+                    raise LeaseLostError(
+                        f"the step is tagged {name!r} now, but its former tag {old!r} was not dropped: {exc} Run ",
+                        Call("untag", old),
+                        " if it should go.",
+                    ) from None
     return manifest
 
 
