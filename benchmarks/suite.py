@@ -215,7 +215,8 @@ def store_by_kind(store_root: Path) -> dict:
     counted once, under the first kind that uses it; skeletons and whole files apart."""
     from tailorstore import Store
 
-    found = Store(store_root).usage()
+    with Store.open(store_root) as store:
+        found = store.usage()
     out = {
         k: {"raw": u.raw_bytes, "derived": u.derived_bytes, "stored": u.stored_bytes}
         for k, u in found.atom_kinds.items()
