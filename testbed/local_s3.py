@@ -34,6 +34,28 @@ def installed_binary(name: str) -> str | None:
     return str(beside) if beside.is_file() else shutil.which(name)
 
 
+_PUTS = threading.Lock()
+
+
+def _atomic_conditional_puts() -> None:
+    """moto checks ``If-None-Match``/``If-Match`` and then writes the object, two steps of one
+    request on the request's own thread, so two create-only PUTs of one key at once could both pass
+    the check (two racing ``commit --force`` of one step both exited 0 once, under load). S3 decides
+    a conditional write atomically; this server does too once its object PUTs run one at a time."""
+    from moto.s3.responses import S3Response
+
+    inner = S3Response._key_response_put
+    if getattr(inner, "tailor_atomic", False):
+        return
+
+    def put(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with _PUTS:
+            return inner(self, *args, **kwargs)
+
+    put.tailor_atomic = True  # type: ignore[attr-defined]
+    S3Response._key_response_put = put  # type: ignore[method-assign]
+
+
 class LocalS3:
     def __init__(self) -> None:
         self._server: ThreadedMotoServer | None = None
@@ -41,6 +63,7 @@ class LocalS3:
         self.endpoint = ""
 
     def start(self) -> LocalS3:
+        _atomic_conditional_puts()
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self._server.start()
         host, self.port = self._server.get_host_and_port()
