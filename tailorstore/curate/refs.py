@@ -81,7 +81,8 @@ def tag(
                 raise StepExistsError(
                     f"tag {name!r} already names another manifest; pass ", Call(force=True), " to move it"
                 )
-            old, key = repo.manifest(manifest).tag, repo.manifest(manifest).object_key or ""
+            record = repo.manifest(manifest)
+            old, key = record.tag, record.object_key or ""
             edit.set_tag(manifest, name)  # takes the tag from any other holder
             lock.check("tagging")
             fence = lambda: lock.check("tagging")  # noqa: E731 - again just before each request

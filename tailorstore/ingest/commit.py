@@ -188,9 +188,10 @@ def planned_sources(repo: Repository, plan: PartPlan, layers: Iterable[str]) -> 
         if layer not in plan.inherited:
             raise StoreError(f"the plan of this rank-parallel commit says nothing of layer {layer}")
         wanted[layer] = plan.inherited[layer]
-    out = inherited_from(repo.view(CommitHistory), wanted)
+    history = repo.view(CommitHistory)
+    out = inherited_from(history, wanted)
     for layer, inherit in out.items():
-        load_inherited_atoms(repo.view(CommitHistory), inherit, layer)
+        load_inherited_atoms(history, inherit, layer)
     return out
 
 
@@ -340,8 +341,9 @@ def commit_layout(
         if options.part:
             return commit_part(repo, source, layout, scan, step, options, lock, progress, began)
         decision = _decide(repo, layout, scan, step, options)
+        history = repo.view(CommitHistory)
         for layer in scan.layers - decision.stored:
-            load_inherited_atoms(repo.view(CommitHistory), decision.sources[layer], layer)
+            load_inherited_atoms(history, decision.sources[layer], layer)
         writer = BlobWriter(repo, level=options.level, threads=options.threads)
         with cleaned_up_on_failure(repo, writer, lock, progress):
             plan, new_blobs = _write_checked(
@@ -386,15 +388,16 @@ def _decide(repo: Repository, layout: CheckpointLayout, scan: Scan, step: int, o
     the policy choose what to store (measuring the layers' change where it needs it)."""
     run = options.run
     base = repo.run_base(run)
+    history = repo.view(CommitHistory)
     if not options.force:
         structure.refuse_other_model(repo.view(structure.ModelShape), scan.structure, run, base, layout.kind)
-        refuse_taken(repo.view(CommitHistory), step, run, options.tag or None)
-    sources = inheritance(repo.view(CommitHistory), step, scan.layers, run, base)
+        refuse_taken(history, step, run, options.tag or None)
+    sources = inheritance(history, step, scan.layers, run, base)
     read_from = {m: repo.manifest(m) for m in {i.manifest for i in sources.values()}}  # as they are now
-    commits_before = repo.view(CommitHistory).commits_before(step, run) + (base is not None)
+    commits_before = history.commits_before(step, run) + (base is not None)
     adaptive = needs_changes(options.policy)
     changes = _measure_changes(repo, layout, scan, sources) if adaptive else {}
-    ages = ages_of(repo.view(CommitHistory), sources, commits_before, run) if adaptive else {}
+    ages = ages_of(history, sources, commits_before, run) if adaptive else {}
     facts = CommitFacts(
         scan.layers, commits_before, frozenset(sources), changes if adaptive else None, scan.layer_bytes, ages
     )

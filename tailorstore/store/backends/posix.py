@@ -148,6 +148,12 @@ class PosixBackend:
         request("put-create" if create_only else "put")
         chunks = as_chunks(data)
         size = sum(len(c) for c in chunks) if isinstance(chunks, list) else 0
+        self._write_and_place(key, chunks, size, create_only=create_only, fence=fence)
+
+    def _write_and_place(
+        self, key: str, chunks: Chunks, size: int, *, create_only: bool, fence: Callable[[], None] | None
+    ) -> None:
+        """A put's body, after its request's failpoint: the temp file, durable; the fence; the rename."""
         tmp = self._write_temp(key, chunks, size, sync=True)
         if fence is not None:
             try:
@@ -175,15 +181,7 @@ class PosixBackend:
             return False
         if now != version:
             return False
-        tmp = self._write_temp(key, [data], len(data), sync=True)
-        if fence is not None:
-            try:
-                fence()
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-        self._place(tmp, key, create_only=False)
-        fsync_path(self.path(key).parent)
+        self._write_and_place(key, [data], len(data), create_only=False, fence=fence)
         return True
 
     def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:

@@ -203,7 +203,7 @@ def listed_tags(backend: Backend, *, log_damaged: bool = True) -> dict[str, str]
 
 def _tag_targets(backend: Backend, *, log_damaged: bool, dropped: bool = False) -> Iterator[tuple[str, str]]:
     """(tag object key, what its bytes say) for every tag object of a key tailorstore writes; a
-    tombstone (a dropped tag, empty) only with ``dropped``: it tags nothing and is no damage."""
+    tombstone (a dropped tag, :data:`TOMBSTONE`) only with ``dropped``: it tags nothing and is no damage."""
     for key in backend.list(TAG_PREFIX):
         if not TAG_KEY.fullmatch(key):
             if log_damaged:
