@@ -437,8 +437,8 @@ def build_thousand(store_root: Path, target: Path, count: int = 1000) -> Path:
     for i in range(count - have):
         step = top + 1 + i
         new = conn.execute(
-            "INSERT INTO manifests(step, origin, tag, created_at, layout, ds_tag, zero_stage, world_size, policy,"
-            " exact, raw_bytes, new_bytes, source) SELECT ?, origin, NULL, created_at, layout, ds_tag, zero_stage,"
+            "INSERT INTO manifests(step, origin, created_at, layout, ds_tag, zero_stage, world_size, policy,"
+            " exact, raw_bytes, new_bytes, source) SELECT ?, origin, created_at, layout, ds_tag, zero_stage,"
             " world_size, policy, exact, raw_bytes, new_bytes, source FROM manifests WHERE id=?",
             (step, first[0]),
         ).lastrowid

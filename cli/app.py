@@ -376,7 +376,7 @@ def log(run: str | None = typer.Option(None, "--run", help="Only this run's step
         typer.echo(
             f"{'id=' + s.id:13}  {s.digest[:DIGEST_COLUMN]:{DIGEST_COLUMN}}  "
             f"{f'{s.run:10}  ' if several else ''}{s.step:>8}  {_when(s.created_at)}  "
-            f"{(s.tag or '-'):12}  {human(held):>10}  {human(s.new_bytes):>10}  {kind}"
+            f"{(', '.join(s.tags) or '-'):12}  {human(held):>10}  {human(s.new_bytes):>10}  {kind}"
             f"{'  pinned' if s.pinned else ''}{_metric_text(s.metrics)}"
         )
 
@@ -421,8 +421,9 @@ def show(
         typer.echo(json.dumps({**_asdict(detail), "summary": _step_json(detail.summary)}, indent=2))
         return
     s = detail.summary
+    tags = f" (tag {', '.join(s.tags)})" if s.tags else ""
     typer.echo(
-        f"{'' if s.run == 'main' else f'run {s.run} '}step {s.step}{f' (tag {s.tag})' if s.tag else ''}: "
+        f"{'' if s.run == 'main' else f'run {s.run} '}step {s.step}{tags}: "
         f"{_what(s.exact, s.policy)}, "
         f"{f'thinned to {s.tier} (exports and averages; does not resume), ' if s.tier else ''}"
         f"committed {_when(s.created_at)}, {human(s.raw_bytes)} raw, policy {s.policy.get('name')}"
@@ -571,7 +572,7 @@ def tag_cmd(
     store: str | None = StoreOpt,
     lock_timeout: float = LockOpt,
 ) -> None:
-    """Name a step. Tagged steps are kept by every gc."""
+    """Name a step. Tagged steps are kept by every gc; a step holds any number of tags."""
     with _open(store) as st:
         st.tag(selector, name, force=force, lock_timeout=lock_timeout)
     typer.echo(f"tagged {selector} as {name}")

@@ -113,10 +113,7 @@ def surely_protected(journal: list[Done], key: Key, during: Done, *, before: boo
             and e.start < during.end
             and (
                 (e.kind in ("tag", "untag", "commit") and e.op.get("tag") == name)
-                or (
-                    e.kind in ("tag", "commit") and e.op.get("tag") not in (None, name) and e.key == key
-                )  # a step has one tag
-                or (e.kind == "rm" and e.key == key)
+                or (e.kind == "rm" and e.key == key)  # a step holds any number of tags: no other moves this one
             )
         ]
         if not movers:
@@ -238,20 +235,19 @@ def _check_tags(journal: list[Done], seen: Seen) -> list[str]:
     """Where each tag may be now. Its *setters* (a ``tag`` or tagged ``commit`` of that name puts it
     on their step, an ``untag`` takes it off) decide it: the last one in effect, of those that could
     be last. A *clear* acts only on the step it touches, and only while the tag is there: an ``rm``
-    of the step, another name set on it (a step holds one tag), a gc that may drop it. So a clear
-    of a step the tag was moved away from leaves the tag where it was moved (a retag of step 6 that
-    dropped t1 by name after another host moved t1 to step 9 is a broken I2)."""
+    of the step, a gc that may drop it. So a clear of a step the tag was moved away from leaves the
+    tag where it was moved (an ``rm`` of step 6 that dropped t1 by name after another host moved t1
+    to step 9 is a broken I2). A step holds any number of tags: setting another name on it clears
+    none (when it held one, a retag was two objects, and a stop between them could leave both)."""
     names = {d.op.get("tag") for d in journal if d.kind in ("tag", "untag", "commit")} - {None}
-    holders = {entry.get("tag"): key for key, entry in seen.steps.items() if entry.get("tag")}
+    holders = {tag: key for key, entry in seen.steps.items() for tag in entry.get("tags", [])}
     problems = []
     for name in sorted(names):
         moves = [d for d in journal if d.kind in ("tag", "untag", "commit") and d.op.get("tag") == name]
 
-        def clears(d: Done, on: Key, name: str = name) -> bool:
+        def clears(d: Done, on: Key) -> bool:
             """Whether ``d`` may take the tag off step ``on``, were the tag there when it ran."""
             if d.kind == "rm":
-                return d.key == on and d.tried
-            if d.kind in ("tag", "commit") and d.op.get("tag") not in (None, name):
                 return d.key == on and d.tried
             return d.kind == "gc" and bool(d.op.get("drops")) and not surely_protected(journal, on, d)
 

@@ -314,8 +314,9 @@ def _revisions(rng: random.Random, backend: str) -> list[dict[str, Any]]:
 
 
 def _tag_drops(rng: random.Random, backend: str) -> list[dict[str, Any]]:
-    """The interleaving I2 across hosts is kept against: host a drops step 6's tag t1 (a retag to
-    t2, an untag, a forced rm) and is stopped at a request after it read where t1 was, while other
+    """The interleaving I2 across hosts is kept against: host a drops step 6's tag t1 (an untag, a
+    forced rm; or sets a second tag t2 on the step, which dropped t1 while a step held one tag and
+    touches no other tag now) and is stopped at a request after it read where t1 was, while other
     hosts move t1 to step 9 (``tag --force``, reported done), untag it, or set it on step 6 again;
     then a gc that drops every step nothing protects, then anything. A drop that deleted t1 by name
     undid the move, and the gc dropped step 9 (FORMAT.md 3.3: a tag is dropped only while it still

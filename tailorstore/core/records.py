@@ -47,7 +47,7 @@ class ManifestRecord:
     raw_bytes: int
     new_bytes: int
     source: str  # the directory committed, or the merge spec file
-    tag: str | None = None
+    tags: tuple[str, ...] = ()  # sorted; a step holds any number, a tag names one manifest
     pinned: bool = False
     object_key: str | None = None
     id: int = 0
@@ -249,11 +249,15 @@ _SCALARS: dict[str, type] = {"int": int, "str": str, "float": float, "bool": boo
 
 @functools.cache
 def _field_types(cls: type) -> dict[str, tuple[type, bool, bool]]:
-    """Each field of a record class: (its scalar type, whether it may be None, whether it is required)."""
+    """Each scalar field of a record class: (its scalar type, whether it may be None, whether it is
+    required). A field of another type (a manifest's tags) is no column of an outside record: it
+    keeps its default there, as the refs, not the manifest object, say it."""
     out = {}
     for f in fields(cls):
         names = [n.strip() for n in str(f.type).split("|")]
         (scalar,) = [n for n in names if n != "None"]
+        if scalar not in _SCALARS and f.default is not MISSING:
+            continue
         out[f.name] = (_SCALARS[scalar], "None" in names, f.default is MISSING and f.default_factory is MISSING)
     return out
 

@@ -388,7 +388,7 @@ def kept_manifests(manifests: list[ManifestRecord], rules: Retention, bases: fro
     steps of every run), and touch only ``rules.run`` when it is set."""
     if not rules.drops_manifests:
         return {m.id for m in manifests}
-    keep = {m.id for m in manifests if m.tag or m.pinned or m.origin != COMMIT or m.id in bases}
+    keep = {m.id for m in manifests if m.tags or m.pinned or m.origin != COMMIT or m.id in bases}
     keep |= {m.id for m in manifests if rules.run is not None and m.run != rules.run}
     by_run: dict[str, list[ManifestRecord]] = {}
     for m in sorted((m for m in manifests if m.origin == COMMIT), key=lambda m: m.step):

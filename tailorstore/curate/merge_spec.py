@@ -85,7 +85,7 @@ def merge_record(
         base,
         origin=MERGE,
         metrics=None,
-        tag=tag,
+        tags=(tag,),
         created_at=time.time(),
         policy=json.dumps(policy),
         exact=False,

@@ -43,7 +43,9 @@ class RefEdits(RefSource, Protocol):
 
     def created_runs(self) -> dict[str, RunRecord]: ...
 
-    def set_tag(self, manifest: int, tag: str | None) -> None: ...
+    def add_tag(self, manifest: int, tag: str) -> None: ...
+
+    def drop_tag(self, tag: str) -> None: ...
 
     def set_pinned(self, manifest: int, pinned: bool) -> None: ...
 
@@ -81,29 +83,15 @@ def tag(
                 raise StepExistsError(
                     f"tag {name!r} already names another manifest; pass ", Call(force=True), " to move it"
                 )
-            record = repo.manifest(manifest)
-            old, key = record.tag, record.object_key or ""
-            edit.set_tag(manifest, name)  # takes the tag from any other holder
+            key = repo.manifest(manifest).object_key or ""
+            edit.add_tag(manifest, name)  # takes the tag from any other holder; the step's other tags stay
             lock.check("tagging")
-            fence = lambda: lock.check("tagging")  # noqa: E731 - again just before each request
-            # the one object this changes first (a failure before it leaves nothing), then the tag
-            # this step gives up (a step holds one tag); never the step's other refs again
+            # one object, whatever the step holds already (a step holds any number of tags): a
+            # failure before its put leaves nothing, and nothing is left to do after it (FORMAT.md 8.1, I2)
             before = _object_or_none(objects, tag_key(name))
-            put_tag(objects, edit, manifest, fence=fence)
+            put_tag(objects, name, key, fence=lambda: lock.check("tagging"))
             undo = lambda: _take_back(objects, tag_key(name), key.encode(), before)  # noqa: E731
             _back_off_if_dropping(repo, objects, manifest, undo)
-            if old and old != name:
-                # only while it still names this step. No undo of the put above should this fail: past a
-                # lost lease, a gc may already have acted on the tag's new place, and another host may
-                # have written the same bytes since (FORMAT.md 8.1, I3: a retag is two objects)
-                try:
-                    drop_tag(objects, old, key, fence=fence)
-                except LeaseLostError as exc:  # say what is in effect: the new tag is
-                    raise LeaseLostError(
-                        f"the step is tagged {name!r} now, but its former tag {old!r} was not dropped: {exc} Run ",
-                        Call("untag", old),
-                        " if it should go.",
-                    ) from None
     return manifest
 
 
@@ -150,7 +138,7 @@ def untag(
         with repo.transaction(RefEdits) as edit:
             lock.check("untagging")
             drop_tag(objects, name, holder.object_key or "", fence=lambda: lock.check("untagging"))
-            edit.set_tag(holder.id, None)
+            edit.drop_tag(name)
     return holder.id
 
 
@@ -171,9 +159,12 @@ def pin(
             # only the pin object: rewriting the step's tag too made a failure after the first put
             # a change reported failed that stayed (the soak, seed 399 for a tag)
             key = repo.manifest(manifest).object_key
-            had = pinned and key is not None and objects.exists(pin_key(key))
+            if pinned and key is not None and objects.exists(pin_key(key)):
+                # pinned already: nothing to write. A put again could land after an ``rm`` beside it
+                # deleted the pin, and leave a pin naming a removed step (or, plain, a branch's)
+                return manifest
             write_pin(objects, edit, manifest, fence=lambda: lock.check("pinning"))
-            if pinned and not had and key is not None:  # a new pin object: unless a gc marked the step first
+            if pinned and key is not None:  # a new pin object: unless a gc marked the step first
                 _back_off_if_dropping(repo, objects, manifest, lambda: objects.delete(pin_key(key)))
     return manifest
 
@@ -190,9 +181,9 @@ def remove(
     with changing_a_step(repo, "rm", lock_timeout, progress) as lock:
         manifest = repo.resolve(selector)
         record = repo.manifest(manifest)
-        if (record.pinned or record.tag) and not force:
-            what = "pinned" if record.pinned else f"tagged {record.tag!r}"
-            undo = Call("unpin", f"step={record.step}") if record.pinned else Call("untag", str(record.tag))
+        if (record.pinned or record.tags) and not force:
+            what = "pinned" if record.pinned else f"tagged {', '.join(map(repr, record.tags))}"
+            undo = Call("unpin", f"step={record.step}") if record.pinned else Call("untag", record.tags[0])
             raise StoreError(f"step {record.step} is {what}; ", undo, " first, or pass ", Call(force=True))
         heirs = [r.name for r in repo.view(RefEdits).created_runs().values() if r.base and r.base == record.object_key]
         if heirs and not force:
@@ -212,8 +203,8 @@ def remove(
             except LeaseLostError:  # stopped by its fence before deleting the manifest
                 take_back_marks(objects, keys, mine)
                 raise
-            if record.tag:
-                drop_tag(objects, record.tag, record.object_key or "", fence=fence)
+            for name in record.tags:
+                drop_tag(objects, name, record.object_key or "", fence=fence)
             edit.delete_manifests([manifest])
     return manifest
 

@@ -9,14 +9,16 @@ restored bit-exact, only never inherited by layer.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tailorstore.core import atom_types as A
-from tailorstore.core.errors import LayoutError
+from tailorstore.core.errors import BadCheckpointError, LayoutError
 from tailorstore.core.layers import STATE, layer_of
 from tailorstore.core.local_files import Beneath
 from tailorstore.formats.small_text import NAME_LIMIT, read_small_text
@@ -56,6 +58,26 @@ def is_model_states(name: str) -> bool:
 
 def is_optim_states(name: str) -> bool:
     return OPTIM_STATES.match(name) is not None
+
+
+def has_latest(folder: Path) -> bool:
+    """Whether ``folder`` holds DeepSpeed's ``latest`` file. One that is there but no file (a folder,
+    a named pipe, a socket, a device, a link to nothing or to a folder) is refused, naming it: passed
+    over as absent, it made a commit say the save "holds checkpoint folders of its own" and a resume
+    load the store's newest step instead of the one the folder names."""
+    latest = folder / "latest"
+    try:
+        mode = os.lstat(latest).st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise BadCheckpointError(f"{latest}: cannot be read ({exc.strerror}).") from None
+    if stat.S_ISREG(mode) or (stat.S_ISLNK(mode) and latest.is_file()):  # a link: read_latest decides
+        return True
+    raise BadCheckpointError(
+        f"{latest}: DeepSpeed's `latest` is not a file here, so it names no tag folder. Replace it with "
+        "a file holding the tag's name, or remove it."
+    )
 
 
 def read_latest(folder: Path) -> str:

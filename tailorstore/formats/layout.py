@@ -38,9 +38,9 @@ from tailorstore.core.errors import BadCheckpointError, Call, UnsafePathError
 from tailorstore.core.local_files import Beneath, Where, stat_input
 from tailorstore.core.paths import check_relative
 from tailorstore.formats import megatron as mg
-from tailorstore.formats.deepspeed import is_model_states, is_optim_states, read_latest
+from tailorstore.formats.deepspeed import has_latest, is_model_states, is_optim_states, read_latest
 from tailorstore.formats.small_text import read_small_text
-from tailorstore.formats.source import refused
+from tailorstore.formats.source import changed, refused
 
 log = logging.getLogger("tailorstore")
 
@@ -210,6 +210,10 @@ def check_files(root: Path, files: list[str], place: Callable[[str], Where] | No
         where = place(rel)
         try:
             stat_input(where)
+        except FileNotFoundError as exc:  # listed a moment ago: a link to nothing, or gone since
+            if not os.path.lexists(root / rel):
+                raise changed(root / rel, "it was removed or renamed") from None
+            raise refused(exc, root / rel) from None
         except OSError as exc:
             raise refused(exc, root / rel) from None
 
@@ -288,7 +292,7 @@ def _detect(path: Path, part: bool = False) -> CheckpointLayout:
         )
     if (path / "trainer_state.json").is_file():
         return _hf_layout(path, part)
-    if (path / "latest").is_file():
+    if has_latest(path):
         tag = read_latest(path)
         tag_dir = path / tag
         if not tag or "/" in tag or tag in (".", "..") or not tag_dir.is_dir():
@@ -355,7 +359,7 @@ def _hf_layout(path: Path, part: bool = False, kind: str = HF_TRAINER) -> Checkp
                 f"{path / 'trainer_state.json'}: unreadable ({exc}); pass ", Call(step="N"), "."
             ) from None
     ds_tag = None
-    if (path / "latest").is_file():
+    if has_latest(path):
         ds_tag = read_latest(path)
     files = _top_files(path)
     for sub in sorted(p for p in path.iterdir() if p.is_dir()):

@@ -139,7 +139,7 @@ class InputFile:
         try:
             self.fd = open_input(where)
         except FileNotFoundError:  # listed, and checked by detect, a moment ago
-            raise changed(self.path, "it no longer exists") from None
+            raise changed(self.path, "it was removed or renamed") from None
         except OSError as exc:
             raise refused(exc, self.path) from None
         st = os.fstat(self.fd)
@@ -288,7 +288,7 @@ def _differs_now(where: Where, expected: Identity) -> str:
     try:
         return expected.differs(Identity.of(stat_input(where)))
     except FileNotFoundError:
-        return "it was removed"
+        return "it was removed or renamed"
     except LeadsOutside:
         return "it was replaced by a link leading outside the checkpoint"
     except NotRegularFile as exc:

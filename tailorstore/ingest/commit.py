@@ -433,7 +433,7 @@ def _commit_rows(
         new_bytes=sum(b.stored_size for b in new_blobs),
         source=source,
         run=options.run,
-        tag=options.tag or None,
+        tags=(options.tag,) if options.tag else (),
         metrics=options.metrics,
     )
     layer_rows = [

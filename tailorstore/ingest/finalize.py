@@ -383,7 +383,7 @@ def _rows(
         new_bytes=sum(p.new_bytes for p in save.parts),
         source="; ".join(sorted(p.source for p in save.parts)),
         run=request.run,
-        tag=request.tag,
+        tags=(request.tag,) if request.tag else (),
         metrics=request.metrics,
     )
     layers = [

@@ -127,7 +127,7 @@ def change_matrix(repo: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
         raise StoreError("plotting change needs at least two committed steps")
     layers = sorted(repo.view(DiffView).layer_names() - {STATE}, key=sort_key)
     held = {(r.id, x.layer): x.source_step == r.step for r in rows for x in repo.view(DiffView).layers(r.id)}
-    columns = [f"step {r.step}" + (f" ({r.tag})" if r.tag else "") for r in rows[1:]]
+    columns = [f"step {r.step}" + (f" ({', '.join(r.tags)})" if r.tags else "") for r in rows[1:]]
     values: list[list[float | None]] = []
     inherited: list[list[bool]] = []
     for layer in layers:

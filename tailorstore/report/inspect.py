@@ -45,7 +45,7 @@ class StepSummary:
     manifest: int
     origin: str
     created_at: float
-    tag: str | None
+    tag: str | None  # the first of ``tags``: what a reader from before a step held several reads
     raw_bytes: int
     new_bytes: int
     exact: bool
@@ -60,6 +60,7 @@ class StepSummary:
     metrics: dict[str, float | None] = field(default_factory=dict)  # recorded with the step (None: NaN)
     digest: str = "-"  # the hash of what the step holds (store/digest.py; ``digest=`` selects it)
     held_bytes: int | None = None  # the files it holds now: raw_bytes, less what thinning dropped
+    tags: list[str] = field(default_factory=list)  # every tag naming the step, sorted
     source: str = ""  # what it was committed from (the folder, as the committing host resolved it)
 
 
@@ -111,7 +112,8 @@ def summary(r: ManifestRecord, content: ContentRows | None = None, digest: str |
         manifest=r.id,
         origin=r.origin,
         created_at=r.created_at,
-        tag=r.tag,
+        tag=r.tags[0] if r.tags else None,
+        tags=list(r.tags),
         raw_bytes=r.raw_bytes,
         new_bytes=r.new_bytes,
         exact=r.exact,

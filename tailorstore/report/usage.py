@@ -46,7 +46,7 @@ class KindUsage:
 class StepUsage:
     manifest: int
     step: int
-    tag: str | None
+    tag: str | None  # its tags, comma-separated
     raw_bytes: int
     held_alone: int  # stored bytes of blobs no other manifest uses
     id: str = "-"  # the manifest's name on every host
@@ -90,6 +90,8 @@ def usage(repo: Repository, *, gc_frees: int = 0) -> Usage:
     other_files.stored_bytes += index.non_atom_blob_bytes()
     other_files.raw_bytes = max(0, out.raw_bytes - sum(k.raw_bytes for name, k in out.kinds.items() if name != "files"))
     alone = index.bytes_alone()
-    out.steps = [StepUsage(m.id, m.step, m.tag, raw_of[m.id], alone.get(m.id, 0), m.name) for m in manifests]
+    out.steps = [
+        StepUsage(m.id, m.step, ", ".join(m.tags) or None, raw_of[m.id], alone.get(m.id, 0), m.name) for m in manifests
+    ]
     out.gc_frees = gc_frees
     return out

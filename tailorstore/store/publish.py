@@ -142,8 +142,8 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
             taken.refs_written = True
             write_refs(repo.backend, edit, [m for m in ids if m not in taken.in_place])
             for manifest, tag in taken.in_place.items():
-                if tag:  # the tag this commit gives (``--tag``), not one carried over
-                    put_tag(repo.backend, edit, manifest)
+                if tag:  # the tag this commit gives (``--tag``), not those carried over
+                    put_tag(repo.backend, tag, edit.manifest(manifest).object_key or "")
     except OSError as exc:
         _take_back(repo, taken)
         if is_out_of_space(exc):
@@ -166,19 +166,20 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
     for source in change.derived_from:
         _check_unchanged(edit, source)
     record = change.record
-    given: str | None = None
+    if len(record.tags) > 1:
+        raise ValueError("a new manifest gives itself one tag at most")
+    given = record.tags[0] if record.tags else None
     if change.replacing and record.origin == COMMIT:
-        given = record.tag
-        if (replaced := edit.commit_at(record.step, record.run)) is not None:
-            record = replace(record, tag=record.tag or replaced.tag, pinned=replaced.pinned)
+        if (replaced := edit.commit_at(record.step, record.run)) is not None:  # its tags stay the step's
+            record = replace(record, tags=tuple(sorted({*record.tags, *replaced.tags})), pinned=replaced.pinned)
             edit.delete_commit_at(record.step, record.run)
             if replaced.object_key is not None:
                 taken.retired.append(replaced.object_key)
-        if record.tag and (holder := edit.tagged(record.tag)) is not None:
-            edit.set_tag(holder.id, None)  # force takes the tag, whether or not the step existed
-    refuse_taken(edit, record.step, record.run, record.tag, commit=record.origin == COMMIT)
+        if given is not None:
+            edit.drop_tag(given)  # force takes the tag, whether or not the step existed
+    refuse_taken(edit, record.step, record.run, given, commit=record.origin == COMMIT)
     in_place = change.replacing and record.origin == COMMIT
-    taken.touched.append((record.step, record.run, given if in_place else record.tag, in_place))
+    taken.touched.append((record.step, record.run, given, in_place))
     edit.add_packs(change.packs)
     edit.upsert_blobs(change.blobs)
     edit.add_blobs(change.reported_blobs)
@@ -266,5 +267,7 @@ def _take_back(repo: Repository, taken: _Taken) -> None:
     holders = [m for m in taken.revised if m not in taken.in_place]  # those in place had no ref written
     for step, run, tag, in_place in taken.touched:
         replaced = None if in_place else catalogue.commit_at(step, run)
-        holders += [m.id for m in (replaced, catalogue.tagged(tag) if tag else None) if m]
+        holders += [replaced.id] if replaced else []
+        if tag and (holder := catalogue.tagged(tag)) is not None and holder.object_key:
+            put_tag(repo.backend, tag, holder.object_key)  # that tag only: the holder's others were not touched
     write_refs(repo.backend, catalogue, holders)

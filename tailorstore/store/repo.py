@@ -554,7 +554,7 @@ class Repository:
             if commits:
                 return commits[0].id
             if found:
-                names = ", ".join(f"id={m.name} ({m.origin}, tag {m.tag})" for m in found)
+                names = ", ".join(f"id={m.name} ({m.origin}, tag {', '.join(m.tags) or '-'})" for m in found)
                 raise UnknownStepError(f"step {step}{where} has no commit, only: {names}. Name one by its id= or tag=.")
             base = self.run_base(run)
             if base is not None and base.step == step:

@@ -549,7 +549,7 @@ def _tags_and_steps_after_gc(tmp_path: Path, location: str) -> tuple[dict[int, s
 @pytest.mark.parametrize(
     ("failpoint", "command"),
     [
-        ("tag/put=stop", ("tag", "step=1", "x")),  # a retag: step 1's former tag goes
+        ("tag/put=stop", ("tag", "step=1", "x")),  # a second tag: it touches no other (a retag dropped w once)
         ("untag/put-if=stop", ("untag", "w")),
         ("rm/put-create=stop@2", ("remove", "step=1", "--force")),  # its lease, then its first drop mark
     ],
@@ -579,6 +579,30 @@ def test_a_tag_another_host_moved_meanwhile_stays_where_it_was_moved(
         assert tags[1] == "x" and 1 in kept, (tags, kept)
     checks = run(host_env(tmp_path / "host-fresh"), "verify", "--store", s3_location)
     assert checks.returncode == 0, checks.stdout + checks.stderr
+
+
+@pytest.mark.slow
+def test_two_hosts_tagging_one_step_at_once_both_keep_their_tag(s3_location: str, tmp_path: Path) -> None:
+    """Attack finding M1: host A tags step 1 ``a`` and stalls at its put; host B tags step 1 ``b``
+    (exit 0); A goes on (exit 0). Both were reported set, so both must be there: when a step held
+    one tag, one of the two objects naming step 1 was invisible, and untagging the other left a
+    step that the user thought tagged for gc to drop. Now a step holds any number of tags."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    stalled = host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="tag/put=stop")
+    a = start(stalled, "tag", "step=1", "a", "--store", s3_location)
+    wait_stopped(a)
+    other = host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600")
+    tagged = run(other, "tag", "step=1", "b", "--store", s3_location)
+    assert tagged.returncode == 0, tagged.stderr
+    done = resume(a)
+    assert done.returncode == 0, done.stderr
+    fresh = _steps(host_env(tmp_path / "host-fresh"), s3_location)
+    assert fresh[1]["tags"] == ["a", "b", "w"], fresh[1]
+    for name in ("w", "b"):  # untagging two of them leaves the step tagged by the third
+        assert run(plain, "untag", name, "--store", s3_location).returncode == 0
+    _, kept = _tags_and_steps_after_gc(tmp_path, s3_location)
+    assert kept == [1, 3], kept
 
 
 @pytest.mark.slow

@@ -156,8 +156,10 @@ CONTENTS = {"A3": {"A3"}, "A6": {"A6"}, "B3": {"B3"}, "B6": {"B6"}, "parts": {"A
 COMMIT_A6 = {"op": "commit", "save": "A6", "key": ["main", 6], "force": False, "tag": None}
 
 
-def _step(content: str | None, **entry: object) -> dict:
-    return {"content": content, "tier": None, "tag": None, "pinned": False, **entry}
+def _step(content: str | None, *, tag: str | None = None, **entry: object) -> dict:
+    """A step as ``log --json`` lists it (``tags``: every tag; ``tag``: the first, for older readers)."""
+    tags = entry.pop("tags", [tag] if tag else [])
+    return {"content": content, "tier": None, "tag": tag, "tags": tags, "pinned": False, **entry}
 
 
 def test_the_checker_names_a_reported_commit_that_is_gone_or_wrong() -> None:
@@ -205,24 +207,30 @@ def test_the_checker_takes_a_failed_verify_as_a_broken_store(tmp_path: Path) -> 
     assert check([], seen, [], CONTENTS) == ["I1/I6: a fresh host's verify --deep failed (exit 3): blob ... is missing"]
 
 
-def test_the_checker_knows_a_step_holds_one_tag() -> None:
-    """A second tag set on a step replaces the first, so the first no longer protects it from gc
-    (found as a false alarm of the checker on an older tree's run: seed 372)."""
+def test_the_checker_knows_a_step_holds_any_number_of_tags() -> None:
+    """A second tag set on a step leaves the first (a step holds any number): untagging the second
+    leaves the first protecting the step, so a gc that dropped it, or a store that lost the first,
+    is broken. (When a step held one tag, the second replaced the first: seed 372's false alarm.)"""
     journal = [
         _done(0, dict(COMMIT_A6, tag="t2"), 1, 2),
         _done(1, dict(COMMIT_A6, tag="t1", force=True), 3, 4),
         _done(2, {"op": "untag", "tag": "t1"}, 5, 6),
         _done(3, {"op": "gc", "args": ["--keep-best", "loss:min:1"], "drops": True, "thins": False}, 7, 8),
     ]
-    assert check(journal, Seen(), [("main", 6)], CONTENTS) == []
-    kept = Seen(steps={("main", 6): _step("A6")})
+    kept = Seen(steps={("main", 6): _step("A6", tag="t2")})
     assert check(journal, kept, [("main", 6)], CONTENTS) == []
+    both = Seen(steps={("main", 6): _step("A6", tags=["t1", "t2"])})
+    assert [p.split(":")[0] for p in check(journal, both, [("main", 6)], CONTENTS)] == ["I2/I3"]  # t1 was untagged
+    lost_tag = Seen(steps={("main", 6): _step("A6")})
+    assert [p.split(":")[0] for p in check(journal, lost_tag, [("main", 6)], CONTENTS)] == ["I2/I3"]
+    dropped = check(journal, Seen(), [("main", 6)], CONTENTS)
+    assert any(p.startswith("I1:") for p in dropped), dropped
 
 
 def test_the_checker_knows_a_clear_of_a_step_leaves_a_tag_moved_off_it() -> None:
-    """A retag of step 6 (t1 to t2) overlapping another host's move of t1 to step 9: in either
-    order t1 ends on step 9 (retagged first, t1 was then put on 9; moved first, step 6 no longer
-    held t1), so t1 on no step is a broken I2, which the rule "a clear may be last" let pass."""
+    """A second tag of step 6 (t2) overlapping another host's move of t1 to step 9: in either order
+    t1 ends on step 9 (a tag set on a step clears none of its others), so t1 on no step is a broken
+    I2, which the rule "a clear may be last" let pass when a retag dropped the step's former tag."""
     commit_b9 = {"op": "commit", "save": "B6", "key": ["main", 9], "force": False, "tag": None}
     journal = [
         _done(0, dict(COMMIT_A6, tag="t1"), 1, 2),

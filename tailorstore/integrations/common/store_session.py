@@ -37,7 +37,7 @@ from tailorstore.core.records import COMMIT
 # and a resume share with them. Re-exported here so that no adapter imports those layers itself.
 from tailorstore.formats import dcp as dcp_format
 from tailorstore.formats import megatron as megatron_format
-from tailorstore.formats.deepspeed import is_model_states, read_latest
+from tailorstore.formats.deepspeed import has_latest, is_model_states, read_latest
 from tailorstore.formats.layout import MEGATRON, step_from_name
 from tailorstore.formats.memory_folder import MemoryFile, MemoryFolder
 from tailorstore.formats.safe_load import load_torch_file
@@ -80,6 +80,7 @@ __all__ = [
     "check_sized_policy",
     "dcp_format",
     "dtype_from_name",
+    "has_latest",
     "is_model_states",
     "load_torch_file",
     "loaded_by",

@@ -21,7 +21,13 @@ from tailorstore import StepObjects
 from tailorstore.api import Store
 from tailorstore.core.errors import StoreError, UnknownStepError
 from tailorstore.integrations.common.rewind import Rewind, warn_if_composite
-from tailorstore.integrations.common.store_session import COMMIT, is_model_states, load_torch_file, read_latest
+from tailorstore.integrations.common.store_session import (
+    COMMIT,
+    has_latest,
+    is_model_states,
+    load_torch_file,
+    read_latest,
+)
 from tailorstore.integrations.deepspeed import resume, serving
 from tailorstore.integrations.deepspeed.head import HEAD_FILE, read_head
 from tailorstore.integrations.deepspeed.helpers import RESTORE_PREFIX, log, step_of_tag
@@ -112,7 +118,7 @@ class LoadPath:
         names; a tag folder on disk that holds DeepSpeed's model states is loaded from disk,
         anything else from the store (:meth:`_find`; None there: nothing to resume)."""
         from_latest = tag is None
-        if tag is None and (load_dir / "latest").is_file():
+        if tag is None and has_latest(load_dir):
             tag = read_latest(load_dir)
         if tag and any(is_model_states(p.name) for p in (load_dir / tag).glob("*")):
             return _Plan(tag, on_disk=True)

@@ -61,8 +61,8 @@ def step_rows(log: list[StepSummary], usage: list[StepUsage], gc: GcOutlook) -> 
         )
         rows.append(
             StepRow(
-                id=s.id, run=s.run, step=s.step, origin=s.origin, kind=kind_of(s), tier=s.tier, tag=s.tag,
-                pinned=s.pinned, created_at=s.created_at, raw_bytes=s.raw_bytes,
+                id=s.id, run=s.run, step=s.step, origin=s.origin, kind=kind_of(s), tier=s.tier,
+                tag=", ".join(s.tags) or None, pinned=s.pinned, created_at=s.created_at, raw_bytes=s.raw_bytes,
                 held_bytes=s.raw_bytes if s.held_bytes is None else s.held_bytes, new_bytes=s.new_bytes,
                 held_alone=alone.get(s.manifest, 0), metrics=dict(s.metrics), best=gc.best.get(s.manifest, ()),
                 next_gc=action, source=s.source, digest=s.digest, manifest=s.manifest,

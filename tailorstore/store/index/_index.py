@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 import secrets
 import sqlite3
@@ -62,7 +63,13 @@ from tailorstore.store.index.schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
 
 INDEX_NAME = "index.sqlite"
 
-_MANIFEST_COLUMNS = (*MANIFEST_DOC_FIELDS, "tag", "pinned", "object_key")
+_MANIFEST_COLUMNS = (*MANIFEST_DOC_FIELDS, "pinned", "object_key")
+# A manifest's row with its tags (any number a step, table ``tags``), as every manifest read takes it.
+# An index upgraded from format 6 still has the old ``manifests.tag`` column, always NULL now.
+_MANIFESTS = (
+    "(SELECT m.*, (SELECT json_group_array(name) FROM (SELECT name FROM tags WHERE manifest=m.id ORDER BY name))"
+    " AS tag_names FROM manifests m)"
+)
 _LAYER_COLUMNS = ("layer", "source", "source_step", "raw_bytes", "stored", "change")
 _BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "pack", "pack_offset", "created_at")
 _ATOMS_WITH_KEY = (
@@ -79,7 +86,7 @@ def _manifest(row: sqlite3.Row) -> ManifestRecord:
     return ManifestRecord(
         **{c: row[c] for c in MANIFEST_DOC_FIELDS if c != "exact"},
         exact=bool(row["exact"]),
-        tag=row["tag"],
+        tags=tuple(json.loads(row["tag_names"])),
         pinned=bool(row["pinned"]),
         object_key=row["object_key"],
         id=row["id"],
@@ -288,48 +295,50 @@ class Index:
 
     # -- manifests -----------------------------------------------------------------------
     def manifest(self, manifest: int) -> ManifestRecord | None:
-        row = self.conn.execute("SELECT * FROM manifests WHERE id=?", (manifest,)).fetchone()
+        row = self.conn.execute(f"SELECT * FROM {_MANIFESTS} WHERE id=?", (manifest,)).fetchone()
         return _manifest(row) if row else None
 
     def manifests(self, run: str | None = None) -> list[ManifestRecord]:
         """Every manifest (of one run, if given), by step, then in the order they were recorded."""
         if run is None:
-            return [_manifest(r) for r in self.conn.execute("SELECT * FROM manifests ORDER BY step, id")]
+            return [_manifest(r) for r in self.conn.execute(f"SELECT * FROM {_MANIFESTS} ORDER BY step, id")]
         return [
-            _manifest(r) for r in self.conn.execute("SELECT * FROM manifests WHERE run=? ORDER BY step, id", (run,))
+            _manifest(r) for r in self.conn.execute(f"SELECT * FROM {_MANIFESTS} WHERE run=? ORDER BY step, id", (run,))
         ]
 
     def manifests_at(self, step: int, run: str) -> list[ManifestRecord]:
         return [
             _manifest(r)
-            for r in self.conn.execute("SELECT * FROM manifests WHERE step=? AND run=? ORDER BY id", (step, run))
+            for r in self.conn.execute(f"SELECT * FROM {_MANIFESTS} WHERE step=? AND run=? ORDER BY id", (step, run))
         ]
 
     def commit_at(self, step: int, run: str) -> ManifestRecord | None:
         row = self.conn.execute(
-            "SELECT * FROM manifests WHERE step=? AND run=? AND origin=?", (step, run, COMMIT)
+            f"SELECT * FROM {_MANIFESTS} WHERE step=? AND run=? AND origin=?", (step, run, COMMIT)
         ).fetchone()
         return _manifest(row) if row else None
 
     def tagged(self, tag: str) -> ManifestRecord | None:
-        row = self.conn.execute("SELECT * FROM manifests WHERE tag=?", (tag,)).fetchone()
+        row = self.conn.execute(
+            f"SELECT * FROM {_MANIFESTS} WHERE id=(SELECT manifest FROM tags WHERE name=?)", (tag,)
+        ).fetchone()
         return _manifest(row) if row else None
 
     def by_object_key(self, key: str) -> ManifestRecord | None:
-        row = self.conn.execute("SELECT * FROM manifests WHERE object_key=?", (key,)).fetchone()
+        row = self.conn.execute(f"SELECT * FROM {_MANIFESTS} WHERE object_key=?", (key,)).fetchone()
         return _manifest(row) if row else None
 
     def highest_step_commit(self, run: str) -> ManifestRecord | None:
         """The run's commit of the highest step."""
         row = self.conn.execute(
-            "SELECT * FROM manifests WHERE origin=? AND run=? ORDER BY step DESC LIMIT 1", (COMMIT, run)
+            f"SELECT * FROM {_MANIFESTS} WHERE origin=? AND run=? ORDER BY step DESC LIMIT 1", (COMMIT, run)
         ).fetchone()
         return _manifest(row) if row else None
 
     def last_recorded_commit(self, run: str) -> ManifestRecord | None:
         """The run's commit recorded last, whatever its step."""
         row = self.conn.execute(
-            "SELECT * FROM manifests WHERE origin=? AND run=? ORDER BY id DESC LIMIT 1", (COMMIT, run)
+            f"SELECT * FROM {_MANIFESTS} WHERE origin=? AND run=? ORDER BY id DESC LIMIT 1", (COMMIT, run)
         ).fetchone()
         return _manifest(row) if row else None
 
@@ -374,9 +383,11 @@ class Index:
         """Record a manifest (its ``id`` is ignored); returns the new local id."""
         row = self.conn.execute(
             _insert("manifests", _MANIFEST_COLUMNS),
-            (*values(record, MANIFEST_DOC_FIELDS), record.tag, int(record.pinned), record.object_key),
+            (*values(record, MANIFEST_DOC_FIELDS), int(record.pinned), record.object_key),
         )
         assert row.lastrowid is not None
+        for tag in record.tags:
+            self.add_tag(int(row.lastrowid), tag)
         return int(row.lastrowid)
 
     def delete_manifests(self, manifests: Iterable[int]) -> None:
@@ -407,10 +418,13 @@ class Index:
         self.insert_files(manifest, files)
         self.insert_atoms(manifest, atoms)
 
-    def set_tag(self, manifest: int, tag: str | None) -> None:
-        if tag is not None:
-            self.conn.execute("UPDATE manifests SET tag=NULL WHERE tag=? AND id<>?", (tag, manifest))
-        self.conn.execute("UPDATE manifests SET tag=? WHERE id=?", (tag, manifest))
+    def add_tag(self, manifest: int, tag: str) -> None:
+        """Tag a manifest; a tag names one manifest, so one that named another moves here. A
+        manifest holds any number of tags (as a git commit does)."""
+        self.conn.execute("INSERT OR REPLACE INTO tags(name, manifest) VALUES (?, ?)", (tag, manifest))
+
+    def drop_tag(self, tag: str) -> None:
+        self.conn.execute("DELETE FROM tags WHERE name=?", (tag,))
 
     def set_pinned(self, manifest: int, pinned: bool) -> None:
         self.conn.execute("UPDATE manifests SET pinned=? WHERE id=?", (int(pinned), manifest))
@@ -418,12 +432,13 @@ class Index:
     def set_object_key(self, manifest: int, key: str) -> None:
         self.conn.execute("UPDATE manifests SET object_key=? WHERE id=?", (key, manifest))
 
-    def set_refs(self, refs: dict[int, tuple[str | None, bool]]) -> None:
-        """Tags and pins of published manifests, all at once (tags are unique: cleared first)."""
-        self.conn.execute("UPDATE manifests SET tag=NULL WHERE object_key IS NOT NULL")
+    def set_refs(self, refs: dict[int, tuple[tuple[str, ...], bool]]) -> None:
+        """Tags and pins of published manifests, all at once (the tags of these are cleared first)."""
+        self.conn.execute("DELETE FROM tags WHERE manifest IN (SELECT id FROM manifests WHERE object_key IS NOT NULL)")
+        self.conn.executemany("UPDATE manifests SET pinned=? WHERE id=?", [(int(p), m) for m, (_, p) in refs.items()])
         self.conn.executemany(
-            "UPDATE manifests SET tag=?, pinned=? WHERE id=?",
-            [(tag, int(pinned), m) for m, (tag, pinned) in refs.items()],
+            "INSERT OR REPLACE INTO tags(name, manifest) VALUES (?, ?)",
+            [(tag, m) for m, (tags, _) in refs.items() for tag in tags],
         )
 
     # -- files ---------------------------------------------------------------------------

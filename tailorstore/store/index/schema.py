@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import sqlite3
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
+
+_TAGS_TABLE = (
+    "CREATE TABLE tags (name TEXT PRIMARY KEY, manifest INTEGER NOT NULL REFERENCES manifests(id) ON DELETE CASCADE)"
+)
 
 # Upgrades from an older format: each runs in one transaction with the version bump.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -40,6 +44,14 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     4: ("ALTER TABLE manifests ADD COLUMN tier TEXT",),
     # 5 -> 6: metrics recorded with a step. Every manifest so far has none (NULL).
     5: ("ALTER TABLE manifests ADD COLUMN metrics TEXT",),
+    # 6 -> 7: any number of tags a step (a retag is one object, docs/FORMAT.md 8.1, I3). The old
+    # column stays, NULL (SQLite cannot drop a UNIQUE column).
+    6: (
+        _TAGS_TABLE,
+        "CREATE INDEX tags_manifest ON tags(manifest)",
+        "INSERT INTO tags(name, manifest) SELECT tag, id FROM manifests WHERE tag IS NOT NULL",
+        "UPDATE manifests SET tag=NULL",
+    ),
 }
 
 _SCHEMA_TEXT = """
@@ -65,7 +77,6 @@ CREATE TABLE manifests (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
     step        INTEGER NOT NULL,   -- training step; for a merge, the base step's
     origin      TEXT NOT NULL,      -- commit | merge
-    tag         TEXT UNIQUE,
     created_at  REAL NOT NULL,
     layout      TEXT NOT NULL,      -- deepspeed | deepspeed-tag | hf-trainer | accelerate | dcp | plain | plain-file
     ds_tag      TEXT,               -- the DeepSpeed tag folder, e.g. global_step300
@@ -84,6 +95,11 @@ CREATE TABLE manifests (
 );
 CREATE UNIQUE INDEX manifests_commit_step ON manifests(run, step) WHERE origin = 'commit';
 CREATE UNIQUE INDEX manifests_object_key ON manifests(object_key);
+CREATE TABLE tags (
+    name        TEXT PRIMARY KEY,   -- a tag names one manifest; a manifest holds any number
+    manifest    INTEGER NOT NULL REFERENCES manifests(id) ON DELETE CASCADE
+);
+CREATE INDEX tags_manifest ON tags(manifest);
 CREATE TABLE runs (
     name        TEXT PRIMARY KEY,   -- [A-Za-z0-9._-]+; 'main' exists without a row
     created_at  REAL NOT NULL,

@@ -50,7 +50,7 @@ def claimed(backend: Backend, keys: Iterable[str]) -> list[str]:
     written before the marker is seen here; one written after sees the marker and backs off."""
     wanted = set(keys)
     found = {key for key in wanted if backend.exists(pin_key(key))}
-    found.update(wanted & listed_tags(backend, log_damaged=False).keys())
+    found.update(wanted & set(listed_tags(backend, log_damaged=False).values()))
     return sorted(found)
 
 

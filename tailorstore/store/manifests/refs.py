@@ -21,7 +21,6 @@ from tailorstore.store.manifests.keys import (
     TAG_PREFIX,
     current_of,
     is_manifest_key,
-    key_version,
     keys_by_name,
     listed_manifest_keys,
     odd_key,
@@ -62,8 +61,8 @@ def write_refs(
         record = index.manifest(m)
         if record is None or record.object_key is None:
             continue
-        if record.tag:
-            written.append(_put_tag(backend, record, fence))
+        for tag in record.tags:
+            written.append(put_tag(backend, tag, record.object_key, fence=fence))
         if record.pinned:
             written.append(_put_pin(backend, record, fence))
         else:
@@ -71,11 +70,13 @@ def write_refs(
     return written
 
 
-def put_tag(backend: Backend, index: RefSource, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
-    """The manifest's tag object, as the index says (one request)."""
-    record = index.manifest(manifest)
-    if record is not None and record.object_key is not None and record.tag:
-        _put_tag(backend, record, fence)
+def put_tag(backend: Backend, tag: str, manifest_key: str, *, fence: Callable[[], None] | None = None) -> str:
+    """Tag the manifest whose object is ``manifest_key``: one object, one request, whatever tags the
+    step holds already (a step holds any number; a tag names one step, so putting it moves it).
+    Returns the tag object's key."""
+    key = tag_key(tag)
+    backend.put(key, manifest_key.encode(), fence=fence)
+    return key
 
 
 def write_pin(backend: Backend, index: RefSource, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
@@ -118,12 +119,6 @@ def tombstones(backend: Backend) -> list[str]:
     """The tag objects that are tombstones (dropped tags), for gc to delete."""
     dropped = TOMBSTONE.decode()
     return [key for key, target in _tag_targets(backend, log_damaged=False, dropped=True) if target == dropped]
-
-
-def _put_tag(backend: Backend, record: ManifestRecord, fence: Callable[[], None] | None) -> str:
-    key = tag_key(str(record.tag))
-    backend.put(key, str(record.object_key).encode(), fence=fence)
-    return key
 
 
 def _put_pin(backend: Backend, record: ManifestRecord, fence: Callable[[], None] | None) -> str:
@@ -185,7 +180,8 @@ def carry_refs(backend: Backend, index: RefSource, superseded: list[str]) -> Non
 
 
 def listed_tags(backend: Backend, *, log_damaged: bool = True) -> dict[str, str]:
-    """Manifest object key -> tag, from the tag objects. Bytes that are not UTF-8 name no key, and are
+    """Tag -> the manifest object key it names, from the tag objects (several tags may name one
+    key: a step holds any number). Bytes that are not UTF-8 name no key, and are
     ignored as any tag naming a key that does not exist is (docs/FORMAT.md 3.3), not a decode error
     that stopped every command of the store."""
     out: dict[str, str] = {}
@@ -197,7 +193,7 @@ def listed_tags(backend: Backend, *, log_damaged: bool = True) -> dict[str, str]
                 "(gc refuses to run until it is set again or removed)",
                 key[:200],
             )
-        out[target] = tag_of_key(key)
+        out[tag_of_key(key)] = target
     return out
 
 
@@ -233,13 +229,13 @@ def pinned_keys(backend: Backend, current: dict[str, str]) -> list[str]:
     return [key for pin in backend.list(PIN_PREFIX) for key in pinned_by(pin, by_name)]
 
 
-def current_refs(tags: dict[str, str], current: dict[str, str]) -> dict[str, str]:
-    """Tags by the current version of the step each names. Of several tags left on versions of one
-    step, the one naming the newest version holds it: a tag is written on the version current when
-    it is set, so that one was set last (a step holds one tag). Ranking by "names the current
-    version" alone let a tag a later revision had replaced come back once a newer revision left
-    neither on the current one, and gc then deleted the version the winner named (seed 150)."""
-    out: dict[str, str] = {}
-    for key, tag in sorted(tags.items(), key=lambda kv: (key_version(kv[0]), kv[1])):
-        out[current.get(key, key)] = tag
-    return out
+def current_refs(tags: dict[str, str], current: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """The current version of each tagged step -> its tags, sorted (:func:`listed_tags` gives
+    tag -> the key it names). A tag left on an older version of a step counts for the current one
+    (``keys.current_of``). Each tag stands alone: a step holds any number, so a retag is one object
+    and two hosts tagging one step at once both keep their tag (when a step held one tag, one of
+    two such tags was invisible though both were reported set)."""
+    out: dict[str, list[str]] = {}
+    for tag, key in sorted(tags.items()):
+        out.setdefault(current.get(key, key), []).append(tag)
+    return {key: tuple(names) for key, names in out.items()}

@@ -53,7 +53,7 @@ def sync(backend: Backend, index: Index, *, locked: bool, rebuilding: bool = Fal
                 import_document(index, key, docs[key], ids)
         # after the imports: a manifest's blob rows say where the blob was when it was committed
         reconcile_packs(backend, index, seen.packs, locked=locked, skip_damaged=rebuilding)
-        index.set_refs({mid: (seen.tags.get(key), pin_key(key) in seen.pins) for key, mid in ids.items()})
+        index.set_refs({mid: (seen.tags.get(key, ()), pin_key(key) in seen.pins) for key, mid in ids.items()})
         index.set_runs(seen.listed_runs.values())
     return len(new), len(gone)
 
@@ -65,11 +65,11 @@ class _Listing:
     packs: set[str]
     present: set[str]
     indexed: dict[str, int]
-    tags: dict[str, str]
+    tags: dict[str, tuple[str, ...]]  # current manifest key -> its tags
     pins: set[str]
     listed_runs: dict[str, RunRecord]
     known_runs: dict[str, RunRecord]
-    indexed_refs: dict[int, tuple[str | None, bool]]  # (tag, pinned) as the index has them
+    indexed_refs: dict[int, tuple[tuple[str, ...], bool]]  # (tags, pinned) as the index has them
 
     @classmethod
     def take(cls, backend: Backend, index: Index) -> _Listing:
@@ -86,7 +86,7 @@ class _Listing:
             pins={pin_key(current.get(key, key)) for key in pinned_keys(backend, current)},
             listed_runs=listed_runs(backend, known_runs),
             known_runs=known_runs,
-            indexed_refs={r.id: (r.tag, r.pinned) for r in records if r.object_key in present},
+            indexed_refs={r.id: (r.tags, r.pinned) for r in records if r.object_key in present},
         )
 
     @property
@@ -97,10 +97,10 @@ class _Listing:
     def new(self) -> list[str]:
         return sorted(self.present - self.indexed.keys())
 
-    def listed_refs(self) -> dict[int, tuple[str | None, bool]]:
-        """(tag, pinned) of each indexed manifest as the backend's ref objects say."""
+    def listed_refs(self) -> dict[int, tuple[tuple[str, ...], bool]]:
+        """(tags, pinned) of each indexed manifest as the backend's ref objects say."""
         return {
-            mid: (self.tags.get(key), pin_key(key) in self.pins)
+            mid: (self.tags.get(key, ()), pin_key(key) in self.pins)
             for key, mid in self.indexed.items()
             if key in self.present
         }

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tailorstore.core.errors import BadCheckpointError
+from tailorstore.core.errors import BadCheckpointError, InputChangedError
 from tailorstore.formats.layout import ACCELERATE, check_files, detect
 
 
@@ -58,3 +58,44 @@ def test_commit_path_rules(tmp_path: Path) -> None:
     (tmp_path / "out").symlink_to("/etc/hostname")
     with pytest.raises(BadCheckpointError, match="outside the checkpoint"):
         check_files(tmp_path, ["out"])
+
+
+def test_a_file_gone_between_the_listing_and_its_check_is_said_to_have_changed(tmp_path: Path) -> None:
+    """A file listed and then removed or renamed before it was checked is a save still being
+    written (the input changed under the commit), not "a link to a missing file" (an attack round's finding);
+    a link to nothing is still refused as one."""
+    with pytest.raises(InputChangedError, match=r"gone\.pt: changed while it was being committed \(it was removed"):
+        check_files(tmp_path, ["gone.pt"])
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(BadCheckpointError, match="names nothing") as caught:
+        check_files(tmp_path, ["dangling"])
+    assert not isinstance(caught.value, InputChangedError)
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "dangling link", "link to a folder"])
+@pytest.mark.parametrize("beside", ["deepspeed", "hf"])
+def test_a_latest_that_is_no_file_is_refused_by_name(tmp_path: Path, kind: str, beside: str) -> None:
+    """DeepSpeed's ``latest`` that is there but no file was passed over as absent: a DeepSpeed save
+    was then refused as "holding checkpoint folders of its own", an HF folder committed without a
+    DeepSpeed tag, and a resume loaded the store's newest step (an attack round's finding)."""
+    save = tmp_path / "save"
+    (save / "global_step3").mkdir(parents=True)
+    torch.save({}, save / "global_step3" / "mp_rank_00_model_states.pt")
+    if beside == "hf":
+        (save / "trainer_state.json").write_text('{"global_step": 3}')
+    latest = save / "latest"
+    if kind == "folder":
+        latest.mkdir()
+    elif kind == "fifo":
+        import os
+
+        os.mkfifo(latest)
+    elif kind == "dangling link":
+        latest.symlink_to(tmp_path / "nowhere")
+    else:
+        latest.symlink_to(save / "global_step3")
+    with pytest.raises(BadCheckpointError, match=r"latest: DeepSpeed's `latest` is not a file here"):
+        detect(save)
+    latest.unlink() if kind != "folder" else latest.rmdir()
+    latest.write_text("global_step3")
+    assert detect(save).ds_tag == "global_step3"

@@ -19,6 +19,7 @@ from tailorstore.core.errors import CorruptStoreError
 from tailorstore.formats.safe_load import load_torch_file
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
+from tailorstore.store.index._index import Index
 from tailorstore.store.index.schema import FORMAT_VERSION
 from tailorstore.store.repo import Repository
 from testbed.compare import differences
@@ -37,13 +38,14 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
 
     with Repository.open(root) as store:  # upgrades
         version = index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]
-        assert int(version) == FORMAT_VERSION == 6
+        assert int(version) == FORMAT_VERSION == 7
         runs = {r[0] for r in index_db(store).execute("SELECT run FROM manifests")}
         assert runs == {"main"}, "format 4: every earlier step is main's"
         tiers = {r[0] for r in index_db(store).execute("SELECT tier FROM manifests")}
         assert tiers == {None}, "format 5: every earlier step is whole"
         metrics = {r[0] for r in index_db(store).execute("SELECT metrics FROM manifests")}
         assert metrics == {None}, "format 6: no earlier step recorded metrics"
+        assert index_db(store).execute("SELECT count(*) FROM tags").fetchone()[0] == 0, "format 7: it had no tag"
         keys = [r[0] for r in index_db(store).execute("SELECT object_key FROM manifests")]
         assert keys and all(key and (root / key).is_file() for key in keys), "the upgrade wrote every manifest object"
         assert index_db(store).execute("SELECT count(*) FROM files WHERE container IS NOT NULL").fetchone()[0] == 0
@@ -59,7 +61,7 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
         assert not differences(load_torch_file(original)[0], load_torch_file(restored)[0]), original.name
     assert (out / "latest").read_text() == "global_step3"
     with Repository.open(root) as store:  # a second open finds nothing to do
-        assert int(index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 6
+        assert int(index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 7
         assert store.refresh() == (0, 0)
 
     # the upgraded store's index is now a cache: lose it, rebuild it from the objects, check out again
@@ -74,6 +76,38 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
     for original in originals:
         restored = again / "global_step3" / original.name
         assert not differences(load_torch_file(original)[0], load_torch_file(restored)[0]), original.name
+
+
+def test_a_format_6_index_keeps_its_tags_in_the_tags_table_after_the_upgrade(tmp_path: Path) -> None:
+    """Format 6 held one tag a step in ``manifests.tag``; format 7 holds any number in ``tags``. The
+    upgrade alone (before any sync from the ref objects) carries each tag over: a store whose ref
+    objects were lost or never written (a format-2 upgrade's) keeps them."""
+    Repository.init(tmp_path / "st").close()
+    conn = sqlite3.connect(tmp_path / "st" / "index.sqlite")
+    now = 1.0
+    for step in (1, 2):
+        conn.execute(
+            "INSERT INTO manifests(step, origin, created_at, layout, policy, exact, raw_bytes, new_bytes, source)"
+            " VALUES (?, 'commit', ?, 'plain', '{}', 1, 0, 0, 'x')",
+            (step, now),
+        )
+    # the format-6 shape: a tag column, unique; no tags table
+    conn.execute("DROP TABLE tags")
+    conn.execute("ALTER TABLE manifests ADD COLUMN tag TEXT")
+    conn.execute("CREATE UNIQUE INDEX manifests_tag ON manifests(tag)")
+    conn.execute("UPDATE manifests SET tag='best' WHERE step=2")
+    conn.execute("UPDATE meta SET value='6' WHERE key='format_version'")
+    conn.commit()
+    conn.close()
+    index = Index.open(tmp_path / "st" / "index.sqlite")
+    try:
+        held = index.tagged("best")
+        assert held is not None and held.step == 2 and held.tags == ("best",)
+        index.add_tag(held.id, "second")  # a step holds several now; the old column is left NULL
+        assert index.manifest(held.id).tags == ("best", "second")
+        assert [m.tags for m in index.manifests()] == [(), ("best", "second")]
+    finally:
+        index.conn.close()
 
 
 def test_format_version_that_is_not_a_number(tmp_path: Path) -> None:
