@@ -18,10 +18,10 @@ from tailorstore.core.records import AtomRecord, BlobRecord
 from tailorstore.core.rounding import ROUND_FROM_MASTER, rounded_chunks
 from tailorstore.core.thread_buffers import thread_buffer
 from tailorstore.store import codec
-from tailorstore.store.repo import Repository, damaged_blob
+from tailorstore.store.repo import BlobReader, StepReader, damaged_blob
 
 
-def blob_of(repo: Repository, digest: str, where: str) -> BlobRecord:
+def blob_of(repo: BlobReader, digest: str, where: str) -> BlobRecord:
     """The blob's row, or a damaged-store error naming where it was needed."""
     row = repo.blob(digest)
     if row is None:
@@ -29,7 +29,7 @@ def blob_of(repo: Repository, digest: str, where: str) -> BlobRecord:
     return row
 
 
-def decode_stored_atom(repo: Repository, row: BlobRecord, dest: memoryview, where: str) -> None:
+def decode_stored_atom(repo: BlobReader, row: BlobRecord, dest: memoryview, where: str) -> None:
     """Fill ``dest`` with a stored (not derived) atom's blob, its row already looked up; hash-checked.
 
     Touches no SQL, so a reader thread can run it while the caller's thread holds the index.
@@ -44,7 +44,7 @@ def _chunk_space(nbytes: int) -> memoryview:
     return memoryview(thread_buffer("atom-chunk", nbytes, codec.GROUP_CHUNK))
 
 
-def stream_blob(repo: Repository, row: BlobRecord, lo: int, hi: int, where: str) -> Iterator[memoryview]:
+def stream_blob(repo: BlobReader, row: BlobRecord, lo: int, hi: int, where: str) -> Iterator[memoryview]:
     """Bytes ``[lo, hi)`` of a stored blob, decoded chunk by chunk into one reused buffer.
 
     The whole blob is decoded and hashed even when only part of it is wanted, and the check
@@ -67,7 +67,7 @@ def stream_blob(repo: Repository, row: BlobRecord, lo: int, hi: int, where: str)
 
 
 def stream_atom(
-    repo: Repository, manifest: int, atom: AtomRecord, lo: int, hi: int, where: str, row: BlobRecord | None = None
+    repo: StepReader, manifest: int, atom: AtomRecord, lo: int, hi: int, where: str, row: BlobRecord | None = None
 ) -> Iterator[memoryview]:
     """Bytes ``[lo, hi)`` of one atom, checked: a stored atom's blob (:func:`stream_blob`), or a
     derived weight rounded from its master as the master streams by (:func:`stream_rebuilt`)."""
@@ -82,7 +82,7 @@ def stream_atom(
         pos += len(piece)
 
 
-def stream_rebuilt(repo: Repository, manifest: int, atom: AtomRecord, where: str) -> Iterator[memoryview]:
+def stream_rebuilt(repo: StepReader, manifest: int, atom: AtomRecord, where: str) -> Iterator[memoryview]:
     """A derived weight's bytes in order, each master chunk rounded as it is decoded; the
     weight's own hash is checked after the last chunk (so, as with :func:`stream_blob`, what
     is yielded goes into staged output). Memory stays at a chunk whatever the tensor's size."""
@@ -109,7 +109,7 @@ def stream_rebuilt(repo: Repository, manifest: int, atom: AtomRecord, where: str
         raise CorruptStoreError(f"{where}: the weight rebuilt from the master of {atom.param} does not match its hash")
 
 
-def decode_atom_into(repo: Repository, manifest: int, atom: AtomRecord, dest: memoryview, where: str) -> None:
+def decode_atom_into(repo: StepReader, manifest: int, atom: AtomRecord, dest: memoryview, where: str) -> None:
     """Fill ``dest`` with one atom's bytes, from its blob or rebuilt from its master; hash-checked."""
     if atom.derived is None:
         decode_stored_atom(repo, blob_of(repo, atom.blob, where), dest, where)
@@ -122,7 +122,7 @@ def decode_atom_into(repo: Repository, manifest: int, atom: AtomRecord, dest: me
         pos += len(piece)
 
 
-def decode_atom(repo: Repository, manifest: int, atom: AtomRecord, where: str) -> memoryview:
+def decode_atom(repo: StepReader, manifest: int, atom: AtomRecord, where: str) -> memoryview:
     """One atom's raw bytes (``atom.nbytes`` of them), checked."""
     out = memoryview(bytearray(atom.nbytes))
     decode_atom_into(repo, manifest, atom, out, where)

@@ -18,7 +18,7 @@ from tailorstore.access.atom_reader import decode_atom
 from tailorstore.access.contents import Contents
 from tailorstore.core import atom_types as A
 from tailorstore.core.rounding import widened
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import StepReader
 
 if TYPE_CHECKING:  # the commit passes them; diff, which imports this too, never reads a file
     from tailorstore.formats.reader import ReadFile
@@ -39,7 +39,7 @@ def masters_by_layer(f: ReadFile, src: InputFile, kind: str = A.MASTER) -> dict[
 
 
 def stored_pieces(
-    repo: Repository, manifest: int, layer: str, kind: str = A.MASTER, keys: set[PieceKey] | None = None
+    repo: StepReader, manifest: int, layer: str, kind: str = A.MASTER, keys: set[PieceKey] | None = None
 ) -> dict[PieceKey, np.ndarray]:
     """Decode a layer's pieces of one kind from the store (derived weights are rebuilt).
 

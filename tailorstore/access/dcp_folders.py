@@ -10,7 +10,7 @@ from tailorstore.core.records import FileRecord
 from tailorstore.formats import dcp
 from tailorstore.formats.kinds import DCP, RAW
 from tailorstore.formats.megatron import CONFIG as MEGATRON_CONFIG
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import BlobReader
 
 
 def dcp_folders(files: list[FileRecord]) -> list[str]:
@@ -20,7 +20,7 @@ def dcp_folders(files: list[FileRecord]) -> list[str]:
 
 
 def folder_metadata(
-    repo: Repository, step: int, files: list[FileRecord], folder: str
+    repo: BlobReader, step: int, files: list[FileRecord], folder: str
 ) -> tuple[dcp.DcpMetadata, dict[str, FileRecord]]:
     """The checked ``.metadata`` of one DCP folder of a step, and its ``.distcp`` rows by file name.
     A folder with Megatron's ``metadata.json`` beside is a Megatron save, read with the classes its

@@ -41,7 +41,7 @@ from tailorstore.formats.layout import MEGATRON
 from tailorstore.formats.skeleton import fill_tensors, slots_of, split_tensors
 from tailorstore.formats.torch_pickle import load_pickle_tree
 from tailorstore.formats.torch_save_writer import TensorOut
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import BlobReader, StepReader
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def rank0_optimizer_file(files: list[FileRecord], folder: str) -> FileRecord | N
     return None
 
 
-def skeleton_tree(repo: Repository, row: FileRecord, where: str) -> Any:
+def skeleton_tree(repo: BlobReader, row: FileRecord, where: str) -> Any:
     """The object tree a committed torch file's skeleton describes, tensors as shapes only."""
     data = repo.read_blob(row.blob, where)
     if data[:2] != b"PK":  # the file's own data.pkl (committed without torch)
@@ -150,7 +150,7 @@ def tiling(pieces: list[AtomRecord], numel: int) -> tuple[AtomRecord, ...] | Non
     return tuple(chosen) if cursor == numel else None
 
 
-def model_view(repo: Repository, manifest: int) -> ModelView:
+def model_view(repo: StepReader, manifest: int) -> ModelView:
     """Every tensor of the model's state dict at ``manifest``, in DeepSpeed's parameter order
     (for a DCP step, in the order its ``.metadata`` lists them)."""
     facts = repo.manifest(manifest)
@@ -219,7 +219,7 @@ def _pieces(contents: Contents, manifest: int) -> dict[tuple[str, str], list[Ato
     return by_param
 
 
-def _dcp_view(repo: Repository, facts: ManifestRecord, files: list[FileRecord]) -> ModelView:
+def _dcp_view(repo: StepReader, facts: ManifestRecord, files: list[FileRecord]) -> ModelView:
     """A DCP step as a model: each model parameter's full shape from its folder's ``.metadata``
     (kept whole, and read again as hostile input), tiled by its chunks' atoms."""
     step = facts.step
@@ -237,7 +237,7 @@ def _dcp_view(repo: Repository, facts: ManifestRecord, files: list[FileRecord]) 
     return _view(repo, facts, tensors, by_param)
 
 
-def _plain_view(repo: Repository, facts: ManifestRecord) -> ModelView:
+def _plain_view(repo: StepReader, facts: ManifestRecord) -> ModelView:
     """A step without DeepSpeed's or DCP's bookkeeping (an HF Trainer's ``model.safetensors`` or
     ``pytorch_model.bin``, a plain ``torch.save`` or safetensors folder) as a model: its tensors
     are the atoms of the model's kinds outside layer ``state`` (section 4.3 of docs/FORMAT.md names
@@ -277,7 +277,7 @@ def _plain_view(repo: Repository, facts: ManifestRecord) -> ModelView:
 
 
 def _view(
-    repo: Repository, facts: ManifestRecord, tensors: list[ModelTensor], by_param: dict
+    repo: BlobReader, facts: ManifestRecord, tensors: list[ModelTensor], by_param: dict
 ) -> ModelView:
     """The model of ``tensors`` (a tied weight once, under the name it keeps), with the blob rows
     of the pieces it reads."""
@@ -353,7 +353,7 @@ def _tensor(
     raise CorruptStoreError(f"{where}: the pieces of {name} do not cover its {numel} elements; run ", Call("verify"))
 
 
-def read_raw(repo: Repository, view: ModelView, tensor: ModelTensor) -> memoryview:
+def read_raw(repo: StepReader, view: ModelView, tensor: ModelTensor) -> memoryview:
     """The tensor's elements in the dtype its atoms hold, hash-checked. Stored atoms are read
     with the rows looked up by :func:`model_view`, so this runs on a reader thread too; a derived
     one (rebuilt from its master, which needs the index) only on the index's own thread."""
@@ -370,7 +370,7 @@ def read_raw(repo: Repository, view: ModelView, tensor: ModelTensor) -> memoryvi
     return out
 
 
-def read_float32(repo: Repository, view: ModelView, tensor: ModelTensor) -> np.ndarray:
+def read_float32(repo: StepReader, view: ModelView, tensor: ModelTensor) -> np.ndarray:
     """A floating tensor's values as float32 (flat): the master as stored, or a weight widened exactly."""
     raw = read_raw(repo, view, tensor)
     if tensor.dtype == "float32":
@@ -378,7 +378,7 @@ def read_float32(repo: Repository, view: ModelView, tensor: ModelTensor) -> np.n
     return np.ascontiguousarray(widened(raw, tensor.dtype), dtype=np.float32)
 
 
-def look_up_rows(repo: Repository, view: ModelView, tensor: ModelTensor) -> None:
+def look_up_rows(repo: BlobReader, view: ModelView, tensor: ModelTensor) -> None:
     """Add the blob rows of ``tensor``'s stored atoms to ``view.rows``, so that streaming it
     (:func:`stream_elements`) needs no SQL and can run on a writer thread."""
     where = f"step {view.step}, {tensor.name}"
@@ -388,7 +388,7 @@ def look_up_rows(repo: Repository, view: ModelView, tensor: ModelTensor) -> None
 
 
 def stream_elements(
-    repo: Repository, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
+    repo: StepReader, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
 ) -> Iterator[memoryview]:
     """Elements ``[start, start + count)`` of ``tensor`` as raw bytes in its atoms' dtype, in order,
     a chunk at a time (:func:`~tailorstore.access.atom_reader.stream_atom`: every atom hash-checked whole,
@@ -409,14 +409,14 @@ def stream_elements(
 
 
 def stream_float32(
-    repo: Repository, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
+    repo: StepReader, view: ModelView, tensor: ModelTensor, start: int = 0, count: int | None = None
 ) -> Iterator[memoryview]:
     """:func:`stream_elements` as float32: a master as stored, a weight widened exactly chunk by chunk."""
     for piece in stream_elements(repo, view, tensor, start, count):
         yield piece if tensor.dtype == "float32" else memoryview(widened(piece, tensor.dtype)).cast("B")
 
 
-def committed_tree(repo: Repository, manifest: int, row: FileRecord, where: str) -> Any:
+def committed_tree(repo: StepReader, manifest: int, row: FileRecord, where: str) -> Any:
     """A committed torch file's object tree, each tensor a :class:`TensorOut` whose bytes stream
     from its atoms (hash-checked) only as it is written: a file is re-pickled holding a chunk at a time."""
     tree = skeleton_tree(repo, row, where)
@@ -441,7 +441,7 @@ def committed_tree(repo: Repository, manifest: int, row: FileRecord, where: str)
 
 
 def _slot_fill(
-    repo: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str, dest: memoryview
+    repo: StepReader, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str, dest: memoryview
 ) -> None:
     """A tensor slot's bytes decoded straight into ``dest`` (each atom hash-checked; a failed check
     raises, and the caller drops ``dest``)."""
@@ -458,7 +458,7 @@ def _slot_fill(
 
 
 def _slot_chunks(
-    repo: Repository, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str
+    repo: StepReader, manifest: int, slot: TensorSlot, atoms: list[AtomRecord], where: str
 ) -> Iterator[memoryview]:
     """A tensor slot's bytes streamed from its atoms in file order (a chunk in memory at a time)."""
     numel = numel_of(tuple(slot.shape))

@@ -28,12 +28,12 @@ from tailorstore.core.threads import sync_threads
 from tailorstore.formats.torch_save_writer import Parts, TensorOut, dumps, write_pickled_to
 from tailorstore.store.backends.direct_io import RewritableWriter
 from tailorstore.store.backends.posix import fsync_path
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import Repository, StepReader
 
 PARTIAL = ".tailor-partial-"  # .NAME.tailor-partial-<random>: where NAME is written before it is renamed
 
 
-def refuse_inside_store(out: Path, repo: Repository) -> None:
+def refuse_inside_store(out: Path, repo: StepReader) -> None:
     """Nothing we write goes into the store's own folders (its blobs or its index cache), where
     gc and verify would take it for the store's."""
     resolved = out.resolve()
@@ -42,7 +42,7 @@ def refuse_inside_store(out: Path, repo: Repository) -> None:
             raise StoreError(f"{out}: lies inside the store {root}; write somewhere outside it.")
 
 
-def prepare_out(out: Path, repo: Repository) -> tuple[Path, int]:
+def prepare_out(out: Path, repo: StepReader) -> tuple[Path, int]:
     """The hidden sibling to write into, once ``out`` is known to be a new or empty directory outside the
     store, with the fd that holds its lock until the caller closes it."""
     if out.is_symlink():

@@ -42,7 +42,7 @@ from tailorstore.formats.torch_zip import gaps, mend_crcs, record_offsets
 from tailorstore.store import codec
 from tailorstore.store.backends.direct_io import PlacedWriter
 from tailorstore.store.backends.posix import start_writeback
-from tailorstore.store.repo import Repository, damaged_blob
+from tailorstore.store.repo import BlobReader, StepReader, damaged_blob
 
 
 @dataclass
@@ -142,7 +142,7 @@ def _rounded(piece: memoryview, dtype: str) -> memoryview:
 
 
 def write_files(
-    repo: Repository,
+    repo: StepReader,
     facts: ManifestRecord,
     rows: list[FileRecord],
     root: Path,
@@ -172,7 +172,7 @@ class PlacedFiles:
     index, on the caller's thread, any that nobody fed whole.
     """
 
-    def __init__(self, repo: Repository, facts: ManifestRecord, rows: list[FileRecord], root: Path) -> None:
+    def __init__(self, repo: StepReader, facts: ManifestRecord, rows: list[FileRecord], root: Path) -> None:
         self.store, self.manifest, self.step, self.rows = repo, facts.id, facts.step, rows
         # atoms from other steps than the containers (a composite, a merge): mend the zip CRCs
         self.mend = not (facts.origin == COMMIT and facts.exact)
@@ -291,7 +291,7 @@ def _atoms(
     return by_path
 
 
-def _write_container(repo: Repository, row: FileRecord, target: _Target, atoms: list[AtomRecord]) -> None:
+def _write_container(repo: BlobReader, row: FileRecord, target: _Target, atoms: list[AtomRecord]) -> None:
     assert row.container is not None
     literal = repo.read_blob(row.container, f"{target.where} (container)")
     runs = gaps(target.size, [(a.file_offset or 0, a.nbytes) for a in atoms])
@@ -325,7 +325,7 @@ def _derived_weights(atoms: dict[str, list[AtomRecord]], targets: dict[str, _Tar
 
 
 def _place_atoms(
-    repo: Repository,
+    repo: BlobReader,
     atoms: dict[str, list[AtomRecord]],
     blobs: dict[str, BlobRecord],
     targets: dict[str, _Target],
@@ -350,7 +350,7 @@ def _place_atoms(
             raise
 
 
-def _place(repo: Repository, target: _Target, atom: AtomRecord, blob: BlobRecord, weights: list[_Weight]) -> None:
+def _place(repo: BlobReader, target: _Target, atom: AtomRecord, blob: BlobRecord, weights: list[_Weight]) -> None:
     where = f"{target.where}, layer {atom.layer}, {atom.param} ({atom.kind})"
     hasher = xxhash.xxh3_128()
     pos = atom.file_offset or 0
@@ -379,7 +379,7 @@ def _feed(weights: list[_Weight], first: int, piece: memoryview) -> None:
             weight.feed(first, rounded)
 
 
-def _check_weights(repo: Repository, manifest: int, step: int, weights: dict[str, list[_Weight]]) -> None:
+def _check_weights(repo: StepReader, manifest: int, step: int, weights: dict[str, list[_Weight]]) -> None:
     """Every derived weight fully rebuilt from masters, and equal to its recorded hash."""
     for param, w in ((param, w) for param, copies in weights.items() for w in copies):
         where = f"{w.target.where}, layer {w.layer}, {param} (weight, rebuilt from its FP32 master)"

@@ -26,7 +26,7 @@ from tailorstore.core.tensor_ref import DTYPES
 from tailorstore.core.threads import compute_threads
 from tailorstore.store import archive_codec
 from tailorstore.store.packs.writer import BlobWriter
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import BlobReader, Repository
 
 
 class ArchiveHistory(Protocol):
@@ -96,7 +96,7 @@ def _chain(base: BlobRecord) -> tuple[str, ...]:
 
 
 def _base(
-    repo: Repository, base_atom: AtomRecord | None, atom: AtomRecord, grid: ArchiveGrid, where: str
+    repo: BlobReader, base_atom: AtomRecord | None, atom: AtomRecord, grid: ArchiveGrid, where: str
 ) -> tuple[memoryview | None, tuple[str, ...]]:
     """What ``atom`` is quantized against: the previous archived step's same atom as it reads back,
     and the chain that makes, or (None, ()) for a keyframe: no such atom, another dtype or size,

@@ -55,7 +55,7 @@ from tailorstore.curate.merge_spec import AUX_KEYS, layer_range, merge_record, r
 from tailorstore.store.failed_writes import cleaned_up_on_failure, remove_unindexed
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest
-from tailorstore.store.repo import MAX_STEP, Repository
+from tailorstore.store.repo import MAX_STEP, Repository, StepReader
 
 
 class AveragingView(Contents, Protocol):
@@ -290,7 +290,7 @@ def _layers(base_layers: list[LayerRecord], averaged: set[str], step: int) -> li
 
 
 def _write_averages(
-    repo: Repository,
+    repo: StepReader,
     base: int,
     manifests: list[int],
     spec: AverageSpec,
@@ -327,7 +327,7 @@ def _weights_by_param(index: AveragingView, manifest: int) -> dict[str, list[Ato
 class _Averager:
     def __init__(
         self,
-        repo: Repository,
+        repo: StepReader,
         manifests: list[int],
         spec: AverageSpec,
         sources: list[dict[AtomKey, AtomRecord]],

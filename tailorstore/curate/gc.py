@@ -85,7 +85,7 @@ from tailorstore.store.manifests.runs import read_retentions
 from tailorstore.store.packs.pack import PackEntry, PackWriter, pack_key, read_trailer
 from tailorstore.store.packs.pack_sync import TRAILER_READERS
 from tailorstore.store.parts import read_parts
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import BlobReader, Repository, StepReader, StoreWriter
 
 
 class GcPlanning(Protocol):
@@ -433,7 +433,7 @@ def part_age() -> float:
     return seconds_from_env(PART_AGE_ENV, PART_AGE, most=365 * 86400.0)
 
 
-def plan_gc(repo: Repository, rules: Retention | list[Retention], *, drop_parts: bool = False) -> GcPlan:
+def plan_gc(repo: StoreWriter, rules: Retention | list[Retention], *, drop_parts: bool = False) -> GcPlan:
     """What gc would do under ``rules`` (one set, or several each touching its own run). Blobs a
     pending part names are live (the part waits for its finalize); a part of a step already
     recorded is dropped, and every part when ``drop_parts``.
@@ -511,7 +511,7 @@ def _parts_planned(objects: Scanner, index: GcPlanning, plan: GcPlan, drop_parts
     return held
 
 
-def _dead_blobs(repo: Repository, index: GcPlanning, plan: GcPlan, tiers: dict[int, str], held: set[str]) -> None:
+def _dead_blobs(repo: StepReader, index: GcPlanning, plan: GcPlan, tiers: dict[int, str], held: set[str]) -> None:
     """The blobs no kept manifest, pending part or thinned step uses, and what each tier frees."""
     keep = {m for m, _ in plan.keep}
     contents = repo.view(Contents)
@@ -534,7 +534,7 @@ def _dead_blobs(repo: Repository, index: GcPlanning, plan: GcPlan, tiers: dict[i
 
 
 def _packs_planned(
-    repo: Repository,
+    repo: BlobReader,
     objects: Reader,
     index: GcPlanning,
     plan: GcPlan,
@@ -560,7 +560,7 @@ def _packs_planned(
             plan.freed_bytes += freed
 
 def misplaced_blobs(
-    repo: Repository, objects: Reader, packs: list[str], dead: set[str], held: set[str], holdings: Holdings
+    repo: BlobReader, objects: Reader, packs: list[str], dead: set[str], held: set[str], holdings: Holdings
 ) -> tuple[dict[str, tuple[str, PackEntry]], set[str]]:
     """Before gc deletes or repacks ``packs``, what their trailers say (I1, docs/FORMAT.md 8.1): a live
     blob there (not ``dead``, and indexed or ``held`` by a pending part) whose row names no place
@@ -692,7 +692,7 @@ def _refuse_damaged_tags(objects: Scanner) -> None:
         )
 
 
-def _drop_manifests(repo: Repository, objects: Editor, plan: GcPlan, fence: Callable[[], None]) -> None:
+def _drop_manifests(repo: StoreWriter, objects: Editor, plan: GcPlan, fence: Callable[[], None]) -> None:
     """One transaction: blobs the packs' trailers place elsewhere, then the dropped manifests (their
     objects first, marked, then their rows), the dead blobs' and packs' rows."""
     with repo.transaction(GcDrop) as edit:
@@ -808,7 +808,7 @@ def _clear_abandoned_notices(objects: Editor, lock: LockHandle | LeaseHandle) ->
         log.info("tailorstore: gc deleted %d notice(s) of gc runs on this host that died", len(notices))
 
 
-def _replanned(repo: Repository, before: GcPlan, rules: Retention | list[Retention], drop_parts: bool) -> GcPlan:
+def _replanned(repo: StoreWriter, before: GcPlan, rules: Retention | list[Retention], drop_parts: bool) -> GcPlan:
     """The plan again, after archiving, under the same exclusive lock: the same steps drop (the
     archived ones are now thin enough to keep), and the dead blobs are those nothing uses now, so
     an archived blob that happens to equal one the first plan took for dead is never deleted."""
@@ -832,7 +832,7 @@ def _fence(lock: LockHandle | LeaseHandle) -> Callable[[], None]:
     return check
 
 
-def _repack(repo: Repository, objects: Editor, packs: list[str], fence: Callable[[], None]) -> int:
+def _repack(repo: StoreWriter, objects: Editor, packs: list[str], fence: Callable[[], None]) -> int:
     """Move the live blobs of ``packs`` into new packs and point the index at them; returns
     the bytes written. The old packs stay until the caller deletes them, after this commits."""
     if not packs:

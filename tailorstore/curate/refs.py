@@ -31,7 +31,7 @@ from tailorstore.store.manifests.drop_marks import being_dropped, mark_dropping,
 from tailorstore.store.manifests.keys import pin_key, tag_key, versions_of
 from tailorstore.store.manifests.objects import step_changed, unpublish
 from tailorstore.store.manifests.refs import TOMBSTONE, RefSource, drop_tag, put_tag, write_pin
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import Repository, StepReader, StoreWriter
 
 log = logging.getLogger("tailorstore")
 
@@ -54,7 +54,7 @@ class RefEdits(RefSource, Protocol):
 
 @contextmanager
 def changing_a_step(
-    repo: Repository, what: str, lock_timeout: float, progress: Progress | None = None
+    repo: StoreWriter, what: str, lock_timeout: float, progress: Progress | None = None
 ) -> Iterator[LockHandle | LeaseHandle]:
     """The store lock, shared, with the index brought up to date under it: how a change of one
     step's refs or record begins (the module's call order; curate/adding_metrics.py too)."""
@@ -114,7 +114,7 @@ def _take_back(objects: Editor, key: str, ours: bytes, before: bytes | None) -> 
         log.warning("tailorstore: could not take back %s after a failed change: %s", key, exc)
 
 
-def _back_off_if_dropping(repo: Repository, objects: Reader, manifest: int, undo: Callable[[], None]) -> None:
+def _back_off_if_dropping(repo: StepReader, objects: Reader, manifest: int, undo: Callable[[], None]) -> None:
     """After a ref's object is written: if a gc has marked the step to drop, undo the write and fail
     (FORMAT 8.1: each side writes, then reads the other's, so one of them always backs off)."""
     record = repo.manifest(manifest)

@@ -80,7 +80,7 @@ from tailorstore.store.manifests.runs import check_run_name
 from tailorstore.store.packs.writer import BlobWriter
 from tailorstore.store.parts import Part
 from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest, refuse_taken
-from tailorstore.store.repo import Repository, check_step
+from tailorstore.store.repo import Repository, StepReader, check_step
 
 
 class CommitHistory(Protocol):
@@ -181,7 +181,7 @@ def inherited_from(history: CommitHistory, inherited: Mapping[str, tuple[str, st
     return out
 
 
-def planned_sources(repo: Repository, plan: PartPlan, layers: Iterable[str]) -> dict[str, Inheritance]:
+def planned_sources(repo: StepReader, plan: PartPlan, layers: Iterable[str]) -> dict[str, Inheritance]:
     """A rank's view of where the plan's inherited layers come from, their atoms loaded."""
     wanted = {}
     for layer in layers:
@@ -236,14 +236,14 @@ def scan_checkpoint(layout: CheckpointLayout, trust_pickles: bool, files: list[s
     return scan
 
 
-def _measure_changes(repo: Repository, layout: CheckpointLayout, scan: Scan, sources: dict[str, Inheritance]) -> dict:
+def _measure_changes(repo: StepReader, layout: CheckpointLayout, scan: Scan, sources: dict[str, Inheritance]) -> dict:
     """Relative change of each layer's FP32 master since the version an earlier step holds, file by file."""
     by_path = {f.path: f for f in scan.files}
     terms = {path: file_change_terms(repo, by_path[path], sources) for path in write_order(layout)}
     return combine_changes(repo.view(CommitHistory), [terms[path] for path in write_order(layout)], sources)
 
 
-def file_change_terms(repo: Repository, f: ReadFile, sources: Mapping[str, Inheritance]) -> dict[str, ChangeTerms]:
+def file_change_terms(repo: StepReader, f: ReadFile, sources: Mapping[str, Inheritance]) -> dict[str, ChangeTerms]:
     """One file's terms of each inheritable layer's change (a rank measures only its own files)."""
     out: dict[str, ChangeTerms] = {}
     with f.open() as src:
@@ -279,7 +279,7 @@ def ages_of(history: CommitHistory, sources: dict[str, Inheritance], commits_bef
     return {layer: commits_before - before[src.source_step] for layer, src in sources.items()}
 
 
-def detect_input(repo: Repository, ckpt_dir: Path, part: bool = False) -> CheckpointLayout:
+def detect_input(repo: StepReader, ckpt_dir: Path, part: bool = False) -> CheckpointLayout:
     """The checkpoint's layout, refused when a file it would commit lies inside the store: a store
     kept inside an HF Trainer's checkpoint folder had its own index (changing as the commit wrote
     it) recorded as files of the step."""
@@ -383,7 +383,7 @@ class _Decision:
     read_from: dict[int, ManifestRecord]
 
 
-def _decide(repo: Repository, layout: CheckpointLayout, scan: Scan, step: int, options: CommitOptions) -> _Decision:
+def _decide(repo: StepReader, layout: CheckpointLayout, scan: Scan, step: int, options: CommitOptions) -> _Decision:
     """Under the lock: refuse another model or a taken step, find each layer's inheritance, and let
     the policy choose what to store (measuring the layers' change where it needs it)."""
     run = options.run

@@ -18,7 +18,7 @@ from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.paths import safe_join
 from tailorstore.formats import megatron as mg
 from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED, DEEPSPEED_TAG, MEGATRON, PLAIN_FILE, PLAIN_FOLDER
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import Repository, StepReader
 
 logger = logging.getLogger("tailorstore")
 _UNDER_PARENT = (DEEPSPEED_TAG, DCP_FOLDER, PLAIN_FILE, PLAIN_FOLDER)  # layouts rooted at the folder's parent
@@ -30,7 +30,7 @@ def delete_once_durable(repo: Repository, manifest: int, path: Path) -> None:
     delete_committed(repo, manifest, path)
 
 
-def check_blobs_present(repo: Repository, manifest: int) -> None:
+def check_blobs_present(repo: StepReader, manifest: int) -> None:
     """Every blob the manifest names exists in the backend with its recorded size."""
     rows = {digest: repo.blob(digest) for digest in sorted(repo.view(Contents).referenced_hashes(manifest))}
     stored_bytes = repo.size_lookup([r for r in rows.values() if r is not None])
@@ -44,7 +44,7 @@ def check_blobs_present(repo: Repository, manifest: int) -> None:
             )
 
 
-def delete_committed(repo: Repository, manifest: int, path: Path) -> None:
+def delete_committed(repo: StepReader, manifest: int, path: Path) -> None:
     """Delete what the commit took from ``path``, and the folders it leaves empty.
 
     For a DeepSpeed save directory only the step's tag folder goes: ``latest`` and the
@@ -66,7 +66,7 @@ def delete_committed(repo: Repository, manifest: int, path: Path) -> None:
         )
 
 
-def _delete_committed(repo: Repository, manifest: int, path: Path) -> None:
+def _delete_committed(repo: StepReader, manifest: int, path: Path) -> None:
     row = repo.manifest(manifest)
     path = path.resolve()
     # what the recorded paths are relative to: the folder's parent for every layout that names the

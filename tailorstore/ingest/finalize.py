@@ -52,7 +52,7 @@ from tailorstore.store.backends.roles import Remover, Scanner
 from tailorstore.store.manifests.runs import check_run_name
 from tailorstore.store.parts import Part, read_parts
 from tailorstore.store.publish import THIS_MANIFEST, ManifestRows, record_manifest
-from tailorstore.store.repo import Repository, check_step
+from tailorstore.store.repo import BlobReader, Repository, StepReader, StoreWriter, check_step
 
 
 class FinalizeLookup(Protocol):
@@ -235,7 +235,7 @@ def _one_fact(parts: list[Part], name: str) -> int | None:
     return found.pop() if found else None
 
 
-def _check_blobs(repo: Repository, parts: list[Part]) -> None:
+def _check_blobs(repo: BlobReader, parts: list[Part]) -> None:
     """Every blob a part names is in the backend (loose objects, asked :data:`CHECKERS` at a time)
     or in a pack the index knows."""
     loose = [(part, row) for part in parts for row in part.blobs if row.pack is None]
@@ -319,7 +319,7 @@ def finalize_step(repo: Repository, request: FinalizeRequest, progress: Progress
     )
 
 
-def _one_save(repo: Repository, request: FinalizeRequest) -> _OneSave:
+def _one_save(repo: StoreWriter, request: FinalizeRequest) -> _OneSave:
     """The step's parts, refused unless they are one try of one save, complete, of this run's model."""
     step, run = request.step, request.run
     parts = read_parts(repo.objects(Scanner), step, run, request.label)
@@ -362,7 +362,7 @@ def _one_save(repo: Repository, request: FinalizeRequest) -> _OneSave:
 
 
 def _rows(
-    repo: Repository, request: FinalizeRequest, save: _OneSave, sources: dict[str, tuple[int, int]]
+    repo: StepReader, request: FinalizeRequest, save: _OneSave, sources: dict[str, tuple[int, int]]
 ) -> ManifestRows:
     """The manifest's rows: the step's record, its files and atoms, each layer's source."""
     layer_bytes: dict[str, int] = {}

@@ -36,7 +36,7 @@ from tailorstore.ingest.finalize import FinalizeResult
 from tailorstore.ingest.rank_share import Share, Survey, checked_weights, survey, write_share, writers
 from tailorstore.store.backends.roles import Remover
 from tailorstore.store.parts import try_token
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import Repository, StoreWriter
 
 T = TypeVar("T")
 
@@ -105,7 +105,7 @@ def _try_token(label: str) -> str:
 
 
 def _planned(
-    repo: Repository, options: CommitOptions, share: Share, surveys: list[Survey], spec: PolicySpec, group: Collective
+    repo: StoreWriter, options: CommitOptions, share: Share, surveys: list[Survey], spec: PolicySpec, group: Collective
 ) -> PartPlan:
     """Every member: the one plan of this commit (member 0 finds the sources and decides; every
     member measures its own files' share of the changes the policy needs)."""

@@ -34,7 +34,7 @@ from tailorstore.ingest.commit import (
 )
 from tailorstore.ingest.commit_options import PartPlan
 from tailorstore.ingest.rank_share import Share, Survey
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import Repository, StepReader
 
 
 class RankPlanLookup(Protocol):
@@ -73,7 +73,7 @@ def layers_and_sizes(surveys: Sequence[Survey]) -> tuple[frozenset[str], dict[st
     return frozenset(sizes), sizes
 
 
-def find_sources(repo: Repository, step: int, layers: frozenset[str], run: str, spec: PolicySpec) -> Sources:
+def find_sources(repo: StepReader, step: int, layers: frozenset[str], run: str, spec: PolicySpec) -> Sources:
     """Rank 0, under the shared lock: every layer's newest earlier version, as a commit finds it."""
     base = repo.run_base(run)
     history = repo.view(CommitHistory)
@@ -91,14 +91,14 @@ def find_sources(repo: Repository, step: int, layers: frozenset[str], run: str, 
     return Sources(inherited, commits_before, ages)
 
 
-def own_terms(repo: Repository, share: Share, sources: Sources) -> dict[str, dict[str, ChangeTerms]]:
+def own_terms(repo: StepReader, share: Share, sources: Sources) -> dict[str, dict[str, ChangeTerms]]:
     """Each rank: its own files' terms of every inheritable layer's change, by file."""
     mine = inherited_from(repo.view(CommitHistory), sources.inherited)  # this rank's own index's ids of the sources
     return {f.path: file_change_terms(repo, f, mine) for f in share.scan.files}
 
 
 def decide_plan(
-    repo: Repository,
+    repo: StepReader,
     spec: PolicySpec,
     surveys: Sequence[Survey],
     sources: Sources,

@@ -40,7 +40,7 @@ from tailorstore.ingest.commit_options import CommitOptions, CommitResult
 from tailorstore.ingest.derive import is_derivable_weight
 from tailorstore.ingest.pieces_ahead import Prepared
 from tailorstore.store.codec import content_hash
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import BlobReader, Repository
 
 WeightKey = tuple[str, str]  # (file path in the checkpoint, parameter)
 
@@ -135,7 +135,7 @@ def _helps(rel: str, rank: int) -> bool:
 class _Namer:
     """A writer that only names: every piece hashed, nothing written; the new names collected."""
 
-    def __init__(self, repo: Repository, new: set[str]) -> None:
+    def __init__(self, repo: BlobReader, new: set[str]) -> None:
         self.store = repo
         self.new = new
 

@@ -23,7 +23,7 @@ from tailorstore.core import atom_types as A
 from tailorstore.core.errors import MissingDependencyError, StoreError
 from tailorstore.core.layers import STATE, sort_key
 from tailorstore.core.records import COMMIT, MAIN_RUN, LayerRecord, ManifestRecord
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import Repository, StepReader
 
 
 class DiffView(Protocol):
@@ -79,7 +79,7 @@ def _named(m: ManifestRecord, other: ManifestRecord) -> str:
     return f"step {m.step}" if m.run == other.run == MAIN_RUN else f"run {m.run} step {m.step}"
 
 
-def _change(repo: Repository, a: int, b: int, layer: str, kind: str, by_name: bool) -> float | None:
+def _change(repo: StepReader, a: int, b: int, layer: str, kind: str, by_name: bool) -> float | None:
     """A layer's relative change of one kind from manifest ``a`` to ``b``: piece by piece where both
     were saved in one partitioning, else parameter by parameter (each parameter's pieces joined by
     their first element, whatever rank held them), which any two partitionings of one model allow."""
@@ -115,7 +115,7 @@ class ChangeMatrix:
     ids: list[str] = field(default_factory=list)  # each column's manifest id
 
 
-def change_matrix(repo: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
+def change_matrix(repo: StepReader, run: str = MAIN_RUN) -> ChangeMatrix:
     """Per committed step and layer: change since the previous committed step. Merges and averages are
     no steps of training (one carries its base's step, and would read as a change in time), so they
     are left out.
@@ -145,7 +145,7 @@ def change_matrix(repo: Repository, run: str = MAIN_RUN) -> ChangeMatrix:
     return ChangeMatrix(columns, layers, values, inherited, [r.step for r in rows[1:]], [r.name for r in rows[1:]])
 
 
-def _measured(repo: Repository, manifest: int, layer: str) -> tuple[str, dict[PieceKey, np.ndarray]]:
+def _measured(repo: StepReader, manifest: int, layer: str) -> tuple[str, dict[PieceKey, np.ndarray]]:
     """What a layer's change is measured on at one step: its FP32 master, or its weights where the
     step holds no master (an HF Trainer or plain save, which keeps only the model's weights)."""
     for kind in (A.MASTER, A.WEIGHT):
@@ -223,7 +223,7 @@ def _matplotlib() -> ModuleType:
     return matplotlib
 
 
-def _check_plot_out(repo: Repository, out: Path) -> None:
+def _check_plot_out(repo: StepReader, out: Path) -> None:
     """A new or existing .png file outside the store: matplotlib would otherwise pick the format
     from any suffix (a traceback for .sqlite), write ``DIR.png`` beside a directory named, and
     write into a device as if it were a file."""

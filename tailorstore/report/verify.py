@@ -28,7 +28,7 @@ from tailorstore.core.records import AtomRecord, BlobRecord, BlobUse, ManifestRe
 from tailorstore.core.threads import decode_threads
 from tailorstore.store import archive_codec, codec
 from tailorstore.store.backends.roles import Leftovers
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import BlobReader, Repository, StepReader, StoreWriter
 
 
 class VerifyView(Protocol):
@@ -85,7 +85,7 @@ def verify(
         progress.close()
 
 
-def _verify(repo: Repository, selector: str | None, deep: bool, progress: Progress) -> VerifyReport:
+def _verify(repo: StoreWriter, selector: str | None, deep: bool, progress: Progress) -> VerifyReport:
     report = VerifyReport()
     report.problems.extend(repo.view(VerifyView).integrity_problems())
     if selector is None:
@@ -159,7 +159,7 @@ def _held_at(row: BlobRecord) -> str:
     return f"the object {blob_key(row.hash)}"
 
 
-def _check_blob(repo: Repository, row: BlobRecord, size: int | None, place: str, deep: bool) -> tuple[str | None, int]:
+def _check_blob(repo: BlobReader, row: BlobRecord, size: int | None, place: str, deep: bool) -> tuple[str | None, int]:
     """(the problem found or None, bytes re-hashed) for one blob; ``size``: how many of its stored
     bytes its object holds, None when it is missing. Run on several threads: touches no report."""
     if size is None:
@@ -188,7 +188,7 @@ def _check_blob(repo: Repository, row: BlobRecord, size: int | None, place: str,
     return None, row.raw_size
 
 
-def _derived_jobs(repo: Repository, manifest: int, done: set[tuple]) -> list[tuple[int, AtomRecord, str, tuple]]:
+def _derived_jobs(repo: StepReader, manifest: int, done: set[tuple]) -> list[tuple[int, AtomRecord, str, tuple]]:
     """The derived weights of a manifest to rebuild from their masters and check, as checkout does:
     (manifest, atom, where, master blobs).
 
@@ -210,7 +210,7 @@ def _derived_jobs(repo: Repository, manifest: int, done: set[tuple]) -> list[tup
     return jobs
 
 
-def _rebuild(repo: Repository, manifest: int, atom: AtomRecord, where: str) -> str | None:
+def _rebuild(repo: StepReader, manifest: int, atom: AtomRecord, where: str) -> str | None:
     """Rebuild one derived weight a chunk at a time (its hash is checked after the last); the problem or None."""
     try:
         for _ in stream_rebuilt(repo, manifest, atom, where):
@@ -220,7 +220,7 @@ def _rebuild(repo: Repository, manifest: int, atom: AtomRecord, where: str) -> s
     return None
 
 
-def _check_structure(repo: Repository, manifest: int, report: VerifyReport) -> None:
+def _check_structure(repo: StepReader, manifest: int, report: VerifyReport) -> None:
     step = repo.manifest(manifest).step
     for f in repo.view(VerifyView).files(manifest):
         try:

@@ -31,7 +31,7 @@ from tailorstore.formats.layout import DCP_FOLDER, DEEPSPEED_TAG, MEGATRON
 from tailorstore.formats.megatron import WRITTEN_LAST
 from tailorstore.formats.torch_pickle import untrusted
 from tailorstore.restore.folder_result import FolderResult
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import BlobReader, Repository, StepReader
 
 
 @dataclass
@@ -144,7 +144,7 @@ def placed_rows(rows: list[FileRecord]) -> list[FileRecord]:
 
 
 def write_step_files(
-    repo: Repository,
+    repo: StepReader,
     facts: ManifestRecord,
     rows: list[FileRecord],
     root: Path,
@@ -186,7 +186,7 @@ def write_step_files(
     return written
 
 
-def write_raw_blob(repo: Repository, digest: str, target: Path, where: str) -> None:
+def write_raw_blob(repo: BlobReader, digest: str, target: Path, where: str) -> None:
     """A whole-file blob, streamed through one reused buffer and hash-checked: memory stays at a chunk."""
     row = blob_of(repo, digest, where)
     with os.fdopen(create_new(target), "wb") as out:  # a new file of our own hidden folder

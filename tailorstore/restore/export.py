@@ -58,7 +58,7 @@ from tailorstore.formats.small_text import read_small_text
 from tailorstore.restore.checkout import write_step_files
 from tailorstore.restore.folder_result import FolderResult
 from tailorstore.store.backends.direct_io import SequentialWriter
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import Repository, StepReader
 
 EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Files of an HF checkpoint that from_pretrained and the tokenizer read next to the weights.
@@ -119,7 +119,7 @@ def output_specs(view: ModelView, dtype: str) -> list[TensorSpec]:
     return [TensorSpec(t.name, dtype if t.floating else t.dtype, t.shape) for t in view.tensors]
 
 
-def tensor_chunks(repo: Repository, view: ModelView, tensor: ModelTensor, dtype: str) -> Iterator[memoryview]:
+def tensor_chunks(repo: StepReader, view: ModelView, tensor: ModelTensor, dtype: str) -> Iterator[memoryview]:
     """The tensor's bytes as written, a chunk at a time (each hash-checked as its blob ends):
     floating tensors as float32 rounded to ``dtype`` (ties to even, as torch's ``.to``), others
     (integer buffers) as they are."""
@@ -129,7 +129,7 @@ def tensor_chunks(repo: Repository, view: ModelView, tensor: ModelTensor, dtype:
     return values if dtype == "float32" else rounded_chunks(values, dtype)
 
 
-def read_ahead(repo: Repository, view: ModelView, order: list[ModelTensor], dtype: str) -> ReadAhead:
+def read_ahead(repo: StepReader, view: ModelView, order: list[ModelTensor], dtype: str) -> ReadAhead:
     """The tensors of ``order`` decoded on a helper thread while the caller writes (see
     :mod:`read_ahead`: memory stays at its slots, not at the largest tensor). A derived weight
     is rebuilt on the caller's thread, which holds the index its master is looked up in."""

@@ -25,10 +25,10 @@ from tailorstore.formats.safe_load import load_skeleton
 from tailorstore.formats.safetensors_file import tensor_layout
 from tailorstore.formats.skeleton import fill_tensors, slots_of
 from tailorstore.formats.tensors import byte_view, dtype_from_name
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import StepReader
 
 
-def write_file(repo: Repository, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:
+def write_file(repo: StepReader, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:
     if row.kind == SAFETENSORS:
         _write_safetensors(repo, manifest, row, target, where)
     else:
@@ -42,7 +42,7 @@ def _atoms_by_slot(contents: Contents, manifest: int, path: str) -> dict[int, li
     return by_slot
 
 
-def _fill(repo: Repository, manifest: int, tensor: torch.Tensor, atoms: list[AtomRecord], where: str) -> None:
+def _fill(repo: StepReader, manifest: int, tensor: torch.Tensor, atoms: list[AtomRecord], where: str) -> None:
     """Decode every atom of one tensor into place; the atoms must tile it exactly."""
     data = byte_view(tensor)
     size = tensor.element_size()
@@ -72,7 +72,7 @@ def _check_param_shapes(obj: Any, where: str) -> None:
             )
 
 
-def _write_torch(repo: Repository, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:
+def _write_torch(repo: StepReader, manifest: int, row: FileRecord, target: Path, where: str, trust: bool) -> None:
     skeleton = load_skeleton(repo.read_blob(row.blob, where), where, trusted=row.trusted, trust_pickles=trust)
     by_slot = _atoms_by_slot(repo.view(Contents), manifest, row.path)
     tensors: dict[int, torch.Tensor] = {}
@@ -85,7 +85,7 @@ def _write_torch(repo: Repository, manifest: int, row: FileRecord, target: Path,
     torch.save(obj, target)
 
 
-def _write_safetensors(repo: Repository, manifest: int, row: FileRecord, target: Path, where: str) -> None:
+def _write_safetensors(repo: StepReader, manifest: int, row: FileRecord, target: Path, where: str) -> None:
     header = repo.read_blob(row.blob, where)
     by_slot = _atoms_by_slot(repo.view(Contents), manifest, row.path)
     with os.fdopen(create_new(target), "wb") as f:  # a new file of our own hidden folder

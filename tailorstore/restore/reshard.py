@@ -59,7 +59,7 @@ from tailorstore.formats.torch_pickle import DEEPSPEED_GLOBALS, Opaque, opaque_c
 from tailorstore.formats.torch_save_writer import Parts, TensorOut
 from tailorstore.formats.zero_partitions import Piece, zero3_pieces, zero12_pieces
 from tailorstore.restore.checkout import CheckoutResult, placed_rows, write_step_files
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import BlobReader, Repository, StepReader
 
 MAX_WORLD_SIZE = 65536
 DP_WORLD_SIZE = "dp_world_size"  # the model-states field that names the world size
@@ -183,7 +183,7 @@ class _States:
     from the atoms (a parameter that straddles two partitions is decoded for each), so memory
     stays at a chunk whatever the partition's size."""
 
-    def __init__(self, repo: Repository, view: ModelView, weights: PlacedFiles | None = None) -> None:
+    def __init__(self, repo: BlobReader, view: ModelView, weights: PlacedFiles | None = None) -> None:
         self.store, self.view, self.weights = repo, view, weights
         self.masters = {t.name: t for t in view.tensors if t.kind == MASTER}
         self.any_thread = self._look_up_rows()  # may the streams run on read-ahead helper threads
@@ -327,7 +327,7 @@ def _rank_zero3(saved: dict, states: _States, plan: ReshardPlan, rank: int) -> d
 
 
 def _states_in_place(
-    repo: Repository, facts: ManifestRecord, plan: ReshardPlan, root: Path, beside: list[FileRecord]
+    repo: StepReader, facts: ManifestRecord, plan: ReshardPlan, root: Path, beside: list[FileRecord]
 ) -> PlacedFiles | None:
     """Under ZeRO 1/2 the model-states file at M ranks is the saved one with ``dp_world_size`` set to
     M: written in place from its container (:mod:`placement`), that one field patched, its weights
@@ -427,7 +427,7 @@ class _Setup:
         }
 
 
-def _setup(repo: Repository, selector: str, world_size: int | None, zero_stage: int | None) -> _Setup:
+def _setup(repo: StepReader, selector: str, world_size: int | None, zero_stage: int | None) -> _Setup:
     manifest = repo.resolve(selector)
     facts = repo.manifest(manifest)
     refuse_thinned(facts.step, facts.tier, "a resharded checkpoint")
@@ -461,7 +461,7 @@ def _setup(repo: Repository, selector: str, world_size: int | None, zero_stage: 
 
 
 def resharded_trees(
-    repo: Repository, selector: str, *, world_size: int, zero_stage: int | None = None
+    repo: StepReader, selector: str, *, world_size: int, zero_stage: int | None = None
 ) -> tuple[str, dict[str, Callable[[], Any]]]:
     """The ZeRO files of the step ``selector`` names as DeepSpeed would have saved them on
     ``world_size`` ranks, as object trees built on demand instead of files (the tag, and each file's

@@ -53,7 +53,7 @@ from tailorstore.formats import deepspeed as ds
 from tailorstore.formats.kinds import TORCH
 from tailorstore.formats.torch_save_writer import TensorOut
 from tailorstore.restore.checkout import CheckoutResult, placed_rows, write_step_files
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import Repository, StepReader
 
 UNIVERSAL = "universal"
 LATEST_UNIVERSAL = "latest_universal"
@@ -103,7 +103,7 @@ def _whole(view: ModelView, name: str, kind: str, shape: tuple[int, ...]) -> Mod
     return tensor
 
 
-def _step_tensor(repo: Repository, view: ModelView, group: int) -> TensorOut | None:
+def _step_tensor(repo: StepReader, view: ModelView, group: int) -> TensorOut | None:
     """The Adam step of a parameter group, as rank 0's optimizer holds it (a scalar tensor)."""
     pieces = [a for a in view.pieces.get((f"group.{group}", STEP), []) if a.rank == 0]
     tiled = tiling(pieces, 1)
@@ -113,7 +113,7 @@ def _step_tensor(repo: Repository, view: ModelView, group: int) -> TensorOut | N
     return TensorOut(step.dtype, tuple(json.loads(tiled[0].shape)), read_raw(repo, view, step))
 
 
-def _optimizer_state(repo: Repository, manifest: int, row: FileRecord, where: str, stage: int) -> dict[str, Any]:
+def _optimizer_state(repo: StepReader, manifest: int, row: FileRecord, where: str, stage: int) -> dict[str, Any]:
     """optimizer_state.pt as ds_to_universal writes it. ZeRO 1/2: rank 0's optimizer settings without
     the partitions. ZeRO 3: rank 0's whole optimizer state (its partition included, read from the
     atoms as the file is written) with the param groups also at the top."""
@@ -176,7 +176,7 @@ Job = tuple[Path, Any, int]
 
 
 def _jobs(
-    repo: Repository, view: ModelView, trainable: list[ModelTensor], tag_dir: Path, stage: int, weights: PlacedFiles
+    repo: StepReader, view: ModelView, trainable: list[ModelTensor], tag_dir: Path, stage: int, weights: PlacedFiles
 ) -> Iterator[Job]:
     """Every per-parameter file to write: (path, what it holds, its bytes for the progress bar),
     the largest parameters first: the embedding's and the head's files (each one blob, decoded as
@@ -207,7 +207,7 @@ def _jobs(
                 yield param_dir / "step.pt", steps[group], 0
 
 
-def _fp32_feeding(repo: Repository, view: ModelView, master: ModelTensor, weights: PlacedFiles) -> Iterator[memoryview]:
+def _fp32_feeding(repo: StepReader, view: ModelView, master: ModelTensor, weights: PlacedFiles) -> Iterator[memoryview]:
     """The master's FP32 chunks for fp32.pt, each also rounded into the model-states file's copy of its weight."""
     return weights.passing(master.name, 0, stream_float32(repo, view, master))
 

@@ -20,9 +20,9 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import BinaryIO, NamedTuple, Protocol
 
 from tailorstore.core.environment import STORE_ENV
 from tailorstore.core.errors import (
@@ -151,6 +151,87 @@ def _location(location: Path | str | None) -> Path | str:
     if not location:
         raise StoreError("no store given: pass ", Call(store="PATH"), f" or set {STORE_ENV}.")
     return location
+
+
+# -- the repository's roles ----------------------------------------------------------------
+# A verb (``tag``, ``checkout_step``, ``gc``...) is handed the whole Repository at its entry, as
+# restic's commands get their repository. Every function below an entry takes one of these roles
+# instead, the narrowest that covers what it and the functions it hands the role to use, so a
+# signature says what it touches: BlobReader reads blobs back and changes nothing; StepReader also
+# reads the index (through the operation's own small index role, ``view``) and names steps;
+# StoreWriter also takes the lock and writes. Repository has every name of each (structural typing:
+# no wrapper is made); tests/system/test_layers.py reads the syntax tree to pin that a function
+# uses on its role only the role's names and hands it only to functions whose role is no wider.
+
+
+class BlobReader(Protocol):
+    """Blobs read back: a blob's row, and its bytes whole, into a buffer, or decoded piece by piece
+    (each of these checks the hash, or leaves the check to its caller as its docstring says)."""
+
+    location: str  # the store, as messages name it
+
+    def blob(self, digest: str) -> BlobRecord | None: ...
+
+    def read_blob(self, digest: str, where: str) -> bytes: ...
+
+    def read_blob_into(self, row: BlobRecord, dest: memoryview, where: str) -> None: ...
+
+    def decoded_pieces(
+        self, row: BlobRecord, raw_size: int, space: codec.Space, where: str
+    ) -> Iterator[memoryview]: ...
+
+    def open_row(self, row: BlobRecord, where: str) -> BinaryIO: ...
+
+    def object_size(self, key: str) -> int | None: ...
+
+    def size_lookup(self, rows: list[BlobRecord]) -> Callable[[BlobRecord], int | None]: ...
+
+
+class StepReader(BlobReader, Protocol):
+    """A stored step read: the index through the operation's own small role (``view``), steps named
+    by selector, the blobs planned for reading, the folders an output must stay out of."""
+
+    where: Location
+
+    def view(self, role: type[R]) -> R: ...
+
+    def manifest(self, manifest_id: int) -> ManifestRecord: ...
+
+    def resolve(self, selector: str, run: str = MAIN_RUN) -> int: ...
+
+    def run_base(self, run: str) -> ManifestRecord | None: ...
+
+    def content_digests(self, manifests: list[ManifestRecord]) -> dict[int, str]: ...
+
+    def holdings(self) -> Holdings: ...
+
+    def local_folders(self) -> list[Path]: ...
+
+    def reading(self, rows: Iterable[BlobRecord]) -> AbstractContextManager[None]: ...
+
+    def reading_manifest(
+        self, manifest: int, rows: Iterable[BlobRecord] | None = None
+    ) -> AbstractContextManager[None]: ...
+
+
+class StoreWriter(StepReader, Protocol):
+    """A change of the store: its lock, the index brought up to date under it, one write
+    transaction of the index as a role, and the backend as the roles of store/backends/roles.py."""
+
+    def lock(
+        self, *, exclusive: bool, timeout: float, progress: Progress | None = None
+    ) -> AbstractContextManager[LockHandle | LeaseHandle]: ...
+
+    def refresh(self, held: LockHandle | LeaseHandle | None = None) -> tuple[int, int]: ...
+
+    def refuse_writes(self) -> None: ...
+
+    def transaction(self, role: type[R]) -> AbstractContextManager[R]: ...
+
+    def objects(self, role: type[R]) -> R: ...
+
+
+ROLES: tuple[type, ...] = (BlobReader, StepReader, StoreWriter)  # narrowest first
 
 
 INDEX_WAIT = 60.0  # seconds a write of the index waits for another process's, outside the store lock

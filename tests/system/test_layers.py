@@ -875,3 +875,120 @@ def test_gc_takes_its_rules_as_one_object() -> None:
     assert tailorstore.Retention.from_doc("main", rules.as_doc()) == tailorstore.Retention(
         keep_last=3, thin="archive", archive_levels=15, keyframe_every=16, run="main"
     )
+
+
+_REPO_ROLES = ("BlobReader", "StepReader", "StoreWriter")
+
+
+@functools.cache
+def _repository_parameters() -> dict[tuple[str, str], dict]:
+    """Every function of the library with a parameter annotated ``Repository`` or one of its roles:
+    (file, qualified name) -> the parameter's annotation, the names used on it (through ``self.X``
+    when ``__init__`` keeps it) and the functions it is handed to (by name; ``partial``'s and a
+    pool's ``submit``'s first argument too)."""
+    found: dict[tuple[str, str], dict] = {}
+    for path in sorted((ROOT / "tailorstore").rglob("*.py")):
+        tree = _tree(path)
+        classes = {f: c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body}
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            typed = [
+                a for a in fn.args.args + fn.args.kwonlyargs
+                if a.annotation is not None and ast.unparse(a.annotation) in ("Repository", *_REPO_ROLES)
+            ]  # fmt: skip
+            if not typed:
+                continue
+            arg, klass = typed[0], classes.get(fn)
+            holders: list[ast.AST] = [fn]
+            held = {arg.arg}
+            if fn.name == "__init__" and klass is not None:  # what the instance keeps: self.X = repo
+                kept = {
+                    t.attr for a in ast.walk(fn) if isinstance(a, ast.Assign) and _is_name(a.value, arg.arg)
+                    for t in a.targets if isinstance(t, ast.Attribute) and _is_name(t.value, "self")
+                }  # fmt: skip
+                holders, held = [klass], held | {f"self.{k}" for k in kept}
+            used, handed = set(), set()
+            for holder in holders:
+                for node in ast.walk(holder):
+                    if isinstance(node, ast.Attribute) and ast.unparse(node.value) in held:
+                        used.add(node.attr)
+                    if isinstance(node, ast.Call) and any(
+                        ast.unparse(x) in held for x in [*node.args, *(k.value for k in node.keywords)]
+                    ):
+                        handed.add(_called_name(node.func))
+                        if _called_name(node.func) in ("partial", "submit") and node.args:
+                            handed.add(_called_name(node.args[0]))
+            name = f"{klass.name}.__init__" if fn.name == "__init__" and klass else fn.name
+            found[(path.relative_to(ROOT).as_posix(), name)] = {
+                "role": ast.unparse(arg.annotation), "used": used - {"__class__"}, "handed": handed - {None},
+            }  # fmt: skip
+    return found
+
+
+def _is_name(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _called_name(func: ast.AST) -> str | None:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def test_below_a_verb_each_function_names_the_repository_role_it_uses() -> None:
+    """restic hands a command its repository and each helper the narrow interface it uses
+    (``restic.ListBlobser``). A verb here (``tag``, ``checkout_step``, ``gc``: what the API, the
+    integrations or the CLI call) gets the ``Repository``; every function below it takes a role of
+    store/repo.py (``BlobReader`` < ``StepReader`` < ``StoreWriter``), uses on it only that role's
+    names, and hands it on only to functions whose role is no wider. What still takes the whole
+    repository below a verb hands it to store/'s own writers (``record_manifest``,
+    ``cleaned_up_on_failure``), which need the index itself."""
+    from tailorstore.core.roles import members
+    from tailorstore.store import repo as repo_module
+
+    roles = {name: members(getattr(repo_module, name)) for name in _REPO_ROLES}
+    found = _repository_parameters()
+    by_name: dict[str, list[tuple[str, str]]] = {}
+    for key in found:
+        by_name.setdefault(key[1].removesuffix(".__init__"), []).append(key)
+    outside = "\n".join(
+        (ROOT / p).read_text()
+        for p in [Path("tailorstore/api.py"), *_py_files("tailorstore/integrations"), *_py_files("cli")]
+    )
+    store_writers = {k[1] for k in found if k[0].startswith("tailorstore/store/") and found[k]["role"] == "Repository"}
+    wrong = []
+    for (path, name), info in sorted(found.items()):
+        if path.startswith(("tailorstore/store/", "tailorstore/integrations/")) or path == "tailorstore/api.py":
+            continue  # the store itself, and what sits above the verbs
+        role = info["role"]
+        callees = [k for n in info["handed"] for k in by_name.get(n, [])]
+        if role == "Repository":
+            entry = not name.startswith("_") and re.search(rf"\b{name.removesuffix('.__init__')}\b", outside)
+            hands_to_store = any(n in store_writers for n in info["handed"]) or any(
+                found[k]["role"] == "Repository" for k in callees
+            )
+            if not entry and not hands_to_store:
+                wrong.append(f"{path}: {name} takes the whole Repository below a verb; name its role")
+            continue
+        if extra := sorted(info["used"] - roles[role]):
+            wrong.append(f"{path}: {name} uses {extra} of its {role}, which the role does not name")
+        for callee in callees:
+            theirs = found[callee]["role"]
+            if theirs == "Repository" or not roles[theirs] <= roles[role]:
+                wrong.append(f"{path}: {name} hands its {role} to {callee[1]}, which takes {theirs}")
+    assert not wrong, "\n".join(wrong)
+    narrowed = [k for k, v in found.items() if v["role"] in _REPO_ROLES]
+    assert len(narrowed) >= 80, len(narrowed)  # the helpers of every verb package
+
+
+def test_the_repository_has_every_name_of_its_roles(repo: object) -> None:
+    from tailorstore.core.roles import members
+    from tailorstore.store import repo as repo_module
+
+    for name in _REPO_ROLES:
+        missing = sorted(n for n in members(getattr(repo_module, name)) if not hasattr(repo, n))
+        assert not missing, (name, missing)
+    assert members(repo_module.BlobReader) < members(repo_module.StepReader) < members(repo_module.StoreWriter)
+
+
+def _py_files(folder: str) -> list[Path]:
+    return sorted(p.relative_to(ROOT) for p in (ROOT / folder).rglob("*.py"))

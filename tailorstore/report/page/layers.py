@@ -16,10 +16,10 @@ from typing import Any
 
 from tailorstore.core.errors import StoreError
 from tailorstore.report.diff import change_matrix
-from tailorstore.store.repo import Repository
+from tailorstore.store.repo import StepReader
 
 
-def layer_changes(repo: Repository, runs: list[str], ids: list[str]) -> list[dict[str, Any]]:
+def layer_changes(repo: StepReader, runs: list[str], ids: list[str]) -> list[dict[str, Any]]:
     """One heatmap a run: ``{run, rows, layers, values[layer][column], inherited[layer][column]}``,
     ``rows`` each column's index into ``ids`` (the table's steps, in its order)."""
     at = {name: i for i, name in enumerate(ids)}
