@@ -127,6 +127,7 @@ class Relay:
         self._target = target_port
         self.rules: list[Rule] = []
         self.requests: list[tuple[str, str]] = []  # (method, target) of every request seen
+        self.answered: list[tuple[str, str, int]] = []  # (method, target, bytes of the body) of every answer sent
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._sockets: set[socket.socket] = set()
@@ -221,6 +222,8 @@ class Relay:
                     client.sendall(rhead + rbody[: len(rbody) // 2])
                     return
                 client.sendall(rhead + rbody)
+                with self._lock:
+                    self.answered.append((method, target, len(rbody)))
                 framed = "content-length" in rheaders or "transfer-encoding" in rheaders or bodiless
                 if closes or not framed:
                     return

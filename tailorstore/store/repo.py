@@ -51,6 +51,7 @@ from tailorstore.store.lock import LockHandle, store_lock
 from tailorstore.store.manifests.objects import publish
 from tailorstore.store.manifests.refs import write_refs
 from tailorstore.store.manifests.sync import sync
+from tailorstore.store.packs.node_windows import NodeWindows, prune
 from tailorstore.store.packs.pack import pack_names, read_trailer
 from tailorstore.store.packs.pack_spans import PackSpans
 
@@ -245,6 +246,7 @@ class Repository:
         self.root = where.local_root  # the store directory of a local store, else None
         self._index = index
         self.spans: PackSpans | None = None  # the planned reads of the operation under way (reading)
+        self.node: NodeWindows | None = None  # reads shared with this node's other ranks (share_reads_with_node)
 
     # -- lifecycle -----------------------------------------------------------------------
     @classmethod
@@ -468,11 +470,22 @@ class Repository:
         if not self.where.remote or self.spans is not None:
             yield
             return
-        self.spans = PackSpans(self.backend, rows)
+        self.spans = PackSpans(self.backend, rows, fetch=self.node.read if self.node is not None else None)
         try:
             yield
         finally:
             self.spans = None
+
+    def share_reads_with_node(self) -> None:
+        """From now on, what this process reads of a remote store is fetched once for every process
+        of this host that shares its cache folder (the ranks of a node), a window at a time
+        (store/packs/node_windows.py). A framework adapter turns it on for a node of several ranks;
+        a local store is read from its disk and needs none."""
+        if not self.where.remote or self.node is not None:
+            return
+        folder = self.where.index_path.parent / "node-windows"
+        self.node = NodeWindows(self.backend, folder)
+        prune(folder)
 
     @contextmanager
     def reading_manifest(self, manifest: int, rows: Iterable[BlobRecord] | None = None) -> Iterator[None]:
@@ -516,6 +529,8 @@ class Repository:
         if planned is not None:
             return planned  # type: ignore[return-value]
         try:
+            if self.node is not None:
+                return _Reading(self.node.reader(key, row.pack_offset or 0, row.stored_size), missing)  # type: ignore[arg-type,return-value]
             # The stored size bounds the read: an object store needs no request to learn it.
             return _Reading(self.backend.reader(key, row.pack_offset or 0, row.stored_size), missing)  # type: ignore[return-value]
         except FileNotFoundError:

@@ -230,6 +230,7 @@ class StoreSession:
         from tailorstore.restore.dcp_read import open_dcp_step
 
         repo = self.store.repo
+        self._share_reads_on_node()
         return open_dcp_step(repo, repo.resolve(self.store._selector(ref)), folder)
 
     def step_objects(self, ref: Ref, *, world_size: int | None = None, zero_stage: int | None = None) -> StepObjects:
@@ -241,7 +242,16 @@ class StoreSession:
         from tailorstore.restore.file_objects import step_objects
 
         selected = self.store._selector(ref)
+        self._share_reads_on_node()
         return step_objects(self.store.repo, selected, world_size=world_size, zero_stage=zero_stage)
+
+    def _share_reads_on_node(self) -> None:
+        """A node of several ranks fetches each window of what they read once, for all of them
+        (``Repository.share_reads_with_node``): a resume's ranks read many of the same blobs."""
+        from tailorstore.integrations.common.ranks import ranks_on_node
+
+        if ranks_on_node() > 1:
+            self.store.repo.share_reads_with_node()
 
 
 def opened_store(store: Store | str | os.PathLike) -> Store:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tailorstore.core.object_keys import pack_key
@@ -85,8 +85,15 @@ def plan_spans(rows: Iterable[BlobRecord], gap: int = GAP, most: int = SPAN_MOST
 class PackSpans:
     """The spans of one operation's planned reads, shared by its threads."""
 
-    def __init__(self, backend: Backend, rows: Iterable[BlobRecord], budget: int = BUDGET) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        rows: Iterable[BlobRecord],
+        budget: int = BUDGET,
+        fetch: Callable[[str, int, int], bytes] | None = None,
+    ) -> None:
         self._backend = backend
+        self._get = fetch or backend.get  # the node's shared windows (node_windows.py), or the backend
         self._where = plan_spans(rows)
         self._budget = budget
         self._lock = threading.Lock()
@@ -121,7 +128,7 @@ class PackSpans:
 
     def _fetch(self, span: _Span) -> None:
         try:
-            data = self._backend.get(pack_key(span.pack), span.start, span.end - span.start)
+            data = self._get(pack_key(span.pack), span.start, span.end - span.start)
         except Exception:  # the blob's own read says what went wrong
             with self._lock:
                 span.gone = True
