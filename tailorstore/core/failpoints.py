@@ -52,6 +52,7 @@ POINTS = (
     "before-lease-renewal",
     "snapshot-file-written",  # a staged file written in the background, not yet in its place
     "node-window-fetch",  # a window of a read shared by the node: its lock held, not fetched yet
+    "ref-written",  # a tag's or pin's object written, the drop marks not read yet
 )
 REQUEST_KINDS = ("put", "put-create", "put-if", "get", "head", "list", "delete", "delete-many")
 _REQUEST = re.compile(r"(\*|[a-z][a-z-]{0,30})/(\*|[a-z][a-z-]{0,30})")

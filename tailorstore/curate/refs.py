@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from tailorstore.core.errors import LOCK_TIMEOUT, Call, LeaseLostError, LockTimeoutError, StepExistsError, StoreError
-from tailorstore.core.failpoints import operation
+from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.progress import Progress
 from tailorstore.core.records import ManifestRecord, RunRecord
 from tailorstore.core.step_rules import check_tag
@@ -28,9 +28,9 @@ from tailorstore.store.backends.roles import Editor, Reader
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifests.drop_marks import being_dropped, mark_dropping, mark_unless_claimed, take_back_marks
-from tailorstore.store.manifests.keys import pin_key, tag_key, versions_of
+from tailorstore.store.manifests.keys import versions_of
 from tailorstore.store.manifests.objects import step_changed, unpublish
-from tailorstore.store.manifests.refs import TOMBSTONE, RefSource, drop_tag, put_tag, write_pin
+from tailorstore.store.manifests.refs import RefSource, drop_tag, put_pin, put_tag, write_pin
 from tailorstore.store.repo import Repository, StepReader, StoreWriter
 
 log = logging.getLogger("tailorstore")
@@ -86,37 +86,18 @@ def tag(
             key = repo.manifest(manifest).object_key or ""
             edit.add_tag(manifest, name)  # takes the tag from any other holder; the step's other tags stay
             lock.check("tagging")
-            # one object, whatever the step holds already (a step holds any number of tags): a
-            # failure before its put leaves nothing, and nothing is left to do after it (FORMAT.md 8.1, I2)
-            before = _object_or_none(objects, tag_key(name))
-            put_tag(objects, name, key, fence=lambda: lock.check("tagging"))
-            undo = lambda: _take_back(objects, tag_key(name), key.encode(), before)  # noqa: E731
-            _back_off_if_dropping(repo, objects, manifest, undo)
+            # one object, whatever the step holds already (a step holds any number of tags), swapped
+            # for exactly what was read: a tag another host set meanwhile is refused without --force,
+            # and a failure after the put takes back this write alone (FORMAT.md 8.1, I2, I3)
+            write = put_tag(objects, name, key, force=force, fence=lambda: lock.check("tagging"))
+            _back_off_if_dropping(repo, objects, manifest, lambda: write.take_back(objects))
     return manifest
-
-
-def _object_or_none(objects: Reader, key: str) -> bytes | None:
-    try:
-        return objects.get(key)
-    except FileNotFoundError:
-        return None
-
-
-def _take_back(objects: Editor, key: str, ours: bytes, before: bytes | None) -> None:
-    """Undo this call's put of ``key`` (it wrote ``ours``), only while the object still holds that:
-    a host that wrote it since keeps its write. What was there before comes back (nothing: a
-    tombstone). Best effort, past any fence: it runs when the change is failing anyway."""
-    try:
-        data, version = objects.get_versioned(key)
-        if data == ours:
-            objects.put_if(key, before if before is not None else TOMBSTONE, version)
-    except Exception as exc:  # the change's own failure is what the caller reports
-        log.warning("tailorstore: could not take back %s after a failed change: %s", key, exc)
 
 
 def _back_off_if_dropping(repo: StepReader, objects: Reader, manifest: int, undo: Callable[[], None]) -> None:
     """After a ref's object is written: if a gc has marked the step to drop, undo the write and fail
     (FORMAT 8.1: each side writes, then reads the other's, so one of them always backs off)."""
+    failpoint("ref-written")
     record = repo.manifest(manifest)
     if record.object_key and being_dropped(objects, record.object_key):
         undo()
@@ -159,13 +140,15 @@ def pin(
             # only the pin object: rewriting the step's tag too made a failure after the first put
             # a change reported failed that stayed (the soak, seed 399 for a tag)
             key = repo.manifest(manifest).object_key
-            if pinned and key is not None and objects.exists(pin_key(key)):
-                # pinned already: nothing to write. A put again could land after an ``rm`` beside it
-                # deleted the pin, and leave a pin naming a removed step (or, plain, a branch's)
+            fence = lambda: lock.check("pinning")  # noqa: E731 - again just before each request
+            if not pinned or key is None:
+                write_pin(objects, edit, manifest, fence=fence)
                 return manifest
-            write_pin(objects, edit, manifest, fence=lambda: lock.check("pinning"))
-            if pinned and key is not None:  # a new pin object: unless a gc marked the step first
-                _back_off_if_dropping(repo, objects, manifest, lambda: objects.delete(pin_key(key)))
+            # a pin object of this call's own, even where the step is pinned already (another host's
+            # pin may be taken back by its own failure), then the drop marks read: a gc or rm that
+            # marked the step first makes this take back exactly its write and fail (FORMAT.md 8.1)
+            write = put_pin(objects, key, fence=fence)
+            _back_off_if_dropping(repo, objects, manifest, lambda: write.take_back(objects))
     return manifest
 
 

@@ -18,9 +18,10 @@ is locked for writing, and hands them here. Here, once:
 5. on a store locked by leases, the blobs the manifest needs are checked against gc's notices and
    are still there (``gc_notices.check_publication``): a gc that deletes them meanwhile either
    sees this object or is seen here, whatever either host's stalls (FORMAT 8.1);
-6. only then its tag and pin objects are written (a crash before them: the step's older
-   version's refs still count for it, ``manifests.keys.current_of``). A replacement under the
-   shared lock (``--force``, a metric) writes none it carries over, only a tag it gives: the refs
+6. only then its tag and pin objects are written, each a conditional swap, fenced, and then the
+   drop marks read: a gc that marked the step meanwhile makes the change fail (a crash before
+   them: the step's older version's refs still count for it, ``manifests.keys.current_of``). A
+   replacement under the shared lock (``--force``, a metric) writes none it carries over, only a tag it gives: the refs
    stay on the version replaced, where they count for the new one, so a ref another host moved or
    removed since this one read it is never written back (FORMAT.md 8.1, I7); a revision, right
    after its put, checks that the version it read is still there and the newest, unmarked
@@ -28,8 +29,7 @@ is locked for writing, and hands them here. Here, once:
 7. ``COMMIT``. Should anything fail after a put (a ref's write, a full disk under SQLite,
    a damaged index), the objects are deleted again, so nothing the caller reports as failed
    reappears when the next open syncs manifest objects into an index (docs/FORMAT.md,
-   section 8), and the refs this publish moved are written again from the index as it stands
-   after the rollback;
+   section 8), and each ref this publish wrote is taken back exactly (``refs.RefWrite``);
 8. after the commit, the objects of the versions replaced are deleted (a crash before: gc drops
    superseded versions); one whose refs stayed in place is retired (``manifests.objects.retire``:
    marked, then deleted unless a ref names it, which gc carries over);
@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from tailorstore.core.errors import Call, StepChangedError, StepExistsError, is_out_of_space
+from tailorstore.core.errors import Call, LockTimeoutError, StepChangedError, StepExistsError, is_out_of_space
 from tailorstore.core.failpoints import failpoint
 from tailorstore.core.records import (
     COMMIT,
@@ -54,11 +54,13 @@ from tailorstore.core.records import (
     LayerRecord,
     ManifestRecord,
 )
+from tailorstore.store.backends.base import Backend
 from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.index.catalogue import CatalogueEdit
 from tailorstore.store.lock import Fence
+from tailorstore.store.manifests.drop_marks import being_dropped
 from tailorstore.store.manifests.objects import check_revised, publish, retire, unpublish
-from tailorstore.store.manifests.refs import put_tag, write_refs
+from tailorstore.store.manifests.refs import RefWrite, hand_over_plain_pin, put_pin, put_tag
 from tailorstore.store.packs.writer import disk_full
 from tailorstore.store.repo import Repository
 
@@ -109,15 +111,14 @@ class _Taken:
 
     published: list[str] = field(default_factory=list)  # object keys this host put
     superseded: list[str] = field(default_factory=list)  # object keys of the versions replaced
-    # (step, run, tag, refs carried in place) of new manifests
-    touched: list[tuple[int, str, str | None, bool]] = field(default_factory=list)
+    forced: set[int] = field(default_factory=set)  # manifests whose tags may move from another step (--force)
     revised: list[int] = field(default_factory=list)
     expected: dict[int, str] = field(default_factory=dict)  # a revision's manifest -> the version it read
     # manifests whose refs stay on the versions they replace (a ref on an older version counts for the
     # newest): a change under the shared lock never writes a ref another host may have moved meanwhile
     in_place: dict[int, str | None] = field(default_factory=dict)  # manifest -> the tag it gives itself
     retired: list[str] = field(default_factory=list)  # versions replaced by those: deleted unless a ref names one
-    refs_written: bool = False
+    ref_writes: list[RefWrite] = field(default_factory=list)  # each taken back exactly on a failure
 
 
 def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: Fence | None) -> list[int]:
@@ -139,11 +140,7 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
                 for manifest in ids:
                     needs = edit.referenced_blobs(manifest)
                     check_publication(repo.backend, needs, "recording the manifest", repo.size_lookup(needs))
-            taken.refs_written = True
-            write_refs(repo.backend, edit, [m for m in ids if m not in taken.in_place])
-            for manifest, tag in taken.in_place.items():
-                if tag:  # the tag this commit gives (``--tag``), not those carried over
-                    put_tag(repo.backend, tag, edit.manifest(manifest).object_key or "")
+            _write_refs(repo.backend, edit, ids, taken, fence)
     except OSError as exc:
         _take_back(repo, taken)
         if is_out_of_space(exc):
@@ -158,6 +155,39 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
     except Exception as exc:  # any backend failure: the change itself is done
         log.warning("tailorstore: the replaced version(s) stay until the next gc: %s", exc)
     return ids
+
+
+def _write_refs(backend: Backend, edit: CatalogueEdit, ids: list[int], taken: _Taken, fence: Fence | None) -> None:
+    """Step 6: the refs of the new manifests, each a conditional swap that can be taken back exactly,
+    fenced as the put was; then the drop marks read (FORMAT.md 8.1): a gc that marked the step
+    meanwhile (it planned before these refs were there) makes the whole change fail and be taken
+    back, so no tag or pin a commit reports set names a step that gc goes on to drop."""
+    check = (lambda: fence.check("recording the manifest")) if fence is not None else None
+    named: list[str] = []
+    for manifest in ids:
+        record = edit.manifest(manifest)
+        key = record.object_key if record is not None else None
+        if record is None or key is None:
+            continue
+        if manifest in taken.in_place:  # refs carried stay on the version replaced; only a tag given is put
+            given = taken.in_place[manifest]
+            tags, pinned = ((given,) if given else ()), False
+        else:
+            tags, pinned = record.tags, record.pinned
+        force = manifest in taken.forced
+        for tag in tags:
+            taken.ref_writes.append(put_tag(backend, tag, key, force=force, fence=check))
+        if pinned:
+            taken.ref_writes.append(put_pin(backend, key, fence=check))
+        elif manifest not in taken.in_place:
+            hand_over_plain_pin(backend, edit, key)  # a plain pin of a branch's namesake: its own form now
+        if tags or pinned:
+            named.append(key)
+    for key in named:
+        if being_dropped(backend, key):
+            raise LockTimeoutError(
+                "a gc marked the step to drop while it was recorded; nothing was recorded. Run it again."
+            )
 
 
 def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken) -> int:
@@ -179,7 +209,6 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
             edit.drop_tag(given)  # force takes the tag, whether or not the step existed
     refuse_taken(edit, record.step, record.run, given, commit=record.origin == COMMIT)
     in_place = change.replacing and record.origin == COMMIT
-    taken.touched.append((record.step, record.run, given, in_place))
     edit.add_packs(change.packs)
     edit.upsert_blobs(change.blobs)
     edit.add_blobs(change.reported_blobs)
@@ -191,6 +220,8 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
     )
     if in_place:
         taken.in_place[manifest] = given
+    if change.replacing:
+        taken.forced.add(manifest)
     return manifest
 
 
@@ -213,6 +244,7 @@ def _revise(edit: CatalogueEdit, change: Revision, taken: _Taken) -> int:
             taken.in_place[record.id] = None
             taken.retired.append(record.object_key)
     taken.revised.append(record.id)
+    taken.forced.add(record.id)  # its own tags, on its next version
     return record.id
 
 
@@ -255,19 +287,12 @@ def refuse_taken(index: TakenLookup, step: int, run: str, tag: str | None, *, co
 
 def _take_back(repo: Repository, taken: _Taken) -> None:
     """Only objects this host published are withdrawn, and only then are refs touched: a host that
-    lost the put never wrote any (I2: a loser cannot delete the winner's refs). The refs written
-    again are those of every manifest this publish may have taken them from, as the rolled-back
-    index has them: the versions revised or replaced, and the former holders of the tags given."""
+    lost the put never wrote any (I2: a loser cannot delete the winner's refs). Each ref this
+    publish wrote is taken back exactly (``RefWrite.take_back``: only while it holds this write,
+    and to what it replaced), never rewritten from the rolled-back index, which may be stale: a
+    tag another host moved meanwhile stays where it was moved."""
     if not taken.published:
         return
     unpublish(repo.backend, taken.published)  # the objects went up but the index refused them
-    if not taken.refs_written:  # nothing of the refs was touched: none is written back from this index
-        return
-    catalogue = repo._index
-    holders = [m for m in taken.revised if m not in taken.in_place]  # those in place had no ref written
-    for step, run, tag, in_place in taken.touched:
-        replaced = None if in_place else catalogue.commit_at(step, run)
-        holders += [replaced.id] if replaced else []
-        if tag and (holder := catalogue.tagged(tag)) is not None and holder.object_key:
-            put_tag(repo.backend, tag, holder.object_key)  # that tag only: the holder's others were not touched
-    write_refs(repo.backend, catalogue, holders)
+    for write in reversed(taken.ref_writes):
+        write.take_back(repo.backend)

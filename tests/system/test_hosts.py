@@ -161,8 +161,7 @@ def test_two_hosts_committing_one_step_at_once_never_both_win(
     machine meet the other's step in its own checks.)"""
     at3, at6 = saves
     envs = [
-        host_env(tmp_path / f"host-{h}", TAILOR_FAILPOINTS="before-publish=stop", TAILOR_LOCK_TTL="120")
-        for h in "ab"
+        host_env(tmp_path / f"host-{h}", TAILOR_FAILPOINTS="before-publish=stop", TAILOR_LOCK_TTL="120") for h in "ab"
     ]
     assert run(envs[0], "init", s3_location).returncode == 0
     winners: dict[int, Path] = {}
@@ -381,10 +380,7 @@ def test_two_hosts_replacing_a_tagged_pinned_step_keep_its_tag_and_pin(
     """I2: the loser of two ``commit --force`` of one tagged, pinned step took back
     refs that named the key both had chosen, deleting the winner's pin and tag, and the next gc
     dropped the step. A loser now writes no ref at all."""
-    envs = [
-        host_env(tmp_path / f"host-{h}", TAILOR_LOCK_TTL="120")
-        for h in "ab"
-    ]
+    envs = [host_env(tmp_path / f"host-{h}", TAILOR_LOCK_TTL="120") for h in "ab"]
     plain = host_env(tmp_path / "host-c")
     at3, at6 = saves
     assert run(plain, "init", s3_location).returncode == 0
@@ -411,10 +407,7 @@ def test_two_hosts_committing_a_new_step_with_one_tag_leave_it_tagged(
     s3_location: str, saves: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """The same without --force: a new step committed by two hosts with the same ``--tag``."""
-    envs = [
-        host_env(tmp_path / f"host-{h}", TAILOR_LOCK_TTL="120")
-        for h in "ab"
-    ]
+    envs = [host_env(tmp_path / f"host-{h}", TAILOR_LOCK_TTL="120") for h in "ab"]
     assert run(envs[0], "init", s3_location).returncode == 0
     for round_, step in enumerate((7, 8)):
         _racing_commits(envs, saves, s3_location, "--step", str(step), "--tag", f"best{step}")
@@ -636,3 +629,171 @@ def test_a_forced_remove_that_loses_its_lease_before_deleting_the_step_leaves_it
     assert done.returncode == 4, done.stderr
     tags, kept = _tags_and_steps_after_gc(tmp_path, s3_location)
     assert tags[1] == "w" and 1 in kept, (tags, kept)
+
+
+def _tag_holders(tmp_path: Path, location: str) -> dict[str, int]:
+    """Tag -> the step a fresh host sees it on."""
+    fresh = host_env(tmp_path / f"host-fresh-{time.monotonic_ns()}")
+    return {tag: step for step, s in _steps(fresh, location).items() for tag in s["tags"]}
+
+
+def _a_save(tmp_path: Path, name: str, value: float) -> Path:
+    import torch
+
+    folder = tmp_path / name
+    folder.mkdir()
+    torch.save({"model": {"w": torch.full((64, 64), value)}}, folder / "model.pt")
+    return folder
+
+
+@pytest.mark.slow
+def test_a_tag_taken_back_after_a_drop_mark_leaves_another_hosts_move(s3_location: str, tmp_path: Path) -> None:
+    """Attack finding F1: host A moves tag X to step 1 and stalls before its put; host C replaces
+    step 1 (``commit --force``: the retire mark on its version A names); host B moves X to step 3
+    (exit 0). A's put lands, it sees the mark, and takes its write back: it put back what it had
+    read before (X on step 2), undoing B's reported move. Its put and its take-back are now
+    exactly one swap each: X ends where B put it, or on step 1 only if A reports success."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    assert run(plain, "tag", "step=2", "X", "--store", s3_location).returncode == 0
+    stalled = host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="tag/put-if=stop@1")
+    a = start(stalled, "tag", "step=1", "X", "--force", "--store", s3_location)
+    wait_stopped(a)
+    replaced = run(
+        plain, "commit", str(_a_save(tmp_path, "again-1", 9.0)), "--step", "1", "--force", "--store", s3_location
+    )
+    assert replaced.returncode == 0, replaced.stderr
+    moved = run(
+        host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600"), "tag", "step=3", "X", "--force", "--store", s3_location
+    )
+    assert moved.returncode == 0, moved.stderr
+    done = resume(a)
+    holders = _tag_holders(tmp_path, s3_location)
+    assert (done.returncode, holders["X"]) in ((0, 1), (4, 3)), (done.returncode, holders, done.stderr)
+
+
+@pytest.mark.slow
+def test_a_pin_reported_set_beside_another_pinners_failure_is_kept(s3_location: str, tmp_path: Path) -> None:
+    """Attack finding F2: a gc marks step 2 to drop and stalls; host A pins step 2 and stalls after its
+    put, before it reads the marks; host B pins step 2 too. B saw the pin there and wrote and read
+    nothing (exit 0); A then saw the mark and deleted the pin, and the next gc dropped the step B
+    pinned. Now each pin is a write of its own followed by the read of the marks: whatever each
+    reports, a pin reported set is there, and its step survives the next gc."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    g = start(
+        host_env(tmp_path / "host-g", TAILOR_FAILPOINTS="gc/delete-many=stop@1"),
+        "gc",
+        "--keep-last",
+        "1",
+        "--store",
+        s3_location,
+    )
+    wait_stopped(g)
+    a = start(
+        host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="ref-written=stop"),
+        "pin",
+        "step=2",
+        "--store",
+        s3_location,
+    )
+    wait_stopped(a)
+    b = run(host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600"), "pin", "step=2", "--store", s3_location)
+    done_a = resume(a)
+    time.sleep(float(TTL) + 1)  # the stalled gc's lease runs out: it stops at its fence
+    resume(g)
+    reported = [r.returncode for r in (done_a, b)]
+    fresh = host_env(tmp_path / "host-fresh")
+    pinned = 2 in _steps(fresh, s3_location) and _steps(fresh, s3_location)[2]["pinned"]
+    assert pinned or 0 not in reported, (reported, b.stderr, done_a.stderr)
+    _, kept = _tags_and_steps_after_gc(tmp_path, s3_location)
+    assert 2 in kept or 0 not in reported, (reported, kept)
+
+
+@pytest.mark.slow
+def test_a_failed_forced_commit_leaves_a_tag_another_host_moved(s3_location: str, tmp_path: Path) -> None:
+    """Attack finding F3: ``commit --force --tag X`` of step 1 published, stalled, and then failed at
+    its tag's put (a full disk stands for any failed request) while host B moved X to step 2
+    (exit 0). Its take-back wrote X back from its rolled-back index (step 3), undoing B's move. Now
+    a take-back touches only what this change wrote: X stays on step 2."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    assert run(plain, "tag", "step=3", "X", "--store", s3_location).returncode == 0
+    stalled = host_env(
+        tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="after-publish=stop,commit/put-if=enospc@1"
+    )
+    save = _a_save(tmp_path, "again-1", 7.0)
+    a = start(stalled, "commit", str(save), "--step", "1", "--force", "--tag", "X", "--store", s3_location)
+    wait_stopped(a)
+    moved = run(
+        host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600"), "tag", "step=2", "X", "--force", "--store", s3_location
+    )
+    assert moved.returncode == 0, moved.stderr
+    done = resume(a)
+    assert done.returncode != 0, done.stdout
+    assert _tag_holders(tmp_path, s3_location)["X"] == 2
+
+
+@pytest.mark.slow
+def test_a_commit_past_its_lease_gives_no_tag_to_a_step_gc_drops(s3_location: str, tmp_path: Path) -> None:
+    """Attack finding F4: ``commit --tag Y`` of step 0 published and stalled past its lease; a gc took
+    the lock and planned to drop step 0 (not tagged yet) and stalled before its notices; the commit
+    went on, put its tag without a fence or a read of the marks, and reported success; the gc then
+    deleted step 0. The tag's put is fenced now, and the marks are read after it. (The gc stops
+    here after its marks and their check, at the request that deletes the dropped manifests.)"""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    a = start(
+        host_env(tmp_path / "host-a", TAILOR_FAILPOINTS="after-publish=stop"),
+        "commit",
+        str(_a_save(tmp_path, "zero", 5.0)),
+        "--step",
+        "0",
+        "--tag",
+        "Y",
+        "--store",
+        s3_location,
+    )
+    wait_stopped(a)
+    time.sleep(float(TTL) + 2)  # past the commit's lease
+    g = start(
+        host_env(tmp_path / "host-g", TAILOR_FAILPOINTS="gc/delete-many=stop@1"),
+        "gc",
+        "--keep-last",
+        "1",
+        "--store",
+        s3_location,
+    )
+    wait_stopped(g)
+    done = resume(a)
+    collected = resume(g)
+    steps = _steps(host_env(tmp_path / "host-fresh"), s3_location)
+    if done.returncode == 0:  # reported committed and tagged: it must be there, tagged
+        assert 0 in steps and steps[0]["tags"] == ["Y"], (steps, collected.stderr)
+    else:
+        assert done.returncode == 4, done.stderr
+        assert "Y" not in _tag_holders(tmp_path, s3_location)
+
+
+@pytest.mark.slow
+def test_a_plain_tag_never_overwrites_one_another_host_set_meanwhile(s3_location: str, tmp_path: Path) -> None:
+    """Attack finding F5: host A tags step 2 ``X`` (no ``--force``) and stalls before its put; host B
+    tags step 3 ``X`` (exit 0); A went on and overwrote it (exit 0). A's put is create-only where
+    it read nothing, so it finds B's tag and is refused (exit 2): X stays where B reported it.
+    (A stops at its second create-only put: its lease's is the first.)"""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    a = start(
+        host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="tag/put-create=stop@2"),
+        "tag",
+        "step=2",
+        "X",
+        "--store",
+        s3_location,
+    )
+    wait_stopped(a)
+    b = run(host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600"), "tag", "step=3", "X", "--store", s3_location)
+    assert b.returncode == 0, b.stderr
+    done = resume(a)
+    assert done.returncode == 2 and "another" in done.stderr, (done.returncode, done.stderr)
+    assert _tag_holders(tmp_path, s3_location)["X"] == 3

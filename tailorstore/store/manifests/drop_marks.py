@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from tailorstore.core.errors import ObjectExistsError
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.manifests.keys import pin_key
-from tailorstore.store.manifests.refs import listed_tags
+from tailorstore.store.manifests.refs import listed_tags, pin_live
 
 
 def drop_marker(key: str) -> str:
@@ -49,7 +49,7 @@ def claimed(backend: Backend, keys: Iterable[str]) -> list[str]:
     """gc, after :func:`mark_dropping`: those of ``keys`` that a pin or a tag names now. A ref
     written before the marker is seen here; one written after sees the marker and backs off."""
     wanted = set(keys)
-    found = {key for key in wanted if backend.exists(pin_key(key))}
+    found = {key for key in wanted if pin_live(backend, pin_key(key))}
     found.update(wanted & set(listed_tags(backend, log_damaged=False).values()))
     return sorted(found)
 

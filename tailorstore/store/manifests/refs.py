@@ -1,18 +1,28 @@
 """Tags and pins as objects: writing them as the index says, and reading them back.
 
-A tag object holds the key of the manifest it names; a pin object is empty, and present while
-its manifest is pinned (keys: store/manifests/keys.py). Refs are written only after the
+A tag object holds the key of the manifest it names, then a line of its own (a token unique to the
+write); a pin object pins its manifest while it holds anything but :data:`PIN_TOMBSTONE` (an
+empty one, as writers before the tokens made it, included). Refs are written only after the
 manifest object they name exists (store/manifests/objects.py), and a tag or pin left on an
 older version of a step counts for the step's current version (:func:`current_refs`,
 ``keys.current_of``).
+
+Every write of a ref object is a conditional swap (:func:`put_tag`, :func:`put_pin`): it reads the
+object with its version, replaces exactly that version, and returns a :class:`RefWrite` that can
+take the write back exactly: only while the object still holds this write's own bytes (the token
+makes two hosts' writes of one key differ), and to what it replaced. So a write taken back never
+restores what a stale index said, and never undoes another host's write (FORMAT.md 8.1, I2, I3).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
+from tailorstore.core.errors import Call, LockTimeoutError, ObjectExistsError, StepExistsError
 from tailorstore.core.records import MAIN_RUN, ManifestRecord
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.manifests.keys import (
@@ -47,10 +57,10 @@ class RefSource(Protocol):
 
 def write_refs(
     backend: Backend, index: RefSource, manifests: Iterable[int], *, fence: Callable[[], None] | None = None
-) -> list[str]:
+) -> list[RefWrite]:
     """Make the tag and pin objects of these manifests say what the index says; returns the
-    keys of the ref objects it wrote. ``fence`` is checked just before each put (after its
-    request's failpoint), as before gc's deletions.
+    writes, each to be taken back exactly should the change fail. ``fence`` is checked just before
+    each put (after its request's failpoint), as before gc's deletions.
 
     An unpinned record deletes no pin: the index may not know that another host pinned the
     manifest since (ref changes hold the lock shared, side by side). A commit that did so deleted
@@ -64,19 +74,119 @@ def write_refs(
         for tag in record.tags:
             written.append(put_tag(backend, tag, record.object_key, fence=fence))
         if record.pinned:
-            written.append(_put_pin(backend, record, fence))
+            written.append(put_pin(backend, record.object_key, fence=fence))
         else:
-            _hand_over_plain_pin(backend, index, record.object_key)
+            hand_over_plain_pin(backend, index, record.object_key)
     return written
 
 
-def put_tag(backend: Backend, tag: str, manifest_key: str, *, fence: Callable[[], None] | None = None) -> str:
-    """Tag the manifest whose object is ``manifest_key``: one object, one request, whatever tags the
-    step holds already (a step holds any number; a tag names one step, so putting it moves it).
-    Returns the tag object's key."""
-    key = tag_key(tag)
-    backend.put(key, manifest_key.encode(), fence=fence)
-    return key
+TOMBSTONE = b"dropped\n"
+"""What a dropped tag's object holds until gc deletes it: it names no manifest, so it tags nothing."""
+
+PIN_TOMBSTONE = b"unpinned\n"
+"""What a pin object holds once a failed pin took its write back: it pins nothing; gc deletes it."""
+
+_SWAP_TRIES = 5  # reads and conditional puts of one ref before another host's writes are said to win
+
+
+@dataclass(frozen=True)
+class RefWrite:
+    """One ref object's write: its key, this write's bytes, and what it replaced (None: nothing)."""
+
+    key: str
+    ours: bytes
+    before: bytes | None
+    gone: bytes  # what stands for "nothing" here: the tag or pin tombstone
+
+    def take_back(self, backend: Backend) -> None:
+        """Put back what this write replaced, only while the object still holds this write (another
+        host's write since stays). Best effort, past any fence: it runs when the change fails anyway."""
+        try:
+            data, version = backend.get_versioned(self.key)
+            if data == self.ours:
+                backend.put_if(self.key, self.before if self.before is not None else self.gone, version)
+        except Exception as exc:  # the change's own failure is what the caller reports
+            log.warning("tailorstore: could not take back %s after a failed change: %s", self.key, exc)
+
+
+def named(data: bytes) -> str:
+    """The manifest key a tag object names: its first line (a token of the write may follow)."""
+    return data[:4096].split(b"\n", 1)[0].decode(errors="replace")
+
+
+def put_tag(
+    backend: Backend,
+    tag: str,
+    manifest_key: str,
+    *,
+    force: bool = True,
+    fence: Callable[[], None] | None = None,
+) -> RefWrite:
+    """Tag the manifest whose object is ``manifest_key``: one object, whatever tags the step holds
+    already (a step holds any number; a tag names one step, so putting it moves it). Without
+    ``force``, a tag another host set on another step meanwhile (which this host's index did not
+    know) is refused, not overwritten."""
+
+    def refuse(held: bytes | None) -> None:
+        if force or held is None or held == TOMBSTONE:
+            return
+        target = named(held)
+        if not is_manifest_key(target) or same_step(target, manifest_key) or not _still_there(backend, target):
+            return  # damaged, this step's, or a removed step's: nothing another host reported holds it
+        raise StepExistsError(
+            f"tag {tag!r} was set on another step by another host meanwhile; pass ", Call(force=True), " to move it"
+        )
+
+    return _swap(backend, tag_key(tag), f"{manifest_key}\n{secrets.token_hex(8)}\n".encode(), TOMBSTONE, fence, refuse)
+
+
+def put_pin(backend: Backend, manifest_key: str, *, fence: Callable[[], None] | None = None) -> RefWrite:
+    """Pin the manifest whose object is ``manifest_key``: a pin object of this write's own, over
+    whatever was there (another host's pin of the step too: taking this one back restores that)."""
+    return _swap(backend, pin_key(manifest_key), f"pinned {secrets.token_hex(8)}\n".encode(), PIN_TOMBSTONE, fence)
+
+
+def _swap(
+    backend: Backend,
+    key: str,
+    ours: bytes,
+    gone: bytes,
+    fence: Callable[[], None] | None,
+    refuse: Callable[[bytes | None], None] = lambda held: None,
+) -> RefWrite:
+    """Replace exactly what was read: create-only where there was nothing, else ``If-Match`` on the
+    version read; a refused put means another host wrote meanwhile, so read again."""
+    for _ in range(_SWAP_TRIES):
+        try:
+            before, version = backend.get_versioned(key)
+        except FileNotFoundError:
+            before, version = None, ""
+        refuse(before)
+        if before is None:
+            try:
+                backend.put(key, ours, create_only=True, fence=fence)
+                return RefWrite(key, ours, None, gone)
+            except ObjectExistsError:
+                continue
+        if backend.put_if(key, ours, version, fence=fence):
+            return RefWrite(key, ours, before, gone)
+    raise LockTimeoutError(f"{key} was changed by other hosts {_SWAP_TRIES} times while this host set it; run it again")
+
+
+def _still_there(backend: Backend, key: str) -> bool:
+    """Whether the step ``key`` names is still stored (this version, or a newer one)."""
+    if backend.exists(key):
+        return True
+    _, newer = versions_of(backend, key)
+    return bool(newer)
+
+
+def pin_live(backend: Backend, key: str) -> bool:
+    """Whether the pin object ``key`` pins: there, and no tombstone."""
+    try:
+        return backend.get(key, 0, 4096) != PIN_TOMBSTONE
+    except FileNotFoundError:
+        return False
 
 
 def write_pin(backend: Backend, index: RefSource, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
@@ -85,13 +195,9 @@ def write_pin(backend: Backend, index: RefSource, manifest: int, *, fence: Calla
     if record is None or record.object_key is None:
         return
     if record.pinned:
-        _put_pin(backend, record, fence)
+        put_pin(backend, record.object_key, fence=fence)
     else:
         _unpin(backend, index, record.object_key)
-
-
-TOMBSTONE = b"dropped\n"
-"""What a dropped tag's object holds until gc deletes it: it names no manifest, so it tags nothing."""
 
 
 def drop_tag(backend: Backend, tag: str, held_by: str, *, fence: Callable[[], None] | None = None) -> bool:
@@ -107,8 +213,7 @@ def drop_tag(backend: Backend, tag: str, held_by: str, *, fence: Callable[[], No
             data, version = backend.get_versioned(key)
         except FileNotFoundError:
             return False
-        target = data[:4096].decode(errors="replace")
-        if data == TOMBSTONE or not same_step(target, held_by):
+        if data == TOMBSTONE or not same_step(named(data), held_by):
             return False  # untagged already, or the tag now names another step: leave it there
         if backend.put_if(key, TOMBSTONE, version, fence=fence):
             return True
@@ -116,25 +221,20 @@ def drop_tag(backend: Backend, tag: str, held_by: str, *, fence: Callable[[], No
 
 
 def tombstones(backend: Backend) -> list[str]:
-    """The tag objects that are tombstones (dropped tags), for gc to delete."""
-    dropped = TOMBSTONE.decode()
-    return [key for key, target in _tag_targets(backend, log_damaged=False, dropped=True) if target == dropped]
+    """The tag and pin objects that are tombstones (dropped tags, pins taken back), for gc to delete."""
+    dropped = named(TOMBSTONE)
+    tags = [key for key, target in _tag_targets(backend, log_damaged=False, dropped=True) if target == dropped]
+    return tags + [pin for pin in backend.list(PIN_PREFIX) if not pin_live(backend, pin) and backend.exists(pin)]
 
 
-def _put_pin(backend: Backend, record: ManifestRecord, fence: Callable[[], None] | None) -> str:
-    key = pin_key(str(record.object_key))
-    backend.put(key, b"", fence=fence)
-    return key
-
-
-def _hand_over_plain_pin(backend: Backend, index: RefSource, key: str) -> None:
+def hand_over_plain_pin(backend: Backend, index: RefSource, key: str) -> None:
     """A main manifest whose name another run's pinned manifest has, pinned under the plain key by
     a writer before pins named their run: that run gets its own form, and the plain key is main's."""
     if run_of_key(key) != MAIN_RUN:
         return
     name = key.rsplit("/", 1)[-1]
     namesakes = (m for m in index.manifests() if m.pinned and m.object_key not in (None, key))
-    if any(str(m.object_key).endswith("/" + name) for m in namesakes) and backend.exists(PIN_PREFIX + name):
+    if any(str(m.object_key).endswith("/" + name) for m in namesakes) and pin_live(backend, PIN_PREFIX + name):
         _unpin_one(backend, index, key)
 
 
@@ -159,12 +259,12 @@ def _unpin_one(backend: Backend, index: RefSource, key: str) -> None:
         # every listed version, not the index's current ones: main's older version of that name,
         # which a revision left holding main's pin, makes the plain pin main's, not this branch's
         holders = keys_by_name(listed_manifest_keys(backend))
-        if key not in pinned_by(plain, holders) or not backend.exists(plain):
+        if key not in pinned_by(plain, holders) or not pin_live(backend, plain):
             return
         pin = plain  # main has no manifest of that name: the plain pin was this branch's
     for other in index.manifests():
         if other.pinned and other.object_key and other.object_key != key and other.object_key.endswith("/" + name):
-            backend.put(pin_key(other.object_key), b"")
+            put_pin(backend, other.object_key)
     backend.delete(pin)
 
 
@@ -210,7 +310,7 @@ def _tag_targets(backend: Backend, *, log_damaged: bool, dropped: bool = False) 
         except FileNotFoundError:  # untagged while we listed
             continue
         if data != TOMBSTONE or dropped:
-            yield key, data.decode(errors="replace")
+            yield key, named(data)
 
 
 _WARNED: set[str] = set()  # each damaged tag object is named once a process
@@ -226,7 +326,7 @@ def damaged_tags(backend: Backend) -> list[str]:
 def pinned_keys(backend: Backend, current: dict[str, str]) -> list[str]:
     """The manifest keys the pin objects pin (``keys.pinned_by``)."""
     by_name = keys_by_name(current)
-    return [key for pin in backend.list(PIN_PREFIX) for key in pinned_by(pin, by_name)]
+    return [key for pin in backend.list(PIN_PREFIX) if pin_live(backend, pin) for key in pinned_by(pin, by_name)]
 
 
 def current_refs(tags: dict[str, str], current: dict[str, str]) -> dict[str, tuple[str, ...]]:

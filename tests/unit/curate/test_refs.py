@@ -13,7 +13,7 @@ from tailorstore.core.failpoints import REQUEST_KINDS, requests_made
 from tailorstore.curate.refs import RefEdits, pin, remove, tag, untag
 from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.ingest.commit_options import CommitOptions
-from tailorstore.store.manifests.refs import TOMBSTONE
+from tailorstore.store.manifests.refs import PIN_TOMBSTONE, TOMBSTONE, named
 from tailorstore.store.repo import Repository
 
 WRITES = tuple(kind for kind in REQUEST_KINDS if kind.startswith(("put", "delete")))
@@ -46,7 +46,8 @@ def test_a_second_tag_on_a_step_is_one_object_and_leaves_the_first(repo: Reposit
     tag(repo, "step=1", "x")
     assert _writes("tag", before) == 1
     assert _tags(repo) == {1: ("w", "x"), 2: ()}
-    assert repo.backend.get("refs/tags/w") == repo.backend.get("refs/tags/x")
+    assert named(repo.backend.get("refs/tags/w")) == named(repo.backend.get("refs/tags/x"))
+    assert repo.backend.get("refs/tags/w") != repo.backend.get("refs/tags/x"), "each write's own token"
 
     before = requests_made()
     tag(repo, "step=2", "w", force=True)  # a move: the one object overwritten; step 1 keeps x
@@ -94,16 +95,30 @@ def test_a_fresh_index_reads_every_tag_of_a_step_from_the_ref_objects(repo: Repo
         assert _tags(again) == {1: ("a", "b"), 2: ("c",)}
 
 
-def test_pinning_a_pinned_step_writes_nothing(repo: Repository, tmp_path: Path) -> None:
-    """A second ``pin`` put the pin object again: landing after an ``rm`` beside it had deleted the
-    step's pins, it left a pin naming a removed step, which a plain-form pin's reading rule gives to
-    a branch's step of that name (an attack round's finding). It writes nothing now."""
+def test_a_pin_is_a_write_of_its_own_and_a_failed_one_takes_back_only_itself(
+    repo: Repository, tmp_path: Path
+) -> None:
+    """Two pins of one step: each is its own write (a token), so the second pinner's take-back (its
+    change failed) restores the first pinner's pin instead of deleting the pin the first reported
+    set; where nothing was pinned before, a take-back leaves a tombstone, which pins nothing."""
+    from tailorstore.store.manifests.keys import pin_key
+    from tailorstore.store.manifests.refs import pin_live, put_pin
+
     _step(repo, tmp_path, 1)
+    key = repo.manifest(repo.resolve("step=1")).object_key
+    assert key is not None
     before = requests_made()
     pin(repo, "step=1")
     assert _writes("pin", before) == 1
-    before = requests_made()
-    pin(repo, "step=1")
-    assert _writes("pin", before) == 0
+    first = repo.backend.get(pin_key(key))
+    second = put_pin(repo.backend, key)  # another pinner of the pinned step
+    assert repo.backend.get(pin_key(key)) != first
+    second.take_back(repo.backend)  # that pinner failed (a gc's mark): the first pin is back
+    assert repo.backend.get(pin_key(key)) == first and pin_live(repo.backend, pin_key(key))
+    untagged = _step(repo, tmp_path, 2) or repo.manifest(repo.resolve("step=2")).object_key
+    assert untagged is not None
+    lone = put_pin(repo.backend, untagged)
+    lone.take_back(repo.backend)
+    assert repo.backend.get(pin_key(untagged)) == PIN_TOMBSTONE and not pin_live(repo.backend, pin_key(untagged))
     repo.refresh()
-    assert repo.manifest(repo.resolve("step=1")).pinned
+    assert repo.manifest(repo.resolve("step=1")).pinned and not repo.manifest(repo.resolve("step=2")).pinned
