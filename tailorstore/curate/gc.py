@@ -666,7 +666,7 @@ def _gc(
         if plan.thin_to(THIN_ARCHIVE):  # which blobs die is known only once the archived weights exist
             plan = _replanned(repo, plan, effective_rules(repo, rules), drop_parts)
         fence()
-        carry_refs(objects, sweep, plan.superseded)  # before their objects go
+        carry_refs(objects, plan.superseded, fence=fence)  # before their objects go
         # before anything they name; a superseded version's pin goes with it (a plain-form pin left
         # behind would pin another run's manifest of the same name: FORMAT.md 3.3)
         superseded_pins = [pin_key(k) for k in plan.superseded]

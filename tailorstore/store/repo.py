@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import time
@@ -233,6 +234,9 @@ class StoreWriter(StepReader, Protocol):
 
 
 ROLES: tuple[type, ...] = (BlobReader, StepReader, StoreWriter)  # narrowest first
+
+
+log = logging.getLogger("tailorstore")
 
 
 INDEX_WAIT = 60.0  # seconds a write of the index waits for another process's, outside the store lock
@@ -484,8 +488,12 @@ class Repository:
         if not self.where.remote or self.node is not None:
             return
         folder = self.where.index_path.parent / "node-windows"
-        self.node = NodeWindows(self.backend, folder)
-        prune(folder)
+        try:
+            self.node = NodeWindows(self.backend, folder)
+            prune(folder)
+        except OSError as exc:  # no folder to share through (a file in its place, a full disk): read alone
+            self.node = None
+            log.warning("tailorstore: this rank reads the store on its own, not shared with its node: %s", exc)
 
     @contextmanager
     def reading_manifest(self, manifest: int, rows: Iterable[BlobRecord] | None = None) -> Iterator[None]:

@@ -542,7 +542,7 @@ def _tags_and_steps_after_gc(tmp_path: Path, location: str) -> tuple[dict[int, s
 @pytest.mark.parametrize(
     ("failpoint", "command"),
     [
-        ("tag/put=stop", ("tag", "step=1", "x")),  # a second tag: it touches no other (a retag dropped w once)
+        ("tag/put-create=stop@2", ("tag", "step=1", "x")),  # a second tag: touches no other
         ("untag/put-if=stop", ("untag", "w")),
         ("rm/put-create=stop@2", ("remove", "step=1", "--force")),  # its lease, then its first drop mark
     ],
@@ -582,7 +582,7 @@ def test_two_hosts_tagging_one_step_at_once_both_keep_their_tag(s3_location: str
     step that the user thought tagged for gc to drop. Now a step holds any number of tags."""
     plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
     _three_plain_steps(tmp_path, plain, s3_location)
-    stalled = host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="tag/put=stop")
+    stalled = host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="tag/put-create=stop@2")
     a = start(stalled, "tag", "step=1", "a", "--store", s3_location)
     wait_stopped(a)
     other = host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600")

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 
 from tailorstore.core.errors import ObjectExistsError
 from tailorstore.store.backends.base import Backend
-from tailorstore.store.manifests.keys import pin_key
-from tailorstore.store.manifests.refs import listed_tags, pin_live
+from tailorstore.store.manifests.keys import current_of, listed_manifest_keys, versions_of
+from tailorstore.store.manifests.refs import listed_tags, pinned_keys
 
 
 def drop_marker(key: str) -> str:
@@ -47,11 +47,16 @@ def mark_dropping(backend: Backend, keys: Iterable[str], *, fence: Callable[[], 
 
 def claimed(backend: Backend, keys: Iterable[str]) -> list[str]:
     """gc, after :func:`mark_dropping`: those of ``keys`` that a pin or a tag names now. A ref
-    written before the marker is seen here; one written after sees the marker and backs off."""
+    written before the marker is seen here; one written after sees the marker and backs off. A
+    ref claims the version it names (what a revision retiring that version asks about) and, as it
+    counts for the step, the step's current version too (``keys.current_of``): a ref left on an
+    older listed version claims the step from a gc."""
     wanted = set(keys)
-    found = {key for key in wanted if pin_live(backend, pin_key(key))}
-    found.update(wanted & set(listed_tags(backend, log_damaged=False).values()))
-    return sorted(found)
+    current = current_of(listed_manifest_keys(backend))
+    named = [*listed_tags(backend, log_damaged=False).values(), *pinned_keys(backend, current)]
+    # the version a ref names (a revision retiring it asks about that one), and the step's current one
+    found = {key for target in named for key in (target, current.get(target, target))}
+    return sorted(found & wanted)
 
 
 def mark_unless_claimed(
@@ -82,4 +87,7 @@ def take_back_marks(backend: Backend, keys: Iterable[str], mine: list[str]) -> N
 def being_dropped(backend: Backend, key: str) -> bool:
     """A ref change, after writing its object: whether a gc has marked the manifest (it then undoes
     its write and fails, so that no ref it reports set names a step a gc goes on to drop)."""
-    return backend.exists(drop_marker(key))
+    if backend.exists(drop_marker(key)):
+        return True
+    _, newer = versions_of(backend, key)  # a ref on an older version counts for the newest: its marks too
+    return any(backend.exists(drop_marker(k)) for k in newer)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from tailorstore.core.errors import Call, LockTimeoutError, ObjectExistsError, StepExistsError
+from tailorstore.core.errors import Call, CorruptStoreError, LockTimeoutError, ObjectExistsError, StepExistsError
 from tailorstore.core.records import MAIN_RUN, ManifestRecord
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.manifests.keys import (
@@ -102,11 +102,26 @@ class RefWrite:
         """Put back what this write replaced, only while the object still holds this write (another
         host's write since stays). Best effort, past any fence: it runs when the change fails anyway."""
         try:
-            data, version = backend.get_versioned(self.key)
+            data, version = read_ref(backend, self.key)
             if data == self.ours:
                 backend.put_if(self.key, self.before if self.before is not None else self.gone, version)
         except Exception as exc:  # the change's own failure is what the caller reports
             log.warning("tailorstore: could not take back %s after a failed change: %s", self.key, exc)
+
+
+REF_MOST = 64 << 10  # bytes of a ref object read whole, at most: tailorstore writes well under one KiB
+
+
+def read_ref(backend: Backend, key: str) -> tuple[bytes, str]:
+    """A ref object's bytes and version, read whole only within :data:`REF_MOST` (its size asked
+    first): a huge object where a ref belongs is damage, refused in one line, not read into memory."""
+    size = backend.size(key)
+    if size > REF_MOST:
+        raise CorruptStoreError(
+            f"{key} holds {size} bytes, which no ref tailorstore writes does: it was written behind the "
+            "store's back. Delete that object, then set the tag or pin again."
+        )
+    return backend.get_versioned(key)
 
 
 def named(data: bytes) -> str:
@@ -158,7 +173,7 @@ def _swap(
     version read; a refused put means another host wrote meanwhile, so read again."""
     for _ in range(_SWAP_TRIES):
         try:
-            before, version = backend.get_versioned(key)
+            before, version = read_ref(backend, key)
         except FileNotFoundError:
             before, version = None, ""
         refuse(before)
@@ -170,7 +185,10 @@ def _swap(
                 continue
         if backend.put_if(key, ours, version, fence=fence):
             return RefWrite(key, ours, before, gone)
-    raise LockTimeoutError(f"{key} was changed by other hosts {_SWAP_TRIES} times while this host set it; run it again")
+    raise LockTimeoutError(
+        f"{key} could not be set: other hosts changed it {_SWAP_TRIES} times meanwhile, or it holds what "
+        "tailorstore does not write (a folder?). Run it again, or remove that object."
+    )
 
 
 def _still_there(backend: Backend, key: str) -> bool:
@@ -210,7 +228,7 @@ def drop_tag(backend: Backend, tag: str, held_by: str, *, fence: Callable[[], No
     key = tag_key(tag)
     for _ in range(3):  # a refused replace means another host wrote it meanwhile: look again
         try:
-            data, version = backend.get_versioned(key)
+            data, version = read_ref(backend, key)
         except FileNotFoundError:
             return False
         if data == TOMBSTONE or not same_step(named(data), held_by):
@@ -268,15 +286,36 @@ def _unpin_one(backend: Backend, index: RefSource, key: str) -> None:
     backend.delete(pin)
 
 
-def carry_refs(backend: Backend, index: RefSource, superseded: list[str]) -> None:
-    """Before gc deletes superseded versions: their steps' refs, written for the current versions
-    (which the index has from ``keys.current_of``), so a pin or tag left on an old version outlives it."""
+def carry_refs(backend: Backend, superseded: list[str], *, fence: Callable[[], None] | None = None) -> None:
+    """Before gc deletes superseded versions: each ref still on one of them moves to its step's
+    current version, so a pin or tag left on an old version outlives it. From the objects, not an
+    index, and only while a tag's object still names that version (a conditional swap, fenced): a
+    gc whose lease lapsed while another host moved or dropped the tag writes nothing over that
+    (written from the index, its carry undid a reported ``tag --force`` and came back after an
+    ``untag``). Carrying changes no step's refs, only the version they name."""
     if not superseded:
         return
     current = current_of(listed_manifest_keys(backend))
-    heirs = {current[k] for k in superseded if k in current}
-    ids = [m.id for m in index.manifests() if m.object_key in heirs]
-    write_refs(backend, index, ids)
+    heirs = {key: current[key] for key in superseded if current.get(key, key) != key}
+    for tag, target in listed_tags(backend, log_damaged=False).items():
+        if target in heirs:
+            _move_tag(backend, tag, target, heirs[target], fence)
+    for key, heir in heirs.items():
+        if pin_live(backend, pin_key(key)):
+            put_pin(backend, heir, fence=fence)
+
+
+def _move_tag(backend: Backend, tag: str, was: str, heir: str, fence: Callable[[], None] | None) -> None:
+    key = tag_key(tag)
+    for _ in range(_SWAP_TRIES):
+        try:
+            data, version = read_ref(backend, key)
+        except FileNotFoundError:
+            return
+        if data == TOMBSTONE or named(data) != was:
+            return  # dropped or moved since it was listed: it stays as the other host left it
+        if backend.put_if(key, f"{heir}\n{secrets.token_hex(8)}\n".encode(), version, fence=fence):
+            return
 
 
 def listed_tags(backend: Backend, *, log_damaged: bool = True) -> dict[str, str]:

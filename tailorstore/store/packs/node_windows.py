@@ -36,6 +36,7 @@ from pathlib import Path
 
 import xxhash
 
+from tailorstore.core.errors import Call, CorruptStoreError
 from tailorstore.core.failpoints import failpoint
 from tailorstore.core.local_files import Beneath, read_small, write_atomic
 from tailorstore.store.backends.base import Backend
@@ -66,29 +67,41 @@ class NodeWindows:
         out = bytearray(length)
         end = start + length
         for k in range(start // self._window, (end - 1) // self._window + 1):
-            data = self._window_of(key, k)
+            data = self._enough(key, k, min(end, (k + 1) * self._window) - k * self._window)
             base = k * self._window
-            lo, hi = max(start, base), min(end, base + len(data))
-            if hi <= lo:
-                raise OSError(f"{key}: {len(data)} bytes in its window {k}; the read wants bytes up to {end}")
-            out[lo - start : hi - start] = data[lo - base : hi - base]
-            if hi < min(end, base + self._window):  # a short window before the read's end: the object is shorter
-                raise OSError(f"{key}: ends at byte {hi}; the read wants bytes up to {end}")
+            lo, hi = max(start, base), base + len(data)
+            out[lo - start : min(end, hi) - start] = data[lo - base : min(end, hi) - base]
         return bytes(out)
+
+    def _enough(self, key: str, k: int, wanted: int) -> bytes:
+        """Window ``k``, holding at least ``wanted`` bytes. A kept copy shorter than that is not
+        trusted (the object ends there only if the store says so): it is fetched again, and an
+        object that is shorter than the read is a damaged store, said as one."""
+        data = self._window_of(key, k)
+        if len(data) < wanted:
+            data = self._window_of(key, k, fresh=True)
+        if len(data) < wanted:
+            raise CorruptStoreError(
+                f"{key}: ends at byte {k * self._window + len(data)}, where the index says its blobs go on; "
+                "restore it from a backup. To see every step it affects: ",
+                Call("verify"),
+                ".",
+            )
+        return data
 
     def reader(self, key: str, start: int, length: int) -> io.RawIOBase:
         """A reader of those bytes that holds one window at a time (a blob of gigabytes is read
         through, never held whole)."""
         return _WindowReader(self, key, start, start + length)
 
-    def _window_of(self, key: str, k: int) -> bytes:
+    def _window_of(self, key: str, k: int, *, fresh: bool = False) -> bytes:
         name = f"{_SAFE.sub('_', key)}.{k}"
-        kept = self._kept(name)
+        kept = None if fresh else self._kept(name)
         if kept is not None:
             self.shared += 1
             return kept
         with self._locked(name + ".lock"):  # another rank of the node may be fetching it
-            kept = self._kept(name)
+            kept = None if fresh else self._kept(name)
             if kept is not None:
                 self.shared += 1
                 return kept
@@ -100,7 +113,7 @@ class NodeWindows:
 
     def _kept(self, name: str) -> bytes | None:
         try:
-            held = read_small(Beneath(self._folder, name), self._window + _DIGEST)
+            held = read_small(Beneath(self._folder, name, links=False), self._window + _DIGEST)
         except FileNotFoundError:
             return None
         except OSError:  # a link, a FIFO or a huge file where a window belongs: not ours, fetch instead
@@ -147,12 +160,10 @@ class _WindowReader(io.RawIOBase):
         size = self._windows._window
         k = self._pos // size
         if self._held is None or self._held[0] != k:
-            self._held = (k, self._windows._window_of(self._key, k))
+            self._held = (k, self._windows._enough(self._key, k, min(self._end, (k + 1) * size) - k * size))
         data = self._held[1]
         lo = self._pos - k * size
         n = min(len(dest), len(data) - lo, self._end - self._pos)
-        if n <= 0:
-            raise OSError(f"{self._key}: ends at byte {k * size + len(data)}; the read wants bytes up to {self._end}")
         memoryview(dest).cast("B")[:n] = memoryview(data)[lo : lo + n]
         self._pos += n
         return n

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from tailorstore.store.backends.location import resolve
 from tailorstore.store.packs.node_windows import NodeWindows, prune
@@ -34,8 +35,6 @@ def test_any_range_reads_back_exactly(stored: tuple[CountingBackend, bytes], tmp
         with windows.reader("packs/ab/abcd", start, length) as f:
             assert f.read() == data[start : start + length]
     assert backend.gets == 6 and windows.fetched == 6  # each window once, whatever the ranges
-    with pytest.raises(OSError, match="ends at byte"):
-        windows.read("packs/ab/abcd", len(data) - 5, 10)
 
 
 def test_readers_of_one_folder_fetch_each_window_once(stored: tuple[CountingBackend, bytes], tmp_path: Path) -> None:
@@ -63,9 +62,28 @@ def test_a_damaged_or_planted_copy_is_fetched_again(stored: tuple[CountingBacken
     again = NodeWindows(backend, folder, window=WINDOW)  # type: ignore[arg-type]
     assert again.read("packs/ab/abcd", 0, WINDOW) == data[:WINDOW] and again.fetched == 1
     kept.unlink()
-    kept.symlink_to("/etc/hostname")  # a link where a window belongs is no window
     third = NodeWindows(backend, folder, window=WINDOW)  # type: ignore[arg-type]
-    assert third.read("packs/ab/abcd", 0, WINDOW) == data[:WINDOW] and third.fetched == 1
+    assert third.read("packs/ab/abcd", WINDOW, WINDOW) == data[WINDOW : 2 * WINDOW]  # window 1 kept now
+    kept.symlink_to(folder / "packs_ab_abcd.1")  # a link to another window, its trailer valid: no window
+    assert third.read("packs/ab/abcd", 0, WINDOW) == data[:WINDOW] and third.fetched == 2
+    half = data[: WINDOW // 2]  # a kept copy cut short, its trailer made for what is left
+    kept.unlink()
+    kept.write_bytes(half + xxhash.xxh3_128_digest(half))
+    fourth = NodeWindows(backend, folder, window=WINDOW)  # type: ignore[arg-type]
+    assert fourth.read("packs/ab/abcd", 0, WINDOW) == data[:WINDOW] and fourth.fetched == 1
+    with fourth.reader("packs/ab/abcd", 0, WINDOW) as f:
+        assert f.read() == data[:WINDOW]
+
+
+def test_an_object_shorter_than_the_read_is_a_damaged_store(
+    stored: tuple[CountingBackend, bytes], tmp_path: Path
+) -> None:
+    from tailorstore.core.errors import CorruptStoreError
+
+    backend, data = stored
+    windows = NodeWindows(backend, tmp_path / "node", window=WINDOW)  # type: ignore[arg-type]
+    with pytest.raises(CorruptStoreError, match="ends at byte"):
+        windows.read("packs/ab/abcd", len(data) - 5, 10)
 
 
 def test_a_folder_that_keeps_nothing_costs_no_read(stored: tuple[CountingBackend, bytes], tmp_path: Path) -> None:
