@@ -797,3 +797,37 @@ def test_a_plain_tag_never_overwrites_one_another_host_set_meanwhile(s3_location
     done = resume(a)
     assert done.returncode == 2 and "another" in done.stderr, (done.returncode, done.stderr)
     assert _tag_holders(tmp_path, s3_location)["X"] == 3
+
+
+@pytest.mark.slow
+def test_a_gc_past_its_lease_carries_no_ref_over_another_hosts_move(s3_location: str, tmp_path: Path) -> None:
+    """The second round's finding B: a ``commit --force`` killed inside its retirement leaves step 1's
+    older version holding its tag T; a gc stops at its carry of T to the current version, its lease
+    lapses, and host B moves T to step 2 (exit 0); the gc goes on. Carried from its index, it wrote
+    T back onto step 1 and then reported failure. It now carries a tag only while the tag's object
+    still names the version it carries from."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    assert run(plain, "tag", "step=1", "T", "--store", s3_location).returncode == 0
+    killed = run(
+        host_env(tmp_path / "host-k", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="commit/delete-many=kill@1"),
+        "commit", str(_a_save(tmp_path, "again-1", 4.0)), "--step", "1", "--force", "--store", s3_location,
+    )  # fmt: skip
+    assert killed.returncode == -9, (killed.returncode, killed.stderr)
+    assert _tag_holders(tmp_path, s3_location)["T"] == 1
+    g = start(
+        host_env(tmp_path / "host-g", TAILOR_FAILPOINTS="gc/put-if=stop@1"),
+        "gc",
+        "--keep-last",
+        "5",
+        "--store",
+        s3_location,
+    )
+    wait_stopped(g)
+    time.sleep(float(TTL) + 1)  # its lease lapses
+    moved = run(
+        host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600"), "tag", "step=2", "T", "--force", "--store", s3_location
+    )
+    assert moved.returncode == 0, moved.stderr
+    resume(g)
+    assert _tag_holders(tmp_path, s3_location)["T"] == 2
