@@ -77,10 +77,10 @@ from tailorstore.store.backends.listing import Holdings
 from tailorstore.store.backends.roles import Editor, Leftovers, Reader, Scanner
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.manifests.drop_marks import mark_unless_claimed, take_back_marks
+from tailorstore.store.manifests.drop_marks import SUPERSEDED, mark_dropping, mark_unless_claimed, take_back_marks
 from tailorstore.store.manifests.keys import pin_key, superseded
 from tailorstore.store.manifests.objects import unpublish
-from tailorstore.store.manifests.refs import RefSource, carry_refs, damaged_tags, tombstones
+from tailorstore.store.manifests.refs import RefSource, carry_refs, damaged_tags
 from tailorstore.store.manifests.runs import read_retentions
 from tailorstore.store.packs.pack import PackEntry, PackWriter, pack_key, read_trailer
 from tailorstore.store.packs.pack_sync import TRAILER_READERS
@@ -666,12 +666,16 @@ def _gc(
         if plan.thin_to(THIN_ARCHIVE):  # which blobs die is known only once the archived weights exist
             plan = _replanned(repo, plan, effective_rules(repo, rules), drop_parts)
         fence()
+        # superseded versions: marked first, then their refs carried to the current versions, then
+        # deleted with their pins (a plain-form pin left behind would pin another run's manifest of
+        # the same name: FORMAT.md 3.3). A host that writes a ref naming one of them after the carry
+        # read its refs sees the mark and backs off (write, then read: FORMAT.md 8.1). Tombstones of
+        # tags and pins stay: deleted by name, one could take a tag another host had just written
+        # over it with it, should the delete land late.
+        mark_dropping(objects, plan.superseded, fence=fence, why=SUPERSEDED)
         carry_refs(objects, plan.superseded, fence=fence)  # before their objects go
-        # before anything they name; a superseded version's pin goes with it (a plain-form pin left
-        # behind would pin another run's manifest of the same name: FORMAT.md 3.3)
         superseded_pins = [pin_key(k) for k in plan.superseded]
-        dropped_tags = tombstones(objects)  # alone under the lock: no host drops or moves a tag meanwhile
-        objects.delete_many([*plan.drop_parts, *plan.superseded, *superseded_pins, *dropped_tags], fence=fence)
+        objects.delete_many([*plan.drop_parts, *plan.superseded, *superseded_pins], fence=fence)
         _drop_manifests(repo, objects, plan, fence)
         written += _repack(repo, objects, plan.repack, fence)
         _delete_dead_objects(objects, plan, sweep, listed if by_time else None, fence)

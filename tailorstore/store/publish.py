@@ -43,7 +43,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from tailorstore.core.errors import Call, LockTimeoutError, StepChangedError, StepExistsError, is_out_of_space
+from tailorstore.core.errors import (
+    Call,
+    LeaseLostError,
+    LockTimeoutError,
+    StepChangedError,
+    StepExistsError,
+    is_out_of_space,
+)
 from tailorstore.core.failpoints import failpoint
 from tailorstore.core.records import (
     COMMIT,
@@ -58,7 +65,8 @@ from tailorstore.store.backends.base import Backend
 from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.index.catalogue import CatalogueEdit
 from tailorstore.store.lock import Fence
-from tailorstore.store.manifests.drop_marks import being_dropped
+from tailorstore.store.manifests.drop_marks import SUPERSEDED, being_dropped
+from tailorstore.store.manifests.keys import removed_marker
 from tailorstore.store.manifests.objects import check_revised, publish, retire, unpublish
 from tailorstore.store.manifests.refs import RefWrite, hand_over_plain_pin, put_pin, put_tag
 from tailorstore.store.packs.writer import disk_full
@@ -119,6 +127,8 @@ class _Taken:
     in_place: dict[int, str | None] = field(default_factory=dict)  # manifest -> the tag it gives itself
     retired: list[str] = field(default_factory=list)  # versions replaced by those: deleted unless a ref names one
     ref_writes: list[RefWrite] = field(default_factory=list)  # each taken back exactly on a failure
+    replaced: dict[int, str] = field(default_factory=dict)  # manifest -> the version its publication replaces
+    replaces: dict[str, str] = field(default_factory=dict)  # a published key -> the version it replaces
 
 
 def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: Fence | None) -> list[int]:
@@ -133,6 +143,8 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
                 expected = taken.expected.get(manifest)
                 key = publish(repo.backend, edit, manifest, fence=fence, replacing=replacing, expected=expected)
                 taken.published.append(key)
+                if manifest in taken.replaced:
+                    taken.replaces[key] = taken.replaced[manifest]
                 if expected is not None:
                     check_revised(repo.backend, key, expected)
             failpoint("after-publish")
@@ -142,12 +154,12 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
                     check_publication(repo.backend, needs, "recording the manifest", repo.size_lookup(needs))
             _write_refs(repo.backend, edit, ids, taken, fence)
     except OSError as exc:
-        _take_back(repo, taken)
+        _adopted(_take_back(repo, taken), exc)
         if is_out_of_space(exc):
             raise disk_full(repo.location) from None
         raise
-    except BaseException:
-        _take_back(repo, taken)
+    except BaseException as exc:
+        _adopted(_take_back(repo, taken), exc)
         raise
     unpublish(repo.backend, taken.superseded)  # after the index names the new versions
     try:  # clean-up after a durable change is never its failure: gc deletes what is left (superseded)
@@ -199,12 +211,14 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
     if len(record.tags) > 1:
         raise ValueError("a new manifest gives itself one tag at most")
     given = record.tags[0] if record.tags else None
+    replacing_key: str | None = None
     if change.replacing and record.origin == COMMIT:
         if (replaced := edit.commit_at(record.step, record.run)) is not None:  # its tags stay the step's
             record = replace(record, tags=tuple(sorted({*record.tags, *replaced.tags})), pinned=replaced.pinned)
             edit.delete_commit_at(record.step, record.run)
             if replaced.object_key is not None:
                 taken.retired.append(replaced.object_key)
+                replacing_key = replaced.object_key
         if given is not None:
             edit.drop_tag(given)  # force takes the tag, whether or not the step existed
     refuse_taken(edit, record.step, record.run, given, commit=record.origin == COMMIT)
@@ -220,6 +234,8 @@ def _insert(edit: CatalogueEdit, change: ManifestRows | Revision, taken: _Taken)
     )
     if in_place:
         taken.in_place[manifest] = given
+    if replacing_key is not None:
+        taken.replaced[manifest] = replacing_key
     if change.replacing:
         taken.forced.add(manifest)
     return manifest
@@ -243,6 +259,7 @@ def _revise(edit: CatalogueEdit, change: Revision, taken: _Taken) -> int:
             taken.expected[record.id] = record.object_key
             taken.in_place[record.id] = None
             taken.retired.append(record.object_key)
+            taken.replaced[record.id] = record.object_key
     taken.revised.append(record.id)
     taken.forced.add(record.id)  # its own tags, on its next version
     return record.id
@@ -285,14 +302,54 @@ def refuse_taken(index: TakenLookup, step: int, run: str, tag: str | None, *, co
         raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
 
 
-def _take_back(repo: Repository, taken: _Taken) -> None:
+def _take_back(repo: Repository, taken: _Taken) -> list[str]:
     """Only objects this host published are withdrawn, and only then are refs touched: a host that
     lost the put never wrote any (I2: a loser cannot delete the winner's refs). Each ref this
     publish wrote is taken back exactly (``RefWrite.take_back``: only while it holds this write,
     and to what it replaced), never rewritten from the rolled-back index, which may be stale: a
-    tag another host moved meanwhile stays where it was moved."""
+    tag another host moved meanwhile stays where it was moved.
+
+    A new version whose predecessor is gone, marked superseded, stays: a gc that ran while this
+    host stalled took it for the step's current version (a published object is committed to every
+    other host), carried the step's refs onto it and deleted the version it replaced as
+    superseded; taking it back then deleted the step with its refs.
+    One removed by ``rm`` or a retirement left an empty marker, and the new version goes. Returns the
+    versions kept."""
     if not taken.published:
-        return
-    unpublish(repo.backend, taken.published)  # the objects went up but the index refused them
+        return []
+    backend = repo.backend
+    kept = [key for key in taken.published if _adopted_by_gc(backend, taken.replaces.get(key))]
+    unpublish(backend, [key for key in taken.published if key not in kept])
     for write in reversed(taken.ref_writes):
-        write.take_back(repo.backend)
+        write.take_back(backend)
+    return kept
+
+
+def _adopted_by_gc(backend: Backend, replaced: str | None) -> bool:
+    if replaced is None:
+        return False
+    try:
+        if backend.exists(replaced):
+            return False
+        marker = removed_marker(replaced)
+        if marker is None:
+            return False
+        try:
+            return backend.get(marker) == SUPERSEDED  # gc's, for a newer version: ours
+        except FileNotFoundError:
+            return True  # deleted as superseded without a marker (a gc before the markers)
+    except Exception as exc:  # unknown: take the new version back, as before
+        log.warning("tailorstore: could not tell whether a gc adopted %s: %s", replaced, exc)
+        return False
+
+
+def _adopted(kept: list[str], cause: BaseException) -> None:
+    """The change failed, but its new version stays (:func:`_take_back`): say so, whatever the cause."""
+    if kept:
+        raise LeaseLostError(
+            f"this change failed after its manifest was published ({cause}), but a gc running meanwhile took "
+            f"the new version for the step's current one and deleted the version it replaced, so {kept[0]} "
+            "stays: the step holds what this change wrote (its tag given, if any, was not set). See ",
+            Call("log"),
+            ".",
+        ) from cause

@@ -599,17 +599,21 @@ def test_two_hosts_tagging_one_step_at_once_both_keep_their_tag(s3_location: str
 
 
 @pytest.mark.slow
-def test_a_dropped_tag_leaves_a_tombstone_that_tags_nothing_and_gc_deletes(s3_location: str, tmp_path: Path) -> None:
-    """The tombstone a drop leaves (FORMAT.md 3.3) names no step, is no damage (gc runs), and gc deletes it."""
+def test_a_dropped_tag_leaves_a_tombstone_that_tags_nothing_and_stays(s3_location: str, tmp_path: Path) -> None:
+    """The tombstone a drop leaves (FORMAT.md 3.3) names no step, is no damage (gc runs), and stays
+    until the tag is set again over it: deleted by name (gc did), a delete that landed late took a
+    tag another host had just written over the tombstone with it (the third round's finding B)."""
     env = host_env(tmp_path / "host", TAILOR_LOCK_TTL="3600")
     _three_plain_steps(tmp_path, env, s3_location)
     assert run(env, "untag", "w", "--store", s3_location).returncode == 0
     backend = resolve(s3_location).backend
     assert backend.get("refs/tags/w") == b"dropped\n"
-    assert all(s["tag"] is None for s in _steps(host_env(tmp_path / "fresh"), s3_location).values())
+    assert all(not s["tags"] for s in _steps(host_env(tmp_path / "fresh"), s3_location).values())
     collected = run(env, "gc", "--store", s3_location)
     assert collected.returncode == 0, collected.stderr
-    assert not backend.exists("refs/tags/w")
+    assert backend.get("refs/tags/w") == b"dropped\n"
+    assert run(env, "tag", "step=2", "w", "--store", s3_location).returncode == 0  # over the tombstone
+    assert _tag_holders(tmp_path, s3_location)["w"] == 2
 
 
 @pytest.mark.slow
@@ -831,3 +835,49 @@ def test_a_gc_past_its_lease_carries_no_ref_over_another_hosts_move(s3_location:
     assert moved.returncode == 0, moved.stderr
     resume(g)
     assert _tag_holders(tmp_path, s3_location)["T"] == 2
+
+
+@pytest.mark.slow
+def test_a_pin_written_empty_by_an_older_writer_still_pins(s3_location: str, tmp_path: Path) -> None:
+    """The third round's finding C: pins before the tokens were empty objects, and reading a pin with
+    a range made every command of such a store fail (a ranged GET of an empty object is 416 on S3
+    and SeaweedFS alike). An empty pin pins its step, unpins, and keeps its step from gc."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    backend = resolve(s3_location).backend
+    (two,) = [k for k in backend.list("manifests/main/") if "-00000000000000000002-" in k]
+    backend.put("refs/pins/" + two.rsplit("/", 1)[1], b"")  # as the writers before the tokens pinned it
+    steps = _steps(host_env(tmp_path / "host-fresh"), s3_location)
+    assert steps[2]["pinned"] and not steps[3]["pinned"]
+    _, kept = _tags_and_steps_after_gc(tmp_path, s3_location)
+    assert kept == [1, 2, 3]
+    assert run(plain, "unpin", "step=2", "--store", s3_location).returncode == 0
+    assert not _steps(host_env(tmp_path / "host-fresh-2"), s3_location)[2]["pinned"]
+
+
+@pytest.mark.slow
+def test_a_revision_a_gc_adopted_while_it_stalled_is_never_taken_back(s3_location: str, tmp_path: Path) -> None:
+    """The third round's finding A: ``commit --force --tag TX`` of tagged, pinned step 1 published its
+    new version and stalled past its lease; a gc took that version for the step's current one,
+    carried T1 and the pin onto it and deleted the version it replaced; the commit then failed and
+    took its version back: step 1 was gone, with its tag and pin. The version stays now."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    assert run(plain, "tag", "step=1", "T1", "--store", s3_location).returncode == 0
+    assert run(plain, "pin", "step=1", "--store", s3_location).returncode == 0
+    save = _a_save(tmp_path, "again-1", 8.0)
+    x = start(
+        host_env(tmp_path / "host-x", TAILOR_FAILPOINTS="after-publish=stop"),
+        "commit", str(save), "--step", "1", "--force", "--tag", "TX", "--store", s3_location,
+    )  # fmt: skip
+    wait_stopped(x)
+    time.sleep(float(TTL) + 2)  # past its lease
+    collected = run(host_env(tmp_path / "host-g"), "gc", "--keep-last", "5", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    done = resume(x)
+    steps = _steps(host_env(tmp_path / "host-fresh"), s3_location)
+    assert 1 in steps and "T1" in steps[1]["tags"] and steps[1]["pinned"], (done.returncode, done.stderr, steps)
+    if done.returncode != 0:
+        assert done.returncode == 4 and "stays" in done.stderr, done.stderr
+    checks = run(host_env(tmp_path / "host-fresh-2"), "verify", "--store", s3_location)
+    assert checks.returncode == 0, checks.stdout + checks.stderr

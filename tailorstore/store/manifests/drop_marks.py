@@ -32,13 +32,21 @@ def drop_marker(key: str) -> str:
     return key.removesuffix(".json.zst") + ".removed"
 
 
-def mark_dropping(backend: Backend, keys: Iterable[str], *, fence: Callable[[], None] | None = None) -> list[str]:
-    """gc, before it deletes anything of these manifests: their drop markers, each put create-only;
-    the markers this call created (one already there was another gc's, and stays)."""
+SUPERSEDED = b"superseded\n"
+"""What gc's marker of a superseded version holds (others are empty): the step lives on in a newer
+version, which a publisher that stalled past its lease must then not take back (store/publish.py)."""
+
+
+def mark_dropping(
+    backend: Backend, keys: Iterable[str], *, fence: Callable[[], None] | None = None, why: bytes = b""
+) -> list[str]:
+    """gc, before it deletes anything of these manifests: their drop markers, each put create-only
+    (holding ``why``: :data:`SUPERSEDED` for versions a newer one replaced); the markers this call
+    created (one already there was another gc's, and stays)."""
     created = []
     for key in keys:
         try:
-            backend.put(drop_marker(key), b"", create_only=True, fence=fence)
+            backend.put(drop_marker(key), why, create_only=True, fence=fence)
             created.append(drop_marker(key))
         except ObjectExistsError:
             continue

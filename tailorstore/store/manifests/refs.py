@@ -81,10 +81,12 @@ def write_refs(
 
 
 TOMBSTONE = b"dropped\n"
-"""What a dropped tag's object holds until gc deletes it: it names no manifest, so it tags nothing."""
+"""What a dropped tag's object holds: it names no manifest, so it tags nothing. It stays until the
+tag is set again over it (deleted by name, a late delete could take a tag written over it since)."""
 
 PIN_TOMBSTONE = b"unpinned\n"
-"""What a pin object holds once a failed pin took its write back: it pins nothing; gc deletes it."""
+"""What a pin object holds once a failed pin took its write back: it pins nothing, and stays (as a
+tag's tombstone does) until the step is pinned again, unpinned or dropped."""
 
 _SWAP_TRIES = 5  # reads and conditional puts of one ref before another host's writes are said to win
 
@@ -200,9 +202,15 @@ def _still_there(backend: Backend, key: str) -> bool:
 
 
 def pin_live(backend: Backend, key: str) -> bool:
-    """Whether the pin object ``key`` pins: there, and no tombstone."""
+    """Whether the pin object ``key`` pins: there, and no tombstone. An empty one (every pin before
+    the tokens) pins, and is never read with a range (a ranged GET of an empty object is refused,
+    416, by S3 and SeaweedFS alike); one too large for a ref pins too (damage fails safe: gc keeps
+    the step)."""
     try:
-        return backend.get(key, 0, 4096) != PIN_TOMBSTONE
+        size = backend.size(key)
+        if size == 0 or size > REF_MOST:
+            return True
+        return backend.get(key) != PIN_TOMBSTONE
     except FileNotFoundError:
         return False
 
@@ -223,8 +231,8 @@ def drop_tag(backend: Backend, tag: str, held_by: str, *, fence: Callable[[], No
     names that step (any version of it): another host may have moved the tag to another step since
     this host's index said where it was (``tag --force``), and that move was reported done. The
     object is read with its version and replaced by a tombstone only while it has that version
-    (``put_if``: S3 ``If-Match``), never deleted by name; gc deletes tombstones, alone under its
-    exclusive lock (docs/FORMAT.md 3.3). Returns whether this call dropped it."""
+    (``put_if``: S3 ``If-Match``), never deleted by name, and the tombstone stays (docs/FORMAT.md
+    3.3). Returns whether this call dropped it."""
     key = tag_key(tag)
     for _ in range(3):  # a refused replace means another host wrote it meanwhile: look again
         try:
@@ -236,13 +244,6 @@ def drop_tag(backend: Backend, tag: str, held_by: str, *, fence: Callable[[], No
         if backend.put_if(key, TOMBSTONE, version, fence=fence):
             return True
     return False
-
-
-def tombstones(backend: Backend) -> list[str]:
-    """The tag and pin objects that are tombstones (dropped tags, pins taken back), for gc to delete."""
-    dropped = named(TOMBSTONE)
-    tags = [key for key, target in _tag_targets(backend, log_damaged=False, dropped=True) if target == dropped]
-    return tags + [pin for pin in backend.list(PIN_PREFIX) if not pin_live(backend, pin) and backend.exists(pin)]
 
 
 def hand_over_plain_pin(backend: Backend, index: RefSource, key: str) -> None:
