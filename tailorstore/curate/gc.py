@@ -77,8 +77,8 @@ from tailorstore.store.backends.listing import Holdings
 from tailorstore.store.backends.roles import Editor, Leftovers, Reader, Scanner
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.manifests.drop_marks import SUPERSEDED, mark_dropping, mark_unless_claimed, take_back_marks
-from tailorstore.store.manifests.keys import pin_key, superseded
+from tailorstore.store.manifests.drop_marks import mark_dropping, mark_unless_claimed, take_back_marks
+from tailorstore.store.manifests.keys import SUPERSEDED, pin_key, superseded
 from tailorstore.store.manifests.objects import unpublish
 from tailorstore.store.manifests.refs import RefSource, carry_refs, damaged_tags
 from tailorstore.store.manifests.runs import read_retentions

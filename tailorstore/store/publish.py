@@ -65,8 +65,8 @@ from tailorstore.store.backends.base import Backend
 from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.index.catalogue import CatalogueEdit
 from tailorstore.store.lock import Fence
-from tailorstore.store.manifests.drop_marks import SUPERSEDED, being_dropped
-from tailorstore.store.manifests.keys import removed_marker
+from tailorstore.store.manifests.drop_marks import being_dropped
+from tailorstore.store.manifests.keys import SUPERSEDED, removed_marker
 from tailorstore.store.manifests.objects import check_revised, publish, retire, unpublish
 from tailorstore.store.manifests.refs import RefWrite, hand_over_plain_pin, put_pin, put_tag
 from tailorstore.store.packs.writer import disk_full
@@ -198,7 +198,8 @@ def _write_refs(backend: Backend, edit: CatalogueEdit, ids: list[int], taken: _T
     for key in named:
         if being_dropped(backend, key):
             raise LockTimeoutError(
-                "a gc marked the step to drop while it was recorded; nothing was recorded. Run it again."
+                "the step was marked to drop (by a gc) or to retire (by another host's replacement of it) while "
+                "it was recorded; nothing was recorded. Run it again."
             )
 
 

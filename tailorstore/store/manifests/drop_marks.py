@@ -32,11 +32,6 @@ def drop_marker(key: str) -> str:
     return key.removesuffix(".json.zst") + ".removed"
 
 
-SUPERSEDED = b"superseded\n"
-"""What gc's marker of a superseded version holds (others are empty): the step lives on in a newer
-version, which a publisher that stalled past its lease must then not take back (store/publish.py)."""
-
-
 def mark_dropping(
     backend: Backend, keys: Iterable[str], *, fence: Callable[[], None] | None = None, why: bytes = b""
 ) -> list[str]:

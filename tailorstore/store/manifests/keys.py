@@ -131,6 +131,12 @@ def same_step(a: str, b: str) -> bool:
     return first.group(1, 2) == second.group(1, 2)
 
 
+SUPERSEDED = b"superseded\n"
+"""What gc's removal marker of a superseded version holds (others are empty): the step lives on in a
+newer version, which a publisher that stalled past its lease must not take back (store/publish.py),
+and a ref still naming the version counts for the step."""
+
+
 def removed_marker(key: str) -> str | None:
     """The object that reserves a removed commit manifest's version (none for a merge: its key is random)."""
     return key.removesuffix(".json.zst") + ".removed" if COMMIT_KEY.fullmatch(key) else None

@@ -27,6 +27,7 @@ from tailorstore.core.records import MAIN_RUN, ManifestRecord
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.manifests.keys import (
     PIN_PREFIX,
+    SUPERSEDED,
     TAG_KEY,
     TAG_PREFIX,
     current_of,
@@ -36,6 +37,7 @@ from tailorstore.store.manifests.keys import (
     odd_key,
     pin_key,
     pinned_by,
+    removed_marker,
     run_of_key,
     same_step,
     tag_key,
@@ -151,7 +153,8 @@ def put_tag(
         if not is_manifest_key(target) or same_step(target, manifest_key) or not _still_there(backend, target):
             return  # damaged, this step's, or a removed step's: nothing another host reported holds it
         raise StepExistsError(
-            f"tag {tag!r} was set on another step by another host meanwhile; pass ", Call(force=True), " to move it"
+            f"tag {tag!r} was set on another step by another host meanwhile; choose another tag, or move it: ",
+            Call("tag", "STEP", tag, force=True),
         )
 
     return _swap(backend, tag_key(tag), f"{manifest_key}\n{secrets.token_hex(8)}\n".encode(), TOMBSTONE, fence, refuse)
@@ -194,9 +197,18 @@ def _swap(
 
 
 def _still_there(backend: Backend, key: str) -> bool:
-    """Whether the step ``key`` names is still stored (this version, or a newer one)."""
+    """Whether the step ``key`` names is still stored: this version, or a newer one that superseded
+    it. A version removed (``rm``, a retirement: an empty removal marker) names nothing, whatever
+    was committed as that step since."""
     if backend.exists(key):
         return True
+    marker = removed_marker(key)
+    if marker is not None:
+        try:
+            if backend.get(marker) != SUPERSEDED:
+                return False
+        except FileNotFoundError:
+            pass
     _, newer = versions_of(backend, key)
     return bool(newer)
 

@@ -55,3 +55,26 @@ def test_a_ref_on_a_version_claims_that_version_from_its_retirement(tmp_path: Pa
     backend.put("refs/tags/keep", b"dropped\n")
     put_pin(backend, V1)
     assert claimed(backend, [V1]) == [V1] and claimed(backend, [V2]) == [V2]
+
+
+def test_a_tag_naming_a_removed_version_holds_no_step_but_one_naming_a_superseded_one_does(tmp_path: Path) -> None:
+    """A plain tag refuses a tag that names another step still stored. A tag left naming a version
+    ``rm`` removed names nothing, though the step was committed again since (it once refused the
+    tag as "set on another step meanwhile"); one naming a version gc superseded still holds."""
+    import pytest
+
+    from tailorstore.core.errors import StepExistsError
+    from tailorstore.store.manifests.keys import SUPERSEDED, removed_marker
+
+    backend = resolve(str(tmp_path / "store")).backend
+    for key in (V1, OTHER):
+        backend.put(key, b"a manifest")
+    put_tag(backend, "x", V1)
+    backend.delete(V1)
+    backend.put(str(removed_marker(V1)), b"")  # as rm leaves it
+    backend.put(V2, b"committed again")
+    put_tag(backend, "x", OTHER, force=False)  # free: v1 was removed
+    put_tag(backend, "y", V1)
+    backend.put(str(removed_marker(V1)), SUPERSEDED)  # as gc leaves a version a newer one replaced
+    with pytest.raises(StepExistsError, match="another step"):
+        put_tag(backend, "y", OTHER, force=False)
