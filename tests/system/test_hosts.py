@@ -650,6 +650,15 @@ def _a_save(tmp_path: Path, name: str, value: float) -> Path:
     return folder
 
 
+def _gc_stopped_at_its_first_delete(tmp_path: Path, location: str) -> subprocess.Popen[str]:
+    """A ``gc --keep-last 1`` on host g, stopped once it has marked what it drops and checked their
+    refs, at the request that deletes the dropped manifests."""
+    g = start(host_env(tmp_path / "host-g", TAILOR_FAILPOINTS="gc/delete-many=stop@1"), "gc", "--keep-last", "1",
+              "--store", location)  # fmt: skip
+    wait_stopped(g)
+    return g
+
+
 @pytest.mark.slow
 def test_a_tag_taken_back_after_a_drop_mark_leaves_another_hosts_move(s3_location: str, tmp_path: Path) -> None:
     """Attack finding F1: host A moves tag X to step 1 and stalls before its put; host C replaces
@@ -685,15 +694,7 @@ def test_a_pin_reported_set_beside_another_pinners_failure_is_kept(s3_location: 
     reports, a pin reported set is there, and its step survives the next gc."""
     plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
     _three_plain_steps(tmp_path, plain, s3_location)
-    g = start(
-        host_env(tmp_path / "host-g", TAILOR_FAILPOINTS="gc/delete-many=stop@1"),
-        "gc",
-        "--keep-last",
-        "1",
-        "--store",
-        s3_location,
-    )
-    wait_stopped(g)
+    g = _gc_stopped_at_its_first_delete(tmp_path, s3_location)
     a = start(
         host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="ref-written=stop"),
         "pin",
@@ -760,15 +761,7 @@ def test_a_commit_past_its_lease_gives_no_tag_to_a_step_gc_drops(s3_location: st
     )
     wait_stopped(a)
     time.sleep(float(TTL) + 2)  # past the commit's lease
-    g = start(
-        host_env(tmp_path / "host-g", TAILOR_FAILPOINTS="gc/delete-many=stop@1"),
-        "gc",
-        "--keep-last",
-        "1",
-        "--store",
-        s3_location,
-    )
-    wait_stopped(g)
+    g = _gc_stopped_at_its_first_delete(tmp_path, s3_location)
     done = resume(a)
     collected = resume(g)
     steps = _steps(host_env(tmp_path / "host-fresh"), s3_location)

@@ -349,9 +349,9 @@ def listed_tags(backend: Backend, *, log_damaged: bool = True) -> dict[str, str]
     return out
 
 
-def _tag_targets(backend: Backend, *, log_damaged: bool, dropped: bool = False) -> Iterator[tuple[str, str]]:
-    """(tag object key, what its bytes say) for every tag object of a key tailorstore writes; a
-    tombstone (a dropped tag, :data:`TOMBSTONE`) only with ``dropped``: it tags nothing and is no damage."""
+def _tag_targets(backend: Backend, *, log_damaged: bool) -> Iterator[tuple[str, str]]:
+    """(tag object key, the key its bytes name) for every tag object of a key tailorstore writes,
+    tombstones left out (a dropped tag tags nothing and is no damage)."""
     for key in backend.list(TAG_PREFIX):
         if not TAG_KEY.fullmatch(key):
             if log_damaged:
@@ -361,7 +361,7 @@ def _tag_targets(backend: Backend, *, log_damaged: bool, dropped: bool = False) 
             data = backend.get(key, 0, 4096)
         except FileNotFoundError:  # untagged while we listed
             continue
-        if data != TOMBSTONE or dropped:
+        if data != TOMBSTONE:
             yield key, named(data)
 
 
