@@ -42,10 +42,12 @@ import pytest
 
 from tailorstore.access import atom_reader
 from tailorstore.core.policies import PolicySpec
+from tailorstore.core.records import AtomRecord
 from tailorstore.ingest.commit import commit_checkpoint
 from tailorstore.ingest.commit_options import CommitOptions
 from tailorstore.store.backends.base import Backend, blob_names
 from tailorstore.store.backends.location import resolve
+from tailorstore.store.index._index import Index
 from tailorstore.store.index.catalogue import Catalogue
 from tailorstore.store.packs.pack import pack_names
 from tailorstore.store.repo import Repository
@@ -633,6 +635,27 @@ def index_db(store: Repository) -> sqlite3.Connection:
     conn = sqlite3.connect(store.where.index_path, isolation_level=None, timeout=60.0)
     conn.row_factory = sqlite3.Row
     return conn
+
+
+def edit_atoms(store: Repository, change: Callable[[int, AtomRecord], AtomRecord | None]) -> int:
+    """Damage atom rows in the store's index, as a hand edit of it would: ``change(manifest,
+    atom)`` gives the row to keep (changed or not) or None to drop it. Format 8 keeps a layout's
+    rows once and each manifest's blobs beside them, so the edit goes through the index's own
+    writer rather than SQL. Returns how many rows changed or went."""
+    index = Index.open(store.where.index_path)
+    changed = 0
+    try:
+        with index.transaction():
+            for manifest in [m.id for m in index.manifests()]:
+                atoms = index.atoms(manifest)
+                kept = [b for a in atoms if (b := change(manifest, a)) is not None]
+                edited = sum(a != b for a, b in zip(atoms, kept, strict=False)) + len(atoms) - len(kept)
+                if edited:
+                    index.replace_contents(manifest, index.files(manifest), kept)
+                    changed += edited
+    finally:
+        index.close()
+    return changed
 
 
 def manifest_rows(store: Store, step: int) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from tailorstore.restore.checkout import checkout_step
 from tailorstore.store import codec
 from tailorstore.store.packs import writer as writer_module
 from tailorstore.store.repo import Repository
-from tests.conftest import Runs, as_of_step, index_db
+from tests.conftest import Runs, as_of_step, edit_atoms, index_db
 from tests.system.test_roundtrip import assert_same_checkpoint
 
 # "9": nine compressing threads, so two helpers prepare (read, name, round) the pieces ahead of
@@ -75,7 +76,7 @@ def test_split_masters_rebuild_weights_in_order_or_by_reading_back(
 
     param = split[0]["param"]
     # the index now promises other bytes than rounding gives
-    index_db(repo).execute("UPDATE atoms SET blob=? WHERE derived IS NOT NULL AND param=?", ("0" * 32, param))
+    assert edit_atoms(repo, lambda _, a: replace(a, blob="0" * 32) if a.derived and a.param == param else a)
     with pytest.raises(CorruptStoreError, match=rf"{param} \(weight, rebuilt from its FP32 master\).*does not match"):
         checkout_step(repo, "step=6", tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tailor-partial-*"))

@@ -52,17 +52,13 @@ def test_a_create_only_put_refused_with_409_is_the_lost_race_412_is(
 
 
 @pytest.mark.slow  # real `tailor` processes, three rounds
-def test_two_hosts_racing_for_one_step_through_409_answers_leave_one_winner(
-    s3_server: LocalS3, tmp_path: Path
-) -> None:
+def test_two_hosts_racing_for_one_step_through_409_answers_leave_one_winner(s3_server: LocalS3, tmp_path: Path) -> None:
     """Both hosts stop just before their manifest's create-only put and go on together, so only the
     server decides; every refusal reaches them as 409: one commit wins, the other exits 2, one line."""
     location = s3_server.new_location()
     with Relay(s3_server.port) as relay:
         rule = relay.add(Rule("status", method="PUT", times=None, rewrite=(412, 409)))
-        envs = [
-            env_for(s3_server, tmp_path / h, relay.endpoint, TAILOR_FAILPOINTS="before-publish=stop") for h in "ab"
-        ]
+        envs = [env_for(s3_server, tmp_path / h, relay.endpoint, TAILOR_FAILPOINTS="before-publish=stop") for h in "ab"]
         assert tailor_as(envs[0], "init", location).returncode == 0
         for step in (7, 8, 9):
             commit = [*CLI, "commit", str(SMALL_SAVE), "--step", str(step), "--store", location, "--quiet"]

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ from tests.conftest import (
     as_of_step,
     blob_object,
     copy_tree,
+    edit_atoms,
     index_db,
     one_line,
     store_state,
@@ -142,10 +144,8 @@ def test_verify_deep_rebuilds_derived_weights(two_steps) -> None:
     at6 = next(r for r in rows if r["step"] == 6)
     at3 = next(r for r in rows if r["step"] == 3 and (r["param"], r["start"]) == (at6["param"], at6["start"]))
     assert at3["blob"] != at6["blob"]
-    index_db(store).execute(
-        "UPDATE atoms SET blob=? WHERE blob=? AND manifest=(SELECT id FROM manifests WHERE step=6)",
-        (at3["blob"], at6["blob"]),
-    )
+    step6 = index_db(store).execute("SELECT id FROM manifests WHERE step=6").fetchone()[0]
+    assert edit_atoms(store, lambda m, a: replace(a, blob=at3["blob"]) if m == step6 and a.blob == at6["blob"] else a)
     assert tailor_here("verify", store=store.root).returncode == 0  # the blobs themselves are fine
     done = tailor_here("verify", "--deep", store=store.root)
     assert done.returncode == 3 and "rebuilt from the master" in done.stderr, done.stderr

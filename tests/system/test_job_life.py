@@ -70,7 +70,10 @@ def test_the_schedules_cover_every_fault_and_restart_shape() -> None:
     store_points = {launch.failpoints.split("=")[0] for launch in launches if launch.failpoints}
     assert points == {"before-save", "after-save", "after-save-delay", "next-step"}
     assert store_points == {"commit/put", "commit/put-create", "before-publish", "after-publish"} | {
-        "part/put", "part/put-create", "before-part-publish", "finalize/put-create"
+        "part/put",
+        "part/put-create",
+        "before-part-publish",
+        "finalize/put-create",
     }, "every store point of a DeepSpeed commit and of a DCP save's parts and finalize"
     assert {s.integration for s in schedules} == {"deepspeed", "dcp", "dcp-async"}
     assert {s.stage for s in schedules if s.integration == "deepspeed"} == {2, 3}

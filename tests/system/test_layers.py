@@ -29,6 +29,8 @@ def _parsed(path: str) -> ast.Module:
 def _tree(path: Path) -> ast.Module:
     """A module's syntax tree, parsed once for the whole file's tests (no test changes a tree)."""
     return _parsed(str(path))
+
+
 RANK = {
     "core": 0,
     "formats": 1,

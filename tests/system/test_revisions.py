@@ -214,8 +214,7 @@ def test_a_metric_that_loses_its_put_says_so_without_naming_a_force_it_has_not(
     _ok(_env(tmp_path, "a"), "init", location)
     _ok(_env(tmp_path, "a"), "commit", str(CHECKPOINT), "--step", "3", "--store", location)
     first, second = (
-        _stopped(_env(tmp_path, h, TAILOR_FAILPOINTS="before-publish=stop"), *METRIC, "--store", location)
-        for h in "ab"
+        _stopped(_env(tmp_path, h, TAILOR_FAILPOINTS="before-publish=stop"), *METRIC, "--store", location) for h in "ab"
     )
     assert _resume(first).returncode == 0
     lost = _resume(second)

@@ -90,9 +90,11 @@ def test_hosts_with_separate_caches_see_each_others_commits(
 
     monkeypatch.setenv("TAILOR_CACHE", str(host_a))
     with Repository.open(s3_location) as a:
-        rows = index_db(a).execute(
-            "SELECT step, name FROM manifests LEFT JOIN tags ON tags.manifest=manifests.id ORDER BY step"
-        ).fetchall()
+        rows = (
+            index_db(a)
+            .execute("SELECT step, name FROM manifests LEFT JOIN tags ON tags.manifest=manifests.id ORDER BY step")
+            .fetchall()
+        )
         assert [(r["step"], r["name"]) for r in rows] == [(3, None), (6, "best")]
         gc(a, Retention(keep_last=1))
         out = tmp_path / "out"
@@ -334,6 +336,7 @@ def test_server_gone_mid_commit_is_one_clear_error_and_publishes_nothing(
              "TAILOR_S3_RETRY_SECONDS": "5", "TAILOR_S3_TIMEOUT_SECONDS": "5"},  # fail fast on a dead link
     )  # fmt: skip
     deadline = time.monotonic() + 120
+
     def uploading() -> bool:  # the first new blob or pack is up (not the server's conditional-write probe)
         return any(k.startswith(("blobs/", "packs/")) for k in set(s3_server.keys(s3_location)) - before)
 

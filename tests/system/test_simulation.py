@@ -30,8 +30,12 @@ REGRESSION_SEEDS: list[tuple[str, int, str]] = [
     ("s3", 8, "I4 on S3"),
     ("posix", 181, "a branch's step 9 showed pinned: a pin of main's step 9 was one object with the branch's"),
     ("posix", 110, "gc dropped a pinned branch step, its pin taken for main's step of the same number"),
-    ("posix", 2002037, "I2: unpinning a branch's step 9 deleted the plain pin main's older version of step 9 "
-     "(left by a revision) held, taking it for the branch's: main's step lost its pin"),
+    (
+        "posix",
+        2002037,
+        "I2: unpinning a branch's step 9 deleted the plain pin main's older version of step 9 "
+        "(left by a revision) held, taking it for the branch's: main's step lost its pin",
+    ),
     # found by this tree's soak before their fixes (`--code` on a worktree of that commit)
     ("s3", 321, "a failed commit took back a pack another host's reported commit had named"),
     ("s3", 269, "a commit deleted the pin another host had set meanwhile on its new step"),

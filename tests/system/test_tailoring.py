@@ -31,7 +31,6 @@ SAVES = list(range(TAILOR_EVERY, TAILOR_STEPS + 1, TAILOR_EVERY))
 KINDS = (A.WEIGHT, A.MASTER, A.EXP_AVG, A.EXP_AVG_SQ)
 
 
-
 class Warned(Silent):
     """A progress that keeps the warnings a verb gave."""
 

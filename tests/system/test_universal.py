@@ -15,7 +15,7 @@ import torch
 
 import tailorstore
 from tailorstore.store.index.catalogue import Catalogue
-from tests.conftest import HFRun, Runs, as_of_step, commit_and_reset_reads, index_db, tailor
+from tests.conftest import HFRun, Runs, as_of_step, commit_and_reset_reads, edit_atoms, tailor
 
 
 def ds_to_universal(tag_dir: Path, out: Path) -> Path:
@@ -106,7 +106,7 @@ def test_a_step_missing_one_of_its_adam_moments_is_refused_as_damaged(runs: Runs
     with tailorstore.Store.init(store) as st:
         st.commit(as_of_step(runs.get("zero2-bf16").save_dir, 3, tmp_path / "at3"))
         param = st.repo.view(Catalogue).atoms(1, kind="exp_avg_sq")[0].param
-        index_db(st.repo).execute("DELETE FROM atoms WHERE param = ? AND kind = 'exp_avg_sq'", (param,))
+        assert edit_atoms(st.repo, lambda _, a: None if (a.param, a.kind) == (param, "exp_avg_sq") else a)
     out = tmp_path / "out"
     proc = tailor("checkout", "step=3", "--format", "universal", "--out", str(out), store=store)
     assert proc.returncode == 3 and param in proc.stderr and "Adam moment" in proc.stderr, proc.stderr

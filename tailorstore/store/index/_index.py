@@ -38,7 +38,6 @@ from tailorstore.core.errors import (
     TailorError,
 )
 from tailorstore.core.records import (
-    ATOM_COLUMNS,
     COMMIT,
     FILE_COLUMNS,
     MAIN_RUN,
@@ -59,6 +58,14 @@ from tailorstore.core.records import (
     StoredLayer,
     values,
 )
+from tailorstore.store.index.atom_sets import (
+    HASH_BYTES,
+    LAYOUT_COLUMNS,
+    blobs_of,
+    drop_unused_layouts,
+    number_files,
+    set_atoms,
+)
 from tailorstore.store.index.schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
 
 INDEX_NAME = "index.sqlite"
@@ -72,10 +79,13 @@ _MANIFESTS = (
 )
 _LAYER_COLUMNS = ("layer", "source", "source_step", "raw_bytes", "stored", "change")
 _BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "pack", "pack_offset", "created_at")
-_ATOMS_WITH_KEY = (
-    f"SELECT {', '.join('a.' + c for c in ATOM_COLUMNS)}, f.file_key FROM atoms a"
-    " JOIN files f ON f.manifest=a.manifest AND f.path=a.path WHERE a.manifest=?"
+# A manifest's atoms without their blobs (those come from atom_blobs, by ``pos``), with their file's key.
+_LAYOUT_WITH_KEY = (
+    f"SELECT a.pos, f.path, {', '.join('a.' + c for c in LAYOUT_COLUMNS[1:])}, f.file_key FROM atom_sets s"
+    " JOIN layout_atoms a ON a.layout=s.layout JOIN files f ON f.manifest=s.manifest AND f.ordinal=a.file"
+    " WHERE s.manifest=?"
 )
+_BLOB_AT = 2 + LAYOUT_COLUMNS.index("layer")  # in such a row (pos, then path for file), after layer
 
 
 def _insert(table: str, columns: tuple[str, ...], suffix: str = "") -> str:
@@ -95,10 +105,6 @@ def _manifest(row: sqlite3.Row) -> ManifestRecord:
 
 def _file(row: sqlite3.Row) -> FileRecord:
     return FileRecord(*(row[c] for c in FILE_COLUMNS[:7]), trusted=bool(row["trusted"]), container=row["container"])
-
-
-def _atom(row: sqlite3.Row) -> AtomRecord:
-    return AtomRecord(*row)
 
 
 def _layer(row: sqlite3.Row, manifest: int) -> LayerRecord:
@@ -394,10 +400,12 @@ class Index:
         """Drop manifests; their files, atoms and layers go with them (foreign keys cascade)."""
         self.conn.executemany("DELETE FROM manifests WHERE id=?", [(m,) for m in manifests])
         self._adopt_orphaned_layers()
+        drop_unused_layouts(self.conn)
 
     def delete_commit_at(self, step: int, run: str) -> None:
         self.conn.execute("DELETE FROM manifests WHERE step=? AND run=? AND origin=?", (step, run, COMMIT))
         self._adopt_orphaned_layers()
+        drop_unused_layouts(self.conn)
 
     def _adopt_orphaned_layers(self) -> None:
         """A layer whose source manifest is gone becomes its manifest's own: its atom rows are
@@ -413,10 +421,10 @@ class Index:
 
     def replace_contents(self, manifest: int, files: list[FileRecord], atoms: list[AtomRecord]) -> None:
         """A manifest's file and atom rows, all replaced (thinning keeps a subset of them)."""
-        self.conn.execute("DELETE FROM atoms WHERE manifest=?", (manifest,))
+        self.conn.execute("DELETE FROM atom_sets WHERE manifest=?", (manifest,))
         self.conn.execute("DELETE FROM files WHERE manifest=?", (manifest,))
         self.insert_files(manifest, files)
-        self.insert_atoms(manifest, atoms)
+        set_atoms(self.conn, manifest, atoms)
 
     def add_tag(self, manifest: int, tag: str) -> None:
         """Tag a manifest; a tag names one manifest, so one that named another moves here. A
@@ -446,10 +454,16 @@ class Index:
         return [_file(r) for r in self.conn.execute("SELECT * FROM files WHERE manifest=? ORDER BY path", (manifest,))]
 
     def insert_files(self, manifest: int, files: Iterable[FileRecord]) -> None:
+        """Record files of a manifest. Its layout names files by their place in path order, so
+        atoms it has already are set again over the files renumbered."""
+        held = self.atoms(manifest)
         self.conn.executemany(
             _insert("files", ("manifest", *FILE_COLUMNS)),
             [(manifest, *values(f, FILE_COLUMNS[:7]), int(f.trusted), f.container) for f in files],
         )
+        number_files(self.conn, manifest)
+        if held:
+            set_atoms(self.conn, manifest, held)
 
     def content_rows(self, manifest: int) -> tuple[list[FileContent], list[AtomContent]]:
         """What a content digest reads (store/digest.py): the manifest's files by path, and its
@@ -457,11 +471,17 @@ class Index:
         files = self.conn.execute(
             "SELECT path, kind, raw_size, blob, container FROM files WHERE manifest=? ORDER BY path", (manifest,)
         )
-        atoms = self.conn.execute(
-            "SELECT path, slot, offset, nbytes, blob FROM atoms WHERE manifest=? ORDER BY path, slot, offset",
-            (manifest,),
-        )
-        return [FileContent(*r) for r in files], [AtomContent(*r) for r in atoms]
+        blobs = blobs_of(self.conn, manifest)
+        atoms = [
+            AtomContent(r[1], r[2], r[3], r[4], blobs[r[0] * HASH_BYTES : (r[0] + 1) * HASH_BYTES].hex())
+            for r in self.conn.execute(
+                "SELECT a.pos, f.path, a.slot, a.offset, a.nbytes FROM atom_sets s JOIN layout_atoms a"
+                " ON a.layout=s.layout JOIN files f ON f.manifest=s.manifest AND f.ordinal=a.file"
+                " WHERE s.manifest=? ORDER BY a.file, a.slot, a.offset",
+                (manifest,),
+            )
+        ]
+        return [FileContent(*r) for r in files], atoms
 
     # -- atoms ---------------------------------------------------------------------------
     def atoms(
@@ -476,15 +496,20 @@ class Index:
     ) -> list[AtomRecord]:
         """A manifest's atoms, by file, tensor slot and offset, optionally filtered;
         ``derived`` True or False keeps only derived or only stored pieces."""
-        query, args = _ATOMS_WITH_KEY, [manifest]
-        for column, value in (("layer", layer), ("path", path), ("param", param), ("kind", kind)):
+        query, args = _LAYOUT_WITH_KEY, [manifest]
+        for column, value in (("a.layer", layer), ("f.path", path), ("a.param", param), ("a.kind", kind)):
             if value is not None:
-                query += f" AND a.{column}=?"
+                query += f" AND {column}=?"
                 args.append(value)
         if derived is not None:
             query += " AND a.derived IS NOT NULL" if derived else " AND a.derived IS NULL"
-        query += " ORDER BY a.path, a.slot, a.offset"
-        return [_atom(r) for r in self.conn.execute(query, args)]
+        query += " ORDER BY a.file, a.slot, a.offset"
+        rows = self.conn.execute(query, args).fetchall()
+        blobs = blobs_of(self.conn, manifest) if rows else b""
+        return [
+            AtomRecord(*r[1:_BLOB_AT], blobs[r[0] * HASH_BYTES : (r[0] + 1) * HASH_BYTES].hex(), *r[_BLOB_AT:])
+            for r in rows
+        ]
 
     def atoms_by_key(self, manifest: int, layer: str | None = None) -> dict[AtomKey, AtomRecord]:
         """The manifest's atoms (optionally of one layer) by what they are, not where they sit."""
@@ -496,9 +521,11 @@ class Index:
         ).fetchone()[0]
 
     def insert_atoms(self, manifest: int, atoms: Iterable[AtomRecord]) -> None:
-        self.conn.executemany(
-            _insert("atoms", ("manifest", *ATOM_COLUMNS)), [(manifest, *values(a, ATOM_COLUMNS)) for a in atoms]
-        )
+        """Record a manifest's atoms (added to any it has: a layout is of the whole set)."""
+        atoms = list(atoms)
+        if self.conn.execute("SELECT 1 FROM atom_sets WHERE manifest=?", (manifest,)).fetchone():
+            atoms = [*self.atoms(manifest), *atoms]
+        set_atoms(self.conn, manifest, atoms)
 
     def param_sizes(self, manifest: int, kinds: tuple[str, str]) -> dict[str, int]:
         """Each parameter's element count (the end of its furthest piece of the given kinds)."""
@@ -813,8 +840,11 @@ def _migrate(conn: sqlite3.Connection, path: Path, version: int) -> None:
             conn.execute("BEGIN IMMEDIATE")  # another process may be upgrading the same index
             now = int(conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0])
             if now == version:
-                for statement in statements:
-                    conn.execute(statement)
+                if callable(statements):
+                    statements(conn)
+                else:
+                    for statement in statements:
+                        conn.execute(statement)
                 conn.execute("UPDATE meta SET value=? WHERE key='format_version'", (str(version + 1),))
                 now = version + 1
             conn.execute("COMMIT")

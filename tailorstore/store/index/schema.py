@@ -7,15 +7,73 @@ describes every table; this file is the executable form of that description.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 
-FORMAT_VERSION = 7
+from tailorstore.store.index.atom_sets import SEGMENT, atoms_into_layouts
+
+FORMAT_VERSION = 8
+
+# Atoms (format 8). A step's layout (which pieces of which tensors sit where in which file) is almost
+# always the layout of the step before, and only each piece's blob changes; rows per atom per step
+# made the index grow by the whole layout every step (docs/benchmarks.md, "The metadata at scale").
+# So a layout's rows are kept once (``layout_atoms``, named by the digest of its rows; a file there is
+# its place among the manifest's files, as the names hold the step's folder) and a manifest
+# holds which layout it has (``atom_sets``) and its atoms' blobs, 16 bytes each in the layout's
+# ``pos`` order, SEGMENT to a row (``atom_blobs``: one row fills one page without spilling, so that
+# reading one hash never reads an overflow chain and no page is half empty). ``atoms`` is a view of
+# the rows as format 7 had them.
+ATOM_TABLES_TEXT = f"""
+CREATE TABLE atom_layouts (
+    id       INTEGER PRIMARY KEY,
+    digest   TEXT NOT NULL UNIQUE,  -- xxh3-128 of the layout's rows (store/index/atom_sets.py)
+    atoms    INTEGER NOT NULL       -- how many rows it has
+);
+CREATE TABLE layout_atoms (
+    layout   INTEGER NOT NULL REFERENCES atom_layouts(id) ON DELETE CASCADE,
+    file     INTEGER NOT NULL,      -- the ordinal of its file (files.ordinal): names differ from step to step
+    slot     INTEGER NOT NULL,      -- tensor slot in the file's skeleton
+    offset   INTEGER NOT NULL,      -- first element within that tensor
+    numel    INTEGER NOT NULL,
+    dtype    TEXT NOT NULL,
+    shape    TEXT NOT NULL,         -- JSON list: the piece's shape
+    param    TEXT NOT NULL,
+    kind     TEXT NOT NULL,
+    rank     INTEGER NOT NULL,
+    start    INTEGER NOT NULL,      -- first element within the parameter
+    nbytes   INTEGER NOT NULL,      -- raw size of the piece
+    layer    TEXT NOT NULL,
+    derived  TEXT,                  -- NULL, or how checkout rebuilds the bytes (round-from-master)
+    file_offset INTEGER,            -- where the piece's bytes sit in the file; NULL when it has no container
+    pos      INTEGER NOT NULL,      -- where its blob sits in each manifest's atom_blobs
+    PRIMARY KEY (layout, file, slot, offset)
+) WITHOUT ROWID;
+CREATE INDEX layout_atoms_layer ON layout_atoms(layout, layer);
+CREATE TABLE atom_sets (
+    manifest INTEGER PRIMARY KEY REFERENCES manifests(id) ON DELETE CASCADE,
+    layout   INTEGER NOT NULL REFERENCES atom_layouts(id)
+);
+CREATE INDEX atom_sets_layout ON atom_sets(layout);
+CREATE TABLE atom_blobs (
+    id       INTEGER PRIMARY KEY,   -- a rowid table: a row of 4,000 bytes stays within its page
+    manifest INTEGER NOT NULL REFERENCES atom_sets(manifest) ON DELETE CASCADE,
+    segment  INTEGER NOT NULL,      -- the atoms of pos SEGMENT * segment onwards
+    blobs    BLOB NOT NULL          -- 16 bytes an atom: the xxh3-128 of its raw bytes
+);
+CREATE UNIQUE INDEX atom_blobs_segment ON atom_blobs(manifest, segment);
+CREATE VIEW atoms AS SELECT s.manifest AS manifest, f.path, a.slot, a.offset, a.numel, a.dtype, a.shape,
+    a.param, a.kind, a.rank, a.start, a.nbytes, a.layer,
+    lower(hex(substr(b.blobs, (a.pos % {SEGMENT}) * 16 + 1, 16))) AS blob, a.derived, a.file_offset
+    FROM atom_sets s JOIN layout_atoms a ON a.layout = s.layout
+    JOIN files f ON f.manifest = s.manifest AND f.ordinal = a.file
+    JOIN atom_blobs b ON b.manifest = s.manifest AND b.segment = a.pos / {SEGMENT};
+"""
 
 _TAGS_TABLE = (
     "CREATE TABLE tags (name TEXT PRIMARY KEY, manifest INTEGER NOT NULL REFERENCES manifests(id) ON DELETE CASCADE)"
 )
 
 # Upgrades from an older format: each runs in one transaction with the version bump.
-MIGRATIONS: dict[int, tuple[str, ...]] = {
+MIGRATIONS: dict[int, tuple[str, ...] | Callable[[sqlite3.Connection], None]] = {
     # 1 -> 2: byte-exact checkout. Rows written by format 1 keep NULL in both columns and are
     # checked out by re-pickling their skeleton, as format 1 did.
     1: (
@@ -52,9 +110,12 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "INSERT INTO tags(name, manifest) SELECT tag, id FROM manifests WHERE tag IS NOT NULL",
         "UPDATE manifests SET tag=NULL",
     ),
+    # 7 -> 8: a layout's atom rows kept once, a manifest's blobs beside them (ATOM_TABLES_TEXT).
+    7: lambda conn: atoms_into_layouts(conn, _statements(ATOM_TABLES_TEXT)),
 }
 
-_SCHEMA_TEXT = """
+_SCHEMA_TEXT = (
+    """
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -116,30 +177,11 @@ CREATE TABLE files (
     mode      INTEGER NOT NULL,
     trusted   INTEGER NOT NULL DEFAULT 0,  -- the skeleton loads only when pickles are trusted
     container TEXT REFERENCES blobs(hash),  -- the file's bytes outside its atoms; NULL: re-pickle the skeleton
+    ordinal   INTEGER NOT NULL DEFAULT 0,  -- format 8: its place among the manifest's files by path, from 0
     PRIMARY KEY (manifest, path)
 );
-CREATE TABLE atoms (
-    manifest INTEGER NOT NULL,
-    path     TEXT NOT NULL,
-    slot     INTEGER NOT NULL,      -- tensor slot in the file's skeleton
-    offset   INTEGER NOT NULL,      -- first element within that tensor
-    numel    INTEGER NOT NULL,
-    dtype    TEXT NOT NULL,
-    shape    TEXT NOT NULL,         -- JSON list: the piece's shape
-    param    TEXT NOT NULL,
-    kind     TEXT NOT NULL,
-    rank     INTEGER NOT NULL,
-    start    INTEGER NOT NULL,      -- first element within the parameter
-    nbytes   INTEGER NOT NULL,      -- raw size of the piece
-    layer    TEXT NOT NULL,
-    blob     TEXT NOT NULL,         -- xxh3-128 of the raw bytes; a row in blobs unless derived
-    derived  TEXT,                  -- NULL, or how checkout rebuilds the bytes (round-from-master)
-    file_offset INTEGER,            -- where the piece's bytes sit in the file; NULL when it has no container
-    PRIMARY KEY (manifest, path, slot, offset),
-    FOREIGN KEY (manifest, path) REFERENCES files(manifest, path) ON DELETE CASCADE
-) WITHOUT ROWID;
-CREATE INDEX atoms_blob ON atoms(blob);
-CREATE INDEX atoms_layer ON atoms(manifest, layer);
+CREATE INDEX files_ordinal ON files(manifest, ordinal);
+{ATOM_TABLES}
 CREATE INDEX files_blob ON files(blob);
 CREATE TABLE layers (
     manifest    INTEGER NOT NULL REFERENCES manifests(id) ON DELETE CASCADE,
@@ -152,6 +194,7 @@ CREATE TABLE layers (
     PRIMARY KEY (manifest, layer)
 );
 """
+).replace("{ATOM_TABLES}", ATOM_TABLES_TEXT)
 
 
 def _statements(script: str) -> tuple[str, ...]:

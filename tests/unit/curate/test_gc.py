@@ -13,7 +13,20 @@ from tailorstore.curate.gc import Retention, kept_manifests
 def rows(*specs: tuple) -> list[ManifestRecord]:
     return [
         ManifestRecord(
-            step, origin, 0.0, "deepspeed", None, None, None, "{}", True, 0, 0, "", (tag,) if tag else (), bool(pinned),
+            step,
+            origin,
+            0.0,
+            "deepspeed",
+            None,
+            None,
+            None,
+            "{}",
+            True,
+            0,
+            0,
+            "",
+            (tag,) if tag else (),
+            bool(pinned),
             id=mid,
         )
         for mid, step, origin, tag, pinned in specs

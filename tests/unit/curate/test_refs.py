@@ -95,9 +95,7 @@ def test_a_fresh_index_reads_every_tag_of_a_step_from_the_ref_objects(repo: Repo
         assert _tags(again) == {1: ("a", "b"), 2: ("c",)}
 
 
-def test_a_pin_is_a_write_of_its_own_and_a_failed_one_takes_back_only_itself(
-    repo: Repository, tmp_path: Path
-) -> None:
+def test_a_pin_is_a_write_of_its_own_and_a_failed_one_takes_back_only_itself(repo: Repository, tmp_path: Path) -> None:
     """Two pins of one step: each is its own write (a token), so the second pinner's take-back (its
     change failed) restores the first pinner's pin instead of deleting the pin the first reported
     set; where nothing was pinned before, a take-back leaves a tombstone, which pins nothing."""

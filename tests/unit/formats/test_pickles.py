@@ -102,8 +102,12 @@ def test_an_enum_member_pickled_by_name_loads_and_no_other_getattr_does() -> Non
 
     def by_name(owner: str, name: str) -> bytes:
         return (
-            b"\x80\x02c__builtin__\ngetattr\n" + f"c{owner.rsplit('.', 1)[0]}\n{owner.rsplit('.', 1)[1]}\n".encode()
-            + b"X" + len(name).to_bytes(4, "little") + name.encode() + b"\x86R."
+            b"\x80\x02c__builtin__\ngetattr\n"
+            + f"c{owner.rsplit('.', 1)[0]}\n{owner.rsplit('.', 1)[1]}\n".encode()
+            + b"X"
+            + len(name).to_bytes(4, "little")
+            + name.encode()
+            + b"\x86R."
         )
 
     def load(data: bytes, allowed: dict) -> object:

@@ -17,6 +17,8 @@ import pytest
 
 from tailorstore.core.errors import CorruptStoreError
 from tailorstore.formats.safe_load import load_torch_file
+from tailorstore.ingest.commit import commit_checkpoint
+from tailorstore.ingest.commit_options import CommitOptions
 from tailorstore.report.verify import verify
 from tailorstore.restore.checkout import checkout_step
 from tailorstore.store.index._index import Index
@@ -38,7 +40,7 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
 
     with Repository.open(root) as store:  # upgrades
         version = index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]
-        assert int(version) == FORMAT_VERSION == 7
+        assert int(version) == FORMAT_VERSION == 8
         runs = {r[0] for r in index_db(store).execute("SELECT run FROM manifests")}
         assert runs == {"main"}, "format 4: every earlier step is main's"
         tiers = {r[0] for r in index_db(store).execute("SELECT tier FROM manifests")}
@@ -61,7 +63,7 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
         assert not differences(load_torch_file(original)[0], load_torch_file(restored)[0]), original.name
     assert (out / "latest").read_text() == "global_step3"
     with Repository.open(root) as store:  # a second open finds nothing to do
-        assert int(index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 7
+        assert int(index_db(store).execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 8
         assert store.refresh() == (0, 0)
 
     # the upgraded store's index is now a cache: lose it, rebuild it from the objects, check out again
@@ -78,6 +80,62 @@ def test_format_1_store_of_tailorstore_0_1_is_upgraded_and_checks_out(tmp_path: 
         assert not differences(load_torch_file(original)[0], load_torch_file(restored)[0]), original.name
 
 
+_FORMAT_7_ATOMS = (
+    """CREATE TABLE atoms (
+    manifest INTEGER NOT NULL, path TEXT NOT NULL, slot INTEGER NOT NULL, offset INTEGER NOT NULL,
+    numel INTEGER NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL, param TEXT NOT NULL, kind TEXT NOT NULL,
+    rank INTEGER NOT NULL, start INTEGER NOT NULL, nbytes INTEGER NOT NULL, layer TEXT NOT NULL,
+    blob TEXT NOT NULL, derived TEXT, file_offset INTEGER,
+    PRIMARY KEY (manifest, path, slot, offset),
+    FOREIGN KEY (manifest, path) REFERENCES files(manifest, path) ON DELETE CASCADE
+) WITHOUT ROWID""",
+    "CREATE INDEX atoms_blob ON atoms(blob)",
+    "CREATE INDEX atoms_layer ON atoms(manifest, layer)",
+)
+
+
+def as_format_7(conn: sqlite3.Connection) -> None:
+    """Give a current index format 7's shape, rows kept: one atoms row a piece a manifest, as
+    format 7 wrote them (the view of the same name reads exactly those rows)."""
+    conn.execute("CREATE TEMP TABLE atoms_then AS SELECT * FROM atoms")
+    for statement in ("DROP VIEW atoms", "DROP TABLE atom_blobs", "DROP TABLE atom_sets", "DROP TABLE layout_atoms"):
+        conn.execute(statement)
+    conn.execute("DROP TABLE atom_layouts")
+    conn.execute("DROP INDEX files_ordinal")
+    conn.execute("ALTER TABLE files DROP COLUMN ordinal")
+    for statement in _FORMAT_7_ATOMS:
+        conn.execute(statement)
+    conn.execute("INSERT INTO atoms SELECT * FROM atoms_then")
+    conn.execute("UPDATE meta SET value='7' WHERE key='format_version'")
+
+
+def test_a_format_7_index_keeps_every_atom_and_shares_the_layout_after_the_upgrade(
+    tmp_path: Path, small_store: Path
+) -> None:
+    """Format 7 kept an atoms row a piece a step; format 8 keeps a layout's rows once. The upgrade
+    carries every atom over as it was (the rows read through the view equal format 7's rows) and
+    two steps with one layout share it."""
+    root = tmp_path / "st"
+    shutil.copytree(small_store, root)
+    with Repository.open(root) as store:  # the same save again as step 4: the same layout
+        commit_checkpoint(store, DATA / "checkpoint", CommitOptions(step=4))
+        before = index_db(store).execute("SELECT * FROM atoms ORDER BY manifest, path, slot, offset").fetchall()
+        steps = index_db(store).execute("SELECT count(*) FROM manifests").fetchone()[0]
+    assert steps >= 2 and before
+    conn = sqlite3.connect(root / "index.sqlite")
+    as_format_7(conn)
+    conn.commit()
+    assert conn.execute("SELECT count(*) FROM atoms").fetchone()[0] == len(before)
+    conn.close()
+    with Repository.open(root) as store:
+        db = index_db(store)
+        assert int(db.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 8
+        assert db.execute("SELECT * FROM atoms ORDER BY manifest, path, slot, offset").fetchall() == before
+        layouts = db.execute("SELECT count(*) FROM atom_layouts").fetchone()[0]
+        assert 1 <= layouts < steps
+        assert verify(store, deep=True).ok
+
+
 def test_a_format_6_index_keeps_its_tags_in_the_tags_table_after_the_upgrade(tmp_path: Path) -> None:
     """Format 6 held one tag a step in ``manifests.tag``; format 7 holds any number in ``tags``. The
     upgrade alone (before any sync from the ref objects) carries each tag over: a store whose ref
@@ -92,6 +150,7 @@ def test_a_format_6_index_keeps_its_tags_in_the_tags_table_after_the_upgrade(tmp
             (step, now),
         )
     # the format-6 shape: a tag column, unique; no tags table
+    as_format_7(conn)
     conn.execute("DROP TABLE tags")
     conn.execute("ALTER TABLE manifests ADD COLUMN tag TEXT")
     conn.execute("CREATE UNIQUE INDEX manifests_tag ON manifests(tag)")
