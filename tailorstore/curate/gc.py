@@ -77,7 +77,12 @@ from tailorstore.store.backends.listing import Holdings
 from tailorstore.store.backends.roles import Editor, Leftovers, Reader, Scanner
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.manifests.drop_marks import mark_dropping, mark_unless_claimed, take_back_marks
+from tailorstore.store.manifests.drop_marks import (
+    clear_stale_marks,
+    mark_dropping,
+    mark_unless_claimed,
+    take_back_marks,
+)
 from tailorstore.store.manifests.keys import SUPERSEDED, pin_key, superseded
 from tailorstore.store.manifests.objects import unpublish
 from tailorstore.store.manifests.refs import RefSource, carry_refs, damaged_tags
@@ -559,6 +564,7 @@ def _packs_planned(
             goes_to.append(name)
             plan.freed_bytes += freed
 
+
 def misplaced_blobs(
     repo: BlobReader, objects: Reader, packs: list[str], dead: set[str], held: set[str], holdings: Holdings
 ) -> tuple[dict[str, tuple[str, PackEntry]], set[str]]:
@@ -672,6 +678,11 @@ def _gc(
         # read its refs sees the mark and backs off (write, then read: FORMAT.md 8.1). Tombstones of
         # tags and pins stay: deleted by name, one could take a tag another host had just written
         # over it with it, should the delete land late.
+        dropping = {
+            *plan.superseded,
+            *(r.object_key for m, _ in plan.drop if (r := sweep.manifest(m)) and r.object_key),
+        }
+        clear_stale_marks(objects, dropping, fence=fence)  # a killed gc's or rm's on steps kept
         mark_dropping(objects, plan.superseded, fence=fence, why=SUPERSEDED)
         carry_refs(objects, plan.superseded, fence=fence)  # before their objects go
         superseded_pins = [pin_key(k) for k in plan.superseded]
@@ -750,6 +761,7 @@ def _delete_dead_objects(
         raise
     if notice is not None:
         gc_notices.withdraw(objects, notice)  # its deletions are done: only now
+
 
 def _mark_then_check(objects: Editor, keys: list[str], fence: Callable[[], None]) -> list[str]:
     """Before dropping manifests: mark each, then read their refs (FORMAT 8.1). A pin or tag written

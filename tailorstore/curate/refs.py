@@ -24,13 +24,13 @@ from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.progress import Progress
 from tailorstore.core.records import ManifestRecord, RunRecord
 from tailorstore.core.step_rules import check_tag
-from tailorstore.store.backends.roles import Editor, Reader
+from tailorstore.store.backends.roles import Editor
 from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
-from tailorstore.store.manifests.drop_marks import being_dropped, mark_dropping, mark_unless_claimed, take_back_marks
+from tailorstore.store.manifests.drop_marks import mark_dropping, mark_unless_claimed, settle_ref, take_back_marks
 from tailorstore.store.manifests.keys import versions_of
 from tailorstore.store.manifests.objects import step_changed, unpublish
-from tailorstore.store.manifests.refs import RefSource, drop_tag, put_pin, put_tag, write_pin
+from tailorstore.store.manifests.refs import RefSource, RefWrite, drop_tag, put_pin, put_tag, write_pin
 from tailorstore.store.repo import Repository, StepReader, StoreWriter
 
 log = logging.getLogger("tailorstore")
@@ -89,27 +89,24 @@ def tag(
             # one object, whatever the step holds already (a step holds any number of tags), swapped
             # for exactly what was read: a tag another host set meanwhile is refused without --force,
             # and a failure after the put takes back this write alone (FORMAT.md 8.1, I2, I3)
-            write = put_tag(objects, name, key, force=force, fence=lambda: lock.check("tagging"))
-            _back_off_if_dropping(repo, objects, manifest, lambda: write.take_back(objects))
+            fence = lambda: lock.check("tagging")  # noqa: E731 - again just before each request
+            write = put_tag(objects, name, key, force=force, fence=fence)
+            _settle(repo, objects, manifest, write, fence)
     return manifest
 
 
-def _back_off_if_dropping(repo: StepReader, objects: Reader, manifest: int, undo: Callable[[], None]) -> None:
-    """After a ref's object is written: if a gc has marked the step to drop, undo the write and fail
-    (FORMAT 8.1: each side writes, then reads the other's, so one of them always backs off)."""
+def _settle(repo: StepReader, objects: Editor, manifest: int, write: RefWrite, fence: Callable[[], None]) -> None:
+    """After a ref's object is written: the drop marks read, the ref following the step to its
+    current version, or every write taken back and the change failed when a gc or ``rm`` is
+    dropping the step (FORMAT 8.1: each side writes, then reads the other's, so one of them always
+    backs off; ``drop_marks.settle_ref``)."""
     failpoint("ref-written")
     record = repo.manifest(manifest)
-    if record.object_key and being_dropped(objects, record.object_key):
-        undo()
-        raise LockTimeoutError(
-            f"step {record.step} is being dropped by a gc or replaced by another host; nothing was changed. "
-            "Run this again (a step replaced meanwhile takes it; one dropped is gone)."
-        )
+    if record.object_key:
+        settle_ref(objects, write, record.object_key, record.step, fence=fence)
 
 
-def untag(
-    repo: Repository, name: str, *, lock_timeout: float = LOCK_TIMEOUT, progress: Progress | None = None
-) -> int:
+def untag(repo: Repository, name: str, *, lock_timeout: float = LOCK_TIMEOUT, progress: Progress | None = None) -> int:
     """Remove a tag; the manifest stays (and becomes droppable by gc unless it is pinned)."""
     objects = repo.objects(Editor)
     with changing_a_step(repo, "untag", lock_timeout, progress) as lock:
@@ -148,7 +145,7 @@ def pin(
             # pin may be taken back by its own failure), then the drop marks read: a gc or rm that
             # marked the step first makes this take back exactly its write and fail (FORMAT.md 8.1)
             write = put_pin(objects, key, fence=fence)
-            _back_off_if_dropping(repo, objects, manifest, lambda: write.take_back(objects))
+            _settle(repo, objects, manifest, write, fence)
     return manifest
 
 

@@ -65,7 +65,7 @@ from tailorstore.store.backends.base import Backend
 from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.index.catalogue import CatalogueEdit
 from tailorstore.store.lock import Fence
-from tailorstore.store.manifests.drop_marks import being_dropped
+from tailorstore.store.manifests.drop_marks import being_dropped, mark_unless_claimed
 from tailorstore.store.manifests.keys import SUPERSEDED, removed_marker
 from tailorstore.store.manifests.objects import check_revised, publish, retire, unpublish
 from tailorstore.store.manifests.refs import RefWrite, hand_over_plain_pin, put_pin, put_tag
@@ -192,7 +192,7 @@ def _write_refs(backend: Backend, edit: CatalogueEdit, ids: list[int], taken: _T
         if pinned:
             taken.ref_writes.append(put_pin(backend, key, fence=check))
         elif manifest not in taken.in_place:
-            hand_over_plain_pin(backend, edit, key)  # a plain pin of a branch's namesake: its own form now
+            hand_over_plain_pin(backend, edit, key, fence=check)  # a branch's legacy plain pin: its own form now
         if tags or pinned:
             named.append(key)
     for key in named:
@@ -303,27 +303,46 @@ def refuse_taken(index: TakenLookup, step: int, run: str, tag: str | None, *, co
         raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
 
 
-def _take_back(repo: Repository, taken: _Taken) -> list[str]:
+def _take_back(repo: Repository, taken: _Taken) -> list[tuple[str, str]]:
     """Only objects this host published are withdrawn, and only then are refs touched: a host that
     lost the put never wrote any (I2: a loser cannot delete the winner's refs). Each ref this
     publish wrote is taken back exactly (``RefWrite.take_back``: only while it holds this write,
     and to what it replaced), never rewritten from the rolled-back index, which may be stale: a
     tag another host moved meanwhile stays where it was moved.
 
-    A new version whose predecessor is gone, marked superseded, stays: a gc that ran while this
-    host stalled took it for the step's current version (a published object is committed to every
-    other host), carried the step's refs onto it and deleted the version it replaced as
-    superseded; taking it back then deleted the step with its refs.
-    One removed by ``rm`` or a retirement left an empty marker, and the new version goes. Returns the
-    versions kept."""
+    Then each new version is withdrawn as a drop is (``drop_marks.mark_unless_claimed``: marked,
+    then the refs read), unless it stays: another host set a pin or tag naming it since it was
+    published (a published object is committed to every other host; deleted with its pin, the step
+    lost that reported ref and gc dropped it), or a gc that ran while this host stalled took it for
+    the step's current version, carried the step's refs onto it and deleted the version it
+    replaced as superseded. One a ref writer meets after the marker backs off (write, then read).
+    Returns the versions kept, each with why."""
     if not taken.published:
         return []
     backend = repo.backend
-    kept = [key for key in taken.published if _adopted_by_gc(backend, taken.replaces.get(key))]
-    unpublish(backend, [key for key in taken.published if key not in kept])
-    for write in reversed(taken.ref_writes):
+    for write in reversed(taken.ref_writes):  # first: a ref left naming a new version is then another host's
         write.take_back(backend)
+    kept: list[tuple[str, str]] = []
+    for key in taken.published:
+        if _adopted_by_gc(backend, taken.replaces.get(key)):
+            kept.append((key, _BY_GC))
+            continue
+        try:
+            named, _ = mark_unless_claimed(backend, [key], exact=True)
+        except Exception as exc:  # unknown: the new version stays, as a ref may name it
+            log.warning("tailorstore: could not take back %s: %s", key, exc)
+            kept.append((key, _UNKNOWN))
+            continue
+        if named:
+            kept.append((key, _BY_REF))
+        else:
+            unpublish(backend, [key], marked=True)
     return kept
+
+
+_BY_GC = "a gc running meanwhile took the new version for the step's current one and deleted the version it replaced"
+_BY_REF = "another host pinned or tagged the new version meanwhile"
+_UNKNOWN = "whether another host names the new version could not be read"
 
 
 def _adopted_by_gc(backend: Backend, replaced: str | None) -> bool:
@@ -344,13 +363,13 @@ def _adopted_by_gc(backend: Backend, replaced: str | None) -> bool:
         return False
 
 
-def _adopted(kept: list[str], cause: BaseException) -> None:
+def _adopted(kept: list[tuple[str, str]], cause: BaseException) -> None:
     """The change failed, but its new version stays (:func:`_take_back`): say so, whatever the cause."""
     if kept:
+        key, why = kept[0]
         raise LeaseLostError(
-            f"this change failed after its manifest was published ({cause}), but a gc running meanwhile took "
-            f"the new version for the step's current one and deleted the version it replaced, so {kept[0]} "
-            "stays: the step holds what this change wrote (its tag given, if any, was not set). See ",
+            f"this change failed after its manifest was published ({cause}), but {why}, so {key} stays: the "
+            "step holds what this change wrote (its tag given, if any, was not set). See ",
             Call("log"),
             ".",
         ) from cause

@@ -9,8 +9,10 @@ exclusion. The order on each side:
   marker create-only, then :func:`claimed` reads the pins and tags; a manifest a ref names is
   kept and its marker taken back (:func:`mark_unless_claimed`), and a drop that stops before its
   deleting request takes back the markers it made (:func:`take_back_marks`);
-- a ref change writes its tag or pin object, then asks :func:`being_dropped`; a marked manifest
-  makes it undo its write and fail.
+- a ref change writes its tag or pin object, then :func:`settle_ref` reads the marks: a step
+  replaced meanwhile (a newer version, the old one marked superseded or retired) takes the ref
+  on its newest version, and a marked newest version makes it undo its writes and fail (a
+  publisher asks :func:`being_dropped`).
 
 So of a drop and a ref change racing, at least one sees the other.
 """
@@ -20,10 +22,29 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable
 
-from tailorstore.core.errors import ObjectExistsError
+from tailorstore.core.errors import Call, LockTimeoutError, ObjectExistsError
 from tailorstore.store.backends.base import Backend
-from tailorstore.store.manifests.keys import current_of, listed_manifest_keys, versions_of
-from tailorstore.store.manifests.refs import listed_tags, pinned_keys
+from tailorstore.store.manifests.keys import (
+    COMMIT_KEY,
+    MANIFEST_PREFIX,
+    TAG_PREFIX,
+    current_of,
+    is_manifest_key,
+    listed_manifest_keys,
+    pin_key,
+    step_versions,
+    versions_of,
+)
+from tailorstore.store.manifests.refs import (
+    PIN_TOMBSTONE,
+    RefWrite,
+    listed_tags,
+    named,
+    pinned_keys,
+    put_pin,
+    read_ref,
+    renamed,
+)
 
 
 def drop_marker(key: str) -> str:
@@ -48,27 +69,29 @@ def mark_dropping(
     return created
 
 
-def claimed(backend: Backend, keys: Iterable[str]) -> list[str]:
+def claimed(backend: Backend, keys: Iterable[str], *, exact: bool = False) -> list[str]:
     """gc, after :func:`mark_dropping`: those of ``keys`` that a pin or a tag names now. A ref
     written before the marker is seen here; one written after sees the marker and backs off. A
     ref claims the version it names (what a revision retiring that version asks about) and, as it
     counts for the step, the step's current version too (``keys.current_of``): a ref left on an
-    older listed version claims the step from a gc."""
+    older listed version claims the step from a gc. ``exact``: only the version it names (a failed
+    revision taking its new version back asks whether another host's ref names that one; the
+    step's refs on the version it replaced stay with that version)."""
     wanted = set(keys)
     current = current_of(listed_manifest_keys(backend))
     named = [*listed_tags(backend, log_damaged=False).values(), *pinned_keys(backend, current)]
     # the version a ref names (a revision retiring it asks about that one), and the step's current one
-    found = {key for target in named for key in (target, current.get(target, target))}
+    found = {key for target in named for key in (target, target if exact else current.get(target, target))}
     return sorted(found & wanted)
 
 
 def mark_unless_claimed(
-    backend: Backend, keys: list[str], *, fence: Callable[[], None] | None = None
+    backend: Backend, keys: list[str], *, fence: Callable[[], None] | None = None, exact: bool = False
 ) -> tuple[list[str], list[str]]:
     """Mark these manifests as dropping, then read their refs: (the ones a ref names, after taking
     back the markers this call made so that nothing changed; the markers this call made)."""
     mine = mark_dropping(backend, keys, fence=fence)
-    taken = claimed(backend, keys)
+    taken = claimed(backend, keys, exact=exact)
     if taken:
         backend.delete_many(mine)
         return taken, []
@@ -87,6 +110,24 @@ def take_back_marks(backend: Backend, keys: Iterable[str], mine: list[str]) -> N
                     backend.delete(marker)
 
 
+def clear_stale_marks(backend: Backend, dropping: set[str], *, fence: Callable[[], None] | None = None) -> int:
+    """gc, alone under its exclusive lock, before it marks anything: delete the drop markers of
+    listed versions it does not drop. Every other writer of markers (``rm``, a retirement, a
+    publisher taking its version back, another gc) holds the lock, so such a marker is one a
+    killed or stalled holder left behind, which would refuse every pin, tag and metric of a step
+    kept for good. A holder past its lease writes nothing more (its fence). A marker of a version
+    that is gone stays: it reserves the version number (``keys.removed_marker``). Returns how many
+    it deleted."""
+    listed = set(backend.list(MANIFEST_PREFIX))
+    stale = [
+        marker
+        for key in listed
+        if is_manifest_key(key) and key not in dropping and (marker := drop_marker(key)) in listed
+    ]
+    backend.delete_many(stale, fence=fence)
+    return len(stale)
+
+
 def being_dropped(backend: Backend, key: str) -> bool:
     """A ref change, after writing its object: whether a gc has marked the manifest (it then undoes
     its write and fails, so that no ref it reports set names a step a gc goes on to drop)."""
@@ -94,3 +135,78 @@ def being_dropped(backend: Backend, key: str) -> bool:
         return True
     _, newer = versions_of(backend, key)  # a ref on an older version counts for the newest: its marks too
     return any(backend.exists(drop_marker(k)) for k in newer)
+
+
+_FOLLOWS = 5  # versions a ref change follows a step through before it says the step keeps changing
+
+
+def standing_version(backend: Backend, key: str) -> str | None:
+    """The version of ``key``'s step a ref must name now: its newest listed version, unless that one
+    carries a drop marker (a gc or ``rm`` is dropping the step) or none is listed (it is gone). A
+    version a gc superseded or a revision retired always has a newer one, so their markers never
+    make a ref fail: the ref moves on with the step. A merge has one version, its own key."""
+    match = COMMIT_KEY.fullmatch(key)
+    if match is None:
+        return key if backend.exists(key) and not backend.exists(drop_marker(key)) else None
+    versions, removed = step_versions(backend, match.group(1), int(match.group(2)))
+    if not versions:
+        return None
+    newest = max(versions)
+    return None if newest in removed else versions[newest]
+
+
+def settle_ref(
+    backend: Backend, write: RefWrite, key: str, step: int, *, fence: Callable[[], None] | None = None
+) -> list[RefWrite]:
+    """A tag's or pin's change, after writing its object for manifest ``key`` (of ``step``): the ref
+    follows the step to its standing version (:func:`standing_version`), written there if gc's carry
+    has not moved it already, and that version's marks are read again after each such write (write,
+    then read: of a drop and this change, one sees the other). Returns every write made, for the
+    caller to take back should it fail later. A step being dropped or gone makes it take them back
+    and fail: so no ref it reports set names a step a gc or ``rm`` goes on to drop, and a ref written
+    on a version a gc superseded meanwhile is neither lost with that version nor left moved by a
+    change reported failed."""
+    writes = [write]
+    for _ in range(_FOLLOWS):
+        target = standing_version(backend, key)
+        if target is None:
+            break
+        if target == key:
+            return writes
+        if (moved := _follow(backend, write, target, fence)) is not None:
+            writes.append(moved)
+        key = target
+    for done in reversed(writes):
+        done.take_back(backend)
+    raise LockTimeoutError(
+        f"step {step} is being dropped by a gc or rm, or kept being replaced meanwhile; nothing was changed. See ",
+        Call("log"),
+        ": a step still there takes it when run again. A gc or rm killed half-way leaves its mark on a step "
+        "it kept; the next ",
+        Call("gc"),
+        " clears it.",
+    )
+
+
+def _follow(backend: Backend, write: RefWrite, target: str, fence: Callable[[], None] | None) -> RefWrite | None:
+    """``write``'s ref, made to name ``target``: a tag object still holding this write is swapped to
+    name it, its token kept; a pin is written at ``target``'s pin key unless a carry put this write
+    there already. Returns a new write to take back, if one was made."""
+    if write.key.startswith(TAG_PREFIX):
+        for _ in range(_FOLLOWS):
+            try:
+                data, version = read_ref(backend, write.key)
+            except FileNotFoundError:
+                return None
+            if not write.holds(data) or named(data) == target:
+                return None  # another host's write replaced this one since, or a carry moved it
+            if backend.put_if(write.key, renamed(data, target), version, fence=fence):
+                return None
+        raise LockTimeoutError(f"{write.key} could not follow its step: other hosts kept changing it.")
+    try:
+        data, _ = read_ref(backend, pin_key(target))
+        if write.holds(data):  # carried there by a gc: this write's own, to take back as such
+            return RefWrite(pin_key(target), data, None, PIN_TOMBSTONE)
+    except FileNotFoundError:
+        pass
+    return put_pin(backend, target, fence=fence)

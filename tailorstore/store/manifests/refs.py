@@ -78,7 +78,7 @@ def write_refs(
         if record.pinned:
             written.append(put_pin(backend, record.object_key, fence=fence))
         else:
-            hand_over_plain_pin(backend, index, record.object_key)
+            hand_over_plain_pin(backend, index, record.object_key, fence=fence)
     return written
 
 
@@ -95,22 +95,51 @@ _SWAP_TRIES = 5  # reads and conditional puts of one ref before another host's w
 
 @dataclass(frozen=True)
 class RefWrite:
-    """One ref object's write: its key, this write's bytes, and what it replaced (None: nothing)."""
+    """One ref object's write: its key, this write's bytes, and what it replaced (None: nothing).
+    A write is known by its token (:func:`token_of`), which a carry by gc keeps."""
 
     key: str
     ours: bytes
     before: bytes | None
     gone: bytes  # what stands for "nothing" here: the tag or pin tombstone
 
+    @property
+    def token(self) -> bytes:
+        return token_of(self.ours)
+
+    def holds(self, data: bytes) -> bool:
+        """Whether ``data`` is this write (as put, or as a gc's carry rewrote it)."""
+        return bool(self.token) and token_of(data) == self.token
+
     def take_back(self, backend: Backend) -> None:
         """Put back what this write replaced, only while the object still holds this write (another
-        host's write since stays). Best effort, past any fence: it runs when the change fails anyway."""
+        host's write since stays). Best effort, past any fence: it runs when the change fails anyway.
+        An object gone (its version deleted by gc) holds nothing to take back."""
         try:
             data, version = read_ref(backend, self.key)
-            if data == self.ours:
+        except FileNotFoundError:
+            return
+        try:
+            if self.holds(data):
                 backend.put_if(self.key, self.before if self.before is not None else self.gone, version)
         except Exception as exc:  # the change's own failure is what the caller reports
-            log.warning("tailorstore: could not take back %s after a failed change: %s", self.key, exc)
+            log.warning("tailorstore: could not take back %s after a failed change: %s", self.key, one_line(exc))
+
+
+def token_of(data: bytes) -> bytes:
+    """The token of the write that made a tag or pin object: a tag's second line, a pin's second word
+    (empty for objects written before tokens, and for tombstones)."""
+    head = data[:4096]
+    if head.startswith(b"pinned "):
+        return head[len(b"pinned ") :].strip()
+    lines = head.split(b"\n")
+    return lines[1].strip() if len(lines) > 1 else b""
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as one short line, for a warning (a backend's retry error spans many)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 REF_MOST = 64 << 10  # bytes of a ref object read whole, at most: tailorstore writes well under one KiB
@@ -228,14 +257,31 @@ def pin_live(backend: Backend, key: str) -> bool:
 
 
 def write_pin(backend: Backend, index: RefSource, manifest: int, *, fence: Callable[[], None] | None = None) -> None:
-    """The manifest's pin object, put or deleted as the index says; nothing else of its refs."""
+    """The manifest's pin object, put or dropped as the index says; nothing else of its refs."""
     record = index.manifest(manifest)
     if record is None or record.object_key is None:
         return
     if record.pinned:
         put_pin(backend, record.object_key, fence=fence)
     else:
-        _unpin(backend, index, record.object_key)
+        _unpin(backend, index, record.object_key, fence)
+
+
+def drop_pin(backend: Backend, pin: str, *, fence: Callable[[], None] | None = None) -> None:
+    """Unpin: the pin object replaced by :data:`PIN_TOMBSTONE` on exactly the version read
+    (``put_if``: S3 ``If-Match``), fenced, never deleted by name. A pin another host wrote after the
+    read stays; an unpin that stalled past its lease writes nothing (a delete by name, unfenced,
+    took a pin set after the lease lapsed, and gc then dropped the step)."""
+    for _ in range(_SWAP_TRIES):
+        try:
+            data, version = read_ref(backend, pin)
+        except FileNotFoundError:
+            return
+        if data == PIN_TOMBSTONE:
+            return
+        if backend.put_if(pin, PIN_TOMBSTONE, version, fence=fence):
+            return
+    raise LockTimeoutError(f"{pin} could not be unpinned: other hosts changed it {_SWAP_TRIES} times meanwhile.")
 
 
 def drop_tag(backend: Backend, tag: str, held_by: str, *, fence: Callable[[], None] | None = None) -> bool:
@@ -258,34 +304,54 @@ def drop_tag(backend: Backend, tag: str, held_by: str, *, fence: Callable[[], No
     return False
 
 
-def hand_over_plain_pin(backend: Backend, index: RefSource, key: str) -> None:
+def hand_over_plain_pin(
+    backend: Backend, index: RefSource, key: str, *, fence: Callable[[], None] | None = None
+) -> None:
     """A main manifest whose name another run's pinned manifest has, pinned under the plain key by
-    a writer before pins named their run: that run gets its own form, and the plain key is main's."""
+    a writer before pins named their run: that run gets its own form, and the plain key is main's.
+    Only an empty plain pin can be such a one (writers before pins named their run wrote no token);
+    one with a token was written for main's key by this tailorstore, another host's pin of this new
+    step, and stays (handed over, it was deleted, and gc dropped the step). The legacy pin is
+    replaced by a tombstone on exactly the version read."""
     if run_of_key(key) != MAIN_RUN:
         return
     name = key.rsplit("/", 1)[-1]
-    namesakes = (m for m in index.manifests() if m.pinned and m.object_key not in (None, key))
-    if any(str(m.object_key).endswith("/" + name) for m in namesakes) and pin_live(backend, PIN_PREFIX + name):
-        _unpin_one(backend, index, key)
+    namesakes = [
+        m.object_key
+        for m in index.manifests()
+        if m.pinned and m.object_key not in (None, key) and str(m.object_key).endswith("/" + name)
+    ]
+    if not namesakes:
+        return
+    plain = PIN_PREFIX + name
+    try:
+        data, version = read_ref(backend, plain)
+    except FileNotFoundError:
+        return
+    if data != b"":
+        return
+    for other in namesakes:
+        put_pin(backend, str(other), fence=fence)
+    backend.put_if(plain, PIN_TOMBSTONE, version, fence=fence)
 
 
-def _unpin(backend: Backend, index: RefSource, key: str) -> None:
-    """Delete the pin of ``key``, and then those of the step's other versions: a pin left on an
+def _unpin(backend: Backend, index: RefSource, key: str, fence: Callable[[], None] | None) -> None:
+    """Drop the pin of ``key``, and then those of the step's other versions: a pin left on an
     older version counts for the newest (``keys.current_of``; a revision leaves it there), and one
     on a newer version than this host's index knows pins the step as well. A plain-form pin may
     also be what pins another run's manifest of the same name (one written before pins named their
     run): those the index holds pinned get a pin of their own first."""
-    _unpin_one(backend, index, key)
+    _unpin_one(backend, index, key, fence)
     older, newer = versions_of(backend, key)
     for other in (*older, *newer):
-        backend.delete(pin_key(other))
+        drop_pin(backend, pin_key(other), fence=fence)
 
 
-def _unpin_one(backend: Backend, index: RefSource, key: str) -> None:
+def _unpin_one(backend: Backend, index: RefSource, key: str, fence: Callable[[], None] | None) -> None:
     pin = pin_key(key)
     name = key.rsplit("/", 1)[-1]
     if run_of_key(key) != MAIN_RUN:
-        backend.delete(pin)
+        drop_pin(backend, pin, fence=fence)
         plain = PIN_PREFIX + name
         # every listed version, not the index's current ones: main's older version of that name,
         # which a revision left holding main's pin, makes the plain pin main's, not this branch's
@@ -295,8 +361,8 @@ def _unpin_one(backend: Backend, index: RefSource, key: str) -> None:
         pin = plain  # main has no manifest of that name: the plain pin was this branch's
     for other in index.manifests():
         if other.pinned and other.object_key and other.object_key != key and other.object_key.endswith("/" + name):
-            put_pin(backend, other.object_key)
-    backend.delete(pin)
+            put_pin(backend, other.object_key, fence=fence)
+    drop_pin(backend, pin, fence=fence)
 
 
 def carry_refs(backend: Backend, superseded: list[str], *, fence: Callable[[], None] | None = None) -> None:
@@ -314,8 +380,18 @@ def carry_refs(backend: Backend, superseded: list[str], *, fence: Callable[[], N
         if target in heirs:
             _move_tag(backend, tag, target, heirs[target], fence)
     for key, heir in heirs.items():
-        if pin_live(backend, pin_key(key)):
-            put_pin(backend, heir, fence=fence)
+        if pin_live(backend, pin_key(key)) and not pin_live(backend, pin_key(heir)):
+            _copy_pin(backend, pin_key(key), pin_key(heir), fence)
+
+
+def _copy_pin(backend: Backend, source: str, target: str, fence: Callable[[], None] | None) -> None:
+    """The pin object ``source`` written at ``target`` as it is (its write's token kept), over nothing
+    or a tombstone only: a live pin there already pins the step."""
+    try:
+        data = backend.get(source) if backend.size(source) else b""
+    except FileNotFoundError:
+        return
+    _swap(backend, target, data, PIN_TOMBSTONE, fence)
 
 
 def _move_tag(backend: Backend, tag: str, was: str, heir: str, fence: Callable[[], None] | None) -> None:
@@ -327,8 +403,15 @@ def _move_tag(backend: Backend, tag: str, was: str, heir: str, fence: Callable[[
             return
         if data == TOMBSTONE or named(data) != was:
             return  # dropped or moved since it was listed: it stays as the other host left it
-        if backend.put_if(key, f"{heir}\n{secrets.token_hex(8)}\n".encode(), version, fence=fence):
+        # the write's own token stays: the host that wrote it still knows it as its own (RefWrite)
+        if backend.put_if(key, renamed(data, heir), version, fence=fence):
             return
+
+
+def renamed(data: bytes, target: str) -> bytes:
+    """A tag object's bytes naming ``target`` instead, its write's token kept."""
+    rest = data.split(b"\n", 1)[1] if b"\n" in data else b""
+    return f"{target}\n".encode() + (rest if rest.strip() else f"{secrets.token_hex(8)}\n".encode())
 
 
 def listed_tags(backend: Backend, *, log_damaged: bool = True) -> dict[str, str]:
@@ -352,10 +435,12 @@ def listed_tags(backend: Backend, *, log_damaged: bool = True) -> dict[str, str]
 def _tag_targets(backend: Backend, *, log_damaged: bool) -> Iterator[tuple[str, str]]:
     """(tag object key, the key its bytes name) for every tag object of a key tailorstore writes,
     tombstones left out (a dropped tag tags nothing and is no damage)."""
-    for key in backend.list(TAG_PREFIX):
+    for key, size in backend.sizes(TAG_PREFIX):
         if not TAG_KEY.fullmatch(key):
             if log_damaged:
                 odd_key(key, "tag")
+            continue
+        if size == len(TOMBSTONE):  # known by its size, unread: tombstones stay, and every open reads the tags
             continue
         try:  # a key is short: a huge object is damaged whatever it ends with
             data = backend.get(key, 0, 4096)
@@ -378,7 +463,11 @@ def damaged_tags(backend: Backend) -> list[str]:
 def pinned_keys(backend: Backend, current: dict[str, str]) -> list[str]:
     """The manifest keys the pin objects pin (``keys.pinned_by``)."""
     by_name = keys_by_name(current)
-    return [key for pin in backend.list(PIN_PREFIX) if pin_live(backend, pin) for key in pinned_by(pin, by_name)]
+    # a pin object pins unless it is a tombstone, known by its size unread (tombstones stay, and
+    # every gc and ref change reads the pins); of any other size it pins without a read
+    return [
+        key for pin, size in backend.sizes(PIN_PREFIX) if size != len(PIN_TOMBSTONE) for key in pinned_by(pin, by_name)
+    ]
 
 
 def current_refs(tags: dict[str, str], current: dict[str, str]) -> dict[str, tuple[str, ...]]:
