@@ -67,6 +67,7 @@ from tailorstore.store.index.atom_sets import (
     set_atoms,
 )
 from tailorstore.store.index.schema import FORMAT_VERSION, MIGRATIONS, SCHEMA
+from tailorstore.store.index.upgrade_8 import FOREIGN_KEYS_OFF
 
 INDEX_NAME = "index.sqlite"
 
@@ -79,6 +80,9 @@ _MANIFESTS = (
 )
 _LAYER_COLUMNS = ("layer", "source", "source_step", "raw_bytes", "stored", "change")
 _BLOB_COLUMNS = ("hash", "raw_size", "stored_size", "codec", "pack", "pack_offset", "created_at")
+_BLOB_ROW_INSERT = (
+    "INSERT INTO blob_rows(hash, raw_size, stored_size, codec, created_at, pack, pack_offset) VALUES (?,?,?,?,?,?,?)"
+)
 # A manifest's atoms without their blobs (those come from atom_blobs, by ``pos``), with their file's key.
 _LAYOUT_WITH_KEY = (
     f"SELECT a.pos, f.path, {', '.join('a.' + c for c in LAYOUT_COLUMNS[1:])}, f.file_key FROM atom_sets s"
@@ -677,29 +681,47 @@ class Index:
     def upsert_blobs(self, blobs: Iterable[BlobRecord]) -> None:
         """Record blobs; a blob already known takes the new location (a repaired or repacked blob)."""
         self.conn.executemany(
-            _insert(
-                "blobs",
-                _BLOB_COLUMNS,
-                " ON CONFLICT(hash) DO UPDATE SET stored_size=excluded.stored_size, codec=excluded.codec,"
-                " pack=excluded.pack, pack_offset=excluded.pack_offset",
-            ),
-            [values(b, _BLOB_COLUMNS) for b in blobs],
+            _BLOB_ROW_INSERT + " ON CONFLICT(hash) DO UPDATE SET stored_size=excluded.stored_size,"
+            " codec=excluded.codec, pack=excluded.pack, pack_offset=excluded.pack_offset",
+            self._blob_rows(list(blobs)),
         )
 
     def add_blobs(self, blobs: Iterable[BlobRecord]) -> None:
         """Record blobs not known yet; a known blob keeps its row (where it is, packs decide)."""
-        self.conn.executemany(
-            _insert("blobs", _BLOB_COLUMNS, " ON CONFLICT(hash) DO NOTHING"), [values(b, _BLOB_COLUMNS) for b in blobs]
-        )
+        self.conn.executemany(_BLOB_ROW_INSERT + " ON CONFLICT(hash) DO NOTHING", self._blob_rows(list(blobs)))
+
+    def _blob_rows(self, blobs: list[BlobRecord]) -> list[tuple[object, ...]]:
+        """``blob_rows`` rows of these records, their codecs and packs recorded by number first."""
+        codecs = self._numbers("codecs", "descriptor", {b.codec for b in blobs})
+        packs = self._numbers("pack_names", "name", {b.pack for b in blobs if b.pack is not None})
+        return [
+            (b.hash, b.raw_size, b.stored_size, codecs[b.codec], b.created_at, packs.get(b.pack), b.pack_offset)
+            for b in blobs
+        ]
+
+    def _numbers(self, table: str, column: str, names: set[str]) -> dict[str, int]:
+        """The number of each name in ``table`` (``codecs``, ``pack_names``: ours), recorded if new."""
+        self.conn.executemany(f"INSERT OR IGNORE INTO {table}({column}) VALUES (?)", [(n,) for n in names])
+        return {n: self.conn.execute(f"SELECT id FROM {table} WHERE {column}=?", (n,)).fetchone()[0] for n in names}
+
+    def _drop_unused_names(self) -> None:
+        """Packs and codecs no blob row names any more: their names go (a pack's name is kept only while
+        a row names it, and archived blobs have a codec each)."""
+        self.conn.execute("DELETE FROM pack_names WHERE id NOT IN (SELECT pack FROM blob_rows WHERE pack IS NOT NULL)")
+        self.conn.execute("DELETE FROM codecs WHERE id NOT IN (SELECT codec FROM blob_rows)")
 
     def delete_blobs(self, hashes: Iterable[str]) -> None:
-        self.conn.executemany("DELETE FROM blobs WHERE hash=?", [(h,) for h in hashes])
+        self.conn.executemany("DELETE FROM blob_rows WHERE hash=?", [(h,) for h in hashes])
+        self._drop_unused_names()
 
     def move_blobs(self, placed: dict[str, tuple[str, int]]) -> None:
         """Point blobs at their new pack and offset (after a repack)."""
+        packs = self._numbers("pack_names", "name", {p for p, _ in placed.values()})
         self.conn.executemany(
-            "UPDATE blobs SET pack=?, pack_offset=? WHERE hash=?", [(p, o, h) for h, (p, o) in placed.items()]
+            "UPDATE blob_rows SET pack=?, pack_offset=? WHERE hash=?",
+            [(packs[p], o, h) for h, (p, o) in placed.items()],
         )
+        self._drop_unused_names()
 
     def packs_named_by_blobs(self) -> set[str]:
         """Every pack some blob row names (read from the ``blobs_pack`` index)."""
@@ -836,7 +858,10 @@ def _migrate(conn: sqlite3.Connection, path: Path, version: int) -> None:
         if statements is None:
             conn.close()
             raise FormatVersionError(f"{path}: no upgrade from format version {version}; restore from a backup.")
+        keys_off = version in FOREIGN_KEYS_OFF  # a pragma a transaction cannot change: set before it
         try:
+            if keys_off:
+                conn.execute("PRAGMA foreign_keys=OFF")
             conn.execute("BEGIN IMMEDIATE")  # another process may be upgrading the same index
             now = int(conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0])
             if now == version:
@@ -855,6 +880,8 @@ def _migrate(conn: sqlite3.Connection, path: Path, version: int) -> None:
             raise StoreError(
                 f"{path}: upgrading the index from format {version} failed ({exc}); it is unchanged."
             ) from None
+        if keys_off:
+            conn.execute("PRAGMA foreign_keys=ON")
         version = now
 
 

@@ -106,20 +106,14 @@ def blobs_of(conn: sqlite3.Connection, manifest: int) -> bytes:
 
 
 def atoms_into_layouts(conn: sqlite3.Connection, tables: Sequence[str]) -> None:
-    """The upgrade from format 7: every manifest's atom rows into layouts, then the old table
-    replaced by the view of the same name (``tables`` creates the new tables and the view)."""
-    view = [t for t in tables if t.startswith("CREATE VIEW")]
-    creates = [t for t in tables if t not in view]
-    for statement in creates:
+    """Part of the upgrade from format 7 (``upgrade_8.py``), its files numbered already: the layout
+    tables created (``tables``), every manifest's atom rows moved into them, the old table dropped."""
+    for statement in tables:
         conn.execute(statement)
-    conn.execute("ALTER TABLE files ADD COLUMN ordinal INTEGER NOT NULL DEFAULT 0")
-    conn.execute("CREATE INDEX files_ordinal ON files(manifest, ordinal)")
-    for (manifest,) in conn.execute("SELECT DISTINCT manifest FROM files").fetchall():
-        number_files(conn, manifest)
     columns = ", ".join(ATOM_COLUMNS)
     manifests = [r[0] for r in conn.execute("SELECT DISTINCT manifest FROM atoms")]
     for manifest in manifests:
         rows = conn.execute(f"SELECT {columns} FROM atoms WHERE manifest=?", (manifest,)).fetchall()
         set_atoms(conn, manifest, [AtomRecord(*r) for r in rows])
-    for statement in ("DROP INDEX IF EXISTS atoms_blob", "DROP INDEX IF EXISTS atoms_layer", "DROP TABLE atoms", *view):
+    for statement in ("DROP INDEX IF EXISTS atoms_blob", "DROP INDEX IF EXISTS atoms_layer", "DROP TABLE atoms"):
         conn.execute(statement)

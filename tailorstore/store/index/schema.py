@@ -9,7 +9,8 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable
 
-from tailorstore.store.index.atom_sets import SEGMENT, atoms_into_layouts
+from tailorstore.store.index.atom_sets import SEGMENT
+from tailorstore.store.index.upgrade_8 import FOREIGN_KEYS_OFF, upgrade
 
 FORMAT_VERSION = 8
 
@@ -68,11 +69,63 @@ CREATE VIEW atoms AS SELECT s.manifest AS manifest, f.path, a.slot, a.offset, a.
     JOIN atom_blobs b ON b.manifest = s.manifest AND b.segment = a.pos / {SEGMENT};
 """
 
+# Blobs (format 8). A step of a training adds a blob an atom, so the blob rows grow with the step's
+# chunks as the layout did: each row named its codec by its JSON descriptor and its pack by its 32-hex
+# name, twice with the pack's index, beside a second index of the hash. The rows now name both by a
+# number (``codecs``, ``pack_names``: a name is kept while a row names it), in a table keyed by the
+# hash itself (WITHOUT ROWID: no second index). ``blobs`` is a view of the rows as format 7 had them,
+# writable as that table was (its triggers), for a hand edit of the index.
+BLOB_TABLES_TEXT = """
+CREATE TABLE codecs (
+    id          INTEGER PRIMARY KEY,
+    descriptor  TEXT NOT NULL UNIQUE  -- JSON codec descriptor
+);
+CREATE TABLE pack_names (
+    id          INTEGER PRIMARY KEY,
+    name        TEXT NOT NULL UNIQUE  -- a pack's name; kept while a blob row names it
+);
+CREATE TABLE blob_rows (
+    hash        TEXT PRIMARY KEY,   -- xxh3-128 of the raw bytes, 32 lowercase hex digits
+    raw_size    INTEGER NOT NULL,
+    stored_size INTEGER NOT NULL,
+    codec       INTEGER NOT NULL REFERENCES codecs(id),
+    created_at  REAL NOT NULL,
+    pack        INTEGER REFERENCES pack_names(id),  -- the pack holding it, or NULL for a loose blob object
+    pack_offset INTEGER             -- where its bytes start in that pack
+) WITHOUT ROWID;
+CREATE INDEX blob_rows_pack ON blob_rows(pack);
+"""
+BLOB_VIEW_TEXT = """
+CREATE VIEW blobs AS SELECT b.hash AS hash, b.raw_size AS raw_size, b.stored_size AS stored_size,
+    c.descriptor AS codec, b.created_at AS created_at, p.name AS pack, b.pack_offset AS pack_offset
+    FROM blob_rows b JOIN codecs c ON c.id = b.codec LEFT JOIN pack_names p ON p.id = b.pack;
+CREATE TRIGGER blobs_insert INSTEAD OF INSERT ON blobs BEGIN
+    INSERT OR IGNORE INTO codecs(descriptor) VALUES (NEW.codec);
+    INSERT OR IGNORE INTO pack_names(name) SELECT NEW.pack WHERE NEW.pack IS NOT NULL;
+    INSERT INTO blob_rows(hash, raw_size, stored_size, codec, created_at, pack, pack_offset)
+        VALUES (NEW.hash, NEW.raw_size, NEW.stored_size, (SELECT id FROM codecs WHERE descriptor = NEW.codec),
+                NEW.created_at, (SELECT id FROM pack_names WHERE name = NEW.pack), NEW.pack_offset);
+END;
+CREATE TRIGGER blobs_update INSTEAD OF UPDATE ON blobs BEGIN
+    INSERT OR IGNORE INTO codecs(descriptor) VALUES (NEW.codec);
+    INSERT OR IGNORE INTO pack_names(name) SELECT NEW.pack WHERE NEW.pack IS NOT NULL;
+    UPDATE blob_rows SET hash = NEW.hash, raw_size = NEW.raw_size, stored_size = NEW.stored_size,
+        codec = (SELECT id FROM codecs WHERE descriptor = NEW.codec), created_at = NEW.created_at,
+        pack = (SELECT id FROM pack_names WHERE name = NEW.pack), pack_offset = NEW.pack_offset
+        WHERE hash = OLD.hash;
+END;
+CREATE TRIGGER blobs_delete INSTEAD OF DELETE ON blobs BEGIN
+    DELETE FROM blob_rows WHERE hash = OLD.hash;
+END;
+"""
+
 _TAGS_TABLE = (
     "CREATE TABLE tags (name TEXT PRIMARY KEY, manifest INTEGER NOT NULL REFERENCES manifests(id) ON DELETE CASCADE)"
 )
 
-# Upgrades from an older format: each runs in one transaction with the version bump.
+# Upgrades from an older format: each runs in one transaction with the version bump (those in
+# FOREIGN_KEYS_OFF with foreign keys off, as they rebuild tables other tables name, checked before
+# the commit).
 MIGRATIONS: dict[int, tuple[str, ...] | Callable[[sqlite3.Connection], None]] = {
     # 1 -> 2: byte-exact checkout. Rows written by format 1 keep NULL in both columns and are
     # checked out by re-pickling their skeleton, as format 1 did.
@@ -111,25 +164,23 @@ MIGRATIONS: dict[int, tuple[str, ...] | Callable[[sqlite3.Connection], None]] = 
         "UPDATE manifests SET tag=NULL",
     ),
     # 7 -> 8: a layout's atom rows kept once, a manifest's blobs beside them (ATOM_TABLES_TEXT).
-    7: lambda conn: atoms_into_layouts(conn, _statements(ATOM_TABLES_TEXT)),
+    7: lambda conn: upgrade(
+        conn,
+        _statements(_SCHEMA_TEXT),
+        _statements(ATOM_TABLES_TEXT),
+        _statements(BLOB_TABLES_TEXT),
+        _statements(BLOB_VIEW_TEXT),
+    ),
 }
 
 _SCHEMA_TEXT = (
-    """
+    (
+        """
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
-CREATE TABLE blobs (
-    hash        TEXT PRIMARY KEY,   -- xxh3-128 of the raw bytes, 32 lowercase hex digits
-    raw_size    INTEGER NOT NULL,
-    stored_size INTEGER NOT NULL,
-    codec       TEXT NOT NULL,      -- JSON codec descriptor
-    created_at  REAL NOT NULL,
-    pack        TEXT,               -- the pack holding the blob, or NULL for a loose blob object
-    pack_offset INTEGER             -- where its bytes start in that pack
-);
-CREATE INDEX blobs_pack ON blobs(pack);
+{BLOB_TABLES}
 CREATE TABLE packs (
     name        TEXT PRIMARY KEY,   -- xxh3-128 of the pack's bytes
     size        INTEGER NOT NULL    -- bytes of the pack object, trailer included
@@ -172,11 +223,11 @@ CREATE TABLE files (
     file_key  TEXT NOT NULL,        -- path with the tag folder written as {tag}
     kind      TEXT NOT NULL,        -- raw | torch | safetensors
     rank      INTEGER,
-    blob      TEXT NOT NULL REFERENCES blobs(hash),  -- content / skeleton / header
+    blob      TEXT NOT NULL REFERENCES blob_rows(hash),  -- content / skeleton / header
     raw_size  INTEGER NOT NULL,     -- size of the file as committed
     mode      INTEGER NOT NULL,
     trusted   INTEGER NOT NULL DEFAULT 0,  -- the skeleton loads only when pickles are trusted
-    container TEXT REFERENCES blobs(hash),  -- the file's bytes outside its atoms; NULL: re-pickle the skeleton
+    container TEXT REFERENCES blob_rows(hash),  -- the file's bytes outside its atoms; NULL: re-pickle the skeleton
     ordinal   INTEGER NOT NULL DEFAULT 0,  -- format 8: its place among the manifest's files by path, from 0
     PRIMARY KEY (manifest, path)
 );
@@ -194,7 +245,10 @@ CREATE TABLE layers (
     PRIMARY KEY (manifest, layer)
 );
 """
-).replace("{ATOM_TABLES}", ATOM_TABLES_TEXT)
+    )
+    .replace("{ATOM_TABLES}", ATOM_TABLES_TEXT)
+    .replace("{BLOB_TABLES}", BLOB_TABLES_TEXT + BLOB_VIEW_TEXT)
+)
 
 
 def _statements(script: str) -> tuple[str, ...]:
@@ -213,3 +267,6 @@ def _statements(script: str) -> tuple[str, ...]:
 
 
 SCHEMA: tuple[str, ...] = _statements(_SCHEMA_TEXT)
+
+
+FOREIGN_KEYS_OFF.add(7)  # 7 -> 8 rebuilds ``files`` and replaces ``blobs`` (store/index/upgrade_8.py)

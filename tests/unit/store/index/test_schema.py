@@ -94,15 +94,36 @@ _FORMAT_7_ATOMS = (
 )
 
 
+_FORMAT_7_BLOBS_AND_FILES = (
+    """CREATE TABLE blobs (hash TEXT PRIMARY KEY, raw_size INTEGER NOT NULL, stored_size INTEGER NOT NULL,
+    codec TEXT NOT NULL, created_at REAL NOT NULL, pack TEXT, pack_offset INTEGER)""",
+    "CREATE INDEX blobs_pack ON blobs(pack)",
+    """CREATE TABLE files_then (manifest INTEGER NOT NULL REFERENCES manifests(id) ON DELETE CASCADE,
+    path TEXT NOT NULL, file_key TEXT NOT NULL, kind TEXT NOT NULL, rank INTEGER,
+    blob TEXT NOT NULL REFERENCES blobs(hash), raw_size INTEGER NOT NULL, mode INTEGER NOT NULL,
+    trusted INTEGER NOT NULL DEFAULT 0, container TEXT REFERENCES blobs(hash), PRIMARY KEY (manifest, path))""",
+)
+
+
 def as_format_7(conn: sqlite3.Connection) -> None:
-    """Give a current index format 7's shape, rows kept: one atoms row a piece a manifest, as
-    format 7 wrote them (the view of the same name reads exactly those rows)."""
+    """Give a current index format 7's shape, rows kept: one atoms row a piece a manifest and one
+    blobs row a blob, as format 7 wrote them (the views of the same names read exactly those rows),
+    and ``files`` naming ``blobs``. Run with foreign keys off (the default of a plain connection)."""
     conn.execute("CREATE TEMP TABLE atoms_then AS SELECT * FROM atoms")
+    conn.execute("CREATE TEMP TABLE blobs_then AS SELECT * FROM blobs")
     for statement in ("DROP VIEW atoms", "DROP TABLE atom_blobs", "DROP TABLE atom_sets", "DROP TABLE layout_atoms"):
         conn.execute(statement)
-    conn.execute("DROP TABLE atom_layouts")
-    conn.execute("DROP INDEX files_ordinal")
-    conn.execute("ALTER TABLE files DROP COLUMN ordinal")
+    for statement in ("DROP TABLE atom_layouts", "DROP VIEW blobs", "DROP TABLE blob_rows", "DROP TABLE codecs"):
+        conn.execute(statement)
+    conn.execute("DROP TABLE pack_names")
+    for statement in _FORMAT_7_BLOBS_AND_FILES:
+        conn.execute(statement)
+    conn.execute("INSERT INTO blobs SELECT * FROM blobs_then")
+    columns = "manifest, path, file_key, kind, rank, blob, raw_size, mode, trusted, container"
+    conn.execute(f"INSERT INTO files_then({columns}) SELECT {columns} FROM files")
+    conn.execute("DROP TABLE files")
+    conn.execute("ALTER TABLE files_then RENAME TO files")
+    conn.execute("CREATE INDEX files_blob ON files(blob)")
     for statement in _FORMAT_7_ATOMS:
         conn.execute(statement)
     conn.execute("INSERT INTO atoms SELECT * FROM atoms_then")
@@ -120,6 +141,7 @@ def test_a_format_7_index_keeps_every_atom_and_shares_the_layout_after_the_upgra
     with Repository.open(root) as store:  # the same save again as step 4: the same layout
         commit_checkpoint(store, DATA / "checkpoint", CommitOptions(step=4))
         before = index_db(store).execute("SELECT * FROM atoms ORDER BY manifest, path, slot, offset").fetchall()
+        blobs_before = index_db(store).execute("SELECT * FROM blobs ORDER BY hash").fetchall()
         steps = index_db(store).execute("SELECT count(*) FROM manifests").fetchone()[0]
     assert steps >= 2 and before
     conn = sqlite3.connect(root / "index.sqlite")
@@ -131,6 +153,12 @@ def test_a_format_7_index_keeps_every_atom_and_shares_the_layout_after_the_upgra
         db = index_db(store)
         assert int(db.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()[0]) == 8
         assert db.execute("SELECT * FROM atoms ORDER BY manifest, path, slot, offset").fetchall() == before
+        assert db.execute("SELECT * FROM blobs ORDER BY hash").fetchall() == blobs_before
+        assert db.execute("SELECT count(*) FROM pack_names").fetchone()[0] == len(
+            {r["pack"] for r in blobs_before} - {None}
+        )
+        assert not db.execute("PRAGMA foreign_key_check").fetchall()
+        assert "blob_rows" in db.execute("SELECT sql FROM sqlite_schema WHERE name='files'").fetchone()[0]
         layouts = db.execute("SELECT count(*) FROM atom_layouts").fetchone()[0]
         assert 1 <= layouts < steps
         assert verify(store, deep=True).ok
