@@ -987,9 +987,8 @@ def test_an_unpin_past_its_lease_leaves_a_pin_set_after_it(s3_location: str, tmp
     plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
     _three_plain_steps(tmp_path, plain, s3_location)
     assert run(plain, "pin", "step=2", "--store", s3_location).returncode == 0
-    a = start(
-        host_env(tmp_path / "host-a", TAILOR_FAILPOINTS="unpin/put-if=stop@1"), "unpin", "step=2", "--store", s3_location
-    )
+    stalled = host_env(tmp_path / "host-a", TAILOR_FAILPOINTS="unpin/put-if=stop@1")
+    a = start(stalled, "unpin", "step=2", "--store", s3_location)
     wait_stopped(a)
     time.sleep(float(TTL) + 2)
     again = run(host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600"), "pin", "step=2", "--store", s3_location)
