@@ -243,15 +243,12 @@ def _still_there(backend: Backend, key: str) -> bool:
 
 
 def pin_live(backend: Backend, key: str) -> bool:
-    """Whether the pin object ``key`` pins: there, and no tombstone. An empty one (every pin before
-    the tokens) pins, and is never read with a range (a ranged GET of an empty object is refused,
-    416, by S3 and SeaweedFS alike); one too large for a ref pins too (damage fails safe: gc keeps
-    the step)."""
+    """Whether the pin object ``key`` pins: there, and no tombstone, which is known by its size
+    (no writer makes a pin of that size that is no tombstone; :func:`pinned_keys` reads the same rule
+    off a listing). An empty one (every pin before the tokens) pins, and so does one too large for a
+    ref (damage fails safe: gc keeps the step)."""
     try:
-        size = backend.size(key)
-        if size == 0 or size > REF_MOST:
-            return True
-        return backend.get(key) != PIN_TOMBSTONE
+        return backend.size(key) != len(PIN_TOMBSTONE)
     except FileNotFoundError:
         return False
 
