@@ -721,9 +721,9 @@ def _drop_manifests(repo: StoreWriter, objects: Editor, plan: GcPlan, fence: Cal
         keys = [k for k in edit.object_keys(dropped).values() if k]
         mine = _mark_then_check(objects, keys, fence)
         try:
-            unpublish(objects, keys, fence=fence, marked=True)
+            unpublish(objects, keys, fence=fence)
         except LeaseLostError:  # its fence stopped it before the deleting request went out
-            take_back_marks(objects, keys, mine)
+            take_back_marks(objects, keys, mine, fence=fence)
             raise
         edit.delete_manifests(dropped)
         edit.delete_blobs(plan.dead_blobs)

@@ -26,12 +26,12 @@ from tailorstore.core.records import ManifestRecord, RunRecord
 from tailorstore.core.step_rules import check_tag
 from tailorstore.store.backends.roles import Editor
 from tailorstore.store.lease import LeaseHandle
-from tailorstore.store.lock import LockHandle
+from tailorstore.store.lock import LockHandle, fence_for_follow_up
 from tailorstore.store.manifests.drop_marks import mark_dropping, mark_unless_claimed, settle_ref, take_back_marks
 from tailorstore.store.manifests.keys import versions_of
 from tailorstore.store.manifests.objects import step_changed, unpublish
 from tailorstore.store.manifests.refs import RefSource, RefWrite, drop_tag, put_pin, put_tag, write_pin
-from tailorstore.store.repo import Repository, StepReader, StoreWriter
+from tailorstore.store.repo import Repository, StoreWriter
 
 log = logging.getLogger("tailorstore")
 
@@ -89,21 +89,31 @@ def tag(
             # one object, whatever the step holds already (a step holds any number of tags), swapped
             # for exactly what was read: a tag another host set meanwhile is refused without --force,
             # and a failure after the put takes back this write alone (FORMAT.md 8.1, I2, I3)
-            fence = lambda: lock.check("tagging")  # noqa: E731 - again just before each request
-            write = put_tag(objects, name, key, force=force, fence=fence)
-            _settle(repo, objects, manifest, write, fence)
+            write = put_tag(objects, name, key, force=force, fence=lambda: lock.check("tagging"))
+            _settle(repo, objects, manifest, write, lock, "tagging", lock_timeout)
     return manifest
 
 
-def _settle(repo: StepReader, objects: Editor, manifest: int, write: RefWrite, fence: Callable[[], None]) -> None:
+def _settle(
+    repo: StoreWriter, objects: Editor, manifest: int, write: RefWrite, lock: LockHandle | LeaseHandle, what: str,
+    lock_timeout: float,
+) -> None:  # fmt: skip
     """After a ref's object is written: the drop marks read, the ref following the step to its
     current version, or every write taken back and the change failed when a gc or ``rm`` is
     dropping the step (FORMAT 8.1: each side writes, then reads the other's, so one of them always
-    backs off; ``drop_marks.settle_ref``)."""
+    backs off; ``drop_marks.settle_ref``). Each request is fenced; a lease that lapsed meanwhile
+    (this process stalled after its write) makes it settle again under a new lease, from the
+    store as it is then: sent unfenced, a follow-up raced a gc that held the store alone."""
     failpoint("ref-written")
     record = repo.manifest(manifest)
-    if record.object_key:
-        settle_ref(objects, write, record.object_key, record.step, fence=fence)
+    if not record.object_key:
+        return
+    writes = [write]
+    try:
+        settle_ref(objects, writes, record.object_key, record.step, fence=lambda: lock.check(what))
+    except LeaseLostError:
+        with fence_for_follow_up(repo, lock, what, wait=lock_timeout) as check:
+            settle_ref(objects, writes, record.object_key, record.step, fence=check)
 
 
 def untag(repo: Repository, name: str, *, lock_timeout: float = LOCK_TIMEOUT, progress: Progress | None = None) -> int:
@@ -145,7 +155,7 @@ def pin(
             # pin may be taken back by its own failure), then the drop marks read: a gc or rm that
             # marked the step first makes this take back exactly its write and fail (FORMAT.md 8.1)
             write = put_pin(objects, key, fence=fence)
-            _settle(repo, objects, manifest, write, fence)
+            _settle(repo, objects, manifest, write, lock, "pinning", lock_timeout)
     return manifest
 
 
@@ -179,9 +189,9 @@ def remove(
             try:  # the manifest (and its pins) first, then its tag, then the index rows: a stop between
                 # them leaves a tag naming a removed manifest (which tags nothing), never a step still
                 # there that lost its tag, which a gc would drop (I2)
-                unpublish(objects, keys, fence=fence, marked=True)
+                unpublish(objects, keys, fence=fence)
             except LeaseLostError:  # stopped by its fence before deleting the manifest
-                take_back_marks(objects, keys, mine)
+                take_back_marks(objects, keys, mine, fence=fence)
                 raise
             for name in record.tags:
                 drop_tag(objects, name, record.object_key or "", fence=fence)

@@ -13,13 +13,16 @@ import fcntl
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from tailorstore.core.errors import Call, CorruptStoreError, LockTimeoutError, StoreError
+from tailorstore.core.errors import Call, CorruptStoreError, LeaseLostError, LockTimeoutError, StoreError
 from tailorstore.core.progress import Progress
+
+if TYPE_CHECKING:
+    from tailorstore.store.repo import StoreWriter
 
 
 class Fence(Protocol):
@@ -95,3 +98,41 @@ def store_lock(
         yield LockHandle(fd)
     finally:
         os.close(fd)
+
+
+# -- a fence for what follows a failure or a stall ------------------------------------------------
+# A fence for what follows a failure or a stall: no request goes out on a lease that lapsed.
+#
+# A change that failed takes back what it wrote, and a ref change settles after its write; both may
+# run after the change's lease lapsed (the process stalled), when a gc may hold the store alone. A
+# request sent then, unfenced, raced that gc: a take-back's drop marker was cleared as stale and its
+# delete then took a step a gc had adopted (FORMAT.md 8.1). So such work runs under the change's own
+# lease while it holds, or else under a new shared lease taken for it, every request fenced by it;
+# where none can be had, it sends nothing (the caller keeps what it wrote, and says so).
+
+FOLLOW_UP_WAIT = 30.0  # seconds to wait for a new lease: a gc that holds the store alone ends first
+
+
+@contextmanager
+def fence_for_follow_up(
+    repo: StoreWriter, fence: Fence | None, what: str, *, wait: float = FOLLOW_UP_WAIT
+) -> Iterator[Callable[[], None] | None]:
+    """A check to run before each request of the follow-up: the change's own fence while it
+    holds, else a new shared lease's (``LockTimeoutError`` when none comes within ``wait``).
+    ``None`` for a change that runs unfenced (no lock of its own)."""
+    if fence is None:
+        yield None
+        return
+    if _holds(fence, what):
+        yield lambda: fence.check(what)
+        return
+    with repo.lock(exclusive=False, timeout=wait) as again:
+        yield lambda: again.check(what)
+
+
+def _holds(fence: Fence, what: str) -> bool:
+    try:
+        fence.check(what)
+    except LeaseLostError:
+        return False
+    return True

@@ -39,7 +39,7 @@ is locked for writing, and hands them here. Here, once:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -64,11 +64,11 @@ from tailorstore.core.records import (
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.index.catalogue import CatalogueEdit
-from tailorstore.store.lock import Fence
+from tailorstore.store.lock import Fence, fence_for_follow_up
 from tailorstore.store.manifests.drop_marks import being_dropped, mark_unless_claimed
 from tailorstore.store.manifests.keys import SUPERSEDED, removed_marker
 from tailorstore.store.manifests.objects import check_revised, publish, retire, unpublish
-from tailorstore.store.manifests.refs import RefWrite, hand_over_plain_pin, put_pin, put_tag
+from tailorstore.store.manifests.refs import RefWrite, hand_over_plain_pin, put_pin, put_tag, read_ref
 from tailorstore.store.packs.writer import disk_full
 from tailorstore.store.repo import Repository
 
@@ -154,12 +154,12 @@ def record_manifest(repo: Repository, *changes: ManifestRows | Revision, fence: 
                     check_publication(repo.backend, needs, "recording the manifest", repo.size_lookup(needs))
             _write_refs(repo.backend, edit, ids, taken, fence)
     except OSError as exc:
-        _adopted(_take_back(repo, taken), exc)
+        _adopted(_take_back(repo, taken, fence), exc)
         if is_out_of_space(exc):
             raise disk_full(repo.location) from None
         raise
     except BaseException as exc:
-        _adopted(_take_back(repo, taken), exc)
+        _adopted(_take_back(repo, taken, fence), exc)
         raise
     unpublish(repo.backend, taken.superseded)  # after the index names the new versions
     try:  # clean-up after a durable change is never its failure: gc deletes what is left (superseded)
@@ -303,7 +303,7 @@ def refuse_taken(index: TakenLookup, step: int, run: str, tag: str | None, *, co
         raise StepExistsError(f"tag {tag!r} already names a manifest; choose another tag")
 
 
-def _take_back(repo: Repository, taken: _Taken) -> list[tuple[str, str]]:
+def _take_back(repo: Repository, taken: _Taken, fence: Fence | None) -> list[tuple[str, str]]:
     """Only objects this host published are withdrawn, and only then are refs touched: a host that
     lost the put never wrote any (I2: a loser cannot delete the winner's refs). Each ref this
     publish wrote is taken back exactly (``RefWrite.take_back``: only while it holds this write,
@@ -316,33 +316,58 @@ def _take_back(repo: Repository, taken: _Taken) -> list[tuple[str, str]]:
     lost that reported ref and gc dropped it), or a gc that ran while this host stalled took it for
     the step's current version, carried the step's refs onto it and deleted the version it
     replaced as superseded. One a ref writer meets after the marker backs off (write, then read).
-    Returns the versions kept, each with why."""
+
+    Every request is fenced, by the change's lease while it holds, else by a new shared one
+    (store/lock.py, fence_for_follow_up): sent unfenced after a lapse, a take-back's marker was cleared as stale by
+    a gc that held the store alone and adopted the version, and its delete then lost the step.
+    Without a lease it sends nothing and everything it published stays. Returns the versions kept,
+    each with why."""
     if not taken.published:
         return []
-    backend = repo.backend
+    try:
+        with fence_for_follow_up(repo, fence, "taking back a failed change") as check:
+            return _withdraw(repo.backend, taken, check)
+    except (LeaseLostError, LockTimeoutError) as exc:
+        log.warning("tailorstore: a failed change was not taken back: %s", exc)
+        return [(key, _NO_LEASE) for key in taken.published]
+
+
+def _withdraw(backend: Backend, taken: _Taken, fence: Callable[[], None] | None) -> list[tuple[str, str]]:
     for write in reversed(taken.ref_writes):  # first: a ref left naming a new version is then another host's
-        write.take_back(backend)
+        write.take_back(backend, fence=fence)
+    own_left = any(_still_holds(backend, write) for write in taken.ref_writes)
     kept: list[tuple[str, str]] = []
     for key in taken.published:
         if _adopted_by_gc(backend, taken.replaces.get(key)):
             kept.append((key, _BY_GC))
             continue
         try:
-            named, _ = mark_unless_claimed(backend, [key], exact=True)
+            named, _ = mark_unless_claimed(backend, [key], fence=fence, exact=True)
+        except LeaseLostError:
+            raise
         except Exception as exc:  # unknown: the new version stays, as a ref may name it
             log.warning("tailorstore: could not take back %s: %s", key, exc)
             kept.append((key, _UNKNOWN))
             continue
         if named:
-            kept.append((key, _BY_REF))
+            kept.append((key, _OWN_REFS if own_left else _BY_REF))
         else:
-            unpublish(backend, [key], marked=True)
+            unpublish(backend, [key], fence=fence)
     return kept
+
+
+def _still_holds(backend: Backend, write: RefWrite) -> bool:
+    try:
+        return write.holds(read_ref(backend, write.key)[0])
+    except FileNotFoundError:
+        return False
 
 
 _BY_GC = "a gc running meanwhile took the new version for the step's current one and deleted the version it replaced"
 _BY_REF = "another host pinned or tagged the new version meanwhile"
 _UNKNOWN = "whether another host names the new version could not be read"
+_OWN_REFS = "a tag or pin this change wrote could not be taken back"
+_NO_LEASE = "its lease lapsed and no new one could be had to take it back (nothing is sent without one)"
 
 
 def _adopted_by_gc(backend: Backend, replaced: str | None) -> bool:
@@ -369,7 +394,7 @@ def _adopted(kept: list[tuple[str, str]], cause: BaseException) -> None:
         key, why = kept[0]
         raise LeaseLostError(
             f"this change failed after its manifest was published ({cause}), but {why}, so {key} stays: the "
-            "step holds what this change wrote (its tag given, if any, was not set). See ",
+            "step holds what this change wrote. See ",
             Call("log"),
             ".",
         ) from cause

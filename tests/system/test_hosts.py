@@ -1055,3 +1055,155 @@ def _gets_of_one_open(cache: Path, location: str) -> int:
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return int(done.stdout.strip().splitlines()[-1])
+
+
+# -- follow-ups after a lapse run under a lease; a version taken back stays reserved -------------------
+
+
+def _listed(location: str, prefix: str) -> list[str]:
+    folder = prefix.rsplit("/", 1)[0] + "/"
+    return sorted(k.rsplit("/", 1)[-1] for k in resolve(location).backend.list(folder) if k.startswith(prefix))
+
+
+@pytest.mark.slow
+def test_a_failed_revision_stalled_in_its_take_back_while_gc_runs_keeps_the_step(
+    s3_location: str, tmp_path: Path
+) -> None:
+    """x: commit --force of step 2, stalled after publishing v2 past its lease; resumed, it fails and
+    takes v2 back, stalled again at its delete. A gc run then (sent unfenced, x's take-back had its
+    marker cleared as stale by this gc, which adopted v2 and deleted v1, and then deleted v2: step 2
+    was gone). The take-back runs under a lease: the step stays, whichever version holds it."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    again = _a_save(tmp_path, "again-2", 8.0)
+    x = start(
+        host_env(tmp_path / "host-x", TAILOR_FAILPOINTS="after-publish=stop,commit/delete-many=stop@1"),
+        "commit", str(again), "--step", "2", "--force", "--tag", "TX", "--store", s3_location,
+    )  # fmt: skip
+    wait_stopped(x)
+    time.sleep(float(TTL) + 2)  # past its lease
+    os.kill(x.pid, signal.SIGCONT)
+    wait_stopped(x)  # in its take-back, at the delete of v2
+    collected = run(host_env(tmp_path / "host-g"), "gc", "--keep-last", "5", "--lock-timeout", "60",
+                    "--store", s3_location)  # fmt: skip
+    assert collected.returncode == 0, collected.stderr
+    done = resume(x)
+    steps = _steps(host_env(tmp_path / "host-fresh"), s3_location)
+    assert 2 in steps, (done.returncode, done.stderr, sorted(steps))
+
+
+def _take_back_stalled_while_gc_runs(tmp_path: Path, location: str) -> tuple[dict[str, str], dict[str, str]]:
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, location)
+    again = _a_save(tmp_path, "again-2", 8.0)
+    x = start(
+        host_env(tmp_path / "host-x", TAILOR_FAILPOINTS="after-publish=stop,commit/delete-many=stop@1"),
+        "commit", str(again), "--step", "2", "--force", "--tag", "TX", "--store", location,
+    )  # fmt: skip
+    wait_stopped(x)
+    time.sleep(float(TTL) + 2)
+    os.kill(x.pid, signal.SIGCONT)
+    wait_stopped(x)
+    g = host_env(tmp_path / "host-g")
+    assert run(g, "gc", "--keep-last", "5", "--lock-timeout", "60", "--store", location).returncode == 0
+    done = resume(x)
+    assert done.returncode == 4, done.stderr
+    return plain, g
+
+
+@pytest.mark.slow
+def test_a_version_taken_back_stays_reserved_and_a_new_commit_of_the_step_checks_out(
+    s3_location: str, tmp_path: Path
+) -> None:
+    """After a take-back stalled beside a gc, a new commit of the step takes a key of its own (a
+    version taken back stays reserved: its marker is put again with its delete): one that took the
+    key again was read by another host's index as the old rows, and that host's gc deleted the new
+    commit's blobs. Checked by that host's gc, then a deep verify and a checkout elsewhere."""
+    plain, g = _take_back_stalled_while_gc_runs(tmp_path, s3_location)
+    new = _a_save(tmp_path, "new-2", 11.0)
+    committed = run(plain, "commit", str(new), "--step", "2", "--force", "--store", s3_location)
+    assert committed.returncode == 0, committed.stderr
+    collected = run(g, "gc", "--keep-last", "5", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    fresh = host_env(tmp_path / "host-fresh")
+    checked = run(fresh, "verify", "--deep", "--store", s3_location)
+    out = tmp_path / "out"
+    got = run(fresh, "checkout", "step=2", "--out", str(out), "--store", s3_location)
+    assert checked.returncode == 0 and got.returncode == 0
+    assert (out / "new-2" / "model.pt").read_bytes() == (new / "model.pt").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_pin_set_beside_a_stalled_take_back_keeps_its_step(s3_location: str, tmp_path: Path) -> None:
+    """x commits new step 4 and fails past its lease, its take-back stalled at its delete; a gc runs,
+    then host b pins step 4 and is told so. Step 4 stays pinned (an unfenced take-back's marker was
+    cleared by the gc, b found nothing to back off from, and x then deleted step 4 with b's pin)."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    x = start(
+        host_env(tmp_path / "host-x", TAILOR_FAILPOINTS="after-publish=stop,commit/delete-many=stop@1"),
+        "commit", str(_a_save(tmp_path, "s4", 4.0)), "--step", "4", "--tag", "TX", "--store", s3_location,
+    )  # fmt: skip
+    wait_stopped(x)
+    time.sleep(float(TTL) + 2)
+    os.kill(x.pid, signal.SIGCONT)
+    wait_stopped(x)
+    g = host_env(tmp_path / "host-g")
+    assert run(g, "gc", "--keep-last", "5", "--lock-timeout", "60", "--store", s3_location).returncode == 0
+    pinned = run(host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600"), "pin", "step=4", "--store", s3_location)
+    assert pinned.returncode == 0, pinned.stderr
+    done = resume(x)
+    assert done.returncode == 4 and len(done.stderr.strip().splitlines()) <= 2, done.stderr
+    steps = _steps(host_env(tmp_path / "host-fresh"), s3_location)
+    assert 4 in steps and steps[4]["pinned"], sorted(steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["tag", "pin"])
+def test_a_ref_change_whose_lease_lapses_before_it_follows_settles_under_a_new_lease(
+    s3_location: str, tmp_path: Path, what: str
+) -> None:
+    """Host a: ``tag step=1 X --force`` (X on step 2), or ``pin step=1``, stalled at ref-written past
+    its lease; step 1 is replaced (``--force``: v2). a resumes and must follow to v2, fenced: it
+    takes a new lease and settles (its follow's lease error once left the write on v1 while a
+    reported failure, and gc then dropped step 2)."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    assert run(plain, "tag", "step=2", "X", "--store", s3_location).returncode == 0
+    change = ("tag", "step=1", "X", "--force") if what == "tag" else ("pin", "step=1")
+    a = start(host_env(tmp_path / "host-a", TAILOR_FAILPOINTS="ref-written=stop"), *change, "--store", s3_location)
+    wait_stopped(a)
+    replaced = run(plain, "commit", str(_a_save(tmp_path, "again-1", 9.0)), "--step", "1", "--force",
+                   "--store", s3_location)  # fmt: skip
+    assert replaced.returncode == 0, replaced.stderr
+    time.sleep(float(TTL) + 2)  # a's lease lapses
+    done = resume(a)
+    steps = _steps(host_env(tmp_path / "host-fresh"), s3_location)
+    if what == "tag":
+        holder = next(step for step, s in steps.items() if "X" in s["tags"])
+        assert (done.returncode, holder) in ((0, 1), (4, 2)), (done.returncode, holder, done.stderr)
+    else:
+        assert (done.returncode, steps[1]["pinned"]) in ((0, True), (4, False)), (done.returncode, done.stderr)
+
+
+@pytest.mark.slow
+def test_a_tag_move_stalled_while_gc_drops_its_old_step_ends_on_the_new_one(s3_location: str, tmp_path: Path) -> None:
+    """a: ``tag step=1 X --force`` (X on step 2), stalled at ref-written past its lease; a gc sees X on
+    step 1 and drops step 2; step 1 is replaced (v2). a resumes under a new lease and settles on v2:
+    the move is done, and X names step 1 (it said nothing was changed, step 2 being gone)."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    assert run(plain, "tag", "step=2", "X", "--store", s3_location).returncode == 0
+    a = start(host_env(tmp_path / "host-a", TAILOR_FAILPOINTS="ref-written=stop"),
+              "tag", "step=1", "X", "--force", "--store", s3_location)  # fmt: skip
+    wait_stopped(a)
+    time.sleep(float(TTL) + 2)
+    collected = run(host_env(tmp_path / "host-g"), "gc", "--keep-last", "1", "--lock-timeout", "60",
+                    "--store", s3_location)  # fmt: skip
+    assert collected.returncode == 0 and 2 not in _steps(host_env(tmp_path / "host-look"), s3_location)
+    replaced = run(plain, "commit", str(_a_save(tmp_path, "again-1", 9.0)), "--step", "1", "--force",
+                   "--store", s3_location)  # fmt: skip
+    assert replaced.returncode == 0, replaced.stderr
+    done = resume(a)
+    steps = _steps(host_env(tmp_path / "host-fresh"), s3_location)
+    assert done.returncode == 0 and "X" in steps[1]["tags"], (done.returncode, done.stderr, sorted(steps))

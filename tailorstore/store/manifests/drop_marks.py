@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable
 
-from tailorstore.core.errors import Call, LockTimeoutError, ObjectExistsError
+from tailorstore.core.errors import Call, LeaseLostError, LockTimeoutError, ObjectExistsError
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.manifests.keys import (
     COMMIT_KEY,
@@ -98,10 +98,18 @@ def mark_unless_claimed(
     return [], mine
 
 
-def take_back_marks(backend: Backend, keys: Iterable[str], mine: list[str]) -> None:
-    """A drop that stopped before its deleting request went out (its fence failed): take back the
-    markers it made of manifests still there, so that the steps can be pinned again. Best effort: a
-    marker left behind only makes pins of its step fail until a gc finishes the drop."""
+def take_back_marks(
+    backend: Backend, keys: Iterable[str], mine: list[str], *, fence: Callable[[], None] | None = None
+) -> None:
+    """A drop that stopped before its deleting request went out: take back the markers it made of
+    manifests still there, so that the steps can be pinned again, only while ``fence`` holds. A drop
+    stopped by its fence sends nothing more (a delete past its lease could take another gc's marker
+    of the same name): the markers stay, and the next gc clears them (:func:`clear_stale_marks`)."""
+    if fence is not None:
+        try:
+            fence()
+        except LeaseLostError:
+            return
     for key in keys:
         marker = drop_marker(key)
         if marker in mine:
@@ -156,36 +164,49 @@ def standing_version(backend: Backend, key: str) -> str | None:
 
 
 def settle_ref(
-    backend: Backend, write: RefWrite, key: str, step: int, *, fence: Callable[[], None] | None = None
-) -> list[RefWrite]:
-    """A tag's or pin's change, after writing its object for manifest ``key`` (of ``step``): the ref
-    follows the step to its standing version (:func:`standing_version`), written there if gc's carry
-    has not moved it already, and that version's marks are read again after each such write (write,
-    then read: of a drop and this change, one sees the other). Returns every write made, for the
-    caller to take back should it fail later. A step being dropped or gone makes it take them back
-    and fail: so no ref it reports set names a step a gc or ``rm`` goes on to drop, and a ref written
-    on a version a gc superseded meanwhile is neither lost with that version nor left moved by a
-    change reported failed."""
-    writes = [write]
-    for _ in range(_FOLLOWS):
-        target = standing_version(backend, key)
-        if target is None:
-            break
-        if target == key:
-            return writes
-        if (moved := _follow(backend, write, target, fence)) is not None:
-            writes.append(moved)
-        key = target
-    for done in reversed(writes):
-        done.take_back(backend)
+    backend: Backend, writes: list[RefWrite], key: str, step: int, *, fence: Callable[[], None] | None = None
+) -> None:
+    """A tag's or pin's change, after writing its object (``writes[0]``) for manifest ``key`` (of
+    ``step``): the ref follows the step to its standing version (:func:`standing_version`), written
+    there if gc's carry has not moved it already, and that version's marks are read again after each
+    such write (write, then read: of a drop and this change, one sees the other). Every write made is
+    appended to ``writes``. A step being dropped or gone makes it take them all back and fail: so no
+    ref it reports set names a step a gc or ``rm`` goes on to drop, and a ref written on a version a
+    gc superseded meanwhile is neither lost with that version nor left moved by a change reported
+    failed. A failed request takes them back too; a lease lost is raised with the writes left as
+    they are (store/lock.py, fence_for_follow_up: the caller settles again under a new lease, ``writes`` and all)."""
+    write = writes[0]
+    try:
+        for _ in range(_FOLLOWS):
+            target = standing_version(backend, key)
+            if target is None:
+                break
+            if target == key:
+                return
+            if (moved := _follow(backend, write, target, fence)) is not None:
+                writes.append(moved)
+            key = target
+    except LeaseLostError:
+        raise
+    except BaseException:
+        take_back_all(backend, writes, fence)
+        raise
+    take_back_all(backend, writes, fence)
     raise LockTimeoutError(
-        f"step {step} is being dropped by a gc or rm, or kept being replaced meanwhile; nothing was changed. See ",
+        f"step {step} is being dropped by a gc or rm, or kept being replaced meanwhile; nothing was changed. "
+        "See ",
         Call("log"),
         ": a step still there takes it when run again. A gc or rm killed half-way leaves its mark on a step "
         "it kept; the next ",
         Call("gc"),
         " clears it.",
     )
+
+
+def take_back_all(backend: Backend, writes: list[RefWrite], fence: Callable[[], None] | None) -> None:
+    """A failed change's ref writes, each taken back exactly, the last first, fenced."""
+    for done in reversed(writes):
+        done.take_back(backend, fence=fence)
 
 
 def _follow(backend: Backend, write: RefWrite, target: str, fence: Callable[[], None] | None) -> RefWrite | None:

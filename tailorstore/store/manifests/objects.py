@@ -141,7 +141,7 @@ def _step_exists(record: ManifestRecord) -> StepExistsError:
 
 
 def unpublish(
-    backend: Backend, keys: Iterable[str | None], *, fence: Callable[[], None] | None = None, marked: bool = False
+    backend: Backend, keys: Iterable[str | None], *, fence: Callable[[], None] | None = None
 ) -> None:
     """Delete manifest objects (and their pins) that are no longer wanted, in as few requests as
     the backend allows (a gc may drop hundreds). Should the request fail half-way, a pin left
@@ -149,8 +149,8 @@ def unpublish(
     manifest left without its pin is one the next gc finds unkept again. Each commit manifest's
     version is reserved first (``keys.removed_marker``), so no later manifest takes its key."""
     wanted = [k for k in keys if k]
-    for key in wanted:
-        if not marked and (marker := removed_marker(key)) is not None:  # ``marked``: mark_unless_claimed put it
+    for key in wanted:  # put again where a drop marked it: one cleared since (a stale mark) reserves nothing
+        if (marker := removed_marker(key)) is not None:
             backend.put(marker, b"", fence=fence)
     backend.delete_many([k for key in wanted for k in (key, pin_key(key))], fence=fence)
 

@@ -22,7 +22,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from tailorstore.core.errors import Call, CorruptStoreError, LockTimeoutError, ObjectExistsError, StepExistsError
+from tailorstore.core.errors import (
+    Call,
+    CorruptStoreError,
+    LeaseLostError,
+    LockTimeoutError,
+    ObjectExistsError,
+    StepExistsError,
+)
 from tailorstore.core.records import MAIN_RUN, ManifestRecord
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.manifests.keys import (
@@ -111,17 +118,20 @@ class RefWrite:
         """Whether ``data`` is this write (as put, or as a gc's carry rewrote it)."""
         return bool(self.token) and token_of(data) == self.token
 
-    def take_back(self, backend: Backend) -> None:
+    def take_back(self, backend: Backend, *, fence: Callable[[], None] | None = None) -> None:
         """Put back what this write replaced, only while the object still holds this write (another
-        host's write since stays). Best effort, past any fence: it runs when the change fails anyway.
-        An object gone (its version deleted by gc) holds nothing to take back."""
+        host's write since stays), fenced (store/lock.py, fence_for_follow_up: a lease lost meanwhile is raised, the
+        write left). Otherwise best effort: it runs when the change fails anyway. An object gone
+        (its version deleted by gc) holds nothing to take back."""
         try:
             data, version = read_ref(backend, self.key)
         except FileNotFoundError:
             return
         try:
             if self.holds(data):
-                backend.put_if(self.key, self.before if self.before is not None else self.gone, version)
+                backend.put_if(self.key, self.before if self.before is not None else self.gone, version, fence=fence)
+        except LeaseLostError:
+            raise
         except Exception as exc:  # the change's own failure is what the caller reports
             log.warning("tailorstore: could not take back %s after a failed change: %s", self.key, one_line(exc))
 
