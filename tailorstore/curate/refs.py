@@ -19,7 +19,15 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from tailorstore.core.errors import LOCK_TIMEOUT, Call, LeaseLostError, LockTimeoutError, StepExistsError, StoreError
+from tailorstore.core.errors import (
+    LOCK_TIMEOUT,
+    Call,
+    LeaseLostError,
+    LockTimeoutError,
+    StepExistsError,
+    StoreError,
+    TailorError,
+)
 from tailorstore.core.failpoints import failpoint, operation
 from tailorstore.core.progress import Progress
 from tailorstore.core.records import ManifestRecord, RunRecord
@@ -110,10 +118,44 @@ def _settle(
         return
     writes = [write]
     try:
-        settle_ref(objects, writes, record.object_key, record.step, fence=lambda: lock.check(what))
-    except LeaseLostError:
-        with fence_for_follow_up(repo, lock, what, wait=lock_timeout) as check:
-            settle_ref(objects, writes, record.object_key, record.step, fence=check)
+        _settle_under_a_lease(repo, objects, writes, record, lock, what, lock_timeout)
+    except TailorError as exc:
+        left = [w.key for w in writes if w.holds_now(objects)]
+        if not left:
+            raise
+        why = {LeaseLostError: "its lease lapsed", LockTimeoutError: "no new lease came in time"}.get(
+            type(exc), "a request failed"
+        )
+        raise LeaseLostError(
+            f"{what} stopped after its write ({why}), and what it wrote stays: {', '.join(left)} (step "
+            f"{record.step}). See ",
+            Call("log"),
+            "; run it again to finish it, or undo it.",
+        ) from exc
+
+
+_SETTLE_LEASES = 3  # new leases a settle takes, each after the one before lapsed too
+
+
+def _settle_under_a_lease(
+    repo: StoreWriter, objects: Editor, writes: list[RefWrite], record: ManifestRecord,
+    lock: LockHandle | LeaseHandle, what: str, lock_timeout: float,
+) -> None:  # fmt: skip
+    """``settle_ref`` under the change's lease, or, should it lapse, under a new one each time."""
+    key, step = str(record.object_key), record.step
+    try:
+        settle_ref(objects, writes, key, step, fence=lambda: lock.check(what))
+        return
+    except LeaseLostError as exc:
+        lapsed = exc
+    for _ in range(_SETTLE_LEASES):
+        try:
+            with fence_for_follow_up(repo, lock, what, wait=lock_timeout) as check:
+                settle_ref(objects, writes, key, step, fence=check)
+            return
+        except LeaseLostError as exc:
+            lapsed = exc
+    raise lapsed
 
 
 def untag(repo: Repository, name: str, *, lock_timeout: float = LOCK_TIMEOUT, progress: Progress | None = None) -> int:

@@ -66,9 +66,9 @@ from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.index.catalogue import CatalogueEdit
 from tailorstore.store.lock import Fence, fence_for_follow_up
 from tailorstore.store.manifests.drop_marks import being_dropped, mark_unless_claimed
-from tailorstore.store.manifests.keys import SUPERSEDED, removed_marker
+from tailorstore.store.manifests.keys import versions_of
 from tailorstore.store.manifests.objects import check_revised, publish, retire, unpublish
-from tailorstore.store.manifests.refs import RefWrite, hand_over_plain_pin, put_pin, put_tag, read_ref
+from tailorstore.store.manifests.refs import RefWrite, hand_over_plain_pin, put_pin, put_tag
 from tailorstore.store.packs.writer import disk_full
 from tailorstore.store.repo import Repository
 
@@ -335,14 +335,18 @@ def _take_back(repo: Repository, taken: _Taken, fence: Fence | None) -> list[tup
 def _withdraw(backend: Backend, taken: _Taken, fence: Callable[[], None] | None) -> list[tuple[str, str]]:
     for write in reversed(taken.ref_writes):  # first: a ref left naming a new version is then another host's
         write.take_back(backend, fence=fence)
-    own_left = any(_still_holds(backend, write) for write in taken.ref_writes)
+    own_left = any(write.holds_now(backend) for write in taken.ref_writes)
     kept: list[tuple[str, str]] = []
     for key in taken.published:
-        if _adopted_by_gc(backend, taken.replaces.get(key)):
+        replaced = taken.replaces.get(key)
+        if replaced is not None and not backend.exists(replaced):
+            # the version it replaced is gone (a gc took this one for the step's own and deleted that as
+            # superseded, whatever its marker says: a killed gc's empty one stays on it): this is the
+            # step's only version, never deleted by a take-back
             kept.append((key, _BY_GC))
             continue
         try:
-            named, _ = mark_unless_claimed(backend, [key], fence=fence, exact=True)
+            named, mine = mark_unless_claimed(backend, [key], fence=fence, exact=True)
         except LeaseLostError:
             raise
         except Exception as exc:  # unknown: the new version stays, as a ref may name it
@@ -351,41 +355,21 @@ def _withdraw(backend: Backend, taken: _Taken, fence: Callable[[], None] | None)
             continue
         if named:
             kept.append((key, _OWN_REFS if own_left else _BY_REF))
-        else:
-            unpublish(backend, [key], fence=fence)
+            continue
+        if versions_of(backend, key)[1]:  # marked, then listed: a revision built on it checks the marker after its put
+            kept.append((key, _REVISED))
+            backend.delete_many(mine, fence=fence)  # it is an older version now, its marker a retirement's to make
+            continue
+        unpublish(backend, [key], fence=fence)
     return kept
 
 
-def _still_holds(backend: Backend, write: RefWrite) -> bool:
-    try:
-        return write.holds(read_ref(backend, write.key)[0])
-    except FileNotFoundError:
-        return False
-
-
-_BY_GC = "a gc running meanwhile took the new version for the step's current one and deleted the version it replaced"
+_BY_GC = "the version it replaced is gone (a gc running meanwhile took the new one for the step's own)"
 _BY_REF = "another host pinned or tagged the new version meanwhile"
 _UNKNOWN = "whether another host names the new version could not be read"
 _OWN_REFS = "a tag or pin this change wrote could not be taken back"
+_REVISED = "another host revised the new version meanwhile (a newer version is built on it)"
 _NO_LEASE = "its lease lapsed and no new one could be had to take it back (nothing is sent without one)"
-
-
-def _adopted_by_gc(backend: Backend, replaced: str | None) -> bool:
-    if replaced is None:
-        return False
-    try:
-        if backend.exists(replaced):
-            return False
-        marker = removed_marker(replaced)
-        if marker is None:
-            return False
-        try:
-            return backend.get(marker) == SUPERSEDED  # gc's, for a newer version: ours
-        except FileNotFoundError:
-            return True  # deleted as superseded without a marker (a gc before the markers)
-    except Exception as exc:  # unknown: take the new version back, as before
-        log.warning("tailorstore: could not tell whether a gc adopted %s: %s", replaced, exc)
-        return False
 
 
 def _adopted(kept: list[tuple[str, str]], cause: BaseException) -> None:

@@ -362,3 +362,233 @@ def test_a_tag_move_stalled_while_gc_drops_its_old_step_ends_on_the_new_one(s3_l
     done = resume(a)
     steps = _steps(host_env(tmp_path / "host-fresh"), s3_location)
     assert done.returncode == 0 and "X" in steps[1]["tags"], (done.returncode, done.stderr, sorted(steps))
+
+
+# -- the sixth round: late deletes, second lapses, stale take-backs ----------------------------------
+
+
+STEP2 = "manifests/main/step-00000000000000000002-"
+
+
+@pytest.mark.slow
+def test_a_claimed_take_backs_late_marker_delete_frees_no_reserved_version(s3_location: str, tmp_path: Path) -> None:
+    """x: commit --force of step 2, stalled after publishing v2 past its lease; b pins step 2 (v2).
+    x resumes, fails, takes back under a NEW lease: marks v2, finds b's pin, and deletes its marker
+    (mark_unless_claimed's delete_many(mine), sent with no fence) - stalled there. b unpins; a gc
+    drops step 2 (v2 deleted, its marker reserving v2). x's late delete lands: v2's reservation is
+    gone, and a new commit of step 2 takes v2 again."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    x = start(
+        host_env(tmp_path / "host-x", TAILOR_FAILPOINTS="after-publish=stop,commit/delete-many=stop@1"),
+        "commit", str(_a_save(tmp_path, "again-2", 8.0)), "--step", "2", "--force", "--tag", "TX",
+        "--store", s3_location,
+    )  # fmt: skip
+    wait_stopped(x)
+    b = host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600")
+    pinned = run(b, "pin", "step=2", "--store", s3_location)
+    assert pinned.returncode == 0, pinned.stderr
+    time.sleep(float(TTL) + 2)  # x's lease lapses
+    os.kill(x.pid, signal.SIGCONT)
+    wait_stopped(x)  # in its take-back: v2 marked, b's pin found, at the delete of its own marker
+    unpinned = run(b, "unpin", "step=2", "--store", s3_location)
+    assert unpinned.returncode == 0, unpinned.stderr
+    g = host_env(tmp_path / "host-g")
+    collected = run(g, "gc", "--keep-last", "1", "--lock-timeout", "60", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    resume(x)
+    new = _a_save(tmp_path, "new-2", 11.0)
+    committed = run(plain, "commit", str(new), "--step", "2", "--store", s3_location)
+    assert committed.returncode == 0, committed.stderr
+    now = _listed(s3_location, STEP2)
+    # what that does: host b's index knew v2 as x's rows; b's checkout and b's gc go by them
+    out_b = tmp_path / "out-b"
+    got_b = run(b, "checkout", "step=2", "--out", str(out_b), "--store", s3_location)
+    assert got_b.returncode == 0 and (out_b / "new-2" / "model.pt").exists(), got_b.stderr
+    collected_b = run(b, "gc", "--keep-last", "5", "--store", s3_location)
+    assert collected_b.returncode == 0, collected_b.stderr
+    fresh = host_env(tmp_path / "host-fresh")
+    checked = run(fresh, "verify", "--deep", "--store", s3_location)
+    assert checked.returncode == 0, checked.stdout[-600:]
+    out = tmp_path / "out"
+    got = run(fresh, "checkout", "step=2", "--out", str(out), "--store", s3_location)
+    assert got.returncode == 0 and (out / "new-2" / "model.pt").read_bytes() == (new / "model.pt").read_bytes()
+    assert "step-00000000000000000002-v2.json.zst" not in now, "version 2 of step 2 was used again"
+
+
+def _stop_again(proc, pause: float = 0.0) -> None:
+    if pause:
+        time.sleep(pause)
+    os.kill(proc.pid, signal.SIGCONT)
+    wait_stopped(proc)
+
+
+def _run_out(proc) -> subprocess.CompletedProcess[str]:
+    """Resume a process that stops at every match of its failpoint until it ends, without pausing:
+    a lease it takes now holds."""
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=30)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_a_tag_move_whose_new_lease_lapses_too_says_what_stays(s3_location: str, tmp_path: Path) -> None:
+    """a: tag step=1 X --force (X on step 2). It writes X on step 1 (v1), stalls at ref-written; step 1
+    is replaced (v2); a's lease lapses; its follow is refused by its fence; it takes a new lease and
+    settles again, and stalls at the follow's put past the NEW lease too (that went out as 'Nothing it
+    did is visible', X left on step 1, and a gc then dropped step 2). It takes another lease and
+    settles: done, or what stays said."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    assert run(plain, "tag", "step=2", "X", "--store", s3_location).returncode == 0
+    a = start(host_env(tmp_path / "host-a", TAILOR_FAILPOINTS="ref-written=stop,tag/put-if=stop"),
+              "tag", "step=1", "X", "--force", "--store", s3_location)  # fmt: skip
+    wait_stopped(a)  # put-if 1: the tag's own write
+    _stop_again(a)  # ref-written
+    replaced = run(plain, "commit", str(_a_save(tmp_path, "again-1", 9.0)), "--step", "1", "--force",
+                   "--store", s3_location)  # fmt: skip
+    assert replaced.returncode == 0, replaced.stderr
+    _stop_again(a, float(TTL) + 2)  # lease lapsed; at the first follow's put-if (its old fence fails next)
+    _stop_again(a)  # a new lease taken; at the second follow's put-if
+    time.sleep(float(TTL) + 2)  # the new lease lapses too
+    done = _run_out(a)  # a third lease holds: it settles
+    holder = {t: s for s, st in _steps(host_env(tmp_path / "host-fresh"), s3_location).items() for t in st["tags"]}
+    collected = run(host_env(tmp_path / "host-g"), "gc", "--keep-last", "1", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    assert (done.returncode, holder.get("X")) in ((0, 1), (4, 2)) or "visible" not in done.stderr, (
+        done.returncode,
+        holder,
+        done.stderr,
+    )
+
+
+@pytest.mark.slow
+def test_a_failed_replacement_of_a_step_a_killed_gc_marked_keeps_the_step(s3_location: str, tmp_path: Path) -> None:
+    """A gc killed after marking step 2 to drop leaves v1's marker (empty). x: commit --force --tag TX
+    of step 2 publishes v2 and stalls past its lease; a gc (keep-last 5) takes v2 for the step's
+    current version and deletes v1 as superseded (its SUPERSEDED marker is refused: the killed
+    gc's empty one is there). x fails and takes back: _adopted_by_gc reads v1's marker, finds it
+    empty, not SUPERSEDED, and deletes v2. Step 2 is gone."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    killed = run(host_env(tmp_path / "host-k", TAILOR_FAILPOINTS="gc/delete-many=kill@1"), "gc", "--keep-last", "1",
+                 "--store", s3_location)  # fmt: skip
+    assert killed.returncode == -9
+    x = start(host_env(tmp_path / "host-x", TAILOR_FAILPOINTS="after-publish=stop"),
+              "commit", str(_a_save(tmp_path, "again-2", 8.0)), "--step", "2", "--force", "--tag", "TX",
+              "--store", s3_location)  # fmt: skip
+    wait_stopped(x)
+    time.sleep(float(TTL) + 2)
+    collected = run(host_env(tmp_path / "host-g"), "gc", "--keep-last", "5", "--lock-timeout", "60",
+                    "--store", s3_location)  # fmt: skip
+    assert collected.returncode == 0, collected.stderr
+    done = resume(x)
+    assert done.returncode == 4 and "stays" in done.stderr, done.stderr
+    steps = sorted(_steps(host_env(tmp_path / "host-fresh"), s3_location))
+    assert 2 in steps
+
+
+@pytest.mark.slow
+def test_a_tag_move_that_cannot_get_a_new_lease_says_what_stays(s3_location: str, tmp_path: Path) -> None:
+    """As above, but the new lease cannot be had (a gc holds the store): fence_for_follow_up raises
+    LockTimeoutError out of _settle, X left on step 1, the message only 'could not take the lock'."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    assert run(plain, "tag", "step=2", "X", "--store", s3_location).returncode == 0
+    a = start(host_env(tmp_path / "host-a", TAILOR_FAILPOINTS="ref-written=stop"),
+              "tag", "step=1", "X", "--force", "--lock-timeout", "5", "--store", s3_location)  # fmt: skip
+    wait_stopped(a)
+    replaced = run(plain, "commit", str(_a_save(tmp_path, "again-1", 9.0)), "--step", "1", "--force",
+                   "--store", s3_location)  # fmt: skip
+    assert replaced.returncode == 0, replaced.stderr
+    time.sleep(float(TTL) + 2)
+    g = start(host_env(tmp_path / "host-g", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="gc-before-delete=stop"),
+              "gc", "--keep-last", "5", "--lock-timeout", "60", "--store", s3_location)  # fmt: skip
+    wait_stopped(g)
+    done = resume(a)
+    holder = {t: s for s, st in _steps(host_env(tmp_path / "host-fresh"), s3_location).items() for t in st["tags"]}
+    g.kill()
+    g.communicate()
+    assert (done.returncode, holder.get("X")) in ((0, 1), (4, 2)) or "stays" in done.stderr, (done.returncode, holder)
+
+
+@pytest.mark.slow
+def test_a_failed_replacement_revised_by_another_host_meanwhile_says_it_stays(s3_location: str, tmp_path: Path) -> None:
+    """x: commit --force --tag TX of step 2 (new weights), stalled after publishing v2; host y gives
+    step 2 a metric (a revision of v2: v3, its rows x's). x fails past its lease and takes v2
+    back, reporting that nothing it did is visible; step 2 now holds x's weights (v3)."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    new = _a_save(tmp_path, "again-2", 8.0)
+    x = start(host_env(tmp_path / "host-x", TAILOR_FAILPOINTS="after-publish=stop"),
+              "commit", str(new), "--step", "2", "--force", "--tag", "TX", "--store", s3_location)  # fmt: skip
+    wait_stopped(x)
+    y = run(host_env(tmp_path / "host-y", TAILOR_LOCK_TTL="3600"), "metric", "step=2", "loss=1", "--store", s3_location)
+    assert y.returncode == 0, y.stderr
+    time.sleep(float(TTL) + 2)
+    done = resume(x)
+    fresh = host_env(tmp_path / "host-fresh")
+    out = tmp_path / "out"
+    got = run(fresh, "checkout", "step=2", "--out", str(out), "--store", s3_location)
+    assert got.returncode == 0, got.stderr
+    holds_x = (out / "again-2" / "model.pt").exists()
+    assert done.returncode == 0 or not holds_x or "stays" in done.stderr, "x reported failure, step 2 holds x's save"
+
+
+@pytest.mark.slow
+def test_a_tag_taken_back_names_its_steps_standing_version(s3_location: str, tmp_path: Path) -> None:
+    """X on step 2 (host c). A killed gc left its mark on step 3. a: tag step=3 X --force writes X on
+    step 3, stalls at ref-written. c replaces step 2 (--force: v2; v1 retired, no ref names it now).
+    a reads the mark, fails ('nothing was changed') and takes back: X put back to the bytes it read,
+    naming step 2's v1, which is gone. X tags nothing; a gc drops step 2."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    four = _a_save(tmp_path, "s4", 4.0)
+    assert run(plain, "commit", str(four), "--step", "4", "--store", s3_location).returncode == 0
+    assert run(plain, "tag", "step=2", "X", "--store", s3_location).returncode == 0
+    killed = run(host_env(tmp_path / "host-k", TAILOR_FAILPOINTS="gc/delete-many=kill@1"), "gc", "--keep-last", "1",
+                 "--store", s3_location)  # fmt: skip
+    assert killed.returncode == -9
+    a = start(host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="ref-written=stop"),
+              "tag", "step=3", "X", "--force", "--store", s3_location)  # fmt: skip
+    wait_stopped(a)
+    replaced = run(plain, "commit", str(_a_save(tmp_path, "again-2", 9.0)), "--step", "2", "--force",
+                   "--store", s3_location)  # fmt: skip
+    assert replaced.returncode == 0, replaced.stderr
+    done = resume(a)
+    holder = {t: s for s, st in _steps(host_env(tmp_path / "host-fresh"), s3_location).items() for t in st["tags"]}
+    collected = run(host_env(tmp_path / "host-g"), "gc", "--keep-last", "1", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    left = sorted(_steps(host_env(tmp_path / "host-fresh-2"), s3_location))
+    assert done.returncode != 0 and holder.get("X") == 2 and 2 in left
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gc_between", [False, True], ids=["no-gc", "gc"])
+def test_a_retire_stalled_at_its_delete_keeps_a_pin_set_meanwhile(
+    s3_location: str, tmp_path: Path, gc_between: bool
+) -> None:
+    """m: metric step=2 (a revision: v2), its retire of v1 stalled at its delete past its lease; b
+    pins step 2 meanwhile (and a gc runs); m's late, unfenced delete of v1 and v1's pin lands. The
+    pin b was told of stays, and step 2 survives a gc --keep-last 1."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    b = host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600")
+    assert run(b, "log", "--store", s3_location).returncode == 0  # b's index knows v1
+    m = start(host_env(tmp_path / "host-m", TAILOR_FAILPOINTS="metric/delete-many=stop@1"),
+              "metric", "step=2", "loss=1", "--store", s3_location)  # fmt: skip
+    wait_stopped(m)
+    time.sleep(float(TTL) + 2)
+    pinned = run(b, "pin", "step=2", "--store", s3_location)
+    assert pinned.returncode == 0, pinned.stderr
+    if gc_between:
+        g = run(host_env(tmp_path / "host-g"), "gc", "--keep-last", "5", "--lock-timeout", "60", "--store", s3_location)
+        assert g.returncode == 0, g.stderr
+    done = resume(m)
+    assert done.returncode == 0, done.stderr
+    assert _steps(host_env(tmp_path / "host-fresh"), s3_location)[2]["pinned"]
+    assert run(host_env(tmp_path / "host-g2"), "gc", "--keep-last", "1", "--store", s3_location).returncode == 0
+    assert 2 in _steps(host_env(tmp_path / "host-fresh-2"), s3_location)

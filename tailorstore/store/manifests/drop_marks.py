@@ -25,14 +25,12 @@ from collections.abc import Callable, Iterable
 from tailorstore.core.errors import Call, LeaseLostError, LockTimeoutError, ObjectExistsError
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.manifests.keys import (
-    COMMIT_KEY,
     MANIFEST_PREFIX,
     TAG_PREFIX,
     current_of,
     is_manifest_key,
     listed_manifest_keys,
     pin_key,
-    step_versions,
     versions_of,
 )
 from tailorstore.store.manifests.refs import (
@@ -44,6 +42,7 @@ from tailorstore.store.manifests.refs import (
     put_pin,
     read_ref,
     renamed,
+    standing_version,
 )
 
 
@@ -93,7 +92,10 @@ def mark_unless_claimed(
     mine = mark_dropping(backend, keys, fence=fence)
     taken = claimed(backend, keys, exact=exact)
     if taken:
-        backend.delete_many(mine)
+        try:  # fenced: a marker's name is also its version's reservation, which a late delete could take
+            backend.delete_many(mine, fence=fence)
+        except LeaseLostError:
+            pass  # left to the next gc (clear_stale_marks), which holds the store alone
         return taken, []
     return [], mine
 
@@ -148,21 +150,6 @@ def being_dropped(backend: Backend, key: str) -> bool:
 _FOLLOWS = 5  # versions a ref change follows a step through before it says the step keeps changing
 
 
-def standing_version(backend: Backend, key: str) -> str | None:
-    """The version of ``key``'s step a ref must name now: its newest listed version, unless that one
-    carries a drop marker (a gc or ``rm`` is dropping the step) or none is listed (it is gone). A
-    version a gc superseded or a revision retired always has a newer one, so their markers never
-    make a ref fail: the ref moves on with the step. A merge has one version, its own key."""
-    match = COMMIT_KEY.fullmatch(key)
-    if match is None:
-        return key if backend.exists(key) and not backend.exists(drop_marker(key)) else None
-    versions, removed = step_versions(backend, match.group(1), int(match.group(2)))
-    if not versions:
-        return None
-    newest = max(versions)
-    return None if newest in removed else versions[newest]
-
-
 def settle_ref(
     backend: Backend, writes: list[RefWrite], key: str, step: int, *, fence: Callable[[], None] | None = None
 ) -> None:
@@ -193,8 +180,7 @@ def settle_ref(
         raise
     take_back_all(backend, writes, fence)
     raise LockTimeoutError(
-        f"step {step} is being dropped by a gc or rm, or kept being replaced meanwhile; nothing was changed. "
-        "See ",
+        f"step {step} is being dropped by a gc or rm, or kept being replaced meanwhile; nothing was changed. See ",
         Call("log"),
         ": a step still there takes it when run again. A gc or rm killed half-way leaves its mark on a step "
         "it kept; the next ",

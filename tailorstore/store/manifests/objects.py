@@ -140,9 +140,7 @@ def _step_exists(record: ManifestRecord) -> StepExistsError:
     )
 
 
-def unpublish(
-    backend: Backend, keys: Iterable[str | None], *, fence: Callable[[], None] | None = None
-) -> None:
+def unpublish(backend: Backend, keys: Iterable[str | None], *, fence: Callable[[], None] | None = None) -> None:
     """Delete manifest objects (and their pins) that are no longer wanted, in as few requests as
     the backend allows (a gc may drop hundreds). Should the request fail half-way, a pin left
     without its manifest pins nothing (pins are read only for manifests that exist), and a

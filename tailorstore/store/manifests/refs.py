@@ -33,6 +33,7 @@ from tailorstore.core.errors import (
 from tailorstore.core.records import MAIN_RUN, ManifestRecord
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.manifests.keys import (
+    COMMIT_KEY,
     PIN_PREFIX,
     SUPERSEDED,
     TAG_KEY,
@@ -47,6 +48,7 @@ from tailorstore.store.manifests.keys import (
     removed_marker,
     run_of_key,
     same_step,
+    step_versions,
     tag_key,
     tag_of_key,
     versions_of,
@@ -118,6 +120,27 @@ class RefWrite:
         """Whether ``data`` is this write (as put, or as a gc's carry rewrote it)."""
         return bool(self.token) and token_of(data) == self.token
 
+    def holds_now(self, backend: Backend) -> bool:
+        """Whether the object still holds this write (a change that could not settle or take back
+        reports what it left)."""
+        try:
+            return self.holds(read_ref(backend, self.key)[0])
+        except FileNotFoundError:
+            return False
+
+    def _restored(self, backend: Backend) -> bytes:
+        """What taking this write back puts: what it replaced, a tag naming its step's standing
+        version rather than the version it named then (retired or superseded meanwhile, a gc's
+        carry never moved it, as the tag was elsewhere, and put back byte for byte it tagged a
+        deleted version: the step lost its tag and gc dropped it)."""
+        if self.before is None:
+            return self.gone
+        if not self.key.startswith(TAG_PREFIX) or self.before == TOMBSTONE:
+            return self.before
+        was = named(self.before)
+        now = standing_version(backend, was) if is_manifest_key(was) else None
+        return renamed(self.before, now) if now is not None and now != was else self.before
+
     def take_back(self, backend: Backend, *, fence: Callable[[], None] | None = None) -> None:
         """Put back what this write replaced, only while the object still holds this write (another
         host's write since stays), fenced (store/lock.py, fence_for_follow_up: a lease lost meanwhile is raised, the
@@ -129,11 +152,27 @@ class RefWrite:
             return
         try:
             if self.holds(data):
-                backend.put_if(self.key, self.before if self.before is not None else self.gone, version, fence=fence)
+                backend.put_if(self.key, self._restored(backend), version, fence=fence)
         except LeaseLostError:
             raise
         except Exception as exc:  # the change's own failure is what the caller reports
             log.warning("tailorstore: could not take back %s after a failed change: %s", self.key, one_line(exc))
+
+
+def standing_version(backend: Backend, key: str) -> str | None:
+    """The version of ``key``'s step a ref must name now: its newest listed version, unless that one
+    carries a drop marker (a gc or ``rm`` is dropping the step) or none is listed (it is gone). A
+    version a gc superseded or a revision retired always has a newer one, so their markers never
+    make a ref fail: the ref moves on with the step. A merge has one version, its own key."""
+    match = COMMIT_KEY.fullmatch(key)
+    if match is None:
+        marker = key.removesuffix(".json.zst") + ".removed"  # drop_marks.drop_marker
+        return key if backend.exists(key) and not backend.exists(marker) else None
+    versions, removed = step_versions(backend, match.group(1), int(match.group(2)))
+    if not versions:
+        return None
+    newest = max(versions)
+    return None if newest in removed else versions[newest]
 
 
 def token_of(data: bytes) -> bytes:
