@@ -79,11 +79,11 @@ from tailorstore.store.lease import LeaseHandle
 from tailorstore.store.lock import LockHandle
 from tailorstore.store.manifests.drop_marks import (
     clear_stale_marks,
-    mark_dropping,
+    mark_superseded,
     mark_unless_claimed,
     take_back_marks,
 )
-from tailorstore.store.manifests.keys import SUPERSEDED, pin_key, superseded
+from tailorstore.store.manifests.keys import pin_key, superseded
 from tailorstore.store.manifests.objects import unpublish
 from tailorstore.store.manifests.refs import RefSource, carry_refs, damaged_tags
 from tailorstore.store.manifests.runs import read_retentions
@@ -683,7 +683,7 @@ def _gc(
             *(r.object_key for m, _ in plan.drop if (r := sweep.manifest(m)) and r.object_key),
         }
         clear_stale_marks(objects, dropping, fence=fence)  # a killed gc's or rm's on steps kept
-        mark_dropping(objects, plan.superseded, fence=fence, why=SUPERSEDED)
+        mark_superseded(objects, plan.superseded, fence=fence)
         carry_refs(objects, plan.superseded, fence=fence)  # before their objects go
         superseded_pins = [pin_key(k) for k in plan.superseded]
         objects.delete_many([*plan.drop_parts, *plan.superseded, *superseded_pins], fence=fence)

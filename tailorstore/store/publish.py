@@ -66,7 +66,7 @@ from tailorstore.store.gc_notices import check_publication
 from tailorstore.store.index.catalogue import CatalogueEdit
 from tailorstore.store.lock import Fence, fence_for_follow_up
 from tailorstore.store.manifests.drop_marks import being_dropped, mark_unless_claimed
-from tailorstore.store.manifests.keys import versions_of
+from tailorstore.store.manifests.keys import SUPERSEDED, removed_marker, versions_of
 from tailorstore.store.manifests.objects import check_revised, publish, retire, unpublish
 from tailorstore.store.manifests.refs import RefWrite, hand_over_plain_pin, put_pin, put_tag
 from tailorstore.store.packs.writer import disk_full
@@ -338,11 +338,7 @@ def _withdraw(backend: Backend, taken: _Taken, fence: Callable[[], None] | None)
     own_left = any(write.holds_now(backend) for write in taken.ref_writes)
     kept: list[tuple[str, str]] = []
     for key in taken.published:
-        replaced = taken.replaces.get(key)
-        if replaced is not None and not backend.exists(replaced):
-            # the version it replaced is gone (a gc took this one for the step's own and deleted that as
-            # superseded, whatever its marker says: a killed gc's empty one stays on it): this is the
-            # step's only version, never deleted by a take-back
+        if _adopted_by_gc(backend, taken.replaces.get(key)):
             kept.append((key, _BY_GC))
             continue
         try:
@@ -364,12 +360,28 @@ def _withdraw(backend: Backend, taken: _Taken, fence: Callable[[], None] | None)
     return kept
 
 
-_BY_GC = "the version it replaced is gone (a gc running meanwhile took the new one for the step's own)"
+_BY_GC = "a gc running meanwhile took the new version for the step's own and deleted the version it replaced"
 _BY_REF = "another host pinned or tagged the new version meanwhile"
 _UNKNOWN = "whether another host names the new version could not be read"
 _OWN_REFS = "a tag or pin this change wrote could not be taken back"
 _REVISED = "another host revised the new version meanwhile (a newer version is built on it)"
 _NO_LEASE = "its lease lapsed and no new one could be had to take it back (nothing is sent without one)"
+
+
+def _adopted_by_gc(backend: Backend, replaced: str | None) -> bool:
+    """Whether a gc took the new version for the step's own: the version it replaced is gone, its
+    marker saying superseded (gc writes that over any marker there: a killed gc's empty one stayed,
+    and a take-back then deleted the step's only version). An empty marker is a removal's (``rm``, a
+    retirement): the step is gone, and the new version goes too."""
+    if replaced is None:
+        return False
+    marker = removed_marker(replaced)
+    if marker is None or backend.exists(replaced):
+        return False
+    try:
+        return backend.get(marker) == SUPERSEDED
+    except FileNotFoundError:
+        return True  # deleted as superseded without a marker (a gc before the markers)
 
 
 def _adopted(kept: list[tuple[str, str]], cause: BaseException) -> None:

@@ -592,3 +592,75 @@ def test_a_retire_stalled_at_its_delete_keeps_a_pin_set_meanwhile(
     assert _steps(host_env(tmp_path / "host-fresh"), s3_location)[2]["pinned"]
     assert run(host_env(tmp_path / "host-g2"), "gc", "--keep-last", "1", "--store", s3_location).returncode == 0
     assert 2 in _steps(host_env(tmp_path / "host-fresh-2"), s3_location)
+
+
+# -- the seventh round: a tag put back is a ref write like any other ---------------------------------
+
+
+@pytest.mark.slow
+def test_a_tag_taken_back_where_rm_removed_its_step_meanwhile_stays_and_says_so(
+    s3_location: str, tmp_path: Path
+) -> None:
+    """X on step 2. A killed gc left its mark on step 3. a: tag step=3 X --force writes X on step 3,
+    stalls at ref-written. b: rm step=2 (not tagged now: X is on step 3) succeeds. a reads step 3's
+    mark and fails; put back to step 2's v1, which rm deleted, X tagged nothing (though rm would have
+    refused step 2 had X been on it), and a said nothing was changed. Now X stays on step 3, said."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    assert (
+        run(plain, "commit", str(_a_save(tmp_path, "s4", 4.0)), "--step", "4", "--store", s3_location).returncode == 0
+    )
+    assert run(plain, "tag", "step=2", "X", "--store", s3_location).returncode == 0
+    killed = run(host_env(tmp_path / "host-k", TAILOR_FAILPOINTS="gc/delete-many=kill@1"), "gc", "--keep-last", "1",
+                 "--store", s3_location)  # fmt: skip
+    assert killed.returncode == -9
+    a = start(host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="ref-written=stop"),
+              "tag", "step=3", "X", "--force", "--store", s3_location)  # fmt: skip
+    wait_stopped(a)
+    removed = run(host_env(tmp_path / "host-b", TAILOR_LOCK_TTL="3600"), "rm", "step=2", "--store", s3_location)
+    done = resume(a)
+    fresh = host_env(tmp_path / "host-fresh")
+    steps = _steps(fresh, s3_location)
+    holder = {t: s for s, st in steps.items() for t in st["tags"]}
+    assert removed.returncode == 0
+    said = done.returncode == 4 and "stays" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert said and holder.get("X") == 3, (done.returncode, done.stderr, holder, sorted(steps))
+
+
+@pytest.mark.slow
+def test_a_tag_taken_back_onto_a_version_withdrawn_meanwhile_follows_to_the_one_standing(
+    s3_location: str, tmp_path: Path
+) -> None:
+    """X on step 2 (v1). A killed gc left its mark on step 3. a: tag step=3 X --force, stalled at
+    ref-written. z: commit --force of step 2 publishes v2, stalled after-publish. a resumes, finds
+    step 3 marked, takes back: _restored reads step 2's standing version (z's v2) and stalls at
+    its put. z's lease lapses, z fails and withdraws v2 (X names step 3: unclaimed), deletes it.
+    a's put lands (it named the deleted v2, and gc dropped step 2): read again, it follows to v1."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, s3_location)
+    assert (
+        run(plain, "commit", str(_a_save(tmp_path, "s4", 4.0)), "--step", "4", "--store", s3_location).returncode == 0
+    )
+    assert run(plain, "tag", "step=2", "X", "--store", s3_location).returncode == 0
+    killed = run(host_env(tmp_path / "host-k", TAILOR_FAILPOINTS="gc/delete-many=kill@1"), "gc", "--keep-last", "1",
+                 "--store", s3_location)  # fmt: skip
+    assert killed.returncode == -9
+    stops = "ref-written=stop,tag/put-if=stop@2"
+    a = start(host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS=stops),
+              "tag", "step=3", "X", "--force", "--store", s3_location)  # fmt: skip
+    wait_stopped(a)  # ref-written
+    z = start(host_env(tmp_path / "host-z", TAILOR_FAILPOINTS="after-publish=stop"),
+              "commit", str(_a_save(tmp_path, "z-2", 8.0)), "--step", "2", "--force", "--tag", "TZ",
+              "--store", s3_location)  # fmt: skip
+    wait_stopped(z)
+    os.kill(a.pid, signal.SIGCONT)
+    wait_stopped(a)  # at the take-back's put of X, computed to name z's v2
+    time.sleep(float(TTL) + 2)
+    done_z = resume(z)
+    done = resume(a)
+    steps = _steps(host_env(tmp_path / "host-fresh"), s3_location)
+    holder = {t: s for s, st in steps.items() for t in st["tags"]}
+    collected = run(host_env(tmp_path / "host-g"), "gc", "--keep-last", "1", "--store", s3_location)
+    assert collected.returncode == 0, collected.stderr
+    left = sorted(_steps(host_env(tmp_path / "host-fresh-2"), s3_location))
+    assert holder.get("X") == 2 and 2 in left, (done.returncode, done_z.returncode, holder, left)

@@ -26,6 +26,7 @@ from tailorstore.core.errors import Call, LeaseLostError, LockTimeoutError, Obje
 from tailorstore.store.backends.base import Backend
 from tailorstore.store.manifests.keys import (
     MANIFEST_PREFIX,
+    SUPERSEDED,
     TAG_PREFIX,
     current_of,
     is_manifest_key,
@@ -66,6 +67,15 @@ def mark_dropping(
         except ObjectExistsError:
             continue
     return created
+
+
+def mark_superseded(backend: Backend, keys: Iterable[str], *, fence: Callable[[], None] | None = None) -> None:
+    """gc, alone under its exclusive lock, before it carries the refs of versions a newer one
+    replaced and deletes them: each one's marker says :data:`SUPERSEDED`, written over any marker
+    there (a killed gc's empty one, left create-only, made a publisher stalled meanwhile take the
+    deleted version for removed and delete the step's only version with its own)."""
+    for key in keys:
+        backend.put(drop_marker(key), SUPERSEDED, fence=fence)
 
 
 def claimed(backend: Backend, keys: Iterable[str], *, exact: bool = False) -> list[str]:

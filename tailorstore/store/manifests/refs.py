@@ -128,51 +128,68 @@ class RefWrite:
         except FileNotFoundError:
             return False
 
-    def _restored(self, backend: Backend) -> bytes:
-        """What taking this write back puts: what it replaced, a tag naming its step's standing
-        version rather than the version it named then (retired or superseded meanwhile, a gc's
-        carry never moved it, as the tag was elsewhere, and put back byte for byte it tagged a
-        deleted version: the step lost its tag and gc dropped it)."""
-        if self.before is None:
-            return self.gone
-        if not self.key.startswith(TAG_PREFIX) or self.before == TOMBSTONE:
-            return self.before
-        was = named(self.before)
-        now = standing_version(backend, was) if is_manifest_key(was) else None
-        return renamed(self.before, now) if now is not None and now != was else self.before
-
     def take_back(self, backend: Backend, *, fence: Callable[[], None] | None = None) -> None:
         """Put back what this write replaced, only while the object still holds this write (another
-        host's write since stays), fenced (store/lock.py, fence_for_follow_up: a lease lost meanwhile is raised, the
-        write left). Otherwise best effort: it runs when the change fails anyway. An object gone
-        (its version deleted by gc) holds nothing to take back."""
+        host's write since stays), fenced (store/lock.py, fence_for_follow_up: a lease lost meanwhile
+        is raised, the write left). Otherwise best effort: it runs when the change fails anyway. An
+        object gone (its version deleted by gc) holds nothing to take back. A tag is put back as a
+        ref change is written (:meth:`_put_tag_back`)."""
         try:
             data, version = read_ref(backend, self.key)
         except FileNotFoundError:
             return
         try:
-            if self.holds(data):
-                backend.put_if(self.key, self._restored(backend), version, fence=fence)
+            if not self.holds(data):
+                return
+            if self.key.startswith(TAG_PREFIX) and self.before not in (None, TOMBSTONE):
+                self._put_tag_back(backend, data, version, fence)
+            else:
+                backend.put_if(self.key, self.before if self.before is not None else self.gone, version, fence=fence)
         except LeaseLostError:
             raise
         except Exception as exc:  # the change's own failure is what the caller reports
             log.warning("tailorstore: could not take back %s after a failed change: %s", self.key, one_line(exc))
 
+    def _put_tag_back(self, backend: Backend, data: bytes, version: str, fence: Callable[[], None] | None) -> None:
+        """A tag put back is a ref write like any other: it names the standing version of the step it
+        named (the one it named then may have been retired, superseded or withdrawn since), and that
+        version is read again after the put (write, then read, as a dropper marks, then reads). Where
+        no version of that step stands (removed, being dropped), this write stays, its own bytes put
+        back if need be, and the caller reports what it left: put back blindly, the tag named a
+        deleted version, tagged nothing, and gc dropped the step)."""
+        assert self.before is not None
+        mine, was = data, named(self.before)  # this write as it stands (a carry may have moved it)
+        for _ in range(_SWAP_TRIES):
+            target = standing_version(backend, was) if is_manifest_key(was) else None
+            if target is None:  # nowhere to go back to: this write stays
+                if data != mine:
+                    backend.put_if(self.key, mine, version, fence=fence)
+                return
+            restored = renamed(self.before, target) if target != named(self.before) else self.before
+            if not backend.put_if(self.key, restored, version, fence=fence):
+                return  # another host wrote it meanwhile: theirs stands
+            if standing_version(backend, target) == target:
+                return
+            data, version = read_ref(backend, self.key)
+            if data != restored:
+                return
+            was = target  # the version put back went meanwhile: look again
+        raise LockTimeoutError(f"{self.key} could not be put back: its step kept changing.")
+
 
 def standing_version(backend: Backend, key: str) -> str | None:
-    """The version of ``key``'s step a ref must name now: its newest listed version, unless that one
-    carries a drop marker (a gc or ``rm`` is dropping the step) or none is listed (it is gone). A
-    version a gc superseded or a revision retired always has a newer one, so their markers never
-    make a ref fail: the ref moves on with the step. A merge has one version, its own key."""
+    """The version of ``key``'s step a ref must name now: its newest listed version that carries no
+    drop marker; None when every listed one carries one (a gc or ``rm`` is dropping the step) or none
+    is listed (it is gone). A version a gc superseded or a revision retired has a newer one, and one
+    a failed publication withdraws an older one, so their markers never make a ref fail: the ref
+    moves on with the step. A merge has one version, its own key."""
     match = COMMIT_KEY.fullmatch(key)
     if match is None:
         marker = key.removesuffix(".json.zst") + ".removed"  # drop_marks.drop_marker
         return key if backend.exists(key) and not backend.exists(marker) else None
     versions, removed = step_versions(backend, match.group(1), int(match.group(2)))
-    if not versions:
-        return None
-    newest = max(versions)
-    return None if newest in removed else versions[newest]
+    standing = [v for v in versions if v not in removed]
+    return versions[max(standing)] if standing else None
 
 
 def token_of(data: bytes) -> bytes:
