@@ -194,6 +194,12 @@ class RecordError(ValueError):
     naming the object (store/manifests/document.py, store/parts.py)."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An error's first line, at most 300 characters, for a warning or a message (a backend's retry
+    error spans many lines)."""
+    return str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+
+
 def is_out_of_space(exc: OSError) -> bool:
     """Whether a failed write means the disk (or the quota) is full: said as such, not as a failure
     of the store, wherever bytes are written (the blob writer, the publisher, an output folder)."""

@@ -49,6 +49,7 @@ from tailorstore.core.errors import (
     LockTimeoutError,
     StepChangedError,
     StepExistsError,
+    first_line,
     is_out_of_space,
 )
 from tailorstore.core.failpoints import failpoint
@@ -376,12 +377,16 @@ def _adopted_by_gc(backend: Backend, replaced: str | None) -> bool:
     if replaced is None:
         return False
     marker = removed_marker(replaced)
-    if marker is None or backend.exists(replaced):
-        return False
     try:
-        return backend.get(marker) == SUPERSEDED
-    except FileNotFoundError:
-        return True  # deleted as superseded without a marker (a gc before the markers)
+        if marker is None or backend.exists(replaced):
+            return False
+        try:
+            return backend.get(marker) == SUPERSEDED
+        except FileNotFoundError:
+            return True  # deleted as superseded without a marker (a gc before the markers)
+    except Exception as exc:  # unknown: take the new version back, as before
+        log.warning("tailorstore: could not tell whether a gc adopted %s: %s", replaced, first_line(exc))
+        return False
 
 
 def _adopted(kept: list[tuple[str, str]], cause: BaseException) -> None:

@@ -364,6 +364,24 @@ def test_a_tag_move_stalled_while_gc_drops_its_old_step_ends_on_the_new_one(s3_l
     assert done.returncode == 0 and "X" in steps[1]["tags"], (done.returncode, done.stderr, sorted(steps))
 
 
+def _a_gc_killed_after_its_marks(tmp_path: Path, location: str) -> None:
+    """A ``gc --keep-last 1`` killed at its first delete: its drop marks stay on the steps it meant to drop."""
+    killed = run(host_env(tmp_path / "host-k", TAILOR_FAILPOINTS="gc/delete-many=kill@1"), "gc", "--keep-last", "1",
+                 "--store", location)  # fmt: skip
+    assert killed.returncode == -9
+
+
+def _x_on_step_2_beside_a_killed_gcs_mark(tmp_path: Path, location: str) -> dict[str, str]:
+    """Steps 1 to 4, step 1 tagged ``w`` and step 2 ``X``, and a killed gc's marks on steps 2 and 3;
+    returns the plain host's environment."""
+    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
+    _three_plain_steps(tmp_path, plain, location)
+    assert run(plain, "commit", str(_a_save(tmp_path, "s4", 4.0)), "--step", "4", "--store", location).returncode == 0
+    assert run(plain, "tag", "step=2", "X", "--store", location).returncode == 0
+    _a_gc_killed_after_its_marks(tmp_path, location)
+    return plain
+
+
 # -- the sixth round: late deletes, second lapses, stale take-backs ----------------------------------
 
 
@@ -474,9 +492,7 @@ def test_a_failed_replacement_of_a_step_a_killed_gc_marked_keeps_the_step(s3_loc
     empty, not SUPERSEDED, and deletes v2. Step 2 is gone."""
     plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
     _three_plain_steps(tmp_path, plain, s3_location)
-    killed = run(host_env(tmp_path / "host-k", TAILOR_FAILPOINTS="gc/delete-many=kill@1"), "gc", "--keep-last", "1",
-                 "--store", s3_location)  # fmt: skip
-    assert killed.returncode == -9
+    _a_gc_killed_after_its_marks(tmp_path, s3_location)
     x = start(host_env(tmp_path / "host-x", TAILOR_FAILPOINTS="after-publish=stop"),
               "commit", str(_a_save(tmp_path, "again-2", 8.0)), "--step", "2", "--force", "--tag", "TX",
               "--store", s3_location)  # fmt: skip
@@ -544,14 +560,7 @@ def test_a_tag_taken_back_names_its_steps_standing_version(s3_location: str, tmp
     step 3, stalls at ref-written. c replaces step 2 (--force: v2; v1 retired, no ref names it now).
     a reads the mark, fails ('nothing was changed') and takes back: X put back to the bytes it read,
     naming step 2's v1, which is gone. X tags nothing; a gc drops step 2."""
-    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
-    _three_plain_steps(tmp_path, plain, s3_location)
-    four = _a_save(tmp_path, "s4", 4.0)
-    assert run(plain, "commit", str(four), "--step", "4", "--store", s3_location).returncode == 0
-    assert run(plain, "tag", "step=2", "X", "--store", s3_location).returncode == 0
-    killed = run(host_env(tmp_path / "host-k", TAILOR_FAILPOINTS="gc/delete-many=kill@1"), "gc", "--keep-last", "1",
-                 "--store", s3_location)  # fmt: skip
-    assert killed.returncode == -9
+    plain = _x_on_step_2_beside_a_killed_gcs_mark(tmp_path, s3_location)
     a = start(host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="ref-written=stop"),
               "tag", "step=3", "X", "--force", "--store", s3_location)  # fmt: skip
     wait_stopped(a)
@@ -605,15 +614,7 @@ def test_a_tag_taken_back_where_rm_removed_its_step_meanwhile_stays_and_says_so(
     stalls at ref-written. b: rm step=2 (not tagged now: X is on step 3) succeeds. a reads step 3's
     mark and fails; put back to step 2's v1, which rm deleted, X tagged nothing (though rm would have
     refused step 2 had X been on it), and a said nothing was changed. Now X stays on step 3, said."""
-    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
-    _three_plain_steps(tmp_path, plain, s3_location)
-    assert (
-        run(plain, "commit", str(_a_save(tmp_path, "s4", 4.0)), "--step", "4", "--store", s3_location).returncode == 0
-    )
-    assert run(plain, "tag", "step=2", "X", "--store", s3_location).returncode == 0
-    killed = run(host_env(tmp_path / "host-k", TAILOR_FAILPOINTS="gc/delete-many=kill@1"), "gc", "--keep-last", "1",
-                 "--store", s3_location)  # fmt: skip
-    assert killed.returncode == -9
+    _x_on_step_2_beside_a_killed_gcs_mark(tmp_path, s3_location)
     a = start(host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS="ref-written=stop"),
               "tag", "step=3", "X", "--force", "--store", s3_location)  # fmt: skip
     wait_stopped(a)
@@ -636,15 +637,7 @@ def test_a_tag_taken_back_onto_a_version_withdrawn_meanwhile_follows_to_the_one_
     step 3 marked, takes back: _restored reads step 2's standing version (z's v2) and stalls at
     its put. z's lease lapses, z fails and withdraws v2 (X names step 3: unclaimed), deletes it.
     a's put lands (it named the deleted v2, and gc dropped step 2): read again, it follows to v1."""
-    plain = host_env(tmp_path / "host-c", TAILOR_LOCK_TTL="3600")
-    _three_plain_steps(tmp_path, plain, s3_location)
-    assert (
-        run(plain, "commit", str(_a_save(tmp_path, "s4", 4.0)), "--step", "4", "--store", s3_location).returncode == 0
-    )
-    assert run(plain, "tag", "step=2", "X", "--store", s3_location).returncode == 0
-    killed = run(host_env(tmp_path / "host-k", TAILOR_FAILPOINTS="gc/delete-many=kill@1"), "gc", "--keep-last", "1",
-                 "--store", s3_location)  # fmt: skip
-    assert killed.returncode == -9
+    _x_on_step_2_beside_a_killed_gcs_mark(tmp_path, s3_location)
     stops = "ref-written=stop,tag/put-if=stop@2"
     a = start(host_env(tmp_path / "host-a", TAILOR_LOCK_TTL="3600", TAILOR_FAILPOINTS=stops),
               "tag", "step=3", "X", "--force", "--store", s3_location)  # fmt: skip

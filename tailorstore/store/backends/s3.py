@@ -26,7 +26,7 @@ from obstore.store import from_url
 
 from tailorstore.core.env_seconds import seconds_from_env
 from tailorstore.core.environment import RETRY_ENV, TIMEOUT_ENV
-from tailorstore.core.errors import BackendError, ObjectExistsError, StoreError
+from tailorstore.core.errors import BackendError, ObjectExistsError, StoreError, first_line
 from tailorstore.core.failpoints import request
 from tailorstore.core.save_bound import Bound, current
 from tailorstore.store.backends.base import READ_CHUNK, BytesLike, Chunks, as_chunks, check_key
@@ -44,10 +44,6 @@ def _retry_config() -> dict:
     that must fail fast on a dead endpoint can say so."""
     seconds = seconds_from_env(RETRY_ENV, 180, most=3600)
     return {"retry_timeout": timedelta(seconds=seconds), "max_retries": 10 if seconds else 0}
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
 
 
 class S3Backend:
@@ -70,7 +66,7 @@ class S3Backend:
             self._store = from_url(self.location, client_options=options, retry_config=_retry_config())
         except (BaseError, ValueError) as exc:
             raise StoreError(
-                f"{location}: cannot open the bucket ({_first_line(exc)}); check AWS_ENDPOINT_URL, AWS_REGION "
+                f"{location}: cannot open the bucket ({first_line(exc)}); check AWS_ENDPOINT_URL, AWS_REGION "
                 "and the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
             ) from None
 
@@ -111,11 +107,11 @@ class S3Backend:
                 raise self._no_bucket() from None
             if any(word in text for word in ("403 Forbidden", "AccessDenied", "InvalidAccessKeyId", "SignatureDoes")):
                 raise BackendError(
-                    f"{self.location}: the server refused {what} {key} (access denied: {_first_line(exc)[:160]}). "
+                    f"{self.location}: the server refused {what} {key} (access denied: {first_line(exc)[:160]}). "
                     "Check the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and what they may do."
                 ) from None
             raise BackendError(
-                f"{self.location}: {what} {key} failed ({_first_line(exc)}). Check that the server is reachable; "
+                f"{self.location}: {what} {key} failed ({first_line(exc)}). Check that the server is reachable; "
                 "nothing half-written becomes visible on S3."
             ) from None
 
@@ -471,7 +467,7 @@ class GetReader(io.RawIOBase):
             except (BaseError, OSError) as exc:
                 if self._resumes >= self.RESUMES:
                     raise BackendError(
-                        f"{self._backend.location}: reading {self._key} failed ({_first_line(exc)}). "
+                        f"{self._backend.location}: reading {self._key} failed ({first_line(exc)}). "
                         "Check that the server is reachable."
                     ) from None
                 self._resumes += 1

@@ -29,6 +29,7 @@ from tailorstore.store.manifests.keys import (
     SUPERSEDED,
     TAG_PREFIX,
     current_of,
+    drop_marker,
     is_manifest_key,
     listed_manifest_keys,
     pin_key,
@@ -45,12 +46,6 @@ from tailorstore.store.manifests.refs import (
     renamed,
     standing_version,
 )
-
-
-def drop_marker(key: str) -> str:
-    """The object that says a manifest is being dropped (for a commit manifest, the same object
-    that reserves its version once it is gone: ``keys.removed_marker``)."""
-    return key.removesuffix(".json.zst") + ".removed"
 
 
 def mark_dropping(

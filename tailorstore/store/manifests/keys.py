@@ -137,6 +137,12 @@ newer version, which a publisher that stalled past its lease must not take back 
 and a ref still naming the version counts for the step."""
 
 
+def drop_marker(key: str) -> str:
+    """The object that says a manifest is being dropped (for a commit manifest, the same object
+    that reserves its version once it is gone: :func:`removed_marker`)."""
+    return key.removesuffix(".json.zst") + ".removed"
+
+
 def removed_marker(key: str) -> str | None:
     """The object that reserves a removed commit manifest's version (none for a merge: its key is random)."""
     return key.removesuffix(".json.zst") + ".removed" if COMMIT_KEY.fullmatch(key) else None

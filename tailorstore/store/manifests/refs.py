@@ -29,6 +29,7 @@ from tailorstore.core.errors import (
     LockTimeoutError,
     ObjectExistsError,
     StepExistsError,
+    first_line,
 )
 from tailorstore.core.records import MAIN_RUN, ManifestRecord
 from tailorstore.store.backends.base import Backend
@@ -39,6 +40,7 @@ from tailorstore.store.manifests.keys import (
     TAG_KEY,
     TAG_PREFIX,
     current_of,
+    drop_marker,
     is_manifest_key,
     keys_by_name,
     listed_manifest_keys,
@@ -148,7 +150,7 @@ class RefWrite:
         except LeaseLostError:
             raise
         except Exception as exc:  # the change's own failure is what the caller reports
-            log.warning("tailorstore: could not take back %s after a failed change: %s", self.key, one_line(exc))
+            log.warning("tailorstore: could not take back %s after a failed change: %s", self.key, first_line(exc))
 
     def _put_tag_back(self, backend: Backend, data: bytes, version: str, fence: Callable[[], None] | None) -> None:
         """A tag put back is a ref write like any other: it names the standing version of the step it
@@ -185,8 +187,7 @@ def standing_version(backend: Backend, key: str) -> str | None:
     moves on with the step. A merge has one version, its own key."""
     match = COMMIT_KEY.fullmatch(key)
     if match is None:
-        marker = key.removesuffix(".json.zst") + ".removed"  # drop_marks.drop_marker
-        return key if backend.exists(key) and not backend.exists(marker) else None
+        return key if backend.exists(key) and not backend.exists(drop_marker(key)) else None
     versions, removed = step_versions(backend, match.group(1), int(match.group(2)))
     standing = [v for v in versions if v not in removed]
     return versions[max(standing)] if standing else None
@@ -200,12 +201,6 @@ def token_of(data: bytes) -> bytes:
         return head[len(b"pinned ") :].strip()
     lines = head.split(b"\n")
     return lines[1].strip() if len(lines) > 1 else b""
-
-
-def one_line(exc: BaseException) -> str:
-    """An error as one short line, for a warning (a backend's retry error spans many)."""
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 REF_MOST = 64 << 10  # bytes of a ref object read whole, at most: tailorstore writes well under one KiB
